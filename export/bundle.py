@@ -1,0 +1,206 @@
+"""`make export`: a Hugging Face target + draft -> a validated Mirror-SD bundle directory.
+
+Everything is checked before any graph is written; the bundle is built in a temporary directory beside OUT and
+moved into place only after the manifest validates and every parity check passed, so a failure never leaves a
+half-written bundle (and never touches what was at OUT).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from mirror_sd import __version__
+from mirror_sd.errors import BadInputError, ExportError
+from mirror_sd.export import parity
+from mirror_sd.export.architectures import Architecture, architecture_of
+from mirror_sd.export.onnx_export import export_segment, partition_spec
+from mirror_sd.export.segments import LogitLens, Segment
+from mirror_sd.partitions.manifest import DraftFacts, Manifest, TargetFacts, TokenizerFacts
+
+DEFAULT_TOP_K = 8
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    model: str  # HF id or local directory of the target
+    draft: str  # HF id or local directory of the draft (same vocabulary)
+    out: Path
+    exit_layer: int | None = None  # l_e; default N // 2 (the paper's default)
+    top_k: int = DEFAULT_TOP_K  # k early-exit candidates per position
+    force: bool = False  # replace a non-empty OUT
+    validate: bool = True  # parity checks in both runtimes (always on from the CLI)
+
+
+@dataclass
+class LoadedModel:
+    source: str
+    model: torch.nn.Module
+    arch: Architecture
+
+
+def load_causal_lm(source: str, what: str) -> LoadedModel:
+    """Load `source` as an fp32 causal LM of a supported architecture, with clear errors for everything else."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    local = Path(source).expanduser()
+    if not local.exists() and not _HUB_ID.match(source):
+        raise BadInputError(f"{what} path {source!r} does not exist")
+    location = str(local) if local.exists() else source
+    try:
+        config = AutoConfig.from_pretrained(location)
+    except (OSError, ValueError) as e:
+        hint = "" if local.exists() else " (not a local directory, and not loadable as a hub id)"
+        raise BadInputError(f"{what} {source!r} is not a Hugging Face model{hint}: {_first_line(e)}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise BadInputError(f"{what} {source!r} is a {config.model_type!r} model, not a causal language model")
+    arch = architecture_of(config)  # raises UnsupportedArchitectureError naming the supported ones
+    try:
+        # eager attention: the exported mask is the explicit additive one, and parity is checked against this model
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, attn_implementation="eager")
+    except (OSError, ValueError, RuntimeError) as e:
+        raise BadInputError(f"cannot load {what} {source!r}: {_first_line(e)}") from None
+    return LoadedModel(source, model.eval(), arch)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def check_options(opts: ExportOptions, target: LoadedModel, draft: LoadedModel) -> tuple[int, int]:
+    """Validate the options against the models; returns (exit_layer, top_k)."""
+    n = target.arch.num_layers
+    exit_layer = n // 2 if opts.exit_layer is None else opts.exit_layer
+    if not 1 <= exit_layer <= n - 1:
+        raise BadInputError(f"EXIT_LAYER {exit_layer} is outside [1, {n - 1}] for a {n}-layer target")
+    vocab = target.arch.facts()["vocab_size"]
+    if not 1 <= opts.top_k <= vocab:
+        raise BadInputError(f"TOPK {opts.top_k} is outside [1, {vocab}] (the vocabulary size)")
+    draft_vocab = draft.arch.facts()["vocab_size"]
+    if draft_vocab != vocab:
+        raise BadInputError(f"the draft's vocabulary ({draft_vocab}) differs from the target's ({vocab})")
+    return exit_layer, opts.top_k
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"OUT {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise BadInputError(f"OUT {str(out)!r} exists and is not empty (use --force to replace it)")
+
+
+def _tokenizer_facts(source: str, model, bundle: Path, draft_source: str) -> TokenizerFacts:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise BadInputError(f"target {source!r} has no usable tokenizer: {_first_line(e)}") from None
+    _check_draft_tokenizer(tokenizer, draft_source)
+    before = set(os.listdir(bundle))
+    tokenizer.save_pretrained(bundle)
+    files = tuple(sorted(set(os.listdir(bundle)) - before))
+    if "tokenizer.json" not in files:
+        raise ExportError("the target's tokenizer could not be saved as tokenizer.json (a fast tokenizer is needed)")
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    return TokenizerFacts(files=files, eos_token_ids=tuple(sorted(eos_ids)), bos_token_id=tokenizer.bos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, chat_template=tokenizer.chat_template)
+
+
+def _check_draft_tokenizer(target_tokenizer, draft_source: str) -> None:
+    """Same vocabulary size is not enough: the same ids must mean the same tokens. A draft without a tokenizer
+    of its own is trusted on its vocabulary size."""
+    from transformers import AutoTokenizer
+
+    try:
+        draft_tokenizer = AutoTokenizer.from_pretrained(draft_source)
+    except (OSError, ValueError):
+        return
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise BadInputError("the draft's tokenizer vocabulary differs from the target's (same ids must be the same tokens)")
+
+
+def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) -> Manifest:
+    """Write a validated bundle to `opts.out`; returns its manifest."""
+    out = Path(opts.out).expanduser()
+    check_out_dir(out, opts.force)
+    target = load_causal_lm(opts.model, "target")
+    draft = load_causal_lm(opts.draft, "draft")
+    exit_layer, top_k = check_options(opts, target, draft)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the bundle should get ordinary permissions
+    try:
+        manifest = _write_bundle(staging, target, draft, exit_layer, top_k, opts.validate, report, opts.model)
+        _move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report(f"bundle written to {out}")
+    return manifest
+
+
+def _write_bundle(bundle: Path, target: LoadedModel, draft: LoadedModel, exit_layer: int, top_k: int,
+                  validate: bool, report: Callable[[str], None], target_source: str) -> Manifest:
+    t_model, d_model = target.model, draft.model
+    backbone = target.arch.backbone(t_model)
+    exit_head = LogitLens(backbone.norm, target.arch.lm_head(t_model))
+    t_facts = TargetFacts(**target.arch.facts(), exit_layer=exit_layer, top_k=top_k, exit_head=exit_head.kind)
+    d_facts = DraftFacts(**draft.arch.facts(), tokens_per_forward=1)
+    n, m = t_facts.num_layers, d_facts.num_layers
+
+    segments = {
+        "target_prefix": Segment(t_model, target.arch, 0, exit_layer, embed=True, head="exit", exit_head=exit_head,
+                                 top_k=top_k),
+        "target_suffix": Segment(t_model, target.arch, exit_layer, n, embed=False, head="final"),
+        "draft": Segment(d_model, draft.arch, 0, m, embed=True, head="final"),
+    }
+    specs = []
+    for role, segment in segments.items():
+        facts = d_facts if role == "draft" else t_facts
+        spec = partition_spec(role, segment, facts, f"{role}.onnx", top_k=top_k,
+                              exit_head=exit_head.kind if role == "target_prefix" else None)
+        report(f"exporting {role}: layers [{segment.start}, {segment.end}) -> {spec.file}")
+        specs.append(export_segment(segment, spec, facts, bundle))
+
+    tokenizer = _tokenizer_facts(target_source, t_model, bundle, draft.source)
+    manifest = Manifest(target=t_facts, draft=d_facts, partitions=tuple(specs), tokenizer=tokenizer,
+                        producer=f"mirror-sd {__version__}")
+    manifest.validate(bundle)
+    if validate:
+        checks = parity.check_bundle(bundle, manifest, t_model, d_model, exit_head, report)
+        manifest = replace(manifest, validation=parity.summary(checks))
+        report(f"parity: all {len(checks)} checks passed in onnxruntime-cpu and openvino-cpu")
+    manifest.save(bundle)
+    return manifest
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Rename the finished bundle to `out`. An existing `out` (only reachable with --force) is moved aside first
+    and removed only once the new bundle is in place."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    out.rename(aside / out.name)
+    try:
+        staging.rename(out)
+    except OSError:
+        (aside / out.name).rename(out)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)

@@ -1,0 +1,147 @@
+"""Export validation: every graph, in ONNX Runtime (CPU EP) and OpenVINO (CPU), against PyTorch.
+
+For each (batch, prompt length P, new tokens T) in the grid, the graphs run a prompt on an empty past and then T
+new tokens on that past, exactly as the runtime will. The target chain prefix -> suffix must reproduce the full
+Hugging Face model's logits, the layer-l_e hidden state and the early-exit top-k; the draft graph the draft's
+logits. Any difference above the tolerance is a ParityError: in an exactness pipeline it is never a warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from mirror_sd.errors import ParityError
+from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, LOGITS, Manifest
+from mirror_sd.partitions.spec import PartitionSpec
+from mirror_sd.runtime.backends import OpenedGraph, open_onnxruntime, open_openvino
+
+ATOL = 1e-4
+# (batch, prompt tokens on an empty past, new tokens on that past): decode steps of 1 and of several tokens.
+GRID = ((1, 6, 1), (1, 6, 4), (2, 5, 1), (2, 5, 3))
+RUNTIMES: dict[str, Callable[[Path], OpenedGraph]] = {
+    "onnxruntime-cpu": lambda p: open_onnxruntime(p, ["CPUExecutionProvider"], threads=2),
+    "openvino-cpu": lambda p: open_openvino(p, "CPU", threads=2),
+}
+
+
+@dataclass(frozen=True)
+class ParityCheck:
+    runtime: str
+    graph: str  # "target" (prefix -> suffix chain) or "draft"
+    quantity: str  # logits, hidden_states, exit_topk_logprobs, exit_topk_ids
+    batch: int
+    past: int
+    new: int
+    max_abs_diff: float  # for exit_topk_ids: the number of positions whose top-k set differs
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff == 0 if self.quantity == EXIT_IDS else self.max_abs_diff <= ATOL
+
+
+def _empty_past(spec: PartitionSpec, batch: int) -> dict[str, np.ndarray]:
+    return {t.name: np.zeros((batch, t.shape[1], 0, t.shape[3]), np.float32)
+            for t in spec.inputs if t.name.startswith("past_key_values.")}
+
+
+def _carry(spec: PartitionSpec, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Feed a step's present KV back in as the next step's past."""
+    return {t.name: out[t.name.replace("past_key_values.", "present.")]
+            for t in spec.inputs if t.name.startswith("past_key_values.")}
+
+
+def _steps(batch: int, past: int, new: int):
+    """(slice of the sequence, attention_mask, position_ids) for the prompt step and the decode step."""
+    for lo, hi in ((0, past), (past, past + new)):
+        yield (slice(lo, hi), np.ones((batch, hi), np.int64),
+               np.broadcast_to(np.arange(lo, hi, dtype=np.int64), (batch, hi - lo)).copy())
+
+
+def _run_chain(graphs: list[tuple[PartitionSpec, OpenedGraph]], ids: np.ndarray, past: int, new: int):
+    """Run the graphs in sequence (prefix feeding suffix) over both steps; yields (slice, merged outputs)."""
+    state = {spec.role: _empty_past(spec, ids.shape[0]) for spec, _ in graphs}
+    for seq, mask, positions in _steps(ids.shape[0], past, new):
+        carried: dict[str, np.ndarray] = {"input_ids": ids[:, seq]}
+        merged: dict[str, np.ndarray] = {}
+        for spec, graph in graphs:
+            feed = {t.name: carried[t.name] for t in spec.inputs[:1]}
+            feed.update(attention_mask=mask, position_ids=positions, **state[spec.role])
+            out = graph.run(feed)
+            state[spec.role] = _carry(spec, out)
+            carried.update(out)
+            merged.update(out)
+        yield seq, merged
+
+
+def _topk_checks(lp: np.ndarray, ids: np.ndarray, ref_lp: torch.Tensor, k: int) -> tuple[float, int]:
+    """Max log-prob difference of the top-k, and the number of positions whose top-k id set differs from the
+    reference where the reference has a clear k-th/(k+1)-th gap (an exact tie may legitimately pick either)."""
+    ref_vals, ref_ids = torch.topk(ref_lp, min(k + 1, ref_lp.shape[-1]), dim=-1)
+    ref_vals, ref_ids = ref_vals.numpy(), ref_ids.numpy()
+    lp_diff = float(np.abs(lp - ref_vals[..., :k]).max())
+    clear = np.ones(lp.shape[:-1], bool) if ref_vals.shape[-1] == k else (ref_vals[..., k - 1] - ref_vals[..., k]) > ATOL
+    differs = (np.sort(ids, -1) != np.sort(ref_ids[..., :k], -1)).any(-1) & clear
+    return lp_diff, int(differs.sum())
+
+
+def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft, exit_head: torch.nn.Module,
+                 report: Callable[[str], None] = print, seed: int = 0) -> list[ParityCheck]:
+    """Run the grid in every runtime; returns all checks, raises ParityError listing the failures."""
+    t = manifest.target
+    prefix, suffix, draft_spec = (manifest.partition(r) for r in ("target_prefix", "target_suffix", "draft"))
+    rng = np.random.default_rng(seed)
+    checks: list[ParityCheck] = []
+    for runtime, open_fn in RUNTIMES.items():
+        opened = {s.role: (s, open_fn(bundle_dir / s.file)) for s in (prefix, suffix, draft_spec)}
+        for batch, past, new in GRID:
+            ids = rng.integers(0, t.vocab_size, (batch, past + new), dtype=np.int64)
+            with torch.no_grad():
+                ref = target(torch.from_numpy(ids), output_hidden_states=True)
+                ref_hidden = ref.hidden_states[t.exit_layer]
+                ref_exit = torch.log_softmax(exit_head(ref_hidden).float(), dim=-1)
+                ref_draft = draft(torch.from_numpy(ids)).logits
+
+            def add(graph: str, quantity: str, diff: float) -> None:
+                checks.append(ParityCheck(runtime, graph, quantity, batch, past, new, diff))
+
+            diffs: dict[str, list[float]] = {LOGITS: [], BOUNDARY: [], EXIT_LOGPROBS: [], EXIT_IDS: [], "draft": []}
+            for seq, out in _run_chain([opened["target_prefix"], opened["target_suffix"]], ids, past, new):
+                diffs[LOGITS].append(float(np.abs(out[LOGITS] - ref.logits[:, seq].numpy()).max()))
+                diffs[BOUNDARY].append(float(np.abs(out[BOUNDARY] - ref_hidden[:, seq].numpy()).max()))
+                lp_diff, id_diff = _topk_checks(out[EXIT_LOGPROBS], out[EXIT_IDS], ref_exit[:, seq], t.top_k)
+                diffs[EXIT_LOGPROBS].append(lp_diff)
+                diffs[EXIT_IDS].append(id_diff)
+            for seq, out in _run_chain([opened["draft"]], ids, past, new):
+                diffs["draft"].append(float(np.abs(out[LOGITS] - ref_draft[:, seq].numpy()).max()))
+            for quantity in (LOGITS, BOUNDARY, EXIT_LOGPROBS):
+                add("target", quantity, max(diffs[quantity]))
+            add("target", EXIT_IDS, float(sum(diffs[EXIT_IDS])))
+            add("draft", LOGITS, max(diffs["draft"]))
+    for line in format_checks(checks):
+        report(line)
+    failed = [c for c in checks if not c.passed]
+    if failed:
+        worst = "; ".join(f"{c.runtime} {c.graph} {c.quantity} B={c.batch} P={c.past} T={c.new}: {c.max_abs_diff:.3g}"
+                          for c in failed[:5])
+        raise ParityError(f"{len(failed)} of {len(checks)} parity checks failed (tolerance {ATOL}): {worst}")
+    return checks
+
+
+def format_checks(checks: list[ParityCheck]) -> list[str]:
+    lines = [f"parity vs PyTorch (fp32, atol {ATOL}; exit_topk_ids counts differing positions):",
+             f"  {'runtime':<16} {'graph':<7} {'quantity':<19} {'B':>2} {'P':>3} {'T':>3} {'max diff':>10}  result"]
+    for c in checks:
+        lines.append(f"  {c.runtime:<16} {c.graph:<7} {c.quantity:<19} {c.batch:>2} {c.past:>3} {c.new:>3} "
+                     f"{c.max_abs_diff:>10.3g}  {'PASS' if c.passed else 'FAIL'}")
+    return lines
+
+
+def summary(checks: list[ParityCheck]) -> dict:
+    """What the manifest records about the validation that ran."""
+    return {"atol": ATOL, "grid": [list(g) for g in GRID], "passed": all(c.passed for c in checks),
+            "checks": [asdict(c) for c in checks]}

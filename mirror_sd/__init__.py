@@ -1,0 +1,10 @@
+"""Mirror Speculative Decoding: a target LLM on ONNX Runtime and a draft LLM on OpenVINO, run at the same time.
+
+Subpackages: ``mirror_sd.export`` (torch side, writes bundles), ``mirror_sd.partitions`` (the manifest, plain data),
+``mirror_sd.runtime`` (no torch: engines and decoding), ``mirror_sd.models`` (recipes for models).
+"""
+
+from mirror_sd.errors import MirrorSDError
+
+__version__ = "0.1.0"
+__all__ = ["MirrorSDError", "__version__"]

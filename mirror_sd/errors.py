@@ -1,0 +1,31 @@
+"""Typed errors raised at the project's boundaries.
+
+Every error a user can cause derives from MirrorSDError; the CLI prints its message and exits non-zero without a
+traceback. Anything else escaping is a bug and keeps its traceback.
+"""
+
+
+class MirrorSDError(Exception):
+    """Base class of every error a user can cause (bad input, bad files, failed checks)."""
+
+    exit_code = 2
+
+
+class BadInputError(MirrorSDError, ValueError):
+    """An argument or option the user gave is out of range or inconsistent."""
+
+
+class UnsupportedArchitectureError(MirrorSDError):
+    """The model's architecture has no exporter here."""
+
+
+class ManifestError(MirrorSDError):
+    """A bundle's manifest is unreadable, of an unknown version, or inconsistent with itself or the bundle."""
+
+
+class ExportError(MirrorSDError):
+    """Exporting a model to ONNX failed."""
+
+
+class ParityError(ExportError):
+    """An exported graph does not reproduce the PyTorch model within tolerance (an error, never a warning)."""

@@ -1,0 +1,89 @@
+"""Tiny random-weight model pairs built from configs, for tests and the offline demo. Nothing is downloaded.
+
+`make_tokenizer` trains a small byte-level BPE on text this machine has (Python's own sources), so the pair has a
+real tokenizer with a chat template; `make_model` builds a causal LM of a supported architecture around it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Small but not degenerate: 2 query heads per KV head (grouped-query attention) and several layers to split.
+TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512)
+
+
+def _training_text() -> list[str]:
+    import json as json_module  # any stdlib module with enough prose and code will do
+
+    return [Path(inspect.getfile(json_module)).parent.joinpath(f).read_text() for f in ("decoder.py", "encoder.py")]
+
+
+def make_tokenizer(out_dir: str | Path, vocab_size: int = 384):
+    """Train a byte-level BPE tokenizer, save it with a chat template to `out_dir`, and return it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_training_text(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def make_model(out_dir: str | Path, architecture: str = "llama", num_layers: int = 6, seed: int = 0,
+               tokenizer_dir: str | Path | None = None, vocab_size: int | None = None, **overrides) -> Path:
+    """Write a random-weight causal LM (and a tokenizer) to `out_dir`; returns the directory.
+
+    The vocabulary size is the tokenizer's, so a target and a draft made over the same tokenizer share it.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else make_tokenizer(out)
+    if tokenizer_dir:
+        tokenizer.save_pretrained(out)
+    sizes = {**TINY_SIZES, **overrides}
+    config = AutoConfig.for_model(
+        architecture, num_hidden_layers=num_layers, vocab_size=vocab_size or len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **sizes,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    # Random init is near-uniform over the vocabulary; a larger spread makes greedy choices clear-cut, so
+    # that near-ties cannot flip a token between runtimes in exactness tests.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(out)
+    return out
+
+
+def make_pair(root: str | Path, architecture: str = "llama", target_layers: int = 6, draft_layers: int = 2,
+              seed: int = 0) -> tuple[Path, Path]:
+    """A target and a smaller draft of the same architecture sharing one tokenizer: (target_dir, draft_dir)."""
+    root = Path(root)
+    target = make_model(root / "target", architecture, target_layers, seed=seed)
+    draft = make_model(root / "draft", architecture, draft_layers, seed=seed + 1, tokenizer_dir=target,
+                       hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    (root / "pair.json").write_text(json.dumps({"architecture": architecture, "target": str(target), "draft": str(draft)}))
+    return target, draft

@@ -1,0 +1,21 @@
+"""The partition plan and the bundle manifest, as plain validated data (no torch, no runtimes)."""
+
+from mirror_sd.partitions.manifest import (
+    BOUNDARY,
+    EXIT_IDS,
+    EXIT_LOGPROBS,
+    FORMAT_VERSION,
+    LOGITS,
+    MANIFEST_NAME,
+    DraftFacts,
+    Manifest,
+    ModelFacts,
+    TargetFacts,
+    TokenizerFacts,
+)
+from mirror_sd.partitions.spec import PartitionSpec, TensorSpec
+
+__all__ = [
+    "BOUNDARY", "EXIT_IDS", "EXIT_LOGPROBS", "FORMAT_VERSION", "LOGITS", "MANIFEST_NAME", "DraftFacts", "Manifest",
+    "ModelFacts", "PartitionSpec", "TargetFacts", "TensorSpec", "TokenizerFacts",
+]

@@ -1,0 +1,230 @@
+"""The bundle manifest: the only contract between export and runtime.
+
+`Manifest.load(bundle_dir)` reads `manifest.json` and validates it against itself and the directory; the runtime
+reads nothing else to learn what a bundle holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from mirror_sd.errors import ManifestError
+from mirror_sd.partitions.spec import (
+    ROLES,
+    PartitionSpec,
+    Role,
+    require_field,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
+)
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+BOUNDARY = "hidden_states"  # the tensor that crosses from target_prefix to target_suffix
+EXIT_IDS, EXIT_LOGPROBS = "exit_topk_ids", "exit_topk_logprobs"
+LOGITS = "logits"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the runtime needs to know about one model (target or draft)."""
+
+    architecture: str  # transformers model_type, e.g. "llama"
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    dtype: str = "float32"
+    kv_layout: str = "batch,kv_heads,sequence,head_dim"
+
+
+@dataclass(frozen=True)
+class TargetFacts(ModelFacts):
+    exit_layer: int = 0  # l_e: the prefix holds layers [0, l_e)
+    top_k: int = 8  # k: early-exit candidates per position
+    exit_head: str = "logit_lens"  # which early-exit head the prefix graph carries
+
+
+@dataclass(frozen=True)
+class DraftFacts(ModelFacts):
+    tokens_per_forward: int = 1
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    files: tuple[str, ...]
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    chat_template: str | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    target: TargetFacts
+    draft: DraftFacts
+    partitions: tuple[PartitionSpec, ...]
+    tokenizer: TokenizerFacts
+    format_version: int = FORMAT_VERSION
+    producer: str = ""
+    validation: dict[str, Any] = field(default_factory=dict)  # parity results recorded at export
+
+    def partition(self, role: Role) -> PartitionSpec:
+        for p in self.partitions:
+            if p.role == role:
+                return p
+        raise ManifestError(f"manifest has no {role} partition")
+
+    # -- serialisation ---------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "producer": self.producer,
+            "target": asdict(self.target),
+            "draft": asdict(self.draft),
+            "partitions": [p.to_dict() for p in self.partitions],
+            "tokenizer": {**asdict(self.tokenizer), "files": list(self.tokenizer.files),
+                          "eos_token_ids": list(self.tokenizer.eos_token_ids)},
+            "validation": self.validation,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        version = require_field(d, "format_version", "manifest")
+        if version != FORMAT_VERSION:
+            raise ManifestError(f"manifest format_version {version!r} is not supported (this build reads {FORMAT_VERSION})")
+        partitions = require_field(d, "partitions", "manifest")
+        if not isinstance(partitions, list):
+            raise ManifestError("manifest: partitions must be a list")
+        tok = require_field(d, "tokenizer", "manifest")
+        try:
+            tokenizer = TokenizerFacts(
+                files=tuple(require_field(tok, "files", "tokenizer")),
+                eos_token_ids=tuple(int(i) for i in require_field(tok, "eos_token_ids", "tokenizer")),
+                bos_token_id=tok.get("bos_token_id"),
+                pad_token_id=tok.get("pad_token_id"),
+                chat_template=tok.get("chat_template"),
+            )
+            target = TargetFacts(**require_field(d, "target", "manifest"))
+            draft = DraftFacts(**require_field(d, "draft", "manifest"))
+        except TypeError as e:  # unknown or missing keyword in the facts objects
+            raise ManifestError(f"manifest: malformed model facts: {e}") from None
+        return cls(
+            target=target,
+            draft=draft,
+            partitions=tuple(PartitionSpec.from_dict(p, f"partitions[{i}]") for i, p in enumerate(partitions)),
+            tokenizer=tokenizer,
+            format_version=version,
+            producer=str(d.get("producer", "")),
+            validation=dict(d.get("validation", {})),
+        )
+
+    def save(self, bundle_dir: str | os.PathLike) -> Path:
+        path = Path(bundle_dir) / MANIFEST_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, bundle_dir: str | os.PathLike) -> Manifest:
+        """Read and fully validate the manifest of `bundle_dir` (including that its files exist inside it)."""
+        bundle = Path(bundle_dir)
+        if not bundle.is_dir():
+            raise ManifestError(f"bundle directory {str(bundle)!r} does not exist")
+        path = bundle / MANIFEST_NAME
+        if not path.is_file():
+            raise ManifestError(f"bundle {str(bundle)!r} has no {MANIFEST_NAME}")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"cannot read {path}: {e}") from None
+        manifest = cls.from_dict(raw)
+        manifest.validate(bundle)
+        return manifest
+
+    # -- validation ------------------------------------------------------------------------------------------
+    def validate(self, bundle_dir: str | os.PathLike | None = None) -> None:
+        """Raise ManifestError on the first inconsistency. With `bundle_dir`, also check every file is inside it."""
+        t, dr = self.target, self.draft
+        roles = [p.role for p in self.partitions]
+        if sorted(roles) != sorted(ROLES):
+            raise ManifestError(f"manifest must hold exactly one partition per role {ROLES}, found {roles}")
+        if t.vocab_size != dr.vocab_size:
+            raise ManifestError(f"target vocabulary ({t.vocab_size}) and draft vocabulary ({dr.vocab_size}) differ")
+        if not 1 <= t.exit_layer <= t.num_layers - 1:
+            raise ManifestError(f"exit layer {t.exit_layer} is outside [1, {t.num_layers - 1}]")
+        if not 1 <= t.top_k <= t.vocab_size:
+            raise ManifestError(f"top_k {t.top_k} is outside [1, {t.vocab_size}]")
+
+        prefix, suffix, draft = (self.partition(r) for r in ROLES)
+        # The target partitions must tile [0, N) with no gap or overlap, split at the exit layer.
+        if prefix.layers[0] != 0 or prefix.layers[1] != suffix.layers[0] or suffix.layers[1] != t.num_layers:
+            raise ManifestError(
+                f"target partitions {list(prefix.layers)} + {list(suffix.layers)} do not tile [0, {t.num_layers})"
+            )
+        if prefix.layers[1] != t.exit_layer:
+            raise ManifestError(f"prefix ends at layer {prefix.layers[1]} but the exit layer is {t.exit_layer}")
+        if draft.layers != (0, dr.num_layers):
+            raise ManifestError(f"draft partition layers {list(draft.layers)} != [0, {dr.num_layers})")
+        if draft.tokens_per_forward != dr.tokens_per_forward or dr.tokens_per_forward < 1:
+            raise ManifestError("draft tokens_per_forward is inconsistent or < 1")
+
+        out, inp = prefix.output(BOUNDARY), suffix.input(BOUNDARY)
+        if (out.dtype, out.shape) != (inp.dtype, inp.shape) or out.shape[-1] != t.hidden_size:
+            raise ManifestError(
+                f"boundary tensor mismatch: prefix gives {out.dtype}{list(out.shape)}, "
+                f"suffix takes {inp.dtype}{list(inp.shape)}, hidden size {t.hidden_size}"
+            )
+        for name in (EXIT_IDS, EXIT_LOGPROBS):
+            if prefix.output(name).shape[-1] != t.top_k:
+                raise ManifestError(f"prefix output {name} has last axis {prefix.output(name).shape[-1]}, top_k is {t.top_k}")
+        for part, facts in ((prefix, t), (suffix, t), (draft, dr)):
+            _check_kv(part, facts)
+        for part in (suffix, draft):
+            if part.output(LOGITS).shape[-1] != t.vocab_size:
+                raise ManifestError(f"{part.role} logits last axis is not the vocabulary size {t.vocab_size}")
+        if not self.tokenizer.eos_token_ids:
+            raise ManifestError("manifest lists no EOS token id")
+
+        if bundle_dir is not None:
+            bundle = Path(bundle_dir).resolve()
+            files = [f for p in self.partitions for f in (p.file, *p.data_files)] + list(self.tokenizer.files)
+            for rel in files:
+                resolve_inside(bundle, rel)
+
+
+def resolve_inside(bundle: Path, rel: str) -> Path:
+    """The path of `rel` inside `bundle`; ManifestError if it is absolute, escapes the bundle, or is missing."""
+    if PurePosixPath(rel).is_absolute() or Path(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
+        raise ManifestError(f"manifest path {rel!r} leads outside the bundle directory")
+    path = (bundle / rel).resolve()
+    if bundle.resolve() not in path.parents:
+        raise ManifestError(f"manifest path {rel!r} leads outside the bundle directory")
+    if not path.is_file():
+        raise ManifestError(f"bundle file {rel!r} named in the manifest is missing")
+    return path
+
+
+def _check_kv(part: PartitionSpec, facts: ModelFacts) -> None:
+    """Every layer of the partition has a past input and a present output, named with its global number."""
+    want_in = {n(i) for i in part.kv_layers for n in (past_key_name, past_value_name)}
+    want_out = {n(i) for i in part.kv_layers for n in (present_key_name, present_value_name)}
+    have_in = {t.name for t in part.inputs if t.name.startswith("past_key_values.")}
+    have_out = {t.name for t in part.outputs if t.name.startswith("present.")}
+    if have_in != want_in or have_out != want_out:
+        raise ManifestError(
+            f"{part.role} KV tensors do not match its layers {list(part.layers)}: "
+            f"missing {sorted((want_in - have_in) | (want_out - have_out))[:4]}, "
+            f"unexpected {sorted((have_in - want_in) | (have_out - want_out))[:4]}"
+        )
+    for t in part.inputs + part.outputs:
+        if t.name.startswith(("past_key_values.", "present.")) and (t.shape[1], t.shape[3]) != (facts.num_kv_heads, facts.head_dim):
+            raise ManifestError(f"{part.role} {t.name} shape {list(t.shape)} does not match the KV layout")

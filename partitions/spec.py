@@ -1,0 +1,145 @@
+"""Partition specs: which graph holds which layers, and what goes in and out of it. Plain data, no runtimes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mirror_sd.errors import ManifestError
+
+Role = Literal["target_prefix", "target_suffix", "draft"]
+ROLES: tuple[Role, ...] = ("target_prefix", "target_suffix", "draft")
+DTYPES = ("float32", "float16", "int64", "int32", "bool")
+
+# Symbolic axis names shared by every graph. KV tensors are [batch, kv_heads, seq, head_dim].
+BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
+
+
+def past_key_name(layer: int) -> str:
+    return f"past_key_values.{layer}.key"
+
+
+def past_value_name(layer: int) -> str:
+    return f"past_key_values.{layer}.value"
+
+
+def present_key_name(layer: int) -> str:
+    return f"present.{layer}.key"
+
+
+def present_value_name(layer: int) -> str:
+    return f"present.{layer}.value"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]  # ints are fixed sizes, strings are symbolic (dynamic) axes
+
+    @property
+    def dynamic_axes(self) -> dict[int, str]:
+        return {i: d for i, d in enumerate(self.shape) if isinstance(d, str)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str) -> TensorSpec:
+        name, dtype, shape = require_field(d, "name", where), require_field(d, "dtype", where), require_field(d, "shape", where)
+        if not isinstance(name, str) or not name:
+            raise ManifestError(f"{where}: tensor name must be a non-empty string")
+        if dtype not in DTYPES:
+            raise ManifestError(f"{where}: tensor {name!r} has unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        if not isinstance(shape, list) or not all(isinstance(s, (int, str)) for s in shape):
+            raise ManifestError(f"{where}: tensor {name!r} shape must be a list of ints and axis names")
+        return cls(name, dtype, tuple(shape))
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    role: Role
+    layers: tuple[int, int]  # half-open [start, end), global layer numbers (the draft's own numbering)
+    file: str  # relative to the bundle directory
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    backend: str  # default runtime: "onnxruntime" for the target, "openvino" for the draft
+    device: str  # default device for that backend
+    data_files: tuple[str, ...] = ()  # external-data files next to `file`, if any
+    tokens_per_forward: int = 1  # draft only: >1 for a multi-token (speculative streaming) draft
+    extra: dict[str, Any] = field(default_factory=dict)  # role-specific facts, e.g. the exit head's kind
+
+    @property
+    def kv_layers(self) -> range:
+        return range(*self.layers)
+
+    def input(self, name: str) -> TensorSpec:
+        return _by_name(self.inputs, name, f"{self.role} inputs")
+
+    def output(self, name: str) -> TensorSpec:
+        return _by_name(self.outputs, name, f"{self.role} outputs")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "layers": list(self.layers),
+            "file": self.file,
+            "data_files": list(self.data_files),
+            "backend": self.backend,
+            "device": self.device,
+            "tokens_per_forward": self.tokens_per_forward,
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str) -> PartitionSpec:
+        role = require_field(d, "role", where)
+        if role not in ROLES:
+            raise ManifestError(f"{where}: unknown role {role!r} (known: {', '.join(ROLES)})")
+        where = f"{where} ({role})"
+        layers = require_field(d, "layers", where)
+        if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
+            raise ManifestError(f"{where}: layers must be [start, end]")
+        if not 0 <= layers[0] < layers[1]:
+            raise ManifestError(f"{where}: layers {layers} is not a non-empty range [start, end)")
+        file = require_field(d, "file", where)
+        if not isinstance(file, str) or not file:
+            raise ManifestError(f"{where}: file must be a non-empty string")
+        return cls(
+            role=role,
+            layers=(layers[0], layers[1]),
+            file=file,
+            inputs=tuple(TensorSpec.from_dict(t, f"{where} input") for t in require_field(d, "inputs", where)),
+            outputs=tuple(TensorSpec.from_dict(t, f"{where} output") for t in require_field(d, "outputs", where)),
+            backend=str(require_field(d, "backend", where)),
+            device=str(require_field(d, "device", where)),
+            data_files=tuple(d.get("data_files", ())),
+            tokens_per_forward=int(d.get("tokens_per_forward", 1)),
+            extra=dict(d.get("extra", {})),
+        )
+
+
+def kv_specs(layers: range, kv_heads: int, head_dim: int, dtype: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Past (inputs) and present (outputs) KV specs for `layers`, named with global layer numbers."""
+    past, present = [], []
+    for i in layers:
+        past += [TensorSpec(n(i), dtype, (BATCH, kv_heads, PAST, head_dim)) for n in (past_key_name, past_value_name)]
+        present += [TensorSpec(n(i), dtype, (BATCH, kv_heads, TOTAL, head_dim)) for n in (present_key_name, present_value_name)]
+    return tuple(past), tuple(present)
+
+
+def _by_name(specs: tuple[TensorSpec, ...], name: str, what: str) -> TensorSpec:
+    for t in specs:
+        if t.name == name:
+            return t
+    raise ManifestError(f"{what} have no tensor named {name!r}")
+
+
+def require_field(d: Any, key: str, where: str) -> Any:
+    if not isinstance(d, dict):
+        raise ManifestError(f"{where}: expected an object, got {type(d).__name__}")
+    if key not in d:
+        raise ManifestError(f"{where}: missing field {key!r}")
+    return d[key]
