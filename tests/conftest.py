@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random-weight model pairs and bundles exported from them, built once per session.
+
+Exports cost a few seconds each, so bundles are cached by their parameters for the whole test session.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@pytest.fixture(scope="session")
+def pair_factory(tmp_path_factory):
+    """pair_factory(arch) -> (target_dir, draft_dir): a tiny 6-layer target and 2-layer draft sharing a tokenizer."""
+    from mirror_sd.models.tiny import make_pair
+
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def make(architecture: str = "llama") -> tuple[Path, Path]:
+        if architecture not in cache:
+            cache[architecture] = make_pair(tmp_path_factory.mktemp(f"pair-{architecture}"), architecture)
+        return cache[architecture]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def bundle_factory(tmp_path_factory, pair_factory):
+    """bundle_factory(arch="llama", exit_layer=3, top_k=8, self_draft=False) -> bundle dir (exported, validated).
+
+    self_draft=True exports the target itself as the draft (a draft that always agrees with the target).
+    """
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
+
+    cache: dict[tuple, Path] = {}
+
+    def make(architecture: str = "llama", exit_layer: int = 3, top_k: int = 8, self_draft: bool = False) -> Path:
+        key = (architecture, exit_layer, top_k, self_draft)
+        if key not in cache:
+            target, draft = pair_factory(architecture)
+            out = tmp_path_factory.mktemp("bundle") / "-".join(map(str, key))
+            export_bundle(ExportOptions(model=str(target), draft=str(target if self_draft else draft), out=out,
+                                        exit_layer=exit_layer, top_k=top_k), report=lambda _line: None)
+            cache[key] = out
+        return cache[key]
+
+    return make
