@@ -1,0 +1,227 @@
+"""Export: the four architectures, the parity grid in both runtimes, and every bad input.
+
+Bad inputs go through the CLI entry point (`main([...])`): a one-line error, exit code 2, and nothing left at OUT.
+One test runs the real console script in a subprocess to show there is no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import ARCHITECTURES
+from mirror_sd.cli import main
+from mirror_sd.errors import ParityError
+from mirror_sd.export import onnx_export, parity
+from mirror_sd.export.bundle import ExportOptions, export_bundle
+from mirror_sd.models.tiny import make_model, make_pair
+from mirror_sd.partitions import Manifest
+from mirror_sd.runtime.backends import open_onnxruntime, open_openvino
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _quiet(_line: str) -> None:
+    pass
+
+
+def _checked(manifest: Manifest) -> set[tuple[str, str]]:
+    return {(c["runtime"], c["quantity"]) for c in manifest.validation["checks"]}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_export_each_architecture_passes_parity_in_both_runtimes(bundle_factory, architecture):
+    manifest = Manifest.load(bundle_factory(architecture))
+    assert manifest.target.architecture == architecture
+    assert manifest.validation["passed"] is True
+    # the whole grid ran in both runtimes: logits, boundary hidden state, early-exit top-k, draft logits
+    assert len(manifest.validation["checks"]) == 2 * len(parity.GRID) * 5
+    for runtime in parity.RUNTIMES:
+        for quantity in ("logits", "hidden_states", "exit_topk_logprobs", "exit_topk_ids"):
+            assert (runtime, quantity) in _checked(manifest)
+    assert max(c["max_abs_diff"] for c in manifest.validation["checks"]) <= parity.ATOL
+
+
+@pytest.mark.parametrize("exit_layer,top_k", [(1, 1), (5, 4)])
+def test_exit_layer_and_k_are_respected(bundle_factory, exit_layer, top_k):
+    bundle = bundle_factory("llama", exit_layer=exit_layer, top_k=top_k)
+    manifest = Manifest.load(bundle)
+    assert manifest.partition("target_prefix").layers == (0, exit_layer)
+    assert manifest.partition("target_suffix").layers == (exit_layer, 6)
+    prefix = open_onnxruntime(bundle / "target_prefix.onnx", ["CPUExecutionProvider"])
+    feed = {"input_ids": np.array([[5, 17, 33]]), "attention_mask": np.ones((1, 3), np.int64),
+            "position_ids": np.arange(3)[None]}
+    feed.update({f"past_key_values.{i}.{kv}": np.zeros((1, 2, 0, 16), np.float32)
+                 for i in range(exit_layer) for kv in ("key", "value")})
+    out = prefix.run(feed)
+    assert out["exit_topk_ids"].shape == (1, 3, top_k)
+    assert np.all(np.diff(out["exit_topk_logprobs"], axis=-1) <= 0)  # sorted, most probable first
+    assert sorted(k for k in out if k.startswith("present.")) == sorted(
+        f"present.{i}.{kv}" for i in range(exit_layer) for kv in ("key", "value"))
+
+
+@pytest.mark.parametrize("architecture,overrides", [
+    ("llama", {"tie_word_embeddings": True}),  # as SmolLM2
+    ("mistral", {"sliding_window": 4}),  # the window is shorter than the grid's sequences, so the mask matters
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 3}),  # mixed layer types
+])
+def test_config_variants_export_with_parity(tmp_path, architecture, overrides):
+    target, draft = make_pair(tmp_path / "pair", architecture, **overrides)
+    manifest = export_bundle(ExportOptions(str(target), str(draft), tmp_path / "bundle"), report=_quiet)
+    assert manifest.validation["passed"] and manifest.target.exit_layer == 3
+
+
+def test_parity_catches_a_corrupted_graph(tmp_path, bundle_factory, pair_factory):
+    """The checks can fail: perturb one weight of the exported suffix and parity must raise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mirror_sd.export.architectures import architecture_of
+    from mirror_sd.export.segments import LogitLens
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(bundle_factory(), bundle)
+    graph = onnx.load(str(bundle / "target_suffix.onnx"))
+    weight = max(graph.graph.initializer, key=lambda t: int(np.prod(t.dims)))
+    array = onnx.numpy_helper.to_array(weight).copy()
+    array.flat[0] += 0.5
+    weight.CopyFrom(onnx.numpy_helper.from_array(array, weight.name))
+    onnx.save(graph, str(bundle / "target_suffix.onnx"))
+
+    target_dir, draft_dir = pair_factory("llama")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, attn_implementation="eager").eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, attn_implementation="eager").eval()
+    arch = architecture_of(target.config)
+    head = LogitLens(arch.backbone(target).norm, target.lm_head)
+    with torch.no_grad(), pytest.raises(ParityError, match="logits"):
+        parity.check_bundle(bundle, Manifest.load(bundle), target, draft, head, report=_quiet)
+
+
+def test_large_weights_go_to_one_external_data_file(tmp_path, pair_factory, monkeypatch):
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
+    target, draft = pair_factory("llama")
+    manifest = export_bundle(ExportOptions(str(target), str(draft), tmp_path / "b"), report=_quiet)
+    for part in manifest.partitions:
+        assert part.data_files == (part.file + ".data",)
+    assert sorted(p.name for p in (tmp_path / "b").iterdir() if ".onnx" in p.name) == sorted(
+        f for p in manifest.partitions for f in (p.file, *p.data_files))
+    # both runtimes load the external data (the parity checks ran on these files); OpenVINO once more here
+    assert open_openvino(tmp_path / "b" / "draft.onnx", "CPU").output_names[0] == "logits"
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------
+
+def _export_cli(capsys, target, draft, out, *extra) -> tuple[int, str]:
+    code = main(["export", "--model", str(target), "--draft", str(draft), "--out", str(out), *extra])
+    return code, capsys.readouterr().err
+
+
+def _assert_nothing_left(parent: Path, out: Path) -> None:
+    assert not out.exists()
+    assert not [p for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+@pytest.fixture(scope="module")
+def odd_models(tmp_path_factory, pair_factory):
+    """Models that must be refused: another vocabulary, and an encoder that is not a causal LM."""
+    from transformers import AutoConfig
+
+    root = tmp_path_factory.mktemp("odd")
+    target, _ = pair_factory("llama")
+    other_vocab = make_model(root / "other-vocab", "llama", 2, vocab_size=400, tokenizer_dir=target)
+    AutoConfig.for_model("distilbert", vocab_size=384, dim=32, n_layers=1, n_heads=2,
+                         hidden_dim=64).save_pretrained(root / "encoder")
+    return {"other_vocab": other_vocab, "encoder": root / "encoder"}
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing_model", "does not exist"),
+    ("missing_draft", "does not exist"),
+    ("not_causal", "not a causal language model"),
+    ("vocab", "vocabulary"),
+    ("exit_low", "EXIT_LAYER 0 is outside"),
+    ("exit_high", "EXIT_LAYER 6 is outside"),
+    ("topk_low", "TOPK 0 is outside"),
+    ("topk_high", "TOPK 385 is outside"),
+    ("unsupported", "not supported; supported: llama, mistral, qwen2, qwen3"),
+])
+def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_factory, odd_models, case, message):
+    target, draft = pair_factory("llama")
+    args = {"missing_model": (tmp_path / "no-such-model", draft, ()),
+            "missing_draft": (target, tmp_path / "no-such-draft", ()),
+            "not_causal": (odd_models["encoder"], draft, ()),
+            "vocab": (target, odd_models["other_vocab"], ()),
+            "exit_low": (target, draft, ("--exit-layer", "0")),
+            "exit_high": (target, draft, ("--exit-layer", "6")),
+            "topk_low": (target, draft, ("--top-k", "0")),
+            "topk_high": (target, draft, ("--top-k", "385")),
+            "unsupported": (_unsupported_model(tmp_path), draft, ())}[case]
+    out = tmp_path / "out"
+    code, err = _export_cli(capsys, args[0], args[1], out, *args[2])
+    assert code == 2
+    assert err.startswith("mirror-sd: error:") and message in err, err
+    assert "Traceback" not in err
+    _assert_nothing_left(tmp_path, out)
+
+
+def _unsupported_model(root: Path) -> Path:
+    """A causal LM whose architecture has no exporter (GPT-2)."""
+    from transformers import AutoConfig
+
+    path = root / "gpt2"
+    AutoConfig.for_model("gpt2", vocab_size=384, n_embd=32, n_layer=2, n_head=2, n_positions=64).save_pretrained(path)
+    return path
+
+
+def test_non_empty_out_is_refused_and_kept_unless_forced(tmp_path, capsys, pair_factory):
+    target, draft = pair_factory("llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("mine")
+    code, err = _export_cli(capsys, target, draft, out)
+    assert code == 2 and "not empty" in err and "--force" in err
+    assert (out / "precious.txt").read_text() == "mine"
+
+    code, _ = _export_cli(capsys, target, draft, out, "--force")
+    assert code == 0
+    assert not (out / "precious.txt").exists()
+    Manifest.load(out)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_failed_parity_leaves_no_half_written_bundle(tmp_path, pair_factory, monkeypatch):
+    monkeypatch.setattr(parity, "ATOL", 0.0)  # nothing passes a zero tolerance in fp32
+    target, draft = pair_factory("llama")
+    with pytest.raises(ParityError):
+        export_bundle(ExportOptions(str(target), str(draft), tmp_path / "out"), report=_quiet)
+    _assert_nothing_left(tmp_path, tmp_path / "out")
+
+
+def test_console_script_reports_without_traceback(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "mirror-sd"), "export", "--model",
+                           str(tmp_path / "absent"), "--draft", str(tmp_path / "absent"), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_make_export_writes_a_validated_bundle(tmp_path, pair_factory):
+    """The issue's acceptance command, through the Makefile."""
+    target, draft = pair_factory("llama")
+    out = tmp_path / "b"
+    proc = subprocess.run(["make", "-s", "export", f"MODEL={target}", f"DRAFT={draft}", "EXIT_LAYER=3", f"OUT={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "parity: all 40 checks passed in onnxruntime-cpu and openvino-cpu" in proc.stdout
+    assert "openvino-cpu     target  logits" in proc.stdout
+    manifest = Manifest.load(out)
+    assert json.loads((out / "manifest.json").read_text())["target"]["exit_layer"] == manifest.target.exit_layer == 3
