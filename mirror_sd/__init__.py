@@ -7,4 +7,13 @@ Subpackages: ``mirror_sd.export`` (torch side, writes bundles), ``mirror_sd.part
 from mirror_sd.errors import MirrorSDError
 
 __version__ = "0.1.0"
-__all__ = ["MirrorSDError", "__version__"]
+__all__ = ["MirrorSDError", "Pipeline", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import mirror_sd` stays light; the runtimes load only when the Pipeline is asked for.
+    if name == "Pipeline":
+        from mirror_sd.runtime.pipeline import Pipeline
+
+        return Pipeline
+    raise AttributeError(f"module 'mirror_sd' has no attribute {name!r}")

@@ -49,6 +49,10 @@ def open_onnxruntime(path: str | Path, providers: list[str] | None = None, threa
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3  # the CUDA fallback is detected below, not left to a log line
+    if "CUDAExecutionProvider" in providers:
+        # A CUDA build without a usable GPU logs its failed provider load on the default logger; the fallback is
+        # detected and reported below instead.
+        ort.set_default_logger_severity(4)
     session = ort.InferenceSession(str(path), sess_options=opts, providers=[p for p in providers if p in available])
     actual = session.get_providers()[0]
     if actual != providers[0]:

@@ -1,0 +1,205 @@
+"""`Pipeline`: load a bundle, generate text with ar / sd / mirror decoding. Every option is checked before any work.
+
+    pipe = Pipeline.load("bundle/")
+    result = pipe.generate("Hello", mode="mirror", max_new_tokens=32)
+    result.token_ids, result.text, result.stats
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.runtime.draft import Drafter
+from mirror_sd.runtime.engines import GraphEngine, Target, open_engine, open_target
+from mirror_sd.runtime.sampling import SamplingParams
+from mirror_sd.runtime.scheduler import MODES, DecodeConfig, DraftWorker, decode
+from mirror_sd.runtime.stats import Counters
+from mirror_sd.runtime.text import TextCodec, TextSink
+
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+Streamer = Callable[[int, str], None]  # (token id, new text) for every committed token
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]  # new tokens only; an EOS that ended generation is included
+    text: str  # their text, without special tokens, cut before a stop string
+    stats: dict[str, Any]
+    finish_reason: str  # "eos", "stop" or "length"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_id: int
+    text: str  # new text this token made safe to show (may be empty)
+
+
+class GenerationStream:
+    """Iterator form of generate: yields a Chunk per committed token; `result` is set once it is exhausted.
+    Leaving the loop early (or calling close) stops the generation and the draft thread."""
+
+    def __init__(self, run: Iterator[Chunk]) -> None:
+        self._run = run
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[Chunk]:
+        self.result = yield from self._run
+
+    def close(self) -> None:
+        self._run.close()
+
+
+class Pipeline:
+    def __init__(self, manifest: Manifest, target: Target, draft: GraphEngine, codec: TextCodec) -> None:
+        self.manifest, self.target, self.draft, self.codec = manifest, target, draft, codec
+        facts = manifest.target
+        self.context_limit = min(facts.max_position_embeddings, manifest.draft.max_position_embeddings)
+        self._draft_thread: threading.Thread | None = None  # the last draft thread, if it may still be running
+
+    @classmethod
+    def load(cls, bundle: str | Path, *, target_device: str | None = None, draft_device: str | None = None,
+             target_threads: int = 1, draft_threads: int = 1) -> Pipeline:
+        """target_device: None (CUDA, else CPU), "cpu", "cuda" or an ONNX Runtime provider name.
+        draft_device: None (NPU, else CPU) or an OpenVINO device string."""
+        for name, n in (("target_threads", target_threads), ("draft_threads", draft_threads)):
+            if not isinstance(n, int) or n < 1:
+                raise BadInputError(f"{name} must be an integer >= 1, got {n!r}")
+        manifest = Manifest.load(bundle)
+        codec = TextCodec(bundle, manifest)
+        target = open_target(bundle, manifest, target_device, target_threads)
+        draft = open_engine(bundle, manifest, "draft", draft_device, draft_threads)
+        return cls(manifest, target, draft, codec)
+
+    # -- prompts -------------------------------------------------------------------------------------------
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt given as text, chat messages, or ids (checked against the vocabulary)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise BadInputError("the prompt is empty")
+            ids = self.codec.encode(prompt)
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.codec.encode(self.codec.render_chat(list(prompt)), special=False)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = self.manifest.target.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise BadInputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        else:
+            raise BadInputError("the prompt must be a string, a list of chat messages, or a list of token ids")
+        if not ids:
+            raise BadInputError("the prompt is empty")
+        return ids
+
+    # -- generation ----------------------------------------------------------------------------------------
+    def generate(self, prompt: Prompt, *, streamer: Streamer | None = None, **options: Any) -> GenerationResult:
+        """Generate from `prompt`; see `stream` for the options. `streamer(token_id, text)` gets every
+        committed token as it is committed."""
+        run = self._run(prompt, **options)
+        try:
+            while True:
+                chunk = next(run)
+                if streamer is not None:
+                    streamer(chunk.token_id, chunk.text)
+        except StopIteration as done:
+            return done.value
+        finally:
+            run.close()
+
+    def stream(self, prompt: Prompt, **options: Any) -> GenerationStream:
+        """Options: mode ("ar", "sd", "mirror"), max_new_tokens, temperature (0 = greedy), top_p, top_k, seed,
+        stop (strings), gamma (window), kappa (candidates per position, <= the bundle's top_k), branch_budget
+        (None adapts), overlap (False runs the same schedule serially), draft_timeout_s."""
+        return GenerationStream(self._run(prompt, **options))
+
+    def _run(self, prompt: Prompt, *, mode: str = "mirror", max_new_tokens: int = 64, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), gamma: int = 4,
+             kappa: int | None = None, branch_budget: int | None = None, overlap: bool = True,
+             draft_timeout_s: float = 10.0) -> Iterator[Chunk]:
+        cfg = self._config(mode, max_new_tokens, temperature, top_p, top_k, seed, gamma, kappa, branch_budget,
+                           overlap, draft_timeout_s)
+        stop = _check_stop(stop)
+        ids = self.prompt_ids(prompt)
+        if len(ids) + max_new_tokens > self.context_limit:
+            raise BadInputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                                f"context limit of {self.context_limit} tokens")
+        return self._decode(ids, cfg, stop)
+
+    def _decode(self, ids: list[int], cfg: DecodeConfig, stop: tuple[str, ...]) -> Iterator[Chunk]:
+        stats = Counters(cfg.mode, gamma=cfg.gamma if cfg.mode != "ar" else 0,
+                         kappa=cfg.kappa if cfg.mode == "mirror" else 0,
+                         target_device=self.target.device, draft_device=self.draft.device)
+        sink = TextSink(self.codec, stop, self.manifest.tokenizer.eos_token_ids)
+        drafter = self._drafter(cfg) if cfg.mode != "ar" else None
+        tokens = decode(self.target, drafter, tuple(ids), cfg, stats, on_worker=self._remember)
+        start = time.perf_counter()
+        ttft = 0.0
+        try:
+            for token in tokens:
+                ttft = ttft or time.perf_counter() - start
+                text = sink.add(token)
+                yield Chunk(token, text)
+                if sink.finish_reason:
+                    break
+        finally:
+            tokens.close()  # stops the draft thread and completes the stats
+        wall = time.perf_counter() - start
+        return GenerationResult(list(sink.ids), sink.text, stats.as_dict(len(sink.ids), ttft, wall),
+                                sink.finish_reason or "length")
+
+    def _drafter(self, cfg: DecodeConfig) -> Drafter | None:
+        """A drafter over the draft engine, or None while an earlier call's draft thread is still stalled in it."""
+        if self._draft_thread is not None:
+            self._draft_thread.join(cfg.draft_timeout_s)
+            if self._draft_thread.is_alive():
+                return None
+            self._draft_thread = None
+        return Drafter(self.draft, cfg.params)
+
+    def _remember(self, worker: DraftWorker) -> None:
+        self._draft_thread = worker.thread
+
+    def _config(self, mode, max_new_tokens, temperature, top_p, top_k, seed, gamma, kappa, branch_budget,
+                overlap, draft_timeout_s) -> DecodeConfig:
+        k_max = self.manifest.target.top_k
+        if mode not in MODES:
+            raise BadInputError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+        _check_int("max_new_tokens", max_new_tokens, 1)
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise BadInputError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise BadInputError(f"top_p must be in (0, 1], got {top_p!r}")
+        _check_int("top_k", top_k, 0)
+        _check_int("seed", seed, 0)
+        _check_int("gamma", gamma, 1)
+        kappa = k_max if kappa is None else kappa
+        _check_int("kappa", kappa, 1)
+        if kappa > k_max:
+            raise BadInputError(f"kappa {kappa} exceeds the bundle's early-exit top_k {k_max}")
+        if branch_budget is not None:
+            _check_int("branch_budget", branch_budget, 0)
+        if not isinstance(draft_timeout_s, (int, float)) or not draft_timeout_s > 0:
+            raise BadInputError(f"draft_timeout_s must be > 0, got {draft_timeout_s!r}")
+        params = SamplingParams(float(temperature), float(top_p), top_k, seed)
+        return DecodeConfig(mode, max_new_tokens, gamma, kappa, branch_budget, params, bool(overlap),
+                            float(draft_timeout_s))
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise BadInputError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_stop(stop: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise BadInputError("stop must be a list of non-empty strings")
+    return tuple(stop)

@@ -1,0 +1,47 @@
+"""A slow, single-threaded reference generator: the second oracle for the fast decoders.
+
+No KV cache is kept anywhere: every forward runs the whole sequence from an empty past, so none of the
+scheduler's cache trimming, forking or threading is involved. Greedy only. gamma 0 is plain target decoding;
+gamma > 0 is vanilla speculative decoding with the draft, which must give the same tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mirror_sd.partitions.manifest import LOGITS
+from mirror_sd.runtime.engines import GraphEngine, Target
+
+
+def reference_generate(target: Target, draft: GraphEngine | None, prompt: list[int], max_new_tokens: int,
+                       gamma: int = 0, eos_token_ids: tuple[int, ...] = ()) -> list[int]:
+    """The new tokens (up to and including the first EOS) of greedy decoding of `prompt`."""
+
+    def target_tokens(seq: list[int]) -> np.ndarray:
+        """The target's greedy next token after every position of seq: [len(seq)]."""
+        logits, _ = target.forward(seq, target.empty_cache())
+        return np.argmax(logits, axis=-1)
+
+    def draft_token(seq: list[int]) -> int:
+        out, _ = draft.prefill(np.asarray([seq], np.int64))
+        return int(np.argmax(out[LOGITS][0, -1]))
+
+    seq = list(prompt)
+    new: list[int] = []
+    while len(new) < max_new_tokens and not (new and new[-1] in eos_token_ids):
+        # 1. the draft proposes a window, one token at a time (never more than could be committed)
+        size = min(gamma, max_new_tokens - len(new) - 1) if draft is not None else 0
+        window: list[int] = []
+        for _ in range(size):
+            window.append(draft_token(seq + window))
+        # 2. the target scores the sequence with the window: its token after seq[-1], after window[0], ...
+        choices = target_tokens(seq + window)[len(seq) - 1:]  # [size + 1]
+        # 3. accept the longest prefix of the window the target agrees with, then the target's own token
+        accepted = 0
+        while accepted < size and window[accepted] == choices[accepted]:
+            accepted += 1
+        for token in window[:accepted] + [int(choices[accepted])]:
+            if len(new) < max_new_tokens and not (new and new[-1] in eos_token_ids):
+                new.append(token)
+        seq = list(prompt) + new
+    return new

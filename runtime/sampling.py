@@ -1,0 +1,64 @@
+"""Turning logits into a token: greedy, or a sample from the warped distribution (temperature, top_k, top_p).
+
+Pure functions. Randomness comes from explicit numpy Generators keyed by (seed, stream, position), so a decoder
+that draws the window for the same context from a branch or from a fresh rollout draws the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TARGET_STREAM, DRAFT_STREAM = 1, 2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # 0: no top-k filter
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def rng_for(params: SamplingParams, stream: int, position: int) -> np.random.Generator:
+    """The generator for `stream` at context length `position`: independent across streams and positions."""
+    return np.random.default_rng([params.seed, stream, position])
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Probabilities (float64, [..., V]) after temperature, top_k then top_p. Not for greedy."""
+    z = logits.astype(np.float64) / params.temperature
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = np.sort(z, axis=-1)[..., -params.top_k][..., None]
+        z = np.where(z < kth, -np.inf, z)
+    z = z - z.max(axis=-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass of the tokens strictly more probable
+        keep_sorted = before < params.top_p  # always keeps the most probable token
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from `probs` [V] by inverse CDF (one uniform number per draw)."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), probs.size - 1))
+
+
+def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> int:
+    """The next token from one position's logits [V]: argmax when greedy, else a sample."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(warp(logits, params), rng)

@@ -1,0 +1,328 @@
+"""The scheduler: decoding loops for ar / sd / mirror, and the one place that starts a thread.
+
+Threads. The main thread owns the target and its cache. With overlap on, one draft thread owns the `Drafter` (the
+draft engine's caches); the two talk only through immutable messages (runtime/messages.py) and a ticketed answer
+box. With overlap off the same requests are served inline, in the same order, on the main thread: the schedule is
+identical, only serial. Every wait for the draft has a timeout; an exception or a timeout in the draft makes that
+step run on the target alone (counted in the stats as a fallback), and a draft still busy with a timed-out request
+is not asked again until it answers. Output never depends on the draft: it only decides how many tokens a step
+commits.
+
+One Mirror-SD step, with C the committed tokens (the target's cache holds C[:-1]; C[-1] is pending) and w the
+window (gamma draft tokens continuing C):
+  1. target prefix on [C[-1]] + w -> hidden state and, for each input position t, the early-exit top-k of the
+     token after it (row t < gamma competes with w[t]; row gamma is the bonus position);
+  2. the top-k goes to the draft thread, which rolls out the most probable outcomes (A, c): the window continuing
+     C + w[:A] + (c,), all rows in one batch;
+  3. meanwhile the target suffix gives the logits; verify -> (A, c); trim the target cache to len(C) + A slots
+     (C[:-1], the pending token, w[:A]); commit w[:A] + (c,);
+  4. if (A, c) was planned, the next window is that branch's rollout; else the branch set is cancelled and the
+     next step starts with a fresh rollout (serial, like sd).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Union
+
+import numpy as np
+
+from mirror_sd.runtime.draft import Drafter, plan_branches
+from mirror_sd.runtime.engines import Target, TargetCache
+from mirror_sd.runtime.messages import (
+    Branches, BranchSet, DraftFailed, DraftWindow, ExitCandidates, Rollout, Warm, Warmed, frozen,
+)
+from mirror_sd.runtime.sampling import TARGET_STREAM, SamplingParams, choose, rng_for
+from mirror_sd.runtime.stats import Counters
+from mirror_sd.runtime.verify import verify
+
+MODES = ("ar", "sd", "mirror")
+Request = Union[Warm, Rollout, Branches]
+Answer = Union[Warmed, DraftWindow, BranchSet, DraftFailed]
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    mode: str = "mirror"
+    max_new_tokens: int = 64
+    gamma: int = 4  # draft window length
+    kappa: int = 8  # early-exit candidates used per position (<= the bundle's top_k)
+    branch_budget: int | None = None  # branches per step; None: adapt (grow while the draft stays hidden)
+    params: SamplingParams = SamplingParams()
+    overlap: bool = True  # False: serve the draft inline on the main thread (same schedule, serial)
+    draft_timeout_s: float = 10.0
+
+
+# -- the draft side of the thread boundary -------------------------------------------------------------------
+def _serve(drafter: Drafter, request: Request, cancelled) -> Answer:
+    """Run one request on the drafter. Any exception becomes an answer, and the drafter forgets its caches."""
+    try:
+        if isinstance(request, Warm):
+            return Warmed(drafter.warm(request.context))
+        if isinstance(request, Rollout):
+            return drafter.rollout(request.context, request.gamma)
+        return drafter.branches(request.candidates, request.plan, request.gamma, cancelled)
+    except Exception as e:  # noqa: BLE001 - the draft's failure must never reach the target's loop
+        drafter.reset()
+        return DraftFailed(f"{type(e).__name__}: {e}")
+
+
+class DraftWorker:
+    """Serves draft requests in order, on its own thread (overlap) or inline at submit (no overlap).
+
+    Tickets number the requests; `wait` gives a request's answer or None after the timeout. Draft forward
+    intervals are recorded here for the stats (the only shared state, under a lock)."""
+
+    def __init__(self, drafter: Drafter, threaded: bool) -> None:
+        self._drafter = drafter
+        self._lock = threading.Condition()
+        self._answers: dict[int, Answer] = {}
+        self._cancelled: set[int] = set()
+        self._stale: set[int] = set()  # timed out, not answered yet
+        self._next = 0
+        self.intervals: list[tuple[float, float]] = []
+        self.rows = self.tokens = 0
+        drafter.on_forward = self._record
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._loop, name="mirror-sd-draft", daemon=True)
+            self._thread.start()
+
+    def _record(self, start: float, end: float, tokens: int) -> None:
+        rows = tokens // max(1, self._drafter.engine.tokens_per_forward)
+        with self._lock:
+            self.intervals.append((start, end))
+            self.rows += rows
+            self.tokens += tokens
+
+    def _loop(self) -> None:
+        while True:
+            ticket, request = self._queue.get()
+            if request is None:
+                return
+            answer = _serve(self._drafter, request, lambda: self._is_cancelled(ticket))
+            with self._lock:
+                if ticket not in self._cancelled:  # a cancelled request's answer is never read
+                    self._answers[ticket] = answer
+                self._stale.discard(ticket)
+                self._lock.notify_all()
+
+    def _is_cancelled(self, ticket: int) -> bool:
+        with self._lock:
+            return ticket in self._cancelled
+
+    def submit(self, request: Request) -> int:
+        ticket, self._next = self._next, self._next + 1
+        if self._queue is None:
+            self._answers[ticket] = _serve(self._drafter, request, lambda: False)
+        else:
+            self._queue.put((ticket, request))
+        return ticket
+
+    def poll(self, ticket: int) -> Answer | None:
+        with self._lock:
+            return self._answers.get(ticket)
+
+    def wait(self, ticket: int, timeout: float) -> Answer | None:
+        """The answer to `ticket`, or None if it did not come within `timeout` (the ticket is then stale)."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: ticket in self._answers, timeout):
+                self._stale.add(ticket)
+                return None
+            return self._answers.pop(ticket)
+
+    def cancel(self, ticket: int) -> None:
+        """Stop a branch set at its next forward; its answer will be dropped."""
+        with self._lock:
+            self._cancelled.add(ticket)
+            self._answers.pop(ticket, None)
+
+    @property
+    def responsive(self) -> bool:
+        """False while a timed-out request is still running: asking again would only queue behind it."""
+        with self._lock:
+            return not self._stale
+
+    def close(self, timeout: float) -> bool:
+        """Stop the thread; False if it is still busy (stalled) after `timeout` - it is a daemon and holds
+        the draft engine until it returns."""
+        if self._thread is None:
+            return True
+        with self._lock:
+            self._cancelled.update(range(self._next))
+        self._queue.put((-1, None))
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def record_into(self, stats: Counters) -> None:
+        with self._lock:
+            stats.draft_intervals.extend(self.intervals)
+            stats.draft_rows += self.rows
+            stats.draft_tokens += self.tokens
+
+
+# -- the target side: the decoding loop ----------------------------------------------------------------------
+class _Decoder:
+    def __init__(self, target: Target, worker: DraftWorker | None, cfg: DecodeConfig, stats: Counters) -> None:
+        self.target, self.worker, self.cfg, self.stats = target, worker, cfg, stats
+        self.cache: TargetCache = target.empty_cache()
+        self.budget = cfg.branch_budget if cfg.branch_budget is not None else cfg.kappa
+        self.max_budget = (cfg.gamma + 1) * cfg.kappa
+
+    def _target_rng(self, context_len: int) -> np.random.Generator | None:
+        return None if self.cfg.params.greedy else rng_for(self.cfg.params, TARGET_STREAM, context_len)
+
+    def _prefix(self, ids, cache: TargetCache):
+        start = time.perf_counter()
+        out = self.target.run_prefix(ids, cache)
+        self.stats.prefix_s += time.perf_counter() - start
+        return out
+
+    def _suffix(self, hidden, cache: TargetCache):
+        start = time.perf_counter()
+        out = self.target.run_suffix(hidden, cache)
+        end = time.perf_counter()
+        self.stats.suffix_s += end - start
+        self.stats.suffix_intervals.append((start, end))
+        return out
+
+    def prefill(self, prompt: tuple[int, ...]) -> int:
+        """Run the prompt through the target; its last logits give the first new token."""
+        exit_out, prefix_cache = self._prefix(prompt, self.cache)
+        logits, suffix_cache = self._suffix(exit_out.hidden, self.cache)
+        self.cache = TargetCache(prefix_cache, suffix_cache)
+        self.stats.target_steps += 1
+        return choose(logits[-1], self.cfg.params, self._target_rng(len(prompt)))
+
+    def target_step(self, ctx: list[int]) -> tuple[int, ...]:
+        """One token from the target alone (ar, and the fallback when the draft is unavailable)."""
+        exit_out, prefix_cache = self._prefix([ctx[-1]], self.cache)
+        logits, suffix_cache = self._suffix(exit_out.hidden, self.cache)
+        self.cache = TargetCache(prefix_cache, suffix_cache)
+        self.stats.target_steps += 1
+        return (choose(logits[0], self.cfg.params, self._target_rng(len(ctx))),)
+
+    def fresh_window(self, ctx: list[int], gamma: int) -> DraftWindow | None:
+        """A serial rollout; None (and a counted fallback) when the draft fails, stalls, or is still stalled."""
+        if self.worker is None or not self.worker.responsive:
+            self.stats.fallbacks += 1
+            return None
+        answer = self._wait(self.worker.submit(Rollout(tuple(ctx), gamma)))
+        if not isinstance(answer, DraftWindow):
+            self.stats.fallbacks += 1
+            return None
+        self.stats.fresh_rollouts += 1
+        return answer
+
+    def _wait(self, ticket: int) -> object | None:
+        start = time.perf_counter()
+        answer = self.worker.wait(ticket, self.cfg.draft_timeout_s)
+        self.stats.draft_wait_s += time.perf_counter() - start
+        if answer is None:
+            self.stats.draft_timeouts += 1
+        elif isinstance(answer, DraftFailed):
+            self.stats.draft_failures += 1
+        return answer
+
+    def speculative_step(self, ctx: list[int], window: DraftWindow) -> tuple[tuple[int, ...], DraftWindow | None]:
+        """Verify `window` (continuing ctx); returns the committed tokens and, in mirror mode, the next window
+        when a branch for the outcome was ready."""
+        w = window.tokens
+        # 1. prefix on the verification window [pending] + w
+        exit_out, prefix_cache = self._prefix([ctx[-1], *w], self.cache)
+        # 2. mirror: the early-exit candidates go to the draft thread at once
+        ticket, plan = None, ()
+        if self.cfg.mode == "mirror" and self.worker.responsive:
+            k = self.cfg.kappa
+            candidates = ExitCandidates(tuple(ctx), w, frozen(exit_out.topk_ids[:, :k]),
+                                        frozen(exit_out.topk_logprobs[:, :k]))
+            plan = plan_branches(candidates, k, self.budget, self._accept_rate())
+            ticket = self.worker.submit(Branches(candidates, plan, self.cfg.gamma))
+        # 3. suffix (the draft works meanwhile), verify, trim the target cache to what was accepted
+        logits, suffix_cache = self._suffix(exit_out.hidden, self.cache)
+        ready_under_suffix = ticket is not None and self.worker.poll(ticket) is not None
+        verdict = verify(w, window.logits, logits, self.cfg.params, self._target_rng(len(ctx)))
+        self.cache = TargetCache(prefix_cache, suffix_cache).trim(len(ctx) + verdict.accepted)
+        self.stats.target_steps += 1
+        self.stats.proposed += len(w)
+        self.stats.accepted += verdict.accepted
+        # 4. the next window from a ready branch, if one was planned for this outcome
+        next_window = None
+        if ticket is not None:
+            self.stats.branch_lookups += 1
+            self._adapt_budget(ready_under_suffix)
+            key = (verdict.accepted, verdict.token)
+            if key in plan:
+                answer = self._wait(ticket)
+                if isinstance(answer, BranchSet) and key in answer.windows:
+                    next_window = answer.windows[key]
+                    self.stats.branch_hits += 1
+            else:
+                self.worker.cancel(ticket)
+        return verdict.committed(w), next_window
+
+    def _accept_rate(self) -> float:
+        """Draft tokens accepted so far, smoothed toward 1/2 (the planner's prior for a window token)."""
+        return (self.stats.accepted + 1) / (self.stats.proposed + 2)
+
+    def _adapt_budget(self, ready_under_suffix: bool) -> None:
+        """A given budget stays fixed. Otherwise it moves within [kappa, (gamma+1)*kappa]: up by kappa while
+        the branch set is done before the suffix ends, halved when it is not. Rows of one batched rollout cost
+        far less than their number of forwards, so the floor is a full row of candidates, not 1."""
+        if self.cfg.branch_budget is not None:
+            return
+        if ready_under_suffix:
+            self.budget = min(self.max_budget, self.budget + self.cfg.kappa)
+        else:
+            self.budget = max(self.cfg.kappa, self.budget // 2)
+        self.stats.branch_budget = self.budget
+
+
+def decode(target: Target, drafter: Drafter | None, prompt: tuple[int, ...], cfg: DecodeConfig,
+           stats: Counters, on_worker=None) -> Iterator[int]:
+    """Yield the new tokens one at a time as they are committed. Stops after cfg.max_new_tokens; the caller
+    stops earlier (EOS, stop strings) by closing the generator, which also stops the draft thread.
+
+    drafter None in sd/mirror mode: the draft is unavailable (e.g. still stalled from an earlier call), and
+    every step runs on the target alone. `on_worker(worker)` is told the worker, to learn whether it stopped.
+    """
+    worker = None
+    if cfg.mode != "ar" and drafter is not None:
+        worker = DraftWorker(drafter, threaded=cfg.overlap)
+        if on_worker:
+            on_worker(worker)
+    dec = _Decoder(target, worker, cfg, stats)
+    stats.branch_budget = dec.budget
+    ctx = list(prompt)
+    try:
+        if worker is not None:
+            worker.submit(Warm(tuple(prompt)))  # the draft reads the prompt while the target does
+        ctx.append(dec.prefill(tuple(prompt)))
+        yield ctx[-1]
+        window: DraftWindow | None = None
+        while len(ctx) - len(prompt) < cfg.max_new_tokens:
+            # gamma shrinks at the end so that no step verifies tokens it could not commit
+            gamma = min(cfg.gamma, cfg.max_new_tokens - (len(ctx) - len(prompt)) - 1)
+            if cfg.mode != "ar" and gamma > 0 and window is None:
+                window = dec.fresh_window(ctx, gamma)
+            if cfg.mode == "ar" or gamma == 0 or window is None:
+                new, window = dec.target_step(ctx), None
+            else:
+                assert window.context_len == len(ctx), "a window must continue the committed tokens"
+                new, window = dec.speculative_step(ctx, window.head(gamma))
+            for token in new:
+                ctx.append(token)
+                yield token
+    finally:
+        if worker is not None:
+            worker.close(timeout=min(cfg.draft_timeout_s, 1.0))
+            worker.record_into(stats)

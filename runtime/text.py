@@ -1,0 +1,98 @@
+"""Text in and out: the bundle's tokenizer (tokenizers, no transformers), its chat template (jinja2), and an
+incremental detokenizer that streams text and finds stop strings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mirror_sd.errors import BadInputError, ManifestError
+from mirror_sd.partitions.manifest import Manifest, resolve_inside
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class TextCodec:
+    def __init__(self, bundle: str | Path, manifest: Manifest) -> None:
+        from tokenizers import Tokenizer
+
+        if TOKENIZER_FILE not in manifest.tokenizer.files:
+            raise ManifestError(f"the bundle's manifest lists no {TOKENIZER_FILE}")
+        path = resolve_inside(Path(bundle).resolve(), TOKENIZER_FILE)
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a malformed file
+            raise ManifestError(f"cannot read {TOKENIZER_FILE}: {e}") from None
+        self.facts = manifest.tokenizer
+
+    def _token(self, token_id: int | None) -> str:
+        return (self.tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """Render chat messages with the bundle's template, ending with the assistant's turn."""
+        if not self.facts.chat_template:
+            raise BadInputError("the bundle has no chat template; give the prompt as text or token ids")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise BadInputError(f"chat message {i} must be a dict with string 'role' and 'content'")
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise BadInputError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        eos = self.facts.eos_token_ids[0] if self.facts.eos_token_ids else None
+        try:
+            return env.from_string(self.facts.chat_template).render(
+                messages=messages, add_generation_prompt=True,
+                bos_token=self._token(self.facts.bos_token_id), eos_token=self._token(eos))
+        except TemplateError as e:
+            raise BadInputError(f"the bundle's chat template failed to render: {e}") from None
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class TextSink:
+    """Collects committed tokens; says what text is safe to show and whether generation is finished.
+
+    Text is held back while it ends in an incomplete UTF-8 character or in a possible start of a stop string.
+    A stop string ends generation: the text stops before it; token_ids keep the token that completed it.
+    """
+
+    def __init__(self, codec: TextCodec, stop: tuple[str, ...], eos_token_ids: tuple[int, ...]) -> None:
+        self.codec, self.stop, self.eos = codec, stop, set(eos_token_ids)
+        self.ids: list[int] = []
+        self.text = ""
+        self.shown = 0  # characters of self.text already given out
+        self.finish_reason: str | None = None
+
+    def add(self, token: int) -> str:
+        """Commit one token; returns the new text to show (possibly empty)."""
+        self.ids.append(token)
+        self.text = self.codec.decode(self.ids)
+        if token in self.eos:
+            self.finish_reason = "eos"
+            return self.flush()
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.shown - len(s)))
+            if at >= 0:
+                self.text, self.finish_reason = self.text[:at], "stop"
+                return self.flush()
+        safe = len(self.text.rstrip("\ufffd"))
+        head = self.text[:safe]
+        hold = max((n for s in self.stop for n in range(1, min(len(s), safe + 1)) if head.endswith(s[:n])), default=0)
+        return self._show(max(safe - hold, self.shown))  # hold back a tail that could grow into a stop string
+
+    def flush(self) -> str:
+        return self._show(len(self.text))
+
+    def _show(self, upto: int) -> str:
+        delta, self.shown = self.text[self.shown:upto], upto
+        return delta
