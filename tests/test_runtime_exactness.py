@@ -1,0 +1,93 @@
+"""Greedy ar == sd == mirror, token for token, on tiny bundles; and the slow reference generator agrees.
+
+The grid: four architectures at the default split (l_e 3 of 6, k 8); llama also at l_e 1 (k 4) and l_e 5 (k 1).
+Per bundle: gamma in {1, 3, 6}, kappa in {1, 4, 8} (capped at the bundle's k), overlap on and off.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.reference import reference_generate
+
+PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
+NEW_TOKENS = 20
+BUNDLES = [("llama", 3, 8), ("qwen2", 3, 8), ("qwen3", 3, 8), ("mistral", 3, 8), ("llama", 1, 4), ("llama", 5, 1)]
+
+
+@pytest.fixture(scope="module")
+def pipelines(bundle_factory):
+    cache: dict[tuple, Pipeline] = {}
+
+    def get(arch: str, exit_layer: int = 3, top_k: int = 8, self_draft: bool = False) -> Pipeline:
+        key = (arch, exit_layer, top_k, self_draft)
+        if key not in cache:
+            cache[key] = Pipeline.load(bundle_factory(arch, exit_layer=exit_layer, top_k=top_k, self_draft=self_draft))
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("arch, exit_layer, top_k", BUNDLES, ids=[f"{a}-le{e}-k{k}" for a, e, k in BUNDLES])
+def test_sd_and_mirror_equal_ar(pipelines, arch, exit_layer, top_k):
+    pipe = pipelines(arch, exit_layer, top_k)
+    for prompt in PROMPTS[1:]:  # one prompt for the full grid keeps the suite fast; the others use PROMPTS[0]
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+        assert len(ar.token_ids) == NEW_TOKENS or ar.finish_reason == "eos"
+        assert ar.stats["mean_accepted_tokens"] == 1.0
+        runs = [("sd", g, None, o) for g, o in itertools.product((1, 3, 6), (True, False))]
+        runs += [("mirror", g, k, o) for g, k, o in itertools.product((1, 3, 6), (1, 4, 8), (True, False)) if k <= top_k]
+        for mode, gamma, kappa, overlap in runs:
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=gamma, kappa=kappa, overlap=overlap)
+            assert out.token_ids == ar.token_ids, f"{mode} gamma={gamma} kappa={kappa} overlap={overlap} prompt={prompt}"
+            assert out.stats["fallbacks"] == 0
+
+
+def test_reference_generator_agrees(pipelines):
+    pipe = pipelines("llama")
+    prompt = PROMPTS[1]
+    plain = reference_generate(pipe.target, None, prompt, 16)
+    speculative = reference_generate(pipe.target, pipe.draft, prompt, 16, gamma=3)
+    assert plain == speculative == pipe.generate(prompt, mode="mirror", max_new_tokens=16).token_ids
+
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_self_draft_is_accepted(pipelines, mode):
+    """A draft identical to the target is accepted (almost) always."""
+    pipe = pipelines("llama", self_draft=True)
+    ar = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=40)
+    out = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=40, gamma=4)
+    assert out.token_ids == ar.token_ids
+    assert out.stats["acceptance_rate"] >= 0.95
+    assert out.stats["mean_accepted_tokens"] > 3.0
+
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_random_draft_is_rejected_and_output_exact(pipelines, mode):
+    """The fixture's draft is an unrelated random model: (almost) never accepted, output still exact."""
+    pipe = pipelines("llama")
+    ar = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=40)
+    out = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=40, gamma=4)
+    assert out.token_ids == ar.token_ids
+    assert out.stats["acceptance_rate"] <= 0.1
+    assert out.stats["mean_accepted_tokens"] < 1.2
+
+
+def test_stats_keys_and_meaning(pipelines):
+    pipe = pipelines("llama", self_draft=True)
+    required = {"tokens_per_second", "ttft_s", "new_tokens", "target_steps", "acceptance_rate",
+                "mean_accepted_tokens", "branch_hit_rate", "fallbacks", "draft_tokens_per_forward", "prefix_s",
+                "suffix_s", "draft_s", "draft_hidden_fraction"}
+    for mode in ("ar", "sd", "mirror"):
+        stats = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=20).stats
+        assert required <= stats.keys()
+        assert stats["new_tokens"] == 20
+        assert stats["mean_accepted_tokens"] == pytest.approx(20 / stats["target_steps"])
+        assert 0.0 <= stats["draft_hidden_fraction"] <= 1.0 and 0.0 <= stats["branch_hit_rate"] <= 1.0
+        if mode == "ar":
+            assert stats["target_steps"] == 20 and stats["draft_s"] == 0.0
+        else:
+            assert stats["draft_tokens_per_forward"] == 1.0 and stats["draft_s"] > 0

@@ -1,0 +1,96 @@
+"""Pure pieces of the runtime: verification rules, sampling warps, the branch planner, KV caches, text sink."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mirror_sd.runtime.draft import plan_branches
+from mirror_sd.runtime.kv import KVCache
+from mirror_sd.runtime.messages import ExitCandidates
+from mirror_sd.runtime.sampling import SamplingParams, warp
+from mirror_sd.runtime.stats import overlap_seconds
+from mirror_sd.runtime.verify import greedy_accept, speculative_accept
+
+
+def one_hot_logits(tokens: list[int], vocab: int = 10) -> np.ndarray:
+    logits = np.zeros((len(tokens), vocab), np.float32)
+    logits[np.arange(len(tokens)), tokens] = 5.0
+    return logits
+
+
+@pytest.mark.parametrize("window, target, accepted, token", [
+    ((1, 2, 3), [1, 2, 3, 4], 3, 4),  # all accepted: bonus token
+    ((1, 2, 3), [1, 7, 3, 4], 1, 7),  # correction at slot 1; later agreement does not count
+    ((1, 2, 3), [9, 2, 3, 4], 0, 9),
+    ((), [5], 0, 5),  # no window: the target's own token
+])
+def test_greedy_accept(window, target, accepted, token):
+    verdict = greedy_accept(window, one_hot_logits(target))
+    assert (verdict.accepted, verdict.token) == (accepted, token)
+    assert verdict.committed(window) == tuple(window[:accepted]) + (token,)
+
+
+def test_speculative_accept_follows_target_distribution():
+    """Speculative sampling with residual resampling: the committed first token follows p exactly, for a q
+    that overlaps p only partly (acceptance and residual paths both taken)."""
+    params = SamplingParams(temperature=1.0)
+    p_logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05], [0.25] * 4]))
+    q_logits = np.log(np.array([[0.1, 0.2, 0.3, 0.4]]))
+    p, q = warp(p_logits[0], params), warp(q_logits[0], params)
+    rng = np.random.default_rng(0)
+    n = 40_000
+    counts = np.zeros(4)
+    for _ in range(n):
+        x = int(rng.choice(4, p=q))
+        verdict = speculative_accept((x,), q_logits, p_logits, params, rng)
+        counts[x if verdict.accepted else verdict.token] += 1
+    assert np.abs(counts / n - p).max() < 0.01
+    chi2 = ((counts - n * p) ** 2 / (n * p)).sum()
+    assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+def test_warp_filters():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
+    assert np.allclose(warp(logits, SamplingParams(1.0)), [0.4, 0.3, 0.2, 0.1])
+    assert np.allclose(warp(logits, SamplingParams(1.0, top_k=2)), [4 / 7, 3 / 7, 0, 0])
+    assert np.allclose(warp(logits, SamplingParams(1.0, top_p=0.65)), [4 / 7, 3 / 7, 0, 0])
+    assert np.allclose(warp(logits, SamplingParams(1.0, top_p=0.1)), [1, 0, 0, 0])
+
+
+def test_plan_branches_orders_by_exit_probability():
+    # window (4, 5); exit top-2 rows for slot 0, slot 1 and the bonus position
+    ids = np.array([[4, 7], [8, 5], [1, 2]])
+    lps = np.log(np.array([[0.6, 0.3], [0.7, 0.2], [0.5, 0.4]]))
+    c = ExitCandidates((3,), (4, 5), ids, lps)
+    plan = plan_branches(c, kappa=2, budget=10)
+    # (0,7): 0.3; (1,8): 0.6*0.7=.42; (2,1): 0.6*0.2*0.5=.06; (2,2): .048; (0,4) and (1,5) are acceptances
+    assert plan == ((1, 8), (0, 7), (2, 1), (2, 2))
+    assert plan_branches(c, kappa=1, budget=10) == ((1, 8), (2, 1))
+    assert plan_branches(c, kappa=2, budget=1) == ((1, 8),)
+    # a measured acceptance rate above the exit proxy raises deep outcomes
+    # (1,8): .99*.7; (2,1): .99*.99*.5 now above (0,7): .3
+    assert plan_branches(c, kappa=2, budget=2, accept_rate=0.99) == ((1, 8), (2, 1))
+
+
+def test_kv_cache_trim_fork_row():
+    cache = KVCache.empty(range(2), 1, 2, 4)
+    rng = np.random.default_rng(0)
+    outputs = {f"present.{i}.{kv}": rng.normal(size=(1, 2, 5, 4)).astype(np.float32) for i in range(2) for kv in ("key", "value")}
+    full = cache.extended(outputs, np.ones((1, 5), np.int64))
+    assert full.slots == 5 and full.next_positions().tolist() == [5]
+    short = full.trim(3)
+    assert short.slots == 3 and np.array_equal(short.keys[1], outputs["present.1.key"][:, :, :3])
+    forked = short.repeat(3)
+    assert forked.batch == 3 and np.array_equal(forked.values[0][2], short.values[0][0])
+    holes = KVCache(forked.layers, forked.keys, forked.values, np.array([[1, 1, 1], [1, 0, 1], [0, 1, 1]]))
+    row = holes.row(1)
+    assert row.slots == 2 and np.array_equal(row.keys[0][0], short.keys[0][0][:, [0, 2]])
+    assert holes.next_positions().tolist() == [3, 2, 2]
+    with pytest.raises(ValueError):
+        full.trim(6)
+
+
+def test_overlap_seconds():
+    assert overlap_seconds([(0, 2), (3, 5)], [(1, 4)]) == pytest.approx(2.0)
+    assert overlap_seconds([(0, 1)], []) == 0.0
