@@ -136,7 +136,7 @@ class Pipeline:
         stats = Counters(cfg.mode, gamma=cfg.gamma if cfg.mode != "ar" else 0,
                          kappa=cfg.kappa if cfg.mode == "mirror" else 0,
                          target_device=self.target.device, draft_device=self.draft.device)
-        sink = TextSink(self.codec, stop, self.manifest.tokenizer.eos_token_ids)
+        sink = TextSink(self.codec, stop, self.manifest.tokenizer.eos_token_ids, cfg.max_new_tokens)
         drafter = self._drafter(cfg) if cfg.mode != "ar" else None
         tokens = decode(self.target, drafter, tuple(ids), cfg, stats, on_worker=self._remember)
         start = time.perf_counter()

@@ -66,8 +66,9 @@ class TextSink:
     A stop string ends generation: the text stops before it; token_ids keep the token that completed it.
     """
 
-    def __init__(self, codec: TextCodec, stop: tuple[str, ...], eos_token_ids: tuple[int, ...]) -> None:
-        self.codec, self.stop, self.eos = codec, stop, set(eos_token_ids)
+    def __init__(self, codec: TextCodec, stop: tuple[str, ...], eos_token_ids: tuple[int, ...],
+                 max_tokens: int) -> None:
+        self.codec, self.stop, self.eos, self.max_tokens = codec, stop, set(eos_token_ids), max_tokens
         self.ids: list[int] = []
         self.text = ""
         self.shown = 0  # characters of self.text already given out
@@ -85,6 +86,9 @@ class TextSink:
             if at >= 0:
                 self.text, self.finish_reason = self.text[:at], "stop"
                 return self.flush()
+        if len(self.ids) >= self.max_tokens:
+            self.finish_reason = "length"
+            return self.flush()
         safe = len(self.text.rstrip("\ufffd"))
         head = self.text[:safe]
         hold = max((n for s in self.stop for n in range(1, min(len(s), safe + 1)) if head.endswith(s[:n])), default=0)

@@ -1,0 +1,208 @@
+"""Pipeline API, CLI generate, every bad input, and a draft that fails or stalls mid-generation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mirror_sd.cli import main
+from mirror_sd.errors import BadInputError, ManifestError, MirrorSDError
+from mirror_sd.runtime.engines import GraphEngine
+from mirror_sd.runtime.pipeline import Pipeline
+
+PROMPT = [5, 17, 33]
+
+
+@pytest.fixture(scope="module")
+def bundle(bundle_factory) -> Path:
+    return bundle_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def pipe(bundle) -> Pipeline:
+    return Pipeline.load(bundle)
+
+
+# -- API ------------------------------------------------------------------------------------------------------
+def test_prompt_forms_and_streaming(pipe):
+    from mirror_sd import Pipeline as Exported
+
+    assert Exported is Pipeline
+    text = pipe.generate("def f(x):", mode="mirror", max_new_tokens=12)
+    assert text.token_ids == pipe.generate(pipe.prompt_ids("def f(x):"), mode="ar", max_new_tokens=12).token_ids
+    chat = pipe.generate([{"role": "user", "content": "hi"}], max_new_tokens=6)
+    rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.token_ids == pipe.generate(pipe.codec.encode(rendered, special=False), max_new_tokens=6).token_ids
+
+    seen: list[tuple[int, str]] = []
+    result = pipe.generate(PROMPT, max_new_tokens=15, streamer=lambda t, s: seen.append((t, s)))
+    assert [t for t, _ in seen] == result.token_ids and "".join(s for _, s in seen) == result.text
+    stream = pipe.stream(PROMPT, max_new_tokens=15)
+    assert [c.token_id for c in stream] == result.token_ids and stream.result.token_ids == result.token_ids
+
+
+def test_stops_at_eos_stop_string_and_length(pipe):
+    full = pipe.generate(PROMPT, mode="ar", max_new_tokens=30)
+    assert full.finish_reason == "length" and len(full.token_ids) == 30
+    # A stop string taken from the middle of the text: generation ends there in every mode, text cut before it.
+    stop = full.text[len(full.text) // 2:][:3]
+    for mode in ("ar", "sd", "mirror"):
+        out = pipe.generate(PROMPT, mode=mode, max_new_tokens=30, stop=[stop])
+        assert out.finish_reason == "stop" and stop not in out.text and full.text.startswith(out.text)
+        assert out.token_ids == full.token_ids[:len(out.token_ids)]
+    # EOS: make the target's 5th token the EOS id of a copy of the pipeline
+    eos = full.token_ids[4]
+    manifest = pipe.manifest.__class__(**{**pipe.manifest.__dict__,
+                                          "tokenizer": pipe.manifest.tokenizer.__class__(
+                                              **{**pipe.manifest.tokenizer.__dict__, "eos_token_ids": (eos,)})})
+    eos_pipe = Pipeline(manifest, pipe.target, pipe.draft, pipe.codec)
+    for mode in ("ar", "mirror"):
+        out = eos_pipe.generate(PROMPT, mode=mode, max_new_tokens=30)
+        assert out.finish_reason == "eos" and out.token_ids == full.token_ids[:full.token_ids.index(eos) + 1]
+
+
+def test_sampling_is_seeded(pipe):
+    a = pipe.generate(PROMPT, mode="mirror", max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+    b = pipe.generate(PROMPT, mode="mirror", max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+    assert a.token_ids == b.token_ids
+
+
+# -- bad input ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options, match", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(mode="beam"), "unknown mode"),
+    (dict(gamma=0), "gamma"),
+    (dict(kappa=9), "kappa"),
+    (dict(max_new_tokens=510), "context limit"),
+])
+def test_bad_options(pipe, options, match):
+    with pytest.raises(BadInputError, match=match):
+        pipe.generate(PROMPT, **options)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("", "empty"), ([], "empty"), ([5, 384], "outside the vocabulary"), ([-1], "outside the vocabulary"),
+    ([{"role": "user"}], "chat message"), (3.5, "must be a string"),
+])
+def test_bad_prompts(pipe, prompt, match):
+    with pytest.raises(BadInputError, match=match):
+        pipe.generate(prompt)
+
+
+def test_bad_devices(bundle):
+    with pytest.raises(BadInputError, match="ONNX Runtime device"):
+        Pipeline.load(bundle, target_device="tpu")
+    with pytest.raises(BadInputError, match="OpenVINO device"):
+        Pipeline.load(bundle, draft_device="FPGA")
+
+
+def _broken_copy(bundle: Path, tmp_path: Path, edit) -> Path:
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    edit(copy)
+    return copy
+
+
+def _edit_manifest(change):
+    def edit(copy: Path) -> None:
+        path = copy / "manifest.json"
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data))
+    return edit
+
+
+def _set_file(role: str, file: str):
+    def change(data):
+        next(p for p in data["partitions"] if p["role"] == role)["file"] = file
+    return change
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: (c / "draft.onnx").unlink(), "missing"),
+    (lambda c: (c / "manifest.json").write_text("{not json"), "cannot read"),
+    (_edit_manifest(lambda d: d.update(format_version=99)), "format_version"),
+    (_edit_manifest(_set_file("draft", "../draft.onnx")), "outside the bundle"),
+    (_edit_manifest(_set_file("draft", "target_prefix.onnx")), "do not match the manifest"),
+])
+def test_bad_bundles(bundle, tmp_path, edit, match):
+    with pytest.raises(ManifestError, match=match):
+        Pipeline.load(_broken_copy(bundle, tmp_path, edit))
+    with pytest.raises(ManifestError):
+        Pipeline.load(tmp_path / "nowhere")
+
+
+def test_cli_errors_are_one_line(bundle, capsys):
+    for argv in (["generate", str(bundle), "--prompt-ids", "5,999"], ["generate", str(bundle), "--prompt", ""],
+                 ["generate", str(bundle), "--prompt-ids", "5", "--mode", "nope"],
+                 ["generate", str(bundle), "--prompt-ids", "5", "--temperature", "-1"],
+                 ["generate", str(bundle) + "-missing", "--prompt-ids", "5"],
+                 ["generate", str(bundle), "--prompt-ids", "5,x"]):
+        assert main(argv) != 0
+        err = capsys.readouterr().err
+        assert err.startswith("mirror-sd: error:") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_generate_json_subprocess(bundle):
+    exe = Path(sys.executable).with_name("mirror-sd")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mirror_sd.cli"]
+    done = subprocess.run([*cmd, "generate", str(bundle), "--prompt-ids", "5,17,33", "--mode", "mirror", "--json",
+                           "--max-new-tokens", "10"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert set(out) == {"token_ids", "text", "stats"} and len(out["token_ids"]) == 10
+    assert out["stats"]["mode"] == "mirror" and out["stats"]["new_tokens"] == 10
+
+
+# -- a draft that fails or stalls -----------------------------------------------------------------------------
+class FaultyDraft(GraphEngine):
+    """The real OpenVINO draft engine, made to raise (or stall) on chosen calls of `run`."""
+
+    def __init__(self, real: GraphEngine, fail_on: set[int], stall_s: float = 0.0) -> None:
+        super().__init__(real.graph, real.spec, real.facts)
+        self.fail_on, self.stall_s, self.calls = fail_on, stall_s, 0
+
+    def run(self, x, cache, new_mask=None):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            if self.stall_s:
+                time.sleep(self.stall_s)
+            else:
+                raise RuntimeError(f"injected draft failure on call {self.calls}")
+        return super().run(x, cache, new_mask)
+
+
+@pytest.mark.parametrize("mode, overlap", [("sd", True), ("mirror", True), ("mirror", False)])
+def test_draft_exception_falls_back(pipe, mode, overlap):
+    ar = pipe.generate(PROMPT, mode="ar", max_new_tokens=30)
+    faulty = Pipeline(pipe.manifest, pipe.target, FaultyDraft(pipe.draft, {4, 9, 10, 11, 12, 30}), pipe.codec)
+    out = faulty.generate(PROMPT, mode=mode, max_new_tokens=30, overlap=overlap)
+    assert out.token_ids == ar.token_ids
+    assert out.stats["draft_failures"] >= 2 and out.stats["fallbacks"] >= 1
+
+
+def test_draft_stall_times_out_without_hanging(pipe):
+    ar = pipe.generate(PROMPT, mode="ar", max_new_tokens=30)
+    faulty = Pipeline(pipe.manifest, pipe.target, FaultyDraft(pipe.draft, {6}, stall_s=1.5), pipe.codec)
+    start = time.perf_counter()
+    out = faulty.generate(PROMPT, mode="mirror", max_new_tokens=30, draft_timeout_s=0.2)
+    assert out.token_ids == ar.token_ids
+    assert out.stats["draft_timeouts"] >= 1 and out.stats["fallbacks"] >= 1
+    assert time.perf_counter() - start < 5.0
+    # The next call waits for the stalled thread (or runs on the target alone), never uses the engine twice.
+    again = faulty.generate(PROMPT, mode="sd", max_new_tokens=30)
+    assert again.token_ids == ar.token_ids
+
+
+def test_errors_are_typed():
+    assert issubclass(BadInputError, MirrorSDError) and issubclass(ManifestError, MirrorSDError)
