@@ -1,0 +1,63 @@
+"""Lossless sampling, measured: the first two new tokens of sd / mirror sampling follow the target's exact joint
+distribution p(t1) p(t2 | t1), computed from the target's own logits.
+
+With max_new_tokens=3 and gamma 1, t1 comes from the prefill and t2 from the first speculative step (an accepted
+draft token or a residual resample), so both rules of speculative sampling are exercised. The random draft is
+mostly rejected (residual path); the self-draft is mostly accepted (acceptance + bonus path). The seeds are
+fixed, so the test is deterministic; the threshold is the chi-square 0.999 quantile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.sampling import SamplingParams, warp
+
+PROMPT = [5, 17, 33]
+PARAMS = SamplingParams(temperature=0.3)  # peaked enough that the joint has few cells worth testing
+SAMPLES = 500
+
+
+def exact_joint(pipe: Pipeline) -> dict[tuple[int, int], float]:
+    logits, _ = pipe.target.forward(PROMPT, pipe.target.empty_cache())
+    p1 = warp(logits[-1], PARAMS)
+    joint = {}
+    for t1 in np.flatnonzero(p1 > 1e-6):
+        nxt, _ = pipe.target.forward([*PROMPT, int(t1)], pipe.target.empty_cache())
+        p2 = warp(nxt[-1], PARAMS)
+        for t2 in np.flatnonzero(p1[t1] * p2 > 1e-9):
+            joint[(int(t1), int(t2))] = float(p1[t1] * p2[t2])
+    return joint
+
+
+def chi_square_quantile_999(dof: int) -> float:
+    """Wilson-Hilferty approximation of the chi-square 0.999 quantile."""
+    z = 3.090
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("self_draft, mode", [(False, "sd"), (False, "mirror"), (True, "mirror")])
+def test_sampling_follows_target_distribution(bundle_factory, self_draft, mode):
+    pipe = Pipeline.load(bundle_factory("llama", self_draft=self_draft))
+    joint = exact_joint(pipe)
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(SAMPLES):
+        out = pipe.generate(PROMPT, mode=mode, max_new_tokens=3, gamma=1, temperature=PARAMS.temperature, seed=seed,
+                            overlap=False)
+        counts[tuple(out.token_ids[:2])] += 1
+        accepted += out.stats["accepted_tokens"]
+    # cells expected >= 5 times are tested one by one; the rest are pooled into one cell
+    big = [cell for cell, p in joint.items() if p * SAMPLES >= 5]
+    observed = [counts[c] for c in big] + [SAMPLES - sum(counts[c] for c in big)]
+    expected = [joint[c] * SAMPLES for c in big] + [SAMPLES * (1 - sum(joint[c] for c in big))]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    assert chi2 < chi_square_quantile_999(len(big)), f"chi2 {chi2:.1f} over {len(big) + 1} cells"
+    assert not set(counts) - set(joint), "a token pair of probability ~0 was produced"
+    rate = accepted / SAMPLES
+    assert rate > 0.8 if self_draft else rate < 0.3  # both speculative-sampling paths were taken
