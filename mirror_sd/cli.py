@@ -33,11 +33,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     from mirror_sd.runtime.pipeline import Pipeline
 
-    prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
-    if args.chat and args.prompt is not None:
-        prompt = [{"role": "user", "content": args.prompt}]
     pipe = Pipeline.load(args.bundle, target_device=args.target_device, draft_device=args.draft_device,
                          target_threads=args.target_threads, draft_threads=args.draft_threads)
+    prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
+    if args.prompt is not None and not args.raw and pipe.manifest.tokenizer.chat_template:
+        # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
+        prompt = [{"role": "user", "content": args.prompt}]
     options = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, gamma=args.gamma, kappa=args.kappa,
                    branch_budget=args.branch_budget, overlap=not args.no_overlap, stop=args.stop or ())
@@ -77,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 5,17,33")
-    g.add_argument("--chat", action="store_true", help="send --prompt as a user message through the chat template")
+    g.add_argument("--raw", action="store_true",
+                   help="send --prompt as plain text (default: as a user turn of the bundle's chat template, if any)")
     g.add_argument("--mode", default="mirror", help="ar (target only), sd (vanilla speculative) or mirror (default)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
