@@ -36,7 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
     pipe = Pipeline.load(args.bundle, target_device=args.target_device, draft_device=args.draft_device,
                          target_threads=args.target_threads, draft_threads=args.draft_threads)
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
-    if args.prompt is not None and not args.raw and pipe.manifest.tokenizer.chat_template:
+    if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
         prompt = [{"role": "user", "content": args.prompt}]
     options = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
