@@ -7,6 +7,7 @@ half-written bundle (and never touches what was at OUT).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,9 +22,10 @@ from mirror_sd import __version__
 from mirror_sd.errors import BadInputError, ExportError
 from mirror_sd.export import parity
 from mirror_sd.export.architectures import Architecture, architecture_of
+from mirror_sd.export.drafts import Draft, load_draft
 from mirror_sd.export.onnx_export import export_segment, partition_spec
 from mirror_sd.export.segments import LogitLens, Segment
-from mirror_sd.partitions.manifest import DraftFacts, Manifest, TargetFacts, TokenizerFacts
+from mirror_sd.partitions.manifest import Manifest, TargetFacts, TokenizerFacts
 
 DEFAULT_TOP_K = 8
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -38,6 +40,7 @@ class ExportOptions:
     top_k: int = DEFAULT_TOP_K  # k early-exit candidates per position
     force: bool = False  # replace a non-empty OUT
     validate: bool = True  # parity checks in both runtimes (always on from the CLI)
+    exit_adapter: str | None = None  # a trained exit adapter directory (models/exit_adapter.py); None: logit lens
 
 
 @dataclass
@@ -76,19 +79,47 @@ def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def check_options(opts: ExportOptions, target: LoadedModel, draft: LoadedModel) -> tuple[int, int]:
+def check_options(opts: ExportOptions, target: LoadedModel, draft: Draft) -> tuple[int, int]:
     """Validate the options against the models; returns (exit_layer, top_k)."""
     n = target.arch.num_layers
     exit_layer = n // 2 if opts.exit_layer is None else opts.exit_layer
+    if opts.exit_adapter is not None:
+        adapter_layer = _adapter_config(opts.exit_adapter)["exit_layer"]
+        if opts.exit_layer is not None and opts.exit_layer != adapter_layer:
+            raise BadInputError(f"the exit adapter was trained for layer {adapter_layer}, not EXIT_LAYER {opts.exit_layer}")
+        exit_layer = adapter_layer
     if not 1 <= exit_layer <= n - 1:
         raise BadInputError(f"EXIT_LAYER {exit_layer} is outside [1, {n - 1}] for a {n}-layer target")
     vocab = target.arch.facts()["vocab_size"]
     if not 1 <= opts.top_k <= vocab:
         raise BadInputError(f"TOPK {opts.top_k} is outside [1, {vocab}] (the vocabulary size)")
-    draft_vocab = draft.arch.facts()["vocab_size"]
+    draft_vocab = draft.facts().vocab_size
     if draft_vocab != vocab:
         raise BadInputError(f"the draft's vocabulary ({draft_vocab}) differs from the target's ({vocab})")
     return exit_layer, opts.top_k
+
+
+def _adapter_config(path: str) -> dict:
+    from mirror_sd.models.exit_adapter import CONFIG_NAME
+
+    config = Path(path).expanduser() / CONFIG_NAME
+    try:
+        return json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInputError(f"exit adapter {path!r} is not readable ({CONFIG_NAME}): {_first_line(e)}") from None
+
+
+def _exit_head(opts: ExportOptions, target: LoadedModel) -> torch.nn.Module:
+    backbone = target.arch.backbone(target.model)
+    lm_head = target.arch.lm_head(target.model)
+    if opts.exit_adapter is None:
+        return LogitLens(backbone.norm, lm_head)
+    from mirror_sd.models.exit_adapter import ExitAdapter
+
+    try:
+        return ExitAdapter.load(Path(opts.exit_adapter).expanduser(), backbone.norm, lm_head)
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        raise BadInputError(f"cannot load exit adapter {opts.exit_adapter!r}: {_first_line(e)}") from None
 
 
 def check_out_dir(out: Path, force: bool) -> None:
@@ -137,8 +168,9 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     out = Path(opts.out).expanduser()
     check_out_dir(out, opts.force)
     target = load_causal_lm(opts.model, "target")
-    draft = load_causal_lm(opts.draft, "draft")
+    draft = load_draft(opts.draft, load_causal_lm)
     exit_layer, top_k = check_options(opts, target, draft)
+    exit_head = _exit_head(opts, target)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -146,7 +178,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     os.umask(umask)
     staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the bundle should get ordinary permissions
     try:
-        manifest = _write_bundle(staging, target, draft, exit_layer, top_k, opts.validate, report, opts.model)
+        manifest = _write_bundle(staging, target, draft, exit_head, exit_layer, top_k, opts.validate, report)
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -155,20 +187,18 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     return manifest
 
 
-def _write_bundle(bundle: Path, target: LoadedModel, draft: LoadedModel, exit_layer: int, top_k: int,
-                  validate: bool, report: Callable[[str], None], target_source: str) -> Manifest:
-    t_model, d_model = target.model, draft.model
-    backbone = target.arch.backbone(t_model)
-    exit_head = LogitLens(backbone.norm, target.arch.lm_head(t_model))
+def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_head: torch.nn.Module, exit_layer: int,
+                  top_k: int, validate: bool, report: Callable[[str], None]) -> Manifest:
+    t_model = target.model
     t_facts = TargetFacts(**target.arch.facts(), exit_layer=exit_layer, top_k=top_k, exit_head=exit_head.kind)
-    d_facts = DraftFacts(**draft.arch.facts(), tokens_per_forward=1)
-    n, m = t_facts.num_layers, d_facts.num_layers
+    d_facts = draft.facts()
+    n = t_facts.num_layers
 
     segments = {
         "target_prefix": Segment(t_model, target.arch, 0, exit_layer, embed=True, head="exit", exit_head=exit_head,
                                  top_k=top_k),
         "target_suffix": Segment(t_model, target.arch, exit_layer, n, embed=False, head="final"),
-        "draft": Segment(d_model, draft.arch, 0, m, embed=True, head="final"),
+        "draft": draft.segment(),
     }
     specs = []
     for role, segment in segments.items():
@@ -177,13 +207,14 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: LoadedModel, exit_la
                               exit_head=exit_head.kind if role == "target_prefix" else None)
         report(f"exporting {role}: layers [{segment.start}, {segment.end}) -> {spec.file}")
         specs.append(export_segment(segment, spec, facts, bundle))
+    draft.write_files(bundle)
 
-    tokenizer = _tokenizer_facts(target_source, t_model, bundle, draft.source)
+    tokenizer = _tokenizer_facts(target.source, t_model, bundle, draft.source)
     manifest = Manifest(target=t_facts, draft=d_facts, partitions=tuple(specs), tokenizer=tokenizer,
                         producer=f"mirror-sd {__version__}")
     manifest.validate(bundle)
     if validate:
-        checks = parity.check_bundle(bundle, manifest, t_model, d_model, exit_head, report)
+        checks = parity.check_bundle(bundle, manifest, t_model, draft.reference, exit_head, report)
         manifest = replace(manifest, validation=parity.summary(checks))
         report(f"parity: all {len(checks)} checks passed in onnxruntime-cpu and openvino-cpu")
     manifest.save(bundle)

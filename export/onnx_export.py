@@ -16,8 +16,7 @@ import onnx
 import torch
 
 from mirror_sd.errors import ExportError
-from mirror_sd.export.segments import Segment
-from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, LOGITS, ModelFacts
+from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, LOGITS, STREAM_IDS, ModelFacts
 from mirror_sd.partitions.spec import BATCH, SEQUENCE, TOTAL, PartitionSpec, Role, TensorSpec, kv_specs
 
 OPSET = 17
@@ -28,9 +27,10 @@ DEFAULT_PLACEMENT = {"target_prefix": ("onnxruntime", "default"), "target_suffix
                      "draft": ("openvino", "default")}
 
 
-def partition_spec(role: Role, segment: Segment, facts: ModelFacts, file: str, top_k: int = 0,
+def partition_spec(role: Role, segment, facts: ModelFacts, file: str, top_k: int = 0,
                    exit_head: str | None = None) -> PartitionSpec:
-    """The I/O contract of `segment` in `role` (names, dtypes, symbolic axes)."""
+    """The I/O contract of `segment` in `role` (names, dtypes, symbolic axes). A draft's facts say whether its
+    logits cover a reduced vocabulary and whether it proposes stream tokens."""
     dtype = facts.dtype
     first = (TensorSpec(BOUNDARY, dtype, (BATCH, SEQUENCE, facts.hidden_size)) if role == "target_suffix"
              else TensorSpec("input_ids", "int64", (BATCH, SEQUENCE)))
@@ -42,11 +42,15 @@ def partition_spec(role: Role, segment: Segment, facts: ModelFacts, file: str, t
                  TensorSpec(EXIT_IDS, "int64", (BATCH, SEQUENCE, top_k)),
                  TensorSpec(EXIT_LOGPROBS, "float32", (BATCH, SEQUENCE, top_k)))
     else:
-        heads = (TensorSpec(LOGITS, dtype, (BATCH, SEQUENCE, facts.vocab_size)),)
+        width = getattr(facts, "output_vocab_size", 0) or facts.vocab_size
+        heads = (TensorSpec(LOGITS, dtype, (BATCH, SEQUENCE, width)),)
+        streams = getattr(facts, "streams", 0)
+        if streams:
+            heads += (TensorSpec(STREAM_IDS, "int64", (BATCH, SEQUENCE, streams)),)
     backend, device = DEFAULT_PLACEMENT[role]
     extra = {"exit_head": exit_head} if exit_head else {}
     return PartitionSpec(role, (segment.start, segment.end), file, inputs, heads + present, backend, device,
-                         extra=extra)
+                         tokens_per_forward=getattr(facts, "tokens_per_forward", 1), extra=extra)
 
 
 def sample_inputs(spec: PartitionSpec, facts: ModelFacts) -> tuple[torch.Tensor, ...]:
@@ -59,7 +63,7 @@ def sample_inputs(spec: PartitionSpec, facts: ModelFacts) -> tuple[torch.Tensor,
     return (first, mask, positions, *past)
 
 
-def export_segment(segment: Segment, spec: PartitionSpec, facts: ModelFacts, bundle_dir: Path) -> PartitionSpec:
+def export_segment(segment: torch.nn.Module, spec: PartitionSpec, facts: ModelFacts, bundle_dir: Path) -> PartitionSpec:
     """Write `spec.file` (and external data if the weights are large); returns the spec with its data files."""
     path = bundle_dir / spec.file
     weight_bytes = sum(p.numel() * p.element_size() for p in segment.parameters())

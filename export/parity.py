@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mirror_sd.errors import ParityError
-from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, LOGITS, Manifest
+from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, LOGITS, STREAM_IDS, Manifest
 from mirror_sd.partitions.spec import PartitionSpec
 from mirror_sd.runtime.backends import OpenedGraph, open_onnxruntime, open_openvino
 
@@ -39,6 +39,9 @@ RUNTIMES: dict[str, Callable[[Path], OpenedGraph]] = {
 }
 
 
+_COUNTS = (EXIT_IDS, STREAM_IDS)  # quantities that count mismatching ids: 0 passes
+
+
 @dataclass(frozen=True)
 class ParityCheck:
     runtime: str
@@ -47,12 +50,12 @@ class ParityCheck:
     batch: int
     past: int
     new: int
-    max_abs_diff: float  # for exit_topk_ids: the number of positions whose top-k set differs
+    max_abs_diff: float  # for exit_topk_ids / stream_ids: the number of mismatching positions / ids
     score: float  # worst ratio of difference to its allowance: <= 1 passes (for ids: the mismatch count, 0 passes)
 
     @property
     def passed(self) -> bool:
-        return self.score == 0 if self.quantity == EXIT_IDS else self.score <= 1.0
+        return self.score == 0 if self.quantity in _COUNTS else self.score <= 1.0
 
 
 def _compare(graph: np.ndarray, ref: torch.Tensor) -> tuple[float, float]:
@@ -117,9 +120,11 @@ def sample_ids(bundle_dir: Path, batch: int, length: int) -> np.ndarray:
     return np.array([ids[3 * b: 3 * b + length] for b in range(batch)], dtype=np.int64)
 
 
-def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft, exit_head: torch.nn.Module,
+def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, exit_head: torch.nn.Module,
                  report: Callable[[str], None] = print) -> list[ParityCheck]:
-    """Run the grid in every runtime; returns all checks, raises ParityError listing the failures."""
+    """Run the grid in every runtime; returns all checks, raises ParityError listing the failures.
+
+    draft_reference(ids [B,T]) -> the draft graph's head outputs in torch (logits, and stream_ids if any)."""
     t = manifest.target
     prefix, suffix, draft_spec = (manifest.partition(r) for r in ("target_prefix", "target_suffix", "draft"))
     checks: list[ParityCheck] = []
@@ -131,7 +136,7 @@ def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft, exit_head:
                 ref = target(torch.from_numpy(ids), output_hidden_states=True)
                 ref_hidden = ref.hidden_states[t.exit_layer]
                 ref_exit = torch.log_softmax(exit_head(ref_hidden).float(), dim=-1)
-                ref_draft = draft(torch.from_numpy(ids)).logits
+                ref_draft = draft_reference(torch.from_numpy(ids))
 
             results: dict[tuple[str, str], list[tuple[float, float]]] = {}
 
@@ -145,9 +150,12 @@ def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft, exit_head:
                 record("target", EXIT_LOGPROBS, lp_check)
                 record("target", EXIT_IDS, (float(mismatches), float(mismatches)))
             for seq, out in _run_chain([opened["draft"]], ids, past, new):
-                record("draft", LOGITS, _compare(out[LOGITS], ref_draft[:, seq]))
+                record("draft", LOGITS, _compare(out[LOGITS], ref_draft[LOGITS][:, seq]))
+                if STREAM_IDS in ref_draft:
+                    mismatches = float((out[STREAM_IDS] != ref_draft[STREAM_IDS][:, seq].numpy()).sum())
+                    record("draft", STREAM_IDS, (mismatches, mismatches))
             for (graph, quantity), values in results.items():
-                combine = sum if quantity == EXIT_IDS else max
+                combine = sum if quantity in _COUNTS else max
                 checks.append(ParityCheck(runtime, graph, quantity, batch, past, new,
                                           combine(v[0] for v in values), combine(v[1] for v in values)))
     for line in format_checks(checks):

@@ -91,3 +91,28 @@ def make_pair(root: str | Path, architecture: str = "llama", target_layers: int 
                        **{**config_overrides, **draft_sizes})
     (root / "pair.json").write_text(json.dumps({"architecture": architecture, "target": str(target), "draft": str(draft)}))
     return target, draft
+
+
+def make_streaming_draft(out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0, streams: int = 3,
+                         keep_every: int = 2) -> Path:
+    """A random-weight streaming draft (models/streaming_draft.py) over every `keep_every`-th target id, with the
+    target's tokenizer copied in; returns its directory."""
+    from transformers import AutoTokenizer
+
+    from mirror_sd.models.streaming_draft import StreamingDraft, StreamingDraftConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    vocab = len(tokenizer)
+    config = StreamingDraftConfig(target_vocab_size=vocab, vocab_ids=list(range(0, vocab, keep_every)),
+                                  streams=streams, stream_rank=16, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                                  max_position_embeddings=TINY_SIZES["max_position_embeddings"])
+    torch.manual_seed(seed)
+    model = StreamingDraft(config)
+    with torch.no_grad():  # the same clear-cut spread as make_model
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    model.save(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return Path(out_dir)

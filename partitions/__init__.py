@@ -2,11 +2,13 @@
 
 from mirror_sd.partitions.manifest import (
     BOUNDARY,
+    DRAFT_VOCAB_FILE,
     EXIT_IDS,
     EXIT_LOGPROBS,
     FORMAT_VERSION,
     LOGITS,
     MANIFEST_NAME,
+    STREAM_IDS,
     DraftFacts,
     Manifest,
     ModelFacts,
@@ -16,6 +18,6 @@ from mirror_sd.partitions.manifest import (
 from mirror_sd.partitions.spec import PartitionSpec, TensorSpec
 
 __all__ = [
-    "BOUNDARY", "EXIT_IDS", "EXIT_LOGPROBS", "FORMAT_VERSION", "LOGITS", "MANIFEST_NAME", "DraftFacts", "Manifest",
+    "BOUNDARY", "DRAFT_VOCAB_FILE", "EXIT_IDS", "EXIT_LOGPROBS", "FORMAT_VERSION", "LOGITS", "MANIFEST_NAME", "STREAM_IDS", "DraftFacts", "Manifest",
     "ModelFacts", "PartitionSpec", "TargetFacts", "TensorSpec", "TokenizerFacts",
 ]

@@ -29,6 +29,8 @@ MANIFEST_NAME = "manifest.json"
 BOUNDARY = "hidden_states"  # the tensor that crosses from target_prefix to target_suffix
 EXIT_IDS, EXIT_LOGPROBS = "exit_topk_ids", "exit_topk_logprobs"
 LOGITS = "logits"
+STREAM_IDS = "stream_ids"  # a streaming draft's extra proposals: [B,T,streams] target ids
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # a reduced-vocabulary draft's output index -> target id
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,12 @@ class TargetFacts(ModelFacts):
 
 @dataclass(frozen=True)
 class DraftFacts(ModelFacts):
-    tokens_per_forward: int = 1
+    tokens_per_forward: int = 1  # at most this many tokens per forward: 1 + streams
+    # A draft may predict over a reduced vocabulary: its logits have output_vocab_size columns and column i is
+    # target id output_vocab_file[i]. 0 / None: the full target vocabulary, column i is id i.
+    output_vocab_size: int = 0
+    output_vocab_file: str | None = None
+    streams: int = 0  # extra proposed tokens per forward (the graph's stream_ids output), 0 for a plain draft
 
 
 @dataclass(frozen=True)
@@ -174,8 +181,12 @@ class Manifest:
             raise ManifestError(f"prefix ends at layer {prefix.layers[1]} but the exit layer is {t.exit_layer}")
         if draft.layers != (0, dr.num_layers):
             raise ManifestError(f"draft partition layers {list(draft.layers)} != [0, {dr.num_layers})")
-        if draft.tokens_per_forward != dr.tokens_per_forward or dr.tokens_per_forward < 1:
-            raise ManifestError("draft tokens_per_forward is inconsistent or < 1")
+        if draft.tokens_per_forward != dr.tokens_per_forward or dr.tokens_per_forward != 1 + dr.streams:
+            raise ManifestError("draft tokens_per_forward is inconsistent (it must be 1 + streams)")
+        if dr.streams and draft.output(STREAM_IDS).shape[-1] != dr.streams:
+            raise ManifestError(f"draft {STREAM_IDS} last axis is not its {dr.streams} streams")
+        if bool(dr.output_vocab_size) != bool(dr.output_vocab_file):
+            raise ManifestError("a reduced draft vocabulary needs both output_vocab_size and output_vocab_file")
 
         out, inp = prefix.output(BOUNDARY), suffix.input(BOUNDARY)
         if (out.dtype, out.shape) != (inp.dtype, inp.shape) or out.shape[-1] != t.hidden_size:
@@ -188,15 +199,18 @@ class Manifest:
                 raise ManifestError(f"prefix output {name} has last axis {prefix.output(name).shape[-1]}, top_k is {t.top_k}")
         for part, facts in ((prefix, t), (suffix, t), (draft, dr)):
             _check_kv(part, facts)
-        for part in (suffix, draft):
-            if part.output(LOGITS).shape[-1] != t.vocab_size:
-                raise ManifestError(f"{part.role} logits last axis is not the vocabulary size {t.vocab_size}")
+        if suffix.output(LOGITS).shape[-1] != t.vocab_size:
+            raise ManifestError(f"target_suffix logits last axis is not the vocabulary size {t.vocab_size}")
+        if draft.output(LOGITS).shape[-1] != (dr.output_vocab_size or t.vocab_size):
+            raise ManifestError(f"draft logits last axis is not its output vocabulary size "
+                                f"{dr.output_vocab_size or t.vocab_size}")
         if not self.tokenizer.eos_token_ids:
             raise ManifestError("manifest lists no EOS token id")
 
         if bundle_dir is not None:
             bundle = Path(bundle_dir).resolve()
             files = [f for p in self.partitions for f in (p.file, *p.data_files)] + list(self.tokenizer.files)
+            files += [dr.output_vocab_file] if dr.output_vocab_file else []
             for rel in files:
                 resolve_inside(bundle, rel)
 

@@ -33,18 +33,25 @@ def pair_factory(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def bundle_factory(tmp_path_factory, pair_factory):
-    """bundle_factory(arch="llama", exit_layer=3, top_k=8, self_draft=False) -> bundle dir (exported, validated).
+    """bundle_factory(arch="llama", exit_layer=3, top_k=8, self_draft=False, streaming=False) -> bundle dir
+    (exported, validated).
 
-    self_draft=True exports the target itself as the draft (a draft that always agrees with the target).
+    self_draft=True exports the target itself as the draft (a draft that always agrees with the target);
+    streaming=True a random streaming draft (reduced vocabulary, 3 stream heads: 4 tokens per forward at most).
     """
     from mirror_sd.export.bundle import ExportOptions, export_bundle
 
     cache: dict[tuple, Path] = {}
 
-    def make(architecture: str = "llama", exit_layer: int = 3, top_k: int = 8, self_draft: bool = False) -> Path:
-        key = (architecture, exit_layer, top_k, self_draft)
+    def make(architecture: str = "llama", exit_layer: int = 3, top_k: int = 8, self_draft: bool = False,
+             streaming: bool = False) -> Path:
+        key = (architecture, exit_layer, top_k, self_draft, streaming)
         if key not in cache:
             target, draft = pair_factory(architecture)
+            if streaming:
+                from mirror_sd.models.tiny import make_streaming_draft
+
+                draft = make_streaming_draft(tmp_path_factory.mktemp("streaming-draft"), target)
             out = tmp_path_factory.mktemp("bundle") / "-".join(map(str, key))
             export_bundle(ExportOptions(model=str(target), draft=str(target if self_draft else draft), out=out,
                                         exit_layer=exit_layer, top_k=top_k), report=lambda _line: None)

@@ -102,7 +102,8 @@ def test_parity_catches_a_corrupted_graph(tmp_path, bundle_factory, pair_factory
     arch = architecture_of(target.config)
     head = LogitLens(arch.backbone(target).norm, target.lm_head)
     with torch.no_grad(), pytest.raises(ParityError, match="logits"):
-        parity.check_bundle(bundle, Manifest.load(bundle), target, draft, head, report=_quiet)
+        parity.check_bundle(bundle, Manifest.load(bundle), target, lambda ids: {"logits": draft(ids).logits}, head,
+                            report=_quiet)
 
 
 def test_large_weights_go_to_one_external_data_file(tmp_path, pair_factory, monkeypatch):
