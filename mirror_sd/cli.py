@@ -41,7 +41,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = [{"role": "user", "content": args.prompt}]
     options = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, gamma=args.gamma, kappa=args.kappa,
-                   branch_budget=args.branch_budget, overlap=not args.no_overlap, stop=args.stop or ())
+                   branch_budget=args.branch_budget, overlap=not args.no_overlap, stop=args.stop or (),
+                   draft_streaming=not args.no_draft_streaming)
 
     def show(_token: int, text: str) -> None:
         sys.stdout.write(text)
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kappa", type=int, default=None, help="early-exit candidates per position (default: bundle top_k)")
     g.add_argument("--branch-budget", type=int, default=None, help="branches per step (default: adaptive)")
     g.add_argument("--no-overlap", action="store_true", help="run the draft serially on the main thread")
+    g.add_argument("--no-draft-streaming", action="store_true",
+                   help="run a streaming draft one token per forward (its stream proposals unused)")
     g.add_argument("--target-device", default=None, help="cpu, cuda or an ONNX Runtime provider (default: CUDA, else CPU)")
     g.add_argument("--draft-device", default=None, help="OpenVINO device (default: NPU, else CPU)")
     g.add_argument("--target-threads", type=int, default=1)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import json
+
 import numpy as np
 
 from mirror_sd.errors import ManifestError
@@ -22,11 +24,16 @@ from mirror_sd.runtime.kv import KVCache
 
 class GraphEngine:
     """One partition's graph. Inputs: its first declared input (input_ids or hidden_states), attention_mask,
-    position_ids and the past KV of its layers; outputs: its head outputs plus the updated cache."""
+    position_ids and the past KV of its layers; outputs: its head outputs plus the updated cache.
 
-    def __init__(self, graph: OpenedGraph, spec: PartitionSpec, facts: ModelFacts) -> None:
+    output_ids: for a draft over a reduced vocabulary, the target id of each logits column (None: column i is id i).
+    """
+
+    def __init__(self, graph: OpenedGraph, spec: PartitionSpec, facts: ModelFacts,
+                 output_ids: np.ndarray | None = None) -> None:
         _check_names(graph, spec)
         self.graph, self.spec, self.facts = graph, spec, facts
+        self.output_ids = output_ids
         self.input_name = spec.inputs[0].name
         self.head_outputs = tuple(o.name for o in spec.outputs if not o.name.startswith("present."))
 
@@ -84,7 +91,31 @@ def open_engine(bundle: str | Path, manifest: Manifest, role: str, device: str |
     if device in (None, "default"):
         device = None if spec.device in ("", "default") else spec.device
     graph = open_graph(path, spec.backend, device, threads)
-    return GraphEngine(graph, spec, manifest.draft if role == "draft" else manifest.target)
+    if role == "draft":
+        return GraphEngine(graph, spec, manifest.draft, load_output_vocab(bundle, manifest))
+    return GraphEngine(graph, spec, manifest.target)
+
+
+def load_output_vocab(bundle: str | Path, manifest: Manifest) -> np.ndarray | None:
+    """The draft's output vocabulary: [Vd] int64, the target id of each logits column; None for a draft over the
+    whole target vocabulary. ManifestError if the file is missing, outside the bundle, or not Vd distinct ids."""
+    facts = manifest.draft
+    if not facts.output_vocab_size:
+        return None
+    path = resolve_inside(Path(bundle).resolve(), facts.output_vocab_file)
+    try:
+        ids = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"cannot read the draft vocabulary {facts.output_vocab_file}: {e}") from None
+    if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise ManifestError(f"{facts.output_vocab_file} must be a JSON list of token ids")
+    ids = np.asarray(ids, np.int64)
+    in_range = ids.size == 0 or (ids.min() >= 0 and ids.max() < facts.vocab_size)
+    if ids.size != facts.output_vocab_size or not in_range or np.unique(ids).size != ids.size:
+        raise ManifestError(f"{facts.output_vocab_file} must list {facts.output_vocab_size} distinct ids in "
+                            f"[0, {facts.vocab_size})")
+    ids.setflags(write=False)
+    return ids
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A cache holds, per layer, keys and values [B, kv_heads, S, head_dim] and one attention mask [B, S] (1 = a real
 token). S counts slots; a row may have holes (mask 0) where a shorter branch was left-padded inside a batched
-draft rollout. The position id of a row's next token is its number of real tokens, so holes never shift
+draft rollout, or where a streaming draft fed a proposal that its own main stream then rejected. The position id of a row's next token is its number of real tokens, so holes never shift
 positions. Every operation returns a new cache; no array is ever written in place, so a cache handed to another
 object (or kept as a branch) cannot change under it.
 """
@@ -58,6 +58,14 @@ class KVCache:
         if keys and keys[0].shape[2] != mask.shape[1]:
             raise RuntimeError(f"present KV holds {keys[0].shape[2]} slots, the mask {mask.shape[1]}")
         return KVCache(self.layers, keys, values, mask)
+
+    def masked_tail(self, keep: np.ndarray) -> KVCache:
+        """The cache with the mask of its last T slots multiplied by keep [B,T]: a 0 turns a fed token into a hole
+        (a proposal the draft fed and then rejected). Keys and values are shared, not copied."""
+        tail = keep.shape[1]
+        mask = self.mask.copy()
+        mask[:, self.slots - tail:] *= keep.astype(np.int64)
+        return KVCache(self.layers, self.keys, self.values, mask)
 
     def trim(self, slots: int) -> KVCache:
         """The first `slots` slots (an accepted length, for a cache without holes). Views, not copies."""

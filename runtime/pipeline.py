@@ -116,15 +116,16 @@ class Pipeline:
     def stream(self, prompt: Prompt, **options: Any) -> GenerationStream:
         """Options: mode ("ar", "sd", "mirror"), max_new_tokens, temperature (0 = greedy), top_p, top_k, seed,
         stop (strings), gamma (window), kappa (candidates per position, <= the bundle's top_k), branch_budget
-        (None adapts), overlap (False runs the same schedule serially), draft_timeout_s."""
+        (None adapts), overlap (False runs the same schedule serially), draft_timeout_s, draft_streaming (False runs
+        a streaming draft one token per forward: the same windows in more forwards)."""
         return GenerationStream(self._run(prompt, **options))
 
     def _run(self, prompt: Prompt, *, mode: str = "mirror", max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), gamma: int = 4,
              kappa: int | None = None, branch_budget: int | None = None, overlap: bool = True,
-             draft_timeout_s: float = 10.0) -> Iterator[Chunk]:
+             draft_timeout_s: float = 10.0, draft_streaming: bool = True) -> Iterator[Chunk]:
         cfg = self._config(mode, max_new_tokens, temperature, top_p, top_k, seed, gamma, kappa, branch_budget,
-                           overlap, draft_timeout_s)
+                           overlap, draft_timeout_s, draft_streaming)
         stop = _check_stop(stop)
         ids = self.prompt_ids(prompt)
         if len(ids) + max_new_tokens > self.context_limit:
@@ -161,13 +162,13 @@ class Pipeline:
             if self._draft_thread.is_alive():
                 return None
             self._draft_thread = None
-        return Drafter(self.draft, cfg.params)
+        return Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming)
 
     def _remember(self, worker: DraftWorker) -> None:
         self._draft_thread = worker.thread
 
     def _config(self, mode, max_new_tokens, temperature, top_p, top_k, seed, gamma, kappa, branch_budget,
-                overlap, draft_timeout_s) -> DecodeConfig:
+                overlap, draft_timeout_s, draft_streaming) -> DecodeConfig:
         k_max = self.manifest.target.top_k
         if mode not in MODES:
             raise BadInputError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
@@ -189,7 +190,7 @@ class Pipeline:
             raise BadInputError(f"draft_timeout_s must be > 0, got {draft_timeout_s!r}")
         params = SamplingParams(float(temperature), float(top_p), top_k, seed)
         return DecodeConfig(mode, max_new_tokens, gamma, kappa, branch_budget, params, bool(overlap),
-                            float(draft_timeout_s))
+                            float(draft_timeout_s), bool(draft_streaming))
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

@@ -24,7 +24,8 @@ def reference_generate(target: Target, draft: GraphEngine | None, prompt: list[i
 
     def draft_token(seq: list[int]) -> int:
         out, _ = draft.prefill(np.asarray([seq], np.int64))
-        return int(np.argmax(out[LOGITS][0, -1]))
+        column = int(np.argmax(out[LOGITS][0, -1]))
+        return column if draft.output_ids is None else int(draft.output_ids[column])  # a reduced vocabulary
 
     seq = list(prompt)
     new: list[int] = []

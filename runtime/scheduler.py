@@ -54,6 +54,7 @@ class DecodeConfig:
     params: SamplingParams = SamplingParams()
     overlap: bool = True  # False: serve the draft inline on the main thread (same schedule, serial)
     draft_timeout_s: float = 10.0
+    draft_streaming: bool = True  # False: a streaming draft runs one token per forward (same windows, more forwards)
 
 
 # -- the draft side of the thread boundary -------------------------------------------------------------------
@@ -93,8 +94,7 @@ class DraftWorker:
             self._thread = threading.Thread(target=self._loop, name="mirror-sd-draft", daemon=True)
             self._thread.start()
 
-    def _record(self, start: float, end: float, tokens: int) -> None:
-        rows = tokens // max(1, self._drafter.engine.tokens_per_forward)
+    def _record(self, start: float, end: float, rows: int, tokens: int) -> None:
         with self._lock:
             self.intervals.append((start, end))
             self.rows += rows

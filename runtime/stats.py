@@ -37,8 +37,8 @@ class Counters:
     suffix_s: float = 0.0
     suffix_intervals: list[Interval] = field(default_factory=list)
     draft_intervals: list[Interval] = field(default_factory=list)
-    draft_rows: int = 0  # sequence-forwards (a batch of B rows counts B)
-    draft_tokens: int = 0  # tokens those forwards produced
+    draft_rows: int = 0  # row-forwards of rollouts (a batch of B rows counts B; reading the prompt does not count)
+    draft_tokens: int = 0  # draft tokens those forwards produced (a streaming draft's accepted proposals included)
     target_device: str = ""
     draft_device: str = ""
 
