@@ -1,0 +1,234 @@
+"""The runtime on a streaming draft: reduced vocabulary + self-verified stream proposals (runtime/draft.py).
+
+- Greedy ar == sd == mirror token for token, with the draft's streams used and unused.
+- A window is the same tokens with streaming on or off (only the number of draft forwards changes), for fresh
+  rollouts and batched branches, greedy and sampling (same draws).
+- Draft tokens are always ids of draft_vocab.json; sampled windows carry full-vocabulary rows, -inf elsewhere.
+- A deliberately accepting draft (stream heads copying the main stream, an LM that mostly repeats its input)
+  produces more than one token per forward, and the stats say so.
+- Sampling with the streaming draft follows the target's distribution (chi-square, as test_runtime_sampling).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from mirror_sd.errors import ManifestError
+from mirror_sd.runtime.draft import Drafter, _confirm
+from mirror_sd.runtime.kv import KVCache
+from mirror_sd.runtime.messages import ExitCandidates
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.sampling import SamplingParams, warp
+from test_runtime_sampling import PARAMS, PROMPT, SAMPLES, chi_square_quantile_999, exact_joint
+
+PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
+NEW_TOKENS = 20
+SAMPLING = SamplingParams(temperature=0.7, seed=3)
+
+
+@pytest.fixture(scope="module")
+def pipe(bundle_factory):
+    return Pipeline.load(bundle_factory("llama", streaming=True))
+
+
+@pytest.fixture(scope="module")
+def repeating(tmp_path_factory, pair_factory):
+    """A streaming draft built to accept its own proposals often: zero `up` weights make every stream head an
+    identity, so all streams propose the main stream's token again, and damped layer outputs (residual branches
+    x0.6) leave the tied-embedding LM preferring to repeat its input token - mostly, not always, so proposals
+    are both accepted and rejected."""
+    import torch
+
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
+    from mirror_sd.models.streaming_draft import StreamingDraft
+    from mirror_sd.models.tiny import make_streaming_draft
+
+    target, _ = pair_factory("llama")
+    root = tmp_path_factory.mktemp("repeating")
+    draft_dir = make_streaming_draft(root / "draft", target, seed=1)
+    model = StreamingDraft.load(draft_dir)
+    with torch.no_grad():
+        for head in model.heads:
+            head.up.weight.zero_()
+        for layer in model.lm.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.6)
+            layer.mlp.down_proj.weight.mul_(0.6)
+    model.save(draft_dir)
+    export_bundle(ExportOptions(model=str(target), draft=str(draft_dir), out=root / "bundle", exit_layer=3),
+                  report=lambda _line: None)
+    return Pipeline.load(root / "bundle")
+
+
+def random_contexts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
+    rng = np.random.default_rng(seed)
+    return [tuple(int(t) for t in rng.integers(0, 384, size=rng.integers(2, 10))) for _ in range(n)]
+
+
+def test_greedy_sd_and_mirror_equal_ar(pipe):
+    prompt = PROMPTS[1]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    runs = [("sd", g, None, o, s) for g, o, s in itertools.product((1, 3, 6), (True, False), (True, False))]
+    runs += [("mirror", g, k, o, s) for g, k, o, s in itertools.product((1, 3, 6), (1, 8), (True, False), (True, False))]
+    for mode, gamma, kappa, overlap, streaming in runs:
+        out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=gamma, kappa=kappa, overlap=overlap,
+                            draft_streaming=streaming)
+        assert out.token_ids == ar.token_ids, f"{mode} gamma={gamma} kappa={kappa} overlap={overlap} streaming={streaming}"
+        assert out.stats["fallbacks"] == 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLING], ids=["greedy", "sampling"])
+def test_windows_equal_with_streaming_on_and_off(pipe, params):
+    """Fresh rollouts (also continuing a kept lane) and branch sets give the same windows either way; sampling
+    draws the same numbers, so the tokens and the logits they were drawn from agree too."""
+    forwards = {True: 0, False: 0}
+    for ctx in random_contexts(8):
+        got = {}
+        for streaming in (True, False):
+            drafter = Drafter(pipe.draft, params, streaming=streaming)
+            drafter.warm(ctx[:-1])
+            first = drafter.rollout(ctx, 8)
+            second = drafter.rollout(ctx + first.tokens[:3] + (5,), 6)  # continues the lane of the first
+            forwards[streaming] += first.forwards + second.forwards
+            got[streaming] = (first, second)
+        for on, off in zip(got[True], got[False]):
+            assert on.tokens == off.tokens and on.context_len == off.context_len
+            if not params.greedy:
+                np.testing.assert_allclose(on.logits, off.logits, rtol=1e-4, atol=1e-4)
+    assert forwards[False] == 8 * (8 + 6)  # one token per forward
+    if params.greedy:
+        assert forwards[True] < forwards[False]  # this random draft repeats itself, so its proposals often hold
+
+    rng = np.random.default_rng(1)
+    ctx, window = random_contexts(1, seed=2)[0], tuple(int(t) for t in rng.integers(0, 384, size=4))
+    topk = rng.integers(0, 384, size=(5, 3))
+    candidates = ExitCandidates(ctx, window, topk, np.log(np.full((5, 3), 0.3)))
+    plan = tuple((r, int(v)) for r in range(5) for v in topk[r] if r == 4 or v != window[r])[:10]
+    sets = {}
+    for streaming in (True, False):
+        drafter = Drafter(pipe.draft, params, streaming=streaming)
+        drafter.warm(ctx)
+        sets[streaming] = drafter.branches(candidates, plan, 6)
+        for r, v in plan[:4]:  # a branch's window is what a fresh rollout of its context gives
+            fresh = Drafter(pipe.draft, params, streaming=streaming).rollout(ctx + window[:r] + (v,), 6)
+            assert fresh.tokens == sets[streaming].windows[(r, v)].tokens
+    assert {k: w.tokens for k, w in sets[True].windows.items()} == {k: w.tokens for k, w in sets[False].windows.items()}
+    assert sets[False].forwards == 6
+
+
+def test_draft_tokens_come_from_the_draft_vocabulary(pipe, bundle_factory, tmp_path):
+    bundle = bundle_factory("llama", streaming=True)
+    vocab = json.loads((bundle / pipe.manifest.draft.output_vocab_file).read_text())
+    assert pipe.draft.output_ids.tolist() == vocab and len(vocab) < pipe.manifest.target.vocab_size
+    allowed = np.zeros(pipe.manifest.target.vocab_size, bool)
+    allowed[vocab] = True
+    for params in (SamplingParams(), SAMPLING):
+        for ctx in random_contexts(6, seed=3):
+            window = Drafter(pipe.draft, params).rollout(ctx, 6)
+            assert all(allowed[t] for t in window.tokens)
+            if not params.greedy:  # full-vocabulary rows for verification: -inf exactly outside the vocabulary
+                assert window.logits.shape == (6, allowed.size)
+                assert np.isneginf(window.logits[:, ~allowed]).all() and np.isfinite(window.logits[:, allowed]).all()
+                q = warp(window.logits, params)
+                assert np.allclose(q.sum(-1), 1) and (q[:, ~allowed] == 0).all()
+                assert all(q[i, t] > 0 for i, t in enumerate(window.tokens))
+    # a draft vocabulary that does not fit the manifest is refused at load
+    broken = tmp_path / "bundle"
+    shutil.copytree(bundle, broken)
+    (broken / pipe.manifest.draft.output_vocab_file).write_text(json.dumps(vocab[:-1]) + "\n")
+    with pytest.raises(ManifestError, match="distinct ids"):
+        Pipeline.load(broken)
+
+
+@pytest.mark.parametrize("choices, proposals, room, new", [
+    ([7, 8, 9, 4], [7, 8, 9], 8, [7, 8, 9, 4]),  # every proposal holds: 1 + 3 tokens
+    ([7, 8, 9, 4], [7, 5, 9], 8, [7, 8]),  # proposal 1 (5) is not the choice after proposal 0 (8): stop there
+    ([7, 8, 9, 4], [6, 8, 9], 8, [7]),
+    ([7, 8, 9, 4], [7, 8, 9], 2, [7, 8]),  # never past the window
+    ([7], [], 8, [7]),  # no proposals: one token per forward
+])
+def test_confirm_stops_at_the_first_mismatch(choices, proposals, room, new):
+    asked = []
+
+    def choose_at(i: int) -> int:
+        asked.append(i)
+        return choices[i]
+
+    assert _confirm(choose_at, np.asarray(proposals, np.int64), room) == new
+    assert asked == list(range(len(new)))  # choices (sampling draws) are made in order, only as far as used
+
+
+def test_masked_tail_makes_holes():
+    cache = KVCache.empty(range(1), 2, 1, 2)
+    outputs = {f"present.0.{kv}": np.ones((2, 1, 4, 2), np.float32) for kv in ("key", "value")}
+    full = cache.extended(outputs, np.ones((2, 4), np.int64))
+    holed = full.masked_tail(np.array([[1, 1, 0], [1, 0, 0]]))
+    assert holed.mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]] and full.mask.all()  # the original is unchanged
+    assert holed.next_positions().tolist() == [3, 2] and holed.row(1).slots == 2
+
+
+def test_warp_gives_zero_probability_to_minus_inf():
+    logits = np.array([-np.inf, np.log(0.6), -np.inf, np.log(0.3), np.log(0.1)])
+    assert np.allclose(warp(logits, SamplingParams(1.0)), [0, 0.6, 0, 0.3, 0.1])
+    assert np.allclose(warp(logits, SamplingParams(1.0, top_k=4)), [0, 0.6, 0, 0.3, 0.1])
+    assert np.allclose(warp(logits, SamplingParams(1.0, top_k=2)), [0, 2 / 3, 0, 1 / 3, 0])
+    assert np.allclose(warp(logits, SamplingParams(0.5, top_p=0.5)), [0, 1, 0, 0, 0])
+
+
+def test_accepted_proposals_give_several_tokens_per_forward(repeating):
+    """The repeating draft's proposals hold most of the time: its windows take far fewer forwards with streaming
+    on, the output is still exactly the target's, and draft_tokens_per_forward reports it."""
+    pipe = repeating
+    ar = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=40)
+    measured = {}
+    for mode, streaming in itertools.product(("sd", "mirror"), (True, False)):
+        out = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=40, gamma=6, draft_streaming=streaming)
+        assert out.token_ids == ar.token_ids, (mode, streaming)
+        measured[mode, streaming] = out.stats["draft_tokens_per_forward"]
+    for mode in ("sd", "mirror"):
+        assert measured[mode, False] == 1.0
+        assert measured[mode, True] > 1.5, measured
+
+    tokens_per_forward, rejected = [], 0
+    for ctx in random_contexts(12, seed=4):
+        on = Drafter(pipe.draft, SamplingParams(), streaming=True).rollout(ctx, 8)
+        off = Drafter(pipe.draft, SamplingParams(), streaming=False).rollout(ctx, 8)
+        assert on.tokens == off.tokens and off.forwards == 8
+        # 1 token from the context's forward, then at most 1 + 3 per forward, never past the window: 1 + 4 + 3
+        assert on.forwards >= 3
+        tokens_per_forward.append(8 / on.forwards)
+        rejected += on.forwards > 3  # some proposal was rejected on the way
+    assert np.mean(tokens_per_forward) > 2.0 and rejected > 0
+    cold = SamplingParams(temperature=0.1, seed=3)  # peaked enough that draws mostly repeat, as greedy does
+    forwards = {True: 0, False: 0}
+    for ctx in random_contexts(4, seed=5):  # sample and match: the same draws, fewer forwards
+        on = Drafter(pipe.draft, cold, streaming=True).rollout(ctx, 8)
+        off = Drafter(pipe.draft, cold, streaming=False).rollout(ctx, 8)
+        assert on.tokens == off.tokens
+        np.testing.assert_allclose(on.logits, off.logits, rtol=1e-4, atol=1e-4)
+        forwards[True] += on.forwards
+        forwards[False] += off.forwards
+    assert forwards[True] < 0.75 * forwards[False], forwards
+
+
+def test_sampling_follows_target_distribution(pipe):
+    """As test_runtime_sampling, through the reduced vocabulary's full -inf rows. t2 is the verification of the
+    first window token; the window is 3 tokens, so its last comes from a stream proposal when that holds (that
+    proposals change no token or draw is checked above, and so this distribution)."""
+    joint = exact_joint(pipe)
+    counts: Counter = Counter()
+    for seed in range(SAMPLES):
+        out = pipe.generate(PROMPT, mode="sd", max_new_tokens=5, gamma=3, temperature=PARAMS.temperature, seed=seed,
+                            overlap=False)
+        counts[tuple(out.token_ids[:2])] += 1
+    big = [cell for cell, p in joint.items() if p * SAMPLES >= 5]
+    observed = [counts[c] for c in big] + [SAMPLES - sum(counts[c] for c in big)]
+    expected = [joint[c] * SAMPLES for c in big] + [SAMPLES * (1 - sum(joint[c] for c in big))]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    assert chi2 < chi_square_quantile_999(len(big)), f"chi2 {chi2:.1f} over {len(big) + 1} cells"
+    assert not set(counts) - set(joint), "a token pair of probability ~0 was produced"
