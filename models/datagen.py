@@ -43,14 +43,18 @@ def generate(model_dir: Path, out_file: Path, n: int, batch: int = 32, max_new_t
 
     torch.manual_seed(seed)
     prompts = build(n, seed=seed)
-    done = sum(1 for _ in out_file.open()) if out_file.exists() else 0
-    if done >= n:
+    done_ids = {json.loads(line)["index"] for line in out_file.open()} if out_file.exists() else set()
+    todo = [i for i in range(n) if i not in done_ids]
+    if not todo:
         return out_file
     model, tokenizer = _load(model_dir)
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    # Batches of similar prompt length waste less on padding; the file keeps the generator's index.
-    order = sorted(range(done, n), key=lambda i: len(json.dumps(prompts[i].messages)))
-    with out_file.open("a") as f, tqdm(total=n, initial=done, desc="target answers", unit="prompt") as bar:
+    # Batches of similar prompt length waste less on padding, but a run stopped early should still hold every
+    # task kind: sort by length only within blocks of 8 batches. The file keeps the generator's index.
+    block = 8 * batch
+    order = [i for b in range(0, len(todo), block)
+             for i in sorted(todo[b:b + block], key=lambda i: len(json.dumps(prompts[i].messages)))]
+    with out_file.open("a") as f, tqdm(total=n, initial=n - len(todo), desc="target answers", unit="prompt") as bar:
         for start in range(0, len(order), batch):
             idx = order[start:start + batch]
             convs = [list(prompts[i].messages) for i in idx]

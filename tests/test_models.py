@@ -1,0 +1,128 @@
+"""Model recipes on tiny models: the exit adapter and streaming draft through export, distillation data, training."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.export.bundle import ExportOptions, export_bundle
+from mirror_sd.models import datagen, train_draft, train_exit
+from mirror_sd.models.exit_adapter import ExitAdapter, ExitAdapterConfig
+from mirror_sd.models.prompts import build
+from mirror_sd.models.streaming_draft import StreamingDraft
+from mirror_sd.partitions import DRAFT_VOCAB_FILE, Manifest
+from mirror_sd.runtime.backends import open_onnxruntime
+
+
+def _quiet(_line: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, pair_factory):
+    """A random (non-identity) exit adapter for the tiny llama target, at layer 3."""
+    from transformers import AutoModelForCausalLM
+
+    target, _ = pair_factory("llama")
+    model = AutoModelForCausalLM.from_pretrained(target)
+    torch.manual_seed(0)
+    adapter = ExitAdapter(ExitAdapterConfig(64, exit_layer=3, rank=32), model.model.norm, model.lm_head)
+    with torch.no_grad():
+        adapter.up.weight.normal_(0, 0.3)
+    return adapter.save(tmp_path_factory.mktemp("adapter"))
+
+
+def _exit_topk(bundle, ids):
+    prefix = open_onnxruntime(bundle / "target_prefix.onnx", ["CPUExecutionProvider"])
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None]}
+    feed.update({f"past_key_values.{i}.{kv}": np.zeros((1, 2, 0, 16), np.float32)
+                 for i in range(3) for kv in ("key", "value")})
+    return prefix.run(feed)["exit_topk_ids"]
+
+
+def test_exit_adapter_replaces_the_logit_lens_in_the_prefix_graph(tmp_path, pair_factory, bundle_factory, adapter_dir):
+    target, draft = pair_factory("llama")
+    manifest = export_bundle(ExportOptions(str(target), str(draft), tmp_path / "b", exit_adapter=str(adapter_dir)),
+                             report=_quiet)
+    assert manifest.target.exit_head == "adapter" and manifest.target.exit_layer == 3
+    assert manifest.partition("target_prefix").extra["exit_head"] == "adapter"
+    assert manifest.validation["passed"]  # parity ran against the adapter in torch, in both runtimes
+    ids = np.array([[5, 17, 33, 2, 90, 41]])
+    assert not np.array_equal(_exit_topk(tmp_path / "b", ids), _exit_topk(bundle_factory("llama"), ids))
+
+
+def test_exit_adapter_layer_must_match(tmp_path, pair_factory, adapter_dir):
+    target, draft = pair_factory("llama")
+    with pytest.raises(BadInputError, match="trained for layer 3"):
+        export_bundle(ExportOptions(str(target), str(draft), tmp_path / "b", exit_layer=2,
+                                    exit_adapter=str(adapter_dir)), report=_quiet)
+    assert not (tmp_path / "b").exists()
+
+
+def test_streaming_draft_bundle(bundle_factory):
+    bundle = bundle_factory("llama", streaming=True)
+    manifest = Manifest.load(bundle)
+    d = manifest.draft
+    assert (d.streams, d.tokens_per_forward, d.output_vocab_size) == (3, 4, 192)
+    vocab = json.loads((bundle / DRAFT_VOCAB_FILE).read_text())
+    assert len(vocab) == 192 and vocab == list(range(0, 384, 2))
+    quantities = {c["quantity"] for c in manifest.validation["checks"] if c["graph"] == "draft"}
+    assert quantities == {"logits", "stream_ids"}
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory, pair_factory):
+    """The tiny target's answers to 16 training prompts (real generation, 12 new tokens each)."""
+    target, _ = pair_factory("llama")
+    path = tmp_path_factory.mktemp("data") / "answers.jsonl"
+    datagen.generate(target, path, n=16, batch=8, max_new_tokens=12)
+    return path
+
+
+def test_datagen_writes_every_prompt_once_and_resumes(tiny_data, pair_factory):
+    rows = [json.loads(line) for line in tiny_data.open()]
+    assert sorted(r["index"] for r in rows) == list(range(16))
+    assert {r["kind"] for r in rows} == {p.kind for p in build(16)}
+    assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    datagen.generate(pair_factory("llama")[0], tiny_data, n=16)  # nothing left to do: nothing appended
+    assert sum(1 for _ in tiny_data.open()) == 16
+
+
+def test_prompt_sets_are_disjoint():
+    train_prompts = {json.dumps(p.messages) for p in build(400)}
+    held_out = {json.dumps(p.messages) for p in build(100, held_out=True)}
+    assert not train_prompts & held_out
+
+
+def test_draft_training_learns_and_exports(tmp_path, tiny_data, pair_factory):
+    target, _ = pair_factory("llama")
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(target)
+    examples = train_draft.conversation_examples(tiny_data, tokenizer)
+    overrides = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=64, stream_rank=16)
+    draft_dir = tmp_path / "draft"
+    train_draft.train(target, tiny_data, draft_dir, vocab_size=200, steps=60, max_minutes=2, seq_len=32, batch=8,
+                      config_overrides=overrides, report=_quiet)
+    draft = StreamingDraft.load(draft_dir)
+    before = StreamingDraft(draft.config)
+    train_draft.init_from_target(before, __import__("transformers").AutoModelForCausalLM.from_pretrained(
+        target).get_input_embeddings().weight.detach())
+    ids, weights = next(train_draft.batches(examples, 32, 8, __import__("random").Random(0)))
+    with torch.no_grad():
+        assert train_draft.loss_fn(draft, ids, weights)[0] < train_draft.loss_fn(before, ids, weights)[0]
+    manifest = export_bundle(ExportOptions(str(target), str(draft_dir), tmp_path / "b"), report=_quiet)
+    assert manifest.draft.output_vocab_size == len(draft.config.vocab_ids) <= 200
+
+
+def test_exit_adapter_training_improves_coverage(tmp_path, tiny_data, pair_factory):
+    target, _ = pair_factory("llama")
+    results = train_exit.train(target, tiny_data, tmp_path / "adapters", [3], conversations=14, rank=64,
+                               steps=150, batch=64, minutes_per_layer=1, report=_quiet)
+    row = results["layers"][3]
+    # on its own training distribution a trained head must beat the untrained logit lens
+    assert row["adapter"][8] >= row["logit_lens"][8]
+    assert ExitAdapter.is_exit_adapter(tmp_path / "adapters" / "layer-3")
