@@ -7,8 +7,8 @@ so after a branch hit the next request continues that branch's cache and after a
 up to the accepted tokens. Nothing is trimmed in place: trimming and forking make new caches (runtime/kv.py).
 
 Branch sets run as one batch: row b is the branch (A_b, c_b); all rows share the cache of the common part, each
-row's extra tokens are left-padded to a common length with mask 0 (a hole, never a key), and every later forward
-adds one token to every row. gamma forwards produce every branch's window.
+row's extra tokens are left-padded to a common length with mask 0 (a hole, never a key), and with a plain draft
+every later forward adds one token to every row: gamma forwards produce every branch's window.
 
 A streaming draft (manifest `draft.streams` = S > 0) also proposes S more tokens per forward (`stream_ids`). Its
 rollouts verify themselves (Speculative Streaming): each forward feeds, per row, the tokens its cache lacks (a
