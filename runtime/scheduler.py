@@ -258,7 +258,9 @@ class _Decoder:
         # 4. the next window from a ready branch, if one was planned for this outcome
         next_window = None
         if ticket is not None:
+            rejected = verdict.accepted < len(w)  # the outcome a correction branch must have foreseen
             self.stats.branch_lookups += 1
+            self.stats.rejected_lookups += rejected
             self._adapt_budget(ready_under_suffix)
             key = (verdict.accepted, verdict.token)
             if key in plan:
@@ -266,6 +268,7 @@ class _Decoder:
                 if isinstance(answer, BranchSet) and key in answer.windows:
                     next_window = answer.windows[key]
                     self.stats.branch_hits += 1
+                    self.stats.rejected_hits += rejected
             else:
                 self.worker.cancel(ticket)
         return verdict.committed(w), next_window

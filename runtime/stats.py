@@ -28,6 +28,8 @@ class Counters:
     accepted: int = 0  # of those, accepted
     branch_lookups: int = 0  # mirror steps that asked for their next window from a branch set
     branch_hits: int = 0  # ... and found it there
+    rejected_lookups: int = 0  # of those lookups, steps where the target rejected a window token
+    rejected_hits: int = 0  # ... whose correction branch was ready
     fresh_rollouts: int = 0  # windows drawn serially (first window, branch misses, sd)
     fallbacks: int = 0  # steps run by the target alone because the draft failed, timed out, or was busy
     draft_failures: int = 0  # exceptions raised in the draft thread
@@ -64,6 +66,7 @@ class Counters:
             "mode": self.mode, "gamma": self.gamma, "kappa": self.kappa, "branch_budget": self.branch_budget,
             "wall_s": wall_s, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
             "branch_lookups": self.branch_lookups, "branch_hits": self.branch_hits,
+            "rejected_branch_hit_rate": self.rejected_hits / self.rejected_lookups if self.rejected_lookups else 0.0,
             "fresh_rollouts": self.fresh_rollouts, "draft_failures": self.draft_failures,
             "draft_timeouts": self.draft_timeouts, "draft_wait_s": self.draft_wait_s,
             "target_device": self.target_device, "draft_device": self.draft_device,
