@@ -17,7 +17,7 @@ def _export(args: argparse.Namespace) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     export_bundle(ExportOptions(model=args.model, draft=args.draft, out=Path(args.out), exit_layer=args.exit_layer,
-                                top_k=args.top_k, force=args.force))
+                                top_k=args.top_k, force=args.force, exit_adapter=args.exit_adapter))
     return 0
 
 
@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="bundle directory to write (must not exist or be empty)")
     p.add_argument("--exit-layer", type=int, default=None, help="early-exit layer l_e (default: num_layers // 2)")
     p.add_argument("--top-k", type=int, default=8, help="early-exit candidates per position k (default 8)")
+    p.add_argument("--exit-adapter", default=None,
+                   help="trained exit adapter directory (replaces the logit lens; sets the exit layer)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_export)
 
