@@ -12,12 +12,21 @@ from mirror_sd.errors import MirrorSDError
 def _export(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from mirror_sd.export.bundle import ExportOptions, export_bundle
+    from mirror_sd.export.bundle import DEFAULT_TOP_K, ExportOptions, export_bundle
 
+    exit_layer, top_k = args.exit_layer, args.top_k
+    if args.plan is not None:  # the plan's advice fills what was not given (an exit adapter sets its own layer)
+        from mirror_sd.partitions.planner import export_advice, read_plan
+
+        advice = export_advice(read_plan(args.plan))
+        if exit_layer is None and args.exit_adapter is None:
+            exit_layer = advice.exit_layer
+        top_k = advice.top_k if top_k is None else top_k
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    export_bundle(ExportOptions(model=args.model, draft=args.draft, out=Path(args.out), exit_layer=args.exit_layer,
-                                top_k=args.top_k, force=args.force, exit_adapter=args.exit_adapter))
+    export_bundle(ExportOptions(model=args.model, draft=args.draft, out=Path(args.out), exit_layer=exit_layer,
+                                top_k=DEFAULT_TOP_K if top_k is None else top_k, force=args.force,
+                                exit_adapter=args.exit_adapter))
     return 0
 
 
@@ -40,9 +49,13 @@ def _generate(args: argparse.Namespace) -> int:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
         prompt = [{"role": "user", "content": args.prompt}]
     options = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, gamma=args.gamma, kappa=args.kappa,
-                   branch_budget=args.branch_budget, overlap=not args.no_overlap, stop=args.stop or (),
-                   draft_streaming=not args.no_draft_streaming)
+                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, overlap=not args.no_overlap,
+                   stop=args.stop or (), draft_streaming=not args.no_draft_streaming)
+    # not given: the bundle's plan.json decides, else the built-in defaults
+    options.update({name: value for name, value in (("gamma", args.gamma), ("kappa", args.kappa),
+                                                    ("branch_budget", args.branch_budget)) if value is not None})
+    if options.get("branch_budget") == "auto":
+        options["branch_budget"] = None
 
     def show(_token: int, text: str) -> None:
         sys.stdout.write(text)
@@ -61,16 +74,98 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _splits(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple(tuple(int(n) for n in part.split("+")) for part in text.split(",") if part.strip())
+    except ValueError:
+        pairs = ()
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected target+draft thread pairs such as 1+1,2+1, got {text!r}")
+    return pairs  # type: ignore[return-value]
+
+
+def _budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from mirror_sd.partitions.planner import PLAN_FILE, iter_table
+    from mirror_sd.runtime.profile import ProfileOptions, plan_bundle
+
+    defaults = ProfileOptions()
+    options = ProfileOptions(
+        calibration=args.calibration, max_new_tokens=args.max_new_tokens, gammas=args.gammas or defaults.gammas,
+        kappas=args.kappas, splits=args.splits, repeats=args.repeats, target_device=args.target_device,
+        draft_device=args.draft_device)
+    report = (lambda _line: None) if args.json else (lambda line: print(line, file=sys.stderr))
+    result = plan_bundle(args.bundle, options, report)
+    doc = result.document
+    outs = [Path(args.out)] if args.out else []
+    outs += [Path(args.bundle) / PLAN_FILE] if args.save else []
+    for out in outs:
+        try:
+            out.write_text(json.dumps(doc, indent=2) + "\n")
+        except OSError as e:
+            raise MirrorSDError(f"cannot write {out}: {e}") from None
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    chosen, best = result.chosen, result.plans[0]
+    c, t = chosen.choice, chosen.terms
+    m = doc["runtime"]["measured"]
+    print("\n".join(iter_table(result.plans, args.rows)))
+    print()
+    print(f"runtime (this bundle, exit layer {c.exit_layer}): gamma {c.gamma}, kappa {c.kappa}, branch budget "
+          f"{c.branch_budget}, threads {c.target_threads}+{c.draft_threads}")
+    print(f"  step {t.step_s * 1e3:.2f} ms = prefix {t.prefix_s * 1e3:.2f} + rendezvous {t.rendezvous_s * 1e3:.2f} "
+          f"+ hit {t.hit_rate:.2f} x max(suffix {t.suffix_wall_s * 1e3:.2f}, branches {t.draft_wall_s * 1e3:.2f}) "
+          f"+ miss x (suffix + rollout {t.draft_rollout_s * 1e3:.2f}); {t.tokens_per_step:.2f} tokens/step "
+          f"(alpha {t.alpha:.2f})")
+    ratio = m["predicted_over_measured"]
+    verdict = "" if ratio is None else f", predicted/measured {ratio:.2f}" + (
+        "" if abs(ratio - 1) <= 0.15 else " [outside 15%]")
+    print(f"  predicted {chosen.predicted_tokens_per_second:.1f} tok/s, measured {m['tokens_per_second']:.1f} tok/s "
+          f"(decode; {m['end_to_end_tokens_per_second']:.1f} with prefill){verdict}")
+    if best.needs_export:
+        print(f"export advice: exit layer {best.choice.exit_layer}, top_k {best.choice.kappa} predicts "
+              f"{best.predicted_tokens_per_second:.1f} tok/s (needs a new export: mirror-sd export ... --plan FILE)")
+    else:
+        print(f"export advice: keep exit layer {best.choice.exit_layer} (top_k {best.choice.kappa} is enough)")
+    for out in outs:
+        print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mirror-sd", description="Mirror Speculative Decoding: export and run.")
+    parser = argparse.ArgumentParser(prog="mirror-sd", description="Mirror Speculative Decoding: export, plan and run.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export a target + draft pair to a validated bundle")
     p.add_argument("--model", required=True, help="target: Hugging Face id or local directory")
     p.add_argument("--draft", required=True, help="draft: Hugging Face id or local directory, same vocabulary")
     p.add_argument("--out", required=True, help="bundle directory to write (must not exist or be empty)")
-    p.add_argument("--exit-layer", type=int, default=None, help="early-exit layer l_e (default: num_layers // 2)")
-    p.add_argument("--top-k", type=int, default=8, help="early-exit candidates per position k (default 8)")
+    p.add_argument("--exit-layer", type=int, default=None,
+                   help="early-exit layer l_e (default: the plan's, else num_layers // 2)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="early-exit candidates per position k (default: the plan's, else 8)")
+    p.add_argument("--plan", default=None, help="a plan file from `mirror-sd plan`: exit layer and k where not given")
     p.add_argument("--exit-adapter", default=None,
                    help="trained exit adapter directory (replaces the logit lens; sets the exit layer)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -90,18 +185,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--gamma", type=int, default=4, help="draft window length (default 4)")
-    g.add_argument("--kappa", type=int, default=None, help="early-exit candidates per position (default: bundle top_k)")
-    g.add_argument("--branch-budget", type=int, default=None, help="branches per step (default: adaptive)")
+    g.add_argument("--gamma", type=int, default=None, help="draft window length (default: the bundle's plan, else 4)")
+    g.add_argument("--kappa", type=int, default=None,
+                   help="early-exit candidates per position (default: the bundle's plan, else its top_k)")
+    g.add_argument("--branch-budget", type=_budget, default=None,
+                   help="branches per step, or auto (default: the bundle's plan, else auto: adaptive)")
     g.add_argument("--no-overlap", action="store_true", help="run the draft serially on the main thread")
     g.add_argument("--no-draft-streaming", action="store_true",
                    help="run a streaming draft one token per forward (its stream proposals unused)")
     g.add_argument("--target-device", default=None, help="cpu, cuda or an ONNX Runtime provider (default: CUDA, else CPU)")
     g.add_argument("--draft-device", default=None, help="OpenVINO device (default: NPU, else CPU)")
-    g.add_argument("--target-threads", type=int, default=1)
-    g.add_argument("--draft-threads", type=int, default=1)
+    g.add_argument("--target-threads", type=int, default=None, help="default: the bundle's plan, else 1")
+    g.add_argument("--draft-threads", type=int, default=None, help="default: the bundle's plan, else 1")
     g.add_argument("--json", action="store_true", help='print {"token_ids", "text", "stats"} as one JSON object')
     g.set_defaults(func=_generate)
+
+    pl = sub.add_parser("plan", help="measure a bundle and pick exit layer, k, gamma, branch budget and threads")
+    pl.add_argument("bundle", help="bundle directory written by export")
+    pl.add_argument("--calibration", type=int, default=6, help="calibration prompts (default 6)")
+    pl.add_argument("--max-new-tokens", type=int, default=48, help="tokens per calibration prompt (default 48)")
+    pl.add_argument("--gammas", type=_int_list, default=None, help="windows to measure, e.g. 2,4,6 (default)")
+    pl.add_argument("--kappas", type=_int_list, default=None,
+                    help="candidates per position to measure (default: the bundle's top_k and half of it)")
+    pl.add_argument("--splits", type=_splits, default=None,
+                    help="target+draft thread counts to measure, e.g. 1+1,2+1 (default: powers of two that fit)")
+    pl.add_argument("--repeats", type=int, default=7, help="timed calls per measurement (default 7)")
+    pl.add_argument("--rows", type=int, default=10, help="rows of the ranked table to print (default 10)")
+    pl.add_argument("--target-device", default=None, help="as for generate")
+    pl.add_argument("--draft-device", default=None, help="as for generate")
+    pl.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    pl.add_argument("--save", action="store_true",
+                    help="also write it into the bundle as plan.json: the runtime's defaults then come from it")
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    pl.set_defaults(func=_plan)
     return parser
 
 

@@ -3,6 +3,10 @@
     pipe = Pipeline.load("bundle/")
     result = pipe.generate("Hello", mode="mirror", max_new_tokens=32)
     result.token_ids, result.text, result.stats
+
+A bundle may hold a `plan.json` written by `mirror-sd plan` (partitions/planner.py). It is optional: when present,
+gamma, kappa, branch_budget and the thread counts default to its runtime section (explicit arguments still win);
+a plan made for another export of the bundle is refused.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from mirror_sd.errors import BadInputError
+from mirror_sd.errors import BadInputError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.partitions.planner import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
 from mirror_sd.runtime.draft import Drafter
 from mirror_sd.runtime.engines import GraphEngine, Target, open_engine, open_target
 from mirror_sd.runtime.sampling import SamplingParams
@@ -25,6 +30,8 @@ from mirror_sd.runtime.text import TextCodec, TextSink
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 Streamer = Callable[[int, str], None]  # (token id, new text) for every committed token
+_UNSET: Any = object()  # an option the caller did not give: from the bundle's plan, else the built-in default
+BUILTIN_GAMMA, BUILTIN_THREADS = 4, 1
 
 
 @dataclass(frozen=True)
@@ -57,25 +64,35 @@ class GenerationStream:
 
 
 class Pipeline:
-    def __init__(self, manifest: Manifest, target: Target, draft: GraphEngine, codec: TextCodec) -> None:
+    def __init__(self, manifest: Manifest, target: Target, draft: GraphEngine, codec: TextCodec,
+                 defaults: RuntimeDefaults | None = None, target_threads: int = BUILTIN_THREADS,
+                 draft_threads: int = BUILTIN_THREADS) -> None:
         self.manifest, self.target, self.draft, self.codec = manifest, target, draft, codec
+        self.defaults = defaults  # the bundle plan's runtime section, if it has one
+        self.target_threads, self.draft_threads = target_threads, draft_threads
         facts = manifest.target
         self.context_limit = min(facts.max_position_embeddings, manifest.draft.max_position_embeddings)
         self._draft_thread: threading.Thread | None = None  # the last draft thread, if it may still be running
 
     @classmethod
     def load(cls, bundle: str | Path, *, target_device: str | None = None, draft_device: str | None = None,
-             target_threads: int = 1, draft_threads: int = 1) -> Pipeline:
+             target_threads: int | None = None, draft_threads: int | None = None, use_plan: bool = True) -> Pipeline:
         """target_device: None (CUDA, else CPU), "cpu", "cuda" or an ONNX Runtime provider name.
-        draft_device: None (NPU, else CPU) or an OpenVINO device string."""
+        draft_device: None (NPU, else CPU) or an OpenVINO device string.
+        Thread counts None: the bundle plan's, else 1 each. use_plan False ignores the bundle's plan.json."""
         for name, n in (("target_threads", target_threads), ("draft_threads", draft_threads)):
-            if not isinstance(n, int) or n < 1:
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
                 raise BadInputError(f"{name} must be an integer >= 1, got {n!r}")
         manifest = Manifest.load(bundle)
+        defaults = _plan_defaults(bundle, manifest) if use_plan else None
+        if target_threads is None:
+            target_threads = defaults.target_threads if defaults else BUILTIN_THREADS
+        if draft_threads is None:
+            draft_threads = defaults.draft_threads if defaults else BUILTIN_THREADS
         codec = TextCodec(bundle, manifest)
         target = open_target(bundle, manifest, target_device, target_threads)
         draft = open_engine(bundle, manifest, "draft", draft_device, draft_threads)
-        return cls(manifest, target, draft, codec)
+        return cls(manifest, target, draft, codec, defaults, target_threads, draft_threads)
 
     # -- prompts -------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -116,14 +133,22 @@ class Pipeline:
     def stream(self, prompt: Prompt, **options: Any) -> GenerationStream:
         """Options: mode ("ar", "sd", "mirror"), max_new_tokens, temperature (0 = greedy), top_p, top_k, seed,
         stop (strings), gamma (window), kappa (candidates per position, <= the bundle's top_k), branch_budget
-        (None adapts), overlap (False runs the same schedule serially), draft_timeout_s, draft_streaming (False runs
+        (None adapts; gamma, kappa and branch_budget default to the bundle's plan.json, else 4, the bundle's top_k
+        and None), overlap (False runs the same schedule serially), draft_timeout_s, draft_streaming (False runs
         a streaming draft one token per forward: the same windows in more forwards)."""
         return GenerationStream(self._run(prompt, **options))
 
     def _run(self, prompt: Prompt, *, mode: str = "mirror", max_new_tokens: int = 64, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), gamma: int = 4,
-             kappa: int | None = None, branch_budget: int | None = None, overlap: bool = True,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), gamma: int = _UNSET,
+             kappa: int | None = _UNSET, branch_budget: int | None = _UNSET, overlap: bool = True,
              draft_timeout_s: float = 10.0, draft_streaming: bool = True) -> Iterator[Chunk]:
+        plan = self.defaults
+        if gamma is _UNSET:
+            gamma = plan.gamma if plan else BUILTIN_GAMMA
+        if kappa is _UNSET or kappa is None:
+            kappa = plan.kappa if plan else None  # None: the bundle's top_k
+        if branch_budget is _UNSET:
+            branch_budget = plan.branch_budget if plan else None  # None: adaptive
         cfg = self._config(mode, max_new_tokens, temperature, top_p, top_k, seed, gamma, kappa, branch_budget,
                            overlap, draft_timeout_s, draft_streaming)
         stop = _check_stop(stop)
@@ -191,6 +216,17 @@ class Pipeline:
         params = SamplingParams(float(temperature), float(top_p), top_k, seed)
         return DecodeConfig(mode, max_new_tokens, gamma, kappa, branch_budget, params, bool(overlap),
                             float(draft_timeout_s), bool(draft_streaming))
+
+
+def _plan_defaults(bundle: str | Path, manifest: Manifest) -> RuntimeDefaults | None:
+    """The runtime section of the bundle's optional plan.json; ManifestError if it is there but unusable."""
+    path = Path(bundle) / PLAN_FILE
+    if not path.is_file():
+        return None
+    try:
+        return runtime_defaults(read_plan(path), manifest.target.exit_layer, manifest.target.top_k)
+    except BadInputError as e:
+        raise ManifestError(f"{PLAN_FILE}: {e}") from None
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

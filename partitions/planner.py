@@ -1,0 +1,581 @@
+"""The partition planner: a cost model of one Mirror-SD step and a search over the settings it depends on.
+
+Plain data and pure functions only (no torch, no runtimes): `runtime/profile.py` measures a bundle into a `Profile`,
+this module predicts tokens/s for every `Candidate` and ranks them. Symbols: N target layers, l exit layer,
+gamma window, T = gamma + 1 verification positions, kappa candidates per position, b branch budget.
+
+Cost of one step (seconds), for a candidate on one thread split:
+
+    P  = T_prefix(l, T),  S = T_suffix(l, T)           target partitions, isolated
+    Db = T_draft(gamma, b)                              the branch set: b rows, J = gamma / eta forwards
+    Dr = T_draft(gamma, 1)                              a fresh serial rollout (first window, branch miss)
+    S', Db' = walls of S and Db run at once             each slowed by its measured contention factor
+    T_step = P + T_rv + h * max(S', Db') + (1 - h) * (S' + cancel + Dr)
+
+h is the branch hit rate (share of steps whose next window was a ready branch), cancel is the branch forward still
+in flight when a miss cancels the set (half a forward, when the set outlasts the suffix). T_rv is everything else a
+step costs on the main thread (top-k hand-off, branch planning, verification, Python), measured per step.
+
+Tokens per step: with a per-token acceptance probability alpha, the expected committed tokens of a gamma window
+(accepted tokens plus the target's correction or bonus) is (1 - alpha^(gamma+1)) / (1 - alpha). alpha is fitted so
+that the same model reproduces the measured acceptance rate (accepted / proposed) at the measured gamma.
+Predicted tokens/s = tokens per step / T_step.
+
+What the bundle cannot show, and how it is extrapolated:
+- Another exit layer needs another export. The target's cost is measured at the bundle's split only; moving the
+  split by one layer moves one layer's cost c from one partition to the other (see `split_layer_costs`). Acceptance
+  does not depend on l at all (the full target verifies). The branch hit rate does, through the early-exit top-k
+  coverage: it is held at the measured value unless a coverage table (exit layer -> top-k coverage, e.g. from
+  training an exit adapter) is given, in which case h scales with coverage(l) / coverage(l_bundle), capped at 1.
+  Because a held h makes every l whose suffix still hides the draft equally fast, ties go to the bundle's own layer,
+  then to the deeper layer (deeper exits cover more: the trade-off the paper names).
+- kappa <= the bundle's top_k, gamma and b are runtime settings: only values measured on the calibration set are
+  searched (hit rates are measured, not modelled).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from mirror_sd.errors import BadInputError
+
+PLAN_FILE = "plan.json"  # optional file in a bundle directory: the runtime's defaults come from it when present
+PLAN_FORMAT = "mirror-sd-plan"
+PLAN_VERSION = 1
+
+
+# -- measured inputs -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetTimes:
+    """The target at its bundle split (prefix [0, exit_layer), suffix [exit_layer, num_layers)) on one thread split.
+
+    prefix_s / suffix_s: window size T -> median seconds of one call on a realistic past.
+    prefix_head_layers / suffix_head_layers: each partition's fixed head (embedding + exit head top-k; final norm +
+    LM head) in units of one decoder layer's cost, from the graphs' weight bytes (see `split_layer_costs`)."""
+
+    num_layers: int
+    exit_layer: int
+    prefix_s: Mapping[int, float]
+    suffix_s: Mapping[int, float]
+    prefix_head_layers: float
+    suffix_head_layers: float
+
+
+@dataclass(frozen=True)
+class DraftTimes:
+    """forward_s: (batch rows, new tokens per row) -> median seconds of one draft forward on a realistic past.
+    width: tokens a rollout feeds per forward after its first (1 + streams for a streaming draft, else 1).
+    branch_s: (gamma, budget) -> a whole branch set, and rollout_s: gamma -> a fresh rollout after a miss, timed
+    through the runtime's Drafter (its Python work included). Where these are given they are used; otherwise the
+    draft is modelled from forward_s (`draft_time`)."""
+
+    forward_s: Mapping[tuple[int, int], float]
+    width: int = 1
+    branch_s: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    rollout_s: Mapping[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SplitProfile:
+    """Everything timed on one split of the cores: target_threads for ONNX Runtime, draft_threads for the draft.
+
+    suffix_slowdown / draft_slowdown: how much longer each takes while the other runs at the same time (>= 1 on a
+    shared CPU). rendezvous_s: per-step main-thread time that is neither target nor draft wait."""
+
+    target_threads: int
+    draft_threads: int
+    target: TargetTimes
+    draft: DraftTimes
+    suffix_slowdown: float = 1.0
+    draft_slowdown: float = 1.0
+    rendezvous_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Decoding statistics on the calibration prompts (greedy: they do not depend on timing or threads).
+
+    acceptance: gamma -> accepted / proposed draft tokens; eta: gamma -> draft tokens per row-forward;
+    hit_rate: (gamma, kappa, branch_budget) -> branch hit rate; coverage: optional exit layer -> early-exit top-k
+    coverage of the target's token, used only to extrapolate the hit rate to other exit layers."""
+
+    acceptance: Mapping[int, float]
+    eta: Mapping[int, float]
+    hit_rate: Mapping[tuple[int, int, int], float]
+    coverage: Mapping[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Profile:
+    top_k: int  # the bundle's early-exit k: the largest kappa the runtime accepts
+    splits: tuple[SplitProfile, ...]
+    calibration: Calibration
+
+    @property
+    def num_layers(self) -> int:
+        return self.splits[0].target.num_layers
+
+    @property
+    def exit_layer(self) -> int:
+        return self.splits[0].target.exit_layer
+
+
+# -- choices and results ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    exit_layer: int
+    kappa: int
+    gamma: int
+    branch_budget: int
+    target_threads: int
+    draft_threads: int
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """The terms of one predicted step, seconds unless named otherwise."""
+
+    prefix_s: float
+    suffix_s: float  # isolated
+    draft_branches_s: float  # isolated
+    draft_rollout_s: float
+    suffix_wall_s: float  # under contention with the branch set
+    draft_wall_s: float
+    rendezvous_s: float
+    step_s: float
+    hit_rate: float
+    alpha: float  # per-token acceptance probability
+    tokens_per_step: float
+    draft_hidden: bool  # the branch set finishes within the suffix (the overlap budget holds)
+
+
+@dataclass(frozen=True)
+class Plan:
+    choice: Candidate
+    predicted_tokens_per_second: float
+    terms: StepTerms
+    needs_export: bool  # the exit layer differs from the bundle's: `make export EXIT_LAYER=...` first
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"choice": asdict(self.choice), "predicted_tokens_per_second": self.predicted_tokens_per_second,
+                "terms": asdict(self.terms), "needs_export": self.needs_export}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """None: every value the profile supports (all exit layers, every measured gamma / kappa / budget, every split).
+    require_hidden: keep only candidates whose branch set fits under the suffix."""
+
+    exit_layers: tuple[int, ...] | None = None
+    gammas: tuple[int, ...] | None = None
+    kappas: tuple[int, ...] | None = None
+    budgets: tuple[int, ...] | None = None
+    require_hidden: bool = False
+
+
+# -- the cost model --------------------------------------------------------------------------------------------
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens committed by verifying a gamma window when each token is accepted with probability alpha
+    (independently, until the first rejection), counting the target's own correction or bonus token."""
+    _check_prob("alpha", alpha)
+    _check_int("gamma", gamma, 1)
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def fit_alpha(acceptance_rate: float, gamma: int) -> float:
+    """The per-token acceptance probability alpha whose expected accepted tokens per window,
+    alpha (1 - alpha^gamma) / (1 - alpha), equal acceptance_rate * gamma (the measured accepted / proposed)."""
+    _check_prob("acceptance_rate", acceptance_rate)
+    _check_int("gamma", gamma, 1)
+    target = acceptance_rate * gamma
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # the expectation rises monotonically in alpha: bisection
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, gamma) - 1.0 < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def split_layer_costs(prefix_s: float, suffix_s: float, num_layers: int, exit_layer: int,
+                      prefix_head_layers: float, suffix_head_layers: float) -> tuple[float, float, float]:
+    """(per-layer cost c, prefix fixed cost, suffix fixed cost) from the two measured partitions.
+
+    Two timings cannot separate three unknowns (c and the two heads), and with a logit-lens head at l = N/2 the two
+    partitions are the same shape, so the heads' share comes from their weights: a decode step streams every
+    weight once, so a head costs about (its weight bytes / one layer's weight bytes) layers. With those ratios
+    rho_p, rho_s:  c = (P + S) / (N + rho_p + rho_s). Each partition's fixed cost is then what its own time leaves
+    after its layers, (P - l c) and (S - (N - l) c): it absorbs per-call overhead, and it reproduces both
+    measurements exactly at the bundle's split. Per-layer cost of each partition alone is (time - head) / layers.
+    """
+    _check_int("num_layers", num_layers, 2)
+    if not 1 <= exit_layer <= num_layers - 1:
+        raise BadInputError(f"exit layer {exit_layer} is outside [1, {num_layers - 1}]")
+    for name, v in (("prefix time", prefix_s), ("suffix time", suffix_s), ("prefix head ratio", prefix_head_layers),
+                    ("suffix head ratio", suffix_head_layers)):
+        _check_nonneg(name, v)
+    c = (prefix_s + suffix_s) / (num_layers + prefix_head_layers + suffix_head_layers)
+    return c, prefix_s - exit_layer * c, suffix_s - (num_layers - exit_layer) * c
+
+
+def target_times(t: TargetTimes, exit_layer: int, window: int) -> tuple[float, float]:
+    """(T_prefix, T_suffix) for a split at `exit_layer` and `window` positions; T between measured window sizes is
+    interpolated linearly (and extrapolated from the nearest two outside them)."""
+    if not 1 <= exit_layer <= t.num_layers - 1:
+        raise BadInputError(f"exit layer {exit_layer} is outside [1, {t.num_layers - 1}]")
+    p, s = _interp1(t.prefix_s, window), _interp1(t.suffix_s, window)
+    c, _, _ = split_layer_costs(p, s, t.num_layers, t.exit_layer, t.prefix_head_layers, t.suffix_head_layers)
+    moved = (exit_layer - t.exit_layer) * c
+    return max(p + moved, 0.0), max(s - moved, 0.0)
+
+
+def draft_forward(d: DraftTimes, rows: int, width: int) -> float:
+    """One draft forward of `rows` rows feeding `width` tokens each: bilinear over the measured grid (linear
+    extrapolation past its edges: cost grows about linearly in rows x tokens once the weights are no longer the
+    bottleneck)."""
+    _check_int("rows", rows, 1)
+    _check_int("width", width, 1)
+    widths = sorted({w for _, w in d.forward_s})
+    by_width = {w: {b: s for (b, ww), s in d.forward_s.items() if ww == w} for w in widths}
+    at_width = {w: _interp1(by_width[w], rows) for w in widths}
+    return max(_interp1(at_width, width), 0.0)
+
+
+def draft_time(d: DraftTimes, gamma: int, rows: int, eta: float, first_width: int) -> float:
+    """A rollout of gamma tokens for `rows` rows: a first forward feeding `first_width` tokens per row (what the
+    cache lacks), then forwards of d.width tokens; eta tokens per row-forward means gamma / eta forwards in all."""
+    if not eta > 0:
+        raise BadInputError(f"draft tokens per forward must be > 0, got {eta!r}")
+    forwards = max(1.0, gamma / eta)
+    return draft_forward(d, rows, first_width) + (forwards - 1.0) * draft_forward(d, rows, min(d.width, gamma))
+
+
+def overlap_walls(suffix_s: float, draft_s: float, suffix_slowdown: float, draft_slowdown: float) -> tuple[float, float]:
+    """Wall times (suffix, draft) of two jobs started together that slow each other down while both run.
+
+    While both run, the suffix advances at 1/suffix_slowdown and the draft at 1/draft_slowdown of their
+    isolated speeds; whichever is left finishes at full speed."""
+    for name, v in (("suffix_slowdown", suffix_slowdown), ("draft_slowdown", draft_slowdown)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 1.0):
+            raise BadInputError(f"{name} must be a number >= 1, got {v!r}")
+    if draft_s <= 0:
+        return suffix_s, 0.0
+    if draft_s * draft_slowdown <= suffix_s * suffix_slowdown:  # the draft finishes first
+        both = draft_s * draft_slowdown
+        return both + suffix_s - both / suffix_slowdown, both
+    both = suffix_s * suffix_slowdown
+    return both, both + draft_s - both / draft_slowdown
+
+
+def predict(profile: Profile, cand: Candidate) -> Plan:
+    """The predicted step and tokens/s of one candidate. BadInputError if the candidate is outside the profile."""
+    split = _split(profile, cand.target_threads, cand.draft_threads)
+    cal = profile.calibration
+    n = profile.num_layers
+    if not 1 <= cand.exit_layer <= n - 1:
+        raise BadInputError(f"exit layer {cand.exit_layer} is outside [1, {n - 1}]")
+    _check_int("gamma", cand.gamma, 1)
+    _check_int("kappa", cand.kappa, 1)
+    _check_int("branch_budget", cand.branch_budget, 0)
+    if cand.kappa > profile.top_k:
+        raise BadInputError(f"kappa {cand.kappa} exceeds the bundle's early-exit top_k {profile.top_k}")
+    key = (cand.gamma, cand.kappa, cand.branch_budget)
+    if key not in cal.hit_rate:
+        raise BadInputError(f"no measured branch hit rate for gamma={cand.gamma}, kappa={cand.kappa}, "
+                            f"branch_budget={cand.branch_budget}")
+    hit = _hit_rate(cal, key, cand.exit_layer, profile.exit_layer)
+    alpha = fit_alpha(_nearest(cal.acceptance, cand.gamma), _nearest_key(cal.acceptance, cand.gamma))
+    eta = _nearest(cal.eta, cand.gamma)
+
+    window = cand.gamma + 1
+    p, s = target_times(split.target, cand.exit_layer, window)
+    d = split.draft
+    if not cand.branch_budget:
+        d_branches = 0.0
+    elif (cand.gamma, cand.branch_budget) in d.branch_s:
+        d_branches = d.branch_s[(cand.gamma, cand.branch_budget)]
+    else:  # a branch row feeds what the shared cache lacks: on average half the window plus its correction token
+        d_branches = draft_time(d, cand.gamma, cand.branch_budget, eta, math.ceil(window / 2) + 1)
+    # A fresh rollout after a miss continues the lane that holds the accepted tokens: the correction and at most
+    # one more token are new to it.
+    d_rollout = d.rollout_s[cand.gamma] if cand.gamma in d.rollout_s else draft_time(d, cand.gamma, 1, eta, 2)
+    s_wall, d_wall = overlap_walls(s, d_branches, split.suffix_slowdown, split.draft_slowdown)
+    # A miss cancels the branch set at its next forward: when it outlasts the suffix, about half a forward is
+    # still in flight before the fresh rollout can start.
+    cancel = 0.5 * draft_forward(d, max(cand.branch_budget, 1), d.width) if d_wall > s_wall else 0.0
+    step = p + split.rendezvous_s + hit * max(s_wall, d_wall) + (1.0 - hit) * (s_wall + cancel + d_rollout)
+    tokens = expected_tokens(alpha, cand.gamma)
+    terms = StepTerms(p, s, d_branches, d_rollout, s_wall, d_wall, split.rendezvous_s, step, hit, alpha, tokens,
+                      d_wall <= s_wall)
+    return Plan(cand, tokens / step if step > 0 else 0.0, terms, cand.exit_layer != profile.exit_layer)
+
+
+def candidates(profile: Profile, space: SearchSpace = SearchSpace()) -> list[Candidate]:
+    """Every candidate of `space` the profile can predict (measured gamma / kappa / budget combinations only)."""
+    n = profile.num_layers
+    layers = space.exit_layers if space.exit_layers is not None else tuple(range(1, n))
+    bad = [layer for layer in layers if not (isinstance(layer, int) and 1 <= layer <= n - 1)]
+    if bad:
+        raise BadInputError(f"exit layers {bad} are outside [1, {n - 1}]")
+    out = []
+    for g, k, b in sorted(profile.calibration.hit_rate):
+        if ((space.gammas is None or g in space.gammas) and (space.kappas is None or k in space.kappas)
+                and (space.budgets is None or b in space.budgets) and k <= profile.top_k):
+            for split in profile.splits:
+                out += [Candidate(layer, k, g, b, split.target_threads, split.draft_threads) for layer in layers]
+    return out
+
+
+def search(profile: Profile, space: SearchSpace = SearchSpace()) -> list[Plan]:
+    """Every candidate predicted and ranked, best first. Equal predictions (to 1e-9 relative) prefer the bundle's
+    exit layer (no re-export), then the deeper layer, then fewer branches, then fewer target threads."""
+    validate_profile(profile)
+    plans = [predict(profile, c) for c in candidates(profile, space)]
+    if space.require_hidden:
+        plans = [p for p in plans if p.terms.draft_hidden]
+    if not plans:
+        raise BadInputError("the search space is empty: no measured setting matches it"
+                            + (" with the draft hidden under the suffix" if space.require_hidden else ""))
+    best = max(p.predicted_tokens_per_second for p in plans)
+    scale = best if best > 0 else 1.0
+
+    def rank(p: Plan):
+        c = p.choice
+        return (-round(p.predicted_tokens_per_second / scale, 9), p.needs_export, -c.exit_layer, c.branch_budget,
+                c.target_threads + c.draft_threads, c.target_threads)
+
+    return sorted(plans, key=rank)
+
+
+def best_for_bundle(plans: list[Plan]) -> Plan:
+    """The best plan the bundle can run as it is (its own exit layer)."""
+    for p in plans:
+        if not p.needs_export:
+            return p
+    raise BadInputError("no plan at the bundle's own exit layer in the search space")
+
+
+def validate_profile(profile: Profile) -> None:
+    """BadInputError on the first measured value that is missing, negative, or out of range."""
+    if not profile.splits:
+        raise BadInputError("the profile holds no thread split")
+    _check_int("top_k", profile.top_k, 1)
+    seen = set()
+    for sp in profile.splits:
+        _check_int("target_threads", sp.target_threads, 1)
+        _check_int("draft_threads", sp.draft_threads, 1)
+        if (sp.target_threads, sp.draft_threads) in seen:
+            raise BadInputError(f"thread split {sp.target_threads}+{sp.draft_threads} is profiled twice")
+        seen.add((sp.target_threads, sp.draft_threads))
+        t = sp.target
+        if (t.num_layers, t.exit_layer) != (profile.num_layers, profile.exit_layer):
+            raise BadInputError("every split must profile the same target split")
+        if not t.prefix_s or set(t.prefix_s) != set(t.suffix_s):
+            raise BadInputError("prefix and suffix must be timed on the same, non-empty window sizes")
+        for name, table in (("prefix", t.prefix_s), ("suffix", t.suffix_s), ("draft", sp.draft.forward_s),
+                            ("branch set", sp.draft.branch_s or {0: 0.0}), ("rollout", sp.draft.rollout_s or {0: 0.0})):
+            if not table:
+                raise BadInputError(f"no {name} timings")
+            for v in table.values():
+                _check_nonneg(f"{name} time", v)
+        _check_int("draft width", sp.draft.width, 1)
+        _check_nonneg("rendezvous time", sp.rendezvous_s)
+        split_layer_costs(t.prefix_s[min(t.prefix_s)], t.suffix_s[min(t.suffix_s)], t.num_layers, t.exit_layer,
+                          t.prefix_head_layers, t.suffix_head_layers)
+        overlap_walls(1.0, 1.0, sp.suffix_slowdown, sp.draft_slowdown)
+    cal = profile.calibration
+    if not cal.acceptance or not cal.eta or not cal.hit_rate:
+        raise BadInputError("the calibration holds no acceptance, draft-rate or hit-rate measurement")
+    for g, a in cal.acceptance.items():
+        _check_int("gamma", g, 1)
+        _check_prob("acceptance_rate", a)
+    for g, e in cal.eta.items():
+        if not (isinstance(e, (int, float)) and math.isfinite(e) and e > 0):
+            raise BadInputError(f"draft tokens per forward must be > 0, got {e!r} for gamma {g}")
+    for (g, k, b), h in cal.hit_rate.items():
+        _check_prob("branch_hit_rate", h)
+        _check_int("branch_budget", b, 0)
+    for layer, c in cal.coverage.items():
+        _check_prob(f"coverage at layer {layer}", c)
+
+
+# -- the plan file -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RuntimeDefaults:
+    """The settings a bundle's plan.json gives the runtime (each overridable per call)."""
+
+    gamma: int
+    kappa: int
+    branch_budget: int | None  # None: adaptive
+    target_threads: int
+    draft_threads: int
+
+
+@dataclass(frozen=True)
+class ExportAdvice:
+    exit_layer: int
+    top_k: int
+
+
+def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, Any] | None = None,
+                  table_rows: int = 20) -> dict[str, Any]:
+    """The JSON a plan is written as: the runtime defaults (best at the bundle's own exit layer), the export advice
+    (best overall), the ranked table's head, and the profile it came from."""
+    run, best = best_for_bundle(plans), plans[0]
+    c = run.choice
+    return {
+        "format": PLAN_FORMAT, "version": PLAN_VERSION,
+        "bundle": {"num_layers": profile.num_layers, "exit_layer": profile.exit_layer, "top_k": profile.top_k},
+        "runtime": {"gamma": c.gamma, "kappa": c.kappa, "branch_budget": c.branch_budget,
+                    "target_threads": c.target_threads, "draft_threads": c.draft_threads,
+                    "predicted_tokens_per_second": run.predicted_tokens_per_second,
+                    **({"measured": dict(measured)} if measured else {})},
+        "export": {"exit_layer": best.choice.exit_layer, "top_k": best.choice.kappa,
+                   "predicted_tokens_per_second": best.predicted_tokens_per_second,
+                   "needs_export": best.needs_export},
+        "best": best.to_dict(),
+        "best_for_bundle": run.to_dict(),
+        "table": [p.to_dict() for p in plans[:table_rows]],
+        "profile": profile_to_dict(profile),
+    }
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    def keyed(table: Mapping) -> dict[str, Any]:
+        return {",".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in sorted(table.items())}
+
+    return {
+        "top_k": profile.top_k,
+        "splits": [{"target_threads": s.target_threads, "draft_threads": s.draft_threads,
+                    "suffix_slowdown": s.suffix_slowdown, "draft_slowdown": s.draft_slowdown,
+                    "rendezvous_s": s.rendezvous_s,
+                    "target": {"num_layers": s.target.num_layers, "exit_layer": s.target.exit_layer,
+                               "prefix_s": keyed(s.target.prefix_s), "suffix_s": keyed(s.target.suffix_s),
+                               "prefix_head_layers": s.target.prefix_head_layers,
+                               "suffix_head_layers": s.target.suffix_head_layers,
+                               "per_layer_s": keyed({w: split_layer_costs(
+                                   s.target.prefix_s[w], s.target.suffix_s[w], s.target.num_layers,
+                                   s.target.exit_layer, s.target.prefix_head_layers,
+                                   s.target.suffix_head_layers)[0] for w in s.target.prefix_s})},
+                    "draft": {"width": s.draft.width, "forward_s (rows,tokens)": keyed(s.draft.forward_s),
+                              "branch_set_s (gamma,budget)": keyed(s.draft.branch_s),
+                              "rollout_s (gamma)": keyed(s.draft.rollout_s)}}
+                   for s in profile.splits],
+        "calibration": {"acceptance": keyed(profile.calibration.acceptance), "eta": keyed(profile.calibration.eta),
+                        "hit_rate (gamma,kappa,budget)": keyed(profile.calibration.hit_rate),
+                        "coverage": keyed(profile.calibration.coverage)},
+    }
+
+
+def read_plan(path: str | Path) -> dict[str, Any]:
+    """A plan file, checked: BadInputError if it is unreadable or not a plan of this version."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInputError(f"cannot read plan {str(path)!r}: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or doc.get("version") != PLAN_VERSION:
+        raise BadInputError(f"{str(path)!r} is not a {PLAN_FORMAT} file of version {PLAN_VERSION}")
+    for part in ("bundle", "runtime", "export"):
+        if not isinstance(doc.get(part), dict):
+            raise BadInputError(f"plan {str(path)!r} has no {part!r} section")
+    return doc
+
+
+def runtime_defaults(doc: Mapping[str, Any], exit_layer: int, top_k: int) -> RuntimeDefaults:
+    """The runtime section of a plan made for a bundle with this exit layer and top_k; BadInputError if the plan
+    was made for another export (its settings were measured on other graphs) or a value is out of range."""
+    b, r = doc["bundle"], doc["runtime"]
+    if b.get("exit_layer") != exit_layer or b.get("top_k") != top_k:
+        raise BadInputError(f"the plan was made for exit layer {b.get('exit_layer')} / top_k {b.get('top_k')}, the "
+                            f"bundle has {exit_layer} / {top_k}: run `mirror-sd plan` on this bundle again")
+    for name, low in (("gamma", 1), ("kappa", 1), ("target_threads", 1), ("draft_threads", 1)):
+        _check_int(f"plan runtime.{name}", r.get(name), low)
+    if r["kappa"] > top_k:
+        raise BadInputError(f"plan runtime.kappa {r['kappa']} exceeds the bundle's top_k {top_k}")
+    budget = r.get("branch_budget")
+    if budget is not None:
+        _check_int("plan runtime.branch_budget", budget, 0)
+    return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"])
+
+
+def export_advice(doc: Mapping[str, Any]) -> ExportAdvice:
+    e = doc["export"]
+    _check_int("plan export.exit_layer", e.get("exit_layer"), 1)
+    _check_int("plan export.top_k", e.get("top_k"), 1)
+    return ExportAdvice(e["exit_layer"], e["top_k"])
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+def _split(profile: Profile, target_threads: int, draft_threads: int) -> SplitProfile:
+    for s in profile.splits:
+        if (s.target_threads, s.draft_threads) == (target_threads, draft_threads):
+            return s
+    raise BadInputError(f"thread split {target_threads}+{draft_threads} was not profiled")
+
+
+def _hit_rate(cal: Calibration, key: tuple[int, int, int], exit_layer: int, measured_layer: int) -> float:
+    h = cal.hit_rate[key]
+    if exit_layer == measured_layer or not cal.coverage:
+        return h
+    if exit_layer not in cal.coverage or not cal.coverage.get(measured_layer):
+        return h  # no coverage for this layer: held at the measured value
+    return min(1.0, h * cal.coverage[exit_layer] / cal.coverage[measured_layer])
+
+
+def _nearest_key(table: Mapping[int, float], x: int) -> int:
+    return min(table, key=lambda k: (abs(k - x), k))
+
+
+def _nearest(table: Mapping[int, float], x: int) -> float:
+    return table[_nearest_key(table, x)]
+
+
+def _interp1(table: Mapping[int, float], x: float) -> float:
+    """Piecewise-linear through the points of `table`, extended linearly beyond them (constant for one point)."""
+    xs = sorted(table)
+    if not xs:
+        raise BadInputError("no measurements to interpolate")
+    if len(xs) == 1:
+        return table[xs[0]]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1 = xs[i - 1], xs[i]
+    return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise BadInputError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_prob(name: str, value: Any) -> None:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0):
+        raise BadInputError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+def _check_nonneg(name: str, value: Any) -> None:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+        raise BadInputError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def iter_table(plans: Iterable[Plan], rows: int) -> list[str]:
+    """The ranked table as text lines."""
+    lines = [f"{'rank':>4} {'l_e':>4} {'k':>3} {'gamma':>5} {'budget':>6} {'threads':>7} {'tok/s':>8} "
+             f"{'step ms':>8} {'tok/step':>8} {'hit':>5} {'hidden':>6}"]
+    for i, p in enumerate(plans):
+        if i >= rows:
+            break
+        c, t = p.choice, p.terms
+        lines.append(f"{i + 1:>4} {c.exit_layer:>4} {c.kappa:>3} {c.gamma:>5} {c.branch_budget:>6} "
+                     f"{f'{c.target_threads}+{c.draft_threads}':>7} {p.predicted_tokens_per_second:>8.1f} "
+                     f"{t.step_s * 1000:>8.2f} {t.tokens_per_step:>8.2f} {t.hit_rate:>5.2f} "
+                     f"{'yes' if t.draft_hidden else 'no':>6}")
+    return lines

@@ -1,0 +1,438 @@
+"""Measuring a bundle for the partition planner (`mirror-sd plan`): target and draft costs on each thread split,
+acceptance and branch hits on calibration prompts, then the measured speed of the chosen setting.
+
+No torch. Everything is timed through the runtime's own engines and `Pipeline.generate`, on the devices and thread
+counts the runtime would use; the cost model and the search are pure (partitions/planner.py).
+
+What is measured, per split of the cores (target_threads for ONNX Runtime, draft_threads for the draft):
+- the target prefix and suffix at the bundle's split, on verification windows of T = gamma + 1 tokens after a
+  realistic past (a calibration prompt plus half a generation); per-layer cost and head costs are derived in
+  `planner.split_layer_costs`, with the heads' share from the graphs' weight bytes (`head_ratios`);
+- one draft forward against batch rows (1, 2, 4, ... branches) and tokens fed per row, on the same past; and,
+  through the runtime's `Drafter` (its Python work included), a whole branch set for every (gamma, budget) and a
+  fresh rollout after a miss, on real early-exit candidates from the target prefix;
+- contention: the suffix timed while the Drafter runs branch sets in another thread, and the other way round
+  (both compete for cores and for the GIL). This module starts that one measuring thread (and joins it) besides
+  the scheduler's draft thread.
+Once, on the first split (greedy decoding: the numbers do not depend on timing): acceptance rate, draft tokens per
+forward and branch hit rate for every measured (gamma, kappa, branch budget), from `Pipeline.generate` in mirror
+mode on the calibration prompts (greedy mirror commits exactly sd's windows, so its acceptance is sd's), and the
+per-step time that is neither target nor draft (the rendezvous).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.partitions import planner
+from mirror_sd.partitions.manifest import Manifest, resolve_inside
+from mirror_sd.runtime.draft import Drafter, plan_branches
+from mirror_sd.runtime.engines import GraphEngine, Target
+from mirror_sd.runtime.messages import ExitCandidates, frozen
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.sampling import SamplingParams
+
+Report = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    calibration: int = 6  # calibration prompts
+    max_new_tokens: int = 48  # tokens generated per calibration prompt
+    gammas: tuple[int, ...] = (2, 4, 6)
+    kappas: tuple[int, ...] | None = None  # None: the bundle's top_k and half of it
+    budget_multiples: tuple[float, ...] = (0.5, 1, 2, 4)  # branch budgets as multiples of kappa, <= (gamma+1) kappa
+    splits: tuple[tuple[int, int], ...] | None = None  # (target, draft) threads; None: `default_splits()`
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # draft batch rows timed
+    repeats: int = 7  # timed calls per point (the median is kept)
+    past: int | None = None  # past length for the timings; None: median calibration prompt + max_new_tokens / 2
+    target_device: str | None = None
+    draft_device: str | None = None
+    coverage: dict[int, float] = field(default_factory=dict)  # optional exit layer -> top-k coverage
+
+
+def default_splits(cores: int | None = None) -> tuple[tuple[int, int], ...]:
+    """(target, draft) thread counts worth trying: powers of two with target + draft <= cores (draft >= 1 always;
+    on 2 cores: 1+1 and 2+1, the second oversubscribing while both run - contention is measured, not assumed)."""
+    cores = max(1, cores or os.cpu_count() or 1)
+    powers = [p for p in (1, 2, 4, 8, 16, 32) if p <= cores]
+    return tuple((t, d) for t in powers for d in powers if d <= max(1, cores - t))
+
+
+def calibration_prompts(pipe: Pipeline, n: int, max_new_tokens: int) -> list[list[int]]:
+    """`n` held-out prompts of the project's own prompt set (chat, code, translation, summarisation, QA, math, RAG;
+    chat template applied where the bundle has one) as token ids; a prompt longer than the context leaves room for
+    `max_new_tokens` by dropping its oldest tokens (only tiny test bundles have such a short context)."""
+    from mirror_sd.models.prompts import build  # plain Python, no torch
+
+    if n < 1:
+        raise BadInputError(f"--calibration must be >= 1, got {n}")
+    prompts = [p for p in build(2 * n + 8, seed=0, held_out=True) if p.kind != "multi_turn"][:n]
+    room = pipe.context_limit - max_new_tokens
+    if room < 1:
+        raise BadInputError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the context of "
+                            f"{pipe.context_limit} tokens")
+    out = []
+    for p in prompts:
+        if pipe.manifest.tokenizer.chat_template:
+            ids = pipe.prompt_ids(p.messages)
+        else:
+            ids = pipe.prompt_ids("\n".join(m["content"] for m in p.messages))
+        out.append(ids[-room:])
+    return out
+
+
+# -- timing the engines --------------------------------------------------------------------------------------
+def _median_time(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None) -> float:
+    """Median seconds of `fn` over `repeats` calls after one warm-up call; `setup` runs untimed before each."""
+    times = []
+    for i in range(repeats + 1):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        if i:  # the first call is a warm-up: first calls allocate
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def head_ratios(bundle: str | Path, manifest: Manifest) -> tuple[float, float]:
+    """(prefix head, suffix head) in units of one decoder layer, from the graphs' weight bytes.
+
+    A decode step streams every weight once, so cost follows bytes. The suffix holds its N - l_e layers plus the
+    final norm and LM head (V x H + H values, known from the manifest): that gives one layer's bytes w. The prefix
+    holds l_e layers, the embedding table (only T rows of it are gathered: not counted) and the exit head (the lens's
+    LM head, or a trained adapter plus it): its head is what is left, (prefix bytes - l_e w - V H) / w."""
+    t = manifest.target
+    itemsize = np.dtype(t.dtype).itemsize
+
+    def size(role: str) -> int:
+        spec = manifest.partition(role)  # type: ignore[arg-type]
+        root = Path(bundle).resolve()
+        return sum(resolve_inside(root, f).stat().st_size for f in (spec.file, *spec.data_files))
+
+    lm_head = (t.vocab_size * t.hidden_size + t.hidden_size) * itemsize
+    layer = (size("target_suffix") - lm_head) / (t.num_layers - t.exit_layer)
+    if layer <= 0:
+        raise BadInputError("cannot derive a layer's weight bytes from the suffix graph")
+    prefix_head = max(size("target_prefix") - t.exit_layer * layer - t.vocab_size * t.hidden_size * itemsize, 0.0)
+    return prefix_head / layer, lm_head / layer
+
+
+def _past_ids(prompts: list[list[int]], length: int, vocab: int) -> list[int]:
+    ids = [t for p in prompts for t in p][:length]
+    return ids + [i % vocab for i in range(length - len(ids))]
+
+
+def time_target(target: Target, past: list[int], windows: tuple[int, ...], repeats: int
+                ) -> tuple[dict[int, float], dict[int, float]]:
+    """Median seconds of the prefix and the suffix for each window size T after `past` (the cache is not extended,
+    so every call sees the same past)."""
+    _, cache = target.forward(past, target.empty_cache())
+    prefix, suffix = {}, {}
+    for window in windows:
+        ids = past[-window:] if len(past) >= window else (past * window)[:window]
+        exit_out, _ = target.run_prefix(ids, cache)
+        prefix[window] = _median_time(lambda: target.run_prefix(ids, cache), repeats)  # noqa: B023
+        suffix[window] = _median_time(lambda: target.run_suffix(exit_out.hidden, cache), repeats)  # noqa: B023
+    return prefix, suffix
+
+
+def time_draft(draft: GraphEngine, past: list[int], rows: tuple[int, ...], widths: tuple[int, ...], repeats: int
+               ) -> dict[tuple[int, int], float]:
+    """Median seconds of one draft forward of `b` rows x `w` new tokens after `past`, for every (b, w)."""
+    _, cache = draft.prefill(np.asarray([past], np.int64))
+    out = {}
+    for b in rows:
+        batch = cache.repeat(b)
+        for w in widths:
+            x = np.asarray([past[-w:]] * b, np.int64) if len(past) >= w else np.ones((b, w), np.int64)
+            out[(b, w)] = _median_time(lambda: draft.run(x, batch), repeats)  # noqa: B023
+    return out
+
+
+def time_contention(fg: Callable[[], object], bg: Callable[[], object], repeats: int,
+                    setup: Callable[[], object] | None = None) -> float:
+    """Median seconds of `fg` while `bg` runs in a loop on a measuring thread (joined before returning)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            bg()
+
+    worker = threading.Thread(target=loop, name="mirror-sd-profile", daemon=True)
+    worker.start()
+    try:
+        return _median_time(fg, repeats, setup)
+    finally:
+        stop.set()
+        worker.join()
+
+
+@dataclass(frozen=True)
+class DraftScene:
+    """A realistic draft request: a context, the window the draft gives for it, and the target prefix's early-exit
+    top-k on that window (what a mirror step hands the draft)."""
+
+    context: tuple[int, ...]
+    window: tuple[int, ...]
+    candidates: ExitCandidates
+    miss_context: tuple[int, ...]  # the context after a rejection at the first window position
+
+
+def draft_scene(pipe: Pipeline, past: list[int], gamma: int) -> DraftScene:
+    drafter = Drafter(pipe.draft, SamplingParams())
+    ctx = tuple(past)
+    drafter.warm(ctx)
+    window = drafter.rollout(ctx, gamma).tokens
+    target = pipe.target
+    _, cache = target.forward(list(ctx[:-1]), target.empty_cache())
+    exit_out, _ = target.run_prefix([ctx[-1], *window], cache)
+    c = ExitCandidates(ctx, window, frozen(exit_out.topk_ids), frozen(exit_out.topk_logprobs))
+    correction = next((int(v) for v in exit_out.topk_ids[0] if v != window[0]), (window[0] + 1) % 2)
+    return DraftScene(ctx, window, c, (*ctx, correction))
+
+
+def time_drafter(pipe: Pipeline, scenes: dict[int, DraftScene], budgets: dict[int, tuple[int, ...]],
+                 accept_rate: float, repeats: int) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+    """Median seconds, through the Drafter, of a branch set per (gamma, budget) and of a fresh rollout after a miss
+    per gamma. Before each timed call the drafter is put where a mirror step leaves it (its lane holds the context
+    and the window it just proposed)."""
+    drafter = Drafter(pipe.draft, SamplingParams())
+    branch, rollout = {}, {}
+    for gamma, scene in scenes.items():
+        k = scene.candidates.topk_ids.shape[1]
+        setup = _after_rollout(drafter, scene, gamma)
+        rollout[gamma] = _median_time(lambda: drafter.rollout(scene.miss_context, gamma), repeats, setup)  # noqa: B023
+        for b in budgets[gamma]:
+            plan = plan_branches(scene.candidates, k, b, accept_rate)
+            branch[(gamma, b)] = _median_time(
+                lambda: drafter.branches(scene.candidates, plan, gamma), repeats, setup)  # noqa: B023
+    return branch, rollout
+
+
+def _after_rollout(drafter: Drafter, scene: DraftScene, gamma: int) -> Callable[[], None]:
+    drafter.reset()
+    drafter.warm(scene.context)
+
+    def setup() -> None:
+        drafter.rollout(scene.context, gamma)
+
+    return setup
+
+
+def profile_split(pipe: Pipeline, past: list[int], windows: tuple[int, ...], rows: tuple[int, ...],
+                  first_widths: tuple[int, ...], scenes: dict[int, DraftScene], budgets: dict[int, tuple[int, ...]],
+                  accept_rate: float, contention_at: tuple[int, int], repeats: int,
+                  head: tuple[float, float]) -> planner.SplitProfile:
+    """Target, draft and contention timings on the pipeline's devices and threads."""
+    facts = pipe.manifest.target
+    prefix, suffix = time_target(pipe.target, past, windows, repeats)
+    width = pipe.manifest.draft.tokens_per_forward
+    widths = tuple(sorted({1, width, *first_widths}))
+    forward = time_draft(pipe.draft, past, rows, widths, repeats)
+    branch, rollout = time_drafter(pipe, scenes, budgets, accept_rate, repeats)
+
+    # contention: the suffix on the middle window while the Drafter runs that window's branch set over and over,
+    # and the branch set while the suffix runs over and over
+    gamma, budget = contention_at
+    scene = scenes[gamma]
+    _, tcache = pipe.target.forward(list(scene.context[:-1]), pipe.target.empty_cache())
+    exit_out, _ = pipe.target.run_prefix([scene.context[-1], *scene.window], tcache)
+    drafter = Drafter(pipe.draft, SamplingParams())
+    setup = _after_rollout(drafter, scene, gamma)
+    plan = plan_branches(scene.candidates, scene.candidates.topk_ids.shape[1], budget, accept_rate)
+    run_suffix = lambda: pipe.target.run_suffix(exit_out.hidden, tcache)  # noqa: E731
+    run_branches = lambda: drafter.branches(scene.candidates, plan, gamma)  # noqa: E731
+
+    def setup_and_branches() -> None:
+        setup()
+        run_branches()
+
+    # alone / shared in alternating rounds, the median of the rounds' ratios: other load on the machine drifts
+    suffix_ratios, draft_ratios = [], []
+    for _ in range(3):
+        alone = _median_time(run_suffix, repeats)
+        suffix_ratios.append(time_contention(run_suffix, setup_and_branches, repeats) / alone if alone > 0 else 1.0)
+        alone = _median_time(run_branches, repeats, setup)
+        draft_ratios.append(time_contention(run_branches, run_suffix, repeats, setup) / alone if alone > 0 else 1.0)
+    return planner.SplitProfile(
+        target_threads=pipe.target_threads, draft_threads=pipe.draft_threads,
+        target=planner.TargetTimes(facts.num_layers, facts.exit_layer, prefix, suffix, *head),
+        draft=planner.DraftTimes(forward, width, branch, rollout),
+        suffix_slowdown=max(1.0, statistics.median(suffix_ratios)),
+        draft_slowdown=max(1.0, statistics.median(draft_ratios)),
+    )
+
+
+# -- decoding statistics ---------------------------------------------------------------------------------------
+def _budgets(kappa: int, gamma: int, multiples: tuple[float, ...]) -> tuple[int, ...]:
+    cap = (gamma + 1) * kappa  # the runtime's own ceiling for an adaptive budget
+    return tuple(sorted({max(1, min(cap, round(m * kappa))) for m in multiples}))
+
+
+def grid(top_k: int, options: ProfileOptions) -> list[tuple[int, int, int]]:
+    """The (gamma, kappa, branch budget) settings measured on the calibration prompts."""
+    kappas = options.kappas or tuple(sorted({top_k, max(1, top_k // 2)}))
+    bad = [k for k in kappas if not 1 <= k <= top_k]
+    if bad:
+        raise BadInputError(f"kappas {bad} are outside [1, {top_k}] (the bundle's top_k)")
+    if not options.gammas or any(not isinstance(g, int) or g < 1 for g in options.gammas):
+        raise BadInputError(f"gammas must be integers >= 1, got {options.gammas}")
+    return [(g, k, b) for g in sorted(set(options.gammas)) for k in sorted(set(kappas))
+            for b in _budgets(k, g, options.budget_multiples)]
+
+
+@dataclass
+class _Totals:
+    new: int = 0
+    wall: float = 0.0
+    ttft: float = 0.0
+    steps: int = 0
+    other: float = 0.0  # main-thread time that is neither target nor draft wait
+    accepted: int = 0
+    proposed: int = 0
+    hits: int = 0
+    lookups: int = 0
+    eta: list[float] = field(default_factory=list)
+
+    def add(self, s: dict[str, Any]) -> None:
+        self.new += s["new_tokens"]
+        self.wall += s["wall_s"]
+        self.ttft += s["ttft_s"]
+        self.steps += s["target_steps"]
+        self.other += max(0.0, s["wall_s"] - s["prefix_s"] - s["suffix_s"] - s["draft_wait_s"])
+        self.accepted += s["accepted_tokens"]
+        self.proposed += s["proposed_tokens"]
+        self.hits += s["branch_hits"]
+        self.lookups += s["branch_lookups"]
+        if s["draft_tokens_per_forward"] > 0:
+            self.eta.append(s["draft_tokens_per_forward"])
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """After the first token: the steady state the cost model predicts (prefill is not part of a step)."""
+        return (self.new - 1) / (self.wall - self.ttft) if self.wall > self.ttft else 0.0
+
+
+def run_setting(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, **options: Any) -> _Totals:
+    totals = _Totals()
+    for ids in prompts:
+        totals.add(pipe.generate(ids, max_new_tokens=max_new_tokens, **options).stats)
+    return totals
+
+
+def calibrate(pipe: Pipeline, prompts: list[list[int]], options: ProfileOptions, report: Report
+              ) -> tuple[planner.Calibration, float]:
+    """Acceptance, draft tokens per forward and hit rate for every grid setting, and the rendezvous time per step."""
+    acceptance: dict[int, list[int]] = {}
+    eta: dict[int, list[float]] = {}
+    hit: dict[tuple[int, int, int], float] = {}
+    other = steps = 0.0
+    settings = grid(pipe.manifest.target.top_k, options)
+    for i, (g, k, b) in enumerate(settings):
+        t = run_setting(pipe, prompts, options.max_new_tokens, mode="mirror", gamma=g, kappa=k, branch_budget=b)
+        acc = acceptance.setdefault(g, [0, 0])
+        acc[0] += t.accepted
+        acc[1] += t.proposed
+        eta.setdefault(g, []).extend(t.eta)
+        hit[(g, k, b)] = t.hits / t.lookups if t.lookups else 0.0
+        other, steps = other + t.other, steps + t.steps
+        report(f"  calibration {i + 1}/{len(settings)}: gamma {g} kappa {k} budget {b}: acceptance "
+               f"{t.accepted / max(t.proposed, 1):.2f}, branch hits {hit[(g, k, b)]:.2f}")
+    cal = planner.Calibration(
+        acceptance={g: a / p if p else 0.0 for g, (a, p) in acceptance.items()},
+        eta={g: statistics.mean(v) if v else 1.0 for g, v in eta.items()},
+        hit_rate=hit, coverage=dict(options.coverage))
+    return cal, other / steps if steps else 0.0
+
+
+# -- the whole plan ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanResult:
+    profile: planner.Profile
+    plans: list[planner.Plan]
+    chosen: planner.Plan  # the best plan the bundle runs as it is
+    measured_tokens_per_second: float  # decode phase, after the first token
+    measured_end_to_end_tokens_per_second: float  # prefill included
+    document: dict[str, Any]
+
+
+def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), report: Report = lambda _m: None,
+                space: planner.SearchSpace = planner.SearchSpace()) -> PlanResult:
+    splits = options.splits or default_splits()
+    if options.repeats < 1:
+        raise BadInputError(f"repeats must be >= 1, got {options.repeats}")
+    if options.max_new_tokens < 2:
+        raise BadInputError(f"max_new_tokens must be >= 2, got {options.max_new_tokens}")
+    for t, d in splits:
+        if t < 1 or d < 1:
+            raise BadInputError(f"thread counts must be >= 1, got {t}+{d}")
+    load = lambda t, d: Pipeline.load(bundle, target_device=options.target_device,  # noqa: E731
+                                      draft_device=options.draft_device, target_threads=t, draft_threads=d,
+                                      use_plan=False)
+    pipes: dict[tuple[int, int], Pipeline] = {splits[0]: load(*splits[0])}
+    first = pipes[splits[0]]
+    manifest = first.manifest
+    settings = grid(manifest.target.top_k, options)  # every option is checked before any work
+    prompts = calibration_prompts(first, options.calibration, options.max_new_tokens)
+    first.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up: sessions allocate on first use
+
+    report(f"calibration: {len(prompts)} prompts x {options.max_new_tokens} tokens, threads "
+           f"{splits[0][0]}+{splits[0][1]}")
+    calibration, rendezvous = calibrate(first, prompts, options, report)
+
+    past_len = options.past or int(statistics.median(len(p) for p in prompts)) + options.max_new_tokens // 2
+    windows = tuple(sorted({g + 1 for g in options.gammas}))
+    past_len = max(1, min(past_len, first.context_limit - max(windows) - max(options.rows) - 8))
+    past = _past_ids(prompts, past_len, manifest.target.vocab_size)
+    head = head_ratios(bundle, manifest)
+    first_widths = tuple(sorted({2, *(math.ceil((g + 1) / 2) + 1 for g in options.gammas)}))
+    budgets = {g: tuple(sorted({b for gg, _, b in settings if gg == g})) for g in {g for g, _, _ in settings}}
+    middle = sorted(budgets)[len(budgets) // 2]
+    contention_at = (middle, budgets[middle][len(budgets[middle]) // 2])
+    scenes = {g: draft_scene(first, past, g) for g in budgets}
+    accept_rate = statistics.mean(calibration.acceptance.values())
+    profiles = []
+    for split in splits:
+        pipe = pipes.get(split) or load(*split)
+        pipes[split] = pipe
+        report(f"timing threads {split[0]}+{split[1]}: target prefix/suffix at T={list(windows)}, past {past_len}; "
+               f"draft at rows {list(options.rows)}")
+        sp = profile_split(pipe, past, windows, options.rows, first_widths, scenes, budgets, accept_rate,
+                           contention_at, options.repeats, head)
+        profiles.append(planner.SplitProfile(sp.target_threads, sp.draft_threads, sp.target, sp.draft,
+                                             sp.suffix_slowdown, sp.draft_slowdown, rendezvous))
+    profile = planner.Profile(manifest.target.top_k, tuple(profiles), calibration)
+
+    plans = planner.search(profile, space)
+    chosen = planner.best_for_bundle(plans)
+    c = chosen.choice
+    report(f"measuring the chosen setting: gamma {c.gamma} kappa {c.kappa} budget {c.branch_budget} threads "
+           f"{c.target_threads}+{c.draft_threads}")
+    pipe = pipes[(c.target_threads, c.draft_threads)]
+    measured = run_setting(pipe, prompts, options.max_new_tokens, mode="mirror", gamma=c.gamma, kappa=c.kappa,
+                           branch_budget=c.branch_budget)
+    end_to_end = measured.new / measured.wall if measured.wall > 0 else 0.0
+    tps = measured.decode_tokens_per_second
+    doc = planner.plan_document(profile, plans, {
+        "tokens_per_second": tps, "end_to_end_tokens_per_second": end_to_end,
+        "predicted_over_measured": chosen.predicted_tokens_per_second / tps if tps > 0 else None,
+        "prompts": len(prompts), "max_new_tokens": options.max_new_tokens,
+        "mean_accepted_tokens": measured.new / measured.steps if measured.steps else 0.0,
+        "acceptance_rate": measured.accepted / measured.proposed if measured.proposed else 0.0,
+        "branch_hit_rate": measured.hits / measured.lookups if measured.lookups else 0.0,
+    })
+    doc["past_tokens"] = past_len
+    doc["devices"] = {"target": first.target.device, "draft": first.draft.device}
+    return PlanResult(profile, plans, chosen, tps, end_to_end, doc)
