@@ -7,8 +7,11 @@ gamma window, T = gamma + 1 verification positions, kappa candidates per positio
 Cost of one step (seconds), for a candidate on one thread split:
 
     P  = T_prefix(l, T),  S = T_suffix(l, T)           target partitions, isolated
-    Db = T_draft(gamma, b)                              the branch set: b rows, J = gamma / eta forwards
+    Db = T_draft(gamma, b)                              the branch set: b rows
     Dr = T_draft(gamma, 1)                              a fresh serial rollout (first window, branch miss)
+
+Both draft terms are timed whole through the runtime's Drafter where the profile has them; otherwise they are
+modelled from single-forward timings as a first forward plus (gamma / eta - 1) more, eta = tokens per forward.
     S', Db' = walls of S and Db run at once             each slowed by its measured contention factor
     T_step = P + T_rv + h * max(S', Db') + (1 - h) * (S' + cancel + Dr)
 

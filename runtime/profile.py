@@ -204,16 +204,25 @@ def draft_scene(pipe: Pipeline, past: list[int], gamma: int) -> DraftScene:
 
 
 def time_drafter(pipe: Pipeline, scenes: dict[int, DraftScene], budgets: dict[int, tuple[int, ...]],
-                 accept_rate: float, repeats: int) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+                 accept_rate: float, repeats: int, target_call: Callable[[], object] = lambda: None
+                 ) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
     """Median seconds, through the Drafter, of a branch set per (gamma, budget) and of a fresh rollout after a miss
     per gamma. Before each timed call the drafter is put where a mirror step leaves it (its lane holds the context
-    and the window it just proposed)."""
+    and the window it just proposed). A miss's rollout starts right after the target suffix returns, so
+    `target_call` (the suffix) runs just before each timed rollout: a multi-threaded ONNX Runtime pool keeps its
+    threads spinning for a while after a call, and that slows a draft that starts at once."""
     drafter = Drafter(pipe.draft, SamplingParams())
     branch, rollout = {}, {}
     for gamma, scene in scenes.items():
         k = scene.candidates.topk_ids.shape[1]
         setup = _after_rollout(drafter, scene, gamma)
-        rollout[gamma] = _median_time(lambda: drafter.rollout(scene.miss_context, gamma), repeats, setup)  # noqa: B023
+
+        def setup_then_target() -> None:
+            setup()  # noqa: B023
+            target_call()
+
+        rollout[gamma] = _median_time(lambda: drafter.rollout(scene.miss_context, gamma), repeats,  # noqa: B023
+                                      setup_then_target)
         for b in budgets[gamma]:
             plan = plan_branches(scene.candidates, k, b, accept_rate)
             branch[(gamma, b)] = _median_time(
@@ -241,14 +250,15 @@ def profile_split(pipe: Pipeline, past: list[int], windows: tuple[int, ...], row
     width = pipe.manifest.draft.tokens_per_forward
     widths = tuple(sorted({1, width, *first_widths}))
     forward = time_draft(pipe.draft, past, rows, widths, repeats)
-    branch, rollout = time_drafter(pipe, scenes, budgets, accept_rate, repeats)
-
-    # contention: the suffix on the middle window while the Drafter runs that window's branch set over and over,
-    # and the branch set while the suffix runs over and over
     gamma, budget = contention_at
     scene = scenes[gamma]
     _, tcache = pipe.target.forward(list(scene.context[:-1]), pipe.target.empty_cache())
     exit_out, _ = pipe.target.run_prefix([scene.context[-1], *scene.window], tcache)
+    branch, rollout = time_drafter(pipe, scenes, budgets, accept_rate, repeats,
+                                   lambda: pipe.target.run_suffix(exit_out.hidden, tcache))
+
+    # contention: the suffix on the middle window while the Drafter runs that window's branch set over and over,
+    # and the branch set while the suffix runs over and over
     drafter = Drafter(pipe.draft, SamplingParams())
     setup = _after_rollout(drafter, scene, gamma)
     plan = plan_branches(scene.candidates, scene.candidates.topk_ids.shape[1], budget, accept_rate)
@@ -333,8 +343,10 @@ def run_setting(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, *
 
 
 def calibrate(pipe: Pipeline, prompts: list[list[int]], options: ProfileOptions, report: Report
-              ) -> tuple[planner.Calibration, float]:
-    """Acceptance, draft tokens per forward and hit rate for every grid setting, and the rendezvous time per step."""
+              ) -> tuple[planner.Calibration, float, dict[tuple[int, int, int], float]]:
+    """Acceptance, draft tokens per forward and hit rate for every grid setting, the rendezvous time per step, and
+    each setting's measured decode tokens/s (a free check of the model's ranking at the bundle's exit layer)."""
+    speeds: dict[tuple[int, int, int], float] = {}
     acceptance: dict[int, list[int]] = {}
     eta: dict[int, list[float]] = {}
     hit: dict[tuple[int, int, int], float] = {}
@@ -347,6 +359,7 @@ def calibrate(pipe: Pipeline, prompts: list[list[int]], options: ProfileOptions,
         acc[1] += t.proposed
         eta.setdefault(g, []).extend(t.eta)
         hit[(g, k, b)] = t.hits / t.lookups if t.lookups else 0.0
+        speeds[(g, k, b)] = t.decode_tokens_per_second
         other, steps = other + t.other, steps + t.steps
         report(f"  calibration {i + 1}/{len(settings)}: gamma {g} kappa {k} budget {b}: acceptance "
                f"{t.accepted / max(t.proposed, 1):.2f}, branch hits {hit[(g, k, b)]:.2f}")
@@ -354,7 +367,7 @@ def calibrate(pipe: Pipeline, prompts: list[list[int]], options: ProfileOptions,
         acceptance={g: a / p if p else 0.0 for g, (a, p) in acceptance.items()},
         eta={g: statistics.mean(v) if v else 1.0 for g, v in eta.items()},
         hit_rate=hit, coverage=dict(options.coverage))
-    return cal, other / steps if steps else 0.0
+    return cal, other / steps if steps else 0.0, speeds
 
 
 # -- the whole plan ------------------------------------------------------------------------------------------
@@ -390,7 +403,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
 
     report(f"calibration: {len(prompts)} prompts x {options.max_new_tokens} tokens, threads "
            f"{splits[0][0]}+{splits[0][1]}")
-    calibration, rendezvous = calibrate(first, prompts, options, report)
+    calibration, rendezvous, grid_speeds = calibrate(first, prompts, options, report)
 
     past_len = options.past or int(statistics.median(len(p) for p in prompts)) + options.max_new_tokens // 2
     windows = tuple(sorted({g + 1 for g in options.gammas}))
@@ -434,5 +447,12 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         "branch_hit_rate": measured.hits / measured.lookups if measured.lookups else 0.0,
     })
     doc["past_tokens"] = past_len
+    # every calibration setting, predicted on the calibration split at the bundle's exit layer vs measured there
+    t, d = splits[0]
+    doc["grid_check"] = [
+        {"gamma": g, "kappa": k, "branch_budget": b, "measured_tokens_per_second": speed,
+         "predicted_tokens_per_second": planner.predict(
+             profile, planner.Candidate(manifest.target.exit_layer, k, g, b, t, d)).predicted_tokens_per_second}
+        for (g, k, b), speed in sorted(grid_speeds.items())]
     doc["devices"] = {"target": first.target.device, "draft": first.draft.device}
     return PlanResult(profile, plans, chosen, tps, end_to_end, doc)
