@@ -47,7 +47,7 @@ def retrain(prompts: int, draft_minutes: float, report=print) -> None:
     datagen.generate(TARGET_DIR, DATA_FILE, prompts)
     train_draft.train(TARGET_DIR, DATA_FILE, DRAFT_WEIGHTS, max_minutes=draft_minutes, steps=2000, report=report)
     train_exit.train(TARGET_DIR, DATA_FILE, ADAPTER_WEIGHTS.parent / "exit-adapters", [15, 20, EXIT_LAYER],
-                     report=report)
+                     conversations=300, rank=512, steps=800, batch=256, minutes_per_layer=5, report=report)
     shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
     shutil.copytree(ADAPTER_WEIGHTS.parent / "exit-adapters" / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
     shutil.copy(ADAPTER_WEIGHTS.parent / "exit-adapters" / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")

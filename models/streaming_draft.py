@@ -109,21 +109,24 @@ class StreamingDraft(nn.Module):
             out.append(self.draft_logits(hidden))
         return out
 
-    def forward_train(self, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """Teacher-forced on the sequence itself. Returns (main logits [B,T,Vd], their labels [B,T], per stream j
-        logits [B,T',Vd], stream labels [B,T',S]) where stream j at position t is fed the true tokens t+1..t+1+j
-        and predicts t+2+j, over the T' = T - S - 1 positions where every stream has a label. Labels outside the
-        draft vocabulary are -100 (ignored): the draft cannot propose them."""
+    def forward_train(self, target_ids: torch.Tensor, stream_stride: int = 1):
+        """Teacher-forced on the sequence itself. Returns (main logits [B,T-1,Vd], their labels [B,T-1], per
+        stream j logits [B,T',Vd], stream labels [B,T',S], positions [T']) where stream j at position t is fed
+        the true tokens t+1..t+1+j and predicts t+2+j, over positions t < T - S - 1 (every stream has a label). Labels outside the
+        draft vocabulary are -100 (ignored): the draft cannot propose them. stream_stride > 1 trains the streams
+        on every stride-th of those positions only (from a random offset): each stream costs a full LM head per
+        position, more than the body."""
         ids = self.id_map[target_ids]  # [B,T]
         labels = ids.masked_fill(ids == self.config.draft_vocab, -100)
         hidden = self.prenorm_hidden(ids)
         logits = self.draft_logits(hidden)
         s, t = self.config.streams, ids.shape[1]
         span = t - s - 1
-        fed = torch.stack([ids[:, 1 + j: 1 + j + span] for j in range(s)], -1)  # [B,T',S]
-        stream_labels = torch.stack([labels[:, 2 + j: 2 + j + span] for j in range(s)], -1)
-        streams = self.stream_logits(hidden[:, :span], fed)
-        return logits[:, :-1], labels[:, 1:], streams, stream_labels
+        pos = torch.arange(int(torch.randint(stream_stride, ())) if stream_stride > 1 else 0, span, stream_stride)
+        fed = torch.stack([ids[:, 1 + j + pos] for j in range(s)], -1)  # [B,T',S]
+        stream_labels = torch.stack([labels[:, 2 + j + pos] for j in range(s)], -1)
+        streams = self.stream_logits(hidden[:, pos], fed)
+        return logits[:, :-1], labels[:, 1:], streams, stream_labels, pos
 
     @torch.no_grad()
     def reference(self, target_ids: torch.Tensor) -> dict[str, torch.Tensor]:

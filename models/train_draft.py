@@ -113,13 +113,16 @@ def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     return (loss * w).sum() / w.sum().clamp(min=1.0)
 
 
-def loss_fn(draft: StreamingDraft, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-    logits, labels, streams, stream_labels = draft.forward_train(ids)
+STREAM_STRIDE = 4  # streams train on every 4th position: each costs a full (reduced) LM head per position
+
+
+def loss_fn(draft: StreamingDraft, ids: torch.Tensor, weights: torch.Tensor,
+            stream_stride: int = STREAM_STRIDE) -> tuple[torch.Tensor, list[float]]:
+    logits, labels, streams, stream_labels, pos = draft.forward_train(ids, stream_stride)
     main = weighted_ce(logits, labels, weights[:, 1:])
     total, parts = main, [main.item()]
-    span = stream_labels.shape[1]
-    for j, s_logits in enumerate(streams):
-        part = weighted_ce(s_logits, stream_labels[..., j], weights[:, 2 + j: 2 + j + span])
+    for j, s_logits in enumerate(streams):  # stream j at position p predicts token p + 2 + j
+        part = weighted_ce(s_logits, stream_labels[..., j], weights[:, 2 + j + pos])
         total = total + draft.config.stream_weights[j] * part
         parts.append(part.item())
     return total, parts
@@ -132,23 +135,22 @@ def evaluate(draft: StreamingDraft, examples: list[Example]) -> dict[str, float]
     draft.eval()
     hits = total = 0
     stream_hits = np.zeros(draft.config.streams)
-    stream_total = 0
+    stream_total = np.zeros(draft.config.streams)
     for ex in examples:
         ids = torch.from_numpy(ex.ids[None])
-        logits, labels, streams, stream_labels = draft.forward_train(ids)
+        logits, labels, streams, stream_labels, pos = draft.forward_train(ids)
         answer = torch.from_numpy(ex.weights[1:] == ANSWER_WEIGHT)[None]
         pred = draft.vocab_ids[logits.argmax(-1)]
         hits += int(((pred == ids[:, 1:]) & answer).sum())
         total += int(answer.sum())
-        span = stream_labels.shape[1]
-        ans_s = torch.from_numpy(ex.weights[2: 2 + span] == ANSWER_WEIGHT)[None]
-        for j, s in enumerate(streams):
-            truth = ids[:, 2 + j: 2 + j + span]
+        for j, s in enumerate(streams):  # judged where the predicted token is an answer token
+            ans_s = torch.from_numpy(ex.weights[2 + j + pos.numpy()] == ANSWER_WEIGHT)[None]
+            truth = ids[:, 2 + j + pos]
             stream_hits[j] += int(((draft.vocab_ids[s.argmax(-1)] == truth) & ans_s).sum())
-        stream_total += int(ans_s.sum())
+            stream_total[j] += int(ans_s.sum())
     draft.train()
     return {"next_token_agreement": hits / max(1, total),
-            **{f"stream{j + 1}_agreement": float(h / max(1, stream_total)) for j, h in enumerate(stream_hits)}}
+            **{f"stream{j + 1}_agreement": float(h / max(1, n)) for j, (h, n) in enumerate(zip(stream_hits, stream_total))}}
 
 
 def train(target_dir: Path, data_file: Path, out_dir: Path, *, vocab_size: int = 8192, steps: int = 600,
