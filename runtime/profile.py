@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ from mirror_sd.runtime.engines import GraphEngine, Target
 from mirror_sd.runtime.messages import ExitCandidates, frozen
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.sampling import SamplingParams
+from mirror_sd.runtime.scheduler import background_loop
 
 Report = Callable[[str], None]
 
@@ -163,20 +163,9 @@ def time_draft(draft: GraphEngine, past: list[int], rows: tuple[int, ...], width
 
 def time_contention(fg: Callable[[], object], bg: Callable[[], object], repeats: int,
                     setup: Callable[[], object] | None = None) -> float:
-    """Median seconds of `fg` while `bg` runs in a loop on a measuring thread (joined before returning)."""
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            bg()
-
-    worker = threading.Thread(target=loop, name="mirror-sd-profile", daemon=True)
-    worker.start()
-    try:
+    """Median seconds of `fg` while `bg` runs in a loop on the scheduler's background thread."""
+    with background_loop(bg):
         return _median_time(fg, repeats, setup)
-    finally:
-        stop.set()
-        worker.join()
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
 import numpy as np
 
@@ -329,3 +330,23 @@ def decode(target: Target, drafter: Drafter | None, prompt: tuple[int, ...], cfg
         if worker is not None:
             worker.close(timeout=min(cfg.draft_timeout_s, 1.0))
             worker.record_into(stats)
+
+
+@contextmanager
+def background_loop(body: Callable[[], object]) -> Iterator[None]:
+    """Run `body` over and over on a thread of its own until the block exits, then join it. For measurements
+    (runtime/profile.py times one engine while another runs): this module stays the only one that starts threads.
+    `body` must use an engine the caller's thread is not using."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            body()
+
+    worker = threading.Thread(target=loop, name="mirror-sd-background", daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
