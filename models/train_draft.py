@@ -185,9 +185,15 @@ def train(target_dir: Path, data_file: Path, out_dir: Path, *, vocab_size: int =
            f"{len(convs)} conversations + {len(code)} code chunks")
 
     optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    schedule = lambda step: min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))  # noqa: E731
     data = batches(convs + code, seq_len, batch, rng)
-    deadline = time.monotonic() + max_minutes * 60
+    start, budget = time.monotonic(), max_minutes * 60
+    deadline = start + budget
+
+    def schedule(step: int) -> float:
+        """Warm-up, then cosine decay over whichever runs out first, the steps or the time budget."""
+        progress = min(1.0, max(step / steps, (time.monotonic() - start) / budget))
+        return min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * progress))
+
     draft.train()
     with tqdm(total=steps, desc="training draft", unit="step") as bar:
         for step in range(steps):
