@@ -1,8 +1,8 @@
-"""`make demo`: the main job on the built-in default pair — export it once, then generate with ar, sd and mirror.
+"""`make demo`: the main job on the built-in default pair — generate with ar, sd and mirror and compare.
 
-Until the real model pair lands, the default pair is a tiny random-weight Llama target and draft made locally
-from configs (nothing is downloaded), so the text is gibberish; what the demo shows is the pipeline end to end
-and that every mode gives the target's own tokens.
+The default is the real pair that `make models` leaves at build/bundles/smollm2 (SmolLM2-135M-Instruct target,
+trained streaming draft and exit adapter). `--tiny` runs a tiny random-weight pair made locally from configs
+instead (its text is gibberish; it shows the pipeline end to end in seconds).
 """
 
 from __future__ import annotations
@@ -63,10 +63,19 @@ def run(bundle: Path, max_new_tokens: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", type=Path, default=None, help="run this bundle instead of the built-in default")
+    parser.add_argument("--tiny", action="store_true", help="run a tiny random pair made locally")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     try:
-        return run(args.bundle or ensure_tiny_bundle(), args.max_new_tokens)
+        if args.bundle is None:
+            from mirror_sd.models.smollm2 import BUNDLE_DIR, build_bundle, ensure_target
+
+            if args.tiny:
+                args.bundle = ensure_tiny_bundle()
+            else:
+                ensure_target()
+                args.bundle = build_bundle() if not BUNDLE_DIR.is_dir() else BUNDLE_DIR
+        return run(args.bundle, args.max_new_tokens)
     except MirrorSDError as e:
         print(f"mirror-sd demo: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -24,7 +24,10 @@ BUILD = Path("build")
 TARGET_DIR = BUILD / "models" / "smollm2-135m-instruct"
 BUNDLE_DIR = BUILD / "bundles" / "smollm2"
 DATA_FILE = BUILD / "data" / "target_answers.jsonl"
-EXIT_LAYER = 24  # chosen from the coverage table (models/weights/smollm2-exit-adapter/coverage.json)
+# l_e = N/2, the paper's default: the trained adapter already covers the final token in its top-8 74% of the time
+# there (logit lens: 31%), and the suffix it leaves (15 layers + head) is the overlap budget the draft hides under.
+# Deeper exits cover more (layer 24: 90%) but leave the draft less time (models/weights/.../coverage.json).
+EXIT_LAYER = 15
 TOP_K = 8
 
 
