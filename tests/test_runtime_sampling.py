@@ -41,6 +41,17 @@ def chi_square_quantile_999(dof: int) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
+def assert_follows(counts: Counter, joint: dict) -> None:
+    """Chi-square test (0.999 quantile) of SAMPLES observed token pairs against their exact probabilities."""
+    # cells expected >= 5 times are tested one by one; the rest are pooled into one cell
+    big = [cell for cell, p in joint.items() if p * SAMPLES >= 5]
+    observed = [counts[c] for c in big] + [SAMPLES - sum(counts[c] for c in big)]
+    expected = [joint[c] * SAMPLES for c in big] + [SAMPLES * (1 - sum(joint[c] for c in big))]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    assert chi2 < chi_square_quantile_999(len(big)), f"chi2 {chi2:.1f} over {len(big) + 1} cells"
+    assert not set(counts) - set(joint), "a token pair of probability ~0 was produced"
+
+
 @pytest.mark.parametrize("self_draft, mode", [(False, "sd"), (False, "mirror"), (True, "mirror")])
 def test_sampling_follows_target_distribution(bundle_factory, self_draft, mode):
     pipe = Pipeline.load(bundle_factory("llama", self_draft=self_draft))
@@ -52,12 +63,6 @@ def test_sampling_follows_target_distribution(bundle_factory, self_draft, mode):
                             overlap=False)
         counts[tuple(out.token_ids[:2])] += 1
         accepted += out.stats["accepted_tokens"]
-    # cells expected >= 5 times are tested one by one; the rest are pooled into one cell
-    big = [cell for cell, p in joint.items() if p * SAMPLES >= 5]
-    observed = [counts[c] for c in big] + [SAMPLES - sum(counts[c] for c in big)]
-    expected = [joint[c] * SAMPLES for c in big] + [SAMPLES * (1 - sum(joint[c] for c in big))]
-    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
-    assert chi2 < chi_square_quantile_999(len(big)), f"chi2 {chi2:.1f} over {len(big) + 1} cells"
-    assert not set(counts) - set(joint), "a token pair of probability ~0 was produced"
+    assert_follows(counts, joint)
     rate = accepted / SAMPLES
     assert rate > 0.8 if self_draft else rate < 0.3  # both speculative-sampling paths were taken
