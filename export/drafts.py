@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mirror_sd.errors import BadInputError
 from mirror_sd.export.architectures import Architecture, architecture_of
 from mirror_sd.export.segments import Segment
 from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE, LOGITS, STREAM_IDS, DraftFacts
@@ -108,7 +109,10 @@ def load_draft(source: str, load_hf) -> Draft:
 
     path = Path(source).expanduser()
     if path.is_dir() and StreamingDraft.is_streaming_draft(path):
-        model = StreamingDraft.load(path)
+        try:
+            model = StreamingDraft.load(path)
+        except (OSError, ValueError, TypeError, RuntimeError) as e:  # unreadable config or weights that do not fit
+            raise BadInputError(f"cannot load streaming draft {source!r}: {type(e).__name__}: {e}") from None
         return StreamingDraftSource(source, model, architecture_of(model.lm.config))
     loaded = load_hf(source, "draft")
     return HFDraft(loaded.source, loaded.model, loaded.arch)

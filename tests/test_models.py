@@ -63,6 +63,17 @@ def test_exit_adapter_layer_must_match(tmp_path, pair_factory, adapter_dir):
     assert not (tmp_path / "b").exists()
 
 
+def test_broken_streaming_draft_is_a_clear_error(tmp_path, pair_factory):
+    from mirror_sd.models.tiny import make_streaming_draft
+
+    target, _ = pair_factory("llama")
+    draft = make_streaming_draft(tmp_path / "draft", target)
+    (draft / "streaming_draft.json").write_text("{not json")
+    with pytest.raises(BadInputError, match="cannot load streaming draft"):
+        export_bundle(ExportOptions(str(target), str(draft), tmp_path / "b"), report=_quiet)
+    assert not (tmp_path / "b").exists()
+
+
 def test_streaming_draft_bundle(bundle_factory):
     bundle = bundle_factory("llama", streaming=True)
     manifest = Manifest.load(bundle)
