@@ -239,7 +239,7 @@ class Drafter:
                 props[b] = out[STREAM_IDS][b, col + accepted, :more].astype(np.int64) if more > 0 else _NONE
             if keep is not None:
                 cache = cache.masked_tail(keep)
-            self._report(interval, n, produced)
+            self._report(interval, len(active), produced)  # finished rows fed only holes: not row-forwards
 
     def _window(self, context_len: int, rows: _Rows, b: int) -> DraftWindow:
         lg = None if self.params.greedy else frozen(self.vocab.full(np.stack(rows.logits[b])))
