@@ -68,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.bundle is None:
-            from mirror_sd.models.smollm2 import BUNDLE_DIR, build_bundle, ensure_target
+            from mirror_sd.models.smollm2 import build_bundle, ensure_target
 
             if args.tiny:
                 args.bundle = ensure_tiny_bundle()
             else:
                 ensure_target()
-                args.bundle = build_bundle() if not BUNDLE_DIR.is_dir() else BUNDLE_DIR
+                args.bundle = build_bundle()  # returns at once when a valid bundle is there
         return run(args.bundle, args.max_new_tokens)
     except MirrorSDError as e:
         print(f"mirror-sd demo: error: {e}", file=sys.stderr)
