@@ -135,13 +135,14 @@ class Pipeline:
         stop (strings), gamma (window), kappa (candidates per position, <= the bundle's top_k), branch_budget
         (None adapts; gamma, kappa and branch_budget default to the bundle's plan.json, else 4, the bundle's top_k
         and None), overlap (False runs the same schedule serially), draft_timeout_s, draft_streaming (False runs
-        a streaming draft one token per forward: the same windows in more forwards)."""
+        a streaming draft one token per forward: the same windows in more forwards), trace (True: stats["trace"]
+        lists every phase as (phase, start_s, end_s) since the first one - prefix, suffix, draft, verify, wait)."""
         return GenerationStream(self._run(prompt, **options))
 
     def _run(self, prompt: Prompt, *, mode: str = "mirror", max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), gamma: int = _UNSET,
              kappa: int | None = _UNSET, branch_budget: int | None = _UNSET, overlap: bool = True,
-             draft_timeout_s: float = 10.0, draft_streaming: bool = True) -> Iterator[Chunk]:
+             draft_timeout_s: float = 10.0, draft_streaming: bool = True, trace: bool = False) -> Iterator[Chunk]:
         plan = self.defaults
         if gamma is _UNSET:
             gamma = plan.gamma if plan else BUILTIN_GAMMA
@@ -150,7 +151,7 @@ class Pipeline:
         if branch_budget is _UNSET:
             branch_budget = plan.branch_budget if plan else None  # None: adaptive
         cfg = self._config(mode, max_new_tokens, temperature, top_p, top_k, seed, gamma, kappa, branch_budget,
-                           overlap, draft_timeout_s, draft_streaming)
+                           overlap, draft_timeout_s, draft_streaming, trace)
         stop = _check_stop(stop)
         ids = self.prompt_ids(prompt)
         if len(ids) + max_new_tokens > self.context_limit:
@@ -161,7 +162,8 @@ class Pipeline:
     def _decode(self, ids: list[int], cfg: DecodeConfig, stop: tuple[str, ...]) -> Iterator[Chunk]:
         stats = Counters(cfg.mode, gamma=cfg.gamma if cfg.mode != "ar" else 0,
                          kappa=cfg.kappa if cfg.mode == "mirror" else 0,
-                         target_device=self.target.device, draft_device=self.draft.device)
+                         target_device=self.target.device, draft_device=self.draft.device,
+                         trace=[] if cfg.trace else None)
         sink = TextSink(self.codec, stop, self.manifest.tokenizer.eos_token_ids, cfg.max_new_tokens)
         drafter = self._drafter(cfg) if cfg.mode != "ar" else None
         tokens = decode(self.target, drafter, tuple(ids), cfg, stats, on_worker=self._remember)
@@ -193,7 +195,7 @@ class Pipeline:
         self._draft_thread = worker.thread
 
     def _config(self, mode, max_new_tokens, temperature, top_p, top_k, seed, gamma, kappa, branch_budget,
-                overlap, draft_timeout_s, draft_streaming) -> DecodeConfig:
+                overlap, draft_timeout_s, draft_streaming, trace=False) -> DecodeConfig:
         k_max = self.manifest.target.top_k
         if mode not in MODES:
             raise BadInputError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
@@ -215,7 +217,7 @@ class Pipeline:
             raise BadInputError(f"draft_timeout_s must be > 0, got {draft_timeout_s!r}")
         params = SamplingParams(float(temperature), float(top_p), top_k, seed)
         return DecodeConfig(mode, max_new_tokens, gamma, kappa, branch_budget, params, bool(overlap),
-                            float(draft_timeout_s), bool(draft_streaming))
+                            float(draft_timeout_s), bool(draft_streaming), bool(trace))
 
 
 def _plan_defaults(bundle: str | Path, manifest: Manifest) -> RuntimeDefaults | None:

@@ -56,6 +56,7 @@ class DecodeConfig:
     overlap: bool = True  # False: serve the draft inline on the main thread (same schedule, serial)
     draft_timeout_s: float = 10.0
     draft_streaming: bool = True  # False: a streaming draft runs one token per forward (same windows, more forwards)
+    trace: bool = False  # True: stats["trace"] holds every phase's (phase, start, end) - for timelines, off by default
 
 
 # -- the draft side of the thread boundary -------------------------------------------------------------------
@@ -185,7 +186,9 @@ class _Decoder:
     def _prefix(self, ids, cache: TargetCache):
         start = time.perf_counter()
         out = self.target.run_prefix(ids, cache)
-        self.stats.prefix_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.stats.prefix_s += end - start
+        self.stats.mark("prefix", start, end)
         return out
 
     def _suffix(self, hidden, cache: TargetCache):
@@ -194,6 +197,7 @@ class _Decoder:
         end = time.perf_counter()
         self.stats.suffix_s += end - start
         self.stats.suffix_intervals.append((start, end))
+        self.stats.mark("suffix", start, end)
         return out
 
     def prefill(self, prompt: tuple[int, ...]) -> int:
@@ -227,7 +231,9 @@ class _Decoder:
     def _wait(self, ticket: int) -> object | None:
         start = time.perf_counter()
         answer = self.worker.wait(ticket, self.cfg.draft_timeout_s)
-        self.stats.draft_wait_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.stats.draft_wait_s += end - start
+        self.stats.mark("wait", start, end)
         if answer is None:
             self.stats.draft_timeouts += 1
         elif isinstance(answer, DraftFailed):
@@ -251,7 +257,9 @@ class _Decoder:
         # 3. suffix (the draft works meanwhile), verify, trim the target cache to what was accepted
         logits, suffix_cache = self._suffix(exit_out.hidden, self.cache)
         ready_under_suffix = ticket is not None and self.worker.poll(ticket) is not None
+        start = time.perf_counter()
         verdict = verify(w, window.logits, logits, self.cfg.params, self._target_rng(len(ctx)))
+        self.stats.mark("verify", start, time.perf_counter())
         self.cache = TargetCache(prefix_cache, suffix_cache).trim(len(ctx) + verdict.accepted)
         self.stats.target_steps += 1
         self.stats.proposed += len(w)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 Interval = tuple[float, float]  # (start, end) on time.perf_counter()
+TRACE_PHASES = ("prefix", "suffix", "draft", "verify", "wait")  # the phases an opt-in trace records
 
 REQUIRED_KEYS = (
     "tokens_per_second", "ttft_s", "new_tokens", "target_steps", "acceptance_rate", "mean_accepted_tokens",
@@ -43,6 +44,13 @@ class Counters:
     draft_tokens: int = 0  # draft tokens those forwards produced (a streaming draft's accepted proposals included)
     target_device: str = ""
     draft_device: str = ""
+    # opt-in per-step timeline (generate(..., trace=True)): (phase, start, end) on the main thread; the draft's
+    # forwards join from draft_intervals at the end. None when off, so the hot loop pays one `is None` test.
+    trace: list[tuple[str, float, float]] | None = None
+
+    def mark(self, phase: str, start: float, end: float) -> None:
+        if self.trace is not None:
+            self.trace.append((phase, start, end))
 
     def as_dict(self, new_tokens: int, ttft_s: float, wall_s: float) -> dict[str, Any]:
         draft_s = sum(e - s for s, e in self.draft_intervals)
@@ -70,7 +78,14 @@ class Counters:
             "fresh_rollouts": self.fresh_rollouts, "draft_failures": self.draft_failures,
             "draft_timeouts": self.draft_timeouts, "draft_wait_s": self.draft_wait_s,
             "target_device": self.target_device, "draft_device": self.draft_device,
+            **({"trace": self._timeline()} if self.trace is not None else {}),
         }
+
+    def _timeline(self) -> list[tuple[str, float, float]]:
+        """The trace with the draft's forwards, ordered by start, in seconds since the first recorded event."""
+        events = [*self.trace, *(("draft", s, e) for s, e in self.draft_intervals)]
+        t0 = min((s for _, s, _ in events), default=0.0)
+        return [(phase, s - t0, e - t0) for phase, s, e in sorted(events, key=lambda ev: (ev[1], ev[2]))]
 
 
 def overlap_seconds(a: list[Interval], b: list[Interval]) -> float:
