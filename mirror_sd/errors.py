@@ -29,3 +29,8 @@ class ExportError(MirrorSDError):
 
 class ParityError(ExportError):
     """An exported graph does not reproduce the PyTorch model within tolerance (an error, never a warning)."""
+
+
+class PackageError(MirrorSDError):
+    """A package is unreadable, of an unknown format version, fails a checksum, or has a member that would land
+    outside its directory."""

@@ -72,8 +72,9 @@ def default_openvino_device() -> str:
 
 
 def open_openvino(path: str | Path, device: str | None = None, threads: int = 1,
-                  cache_dir: str | Path | None = None) -> OpenedGraph:
-    """An OpenVINO compiled model on `device` (default NPU where present, else CPU), latency hint, fp32 on CPU."""
+                  cache_dir: str | Path | None = None, weights: str | Path | None = None) -> OpenedGraph:
+    """An OpenVINO compiled model on `device` (default NPU where present, else CPU), latency hint, fp32 on CPU.
+    weights: an IR's .bin when it is not named after the .xml (a package shares one .bin between graphs)."""
     import openvino as ov
 
     core = ov.Core()
@@ -86,7 +87,7 @@ def open_openvino(path: str | Path, device: str | None = None, threads: int = 1,
         config.update({"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"})
     if cache_dir:
         core.set_property({"CACHE_DIR": str(cache_dir)})
-    model = core.read_model(str(path))
+    model = core.read_model(str(path), str(weights)) if weights else core.read_model(str(path))
     # Names are read before compiling: compilation merges tensors, and a compiled output's "any name" can then be
     # an internal alias (e.g. the last layer's Add) instead of the graph's declared output name.
     inputs = tuple(i.get_any_name() for i in model.inputs)
@@ -102,12 +103,14 @@ def open_openvino(path: str | Path, device: str | None = None, threads: int = 1,
     return OpenedGraph("openvino", device, run, inputs, outputs)
 
 
-def open_graph(path: str | Path, backend: str, device: str | None = None, threads: int = 1) -> OpenedGraph:
+def open_graph(path: str | Path, backend: str, device: str | None = None, threads: int = 1,
+               cache_dir: str | Path | None = None) -> OpenedGraph:
+    """cache_dir: OpenVINO's compile cache (CACHE_DIR); ONNX Runtime has none."""
     if backend == "onnxruntime":
         providers = None if device in (None, "default") else [_ort_provider(device), "CPUExecutionProvider"]
         return open_onnxruntime(path, providers, threads)
     if backend == "openvino":
-        return open_openvino(path, device, threads)
+        return open_openvino(path, device, threads, cache_dir)
     raise BadInputError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
 

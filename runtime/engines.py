@@ -36,6 +36,7 @@ class GraphEngine:
         self.output_ids = output_ids
         self.input_name = spec.inputs[0].name
         self.head_outputs = tuple(o.name for o in spec.outputs if not o.name.startswith("present."))
+        self.forwards = 0  # graph executions so far (the stats report a generation's share)
 
     @property
     def backend(self) -> str:
@@ -48,6 +49,10 @@ class GraphEngine:
     @property
     def tokens_per_forward(self) -> int:
         return self.spec.tokens_per_forward
+
+    def describe(self) -> dict[str, object]:
+        """What ran this graph, for the stats (the static-IR draft engine reports its shapes and weights)."""
+        return {f"{self.spec.role}_graph": f"dynamic-{self.spec.file.rsplit('.', 1)[-1]}"}
 
     def empty_cache(self, batch: int = 1) -> KVCache:
         return KVCache.empty(self.spec.kv_layers, batch, self.facts.num_kv_heads, self.facts.head_dim,
@@ -67,6 +72,7 @@ class GraphEngine:
         feed = {self.input_name: np.ascontiguousarray(x), "attention_mask": np.concatenate([cache.mask, new_mask], 1),
                 "position_ids": np.maximum(positions, 0).astype(np.int64), **cache.feed()}
         out = self.graph.run(feed)
+        self.forwards += 1
         return {name: out[name] for name in self.head_outputs}, cache.extended(out, new_mask)
 
     def prefill(self, x: np.ndarray) -> tuple[dict[str, np.ndarray], KVCache]:
@@ -83,14 +89,14 @@ def _check_names(graph: OpenedGraph, spec: PartitionSpec) -> None:
 
 
 def open_engine(bundle: str | Path, manifest: Manifest, role: str, device: str | None = None,
-                threads: int = 1) -> GraphEngine:
+                threads: int = 1, cache_dir: str | Path | None = None) -> GraphEngine:
     """Open partition `role` on its manifest backend. device None: the backend's default (ORT: CUDA then CPU;
-    OpenVINO: NPU where present, else CPU)."""
+    OpenVINO: NPU where present, else CPU). cache_dir: OpenVINO's compile cache."""
     spec = manifest.partition(role)  # type: ignore[arg-type]
     path = resolve_inside(Path(bundle).resolve(), spec.file)
     if device in (None, "default"):
         device = None if spec.device in ("", "default") else spec.device
-    graph = open_graph(path, spec.backend, device, threads)
+    graph = open_graph(path, spec.backend, device, threads, cache_dir)
     if role == "draft":
         return GraphEngine(graph, spec, manifest.draft, load_output_vocab(bundle, manifest))
     return GraphEngine(graph, spec, manifest.target)

@@ -4,6 +4,11 @@
     result = pipe.generate("Hello", mode="mirror", max_new_tokens=32)
     result.token_ids, result.text, result.stats
 
+`Pipeline.load` also takes a package (`make package`: a directory or .tar with package.json): its draft runs from
+static OpenVINO IR (runtime/static_draft.py), and its static bounds are checked before any device work - a prompt
+longer than max_prompt, prompt + max_new_tokens beyond max_context, or a window beyond max_gamma is a
+BadInputError.
+
 A bundle may hold a `plan.json` written by `mirror-sd plan` (partitions/planner.py). It is optional: when present,
 gamma, kappa, branch_budget and the thread counts default to its runtime section (explicit arguments still win);
 a plan made for another export of the bundle is refused.
@@ -23,6 +28,7 @@ from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.planner import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
 from mirror_sd.runtime.draft import Drafter
 from mirror_sd.runtime.engines import GraphEngine, Target, open_engine, open_target
+from mirror_sd.runtime.package import OpenedPackage, is_package, open_package
 from mirror_sd.runtime.sampling import SamplingParams
 from mirror_sd.runtime.scheduler import MODES, DecodeConfig, DraftWorker, decode
 from mirror_sd.runtime.stats import Counters
@@ -66,8 +72,9 @@ class GenerationStream:
 class Pipeline:
     def __init__(self, manifest: Manifest, target: Target, draft: GraphEngine, codec: TextCodec,
                  defaults: RuntimeDefaults | None = None, target_threads: int = BUILTIN_THREADS,
-                 draft_threads: int = BUILTIN_THREADS) -> None:
+                 draft_threads: int = BUILTIN_THREADS, package: OpenedPackage | None = None) -> None:
         self.manifest, self.target, self.draft, self.codec = manifest, target, draft, codec
+        self.package = package  # a package's bounds; holds an extracted .tar's directory alive
         self.defaults = defaults  # the bundle plan's runtime section, if it has one
         self.target_threads, self.draft_threads = target_threads, draft_threads
         facts = manifest.target
@@ -76,13 +83,19 @@ class Pipeline:
 
     @classmethod
     def load(cls, bundle: str | Path, *, target_device: str | None = None, draft_device: str | None = None,
-             target_threads: int | None = None, draft_threads: int | None = None, use_plan: bool = True) -> Pipeline:
-        """target_device: None (CUDA, else CPU), "cpu", "cuda" or an ONNX Runtime provider name.
-        draft_device: None (NPU, else CPU) or an OpenVINO device string.
-        Thread counts None: the bundle plan's, else 1 each. use_plan False ignores the bundle's plan.json."""
+             target_threads: int | None = None, draft_threads: int | None = None, use_plan: bool = True,
+             cache_dir: str | Path | None = None) -> Pipeline:
+        """bundle: a bundle directory, or a package (directory or .tar, checked before use).
+        target_device: None (CUDA, else CPU), "cpu", "cuda" or an ONNX Runtime provider name.
+        draft_device: None (NPU, else CPU; a package: its intended device where present, else CPU) or an
+        OpenVINO device string (absent: BadInputError listing the available ones).
+        Thread counts None: the bundle plan's, else 1 each. use_plan False ignores the bundle's plan.json.
+        cache_dir: OpenVINO's compile cache directory (CACHE_DIR) for the draft."""
         for name, n in (("target_threads", target_threads), ("draft_threads", draft_threads)):
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
                 raise BadInputError(f"{name} must be an integer >= 1, got {n!r}")
+        package = open_package(bundle) if is_package(bundle) else None
+        bundle = package.root if package else bundle
         manifest = Manifest.load(bundle)
         defaults = _plan_defaults(bundle, manifest) if use_plan else None
         if target_threads is None:
@@ -91,8 +104,13 @@ class Pipeline:
             draft_threads = defaults.draft_threads if defaults else BUILTIN_THREADS
         codec = TextCodec(bundle, manifest)
         target = open_target(bundle, manifest, target_device, target_threads)
-        draft = open_engine(bundle, manifest, "draft", draft_device, draft_threads)
-        return cls(manifest, target, draft, codec, defaults, target_threads, draft_threads)
+        if package:
+            from mirror_sd.runtime.static_draft import open_static_draft
+
+            draft = open_static_draft(package.root, manifest, package.info, draft_device, draft_threads, cache_dir)
+        else:
+            draft = open_engine(bundle, manifest, "draft", draft_device, draft_threads, cache_dir)
+        return cls(manifest, target, draft, codec, defaults, target_threads, draft_threads, package)
 
     # -- prompts -------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -154,10 +172,24 @@ class Pipeline:
                            overlap, draft_timeout_s, draft_streaming, trace)
         stop = _check_stop(stop)
         ids = self.prompt_ids(prompt)
+        if self.package:
+            self._check_bounds(len(ids), max_new_tokens, cfg)
         if len(ids) + max_new_tokens > self.context_limit:
             raise BadInputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                                 f"context limit of {self.context_limit} tokens")
         return self._decode(ids, cfg, stop)
+
+    def _check_bounds(self, prompt_len: int, max_new_tokens: int, cfg: DecodeConfig) -> None:
+        """A package's static shapes admit so much and no more: refused here, before any device work."""
+        b = self.package.info.bounds
+        if prompt_len > b.max_prompt:
+            raise BadInputError(f"the prompt has {prompt_len} tokens; this package takes at most {b.max_prompt} "
+                                f"(MAX_PROMPT)")
+        if prompt_len + max_new_tokens > b.max_context:
+            raise BadInputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds this "
+                                f"package's MAX_CONTEXT of {b.max_context} tokens")
+        if cfg.mode != "ar" and cfg.gamma > b.max_gamma:
+            raise BadInputError(f"gamma {cfg.gamma} exceeds this package's max_gamma {b.max_gamma}")
 
     def _decode(self, ids: list[int], cfg: DecodeConfig, stop: tuple[str, ...]) -> Iterator[Chunk]:
         stats = Counters(cfg.mode, gamma=cfg.gamma if cfg.mode != "ar" else 0,
@@ -166,6 +198,7 @@ class Pipeline:
                          trace=[] if cfg.trace else None)
         sink = TextSink(self.codec, stop, self.manifest.tokenizer.eos_token_ids, cfg.max_new_tokens)
         drafter = self._drafter(cfg) if cfg.mode != "ar" else None
+        draft_forwards = self.draft.forwards
         tokens = decode(self.target, drafter, tuple(ids), cfg, stats, on_worker=self._remember)
         start = time.perf_counter()
         ttft = 0.0
@@ -179,7 +212,9 @@ class Pipeline:
         finally:
             tokens.close()  # stops the draft thread and completes the stats
         wall = time.perf_counter() - start
-        return GenerationResult(list(sink.ids), sink.text, stats.as_dict(len(sink.ids), ttft, wall),
+        # which draft graph ran, and how often: a package's stats show its static IR at work
+        draft_info = {**self.draft.describe(), "draft_graph_forwards": self.draft.forwards - draft_forwards}
+        return GenerationResult(list(sink.ids), sink.text, {**stats.as_dict(len(sink.ids), ttft, wall), **draft_info},
                                 sink.finish_reason or "length")
 
     def _drafter(self, cfg: DecodeConfig) -> Drafter | None:

@@ -1,0 +1,272 @@
+"""`make package`: a bundle -> a package for static-shape devices (NPU), as a directory or a .tar.
+
+The draft becomes static OpenVINO IR (package/static_graph.py) in three fixed shapes, its weights optionally
+compressed by NNCF (package/compress.py); the target graphs, tokenizer and draft vocabulary are the bundle's own
+files. Everything is checked before anything is written; the package is built in a staging directory beside OUT
+and moved into place (or archived to a temporary .tar renamed onto OUT) only when it validates, so a failure leaves
+nothing half-written. A non-empty OUT is refused unless `force`. No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from mirror_sd import __version__
+from mirror_sd.errors import BadInputError, PackageError
+from mirror_sd.package.compress import DEFAULT_GROUP_SIZE, compress_weights
+from mirror_sd.package.static_graph import make_static
+from mirror_sd.partitions.manifest import Manifest, resolve_inside
+from mirror_sd.partitions.package import (
+    BRANCH, DECODE, DEVICES, PACKAGE_FILE, PREFILL, DraftGraph, PackageInfo, StaticBounds, normalize_weights,
+    sha256_of,
+)
+from mirror_sd.partitions.planner import PLAN_FILE
+from mirror_sd.partitions.spec import PartitionSpec, TensorSpec
+
+DRAFT_DIR = "draft"
+# Defaults in the spirit of OpenVINO GenAI's NPU pipeline (MAX_PROMPT_LEN 1024), capped by the models' own limit.
+DEFAULT_MAX_PROMPT, DEFAULT_MAX_CONTEXT = 1024, 2048
+DEFAULT_BATCH = 8  # one row of kappa = 8 early-exit candidates per branch forward
+DEFAULT_MAX_GAMMA = 8  # the planner's windows go up to 6; the default window is 4
+DEFAULT_PREFILL_CHUNK = 32
+
+
+@dataclass(frozen=True)
+class PackageOptions:
+    bundle: Path
+    out: Path  # a directory, or a file ending in .tar
+    device: str = "NPU"  # intended draft device (the runtime still falls back to CPU where it is absent)
+    weights: str = "fp16"  # fp32, fp16, int8 (= int8_sym), int8_asym, int4 (= int4_sym)
+    group_size: int = DEFAULT_GROUP_SIZE  # int4 only
+    max_prompt: int | None = None  # None: min(1024, max_context)
+    max_context: int | None = None  # None: min(2048, the models' position limit)
+    max_gamma: int = DEFAULT_MAX_GAMMA
+    batch: int = DEFAULT_BATCH
+    tokens_per_forward: int | None = None  # None: the draft's own (1 + streams)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    force: bool = False
+
+
+def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -> PackageInfo:
+    """Write a validated package to `opts.out`; returns its description."""
+    bundle = Path(opts.bundle).expanduser()
+    manifest = Manifest.load(bundle)  # ManifestError: not a bundle
+    weights = normalize_weights(opts.weights)
+    device = opts.device.upper()
+    if device not in DEVICES:
+        raise BadInputError(f"unknown device {opts.device!r}; a package targets one of {', '.join(DEVICES)}")
+    bounds = _bounds(opts, manifest)
+    out = Path(opts.out).expanduser()
+    _check_out(out, opts.force)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
+    try:
+        info = _write_package(staging, bundle, manifest, bounds, weights, opts.group_size, device, report)
+        if out.suffix == ".tar":
+            _archive(staging, out)
+        else:
+            _move_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    report(f"package written to {out} ({weights} draft, {_describe(bounds)})")
+    return info
+
+
+def _bounds(opts: PackageOptions, manifest: Manifest) -> StaticBounds:
+    limit = min(manifest.target.max_position_embeddings, manifest.draft.max_position_embeddings)
+    max_context = opts.max_context if opts.max_context is not None else min(DEFAULT_MAX_CONTEXT, limit)
+    max_prompt = opts.max_prompt if opts.max_prompt is not None else min(DEFAULT_MAX_PROMPT, max_context)
+    tpf = opts.tokens_per_forward if opts.tokens_per_forward is not None else manifest.draft.tokens_per_forward
+    bounds = StaticBounds(max_prompt=max_prompt, max_context=max_context, max_gamma=opts.max_gamma, batch=opts.batch,
+                          tokens_per_forward=tpf, prefill_chunk=opts.prefill_chunk)
+    try:
+        bounds.check()
+    except PackageError as e:
+        raise BadInputError(str(e)) from None
+    if max_context > limit:
+        raise BadInputError(f"MAX_CONTEXT {max_context} exceeds the models' position limit {limit}")
+    if tpf < manifest.draft.tokens_per_forward:
+        raise BadInputError(f"tokens per forward {tpf} is below the draft's own {manifest.draft.tokens_per_forward} "
+                            f"(1 + its streams): every forward feeds a token and its stream proposals")
+    if opts.prefill_chunk < tpf:
+        raise BadInputError(f"prefill chunk {opts.prefill_chunk} is below the tokens per forward {tpf}")
+    return bounds
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.suffix == ".tar":
+        if out.exists() and not out.is_file():
+            raise BadInputError(f"OUT {str(out)!r} exists and is not a file")
+        if out.exists() and not force:
+            raise BadInputError(f"OUT {str(out)!r} exists (use --force to replace it)")
+        return
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"OUT {str(out)!r} exists and is not a directory (a .tar name makes an archive)")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise BadInputError(f"OUT {str(out)!r} exists and is not empty (use --force to replace it)")
+
+
+def _write_package(root: Path, bundle: Path, manifest: Manifest, bounds: StaticBounds, weights: str,
+                   group_size: int, device: str, report: Callable[[str], None]) -> PackageInfo:
+    # 1. the target graphs, tokenizer and draft vocabulary, as the bundle has them
+    draft_spec = manifest.partition("draft")
+    copied = [f for p in manifest.partitions if p is not draft_spec for f in (p.file, *p.data_files)]
+    copied += list(manifest.tokenizer.files)
+    copied += [manifest.draft.output_vocab_file] if manifest.draft.output_vocab_file else []
+    copied += [PLAN_FILE] if (bundle / PLAN_FILE).is_file() else []
+    for rel in copied:
+        _link_or_copy(resolve_inside(bundle.resolve(), rel), root / rel)
+
+    # 2. the draft: compressed once, then cut to each static shape
+    import openvino as ov
+
+    report(f"draft: {weights} weights, static graphs for {_describe(bounds)}")
+    model = compress_weights(ov.Core().read_model(str(resolve_inside(bundle.resolve(), draft_spec.file))),
+                             weights, group_size)
+    shapes = {DECODE: (1, bounds.tokens_per_forward), BRANCH: (bounds.batch, bounds.tokens_per_forward),
+              PREFILL: (1, bounds.prefill_chunk)}
+    (root / DRAFT_DIR).mkdir()
+    graphs: dict[str, DraftGraph] = {}
+    bins: dict[str, str] = {}  # sha256 -> the first .bin with that content: identical weights are stored once
+    for name, (batch, tokens) in shapes.items():
+        xml = f"{DRAFT_DIR}/{name}.xml"
+        static = make_static(model.clone(), batch, tokens, bounds.kv_length)
+        ov.save_model(static, str(root / xml), compress_to_fp16=weights != "fp32")
+        bin_rel = f"{DRAFT_DIR}/{name}.bin"
+        digest = sha256_of(root / bin_rel)
+        if digest in bins:
+            (root / bin_rel).unlink()
+            bin_rel = bins[digest]
+        bins.setdefault(digest, bin_rel)
+        graphs[name] = DraftGraph(xml=xml, bin=bin_rel, batch=batch, tokens=tokens)
+    _check_static_draft(root, bundle, draft_spec.file, graphs[PREFILL], bounds, weights, report)
+
+    # 3. the manifest: the bundle's, its draft partition now the static decode graph
+    manifest = replace(manifest, partitions=tuple(
+        _static_spec(p, graphs[DECODE], bounds, device) if p is draft_spec else p for p in manifest.partitions))
+    manifest.validate(root)
+    manifest.save(root)
+
+    # 4. package.json: bounds, devices, weights and the sha256 of every file
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        files[path.relative_to(root).as_posix()] = sha256_of(path)
+    devices = (device,) if device == "CPU" else (device, "CPU")
+    info = PackageInfo(bounds=bounds, weights=weights, group_size=group_size if weights == "int4_sym" else 0,
+                       devices=devices, draft_graphs=graphs, files=files, producer=f"mirror-sd {__version__}",
+                       source_bundle=manifest.producer)
+    info.validate()
+    info.save(root)
+    PackageInfo.load(root)  # what a reader will see: every checksum again
+    return info
+
+
+def _static_spec(spec: PartitionSpec, graph: DraftGraph, bounds: StaticBounds, device: str) -> PartitionSpec:
+    """The draft partition as the static decode graph has it: fixed shapes, present = the new tokens' KV."""
+    b, t, kv = graph.batch, graph.tokens, bounds.kv_length
+    fixed = {"batch": b, "sequence": t, "past_sequence": kv, "total_sequence": kv + t}
+
+    def static(ts: TensorSpec, output: bool) -> TensorSpec:
+        shape = tuple(fixed[d] if isinstance(d, str) else d for d in ts.shape)
+        if output and ts.name.startswith("present."):
+            shape = (b, shape[1], t, shape[3])
+        elif ts.name == "attention_mask":
+            shape = (b, kv + t)
+        return TensorSpec(ts.name, ts.dtype, shape)
+
+    return replace(spec, file=graph.xml, data_files=(graph.bin,), backend="openvino", device=device,
+                   inputs=tuple(static(i, False) for i in spec.inputs),
+                   outputs=tuple(static(o, True) for o in spec.outputs),
+                   extra={**spec.extra, "static": True, "present": "new tokens only"})
+
+
+def _check_static_draft(root: Path, bundle: Path, draft_file: str, graph: DraftGraph, bounds: StaticBounds,
+                        weights: str, report: Callable[[str], None]) -> None:
+    """Run the static prefill graph and the bundle's dynamic draft on the same tokens (OpenVINO CPU): with fp32
+    weights the logits must agree within the export's tolerance; compressed weights are reported, not judged."""
+    import openvino as ov
+
+    core = ov.Core()
+    config = {"INFERENCE_PRECISION_HINT": "f32"}
+    static = core.compile_model(core.read_model(str(root / graph.xml), str(root / graph.bin)), "CPU", config)
+    dynamic = core.compile_model(str(bundle / draft_file), "CPU", config)
+    n = graph.tokens
+    ids = (np.arange(n, dtype=np.int64) * 7 + 3)[None] % 200  # small ids: inside any vocabulary here
+    feed_d = {"input_ids": ids, "attention_mask": np.ones((1, n), np.int64),
+              "position_ids": np.arange(n, dtype=np.int64)[None]}
+    feed_s = dict(feed_d, attention_mask=np.concatenate([np.zeros((1, bounds.kv_length), np.int64),
+                                                         np.ones((1, n), np.int64)], 1))
+    for port in dynamic.inputs:
+        name = port.get_any_name()
+        if name.startswith("past_key_values."):
+            shape = port.get_partial_shape()
+            feed_d[name] = np.zeros((1, shape[1].get_length(), 0, shape[3].get_length()), np.float32)
+            feed_s[name] = np.zeros((1, shape[1].get_length(), bounds.kv_length, shape[3].get_length()), np.float32)
+    want = np.array(dynamic(feed_d)[dynamic.output("logits")])
+    got = np.array(static(feed_s)[static.output("logits")])
+    diff = float(np.abs(got - want).max())
+    agree = float((got.argmax(-1) == want.argmax(-1)).mean())
+    if not np.isfinite(got).all():
+        raise PackageError("the static draft graph gives non-finite logits")
+    if weights == "fp32" and diff > 1e-4 + 1e-5 * float(np.abs(want).max()):
+        raise PackageError(f"the static draft graph differs from the bundle's draft by {diff:.2e} (fp32 weights)")
+    report(f"draft check: static {weights} vs bundle fp32 on {n} tokens: max |logit diff| {diff:.2e}, "
+           f"argmax agreement {agree:.2f}")
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link where the filesystem allows (the target graphs are hundreds of MB; a bundle is never written in
+    place - export replaces it by rename - so a link cannot change under the package), else a copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _archive(staging: Path, out: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.partial-", dir=out.parent)
+    os.close(fd)
+    try:
+        with tarfile.open(tmp, "w") as tar:
+            tar.add(staging / PACKAGE_FILE, arcname=PACKAGE_FILE)
+            for path in sorted(p for p in staging.rglob("*") if p.is_file() and p.name != PACKAGE_FILE):
+                tar.add(path, arcname=path.relative_to(staging).as_posix())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """As export does: an existing OUT (only with force) is moved aside and removed once the new one is there."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    out.rename(aside / out.name)
+    try:
+        staging.rename(out)
+    except OSError:
+        (aside / out.name).rename(out)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _describe(b: StaticBounds) -> str:
+    return (f"max prompt {b.max_prompt}, max context {b.max_context}, gamma <= {b.max_gamma}, batch {b.batch}, "
+            f"{b.tokens_per_forward} tokens per forward, prefill chunk {b.prefill_chunk}, KV buffer {b.kv_length}")
+
