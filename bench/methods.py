@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+PROJECT_METHODS = ("ar", "sd", "mirror")  # the project's own decoders (bench/pipeline_methods.py)
+BASELINE_METHODS = ("hf-generate", "hf-assisted", "ov-genai-sd", "ov-genai-ar")  # bench/baselines.py
+
 
 @dataclass
 class MethodResult:

@@ -218,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also write it into the bundle as plan.json: the runtime's defaults then come from it")
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     pl.set_defaults(func=_plan)
+
+    from mirror_sd.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

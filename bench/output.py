@@ -1,0 +1,51 @@
+"""Writing a benchmark's outputs: bench.json, report.md and plots/*.png, all or nothing.
+
+Everything is written into a staging directory next to OUT and moved into place at the end, so an interrupted or
+failed write never leaves a half-written result (an older result in OUT stays until the new one is complete).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mirror_sd.bench.plots import write_plots
+from mirror_sd.bench.report import render
+from mirror_sd.errors import BadInputError
+
+RESULT_FILE = "bench.json"
+
+
+def check_out(out: Path) -> None:
+    """OUT may be missing, empty, or an earlier benchmark result (replaced); anything else is refused."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / RESULT_FILE).is_file())):
+        raise BadInputError(f"--out {out} exists and is not an earlier benchmark result; choose another directory")
+
+
+def write_outputs(doc: dict[str, Any], out: Path) -> list[Path]:
+    check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        (staging / RESULT_FILE).write_text(json.dumps(doc, indent=1, default=_plain) + "\n")
+        (staging / "report.md").write_text(render(doc))
+        write_plots(doc, staging / "plots")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return sorted(p for p in out.rglob("*") if p.is_file())
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and tuples that reach the document become plain JSON values."""
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)

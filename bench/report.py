@@ -1,0 +1,211 @@
+"""report.md from the bench.json document: every number here is read from the document, none is written in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mirror_sd.bench.prompts import KINDS
+
+
+def _f(value: Any, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1e3:.1f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def render(doc: dict[str, Any]) -> str:
+    groups = doc.get("groups", {})
+    lines = [f"# Benchmark: {doc['bundle']} ({doc['size']['name']} size)", ""]
+    lines += _machine(doc)
+    lines += _targets(doc, groups.get("greedy"))
+    if doc.get("not_run"):
+        lines += ["## Not run", ""] + [f"- **{m}**: not run: {why}" for m, why in doc["not_run"].items()] + [""]
+    if "greedy" in groups:
+        lines += _main_group("Greedy (T=0)", groups["greedy"])
+        lines += _identity(groups)
+    if "sampled" in groups:
+        lines += _main_group("Sampled (T=1, the same seed per prompt in every method; no identity check)",
+                             groups["sampled"])
+    lines += _threads(doc)
+    if "greedy" in groups:
+        lines += _profile(groups["greedy"], doc.get("timeline"))
+    if "ablations" in groups:
+        lines += _ablations(groups["ablations"])
+    if "gamma sweep" in groups:
+        lines += _sweep("Speedup against gamma", groups["gamma sweep"], "speedup_vs_gamma.png")
+    if "exit sweep" in groups:
+        lines += _sweep("Speedup against exit layer", groups["exit sweep"], "speedup_vs_exit_layer.png",
+                        extra=("exit_head", "exit head"))
+    lines += _compressed(doc.get("compressed_draft"))
+    lines += ["## Plots", "", "![tokens/s per method and task](plots/tokens_per_s.png)", "",
+              "![timeline of one mirror generation](plots/timeline.png)", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _machine(doc: dict[str, Any]) -> list[str]:
+    m, size, t = doc["machine"], doc["size"], doc.get("threads", {})
+    versions = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items())
+    git = m.get("git") or {}
+    sm = t.get("sd_mirror", {})
+    return [
+        "## Machine and settings", "",
+        f"- CPU: {m['cpu']}, {m['cores']} cores ({m.get('cores_usable')} usable), {m.get('ram_gib')} GiB RAM; "
+        f"{m['os']}; Python {m['python']}; load average at start {m.get('load_average')}",
+        f"- versions: {versions}",
+        f"- git commit {git.get('commit', '?')}{' (with uncommitted changes in tracked files)' if git.get('dirty') else ''}",
+        f"- size: {size['per_kind']} greedy and {size['sampled_per_kind']} sampled prompts per task kind, "
+        f"{size['max_new_tokens']} new tokens at most (EOS ends earlier); every method runs every prompt once, "
+        "in an order that rotates from prompt to prompt, after one warm-up generation each",
+        f"- threads: sd and mirror {sm.get('target')} target + {sm.get('draft')} draft ({sm.get('from')}); ar at its "
+        f"best of 1 and 2 target threads ({doc.get('ar_threads', {}).get('chosen')}); external baselines were given "
+        f"{t.get('baselines')} threads",
+        f"- elapsed: {doc.get('elapsed_s', 0) / 60:.1f} min", "",
+    ]
+
+
+def _targets(doc: dict[str, Any], greedy: dict[str, Any] | None) -> list[str]:
+    rows = []
+    for t in doc.get("targets", []):
+        if t["measured"] is None:
+            verdict = f"not measured ({t['reason']})"
+        elif t["met"]:
+            verdict = "met"
+        else:
+            verdict = f"short by {t['target'] - t['measured']:.2f} ({t['short_by_fraction'] * 100:.0f}% below target)"
+        rows.append([t["what"], f">= {t['target']:g}", _f(t["measured"]), str(t["prompts"]), verdict])
+    lines = ["## Targets (greedy, median over prompts of per-prompt ratios)", ""]
+    lines += _table(["target", "wanted", "measured", "prompts", "verdict"], rows) + [""]
+    short = [t for t in doc.get("targets", []) if t["measured"] is not None and not t["met"]]
+    if short and greedy:
+        lines += ["Why the numbers are short: see *Where the time goes* below (per-step phases of each method).", ""]
+    return lines
+
+
+def _main_group(title: str, g: dict[str, Any]) -> list[str]:
+    rows = []
+    for method, s in g["summary"].items():
+        o = s["overall"]
+        rows.append([method, _f(o["tokens_per_s"], 1), _f(g["ratios_to_ar"][method]["overall"]), _ms(o["ttft_s"]),
+                     _f(o["mean_accepted_tokens"]), _f(o["acceptance_rate"]), _f(o["branch_hit_rate"]),
+                     _f(o["draft_hidden_fraction"]), str(o["runs"])])
+    lines = [f"## {title}", "", f"{len(g['prompts'])} prompts, {g['max_new_tokens']} new tokens at most.", ""]
+    lines += _table(["method", "tokens/s", "x ar", "TTFT ms", "mean accepted tokens/step", "acceptance",
+                     "branch hit rate", "draft hidden", "runs"], rows)
+    lines += ["", "Tokens/s and (in brackets) the median per-prompt ratio to ar, per task kind:", ""]
+    rows = []
+    for method, s in g["summary"].items():
+        r = g["ratios_to_ar"][method]["per_kind"]
+        rows.append([method, *(f"{_f(s['per_kind'][k]['tokens_per_s'], 1)} ({_f(r[k])})" for k in KINDS)])
+    lines += _table(["method", *KINDS], rows) + [""]
+    if g.get("not_run"):
+        lines += [f"- {m}: not run in this group: {why}" for m, why in g["not_run"].items()] + [""]
+    return lines
+
+
+def _identity(groups: dict[str, Any]) -> list[str]:
+    lines = ["## Greedy identity with ar", ""]
+    for name, g in groups.items():
+        if "identity_failures" not in g:
+            continue
+        checked = sum(1 for r in g["runs"] if r["method"] != "ar")
+        failures = g["identity_failures"]
+        if not failures:
+            lines.append(f"- {name}: all {checked} greedy outputs are token-identical to ar's.")
+            continue
+        lines.append(f"- {name}: **{len(failures)} of {checked} outputs differ from ar (FAILURE)**:")
+        lines += [f"  - {f['method']} on {f['prompt']}: first difference at token {f['first_difference']} "
+                  f"(ar {f['expected']}, got {f['got']}; lengths {f['expected_len']} / {f['got_len']})"
+                  for f in failures]
+    return lines + [""]
+
+
+def _threads(doc: dict[str, Any]) -> list[str]:
+    a = doc.get("ar_threads")
+    if not a:
+        return []
+    speeds = ", ".join(f"{k}: {_f(v, 1)} tokens/s" for k, v in a["tokens_per_s"].items())
+    return ["## ar thread setting", "",
+            f"ar timed at 1 and 2 target threads on {len(a['prompts'])} prompts ({speeds}); the faster, "
+            f"{a['chosen']} thread(s), is the ar every ratio uses.", ""]
+
+
+def _profile(g: dict[str, Any], timeline: dict[str, Any] | None) -> list[str]:
+    lines = ["## Where the time goes", "",
+             "Median per target step (ms). prefix + suffix are the target's two graphs; draft is the draft's "
+             "forwards (hidden under the suffix when overlapped, so columns need not add up); wait is the main "
+             "thread waiting for the draft; step is the whole call's wall time over its target steps.", ""]
+    rows = []
+    for method, p in g["profile"].items():
+        rows.append([method, _ms(p["prefix_s"]), _ms(p["suffix_s"]), _ms(p["draft_s"]), _ms(p["draft_wait_s"]),
+                     _ms(p["step_s"]), _f(p["tokens_per_step"])])
+    lines += _table(["method", "prefix", "suffix", "draft", "wait", "step", "tokens/step"], rows) + [""]
+    prof = g["profile"]
+    if "ar" in prof and "mirror" in prof:
+        ar, mi = prof["ar"], prof["mirror"]
+        lines += [f"Mirror commits {mi['tokens_per_step']:.2f} tokens per step at {mi['step_s'] * 1e3:.1f} ms a step; "
+                  f"ar commits 1 at {ar['step_s'] * 1e3:.1f} ms. At this acceptance, mirror would need a step of at "
+                  f"most {mi['tokens_per_step'] * ar['step_s'] / 2 * 1e3:.1f} ms to reach 2x ar; "
+                  f"the main thread waits {mi['draft_wait_s'] * 1e3:.1f} ms a step for the draft.", ""]
+    if timeline:
+        rows = [[phase, str(v["count"]), _ms(v["median_s"]), _ms(v["total_s"])]
+                for phase, v in sorted(timeline["phases"].items())]
+        lines += [f"Traced mirror generation ({timeline['prompt']}, {timeline['new_tokens']} tokens, "
+                  f"{timeline['total_s']:.2f} s), per phase:", ""]
+        lines += _table(["phase", "intervals", "median ms", "total ms"], rows) + [""]
+        lines += ["![timeline](plots/timeline.png)", ""]
+    return lines
+
+
+def _ablations(g: dict[str, Any]) -> list[str]:
+    rows = []
+    for method, s in g["summary"].items():
+        o = s["overall"]
+        rows.append([method, _f(o["tokens_per_s"], 1), _f(g["ratios_to_ar"][method]["overall"]),
+                     _f(o["mean_accepted_tokens"]), _f(o["branch_hit_rate"]), _f(o["draft_hidden_fraction"]),
+                     _f(o["draft_tokens_per_forward"])])
+    lines = ["## Ablations (mirror with one mechanism off, greedy)", "",
+             f"{len(g['prompts'])} prompts; ar and full mirror run again in the same rotation. no-branches: branch "
+             "budget 0 (overlap only, every window a serial rollout); no-streaming: one draft token per forward; "
+             "logit-lens: the untrained exit head at the same layer (a bundle exported for it); no-overlap: the "
+             "same schedule served serially.", ""]
+    lines += _table(["method", "tokens/s", "x ar", "mean accepted", "branch hit", "draft hidden",
+                     "draft tokens/forward"], rows) + [""]
+    if g.get("not_run"):
+        lines += [f"- {m}: not run: {why}" for m, why in g["not_run"].items()] + [""]
+    return lines
+
+
+def _sweep(title: str, g: dict[str, Any], plot: str, extra: tuple[str, str] | None = None) -> list[str]:
+    rows = []
+    for method, s in g["summary"].items():
+        o = s["overall"]
+        row = [method, _f(o["tokens_per_s"], 1), _f(g["ratios_to_ar"][method]["overall"]),
+               _f(o["mean_accepted_tokens"]), _f(o["branch_hit_rate"]), _f(o["draft_hidden_fraction"])]
+        if extra:
+            row.append(str(g["methods"].get(method, {}).get(extra[0], "")))
+        rows.append(row)
+    header = ["method", "tokens/s", "x ar", "mean accepted", "branch hit", "draft hidden"]
+    lines = [f"## {title}", "", f"{len(g['prompts'])} prompts, greedy.", ""]
+    lines += _table(header + ([extra[1]] if extra else []), rows) + [""]
+    if g.get("not_run"):
+        lines += [f"- {m}: not run: {why}" for m, why in g["not_run"].items()] + [""]
+    return lines + [f"![{title}](plots/{plot})", ""]
+
+
+def _compressed(c: dict[str, Any] | None) -> list[str]:
+    lines = ["## Compressed draft", ""]
+    if not c or "not_run" in c:
+        return lines + [f"Not run: {(c or {}).get('not_run', 'no result')}.", ""]
+    import json
+
+    return lines + ["```json", json.dumps(c, indent=2, default=str), "```", ""]

@@ -1,0 +1,422 @@
+"""The benchmark: every method on the same prompt ids, interleaved, with ablations, sweeps and a traced timeline.
+
+    doc = run_bench(Path("build/bundles/smollm2"), QUICK)   # -> the bench.json document (plain data)
+
+Order of work: load the pipelines, open the external baselines, warm every method up (and time ar at 1 and 2
+target threads to pick its best setting), then the groups. In a group every prompt runs every method once, the
+order rotating from prompt to prompt (A B C, B C A, C A B, ...), so slow drift of a shared machine spreads over
+all methods instead of landing on one. Figures are medians over prompts; ratios to ar are taken per prompt, then
+the median. Greedy groups check each method's tokens against ar's on the same prompt.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from mirror_sd.bench import summary
+from mirror_sd.bench.machine import describe_machine
+from mirror_sd.bench.methods import BASELINE_METHODS, PROJECT_METHODS, Method, MethodResult
+from mirror_sd.bench.pipeline_methods import PipelineMethod
+from mirror_sd.bench.prompts import KINDS, PROMPTS, BenchPrompt, select
+from mirror_sd.bench.variants import CACHE, Sources, variant
+from mirror_sd.errors import BadInputError, MirrorSDError
+from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.runtime.pipeline import Pipeline
+
+ABLATIONS = {  # mirror with one mechanism off; the logit lens one also needs another bundle (see _ablations)
+    "no-branches": dict(branch_budget=0),  # no branch reuse: every next window is a serial rollout
+    "no-streaming": dict(draft_streaming=False),  # one draft token per forward
+    "logit-lens": {},  # the untrained early-exit head at the same exit layer
+    "no-overlap": dict(overlap=False),  # the same schedule, served serially on the main thread
+}
+WARMUP_PROMPT = ({"role": "user", "content": "Write one sentence about the sea."},)
+SEED = 1234  # T=1 runs: prompt i uses SEED + i in every method
+
+
+@dataclass(frozen=True)
+class BenchSize:
+    name: str
+    per_kind: int  # greedy prompts per task kind (all methods)
+    sampled_per_kind: int  # T=1 prompts per task kind
+    max_new_tokens: int
+    probe_prompts: int  # prompts that time ar at 1 and at 2 target threads
+    ablations: tuple[str, ...]
+    ablation_prompts: int
+    gammas: tuple[int, ...]
+    exit_layers: tuple[int, ...]
+    sweep_prompts: int  # prompts of the gamma and exit-layer sweeps
+    export: bool  # export variant bundles that are not cached yet (about 2 minutes each)
+    compressed_prompts: int = 0  # prompts for the compressed-draft acceptance (0: skip)
+
+
+QUICK = BenchSize("quick", per_kind=1, sampled_per_kind=1, max_new_tokens=32, probe_prompts=2,
+                  ablations=tuple(ABLATIONS), ablation_prompts=2, gammas=(2, 4), exit_layers=(8, 15, 20, 24),
+                  sweep_prompts=2, export=False, compressed_prompts=2)
+FULL = BenchSize("full", per_kind=10, sampled_per_kind=2, max_new_tokens=40, probe_prompts=4,
+                 ablations=tuple(ABLATIONS), ablation_prompts=12, gammas=(1, 2, 3, 4, 6), exit_layers=(8, 15, 20, 24),
+                 sweep_prompts=6, export=True, compressed_prompts=6)
+SIZES = {"quick": QUICK, "full": FULL}
+
+# Targets of issue 5 (greedy, real pair, median over the prompt set): (key, what, target, numerator, denominator)
+TARGETS = (
+    ("mirror_vs_ar", "mirror tokens/s over ar (ar at its best thread setting)", 2.0, "mirror", "ar"),
+    ("mirror_vs_sd", "mirror tokens/s over sd (same draft)", 1.3, "mirror", "sd"),
+    ("mirror_vs_ov_genai_sd", "mirror tokens/s over OpenVINO GenAI speculative decoding", 1.3, "mirror", "ov-genai-sd"),
+    ("mirror_vs_hf_assisted", "mirror tokens/s over transformers assisted generation", 1.5, "mirror", "hf-assisted"),
+)
+HIDDEN_TARGET = 0.8  # draft time hidden under the suffix
+
+
+def check_methods(methods: list[str] | None) -> list[str]:
+    """The methods to run, in a fixed order; ar is always among them (every ratio is to ar)."""
+    known = PROJECT_METHODS + BASELINE_METHODS
+    if methods is None:
+        return list(known)
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise BadInputError(f"unknown method(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    return [m for m in known if m in methods or m == "ar"]
+
+
+@dataclass
+class _Group:
+    """Runs of one set of methods over one set of prompts at one temperature."""
+    name: str
+    temperature: float
+    max_new_tokens: int
+    prompts: list[BenchPrompt]
+    methods: list[Method]
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    not_run: dict[str, str] = field(default_factory=dict)
+
+
+class Bench:
+    def __init__(self, bundle: Path, size: BenchSize, methods: list[str], *, sources: Sources | None,
+                 cache: Path = CACHE, report: Callable[[str], None] | None = None, progress: bool = True,
+                 baselines: bool = True) -> None:
+        self.bundle, self.size, self.requested = Path(bundle), size, methods
+        self.sources, self.cache, self.progress, self.use_baselines = sources, cache, progress, baselines
+        self.report = report or (lambda line: print(line, file=sys.stderr))
+        self.manifest = Manifest.load(self.bundle)  # a missing or broken bundle fails here, before any work
+        self.not_run: dict[str, str] = {}  # method -> why it did not run
+        self.ids: dict[str, list[int]] = {}
+        self.pipes: list[Pipeline] = []
+        self.baselines: list[Method] = []
+        self.variant_notes: dict[str, Any] = {}  # the variant bundles asked for: path or why not available
+
+    # -- set-up --------------------------------------------------------------------------------------------
+    def _load(self, bundle: Path, **threads: int | None) -> Pipeline:
+        pipe = Pipeline.load(bundle, **threads)
+        self.pipes.append(pipe)
+        return pipe
+
+    def _open_baselines(self, threads: int) -> None:
+        wanted = [m for m in self.requested if m in BASELINE_METHODS]
+        if not wanted:
+            return
+        if not self.use_baselines:
+            self.not_run.update({m: "baselines switched off" for m in wanted})
+            return
+        try:
+            from mirror_sd.bench.baselines import open_baselines
+        except ImportError as e:
+            self.not_run.update({m: f"bench/baselines.py cannot be imported ({e})" for m in wanted})
+            return
+        self.report(f"opening baselines {', '.join(wanted)} (first time: conversions into build/bench-cache/)")
+        try:
+            opened = open_baselines(self.bundle, names=wanted, threads=threads)
+        except MirrorSDError as e:
+            self.not_run.update({m: str(e) for m in wanted})
+            return
+        self.baselines = [m for m in opened if m.name in wanted]
+        for m in wanted:
+            if m not in {b.name for b in self.baselines}:
+                self.not_run.setdefault(m, "open_baselines did not return it")
+
+    def _prompt_ids(self, pipe: Pipeline, prompt: BenchPrompt) -> list[int]:
+        if prompt.name not in self.ids:
+            self.ids[prompt.name] = pipe.prompt_ids(list(prompt.messages))
+        return self.ids[prompt.name]
+
+    # -- running -------------------------------------------------------------------------------------------
+    def _run_one(self, method: Method, ids: list[int], max_new_tokens: int, temperature: float,
+                 seed: int) -> MethodResult:
+        return method.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+
+    def run_group(self, group: _Group, pipe: Pipeline) -> _Group:
+        from tqdm import tqdm
+
+        methods = list(group.methods)
+        bar = tqdm(total=len(group.prompts) * len(methods), desc=group.name, file=sys.stderr, unit="run",
+                   disable=not self.progress, dynamic_ncols=True)
+        try:
+            for i, prompt in enumerate(group.prompts):
+                ids = self._prompt_ids(pipe, prompt)
+                k = i % len(methods) if methods else 0
+                for order, method in enumerate(methods[k:] + methods[:k]):
+                    if method.name in group.not_run:
+                        bar.update()
+                        continue
+                    try:
+                        result = self._run_one(method, ids, group.max_new_tokens, group.temperature,
+                                               SEED + PROMPTS.index(prompt))
+                    except Exception as e:  # noqa: BLE001 - a failing method is reported, the others go on
+                        group.not_run[method.name] = _why(e)
+                        self.report(f"{group.name}: {method.name} failed on {prompt.name}: {_why(e)}")
+                        bar.update()
+                        continue
+                    group.runs.append(_record(prompt, method.name, order, result))
+                    bar.update()
+        finally:
+            bar.close()
+        return group
+
+    def _warm_up(self, methods: list[Method], pipe: Pipeline) -> dict[str, float]:
+        """Each method generates once (caches, thread pools, lazy compilation); returns seconds per token."""
+        ids = pipe.prompt_ids(list(WARMUP_PROMPT))
+        per_token: dict[str, float] = {}
+        for method in methods:
+            try:
+                r = self._run_one(method, ids, self.size.max_new_tokens, 0.0, SEED)
+                per_token[method.name] = r.total_s / max(1, len(r.token_ids))
+            except Exception as e:  # noqa: BLE001 - reported as not run
+                self.not_run[method.name] = f"warm-up failed: {_why(e)}"
+        return per_token
+
+    # -- the whole benchmark -------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        size = self.size
+        doc: dict[str, Any] = {"schema": 1, "bundle": str(self.bundle), "size": asdict(size),
+                               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                               "machine": describe_machine(), "requested_methods": self.requested}
+        self.report(f"loading {self.bundle} (runtime defaults; ar also at 1 and 2 target threads)")
+        main = self._load(self.bundle)
+        ar_pipes = {1: main if main.target_threads == 1 else self._load(self.bundle, target_threads=1),
+                    2: main if main.target_threads == 2 else self._load(self.bundle, target_threads=2)}
+        cores = len(os.sched_getaffinity(0))
+        self._open_baselines(threads=cores)
+        doc["threads"] = {"sd_mirror": {"target": main.target_threads, "draft": main.draft_threads,
+                                        "from": "bundle plan.json" if main.defaults else "runtime defaults"},
+                          "baselines": cores}
+
+        # ar at 1 and 2 target threads: the faster is the ar every ratio uses
+        probes = [PipelineMethod(f"ar@{n}t", p, "ar") for n, p in ar_pipes.items()]
+        project = {"sd": PipelineMethod("sd", main, "sd"), "mirror": PipelineMethod("mirror", main, "mirror")}
+        self.report("warming up")
+        per_token = self._warm_up(probes + [project[m] for m in ("sd", "mirror") if m in self.requested]
+                                  + self.baselines, main)
+        probe = self.run_group(_Group("ar threads", 0.0, size.max_new_tokens,
+                                      select(math.ceil(size.probe_prompts / len(KINDS)))[:size.probe_prompts],
+                                      probes), main)
+        speeds = {m.name: summary.median(r["tokens_per_s"] for r in probe.runs if r["method"] == m.name)
+                  for m in probes}
+        best = max(ar_pipes, key=lambda n: speeds[f"ar@{n}t"] or 0.0)
+        ar = PipelineMethod("ar", ar_pipes[best], "ar")
+        doc["ar_threads"] = {"tokens_per_s": speeds, "chosen": best, "prompts": [p.name for p in probe.prompts]}
+        per_token["ar"] = per_token[f"ar@{best}t"]
+        self.report(f"ar tokens/s by target threads: " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items())
+                    + f" -> ar uses {best}")
+
+        methods: list[Method] = [ar, *(project[m] for m in ("sd", "mirror") if m in self.requested),
+                                 *(b for b in self.baselines if b.name not in self.not_run)]
+        plan = self._plan(methods, main)
+        eta = sum(len(g.prompts) * sum(per_token.get(m.name, per_token["ar"]) for m in g.methods) * g.max_new_tokens
+                  for g in plan)
+        self.report(f"estimated time: about {eta / 60:.0f} min for {sum(len(g.prompts) * len(g.methods) for g in plan)}"
+                    f" generations (upper bound from the warm-up speeds; EOS ends many earlier)")
+        groups = {}
+        for group in plan:
+            groups[group.name] = _group_doc(self.run_group(group, main), greedy=group.temperature == 0.0)
+        doc["groups"] = groups
+        doc["per_token_s_warmup"] = per_token
+        doc["not_run"] = {**self.not_run, **{m: why for g in plan for m, why in g.not_run.items()}}
+        doc["variants"] = self.variant_notes
+        doc["timeline"] = self._timeline(main, groups.get("greedy"))
+        doc["compressed_draft"] = self._compressed(main)
+        doc["targets"] = targets(groups.get("greedy"))
+        doc["failures"] = [dict(f, group=name) for name, g in groups.items() for f in g.get("identity_failures", [])]
+        doc["elapsed_s"] = time.perf_counter() - started
+        return doc
+
+    def _plan(self, methods: list[Method], main: Pipeline) -> list[_Group]:
+        """Every group the size asks for, in the order they run."""
+        size, names = self.size, {m.name for m in methods}
+        ar = methods[0]
+        plan = [_Group("greedy", 0.0, size.max_new_tokens, select(size.per_kind), methods),
+                _Group("sampled", 1.0, size.max_new_tokens, select(size.sampled_per_kind), methods)]
+        sweep_prompts = select(math.ceil(size.sweep_prompts / len(KINDS)))[:size.sweep_prompts]
+        if "mirror" in names and size.ablations:
+            prompts = select(math.ceil(size.ablation_prompts / len(KINDS)))[:size.ablation_prompts]
+            plan.append(_Group("ablations", 0.0, size.max_new_tokens, prompts,
+                               [ar, *(m for m in methods if m.name == "mirror"), *self._ablations(main)]))
+        spec = [m for m in ("sd", "mirror") if m in names]
+        if spec and size.gammas:
+            plan.append(_Group("gamma sweep", 0.0, size.max_new_tokens, sweep_prompts,
+                               [ar, *(PipelineMethod(f"{m}@gamma{g}", main, m, gamma=g)
+                                      for g in size.gammas for m in spec)]))
+        if "mirror" in names and size.exit_layers:
+            plan.append(_Group("exit sweep", 0.0, size.max_new_tokens, sweep_prompts, [ar, *self._exit_layers(main)]))
+        return [g for g in plan if g.prompts]
+
+    def _variant(self, exit_layer: int, head: str):
+        found = variant(self.sources, self.manifest, self.bundle, exit_layer, head, export=self.size.export,
+                        cache=self.cache, report=self.report)
+        self.variant_notes[f"exit{exit_layer}-{head}"] = {"exit_layer": found.exit_layer, "exit_head": found.exit_head,
+                                                          "path": str(found.path) if found.path else None,
+                                                          "reason": found.reason}
+        return found
+
+    def _variant_pipe(self, path: Path, main: Pipeline) -> Pipeline:
+        if path == self.bundle:
+            return main
+        return self._load(path, target_threads=main.target_threads, draft_threads=main.draft_threads)
+
+    def _same_defaults(self, main: Pipeline) -> dict[str, Any]:
+        """A variant bundle has no plan.json: give it the main bundle's plan choices, so only the bundle differs."""
+        d = main.defaults
+        return {} if d is None else dict(gamma=d.gamma, kappa=d.kappa, branch_budget=d.branch_budget)
+
+    def _ablations(self, main: Pipeline) -> list[Method]:
+        out: list[Method] = []
+        for name in self.size.ablations:
+            if name == "logit-lens":
+                found = self._variant(self.manifest.target.exit_layer, "logit_lens")
+                if found.path is None:
+                    self.not_run[f"mirror-{name}"] = found.reason
+                    continue
+                out.append(PipelineMethod(f"mirror-{name}", self._variant_pipe(found.path, main), "mirror",
+                                          **self._same_defaults(main)))
+            else:
+                out.append(PipelineMethod(f"mirror-{name}", main, "mirror", **ABLATIONS[name]))
+        return out
+
+    def _exit_layers(self, main: Pipeline) -> list[Method]:
+        out: list[Method] = []
+        for layer in self.size.exit_layers:
+            found = self._variant(layer, "adapter")
+            name = f"mirror@exit{layer}"
+            if found.path is None:
+                self.not_run[name] = found.reason
+                continue
+            out.append(PipelineMethod(name, self._variant_pipe(found.path, main), "mirror",
+                                      notes={"exit_layer": layer, "exit_head": found.exit_head},
+                                      **self._same_defaults(main)))
+        return out
+
+    def _timeline(self, main: Pipeline, greedy: dict[str, Any] | None) -> dict[str, Any] | None:
+        """One mirror generation traced: the greedy prompt whose mirror tokens/s was the median one."""
+        if greedy is None or "mirror" not in greedy["methods"]:
+            return None
+        runs = sorted((r for r in greedy["runs"] if r["method"] == "mirror"), key=lambda r: r["tokens_per_s"])
+        if not runs:
+            return None
+        prompt = next(p for p in PROMPTS if p.name == runs[len(runs) // 2]["prompt"])
+        traced = PipelineMethod("mirror", main, "mirror", trace=True)
+        result = self._run_one(traced, self._prompt_ids(main, prompt), self.size.max_new_tokens, 0.0, SEED)
+        trace = [list(t) for t in result.stats["trace"]]
+        return {"prompt": prompt.name, "new_tokens": len(result.token_ids), "total_s": result.total_s,
+                "trace": trace, "phases": summary.trace_profile(trace)}
+
+    def _compressed(self, main: Pipeline) -> dict[str, Any]:
+        """The int8/int4 draft acceptance of the NPU packages (bench/compressed.py), where that exists."""
+        if self.size.compressed_prompts <= 0:
+            return {"not_run": "the size skips it"}
+        try:
+            from mirror_sd.bench.compressed import compressed_draft_acceptance
+        except ImportError as e:
+            return {"not_run": f"bench/compressed.py cannot be imported ({e})"}
+        from mirror_sd.bench.compressed import WEIGHT_MODES
+
+        # packages are built by `python -m mirror_sd.bench.compressed BUNDLE` (minutes each); here only used
+        found = {w: Path("build") / "packages" / f"{self.bundle.name}-{w}" for w in WEIGHT_MODES}
+        packages = {w: p for w, p in found.items() if p.is_dir()}
+        prompts = [self._prompt_ids(main, p) for p in select(math.ceil(self.size.compressed_prompts / len(KINDS)))
+                   [:self.size.compressed_prompts]]
+        gamma = main.defaults.gamma if main.defaults else 4
+        self.report(f"compressed draft acceptance ({', '.join(packages) or 'no packages built'}; fp32 reference)")
+        try:
+            result = compressed_draft_acceptance(self.bundle, packages, prompts, self.size.max_new_tokens, gamma)
+        except MirrorSDError as e:
+            return {"not_run": str(e)}
+        return {"weights": result, "prompts": len(prompts), "gamma": gamma, "max_new_tokens": self.size.max_new_tokens,
+                "packages": {w: str(p) for w, p in packages.items()},
+                "missing_packages": {w: str(p) for w, p in found.items() if w not in packages}}
+
+    def close(self) -> None:
+        for method in self.baselines:
+            try:
+                method.close()
+            except Exception as e:  # noqa: BLE001 - closing must not hide the results
+                self.report(f"closing {method.name}: {_why(e)}")
+
+
+def run_bench(bundle: Path, size: BenchSize, methods: list[str] | None = None, *, sources: Sources | None = None,
+              cache: Path = CACHE, report: Callable[[str], None] | None = None, progress: bool = True,
+              baselines: bool = True) -> dict[str, Any]:
+    """Run the benchmark and return its document (write it with bench.output.write_outputs)."""
+    bench = Bench(bundle, size, check_methods(methods), sources=sources, cache=cache, report=report,
+                  progress=progress, baselines=baselines)
+    try:
+        return bench.run()
+    finally:
+        bench.close()
+
+
+# -- plain-data helpers ----------------------------------------------------------------------------------------
+def _why(e: BaseException) -> str:
+    return str(e) if isinstance(e, MirrorSDError) else f"{type(e).__name__}: {e} (unexpected: a bug in this method)"
+
+
+def _record(prompt: BenchPrompt, method: str, order: int, r: MethodResult) -> dict[str, Any]:
+    scalars = {k: v for k, v in r.stats.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    return {"prompt": prompt.name, "kind": prompt.kind, "method": method, "order": order,
+            "new_tokens": len(r.token_ids), "ttft_s": r.ttft_s, "total_s": r.total_s,
+            "tokens_per_s": len(r.token_ids) / r.total_s if r.total_s > 0 else 0.0,
+            "token_ids": list(r.token_ids), "stats": scalars}
+
+
+def _group_doc(group: _Group, greedy: bool) -> dict[str, Any]:
+    names = [m.name for m in group.methods if m.name not in group.not_run]
+    doc = {
+        "temperature": group.temperature, "max_new_tokens": group.max_new_tokens,
+        "prompts": [p.name for p in group.prompts],
+        "methods": {m.name: m.describe() if hasattr(m, "describe") else {"external": True} for m in group.methods},
+        "not_run": group.not_run,
+        "runs": group.runs,
+        "summary": summary.summarise(group.runs, names, list(KINDS)),
+        "ratios_to_ar": summary.ratios(group.runs, names, list(KINDS)),
+        "profile": summary.profile(group.runs, names),
+    }
+    if greedy:
+        doc["identity_failures"] = summary.identity_failures(group.runs)
+    return doc
+
+
+def targets(greedy: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Each target of the issue with the measured value and the gap (measured - target; None: not measured)."""
+    out = []
+    runs = greedy["runs"] if greedy else []
+    for key, what, target, num, den in TARGETS:
+        ratio = summary.pair_ratio(runs, num, den)
+        out.append(_target(key, what, target, ratio["median"], ratio["prompts"],
+                           None if ratio["median"] is not None else f"{den} or {num} did not run"))
+    hidden = summary.median(r["stats"].get("draft_hidden_fraction") for r in runs if r["method"] == "mirror")
+    out.append(_target("draft_hidden", "draft time hidden under the suffix (mirror, fraction)", HIDDEN_TARGET, hidden,
+                       sum(r["method"] == "mirror" for r in runs), None if hidden is not None else "mirror did not run"))
+    return out
+
+
+def _target(key: str, what: str, target: float, measured: float | None, prompts: int,
+            reason: str | None) -> dict[str, Any]:
+    met = measured is not None and measured >= target
+    return {"key": key, "what": what, "target": target, "measured": measured, "prompts": prompts, "met": met,
+            "gap": None if measured is None else measured - target,
+            "short_by_fraction": None if measured is None or met else 1 - measured / target,
+            "reason": reason}
