@@ -17,6 +17,10 @@ EXIT_ADAPTER ?=
 
 RETRAIN ?=
 
+# bench options: QUICK=1 for the few-minutes size; METHODS=ar,sd,mirror,... a subset; OUT a results directory
+QUICK ?=
+METHODS ?=
+
 .PHONY: setup test test-fast demo models export plan clean
 
 setup: $(STAMP)
@@ -55,6 +59,13 @@ export: setup
 # Measure BUNDLE and save the chosen exit layer / k / gamma / branch budget / threads as its plan.json.
 plan: setup
 	$(VENV)/bin/mirror-sd plan "$(BUNDLE)" --save
+
+# Benchmark BUNDLE (default: the real pair) against transformers and OpenVINO GenAI: results/bench-<quick|full>/
+# (bench.json, report.md, plots/). The full size takes about 30-40 minutes here, QUICK=1 a few.
+.PHONY: bench
+bench: models
+	$(VENV)/bin/mirror-sd bench "$(BUNDLE)" $(if $(QUICK),--quick) $(if $(OUT),--out "$(OUT)") \
+	  $(if $(METHODS),--methods "$(METHODS)")
 
 clean:
 	rm -rf build
