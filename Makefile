@@ -21,7 +21,13 @@ RETRAIN ?=
 QUICK ?=
 METHODS ?=
 
-.PHONY: setup test test-fast demo models export plan clean
+# package options (see README): OUT, BUNDLE and FORCE as above
+DEVICE ?= NPU
+WEIGHTS ?= fp16
+MAX_PROMPT ?=
+MAX_CONTEXT ?=
+
+.PHONY: setup test test-fast demo models export plan package clean
 
 setup: $(STAMP)
 
@@ -59,6 +65,15 @@ export: setup
 # Measure BUNDLE and save the chosen exit layer / k / gamma / branch budget / threads as its plan.json.
 plan: setup
 	$(VENV)/bin/mirror-sd plan "$(BUNDLE)" --save
+
+# Package BUNDLE for a static-shape device: static draft IR (WEIGHTS fp16|int8|int4), target graphs, tokenizer.
+package: setup
+	@if [ -z "$(OUT)" ]; then \
+	  echo "usage: make package BUNDLE=<dir> OUT=<dir or .tar> [DEVICE=NPU] [WEIGHTS=fp16|int8|int4] [MAX_PROMPT=n] [MAX_CONTEXT=n] [FORCE=1]" >&2; \
+	  exit 2; fi
+	@$(VENV)/bin/mirror-sd package "$(BUNDLE)" --out "$(OUT)" --device "$(DEVICE)" --weights "$(WEIGHTS)" \
+	  $(if $(MAX_PROMPT),--max-prompt $(MAX_PROMPT)) $(if $(MAX_CONTEXT),--max-context $(MAX_CONTEXT)) \
+	  $(if $(FORCE),--force)
 
 # Benchmark BUNDLE (default: the real pair) against transformers and OpenVINO GenAI: results/bench-<quick|full>/
 # (bench.json, report.md, plots/). The full size takes about 30-40 minutes here, QUICK=1 a few.

@@ -30,6 +30,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _package(args: argparse.Namespace) -> int:
+    from mirror_sd.package.build import PackageOptions, build_package
+
+    build_package(PackageOptions(
+        bundle=Path(args.bundle), out=Path(args.out), device=args.device, weights=args.weights,
+        group_size=args.group_size, max_prompt=args.max_prompt, max_context=args.max_context,
+        max_gamma=args.max_gamma, batch=args.batch, tokens_per_forward=args.tokens_per_forward,
+        prefill_chunk=args.prefill_chunk, force=args.force), report=lambda line: print(line, file=sys.stderr))
+    return 0
+
+
 def _prompt_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
@@ -43,7 +54,8 @@ def _generate(args: argparse.Namespace) -> int:
     from mirror_sd.runtime.pipeline import Pipeline
 
     pipe = Pipeline.load(args.bundle, target_device=args.target_device, draft_device=args.draft_device,
-                         target_threads=args.target_threads, draft_threads=args.draft_threads)
+                         target_threads=args.target_threads, draft_threads=args.draft_threads,
+                         cache_dir=args.cache_dir)
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
@@ -172,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_export)
 
     g = sub.add_parser("generate", help="generate text from a bundle (ar, sd or mirror decoding)")
-    g.add_argument("bundle", help="bundle directory written by export")
+    g.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 5,17,33")
@@ -197,8 +209,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-device", default=None, help="OpenVINO device (default: NPU, else CPU)")
     g.add_argument("--target-threads", type=int, default=None, help="default: the bundle's plan, else 1")
     g.add_argument("--draft-threads", type=int, default=None, help="default: the bundle's plan, else 1")
+    g.add_argument("--cache-dir", default=None, help="OpenVINO compile cache directory for the draft")
     g.add_argument("--json", action="store_true", help='print {"token_ids", "text", "stats"} as one JSON object')
     g.set_defaults(func=_generate)
+
+    pk = sub.add_parser("package", help="package a bundle for static-shape devices (NPU): static draft IR")
+    pk.add_argument("bundle", help="bundle directory written by export")
+    pk.add_argument("--out", required=True, help="package directory, or a file ending in .tar")
+    pk.add_argument("--device", default="NPU", help="intended draft device: NPU (default), CPU or GPU")
+    pk.add_argument("--weights", default="fp16", help="draft weights: fp16 (default), fp32, int8, int8_asym, int4")
+    pk.add_argument("--group-size", type=int, default=64, help="int4 weights per quantisation group (default 64)")
+    pk.add_argument("--max-prompt", type=int, default=None, help="longest prompt in tokens (default 1024)")
+    pk.add_argument("--max-context", type=int, default=None, help="prompt + new tokens (default 2048)")
+    pk.add_argument("--max-gamma", type=int, default=8, help="longest draft window (default 8)")
+    pk.add_argument("--batch", type=int, default=8, help="rows of the branch graph (default 8)")
+    pk.add_argument("--tokens-per-forward", type=int, default=None,
+                    help="new tokens per draft forward (default: the draft's own, 1 + streams)")
+    pk.add_argument("--prefill-chunk", type=int, default=32, help="prompt tokens per prefill forward (default 32)")
+    pk.add_argument("--force", action="store_true", help="replace an existing --out")
+    pk.set_defaults(func=_package)
 
     pl = sub.add_parser("plan", help="measure a bundle and pick exit layer, k, gamma, branch budget and threads")
     pl.add_argument("bundle", help="bundle directory written by export")

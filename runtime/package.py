@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import tarfile
 import tempfile
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,11 +22,11 @@ from mirror_sd.partitions.package import PACKAGE_FILE, PackageInfo, check_member
 class OpenedPackage:
     root: Path  # the package directory (the extracted copy for a .tar)
     info: PackageInfo
-    _cleanup: weakref.finalize | None = field(default=None, repr=False)
+    _extracted: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # removed when collected
 
     def close(self) -> None:
-        if self._cleanup is not None:
-            self._cleanup()
+        if self._extracted is not None:
+            self._extracted.cleanup()
 
 
 def is_package(path: str | Path) -> bool:
@@ -41,13 +40,13 @@ def open_package(path: str | Path) -> OpenedPackage:
         return OpenedPackage(p, PackageInfo.load(p))
     if not p.is_file():
         raise PackageError(f"package {str(p)!r} does not exist")
-    dest = Path(tempfile.mkdtemp(prefix="mirror-sd-package-"))
-    cleanup = weakref.finalize(dest, shutil.rmtree, dest, True)
+    extracted = tempfile.TemporaryDirectory(prefix="mirror-sd-package-")
+    dest = Path(extracted.name)
     try:
         _extract_checked(p, dest)
-        return OpenedPackage(dest, PackageInfo.load(dest), cleanup)
+        return OpenedPackage(dest, PackageInfo.load(dest), extracted)
     except BaseException:
-        cleanup()
+        extracted.cleanup()
         raise
 
 

@@ -197,7 +197,7 @@ def _compacted(cache: KVCache) -> KVCache:
     for b in range(cache.batch):
         keep = np.flatnonzero(cache.mask[b])
         for new, old in zip(keys + values, cache.keys + cache.values):
-            new[b, :, :keep.size] = old[b, :, keep]
+            new[b, :, :keep.size] = old[b][:, keep]  # (old[b, :, keep] would move the kept axis first)
         mask[b, :keep.size] = 1
     return KVCache(cache.layers, tuple(keys), tuple(values), mask)
 

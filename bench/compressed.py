@@ -1,0 +1,110 @@
+"""Compressed drafts against the uncompressed one: acceptance per weights mode, for the benchmark.
+
+The target verifies every draft token, so a package's output is the target's whatever its draft weights; what
+compression can change is how many draft tokens the target accepts. `compressed_draft_acceptance` runs the
+bundle itself (its fp32 ONNX draft) and each package on the same prompts in greedy `sd` mode (acceptance is a
+property of the windows; mirror changes only when they are drafted) and reports, per weights mode, the acceptance
+rate, mean accepted tokens per target step, and whether the tokens are identical to the target alone.
+
+    python -m mirror_sd.bench.compressed build/bundles/smollm2 [--prompts 6] [--max-new-tokens 64] [--gamma 4]
+
+builds fp16, int8 and int4 packages under build/packages/ and prints (and writes) the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from mirror_sd.errors import MirrorSDError
+
+WEIGHT_MODES = ("fp16", "int8", "int4")
+REFERENCE = "fp32"  # the bundle's own draft graph
+
+
+def compressed_draft_acceptance(bundle: str | Path, packages: dict[str, Path], prompts: Sequence[Any],
+                                max_new_tokens: int = 64, gamma: int = 4, mode: str = "sd") -> dict[str, Any]:
+    """{weights: {acceptance_rate, mean_accepted_tokens, acceptance_vs_fp32, tokens_identical_to_ar,
+    identical_prompts, prompts, draft_graph, draft_device}} with REFERENCE ("fp32") for the bundle's draft.
+    prompts: anything Pipeline.generate takes (text, chat messages or ids)."""
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    reference = Pipeline.load(bundle)
+    ar = [reference.generate(p, mode="ar", max_new_tokens=max_new_tokens).token_ids for p in prompts]
+    report = {REFERENCE: _measure(reference, prompts, ar, max_new_tokens, gamma, mode)}
+    del reference
+    for weights, package in packages.items():
+        report[weights] = _measure(Pipeline.load(package), prompts, ar, max_new_tokens, gamma, mode)
+    base = report[REFERENCE]["acceptance_rate"]
+    for row in report.values():
+        row["acceptance_vs_fp32"] = row["acceptance_rate"] / base if base else None
+    return report
+
+
+def _measure(pipe, prompts, ar, max_new_tokens, gamma, mode) -> dict[str, Any]:
+    accepted = proposed = steps = new = identical = 0
+    stats: dict[str, Any] = {}
+    for prompt, want in zip(prompts, ar):
+        result = pipe.generate(prompt, mode=mode, max_new_tokens=max_new_tokens, gamma=gamma)
+        stats = result.stats
+        accepted += stats["accepted_tokens"]
+        proposed += stats["proposed_tokens"]
+        steps += stats["target_steps"]
+        new += stats["new_tokens"]
+        identical += result.token_ids == want
+    return {"acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_tokens": new / steps if steps else 0.0,
+            "tokens_identical_to_ar": identical == len(ar), "identical_prompts": identical, "prompts": len(ar),
+            "proposed_tokens": proposed, "accepted_tokens": accepted,
+            "draft_graph": stats.get("draft_graph"), "draft_device": stats.get("draft_device")}
+
+
+def default_prompts(n: int) -> list[list[dict[str, str]]]:
+    """Held-out chat prompts (topics the draft never trained on), single-turn kinds only."""
+    from mirror_sd.models.prompts import build
+
+    chosen = [p.messages for p in build(4 * n, held_out=True) if p.kind != "multi_turn"]
+    return chosen[:n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mirror_sd.bench.compressed", description=__doc__.split("\n")[0])
+    parser.add_argument("bundle")
+    parser.add_argument("--packages", default="build/packages", help="where the packages are built")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--out", default=None, help="JSON file (default: <packages>/compressed_acceptance.json)")
+    args = parser.parse_args(argv)
+    try:
+        from mirror_sd.package.build import PackageOptions, build_package
+
+        bundle, root = Path(args.bundle), Path(args.packages)
+        packages = {}
+        for weights in WEIGHT_MODES:
+            out = root / f"{bundle.name}-{weights}"
+            build_package(PackageOptions(bundle=bundle, out=out, weights=weights, force=True),
+                          report=lambda line: print(line, file=sys.stderr))
+            packages[weights] = out
+        report = compressed_draft_acceptance(bundle, packages, default_prompts(args.prompts), args.max_new_tokens,
+                                             args.gamma)
+    except MirrorSDError as e:
+        print(f"mirror-sd: error: {e}", file=sys.stderr)
+        return e.exit_code
+    doc = {"bundle": str(bundle), "mode": "sd", "temperature": 0.0, "gamma": args.gamma,
+           "max_new_tokens": args.max_new_tokens, "weights": report}
+    out = Path(args.out) if args.out else root / "compressed_acceptance.json"
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc, indent=2))
+    for weights, row in report.items():
+        print(f"{weights:>5}: acceptance {row['acceptance_rate']:.3f} ({row['acceptance_vs_fp32'] or 0:.2f}x fp32), "
+              f"{row['mean_accepted_tokens']:.2f} tokens/step, identical to ar: {row['identical_prompts']}/"
+              f"{row['prompts']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

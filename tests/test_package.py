@@ -1,0 +1,262 @@
+"""NPU packages (make package): static draft IR, exact output, compressed drafts, and every bad input.
+
+Packages are built from the session's tiny bundles (tests/conftest.py) and run on OpenVINO CPU with exactly the
+static shapes an NPU would get.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mirror_sd.errors import BadInputError, PackageError
+from mirror_sd.package.build import PackageOptions, build_package
+from mirror_sd.partitions.package import PACKAGE_FILE, PackageInfo
+from mirror_sd.runtime.engines import open_engine
+from mirror_sd.runtime.kv import KVCache
+from mirror_sd.runtime.pipeline import Pipeline
+
+PROMPT = [5, 17, 33, 40, 2]
+QUIET = dict(report=lambda _line: None)
+
+
+def _build(bundle: Path, out: Path, **options) -> Path:
+    build_package(PackageOptions(bundle=bundle, out=out, **options), **QUIET)
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(bundle_factory, tmp_path_factory):
+    """Packages shared by the module: fp16 of a self-draft (high acceptance) and of a streaming draft, int8, int4,
+    an fp32 one with small bounds (for the engine check and the bound errors), and a .tar."""
+    root = tmp_path_factory.mktemp("packages")
+    self_draft = bundle_factory("llama", self_draft=True)
+    streaming = bundle_factory("llama", streaming=True)
+    return {
+        "self_draft": self_draft, "streaming": streaming,
+        "fp16": _build(self_draft, root / "fp16"),
+        "streaming_fp16": _build(streaming, root / "streaming-fp16"),
+        "int8": _build(self_draft, root / "int8", weights="int8"),
+        "int4": _build(self_draft, root / "int4", weights="int4", group_size=32),
+        "small": _build(streaming, root / "small", weights="fp32", max_prompt=8, max_context=40, max_gamma=4,
+                        batch=3, prefill_chunk=6),
+        "tar": _build(streaming, root / "streaming.tar"),
+    }
+
+
+# -- exactness -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["fp16", "streaming_fp16"])
+def test_package_gives_the_bundles_tokens_from_the_static_draft(built, which):
+    bundle = built["self_draft" if which == "fp16" else "streaming"]
+    want = Pipeline.load(bundle).generate(PROMPT, mode="ar", max_new_tokens=24).token_ids
+    pipe = Pipeline.load(built[which])
+    for mode in ("ar", "sd", "mirror"):
+        for overlap in (True, False):
+            out = pipe.generate(PROMPT, mode=mode, max_new_tokens=24, overlap=overlap, branch_budget=None)
+            assert out.token_ids == want, (mode, overlap)
+            s = out.stats
+            assert (s["draft_graph"], s["draft_weights"]) == ("static-ir", "fp16")
+            assert s["draft_static_shapes"]["branch"] == "8x" + str(pipe.draft.spec.tokens_per_forward)
+            if mode != "ar":
+                assert s["draft_graph_forwards"] > 0 and s["fallbacks"] == 0 and s["draft_failures"] == 0
+
+
+def test_compressed_drafts_stay_exact_and_report_acceptance(built):
+    from mirror_sd.bench.compressed import compressed_draft_acceptance
+
+    packages = {w: built[w] for w in ("fp16", "int8", "int4")}
+    report = compressed_draft_acceptance(built["self_draft"], packages, [PROMPT, [9, 8, 7, 6]], max_new_tokens=20,
+                                         gamma=4)
+    assert set(report) == {"fp32", "fp16", "int8", "int4"}
+    for weights, row in report.items():
+        assert row["tokens_identical_to_ar"] and row["identical_prompts"] == 2, weights
+        assert row["proposed_tokens"] > 0 and 0 <= row["acceptance_rate"] <= 1
+        assert row["draft_graph"] == ("dynamic-onnx" if weights == "fp32" else "static-ir")
+    # the self-draft is the target: its fp32 windows are all accepted; fp16 weights cannot flip clear-cut choices
+    assert report["fp32"]["acceptance_rate"] == 1.0
+    assert report["fp16"]["acceptance_vs_fp32"] > 0.9
+    info = {w: PackageInfo.load(built[w]) for w in ("int8", "int4")}
+    assert (info["int8"].weights, info["int4"].weights, info["int4"].group_size) == ("int8_sym", "int4_sym", 32)
+
+
+def test_static_engine_matches_dynamic_engine_with_holes_splits_chunks_and_compaction(built):
+    """fp32 package: the static graphs, fed a cache with holes, a batch above the branch graph's rows, a feed wider
+    than one forward and a cache too long for the buffer, give the dynamic graph's logits."""
+    from mirror_sd.partitions.manifest import Manifest
+
+    pipe = Pipeline.load(built["small"])
+    static = pipe.draft
+    dynamic = open_engine(built["streaming"], Manifest.load(built["streaming"]), "draft")
+    rng = np.random.default_rng(0)
+    rows = 5  # the branch graph has 3 rows: one full group and one padded
+    x = rng.integers(3, 300, (rows, 6))
+    mask = (rng.random((rows, 6)) > 0.5).astype(np.int64)  # about 3.5 real tokens a step: within the bounds
+    mask[:, -1] = 1
+    caches = [dynamic.empty_cache(rows), static.empty_cache(rows)]
+    for _ in range(10):  # 10 x 6 slots pass the 40 + 8 + 6 = 54-slot buffer: the static cache must compact
+        outs = [engine.run(x, cache, mask) for engine, cache in zip((dynamic, static), caches)]
+        (want, caches[0]), (got, caches[1]) = outs
+        keep = mask.astype(bool)
+        np.testing.assert_allclose(got["logits"][keep], want["logits"][keep], atol=1e-4, rtol=1e-4)
+        assert (got["stream_ids"][keep] == want["stream_ids"][keep]).mean() > 0.95
+        x = want["logits"][:, -1:].argmax(-1).repeat(6, axis=1) % 300 + 3
+    assert caches[1].slots < caches[0].slots == 10 * 6  # compaction happened, and the answers stayed the same
+    assert np.array_equal(caches[1].next_positions(), caches[0].next_positions())
+
+
+def test_tar_package_loads_and_generates(built):
+    want = Pipeline.load(built["streaming"]).generate(PROMPT, mode="ar", max_new_tokens=12).token_ids
+    pipe = Pipeline.load(built["tar"], cache_dir=built["tar"].parent / "ov-cache")
+    out = pipe.generate(PROMPT, mode="mirror", max_new_tokens=12)
+    assert out.token_ids == want and out.stats["draft_graph"] == "static-ir"
+    assert any((built["tar"].parent / "ov-cache").iterdir())  # the compile cache was written
+
+
+# -- bad input -------------------------------------------------------------------------------------------------
+def test_bounds_are_refused_before_any_device_work(built):
+    pipe = Pipeline.load(built["small"])
+    forwards = pipe.draft.forwards
+    with pytest.raises(BadInputError, match="MAX_PROMPT"):
+        pipe.generate(list(range(3, 12)), max_new_tokens=2)  # 9 tokens > max_prompt 8
+    with pytest.raises(BadInputError, match="MAX_CONTEXT"):
+        pipe.generate(PROMPT, max_new_tokens=36)  # 5 + 36 > 40
+    with pytest.raises(BadInputError, match="max_gamma"):
+        pipe.generate(PROMPT, mode="sd", max_new_tokens=4, gamma=5)
+    assert pipe.draft.forwards == forwards
+    ok = pipe.generate(list(range(3, 11)), mode="mirror", max_new_tokens=32, gamma=4)  # exactly at both bounds
+    assert len(ok.token_ids) == 32 or ok.finish_reason == "eos"
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, copy_function=shutil.copy2)
+    return dst
+
+
+def test_tampered_unknown_version_escaping_and_unlisted_packages_are_refused(built, tmp_path):
+    bad = _copy(built["streaming_fp16"], tmp_path / "tampered")
+    with open(bad / "draft" / "decode.xml", "ab") as f:
+        f.write(b" ")
+    with pytest.raises(PackageError, match="sha256"):
+        Pipeline.load(bad)
+
+    old = _copy(built["streaming_fp16"], tmp_path / "future")
+    doc = json.loads((old / PACKAGE_FILE).read_text())
+    (old / PACKAGE_FILE).write_text(json.dumps({**doc, "format_version": 99}))
+    with pytest.raises(PackageError, match="format_version 99"):
+        Pipeline.load(old)
+
+    for name in ("../outside.json", "/etc/passwd", "draft/../../x"):
+        esc = _copy(built["streaming_fp16"], tmp_path / f"escape{len(name)}")
+        doc = json.loads((esc / PACKAGE_FILE).read_text())
+        doc["files"][name] = "0" * 64
+        (esc / PACKAGE_FILE).write_text(json.dumps(doc))
+        with pytest.raises(PackageError, match="outside the package"):
+            Pipeline.load(esc)
+
+    link = _copy(built["streaming_fp16"], tmp_path / "symlink")
+    (link / "tokenizer.json").unlink()
+    (link / "tokenizer.json").symlink_to(built["streaming_fp16"] / "tokenizer.json")
+    with pytest.raises(PackageError, match="symbolic link"):
+        Pipeline.load(link)
+
+    extra = _copy(built["streaming_fp16"], tmp_path / "extra")
+    (extra / "unlisted.txt").write_text("x")
+    with pytest.raises(PackageError, match="does not list"):
+        Pipeline.load(extra)
+
+
+def _tar_with(path: Path, source: Path, member: tarfile.TarInfo, data: bytes = b"") -> Path:
+    with tarfile.open(path, "w") as tar:
+        for f in sorted(p for p in source.rglob("*") if p.is_file()):
+            tar.add(f, arcname=f.relative_to(source).as_posix())
+        tar.addfile(member, io.BytesIO(data) if data else None)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "hardlink"])
+def test_tar_members_outside_the_package_are_refused_before_extraction(built, tmp_path, kind):
+    target = tmp_path / "victim.txt"
+    member = tarfile.TarInfo({"dotdot": f"../{target.name}", "absolute": str(target)}.get(kind, "tokenizer2.json"))
+    data = b"pwned"
+    if kind in ("symlink", "hardlink"):
+        member.type = tarfile.SYMTYPE if kind == "symlink" else tarfile.LNKTYPE
+        member.linkname, data = str(target), b""
+    else:
+        member.size = len(data)
+    (tmp_path / "evil").mkdir()
+    tar = _tar_with(tmp_path / "evil" / "p.tar", built["streaming_fp16"], member, data)
+    with pytest.raises(PackageError, match="outside the package|link"):
+        Pipeline.load(tar)
+    assert not target.exists() and not (tmp_path / "evil" / target.name).exists()
+
+
+def test_absent_device_is_a_clear_error(built):
+    import openvino as ov
+
+    available = ov.Core().available_devices
+    absent = next(d for d in ("NPU", "GPU", "NPU.7") if d not in available)
+    with pytest.raises(BadInputError, match="available"):
+        Pipeline.load(built["streaming_fp16"], draft_device=absent)
+
+
+def test_build_refusals_leave_nothing_behind(built, tmp_path):
+    bundle = built["streaming"]
+    for options in (dict(weights="int3"), dict(max_context=10_000), dict(max_prompt=50, max_context=40),
+                    dict(tokens_per_forward=2), dict(device="TPU"), dict(batch=0)):
+        with pytest.raises(BadInputError if "weights" not in options else PackageError):
+            build_package(PackageOptions(bundle=bundle, out=tmp_path / "out", **options), **QUIET)
+    with pytest.raises(BadInputError, match="not empty"):
+        build_package(PackageOptions(bundle=bundle, out=built["small"]), **QUIET)
+    with pytest.raises(BadInputError, match="exists"):
+        build_package(PackageOptions(bundle=bundle, out=built["tar"]), **QUIET)
+    assert list(tmp_path.iterdir()) == []  # no OUT, no staging directory
+
+
+# -- CLI -------------------------------------------------------------------------------------------------------
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("mirror-sd")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mirror_sd.cli"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_package_then_generate(built, tmp_path):
+    out = tmp_path / "cli-package"
+    done = _cli("package", str(built["streaming"]), "--out", str(out), "--weights", "int8", "--max-context", "64")
+    assert done.returncode == 0, done.stderr
+    done = _cli("generate", str(out), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12", "--json",
+                "--mode", "mirror")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    want = Pipeline.load(built["streaming"]).generate(PROMPT, mode="ar", max_new_tokens=12).token_ids
+    assert result["token_ids"] == want and result["stats"]["draft_weights"] == "int8_sym"
+
+
+def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
+    tampered = _copy(built["small"], tmp_path / "tampered")
+    (tampered / "tokenizer.json").write_text((tampered / "tokenizer.json").read_text() + " ")
+    future = _copy(built["small"], tmp_path / "future")
+    doc = json.loads((future / PACKAGE_FILE).read_text())
+    (future / PACKAGE_FILE).write_text(json.dumps({**doc, "format_version": 2}))
+    small = str(built["small"])
+    cases = [
+        (["generate", small, "--prompt-ids", ",".join(["5"] * 9)], "MAX_PROMPT"),
+        (["generate", small, "--prompt-ids", "5,6", "--max-new-tokens", "39"], "MAX_CONTEXT"),
+        (["generate", str(tampered), "--prompt-ids", "5"], "sha256"),
+        (["generate", str(future), "--prompt-ids", "5"], "format_version"),
+        (["generate", small, "--prompt-ids", "5", "--draft-device", "NPU.7"], "available"),
+        (["package", str(built["streaming"]), "--out", str(tmp_path / "x"), "--weights", "int3"], "unknown weights"),
+    ]
+    for argv, message in cases:
+        done = _cli(*argv)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert done.stderr.startswith("mirror-sd: error:") and message in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "x").exists()
