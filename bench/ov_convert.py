@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,9 @@ def _convert_graph(model):
     kv_shape = ov.PartialShape([-1, kv_heads, -1, head_dim])
     shapes = [ov.PartialShape([-1, -1])] * 3 + [kv_shape] * (2 * layers)
     types = [ov.Type.i64] * 3 + [ov.Type.f32] * (2 * layers)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # the tracer warns on shape-dependent Python branches; the example shapes above take the general ones
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
         ov_model = ov.convert_model(segment, example_input=example, input=list(zip(shapes, types)))
     in_names = ["input_ids", "attention_mask", "position_ids"] + [
         f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]

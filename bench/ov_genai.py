@@ -2,7 +2,8 @@
 `draft_model=`: GenAI's speculative decoding, same target and the plain draft), on models converted by
 bench/ov_convert.py.
 
-Both models get `threads` intra-op threads (INFERENCE_NUM_THREADS) and the LATENCY hint. The prompt goes in as
+Both models get `threads` intra-op threads (INFERENCE_NUM_THREADS), the LATENCY hint, and fp32 compute and KV cache
+(the CPU plugin's default KV cache for GenAI's paged attention is u8). The prompt goes in as
 token ids (TokenizedInputs), so every method sees the same prompt; GenAI's own tokenizer is never used on it.
 GenAI runs both pipelines on its continuous-batching backend on CPU (PagedAttention), and speculative decoding
 proposes a fixed `num_assistant_tokens = gamma` per step. Sampling: do_sample, the temperature, top_k/top_p off,
@@ -24,7 +25,10 @@ from mirror_sd.bench.methods import MethodResult
 
 
 def _properties(threads: int) -> dict[str, Any]:
-    return {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
+    # fp32 everywhere, as the target the others run: the CPU plugin otherwise stores GenAI's paged KV cache as
+    # u8 (its default for PagedAttention), which flipped greedy tokens on a tiny test model
+    return {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32",
+            "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 
 
 class GenAIMethod:

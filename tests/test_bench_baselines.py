@@ -1,0 +1,149 @@
+"""External baselines on a tiny random pair: the plain form of a streaming draft, transformers generate and
+assisted generation, OpenVINO GenAI conversion and speculative decoding, each against the project's own ar."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from mirror_sd.bench.baselines import BaselineError, open_baselines
+from mirror_sd.bench.variants import Sources
+from mirror_sd.errors import BadInputError
+
+MAX_NEW = 12
+PROMPTS = ("Hello, how are you?", "def parse(s):", "Tell me about JSON decoding.")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, pair_factory):
+    """(bundle, sources, cache): a tiny llama target with a random streaming draft (every 2nd id in its
+    vocabulary), exported as a bundle; the sources are the models the bundle was exported from."""
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
+    from mirror_sd.models.tiny import make_streaming_draft
+
+    root = tmp_path_factory.mktemp("baselines")
+    target, _ = pair_factory("llama")
+    draft = make_streaming_draft(root / "streaming-draft", target)
+    bundle = root / "bundle"
+    export_bundle(ExportOptions(model=str(target), draft=str(draft), out=bundle, exit_layer=3, top_k=4),
+                  report=lambda _line: None)
+    return bundle, Sources(target, draft, root / "no-adapters"), root / "cache"
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny):
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    return Pipeline.load(tiny[0], target_threads=1, draft_threads=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(pipe):
+    return [pipe.prompt_ids([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+def _ar(pipe, ids: list[int]) -> list[int]:
+    return list(pipe.generate(ids, mode="ar", max_new_tokens=MAX_NEW, temperature=0.0).token_ids)
+
+
+def test_plain_draft_predicts_the_main_stream(tiny, prompts):
+    from transformers import LlamaForCausalLM
+
+    from mirror_sd.bench.baselines import plain_draft_dir
+    from mirror_sd.bench.plain_draft import agreement
+    from mirror_sd.models.streaming_draft import StreamingDraft
+
+    _, sources, cache = tiny
+    out = plain_draft_dir(sources, cache)
+    streaming = StreamingDraft.load(sources.draft)
+    plain = LlamaForCausalLM.from_pretrained(out).eval()
+    assert plain.config.vocab_size == streaming.config.target_vocab_size
+    info = json.loads((out / "plain_draft.json").read_text())
+    assert info["oov_row_token"] in streaming.config.vocab_ids
+    # the prompts plus random ids: half of all ids lie outside the draft vocabulary and embed as its "other" row
+    torch.manual_seed(0)
+    noise = [torch.randint(0, streaming.config.target_vocab_size, (40,)).tolist() for _ in range(3)]
+    result = agreement(streaming, plain, prompts + noise)
+    assert result["positions"] == sum(map(len, prompts)) + 120
+    assert result["same_next_token"] == 1.0
+    assert result["oov_wins"] == 0.0
+    assert 0.0 < result["oov_mass"] < 1.0
+
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert plain_draft_dir(sources, cache) == out  # cached: the marker is there, nothing is converted again
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_hf_baselines_equal_ar_greedy(tiny, pipe, prompts):
+    bundle, sources, cache = tiny
+    methods = open_baselines(bundle, names=["hf-generate", "hf-assisted"], threads=1, sources=sources, cache=cache)
+    try:
+        assert [m.name for m in methods] == ["hf-generate", "hf-assisted"]
+        for ids in prompts:
+            expected = _ar(pipe, ids)
+            for m in methods:
+                r = m.generate(ids, max_new_tokens=MAX_NEW, temperature=0.0, seed=0)
+                assert r.token_ids == expected, m.name
+                assert 0 < r.ttft_s <= r.total_s
+                forwards = r.stats["target_forwards"]
+                assert r.stats["mean_accepted_tokens"] == pytest.approx(len(r.token_ids) / forwards)
+                if m.name == "hf-generate":
+                    assert forwards == len(r.token_ids)
+                else:
+                    assert forwards <= len(r.token_ids) and r.stats["draft_forwards"] > 0
+        # sampling: the same seed gives the same tokens, another seed may not but stays a valid generation
+        hf = methods[0]
+        a, b = (hf.generate(prompts[0], max_new_tokens=MAX_NEW, temperature=1.0, seed=5) for _ in range(2))
+        assert a.token_ids == b.token_ids and 0 < len(a.token_ids) <= MAX_NEW
+    finally:
+        for m in methods:
+            m.close()
+
+
+def test_ov_genai_conversion_and_speculative_decoding_equal_ar(tiny, pipe, prompts):
+    bundle, sources, cache = tiny
+    start = time.perf_counter()
+    methods = open_baselines(bundle, names=["ov-genai-ar", "ov-genai-sd"], threads=1, sources=sources, cache=cache)
+    try:
+        for ids in prompts:
+            expected = _ar(pipe, ids)
+            for m in methods:
+                r = m.generate(ids, max_new_tokens=MAX_NEW, temperature=0.0, seed=0)
+                assert r.token_ids == expected, m.name
+                assert 0 < r.ttft_s and 0 < r.total_s
+        sd = methods[1]
+        assert sd.generate(prompts[0], max_new_tokens=MAX_NEW, temperature=0.0, seed=0).stats["target_forwards"] >= 1
+        a, b = (sd.generate(prompts[1], max_new_tokens=MAX_NEW, temperature=1.0, seed=3) for _ in range(2))
+        assert a.token_ids == b.token_ids and 0 < len(a.token_ids) <= MAX_NEW
+    finally:
+        for m in methods:
+            m.close()
+    assert time.perf_counter() - start < 120  # conversion included; far less here, the bound only flags a hang
+
+    from mirror_sd.bench.baselines import fingerprint
+
+    converted = cache / f"ov-genai-target-{fingerprint(sources.target)}"
+    for name in ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml", "config.json",
+                 "generation_config.json", "mirror_sd_ov.json"):
+        assert (converted / name).is_file(), name
+    assert not list(cache.glob("*.partial"))
+
+
+def test_bad_requests_are_typed_errors(tiny, tmp_path):
+    bundle, sources, cache = tiny
+    with pytest.raises(BadInputError, match="unknown baseline"):
+        open_baselines(bundle, names=["hf-generate", "vllm"], sources=sources, cache=cache)
+    with pytest.raises(BadInputError, match="threads"):
+        open_baselines(bundle, names=["hf-generate"], threads=0, sources=sources, cache=cache)
+    with pytest.raises(BaselineError, match="missing"):
+        open_baselines(bundle, sources=Sources(tmp_path / "nowhere", sources.draft, tmp_path), cache=cache)
+
+    from mirror_sd.models.tiny import make_streaming_draft
+
+    other = make_streaming_draft(tmp_path / "other-draft", sources.target, keep_every=3)
+    with pytest.raises(BaselineError, match="not the bundle's draft"):
+        open_baselines(bundle, sources=Sources(sources.target, other, tmp_path), cache=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()  # refused before any conversion
