@@ -30,8 +30,10 @@ class OpenedPackage:
 
 
 def is_package(path: str | Path) -> bool:
+    """A directory with package.json, or any file (a bundle is always a directory; a file that is no .tar is
+    then refused as an unreadable package)."""
     p = Path(path)
-    return (p.is_dir() and (p / PACKAGE_FILE).is_file()) or (p.is_file() and tarfile.is_tarfile(p))
+    return (p.is_dir() and (p / PACKAGE_FILE).is_file()) or p.is_file()
 
 
 def open_package(path: str | Path) -> OpenedPackage:
@@ -52,7 +54,7 @@ def open_package(path: str | Path) -> OpenedPackage:
 
 def _extract_checked(tar_path: Path, dest: Path) -> None:
     try:
-        with tarfile.open(tar_path) as tar:
+        with tarfile.open(tar_path, "r:") as tar:  # packages are plain (uncompressed) archives
             members = tar.getmembers()
             seen = set()
             for m in members:  # every member is checked before anything is written
@@ -78,4 +80,5 @@ def _extract_checked(tar_path: Path, dest: Path) -> None:
                 with src, open(out, "wb") as f:
                     shutil.copyfileobj(src, f, 1 << 20)
     except (tarfile.TarError, OSError, EOFError) as e:
-        raise PackageError(f"cannot read package {str(tar_path)!r}: {e}") from None
+        raise PackageError(f"cannot read package {str(tar_path)!r} (not a package directory or .tar): "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

@@ -246,7 +246,10 @@ def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
     doc = json.loads((future / PACKAGE_FILE).read_text())
     (future / PACKAGE_FILE).write_text(json.dumps({**doc, "format_version": 2}))
     small = str(built["small"])
+    garbage = tmp_path / "garbage.tar"
+    garbage.write_text("not an archive")
     cases = [
+        (["generate", str(garbage), "--prompt-ids", "5"], "cannot read package"),
         (["generate", small, "--prompt-ids", ",".join(["5"] * 9)], "MAX_PROMPT"),
         (["generate", small, "--prompt-ids", "5,6", "--max-new-tokens", "39"], "MAX_CONTEXT"),
         (["generate", str(tampered), "--prompt-ids", "5"], "sha256"),
