@@ -63,12 +63,12 @@ def _machine(doc: dict[str, Any]) -> list[str]:
         f"{m['os']}; Python {m['python']}; load average at start {m.get('load_average')}",
         f"- versions: {versions}",
         f"- git commit {git.get('commit', '?')}{' (with uncommitted changes in tracked files)' if git.get('dirty') else ''}",
-        f"- size: {size['per_kind']} greedy and {size['sampled_per_kind']} sampled prompts per task kind, "
+        f"- size: {size['per_kind']} greedy prompts per task kind, {size['sampled_prompts']} sampled prompts, "
         f"{size['max_new_tokens']} new tokens at most (EOS ends earlier); every method runs every prompt once, "
         "in an order that rotates from prompt to prompt, after one warm-up generation each",
         f"- threads: sd and mirror {sm.get('target')} target + {sm.get('draft')} draft ({sm.get('from')}); ar at its "
         f"best of 1 and 2 target threads ({doc.get('ar_threads', {}).get('chosen')}); external baselines were given "
-        f"{t.get('baselines')} threads",
+        f"{t.get('baselines')} threads; gamma {t.get('gamma')} for sd, mirror and the speculative baselines",
         f"- elapsed: {doc.get('elapsed_s', 0) / 60:.1f} min", "",
     ]
 

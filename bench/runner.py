@@ -11,6 +11,7 @@ the median. Greedy groups check each method's tokens against ar's on the same pr
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
@@ -43,7 +44,7 @@ SEED = 1234  # T=1 runs: prompt i uses SEED + i in every method
 class BenchSize:
     name: str
     per_kind: int  # greedy prompts per task kind (all methods)
-    sampled_per_kind: int  # T=1 prompts per task kind
+    sampled_prompts: int  # T=1 prompts (spread over the task kinds)
     max_new_tokens: int
     probe_prompts: int  # prompts that time ar at 1 and at 2 target threads
     ablations: tuple[str, ...]
@@ -55,12 +56,16 @@ class BenchSize:
     compressed_prompts: int = 0  # prompts for the compressed-draft acceptance (0: skip)
 
 
-QUICK = BenchSize("quick", per_kind=1, sampled_per_kind=1, max_new_tokens=32, probe_prompts=2,
-                  ablations=tuple(ABLATIONS), ablation_prompts=2, gammas=(2, 4), exit_layers=(8, 15, 20, 24),
-                  sweep_prompts=2, export=False, compressed_prompts=2)
-FULL = BenchSize("full", per_kind=10, sampled_per_kind=2, max_new_tokens=40, probe_prompts=4,
-                 ablations=tuple(ABLATIONS), ablation_prompts=12, gammas=(1, 2, 3, 4, 6), exit_layers=(8, 15, 20, 24),
-                 sweep_prompts=6, export=True, compressed_prompts=6)
+# Sizes from timings taken here (2 cores, shared): per generated token ar ~0.05 s, sd ~0.10, mirror ~0.11,
+# ov-genai-ar ~0.07, ov-genai-sd ~0.15, hf-generate ~0.4, hf-assisted ~1.2 (the last four under load), so one
+# prompt through every method at 32 tokens costs about a minute. The full size covers the whole prompt set greedy;
+# T=1 and the sweeps use fewer prompts. Each missing variant bundle costs an export of about 2 minutes, once.
+QUICK = BenchSize("quick", per_kind=1, sampled_prompts=2, max_new_tokens=24, probe_prompts=2,
+                  ablations=tuple(ABLATIONS), ablation_prompts=1, gammas=(2, 4), exit_layers=(8, 15, 20, 24),
+                  sweep_prompts=1, export=False, compressed_prompts=2)
+FULL = BenchSize("full", per_kind=10, sampled_prompts=6, max_new_tokens=32, probe_prompts=4,
+                 ablations=tuple(ABLATIONS), ablation_prompts=6, gammas=(1, 2, 3, 4, 6), exit_layers=(8, 15, 20, 24),
+                 sweep_prompts=4, export=True, compressed_prompts=6)
 SIZES = {"quick": QUICK, "full": FULL}
 
 # Targets of issue 5 (greedy, real pair, median over the prompt set): (key, what, target, numerator, denominator)
@@ -116,7 +121,7 @@ class Bench:
         self.pipes.append(pipe)
         return pipe
 
-    def _open_baselines(self, threads: int) -> None:
+    def _open_baselines(self, threads: int, gamma: int) -> None:
         wanted = [m for m in self.requested if m in BASELINE_METHODS]
         if not wanted:
             return
@@ -128,16 +133,27 @@ class Bench:
         except ImportError as e:
             self.not_run.update({m: f"bench/baselines.py cannot be imported ({e})" for m in wanted})
             return
-        self.report(f"opening baselines {', '.join(wanted)} (first time: conversions into build/bench-cache/)")
-        try:
-            opened = open_baselines(self.bundle, names=wanted, threads=threads)
-        except MirrorSDError as e:
-            self.not_run.update({m: str(e) for m in wanted})
-            return
-        self.baselines = [m for m in opened if m.name in wanted]
-        for m in wanted:
-            if m not in {b.name for b in self.baselines}:
-                self.not_run.setdefault(m, "open_baselines did not return it")
+        # the speculative baselines propose as many tokens per step as sd and mirror do, where they take the option
+        extra = {"gamma": gamma} if "gamma" in inspect.signature(open_baselines).parameters else {}
+        # one at a time: a baseline that cannot be opened must not take the others down with it
+        for name in wanted:
+            self.report(f"opening baseline {name} (the first time converts into build/bench-cache/)")
+            try:
+                opened = open_baselines(self.bundle, names=[name], threads=threads, **extra)
+            except Exception as e:  # noqa: BLE001 - typed or not, a baseline that cannot open is reported
+                self.not_run[name] = _why(e)
+                continue
+            found = [m for m in opened if m.name == name]
+            self.baselines += found
+            if not found:
+                self.not_run[name] = "open_baselines did not return it"
+
+    @staticmethod
+    def gamma(pipe: Pipeline) -> int:
+        """The window sd and mirror use by default: the bundle plan's, else the runtime's built-in one."""
+        from mirror_sd.runtime.pipeline import BUILTIN_GAMMA
+
+        return pipe.defaults.gamma if pipe.defaults else BUILTIN_GAMMA
 
     def _prompt_ids(self, pipe: Pipeline, prompt: BenchPrompt) -> list[int]:
         if prompt.name not in self.ids:
@@ -201,10 +217,10 @@ class Bench:
         ar_pipes = {1: main if main.target_threads == 1 else self._load(self.bundle, target_threads=1),
                     2: main if main.target_threads == 2 else self._load(self.bundle, target_threads=2)}
         cores = len(os.sched_getaffinity(0))
-        self._open_baselines(threads=cores)
+        self._open_baselines(threads=cores, gamma=self.gamma(main))
         doc["threads"] = {"sd_mirror": {"target": main.target_threads, "draft": main.draft_threads,
                                         "from": "bundle plan.json" if main.defaults else "runtime defaults"},
-                          "baselines": cores}
+                          "baselines": cores, "gamma": self.gamma(main)}
 
         # ar at 1 and 2 target threads: the faster is the ar every ratio uses
         probes = [PipelineMethod(f"ar@{n}t", p, "ar") for n, p in ar_pipes.items()]
@@ -212,9 +228,8 @@ class Bench:
         self.report("warming up")
         per_token = self._warm_up(probes + [project[m] for m in ("sd", "mirror") if m in self.requested]
                                   + self.baselines, main)
-        probe = self.run_group(_Group("ar threads", 0.0, size.max_new_tokens,
-                                      select(math.ceil(size.probe_prompts / len(KINDS)))[:size.probe_prompts],
-                                      probes), main)
+        probe = self.run_group(_Group("ar threads", 0.0, size.max_new_tokens, spread(size.probe_prompts), probes),
+                               main)
         speeds = {m.name: summary.median(r["tokens_per_s"] for r in probe.runs if r["method"] == m.name)
                   for m in probes}
         best = max(ar_pipes, key=lambda n: speeds[f"ar@{n}t"] or 0.0)
@@ -250,10 +265,10 @@ class Bench:
         size, names = self.size, {m.name for m in methods}
         ar = methods[0]
         plan = [_Group("greedy", 0.0, size.max_new_tokens, select(size.per_kind), methods),
-                _Group("sampled", 1.0, size.max_new_tokens, select(size.sampled_per_kind), methods)]
-        sweep_prompts = select(math.ceil(size.sweep_prompts / len(KINDS)))[:size.sweep_prompts]
+                _Group("sampled", 1.0, size.max_new_tokens, spread(size.sampled_prompts), methods)]
+        sweep_prompts = spread(size.sweep_prompts)
         if "mirror" in names and size.ablations:
-            prompts = select(math.ceil(size.ablation_prompts / len(KINDS)))[:size.ablation_prompts]
+            prompts = spread(size.ablation_prompts)
             plan.append(_Group("ablations", 0.0, size.max_new_tokens, prompts,
                                [ar, *(m for m in methods if m.name == "mirror"), *self._ablations(main)]))
         spec = [m for m in ("sd", "mirror") if m in names]
@@ -337,9 +352,8 @@ class Bench:
         # packages are built by `python -m mirror_sd.bench.compressed BUNDLE` (minutes each); here only used
         found = {w: Path("build") / "packages" / f"{self.bundle.name}-{w}" for w in WEIGHT_MODES}
         packages = {w: p for w, p in found.items() if p.is_dir()}
-        prompts = [self._prompt_ids(main, p) for p in select(math.ceil(self.size.compressed_prompts / len(KINDS)))
-                   [:self.size.compressed_prompts]]
-        gamma = main.defaults.gamma if main.defaults else 4
+        prompts = [self._prompt_ids(main, p) for p in spread(self.size.compressed_prompts)]
+        gamma = self.gamma(main)
         self.report(f"compressed draft acceptance ({', '.join(packages) or 'no packages built'}; fp32 reference)")
         try:
             result = compressed_draft_acceptance(self.bundle, packages, prompts, self.size.max_new_tokens, gamma)
@@ -370,6 +384,11 @@ def run_bench(bundle: Path, size: BenchSize, methods: list[str] | None = None, *
 
 
 # -- plain-data helpers ----------------------------------------------------------------------------------------
+def spread(n: int) -> list[BenchPrompt]:
+    """`n` prompts taking the task kinds in turn (the first of each kind, then the second, ...)."""
+    return select(math.ceil(n / len(KINDS)))[:n]
+
+
 def _why(e: BaseException) -> str:
     return str(e) if isinstance(e, MirrorSDError) else f"{type(e).__name__}: {e} (unexpected: a bug in this method)"
 

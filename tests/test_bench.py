@@ -20,7 +20,7 @@ from mirror_sd.bench.variants import Sources
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.stats import TRACE_PHASES
 
-TINY = BenchSize("test", per_kind=1, sampled_per_kind=1, max_new_tokens=6, probe_prompts=1,
+TINY = BenchSize("test", per_kind=1, sampled_prompts=2, max_new_tokens=6, probe_prompts=1,
                  ablations=tuple(ABLATIONS), ablation_prompts=1, gammas=(1, 2), exit_layers=(2, 3), sweep_prompts=1,
                  export=True)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -105,7 +105,7 @@ class AlteredOutput(PipelineMethod):
 
 def test_identity_check_flags_a_different_output(bundle_factory, tmp_path):
     bundle = bundle_factory()
-    size = BenchSize("test", per_kind=1, sampled_per_kind=0, max_new_tokens=5, probe_prompts=1, ablations=(),
+    size = BenchSize("test", per_kind=1, sampled_prompts=0, max_new_tokens=5, probe_prompts=1, ablations=(),
                      ablation_prompts=0, gammas=(), exit_layers=(), sweep_prompts=0, export=False)
     bench = Bench(bundle, size, ["ar"], sources=None, progress=False, report=lambda _line: None)
     bench.baselines = [AlteredOutput("altered", Pipeline.load(bundle), "ar")]
