@@ -251,7 +251,8 @@ class Bench:
             groups[group.name] = _group_doc(self.run_group(group, main), greedy=group.temperature == 0.0)
         doc["groups"] = groups
         doc["per_token_s_warmup"] = per_token
-        doc["not_run"] = {**self.not_run, **{m: why for g in plan for m, why in g.not_run.items()}}
+        # a method that failed inside one group is named with the group: it may have run in the others
+        doc["not_run"] = {**self.not_run, **{f"{m} (in {g.name})": why for g in plan for m, why in g.not_run.items()}}
         doc["variants"] = self.variant_notes
         doc["timeline"] = self._timeline(main, groups.get("greedy"))
         doc["compressed_draft"] = self._compressed(main)
