@@ -111,15 +111,12 @@ class Bench:
         self.manifest = Manifest.load(self.bundle)  # a missing or broken bundle fails here, before any work
         self.not_run: dict[str, str] = {}  # method -> why it did not run
         self.ids: dict[str, list[int]] = {}
-        self.pipes: list[Pipeline] = []
         self.baselines: list[Method] = []
         self.variant_notes: dict[str, Any] = {}  # the variant bundles asked for: path or why not available
 
     # -- set-up --------------------------------------------------------------------------------------------
     def _load(self, bundle: Path, **threads: int | None) -> Pipeline:
-        pipe = Pipeline.load(bundle, **threads)
-        self.pipes.append(pipe)
-        return pipe
+        return Pipeline.load(bundle, **threads)
 
     def _open_baselines(self, threads: int, gamma: int) -> None:
         wanted = [m for m in self.requested if m in BASELINE_METHODS]
@@ -239,8 +236,8 @@ class Bench:
         self.report(f"ar tokens/s by target threads: " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items())
                     + f" -> ar uses {best}")
 
-        methods: list[Method] = [ar, *(project[m] for m in ("sd", "mirror") if m in self.requested),
-                                 *(b for b in self.baselines if b.name not in self.not_run)]
+        methods: list[Method] = [ar, *(m for m in [*(project[n] for n in ("sd", "mirror") if n in self.requested),
+                                                   *self.baselines] if m.name not in self.not_run)]
         plan = self._plan(methods, main)
         eta = sum(len(g.prompts) * sum(per_token.get(m.name, per_token["ar"]) for m in g.methods) * g.max_new_tokens
                   for g in plan)
