@@ -31,6 +31,7 @@ def tokens_per_second(doc: dict[str, Any], path: Path) -> Path | None:
     if not groups:
         return None
     fig, axes = plt.subplots(len(groups), 1, figsize=(11, 4 * len(groups)), squeeze=False)
+    every = list(dict.fromkeys(m for _, g in groups for m in g["methods"]))  # one colour per method in all panels
     for ax, (name, group) in zip(axes[:, 0], groups):
         methods = [m for m in group["summary"] if group["summary"][m]["overall"]["runs"]]
         labels = [*KINDS, "overall"]
@@ -38,7 +39,8 @@ def tokens_per_second(doc: dict[str, Any], path: Path) -> Path | None:
         for i, method in enumerate(methods):
             s = group["summary"][method]
             values = [s["per_kind"][k]["tokens_per_s"] or 0.0 for k in KINDS] + [s["overall"]["tokens_per_s"] or 0.0]
-            ax.bar([x + i * width for x in range(len(labels))], values, width, label=method)
+            ax.bar([x + i * width for x in range(len(labels))], values, width, label=method,
+                   color=f"C{every.index(method) % 10}")
         ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(labels))], labels)
         ax.set_ylabel("tokens/s (median)")
         ax.set_title(f"{name} (T={group['temperature']:g}, {group['max_new_tokens']} new tokens)")

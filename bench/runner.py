@@ -56,10 +56,11 @@ class BenchSize:
     compressed_prompts: int = 0  # prompts for the compressed-draft acceptance (0: skip)
 
 
-# Sizes from timings taken here (2 cores, shared): per generated token ar ~0.05 s, sd ~0.10, mirror ~0.11,
-# ov-genai-ar ~0.07, ov-genai-sd ~0.15, hf-generate ~0.4, hf-assisted ~1.2 (the last four under load), so one
-# prompt through every method at 32 tokens costs about a minute. The full size covers the whole prompt set greedy;
-# T=1 and the sweeps use fewer prompts. Each missing variant bundle costs an export of about 2 minutes, once.
+# Sizes from timings taken here (2 cores, quiet; seconds per generated token at 24 tokens, prefill included):
+# ar 0.063, sd 0.074, mirror 0.090, hf-generate 0.079, hf-assisted 0.129, ov-genai-sd 0.046, ov-genai-ar 0.038 -
+# one prompt through every method at 32 tokens is ~17 s. Quick took 4 min quiet (15 min while two other jobs ran);
+# full is estimated at ~25 min, plus ~2 minutes per variant bundle exported the first time (4 of them). Under
+# load everything takes 2-4x longer and the harness's printed estimate says so.
 QUICK = BenchSize("quick", per_kind=1, sampled_prompts=2, max_new_tokens=24, probe_prompts=2,
                   ablations=tuple(ABLATIONS), ablation_prompts=1, gammas=(2, 4), exit_layers=(8, 15, 20, 24),
                   sweep_prompts=1, export=False, compressed_prompts=2)
