@@ -20,6 +20,9 @@ from mirror_sd.errors import MirrorSDError
 REPO = Path(__file__).resolve().parents[1]
 WEIGHTS = REPO / "models" / "weights"
 DRAFT_WEIGHTS, ADAPTER_WEIGHTS = WEIGHTS / "smollm2-streaming-draft", WEIGHTS / "smollm2-exit-adapter"
+# `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
+# kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
+PLAN = WEIGHTS / "smollm2-plan.json"
 BUILD = Path("build")
 TARGET_DIR = BUILD / "models" / "smollm2-135m-instruct"
 BUNDLE_DIR = BUILD / "bundles" / "smollm2"
@@ -65,13 +68,25 @@ def build_bundle(force: bool = False, report=print) -> Path:
         try:
             Manifest.load(BUNDLE_DIR)
             report(f"bundle {BUNDLE_DIR} is ready")
-            return BUNDLE_DIR
+            return _add_plan(BUNDLE_DIR)
         except MirrorSDError:
             pass
     export_bundle(ExportOptions(str(TARGET_DIR), str(DRAFT_WEIGHTS), BUNDLE_DIR, exit_layer=EXIT_LAYER, top_k=TOP_K,
                                 force=True, exit_adapter=str(ADAPTER_WEIGHTS)),
                   report=lambda line: None if line.startswith("  ") else report(line))
-    return BUNDLE_DIR
+    return BUNDLE_DIR if force else _add_plan(BUNDLE_DIR)  # a retrained draft is not what the plan measured
+
+
+def _add_plan(bundle: Path) -> Path:
+    """The committed plan as the bundle's plan.json, unless the bundle already has one (a `make plan` made here)."""
+    from mirror_sd.partitions.planner import PLAN_FILE
+
+    dest = bundle / PLAN_FILE
+    if PLAN.is_file() and not dest.exists():
+        partial = dest.with_name(PLAN_FILE + ".partial")
+        shutil.copyfile(PLAN, partial)
+        partial.replace(dest)  # atomic: a reader never sees half a plan
+    return bundle
 
 
 def main(argv: list[str] | None = None) -> int:
