@@ -25,6 +25,7 @@ from mirror_sd.export.architectures import Architecture, architecture_of
 from mirror_sd.export.drafts import Draft, load_draft
 from mirror_sd.export.onnx_export import export_segment, partition_spec
 from mirror_sd.export.segments import LogitLens, Segment
+from mirror_sd.outputs import move_into_place
 from mirror_sd.partitions.manifest import Manifest, TargetFacts, TokenizerFacts
 
 DEFAULT_TOP_K = 8
@@ -179,7 +180,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the bundle should get ordinary permissions
     try:
         manifest = _write_bundle(staging, target, draft, exit_head, exit_layer, top_k, opts.validate, report)
-        _move_into_place(staging, out)
+        move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -219,19 +220,3 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_head: to
         report(f"parity: all {len(checks)} checks passed in onnxruntime-cpu and openvino-cpu")
     manifest.save(bundle)
     return manifest
-
-
-def _move_into_place(staging: Path, out: Path) -> None:
-    """Rename the finished bundle to `out`. An existing `out` (only reachable with --force) is moved aside first
-    and removed only once the new bundle is in place."""
-    if not out.exists():
-        staging.rename(out)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    out.rename(aside / out.name)
-    try:
-        staging.rename(out)
-    except OSError:
-        (aside / out.name).rename(out)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)

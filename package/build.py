@@ -21,6 +21,7 @@ import numpy as np
 
 from mirror_sd import __version__
 from mirror_sd.errors import BadInputError, PackageError
+from mirror_sd.outputs import move_into_place
 from mirror_sd.package.compress import DEFAULT_GROUP_SIZE, compress_weights
 from mirror_sd.package.static_graph import make_static
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
@@ -77,7 +78,7 @@ def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -
         if out.suffix == ".tar":
             _archive(staging, out)
         else:
-            _move_into_place(staging, out)
+            move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     report(f"package written to {out} ({weights} draft, {_describe(bounds)})")
@@ -251,22 +252,6 @@ def _archive(staging: Path, out: Path) -> None:
         raise
 
 
-def _move_into_place(staging: Path, out: Path) -> None:
-    """As export does: an existing OUT (only with force) is moved aside and removed once the new one is there."""
-    if not out.exists():
-        staging.rename(out)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    out.rename(aside / out.name)
-    try:
-        staging.rename(out)
-    except OSError:
-        (aside / out.name).rename(out)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def _describe(b: StaticBounds) -> str:
     return (f"max prompt {b.max_prompt}, max context {b.max_context}, gamma <= {b.max_gamma}, batch {b.batch}, "
             f"{b.tokens_per_forward} tokens per forward, prefill chunk {b.prefill_chunk}, KV buffer {b.kv_length}")
-
