@@ -67,13 +67,8 @@ def speedup_vs_gamma(doc: dict[str, Any], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in series.items():
         ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
-    ax.axhline(1.0, color="grey", lw=1, ls="--", label="ar")
-    ax.set_xlabel("gamma (draft window)")
-    ax.set_ylabel("speedup over ar (median of per-prompt ratios)")
-    ax.set_title(f"speedup vs gamma ({len(group['prompts'])} prompts, greedy)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _save_speedup(fig, ax, path, "gamma (draft window)",
+                         f"speedup vs gamma ({len(group['prompts'])} prompts, greedy)")
 
 
 def speedup_vs_exit_layer(doc: dict[str, Any], path: Path) -> Path | None:
@@ -87,10 +82,16 @@ def speedup_vs_exit_layer(doc: dict[str, Any], path: Path) -> Path | None:
         head = group["methods"][f"mirror@exit{x}"].get("exit_head", "")
         ax.annotate(head.replace("_", " "), (x, y), textcoords="offset points", xytext=(0, 8), ha="center",
                     fontsize=8)
+    return _save_speedup(fig, ax, path, "exit layer l_e",
+                         f"mirror speedup vs exit layer ({len(group['prompts'])} prompts, greedy)")
+
+
+def _save_speedup(fig, ax, path: Path, xlabel: str, title: str) -> Path:
+    """The parts every speedup-over-ar plot shares: the ar line at 1, the axes' labels, legend and grid."""
     ax.axhline(1.0, color="grey", lw=1, ls="--", label="ar")
-    ax.set_xlabel("exit layer l_e")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("speedup over ar (median of per-prompt ratios)")
-    ax.set_title(f"mirror speedup vs exit layer ({len(group['prompts'])} prompts, greedy)")
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     return _save(fig, path)
