@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from mirror_sd.bench.plots import write_plots
 from mirror_sd.bench.report import render
 from mirror_sd.errors import BadInputError
+from mirror_sd.outputs import move_into_place, staging_dir
 
 RESULT_FILE = "bench.json"
 
@@ -27,15 +27,12 @@ def check_out(out: Path) -> None:
 
 def write_outputs(doc: dict[str, Any], out: Path) -> list[Path]:
     check_out(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging = staging_dir(out)
     try:
         (staging / RESULT_FILE).write_text(json.dumps(doc, indent=1, default=_plain) + "\n")
         (staging / "report.md").write_text(render(doc))
         write_plots(doc, staging / "plots")
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from mirror_sd.errors import BadInputError, ExportError
+from mirror_sd.outputs import move_into_place
 
 MARKER = "mirror_sd_ov.json"  # written last: a directory without it is an unfinished conversion
 MODEL_XML = "openvino_model.xml"
@@ -151,8 +152,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "") -
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     (tmp / MARKER).write_text(json.dumps({"source": str(src), "fingerprint": fingerprint}) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    move_into_place(tmp, out)
     return out
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from mirror_sd.errors import BadInputError
+from mirror_sd.outputs import move_into_place
 
 MARKER = "plain_draft.json"  # written last: a directory without it is an unfinished conversion
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -138,8 +139,7 @@ def convert(streaming_dir: str | Path, tokenizer_dir: str | Path, out_dir: str |
         if (Path(tokenizer_dir) / name).is_file():
             shutil.copy(Path(tokenizer_dir) / name, tmp / name)
     (tmp / MARKER).write_text(json.dumps({**asdict(info), "source": str(src)}, indent=1) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    move_into_place(tmp, out)
     return out
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -25,7 +24,7 @@ from mirror_sd.export.architectures import Architecture, architecture_of
 from mirror_sd.export.drafts import Draft, load_draft
 from mirror_sd.export.onnx_export import export_segment, partition_spec
 from mirror_sd.export.segments import LogitLens, Segment
-from mirror_sd.outputs import move_into_place
+from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.partitions.manifest import Manifest, TargetFacts, TokenizerFacts
 
 DEFAULT_TOP_K = 8
@@ -173,11 +172,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     exit_layer, top_k = check_options(opts, target, draft)
     exit_head = _exit_head(opts, target)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the bundle should get ordinary permissions
+    staging = staging_dir(out)
     try:
         manifest = _write_bundle(staging, target, draft, exit_head, exit_layer, top_k, opts.validate, report)
         move_into_place(staging, out)

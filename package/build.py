@@ -21,7 +21,7 @@ import numpy as np
 
 from mirror_sd import __version__
 from mirror_sd.errors import BadInputError, PackageError
-from mirror_sd.outputs import move_into_place
+from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.package.compress import DEFAULT_GROUP_SIZE, compress_weights
 from mirror_sd.package.static_graph import make_static
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
@@ -68,11 +68,7 @@ def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -
     out = Path(opts.out).expanduser()
     _check_out(out, opts.force)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)
+    staging = staging_dir(out)
     try:
         info = _write_package(staging, bundle, manifest, bounds, weights, opts.group_size, device, report)
         if out.suffix == ".tar":
