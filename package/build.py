@@ -24,7 +24,7 @@ from mirror_sd.errors import BadInputError, PackageError
 from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.package.compress import DEFAULT_GROUP_SIZE, compress_weights
 from mirror_sd.package.static_graph import make_static
-from mirror_sd.partitions.manifest import Manifest, resolve_inside
+from mirror_sd.partitions.manifest import PARITY_ATOL, PARITY_RTOL, Manifest, resolve_inside
 from mirror_sd.partitions.package import (
     BRANCH, DECODE, DEVICES, PACKAGE_FILE, PREFILL, DraftGraph, PackageInfo, StaticBounds, normalize_weights,
     sha256_of,
@@ -217,7 +217,7 @@ def _check_static_draft(root: Path, bundle: Path, draft_file: str, graph: DraftG
     agree = float((got.argmax(-1) == want.argmax(-1)).mean())
     if not np.isfinite(got).all():
         raise PackageError("the static draft graph gives non-finite logits")
-    if weights == "fp32" and diff > 1e-4 + 1e-5 * float(np.abs(want).max()):
+    if weights == "fp32" and diff > PARITY_ATOL + PARITY_RTOL * float(np.abs(want).max()):
         raise PackageError(f"the static draft graph differs from the bundle's draft by {diff:.2e} (fp32 weights)")
     report(f"draft check: static {weights} vs bundle fp32 on {n} tokens: max |logit diff| {diff:.2e}, "
            f"argmax agreement {agree:.2f}")
