@@ -68,9 +68,8 @@ class GraphEngine:
         if cache.batch != batch:
             raise ValueError(f"input batch {batch} != cache batch {cache.batch}")
         new_mask = np.ones((batch, new), np.int64) if new_mask is None else new_mask.astype(np.int64)
-        positions = cache.next_positions()[:, None] + np.cumsum(new_mask, axis=1) - 1  # [B,T]
         feed = {self.input_name: np.ascontiguousarray(x), "attention_mask": np.concatenate([cache.mask, new_mask], 1),
-                "position_ids": np.maximum(positions, 0).astype(np.int64), **cache.feed()}
+                "position_ids": cache.positions(new_mask), **cache.feed()}
         out = self.graph.run(feed)
         self.forwards += 1
         return {name: out[name] for name in self.head_outputs}, cache.extended(out, new_mask)

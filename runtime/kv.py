@@ -42,6 +42,11 @@ class KVCache:
         """[B] the position id of each row's next token (its count of real tokens)."""
         return self.mask.sum(axis=1)
 
+    def positions(self, new_mask: np.ndarray) -> np.ndarray:
+        """[B,T] position ids of T new tokens after this cache: each row's count of real tokens continues over the
+        new ones whose new_mask is 1 (a hole repeats its neighbour's position, never below 0)."""
+        return np.maximum(self.next_positions()[:, None] + np.cumsum(new_mask, axis=1) - 1, 0).astype(np.int64)
+
     def feed(self) -> dict[str, np.ndarray]:
         """The past_key_values.* inputs of a graph."""
         feed = {}
@@ -58,6 +63,15 @@ class KVCache:
         if keys and keys[0].shape[2] != mask.shape[1]:
             raise RuntimeError(f"present KV holds {keys[0].shape[2]} slots, the mask {mask.shape[1]}")
         return KVCache(self.layers, keys, values, mask)
+
+    def appended(self, new_outputs: dict[str, np.ndarray], new_mask: np.ndarray) -> KVCache:
+        """The cache after a forward of a graph whose present.* outputs carry only the new tokens' KV (a package's
+        static draft): past + new concatenated here, then as `extended`."""
+        full = {}
+        for i, k, v in zip(self.layers, self.keys, self.values):
+            full[present_key_name(i)] = np.concatenate([k, new_outputs[present_key_name(i)]], axis=2)
+            full[present_value_name(i)] = np.concatenate([v, new_outputs[present_value_name(i)]], axis=2)
+        return self.extended(full, new_mask)
 
     def masked_tail(self, keep: np.ndarray) -> KVCache:
         """The cache with the mask of its last T slots multiplied by keep [B,T]: a 0 turns a fed token into a hole

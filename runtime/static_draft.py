@@ -163,7 +163,7 @@ class StaticDraftEngine:
             if cache.slots + t > self.kv_length:
                 raise PackageError(f"the draft's KV buffer ({self.kv_length} slots) cannot hold {cache.slots} tokens "
                                    f"+ {t} new ones: the package's bounds were exceeded")
-        positions = np.maximum(cache.next_positions()[:, None] + np.cumsum(new_mask, axis=1) - 1, 0)
+        positions = cache.positions(new_mask)
         parts: list[dict[str, np.ndarray]] = []
         for lo in range(0, cache.batch, graph.batch):
             hi = min(lo + graph.batch, cache.batch)
@@ -171,10 +171,7 @@ class StaticDraftEngine:
             parts.append(graph.run(x[lo:hi], new_mask[lo:hi], positions[lo:hi], rows))
             self.forwards += 1
         out = {name: np.concatenate([p[name] for p in parts], axis=0) for name in parts[0]}
-        keys = tuple(np.concatenate([k, out[present_key_name(i)]], axis=2) for i, k in zip(cache.layers, cache.keys))
-        values = tuple(np.concatenate([v, out[present_value_name(i)]], axis=2)
-                       for i, v in zip(cache.layers, cache.values))
-        extended = KVCache(cache.layers, keys, values, np.concatenate([cache.mask, new_mask], axis=1))
+        extended = cache.appended(out, new_mask)
         if len(parts) == 1:  # the buffer now holds exactly `extended`: its next call rewrites only the mask
             graph.held = extended.keys
         else:
