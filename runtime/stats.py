@@ -44,8 +44,9 @@ class Counters:
     draft_tokens: int = 0  # draft tokens those forwards produced (a streaming draft's accepted proposals included)
     target_device: str = ""
     draft_device: str = ""
-    # opt-in per-step timeline (generate(..., trace=True)): (phase, start, end) on the main thread; the draft's
-    # forwards join from draft_intervals at the end. None when off, so the hot loop pays one `is None` test.
+    # opt-in per-step timeline (generate(..., trace=True)): (phase, start, end) on the main thread; the suffixes and
+    # the draft's forwards join from suffix_intervals / draft_intervals at the end. None when off, so the hot loop
+    # pays one `is None` test.
     trace: list[tuple[str, float, float]] | None = None
 
     def mark(self, phase: str, start: float, end: float) -> None:
@@ -82,8 +83,9 @@ class Counters:
         }
 
     def _timeline(self) -> list[tuple[str, float, float]]:
-        """The trace with the draft's forwards, ordered by start, in seconds since the first recorded event."""
-        events = [*self.trace, *(("draft", s, e) for s, e in self.draft_intervals)]
+        """The trace with the suffixes and the draft's forwards, ordered by start, in seconds since the first event."""
+        events = [*self.trace, *(("suffix", s, e) for s, e in self.suffix_intervals),
+                  *(("draft", s, e) for s, e in self.draft_intervals)]
         t0 = min((s for _, s, _ in events), default=0.0)
         return [(phase, s - t0, e - t0) for phase, s, e in sorted(events, key=lambda ev: (ev[1], ev[2]))]
 
