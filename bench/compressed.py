@@ -17,12 +17,29 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from mirror_sd.errors import MirrorSDError
 
 WEIGHT_MODES = ("fp16", "int8", "int4")
 REFERENCE = "fp32"  # the bundle's own draft graph
+PACKAGES = Path("build") / "packages"
+
+
+def package_path(bundle: str | Path, weights: str, root: Path = PACKAGES) -> Path:
+    """Where the `weights` package of `bundle` lives: <root>/<bundle name>-<weights>."""
+    return Path(root) / f"{Path(bundle).name}-{weights}"
+
+
+def ensure_package(bundle: str | Path, weights: str, root: Path = PACKAGES, *, rebuild: bool,
+                   report: Callable[[str], None]) -> Path:
+    """The `weights` package of `bundle`, built when missing (or always, replacing it, with `rebuild`)."""
+    from mirror_sd.package.build import PackageOptions, build_package
+
+    out = package_path(bundle, weights, root)
+    if rebuild or not out.is_dir():
+        build_package(PackageOptions(bundle=Path(bundle), out=out, weights=weights, force=rebuild), report=report)
+    return out
 
 
 def compressed_draft_acceptance(bundle: str | Path, packages: dict[str, Path], prompts: Sequence[Any],
@@ -73,22 +90,16 @@ def default_prompts(n: int) -> list[list[dict[str, str]]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mirror_sd.bench.compressed", description=__doc__.split("\n")[0])
     parser.add_argument("bundle")
-    parser.add_argument("--packages", default="build/packages", help="where the packages are built")
+    parser.add_argument("--packages", default=str(PACKAGES), help="where the packages are built")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--out", default=None, help="JSON file (default: <packages>/compressed_acceptance.json)")
     args = parser.parse_args(argv)
     try:
-        from mirror_sd.package.build import PackageOptions, build_package
-
         bundle, root = Path(args.bundle), Path(args.packages)
-        packages = {}
-        for weights in WEIGHT_MODES:
-            out = root / f"{bundle.name}-{weights}"
-            build_package(PackageOptions(bundle=bundle, out=out, weights=weights, force=True),
-                          report=lambda line: print(line, file=sys.stderr))
-            packages[weights] = out
+        packages = {w: ensure_package(bundle, w, root, rebuild=True, report=lambda line: print(line, file=sys.stderr))
+                    for w in WEIGHT_MODES}
         report = compressed_draft_acceptance(bundle, packages, default_prompts(args.prompts), args.max_new_tokens,
                                              args.gamma)
     except MirrorSDError as e:

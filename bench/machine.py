@@ -22,7 +22,7 @@ def describe_machine(repo: Path | None = None) -> dict[str, Any]:
         "os": platform.platform(),
         "python": platform.python_version(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "versions": {name: _version(name) for name in PACKAGES if _version(name)},
+        "versions": {name: version for name in PACKAGES if (version := _version(name))},
         "git": _git(repo or Path(__file__).resolve().parents[1]),
     }
 

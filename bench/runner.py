@@ -11,7 +11,6 @@ the median. Greedy groups check each method's tokens against ar's on the same pr
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import sys
@@ -126,18 +125,14 @@ class Bench:
         if not self.use_baselines:
             self.not_run.update({m: "baselines switched off" for m in wanted})
             return
-        try:
-            from mirror_sd.bench.baselines import open_baselines
-        except ImportError as e:
-            self.not_run.update({m: f"bench/baselines.py cannot be imported ({e})" for m in wanted})
-            return
-        # the speculative baselines propose as many tokens per step as sd and mirror do, where they take the option
-        extra = {"gamma": gamma} if "gamma" in inspect.signature(open_baselines).parameters else {}
-        # one at a time: a baseline that cannot be opened must not take the others down with it
+        from mirror_sd.bench.baselines import open_baselines
+
+        # one at a time: a baseline that cannot be opened must not take the others down with it. The speculative
+        # baselines propose as many tokens per step as sd and mirror do (gamma).
         for name in wanted:
             self.report(f"opening baseline {name} (the first time converts into build/bench-cache/)")
             try:
-                opened = open_baselines(self.bundle, names=[name], threads=threads, **extra)
+                opened = open_baselines(self.bundle, names=[name], threads=threads, gamma=gamma, sources=self.sources)
             except Exception as e:  # noqa: BLE001 - typed or not, a baseline that cannot open is reported
                 self.not_run[name] = _why(e)
                 continue
@@ -342,22 +337,16 @@ class Bench:
         """The int8/int4 draft acceptance of the NPU packages (bench/compressed.py), where that exists."""
         if self.size.compressed_prompts <= 0:
             return {"not_run": "the size skips it"}
-        try:
-            from mirror_sd.bench.compressed import compressed_draft_acceptance
-        except ImportError as e:
-            return {"not_run": f"bench/compressed.py cannot be imported ({e})"}
-        from mirror_sd.bench.compressed import WEIGHT_MODES
+        from mirror_sd.bench.compressed import WEIGHT_MODES, compressed_draft_acceptance, ensure_package, package_path
 
         # the same packages `python -m mirror_sd.bench.compressed BUNDLE` builds; missing ones are built here
         # (seconds each for this draft) so a fresh machine's report has the int8 / int4 acceptance too
-        found = {w: Path("build") / "packages" / f"{self.bundle.name}-{w}" for w in WEIGHT_MODES}
+        found = {w: package_path(self.bundle, w) for w in WEIGHT_MODES}
         for weights, path in found.items():
             if not path.is_dir():
+                self.report(f"building the {weights} package {path}")
                 try:
-                    from mirror_sd.package.build import PackageOptions, build_package
-
-                    self.report(f"building the {weights} package {path}")
-                    build_package(PackageOptions(bundle=self.bundle, out=path, weights=weights), report=lambda _: None)
+                    ensure_package(self.bundle, weights, rebuild=False, report=lambda _: None)
                 except MirrorSDError as e:
                     self.report(f"{weights} package not built: {e}")
         packages = {w: p for w, p in found.items() if p.is_dir()}

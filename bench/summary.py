@@ -44,25 +44,28 @@ def _figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return figures
 
 
+def _per_prompt_ratios(runs: list[dict[str, Any]], numerator: str, denominator: str) -> list[tuple[str, float]]:
+    """(task kind, tokens/s of numerator over denominator's on the same prompt) for every prompt both ran."""
+    den = {r["prompt"]: r["tokens_per_s"] for r in runs if r["method"] == denominator}
+    return [(r["kind"], r["tokens_per_s"] / den[r["prompt"]]) for r in runs
+            if r["method"] == numerator and den.get(r["prompt"])]
+
+
 def ratios(runs: list[dict[str, Any]], methods: list[str], kinds: list[str], baseline: str = "ar") -> dict[str, Any]:
     """tokens/s of each method over the baseline's on the same prompt, then the median of those ratios
     (overall and per task kind). A prompt the baseline has no run for is left out."""
-    base = {r["prompt"]: r["tokens_per_s"] for r in runs if r["method"] == baseline}
     out: dict[str, Any] = {}
     for method in methods:
-        per_prompt = {r["prompt"]: (r["kind"], r["tokens_per_s"] / base[r["prompt"]])
-                      for r in runs if r["method"] == method and base.get(r["prompt"])}
-        out[method] = {"overall": median(v for _, v in per_prompt.values()),
-                       "per_kind": {k: median(v for kind, v in per_prompt.values() if kind == k) for k in kinds},
+        per_prompt = _per_prompt_ratios(runs, method, baseline)
+        out[method] = {"overall": median(v for _, v in per_prompt),
+                       "per_kind": {k: median(v for kind, v in per_prompt if kind == k) for k in kinds},
                        "prompts": len(per_prompt)}
     return out
 
 
 def pair_ratio(runs: list[dict[str, Any]], numerator: str, denominator: str) -> dict[str, Any]:
     """Median over prompts of tokens/s(numerator) / tokens/s(denominator), on the prompts both ran."""
-    den = {r["prompt"]: r["tokens_per_s"] for r in runs if r["method"] == denominator}
-    values = [r["tokens_per_s"] / den[r["prompt"]] for r in runs
-              if r["method"] == numerator and den.get(r["prompt"])]
+    values = [v for _, v in _per_prompt_ratios(runs, numerator, denominator)]
     return {"median": median(values), "prompts": len(values)}
 
 

@@ -20,9 +20,9 @@ KINDS = ("chat", "code", "multi_turn", "translation", "summarisation", "qa", "ma
 
 
 def _prompts(n_per_kind: int):
-    """Held-out prompts with multi-turn ones given a first assistant turn by the caller (see evaluate)."""
-    prompts = build(len(KINDS) * n_per_kind, seed=0, held_out=True)
-    return [p for p in prompts if p.kind in KINDS]
+    """Held-out prompts, `n_per_kind` of every kind (build cycles through KINDS); multi-turn ones get their first
+    assistant turn from the caller (see evaluate)."""
+    return build(len(KINDS) * n_per_kind, seed=0, held_out=True)
 
 
 def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, report=print) -> dict:
