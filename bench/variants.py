@@ -24,16 +24,20 @@ class Sources:
     target: Path  # HF directory of the target
     draft: Path  # the draft's weights (HF directory or streaming-draft weights)
     adapters: Path  # trained exit adapters as adapters/layer-N
+    more_adapters: tuple[Path, ...] = ()  # single adapter directories (the committed one): their config names the layer
 
     @classmethod
     def real_pair(cls) -> Sources:
-        from mirror_sd.models.smollm2 import DRAFT_WEIGHTS, TARGET_DIR
+        from mirror_sd.models.smollm2 import ADAPTER_LAYERS, ADAPTER_WEIGHTS, DRAFT_WEIGHTS, TARGET_DIR
 
-        return cls(TARGET_DIR, DRAFT_WEIGHTS, Path("build") / "exit-adapters")
+        return cls(TARGET_DIR, DRAFT_WEIGHTS, ADAPTER_LAYERS, (ADAPTER_WEIGHTS,))
 
     def adapter(self, layer: int) -> Path | None:
-        path = self.adapters / f"layer-{layer}"
-        return path if (path / "exit_adapter.json").is_file() else None
+        for path in (self.adapters / f"layer-{layer}", *self.more_adapters):
+            config = path / "exit_adapter.json"
+            if config.is_file() and json.loads(config.read_text()).get("exit_layer") == layer:
+                return path
+        return None
 
     def unusable_for(self, manifest: Manifest) -> str | None:
         """Why these sources cannot re-export the bundle's pair (None: they can)."""

@@ -27,6 +27,7 @@ BUILD = Path("build")
 TARGET_DIR = BUILD / "models" / "smollm2-135m-instruct"
 BUNDLE_DIR = BUILD / "bundles" / "smollm2"
 DATA_FILE = BUILD / "data" / "target_answers.jsonl"
+ADAPTER_LAYERS = BUILD / "exit-adapters"  # RETRAIN=1's adapters per layer (layer-N), for the exit-layer sweeps
 # l_e = N/2, the paper's default: the trained adapter already covers the final token in its top-8 74% of the time
 # there (logit lens: 31%), and the suffix it leaves (15 layers + head) is the overlap budget the draft hides under.
 # Deeper exits cover more (layer 24: 90%) but leave the draft less time (models/weights/.../coverage.json).
@@ -52,12 +53,12 @@ def retrain(prompts: int, draft_minutes: float, report=print) -> None:
 
     datagen.generate(TARGET_DIR, DATA_FILE, prompts)
     train_draft.train(TARGET_DIR, DATA_FILE, DRAFT_WEIGHTS, max_minutes=draft_minutes, steps=2000, report=report)
-    train_exit.train(TARGET_DIR, DATA_FILE, ADAPTER_WEIGHTS.parent / "exit-adapters", [15, 20, EXIT_LAYER],
+    # the exit layer and two deeper ones, as coverage.json reports them; only the exit layer's adapter is committed
+    train_exit.train(TARGET_DIR, DATA_FILE, ADAPTER_LAYERS, sorted({EXIT_LAYER, 20, 24}),
                      conversations=300, rank=512, steps=800, batch=256, minutes_per_layer=5, report=report)
     shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
-    shutil.copytree(ADAPTER_WEIGHTS.parent / "exit-adapters" / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
-    shutil.copy(ADAPTER_WEIGHTS.parent / "exit-adapters" / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
-    shutil.rmtree(ADAPTER_WEIGHTS.parent / "exit-adapters")
+    shutil.copytree(ADAPTER_LAYERS / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
+    shutil.copy(ADAPTER_LAYERS / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
 
 
 def build_bundle(force: bool = False, report=print) -> Path:
