@@ -62,7 +62,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = [{"role": "user", "content": args.prompt}]
     options = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, overlap=not args.no_overlap,
-                   stop=args.stop or (), draft_streaming=not args.no_draft_streaming)
+                   stop=args.stop or (), draft_streaming="off" if args.no_draft_streaming else args.draft_streaming or True)
     # not given: the bundle's plan.json decides, else the built-in defaults
     options.update({name: value for name, value in (("gamma", args.gamma), ("kappa", args.kappa),
                                                     ("branch_budget", args.branch_budget)) if value is not None})
@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-overlap", action="store_true", help="run the draft serially on the main thread")
     g.add_argument("--no-draft-streaming", action="store_true",
                    help="run a streaming draft one token per forward (its stream proposals unused)")
+    g.add_argument("--draft-streaming", choices=("off", "verify", "trust"), default=None,
+                   help="how a streaming draft uses its proposals: trust (default; greedy windows take their last "
+                        "proposals as drafted: fewest forwards), verify (checked by its next forward), off")
     g.add_argument("--target-device", default=None, help="cpu, cuda or an ONNX Runtime provider (default: CUDA, else CPU)")
     g.add_argument("--draft-device", default=None, help="OpenVINO device (default: NPU, else CPU)")
     g.add_argument("--target-threads", type=int, default=None, help="default: the bundle's plan, else 1")

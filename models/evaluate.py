@@ -2,9 +2,9 @@
 
 Greedy, on held-out prompts (models/prompts.py, topics the draft never trained on): mean accepted tokens per target
 step (Spec-Bench: counting the target's own token) for sd and mirror at the given gamma, per task kind; the
-streaming draft's tokens per draft forward and its acceptance with streaming on and off; mirror's branch hit rate,
-overall and on steps where the target rejected a window token. Every run is also checked for token identity with
-`ar`. Writes one JSON file; prints a table.
+streaming draft's tokens per draft forward and its acceptance with streaming on ("trust", the default), "verify"
+and off; mirror's branch hit rate, overall and on steps where the target rejected a window token. Every run is
+also checked for token identity with `ar`. Writes one JSON file; prints a table.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
     from mirror_sd import Pipeline
 
     pipe = Pipeline.load(bundle)
-    runs = {"sd": dict(mode="sd"), "sd_no_streaming": dict(mode="sd", draft_streaming=False),
-            "mirror": dict(mode="mirror")}
+    runs = {"sd": dict(mode="sd"), "sd_verify": dict(mode="sd", draft_streaming="verify"),
+            "sd_no_streaming": dict(mode="sd", draft_streaming=False), "mirror": dict(mode="mirror")}
     rows = []
     for prompt in _prompts(n_per_kind):
         messages = [dict(m) for m in prompt.messages]
@@ -61,8 +61,12 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
         "mean_accepted_tokens_all": statistics.mean(r["sd"]["mean_accepted_tokens"] for r in rows),
         "per_kind_mean_accepted_tokens": {k: median("sd", "mean_accepted_tokens", (k,)) for k in KINDS},
         "draft_tokens_per_forward": statistics.mean(r["sd"]["draft_tokens_per_forward"] for r in rows),
+        "draft_tokens_per_forward_verify": statistics.mean(r["sd_verify"]["draft_tokens_per_forward"] for r in rows),
         "acceptance_streaming_on": statistics.mean(r["sd"]["acceptance_rate"] for r in rows),
+        "acceptance_streaming_verify": statistics.mean(r["sd_verify"]["acceptance_rate"] for r in rows),
         "acceptance_streaming_off": statistics.mean(r["sd_no_streaming"]["acceptance_rate"] for r in rows),
+        "mean_accepted_tokens_chat_code_streaming_off": statistics.mean(
+            r["sd_no_streaming"]["mean_accepted_tokens"] for r in rows if r["kind"] in ("chat", "code", "multi_turn")),
         "mirror_branch_hit_rate": statistics.mean(r["mirror"]["branch_hit_rate"] for r in rows),
         "mirror_rejected_branch_hit_rate": statistics.mean(r["mirror"]["rejected_branch_hit_rate"] for r in rows),
         "median_tokens_per_second": {"ar": statistics.median(r["ar_tokens_per_second"] for r in rows),

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 from mirror_sd.errors import BadInputError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.planner import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
-from mirror_sd.runtime.draft import Drafter
+from mirror_sd.runtime.draft import Drafter, streaming_mode
 from mirror_sd.runtime.engines import GraphEngine, Target, open_engine, open_target
 from mirror_sd.runtime.package import OpenedPackage, is_package, open_package
 from mirror_sd.runtime.sampling import SamplingParams
@@ -152,15 +152,18 @@ class Pipeline:
         """Options: mode ("ar", "sd", "mirror"), max_new_tokens, temperature (0 = greedy), top_p, top_k, seed,
         stop (strings), gamma (window), kappa (candidates per position, <= the bundle's top_k), branch_budget
         (None adapts; gamma, kappa and branch_budget default to the bundle's plan.json, else 4, the bundle's top_k
-        and None), overlap (False runs the same schedule serially), draft_timeout_s, draft_streaming (False runs
-        a streaming draft one token per forward: the same windows in more forwards), trace (True: stats["trace"]
+        and None), overlap (False runs the same schedule serially), draft_timeout_s, draft_streaming ("trust"
+        or True, the default: a streaming draft's greedy windows take their last proposals as drafted - fewest
+        forwards, possibly other draft tokens, the target still verifies all; "verify": proposals are checked by
+        the draft's next forward, the windows one token per forward would give; False or "off": one token per
+        forward), trace (True: stats["trace"]
         lists every phase as (phase, start_s, end_s) since the first one - prefix, suffix, draft, verify, wait)."""
         return GenerationStream(self._run(prompt, **options))
 
     def _run(self, prompt: Prompt, *, mode: str = "mirror", max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), gamma: int = _UNSET,
              kappa: int | None = _UNSET, branch_budget: int | None = _UNSET, overlap: bool = True,
-             draft_timeout_s: float = 10.0, draft_streaming: bool = True, trace: bool = False) -> Iterator[Chunk]:
+             draft_timeout_s: float = 10.0, draft_streaming: bool | str = True, trace: bool = False) -> Iterator[Chunk]:
         plan = self.defaults
         if gamma is _UNSET:
             gamma = plan.gamma if plan else BUILTIN_GAMMA
@@ -250,9 +253,13 @@ class Pipeline:
             _check_int("branch_budget", branch_budget, 0)
         if not isinstance(draft_timeout_s, (int, float)) or not draft_timeout_s > 0:
             raise BadInputError(f"draft_timeout_s must be > 0, got {draft_timeout_s!r}")
+        try:
+            streaming = streaming_mode(draft_streaming)
+        except ValueError as e:
+            raise BadInputError(str(e)) from None
         params = SamplingParams(float(temperature), float(top_p), top_k, seed)
         return DecodeConfig(mode, max_new_tokens, gamma, kappa, branch_budget, params, bool(overlap),
-                            float(draft_timeout_s), bool(draft_streaming), bool(trace))
+                            float(draft_timeout_s), streaming, bool(trace))
 
 
 def _plan_defaults(bundle: str | Path, manifest: Manifest) -> RuntimeDefaults | None:

@@ -55,7 +55,8 @@ class DecodeConfig:
     params: SamplingParams = SamplingParams()
     overlap: bool = True  # False: serve the draft inline on the main thread (same schedule, serial)
     draft_timeout_s: float = 10.0
-    draft_streaming: bool = True  # False: a streaming draft runs one token per forward (same windows, more forwards)
+    draft_streaming: str = "trust"  # runtime/draft.py STREAMING_MODES: "off" (one token per forward: same
+    # windows, more forwards), "verify" (proposals self-checked: same windows), "trust" (greedy: fewer forwards)
     trace: bool = False  # True: stats["trace"] holds every phase's (phase, start, end) - for timelines, off by default
 
 

@@ -4,6 +4,9 @@
 - A window is the same tokens with streaming on or off (only the number of draft forwards changes), for fresh
   rollouts and batched branches, greedy and sampling (same draws).
 - Draft tokens are always ids of draft_vocab.json; sampled windows carry full-vocabulary rows, -inf elsewhere.
+- "trust" (greedy) takes a window's last proposals as drafted: one forward fills a window of up to 1 + streams
+  tokens, its first token is still the main stream's, kept lanes and branch rows continue exactly as a fresh
+  rollout would, sampling ignores it, and the output is still exactly the target's.
 - A deliberately accepting draft (stream heads copying the main stream, an LM that mostly repeats its input)
   produces more than one token per forward, and the stats say so.
 - Sampling with the streaming draft follows the target's distribution (chi-square, as test_runtime_sampling).
@@ -73,8 +76,9 @@ def random_contexts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
 def test_greedy_sd_and_mirror_equal_ar(pipe):
     prompt = PROMPTS[1]
     ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
-    runs = [("sd", g, None, o, s) for g, o, s in itertools.product((1, 3, 6), (True, False), (True, False))]
-    runs += [("mirror", g, k, o, s) for g, k, o, s in itertools.product((1, 3, 6), (1, 8), (True, False), (True, False))]
+    modes = (True, False, "verify")
+    runs = [("sd", g, None, o, s) for g, o, s in itertools.product((1, 3, 6), (True, False), modes)]
+    runs += [("mirror", g, k, o, s) for g, k, o, s in itertools.product((1, 3, 6), (1, 8), (True, False), modes)]
     for mode, gamma, kappa, overlap, streaming in runs:
         out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=gamma, kappa=kappa, overlap=overlap,
                             draft_streaming=streaming)
@@ -86,23 +90,23 @@ def test_greedy_sd_and_mirror_equal_ar(pipe):
 def test_windows_equal_with_streaming_on_and_off(pipe, params):
     """Fresh rollouts (also continuing a kept lane) and branch sets give the same windows either way; sampling
     draws the same numbers, so the tokens and the logits they were drawn from agree too."""
-    forwards = {True: 0, False: 0}
+    forwards = {"verify": 0, False: 0}
     for ctx in random_contexts(8):
         got = {}
-        for streaming in (True, False):
+        for streaming in ("verify", False):
             drafter = Drafter(pipe.draft, params, streaming=streaming)
             drafter.warm(ctx[:-1])
             first = drafter.rollout(ctx, 8)
             second = drafter.rollout(ctx + first.tokens[:3] + (5,), 6)  # continues the lane of the first
             forwards[streaming] += first.forwards + second.forwards
             got[streaming] = (first, second)
-        for on, off in zip(got[True], got[False]):
+        for on, off in zip(got["verify"], got[False]):
             assert on.tokens == off.tokens and on.context_len == off.context_len
             if not params.greedy:
                 np.testing.assert_allclose(on.logits, off.logits, rtol=1e-4, atol=1e-4)
     assert forwards[False] == 8 * (8 + 6)  # one token per forward
     if params.greedy:
-        assert forwards[True] < forwards[False]  # this random draft repeats itself, so its proposals often hold
+        assert forwards["verify"] < forwards[False]  # this random draft repeats itself, so its proposals often hold
 
     rng = np.random.default_rng(1)
     ctx, window = random_contexts(1, seed=2)[0], tuple(int(t) for t in rng.integers(0, 384, size=4))
@@ -110,14 +114,14 @@ def test_windows_equal_with_streaming_on_and_off(pipe, params):
     candidates = ExitCandidates(ctx, window, topk, np.log(np.full((5, 3), 0.3)))
     plan = tuple((r, int(v)) for r in range(5) for v in topk[r] if r == 4 or v != window[r])[:10]
     sets = {}
-    for streaming in (True, False):
+    for streaming in ("verify", False):
         drafter = Drafter(pipe.draft, params, streaming=streaming)
         drafter.warm(ctx)
         sets[streaming] = drafter.branches(candidates, plan, 6)
         for r, v in plan[:4]:  # a branch's window is what a fresh rollout of its context gives
             fresh = Drafter(pipe.draft, params, streaming=streaming).rollout(ctx + window[:r] + (v,), 6)
             assert fresh.tokens == sets[streaming].windows[(r, v)].tokens
-    assert {k: w.tokens for k, w in sets[True].windows.items()} == {k: w.tokens for k, w in sets[False].windows.items()}
+    assert {k: w.tokens for k, w in sets["verify"].windows.items()} == {k: w.tokens for k, w in sets[False].windows.items()}
     assert sets[False].forwards == 6
 
 
@@ -196,7 +200,7 @@ def test_accepted_proposals_give_several_tokens_per_forward(repeating):
 
     tokens_per_forward, rejected = [], 0
     for ctx in random_contexts(12, seed=4):
-        on = Drafter(pipe.draft, SamplingParams(), streaming=True).rollout(ctx, 8)
+        on = Drafter(pipe.draft, SamplingParams(), streaming="verify").rollout(ctx, 8)
         off = Drafter(pipe.draft, SamplingParams(), streaming=False).rollout(ctx, 8)
         assert on.tokens == off.tokens and off.forwards == 8
         # 1 token from the context's forward, then at most 1 + 3 per forward, never past the window: 1 + 4 + 3
@@ -227,3 +231,58 @@ def test_sampling_follows_target_distribution(pipe):
                             overlap=False)
         counts[tuple(out.token_ids[:2])] += 1
     assert_follows(counts, joint)
+
+
+def test_trust_takes_the_last_proposals_as_drafted(pipe):
+    streams = pipe.manifest.draft.streams
+    assert streams == 3
+    for ctx in random_contexts(8, seed=6):
+        verify = Drafter(pipe.draft, SamplingParams(), streaming="verify").rollout(ctx, streams + 1)
+        trust = Drafter(pipe.draft, SamplingParams(), streaming="trust")
+        first = trust.rollout(ctx, streams + 1)
+        # one forward: the main stream's token, then the proposals made with it
+        assert first.forwards == 1 and len(first.tokens) == streams + 1 and first.tokens[0] == verify.tokens[0]
+        # a kept lane (which lacks the trusted tokens) continues as a fresh rollout of the same context does
+        longer = ctx + first.tokens + (7,)
+        continued = trust.rollout(longer, 6)
+        fresh = Drafter(pipe.draft, SamplingParams(), streaming="trust").rollout(longer, 6)
+        assert continued.tokens == fresh.tokens and len(continued.tokens) == 6
+        # a window longer than the proposals: self-checked forwards first, as "verify" makes them
+        assert trust.rollout(ctx, 9).forwards < Drafter(pipe.draft, SamplingParams(), streaming=False).rollout(ctx, 9).forwards
+
+    rng = np.random.default_rng(7)
+    ctx, window = random_contexts(1, seed=8)[0], tuple(int(t) for t in rng.integers(0, 384, size=4))
+    topk = rng.integers(0, 384, size=(5, 3))
+    candidates = ExitCandidates(ctx, window, topk, np.log(np.full((5, 3), 0.3)))
+    plan = tuple((r, int(v)) for r in range(5) for v in topk[r] if r == 4 or v != window[r])[:6]
+    drafter = Drafter(pipe.draft, SamplingParams(), streaming="trust")
+    drafter.warm(ctx)
+    branches = drafter.branches(candidates, plan, 5)
+    for r, v in plan:  # each row fills its window as a fresh trusted rollout of its context does
+        fresh = Drafter(pipe.draft, SamplingParams(), streaming="trust").rollout(ctx + window[:r] + (v,), 5)
+        assert fresh.tokens == branches.windows[(r, v)].tokens
+        # and the lane kept from the batch continues that row correctly
+        follow = ctx + window[:r] + (v,) + fresh.tokens + (3,)
+        assert drafter.rollout(follow, 4).tokens == Drafter(pipe.draft, SamplingParams(), streaming="trust").rollout(follow, 4).tokens
+        drafter.branches(candidates, plan, 5)
+
+    for ctx in random_contexts(3, seed=9):  # sampled windows self-check: trust changes nothing
+        on = Drafter(pipe.draft, SAMPLING, streaming="trust").rollout(ctx, 6)
+        off = Drafter(pipe.draft, SAMPLING, streaming=False).rollout(ctx, 6)
+        assert on.tokens == off.tokens
+
+
+def test_trust_mode_through_the_api_and_cli(pipe, bundle_factory, capsys):
+    from mirror_sd.cli import main
+    from mirror_sd.errors import BadInputError
+
+    verify = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=24, gamma=4, draft_streaming="verify")
+    trust = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=24, gamma=4, draft_streaming="trust")
+    assert trust.token_ids == verify.token_ids
+    assert trust.stats["draft_tokens_per_forward"] > verify.stats["draft_tokens_per_forward"]
+    with pytest.raises(BadInputError, match="trust"):
+        pipe.generate(PROMPTS[0], mode="sd", draft_streaming="always")
+    bundle = str(bundle_factory("llama", streaming=True))
+    assert main(["generate", bundle, "--prompt-ids", "5,17,33", "--mode", "sd", "--max-new-tokens", "8",
+                 "--draft-streaming", "trust", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=8).token_ids
