@@ -149,3 +149,176 @@ def build(n: int, seed: int = 0, held_out: bool = False) -> list[Prompt]:
 
     kinds = ("chat", "code", "translation", "summarisation", "qa", "math", "rag", "multi_turn")
     return [Prompt(kinds[i % len(kinds)], make(kinds[i % len(kinds)])) for i in range(n)]
+
+
+# -- the broad training pool ------------------------------------------------------------------------------------
+# The first draft learned the base pool's 80 topics well (63% next-token agreement on held-out conversations of
+# those topics) and generalised poorly to new ones (27%): what it lacked was breadth, not steps. The broad pool
+# adds several hundred topics, more phrasings and code tasks, weighted toward chat and code (what the acceptance
+# target is measured on). Held-out topics/tasks/prompts (above) and the benchmark's own prompts (bench/prompts.py)
+# stay out of it; tests/test_models.py checks both.
+BROAD_TOPICS = TOPICS + [
+    "the Byzantine Empire", "ancient Greece", "the Vikings", "the Aztecs", "the Inca Empire", "the Ming dynasty",
+    "the Cold War", "World War I", "the American Civil War", "the Magna Carta", "the Berlin Wall", "the Ottoman Empire",
+    "the Black Death", "the Apollo program", "the Hubble Space Telescope", "the International Space Station",
+    "comets", "asteroids", "the Big Bang", "neutron stars", "exoplanets", "the Milky Way", "solar eclipses",
+    "the northern lights", "Jupiter", "Saturn's rings", "Venus", "the speed of sound", "quantum mechanics",
+    "relativity", "atoms", "the periodic table", "chemical reactions", "acids and bases", "friction", "energy",
+    "nuclear power", "wind power", "hydroelectric dams", "geothermal energy", "fossil fuels", "carbon capture",
+    "air pollution", "ocean acidification", "deforestation", "biodiversity", "endangered species", "wetlands",
+    "mangroves", "the ozone layer", "soil erosion", "composting", "organic farming", "irrigation", "beekeeping",
+    "fungi", "mushrooms", "bacteria", "viruses", "the digestive system", "the lungs", "the skeleton", "muscles",
+    "the eye", "hearing", "the sense of smell", "memory", "emotions", "stress", "habits", "motivation",
+    "creativity", "curiosity", "friendship", "empathy", "leadership", "teamwork", "negotiation", "budgeting",
+    "saving for retirement", "credit cards", "taxes", "interest rates", "banks", "insurance", "entrepreneurship",
+    "marketing", "advertising", "customer service", "remote work", "job interviews", "writing a resume",
+    "learning a new language", "studying for exams", "online courses", "libraries", "museums", "newspapers",
+    "podcasts", "photography", "painting", "sculpture", "architecture", "poetry", "novels", "theater", "opera",
+    "ballet", "hip hop", "classical music", "the drums", "film making", "animation", "comic books", "board games",
+    "card games", "football", "basketball", "tennis", "swimming", "running", "yoga", "cycling races", "skiing",
+    "mountaineering", "camping", "fishing", "sailing", "surfing", "scuba diving", "birdwatching", "astronomy as a "
+    "hobby", "knitting", "woodworking", "pottery", "cooking pasta", "spices", "cheese making", "fermentation",
+    "vegetarian diets", "vitamins", "drinking water", "food safety", "restaurants", "street food", "rice", "olive oil",
+    "honey", "tomatoes", "potatoes", "apples", "bananas", "citrus fruits", "wheat", "corn", "cotton", "silk",
+    "wool", "glass", "steel", "plastic", "concrete", "wood", "paper", "rubber", "aluminium", "copper", "gold",
+    "diamonds", "salt", "oil refineries", "shipping containers", "ports", "highways", "traffic lights", "electric cars",
+    "car engines", "helicopters", "rockets", "satellites", "GPS", "radio", "television", "smartphones", "the telephone",
+    "cameras", "3D printing", "drones", "self-driving cars", "artificial intelligence", "neural networks",
+    "programming languages", "Python", "JavaScript", "open source software", "version control", "software testing",
+    "cybersecurity", "passwords", "computer viruses", "web browsers", "search engines", "data privacy", "algorithms",
+    "sorting algorithms", "recursion", "binary numbers", "computer memory", "processors", "quantum computers",
+    "the cloud", "spreadsheets", "statistics", "probability", "geometry", "algebra", "calculus", "prime numbers",
+    "fractions", "percentages", "the number zero", "maps", "time zones", "calendars", "clocks", "languages of the "
+    "world", "writing systems", "the alphabet", "grammar", "sign language", "translation", "philosophy", "ethics",
+    "logic", "the scientific method", "economics", "psychology", "sociology", "anthropology", "archaeology",
+    "human rights", "elections", "the United Nations", "cities", "villages", "public transport", "housing",
+    "parks", "zoos", "national parks", "islands", "rivers", "lakes", "waterfalls", "caves", "canyons", "forests",
+    "grasslands", "the Arctic", "Antarctica", "the Sahara", "the Alps", "the Himalayas", "the Nile", "the Pacific "
+    "Ocean", "Iceland", "Japan's culture", "Italian food", "Indian cuisine", "Mexican history", "Chinese New Year",
+    "festivals", "weddings", "birthdays", "holidays", "tourism", "hotels", "airports", "passports", "lions", "tigers",
+    "whales", "dolphins", "sharks", "turtles", "frogs", "snakes", "owls", "eagles", "parrots", "ants", "butterflies",
+    "spiders", "horses", "cows", "sheep", "cats", "dogs as pets", "rabbits", "hamsters", "goldfish", "bats",
+    "kangaroos", "giraffes", "polar bears", "camels", "trees", "flowers", "cactus plants", "bamboo", "seeds",
+    "weather forecasting", "thunderstorms", "tornadoes", "floods", "droughts", "fog", "wind", "clouds", "snow",
+]
+BROAD_CHAT_TEMPLATES = CHAT_TEMPLATES + [
+    "Tell me about {t}.", "What is {t}?", "How does {t} work?", "Describe {t} in a few sentences.",
+    "What should everyone know about {t}?", "Write a short essay about {t}.", "What are the benefits of {t}?",
+    "What are some fun facts about {t}?", "Explain the basics of {t}.", "Why do people care about {t}?",
+    "Give me five key points about {t}.", "What is the future of {t}?", "How has {t} changed over time?",
+    "Write a short poem about {t}.", "Write a short story that involves {t}.", "Compare {t} and {u}.",
+    "What is the connection between {t} and {u}?", "I'm curious about {t}. Where should I start?",
+    "Explain {t} like I'm five years old.", "What are common questions people ask about {t}?",
+    "Summarize what you know about {t} in three bullet points.", "What would happen without {t}?",
+    "Can you write a blog post introduction about {t}?", "What are the biggest challenges related to {t}?",
+    "How can I learn more about {t}?", "Give me a quiz with three questions about {t}.",
+]
+BROAD_FOLLOW_UPS = FOLLOW_UPS + [
+    "Can you explain it more simply?", "What is the most important point?", "Tell me more.", "Why does it matter?",
+    "Can you make that shorter?", "Can you give me a list instead?", "What do experts disagree about?",
+    "How is that used in everyday life?", "Thanks! Anything else I should know?", "Can you give another example?",
+]
+BROAD_CODE_TASKS = CODE_TASKS + [
+    "returns the n-th prime number", "checks whether a year is a leap year", "converts a decimal number to binary",
+    "converts a binary string to an integer", "counts the words in a sentence", "reverses the order of words in a "
+    "sentence", "removes all whitespace from a string", "finds the intersection of two lists", "finds the union of "
+    "two sets", "returns the most common element of a list", "splits a list into chunks of size n",
+    "computes the power set of a list", "checks whether a list is sorted", "implements bubble sort",
+    "implements insertion sort", "implements merge sort", "implements quicksort", "computes the dot product of "
+    "two vectors", "multiplies two matrices", "computes the mean and standard deviation of a list",
+    "finds all divisors of a number", "checks whether a number is a perfect square", "computes the least common "
+    "multiple of two numbers", "converts a string to title case", "counts the uppercase letters in a string",
+    "replaces every vowel in a string with a star", "checks whether a string contains only digits",
+    "returns the first non-repeating character of a string", "compresses a string using run-length encoding",
+    "decodes a run-length encoded string", "finds the missing number in a list from 1 to n", "returns the sum of "
+    "a list without using sum()", "finds the maximum subarray sum", "checks whether parentheses are balanced",
+    "converts a Roman numeral to an integer", "converts an integer to a Roman numeral", "generates the first n "
+    "rows of Pascal's triangle", "computes the Collatz sequence of a number", "shuffles a list",
+    "picks a random password of a given length", "writes a list of strings to a text file", "reads a JSON file "
+    "into a dictionary", "merges two dictionaries", "inverts a dictionary", "groups words by their first letter",
+    "sorts a dictionary by its values", "counts the characters of a string", "finds the index of an element in a "
+    "list", "removes None values from a list", "zips two lists into a dictionary", "computes compound interest",
+    "converts kilometers to miles", "calculates the area of a circle", "calculates the body mass index",
+    "checks whether a number is even or odd", "prints the multiplication table of a number",
+    "returns the distance between two points", "validates a phone number", "formats a date as YYYY-MM-DD",
+    "computes the number of days between two dates", "implements a stack class", "implements a queue class",
+    "implements a simple linked list", "implements a binary search tree insert", "computes the depth of a tree",
+]
+CODE_QUESTIONS = [
+    "What is the difference between a list and a tuple in Python?", "How do I read a file line by line in Python?",
+    "What does the yield keyword do in Python?", "Explain list comprehensions in Python with an example.",
+    "What is a Python decorator?", "How do I handle exceptions in Python?", "What is a lambda function?",
+    "How do dictionaries work in Python?", "What is the difference between == and is in Python?",
+    "How do I install a package with pip?", "What is a virtual environment in Python?", "Explain recursion with a "
+    "Python example.", "What are *args and **kwargs?", "How do I sort a list of dictionaries by a key?",
+    "What is object-oriented programming?", "Explain the difference between a class and an object.",
+    "How do I write a unit test in Python?", "What is a generator in Python?", "How do I format strings in Python?",
+    "What is the time complexity of binary search?", "What is Big O notation?", "How does a hash table work?",
+    "What is the difference between a process and a thread?", "What does git commit do?", "What is an API?",
+    "Explain what JSON is.", "How do I reverse a list in Python?", "What is a for loop?", "What is a while loop?",
+    "How do I create a class in Python?", "What is inheritance in programming?", "What is a SQL query?",
+]
+BROAD_QUESTIONS = QUESTIONS + [
+    "Who invented the telephone?", "What is the largest desert in the world?", "How many bones are in the human "
+    "body?", "What is the longest river in the world?", "Who was the first person on the Moon?", "What is the "
+    "chemical formula of water?", "How many hours are in a week?", "What is the square root of 144?", "Who wrote "
+    "Hamlet?", "What is the hardest natural substance?", "How far is the Moon from Earth?", "What is the largest "
+    "mammal?", "Who developed the theory of relativity?", "What is the currency of {c}?", "What is the population "
+    "of {c}?", "What is a famous dish from {c}?", "What is the official language of {c}?", "Where is {c}?",
+    "How many sides does a hexagon have?", "What is the main gas in the air we breathe?", "What is the capital "
+    "city of {c} known for?", "Why do leaves change color in autumn?", "How do airplanes stay in the air?",
+    "What causes earthquakes?", "How do vaccines work?", "Why do we need sleep?", "How do plants grow?",
+    "What is the difference between a virus and a bacterium?", "Why is the ocean salty?", "How do magnets work?",
+]
+BROAD_COUNTRIES = COUNTRIES + ["Argentina", "Sweden", "Poland", "Turkey", "Thailand", "Nigeria", "Morocco",
+                               "South Korea", "Indonesia", "New Zealand", "Finland", "Colombia"]
+BROAD_KINDS = ("chat", "code", "multi_turn", "chat", "code", "qa", "multi_turn", "math", "chat", "translation",
+               "summarisation", "rag")
+
+
+def build_broad(n: int, seed: int = 0) -> list[Prompt]:
+    """`n` prompts from the broad pool, cycling through BROAD_KINDS (chat, code and multi-turn weighted up)."""
+    rng = random.Random(seed + 2000)
+    passages = _passages()
+    passages = passages[len(passages) // 5:]  # the first fifth is the held-out prompts' passages
+
+    def chat() -> str:
+        t, u = rng.sample(BROAD_TOPICS, 2)
+        return rng.choice(BROAD_CHAT_TEMPLATES).format(t=t, u=u)
+
+    def make(kind: str) -> Messages:
+        if kind == "chat":
+            return [{"role": "user", "content": chat()}]
+        if kind == "multi_turn":
+            return [{"role": "user", "content": chat()}, {"role": "assistant", "content": ""},
+                    {"role": "user", "content": rng.choice(BROAD_FOLLOW_UPS)}]
+        if kind == "code":
+            if rng.random() < 0.3:
+                return [{"role": "user", "content": rng.choice(CODE_QUESTIONS)}]
+            verb = rng.choice(["Write a Python function that", "Write a short Python program that",
+                               "Show me Python code that", "Write a function in Python that"])
+            return [{"role": "user", "content": f"{verb} {rng.choice(BROAD_CODE_TASKS)}."}]
+        if kind == "qa":
+            return [{"role": "user", "content": rng.choice(BROAD_QUESTIONS).format(c=rng.choice(BROAD_COUNTRIES))}]
+        if kind == "math":
+            return [{"role": "user", "content": _math(rng, held_out=False)}]
+        if kind == "translation":
+            return [{"role": "user", "content": f"Translate to {rng.choice(LANGUAGES)}: {rng.choice(SENTENCES)}"}]
+        if kind == "summarisation":
+            return [{"role": "user", "content": f"Summarize the following text in two sentences.\n\n{rng.choice(passages)}"}]
+        return [{"role": "user", "content": f"Answer the question using the passage.\n\nPassage: "
+                                            f"{rng.choice(passages)}\n\nQuestion: What is this passage about?"}]
+
+    out: list[Prompt] = []
+    # Math prompts without a name or item ("What is 3 times 4 plus 5?") can coincide with held-out ones: skipped.
+    seen = {repr(p.messages) for p in build(800, seed, held_out=True)}
+    for i in range(50 * n):  # repeats are skipped: the pool has fewer code, QA and translation prompts than chat
+        if len(out) == n:
+            break
+        kind = BROAD_KINDS[i % len(BROAD_KINDS)]
+        prompt = Prompt(kind, make(kind))
+        key = repr(prompt.messages)
+        if key not in seen:
+            seen.add(key)
+            out.append(prompt)
+    return out

@@ -104,9 +104,26 @@ def test_datagen_writes_every_prompt_once_and_resumes(tiny_data, pair_factory):
 
 
 def test_prompt_sets_are_disjoint():
+    from mirror_sd.bench.prompts import PROMPTS as BENCH
+    from mirror_sd.models import prompts
+
     train_prompts = {json.dumps(p.messages) for p in build(400)}
     held_out = {json.dumps(p.messages) for p in build(100, held_out=True)}
     assert not train_prompts & held_out
+
+    broad = prompts.build_broad(3000)
+    assert len({json.dumps(p.messages) for p in broad}) == 3000  # no repeats
+    assert {p.kind for p in broad} == set(prompts.BROAD_KINDS)
+    users = {m["content"] for p in broad for m in p.messages if m["role"] == "user"}
+    first_users = {p.messages[0]["content"] for p in broad}  # follow-ups ("Tell me more.") are shared on purpose
+    held_first = {p.messages[0]["content"] for p in build(400, held_out=True)}
+    bench_users = {m["content"] for p in BENCH for m in p.messages if m["role"] == "user"}
+    assert not first_users & held_first and not users & bench_users
+    # no held-out topic or code task is in the pool at all (whole words: "tea" is not "teamwork")
+    assert not set(prompts.HELD_OUT_TOPICS) & set(prompts.BROAD_TOPICS)
+    assert not set(prompts.HELD_OUT_CODE_TASKS) & set(prompts.BROAD_CODE_TASKS)
+    fixed = {q for q in prompts.HELD_OUT_QUESTIONS if "{c}" not in q}  # "{c}" ones differ by their held-out country
+    assert not (set(prompts.HELD_OUT_SENTENCES) | fixed) & set(prompts.SENTENCES + prompts.BROAD_QUESTIONS)
 
 
 def test_draft_training_learns_and_exports(tmp_path, tiny_data, pair_factory):
