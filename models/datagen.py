@@ -14,6 +14,9 @@ from pathlib import Path
 from mirror_sd.models.prompts import Prompt, build, build_broad
 
 
+POOLS = {"base": build, "broad": build_broad, "held-out": lambda n, seed: build(n, seed=seed, held_out=True)}
+
+
 def _load(model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -37,13 +40,13 @@ def _answer(model, tokenizer, conversations: list[list[dict]], max_new_tokens: i
 
 def generate(model_dir: Path, out_file: Path, n: int, batch: int = 32, max_new_tokens: int = 128,
              seed: int = 0, pool: str = "base") -> Path:
-    """Append the target's answers for prompts [done, n) of the training set (`pool`: "base" or "broad",
-    models/prompts.py) to `out_file`."""
+    """Append the target's answers for prompts [done, n) of a prompt pool to `out_file`: "base" or "broad"
+    (training, models/prompts.py) or "held-out" (evaluation only: the draft's agreement on topics it never saw)."""
     import torch
     from tqdm import tqdm
 
     torch.manual_seed(seed)
-    prompts = (build_broad if pool == "broad" else build)(n, seed=seed)
+    prompts = POOLS[pool](n, seed=seed)
     done_ids = {json.loads(line)["index"] for line in out_file.open()} if out_file.exists() else set()
     todo = [i for i in range(n) if i not in done_ids]
     if not todo:
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=1200)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--pool", choices=("base", "broad"), default="base")
+    parser.add_argument("--pool", choices=tuple(POOLS), default="base")
     args = parser.parse_args(argv)
     generate(args.model, args.out, args.n, args.batch, args.max_new_tokens, pool=args.pool)
     return 0

@@ -18,6 +18,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +36,12 @@ class Example:
     weights: np.ndarray  # [T] loss weight of predicting ids[t] (from position t - 1)
 
 
-def conversation_examples(data_file: Path, tokenizer) -> list[Example]:
-    """Each conversation as token ids; weights mark the target's answer tokens (the last assistant turn)."""
+def conversation_examples(data_file: Path | Sequence[Path], tokenizer) -> list[Example]:
+    """Each conversation of one or more data files as token ids; weights mark the target's answer tokens (the
+    last assistant turn)."""
     out = []
-    for record in map(json.loads, data_file.open()):
+    files = [data_file] if isinstance(data_file, (str, Path)) else list(data_file)
+    for record in (json.loads(line) for f in files for line in Path(f).open()):
         messages = record["messages"]
         prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -153,9 +156,12 @@ def evaluate(draft: StreamingDraft, examples: list[Example]) -> dict[str, float]
             **{f"stream{j + 1}_agreement": float(h / max(1, n)) for j, (h, n) in enumerate(zip(stream_hits, stream_total))}}
 
 
-def train(target_dir: Path, data_file: Path, out_dir: Path, *, vocab_size: int = 8192, steps: int = 600,
-          max_minutes: float = 20.0, seq_len: int = 128, batch: int = 16, lr: float = 3e-3, seed: int = 0,
-          config_overrides: dict | None = None, report=print) -> dict:
+def train(target_dir: Path, data_file: Path | Sequence[Path], out_dir: Path, *, vocab_size: int = 8192,
+          steps: int = 600, max_minutes: float = 20.0, seq_len: int = 128, batch: int = 16, lr: float = 3e-3,
+          seed: int = 0, config_overrides: dict | None = None, init_from: Path | None = None,
+          eval_file: Path | None = None, report=print) -> dict:
+    """Distil a streaming draft; `init_from` continues a saved draft (its architecture and vocabulary) instead of
+    starting fresh, `eval_file` (target answers to held-out-topic prompts) adds held_out_topic_* metrics."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -166,18 +172,22 @@ def train(target_dir: Path, data_file: Path, out_dir: Path, *, vocab_size: int =
     rng.shuffle(convs)
     held_out, convs = convs[: max(8, len(convs) // 20)], convs[max(8, len(convs) // 20):]
     code = code_examples(tokenizer, max_tokens=sum(len(e.ids) for e in convs) // 4, seed=seed)
-    special = sorted({tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens})
-    vocab = build_vocab(convs + code, vocab_size, special)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    tc = target.config
-    config = StreamingDraftConfig(target_vocab_size=tc.vocab_size, vocab_ids=vocab,
-                                  rope_theta=tc.rope_parameters["rope_theta"] if getattr(tc, "rope_parameters", None)
-                                  else getattr(tc, "rope_theta", 10000.0),
-                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                  **(config_overrides or {}))
-    draft = StreamingDraft(config)
-    init_from_target(draft, target.get_input_embeddings().weight.detach())
-    del target
+    if init_from is not None:
+        draft = StreamingDraft.load(init_from)
+        vocab = list(draft.config.vocab_ids)
+    else:
+        special = sorted({tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens})
+        vocab = build_vocab(convs + code, vocab_size, special)
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+        tc = target.config
+        config = StreamingDraftConfig(target_vocab_size=tc.vocab_size, vocab_ids=vocab,
+                                      rope_theta=tc.rope_parameters["rope_theta"]
+                                      if getattr(tc, "rope_parameters", None) else getattr(tc, "rope_theta", 10000.0),
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                      **(config_overrides or {}))
+        draft = StreamingDraft(config)
+        init_from_target(draft, target.get_input_embeddings().weight.detach())
+        del target
     answer_tokens = sum(int((e.weights == ANSWER_WEIGHT).sum()) for e in convs)
     covered = sum(int(np.isin(e.ids[e.weights == ANSWER_WEIGHT], vocab).sum()) for e in convs)
     report(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters, vocabulary {len(vocab)} "
@@ -211,19 +221,26 @@ def train(target_dir: Path, data_file: Path, out_dir: Path, *, vocab_size: int =
                 report(f"time budget reached after {step + 1} steps")
                 break
     metrics = evaluate(draft, held_out)
+    if eval_file is not None:
+        topics = evaluate(draft, conversation_examples(eval_file, tokenizer))
+        metrics.update({f"held_out_topic_{k}": v for k, v in topics.items()})
     report("held-out answer tokens: " + ", ".join(f"{k} {v:.1%}" for k, v in metrics.items()))
     draft.eval()
     draft.save(out_dir)
     tokenizer.save_pretrained(out_dir)
     (out_dir / "training.json").write_text(json.dumps({"steps": step + 1, "seed": seed, "metrics": metrics,
-                                                       "conversations": len(convs)}, indent=1) + "\n")
+                                                       "conversations": len(convs),
+                                                       "continued_from": str(init_from) if init_from else None},
+                                                      indent=1) + "\n")
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--data", type=Path, required=True, nargs="+", help="one or more datagen files")
+    parser.add_argument("--init-from", type=Path, default=None, help="continue training this saved draft")
+    parser.add_argument("--eval", type=Path, default=None, help="target answers to held-out-topic prompts")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--max-minutes", type=float, default=20.0)
@@ -232,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     train(args.target, args.data, args.out, vocab_size=args.vocab_size, steps=args.steps,
-          max_minutes=args.max_minutes, seed=args.seed)
+          max_minutes=args.max_minutes, seed=args.seed, init_from=args.init_from, eval_file=args.eval)
     return 0
 
 

@@ -145,6 +145,17 @@ def test_draft_training_learns_and_exports(tmp_path, tiny_data, pair_factory):
     manifest = export_bundle(ExportOptions(str(target), str(draft_dir), tmp_path / "b"), report=_quiet)
     assert manifest.draft.output_vocab_size == len(draft.config.vocab_ids) <= 200
 
+    # continuing a saved draft on more data files keeps its architecture and vocabulary, starts from its weights
+    # (its loss before any step is the saved draft's), and reports agreement on a held-out-topic file too
+    more = tmp_path / "more"
+    metrics = train_draft.train(target, [tiny_data, tiny_data], more, vocab_size=50, steps=5, max_minutes=1,
+                                seq_len=32, batch=8, init_from=draft_dir, eval_file=tiny_data, report=_quiet)
+    continued = StreamingDraft.load(more)
+    assert continued.config == draft.config
+    assert {"next_token_agreement", "held_out_topic_next_token_agreement"} <= set(metrics)
+    with torch.no_grad():
+        assert train_draft.loss_fn(continued, ids, weights)[0] < train_draft.loss_fn(before, ids, weights)[0]
+
 
 def test_exit_adapter_training_improves_coverage(tmp_path, tiny_data, pair_factory):
     target, _ = pair_factory("llama")
