@@ -27,6 +27,8 @@ BUILD = Path("build")
 TARGET_DIR = BUILD / "models" / "smollm2-135m-instruct"
 BUNDLE_DIR = BUILD / "bundles" / "smollm2"
 DATA_FILE = BUILD / "data" / "target_answers.jsonl"
+BROAD_FILE = BUILD / "data" / "target_answers_broad.jsonl"  # the broad pool's answers (models/prompts.py)
+HELD_OUT_FILE = BUILD / "data" / "held_out_answers.jsonl"  # answers to held-out prompts: evaluation only
 ADAPTER_LAYERS = BUILD / "exit-adapters"  # RETRAIN=1's adapters per layer (layer-N), for the exit-layer sweeps
 # l_e = N/2, the paper's default: the trained adapter already covers the final token in its top-8 74% of the time
 # there (logit lens: 31%), and the suffix it leaves (15 layers + head) is the overlap budget the draft hides under.
@@ -48,11 +50,17 @@ def ensure_target(report=print) -> Path:
     return TARGET_DIR
 
 
-def retrain(prompts: int, draft_minutes: float, report=print) -> None:
+def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:
     from mirror_sd.models import datagen, train_draft, train_exit
 
     datagen.generate(TARGET_DIR, DATA_FILE, prompts)
+    datagen.generate(TARGET_DIR, BROAD_FILE, broad_prompts, batch=64, pool="broad")
+    datagen.generate(TARGET_DIR, HELD_OUT_FILE, 64, pool="held-out")
+    # Two stages, as the committed draft was made: the base pool first, then both pools continuing from it
+    # (the broad pool came later, when agreement on unseen topics showed the first draft lacked breadth).
     train_draft.train(TARGET_DIR, DATA_FILE, DRAFT_WEIGHTS, max_minutes=draft_minutes, steps=2000, report=report)
+    train_draft.train(TARGET_DIR, [DATA_FILE, BROAD_FILE], DRAFT_WEIGHTS, max_minutes=broad_minutes, steps=3000,
+                      init_from=DRAFT_WEIGHTS, eval_file=HELD_OUT_FILE, report=report)
     # the exit layer and two deeper ones, as coverage.json reports them; only the exit layer's adapter is committed
     train_exit.train(TARGET_DIR, DATA_FILE, ADAPTER_LAYERS, sorted({EXIT_LAYER, 20, 24}),
                      conversations=300, rank=512, steps=800, batch=256, minutes_per_layer=5, report=report)
@@ -94,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrain", action="store_true", help="train the draft and the exit adapter again")
     parser.add_argument("--prompts", type=int, default=2400, help="training prompts the target answers (retrain)")
-    parser.add_argument("--draft-minutes", type=float, default=25.0, help="draft training time budget (retrain)")
+    parser.add_argument("--broad-prompts", type=int, default=3000, help="broad-pool prompts answered (retrain)")
+    parser.add_argument("--draft-minutes", type=float, default=25.0, help="draft training time, base pool (retrain)")
+    parser.add_argument("--broad-minutes", type=float, default=40.0, help="draft training time, both pools (retrain)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ensure_target()
         if args.retrain or not (DRAFT_WEIGHTS.is_dir() and ADAPTER_WEIGHTS.is_dir()):
-            retrain(args.prompts, args.draft_minutes)
+            retrain(args.prompts, args.broad_prompts, args.draft_minutes, args.broad_minutes)
         build_bundle(force=args.retrain)
     except MirrorSDError as e:
         print(f"mirror-sd models: error: {e}", file=sys.stderr)
