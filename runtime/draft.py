@@ -62,6 +62,8 @@ def streaming_mode(value: bool | str) -> str:
     if value not in STREAMING_MODES:
         raise ValueError(f"draft streaming must be one of {', '.join(STREAMING_MODES)}, not {value!r}")
     return value
+
+
 _NONE = np.zeros(0, np.int64)
 
 
@@ -320,7 +322,8 @@ class Drafter:
         if not rows.complete:
             return BranchSet.of({}, rows.forwards, complete=False)
         windows = {key: self._window(bases[b].size, rows, b) for b, key in enumerate(plan)}
-        held = tuple(np.concatenate([bases[b], rows.tokens[b][:rows.cached[b]]]).astype(np.int64) for b in range(len(plan)))
+        held = tuple(np.concatenate([bases[b], rows.tokens[b][:rows.cached[b]]]).astype(np.int64)
+                     for b in range(len(plan)))
         # Keep the lane the batch started from (a miss continues it) and the batch (a hit continues its row).
         self.lanes = [*([base_lane] if base_lane else []), _Lane(rows.cache, held)]
         return BranchSet.of(windows, rows.forwards)
