@@ -60,7 +60,7 @@ def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minute
     # (the broad pool came later, when agreement on unseen topics showed the first draft lacked breadth).
     train_draft.train(TARGET_DIR, DATA_FILE, DRAFT_WEIGHTS, max_minutes=draft_minutes, steps=2000, report=report)
     train_draft.train(TARGET_DIR, [DATA_FILE, BROAD_FILE], DRAFT_WEIGHTS, max_minutes=broad_minutes, steps=3000,
-                      init_from=DRAFT_WEIGHTS, eval_file=HELD_OUT_FILE, report=report)
+                      init_from=DRAFT_WEIGHTS, eval_file=HELD_OUT_FILE, lr=1.5e-3, report=report)
     # the exit layer and two deeper ones, as coverage.json reports them; only the exit layer's adapter is committed
     train_exit.train(TARGET_DIR, DATA_FILE, ADAPTER_LAYERS, sorted({EXIT_LAYER, 20, 24}),
                      conversations=300, rank=512, steps=800, batch=256, minutes_per_layer=5, report=report)
