@@ -60,9 +60,10 @@ def _generate(args: argparse.Namespace) -> int:
     if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
         prompt = [{"role": "user", "content": args.prompt}]
+    streaming = "off" if args.no_draft_streaming else args.draft_streaming or True  # True: the runtime's default
     options = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, overlap=not args.no_overlap,
-                   stop=args.stop or (), draft_streaming="off" if args.no_draft_streaming else args.draft_streaming or True)
+                   stop=args.stop or (), draft_streaming=streaming)
     # not given: the bundle's plan.json decides, else the built-in defaults
     options.update({name: value for name, value in (("gamma", args.gamma), ("kappa", args.kappa),
                                                     ("branch_budget", args.branch_budget)) if value is not None})

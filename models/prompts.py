@@ -305,7 +305,8 @@ def build_broad(n: int, seed: int = 0) -> list[Prompt]:
         if kind == "translation":
             return [{"role": "user", "content": f"Translate to {rng.choice(LANGUAGES)}: {rng.choice(SENTENCES)}"}]
         if kind == "summarisation":
-            return [{"role": "user", "content": f"Summarize the following text in two sentences.\n\n{rng.choice(passages)}"}]
+            return [{"role": "user",
+                     "content": f"Summarize the following text in two sentences.\n\n{rng.choice(passages)}"}]
         return [{"role": "user", "content": f"Answer the question using the passage.\n\nPassage: "
                                             f"{rng.choice(passages)}\n\nQuestion: What is this passage about?"}]
 
