@@ -33,13 +33,31 @@ def package_path(bundle: str | Path, weights: str, root: Path = PACKAGES) -> Pat
 
 def ensure_package(bundle: str | Path, weights: str, root: Path = PACKAGES, *, rebuild: bool,
                    report: Callable[[str], None]) -> Path:
-    """The `weights` package of `bundle`, built when missing (or always, replacing it, with `rebuild`)."""
+    """The `weights` package of `bundle`, built when missing or stale (made from another draft than the bundle's
+    now has), or always, replacing it, with `rebuild`."""
     from mirror_sd.package.build import PackageOptions, build_package
 
     out = package_path(bundle, weights, root)
-    if rebuild or not out.is_dir():
-        build_package(PackageOptions(bundle=Path(bundle), out=out, weights=weights, force=rebuild), report=report)
+    stale = out.is_dir() and not _made_from(out, Path(bundle))
+    if rebuild or stale or not out.is_dir():
+        if stale:
+            report(f"{out} was made from another draft than {bundle} has now: rebuilding it")
+        build_package(PackageOptions(bundle=Path(bundle), out=out, weights=weights, force=rebuild or stale),
+                      report=report)
     return out
+
+
+def _made_from(package: Path, bundle: Path) -> bool:
+    """Whether `package` records the sha256 of the draft graph `bundle` has now (an unreadable package: no)."""
+    from mirror_sd.errors import MirrorSDError
+    from mirror_sd.partitions import Manifest
+    from mirror_sd.partitions.package import PackageInfo, sha256_of
+
+    try:
+        info = PackageInfo.load(package)
+        return info.source_draft_sha256 == sha256_of(bundle / Manifest.load(bundle).partition("draft").file)
+    except (MirrorSDError, OSError):
+        return False
 
 
 def compressed_draft_acceptance(bundle: str | Path, packages: dict[str, Path], prompts: Sequence[Any],

@@ -163,7 +163,7 @@ def _write_package(root: Path, bundle: Path, manifest: Manifest, bounds: StaticB
     devices = (device,) if device == "CPU" else (device, "CPU")
     info = PackageInfo(bounds=bounds, weights=weights, group_size=group_size if weights == "int4_sym" else 0,
                        devices=devices, draft_graphs=graphs, files=files, producer=f"mirror-sd {__version__}",
-                       source_bundle=manifest.producer)
+                       source_bundle=manifest.producer, source_draft_sha256=sha256_of(bundle / draft_spec.file))
     info.validate()
     info.save(root)
     PackageInfo.load(root)  # what a reader will see: every checksum again

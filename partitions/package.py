@@ -77,11 +77,15 @@ class PackageInfo:
     files: dict[str, str]  # relative path -> sha256, every file but package.json
     producer: str = ""
     source_bundle: str = ""  # the bundle's producer line, for the record
+    # sha256 of the bundle's draft graph the static draft was made from: tells a cached package from a stale one
+    # (empty in packages made before it was recorded)
+    source_draft_sha256: str = ""
     format_version: int = PACKAGE_FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": PACKAGE_KIND, "format_version": self.format_version, "producer": self.producer,
-                "source_bundle": self.source_bundle, "bounds": {**asdict(self.bounds),
+                "source_bundle": self.source_bundle, "source_draft_sha256": self.source_draft_sha256,
+                "bounds": {**asdict(self.bounds),
                                                                 "kv_length": self.bounds.kv_length},
                 "weights": self.weights, "group_size": self.group_size, "devices": list(self.devices),
                 "draft_graphs": {k: asdict(g) for k, g in self.draft_graphs.items()}, "files": dict(self.files)}
@@ -101,7 +105,7 @@ class PackageInfo:
             info = cls(bounds=bounds, weights=d["weights"], group_size=int(d["group_size"]),
                        devices=tuple(d["devices"]), draft_graphs=graphs, files=dict(d["files"]),
                        producer=str(d.get("producer", "")), source_bundle=str(d.get("source_bundle", "")),
-                       format_version=version)
+                       source_draft_sha256=str(d.get("source_draft_sha256", "")), format_version=version)
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PackageError(f"{PACKAGE_FILE} is malformed: {type(e).__name__}: {e}") from None
         info.validate()

@@ -263,3 +263,27 @@ def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
         assert done.stderr.startswith("mirror-sd: error:") and message in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_benchmark_package_cache_rebuilds_a_stale_package(bundle_factory, tmp_path):
+    """bench/compressed.ensure_package reuses a package made from the bundle's current draft and rebuilds one made
+    from another draft (package.json records the draft graph's sha256)."""
+    from mirror_sd.bench.compressed import ensure_package
+    from mirror_sd.partitions import Manifest
+    from mirror_sd.partitions.package import PACKAGE_FILE, PackageInfo, sha256_of
+
+    bundle = bundle_factory("llama", streaming=True)
+    said: list[str] = []
+    out = ensure_package(bundle, "fp16", tmp_path, rebuild=False, report=said.append)
+    draft_sha = sha256_of(bundle / Manifest.load(bundle).partition("draft").file)
+    assert PackageInfo.load(out).source_draft_sha256 == draft_sha
+    built = (out / PACKAGE_FILE).stat().st_mtime_ns
+    assert ensure_package(bundle, "fp16", tmp_path, rebuild=False, report=said.append) == out
+    assert (out / PACKAGE_FILE).stat().st_mtime_ns == built and not any("rebuilding" in s for s in said)
+
+    record = json.loads((out / PACKAGE_FILE).read_text())
+    record["source_draft_sha256"] = "0" * 64  # as if made from an earlier draft
+    (out / PACKAGE_FILE).write_text(json.dumps(record))
+    ensure_package(bundle, "fp16", tmp_path, rebuild=False, report=said.append)
+    assert any("rebuilding" in s for s in said)
+    assert PackageInfo.load(out).source_draft_sha256 == draft_sha
