@@ -85,8 +85,7 @@ class PackageInfo:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": PACKAGE_KIND, "format_version": self.format_version, "producer": self.producer,
                 "source_bundle": self.source_bundle, "source_draft_sha256": self.source_draft_sha256,
-                "bounds": {**asdict(self.bounds),
-                                                                "kv_length": self.bounds.kv_length},
+                "bounds": {**asdict(self.bounds), "kv_length": self.bounds.kv_length},
                 "weights": self.weights, "group_size": self.group_size, "devices": list(self.devices),
                 "draft_graphs": {k: asdict(g) for k, g in self.draft_graphs.items()}, "files": dict(self.files)}
 
