@@ -49,26 +49,31 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
         report(f"{prompt.kind:<14} sd {row['sd']['mean_accepted_tokens']:.2f} tok/step, mirror hits "
                f"{row['mirror']['branch_hit_rate']:.0%}, draft {row['sd']['draft_tokens_per_forward']:.2f} tok/fwd")
 
-    def median(name: str, key: str, kinds=KINDS) -> float:
-        values = [r[name][key] for r in rows if r["kind"] in kinds]
-        return statistics.median(values) if values else 0.0
+    def values(name: str, key: str, kinds) -> list[float]:
+        return [r[name][key] for r in rows if r["kind"] in kinds]
 
+    def median(name: str, key: str, kinds=KINDS) -> float:
+        found = values(name, key, kinds)
+        return statistics.median(found) if found else 0.0
+
+    def mean(name: str, key: str, kinds=KINDS) -> float:
+        return statistics.mean(values(name, key, kinds))
+
+    chat_code = ("chat", "code", "multi_turn")
     summary = {
         "gamma": gamma, "prompts": len(rows), "max_new_tokens": max_new_tokens,
         "all_identical_to_ar": all(r[n]["identical_to_ar"] for r in rows for n in runs),
-        "mean_accepted_tokens_chat_code": statistics.mean(
-            r["sd"]["mean_accepted_tokens"] for r in rows if r["kind"] in ("chat", "code", "multi_turn")),
-        "mean_accepted_tokens_all": statistics.mean(r["sd"]["mean_accepted_tokens"] for r in rows),
+        "mean_accepted_tokens_chat_code": mean("sd", "mean_accepted_tokens", chat_code),
+        "mean_accepted_tokens_all": mean("sd", "mean_accepted_tokens"),
         "per_kind_mean_accepted_tokens": {k: median("sd", "mean_accepted_tokens", (k,)) for k in KINDS},
-        "draft_tokens_per_forward": statistics.mean(r["sd"]["draft_tokens_per_forward"] for r in rows),
-        "draft_tokens_per_forward_verify": statistics.mean(r["sd_verify"]["draft_tokens_per_forward"] for r in rows),
-        "acceptance_streaming_on": statistics.mean(r["sd"]["acceptance_rate"] for r in rows),
-        "acceptance_streaming_verify": statistics.mean(r["sd_verify"]["acceptance_rate"] for r in rows),
-        "acceptance_streaming_off": statistics.mean(r["sd_no_streaming"]["acceptance_rate"] for r in rows),
-        "mean_accepted_tokens_chat_code_streaming_off": statistics.mean(
-            r["sd_no_streaming"]["mean_accepted_tokens"] for r in rows if r["kind"] in ("chat", "code", "multi_turn")),
-        "mirror_branch_hit_rate": statistics.mean(r["mirror"]["branch_hit_rate"] for r in rows),
-        "mirror_rejected_branch_hit_rate": statistics.mean(r["mirror"]["rejected_branch_hit_rate"] for r in rows),
+        "draft_tokens_per_forward": mean("sd", "draft_tokens_per_forward"),
+        "draft_tokens_per_forward_verify": mean("sd_verify", "draft_tokens_per_forward"),
+        "acceptance_streaming_on": mean("sd", "acceptance_rate"),
+        "acceptance_streaming_verify": mean("sd_verify", "acceptance_rate"),
+        "acceptance_streaming_off": mean("sd_no_streaming", "acceptance_rate"),
+        "mean_accepted_tokens_chat_code_streaming_off": mean("sd_no_streaming", "mean_accepted_tokens", chat_code),
+        "mirror_branch_hit_rate": mean("mirror", "branch_hit_rate"),
+        "mirror_rejected_branch_hit_rate": mean("mirror", "rejected_branch_hit_rate"),
         "median_tokens_per_second": {"ar": statistics.median(r["ar_tokens_per_second"] for r in rows),
                                      **{n: median(n, "tokens_per_second") for n in runs}},
         "mirror_draft_hidden_fraction": median("mirror", "draft_hidden_fraction"),
