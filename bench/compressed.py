@@ -48,14 +48,14 @@ def ensure_package(bundle: str | Path, weights: str, root: Path = PACKAGES, *, r
 
 
 def _made_from(package: Path, bundle: Path) -> bool:
-    """Whether `package` records the sha256 of the draft graph `bundle` has now (an unreadable package: no)."""
+    """Whether `package` records the digest of the draft graph `bundle` has now (an unreadable package: no)."""
     from mirror_sd.errors import MirrorSDError
     from mirror_sd.partitions import Manifest
-    from mirror_sd.partitions.package import PackageInfo, sha256_of
+    from mirror_sd.partitions.package import PackageInfo, graph_sha256
 
     try:
-        info = PackageInfo.load(package)
-        return info.source_draft_sha256 == sha256_of(bundle / Manifest.load(bundle).partition("draft").file)
+        draft = Manifest.load(bundle).partition("draft")
+        return PackageInfo.load(package).source_draft_sha256 == graph_sha256(bundle, (draft.file, *draft.data_files))
     except (MirrorSDError, OSError):
         return False
 

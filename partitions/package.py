@@ -77,8 +77,8 @@ class PackageInfo:
     files: dict[str, str]  # relative path -> sha256, every file but package.json
     producer: str = ""
     source_bundle: str = ""  # the bundle's producer line, for the record
-    # sha256 of the bundle's draft graph the static draft was made from: tells a cached package from a stale one
-    # (empty in packages made before it was recorded)
+    # graph_sha256 of the bundle's draft graph the static draft was made from: tells a cached package from a stale
+    # one (empty in packages made before it was recorded)
     source_draft_sha256: str = ""
     format_version: int = PACKAGE_FORMAT_VERSION
 
@@ -165,6 +165,15 @@ def sha256_of(path: Path) -> str:
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
+    return h.hexdigest()
+
+
+def graph_sha256(root: Path, files: tuple[str, ...]) -> str:
+    """One digest of a graph's files (its .onnx and any external-data files, where a large graph's weights live,
+    so a retrained draft changes it even when its .onnx does not)."""
+    h = hashlib.sha256()
+    for name in files:
+        h.update(f"{name} {sha256_of(Path(root) / name)}\n".encode())
     return h.hexdigest()
 
 

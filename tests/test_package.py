@@ -267,15 +267,25 @@ def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
 
 def test_benchmark_package_cache_rebuilds_a_stale_package(bundle_factory, tmp_path):
     """bench/compressed.ensure_package reuses a package made from the bundle's current draft and rebuilds one made
-    from another draft (package.json records the draft graph's sha256)."""
+    from another draft (package.json records a digest of the draft graph's files, external data included)."""
     from mirror_sd.bench.compressed import ensure_package
     from mirror_sd.partitions import Manifest
-    from mirror_sd.partitions.package import PACKAGE_FILE, PackageInfo, sha256_of
+    from mirror_sd.partitions.package import PACKAGE_FILE, PackageInfo, graph_sha256
 
     bundle = bundle_factory("llama", streaming=True)
     said: list[str] = []
     out = ensure_package(bundle, "fp16", tmp_path, rebuild=False, report=said.append)
-    draft_sha = sha256_of(bundle / Manifest.load(bundle).partition("draft").file)
+    draft = Manifest.load(bundle).partition("draft")
+    draft_sha = graph_sha256(bundle, (draft.file, *draft.data_files))
+    # the digest covers every file of a graph: new weights in an external-data file change it
+    graph = tmp_path / "graph"
+    graph.mkdir()
+    (graph / "g.onnx").write_bytes(b"graph")
+    (graph / "g.onnx.data").write_bytes(b"weights 1")
+    before = graph_sha256(graph, ("g.onnx", "g.onnx.data"))
+    (graph / "g.onnx.data").write_bytes(b"weights 2")
+    assert graph_sha256(graph, ("g.onnx", "g.onnx.data")) != before
+    assert graph_sha256(graph, ("g.onnx",)) != before  # the data file is part of it
     assert PackageInfo.load(out).source_draft_sha256 == draft_sha
     built = (out / PACKAGE_FILE).stat().st_mtime_ns
     assert ensure_package(bundle, "fp16", tmp_path, rebuild=False, report=said.append) == out
