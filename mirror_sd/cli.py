@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-overlap", action="store_true", help="run the draft serially on the main thread")
     g.add_argument("--no-draft-streaming", action="store_true",
                    help="run a streaming draft one token per forward (its stream proposals unused)")
-    g.add_argument("--draft-streaming", choices=("off", "verify", "trust"), default=None,
+    g.add_argument("--draft-streaming", default=None,
                    help="how a streaming draft uses its proposals: trust (default; greedy windows take their last "
                         "proposals as drafted: fewest forwards), verify (checked by its next forward), off")
     g.add_argument("--target-device", default=None, help="cpu, cuda or an ONNX Runtime provider (default: CUDA, else CPU)")

@@ -287,3 +287,6 @@ def test_trust_mode_through_the_api_and_cli(pipe, bundle_factory, capsys):
     assert main(["generate", bundle, "--prompt-ids", "5,17,33", "--mode", "sd", "--max-new-tokens", "8",
                  "--draft-streaming", "trust", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=8).token_ids
+    # an unknown mode: the runtime's one list of modes answers, exit 2, one line
+    assert main(["generate", bundle, "--prompt-ids", "5,17,33", "--draft-streaming", "always"]) == 2
+    assert "off, verify, trust" in capsys.readouterr().err
