@@ -22,8 +22,9 @@ from mirror_sd.errors import BadInputError, ExportError
 from mirror_sd.export import parity
 from mirror_sd.export.architectures import Architecture, architecture_of
 from mirror_sd.export.drafts import Draft, load_draft
-from mirror_sd.export.onnx_export import export_segment, partition_spec
-from mirror_sd.export.segments import LogitLens, Segment
+from mirror_sd.export.onnx_export import draft_spec, exit_spec, export_segment
+from mirror_sd.export.segments import ExitTopK, LogitLens
+from mirror_sd.export.target_graphs import write_target_graph
 from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.partitions.manifest import Manifest, TargetFacts, TokenizerFacts
 
@@ -187,22 +188,23 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_head: to
                   top_k: int, validate: bool, report: Callable[[str], None]) -> Manifest:
     t_model = target.model
     t_facts = TargetFacts(**target.arch.facts(), exit_layer=exit_layer, top_k=top_k, exit_head=exit_head.kind)
+    # Rotary positions come from a formula, not a table: the draft reads any position the target does. (How well it
+    # drafts far past the lengths it was trained on is its acceptance, never the output.)
     d_facts = draft.facts()
+    d_facts = replace(d_facts, max_position_embeddings=max(d_facts.max_position_embeddings,
+                                                           t_facts.max_position_embeddings))
     n = t_facts.num_layers
 
-    segments = {
-        "target_prefix": Segment(t_model, target.arch, 0, exit_layer, embed=True, head="exit", exit_head=exit_head,
-                                 top_k=top_k),
-        "target_suffix": Segment(t_model, target.arch, exit_layer, n, embed=False, head="final"),
-        "draft": draft.segment(),
-    }
     specs = []
-    for role, segment in segments.items():
-        facts = d_facts if role == "draft" else t_facts
-        spec = partition_spec(role, segment, facts, f"{role}.onnx", top_k=top_k,
-                              exit_head=exit_head.kind if role == "target_prefix" else None)
-        report(f"exporting {role}: layers [{segment.start}, {segment.end}) -> {spec.file}")
-        specs.append(export_segment(segment, spec, facts, bundle))
+    for role, (start, end) in (("target_prefix", (0, exit_layer)), ("target_suffix", (exit_layer, n))):
+        report(f"exporting {role}: layers [{start}, {end}) -> {role}.onnx")
+        specs.append(write_target_graph(t_model, target.arch, t_facts, role, start, end, bundle))
+    report(f"exporting target_exit: {exit_head.kind} top-{top_k} at layer {exit_layer} -> target_exit.onnx")
+    specs.append(export_segment(ExitTopK(exit_head, top_k), exit_spec(t_facts, "target_exit.onnx", top_k, exit_head.kind),
+                                t_facts, bundle))
+    segment = draft.segment()
+    report(f"exporting draft: layers [{segment.start}, {segment.end}) -> draft.onnx")
+    specs.append(export_segment(segment, draft_spec(segment, d_facts, "draft.onnx"), d_facts, bundle))
     draft.write_files(bundle)
 
     tokenizer = _tokenizer_facts(target.source, t_model, bundle, draft.source)

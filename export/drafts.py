@@ -20,7 +20,7 @@ from torch import nn
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.export.architectures import Architecture, architecture_of
-from mirror_sd.export.segments import Segment
+from mirror_sd.export.segments import SplitSegment
 from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE, LOGITS, STREAM_IDS, DraftFacts
 
 __all__ = ["Draft", "HFDraft", "StreamingDraftSource", "load_draft"]
@@ -34,8 +34,9 @@ class Draft:
         raise NotImplementedError
 
     def segment(self) -> nn.Module:
-        """Export-ready: forward(input_ids, attention_mask, position_ids, *past) -> (logits, [stream_ids,] *present);
-        has `start` and `end` (its layer range)."""
+        """Export-ready with the split-past interface (export/segments.py SplitSegment): forward(input_ids,
+        position_ids, shared_mask, attention_mask, *past) -> (logits, [stream_ids,] *new KV); has `start` and
+        `end` (its layer range)."""
         raise NotImplementedError
 
     def reference(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -57,7 +58,7 @@ class HFDraft(Draft):
         return DraftFacts(**self.arch.facts(), tokens_per_forward=1)
 
     def segment(self) -> nn.Module:
-        return Segment(self.model, self.arch, 0, self.arch.num_layers, embed=True, head="final")
+        return SplitSegment(self.model, self.arch, 0, self.arch.num_layers, embed=True, head="final")
 
     def reference(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         return {LOGITS: self.model(ids).logits}
@@ -67,11 +68,11 @@ class _StreamingSegment(nn.Module):
     def __init__(self, draft, arch: Architecture) -> None:
         super().__init__()
         self.draft = draft
-        self.body = Segment(draft.lm, arch, 0, arch.num_layers, embed=True, head=None)
+        self.body = SplitSegment(draft.lm, arch, 0, arch.num_layers, embed=True, head=None)
         self.start, self.end = 0, arch.num_layers
 
-    def forward(self, input_ids, attention_mask, position_ids, *past):
-        hidden, *present = self.body(self.draft.id_map[input_ids], attention_mask, position_ids, *past)
+    def forward(self, input_ids, position_ids, shared_mask, attention_mask, *past):
+        hidden, *present = self.body(self.draft.id_map[input_ids], position_ids, shared_mask, attention_mask, *past)
         logits = self.draft.draft_logits(hidden)  # [B,T,Vd]
         streams = self.draft.stream_logits(hidden, logits.argmax(-1))
         stream_ids = self.draft.vocab_ids[torch.stack([s.argmax(-1) for s in streams], -1)]  # [B,T,S] target ids

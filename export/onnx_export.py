@@ -1,8 +1,10 @@
-"""Export one Segment to ONNX and describe it as a PartitionSpec.
+"""Export the draft (a SplitSegment) and the early-exit head (ExitTopK) to ONNX and describe them as PartitionSpecs.
+The target's prefix and suffix are written node by node instead (export/target_graphs.py).
 
 We use the TorchScript exporter (dynamo=False): on this project's models it takes about a second per graph against
-10-40 s for the dynamo exporter, both runtimes fuse its ~1,200 nodes anyway, and parity is checked after export.
-Sample inputs are B=2, T=3, P=5: tracing with T=1 bakes a grouped-query shortcut into the graph that fails at T>1.
+10-40 s for the dynamo exporter, both runtimes fuse its nodes anyway, and parity is checked after export. Sample
+inputs are B=2, T=3, an own past of 5 and a shared past of 4: tracing with T=1 bakes a grouped-query shortcut into
+the graph that fails at T>1.
 """
 
 from __future__ import annotations
@@ -17,50 +19,55 @@ import torch
 
 from mirror_sd.errors import ExportError
 from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, LOGITS, STREAM_IDS, ModelFacts
-from mirror_sd.partitions.spec import BATCH, SEQUENCE, TOTAL, PartitionSpec, Role, TensorSpec, kv_specs
+from mirror_sd.partitions.spec import (
+    BATCH, SEQUENCE, SHARED, TOTAL, PartitionSpec, TensorSpec, kv_specs,
+)
 
 OPSET = 17
-TRACE_BATCH, TRACE_PAST, TRACE_NEW = 2, 5, 3
+TRACE_BATCH, TRACE_SHARED, TRACE_PAST, TRACE_NEW = 2, 4, 5, 3
 # Above this many parameter bytes the weights go to an external-data file (protobuf's 2 GiB limit).
 EXTERNAL_DATA_BYTES = 1_500_000_000
-DEFAULT_PLACEMENT = {"target_prefix": ("onnxruntime", "default"), "target_suffix": ("onnxruntime", "default"),
-                     "draft": ("openvino", "default")}
 
 
-def partition_spec(role: Role, segment, facts: ModelFacts, file: str, top_k: int = 0,
-                   exit_head: str | None = None) -> PartitionSpec:
-    """The I/O contract of `segment` in `role` (names, dtypes, symbolic axes). A draft's facts say whether its
-    logits cover a reduced vocabulary and whether it proposes stream tokens."""
+def draft_spec(segment, facts: ModelFacts, file: str) -> PartitionSpec:
+    """The draft's I/O contract ("split-past", partitions/spec.py). A draft's facts say whether its logits cover a
+    reduced vocabulary and whether it proposes stream tokens."""
     dtype = facts.dtype
-    first = (TensorSpec(BOUNDARY, dtype, (BATCH, SEQUENCE, facts.hidden_size)) if role == "target_suffix"
-             else TensorSpec("input_ids", "int64", (BATCH, SEQUENCE)))
     past, present = kv_specs(range(segment.start, segment.end), facts.num_kv_heads, facts.head_dim, dtype)
-    inputs = (first, TensorSpec("attention_mask", "int64", (BATCH, TOTAL)),
-              TensorSpec("position_ids", "int64", (BATCH, SEQUENCE)), *past)
-    if role == "target_prefix":
-        heads = (TensorSpec(BOUNDARY, dtype, (BATCH, SEQUENCE, facts.hidden_size)),
-                 TensorSpec(EXIT_IDS, "int64", (BATCH, SEQUENCE, top_k)),
-                 TensorSpec(EXIT_LOGPROBS, "float32", (BATCH, SEQUENCE, top_k)))
-    else:
-        width = getattr(facts, "output_vocab_size", 0) or facts.vocab_size
-        heads = (TensorSpec(LOGITS, dtype, (BATCH, SEQUENCE, width)),)
-        streams = getattr(facts, "streams", 0)
-        if streams:
-            heads += (TensorSpec(STREAM_IDS, "int64", (BATCH, SEQUENCE, streams)),)
-    backend, device = DEFAULT_PLACEMENT[role]
-    extra = {"exit_head": exit_head} if exit_head else {}
-    return PartitionSpec(role, (segment.start, segment.end), file, inputs, heads + present, backend, device,
-                         tokens_per_forward=getattr(facts, "tokens_per_forward", 1), extra=extra)
+    inputs = (TensorSpec("input_ids", "int64", (BATCH, SEQUENCE)), TensorSpec("position_ids", "int64", (BATCH, SEQUENCE)),
+              TensorSpec("shared_mask", "int64", (BATCH, SHARED)), TensorSpec("attention_mask", "int64", (BATCH, TOTAL)),
+              *past)
+    width = getattr(facts, "output_vocab_size", 0) or facts.vocab_size
+    heads = (TensorSpec(LOGITS, dtype, (BATCH, SEQUENCE, width)),)
+    streams = getattr(facts, "streams", 0)
+    if streams:
+        heads += (TensorSpec(STREAM_IDS, "int64", (BATCH, SEQUENCE, streams)),)
+    return PartitionSpec("draft", (segment.start, segment.end), file, inputs, heads + present, "openvino", "default",
+                         tokens_per_forward=getattr(facts, "tokens_per_forward", 1), kv="split-past")
+
+
+def exit_spec(facts: ModelFacts, file: str, top_k: int, exit_head: str) -> PartitionSpec:
+    """The early-exit head's contract: the prefix's hidden state in, top-k ids and log-probs out; no KV."""
+    exit_layer = facts.exit_layer
+    inputs = (TensorSpec(BOUNDARY, facts.dtype, (BATCH, SEQUENCE, facts.hidden_size)),)
+    outputs = (TensorSpec(EXIT_IDS, "int64", (BATCH, SEQUENCE, top_k)),
+               TensorSpec(EXIT_LOGPROBS, "float32", (BATCH, SEQUENCE, top_k)))
+    return PartitionSpec("target_exit", (exit_layer, exit_layer), file, inputs, outputs, "onnxruntime", "default",
+                         kv="", extra={"exit_head": exit_head})
 
 
 def sample_inputs(spec: PartitionSpec, facts: ModelFacts) -> tuple[torch.Tensor, ...]:
-    b, p, t = TRACE_BATCH, TRACE_PAST, TRACE_NEW
-    first = (torch.randn(b, t, facts.hidden_size) if spec.role == "target_suffix"
-             else torch.randint(0, facts.vocab_size, (b, t)))
-    mask = torch.ones(b, p + t, dtype=torch.int64)
-    positions = torch.arange(p, p + t).expand(b, t).contiguous()
-    past = [torch.randn(b, facts.num_kv_heads, p, facts.head_dim) for _ in spec.kv_layers for _kv in range(2)]
-    return (first, mask, positions, *past)
+    b, shared, p, t = TRACE_BATCH, TRACE_SHARED, TRACE_PAST, TRACE_NEW
+    if spec.role == "target_exit":
+        return (torch.randn(b, t, facts.hidden_size),)
+    ids = torch.randint(0, facts.vocab_size, (b, t))
+    positions = torch.arange(shared + p, shared + p + t).expand(b, t).contiguous()
+    masks = (torch.ones(b, shared, dtype=torch.int64), torch.ones(b, p + t, dtype=torch.int64))
+    past = []
+    for _ in spec.kv_layers:
+        past += [torch.randn(1, facts.num_kv_heads, shared, facts.head_dim) for _kv in range(2)]
+        past += [torch.randn(b, facts.num_kv_heads, p, facts.head_dim) for _kv in range(2)]
+    return (ids, positions, *masks, *past)
 
 
 def export_segment(segment: torch.nn.Module, spec: PartitionSpec, facts: ModelFacts, bundle_dir: Path) -> PartitionSpec:

@@ -1,9 +1,11 @@
-"""Export validation: every graph, in ONNX Runtime (CPU EP) and OpenVINO (CPU), against PyTorch.
+"""Export validation: every graph against PyTorch, in the runtimes that run it.
 
-For each (batch, prompt length P, new tokens T) in the grid, the graphs run a prompt on an empty past and then T
-new tokens on that past, exactly as the runtime will. The target chain prefix -> suffix must reproduce the full
-Hugging Face model's logits, the layer-l_e hidden state and the early-exit top-k; the draft graph the draft's
-logits. Any difference above the tolerance is a ParityError: in an exactness pipeline it is never a warning.
+The target chain runs exactly as the runtime runs it - ONNX Runtime (CPU EP) with the KV buffers bound once and
+written in place (runtime/target.py) - and, rewritten for runtimes without GroupQueryAttention, in OpenVINO
+(runtime/portable.py): a prompt on an empty cache, then T new tokens on it. It must reproduce the full Hugging
+Face model's logits, the layer-l_e hidden state and the early-exit top-k. The draft graph runs in ONNX Runtime and
+OpenVINO with its split past: a shared context read by every row, then each row's own tokens, then T new ones. Any
+difference above the tolerance is a ParityError: in an exactness pipeline it is never a warning.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ import torch
 
 from mirror_sd.errors import ParityError
 from mirror_sd.partitions.manifest import (
-    BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, LOGITS, PARITY_ATOL, PARITY_RTOL, STREAM_IDS, Manifest,
+    EXIT_IDS, EXIT_LOGPROBS, LOGITS, PARITY_ATOL, PARITY_RTOL, STREAM_IDS, Manifest,
 )
-from mirror_sd.partitions.spec import PartitionSpec
+from mirror_sd.partitions.spec import (
+    PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
+    shared_value_name,
+)
 from mirror_sd.runtime.backends import OpenedGraph, open_onnxruntime, open_openvino
 
 ATOL, RTOL = PARITY_ATOL, PARITY_RTOL  # every float output: max |graph - torch| <= ATOL + RTOL * max |torch|
@@ -30,13 +35,16 @@ SAMPLE_TEXT = (
     "that a large target model verifies in one pass.\n\ndef fibonacci(n):\n    return n if n < 2 else "
     "fibonacci(n - 1) + fibonacci(n - 2)\n\nQ: What is the capital of France? A: Paris."
 )
-# (batch, prompt tokens on an empty past, new tokens on that past): decode steps of 1 and of several tokens.
-GRID = ((1, 6, 1), (1, 6, 4), (2, 5, 1), (2, 5, 3))
-RUNTIMES: dict[str, Callable[[Path], OpenedGraph]] = {
+# The target (batch 1, as the runtime runs it): (prompt tokens on an empty cache, new tokens on that cache).
+TARGET_GRID = ((6, 1), (6, 4))
+# The draft: (batch, shared context tokens, each row's own tokens, new tokens): the shared context is common to
+# every row and is read as one shared past; the rows' own tokens become their own past.
+DRAFT_GRID = ((1, 6, 0, 1), (1, 4, 2, 3), (2, 5, 1, 1), (2, 3, 2, 3))
+RUNTIMES = ("onnxruntime-cpu", "openvino-cpu")
+GRAPH_OPENERS: dict[str, Callable[[Path], OpenedGraph]] = {
     "onnxruntime-cpu": lambda p: open_onnxruntime(p, ["CPUExecutionProvider"], threads=2),
     "openvino-cpu": lambda p: open_openvino(p, "CPU", threads=2),
 }
-
 
 _COUNTS = (EXIT_IDS, STREAM_IDS)  # quantities that count mismatching ids: 0 passes
 
@@ -44,8 +52,8 @@ _COUNTS = (EXIT_IDS, STREAM_IDS)  # quantities that count mismatching ids: 0 pas
 @dataclass(frozen=True)
 class ParityCheck:
     runtime: str
-    graph: str  # "target" (prefix -> suffix chain) or "draft"
-    quantity: str  # logits, hidden_states, exit_topk_logprobs, exit_topk_ids
+    graph: str  # "target" (prefix -> suffix chain, exit head) or "draft"
+    quantity: str  # logits, hidden_states, exit_topk_logprobs, exit_topk_ids, stream_ids
     batch: int
     past: int
     new: int
@@ -63,40 +71,6 @@ def _compare(graph: np.ndarray, ref: torch.Tensor) -> tuple[float, float]:
     diff = float(np.abs(graph - ref).max())
     allowance = ATOL + RTOL * float(np.abs(ref).max())
     return diff, diff / allowance if allowance > 0 else (0.0 if diff == 0 else float("inf"))
-
-
-def _empty_past(spec: PartitionSpec, batch: int) -> dict[str, np.ndarray]:
-    return {t.name: np.zeros((batch, t.shape[1], 0, t.shape[3]), np.float32)
-            for t in spec.inputs if t.name.startswith("past_key_values.")}
-
-
-def _carry(spec: PartitionSpec, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Feed a step's present KV back in as the next step's past."""
-    return {t.name: out[t.name.replace("past_key_values.", "present.")]
-            for t in spec.inputs if t.name.startswith("past_key_values.")}
-
-
-def _steps(batch: int, past: int, new: int):
-    """(slice of the sequence, attention_mask, position_ids) for the prompt step and the decode step."""
-    for lo, hi in ((0, past), (past, past + new)):
-        yield (slice(lo, hi), np.ones((batch, hi), np.int64),
-               np.broadcast_to(np.arange(lo, hi, dtype=np.int64), (batch, hi - lo)).copy())
-
-
-def _run_chain(graphs: list[tuple[PartitionSpec, OpenedGraph]], ids: np.ndarray, past: int, new: int):
-    """Run the graphs in sequence (prefix feeding suffix) over both steps; yields (slice, merged outputs)."""
-    state = {spec.role: _empty_past(spec, ids.shape[0]) for spec, _ in graphs}
-    for seq, mask, positions in _steps(ids.shape[0], past, new):
-        carried: dict[str, np.ndarray] = {"input_ids": ids[:, seq]}
-        merged: dict[str, np.ndarray] = {}
-        for spec, graph in graphs:
-            feed = {t.name: carried[t.name] for t in spec.inputs[:1]}
-            feed.update(attention_mask=mask, position_ids=positions, **state[spec.role])
-            out = graph.run(feed)
-            state[spec.role] = _carry(spec, out)
-            carried.update(out)
-            merged.update(out)
-        yield seq, merged
 
 
 def _topk_checks(lp: np.ndarray, ids: np.ndarray, ref_lp: torch.Tensor, k: int) -> tuple[tuple[float, float], int]:
@@ -119,44 +93,113 @@ def sample_ids(bundle_dir: Path, batch: int, length: int) -> np.ndarray:
     return np.array([ids[3 * b: 3 * b + length] for b in range(batch)], dtype=np.int64)
 
 
-def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, exit_head: torch.nn.Module,
-                 report: Callable[[str], None] = print) -> list[ParityCheck]:
-    """Run the grid in every runtime; returns all checks, raises ParityError listing the failures.
+class _Results:
+    def __init__(self) -> None:
+        self.values: dict[tuple, list[tuple[float, float]]] = {}
 
-    draft_reference(ids [B,T]) -> the draft graph's head outputs in torch (logits, and stream_ids if any)."""
+    def record(self, key: tuple, diff_and_score: tuple[float, float]) -> None:
+        self.values.setdefault(key, []).append(diff_and_score)
+
+    def checks(self) -> list[ParityCheck]:
+        out = []
+        for (runtime, graph, quantity, batch, past, new), values in self.values.items():
+            combine = sum if quantity in _COUNTS else max
+            out.append(ParityCheck(runtime, graph, quantity, batch, past, new, combine(v[0] for v in values),
+                                   combine(v[1] for v in values)))
+        return out
+
+
+def _check_target(bundle_dir: Path, manifest: Manifest, target, exit_head: torch.nn.Module, results: _Results) -> None:
+    from mirror_sd.runtime.portable import open_portable_target
+    from mirror_sd.runtime.target import open_target
+
     t = manifest.target
-    prefix, suffix, draft_spec = (manifest.partition(r) for r in ("target_prefix", "target_suffix", "draft"))
-    checks: list[ParityCheck] = []
-    for runtime, open_fn in RUNTIMES.items():
-        opened = {s.role: (s, open_fn(bundle_dir / s.file)) for s in (prefix, suffix, draft_spec)}
-        for batch, past, new in GRID:
-            ids = sample_ids(bundle_dir, batch, past + new)
+    for runtime in RUNTIMES:
+        engine = (open_target(bundle_dir, manifest, "cpu", threads=2) if runtime == "onnxruntime-cpu"
+                  else open_portable_target(bundle_dir, manifest, "CPU", threads=2))
+        for past, new in TARGET_GRID:
+            ids = sample_ids(bundle_dir, 1, past + new)
             with torch.no_grad():
                 ref = target(torch.from_numpy(ids), output_hidden_states=True)
                 ref_hidden = ref.hidden_states[t.exit_layer]
                 ref_exit = torch.log_softmax(exit_head(ref_hidden).float(), dim=-1)
-                ref_draft = draft_reference(torch.from_numpy(ids))
+            cache = engine.empty_cache()
+            for lo, hi in ((0, past), (past, past + new)):
+                boundary = engine.run_prefix(ids[0, lo:hi].tolist(), cache)
+                top_ids, top_lp = engine.exit_candidates(boundary)
+                hidden = engine.boundary_array(boundary)
+                logits, cache = engine.run_suffix(boundary)
+                key = (runtime, "target")
+                results.record((*key, LOGITS, 1, past, new), _compare(logits[None], ref.logits[:, lo:hi]))
+                results.record((*key, "hidden_states", 1, past, new), _compare(hidden, ref_hidden[:, lo:hi]))
+                lp_check, mismatches = _topk_checks(top_lp[None], top_ids[None], ref_exit[:, lo:hi], t.top_k)
+                results.record((*key, EXIT_LOGPROBS, 1, past, new), lp_check)
+                results.record((*key, EXIT_IDS, 1, past, new), (float(mismatches), float(mismatches)))
 
-            results: dict[tuple[str, str], list[tuple[float, float]]] = {}
 
-            def record(graph: str, quantity: str, diff_and_score: tuple[float, float]) -> None:
-                results.setdefault((graph, quantity), []).append(diff_and_score)
+def _draft_feed(spec: PartitionSpec, ids: np.ndarray, shared: dict[str, np.ndarray], own: dict[str, np.ndarray],
+                shared_len: int, own_len: int) -> dict[str, np.ndarray]:
+    batch, new = ids.shape
+    feed = {"input_ids": ids, "shared_mask": np.ones((batch, shared_len), np.int64),
+            "attention_mask": np.ones((batch, own_len + new), np.int64),
+            "position_ids": np.broadcast_to(np.arange(shared_len + own_len, shared_len + own_len + new),
+                                            (batch, new)).astype(np.int64)}
+    for i in spec.kv_layers:
+        for past, shared_name in ((past_key_name(i), shared_key_name(i)), (past_value_name(i), shared_value_name(i))):
+            feed[shared_name], feed[past] = shared[shared_name], own[past]
+    return feed
 
-            for seq, out in _run_chain([opened["target_prefix"], opened["target_suffix"]], ids, past, new):
-                record("target", LOGITS, _compare(out[LOGITS], ref.logits[:, seq]))
-                record("target", BOUNDARY, _compare(out[BOUNDARY], ref_hidden[:, seq]))
-                lp_check, mismatches = _topk_checks(out[EXIT_LOGPROBS], out[EXIT_IDS], ref_exit[:, seq], t.top_k)
-                record("target", EXIT_LOGPROBS, lp_check)
-                record("target", EXIT_IDS, (float(mismatches), float(mismatches)))
-            for seq, out in _run_chain([opened["draft"]], ids, past, new):
-                record("draft", LOGITS, _compare(out[LOGITS], ref_draft[LOGITS][:, seq]))
-                if STREAM_IDS in ref_draft:
-                    mismatches = float((out[STREAM_IDS] != ref_draft[STREAM_IDS][:, seq].numpy()).sum())
-                    record("draft", STREAM_IDS, (mismatches, mismatches))
-            for (graph, quantity), values in results.items():
-                combine = sum if quantity in _COUNTS else max
-                checks.append(ParityCheck(runtime, graph, quantity, batch, past, new,
-                                          combine(v[0] for v in values), combine(v[1] for v in values)))
+
+def _empty_kv(spec: PartitionSpec, batch: int, shared: bool) -> dict[str, np.ndarray]:
+    out = {}
+    for t in spec.inputs:
+        if t.name.startswith("shared_key_values." if shared else "past_key_values."):
+            out[t.name] = np.zeros((1 if shared else batch, t.shape[1], 0, t.shape[3]), np.float32)
+    return out
+
+
+def _new_kv(spec: PartitionSpec, out: dict[str, np.ndarray], shared: bool) -> dict[str, np.ndarray]:
+    """A call's new KV under the input names of the shared (or the own) past."""
+    names = {}
+    for i in spec.kv_layers:
+        names[present_key_name(i)] = shared_key_name(i) if shared else past_key_name(i)
+        names[present_value_name(i)] = shared_value_name(i) if shared else past_value_name(i)
+    return {names[k]: np.array(v) for k, v in out.items() if k in names}  # copies: OpenVINO reuses output memory
+
+
+def _check_draft(bundle_dir: Path, spec: PartitionSpec, draft_reference, results: _Results) -> None:
+    for runtime in RUNTIMES:
+        graph = GRAPH_OPENERS[runtime](bundle_dir / spec.file)
+        for batch, shared_len, own_len, new in DRAFT_GRID:
+            rows = sample_ids(bundle_dir, batch, own_len + new + 1)
+            context = sample_ids(bundle_dir, 1, shared_len + 7)[:, 7:]  # common to every row
+            ids = np.concatenate([np.repeat(context, batch, 0), rows[:, :own_len + new]], 1)
+            with torch.no_grad():
+                ref = draft_reference(torch.from_numpy(ids))
+            # 1. the shared context, one row, on an empty past; 2. each row's own tokens; 3. the new tokens
+            shared = _new_kv(spec, graph.run(_draft_feed(spec, context, _empty_kv(spec, 1, True),
+                                                         _empty_kv(spec, 1, False), 0, 0)), shared=True)
+            own = _empty_kv(spec, batch, False)
+            if own_len:
+                own = _new_kv(spec, graph.run(_draft_feed(spec, rows[:, :own_len], shared, own, shared_len, 0)), False)
+            out = graph.run(_draft_feed(spec, rows[:, own_len:own_len + new], shared, own, shared_len, own_len))
+            seq = slice(shared_len + own_len, shared_len + own_len + new)
+            key = (runtime, "draft")
+            results.record((*key, LOGITS, batch, shared_len + own_len, new), _compare(out[LOGITS], ref[LOGITS][:, seq]))
+            if STREAM_IDS in ref:
+                mismatches = float((out[STREAM_IDS] != ref[STREAM_IDS][:, seq].numpy()).sum())
+                results.record((*key, STREAM_IDS, batch, shared_len + own_len, new), (mismatches, mismatches))
+
+
+def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, exit_head: torch.nn.Module,
+                 report: Callable[[str], None] = print) -> list[ParityCheck]:
+    """Run the grids in every runtime; returns all checks, raises ParityError listing the failures.
+
+    draft_reference(ids [B,T]) -> the draft graph's head outputs in torch (logits, and stream_ids if any)."""
+    results = _Results()
+    _check_target(bundle_dir, manifest, target, exit_head, results)
+    _check_draft(bundle_dir, manifest.partition("draft"), draft_reference, results)
+    checks = results.checks()
     for line in format_checks(checks):
         report(line)
     failed = [c for c in checks if not c.passed]
@@ -183,5 +226,6 @@ def format_checks(checks: list[ParityCheck]) -> list[str]:
 
 def summary(checks: list[ParityCheck]) -> dict:
     """What the manifest records about the validation that ran."""
-    return {"atol": ATOL, "rtol": RTOL, "grid": [list(g) for g in GRID], "passed": all(c.passed for c in checks),
+    return {"atol": ATOL, "rtol": RTOL, "target_grid": [list(g) for g in TARGET_GRID],
+            "draft_grid": [list(g) for g in DRAFT_GRID], "passed": all(c.passed for c in checks),
             "checks": [asdict(c) for c in checks]}

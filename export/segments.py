@@ -3,7 +3,13 @@
 A `Segment` wraps layers [start, end) of a Hugging Face decoder. It takes its past KV as plain tensors (an HF
 cache object cannot be an export input) and returns the new ("present") KV as plain tensors. The attention mask is
 built inside the graph from the 2-D padding mask as an explicit 4-D additive mask: with a past and
-`attention_mask=None`, sdpa silently crops keys.
+`attention_mask=None`, sdpa silently crops keys. It returns past + new (the layout OpenVINO GenAI's stateful
+models want: bench/ov_convert.py).
+
+A `SplitSegment` is the draft's graph ("split-past", partitions/spec.py): its past comes as one shared row that
+every batch row reads up to its own shared_mask, plus each row's own short past, and only the new positions' KV
+goes out. Attention scores against the shared part are one broadcast matmul for all rows, so branch rows over one
+context never copy it, and nothing is concatenated onto it.
 """
 
 from __future__ import annotations
@@ -70,17 +76,41 @@ def additive_mask(attention_mask: torch.Tensor, new_tokens: int, window: int | N
     return torch.where(allowed, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype))
 
 
-class Segment(nn.Module):
-    """Layers [start, end) of a decoder, optionally with the token embedding in front and a head behind.
+def _split_attention(layer, hidden, cos, sin, shared_k, shared_v, past_k, past_v, shared_bias, own_bias):
+    """One attention block over a split past. hidden [B,T,H]; shared_k/v [1,kv,P,hd]; past_k/v [B,kv,S,hd];
+    shared_bias [B,1,T,P] and own_bias [B,1,T,S+T] additive. Returns (attention output [B,T,H], new k, new v)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    head: "final" (final norm + LM head -> logits), "exit" (an ExitHead -> top-k ids and log-probs, plus the
-    hidden state itself), or None (hidden state only).
-    forward(x, attention_mask, position_ids, *past) with x = input_ids [B,T] if `embed` else hidden [B,T,H];
-    past = key, value for each layer in order; returns (*head outputs, *present key/value per layer).
-    """
+    attn = layer.self_attn
+    batch, new = hidden.shape[:2]
+    hd = attn.head_dim
+    q = attn.q_proj(hidden).view(batch, new, -1, hd)
+    k = attn.k_proj(hidden).view(batch, new, -1, hd)
+    v = attn.v_proj(hidden).view(batch, new, -1, hd).transpose(1, 2)
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before the rotary embedding
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    # query head h reads kv head h // group: the group's queries become rows of one matmul per kv head
+    rows = q.reshape(batch, kv_heads, group * new, hd)
+    keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+    scores_shared = torch.matmul(rows, shared_k.transpose(-1, -2)) * attn.scaling  # [B,kv,gT,P], shared_k broadcast
+    scores_own = torch.matmul(rows, keys.transpose(-1, -2)) * attn.scaling  # [B,kv,gT,S+T]
+    shared_len = shared_k.shape[2]
+    scores = torch.cat([scores_shared + shared_bias.repeat(1, 1, group, 1),
+                        scores_own + own_bias.repeat(1, 1, group, 1)], -1)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs[..., :shared_len], shared_v) + torch.matmul(probs[..., shared_len:], values)
+    out = out.reshape(batch, heads, new, hd).transpose(1, 2).reshape(batch, new, heads * hd)
+    return attn.o_proj(out), k, v
 
-    def __init__(self, model, arch: Architecture, start: int, end: int, *, embed: bool, head: str | None,
-                 exit_head: nn.Module | None = None, top_k: int = 0) -> None:
+
+class _Layers(nn.Module):
+    """Layers [start, end) of a decoder, with the token embedding in front if `embed` and, for head="final", the
+    final norm + LM head behind (None: the hidden state is the output)."""
+
+    def __init__(self, model, arch: Architecture, start: int, end: int, *, embed: bool, head: str | None) -> None:
         super().__init__()
         backbone = arch.backbone(model)
         self.start, self.end = start, end
@@ -91,10 +121,50 @@ class Segment(nn.Module):
         self.head = head
         if head == "final":
             self.norm, self.lm_head = backbone.norm, arch.lm_head(model)
-        elif head == "exit":
-            if exit_head is None or top_k < 1:
-                raise ValueError("an exit segment needs an exit head and top_k >= 1")
-            self.exit_head, self.top_k = exit_head, top_k
+        elif head is not None:
+            raise ValueError("a segment's head is 'final' or None")
+
+
+class SplitSegment(_Layers):
+    """Layers [start, end) of a decoder with a split past (every layer the same way), optionally with the
+    embedding in front and a head behind (as `Segment`).
+
+    forward(x, position_ids, shared_mask, attention_mask, *past) with x input_ids [B,T] (or hidden [B,T,H]),
+    position_ids [B,T], shared_mask [B,P] (1: the row reads that shared slot), attention_mask [B,S+T] (the row's own
+    past and the new tokens; 0 = a hole), past = per layer shared key, shared value [1,kv,P,hd], own key, own value
+    [B,kv,S,hd]; returns (*head outputs, *new key/value per layer [B,kv,T,hd]).
+    The mask is positional over the slots shared ++ own ++ new, as `additive_mask` builds it for a plain past."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, shared_mask: torch.Tensor,
+                attention_mask: torch.Tensor, *past: torch.Tensor):
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        new = hidden.shape[1]
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        shared_len = shared_mask.shape[1]
+        biases = {}
+        for w in set(self.windows):
+            full = additive_mask(torch.cat([shared_mask, attention_mask], 1), new, w, hidden.dtype)  # [B,1,T,P+S+T]
+            biases[w] = (full[..., :shared_len], full[..., shared_len:])
+        present = []
+        for j, (layer, window) in enumerate(zip(self.layers, self.windows)):
+            shared_k, shared_v, own_k, own_v = past[4 * j: 4 * j + 4]
+            attn_out, k, v = _split_attention(layer, layer.input_layernorm(hidden), cos, sin, shared_k, shared_v,
+                                              own_k, own_v, *biases[window])
+            hidden = hidden + attn_out
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            present += [k, v]
+        if self.head == "final":
+            return (self.lm_head(self.norm(hidden)), *present)
+        return (hidden, *present)
+
+
+class Segment(_Layers):
+    """Layers [start, end) of a decoder with a plain past (past + new out), optionally with the token embedding in
+    front and the final norm + LM head behind (head="final"; None: the hidden state).
+
+    forward(x, attention_mask, position_ids, *past) with x = input_ids [B,T] if `embed` else hidden [B,T,H];
+    past = key, value for each layer in order; returns (head output, *present key/value per layer).
+    """
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B,T,H]
@@ -106,11 +176,22 @@ class Segment(nn.Module):
             hidden = layer(hidden, attention_mask=masks[window], position_ids=position_ids, past_key_values=kv,
                            position_embeddings=cos_sin)
         present = [t for i in range(self.start, self.end) for t in kv.present[i]]
-
         if self.head == "final":
             return (self.lm_head(self.norm(hidden)), *present)
-        if self.head == "exit":
-            logprobs = torch.log_softmax(self.exit_head(hidden).float(), dim=-1)  # [B,T,V]
-            top_lp, top_ids = torch.topk(logprobs, self.top_k, dim=-1)  # [B,T,k]: only k numbers leave the device
-            return (hidden, top_ids, top_lp, *present)
         return (hidden, *present)
+
+
+class ExitTopK(nn.Module):
+    """The early-exit partition: an exit head on the layer-l_e hidden state [B,T,H] -> its top-k ids and log-probs
+    [B,T,k], most probable first. Only k numbers per position leave the device."""
+
+    def __init__(self, exit_head: nn.Module, top_k: int) -> None:
+        super().__init__()
+        if top_k < 1:
+            raise ValueError("the exit head needs top_k >= 1")
+        self.exit_head, self.top_k = exit_head, top_k
+
+    def forward(self, hidden: torch.Tensor):
+        logprobs = torch.log_softmax(self.exit_head(hidden).float(), dim=-1)
+        top_lp, top_ids = torch.topk(logprobs, self.top_k, dim=-1)
+        return top_ids, top_lp

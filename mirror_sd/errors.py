@@ -34,3 +34,8 @@ class ParityError(ExportError):
 class PackageError(MirrorSDError):
     """A package is unreadable, of an unknown format version, fails a checksum, or has a member that would land
     outside its directory."""
+
+
+class ContextLimitError(BadInputError):
+    """A prompt plus the tokens asked for would not fit the context: the model's positions or the KV buffers the
+    runtime allocated (raised before any device work)."""

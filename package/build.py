@@ -139,7 +139,7 @@ def _write_package(root: Path, bundle: Path, manifest: Manifest, bounds: StaticB
     bins: dict[str, str] = {}  # sha256 -> the first .bin with that content: identical weights are stored once
     for name, (batch, tokens) in shapes.items():
         xml = f"{DRAFT_DIR}/{name}.xml"
-        static = make_static(model.clone(), batch, tokens, bounds.kv_length)
+        static = make_static(model.clone(), batch, tokens, bounds.kv_length, bounds.own_slots)
         ov.save_model(static, str(root / xml), compress_to_fp16=weights != "fp32")
         bin_rel = f"{DRAFT_DIR}/{name}.bin"
         digest = sha256_of(root / bin_rel)
@@ -171,22 +171,17 @@ def _write_package(root: Path, bundle: Path, manifest: Manifest, bounds: StaticB
 
 
 def _static_spec(spec: PartitionSpec, graph: DraftGraph, bounds: StaticBounds, device: str) -> PartitionSpec:
-    """The draft partition as the static decode graph has it: fixed shapes, present = the new tokens' KV."""
-    b, t, kv = graph.batch, graph.tokens, bounds.kv_length
-    fixed = {"batch": b, "sequence": t, "past_sequence": kv, "total_sequence": kv + t}
+    """The draft partition as the static decode graph has it: every axis fixed."""
+    b, t, own = graph.batch, graph.tokens, bounds.own_slots
+    fixed = {"batch": b, "sequence": t, "shared_sequence": bounds.kv_length, "past_sequence": own,
+             "total_sequence": own + t}
 
-    def static(ts: TensorSpec, output: bool) -> TensorSpec:
-        shape = tuple(fixed[d] if isinstance(d, str) else d for d in ts.shape)
-        if output and ts.name.startswith("present."):
-            shape = (b, shape[1], t, shape[3])
-        elif ts.name == "attention_mask":
-            shape = (b, kv + t)
-        return TensorSpec(ts.name, ts.dtype, shape)
+    def static(ts: TensorSpec) -> TensorSpec:
+        return TensorSpec(ts.name, ts.dtype, tuple(fixed[d] if isinstance(d, str) else d for d in ts.shape))
 
     return replace(spec, file=graph.xml, data_files=(graph.bin,), backend="openvino", device=device,
-                   inputs=tuple(static(i, False) for i in spec.inputs),
-                   outputs=tuple(static(o, True) for o in spec.outputs),
-                   extra={**spec.extra, "static": True, "present": "new tokens only"})
+                   inputs=tuple(static(i) for i in spec.inputs), outputs=tuple(static(o) for o in spec.outputs),
+                   extra={**spec.extra, "static": True})
 
 
 def _check_static_draft(root: Path, bundle: Path, draft_file: str, graph: DraftGraph, bounds: StaticBounds,
@@ -201,16 +196,19 @@ def _check_static_draft(root: Path, bundle: Path, draft_file: str, graph: DraftG
     dynamic = core.compile_model(str(bundle / draft_file), "CPU", config)
     n = graph.tokens
     ids = (np.arange(n, dtype=np.int64) * 7 + 3)[None] % 200  # small ids: inside any vocabulary here
-    feed_d = {"input_ids": ids, "attention_mask": np.ones((1, n), np.int64),
-              "position_ids": np.arange(n, dtype=np.int64)[None]}
-    feed_s = dict(feed_d, attention_mask=np.concatenate([np.zeros((1, bounds.kv_length), np.int64),
-                                                         np.ones((1, n), np.int64)], 1))
+    feed_d = {"input_ids": ids, "position_ids": np.arange(n, dtype=np.int64)[None],
+              "shared_mask": np.zeros((1, 0), np.int64), "attention_mask": np.ones((1, n), np.int64)}
+    feed_s = dict(feed_d, shared_mask=np.zeros((1, bounds.kv_length), np.int64),
+                  attention_mask=np.concatenate([np.zeros((1, bounds.own_slots), np.int64),
+                                                 np.ones((1, n), np.int64)], 1))
     for port in dynamic.inputs:
         name = port.get_any_name()
-        if name.startswith("past_key_values."):
+        if name.startswith(("past_key_values.", "shared_key_values.")):
             shape = port.get_partial_shape()
-            feed_d[name] = np.zeros((1, shape[1].get_length(), 0, shape[3].get_length()), np.float32)
-            feed_s[name] = np.zeros((1, shape[1].get_length(), bounds.kv_length, shape[3].get_length()), np.float32)
+            heads, head_dim = shape[1].get_length(), shape[3].get_length()
+            slots = bounds.kv_length if name.startswith("shared_") else bounds.own_slots
+            feed_d[name] = np.zeros((1, heads, 0, head_dim), np.float32)
+            feed_s[name] = np.zeros((1, heads, slots, head_dim), np.float32)
     want = np.array(dynamic(feed_d)[dynamic.output("logits")])
     got = np.array(static(feed_s)[static.output("logits")])
     diff = float(np.abs(got - want).max())

@@ -17,14 +17,18 @@ from mirror_sd.partitions.spec import (
     ROLES,
     PartitionSpec,
     Role,
-    require_field,
     past_key_name,
     past_value_name,
     present_key_name,
     present_value_name,
+    require_field,
+    shared_key_name,
+    shared_value_name,
 )
 
-FORMAT_VERSION = 1
+# 2: target graphs keep their KV in shared buffers (GroupQueryAttention), the early-exit head is a partition of its
+# own (target_exit), the draft takes a split past. A version-1 bundle is refused with a pointer to `make export`.
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 BOUNDARY = "hidden_states"  # the tensor that crosses from target_prefix to target_suffix
 EXIT_IDS, EXIT_LOGPROBS = "exit_topk_ids", "exit_topk_logprobs"
@@ -114,7 +118,9 @@ class Manifest:
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
         version = require_field(d, "format_version", "manifest")
         if version != FORMAT_VERSION:
-            raise ManifestError(f"manifest format_version {version!r} is not supported (this build reads {FORMAT_VERSION})")
+            again = " (export the bundle again with this version: make export)" if version == 1 else ""
+            raise ManifestError(f"manifest format_version {version!r} is not supported (this build reads "
+                                f"{FORMAT_VERSION}){again}")
         partitions = require_field(d, "partitions", "manifest")
         if not isinstance(partitions, list):
             raise ManifestError("manifest: partitions must be a list")
@@ -177,7 +183,7 @@ class Manifest:
         if not 1 <= t.top_k <= t.vocab_size:
             raise ManifestError(f"top_k {t.top_k} is outside [1, {t.vocab_size}]")
 
-        prefix, suffix, draft = (self.partition(r) for r in ROLES)
+        prefix, suffix, exit_head, draft = (self.partition(r) for r in ROLES)
         # The target partitions must tile [0, N) with no gap or overlap, split at the exit layer.
         if prefix.layers[0] != 0 or prefix.layers[1] != suffix.layers[0] or suffix.layers[1] != t.num_layers:
             raise ManifestError(
@@ -185,6 +191,9 @@ class Manifest:
             )
         if prefix.layers[1] != t.exit_layer:
             raise ManifestError(f"prefix ends at layer {prefix.layers[1]} but the exit layer is {t.exit_layer}")
+        if prefix.kv != "shared-buffer" or suffix.kv != "shared-buffer" or draft.kv != "split-past":
+            raise ManifestError("the target partitions must keep their KV in shared buffers and the draft a split past "
+                                f"(found {prefix.kv!r}, {suffix.kv!r}, {draft.kv!r})")
         if draft.layers != (0, dr.num_layers):
             raise ManifestError(f"draft partition layers {list(draft.layers)} != [0, {dr.num_layers})")
         if draft.tokens_per_forward != dr.tokens_per_forward or dr.tokens_per_forward != 1 + dr.streams:
@@ -194,15 +203,20 @@ class Manifest:
         if bool(dr.output_vocab_size) != bool(dr.output_vocab_file):
             raise ManifestError("a reduced draft vocabulary needs both output_vocab_size and output_vocab_file")
 
-        out, inp = prefix.output(BOUNDARY), suffix.input(BOUNDARY)
-        if (out.dtype, out.shape) != (inp.dtype, inp.shape) or out.shape[-1] != t.hidden_size:
-            raise ManifestError(
-                f"boundary tensor mismatch: prefix gives {out.dtype}{list(out.shape)}, "
-                f"suffix takes {inp.dtype}{list(inp.shape)}, hidden size {t.hidden_size}"
-            )
+        out = prefix.output(BOUNDARY)
+        for reader in (suffix, exit_head):
+            inp = reader.input(BOUNDARY)
+            if (out.dtype, out.shape) != (inp.dtype, inp.shape) or out.shape[-1] != t.hidden_size:
+                raise ManifestError(
+                    f"boundary tensor mismatch: prefix gives {out.dtype}{list(out.shape)}, "
+                    f"{reader.role} takes {inp.dtype}{list(inp.shape)}, hidden size {t.hidden_size}"
+                )
         for name in (EXIT_IDS, EXIT_LOGPROBS):
-            if prefix.output(name).shape[-1] != t.top_k:
-                raise ManifestError(f"prefix output {name} has last axis {prefix.output(name).shape[-1]}, top_k is {t.top_k}")
+            if exit_head.output(name).shape[-1] != t.top_k:
+                raise ManifestError(f"target_exit output {name} has last axis {exit_head.output(name).shape[-1]}, "
+                                    f"top_k is {t.top_k}")
+        if exit_head.layers != (t.exit_layer, t.exit_layer) or exit_head.kv:
+            raise ManifestError("target_exit must read the exit layer's state and keep no KV cache")
         for part, facts in ((prefix, t), (suffix, t), (draft, dr)):
             _check_kv(part, facts)
         if suffix.output(LOGITS).shape[-1] != t.vocab_size:
@@ -234,10 +248,15 @@ def resolve_inside(bundle: Path, rel: str) -> Path:
 
 
 def _check_kv(part: PartitionSpec, facts: ModelFacts) -> None:
-    """Every layer of the partition has a past input and a present output, named with its global number."""
-    want_in = {n(i) for i in part.kv_layers for n in (past_key_name, past_value_name)}
+    """Every layer of the partition has its past inputs and a present output, named with its global number: a
+    shared-buffer graph past_key_values.{i}.*, a split-past graph shared_key_values.{i}.* as well."""
+    wanted = {"shared-buffer": (past_key_name, past_value_name),
+              "split-past": (past_key_name, past_value_name, shared_key_name, shared_value_name)}.get(part.kv)
+    if wanted is None:
+        raise ManifestError(f"{part.role} must keep a KV cache (kv: shared-buffer or split-past), not {part.kv!r}")
+    want_in = {n(i) for i in part.kv_layers for n in wanted}
     want_out = {n(i) for i in part.kv_layers for n in (present_key_name, present_value_name)}
-    have_in = {t.name for t in part.inputs if t.name.startswith("past_key_values.")}
+    have_in = {t.name for t in part.inputs if t.name.startswith(("past_key_values.", "shared_key_values."))}
     have_out = {t.name for t in part.outputs if t.name.startswith("present.")}
     if have_in != want_in or have_out != want_out:
         raise ManifestError(
@@ -246,5 +265,5 @@ def _check_kv(part: PartitionSpec, facts: ModelFacts) -> None:
             f"unexpected {sorted((have_in - want_in) | (have_out - want_out))[:4]}"
         )
     for t in part.inputs + part.outputs:
-        if t.name.startswith(("past_key_values.", "present.")) and (t.shape[1], t.shape[3]) != (facts.num_kv_heads, facts.head_dim):
+        if t.name.startswith(("past_key_values.", "shared_key_values.", "present.")) and (t.shape[1], t.shape[3]) != (facts.num_kv_heads, facts.head_dim):
             raise ManifestError(f"{part.role} {t.name} shape {list(t.shape)} does not match the KV layout")

@@ -21,7 +21,8 @@ from typing import Any
 
 from mirror_sd.errors import PackageError
 
-PACKAGE_FORMAT_VERSION = 1
+# 2: the static draft graphs read a split past (the context lane whole, plus an own past of own_slots slots)
+PACKAGE_FORMAT_VERSION = 2
 PACKAGE_FILE = "package.json"
 PACKAGE_KIND = "mirror-sd-package"
 WEIGHTS = ("fp32", "fp16", "int8_sym", "int8_asym", "int4_sym")
@@ -44,10 +45,16 @@ class StaticBounds:
 
     @property
     def kv_length(self) -> int:
-        """A draft row holds at most max_context + 2 * max_gamma real tokens: a branch's base is the committed
-        context (< max_context) plus up to gamma window tokens and a correction, and its rollout feeds gamma - 1
-        more. One forward adds at most one chunk of slots (left-padding holes included) on top of that."""
+        """The draft's context lane: the committed context (< max_context) plus the window tokens a rollout feeds
+        (< max_gamma) and one forward's proposals; a margin of one chunk on top."""
         return self.max_context + 2 * self.max_gamma + max(self.tokens_per_forward, self.prefill_chunk)
+
+    @property
+    def own_slots(self) -> int:
+        """A row's own past: the tokens it lacks of its context when it leaves the lane (a branch's window part and
+        correction, <= max_gamma + 1) and those it feeds while rolling out (< max_gamma), with the holes of
+        rejected proposals and left padding, which the runtime compacts away when they no longer fit."""
+        return 4 * (self.max_gamma + self.tokens_per_forward)
 
     def check(self) -> None:
         for name, value in asdict(self).items():
@@ -85,7 +92,8 @@ class PackageInfo:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": PACKAGE_KIND, "format_version": self.format_version, "producer": self.producer,
                 "source_bundle": self.source_bundle, "source_draft_sha256": self.source_draft_sha256,
-                "bounds": {**asdict(self.bounds), "kv_length": self.bounds.kv_length},
+                "bounds": {**asdict(self.bounds), "kv_length": self.bounds.kv_length,
+                           "own_slots": self.bounds.own_slots},
                 "weights": self.weights, "group_size": self.group_size, "devices": list(self.devices),
                 "draft_graphs": {k: asdict(g) for k, g in self.draft_graphs.items()}, "files": dict(self.files)}
 
@@ -98,7 +106,7 @@ class PackageInfo:
             raise PackageError(f"package format_version {version!r} is not supported (this build reads "
                                f"{PACKAGE_FORMAT_VERSION})")
         try:
-            raw_bounds = {k: v for k, v in d["bounds"].items() if k != "kv_length"}
+            raw_bounds = {k: v for k, v in d["bounds"].items() if k not in ("kv_length", "own_slots")}
             bounds = StaticBounds(**raw_bounds)
             graphs = {k: DraftGraph(**g) for k, g in d["draft_graphs"].items()}
             info = cls(bounds=bounds, weights=d["weights"], group_size=int(d["group_size"]),

@@ -7,12 +7,27 @@ from typing import Any, Literal
 
 from mirror_sd.errors import ManifestError
 
-Role = Literal["target_prefix", "target_suffix", "draft"]
-ROLES: tuple[Role, ...] = ("target_prefix", "target_suffix", "draft")
+Role = Literal["target_prefix", "target_suffix", "target_exit", "draft"]
+ROLES: tuple[Role, ...] = ("target_prefix", "target_suffix", "target_exit", "draft")
 DTYPES = ("float32", "float16", "int64", "int32", "bool")
 
 # Symbolic axis names shared by every graph. KV tensors are [batch, kv_heads, seq, head_dim].
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
+CAPACITY = "kv_capacity"  # a preallocated KV buffer's slots (target graphs: past and present are one buffer)
+KEPT = "kept"  # positions the LM head runs on (num_logits_to_keep)
+SHARED = "shared_sequence"  # slots of a draft's shared past (one row every batch row reads)
+
+# How a partition's graph keeps its KV cache (PartitionSpec.kv):
+# - "shared-buffer": past_key_values.{i}.* and present.{i}.* are one preallocated buffer of CAPACITY slots; the graph
+#   reads seqlens_k + 1 - T of them and writes the T new positions in place (ONNX Runtime GroupQueryAttention).
+# - "split-past": the past comes in two parts - shared_key_values.{i}.* [1, kv_heads, SHARED, hd], one row that every
+#   batch row reads up to its shared_mask, and past_key_values.{i}.* [B, kv_heads, PAST, hd], each row's own - and
+#   present.{i}.* holds only the T new positions. Nothing is concatenated with the shared part, so branch rows over
+#   one context never copy it (runtime/draft.py).
+KV_INTERFACES = ("shared-buffer", "split-past")
+# The shared-buffer graphs' length inputs: seqlens_k [B] int32 (each row's total length - 1) and
+# total_sequence_length [] int32; the suffix's LM head runs on the last num_logits_to_keep [1] int64 positions.
+SEQLENS, TOTAL_LENGTH, KEEP = "seqlens_k", "total_sequence_length", "num_logits_to_keep"
 
 
 def past_key_name(layer: int) -> str:
@@ -29,6 +44,14 @@ def present_key_name(layer: int) -> str:
 
 def present_value_name(layer: int) -> str:
     return f"present.{layer}.value"
+
+
+def shared_key_name(layer: int) -> str:
+    return f"shared_key_values.{layer}.key"
+
+
+def shared_value_name(layer: int) -> str:
+    return f"shared_key_values.{layer}.value"
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,7 @@ class PartitionSpec:
     data_files: tuple[str, ...] = ()  # external-data files next to `file`, if any
     tokens_per_forward: int = 1  # draft only: >1 for a multi-token (speculative streaming) draft
     extra: dict[str, Any] = field(default_factory=dict)  # role-specific facts, e.g. the exit head's kind
+    kv: str = "shared-buffer"  # KV_INTERFACES: how the graph keeps its cache ("" for a graph without one)
 
     @property
     def kv_layers(self) -> range:
@@ -88,6 +112,7 @@ class PartitionSpec:
             "backend": self.backend,
             "device": self.device,
             "tokens_per_forward": self.tokens_per_forward,
+            "kv": self.kv,
             "inputs": [t.to_dict() for t in self.inputs],
             "outputs": [t.to_dict() for t in self.outputs],
             "extra": dict(self.extra),
@@ -102,8 +127,11 @@ class PartitionSpec:
         layers = require_field(d, "layers", where)
         if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
             raise ManifestError(f"{where}: layers must be [start, end]")
-        if not 0 <= layers[0] < layers[1]:
+        if not 0 <= layers[0] <= layers[1] or (layers[0] == layers[1] and role != "target_exit"):
             raise ManifestError(f"{where}: layers {layers} is not a non-empty range [start, end)")
+        kv = d.get("kv", "")
+        if kv not in (*KV_INTERFACES, ""):
+            raise ManifestError(f"{where}: unknown KV interface {kv!r} (known: {', '.join(KV_INTERFACES)})")
         file = require_field(d, "file", where)
         if not isinstance(file, str) or not file:
             raise ManifestError(f"{where}: file must be a non-empty string")
@@ -118,15 +146,19 @@ class PartitionSpec:
             data_files=tuple(d.get("data_files", ())),
             tokens_per_forward=int(d.get("tokens_per_forward", 1)),
             extra=dict(d.get("extra", {})),
+            kv=kv,
         )
 
 
 def kv_specs(layers: range, kv_heads: int, head_dim: int, dtype: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """Past (inputs) and present (outputs) KV specs for `layers`, named with global layer numbers."""
+    """Past (inputs) and present (outputs) KV specs for `layers` of a "split-past" graph, named with global layer
+    numbers: per layer the shared past, then the row's own past; present = the new positions only."""
     past, present = [], []
     for i in layers:
+        past += [TensorSpec(n(i), dtype, (1, kv_heads, SHARED, head_dim)) for n in (shared_key_name, shared_value_name)]
         past += [TensorSpec(n(i), dtype, (BATCH, kv_heads, PAST, head_dim)) for n in (past_key_name, past_value_name)]
-        present += [TensorSpec(n(i), dtype, (BATCH, kv_heads, TOTAL, head_dim)) for n in (present_key_name, present_value_name)]
+        present += [TensorSpec(n(i), dtype, (BATCH, kv_heads, SEQUENCE, head_dim))
+                    for n in (present_key_name, present_value_name)]
     return tuple(past), tuple(present)
 
 

@@ -32,37 +32,55 @@ class OpenedGraph:
     output_names: tuple[str, ...]
 
 
-def open_onnxruntime(path: str | Path, providers: list[str] | None = None, threads: int = 1) -> OpenedGraph:
-    """An ORT session on the first usable provider in `providers` (default CUDA then CPU).
+def ort_session(path: str | Path, providers: list[str] | None = None, threads: int = 1, spinning: bool | None = None):
+    """An ORT InferenceSession on the first usable provider in `providers` (default CUDA then CPU).
 
     onnxruntime-gpu lists CUDA as available even without a GPU and falls back to CPU with only a log line, so the
-    provider reported is the one the session actually got, not the one asked for.
+    caller reads the provider from `session.get_providers()[0]`, never from what it asked for.
+    spinning: whether idle intra-op threads spin between kernels (ORT's default: on). Spinning threads keep their
+    core busy, which on a small machine starves whatever runs beside the target (the draft); None keeps ORT's default.
     """
     import onnxruntime as ort
 
     providers = providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]
     available = ort.get_available_providers()
-    unknown = [p for p in providers if p not in available]
-    if len(unknown) == len(providers):
+    usable = [p for p in providers if p in available]
+    if not usable:
         raise BadInputError(f"none of the execution providers {providers} is available; available: {available}")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3  # the CUDA fallback is detected below, not left to a log line
+    opts.log_severity_level = 3  # the CUDA fallback is detected by the caller, not left to a log line
+    if spinning is not None:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     if "CUDAExecutionProvider" in providers:
         # A CUDA build without a usable GPU logs its failed provider load on the default logger; the fallback is
-        # detected and reported below instead.
+        # detected and reported by the caller instead.
         ort.set_default_logger_severity(4)
-    session = ort.InferenceSession(str(path), sess_options=opts, providers=[p for p in providers if p in available])
-    actual = session.get_providers()[0]
-    if actual != providers[0]:
-        log.info("ONNX Runtime asked for %s, runs on %s", providers[0], actual)
+    session = ort.InferenceSession(str(path), sess_options=opts, providers=usable)
+    if session.get_providers()[0] != providers[0]:
+        log.info("ONNX Runtime asked for %s, runs on %s", providers[0], session.get_providers()[0])
+    return session
+
+
+def ort_providers(device: str | None) -> list[str] | None:
+    """The provider list for a device name: None (CUDA, else CPU), "cpu", "cuda" or a provider name."""
+    if device in (None, "default"):
+        return None
+    return list(dict.fromkeys([_ort_provider(device), "CPUExecutionProvider"]))
+
+
+def open_onnxruntime(path: str | Path, providers: list[str] | None = None, threads: int = 1,
+                     spinning: bool | None = None) -> OpenedGraph:
+    """A graph in ORT behind the plain feed -> outputs call (arrays in, arrays out)."""
+    session = ort_session(path, providers, threads, spinning)
     outputs = tuple(o.name for o in session.get_outputs())
 
     def run(feed: Feed) -> dict[str, np.ndarray]:
         return dict(zip(outputs, session.run(None, feed)))
 
-    return OpenedGraph("onnxruntime", actual, run, tuple(i.name for i in session.get_inputs()), outputs)
+    return OpenedGraph("onnxruntime", session.get_providers()[0], run, tuple(i.name for i in session.get_inputs()),
+                       outputs)
 
 
 def default_openvino_device() -> str:
@@ -78,6 +96,32 @@ def open_openvino(path: str | Path, device: str | None = None, threads: int = 1,
     import openvino as ov
 
     core = ov.Core()
+    model = core.read_model(str(path), str(weights)) if weights else core.read_model(str(path))
+    return _compile_openvino(core, model, device, threads, cache_dir)
+
+
+def open_openvino_model(proto, device: str | None = None, threads: int = 1,
+                        cache_dir: str | Path | None = None) -> OpenedGraph:
+    """An in-memory ONNX model (an onnx.ModelProto, e.g. one rewritten at load time) compiled as `open_openvino`
+    does. Past protobuf's 2 GiB it goes through a temporary directory with its weights in an external file."""
+    import tempfile
+
+    import onnx
+    import openvino as ov
+
+    core = ov.Core()
+    if proto.ByteSize() < 1_900_000_000:
+        model = core.read_model(proto.SerializeToString())
+    else:
+        with tempfile.TemporaryDirectory(prefix="mirror-sd-ov-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            onnx.save_model(proto, str(path), save_as_external_data=True, location="model.onnx.data")
+            model = core.read_model(str(path))
+            return _compile_openvino(core, model, device, threads, cache_dir)
+    return _compile_openvino(core, model, device, threads, cache_dir)
+
+
+def _compile_openvino(core, model, device: str | None, threads: int, cache_dir: str | Path | None) -> OpenedGraph:
     device = device or default_openvino_device()
     if device.split(":")[0].split(".")[0] not in core.available_devices and device not in core.available_devices:
         raise BadInputError(f"OpenVINO device {device!r} is not available; available: {core.available_devices}")
@@ -87,7 +131,6 @@ def open_openvino(path: str | Path, device: str | None = None, threads: int = 1,
         config.update({"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"})
     if cache_dir:
         core.set_property({"CACHE_DIR": str(cache_dir)})
-    model = core.read_model(str(path), str(weights)) if weights else core.read_model(str(path))
     # Names are read before compiling: compilation merges tensors, and a compiled output's "any name" can then be
     # an internal alias (e.g. the last layer's Add) instead of the graph's declared output name.
     inputs = tuple(i.get_any_name() for i in model.inputs)
@@ -96,9 +139,10 @@ def open_openvino(path: str | Path, device: str | None = None, threads: int = 1,
     request = compiled.create_infer_request()
 
     def run(feed: Feed) -> dict[str, np.ndarray]:
-        result = request.infer(feed, share_inputs=True)  # inputs are contiguous and never written during a call
-        # copy: the request reuses its output buffers on the next call
-        return {name: np.array(result[port]) for name, port in zip(outputs, compiled.outputs)}
+        # Inputs are shared, not copied, where they are contiguous (a strided view is copied by OpenVINO); outputs
+        # are the request's own buffers, valid until its next call: callers copy what they keep.
+        result = request.infer(feed, share_inputs=True, share_outputs=True)
+        return {name: result[port] for name, port in zip(outputs, compiled.outputs)}
 
     return OpenedGraph("openvino", device, run, inputs, outputs)
 
@@ -107,8 +151,7 @@ def open_graph(path: str | Path, backend: str, device: str | None = None, thread
                cache_dir: str | Path | None = None) -> OpenedGraph:
     """cache_dir: OpenVINO's compile cache (CACHE_DIR); ONNX Runtime has none."""
     if backend == "onnxruntime":
-        providers = None if device in (None, "default") else [_ort_provider(device), "CPUExecutionProvider"]
-        return open_onnxruntime(path, providers, threads)
+        return open_onnxruntime(path, ort_providers(device), threads)
     if backend == "openvino":
         return open_openvino(path, device, threads, cache_dir)
     raise BadInputError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")

@@ -1,14 +1,16 @@
 """The draft side: rollouts and branch-complete rollouts over the draft engine, plus the branch planner.
 
 A `Drafter` is used by exactly one thread (the scheduler's draft thread, or the main thread when overlap is off).
-It keeps a few "lanes": caches with the token sequences they hold (the last rollout's cache, and the batched cache
-of the last branch set). A request starts from whichever lane row shares the longest prefix with what it needs,
-so after a branch hit the next request continues that branch's cache and after a miss the main cache is reused
-up to the accepted tokens. Nothing is trimmed in place: trimming and forking make new caches (runtime/kv.py).
+It keeps one context lane - the KV of one token sequence in buffers the engine allocated once (runtime/kv.py) -
+and the rows of its last branch set. A request starts from whichever of them shares the longest prefix with what
+it needs: after a branch hit the hit row's few own slots move into the lane (its lane prefix stays where it is),
+after a miss the lane is cut back to the accepted tokens. Cutting back is a length; nothing is copied but the
+new positions.
 
-Branch sets run as one batch: row b is the branch (A_b, c_b); all rows share the cache of the common part, each
-row's extra tokens are left-padded to a common length with mask 0 (a hole, never a key), and with a plain draft
-every later forward adds one token to every row: gamma forwards produce every branch's window.
+Branch sets run as one batch: row b is the branch (A_b, c_b). Every row reads the lane up to what it shares with
+its own sequence (one broadcast read of the lane for all rows, no per-row copy), then its own past: the tokens it
+fed since, left-padded to a common width with mask 0 (a hole, never a key). With a plain draft every later forward
+adds one token to every row: gamma forwards produce every branch's window.
 
 A streaming draft (manifest `draft.streams` = S > 0) also proposes S more tokens per forward (`stream_ids`). Its
 rollouts verify themselves (Speculative Streaming): each forward feeds, per row, the tokens its cache lacks (a
@@ -43,7 +45,7 @@ import numpy as np
 
 from mirror_sd.partitions.manifest import LOGITS, STREAM_IDS
 from mirror_sd.runtime.engines import GraphEngine
-from mirror_sd.runtime.kv import KVCache
+from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
 from mirror_sd.runtime.messages import BranchKey, BranchSet, DraftWindow, ExitCandidates, frozen
 from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, rng_for
 
@@ -93,12 +95,6 @@ def plan_branches(c: ExitCandidates, kappa: int, budget: int, accept_rate: float
     return tuple((r, v) for _, r, v in scored[:budget])
 
 
-@dataclass(frozen=True)
-class _Lane:
-    cache: KVCache  # one row per sequence; a one-row lane has no holes
-    rows: tuple[np.ndarray, ...]  # the real tokens each row holds
-
-
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.size, b.size)
     diff = np.flatnonzero(a[:n] != b[:n])
@@ -142,10 +138,15 @@ class _Rows:
 
     tokens: list[list[int]]
     logits: list[list[np.ndarray]]
-    cache: KVCache  # row b holds its base + tokens[b][:cached[b]] (holes where proposals were rejected)
+    shared: np.ndarray  # [B] lane slots each row reads
+    own: OwnPast  # each row's own past: the tokens it fed (holes where proposals were rejected)
+    fed: list[list[int]]  # per row, the real tokens of `own`, in order
     forwards: int
-    cached: list[int]  # per row, how many of its tokens the cache holds: all but the last, less any trusted ones
     complete: bool = True  # False: cancelled part way
+
+    def held(self, lane: ContextLane, b: int) -> np.ndarray:
+        """The token sequence row b's caches hold: its lane prefix, then its own real tokens."""
+        return np.concatenate([lane.tokens[:self.shared[b]], np.asarray(self.fed[b], np.int64)])
 
 
 def _confirm(choose_at: Callable[[int], int], proposals: np.ndarray, room: int) -> list[int]:
@@ -168,7 +169,8 @@ class Drafter:
         self.engine, self.params = engine, params
         # (start, end, rows, tokens produced) per forward, for the stats; a prompt read reports 0 rows
         self.on_forward = on_forward
-        self.lanes: list[_Lane] = []
+        self.lane = engine.context_lane()
+        self.rows: _Rows | None = None  # the last branch set's rows, kept until the next request
         facts = engine.facts
         if getattr(facts, "output_vocab_size", 0) and engine.output_ids is None:
             raise ValueError("the draft predicts over a reduced vocabulary, but its engine has no output_ids "
@@ -181,66 +183,70 @@ class Drafter:
 
     def reset(self) -> None:
         """Forget every cache (after a failure: nothing half-updated is ever reused)."""
-        self.lanes = []
+        self.lane.truncate(0)
+        self.rows = None
 
     # -- building blocks -----------------------------------------------------------------------------------
-    def _forward(self, x: np.ndarray, cache: KVCache, new_mask: np.ndarray | None = None
-                 ) -> tuple[dict[str, np.ndarray], KVCache, tuple[float, float]]:
+    def _forward(self, x: np.ndarray, shared: np.ndarray, own: OwnPast, new_mask: np.ndarray
+                 ) -> tuple[dict[str, np.ndarray], dict, tuple[float, float]]:
         start = time.perf_counter()
-        out, cache = self.engine.run(x, cache, new_mask)
-        return out, cache, (start, time.perf_counter())
+        out, new_kv = self.engine.run(x, positions(shared, own, new_mask), self.lane, shared, own, new_mask)
+        return out, new_kv, (start, time.perf_counter())
 
     def _report(self, interval: tuple[float, float], rows: int, tokens: int) -> None:
         if self.on_forward:
             self.on_forward(*interval, rows, tokens)
 
-    def _best(self, seq: np.ndarray) -> tuple[_Lane | None, int]:
-        """The one-row lane (a row of a kept lane, holes removed) sharing the longest prefix with `seq`."""
-        best, best_len = None, -1
-        for lane in self.lanes:
-            for b, row in enumerate(lane.rows):
-                n = _common_prefix(row, seq)
-                if n > best_len:
-                    best, best_len = (lane, b), n
-        if best is None:
-            return None, 0
-        lane, b = best
-        return (lane if lane.cache.batch == 1 else _Lane(lane.cache.row(b), (lane.rows[b],))), best_len
-
-    def _start(self, seq: np.ndarray, keep_last: bool = True) -> tuple[KVCache, int]:
-        """A one-row cache holding the longest available prefix of `seq` (at most len - 1 when keep_last, so
-        at least one token is left to feed), and that prefix's length."""
-        lane, common = self._best(seq)
-        if lane is None:
-            return self.engine.empty_cache(), 0
+    def _take(self, seq: np.ndarray, keep_last: bool = True) -> int:
+        """Make the lane hold the longest prefix of `seq` any cache has (at most len - 1 when keep_last, so at least
+        one token is left to feed) and return its length. A row of the last branch set that shares more of `seq`
+        than the lane (a branch hit) moves into the lane first: its lane prefix, then its own real slots."""
+        common = _common_prefix(self.lane.tokens, seq)
+        rows, self.rows = self.rows, None
+        if rows is not None:
+            best = max(range(rows.own.batch), key=lambda b: _common_prefix(rows.held(self.lane, b), seq))
+            if _common_prefix(rows.held(self.lane, best), seq) > common:
+                self.lane.truncate(int(rows.shared[best]))
+                self.lane.append(rows.own.row(best), np.asarray(rows.fed[best], np.int64))
+                common = _common_prefix(self.lane.tokens, seq)
         keep = min(common, seq.size - 1) if keep_last else common
-        return lane.cache.trim(keep), keep
+        self.lane.truncate(keep)
+        return keep
 
-    def _roll(self, cache: KVCache, tails: list[np.ndarray], rngs: list, gamma: int,
+    def _read(self, seq: np.ndarray) -> tuple[float, float] | None:
+        """Feed `seq` into the lane in chunks (a prompt); returns the reading's interval."""
+        start, chunk = time.perf_counter(), self.engine.prompt_chunk
+        for lo in range(0, seq.size, chunk):
+            part = seq[None, lo:lo + chunk]
+            mask = np.ones(part.shape, np.int64)
+            own = self.engine.empty_own(1)
+            _, new_kv, _ = self._forward(part, np.array([self.lane.length]), own, mask)
+            self.lane.append(new_kv, part[0])
+        return start, time.perf_counter()
+
+    def _roll(self, shared: np.ndarray, tails: list[np.ndarray], rngs: list, gamma: int,
               cancelled: Callable[[], bool]) -> _Rows:
-        """Continue every row of `cache` by gamma tokens; tails[b] (>= 1 token) is what row b's cache lacks of
-        its sequence. Stops incomplete when `cancelled` says so between forwards."""
+        """Continue every row by gamma tokens: row b reads lane slots [0, shared[b]) and tails[b] (>= 1 token) is
+        what it lacks of its sequence after them. Stops incomplete when `cancelled` says so between forwards."""
         n, vocab, params = len(tails), self.vocab, self.params
         tokens: list[list[int]] = [[] for _ in range(n)]
         logits: list[list[np.ndarray]] = [[] for _ in range(n)]
-        feeds, props = list(tails), [_NONE] * n  # per row: tokens its cache lacks, then the proposals to check
-        cached = [0] * n  # per row: how many of its tokens the cache holds
+        feeds, props = list(tails), [_NONE] * n  # per row: tokens its caches lack, then the proposals to check
+        own, fed = self.engine.empty_own(n), [[] for _ in range(n)]
         forwards = 0
         while True:
             active = [b for b in range(n) if len(tokens[b]) < gamma]
             if not active:
-                return _Rows(tokens, logits, cache, forwards, cached)
+                return _Rows(tokens, logits, shared, own, fed, forwards)
             if forwards and cancelled():
-                return _Rows(tokens, logits, cache, forwards, cached, complete=False)
+                return _Rows(tokens, logits, shared, own, fed, forwards, complete=False)
             width = max(feeds[b].size + props[b].size for b in active)
-            if len(active) == n and all(feeds[b].size + props[b].size == width for b in active):
-                x, mask = np.stack([np.concatenate([feeds[b], props[b]]) for b in range(n)]), None
-            else:  # left-pad: every row's last column is its newest fed token; finished rows feed holes only
-                x, mask = np.full((n, width), PAD_ID, np.int64), np.zeros((n, width), np.int64)
-                for b in active:
-                    fed = np.concatenate([feeds[b], props[b]])
-                    x[b, width - fed.size:], mask[b, width - fed.size:] = fed, 1
-            out, cache, interval = self._forward(x, cache, mask)
+            # left-pad: every row's last column is its newest fed token; finished rows feed holes only
+            x, mask = np.full((n, width), PAD_ID, np.int64), np.zeros((n, width), np.int64)
+            for b in active:
+                row = np.concatenate([feeds[b], props[b]])
+                x[b, width - row.size:], mask[b, width - row.size:] = row, 1
+            out, new_kv, interval = self._forward(x, shared, own, mask)
             forwards += 1
             step_logits = out[LOGITS]  # [B,W,Vd]
             span = 1 + max(props[b].size for b in active)  # the columns where choices are made
@@ -253,19 +259,17 @@ class Drafter:
                 logits[b].append(step_logits[b, at])
                 return vocab.choose(step_logits[b, at], params, rngs[b])
 
-            keep, produced = None, 0
+            keep, produced = mask.copy(), 0
             for b in active:
                 m = props[b].size
                 col = width - m - 1  # the last fed token that is not a proposal: its choice is the next token
                 new = _confirm(lambda i: pick(b, col + i), props[b], gamma - len(tokens[b]))  # noqa: B023
+                accepted = len(new) - 1  # proposals that held
+                keep[b, col + 1 + accepted:] = 0  # the rejected proposals' slots become holes
+                fed[b] += x[b, width - feeds[b].size - m:col + 1 + accepted].tolist()
                 tokens[b] += new
                 produced += len(new)
-                accepted = len(new) - 1  # proposals that held
-                if accepted < m:  # the rejected proposals' slots become holes
-                    keep = np.ones(x.shape, np.int64) if keep is None else keep
-                    keep[b, col + 1 + accepted:] = 0
                 feeds[b] = np.asarray(new[-1:], np.int64)
-                cached[b] = len(tokens[b]) - 1
                 room = gamma - len(tokens[b])
                 if self.trust and 0 < room <= self.streams:  # the proposals fill the window: take them as drafted
                     trusted = out[STREAM_IDS][b, col + accepted, :room].astype(np.int64).tolist()
@@ -275,8 +279,7 @@ class Drafter:
                     continue
                 more = min(self.streams, room - 1)  # never propose past the window
                 props[b] = out[STREAM_IDS][b, col + accepted, :more].astype(np.int64) if more > 0 else _NONE
-            if keep is not None:
-                cache = cache.masked_tail(keep)
+            own = own.extended(new_kv, keep)
             self._report(interval, len(active), produced)  # finished rows fed only holes: not row-forwards
 
     def _window(self, context_len: int, rows: _Rows, b: int) -> DraftWindow:
@@ -285,45 +288,40 @@ class Drafter:
 
     # -- requests ------------------------------------------------------------------------------------------
     def warm(self, context: tuple[int, ...]) -> int:
+        """Read `context` into the lane (the prompt, while the target prefills it); returns the tokens fed."""
         seq = np.asarray(context, np.int64)
-        cache, keep = self._start(seq, keep_last=False)
+        keep = self._take(seq, keep_last=False)
         if keep < seq.size:
-            _, cache, interval = self._forward(seq[None, keep:], cache)
+            interval = self._read(seq[keep:])
             self._report(interval, 0, 0)  # reads the prompt, produces no draft token
-        self.lanes = [_Lane(cache, (seq,))]
         return int(seq.size - keep)
 
     def rollout(self, context: tuple[int, ...], gamma: int) -> DraftWindow:
-        """gamma tokens continuing `context`; afterwards the main lane holds context + window[:-1]."""
+        """gamma tokens continuing `context`; afterwards the lane holds context + what the rollout fed of the window
+        (every token but the last, less any trusted ones: the target verifies those, the next rollout feeds them)."""
         seq = np.asarray(context, np.int64)
-        cache, keep = self._start(seq)
+        keep = self._take(seq)
         rng = None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, seq.size)
-        rows = self._roll(cache, [seq[keep:]], [rng], gamma, lambda: False)
-        # The last token (and any trusted ones) are never fed: the target verifies them, and the next rollout feeds
-        # what was committed.
-        cache = rows.cache if rows.cache.mask.all() else rows.cache.row(0)  # a one-row lane keeps no holes
-        self.lanes = [_Lane(cache, (np.concatenate([seq, rows.tokens[0][:rows.cached[0]]]).astype(np.int64),))]
+        rows = self._roll(np.array([keep]), [seq[keep:]], [rng], gamma, lambda: False)
+        self.lane.append(rows.own.row(0), np.asarray(rows.fed[0], np.int64))
         return self._window(seq.size, rows, 0)
 
     def branches(self, c: ExitCandidates, plan: tuple[BranchKey, ...], gamma: int,
                  cancelled: Callable[[], bool] = lambda: False) -> BranchSet:
-        """One batched rollout: row b continues context + window[:A_b] + (c_b,) by gamma tokens."""
+        """One batched rollout: row b continues context + window[:A_b] + (c_b,) by gamma tokens. Every row reads as
+        much of the lane as it shares with its sequence; the lane itself is not changed (a miss continues it), and
+        the rows are kept for the next request (a hit continues its row)."""
+        ctx = np.asarray(c.context, np.int64)
+        self._take(np.concatenate([ctx, c.window]).astype(np.int64), keep_last=False)  # a hit row joins the lane
         if not plan:
             return BranchSet.of({}, 0)
-        ctx = np.asarray(c.context, np.int64)
         bases = [np.concatenate([ctx, c.window[:r], [v]]).astype(np.int64) for r, v in plan]
-        base_lane, shared = self._best(np.concatenate([ctx, c.window]).astype(np.int64))
-        shared = min(shared, ctx.size + min(r for r, _ in plan))  # every row feeds at least its own token
-        base_cache = base_lane.cache.trim(shared) if base_lane else self.engine.empty_cache()
+        shared = np.array([min(_common_prefix(self.lane.tokens, b), b.size - 1) for b in bases], np.int64)
         # Each row draws with the generator a fresh rollout of its context would use, so a branch's window is
         # the window a miss would have drawn (up to batch rounding of the draft's logits).
         rngs = [None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, b.size) for b in bases]
-        rows = self._roll(base_cache.repeat(len(plan)), [b[shared:] for b in bases], rngs, gamma, cancelled)
+        rows = self._roll(shared, [b[s:] for b, s in zip(bases, shared)], rngs, gamma, cancelled)
         if not rows.complete:
             return BranchSet.of({}, rows.forwards, complete=False)
-        windows = {key: self._window(bases[b].size, rows, b) for b, key in enumerate(plan)}
-        held = tuple(np.concatenate([bases[b], rows.tokens[b][:rows.cached[b]]]).astype(np.int64)
-                     for b in range(len(plan)))
-        # Keep the lane the batch started from (a miss continues it) and the batch (a hit continues its row).
-        self.lanes = [*([base_lane] if base_lane else []), _Lane(rows.cache, held)]
-        return BranchSet.of(windows, rows.forwards)
+        self.rows = rows
+        return BranchSet.of({key: self._window(bases[b].size, rows, b) for b, key in enumerate(plan)}, rows.forwards)

@@ -1,30 +1,35 @@
-"""Engines: one graph of a bundle on one runtime, run with an explicit KV cache.
+"""The draft engine: the bundle's draft graph (split past, partitions/spec.py) on one runtime.
 
-`GraphEngine.run(x, cache)` is the whole interface the decoders use: prefill is `run` on an empty cache, a step is
-`run` on the cache the last call returned; trimming and forking are operations on the cache itself
-(runtime/kv.py). An engine keeps no per-sequence state, so whichever thread owns a cache owns that sequence.
-The target is two engines (prefix on [0, l_e) with the early-exit head, suffix on [l_e, N)); the draft is one.
+`GraphEngine.run(x, positions, lane, shared, own, new_mask)` is the whole interface the drafter uses: every row
+reads the first shared[b] slots of the context lane, then its own past, then its new tokens; the engine returns
+the head outputs and the new tokens' KV, which the drafter appends where it belongs (runtime/draft.py). The
+engine keeps no per-sequence state: whichever thread holds a lane (`context_lane`) owns that sequence. The target is in runtime/target.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 import numpy as np
 
 from mirror_sd.errors import ManifestError
-from mirror_sd.partitions.manifest import EXIT_IDS, EXIT_LOGPROBS, LOGITS, Manifest, ModelFacts, resolve_inside
-from mirror_sd.partitions.spec import PartitionSpec
+from mirror_sd.partitions.manifest import Manifest, ModelFacts, resolve_inside
+from mirror_sd.partitions.spec import (
+    PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
+    shared_value_name,
+)
 from mirror_sd.runtime.backends import OpenedGraph, open_graph
-from mirror_sd.runtime.kv import KVCache
+from mirror_sd.runtime.kv import ContextLane, LayerKV, OwnPast
+
+# The context lane's slots beyond the target's: a window (and its stream proposals) is drafted past the context.
+LANE_OVERHANG = 64
+PROMPT_CHUNK = 512  # prompt tokens per forward when the draft reads a prompt: bounds its attention scratch
 
 
 class GraphEngine:
-    """One partition's graph. Inputs: its first declared input (input_ids or hidden_states), attention_mask,
-    position_ids and the past KV of its layers; outputs: its head outputs plus the updated cache.
+    """The draft graph. Inputs: input_ids, position_ids, shared_mask, attention_mask (own past + new), the shared and
+    own past KV of its layers; outputs: its head outputs plus the new tokens' KV.
 
     output_ids: for a draft over a reduced vocabulary, the target id of each logits column (None: column i is id i).
     """
@@ -34,7 +39,6 @@ class GraphEngine:
         _check_names(graph, spec)
         self.graph, self.spec, self.facts = graph, spec, facts
         self.output_ids = output_ids
-        self.input_name = spec.inputs[0].name
         self.head_outputs = tuple(o.name for o in spec.outputs if not o.name.startswith("present."))
         self.forwards = 0  # graph executions so far (the stats report a generation's share)
 
@@ -54,28 +58,53 @@ class GraphEngine:
         """What ran this graph, for the stats (the static-IR draft engine reports its shapes and weights)."""
         return {f"{self.spec.role}_graph": f"dynamic-{self.spec.file.rsplit('.', 1)[-1]}"}
 
-    def empty_cache(self, batch: int = 1) -> KVCache:
-        return KVCache.empty(self.spec.kv_layers, batch, self.facts.num_kv_heads, self.facts.head_dim,
-                             self.facts.dtype)
+    @property
+    def lane_capacity(self) -> int:
+        return self.facts.max_position_embeddings + LANE_OVERHANG
 
-    def run(self, x: np.ndarray, cache: KVCache, new_mask: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], KVCache]:
-        """Run `x` ([B,T] ids or [B,T,H] hidden) after `cache`; returns (head outputs, cache extended by x).
+    @property
+    def prompt_chunk(self) -> int:
+        """The widest feed worth one forward when reading a prompt."""
+        return PROMPT_CHUNK
 
-        new_mask [B,T] marks x's real tokens (default all); padded ones get mask 0 and never become keys. Position
-        ids continue each row's count of real tokens.
-        """
-        batch, new = x.shape[:2]
-        if cache.batch != batch:
-            raise ValueError(f"input batch {batch} != cache batch {cache.batch}")
-        new_mask = np.ones((batch, new), np.int64) if new_mask is None else new_mask.astype(np.int64)
-        feed = {self.input_name: np.ascontiguousarray(x), "attention_mask": np.concatenate([cache.mask, new_mask], 1),
-                "position_ids": cache.positions(new_mask), **cache.feed()}
+    def context_lane(self) -> ContextLane:
+        """An empty lane with buffers of `lane_capacity` slots of its own."""
+        f = self.facts
+        shape = (1, f.num_kv_heads, self.lane_capacity, f.head_dim)
+        return ContextLane({i: (np.zeros(shape, f.dtype), np.zeros(shape, f.dtype)) for i in self.spec.kv_layers})
+
+    def empty_own(self, batch: int = 1) -> OwnPast:
+        f = self.facts
+        return OwnPast.empty(self.spec.kv_layers, batch, f.num_kv_heads, f.head_dim, f.dtype)
+
+    def run(self, x: np.ndarray, positions: np.ndarray, lane: ContextLane, shared: np.ndarray, own: OwnPast,
+            new_mask: np.ndarray) -> tuple[dict[str, np.ndarray], LayerKV]:
+        """Run x [B,T] at `positions` [B,T]; row b reads lane slots [0, shared[b]), its own past, and x where
+        new_mask [B,T] is 1. Returns (head outputs [B,T,...], new KV [B,kv_heads,T,head_dim] per layer), copies."""
+        batch, new = x.shape
+        if own.batch != batch:
+            raise ValueError(f"input batch {batch} != own past batch {own.batch}")
+        span = int(shared.max()) if shared.size else 0
+        shared_mask = (np.arange(span)[None] < shared[:, None]).astype(np.int64)
+        feed = {"input_ids": np.ascontiguousarray(x), "position_ids": positions, "shared_mask": shared_mask,
+                "attention_mask": np.concatenate([own.mask, new_mask.astype(np.int64)], 1)}
+        context = lane.view(span)
+        for j, i in enumerate(own.layers):
+            feed[shared_key_name(i)], feed[shared_value_name(i)] = context[i]
+            feed[past_key_name(i)], feed[past_value_name(i)] = own.keys[j], own.values[j]
         out = self.graph.run(feed)
         self.forwards += 1
-        return {name: out[name] for name in self.head_outputs}, cache.extended(out, new_mask)
+        heads = {name: np.array(out[name]) for name in self.head_outputs}
+        return heads, {i: (np.array(out[present_key_name(i)]), np.array(out[present_value_name(i)]))
+                       for i in own.layers}
 
-    def prefill(self, x: np.ndarray) -> tuple[dict[str, np.ndarray], KVCache]:
-        return self.run(x, self.empty_cache(x.shape[0]))
+    def prefill(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """Head outputs for whole sequences x [B,T] from an empty past (the reference generator)."""
+        mask = np.ones(x.shape, np.int64)
+        own = self.empty_own(x.shape[0])
+        heads, _ = self.run(x, np.broadcast_to(np.arange(x.shape[1]), x.shape).astype(np.int64), self.context_lane(),
+                            np.zeros(x.shape[0], np.int64), own, mask)
+        return heads
 
 
 def _check_names(graph: OpenedGraph, spec: PartitionSpec) -> None:
@@ -87,18 +116,18 @@ def _check_names(graph: OpenedGraph, spec: PartitionSpec) -> None:
                             f"(differing: {', '.join(diff[:6])})")
 
 
-def open_engine(bundle: str | Path, manifest: Manifest, role: str, device: str | None = None,
-                threads: int = 1, cache_dir: str | Path | None = None) -> GraphEngine:
-    """Open partition `role` on its manifest backend. device None: the backend's default (ORT: CUDA then CPU;
-    OpenVINO: NPU where present, else CPU). cache_dir: OpenVINO's compile cache."""
-    spec = manifest.partition(role)  # type: ignore[arg-type]
+def open_engine(bundle: str | Path, manifest: Manifest, role: str = "draft", device: str | None = None,
+                threads: int = 1, cache_dir: str | Path | None = None, backend: str | None = None) -> GraphEngine:
+    """Open the draft on `backend` (default: the manifest's). device None: the backend's default (ORT: CUDA then
+    CPU; OpenVINO: NPU where present, else CPU). cache_dir: OpenVINO's compile cache."""
+    if role != "draft":
+        raise ValueError("open_engine opens the draft; the target is runtime/target.py's")
+    spec = manifest.partition("draft")
     path = resolve_inside(Path(bundle).resolve(), spec.file)
     if device in (None, "default"):
         device = None if spec.device in ("", "default") else spec.device
-    graph = open_graph(path, spec.backend, device, threads, cache_dir)
-    if role == "draft":
-        return GraphEngine(graph, spec, manifest.draft, load_output_vocab(bundle, manifest))
-    return GraphEngine(graph, spec, manifest.target)
+    graph = open_graph(path, backend or spec.backend, device, threads, cache_dir)
+    return GraphEngine(graph, spec, manifest.draft, load_output_vocab(bundle, manifest))
 
 
 def load_output_vocab(bundle: str | Path, manifest: Manifest) -> np.ndarray | None:
@@ -121,59 +150,3 @@ def load_output_vocab(bundle: str | Path, manifest: Manifest) -> np.ndarray | No
                             f"[0, {facts.vocab_size})")
     ids.setflags(write=False)
     return ids
-
-
-@dataclass(frozen=True)
-class TargetCache:
-    prefix: KVCache
-    suffix: KVCache
-
-    @property
-    def length(self) -> int:
-        return self.prefix.slots
-
-    def trim(self, length: int) -> TargetCache:
-        return TargetCache(self.prefix.trim(length), self.suffix.trim(length))
-
-
-@dataclass(frozen=True)
-class ExitOutput:
-    """What the prefix gives: the boundary hidden state and the early-exit top-k for every input position."""
-
-    hidden: np.ndarray  # [1,T,H]
-    topk_ids: np.ndarray  # [T,k] int64: candidates for the token AFTER input position t, most probable first
-    topk_logprobs: np.ndarray  # [T,k]
-
-
-class Target:
-    """The target as prefix + suffix engines. Batch 1."""
-
-    def __init__(self, prefix: GraphEngine, suffix: GraphEngine) -> None:
-        self.prefix, self.suffix = prefix, suffix
-
-    @property
-    def device(self) -> str:
-        return self.prefix.device
-
-    def empty_cache(self) -> TargetCache:
-        return TargetCache(self.prefix.empty_cache(), self.suffix.empty_cache())
-
-    def run_prefix(self, ids: list[int] | tuple[int, ...], cache: TargetCache) -> tuple[ExitOutput, KVCache]:
-        out, prefix_cache = self.prefix.run(np.asarray([ids], np.int64), cache.prefix)
-        return ExitOutput(out["hidden_states"], out[EXIT_IDS][0], out[EXIT_LOGPROBS][0]), prefix_cache
-
-    def run_suffix(self, hidden: np.ndarray, cache: TargetCache) -> tuple[np.ndarray, KVCache]:
-        """[T,V] logits for the positions of `hidden`."""
-        out, suffix_cache = self.suffix.run(hidden, cache.suffix)
-        return out[LOGITS][0], suffix_cache
-
-    def forward(self, ids: list[int] | tuple[int, ...], cache: TargetCache) -> tuple[np.ndarray, TargetCache]:
-        """Prefix then suffix, no overlap: [T,V] logits and the extended cache."""
-        exit_out, prefix_cache = self.run_prefix(ids, cache)
-        logits, suffix_cache = self.run_suffix(exit_out.hidden, cache)
-        return logits, TargetCache(prefix_cache, suffix_cache)
-
-
-def open_target(bundle: str | Path, manifest: Manifest, device: str | None = None, threads: int = 1) -> Target:
-    return Target(open_engine(bundle, manifest, "target_prefix", device, threads),
-                  open_engine(bundle, manifest, "target_suffix", device, threads))

@@ -1,10 +1,14 @@
-"""Per-engine KV caches as immutable numpy values: trim to an accepted length, fork into a batch, pick one row.
+"""The draft's KV state, as its split-past graph reads it (partitions/spec.py "split-past").
 
-A cache holds, per layer, keys and values [B, kv_heads, S, head_dim] and one attention mask [B, S] (1 = a real
-token). S counts slots; a row may have holes (mask 0) where a shorter branch was left-padded inside a batched
-draft rollout, or where a streaming draft fed a proposal that its own main stream then rejected. The position id of a row's next token is its number of real tokens, so holes never shift
-positions. Every operation returns a new cache; no array is ever written in place, so a cache handed to another
-object (or kept as a branch) cannot change under it.
+- `ContextLane`: the KV of one token sequence in per-layer buffers [1, kv_heads, capacity, head_dim] allocated once
+  per lane (a drafter keeps one for a whole generation): slots [0, length) hold `tokens`. Every batch row of a forward reads a prefix of it
+  (the row's shared length), so branch rows over one context never copy it. Truncating is a length; appending
+  writes only the new slots.
+- `OwnPast`: each row's own short past [B, kv_heads, S, head_dim] - the tokens a row fed since it left the lane, a
+  few per forward - as an immutable value: extending it makes a new one, a slot can become a hole (mask 0: a
+  proposal the row fed and then rejected). Holes never shift positions: a row's next position is its shared length
+  plus its real own slots.
+The target keeps its cache differently: in device buffers written in place by its graphs (runtime/target.py).
 """
 
 from __future__ import annotations
@@ -13,20 +17,61 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mirror_sd.partitions.spec import past_key_name, past_value_name, present_key_name, present_value_name
+from mirror_sd.errors import ContextLimitError
+
+LayerKV = dict[int, tuple[np.ndarray, np.ndarray]]  # layer -> (keys, values)
+
+
+class ContextLane:
+    """One sequence's KV in buffers allocated once for it (np.zeros: pages are mapped as they are first written);
+    the thread that holds the lane owns it."""
+
+    def __init__(self, buffers: LayerKV) -> None:
+        self.buffers = buffers
+        self.tokens = np.zeros(0, np.int64)
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.buffers.values()))[0].shape[2] if self.buffers else 0
+
+    def view(self, slots: int) -> LayerKV:
+        """Slots [0, slots) of every layer (views, not copies)."""
+        return {i: (k[:, :, :slots], v[:, :, :slots]) for i, (k, v) in self.buffers.items()}
+
+    def full(self) -> LayerKV:
+        """Every slot of every layer, held or not (a static graph reads the whole buffer behind a mask)."""
+        return self.buffers
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a {self.length}-token lane to {length}")
+        self.tokens = self.tokens[:length]
+
+    def append(self, kv: LayerKV, tokens: np.ndarray) -> None:
+        """Write the KV of `tokens` ([1, kv_heads, n, head_dim] per layer) after the held slots."""
+        start, n = self.length, int(len(tokens))
+        if start + n > self.capacity:
+            raise ContextLimitError(f"the draft's context buffers hold {self.capacity} tokens, not {start + n}")
+        for i, (k, v) in kv.items():
+            keys, values = self.buffers[i]
+            keys[:, :, start:start + n] = k
+            values[:, :, start:start + n] = v
+        self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int64)])
 
 
 @dataclass(frozen=True)
-class KVCache:
+class OwnPast:
     layers: tuple[int, ...]  # global layer numbers, in graph order
-    keys: tuple[np.ndarray, ...]  # per layer: [B, kv_heads, S, head_dim]
+    keys: tuple[np.ndarray, ...]  # per layer [B, kv_heads, S, head_dim]
     values: tuple[np.ndarray, ...]
-    mask: np.ndarray  # [B, S] int64, 1 = real token
+    mask: np.ndarray  # [B, S] int64, 1 = a real token
 
     @classmethod
-    def empty(cls, layers: range | tuple[int, ...], batch: int, kv_heads: int, head_dim: int,
-              dtype: str = "float32") -> KVCache:
-        """The cache before any token: 0 on the sequence axis."""
+    def empty(cls, layers, batch: int, kv_heads: int, head_dim: int, dtype: str = "float32") -> OwnPast:
         blank = np.zeros((batch, kv_heads, 0, head_dim), dtype=dtype)
         return cls(tuple(layers), (blank,) * len(layers), (blank,) * len(layers), np.zeros((batch, 0), np.int64))
 
@@ -38,68 +83,31 @@ class KVCache:
     def slots(self) -> int:
         return self.mask.shape[1]
 
-    def next_positions(self) -> np.ndarray:
-        """[B] the position id of each row's next token (its count of real tokens)."""
+    def real(self) -> np.ndarray:
+        """[B] real tokens per row."""
         return self.mask.sum(axis=1)
 
-    def positions(self, new_mask: np.ndarray) -> np.ndarray:
-        """[B,T] position ids of T new tokens after this cache: each row's count of real tokens continues over the
-        new ones whose new_mask is 1 (a hole repeats its neighbour's position, never below 0)."""
-        return np.maximum(self.next_positions()[:, None] + np.cumsum(new_mask, axis=1) - 1, 0).astype(np.int64)
+    def extended(self, new: LayerKV, new_mask: np.ndarray) -> OwnPast:
+        """The past after a forward: its new KV ([B, kv_heads, T, head_dim] per layer) appended, with its mask."""
+        keys = tuple(np.concatenate([k, new[i][0]], axis=2) for i, k in zip(self.layers, self.keys))
+        values = tuple(np.concatenate([v, new[i][1]], axis=2) for i, v in zip(self.layers, self.values))
+        return OwnPast(self.layers, keys, values, np.concatenate([self.mask, new_mask.astype(np.int64)], axis=1))
 
-    def feed(self) -> dict[str, np.ndarray]:
-        """The past_key_values.* inputs of a graph."""
-        feed = {}
-        for layer, k, v in zip(self.layers, self.keys, self.values):
-            feed[past_key_name(layer)] = np.ascontiguousarray(k)
-            feed[past_value_name(layer)] = np.ascontiguousarray(v)
-        return feed
-
-    def extended(self, outputs: dict[str, np.ndarray], new_mask: np.ndarray) -> KVCache:
-        """The cache after a forward: the graph's present.* outputs (past + new, full) and the new tokens' mask."""
-        keys = tuple(outputs[present_key_name(i)] for i in self.layers)
-        values = tuple(outputs[present_value_name(i)] for i in self.layers)
-        mask = np.concatenate([self.mask, new_mask.astype(np.int64)], axis=1)
-        if keys and keys[0].shape[2] != mask.shape[1]:
-            raise RuntimeError(f"present KV holds {keys[0].shape[2]} slots, the mask {mask.shape[1]}")
-        return KVCache(self.layers, keys, values, mask)
-
-    def appended(self, new_outputs: dict[str, np.ndarray], new_mask: np.ndarray) -> KVCache:
-        """The cache after a forward of a graph whose present.* outputs carry only the new tokens' KV (a package's
-        static draft): past + new concatenated here, then as `extended`."""
-        full = {}
-        for i, k, v in zip(self.layers, self.keys, self.values):
-            full[present_key_name(i)] = np.concatenate([k, new_outputs[present_key_name(i)]], axis=2)
-            full[present_value_name(i)] = np.concatenate([v, new_outputs[present_value_name(i)]], axis=2)
-        return self.extended(full, new_mask)
-
-    def masked_tail(self, keep: np.ndarray) -> KVCache:
-        """The cache with the mask of its last T slots multiplied by keep [B,T]: a 0 turns a fed token into a hole
-        (a proposal the draft fed and then rejected). Keys and values are shared, not copied."""
-        tail = keep.shape[1]
+    def masked_tail(self, keep: np.ndarray) -> OwnPast:
+        """The mask of the last T slots multiplied by keep [B,T]: a 0 turns a fed token into a hole. Keys and values
+        are shared, not copied."""
         mask = self.mask.copy()
-        mask[:, self.slots - tail:] *= keep.astype(np.int64)
-        return KVCache(self.layers, self.keys, self.values, mask)
+        mask[:, self.slots - keep.shape[1]:] *= keep.astype(np.int64)
+        return OwnPast(self.layers, self.keys, self.values, mask)
 
-    def trim(self, slots: int) -> KVCache:
-        """The first `slots` slots (an accepted length, for a cache without holes). Views, not copies."""
-        if not 0 <= slots <= self.slots:
-            raise ValueError(f"cannot trim a {self.slots}-slot cache to {slots}")
-        if slots == self.slots:
-            return self
-        return KVCache(self.layers, tuple(k[:, :, :slots] for k in self.keys),
-                       tuple(v[:, :, :slots] for v in self.values), self.mask[:, :slots])
-
-    def repeat(self, batch: int) -> KVCache:
-        """Fork a one-row cache into `batch` identical rows (branches over the same past)."""
-        if self.batch != 1:
-            raise ValueError("only a one-row cache can be forked")
-        rep = lambda a: np.repeat(a, batch, axis=0)  # noqa: E731
-        return KVCache(self.layers, tuple(map(rep, self.keys)), tuple(map(rep, self.values)), rep(self.mask))
-
-    def row(self, b: int) -> KVCache:
-        """Row `b` as a one-row cache with its holes removed (slots == real tokens again)."""
+    def row(self, b: int) -> LayerKV:
+        """Row b's real slots (holes removed) as [1, kv_heads, n, head_dim] per layer."""
         keep = np.flatnonzero(self.mask[b])
-        take = lambda a: np.ascontiguousarray(a[b:b + 1][:, :, keep])  # noqa: E731
-        return KVCache(self.layers, tuple(map(take, self.keys)), tuple(map(take, self.values)),
-                       np.ones((1, keep.size), np.int64))
+        return {i: (k[b:b + 1][:, :, keep], v[b:b + 1][:, :, keep]) for i, k, v in zip(self.layers, self.keys, self.values)}
+
+
+def positions(shared: np.ndarray, own: OwnPast, new_mask: np.ndarray) -> np.ndarray:
+    """[B,T] position ids of T new tokens: each row continues from its shared length + its real own slots over the
+    new tokens whose mask is 1 (a hole repeats its neighbour's position, never below 0)."""
+    start = shared.astype(np.int64) + own.real()
+    return np.maximum(start[:, None] + np.cumsum(new_mask, axis=1) - 1, 0).astype(np.int64)

@@ -23,15 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from mirror_sd.errors import BadInputError, ManifestError
+from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.planner import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
 from mirror_sd.runtime.draft import Drafter, streaming_mode
-from mirror_sd.runtime.engines import GraphEngine, Target, open_engine, open_target
+from mirror_sd.runtime.backends import BACKENDS
+from mirror_sd.runtime.engines import GraphEngine, open_engine
 from mirror_sd.runtime.package import OpenedPackage, is_package, open_package
 from mirror_sd.runtime.sampling import SamplingParams
 from mirror_sd.runtime.scheduler import MODES, DecodeConfig, DraftWorker, decode
 from mirror_sd.runtime.stats import Counters
+from mirror_sd.runtime.target import Target, open_target
 from mirror_sd.runtime.text import TextCodec, TextSink
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -77,23 +79,35 @@ class Pipeline:
         self.package = package  # a package's bounds; holds an extracted .tar's directory alive
         self.defaults = defaults  # the bundle plan's runtime section, if it has one
         self.target_threads, self.draft_threads = target_threads, draft_threads
-        facts = manifest.target
-        self.context_limit = min(facts.max_position_embeddings, manifest.draft.max_position_embeddings)
+        # the longest context a generation may reach: the target's KV buffers (at most its positions); past the
+        # draft's own context (if shorter) steps run on the target alone
+        self.context_limit = target.capacity
         self._draft_thread: threading.Thread | None = None  # the last draft thread, if it may still be running
 
     @classmethod
     def load(cls, bundle: str | Path, *, target_device: str | None = None, draft_device: str | None = None,
              target_threads: int | None = None, draft_threads: int | None = None, use_plan: bool = True,
-             cache_dir: str | Path | None = None) -> Pipeline:
+             cache_dir: str | Path | None = None, target_backend: str = "onnxruntime", draft_backend: str | None = None,
+             max_context: int | None = None, target_spinning: bool | None = None) -> Pipeline:
         """bundle: a bundle directory, or a package (directory or .tar, checked before use).
-        target_device: None (CUDA, else CPU), "cpu", "cuda" or an ONNX Runtime provider name.
-        draft_device: None (NPU, else CPU; a package: its intended device where present, else CPU) or an
-        OpenVINO device string (absent: BadInputError listing the available ones).
+        target_backend: "onnxruntime" (the default: KV buffers bound on the device, CUDA where present) or
+        "openvino" (the same graphs rewritten for OpenVINO, runtime/portable.py: for CPU-only machines).
+        target_device: ONNX Runtime: None (CUDA, else CPU), "cpu", "cuda" or a provider name; OpenVINO: a device
+        string (default CPU). draft_backend: None (the manifest's: OpenVINO), "openvino" or "onnxruntime".
+        draft_device: None (NPU, else CPU; a package: its intended device where present, else CPU) or a device
+        string of the draft's backend (absent: BadInputError listing the available ones).
         Thread counts None: the bundle plan's, else 1 each. use_plan False ignores the bundle's plan.json.
-        cache_dir: OpenVINO's compile cache directory (CACHE_DIR) for the draft."""
-        for name, n in (("target_threads", target_threads), ("draft_threads", draft_threads)):
+        max_context: the target's KV buffers in positions (default and maximum: the target's own context); a
+        generation that would not fit is refused before any device work.
+        target_spinning: whether ONNX Runtime's idle target threads spin (None: ORT's default).
+        cache_dir: OpenVINO's compile cache directory (CACHE_DIR)."""
+        for name, n in (("target_threads", target_threads), ("draft_threads", draft_threads),
+                        ("max_context", max_context)):
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
                 raise BadInputError(f"{name} must be an integer >= 1, got {n!r}")
+        for name, value in (("target_backend", target_backend), ("draft_backend", draft_backend)):
+            if value is not None and value not in BACKENDS:
+                raise BadInputError(f"unknown {name} {value!r}; known: {', '.join(BACKENDS)}")
         package = open_package(bundle) if is_package(bundle) else None
         bundle = package.root if package else bundle
         manifest = Manifest.load(bundle)
@@ -103,13 +117,19 @@ class Pipeline:
         if draft_threads is None:
             draft_threads = defaults.draft_threads if defaults else BUILTIN_THREADS
         codec = TextCodec(bundle, manifest)
-        target = open_target(bundle, manifest, target_device, target_threads)
+        if target_backend == "openvino":
+            from mirror_sd.runtime.portable import open_portable_target
+
+            target = open_portable_target(bundle, manifest, target_device or "CPU", target_threads, max_context,
+                                          cache_dir)
+        else:
+            target = open_target(bundle, manifest, target_device, target_threads, max_context, target_spinning)
         if package:
             from mirror_sd.runtime.static_draft import open_static_draft
 
             draft = open_static_draft(package.root, manifest, package.info, draft_device, draft_threads, cache_dir)
         else:
-            draft = open_engine(bundle, manifest, "draft", draft_device, draft_threads, cache_dir)
+            draft = open_engine(bundle, manifest, "draft", draft_device, draft_threads, cache_dir, draft_backend)
         return cls(manifest, target, draft, codec, defaults, target_threads, draft_threads, package)
 
     # -- prompts -------------------------------------------------------------------------------------------
@@ -178,8 +198,8 @@ class Pipeline:
         if self.package:
             self._check_bounds(len(ids), max_new_tokens, cfg)
         if len(ids) + max_new_tokens > self.context_limit:
-            raise BadInputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                                f"context limit of {self.context_limit} tokens")
+            raise ContextLimitError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                                    f"context limit of {self.context_limit} tokens")
         return self._decode(ids, cfg, stop)
 
     def _check_bounds(self, prompt_len: int, max_new_tokens: int, cfg: DecodeConfig) -> None:

@@ -36,11 +36,13 @@ from mirror_sd.errors import BadInputError
 from mirror_sd.partitions import planner
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
 from mirror_sd.runtime.draft import Drafter, plan_branches
-from mirror_sd.runtime.engines import GraphEngine, Target
+from mirror_sd.runtime.engines import GraphEngine
 from mirror_sd.runtime.messages import ExitCandidates, frozen
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.sampling import SamplingParams
+from mirror_sd.runtime.kv import positions
 from mirror_sd.runtime.scheduler import background_loop
+from mirror_sd.runtime.target import Target
 
 Report = Callable[[str], None]
 
@@ -109,12 +111,12 @@ def _median_time(fn: Callable[[], object], repeats: int, setup: Callable[[], obj
 
 
 def head_ratios(bundle: str | Path, manifest: Manifest) -> tuple[float, float]:
-    """(prefix head, suffix head) in units of one decoder layer, from the graphs' weight bytes.
+    """(exit head, suffix head) in units of one decoder layer, from the graphs' weight bytes.
 
     A decode step streams every weight once, so cost follows bytes. The suffix holds its N - l_e layers plus the
-    final norm and LM head (V x H + H values, known from the manifest): that gives one layer's bytes w. The prefix
-    holds l_e layers, the embedding table (only T rows of it are gathered: not counted) and the exit head (the lens's
-    LM head, or a trained adapter plus it): its head is what is left, (prefix bytes - l_e w - V H) / w."""
+    final norm and LM head (V x H + H values, known from the manifest): that gives one layer's bytes w. The exit head
+    (the lens's LM head, or a trained adapter plus it) is a graph of its own, run in mirror mode only: its bytes / w.
+    """
     t = manifest.target
     itemsize = np.dtype(t.dtype).itemsize
 
@@ -127,8 +129,7 @@ def head_ratios(bundle: str | Path, manifest: Manifest) -> tuple[float, float]:
     layer = (size("target_suffix") - lm_head) / (t.num_layers - t.exit_layer)
     if layer <= 0:
         raise BadInputError("cannot derive a layer's weight bytes from the suffix graph")
-    prefix_head = max(size("target_prefix") - t.exit_layer * layer - t.vocab_size * t.hidden_size * itemsize, 0.0)
-    return prefix_head / layer, lm_head / layer
+    return size("target_exit") / layer, lm_head / layer
 
 
 def _past_ids(prompts: list[list[int]], length: int, vocab: int) -> list[int]:
@@ -138,28 +139,38 @@ def _past_ids(prompts: list[list[int]], length: int, vocab: int) -> list[int]:
 
 def time_target(target: Target, past: list[int], windows: tuple[int, ...], repeats: int
                 ) -> tuple[dict[int, float], dict[int, float]]:
-    """Median seconds of the prefix and the suffix for each window size T after `past` (the cache is not extended,
-    so every call sees the same past)."""
-    _, cache = target.forward(past, target.empty_cache())
+    """Median seconds of the prefix (with the early-exit head, as a mirror step runs it) and the suffix for each
+    window size T after `past` (every call starts from the same cache, so every call sees the same past)."""
+    _, cache = target.prefill(past, target.empty_cache())
     prefix, suffix = {}, {}
     for window in windows:
         ids = past[-window:] if len(past) >= window else (past * window)[:window]
-        exit_out, _ = target.run_prefix(ids, cache)
-        prefix[window] = _median_time(lambda: target.run_prefix(ids, cache), repeats)  # noqa: B023
-        suffix[window] = _median_time(lambda: target.run_suffix(exit_out.hidden, cache), repeats)  # noqa: B023
+        boundary = target.run_prefix(ids, cache)
+        prefix[window] = _median_time(
+            lambda: target.exit_candidates(target.run_prefix(ids, cache)), repeats)  # noqa: B023
+        suffix[window] = _median_time(lambda: target.run_suffix(boundary), repeats)  # noqa: B023
     return prefix, suffix
 
 
 def time_draft(draft: GraphEngine, past: list[int], rows: tuple[int, ...], widths: tuple[int, ...], repeats: int
                ) -> dict[tuple[int, int], float]:
-    """Median seconds of one draft forward of `b` rows x `w` new tokens after `past`, for every (b, w)."""
-    _, cache = draft.prefill(np.asarray([past], np.int64))
+    """Median seconds of one draft forward of `b` rows x `w` new tokens after `past` (every row reading it from the
+    context lane), for every (b, w)."""
+    lane = draft.context_lane()
+    seq = np.asarray(past, np.int64)
+    for lo in range(0, seq.size, draft.prompt_chunk):
+        part, own = seq[None, lo:lo + draft.prompt_chunk], draft.empty_own(1)
+        mask, shared = np.ones(part.shape, np.int64), np.array([lane.length])
+        _, kv = draft.run(part, positions(shared, own, mask), lane, shared, own, mask)
+        lane.append(kv, part[0])
     out = {}
     for b in rows:
-        batch = cache.repeat(b)
+        own, shared = draft.empty_own(b), np.full(b, lane.length)
         for w in widths:
             x = np.asarray([past[-w:]] * b, np.int64) if len(past) >= w else np.ones((b, w), np.int64)
-            out[(b, w)] = _median_time(lambda: draft.run(x, batch), repeats)  # noqa: B023
+            mask = np.ones(x.shape, np.int64)
+            pos = positions(shared, own, mask)
+            out[(b, w)] = _median_time(lambda: draft.run(x, pos, lane, shared, own, mask), repeats)  # noqa: B023
     return out
 
 
@@ -187,10 +198,10 @@ def draft_scene(pipe: Pipeline, past: list[int], gamma: int) -> DraftScene:
     drafter.warm(ctx)
     window = drafter.rollout(ctx, gamma).tokens
     target = pipe.target
-    _, cache = target.forward(list(ctx[:-1]), target.empty_cache())
-    exit_out, _ = target.run_prefix([ctx[-1], *window], cache)
-    c = ExitCandidates(ctx, window, frozen(exit_out.topk_ids), frozen(exit_out.topk_logprobs))
-    correction = next((int(v) for v in exit_out.topk_ids[0] if v != window[0]), (window[0] + 1) % 2)
+    _, cache = target.prefill(list(ctx[:-1]), target.empty_cache())
+    topk_ids, topk_logprobs = target.exit_candidates(target.run_prefix([ctx[-1], *window], cache))
+    c = ExitCandidates(ctx, window, frozen(topk_ids), frozen(topk_logprobs))
+    correction = next((int(v) for v in topk_ids[0] if v != window[0]), (window[0] + 1) % 2)
     return DraftScene(ctx, window, c, (*ctx, correction))
 
 
@@ -243,17 +254,17 @@ def profile_split(pipe: Pipeline, past: list[int], windows: tuple[int, ...], row
     forward = time_draft(pipe.draft, past, rows, widths, repeats)
     gamma, budget = contention_at
     scene = scenes[gamma]
-    _, tcache = pipe.target.forward(list(scene.context[:-1]), pipe.target.empty_cache())
-    exit_out, _ = pipe.target.run_prefix([scene.context[-1], *scene.window], tcache)
+    _, tcache = pipe.target.prefill(list(scene.context[:-1]), pipe.target.empty_cache())
+    boundary = pipe.target.run_prefix([scene.context[-1], *scene.window], tcache)
     branch, rollout = time_drafter(pipe, scenes, budgets, accept_rate, repeats,
-                                   lambda: pipe.target.run_suffix(exit_out.hidden, tcache))
+                                   lambda: pipe.target.run_suffix(boundary))
 
     # contention: the suffix on the middle window while the Drafter runs that window's branch set over and over,
     # and the branch set while the suffix runs over and over
     drafter = Drafter(pipe.draft, SamplingParams())
     setup = _after_rollout(drafter, scene, gamma)
     plan = plan_branches(scene.candidates, scene.candidates.topk_ids.shape[1], budget, accept_rate)
-    run_suffix = lambda: pipe.target.run_suffix(exit_out.hidden, tcache)  # noqa: E731
+    run_suffix = lambda: pipe.target.run_suffix(boundary)  # noqa: E731
     run_branches = lambda: drafter.branches(scene.candidates, plan, gamma)  # noqa: E731
 
     def setup_and_branches() -> None:

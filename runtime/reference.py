@@ -1,7 +1,7 @@
 """A slow, single-threaded reference generator: the second oracle for the fast decoders.
 
-No KV cache is kept anywhere: every forward runs the whole sequence from an empty past, so none of the
-scheduler's cache trimming, forking or threading is involved. Greedy only. gamma 0 is plain target decoding;
+No KV cache is kept between forwards: every forward runs the whole sequence from an empty cache, so none of the
+scheduler's cache trimming, branching or threading is involved. Greedy only. gamma 0 is plain target decoding;
 gamma > 0 is vanilla speculative decoding with the draft, which must give the same tokens.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from mirror_sd.partitions.manifest import LOGITS
-from mirror_sd.runtime.engines import GraphEngine, Target
+from mirror_sd.runtime.engines import GraphEngine
+from mirror_sd.runtime.target import Target
 
 
 def reference_generate(target: Target, draft: GraphEngine | None, prompt: list[int], max_new_tokens: int,
@@ -23,7 +24,7 @@ def reference_generate(target: Target, draft: GraphEngine | None, prompt: list[i
         return np.argmax(logits, axis=-1)
 
     def draft_token(seq: list[int]) -> int:
-        out, _ = draft.prefill(np.asarray([seq], np.int64))
+        out = draft.prefill(np.asarray([seq], np.int64))
         column = int(np.argmax(out[LOGITS][0, -1]))
         return column if draft.output_ids is None else int(draft.output_ids[column])  # a reduced vocabulary
 

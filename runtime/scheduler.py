@@ -10,8 +10,8 @@ commits.
 
 One Mirror-SD step, with C the committed tokens (the target's cache holds C[:-1]; C[-1] is pending) and w the
 window (gamma draft tokens continuing C):
-  1. target prefix on [C[-1]] + w -> hidden state and, for each input position t, the early-exit top-k of the
-     token after it (row t < gamma competes with w[t]; row gamma is the bonus position);
+  1. target prefix on [C[-1]] + w -> hidden state, and the early-exit head on it -> for each input position t the
+     top-k of the token after it (row t < gamma competes with w[t]; row gamma is the bonus position);
   2. the top-k goes to the draft thread, which rolls out the most probable outcomes (A, c): the window continuing
      C + w[:A] + (c,), all rows in one batch;
   3. meanwhile the target suffix gives the logits; verify -> (A, c); trim the target cache to len(C) + A slots
@@ -32,12 +32,12 @@ from typing import Callable, Iterator, Union
 import numpy as np
 
 from mirror_sd.runtime.draft import Drafter, plan_branches
-from mirror_sd.runtime.engines import Target, TargetCache
 from mirror_sd.runtime.messages import (
     Branches, BranchSet, DraftFailed, DraftWindow, ExitCandidates, Rollout, Warm, Warmed, frozen,
 )
 from mirror_sd.runtime.sampling import TARGET_STREAM, SamplingParams, choose, rng_for
 from mirror_sd.runtime.stats import Counters
+from mirror_sd.runtime.target import PREFILL_CHUNK, Boundary, Target, TargetCache
 from mirror_sd.runtime.verify import verify
 
 MODES = ("ar", "sd", "mirror")
@@ -184,7 +184,7 @@ class _Decoder:
     def _target_rng(self, context_len: int) -> np.random.Generator | None:
         return None if self.cfg.params.greedy else rng_for(self.cfg.params, TARGET_STREAM, context_len)
 
-    def _prefix(self, ids, cache: TargetCache):
+    def _prefix(self, ids, cache: TargetCache) -> Boundary:
         start = time.perf_counter()
         out = self.target.run_prefix(ids, cache)
         end = time.perf_counter()
@@ -192,27 +192,35 @@ class _Decoder:
         self.stats.mark("prefix", start, end)
         return out
 
-    def _suffix(self, hidden, cache: TargetCache):
+    def _exit_candidates(self, boundary: Boundary) -> tuple[np.ndarray, np.ndarray]:
+        """The early-exit head, run only in mirror mode: part of the prefix phase (before the rendezvous)."""
         start = time.perf_counter()
-        out = self.target.run_suffix(hidden, cache)
+        out = self.target.exit_candidates(boundary, self.cfg.kappa)
+        end = time.perf_counter()
+        self.stats.prefix_s += end - start
+        self.stats.mark("prefix", start, end)
+        return out
+
+    def _suffix(self, boundary: Boundary, logits_for: int | None = None) -> tuple[np.ndarray, TargetCache]:
+        start = time.perf_counter()
+        out = self.target.run_suffix(boundary, logits_for)
         end = time.perf_counter()
         self.stats.suffix_s += end - start
         self.stats.suffix_intervals.append((start, end))  # the overlap measure; a trace reads its suffixes here
         return out
 
     def prefill(self, prompt: tuple[int, ...]) -> int:
-        """Run the prompt through the target; its last logits give the first new token."""
-        exit_out, prefix_cache = self._prefix(prompt, self.cache)
-        logits, suffix_cache = self._suffix(exit_out.hidden, self.cache)
-        self.cache = TargetCache(prefix_cache, suffix_cache)
+        """Run the prompt through the target in chunks, the LM head on its last position only; its logits give the
+        first new token."""
+        logits = None
+        for start in range(0, len(prompt), PREFILL_CHUNK):
+            logits, self.cache = self._suffix(self._prefix(prompt[start:start + PREFILL_CHUNK], self.cache), 1)
         self.stats.target_steps += 1
         return choose(logits[-1], self.cfg.params, self._target_rng(len(prompt)))
 
     def target_step(self, ctx: list[int]) -> tuple[int, ...]:
         """One token from the target alone (ar, and the fallback when the draft is unavailable)."""
-        exit_out, prefix_cache = self._prefix([ctx[-1]], self.cache)
-        logits, suffix_cache = self._suffix(exit_out.hidden, self.cache)
-        self.cache = TargetCache(prefix_cache, suffix_cache)
+        logits, self.cache = self._suffix(self._prefix([ctx[-1]], self.cache), 1)
         self.stats.target_steps += 1
         return (choose(logits[0], self.cfg.params, self._target_rng(len(ctx))),)
 
@@ -245,22 +253,22 @@ class _Decoder:
         when a branch for the outcome was ready."""
         w = window.tokens
         # 1. prefix on the verification window [pending] + w
-        exit_out, prefix_cache = self._prefix([ctx[-1], *w], self.cache)
+        boundary = self._prefix([ctx[-1], *w], self.cache)
         # 2. mirror: the early-exit candidates go to the draft thread at once
         ticket, plan = None, ()
         if self.cfg.mode == "mirror" and self.worker.responsive:
             k = self.cfg.kappa
-            candidates = ExitCandidates(tuple(ctx), w, frozen(exit_out.topk_ids[:, :k]),
-                                        frozen(exit_out.topk_logprobs[:, :k]))
+            topk_ids, topk_logprobs = self._exit_candidates(boundary)
+            candidates = ExitCandidates(tuple(ctx), w, frozen(topk_ids[:, :k]), frozen(topk_logprobs[:, :k]))
             plan = plan_branches(candidates, k, self.budget, self._accept_rate())
             ticket = self.worker.submit(Branches(candidates, plan, self.cfg.gamma))
         # 3. suffix (the draft works meanwhile), verify, trim the target cache to what was accepted
-        logits, suffix_cache = self._suffix(exit_out.hidden, self.cache)
+        logits, cache = self._suffix(boundary)
         ready_under_suffix = ticket is not None and self.worker.poll(ticket) is not None
         start = time.perf_counter()
         verdict = verify(w, window.logits, logits, self.cfg.params, self._target_rng(len(ctx)))
         self.stats.mark("verify", start, time.perf_counter())
-        self.cache = TargetCache(prefix_cache, suffix_cache).trim(len(ctx) + verdict.accepted)
+        self.cache = cache.trim(len(ctx) + verdict.accepted)
         self.stats.target_steps += 1
         self.stats.proposed += len(w)
         self.stats.accepted += verdict.accepted
@@ -314,9 +322,11 @@ def decode(target: Target, drafter: Drafter | None, prompt: tuple[int, ...], cfg
             on_worker(worker)
     dec = _Decoder(target, worker, cfg, stats)
     stats.branch_budget = dec.budget
+    # Past the draft's context (its manifest facts) every step runs on the target alone, counted in the stats.
+    draft_context = drafter.engine.facts.max_position_embeddings if drafter is not None else 0
     ctx = list(prompt)
     try:
-        if worker is not None:
+        if worker is not None and len(prompt) <= draft_context:
             worker.submit(Warm(tuple(prompt)))  # the draft reads the prompt while the target does
         ctx.append(dec.prefill(tuple(prompt)))
         yield ctx[-1]
@@ -324,6 +334,9 @@ def decode(target: Target, drafter: Drafter | None, prompt: tuple[int, ...], cfg
         while len(ctx) - len(prompt) < cfg.max_new_tokens:
             # gamma shrinks at the end so that no step verifies tokens it could not commit
             gamma = min(cfg.gamma, cfg.max_new_tokens - (len(ctx) - len(prompt)) - 1)
+            if cfg.mode != "ar" and gamma > 0 and len(ctx) + gamma > draft_context:
+                stats.draft_context_steps += 1
+                gamma, window = 0, None
             if cfg.mode != "ar" and gamma > 0 and window is None:
                 window = dec.fresh_window(ctx, gamma)
             if cfg.mode == "ar" or gamma == 0 or window is None:

@@ -1,26 +1,20 @@
 """The draft from a package's static OpenVINO IR, behind the same interface as the dynamic `GraphEngine`.
 
-An NPU compiles only static shapes, so every draft graph of a package has a fixed batch, a fixed number of new
-tokens T and a fixed KV buffer of L slots, and outputs only the new tokens' KV ([B, kv_heads, T, head_dim]):
+An NPU compiles only static shapes, so every draft graph of a package has a fixed batch B, a fixed number of new
+tokens T, a fixed context lane of L slots and a fixed own past of S slots (partitions/package.py StaticBounds):
   decode  batch 1, T = tokens per forward       rollouts
   branch  batch B, T = tokens per forward       branch sets (split into groups of B, the last padded)
-  prefill batch 1, T = prefill chunk            prompts and long catch-up feeds, in chunks
-Inputs: input_ids [B,T], attention_mask [B, L+T], position_ids [B,T], past KV [B, kv_heads, L, head_dim]. The
-graph builds its 4-D mask from attention_mask (query t sits at index L + t and sees every valid buffer slot and
-the new tokens up to itself) and takes explicit positions, so a buffer with invalid slots anywhere is exact.
-
-The Drafter keeps using immutable `KVCache` values (runtime/kv.py); this engine is where they meet the fixed
-buffers. Each graph owns preallocated input arrays; a call writes the cache into the first S slots of the KV
-buffer (slots S..L get mask 0), the new tokens into the token inputs (right-padded with mask 0 up to T; padded
-batch rows are all mask 0), runs, and writes the new KV it gets back into slots S..S+t of the buffer, so the next
-call on the cache it returned (the usual case inside a rollout) rewrites only the mask. Padded columns and rows of
-the outputs are dropped. When a cache's slots no longer leave room for a chunk, its rows are compacted first:
-each row's valid slots move to the front (order among past keys does not matter: positions are explicit).
+  prefill batch 1, T = prefill chunk            prompts, in chunks
+Inputs are those of the bundle's split-past draft graph at these sizes: the shared context is the whole lane
+buffer [1, kv_heads, L, head_dim], fed as it is (no copy), each row reading the slots its shared_mask marks; the
+own past is padded to S slots with mask 0; new tokens are right-padded to T with mask 0, padded rows are all mask
+0. Positions are explicit, so padding anywhere is exact. A feed wider than T runs in chunks, each chunk's KV
+joining the rows' own past for the next; an own past that no longer leaves room is compacted first (its holes
+dropped: positions are explicit, so the order of past keys does not matter).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +22,13 @@ import numpy as np
 from mirror_sd.errors import PackageError
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.package import BRANCH, DECODE, PREFILL, PackageInfo
-from mirror_sd.partitions.spec import PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name
+from mirror_sd.partitions.spec import (
+    PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
+    shared_value_name,
+)
 from mirror_sd.runtime.backends import OpenedGraph, open_openvino
-from mirror_sd.runtime.engines import load_output_vocab
-from mirror_sd.runtime.kv import KVCache
+from mirror_sd.runtime.engines import GraphEngine, load_output_vocab
+from mirror_sd.runtime.kv import ContextLane, LayerKV, OwnPast
 
 PAD_ID = 0  # any id: padded columns and rows are masked out
 
@@ -39,68 +36,64 @@ PAD_ID = 0  # any id: padded columns and rows are masked out
 class _StaticGraph:
     """One compiled static graph and its preallocated inputs."""
 
-    def __init__(self, graph: OpenedGraph, batch: int, tokens: int, kv_length: int, layers: range,
+    def __init__(self, graph: OpenedGraph, batch: int, tokens: int, own_slots: int, layers: range,
                  kv_heads: int, head_dim: int, dtype: str) -> None:
-        self.graph, self.batch, self.tokens, self.kv_length = graph, batch, tokens, kv_length
+        self.graph, self.batch, self.tokens, self.own_slots = graph, batch, tokens, own_slots
         self.layers = tuple(layers)
         self.feed: dict[str, np.ndarray] = {
             "input_ids": np.zeros((batch, tokens), np.int64),
-            "attention_mask": np.zeros((batch, kv_length + tokens), np.int64),
             "position_ids": np.zeros((batch, tokens), np.int64),
+            "attention_mask": np.zeros((batch, own_slots + tokens), np.int64),
         }
         for i in self.layers:
             for name in (past_key_name(i), past_value_name(i)):
-                self.feed[name] = np.zeros((batch, kv_heads, kv_length, head_dim), dtype)
-        missing = set(self.feed) ^ set(graph.input_names)
-        if missing:
-            raise PackageError(f"static draft graph inputs differ from the expected ones: {sorted(missing)[:4]}")
-        # the keys tuple of the cache the KV buffer holds (kept alive, compared by identity: an id could be reused)
-        self.held: tuple[np.ndarray, ...] | None = None
+                self.feed[name] = np.zeros((batch, kv_heads, own_slots, head_dim), dtype)
+        wanted = set(self.feed) | {"shared_mask"} | {n(i) for i in self.layers for n in (shared_key_name,
+                                                                                          shared_value_name)}
+        if wanted != set(graph.input_names):
+            raise PackageError(f"static draft graph inputs differ from the expected ones: "
+                               f"{sorted(wanted ^ set(graph.input_names))[:4]}")
 
-    def run(self, x: np.ndarray, new_mask: np.ndarray, positions: np.ndarray, cache: KVCache
-            ) -> dict[str, np.ndarray]:
-        """x, new_mask, positions [b, t] with b <= batch, t <= tokens; cache has b rows and S <= L - t slots."""
+    def run(self, x: np.ndarray, positions: np.ndarray, new_mask: np.ndarray, lane: ContextLane,
+            shared: np.ndarray, own: OwnPast) -> tuple[dict[str, np.ndarray], LayerKV]:
+        """x, positions, new_mask [b, t] with b <= batch, t <= tokens; own has b rows and <= own_slots slots."""
         b, t = x.shape
-        slots = cache.slots
         f = self.feed
-        if self.held is not cache.keys:
-            for j, i in enumerate(self.layers):
-                f[past_key_name(i)][:b, :, :slots] = cache.keys[j]
-                f[past_value_name(i)][:b, :, :slots] = cache.values[j]
+        slots = own.slots
+        for j, i in enumerate(self.layers):
+            f[past_key_name(i)][:b, :, :slots] = own.keys[j]
+            f[past_value_name(i)][:b, :, :slots] = own.values[j]
+            f[shared_key_name(i)], f[shared_value_name(i)] = lane.full()[i]  # the whole lane buffer, as it is
         mask = f["attention_mask"]
         mask[:] = 0
-        mask[:b, :slots] = cache.mask
-        mask[:b, self.kv_length:self.kv_length + t] = new_mask
+        mask[:b, :slots] = own.mask
+        mask[:b, self.own_slots:self.own_slots + t] = new_mask
+        capacity = lane.capacity
+        shared_mask = np.zeros((self.batch, capacity), np.int64)
+        shared_mask[:b] = np.arange(capacity)[None] < shared[:, None]
+        f["shared_mask"] = shared_mask
         f["input_ids"][:] = PAD_ID
         f["input_ids"][:b, :t] = x
         f["position_ids"][:] = 0
         f["position_ids"][:b, :t] = positions
         out = self.graph.run(f)
-        for i in self.layers:  # the host writes the new KV into the buffer (it is the next call's past)
-            f[past_key_name(i)][:b, :, slots:slots + t] = out[present_key_name(i)][:b, :, :t]
-            f[past_value_name(i)][:b, :, slots:slots + t] = out[present_value_name(i)][:b, :, :t]
-        # heads are [B,T,...], new KV [B,kv_heads,T,head_dim]: drop padded rows and columns
-        return {name: a[:b, :, :t] if name.startswith("present.") else a[:b, :t] for name, a in out.items()}
+        heads = {name: np.array(a[:b, :t]) for name, a in out.items() if not name.startswith("present.")}
+        new = {i: (np.array(out[present_key_name(i)][:b, :, :t]), np.array(out[present_value_name(i)][:b, :, :t]))
+               for i in self.layers}
+        return heads, new
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    graph: str  # DECODE, BRANCH or PREFILL
-    start: int
-    end: int  # columns [start, end) of the call's new tokens
-
-
-class StaticDraftEngine:
-    """The draft on static graphs. Same calls as GraphEngine: run(x, cache, new_mask), empty_cache, prefill."""
+class StaticDraftEngine(GraphEngine):
+    """The draft on static graphs: the GraphEngine interface (run, context_lane, empty_own, prefill)."""
 
     def __init__(self, graphs: dict[str, _StaticGraph], spec: PartitionSpec, manifest: Manifest, info: PackageInfo,
                  output_ids: np.ndarray | None) -> None:
         self.graphs, self.spec, self.facts, self.info = graphs, spec, manifest.draft, info
         self.output_ids = output_ids
-        self.input_name = spec.inputs[0].name
         self.head_outputs = tuple(o.name for o in spec.outputs if not o.name.startswith("present."))
         self.kv_length = info.bounds.kv_length
         self.forwards = 0  # static graph executions so far (the stats report them per generation)
+
 
     @property
     def backend(self) -> str:
@@ -111,92 +104,66 @@ class StaticDraftEngine:
         return self.graphs[DECODE].graph.device
 
     @property
-    def tokens_per_forward(self) -> int:
-        return self.spec.tokens_per_forward
+    def lane_capacity(self) -> int:
+        return self.kv_length  # the static graphs read the whole lane buffer
+
+    @property
+    def prompt_chunk(self) -> int:
+        return self.graphs[PREFILL].tokens
 
     def describe(self) -> dict[str, object]:
         g = {k: f"{v.batch}x{v.tokens}" for k, v in self.graphs.items()}
         return {"draft_graph": "static-ir", "draft_weights": self.info.weights, "draft_kv_length": self.kv_length,
                 "draft_static_shapes": g}
 
-    def empty_cache(self, batch: int = 1) -> KVCache:
-        return KVCache.empty(self.spec.kv_layers, batch, self.facts.num_kv_heads, self.facts.head_dim,
-                             self.facts.dtype)
-
-    def prefill(self, x: np.ndarray) -> tuple[dict[str, np.ndarray], KVCache]:
-        return self.run(x, self.empty_cache(x.shape[0]))
-
-    def _chunks(self, batch: int, width: int) -> list[_Chunk]:
-        """Batch 1 reads a long feed with the prefill graph; a remainder that fits one decode forward uses it."""
-        step = self.graphs[DECODE].tokens
-        chunk = self.graphs[PREFILL].tokens if batch == 1 and width > step else step
-        chunks, start = [], 0
-        while start < width:
-            left = width - start
-            graph = DECODE if batch == 1 and left <= step else (PREFILL if batch == 1 else BRANCH)
-            size = min(left, step if graph != PREFILL else chunk)
-            chunks.append(_Chunk(graph, start, start + size))
-            start += size
-        return chunks
-
-    def run(self, x: np.ndarray, cache: KVCache, new_mask: np.ndarray | None = None
-            ) -> tuple[dict[str, np.ndarray], KVCache]:
-        """Run `x` [B,T] after `cache` as GraphEngine.run does: head outputs [B,T,...] and the cache extended by
-        T slots (new_mask 0 = a hole). Positions continue each row's count of real tokens."""
+    def run(self, x: np.ndarray, positions: np.ndarray, lane: ContextLane, shared: np.ndarray, own: OwnPast,
+            new_mask: np.ndarray) -> tuple[dict[str, np.ndarray], LayerKV]:
         batch, width = x.shape
-        if cache.batch != batch:
-            raise ValueError(f"input batch {batch} != cache batch {cache.batch}")
-        new_mask = np.ones((batch, width), np.int64) if new_mask is None else new_mask.astype(np.int64)
-        heads: dict[str, list[np.ndarray]] = {name: [] for name in self.head_outputs}
-        for chunk in self._chunks(batch, width):
-            cols = slice(chunk.start, chunk.end)
-            out, cache = self._run_chunk(self.graphs[chunk.graph], x[:, cols], new_mask[:, cols], cache)
-            for name in self.head_outputs:
-                heads[name].append(out[name])
-        return {name: np.concatenate(parts, axis=1) for name, parts in heads.items()}, cache
-
-    def _run_chunk(self, graph: _StaticGraph, x: np.ndarray, new_mask: np.ndarray, cache: KVCache
-                   ) -> tuple[dict[str, np.ndarray], KVCache]:
-        t = x.shape[1]
-        if cache.slots + t > self.kv_length:
-            cache = _compacted(cache)
-            if cache.slots + t > self.kv_length:
-                raise PackageError(f"the draft's KV buffer ({self.kv_length} slots) cannot hold {cache.slots} tokens "
-                                   f"+ {t} new ones: the package's bounds were exceeded")
-        positions = cache.positions(new_mask)
-        parts: list[dict[str, np.ndarray]] = []
-        for lo in range(0, cache.batch, graph.batch):
-            hi = min(lo + graph.batch, cache.batch)
-            rows = cache if (lo, hi) == (0, cache.batch) else _rows(cache, lo, hi)
-            parts.append(graph.run(x[lo:hi], new_mask[lo:hi], positions[lo:hi], rows))
-            self.forwards += 1
-        out = {name: np.concatenate([p[name] for p in parts], axis=0) for name in parts[0]}
-        extended = cache.appended(out, new_mask)
-        if len(parts) == 1:  # the buffer now holds exactly `extended`: its next call rewrites only the mask
-            graph.held = extended.keys
-        else:
-            graph.held = None
-        return out, extended
+        graph = self.graphs[BRANCH] if batch > 1 else self.graphs[PREFILL if width > self.graphs[DECODE].tokens
+                                                                   else DECODE]
+        heads: dict[str, list[np.ndarray]] = {}
+        new: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {i: [] for i in own.layers}
+        for lo in range(0, batch, graph.batch):
+            rows = slice(lo, min(lo + graph.batch, batch))
+            group_own = _rows(own, rows)
+            parts = []
+            for start in range(0, width, graph.tokens):
+                cols = slice(start, min(start + graph.tokens, width))
+                if group_own.slots + (cols.stop - cols.start) > graph.own_slots:
+                    group_own = _compacted(group_own)
+                    if group_own.slots + (cols.stop - cols.start) > graph.own_slots:
+                        raise PackageError(f"a draft row holds {group_own.slots} own tokens; the package's static "
+                                           f"graphs take {graph.own_slots}: its bounds were exceeded")
+                out, kv = graph.run(x[rows, cols], positions[rows, cols], new_mask[rows, cols], lane, shared[rows],
+                                    group_own)
+                self.forwards += 1
+                group_own = group_own.extended(kv, new_mask[rows, cols])
+                parts.append((out, kv))
+            for name in parts[0][0]:
+                heads.setdefault(name, []).append(np.concatenate([p[0][name] for p in parts], axis=1))
+            for i in own.layers:
+                new[i].append(tuple(np.concatenate([p[1][i][k] for p in parts], axis=2) for k in (0, 1)))
+        return ({name: np.concatenate(parts, axis=0) for name, parts in heads.items()},
+                {i: tuple(np.concatenate([p[k] for p in parts], axis=0) for k in (0, 1)) for i, parts in new.items()})
 
 
-def _rows(cache: KVCache, lo: int, hi: int) -> KVCache:
-    return KVCache(cache.layers, tuple(k[lo:hi] for k in cache.keys), tuple(v[lo:hi] for v in cache.values),
-                   cache.mask[lo:hi])
+def _rows(own: OwnPast, rows: slice) -> OwnPast:
+    return OwnPast(own.layers, tuple(k[rows] for k in own.keys), tuple(v[rows] for v in own.values), own.mask[rows])
 
 
-def _compacted(cache: KVCache) -> KVCache:
-    """Every row's valid slots moved to the front, in order; slots = the longest row's valid count."""
-    counts = cache.mask.sum(axis=1)
+def _compacted(own: OwnPast) -> OwnPast:
+    """Every row's real slots moved to the front, in order; slots = the longest row's real count."""
+    counts = own.real()
     slots = int(counts.max()) if counts.size else 0
-    keys = [np.zeros(k.shape[:2] + (slots,) + k.shape[3:], k.dtype) for k in cache.keys]
-    values = [np.zeros(v.shape[:2] + (slots,) + v.shape[3:], v.dtype) for v in cache.values]
-    mask = np.zeros((cache.batch, slots), np.int64)
-    for b in range(cache.batch):
-        keep = np.flatnonzero(cache.mask[b])
-        for new, old in zip(keys + values, cache.keys + cache.values):
+    keys = [np.zeros(k.shape[:2] + (slots,) + k.shape[3:], k.dtype) for k in own.keys]
+    values = [np.zeros(v.shape[:2] + (slots,) + v.shape[3:], v.dtype) for v in own.values]
+    mask = np.zeros((own.batch, slots), np.int64)
+    for b in range(own.batch):
+        keep = np.flatnonzero(own.mask[b])
+        for new, old in zip(keys + values, own.keys + own.values):
             new[b, :, :keep.size] = old[b][:, keep]  # (old[b, :, keep] would move the kept axis first)
         mask[b, :keep.size] = 1
-    return KVCache(cache.layers, tuple(keys), tuple(values), mask)
+    return OwnPast(own.layers, tuple(keys), tuple(values), mask)
 
 
 def open_static_draft(root: Path, manifest: Manifest, info: PackageInfo, device: str | None = None,
@@ -210,7 +177,7 @@ def open_static_draft(root: Path, manifest: Manifest, info: PackageInfo, device:
     graphs = {}
     for name, g in info.draft_graphs.items():
         opened = open_openvino(root / g.xml, device, threads, cache_dir, weights=root / g.bin)
-        graphs[name] = _StaticGraph(opened, g.batch, g.tokens, info.bounds.kv_length, spec.kv_layers,
+        graphs[name] = _StaticGraph(opened, g.batch, g.tokens, info.bounds.own_slots, spec.kv_layers,
                                     facts.num_kv_heads, facts.head_dim, facts.dtype)
     return StaticDraftEngine(graphs, spec, manifest, info, load_output_vocab(root, manifest))
 

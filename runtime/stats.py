@@ -33,6 +33,7 @@ class Counters:
     rejected_hits: int = 0  # ... whose correction branch was ready
     fresh_rollouts: int = 0  # windows drawn serially (first window, branch misses, sd)
     fallbacks: int = 0  # steps run by the target alone because the draft failed, timed out, or was busy
+    draft_context_steps: int = 0  # steps run by the target alone because the context passed the draft's
     draft_failures: int = 0  # exceptions raised in the draft thread
     draft_timeouts: int = 0  # draft answers that did not come within the timeout
     draft_wait_s: float = 0.0  # main thread time spent waiting for the draft
@@ -77,6 +78,7 @@ class Counters:
             "branch_lookups": self.branch_lookups, "branch_hits": self.branch_hits,
             "rejected_branch_hit_rate": self.rejected_hits / self.rejected_lookups if self.rejected_lookups else 0.0,
             "fresh_rollouts": self.fresh_rollouts, "draft_failures": self.draft_failures,
+            "draft_context_steps": self.draft_context_steps,
             "draft_timeouts": self.draft_timeouts, "draft_wait_s": self.draft_wait_s,
             "target_device": self.target_device, "draft_device": self.draft_device,
             **({"trace": self._timeline()} if self.trace is not None else {}),

@@ -24,11 +24,13 @@ def _part(d, role):
 def test_exported_manifest_round_trips(bundle_factory, manifest_dict):
     manifest = Manifest.load(bundle_factory())
     assert manifest.to_dict() == manifest_dict
-    assert [p.role for p in manifest.partitions] == ["target_prefix", "target_suffix", "draft"]
+    assert [p.role for p in manifest.partitions] == ["target_prefix", "target_suffix", "target_exit", "draft"]
     prefix, suffix = manifest.partition("target_prefix"), manifest.partition("target_suffix")
     assert prefix.layers == (0, 3) and suffix.layers == (3, 6)
+    assert (prefix.kv, suffix.kv, manifest.partition("draft").kv) == ("shared-buffer", "shared-buffer", "split-past")
+    assert manifest.partition("target_exit").layers == (3, 3) and manifest.partition("target_exit").kv == ""
     # KV names carry global layer numbers: the suffix's first cache is layer l_e
-    assert suffix.inputs[3].name == "past_key_values.3.key"
+    assert suffix.inputs[4].name == "past_key_values.3.key"
     assert manifest.tokenizer.chat_template and manifest.tokenizer.eos_token_ids
     assert "tokenizer.json" in manifest.tokenizer.files
 
@@ -62,7 +64,16 @@ def _mutations():
         _part(d, "draft")["role"] = "verifier"
 
     def kv_names(d):
-        _part(d, "target_suffix")["inputs"][3]["name"] = "past_key_values.0.key"
+        _part(d, "target_suffix")["inputs"][4]["name"] = "past_key_values.0.key"
+
+    def kv_interface(d):
+        _part(d, "target_suffix")["kv"] = "split-past"
+
+    def exit_with_layers(d):
+        _part(d, "target_exit")["layers"] = [3, 4]
+
+    def old_version(d):
+        d["format_version"] = 1
 
     def top_k(d):
         d["target"]["top_k"] = 4
@@ -86,7 +97,8 @@ def _mutations():
         d["tokenizer"]["eos_token_ids"] = []
 
     return [gap, overlap, short_of_n, boundary, vocab, exit_layer, version, missing_role, unknown_role, kv_names,
-            top_k, outside_dotdot, outside_absolute, missing_file, bad_dtype, missing_field, no_eos]
+            kv_interface, exit_with_layers, old_version, top_k, outside_dotdot, outside_absolute, missing_file, bad_dtype,
+            missing_field, no_eos]
 
 
 @pytest.mark.parametrize("mutate", _mutations(), ids=lambda f: f.__name__)

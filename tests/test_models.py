@@ -15,7 +15,7 @@ from mirror_sd.models.exit_adapter import ExitAdapter, ExitAdapterConfig
 from mirror_sd.models.prompts import build
 from mirror_sd.models.streaming_draft import StreamingDraft
 from mirror_sd.partitions import DRAFT_VOCAB_FILE, Manifest
-from mirror_sd.runtime.backends import open_onnxruntime
+from mirror_sd.runtime.target import open_target
 
 
 def _quiet(_line: str) -> None:
@@ -37,19 +37,16 @@ def adapter_dir(tmp_path_factory, pair_factory):
 
 
 def _exit_topk(bundle, ids):
-    prefix = open_onnxruntime(bundle / "target_prefix.onnx", ["CPUExecutionProvider"])
-    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None]}
-    feed.update({f"past_key_values.{i}.{kv}": np.zeros((1, 2, 0, 16), np.float32)
-                 for i in range(3) for kv in ("key", "value")})
-    return prefix.run(feed)["exit_topk_ids"]
+    target = open_target(bundle, Manifest.load(bundle), "cpu")
+    return target.exit_candidates(target.run_prefix(ids[0].tolist(), target.empty_cache()))[0]
 
 
-def test_exit_adapter_replaces_the_logit_lens_in_the_prefix_graph(tmp_path, pair_factory, bundle_factory, adapter_dir):
+def test_exit_adapter_replaces_the_logit_lens_in_the_exit_graph(tmp_path, pair_factory, bundle_factory, adapter_dir):
     target, draft = pair_factory("llama")
     manifest = export_bundle(ExportOptions(str(target), str(draft), tmp_path / "b", exit_adapter=str(adapter_dir)),
                              report=_quiet)
     assert manifest.target.exit_head == "adapter" and manifest.target.exit_layer == 3
-    assert manifest.partition("target_prefix").extra["exit_head"] == "adapter"
+    assert manifest.partition("target_exit").extra["exit_head"] == "adapter"
     assert manifest.validation["passed"]  # parity ran against the adapter in torch, in both runtimes
     ids = np.array([[5, 17, 33, 2, 90, 41]])
     assert not np.array_equal(_exit_topk(tmp_path / "b", ids), _exit_topk(bundle_factory("llama"), ids))

@@ -21,7 +21,6 @@ from mirror_sd.errors import BadInputError, PackageError
 from mirror_sd.package.build import PackageOptions, build_package
 from mirror_sd.partitions.package import PACKAGE_FILE, PackageInfo
 from mirror_sd.runtime.engines import open_engine
-from mirror_sd.runtime.kv import KVCache
 from mirror_sd.runtime.pipeline import Pipeline
 
 PROMPT = [5, 17, 33, 40, 2]
@@ -88,28 +87,42 @@ def test_compressed_drafts_stay_exact_and_report_acceptance(built):
 
 
 def test_static_engine_matches_dynamic_engine_with_holes_splits_chunks_and_compaction(built):
-    """fp32 package: the static graphs, fed a cache with holes, a batch above the branch graph's rows, a feed wider
-    than one forward and a cache too long for the buffer, give the dynamic graph's logits."""
+    """fp32 package: the static graphs, fed rows that read the context lane up to different lengths, own pasts with
+    holes, a batch above the branch graph's rows, a feed wider than one forward and an own past too long for the
+    static slots, give the dynamic graph's logits."""
     from mirror_sd.partitions.manifest import Manifest
+    from mirror_sd.runtime.kv import positions
 
     pipe = Pipeline.load(built["small"])
     static = pipe.draft
     dynamic = open_engine(built["streaming"], Manifest.load(built["streaming"]), "draft")
     rng = np.random.default_rng(0)
+    engines = (dynamic, static)
+    lanes = [engine.context_lane() for engine in engines]
+    context = rng.integers(3, 300, 14)
+    for engine, lane in zip(engines, lanes):  # the lane read in chunks of 5, as a prompt is (wider than T = 4)
+        for lo in range(0, context.size, 5):
+            part = context[None, lo:lo + 5]
+            own, mask = engine.empty_own(1), np.ones(part.shape, np.int64)
+            _, kv = engine.run(part, positions(np.array([lane.length]), own, mask), lane, np.array([lane.length]),
+                               own, mask)
+            lane.append(kv, part[0])
     rows = 5  # the branch graph has 3 rows: one full group and one padded
+    shared = rng.integers(1, 15, rows)
+    owns = [engine.empty_own(rows) for engine in engines]
     x = rng.integers(3, 300, (rows, 6))
-    mask = (rng.random((rows, 6)) > 0.5).astype(np.int64)  # about 3.5 real tokens a step: within the bounds
-    mask[:, -1] = 1
-    caches = [dynamic.empty_cache(rows), static.empty_cache(rows)]
-    for _ in range(10):  # 10 x 6 slots pass the 40 + 8 + 6 = 54-slot buffer: the static cache must compact
-        outs = [engine.run(x, cache, mask) for engine, cache in zip((dynamic, static), caches)]
-        (want, caches[0]), (got, caches[1]) = outs
+    for _ in range(6):  # 6 x 6 slots pass the 4 * (4 + 4) = 32 own slots: the static engine must compact
+        mask = (rng.random((rows, 6)) > 0.5).astype(np.int64)  # about 3.5 real tokens a step: within the bounds
+        mask[:, -1] = 1
+        outs = [engine.run(x, positions(shared, own, mask), lane, shared, own, mask)
+                for engine, lane, own in zip(engines, lanes, owns)]
+        (want, want_kv), (got, got_kv) = outs
         keep = mask.astype(bool)
         np.testing.assert_allclose(got["logits"][keep], want["logits"][keep], atol=1e-4, rtol=1e-4)
         assert (got["stream_ids"][keep] == want["stream_ids"][keep]).mean() > 0.95
+        owns = [own.extended(kv, mask) for own, kv in zip(owns, (want_kv, got_kv))]
         x = want["logits"][:, -1:].argmax(-1).repeat(6, axis=1) % 300 + 3
-    assert caches[1].slots < caches[0].slots == 10 * 6  # compaction happened, and the answers stayed the same
-    assert np.array_equal(caches[1].next_positions(), caches[0].next_positions())
+    assert owns[0].slots == 6 * 6 > pipe.package.info.bounds.own_slots
 
 
 def test_tar_package_loads_and_generates(built):
@@ -244,7 +257,7 @@ def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
     (tampered / "tokenizer.json").write_text((tampered / "tokenizer.json").read_text() + " ")
     future = _copy(built["small"], tmp_path / "future")
     doc = json.loads((future / PACKAGE_FILE).read_text())
-    (future / PACKAGE_FILE).write_text(json.dumps({**doc, "format_version": 2}))
+    (future / PACKAGE_FILE).write_text(json.dumps({**doc, "format_version": doc["format_version"] + 1}))
     small = str(built["small"])
     garbage = tmp_path / "garbage.tar"
     garbage.write_text("not an archive")

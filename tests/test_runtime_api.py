@@ -172,14 +172,14 @@ class FaultyDraft(GraphEngine):
         super().__init__(real.graph, real.spec, real.facts)
         self.fail_on, self.stall_s, self.calls = fail_on, stall_s, 0
 
-    def run(self, x, cache, new_mask=None):
+    def run(self, *args, **kwargs):
         self.calls += 1
         if self.calls in self.fail_on:
             if self.stall_s:
                 time.sleep(self.stall_s)
             else:
                 raise RuntimeError(f"injected draft failure on call {self.calls}")
-        return super().run(x, cache, new_mask)
+        return super().run(*args, **kwargs)
 
 
 @pytest.mark.parametrize("mode, overlap", [("sd", True), ("mirror", True), ("mirror", False)])

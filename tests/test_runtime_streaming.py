@@ -24,7 +24,6 @@ import pytest
 
 from mirror_sd.errors import ManifestError
 from mirror_sd.runtime.draft import Drafter, _confirm
-from mirror_sd.runtime.kv import KVCache
 from mirror_sd.runtime.messages import ExitCandidates
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.sampling import SamplingParams, warp
@@ -165,15 +164,6 @@ def test_confirm_stops_at_the_first_mismatch(choices, proposals, room, new):
 
     assert _confirm(choose_at, np.asarray(proposals, np.int64), room) == new
     assert asked == list(range(len(new)))  # choices (sampling draws) are made in order, only as far as used
-
-
-def test_masked_tail_makes_holes():
-    cache = KVCache.empty(range(1), 2, 1, 2)
-    outputs = {f"present.0.{kv}": np.ones((2, 1, 4, 2), np.float32) for kv in ("key", "value")}
-    full = cache.extended(outputs, np.ones((2, 4), np.int64))
-    holed = full.masked_tail(np.array([[1, 1, 0], [1, 0, 0]]))
-    assert holed.mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]] and full.mask.all()  # the original is unchanged
-    assert holed.next_positions().tolist() == [3, 2] and holed.row(1).slots == 2
 
 
 def test_warp_gives_zero_probability_to_minus_inf():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mirror_sd.runtime.draft import plan_branches
-from mirror_sd.runtime.kv import KVCache
+from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
 from mirror_sd.runtime.messages import ExitCandidates
 from mirror_sd.runtime.sampling import SamplingParams, warp
 from mirror_sd.runtime.stats import overlap_seconds
@@ -73,22 +73,38 @@ def test_plan_branches_orders_by_exit_probability():
     assert plan_branches(c, kappa=2, budget=2, accept_rate=0.99) == ((1, 8), (2, 1))
 
 
-def test_kv_cache_trim_fork_row():
-    cache = KVCache.empty(range(2), 1, 2, 4)
+def test_context_lane_truncates_by_length_and_writes_only_new_slots():
+    buffers = {i: (np.zeros((1, 2, 8, 4), np.float32), np.zeros((1, 2, 8, 4), np.float32)) for i in range(2)}
+    lane = ContextLane(buffers)
     rng = np.random.default_rng(0)
-    outputs = {f"present.{i}.{kv}": rng.normal(size=(1, 2, 5, 4)).astype(np.float32) for i in range(2) for kv in ("key", "value")}
-    full = cache.extended(outputs, np.ones((1, 5), np.int64))
-    assert full.slots == 5 and full.next_positions().tolist() == [5]
-    short = full.trim(3)
-    assert short.slots == 3 and np.array_equal(short.keys[1], outputs["present.1.key"][:, :, :3])
-    forked = short.repeat(3)
-    assert forked.batch == 3 and np.array_equal(forked.values[0][2], short.values[0][0])
-    holes = KVCache(forked.layers, forked.keys, forked.values, np.array([[1, 1, 1], [1, 0, 1], [0, 1, 1]]))
-    row = holes.row(1)
-    assert row.slots == 2 and np.array_equal(row.keys[0][0], short.keys[0][0][:, [0, 2]])
-    assert holes.next_positions().tolist() == [3, 2, 2]
+    first = {i: (rng.normal(size=(1, 2, 5, 4)).astype(np.float32),) * 2 for i in range(2)}
+    lane.append(first, np.arange(5))
+    assert lane.length == 5 and lane.tokens.tolist() == [0, 1, 2, 3, 4]
+    assert np.array_equal(lane.view(5)[1][0], first[1][0]) and lane.view(3)[0][0].base is buffers[0][0]
+    lane.truncate(3)  # a rollback is a length: the buffers are the same arrays, their data untouched
+    assert lane.length == 3 and lane.buffers[0][0] is buffers[0][0]
+    assert np.array_equal(buffers[0][0][:, :, 3:5], first[0][0][:, :, 3:5])
+    more = {i: (np.ones((1, 2, 2, 4), np.float32),) * 2 for i in range(2)}
+    lane.append(more, np.array([9, 9]))
+    assert lane.tokens.tolist() == [0, 1, 2, 9, 9] and (buffers[1][1][:, :, 3:5] == 1).all()
     with pytest.raises(ValueError):
-        full.trim(6)
+        lane.truncate(6)
+    with pytest.raises(Exception, match="hold 8 tokens"):
+        lane.append({i: (np.ones((1, 2, 4, 4), np.float32),) * 2 for i in range(2)}, np.arange(4))
+
+
+def test_own_past_extends_makes_holes_and_gives_rows():
+    own = OwnPast.empty(range(2), 3, 2, 4)
+    rng = np.random.default_rng(0)
+    new = {i: (rng.normal(size=(3, 2, 3, 4)).astype(np.float32),) * 2 for i in range(2)}
+    own = own.extended(new, np.array([[1, 1, 1], [0, 1, 1], [0, 0, 1]]))
+    assert own.slots == 3 and own.real().tolist() == [3, 2, 1]
+    holed = own.masked_tail(np.array([[1, 0, 0], [1, 1, 1], [1, 1, 1]]))
+    assert holed.real().tolist() == [1, 2, 1] and own.real().tolist() == [3, 2, 1]  # the original is unchanged
+    row = holed.row(1)
+    assert np.array_equal(row[0][0], new[0][0][1:2, :, 1:])
+    # positions continue each row's shared length + real own slots; a hole repeats its neighbour's position
+    assert positions(np.array([4, 4, 0]), holed, np.array([[1, 1], [1, 0], [0, 1]])).tolist() == [[5, 6], [6, 6], [0, 1]]
 
 
 def test_overlap_seconds():

@@ -1,0 +1,232 @@
+"""The target's prefix and suffix as ONNX graphs written directly from the model's weights, for ONNX Runtime.
+
+Why not the torch exporter here: the runtime keeps the target's KV cache in preallocated buffers on the session's
+device and binds each layer's buffer as both its past input and its present output (ONNX Runtime's IOBinding).
+ONNX Runtime's GroupQueryAttention (com.microsoft) reads such a shared buffer up to `seqlens_k` and writes only the
+new positions into it, with rotary embedding and attention in one fused kernel (CPU and CUDA). Nothing is copied
+per step, and trimming the cache after a rejection is a length. Writing the graph node by node also lets every
+projection of a layer be one MatMul (q, k and v packed; gate and up packed), and the LM head run only on the last
+`num_logits_to_keep` positions: prefill needs one position, a verification window its own.
+
+Graph I/O (batch B, new tokens T, buffer capacity C chosen by the runtime):
+  target_prefix  input_ids [B,T] int64, seqlens_k [B] int32 (total length - 1 per row), total_sequence_length []
+                 int32, past_key_values.{i}.key/.value [B,kv_heads,C,head_dim]
+                 -> hidden_states [B,T,H] (the residual stream after layer l_e - 1), present.{i}.* [B,kv_heads,C,hd]
+  target_suffix  hidden_states [B,T,H], seqlens_k, total_sequence_length, num_logits_to_keep [1] int64, past KV
+                 -> logits [B,n,V] for the last n = num_logits_to_keep positions, present KV
+Bound to one buffer, present IS past with the T new positions written. Run on plain arrays instead (the parity
+checks), past holds exactly the valid positions and present is past + new.
+
+Supported: the Llama layout of every architecture export/architectures.py registers, with q/k/v biases (Qwen2),
+per-head q/k RMS norms before the rotary embedding (Qwen3), sliding-window layers (Mistral, Qwen2) and any rotary
+scaling transformers implements (cos/sin are taken from the model's own rotary module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from mirror_sd.errors import ExportError, UnsupportedArchitectureError
+from mirror_sd.export import onnx_export
+from mirror_sd.export.architectures import Architecture
+from mirror_sd.partitions.manifest import BOUNDARY, LOGITS, ModelFacts
+from mirror_sd.partitions.spec import (
+    BATCH, CAPACITY, KEEP, KEPT, SEQLENS, SEQUENCE, TOTAL_LENGTH, PartitionSpec, Role, TensorSpec, past_key_name,
+    past_value_name, present_key_name, present_value_name,
+)
+
+OPSET = 17
+MS_DOMAIN = "com.microsoft"
+# ORT 1.31 reads ONNX IR version 10 at most; onnx 1.23 would write 11+ by default.
+IR_VERSION = 10
+
+
+def target_input_specs(role: Role, facts: ModelFacts, layers: range) -> tuple[TensorSpec, ...]:
+    first = (TensorSpec("input_ids", "int64", (BATCH, SEQUENCE)) if role == "target_prefix"
+             else TensorSpec(BOUNDARY, facts.dtype, (BATCH, SEQUENCE, facts.hidden_size)))
+    specs = [first, TensorSpec(SEQLENS, "int32", (BATCH,)), TensorSpec(TOTAL_LENGTH, "int32", ())]
+    if role == "target_suffix":
+        specs.append(TensorSpec(KEEP, "int64", (1,)))
+    return tuple(specs) + _kv(layers, facts, past_key_name, past_value_name)
+
+
+def target_output_specs(role: Role, facts: ModelFacts, layers: range) -> tuple[TensorSpec, ...]:
+    head = (TensorSpec(BOUNDARY, facts.dtype, (BATCH, SEQUENCE, facts.hidden_size)) if role == "target_prefix"
+            else TensorSpec(LOGITS, facts.dtype, (BATCH, KEPT, facts.vocab_size)))
+    return (head,) + _kv(layers, facts, present_key_name, present_value_name)
+
+
+def _kv(layers: range, facts: ModelFacts, key_name, value_name) -> tuple[TensorSpec, ...]:
+    shape = (BATCH, facts.num_kv_heads, CAPACITY, facts.head_dim)
+    return tuple(TensorSpec(n(i), facts.dtype, shape) for i in layers for n in (key_name, value_name))
+
+
+@dataclass
+class _Graph:
+    """Nodes and initializers under construction; names are made unique by a counter."""
+
+    nodes: list
+    initializers: list
+    count: int = 0
+
+    def name(self, hint: str) -> str:
+        self.count += 1
+        return f"{hint}_{self.count}"
+
+    def weight(self, hint: str, array: np.ndarray) -> str:
+        name = self.name(hint)
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str | None = None,
+             **attrs) -> list[str]:
+        names = outputs if isinstance(outputs, list) else [self.name(op.lower()) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op, inputs, names, name=self.name(op), domain=domain, **attrs))
+        return names
+
+    def rms_norm(self, x: str, weight: torch.Tensor, eps: float) -> str:
+        return self.node("SimplifiedLayerNormalization", [x, self.weight("norm", _np(weight))], axis=-1,
+                         epsilon=float(eps))[0]
+
+    def linear(self, x: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> str:
+        """x @ concat(W_i)^T (+ biases): several projections of one input as one MatMul."""
+        w = np.concatenate([_np(t) for t in weights], axis=0).T  # [in, sum(out)]
+        y = self.node("MatMul", [x, self.weight("w", w)])[0]
+        if biases and any(b is not None for b in biases):
+            b = np.concatenate([_np(bi) if bi is not None else np.zeros(wi.shape[0], np.float32)
+                                for bi, wi in zip(biases, weights)])
+            y = self.node("Add", [y, self.weight("b", b)])[0]
+        return y
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).cpu().numpy()
+
+
+def _rotary_caches(backbone, facts: ModelFacts) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, head_dim/2] from the model's own rotary module (its scaling included). transformers
+    returns both halves concatenated (rotate_half layout); GroupQueryAttention takes one half."""
+    positions = torch.arange(facts.max_position_embeddings)[None]
+    dummy = torch.zeros(1, 1, facts.hidden_size)
+    with torch.no_grad():
+        cos, sin = backbone.rotary_emb(dummy, positions)
+    half = facts.head_dim // 2
+    cos, sin = _np(cos[0]), _np(sin[0])
+    if cos.shape[-1] != facts.head_dim or not np.allclose(cos[:, :half], cos[:, half:]):
+        raise UnsupportedArchitectureError("only full, non-interleaved rotary embeddings are supported")
+    return cos[:, :half].copy(), sin[:, :half].copy()
+
+
+def _check_layer(layer, arch: Architecture) -> None:
+    act = getattr(layer.mlp, "act_fn", None)
+    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        raise UnsupportedArchitectureError(f"{arch.model_type}: only SiLU MLPs are supported, not {type(act).__name__}")
+
+
+def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role, start: int, end: int) -> onnx.ModelProto:
+    """The ONNX model of layers [start, end) of the target in `role` (target_prefix holds the embedding, target_suffix
+    the final norm and LM head)."""
+    backbone = arch.backbone(model)
+    config = model.config
+    g = _Graph([], [])
+    heads, kv_heads, hd = facts.num_attention_heads, facts.num_kv_heads, facts.head_dim
+    eps = float(config.rms_norm_eps)
+    windows = arch.sliding_windows()
+    cos, sin = _rotary_caches(backbone, facts)
+    cos_name, sin_name = g.weight("cos_cache", cos), g.weight("sin_cache", sin)
+    split_qkv = g.weight("qkv_sizes", np.array([heads * hd, kv_heads * hd, kv_heads * hd], np.int64))
+    split_mlp = g.weight("mlp_sizes", np.array([config.intermediate_size] * 2, np.int64))
+
+    if role == "target_prefix":
+        x = g.node("Gather", [g.weight("embed_tokens", _np(backbone.embed_tokens.weight)), "input_ids"])[0]
+    else:
+        x = BOUNDARY
+    for i in range(start, end):
+        layer = backbone.layers[i]
+        _check_layer(layer, arch)
+        attn = layer.self_attn
+        h = g.rms_norm(x, layer.input_layernorm.weight, eps)
+        qkv = g.linear(h, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                       [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        q, k, v = g.node("Split", [qkv, split_qkv], 3, axis=-1)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head, before the rotary embedding
+            q = _head_norm(g, q, attn.q_norm, heads, hd)
+            k = _head_norm(g, k, attn.k_norm, kv_heads, hd)
+        window = windows[i]
+        attrs = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0,
+                     scale=float(attn.scaling))
+        if window is not None:
+            # both count the query itself: a query sees keys at positions > its own - window (checked by parity)
+            attrs["local_window_size"] = int(window)
+        a = g.node("GroupQueryAttention",
+                   [q, k, v, past_key_name(i), past_value_name(i), SEQLENS, TOTAL_LENGTH, cos_name, sin_name],
+                   [g.name("attn"), present_key_name(i), present_value_name(i)], domain=MS_DOMAIN, **attrs)[0]
+        o = g.linear(a, [attn.o_proj.weight], [attn.o_proj.bias])
+        x = g.node("Add", [x, o])[0]
+        h = g.rms_norm(x, layer.post_attention_layernorm.weight, eps)
+        gate, up = g.node("Split", [g.linear(h, [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]), split_mlp],
+                          2, axis=-1)
+        act = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # SiLU
+        down = g.linear(g.node("Mul", [act, up])[0], [layer.mlp.down_proj.weight], [layer.mlp.down_proj.bias])
+        x = g.node("Add", [x, down])[0]
+
+    if role == "target_prefix":
+        g.node("Identity", [x], [BOUNDARY])
+    else:
+        # only the last n positions reach the norm and the LM head: x[:, -n:]
+        begin = g.node("Neg", [KEEP])[0]
+        last = g.node("Slice", [x, begin, g.weight("end", np.array([np.iinfo(np.int64).max], np.int64)),
+                                g.weight("axis", np.array([1], np.int64))])[0]
+        h = g.rms_norm(last, backbone.norm.weight, eps)
+        lm_head = arch.lm_head(model)
+        head_w = g.linear(h, [lm_head.weight], [getattr(lm_head, "bias", None)])
+        g.node("Identity", [head_w], [LOGITS])
+
+    layers = range(start, end)
+    inputs = [_value_info(t) for t in target_input_specs(role, facts, layers)]
+    outputs = [_value_info(t) for t in target_output_specs(role, facts, layers)]
+    graph = helper.make_graph(g.nodes, role, inputs, outputs, g.initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+                             ir_version=IR_VERSION, producer_name="mirror-sd")
+
+
+def _head_norm(g: _Graph, x: str, norm, n_heads: int, hd: int) -> str:
+    """RMS norm over each head's head_dim values: [B,T,n*hd] -> [B,T,n,hd] -> norm -> [B,T,n*hd]."""
+    shaped = g.node("Reshape", [x, g.weight("shape", np.array([0, 0, n_heads, hd], np.int64))])[0]
+    normed = g.rms_norm(shaped, norm.weight, float(norm.variance_epsilon))
+    return g.node("Reshape", [normed, g.weight("shape", np.array([0, 0, n_heads * hd], np.int64))])[0]
+
+
+def _value_info(t: TensorSpec):
+    types = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64,
+             "int32": TensorProto.INT32, "bool": TensorProto.BOOL}
+    return helper.make_tensor_value_info(t.name, types[t.dtype], list(t.shape))
+
+
+def write_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role, start: int, end: int,
+                       bundle_dir: Path, extra: dict | None = None) -> PartitionSpec:
+    """Build and save one target partition; returns its spec (weights over onnx_export.EXTERNAL_DATA_BYTES go to
+    `<file>.data`)."""
+    file = f"{role}.onnx"
+    try:
+        proto = build_target_graph(model, arch, facts, role, start, end)
+    except (AttributeError, KeyError, ValueError) as e:  # a module layout this builder does not know
+        raise ExportError(f"building the {role} graph failed: {type(e).__name__}: {e}") from e
+    weight_bytes = sum(int(np.prod(t.dims)) * 4 for t in proto.graph.initializer)
+    data_files: tuple[str, ...] = ()
+    if weight_bytes > onnx_export.EXTERNAL_DATA_BYTES:
+        data_files = (file + ".data",)
+        onnx.save_model(proto, str(bundle_dir / file), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data_files[0])
+    else:
+        onnx.save_model(proto, str(bundle_dir / file))
+    layers = range(start, end)
+    return PartitionSpec(role, (start, end), file, target_input_specs(role, facts, layers),
+                         target_output_specs(role, facts, layers), "onnxruntime", "default", data_files=data_files,
+                         extra={"kv": "shared-buffer", **(extra or {})})

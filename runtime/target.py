@@ -1,0 +1,221 @@
+"""The target on ONNX Runtime: prefix, suffix and early-exit head sessions around KV buffers that stay on the
+session's device for the whole life of the pipeline.
+
+Each layer's key and value cache is one preallocated buffer [1, kv_heads, capacity, head_dim] (an OrtValue on the
+CPU, or on the GPU under the CUDA execution provider), bound once with IOBinding as both the layer's past input and
+its present output. GroupQueryAttention reads the first `seqlens_k + 1 - T` positions and writes the T new ones in
+place (export/target_graphs.py), so a step moves only its tokens in and its logits out; the hidden state between
+prefix, exit head and suffix stays on the device too. The same code runs the CPU and the CUDA execution provider:
+only the device the buffers and the boundary tensor are allocated on differs.
+
+A `TargetCache` is a length in those buffers. Trimming after a rejection is a smaller length; nothing is copied.
+Running from a cache overwrites the positions past its length, so a cache whose positions were overwritten since
+it was made is stale: every run checks the buffers' write log and refuses a stale cache instead of computing with
+another history's keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mirror_sd.errors import ContextLimitError, ManifestError
+from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, Manifest, resolve_inside
+from mirror_sd.partitions.spec import (
+    KEEP, SEQLENS, TOTAL_LENGTH, PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name,
+)
+from mirror_sd.runtime.backends import ort_session
+PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the attention scratch (T x capacity per head)
+
+
+@dataclass(frozen=True)
+class TargetCache:
+    """Positions [0, length) of the target's KV buffers hold the context; `stamp` is the buffers' write count when
+    this handle was made (a handle is stale once a later write touched a position below its length)."""
+
+    length: int
+    stamp: int
+
+    def trim(self, length: int) -> TargetCache:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot trim a {self.length}-token target cache to {length}")
+        return TargetCache(length, self.stamp)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The prefix's output for T new tokens after `start` context positions, still on the device."""
+
+    hidden: object  # OrtValue [1, T, H]
+    start: int
+    tokens: int
+
+
+class _Bound:
+    """One session with its IOBinding; the KV buffers are bound once, per-step tensors at every run."""
+
+    def __init__(self, session, spec: PartitionSpec, buffers: dict[str, object]) -> None:
+        self.session, self.spec = session, spec
+        self.binding = session.io_binding()
+        self.head = spec.outputs[0].name
+        self.binding.bind_output(self.head, "cpu")  # bound first: get_outputs()[0] is always the head
+        for i in spec.kv_layers:
+            for past, present in ((past_key_name(i), present_key_name(i)), (past_value_name(i), present_value_name(i))):
+                self.binding.bind_ortvalue_input(past, buffers[past])
+                self.binding.bind_ortvalue_output(present, buffers[past])
+
+    def run(self, inputs: dict[str, object], head_device: tuple[str, int]):
+        b = self.binding
+        for name, value in inputs.items():
+            if isinstance(value, np.ndarray):
+                b.bind_cpu_input(name, value)
+            else:
+                b.bind_ortvalue_input(name, value)
+        b.bind_output(self.head, *head_device)
+        self.session.run_with_iobinding(b)
+        return b.get_outputs()[0]
+
+
+class Target:
+    """The target as prefix + suffix (+ the early-exit head, run only where a mode reads it), batch 1, over KV
+    buffers of `capacity` positions. This class keeps the caches' bookkeeping; a backend runs the graphs
+    (`OrtTarget` here, `OpenVINOTarget` in runtime/portable.py)."""
+
+    device = ""
+
+    def __init__(self, manifest: Manifest, capacity: int | None) -> None:
+        facts = manifest.target
+        limit = facts.max_position_embeddings or capacity or 0
+        self.capacity = min(capacity or limit, limit)
+        if self.capacity < 1:
+            raise ManifestError("the target has no maximum context (max_position_embeddings) and no capacity was given")
+        self.top_k = facts.top_k
+        self._writes = 0
+        self._written_by = np.zeros(self.capacity, np.int64)  # the write that last touched each position
+        self.forwards = 0  # prefix + suffix pairs run
+
+    # -- what a backend implements ---------------------------------------------------------------------------
+    def _run_prefix(self, ids: np.ndarray, start: int) -> object:
+        """Layers [0, l_e) on ids [1,T] after `start` positions, writing their KV; returns the hidden state."""
+        raise NotImplementedError
+
+    def _run_suffix(self, boundary: Boundary, logits_for: int) -> np.ndarray:
+        """Layers [l_e, N) + head, writing their KV; returns [1, logits_for, V] logits."""
+        raise NotImplementedError
+
+    def exit_candidates(self, boundary: Boundary, kappa: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The early-exit top-kappa ids and log-probs [T, kappa] for every position of the boundary."""
+        raise NotImplementedError
+
+    def boundary_array(self, boundary: Boundary) -> np.ndarray:
+        """The boundary hidden state as a host array [1, T, H] (for checks; the decoders never need it)."""
+        raise NotImplementedError
+
+    # -- caches --------------------------------------------------------------------------------------------------
+    def empty_cache(self) -> TargetCache:
+        return TargetCache(0, self._writes)
+
+    def check_room(self, length: int) -> None:
+        if length > self.capacity:
+            raise ContextLimitError(f"{length} tokens exceed the target's KV buffers of {self.capacity} positions")
+
+    def _check(self, cache: TargetCache, new: int) -> None:
+        self.check_room(cache.length + new)
+        if cache.length and int(self._written_by[:cache.length].max()) > cache.stamp:
+            raise RuntimeError("stale target cache: positions below its length were overwritten by another history")
+
+    def _write(self, start: int, end: int) -> int:
+        self._writes += 1
+        self._written_by[start:end] = self._writes
+        return self._writes
+
+    # -- runs ----------------------------------------------------------------------------------------------------
+    def run_prefix(self, ids, cache: TargetCache) -> Boundary:
+        """Layers [0, l_e) on `ids` after `cache`: writes their KV at [length, length + T)."""
+        ids = np.asarray([ids], np.int64)
+        self._check(cache, ids.shape[1])
+        hidden = self._run_prefix(ids, cache.length)
+        self._write(cache.length, cache.length + ids.shape[1])
+        return Boundary(hidden, cache.length, ids.shape[1])
+
+    def run_suffix(self, boundary: Boundary, logits_for: int | None = None) -> tuple[np.ndarray, TargetCache]:
+        """Layers [l_e, N) + head on the boundary: [n, V] logits of its last n = logits_for (default all) positions,
+        and the cache extended by its tokens."""
+        logits = self._run_suffix(boundary, boundary.tokens if logits_for is None else logits_for)[0]
+        end = boundary.start + boundary.tokens
+        stamp = self._write(boundary.start, end)
+        self.forwards += 1
+        return logits, TargetCache(end, stamp)
+
+    def forward(self, ids, cache: TargetCache, logits_for: int | None = None) -> tuple[np.ndarray, TargetCache]:
+        """Prefix then suffix: [n, V] logits (default: every position of ids) and the extended cache."""
+        return self.run_suffix(self.run_prefix(ids, cache), logits_for)
+
+    def prefill(self, ids, cache: TargetCache, chunk: int = PREFILL_CHUNK) -> tuple[np.ndarray, TargetCache]:
+        """A prompt in chunks of `chunk` tokens: the last position's logits [V] and the extended cache."""
+        ids = list(ids)
+        self.check_room(cache.length + len(ids))
+        logits = None
+        for start in range(0, len(ids), chunk):
+            logits, cache = self.forward(ids[start:start + chunk], cache, logits_for=1)
+        return logits[-1], cache
+
+
+class OrtTarget(Target):
+    """The target on ONNX Runtime with IOBinding: KV buffers and the boundary tensor on the session's device."""
+
+    def __init__(self, bundle: Path, manifest: Manifest, providers: list[str] | None = None, threads: int = 1,
+                 capacity: int | None = None, spinning: bool | None = None) -> None:
+        super().__init__(manifest, capacity)
+        import onnxruntime as ort
+
+        facts = manifest.target
+        specs = {role: manifest.partition(role) for role in ("target_prefix", "target_suffix", "target_exit")}
+        sessions = {role: ort_session(resolve_inside(bundle, spec.file), providers, threads, spinning)
+                    for role, spec in specs.items()}
+        self.providers = sessions["target_prefix"].get_providers()
+        self.device = self.providers[0]
+        self._device = ("cuda", 0) if self.device == "CUDAExecutionProvider" else ("cpu", 0)
+        shape = [1, facts.num_kv_heads, self.capacity, facts.head_dim]
+        self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(facts.dtype), *self._device)
+                        for role in ("target_prefix", "target_suffix") for i in specs[role].kv_layers
+                        for name in (past_key_name(i), past_value_name(i))}
+        self._prefix = _Bound(sessions["target_prefix"], specs["target_prefix"], self.buffers)
+        self._suffix = _Bound(sessions["target_suffix"], specs["target_suffix"], self.buffers)
+        self._exit = sessions["target_exit"]
+
+    @staticmethod
+    def _lengths(start: int, new: int) -> dict[str, np.ndarray]:
+        total = start + new
+        return {SEQLENS: np.array([total - 1], np.int32), TOTAL_LENGTH: np.array(total, np.int32)}
+
+    def _run_prefix(self, ids: np.ndarray, start: int) -> object:
+        return self._prefix.run({"input_ids": ids, **self._lengths(start, ids.shape[1])}, self._device)
+
+    def _run_suffix(self, boundary: Boundary, logits_for: int) -> np.ndarray:
+        inputs = {BOUNDARY: boundary.hidden, KEEP: np.array([logits_for], np.int64),
+                  **self._lengths(boundary.start, boundary.tokens)}
+        return self._suffix.run(inputs, ("cpu", 0)).numpy()
+
+    def exit_candidates(self, boundary: Boundary, kappa: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        binding = self._exit.io_binding()
+        binding.bind_ortvalue_input(BOUNDARY, boundary.hidden)
+        binding.bind_output(EXIT_IDS, "cpu")
+        binding.bind_output(EXIT_LOGPROBS, "cpu")
+        self._exit.run_with_iobinding(binding)
+        ids, logprobs = (o.numpy()[0] for o in binding.get_outputs())
+        k = kappa or self.top_k
+        return ids[:, :k], logprobs[:, :k]
+
+    def boundary_array(self, boundary: Boundary) -> np.ndarray:
+        return boundary.hidden.numpy()
+
+
+def open_target(bundle: str | Path, manifest: Manifest, device: str | None = None, threads: int = 1,
+                capacity: int | None = None, spinning: bool | None = None) -> OrtTarget:
+    """device None: CUDA where the session really gets it, else CPU; "cpu", "cuda" or a provider name."""
+    from mirror_sd.runtime.backends import ort_providers
+
+    return OrtTarget(Path(bundle).resolve(), manifest, ort_providers(device), threads, capacity, spinning)
