@@ -140,8 +140,6 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
     windows = arch.sliding_windows()
     cos, sin = _rotary_caches(backbone, facts)
     cos_name, sin_name = g.weight("cos_cache", cos), g.weight("sin_cache", sin)
-    split_qkv = g.weight("qkv_sizes", np.array([heads * hd, kv_heads * hd, kv_heads * hd], np.int64))
-    split_mlp = g.weight("mlp_sizes", np.array([config.intermediate_size] * 2, np.int64))
 
     if role == "target_prefix":
         x = g.node("Gather", [g.weight("embed_tokens", _np(backbone.embed_tokens.weight)), "input_ids"])[0]
@@ -154,10 +152,13 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         h = g.rms_norm(x, layer.input_layernorm.weight, eps)
         qkv = g.linear(h, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
                        [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-        q, k, v = g.node("Split", [qkv, split_qkv], 3, axis=-1)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head, before the rotary embedding
+            sizes = g.weight("qkv_sizes", np.array([heads * hd, kv_heads * hd, kv_heads * hd], np.int64))
+            q, k, v = g.node("Split", [qkv, sizes], 3, axis=-1)
             q = _head_norm(g, q, attn.q_norm, heads, hd)
             k = _head_norm(g, k, attn.k_norm, kv_heads, hd)
+        else:  # GroupQueryAttention takes q, k and v packed: no split (a copy per layer in prefill)
+            q, k, v = qkv, "", ""
         window = windows[i]
         attrs = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0,
                      scale=float(attn.scaling))
@@ -170,8 +171,8 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         o = g.linear(a, [attn.o_proj.weight], [attn.o_proj.bias])
         x = g.node("Add", [x, o])[0]
         h = g.rms_norm(x, layer.post_attention_layernorm.weight, eps)
-        gate, up = g.node("Split", [g.linear(h, [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]), split_mlp],
-                          2, axis=-1)
+        # two MatMuls rather than one packed and a Split: the same weight bytes, no copy of the activations
+        gate, up = g.linear(h, [layer.mlp.gate_proj.weight]), g.linear(h, [layer.mlp.up_proj.weight])
         act = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # SiLU
         down = g.linear(g.node("Mul", [act, up])[0], [layer.mlp.down_proj.weight], [layer.mlp.down_proj.bias])
         x = g.node("Add", [x, down])[0]

@@ -55,6 +55,12 @@ class _Rewriter:
             self.cached[key] = name
         return self.cached[key]
 
+    def initializer_shape(self, name: str) -> tuple[int, ...]:
+        for t in self.graph.initializer:
+            if t.name == name:
+                return tuple(t.dims)
+        raise ManifestError(f"GroupQueryAttention input {name!r} is not an initializer")
+
     def ints(self, *values: int) -> str:
         return self.const(np.array(values, np.int64), "i")
 
@@ -111,6 +117,12 @@ class _Rewriter:
         window = int(attrs.get("local_window_size", -1))  # keys a query sees, itself included (<= 0: all)
         q, k, v, past_k, past_v, _seqlens, _total, cos_cache, sin_cache = node.input
         out, present_k, present_v = node.output
+        if not k:  # q, k and v packed in the first input
+            hd = 2 * self.initializer_shape(cos_cache)[1]
+            sizes = self.const(np.array([heads * hd, kv_heads * hd, kv_heads * hd], np.int64), "qkv_sizes")
+            q, k, v = (self.name("split") for _ in range(3))
+            self.nodes.append(helper.make_node("Split", [node.input[0], sizes], [q, k, v], name=self.name("Split"),
+                                               axis=-1))
         shared_k, shared_v = past_k.replace("past_key_values.", "shared_key_values."), \
             past_v.replace("past_key_values.", "shared_key_values.")
         cos, sin = self.rotary(cos_cache), self.rotary(sin_cache)
