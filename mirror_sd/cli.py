@@ -55,7 +55,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     pipe = Pipeline.load(args.bundle, target_device=args.target_device, draft_device=args.draft_device,
                          target_threads=args.target_threads, draft_threads=args.draft_threads,
-                         cache_dir=args.cache_dir)
+                         cache_dir=args.cache_dir, target_backend=args.target_backend,
+                         draft_backend=args.draft_backend, max_context=args.max_context)
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
@@ -209,8 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-streaming", default=None,
                    help="how a streaming draft uses its proposals: trust (default; greedy windows take their last "
                         "proposals as drafted: fewest forwards), verify (checked by its next forward), off")
-    g.add_argument("--target-device", default=None, help="cpu, cuda or an ONNX Runtime provider (default: CUDA, else CPU)")
+    g.add_argument("--target-backend", default="onnxruntime",
+                   help="onnxruntime (default: KV buffers on the device, CUDA where present) or openvino (CPU-only "
+                        "machines: the same graphs rewritten for OpenVINO)")
+    g.add_argument("--draft-backend", default=None, help="openvino (the bundle's default) or onnxruntime")
+    g.add_argument("--target-device", default=None,
+                   help="ONNX Runtime: cpu, cuda or a provider (default: CUDA, else CPU); OpenVINO: a device (CPU)")
     g.add_argument("--draft-device", default=None, help="OpenVINO device (default: NPU, else CPU)")
+    g.add_argument("--max-context", type=int, default=None,
+                   help="the target's KV buffers in tokens (default and maximum: the model's context)")
     g.add_argument("--target-threads", type=int, default=None, help="default: the bundle's plan, else 1")
     g.add_argument("--draft-threads", type=int, default=None, help="default: the bundle's plan, else 1")
     g.add_argument("--cache-dir", default=None, help="OpenVINO compile cache directory for the draft")

@@ -53,6 +53,11 @@ class Boundary:
     tokens: int
 
 
+def ort_device(provider: str) -> tuple[str, int]:
+    """Where an execution provider's tensors live, as OrtValue device (type, id)."""
+    return ("cuda", 0) if provider == "CUDAExecutionProvider" else ("cpu", 0)
+
+
 class _Bound:
     """One session with its IOBinding; the KV buffers are bound once, per-step tensors at every run."""
 
@@ -177,7 +182,7 @@ class OrtTarget(Target):
                     for role, spec in specs.items()}
         self.providers = sessions["target_prefix"].get_providers()
         self.device = self.providers[0]
-        self._device = ("cuda", 0) if self.device == "CUDAExecutionProvider" else ("cpu", 0)
+        self._device = ort_device(self.device)
         shape = [1, facts.num_kv_heads, self.capacity, facts.head_dim]
         self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(facts.dtype), *self._device)
                         for role in ("target_prefix", "target_suffix") for i in specs[role].kv_layers
