@@ -22,7 +22,8 @@ COLOURS = {"prefix": "tab:blue", "suffix": "tab:orange", "draft": "tab:green", "
 def write_plots(doc: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     made = [tokens_per_second(doc, out / "tokens_per_s.png"), speedup_vs_gamma(doc, out / "speedup_vs_gamma.png"),
-            speedup_vs_exit_layer(doc, out / "speedup_vs_exit_layer.png"), timeline(doc, out / "timeline.png")]
+            speedup_vs_exit_layer(doc, out / "speedup_vs_exit_layer.png"), timeline(doc, out / "timeline.png"),
+            context_length(doc, out / "context_length.png")]
     return [p for p in made if p is not None]
 
 
@@ -119,3 +120,31 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def context_length(doc: dict[str, Any], path: Path) -> Path | None:
+    """TTFT and decode tokens/s against prompt length, one line per method (bench/context.py)."""
+    c = doc.get("context") or {}
+    per = c.get("per_length") or {}
+    if not per:
+        return None
+    lengths = sorted(int(n) for n in per)
+    methods = [m for m in ("ar", "sd", "mirror", "ar-openvino", "ov-genai-ar")
+               if any(m in per[str(n)]["methods"] for n in lengths)]
+    fig, (ttft, decode) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, m in enumerate(methods):
+        pts = [(n, per[str(n)]["methods"][m]) for n in lengths if m in per[str(n)]["methods"]]
+        style = dict(marker="o", color=f"C{i}", label=m, linestyle="--" if m.startswith("ov-") else "-")
+        ttft.plot([n for n, _ in pts], [r["ttft_s"] for _, r in pts], **style)
+        decode.plot([n for n, _ in pts], [r["decode_tokens_per_s"] or 0.0 for _, r in pts], **style)
+    for ax, label in ((ttft, "time to first token (s)"), (decode, "decode tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    ttft.set_yscale("log")
+    decode.set_ylim(bottom=0)
+    decode.legend(fontsize=8)
+    fig.suptitle(f"context length ({c.get('new_tokens')} new tokens, greedy, medians)")
+    return _save(fig, path)

@@ -16,6 +16,8 @@ WHAT = {
                    "4 layers and weights over the full vocabulary, one token per forward, stream heads dropped",
     "ov-genai-ar": "OpenVINO GenAI LLMPipeline, the same fp32 target converted to OpenVINO IR",
     "ov-genai-sd": "OpenVINO GenAI speculative decoding, the same target and the plain-form draft as OpenVINO IR",
+    "ar-openvino": "the project's target alone on OpenVINO (its graphs rewritten without GroupQueryAttention, "
+                   "runtime/portable.py): the CPU-only backend",
 }
 
 
@@ -60,6 +62,7 @@ def render(doc: dict[str, Any]) -> str:
         lines += _sweep("Speedup against exit layer", groups["exit sweep"], "speedup_vs_exit_layer.png",
                         extra=("exit_head", "exit head"))
     lines += _compressed(doc.get("compressed_draft"))
+    lines += _context(doc.get("context"))
     lines += ["## Plots", "", "![tokens/s per method and task](plots/tokens_per_s.png)", "",
               "![timeline of one mirror generation](plots/timeline.png)", ""]
     return "\n".join(lines) + "\n"
@@ -234,3 +237,47 @@ def _compressed(c: dict[str, Any] | None) -> list[str]:
     import json
 
     return lines + ["```json", json.dumps(c, indent=2, default=str), "```", ""]
+
+
+def _context(c: dict[str, Any] | None) -> list[str]:
+    if not c or not c.get("per_length"):
+        return []
+    lengths = list(c["per_length"])
+    methods = [m for m in ("ar", "sd", "mirror", "ar-openvino", "ov-genai-ar", "ar@1t", "ar@2t", "ov-genai-ar@1t",
+                           "ov-genai-ar@2t") if any(m in c["per_length"][n]["methods"] for n in lengths)]
+
+    def cell(n: str, m: str, key: str, scale: float = 1.0, digits: int = 1) -> str:
+        row = c["per_length"][n]["methods"].get(m)
+        return "–" if not row or row.get(key) is None else f"{row[key] * scale:.{digits}f}"
+
+    sm = c["threads"]["sd_mirror"]
+    lines = ["## Context length (time to first token, decode speed)", "",
+             f"Prompts of {', '.join(lengths)} tokens of real text (Python's documentation under a summarisation "
+             f"request, chat template applied, another passage for every run), {c['repeats']} prompt(s) per length, "
+             f"{c['new_tokens']} new tokens, greedy; medians. ar is the faster of 1 and 2 target threads at each "
+             f"length and OpenVINO GenAI ar the faster of its 1 and 2 threads (which one: the @ rows); sd and "
+             f"mirror run {sm[0]} target + {sm[1]} draft threads. Decode tokens/s = (new tokens - 1) / (total - "
+             "TTFT).", ""]
+    rows = [[m, *(cell(n, m, "ttft_s", 1e3, 0) for n in lengths)] for m in methods]
+    lines += ["TTFT (ms):", ""] + _table(["method", *lengths], rows) + [""]
+    rows = [[m, *(cell(n, m, "decode_tokens_per_s") for n in lengths)] for m in methods]
+    lines += ["Decode tokens/s:", ""] + _table(["method", *lengths], rows) + [""]
+    rows = []
+    for n in lengths:
+        k = c["per_length"][n].get("kernels", {})
+        rows.append([n, _ms(k.get("step_1_s")), _ms(k.get("step_5_s")), _f(k.get("verify_5_over_1")),
+                     _ms(k.get("unsplit_step_1_s")), _f(k.get("split_over_unsplit")), _f(k.get("split_over_unsplit_5"))])
+    lines += ["The target alone after the prompt (ms per step): 1 and 5 new tokens, and the split target (prefix + "
+              "suffix sessions) against one graph of both:", ""]
+    lines += _table(["prompt tokens", "1-token step", "5-token step", "5 / 1", "unsplit 1-token", "split / unsplit",
+                     "split / unsplit (5)"], rows) + [""]
+    differ = [f"{m} at {n}" for n in lengths for m, same in c["per_length"][n]["identical_to_ar"].items() if not same]
+    lines.append("Greedy outputs: " + ("all token-identical to ar's." if not differ else
+                                       "**differ from ar: " + ", ".join(differ) + "**"))
+    lines += ["", "Issue 11's bars, from this run:", ""]
+    rows = [[t["what"], ("<= " if not t["higher_is_better"] else ">= ") + f"{t['target']:g}", _f(t["measured"]),
+             "met" if t["met"] else ("not measured" if t["measured"] is None else "not met")] for t in c["targets"]]
+    lines += _table(["bar", "wanted", "measured", "verdict"], rows) + [""]
+    if c.get("not_run"):
+        lines += [f"- not run: {m}: {why}" for m, why in c["not_run"].items()] + [""]
+    return lines + ["![time to first token and decode speed against prompt length](plots/context_length.png)", ""]

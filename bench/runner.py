@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mirror_sd.bench import summary
+from mirror_sd.bench.context import FULL as CONTEXT_FULL
+from mirror_sd.bench.context import QUICK as CONTEXT_QUICK
+from mirror_sd.bench.context import ContextSize
 from mirror_sd.bench.machine import describe_machine
 from mirror_sd.bench.methods import BASELINE_METHODS, PROJECT_METHODS, Method, MethodResult
 from mirror_sd.bench.pipeline_methods import PipelineMethod
@@ -53,6 +56,7 @@ class BenchSize:
     sweep_prompts: int  # prompts of the gamma and exit-layer sweeps
     export: bool  # export variant bundles that are not cached yet (about 2 minutes each)
     compressed_prompts: int = 0  # prompts for the compressed-draft acceptance (0: skip)
+    context: ContextSize | None = None  # the context-length benchmark (bench/context.py); None: skip
 
 
 # Sizes from timings taken here (2 cores, quiet; seconds per generated token at 24 tokens, prefill included):
@@ -62,10 +66,10 @@ class BenchSize:
 # load everything takes 2-4x longer and the harness's printed estimate says so.
 QUICK = BenchSize("quick", per_kind=1, sampled_prompts=2, max_new_tokens=24, probe_prompts=2,
                   ablations=tuple(ABLATIONS), ablation_prompts=1, gammas=(2, 4), exit_layers=(8, 15, 20, 24),
-                  sweep_prompts=1, export=False, compressed_prompts=2)
+                  sweep_prompts=1, export=False, compressed_prompts=2, context=CONTEXT_QUICK)
 FULL = BenchSize("full", per_kind=10, sampled_prompts=6, max_new_tokens=32, probe_prompts=4,
                  ablations=tuple(ABLATIONS), ablation_prompts=6, gammas=(1, 2, 3, 4, 6), exit_layers=(8, 15, 20, 24),
-                 sweep_prompts=4, export=True, compressed_prompts=6)
+                 sweep_prompts=4, export=True, compressed_prompts=6, context=CONTEXT_FULL)
 SIZES = {"quick": QUICK, "full": FULL}
 
 # Targets of issue 5 (greedy, real pair, median over the prompt set): (key, what, target, numerator, denominator)
@@ -249,6 +253,7 @@ class Bench:
         doc["variants"] = self.variant_notes
         doc["timeline"] = self._timeline(main, groups.get("greedy"))
         doc["compressed_draft"] = self._compressed(main)
+        doc["context"] = self._context(main, ar_pipes)
         doc["targets"] = targets(groups.get("greedy"))
         doc["failures"] = [dict(f, group=name) for name, g in groups.items() for f in g.get("identity_failures", [])]
         doc["elapsed_s"] = time.perf_counter() - started
@@ -358,6 +363,25 @@ class Bench:
         return {"weights": result, "prompts": len(prompts), "gamma": gamma, "max_new_tokens": self.size.max_new_tokens,
                 "packages": {w: str(p) for w, p in packages.items()},
                 "missing_packages": {w: str(p) for w, p in found.items() if w not in packages}}
+
+    def _context(self, main: Pipeline, ar_pipes: dict[int, Pipeline]) -> dict[str, Any] | None:
+        """Time to first token and decode speed against prompt length (bench/context.py)."""
+        if self.size.context is None:
+            return None
+        from mirror_sd.bench.context import run_context
+
+        genai = {len(os.sched_getaffinity(0)): m for m in self.baselines if m.name == "ov-genai-ar"}
+        if genai and 1 not in genai:  # its best thread count, as ar's: open it at one thread as well
+            from mirror_sd.bench.baselines import open_baselines
+
+            try:
+                genai[1] = open_baselines(self.bundle, names=["ov-genai-ar"], threads=1, sources=self.sources)[0]
+                self.baselines.append(genai[1])
+            except Exception as e:  # noqa: BLE001 - reported, the context benchmark runs without it
+                self.report(f"ov-genai-ar at 1 thread not opened: {_why(e)}")
+        self.report(f"context lengths {self.size.context.lengths} ({self.size.context.repeats} prompts each)")
+        return run_context(self.bundle, self.size.context, main, ar_pipes, genai, self.requested, self.report,
+                           self.progress, self.cache)
 
     def close(self) -> None:
         for method in self.baselines:

@@ -94,6 +94,13 @@ class _Graph:
         return self.node("SimplifiedLayerNormalization", [x, self.weight("norm", _np(weight))], axis=-1,
                          epsilon=float(eps))[0]
 
+    def skip_rms_norm(self, x: str, residual: str, weight: torch.Tensor, eps: float) -> tuple[str, str]:
+        """(norm(residual + x), residual + x) in one pass over the activations."""
+        normed, total = self.name("skipnorm"), self.name("residual")
+        self.node("SkipSimplifiedLayerNormalization", [x, residual, self.weight("norm", _np(weight))],
+                  [normed, "", "", total], domain=MS_DOMAIN, epsilon=float(eps))
+        return normed, total
+
     def linear(self, x: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> str:
         """x @ concat(W_i)^T (+ biases): several projections of one input as one MatMul."""
         w = np.concatenate([_np(t) for t in weights], axis=0).T  # [in, sum(out)]
@@ -145,11 +152,11 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         x = g.node("Gather", [g.weight("embed_tokens", _np(backbone.embed_tokens.weight)), "input_ids"])[0]
     else:
         x = BOUNDARY
+    h = g.rms_norm(x, backbone.layers[start].input_layernorm.weight, eps)
     for i in range(start, end):
         layer = backbone.layers[i]
         _check_layer(layer, arch)
         attn = layer.self_attn
-        h = g.rms_norm(x, layer.input_layernorm.weight, eps)
         qkv = g.linear(h, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
                        [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head, before the rotary embedding
@@ -169,13 +176,16 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
                    [q, k, v, past_key_name(i), past_value_name(i), SEQLENS, TOTAL_LENGTH, cos_name, sin_name],
                    [g.name("attn"), present_key_name(i), present_value_name(i)], domain=MS_DOMAIN, **attrs)[0]
         o = g.linear(a, [attn.o_proj.weight], [attn.o_proj.bias])
-        x = g.node("Add", [x, o])[0]
-        h = g.rms_norm(x, layer.post_attention_layernorm.weight, eps)
+        # the residual add and the next norm in one op (a decode step is ~13 ops a layer; each costs dispatch)
+        h, x = g.skip_rms_norm(o, x, layer.post_attention_layernorm.weight, eps)
         # two MatMuls rather than one packed and a Split: the same weight bytes, no copy of the activations
         gate, up = g.linear(h, [layer.mlp.gate_proj.weight]), g.linear(h, [layer.mlp.up_proj.weight])
         act = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # SiLU
         down = g.linear(g.node("Mul", [act, up])[0], [layer.mlp.down_proj.weight], [layer.mlp.down_proj.bias])
-        x = g.node("Add", [x, down])[0]
+        if i + 1 < end:
+            h, x = g.skip_rms_norm(down, x, backbone.layers[i + 1].input_layernorm.weight, eps)
+        else:
+            x = g.node("Add", [x, down])[0]
 
     if role == "target_prefix":
         g.node("Identity", [x], [BOUNDARY])

@@ -17,6 +17,7 @@ a plan made for another export of the bundle is refused.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -278,8 +279,9 @@ class Pipeline:
         except ValueError as e:
             raise BadInputError(str(e)) from None
         params = SamplingParams(float(temperature), float(top_p), top_k, seed)
+        fits = self.target_threads + self.draft_threads <= len(os.sched_getaffinity(0))
         return DecodeConfig(mode, max_new_tokens, gamma, kappa, branch_budget, params, bool(overlap),
-                            float(draft_timeout_s), streaming, bool(trace))
+                            float(draft_timeout_s), streaming, bool(trace), warm_with_prefill=fits)
 
 
 def _plan_defaults(bundle: str | Path, manifest: Manifest) -> RuntimeDefaults | None:

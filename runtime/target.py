@@ -176,6 +176,7 @@ class OrtTarget(Target):
         super().__init__(manifest, capacity)
         import onnxruntime as ort
 
+        self.threads = threads
         facts = manifest.target
         specs = {role: manifest.partition(role) for role in ("target_prefix", "target_suffix", "target_exit")}
         sessions = {role: ort_session(resolve_inside(bundle, spec.file), providers, threads, spinning)

@@ -164,3 +164,43 @@ def test_cli_bad_inputs_exit_2_without_traceback(bundle_factory, tmp_path, capsy
     assert main(["bench", bundle, "--quick", "--out", str(taken)]) == 2
     assert "not an earlier benchmark result" in capsys.readouterr().err
     assert (taken / "notes.txt").read_text() == "mine"
+
+
+def test_context_length_benchmark(bundle_factory, tmp_path):
+    """bench/context.py on the tiny streaming bundle (no external baselines): exact prompt lengths, a new passage
+    every run, measured TTFT and decode rates per length and method, the target's kernel ratios, the identity check,
+    the report section and the plot."""
+    from mirror_sd.bench.context import ContextSize, context_prompts, run_context
+    from mirror_sd.bench.plots import context_length
+    from mirror_sd.bench.report import render
+
+    bundle = bundle_factory(streaming=True)
+    main = Pipeline.load(bundle, target_threads=2, draft_threads=1)
+    ar = {1: Pipeline.load(bundle, target_threads=1), 2: main}
+    prompts = context_prompts(main, 90, 3)
+    assert [len(p) for p in prompts] == [90, 90, 90] and len({tuple(p) for p in prompts}) == 3
+    doc = run_context(bundle, ContextSize((80, 200), repeats=2, kernel_repeats=2), main, ar, {},
+                      ["ar", "sd", "mirror"], report=lambda _line: None, progress=False, cache=tmp_path / "cache")
+    assert doc["lengths"] == [80, 200] and not doc["not_run"]
+    for n in ("80", "200"):
+        entry = doc["per_length"][n]
+        assert entry["prompt_tokens"] == int(n)
+        rows = entry["methods"]
+        assert {"ar", "ar@1t", "ar@2t", "sd", "mirror", "ar-openvino"} <= set(rows)
+        for row in rows.values():
+            assert row["ttft_s"] > 0 and row["decode_tokens_per_s"] > 0
+        assert all(entry["identical_to_ar"].values())  # every mode and the OpenVINO target give ar's tokens
+        k = entry["kernels"]
+        assert k["step_1_s"] > 0 and k["verify_5_over_1"] == pytest.approx(k["step_5_s"] / k["step_1_s"])
+        assert k["split_over_unsplit"] == pytest.approx(k["step_1_s"] / k["unsplit_step_1_s"])
+    targets = {t["key"]: t for t in doc["targets"]}
+    assert targets["ttft_vs_genai"]["measured"] is None and not targets["ttft_vs_genai"]["met"]  # no GenAI: unmeasured
+    flat = doc["per_length"]["200"]["methods"]["ar"]["decode_tokens_per_s"] / doc["per_length"]["80"]["methods"]["ar"][
+        "decode_tokens_per_s"]
+    assert targets["flat_ar"]["measured"] == pytest.approx(flat)
+    text = render({"bundle": str(bundle), "size": {"name": "test", "per_kind": 0, "sampled_prompts": 0,
+                                                   "max_new_tokens": 0}, "machine": {"cpu": "x", "cores": 2,
+                                                                                      "os": "x", "python": "x"},
+                   "context": doc})
+    assert "## Context length" in text and f"{flat:.2f}" in text
+    assert context_length({"context": doc}, tmp_path / "c.png").read_bytes()[:8] == PNG_MAGIC
