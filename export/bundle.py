@@ -42,6 +42,9 @@ class ExportOptions:
     force: bool = False  # replace a non-empty OUT
     validate: bool = True  # parity checks in both runtimes (always on from the CLI)
     exit_adapter: str | None = None  # a trained exit adapter directory (models/exit_adapter.py); None: logit lens
+    # the early-exit head's vocabulary: "draft" - the draft's own output vocabulary where it has one (the head then
+    # streams those rows of the LM head only), else the whole; "full" - always the whole
+    exit_vocab: str = "draft"
 
 
 @dataclass
@@ -172,10 +175,16 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     draft = load_draft(opts.draft, load_causal_lm)
     exit_layer, top_k = check_options(opts, target, draft)
     exit_head = _exit_head(opts, target)
+    if opts.exit_vocab not in ("draft", "full"):
+        raise BadInputError(f"exit vocabulary must be 'draft' or 'full', not {opts.exit_vocab!r}")
+    vocab_ids = draft.output_vocab() if opts.exit_vocab == "draft" else None
+    if vocab_ids is not None and len(vocab_ids) < top_k:
+        raise BadInputError(f"TOPK {top_k} exceeds the exit vocabulary's {len(vocab_ids)} tokens")
+    exit_topk = ExitTopK(exit_head, top_k, None if vocab_ids is None else torch.tensor(vocab_ids))
 
     staging = staging_dir(out)
     try:
-        manifest = _write_bundle(staging, target, draft, exit_head, exit_layer, top_k, opts.validate, report)
+        manifest = _write_bundle(staging, target, draft, exit_topk, exit_layer, top_k, opts.validate, report)
         move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -184,10 +193,13 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     return manifest
 
 
-def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_head: torch.nn.Module, exit_layer: int,
+def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: ExitTopK, exit_layer: int,
                   top_k: int, validate: bool, report: Callable[[str], None]) -> Manifest:
     t_model = target.model
-    t_facts = TargetFacts(**target.arch.facts(), exit_layer=exit_layer, top_k=top_k, exit_head=exit_head.kind)
+    kind = exit_topk.exit_head.kind
+    exit_vocab = 0 if exit_topk.vocab_ids is None else int(exit_topk.vocab_ids.numel())
+    t_facts = TargetFacts(**target.arch.facts(), exit_layer=exit_layer, top_k=top_k, exit_head=kind,
+                          exit_vocab_size=exit_vocab)
     # Rotary positions come from a formula, not a table: the draft reads any position the target does. (How well it
     # drafts far past the lengths it was trained on is its acceptance, never the output.)
     d_facts = draft.facts()
@@ -199,9 +211,9 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_head: to
     for role, (start, end) in (("target_prefix", (0, exit_layer)), ("target_suffix", (exit_layer, n))):
         report(f"exporting {role}: layers [{start}, {end}) -> {role}.onnx")
         specs.append(write_target_graph(t_model, target.arch, t_facts, role, start, end, bundle))
-    report(f"exporting target_exit: {exit_head.kind} top-{top_k} at layer {exit_layer} -> target_exit.onnx")
-    specs.append(export_segment(ExitTopK(exit_head, top_k), exit_spec(t_facts, "target_exit.onnx", top_k, exit_head.kind),
-                                t_facts, bundle))
+    rows = f"over {exit_vocab} tokens" if exit_vocab else "over the whole vocabulary"
+    report(f"exporting target_exit: {kind} top-{top_k} {rows} at layer {exit_layer} -> target_exit.onnx")
+    specs.append(export_segment(exit_topk, exit_spec(t_facts, "target_exit.onnx", top_k, kind), t_facts, bundle))
     segment = draft.segment()
     report(f"exporting draft: layers [{segment.start}, {segment.end}) -> draft.onnx")
     specs.append(export_segment(segment, draft_spec(segment, d_facts, "draft.onnx"), d_facts, bundle))
@@ -212,7 +224,7 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_head: to
                         producer=f"mirror-sd {__version__}")
     manifest.validate(bundle)
     if validate:
-        checks = parity.check_bundle(bundle, manifest, t_model, draft.reference, exit_head, report)
+        checks = parity.check_bundle(bundle, manifest, t_model, draft.reference, exit_topk, report)
         manifest = replace(manifest, validation=parity.summary(checks))
         report(f"parity: all {len(checks)} checks passed in onnxruntime-cpu and openvino-cpu")
     manifest.save(bundle)

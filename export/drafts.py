@@ -47,6 +47,10 @@ class Draft:
         """Extra files the draft needs in the bundle; returns their names."""
         return ()
 
+    def output_vocab(self) -> list[int] | None:
+        """The target ids the draft predicts over, when it predicts over fewer than all (None: all)."""
+        return None
+
 
 @dataclass
 class HFDraft(Draft):
@@ -102,6 +106,9 @@ class StreamingDraftSource(Draft):
     def write_files(self, bundle: Path) -> tuple[str, ...]:
         (bundle / DRAFT_VOCAB_FILE).write_text(json.dumps(list(self.model.config.vocab_ids)) + "\n")
         return (DRAFT_VOCAB_FILE,)
+
+    def output_vocab(self) -> list[int] | None:
+        return list(self.model.config.vocab_ids)
 
 
 def load_draft(source: str, load_hf) -> Draft:

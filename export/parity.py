@@ -73,12 +73,16 @@ def _compare(graph: np.ndarray, ref: torch.Tensor) -> tuple[float, float]:
     return diff, diff / allowance if allowance > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def _topk_checks(lp: np.ndarray, ids: np.ndarray, ref_lp: torch.Tensor, k: int) -> tuple[tuple[float, float], int]:
+def _topk_checks(lp: np.ndarray, ids: np.ndarray, ref_lp: torch.Tensor, k: int,
+                 id_table: np.ndarray | None = None) -> tuple[tuple[float, float], int]:
     """(diff, score) of the top-k log-probs, and the number of positions whose top-k id set differs from the
-    reference where the reference has a clear k-th/(k+1)-th gap (a near-tie may legitimately pick either)."""
+    reference where the reference has a clear k-th/(k+1)-th gap (a near-tie may legitimately pick either).
+    id_table: the target id of each column of ref_lp (an exit head over part of the vocabulary)."""
     ref_vals, ref_ids = torch.topk(ref_lp, min(k + 1, ref_lp.shape[-1]), dim=-1)
     lp_check = _compare(lp, ref_vals[..., :k])
     ref_vals, ref_ids = ref_vals.numpy(), ref_ids.numpy()
+    if id_table is not None:
+        ref_ids = id_table[ref_ids]
     clear = np.ones(lp.shape[:-1], bool) if ref_vals.shape[-1] == k else (ref_vals[..., k - 1] - ref_vals[..., k]) > ATOL
     differs = (np.sort(ids, -1) != np.sort(ref_ids[..., :k], -1)).any(-1) & clear
     return lp_check, int(differs.sum())
@@ -109,7 +113,7 @@ class _Results:
         return out
 
 
-def _check_target(bundle_dir: Path, manifest: Manifest, target, exit_head: torch.nn.Module, results: _Results) -> None:
+def _check_target(bundle_dir: Path, manifest: Manifest, target, exit_topk, results: _Results) -> None:
     from mirror_sd.runtime.portable import open_portable_target
     from mirror_sd.runtime.target import open_target
 
@@ -122,7 +126,8 @@ def _check_target(bundle_dir: Path, manifest: Manifest, target, exit_head: torch
             with torch.no_grad():
                 ref = target(torch.from_numpy(ids), output_hidden_states=True)
                 ref_hidden = ref.hidden_states[t.exit_layer]
-                ref_exit = torch.log_softmax(exit_head(ref_hidden).float(), dim=-1)
+                ref_exit = exit_topk.logprobs(ref_hidden)
+            table = None if exit_topk.vocab_ids is None else exit_topk.vocab_ids.numpy()
             cache = engine.empty_cache()
             for lo, hi in ((0, past), (past, past + new)):
                 boundary = engine.run_prefix(ids[0, lo:hi].tolist(), cache)
@@ -132,7 +137,7 @@ def _check_target(bundle_dir: Path, manifest: Manifest, target, exit_head: torch
                 key = (runtime, "target")
                 results.record((*key, LOGITS, 1, past, new), _compare(logits[None], ref.logits[:, lo:hi]))
                 results.record((*key, "hidden_states", 1, past, new), _compare(hidden, ref_hidden[:, lo:hi]))
-                lp_check, mismatches = _topk_checks(top_lp[None], top_ids[None], ref_exit[:, lo:hi], t.top_k)
+                lp_check, mismatches = _topk_checks(top_lp[None], top_ids[None], ref_exit[:, lo:hi], t.top_k, table)
                 results.record((*key, EXIT_LOGPROBS, 1, past, new), lp_check)
                 results.record((*key, EXIT_IDS, 1, past, new), (float(mismatches), float(mismatches)))
 
@@ -191,13 +196,14 @@ def _check_draft(bundle_dir: Path, spec: PartitionSpec, draft_reference, results
                 results.record((*key, STREAM_IDS, batch, shared_len + own_len, new), (mismatches, mismatches))
 
 
-def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, exit_head: torch.nn.Module,
+def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, exit_topk,
                  report: Callable[[str], None] = print) -> list[ParityCheck]:
     """Run the grids in every runtime; returns all checks, raises ParityError listing the failures.
 
-    draft_reference(ids [B,T]) -> the draft graph's head outputs in torch (logits, and stream_ids if any)."""
+    draft_reference(ids [B,T]) -> the draft graph's head outputs in torch (logits, and stream_ids if any);
+    exit_topk: the exported early-exit module (export/segments.py ExitTopK), whose log-probs are the reference."""
     results = _Results()
-    _check_target(bundle_dir, manifest, target, exit_head, results)
+    _check_target(bundle_dir, manifest, target, exit_topk, results)
     _check_draft(bundle_dir, manifest.partition("draft"), draft_reference, results)
     checks = results.checks()
     for line in format_checks(checks):

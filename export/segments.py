@@ -39,8 +39,12 @@ class LogitLens(nn.Module):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
 
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads (exit heads share it: ExitTopK can run the head on some of its rows)."""
+        return self.norm(hidden)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(self.head_input(hidden))
 
 
 class _PlainKV:
@@ -183,15 +187,34 @@ class Segment(_Layers):
 
 class ExitTopK(nn.Module):
     """The early-exit partition: an exit head on the layer-l_e hidden state [B,T,H] -> its top-k ids and log-probs
-    [B,T,k], most probable first. Only k numbers per position leave the device."""
+    [B,T,k], most probable first. Only k numbers per position leave the device.
 
-    def __init__(self, exit_head: nn.Module, top_k: int) -> None:
+    vocab_ids: run the LM head on these rows only (target ids, e.g. the draft's vocabulary): the head streams its
+    weights for those rows alone, and the log-probs are normalised over them. Candidates are then always among them;
+    None: the whole vocabulary."""
+
+    def __init__(self, exit_head: nn.Module, top_k: int, vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         if top_k < 1:
             raise ValueError("the exit head needs top_k >= 1")
         self.exit_head, self.top_k = exit_head, top_k
+        self.vocab_ids = None
+        if vocab_ids is not None:
+            self.vocab_ids = vocab_ids.to(torch.long)
+            lm_head = exit_head.lm_head
+            self.rows = nn.Parameter(lm_head.weight.detach()[self.vocab_ids].clone(), requires_grad=False)
+            bias = getattr(lm_head, "bias", None)
+            self.row_bias = None if bias is None else nn.Parameter(bias.detach()[self.vocab_ids].clone(),
+                                                                  requires_grad=False)
+
+    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B,T,V'] log-probs over the head's vocabulary (V' = V, or the rows of vocab_ids in their order)."""
+        if self.vocab_ids is None:
+            logits = self.exit_head(hidden)
+        else:
+            logits = nn.functional.linear(self.exit_head.head_input(hidden), self.rows, self.row_bias)
+        return torch.log_softmax(logits.float(), dim=-1)
 
     def forward(self, hidden: torch.Tensor):
-        logprobs = torch.log_softmax(self.exit_head(hidden).float(), dim=-1)
-        top_lp, top_ids = torch.topk(logprobs, self.top_k, dim=-1)
-        return top_ids, top_lp
+        top_lp, top = torch.topk(self.logprobs(hidden), self.top_k, dim=-1)
+        return (top if self.vocab_ids is None else self.vocab_ids[top]), top_lp

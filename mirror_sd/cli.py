@@ -26,7 +26,7 @@ def _export(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()
     export_bundle(ExportOptions(model=args.model, draft=args.draft, out=Path(args.out), exit_layer=exit_layer,
                                 top_k=DEFAULT_TOP_K if top_k is None else top_k, force=args.force,
-                                exit_adapter=args.exit_adapter))
+                                exit_adapter=args.exit_adapter, exit_vocab=args.exit_vocab))
     return 0
 
 
@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, help="a plan file from `mirror-sd plan`: exit layer and k where not given")
     p.add_argument("--exit-adapter", default=None,
                    help="trained exit adapter directory (replaces the logit lens; sets the exit layer)")
+    p.add_argument("--exit-vocab", default="draft", choices=("draft", "full"),
+                   help="the early-exit head's vocabulary: the draft's own where it has a reduced one (default; the "
+                        "head then reads those rows of the LM head only) or the full vocabulary")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_export)
 

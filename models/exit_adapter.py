@@ -48,8 +48,12 @@ class ExitAdapter(nn.Module):
     def adapted(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.up(nn.functional.silu(self.down(self.norm(hidden))))
 
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads (ExitTopK can run the head on some of its rows)."""
+        return self.final_norm(self.adapted(hidden))
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.final_norm(self.adapted(hidden)))
+        return self.lm_head(self.head_input(hidden))
 
     def own_state(self) -> dict[str, torch.Tensor]:
         """The adapter's weights only (not the target's norm and LM head)."""

@@ -63,7 +63,8 @@ class ModelFacts:
 class TargetFacts(ModelFacts):
     exit_layer: int = 0  # l_e: the prefix holds layers [0, l_e)
     top_k: int = 8  # k: early-exit candidates per position
-    exit_head: str = "logit_lens"  # which early-exit head the prefix graph carries
+    exit_head: str = "logit_lens"  # which early-exit head target_exit carries
+    exit_vocab_size: int = 0  # rows of the LM head target_exit runs (0: the whole vocabulary)
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,8 @@ class Manifest:
             raise ManifestError(f"exit layer {t.exit_layer} is outside [1, {t.num_layers - 1}]")
         if not 1 <= t.top_k <= t.vocab_size:
             raise ManifestError(f"top_k {t.top_k} is outside [1, {t.vocab_size}]")
+        if t.exit_vocab_size and not t.top_k <= t.exit_vocab_size <= t.vocab_size:
+            raise ManifestError(f"the exit head's vocabulary ({t.exit_vocab_size}) must lie in [top_k, {t.vocab_size}]")
 
         prefix, suffix, exit_head, draft = (self.partition(r) for r in ROLES)
         # The target partitions must tile [0, N) with no gap or overlap, split at the exit layer.

@@ -84,7 +84,7 @@ def test_parity_catches_a_corrupted_graph(tmp_path, bundle_factory, pair_factory
     from transformers import AutoModelForCausalLM
 
     from mirror_sd.export.architectures import architecture_of
-    from mirror_sd.export.segments import LogitLens
+    from mirror_sd.export.segments import ExitTopK, LogitLens
 
     bundle = tmp_path / "bundle"
     shutil.copytree(bundle_factory(), bundle)
@@ -99,7 +99,7 @@ def test_parity_catches_a_corrupted_graph(tmp_path, bundle_factory, pair_factory
     target = AutoModelForCausalLM.from_pretrained(target_dir, attn_implementation="eager").eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, attn_implementation="eager").eval()
     arch = architecture_of(target.config)
-    head = LogitLens(arch.backbone(target).norm, target.lm_head)
+    head = ExitTopK(LogitLens(arch.backbone(target).norm, target.lm_head), Manifest.load(bundle).target.top_k)
     with torch.no_grad(), pytest.raises(ParityError, match="logits"):
         parity.check_bundle(bundle, Manifest.load(bundle), target, lambda ids: {"logits": draft(ids).logits}, head,
                             report=_quiet)
