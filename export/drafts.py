@@ -20,7 +20,7 @@ from torch import nn
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.export.architectures import Architecture, architecture_of
-from mirror_sd.export.segments import SplitSegment
+from mirror_sd.export.segments import SplitSegment, last_positions
 from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE, LOGITS, STREAM_IDS, DraftFacts
 
 __all__ = ["Draft", "HFDraft", "StreamingDraftSource", "load_draft"]
@@ -35,8 +35,8 @@ class Draft:
 
     def segment(self) -> nn.Module:
         """Export-ready with the split-past interface (export/segments.py SplitSegment): forward(input_ids,
-        position_ids, shared_mask, attention_mask, *past) -> (logits, [stream_ids,] *new KV); has `start` and
-        `end` (its layer range)."""
+        position_ids, shared_mask, attention_mask, num_logits_to_keep, *past) -> (logits, [stream_ids,] *new KV),
+        the heads on the last num_logits_to_keep positions; has `start` and `end` (its layer range)."""
         raise NotImplementedError
 
     def reference(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -75,9 +75,11 @@ class _StreamingSegment(nn.Module):
         self.body = SplitSegment(draft.lm, arch, 0, arch.num_layers, embed=True, head=None)
         self.start, self.end = 0, arch.num_layers
 
-    def forward(self, input_ids, position_ids, shared_mask, attention_mask, *past):
-        hidden, *present = self.body(self.draft.id_map[input_ids], position_ids, shared_mask, attention_mask, *past)
-        logits = self.draft.draft_logits(hidden)  # [B,T,Vd]
+    def forward(self, input_ids, position_ids, shared_mask, attention_mask, keep, *past):
+        hidden, *present = self.body(self.draft.id_map[input_ids], position_ids, shared_mask, attention_mask, keep,
+                                     *past)
+        hidden = last_positions(hidden, keep)  # the heads (main and streams) only where they are read
+        logits = self.draft.draft_logits(hidden)  # [B,keep,Vd]
         streams = self.draft.stream_logits(hidden, logits.argmax(-1))
         stream_ids = self.draft.vocab_ids[torch.stack([s.argmax(-1) for s in streams], -1)]  # [B,T,S] target ids
         return (logits, stream_ids, *present)

@@ -20,7 +20,7 @@ import torch
 from mirror_sd.errors import ExportError
 from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, LOGITS, STREAM_IDS, ModelFacts
 from mirror_sd.partitions.spec import (
-    BATCH, SEQUENCE, SHARED, TOTAL, PartitionSpec, TensorSpec, kv_specs,
+    BATCH, KEEP, KEPT, SEQUENCE, SHARED, TOTAL, PartitionSpec, TensorSpec, kv_specs,
 )
 
 OPSET = 17
@@ -36,12 +36,12 @@ def draft_spec(segment, facts: ModelFacts, file: str) -> PartitionSpec:
     past, present = kv_specs(range(segment.start, segment.end), facts.num_kv_heads, facts.head_dim, dtype)
     inputs = (TensorSpec("input_ids", "int64", (BATCH, SEQUENCE)), TensorSpec("position_ids", "int64", (BATCH, SEQUENCE)),
               TensorSpec("shared_mask", "int64", (BATCH, SHARED)), TensorSpec("attention_mask", "int64", (BATCH, TOTAL)),
-              *past)
+              TensorSpec(KEEP, "int64", (1,)), *past)
     width = getattr(facts, "output_vocab_size", 0) or facts.vocab_size
-    heads = (TensorSpec(LOGITS, dtype, (BATCH, SEQUENCE, width)),)
+    heads = (TensorSpec(LOGITS, dtype, (BATCH, KEPT, width)),)
     streams = getattr(facts, "streams", 0)
     if streams:
-        heads += (TensorSpec(STREAM_IDS, "int64", (BATCH, SEQUENCE, streams)),)
+        heads += (TensorSpec(STREAM_IDS, "int64", (BATCH, KEPT, streams)),)
     return PartitionSpec("draft", (segment.start, segment.end), file, inputs, heads + present, "openvino", "default",
                          tokens_per_forward=getattr(facts, "tokens_per_forward", 1), kv="split-past")
 
@@ -62,7 +62,8 @@ def sample_inputs(spec: PartitionSpec, facts: ModelFacts) -> tuple[torch.Tensor,
         return (torch.randn(b, t, facts.hidden_size),)
     ids = torch.randint(0, facts.vocab_size, (b, t))
     positions = torch.arange(shared + p, shared + p + t).expand(b, t).contiguous()
-    masks = (torch.ones(b, shared, dtype=torch.int64), torch.ones(b, p + t, dtype=torch.int64))
+    masks = (torch.ones(b, shared, dtype=torch.int64), torch.ones(b, p + t, dtype=torch.int64),
+             torch.tensor([2], dtype=torch.int64))  # the heads on 2 of the 3 new positions: kept apart from T
     past = []
     for _ in spec.kv_layers:
         past += [torch.randn(1, facts.num_kv_heads, shared, facts.head_dim) for _kv in range(2)]

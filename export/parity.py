@@ -22,7 +22,7 @@ from mirror_sd.partitions.manifest import (
     EXIT_IDS, EXIT_LOGPROBS, LOGITS, PARITY_ATOL, PARITY_RTOL, STREAM_IDS, Manifest,
 )
 from mirror_sd.partitions.spec import (
-    PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
+    KEEP, PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
     shared_value_name,
 )
 from mirror_sd.runtime.backends import OpenedGraph, open_onnxruntime, open_openvino
@@ -37,9 +37,10 @@ SAMPLE_TEXT = (
 )
 # The target (batch 1, as the runtime runs it): (prompt tokens on an empty cache, new tokens on that cache).
 TARGET_GRID = ((6, 1), (6, 4))
-# The draft: (batch, shared context tokens, each row's own tokens, new tokens): the shared context is common to
-# every row and is read as one shared past; the rows' own tokens become their own past.
-DRAFT_GRID = ((1, 6, 0, 1), (1, 4, 2, 3), (2, 5, 1, 1), (2, 3, 2, 3))
+# The draft: (batch, shared context tokens, each row's own tokens, new tokens, heads kept): the shared context is
+# common to every row and is read as one shared past; the rows' own tokens become their own past; the heads run on
+# the last `kept` new tokens.
+DRAFT_GRID = ((1, 6, 0, 1, 1), (1, 4, 2, 3, 3), (2, 5, 1, 1, 1), (2, 3, 2, 3, 2))
 RUNTIMES = ("onnxruntime-cpu", "openvino-cpu")
 GRAPH_OPENERS: dict[str, Callable[[Path], OpenedGraph]] = {
     "onnxruntime-cpu": lambda p: open_onnxruntime(p, ["CPUExecutionProvider"], threads=2),
@@ -143,9 +144,9 @@ def _check_target(bundle_dir: Path, manifest: Manifest, target, exit_topk, resul
 
 
 def _draft_feed(spec: PartitionSpec, ids: np.ndarray, shared: dict[str, np.ndarray], own: dict[str, np.ndarray],
-                shared_len: int, own_len: int) -> dict[str, np.ndarray]:
+                shared_len: int, own_len: int, keep: int = 1) -> dict[str, np.ndarray]:
     batch, new = ids.shape
-    feed = {"input_ids": ids, "shared_mask": np.ones((batch, shared_len), np.int64),
+    feed = {"input_ids": ids, "shared_mask": np.ones((batch, shared_len), np.int64), KEEP: np.array([keep], np.int64),
             "attention_mask": np.ones((batch, own_len + new), np.int64),
             "position_ids": np.broadcast_to(np.arange(shared_len + own_len, shared_len + own_len + new),
                                             (batch, new)).astype(np.int64)}
@@ -175,7 +176,7 @@ def _new_kv(spec: PartitionSpec, out: dict[str, np.ndarray], shared: bool) -> di
 def _check_draft(bundle_dir: Path, spec: PartitionSpec, draft_reference, results: _Results) -> None:
     for runtime in RUNTIMES:
         graph = GRAPH_OPENERS[runtime](bundle_dir / spec.file)
-        for batch, shared_len, own_len, new in DRAFT_GRID:
+        for batch, shared_len, own_len, new, kept in DRAFT_GRID:
             rows = sample_ids(bundle_dir, batch, own_len + new + 1)
             context = sample_ids(bundle_dir, 1, shared_len + 7)[:, 7:]  # common to every row
             ids = np.concatenate([np.repeat(context, batch, 0), rows[:, :own_len + new]], 1)
@@ -187,8 +188,8 @@ def _check_draft(bundle_dir: Path, spec: PartitionSpec, draft_reference, results
             own = _empty_kv(spec, batch, False)
             if own_len:
                 own = _new_kv(spec, graph.run(_draft_feed(spec, rows[:, :own_len], shared, own, shared_len, 0)), False)
-            out = graph.run(_draft_feed(spec, rows[:, own_len:own_len + new], shared, own, shared_len, own_len))
-            seq = slice(shared_len + own_len, shared_len + own_len + new)
+            out = graph.run(_draft_feed(spec, rows[:, own_len:own_len + new], shared, own, shared_len, own_len, kept))
+            seq = slice(shared_len + own_len + new - kept, shared_len + own_len + new)
             key = (runtime, "draft")
             results.record((*key, LOGITS, batch, shared_len + own_len, new), _compare(out[LOGITS], ref[LOGITS][:, seq]))
             if STREAM_IDS in ref:

@@ -82,7 +82,8 @@ def additive_mask(attention_mask: torch.Tensor, new_tokens: int, window: int | N
 
 def _split_attention(layer, hidden, cos, sin, shared_k, shared_v, past_k, past_v, shared_bias, own_bias):
     """One attention block over a split past. hidden [B,T,H]; shared_k/v [1,kv,P,hd]; past_k/v [B,kv,S,hd];
-    shared_bias [B,1,T,P] and own_bias [B,1,T,S+T] additive. Returns (attention output [B,T,H], new k, new v)."""
+    shared_bias [B,1,1,P] (every query alike) or [B,1,T,P], and own_bias [B,1,T,S+T], additive. Returns
+    (attention output [B,T,H], new k, new v)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     attn = layer.self_attn
@@ -102,8 +103,9 @@ def _split_attention(layer, hidden, cos, sin, shared_k, shared_v, past_k, past_v
     scores_shared = torch.matmul(rows, shared_k.transpose(-1, -2)) * attn.scaling  # [B,kv,gT,P], shared_k broadcast
     scores_own = torch.matmul(rows, keys.transpose(-1, -2)) * attn.scaling  # [B,kv,gT,S+T]
     shared_len = shared_k.shape[2]
-    scores = torch.cat([scores_shared + shared_bias.repeat(1, 1, group, 1),
-                        scores_own + own_bias.repeat(1, 1, group, 1)], -1)
+    if shared_bias.shape[2] != 1:  # a per-query mask (a sliding window) follows the rows' (group, query) order
+        shared_bias = shared_bias.repeat(1, 1, group, 1)
+    scores = torch.cat([scores_shared + shared_bias, scores_own + own_bias.repeat(1, 1, group, 1)], -1)
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs[..., :shared_len], shared_v) + torch.matmul(probs[..., shared_len:], values)
     out = out.reshape(batch, heads, new, hd).transpose(1, 2).reshape(batch, new, heads * hd)
@@ -129,26 +131,42 @@ class _Layers(nn.Module):
             raise ValueError("a segment's head is 'final' or None")
 
 
+def last_positions(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """hidden[:, -keep:] with keep a 1-element tensor (a graph input, so the exported slice stays dynamic)."""
+    total = hidden.shape[1]
+    return hidden.index_select(1, torch.arange(total - keep[0], total))
+
+
 class SplitSegment(_Layers):
     """Layers [start, end) of a decoder with a split past (every layer the same way), optionally with the
     embedding in front and a head behind (as `Segment`).
 
-    forward(x, position_ids, shared_mask, attention_mask, *past) with x input_ids [B,T] (or hidden [B,T,H]),
+    forward(x, position_ids, shared_mask, attention_mask, keep, *past) with x input_ids [B,T] (or hidden [B,T,H]),
     position_ids [B,T], shared_mask [B,P] (1: the row reads that shared slot), attention_mask [B,S+T] (the row's own
-    past and the new tokens; 0 = a hole), past = per layer shared key, shared value [1,kv,P,hd], own key, own value
-    [B,kv,S,hd]; returns (*head outputs, *new key/value per layer [B,kv,T,hd]).
+    past and the new tokens; 0 = a hole), keep [1] (the head runs on the last keep positions only: a prompt read
+    needs none of its heads, a rollout step its last few columns), past = per layer shared key, shared value
+    [1,kv,P,hd], own key, own value [B,kv,S,hd]; returns (head output [B,keep,...] - or the whole hidden state
+    [B,T,H] without a head, `keep` unused -, *new key/value per layer [B,kv,T,hd]).
     The mask is positional over the slots shared ++ own ++ new, as `additive_mask` builds it for a plain past."""
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, shared_mask: torch.Tensor,
-                attention_mask: torch.Tensor, *past: torch.Tensor):
+                attention_mask: torch.Tensor, keep: torch.Tensor, *past: torch.Tensor):
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
         new = hidden.shape[1]
         cos, sin = self.rotary_emb(hidden, position_ids)
         shared_len = shared_mask.shape[1]
         biases = {}
         for w in set(self.windows):
-            full = additive_mask(torch.cat([shared_mask, attention_mask], 1), new, w, hidden.dtype)  # [B,1,T,P+S+T]
-            biases[w] = (full[..., :shared_len], full[..., shared_len:])
+            if w is None:
+                # every shared slot precedes every query: one row of bias per batch row, broadcast over the queries
+                # (a long context's [T, P] mask would cost more than the attention it masks)
+                zero = torch.zeros((), dtype=hidden.dtype)
+                low = torch.tensor(torch.finfo(hidden.dtype).min, dtype=hidden.dtype)
+                biases[w] = (torch.where(shared_mask.bool(), zero, low)[:, None, None, :],
+                             additive_mask(attention_mask, new, None, hidden.dtype))
+            else:  # a window reaches into the shared part per query: the whole positional mask
+                full = additive_mask(torch.cat([shared_mask, attention_mask], 1), new, w, hidden.dtype)
+                biases[w] = (full[..., :shared_len], full[..., shared_len:])
         present = []
         for j, (layer, window) in enumerate(zip(self.layers, self.windows)):
             shared_k, shared_v, own_k, own_v = past[4 * j: 4 * j + 4]
@@ -158,7 +176,7 @@ class SplitSegment(_Layers):
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             present += [k, v]
         if self.head == "final":
-            return (self.lm_head(self.norm(hidden)), *present)
+            return (self.lm_head(self.norm(last_positions(hidden, keep))), *present)
         return (hidden, *present)
 
 

@@ -30,7 +30,7 @@ from mirror_sd.partitions.package import (
     normalize_weights, sha256_of,
 )
 from mirror_sd.partitions.planner import PLAN_FILE
-from mirror_sd.partitions.spec import PartitionSpec, TensorSpec
+from mirror_sd.partitions.spec import KEEP, PartitionSpec, TensorSpec
 
 DRAFT_DIR = "draft"
 # Defaults in the spirit of OpenVINO GenAI's NPU pipeline (MAX_PROMPT_LEN 1024), capped by the models' own limit.
@@ -176,12 +176,14 @@ def _static_spec(spec: PartitionSpec, graph: DraftGraph, bounds: StaticBounds, d
     fixed = {"batch": b, "sequence": t, "shared_sequence": bounds.kv_length, "past_sequence": own,
              "total_sequence": own + t}
 
+    fixed["kept"] = t  # a static graph runs its heads on every new token
+
     def static(ts: TensorSpec) -> TensorSpec:
         return TensorSpec(ts.name, ts.dtype, tuple(fixed[d] if isinstance(d, str) else d for d in ts.shape))
 
     return replace(spec, file=graph.xml, data_files=(graph.bin,), backend="openvino", device=device,
-                   inputs=tuple(static(i) for i in spec.inputs), outputs=tuple(static(o) for o in spec.outputs),
-                   extra={**spec.extra, "static": True})
+                   inputs=tuple(static(i) for i in spec.inputs if i.name != KEEP),
+                   outputs=tuple(static(o) for o in spec.outputs), extra={**spec.extra, "static": True})
 
 
 def _check_static_draft(root: Path, bundle: Path, draft_file: str, graph: DraftGraph, bounds: StaticBounds,
@@ -209,6 +211,7 @@ def _check_static_draft(root: Path, bundle: Path, draft_file: str, graph: DraftG
             slots = bounds.kv_length if name.startswith("shared_") else bounds.own_slots
             feed_d[name] = np.zeros((1, heads, 0, head_dim), np.float32)
             feed_s[name] = np.zeros((1, heads, slots, head_dim), np.float32)
+    feed_d[KEEP] = np.array([n], np.int64)  # the dynamic graph's heads on every token, as the static graph's
     want = np.array(dynamic(feed_d)[dynamic.output("logits")])
     got = np.array(static(feed_s)[static.output("logits")])
     diff = float(np.abs(got - want).max())

@@ -3,7 +3,7 @@
 The draft ONNX graph reads a split past - the shared context lane [1, kv_heads, P, head_dim] and each row's own past
 [B, kv_heads, S, head_dim] - and returns only the new tokens' KV. For an NPU every shape is fixed: batch B, new
 tokens T, the lane at its full length L (rows read the slots their shared_mask marks) and the own past at S slots
-(attention_mask S + T). Output names stay `present.{i}.*`.
+(attention_mask S + T), and the heads run on all T new tokens. Output names stay `present.{i}.*`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,19 @@ from mirror_sd.errors import PackageError
 
 
 def make_static(model, batch: int, tokens: int, kv_length: int, own_slots: int):
-    """Reshape `model` (an ov.Model of a bundle's draft; changed in place and returned) to static shapes."""
+    """Reshape `model` (an ov.Model of a bundle's draft; changed in place and returned) to static shapes. Its heads
+    run on every new token: num_logits_to_keep becomes the constant T."""
+    import numpy as np
+    from openvino import opset13 as ops
+
+    from mirror_sd.partitions.spec import KEEP
+
+    for param in list(model.get_parameters()):
+        if param.output(0).get_any_name() == KEEP:
+            constant = ops.constant(np.array([tokens], np.int64)).output(0)
+            for target in list(param.output(0).get_target_inputs()):
+                target.replace_source_output(constant)
+            model.remove_parameter(param)
     shapes = {}
     for port in model.inputs:
         name = port.get_any_name()

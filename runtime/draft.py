@@ -187,10 +187,11 @@ class Drafter:
         self.rows = None
 
     # -- building blocks -----------------------------------------------------------------------------------
-    def _forward(self, x: np.ndarray, shared: np.ndarray, own: OwnPast, new_mask: np.ndarray
+    def _forward(self, x: np.ndarray, shared: np.ndarray, own: OwnPast, new_mask: np.ndarray, keep: int
                  ) -> tuple[dict[str, np.ndarray], dict, tuple[float, float]]:
+        """One forward; its heads on the last `keep` columns only."""
         start = time.perf_counter()
-        out, new_kv = self.engine.run(x, positions(shared, own, new_mask), self.lane, shared, own, new_mask)
+        out, new_kv = self.engine.run(x, positions(shared, own, new_mask), self.lane, shared, own, new_mask, keep)
         return out, new_kv, (start, time.perf_counter())
 
     def _report(self, interval: tuple[float, float], rows: int, tokens: int) -> None:
@@ -220,7 +221,7 @@ class Drafter:
             part = seq[None, lo:lo + chunk]
             mask = np.ones(part.shape, np.int64)
             own = self.engine.empty_own(1)
-            _, new_kv, _ = self._forward(part, np.array([self.lane.length]), own, mask)
+            _, new_kv, _ = self._forward(part, np.array([self.lane.length]), own, mask, 1)  # KV only: no heads
             self.lane.append(new_kv, part[0])
         return start, time.perf_counter()
 
@@ -246,18 +247,18 @@ class Drafter:
             for b in active:
                 row = np.concatenate([feeds[b], props[b]])
                 x[b, width - row.size:], mask[b, width - row.size:] = row, 1
-            out, new_kv, interval = self._forward(x, shared, own, mask)
+            span = 1 + max(props[b].size for b in active)  # the columns where choices are made: the heads run there
+            out, new_kv, interval = self._forward(x, shared, own, mask, span)
             forwards += 1
-            step_logits = out[LOGITS]  # [B,W,Vd]
-            span = 1 + max(props[b].size for b in active)  # the columns where choices are made
-            choices = vocab.argmax(step_logits[:, width - span:]) if params.greedy else None  # [B,span]
+            step_logits, first = out[LOGITS], width - span  # [B,span,Vd]: column j is input column first + j
+            choices = vocab.argmax(step_logits) if params.greedy else None  # [B,span]
 
             def pick(b: int, at: int) -> int:
                 """Row b's main-stream token after input column `at`."""
                 if params.greedy:
-                    return int(choices[b, at - (width - span)])
-                logits[b].append(step_logits[b, at])
-                return vocab.choose(step_logits[b, at], params, rngs[b])
+                    return int(choices[b, at - first])
+                logits[b].append(step_logits[b, at - first])
+                return vocab.choose(step_logits[b, at - first], params, rngs[b])
 
             keep, produced = mask.copy(), 0
             for b in active:
@@ -272,13 +273,13 @@ class Drafter:
                 feeds[b] = np.asarray(new[-1:], np.int64)
                 room = gamma - len(tokens[b])
                 if self.trust and 0 < room <= self.streams:  # the proposals fill the window: take them as drafted
-                    trusted = out[STREAM_IDS][b, col + accepted, :room].astype(np.int64).tolist()
+                    trusted = out[STREAM_IDS][b, col + accepted - first, :room].astype(np.int64).tolist()
                     tokens[b] += trusted
                     produced += len(trusted)
                     props[b] = _NONE
                     continue
                 more = min(self.streams, room - 1)  # never propose past the window
-                props[b] = out[STREAM_IDS][b, col + accepted, :more].astype(np.int64) if more > 0 else _NONE
+                props[b] = out[STREAM_IDS][b, col + accepted - first, :more].astype(np.int64) if more > 0 else _NONE
             own = own.extended(new_kv, keep)
             self._report(interval, len(active), produced)  # finished rows fed only holes: not row-forwards
 

@@ -16,7 +16,7 @@ import numpy as np
 from mirror_sd.errors import ManifestError
 from mirror_sd.partitions.manifest import Manifest, ModelFacts, resolve_inside
 from mirror_sd.partitions.spec import (
-    PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
+    KEEP, PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
     shared_value_name,
 )
 from mirror_sd.runtime.backends import OpenedGraph, open_graph
@@ -78,16 +78,18 @@ class GraphEngine:
         return OwnPast.empty(self.spec.kv_layers, batch, f.num_kv_heads, f.head_dim, f.dtype)
 
     def run(self, x: np.ndarray, positions: np.ndarray, lane: ContextLane, shared: np.ndarray, own: OwnPast,
-            new_mask: np.ndarray) -> tuple[dict[str, np.ndarray], LayerKV]:
+            new_mask: np.ndarray, keep: int | None = None) -> tuple[dict[str, np.ndarray], LayerKV]:
         """Run x [B,T] at `positions` [B,T]; row b reads lane slots [0, shared[b]), its own past, and x where
-        new_mask [B,T] is 1. Returns (head outputs [B,T,...], new KV [B,kv_heads,T,head_dim] per layer), copies."""
+        new_mask [B,T] is 1. Returns (head outputs [B,keep,...] for the last `keep` columns (default all T), new KV
+        [B,kv_heads,T,head_dim] per layer), copies."""
         batch, new = x.shape
         if own.batch != batch:
             raise ValueError(f"input batch {batch} != own past batch {own.batch}")
         span = int(shared.max()) if shared.size else 0
         shared_mask = (np.arange(span)[None] < shared[:, None]).astype(np.int64)
         feed = {"input_ids": np.ascontiguousarray(x), "position_ids": positions, "shared_mask": shared_mask,
-                "attention_mask": np.concatenate([own.mask, new_mask.astype(np.int64)], 1)}
+                "attention_mask": np.concatenate([own.mask, new_mask.astype(np.int64)], 1),
+                KEEP: np.array([new if keep is None else keep], np.int64)}
         context = lane.view(span)
         for j, i in enumerate(own.layers):
             feed[shared_key_name(i)], feed[shared_value_name(i)] = context[i]

@@ -161,7 +161,7 @@ def time_draft(draft: GraphEngine, past: list[int], rows: tuple[int, ...], width
     for lo in range(0, seq.size, draft.prompt_chunk):
         part, own = seq[None, lo:lo + draft.prompt_chunk], draft.empty_own(1)
         mask, shared = np.ones(part.shape, np.int64), np.array([lane.length])
-        _, kv = draft.run(part, positions(shared, own, mask), lane, shared, own, mask)
+        _, kv = draft.run(part, positions(shared, own, mask), lane, shared, own, mask, keep=1)
         lane.append(kv, part[0])
     out = {}
     for b in rows:

@@ -50,6 +50,7 @@ class _StaticGraph:
                 self.feed[name] = np.zeros((batch, kv_heads, own_slots, head_dim), dtype)
         wanted = set(self.feed) | {"shared_mask"} | {n(i) for i in self.layers for n in (shared_key_name,
                                                                                           shared_value_name)}
+        # (num_logits_to_keep is a constant T inside a static graph: package/static_graph.py)
         if wanted != set(graph.input_names):
             raise PackageError(f"static draft graph inputs differ from the expected ones: "
                                f"{sorted(wanted ^ set(graph.input_names))[:4]}")
@@ -117,7 +118,9 @@ class StaticDraftEngine(GraphEngine):
                 "draft_static_shapes": g}
 
     def run(self, x: np.ndarray, positions: np.ndarray, lane: ContextLane, shared: np.ndarray, own: OwnPast,
-            new_mask: np.ndarray) -> tuple[dict[str, np.ndarray], LayerKV]:
+            new_mask: np.ndarray, keep: int | None = None) -> tuple[dict[str, np.ndarray], LayerKV]:
+        """As GraphEngine.run. The static graphs run their heads on all T columns (a fixed shape); the last `keep`
+        columns of the call are returned."""
         batch, width = x.shape
         graph = self.graphs[BRANCH] if batch > 1 else self.graphs[PREFILL if width > self.graphs[DECODE].tokens
                                                                    else DECODE]
@@ -143,7 +146,8 @@ class StaticDraftEngine(GraphEngine):
                 heads.setdefault(name, []).append(np.concatenate([p[0][name] for p in parts], axis=1))
             for i in own.layers:
                 new[i].append(tuple(np.concatenate([p[1][i][k] for p in parts], axis=2) for k in (0, 1)))
-        return ({name: np.concatenate(parts, axis=0) for name, parts in heads.items()},
+        keep = width if keep is None else keep
+        return ({name: np.concatenate(parts, axis=0)[:, width - keep:] for name, parts in heads.items()},
                 {i: tuple(np.concatenate([p[k] for p in parts], axis=0) for k in (0, 1)) for i, parts in new.items()})
 
 
