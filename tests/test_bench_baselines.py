@@ -147,3 +147,35 @@ def test_bad_requests_are_typed_errors(tiny, tmp_path):
     with pytest.raises(BaselineError, match="not the bundle's draft"):
         open_baselines(bundle, sources=Sources(sources.target, other, tmp_path), cache=tmp_path / "cache")
     assert not (tmp_path / "cache").exists()  # refused before any conversion
+
+
+def test_target_answers_at_scale_are_the_targets_greedy_tokens_and_resume(tiny, pipe, tmp_path):
+    """models/answers.py: OpenVINO GenAI continuous batching writes each prompt's conversation ids with the
+    target's answer spans; a single-turn answer is the target's own greedy continuation (the runtime's ar), a
+    multi-turn record has its first answer too, and a second run adds only what is missing."""
+    import gzip
+    import json
+
+    from mirror_sd.bench.baselines import genai_dir
+    from mirror_sd.models import answers
+
+    bundle, sources, cache = tiny
+    ov_dir = genai_dir(sources.target, cache, "target")
+    out = tmp_path / "answers.jsonl.gz"
+    answers.generate(bundle, ov_dir, out, "base", 3, batch=2, max_new_tokens=MAX_NEW, threads=1,
+                     report=lambda _line: None)
+    assert answers.done_indices(out) == {0, 1, 2}
+    answers.generate(bundle, ov_dir, out, "base", 8, batch=2, max_new_tokens=MAX_NEW, threads=1,
+                     report=lambda _line: None)
+    records = answers.read(out)
+    assert sorted(r["index"] for r in records) == list(range(8))  # resumed: 0-2 kept, 3-7 added
+    for r in records:
+        start, end = r["answers"][-1]
+        assert end == len(r["ids"]) and 0 < start < end
+        if len(r["answers"]) == 1:  # a single turn: the answer is ar's greedy continuation of the prompt
+            expected = _ar(pipe, r["ids"][:start])
+            assert r["ids"][start:end] == expected[:end - start]
+    assert [len(r["answers"]) for r in records if r["kind"] == "multi_turn"] == [2]  # base pool prompt 7
+    with gzip.open(out, "rt") as f:
+        assert len(f.read().splitlines()) == 8
+    assert json.loads(json.dumps(records[0]))["kind"]

@@ -1,0 +1,164 @@
+"""The target's own greedy answers at scale, as token ids: OpenVINO GenAI continuous batching over many prompts.
+
+A draft is distilled from what the target says; the more conversations it sees, the better it generalises (the
+draft issue: thousands of answers were not enough). transformers `generate` gives ~64 tokens/s on the 2-core
+reference machine at batch 24; OpenVINO GenAI's ContinuousBatchingPipeline on the same fp32 target ~480 tokens/s at
+64 sequences in flight, so a million answer tokens take about 35 minutes here (minutes on a GPU box).
+
+Records go to a gzip JSON-lines file, one per prompt, appended as each batch finishes, so an interrupted run resumes
+where it stopped (indices already in the file are skipped):
+    {"index": i, "kind": "chat", "ids": [...], "answers": [[start, end], ...]}
+`ids` is the whole conversation through the bundle's chat template, the target's answer(s) included; `answers`
+are the spans of ids the target generated (a multi-turn prompt has two: its first answer is generated first, then
+the follow-up's). Features (hidden states) are not stored: they are recomputed from ids by the target itself.
+
+    python -m mirror_sd.models.answers --pool broad -n 20000 --out models/data/answers-broad.jsonl.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+from mirror_sd.models.prompts import Prompt
+
+DEFAULT_BATCH = 64
+DEFAULT_MAX_NEW = 160
+
+
+def _pool(name: str, n: int, seed: int) -> list[Prompt]:
+    from mirror_sd.models.datagen import POOLS
+
+    if name not in POOLS:
+        raise SystemExit(f"unknown pool {name!r}; known: {', '.join(POOLS)}")
+    return POOLS[name](n, seed=seed)
+
+
+def done_indices(out: Path) -> set[int]:
+    if not out.exists():
+        return set()
+    seen = set()
+    with gzip.open(out, "rt") as f:
+        for line in f:
+            try:
+                seen.add(json.loads(line)["index"])
+            except (ValueError, KeyError):
+                break  # a line cut short by an interrupted write: everything before it counts
+    return seen
+
+
+def read(path: Path) -> list[dict]:
+    """Every complete record of an answers file."""
+    out = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                break
+    return out
+
+
+class _Generator:
+    def __init__(self, bundle: Path, ov_dir: Path, threads: int, batch: int, max_new_tokens: int) -> None:
+        import openvino_genai as ov_genai
+
+        from mirror_sd.partitions import Manifest
+        from mirror_sd.runtime.text import TextCodec
+
+        manifest = Manifest.load(bundle)
+        self.codec = TextCodec(bundle, manifest)
+        self.eos = list(manifest.tokenizer.eos_token_ids)
+        scheduler = ov_genai.SchedulerConfig()
+        scheduler.cache_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens = 2, batch, 2048
+        # fp32 compute and KV cache: the same target the runtime verifies with
+        properties = {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
+                      "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+        self.pipe = ov_genai.ContinuousBatchingPipeline(str(ov_dir), scheduler, "CPU", properties)
+        self.config = ov_genai.GenerationConfig()
+        self.config.max_new_tokens, self.config.do_sample = max_new_tokens, False
+        self.config.stop_token_ids, self.config.eos_token_id = set(self.eos), self.eos[0]
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        return self.codec.encode(self.codec.render_chat(messages), special=False)
+
+    def answer(self, prompts: list[list[int]]) -> list[list[int]]:
+        import numpy as np
+        import openvino as ov
+
+        results = self.pipe.generate([ov.Tensor(np.asarray([p], np.int64)) for p in prompts],
+                                     [self.config] * len(prompts))
+        return [list(r.m_generation_ids[0]) for r in results]
+
+
+def generate(bundle: Path, ov_dir: Path, out: Path, pool: str, n: int, seed: int = 0, batch: int = DEFAULT_BATCH,
+             max_new_tokens: int = DEFAULT_MAX_NEW, threads: int = 2, report=print) -> Path:
+    """Append the answers to prompts [0, n) of `pool` not yet in `out`."""
+    from tqdm import tqdm
+
+    prompts = _pool(pool, n, seed)
+    done = done_indices(out)
+    todo = [i for i in range(n) if i not in done]
+    if not todo:
+        report(f"{out}: all {n} answers are there")
+        return out
+    gen = _Generator(bundle, ov_dir, threads, batch, max_new_tokens)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokens, start = 0, time.perf_counter()
+    with gzip.open(out, "at") as f, tqdm(total=n, initial=n - len(todo), desc=f"target answers ({pool})",
+                                        unit="prompt", file=sys.stderr) as bar:
+        for lo in range(0, len(todo), batch):
+            idx = todo[lo:lo + batch]
+            convs = [[dict(m) for m in prompts[i].messages] for i in idx]
+            spans: list[list[list[int]]] = [[] for _ in idx]
+            # a multi-turn prompt's earlier assistant turn is the target's own first answer
+            first = [j for j, c in enumerate(convs) if len(c) == 3 and c[1]["role"] == "assistant"]
+            if first:
+                heads = [gen.ids(convs[j][:1]) for j in first]
+                for j, head, ans in zip(first, heads, gen.answer(heads)):
+                    convs[j][1]["content"] = gen.codec.decode(ans).strip()
+            prompt_ids = [gen.ids(c) for c in convs]
+            answers = gen.answer(prompt_ids)
+            for j, (i, ids, ans) in enumerate(zip(idx, prompt_ids, answers)):
+                if j in first:  # where the first answer sits in the re-rendered conversation (its text re-tokenized)
+                    head = gen.ids(convs[j][:1])
+                    reply = gen.codec.encode(convs[j][1]["content"], special=False)
+                    spans[j].append([len(head), len(head) + len(reply)])
+                spans[j].append([len(ids), len(ids) + len(ans)])
+                f.write(json.dumps({"index": i, "kind": prompts[i].kind, "ids": ids + ans, "answers": spans[j]})
+                        + "\n")
+                tokens += len(ans)
+            f.flush()
+            bar.update(len(idx))
+            bar.set_postfix(answer_tok_per_s=f"{tokens / (time.perf_counter() - start):.0f}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bundle", default="build/bundles/smollm2", help="the bundle (its tokenizer and chat template)")
+    p.add_argument("--target", default="build/models/smollm2-135m-instruct", help="the target's HF directory")
+    p.add_argument("--pool", default="broad", help="prompt pool: base, broad or held-out (models/prompts.py)")
+    p.add_argument("-n", type=int, default=20000, help="prompts [0, n) of the pool")
+    p.add_argument("--out", required=True, help="gzip JSON-lines file (appended to; resumes)")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="sequences in flight")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache", default="build/bench-cache", help="where the OpenVINO GenAI conversion is cached")
+    args = p.parse_args(argv)
+    from mirror_sd.bench.baselines import fingerprint
+    from mirror_sd.bench.ov_convert import convert
+
+    target = Path(args.target)
+    ov_dir = convert(target, Path(args.cache) / f"ov-genai-target-{fingerprint(target)}", fingerprint=fingerprint(target))
+    generate(Path(args.bundle), ov_dir, Path(args.out), args.pool, args.n, batch=args.batch,
+             max_new_tokens=args.max_new_tokens, threads=args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
