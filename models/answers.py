@@ -5,8 +5,9 @@ draft issue: thousands of answers were not enough). transformers `generate` give
 reference machine at batch 24; OpenVINO GenAI's ContinuousBatchingPipeline on the same fp32 target ~480 tokens/s at
 64 sequences in flight, so a million answer tokens take about 35 minutes here (minutes on a GPU box).
 
-Records go to a gzip JSON-lines file, one per prompt, appended as each batch finishes, so an interrupted run resumes
-where it stopped (indices already in the file are skipped):
+Records go to a gzip JSON-lines file, one per prompt; each batch is appended as a complete gzip member, so the file
+can be read while a run goes on, and an interrupted run resumes where it stopped: a member cut short by the
+interruption is cut off, and indices already in the file are skipped.
     {"index": i, "kind": "chat", "ids": [...], "answers": [[start, end], ...]}
 `ids` is the whole conversation through the bundle's chat template, the target's answer(s) included; `answers`
 are the spans of ids the target generated (a multi-turn prompt has two: its first answer is generated first, then
@@ -38,29 +39,41 @@ def _pool(name: str, n: int, seed: int) -> list[Prompt]:
     return POOLS[name](n, seed=seed)
 
 
-def done_indices(out: Path) -> set[int]:
-    if not out.exists():
-        return set()
-    seen = set()
-    with gzip.open(out, "rt") as f:
-        for line in f:
-            try:
-                seen.add(json.loads(line)["index"])
-            except (ValueError, KeyError):
-                break  # a line cut short by an interrupted write: everything before it counts
-    return seen
+def _members(path: Path) -> tuple[list[bytes], int]:
+    """The complete gzip members of `path` (decompressed) and the byte offset where the complete ones end."""
+    import zlib
+
+    data = path.read_bytes() if path.exists() else b""
+    members, offset = [], 0
+    while offset < len(data):
+        d = zlib.decompressobj(wbits=31)
+        try:
+            chunk = d.decompress(data[offset:])
+        except zlib.error:
+            break
+        if not d.eof:  # cut short: the rest is an interrupted write
+            break
+        members.append(chunk)
+        offset = len(data) - len(d.unused_data)
+    return members, offset
 
 
 def read(path: Path) -> list[dict]:
-    """Every complete record of an answers file."""
-    out = []
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                break
-    return out
+    """Every record of an answers file's complete members."""
+    return [json.loads(line) for member in _members(path)[0] for line in member.decode().splitlines() if line]
+
+
+def done_indices(out: Path) -> set[int]:
+    return {r["index"] for r in read(out)}
+
+
+def _truncate_partial(out: Path) -> None:
+    """Cut an interrupted run's incomplete last member off, so new members follow complete ones."""
+    if out.exists():
+        _, end = _members(out)
+        if end < out.stat().st_size:
+            with out.open("r+b") as f:
+                f.truncate(end)
 
 
 class _Generator:
@@ -108,9 +121,10 @@ def generate(bundle: Path, ov_dir: Path, out: Path, pool: str, n: int, seed: int
         return out
     gen = _Generator(bundle, ov_dir, threads, batch, max_new_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
+    _truncate_partial(out)
     tokens, start = 0, time.perf_counter()
-    with gzip.open(out, "at") as f, tqdm(total=n, initial=n - len(todo), desc=f"target answers ({pool})",
-                                        unit="prompt", file=sys.stderr) as bar:
+    with out.open("ab") as f, tqdm(total=n, initial=n - len(todo), desc=f"target answers ({pool})",
+                                   unit="prompt", file=sys.stderr) as bar:
         for lo in range(0, len(todo), batch):
             idx = todo[lo:lo + batch]
             convs = [[dict(m) for m in prompts[i].messages] for i in idx]
@@ -123,15 +137,16 @@ def generate(bundle: Path, ov_dir: Path, out: Path, pool: str, n: int, seed: int
                     convs[j][1]["content"] = gen.codec.decode(ans).strip()
             prompt_ids = [gen.ids(c) for c in convs]
             answers = gen.answer(prompt_ids)
+            lines = []
             for j, (i, ids, ans) in enumerate(zip(idx, prompt_ids, answers)):
                 if j in first:  # where the first answer sits in the re-rendered conversation (its text re-tokenized)
                     head = gen.ids(convs[j][:1])
                     reply = gen.codec.encode(convs[j][1]["content"], special=False)
                     spans[j].append([len(head), len(head) + len(reply)])
                 spans[j].append([len(ids), len(ids) + len(ans)])
-                f.write(json.dumps({"index": i, "kind": prompts[i].kind, "ids": ids + ans, "answers": spans[j]})
-                        + "\n")
+                lines.append(json.dumps({"index": i, "kind": prompts[i].kind, "ids": ids + ans, "answers": spans[j]}))
                 tokens += len(ans)
+            f.write(gzip.compress(("\n".join(lines) + "\n").encode()))  # one complete member per batch
             f.flush()
             bar.update(len(idx))
             bar.set_postfix(answer_tok_per_s=f"{tokens / (time.perf_counter() - start):.0f}")

@@ -165,6 +165,9 @@ def test_target_answers_at_scale_are_the_targets_greedy_tokens_and_resume(tiny, 
     answers.generate(bundle, ov_dir, out, "base", 3, batch=2, max_new_tokens=MAX_NEW, threads=1,
                      report=lambda _line: None)
     assert answers.done_indices(out) == {0, 1, 2}
+    whole = out.read_bytes()
+    out.write_bytes(whole + whole[:len(whole) // 3])  # an interrupted append: a member cut short
+    assert answers.done_indices(out) == {0, 1, 2}
     answers.generate(bundle, ov_dir, out, "base", 8, batch=2, max_new_tokens=MAX_NEW, threads=1,
                      report=lambda _line: None)
     records = answers.read(out)
