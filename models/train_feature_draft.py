@@ -1,0 +1,402 @@
+"""Train the feature draft (models/feature_draft.py) on the target's own answers, in resumable stages.
+
+    python -m mirror_sd.models.train_feature_draft --target build/models/smollm2-135m-instruct \\
+        --answers models/data/answers-broad.jsonl.gz --work build/feature-draft --out models/weights/...
+
+Stages, each resumable: a stopped run goes on where it stopped when run again with the same arguments.
+  vocab     the draft's output vocabulary: the most frequent answer tokens of the training records; its coverage
+            of the held-out records' answer tokens is reported (it caps acceptance: a token outside it is never
+            proposed).
+  features  the target's hidden states after each tap layer, recomputed from the token ids (the committed data is
+            ids only), stored as fp16 in a memory map under --work. Only the layers up to the deepest tap run.
+  train     training-time test: every position drafts `steps` tokens deep, fed its own hidden states as features
+            after the first (models/feature_draft.py `forward_ttt`); cross-entropy on the target's answer tokens
+            (its greedy choices, so hard targets are the target's argmax), later steps weighted down, Gaussian
+            feature noise. A checkpoint is written every few minutes; the run resumes from it.
+  eval      the go/no-go figure before any export: on held-out records, from every answer position, how many of
+            gamma drafted tokens the target would accept (the chain stops at the first miss). This is what sd
+            commits per target step, without the runtime's costs.
+
+Records with index % HOLD_OUT == 0 are never trained on. Uses CUDA when torch sees a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mirror_sd.models import answers as answers_file
+from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
+
+HOLD_OUT = 20  # every 20th record is held out
+DEFAULT_TAPS = (5, 10, 15)
+STEP_DECAY = 0.8  # loss weight of draft step k: STEP_DECAY ** k (later tokens matter only if earlier ones land)
+
+
+@dataclass(frozen=True)
+class Record:
+    index: int
+    ids: np.ndarray  # [T] int64
+    labels: np.ndarray  # [T] bool: ids[t] is a token the target generated (an answer token)
+
+
+def load_records(paths: list[Path], max_len: int) -> list[Record]:
+    """Answer records as ids and answer masks; a conversation longer than max_len keeps its last max_len tokens
+    (the answers are at the end)."""
+    out = []
+    for path in paths:
+        for r in answers_file.read(path):
+            ids = np.asarray(r["ids"], np.int64)
+            labels = np.zeros(len(ids), bool)
+            for start, end in r["answers"]:
+                labels[start:end] = True
+            if len(ids) > max_len:
+                ids, labels = ids[-max_len:], labels[-max_len:]
+            if labels.any():
+                out.append(Record(int(r["index"]), ids, labels))
+    return out
+
+
+def split(records: list[Record]) -> tuple[list[Record], list[Record]]:
+    train = [r for r in records if r.index % HOLD_OUT != 0]
+    return train, [r for r in records if r.index % HOLD_OUT == 0]
+
+
+def build_vocab(train: list[Record], size: int, always: list[int]) -> list[int]:
+    counts = Counter()
+    for r in train:
+        counts.update(r.ids[r.labels].tolist())
+    ranked = [t for t, _ in counts.most_common() if t not in set(always)]
+    return list(dict.fromkeys(list(always) + ranked))[:size]
+
+
+def coverage(records: list[Record], vocab: list[int]) -> float:
+    answer = np.concatenate([r.ids[r.labels] for r in records])
+    return float(np.isin(answer, vocab).mean())
+
+
+# -- features -----------------------------------------------------------------------------------------------------
+class FeatureStore:
+    """fp16 features [tokens, taps, d] of every record in a fixed order, in one memory-mapped file, plus a
+    progress file: records are written in order and `done` counts the ones complete."""
+
+    def __init__(self, work: Path, records: list[Record], taps: list[int], width: int) -> None:
+        self.work, self.taps, self.width = work, taps, width
+        self.lengths = np.asarray([len(r.ids) for r in records], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.key = {"records": [r.index for r in records], "taps": taps, "width": width,
+                    "tokens": int(self.offsets[-1])}
+        self.path, self.meta = work / "features.f16", work / "features.json"
+        work.mkdir(parents=True, exist_ok=True)
+        meta = json.loads(self.meta.read_text()) if self.meta.exists() else None
+        if meta is None or meta["key"] != self.key:  # another data set or taps: start over
+            with self.path.open("wb") as f:
+                f.truncate(int(self.offsets[-1]) * len(taps) * width * 2)
+            self._write_meta(0)
+        self.array = np.memmap(self.path, np.float16, "r+", shape=(int(self.offsets[-1]), len(taps), width))
+
+    def _write_meta(self, done: int) -> None:
+        tmp = self.meta.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": self.key, "done": done}))
+        os.replace(tmp, self.meta)  # the progress mark is never half-written
+
+    @property
+    def done(self) -> int:
+        return json.loads(self.meta.read_text())["done"]
+
+    def mark(self, done: int) -> None:
+        self.array.flush()
+        self._write_meta(done)
+
+    def get(self, i: int) -> np.ndarray:
+        return self.array[self.offsets[i]: self.offsets[i + 1]]
+
+
+def _tap_model(target, taps: list[int]):
+    """The target's layers up to the deepest tap, with hooks that keep the residual stream after each tap."""
+    captured: dict[int, torch.Tensor] = {}
+    layers = target.model.layers
+    handles = [layers[t - 1].register_forward_hook(
+        lambda _m, _i, out, t=t: captured.__setitem__(t, out[0] if isinstance(out, tuple) else out)) for t in taps]
+    target.model.layers = layers[: max(taps)]
+    return captured, handles
+
+
+@torch.no_grad()
+def extract_features(target, records: list[Record], store: FeatureStore, device: str, tokens_per_batch: int = 8192,
+                     report=print) -> None:
+    from tqdm import tqdm
+
+    captured, handles = _tap_model(target, store.taps)
+    start = store.done
+    try:
+        with tqdm(total=len(records), initial=start, desc="target features", unit="record") as bar:
+            i = start
+            while i < len(records):
+                j = i
+                while j < len(records) and (j - i + 1) * max(len(r.ids) for r in records[i: j + 1]) <= tokens_per_batch:
+                    j += 1
+                j = max(j, i + 1)
+                batch = records[i:j]
+                width = max(len(r.ids) for r in batch)
+                ids = torch.zeros(len(batch), width, dtype=torch.long)
+                for n, r in enumerate(batch):  # right padding: causal attention keeps real positions exact
+                    ids[n, : len(r.ids)] = torch.from_numpy(r.ids)
+                target.model(input_ids=ids.to(device), use_cache=False)
+                feats = torch.stack([captured[t] for t in store.taps], 2).half().cpu().numpy()
+                for n, r in enumerate(batch):
+                    store.array[store.offsets[i + n]: store.offsets[i + n + 1]] = feats[n, : len(r.ids)]
+                i = j
+                store.mark(i)
+                bar.update(len(batch))
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# -- training -----------------------------------------------------------------------------------------------------
+def _batches(order: list[int], records: list[Record], tokens_per_batch: int, rng: random.Random):
+    """Batches of record indices of similar length (sorted within shuffled blocks), at most tokens_per_batch
+    padded tokens each."""
+    order = order[:]
+    rng.shuffle(order)
+    out = []
+    for b in range(0, len(order), 256):
+        block = sorted(order[b: b + 256], key=lambda i: len(records[i].ids))
+        cur: list[int] = []
+        for i in block:
+            if cur and (len(cur) + 1) * len(records[i].ids) > tokens_per_batch:
+                out.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def _tensors(batch: list[int], records: list[Record], store: FeatureStore, device: str):
+    width = max(len(records[i].ids) for i in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    labels = torch.zeros(len(batch), width, dtype=torch.bool)
+    taps = torch.zeros(len(batch), width, len(store.taps), store.width)
+    for n, i in enumerate(batch):
+        r = records[i]
+        ids[n, : len(r.ids)] = torch.from_numpy(r.ids)
+        labels[n, : len(r.ids)] = torch.from_numpy(r.labels)
+        taps[n, : len(r.ids)] = torch.from_numpy(np.asarray(store.get(i), np.float32))
+    return ids.to(device), labels.to(device), taps.to(device)
+
+
+def ttt_loss(draft: FeatureDraft, taps, ids, labels, steps: int, noise: float):
+    """Weighted CE over the draft steps and per-step accuracy; the head runs only where there is a label."""
+    hs = draft.forward_ttt(taps, ids, steps, noise=noise)
+    target_rows = draft.id_map[ids[:, 2:]]  # position t predicts ids[t + 2]
+    total, weight, accs = 0.0, 0.0, []
+    for k, h in enumerate(hs):
+        valid = labels[:, 2:].clone()
+        valid[:, :k] = False  # no base before position 0
+        rows = target_rows[valid]
+        logits = draft.logits(h[:, :-1][valid])
+        # a token outside the draft vocabulary (-100) cannot be proposed: it costs nothing and is a miss
+        ce = torch.nn.functional.cross_entropy(logits, rows, ignore_index=-100)
+        total = total + STEP_DECAY ** k * ce
+        weight += STEP_DECAY ** k
+        accs.append(float((logits.argmax(-1) == rows).float().mean()) if len(rows) else 0.0)
+    return total / weight, accs
+
+
+def train(draft: FeatureDraft, records: list[Record], order: list[int], store: FeatureStore, work: Path, *,
+          epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float, device: str, seed: int,
+          max_minutes: float | None, report=print) -> dict:
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    passes = [_batches(order, records, tokens_per_batch, rng) for _ in range(max(1, math.ceil(epochs)))]
+    plan = [b for p in passes for b in p][: max(1, round(epochs * len(passes[0])))]  # a fractional last pass
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    ckpt = work / "checkpoint.pt"
+    done = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location=device)
+        if state["plan_len"] == len(plan):
+            draft.load_state_dict(state["model"], strict=False)
+            optimizer.load_state_dict(state["optimizer"])
+            done = state["done"]
+            report(f"resuming training at batch {done} of {len(plan)}")
+    draft.train()
+    start, last_save = time.monotonic(), time.monotonic()
+    accs_avg: list[float] = []
+    with tqdm(total=len(plan), initial=done, desc="training feature draft", unit="batch") as bar:
+        for b in range(done, len(plan)):
+            for group in optimizer.param_groups:  # warm-up, then cosine to 5% over the plan
+                group["lr"] = lr * min(1.0, (b + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * b / len(plan))))
+            ids, labels, taps = _tensors(plan[b], records, store, device)
+            loss, accs = ttt_loss(draft, taps, ids, labels, steps, noise)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            optimizer.step()
+            accs_avg = accs if not accs_avg else [0.98 * a + 0.02 * x for a, x in zip(accs_avg, accs)]
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs_avg))
+            bar.update(1)
+            stop = max_minutes is not None and time.monotonic() - start > max_minutes * 60
+            if time.monotonic() - last_save > 300 or b + 1 == len(plan) or stop:
+                tmp = ckpt.with_suffix(".tmp")
+                torch.save({"model": {k: v for k, v in draft.state_dict().items() if k != "embed.weight"},
+                            "optimizer": optimizer.state_dict(), "done": b + 1, "plan_len": len(plan)}, tmp)
+                os.replace(tmp, ckpt)
+                last_save = time.monotonic()
+            if stop:
+                report(f"time budget reached after batch {b + 1} of {len(plan)}: run again to go on")
+                return {"finished": False, "batches": b + 1, "of": len(plan)}
+    draft.eval()
+    return {"finished": True, "batches": len(plan), "of": len(plan), "train_step_accuracy": accs_avg}
+
+
+@torch.no_grad()
+def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore, indices: list[int], gamma: int,
+             device: str) -> dict:
+    """From every answer position whose next gamma tokens are all answer tokens: the number of leading drafted
+    tokens equal to the target's (the draft fed its own features and, while it is right, the right tokens: the
+    training-time-test form equals the sequential rollout, tests/test_feature_draft.py). Returns the mean accepted
+    tokens per target step (1 + accepted: the target's own token always lands) and the per-token acceptance
+    alpha_k = P(token k right | tokens before it right)."""
+    draft.eval()
+    accepted, tried = np.zeros(gamma + 1), np.zeros(gamma)
+    bases = 0
+    for i in indices:
+        ids, labels, taps = _tensors([i], records, store, device)
+        hs = draft.forward_ttt(taps, ids, gamma)
+        t = ids.shape[1]
+        # base b drafts ids[b+2 .. b+1+gamma]; step k's row for base b is position b + k
+        right = []
+        for k, h in enumerate(hs):
+            pred = draft.vocab_ids[draft.logits(h[0, :-1]).argmax(-1)]  # [T-2]: position p predicts ids[p + 2]
+            ok = torch.zeros(t, dtype=torch.bool, device=ids.device)
+            n = t - 2 - k
+            if n > 0:
+                ok[:n] = pred[k: k + n] == ids[0, 2 + k: 2 + k + n]  # indexed by base b = p - k
+            right.append(ok)
+        right = torch.stack(right)  # [gamma, T]
+        lab = labels[0]
+        valid = torch.zeros(t, dtype=torch.bool, device=ids.device)
+        span = t - 1 - gamma
+        if span <= 0:
+            continue
+        valid[:span] = torch.stack([lab[2 + k: 2 + k + span] for k in range(gamma)]).all(0)
+        lead = torch.cumprod(right.int(), 0)  # [gamma, T]: 1 while every step so far is right
+        for k in range(gamma):
+            tried[k] += int((valid & (lead[k - 1].bool() if k else valid)).sum())
+            accepted[k] += int((valid & lead[k].bool()).sum())
+        bases += int(valid.sum())
+    alpha = [float(accepted[k] / max(1, tried[k])) for k in range(gamma)]
+    mean_accepted = float(accepted[:gamma].sum() / max(1, bases))
+    return {"bases": bases, "gamma": gamma, "tokens_per_step": 1.0 + mean_accepted,
+            "acceptance": mean_accepted / gamma, "alpha_per_step": alpha,
+            "alpha_first": alpha[0], "alpha_mean": float(np.mean(alpha))}
+
+
+def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, taps: list[int], vocab_size: int,
+        max_len: int, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float,
+        max_minutes: float | None, eval_records: int, seed: int = 0, report=print) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.monotonic()
+    records = load_records(answers, max_len)
+    train_set, held = split(records)
+    records = train_set + held  # one order for the feature store: training records first
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    if max(taps) > len(target.model.layers):
+        raise SystemExit(f"tap {max(taps)} is deeper than the target's {len(target.model.layers)} layers")
+    special = sorted({i for i in (tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens)
+                      if i is not None})
+    vocab_path = work / "vocab.json"
+    work.mkdir(parents=True, exist_ok=True)
+    if vocab_path.exists() and json.loads(vocab_path.read_text())["size"] == vocab_size:
+        vocab = json.loads(vocab_path.read_text())["ids"]
+    else:
+        vocab = build_vocab(train_set, vocab_size, special)
+        vocab_path.write_text(json.dumps({"size": vocab_size, "ids": vocab}))
+    cover = {n: coverage(held, vocab[:n]) for n in sorted({2048, 4096, 8192, 16384, vocab_size}) if n <= len(vocab)}
+    answer_tokens = int(sum(r.labels.sum() for r in train_set))
+    report(f"{len(train_set)} training records ({answer_tokens} answer tokens, "
+           f"{sum(len(r.ids) for r in train_set)} in all), {len(held)} held out; held-out answer tokens covered "
+           "by the top-N vocabulary: " + ", ".join(f"{n}: {c:.1%}" for n, c in cover.items()))
+
+    store = FeatureStore(work, records, taps, target.config.hidden_size)
+    if store.done < len(records):
+        extract_features(target, records, store, device, report=report)
+    config = FeatureDraftConfig.for_target(target.config, vocab, taps)
+    draft = FeatureDraft(config)
+    draft.init_from_target(target)
+    draft.to(device)
+    del target
+    result = train(draft, records, list(range(len(train_set))), store, work, epochs=epochs, steps=steps, lr=lr,
+                   tokens_per_batch=tokens_per_batch, noise=noise, device=device, seed=seed,
+                   max_minutes=max_minutes, report=report)
+    if not result["finished"]:
+        return result
+    held_idx = list(range(len(train_set), len(records)))[:eval_records]
+    metrics = evaluate(draft, records, store, held_idx, gamma=4, device=device)
+    report(f"held-out ({metrics['bases']} bases, gamma 4): {metrics['tokens_per_step']:.2f} tokens per target step, "
+           f"per-token acceptance " + "/".join(f"{a:.2f}" for a in metrics["alpha_per_step"]))
+    summary = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
+               "minutes": round((time.monotonic() - t0) / 60, 1), "records": len(train_set),
+               "answer_tokens": answer_tokens, "held_out_records": len(held), "vocab_size": vocab_size,
+               "vocab_coverage_held_out": cover, "taps": taps, "epochs": epochs, "steps": steps, "lr": lr,
+               "noise": noise, "train": result, "held_out": metrics}
+    if out is not None:
+        draft.to("cpu").save(out)
+        (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, required=True, help="the target (transformers directory)")
+    parser.add_argument("--answers", type=Path, nargs="+", required=True, help="answers files (models/answers.py)")
+    parser.add_argument("--work", type=Path, default=Path("build/feature-draft"), help="features and checkpoints")
+    parser.add_argument("--out", type=Path, default=None, help="save the trained draft here")
+    parser.add_argument("--taps", type=int, nargs="+", default=list(DEFAULT_TAPS))
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--max-len", type=int, default=768)
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=4, help="training-time-test depth (drafted tokens)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--tokens-per-batch", type=int, default=4096)
+    parser.add_argument("--noise", type=float, default=0.05)
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
+    parser.add_argument("--eval-records", type=int, default=400)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    missing = [str(p) for p in [args.target, *args.answers] if not p.exists()]
+    if missing:
+        print(f"error: not found: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    run(args.target, args.answers, args.work, args.out, taps=args.taps, vocab_size=args.vocab_size,
+        max_len=args.max_len, epochs=args.epochs, steps=args.steps, lr=args.lr,
+        tokens_per_batch=args.tokens_per_batch, noise=args.noise, max_minutes=args.max_minutes,
+        eval_records=args.eval_records)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

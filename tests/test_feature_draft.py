@@ -1,0 +1,121 @@
+"""The feature draft (models/feature_draft.py) and its training (models/train_feature_draft.py) on tiny targets."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mirror_sd.models import train_feature_draft as tfd
+from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
+
+
+def _tiny_target(vocab: int = 300, layers: int = 4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def _draft(target, taps=(1, 2)) -> FeatureDraft:
+    config = FeatureDraftConfig.for_target(target.config, list(range(0, target.config.vocab_size, 2)), list(taps))
+    draft = FeatureDraft(config)
+    draft.init_from_target(target)
+    with torch.no_grad():  # move off the copied layer so every weight matters
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    return draft.eval()
+
+
+@pytest.mark.parametrize("base", [0, 5, 11])
+def test_training_time_test_equals_the_sequential_rollout(base):
+    """Step k of forward_ttt at position base + k is what the cached rollout drafts k tokens after `base`, when
+    the tokens fed are the drafted ones: training optimises exactly what inference runs."""
+    target = _tiny_target()
+    draft = _draft(target)
+    gamma, length = 4, 20
+    ids = torch.randint(0, 300, (1, length))
+    taps = torch.randn(1, length, 2, 64) * 3
+    tokens, logits = draft.rollout(taps[0, : base + 1], ids[0, : base + 2], gamma)
+    assert len(tokens) == gamma and all(t % 2 == 0 for t in tokens)  # only the draft vocabulary is proposed
+    fed = ids.clone()
+    fed[0, base + 2: base + 2 + gamma] = torch.tensor(tokens)
+    with torch.no_grad():
+        hs = draft.forward_ttt(taps, fed, gamma)
+    for k in range(gamma):
+        torch.testing.assert_close(draft.logits(hs[k][0, base + k]), logits[k], atol=1e-4, rtol=1e-4)
+
+
+def test_save_load_keeps_the_draft_and_leaves_the_embedding_out(tmp_path):
+    target = _tiny_target()
+    draft = _draft(target)
+    draft.save(tmp_path, dtype=torch.float32)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "feature_draft.safetensors"), "pt") as f:
+        assert "embed.weight" not in f.keys()
+    loaded = FeatureDraft.load(tmp_path, target.get_input_embeddings().weight)
+    assert FeatureDraft.is_feature_draft(tmp_path)
+    ids, taps = torch.randint(0, 300, (12,)), torch.randn(11, 2, 64)
+    assert draft.rollout(taps, ids, 3)[0] == loaded.rollout(taps, ids, 3)[0]
+
+
+def _answers_file(path, target, n: int = 24):
+    """Greedy answers of the tiny target to random prompts, in models/answers.py's record format."""
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(n):
+        prompt = rng.integers(3, 300, size=int(rng.integers(6, 20))).tolist()
+        with torch.no_grad():
+            out = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+        ids = out[0].tolist()
+        records.append({"index": i, "kind": "chat", "ids": ids, "answers": [[len(prompt), len(ids)]]})
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
+    """A few passes over a tiny target's greedy answers: features come from the target (the tap layers only), the
+    held-out acceptance rises above the untrained draft's, a stopped run resumes from its checkpoint, and the
+    saved draft loads."""
+    target = _tiny_target(layers=3)
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    from mirror_sd.models.tiny import make_tokenizer
+
+    make_tokenizer(target_dir, vocab_size=300)
+    data = tmp_path / "answers.jsonl.gz"
+    _answers_file(data, target)
+    records = tfd.load_records([data], max_len=64)
+    train, held = tfd.split(records)
+    assert held and all(r.index % tfd.HOLD_OUT == 0 for r in held) and len(train) + len(held) == len(records)
+    kwargs = dict(taps=[1, 2], vocab_size=300, max_len=64, epochs=30, steps=3, lr=3e-3, tokens_per_batch=256,
+                  noise=0.0, eval_records=10, report=lambda _line: None)
+
+    # features are the residual stream after each tap layer, as the target computes it
+    work = tmp_path / "work"
+    stopped = tfd.run(target_dir, [data], work, None, max_minutes=0.0, **kwargs)
+    assert stopped["finished"] is False and (work / "checkpoint.pt").exists()
+    store = tfd.FeatureStore(work, train + held, [1, 2], 64)
+    assert store.done == len(records)
+    with torch.no_grad():
+        hidden = target(torch.from_numpy(train[0].ids)[None], output_hidden_states=True).hidden_states
+    np.testing.assert_allclose(store.get(0)[:, 1], hidden[2][0].numpy(), atol=2e-2, rtol=1e-2)
+
+    out = tmp_path / "draft"
+    summary = tfd.run(target_dir, [data], work, out, max_minutes=None, **kwargs)
+    assert summary["train"]["finished"] and summary["train"]["batches"] > stopped["batches"]
+    untrained = FeatureDraft(FeatureDraftConfig.for_target(target.config, json.loads(
+        (work / "vocab.json").read_text())["ids"], [1, 2]))
+    untrained.init_from_target(target)
+    before = tfd.evaluate(untrained, train + held, store, list(range(len(train), len(records))), 4, "cpu")
+    assert summary["held_out"]["tokens_per_step"] > before["tokens_per_step"]
+    assert 1.0 <= summary["held_out"]["tokens_per_step"] <= 5.0
+    loaded = FeatureDraft.load(out, target.get_input_embeddings().weight)
+    assert loaded.config.taps == [1, 2] and (out / "training.json").exists()
