@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from mirror_sd.models import answers as answers_file
 from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
 

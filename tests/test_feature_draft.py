@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from mirror_sd.models import train_feature_draft as tfd
 from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
 
@@ -59,7 +58,7 @@ def test_save_load_keeps_the_draft_and_leaves_the_embedding_out(tmp_path):
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "feature_draft.safetensors"), "pt") as f:
-        assert "embed.weight" not in f.keys()
+        assert "embed.weight" not in set(f.keys())
     loaded = FeatureDraft.load(tmp_path, target.get_input_embeddings().weight)
     assert FeatureDraft.is_feature_draft(tmp_path)
     ids, taps = torch.randint(0, 300, (12,)), torch.randn(11, 2, 64)
@@ -95,8 +94,8 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     records = tfd.load_records([data], max_len=64)
     train, held = tfd.split(records)
     assert held and all(r.index % tfd.HOLD_OUT == 0 for r in held) and len(train) + len(held) == len(records)
-    kwargs = dict(taps=[1, 2], vocab_size=300, max_len=64, epochs=30, steps=3, lr=3e-3, tokens_per_batch=256,
-                  noise=0.0, eval_records=10, report=lambda _line: None)
+    kwargs = {"taps": [1, 2], "vocab_size": 300, "max_len": 64, "epochs": 30, "steps": 3, "lr": 3e-3,
+              "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "report": lambda _line: None}
 
     # features are the residual stream after each tap layer, as the target computes it
     work = tmp_path / "work"
