@@ -100,6 +100,10 @@ def check_options(opts: ExportOptions, target: LoadedModel, draft: Draft) -> tup
     draft_vocab = draft.facts().vocab_size
     if draft_vocab != vocab:
         raise BadInputError(f"the draft's vocabulary ({draft_vocab}) differs from the target's ({vocab})")
+    taps = draft.facts().feature_taps
+    if taps and max(taps) > exit_layer:
+        raise BadInputError(f"the feature draft reads layer {max(taps)}, past the exit layer {exit_layer}: the prefix "
+                            "must give it before the suffix runs (export at EXIT_LAYER >= its deepest tap)")
     return exit_layer, opts.top_k
 
 
@@ -172,7 +176,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     out = Path(opts.out).expanduser()
     check_out_dir(out, opts.force)
     target = load_causal_lm(opts.model, "target")
-    draft = load_draft(opts.draft, load_causal_lm)
+    draft = load_draft(opts.draft, load_causal_lm, target)
     exit_layer, top_k = check_options(opts, target, draft)
     exit_head = _exit_head(opts, target)
     if opts.exit_vocab not in ("draft", "full"):
@@ -210,7 +214,8 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: Ex
     specs = []
     for role, (start, end) in (("target_prefix", (0, exit_layer)), ("target_suffix", (exit_layer, n))):
         report(f"exporting {role}: layers [{start}, {end}) -> {role}.onnx")
-        specs.append(write_target_graph(t_model, target.arch, t_facts, role, start, end, bundle))
+        taps = d_facts.feature_taps if role == "target_prefix" else ()
+        specs.append(write_target_graph(t_model, target.arch, t_facts, role, start, end, bundle, taps=taps))
     rows = f"over {exit_vocab} tokens" if exit_vocab else "over the whole vocabulary"
     report(f"exporting target_exit: {kind} top-{top_k} {rows} at layer {exit_layer} -> target_exit.onnx")
     specs.append(export_segment(exit_topk, exit_spec(t_facts, "target_exit.onnx", top_k, kind), t_facts, bundle))
@@ -224,7 +229,8 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: Ex
                         producer=f"mirror-sd {__version__}")
     manifest.validate(bundle)
     if validate:
-        checks = parity.check_bundle(bundle, manifest, t_model, draft.reference, exit_topk, report)
+        feature_draft = draft.model if d_facts.feature_taps else None
+        checks = parity.check_bundle(bundle, manifest, t_model, draft.reference, exit_topk, report, feature_draft)
         manifest = replace(manifest, validation=parity.summary(checks))
         report(f"parity: all {len(checks)} checks passed in onnxruntime-cpu and openvino-cpu")
     manifest.save(bundle)

@@ -18,7 +18,9 @@ import onnx
 import torch
 
 from mirror_sd.errors import ExportError
-from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, LOGITS, STREAM_IDS, ModelFacts
+from mirror_sd.partitions.manifest import (
+    BOUNDARY, DRAFT_HIDDEN, EXIT_IDS, EXIT_LOGPROBS, FEATURES, LOGITS, STREAM_IDS, SURROGATE, USE_SURROGATE, ModelFacts,
+)
 from mirror_sd.partitions.spec import (
     BATCH, KEEP, KEPT, SEQUENCE, SHARED, TOTAL, PartitionSpec, TensorSpec, kv_specs,
 )
@@ -36,9 +38,17 @@ def draft_spec(segment, facts: ModelFacts, file: str) -> PartitionSpec:
     past, present = kv_specs(range(segment.start, segment.end), facts.num_kv_heads, facts.head_dim, dtype)
     inputs = (TensorSpec("input_ids", "int64", (BATCH, SEQUENCE)), TensorSpec("position_ids", "int64", (BATCH, SEQUENCE)),
               TensorSpec("shared_mask", "int64", (BATCH, SHARED)), TensorSpec("attention_mask", "int64", (BATCH, TOTAL)),
-              TensorSpec(KEEP, "int64", (1,)), *past)
+              TensorSpec(KEEP, "int64", (1,)))
+    taps = getattr(facts, "feature_taps", ())
+    if taps:  # the feature channel (partitions/manifest.py)
+        inputs += (TensorSpec(FEATURES, dtype, (BATCH, SEQUENCE, len(taps), facts.hidden_size)),
+                   TensorSpec(SURROGATE, dtype, (BATCH, SEQUENCE, facts.hidden_size)),
+                   TensorSpec(USE_SURROGATE, "int64", (BATCH, SEQUENCE)))
+    inputs += past
     width = getattr(facts, "output_vocab_size", 0) or facts.vocab_size
     heads = (TensorSpec(LOGITS, dtype, (BATCH, KEPT, width)),)
+    if taps:
+        heads += (TensorSpec(DRAFT_HIDDEN, dtype, (BATCH, KEPT, facts.hidden_size)),)
     streams = getattr(facts, "streams", 0)
     if streams:
         heads += (TensorSpec(STREAM_IDS, "int64", (BATCH, KEPT, streams)),)
@@ -64,6 +74,10 @@ def sample_inputs(spec: PartitionSpec, facts: ModelFacts) -> tuple[torch.Tensor,
     positions = torch.arange(shared + p, shared + p + t).expand(b, t).contiguous()
     masks = (torch.ones(b, shared, dtype=torch.int64), torch.ones(b, p + t, dtype=torch.int64),
              torch.tensor([2], dtype=torch.int64))  # the heads on 2 of the 3 new positions: kept apart from T
+    taps = getattr(facts, "feature_taps", ())
+    if taps:
+        masks += (torch.randn(b, t, len(taps), facts.hidden_size), torch.randn(b, t, facts.hidden_size),
+                  torch.tensor([[0, 0, 1]] * b, dtype=torch.int64))
     past = []
     for _ in spec.kv_layers:
         past += [torch.randn(1, facts.num_kv_heads, shared, facts.head_dim) for _kv in range(2)]

@@ -19,7 +19,8 @@ import torch
 
 from mirror_sd.errors import ParityError
 from mirror_sd.partitions.manifest import (
-    EXIT_IDS, EXIT_LOGPROBS, LOGITS, PARITY_ATOL, PARITY_RTOL, STREAM_IDS, Manifest,
+    DRAFT_HIDDEN, EXIT_IDS, EXIT_LOGPROBS, FEATURES, LOGITS, PARITY_ATOL, PARITY_RTOL, STREAM_IDS, SURROGATE, TAPS,
+    USE_SURROGATE, Manifest,
 )
 from mirror_sd.partitions.spec import (
     KEEP, PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
@@ -138,6 +139,9 @@ def _check_target(bundle_dir: Path, manifest: Manifest, target, exit_topk, resul
                 key = (runtime, "target")
                 results.record((*key, LOGITS, 1, past, new), _compare(logits[None], ref.logits[:, lo:hi]))
                 results.record((*key, "hidden_states", 1, past, new), _compare(hidden, ref_hidden[:, lo:hi]))
+                if manifest.draft.feature_taps:
+                    ref_taps = torch.stack([ref.hidden_states[i][0, lo:hi] for i in manifest.draft.feature_taps], 1)
+                    results.record((*key, TAPS, 1, past, new), _compare(boundary.taps, ref_taps))
                 lp_check, mismatches = _topk_checks(top_lp[None], top_ids[None], ref_exit[:, lo:hi], t.top_k, table)
                 results.record((*key, EXIT_LOGPROBS, 1, past, new), lp_check)
                 results.record((*key, EXIT_IDS, 1, past, new), (float(mismatches), float(mismatches)))
@@ -197,15 +201,70 @@ def _check_draft(bundle_dir: Path, spec: PartitionSpec, draft_reference, results
                 results.record((*key, STREAM_IDS, batch, shared_len + own_len, new), (mismatches, mismatches))
 
 
+def _check_feature_draft(bundle_dir: Path, spec: PartitionSpec, taps: tuple[int, ...], target, draft,
+                         results: _Results) -> None:
+    """The feature draft graph against FeatureDraft.forward_cached on the same features: every row's tokens with
+    the target's taps of the position before each (its own sequence's), the last new token on a surrogate (the
+    draft's own hidden state one position back, as a rollout feeds it)."""
+    for runtime in RUNTIMES:
+        graph = GRAPH_OPENERS[runtime](bundle_dir / spec.file)
+        for batch, shared_len, own_len, new, kept in DRAFT_GRID:
+            context = sample_ids(bundle_dir, 1, shared_len + 8)[:, 7:]  # + 1: the token before the first input
+            rows = sample_ids(bundle_dir, batch, own_len + new)
+            seqs = np.concatenate([np.repeat(context, batch, 0), rows], 1)  # [B, 1 + shared + own + new]
+            with torch.no_grad():
+                hidden = target(torch.from_numpy(seqs), output_hidden_states=True).hidden_states
+                feats = torch.stack([hidden[i] for i in taps], 2)[:, :-1]  # input q reads position q - 1
+                ids = torch.from_numpy(seqs[:, 1:])
+                g = draft.fused(feats)
+                total = ids.shape[1]
+                positions = torch.arange(total)[None].expand(batch, -1)
+                kv, hd = draft.config.num_key_value_heads, draft.config.head_dim
+                empty = torch.zeros(batch, kv, 0, hd)
+                causal = torch.full((total, total), float("-inf")).triu(1)[None, None]
+                _, h, _, _ = draft.forward_cached(g, ids, positions, empty, empty, causal)
+                surrogate = torch.zeros_like(g)
+                surrogate[:, -1] = h[:, -2]
+                g_ref = g.clone()
+                g_ref[:, -1] = h[:, -2]
+                ref_logits, ref_h, _, _ = draft.forward_cached(g_ref, ids, positions, empty, empty, causal)
+            use = np.zeros((batch, total), np.int64)
+            use[:, -1] = 1
+            channel = {FEATURES: feats.numpy(), SURROGATE: surrogate.numpy(), USE_SURROGATE: use}
+
+            def part(lo: int, hi: int, rows_: int = batch, channel=channel) -> dict[str, np.ndarray]:
+                return {k: np.ascontiguousarray(v[:rows_, lo:hi]) for k, v in channel.items()}
+
+            shared = _new_kv(spec, graph.run({**_draft_feed(spec, seqs[:1, 1:shared_len + 1], _empty_kv(spec, 1, True),
+                                                            _empty_kv(spec, 1, False), 0, 0),
+                                              **part(0, shared_len, 1)}), shared=True)
+            own = _empty_kv(spec, batch, False)
+            if own_len:
+                own = _new_kv(spec, graph.run({**_draft_feed(spec, seqs[:, shared_len + 1:shared_len + own_len + 1],
+                                                             shared, own, shared_len, 0),
+                                               **part(shared_len, shared_len + own_len)}), False)
+            start = shared_len + own_len
+            out = graph.run({**_draft_feed(spec, seqs[:, start + 1:], shared, own, shared_len, own_len, kept),
+                             **part(start, total)})
+            key = (runtime, "draft")
+            results.record((*key, LOGITS, batch, start, new), _compare(out[LOGITS], ref_logits[:, total - kept:]))
+            results.record((*key, DRAFT_HIDDEN, batch, start, new), _compare(out[DRAFT_HIDDEN], ref_h[:, total - kept:]))
+
+
 def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, exit_topk,
-                 report: Callable[[str], None] = print) -> list[ParityCheck]:
+                 report: Callable[[str], None] = print, feature_draft=None) -> list[ParityCheck]:
     """Run the grids in every runtime; returns all checks, raises ParityError listing the failures.
 
     draft_reference(ids [B,T]) -> the draft graph's head outputs in torch (logits, and stream_ids if any);
-    exit_topk: the exported early-exit module (export/segments.py ExitTopK), whose log-probs are the reference."""
+    exit_topk: the exported early-exit module (export/segments.py ExitTopK), whose log-probs are the reference;
+    feature_draft: a feature draft (models/feature_draft.py), checked on the target's own features instead."""
     results = _Results()
     _check_target(bundle_dir, manifest, target, exit_topk, results)
-    _check_draft(bundle_dir, manifest.partition("draft"), draft_reference, results)
+    if manifest.draft.feature_taps:
+        _check_feature_draft(bundle_dir, manifest.partition("draft"), manifest.draft.feature_taps, target,
+                             feature_draft, results)
+    else:
+        _check_draft(bundle_dir, manifest.partition("draft"), draft_reference, results)
     checks = results.checks()
     for line in format_checks(checks):
         report(line)

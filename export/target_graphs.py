@@ -11,7 +11,8 @@ projection of a layer be one MatMul (q, k and v packed; gate and up packed), and
 Graph I/O (batch B, new tokens T, buffer capacity C chosen by the runtime):
   target_prefix  input_ids [B,T] int64, seqlens_k [B] int32 (total length - 1 per row), total_sequence_length []
                  int32, past_key_values.{i}.key/.value [B,kv_heads,C,head_dim]
-                 -> hidden_states [B,T,H] (the residual stream after layer l_e - 1), present.{i}.* [B,kv_heads,C,hd]
+                 -> hidden_states [B,T,H] (the residual stream after layer l_e - 1), present.{i}.* [B,kv_heads,C,hd],
+                 and for a feature draft taps [B,T,n,H] (the residual stream after each of its tap layers)
   target_suffix  hidden_states [B,T,H], seqlens_k, total_sequence_length, num_logits_to_keep [1] int64, past KV
                  -> logits [B,n,V] for the last n = num_logits_to_keep positions, present KV
 Bound to one buffer, present IS past with the T new positions written. Run on plain arrays instead (the parity
@@ -35,7 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 from mirror_sd.errors import ExportError, UnsupportedArchitectureError
 from mirror_sd.export import onnx_export
 from mirror_sd.export.architectures import Architecture
-from mirror_sd.partitions.manifest import BOUNDARY, LOGITS, ModelFacts
+from mirror_sd.partitions.manifest import BOUNDARY, LOGITS, TAPS, ModelFacts
 from mirror_sd.partitions.spec import (
     BATCH, CAPACITY, KEEP, KEPT, SEQLENS, SEQUENCE, TOTAL_LENGTH, PartitionSpec, Role, TensorSpec, past_key_name,
     past_value_name, present_key_name, present_value_name,
@@ -56,10 +57,12 @@ def target_input_specs(role: Role, facts: ModelFacts, layers: range) -> tuple[Te
     return tuple(specs) + _kv(layers, facts, past_key_name, past_value_name)
 
 
-def target_output_specs(role: Role, facts: ModelFacts, layers: range) -> tuple[TensorSpec, ...]:
+def target_output_specs(role: Role, facts: ModelFacts, layers: range, taps: tuple[int, ...] = ()
+                        ) -> tuple[TensorSpec, ...]:
     head = (TensorSpec(BOUNDARY, facts.dtype, (BATCH, SEQUENCE, facts.hidden_size)) if role == "target_prefix"
             else TensorSpec(LOGITS, facts.dtype, (BATCH, KEPT, facts.vocab_size)))
-    return (head,) + _kv(layers, facts, present_key_name, present_value_name)
+    tap_out = (TensorSpec(TAPS, facts.dtype, (BATCH, SEQUENCE, len(taps), facts.hidden_size)),) if taps else ()
+    return (head, *tap_out) + _kv(layers, facts, present_key_name, present_value_name)
 
 
 def _kv(layers: range, facts: ModelFacts, key_name, value_name) -> tuple[TensorSpec, ...]:
@@ -136,9 +139,12 @@ def _check_layer(layer, arch: Architecture) -> None:
         raise UnsupportedArchitectureError(f"{arch.model_type}: only SiLU MLPs are supported, not {type(act).__name__}")
 
 
-def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role, start: int, end: int) -> onnx.ModelProto:
+def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role, start: int, end: int,
+                       taps: tuple[int, ...] = ()) -> onnx.ModelProto:
     """The ONNX model of layers [start, end) of the target in `role` (target_prefix holds the embedding, target_suffix
-    the final norm and LM head)."""
+    the final norm and LM head; taps: the prefix also outputs the residual stream after these layers)."""
+    if taps and (role != "target_prefix" or not all(start < t <= end for t in taps)):
+        raise ExportError(f"taps {list(taps)} must lie in the prefix's layers ({start}, {end}]")
     backbone = arch.backbone(model)
     config = model.config
     g = _Graph([], [])
@@ -153,6 +159,7 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
     else:
         x = BOUNDARY
     h = g.rms_norm(x, backbone.layers[start].input_layernorm.weight, eps)
+    tapped: dict[int, str] = {}  # layer count -> the residual stream after it
     for i in range(start, end):
         layer = backbone.layers[i]
         _check_layer(layer, arch)
@@ -186,9 +193,13 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
             h, x = g.skip_rms_norm(down, x, backbone.layers[i + 1].input_layernorm.weight, eps)
         else:
             x = g.node("Add", [x, down])[0]
+        tapped[i + 1] = x
 
     if role == "target_prefix":
         g.node("Identity", [x], [BOUNDARY])
+        if taps:  # [B,T,H] each -> [B,T,n,H]
+            axis = g.weight("axis", np.array([2], np.int64))
+            g.node("Concat", [g.node("Unsqueeze", [tapped[t], axis])[0] for t in taps], [TAPS], axis=2)
     else:
         # only the last n positions reach the norm and the LM head: x[:, -n:]
         begin = g.node("Neg", [KEEP])[0]
@@ -201,7 +212,7 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
 
     layers = range(start, end)
     inputs = [_value_info(t) for t in target_input_specs(role, facts, layers)]
-    outputs = [_value_info(t) for t in target_output_specs(role, facts, layers)]
+    outputs = [_value_info(t) for t in target_output_specs(role, facts, layers, taps)]
     graph = helper.make_graph(g.nodes, role, inputs, outputs, g.initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
                              ir_version=IR_VERSION, producer_name="mirror-sd")
@@ -221,12 +232,12 @@ def _value_info(t: TensorSpec):
 
 
 def write_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role, start: int, end: int,
-                       bundle_dir: Path, extra: dict | None = None) -> PartitionSpec:
+                       bundle_dir: Path, extra: dict | None = None, taps: tuple[int, ...] = ()) -> PartitionSpec:
     """Build and save one target partition; returns its spec (weights over onnx_export.EXTERNAL_DATA_BYTES go to
     `<file>.data`)."""
     file = f"{role}.onnx"
     try:
-        proto = build_target_graph(model, arch, facts, role, start, end)
+        proto = build_target_graph(model, arch, facts, role, start, end, taps)
     except (AttributeError, KeyError, ValueError) as e:  # a module layout this builder does not know
         raise ExportError(f"building the {role} graph failed: {type(e).__name__}: {e}") from e
     weight_bytes = sum(int(np.prod(t.dims)) * 4 for t in proto.graph.initializer)
@@ -239,5 +250,5 @@ def write_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         onnx.save_model(proto, str(bundle_dir / file))
     layers = range(start, end)
     return PartitionSpec(role, (start, end), file, target_input_specs(role, facts, layers),
-                         target_output_specs(role, facts, layers), "onnxruntime", "default", data_files=data_files,
+                         target_output_specs(role, facts, layers, taps), "onnxruntime", "default", data_files=data_files,
                          extra={"kv": "shared-buffer", **(extra or {})})

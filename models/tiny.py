@@ -116,3 +116,25 @@ def make_streaming_draft(out_dir: str | Path, tokenizer_dir: str | Path, seed: i
     model.save(out_dir)
     tokenizer.save_pretrained(out_dir)
     return Path(out_dir)
+
+
+def make_feature_draft(out_dir: str | Path, target_dir: str | Path, taps: tuple[int, ...] = (1, 3), seed: int = 0,
+                       keep_every: int = 2) -> Path:
+    """A feature draft (models/feature_draft.py) for the tiny target at `target_dir`, over every `keep_every`-th
+    target id (the special tokens always), its layer copied from the target's and its weights spread so that its
+    choices are clear-cut; saved in fp32. Returns its directory."""
+    from transformers import AutoModelForCausalLM
+
+    from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    vocab = target.config.vocab_size
+    ids = list(dict.fromkeys(list(range(len(SPECIAL_TOKENS))) + list(range(0, vocab, keep_every))))
+    model = FeatureDraft(FeatureDraftConfig.for_target(target.config, ids, list(taps)))
+    model.init_from_target(target)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and name != "embed.weight":
+                p.normal_(0.0, 0.15)
+    return model.save(out_dir, dtype=torch.float32)

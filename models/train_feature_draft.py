@@ -218,7 +218,10 @@ def ttt_loss(draft: FeatureDraft, taps, ids, labels, steps: int, noise: float):
 
 def train(draft: FeatureDraft, records: list[Record], order: list[int], store: FeatureStore, work: Path, *,
           epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float, device: str, seed: int,
-          max_minutes: float | None, report=print) -> dict:
+          max_minutes: float | None, budget_minutes: float | None = None, report=print) -> dict:
+    """max_minutes: stop after this long, resumably (a run spread over sessions). budget_minutes: the whole
+    training's length: the learning-rate schedule runs over whichever ends first, the plan or this budget (time
+    spent before a resume counts), and training ends there."""
     from tqdm import tqdm
 
     rng = random.Random(seed)
@@ -227,21 +230,28 @@ def train(draft: FeatureDraft, records: list[Record], order: list[int], store: F
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     ckpt = work / "checkpoint.pt"
-    done = 0
+    done, spent = 0, 0.0
     if ckpt.exists():
         state = torch.load(ckpt, map_location=device)
         if state["plan_len"] == len(plan):
             draft.load_state_dict(state["model"], strict=False)
             optimizer.load_state_dict(state["optimizer"])
-            done = state["done"]
+            done, spent = state["done"], state.get("seconds", 0.0)
             report(f"resuming training at batch {done} of {len(plan)}")
     draft.train()
-    start, last_save = time.monotonic(), time.monotonic()
+    run_start = last_save = time.monotonic()
+    start = run_start - spent  # the training's start, counting the time spent before a resume
+    budget = budget_minutes * 60 if budget_minutes else math.inf
     accs_avg: list[float] = []
+    b = done
     with tqdm(total=len(plan), initial=done, desc="training feature draft", unit="batch") as bar:
         for b in range(done, len(plan)):
-            for group in optimizer.param_groups:  # warm-up, then cosine to 5% over the plan
-                group["lr"] = lr * min(1.0, (b + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * b / len(plan))))
+            progress = max(b / len(plan), (time.monotonic() - start) / budget)
+            if progress >= 1.0:
+                report(f"training budget of {budget_minutes} minutes spent after {b} of {len(plan)} batches")
+                break
+            for group in optimizer.param_groups:  # warm-up, then cosine to 5% over the plan (or the budget)
+                group["lr"] = lr * min(1.0, (b + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
             ids, labels, taps = _tensors(plan[b], records, store, device)
             loss, accs = ttt_loss(draft, taps, ids, labels, steps, noise)
             optimizer.zero_grad(set_to_none=True)
@@ -251,18 +261,22 @@ def train(draft: FeatureDraft, records: list[Record], order: list[int], store: F
             accs_avg = accs if not accs_avg else [0.98 * a + 0.02 * x for a, x in zip(accs_avg, accs)]
             bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs_avg))
             bar.update(1)
-            stop = max_minutes is not None and time.monotonic() - start > max_minutes * 60
+            stop = max_minutes is not None and time.monotonic() - run_start > max_minutes * 60
             if time.monotonic() - last_save > 300 or b + 1 == len(plan) or stop:
                 tmp = ckpt.with_suffix(".tmp")
                 torch.save({"model": {k: v for k, v in draft.state_dict().items() if k != "embed.weight"},
-                            "optimizer": optimizer.state_dict(), "done": b + 1, "plan_len": len(plan)}, tmp)
+                            "optimizer": optimizer.state_dict(), "done": b + 1, "plan_len": len(plan),
+                            "seconds": time.monotonic() - start}, tmp)
                 os.replace(tmp, ckpt)
                 last_save = time.monotonic()
             if stop:
                 report(f"time budget reached after batch {b + 1} of {len(plan)}: run again to go on")
                 return {"finished": False, "batches": b + 1, "of": len(plan)}
+        else:
+            b = len(plan)
     draft.eval()
-    return {"finished": True, "batches": len(plan), "of": len(plan), "train_step_accuracy": accs_avg}
+    return {"finished": True, "batches": b, "of": len(plan), "minutes": round((time.monotonic() - start) / 60, 1),
+            "train_step_accuracy": accs_avg}
 
 
 @torch.no_grad()
@@ -310,7 +324,8 @@ def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore, in
 
 def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, taps: list[int], vocab_size: int,
         max_len: int, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float,
-        max_minutes: float | None, eval_records: int, seed: int = 0, report=print) -> dict:
+        max_minutes: float | None, eval_records: int, budget_minutes: float | None = None, seed: int = 0,
+        report=print) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -348,7 +363,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     del target
     result = train(draft, records, list(range(len(train_set))), store, work, epochs=epochs, steps=steps, lr=lr,
                    tokens_per_batch=tokens_per_batch, noise=noise, device=device, seed=seed,
-                   max_minutes=max_minutes, report=report)
+                   max_minutes=max_minutes, budget_minutes=budget_minutes, report=report)
     if not result["finished"]:
         return result
     held_idx = list(range(len(train_set), len(records)))[:eval_records]
@@ -381,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--noise", type=float, default=0.05)
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
+    parser.add_argument("--budget-minutes", type=float, default=None,
+                        help="train this long in all (the schedule fits it), then save and evaluate")
     parser.add_argument("--eval-records", type=int, default=400)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
@@ -393,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     run(args.target, args.answers, args.work, args.out, taps=args.taps, vocab_size=args.vocab_size,
         max_len=args.max_len, epochs=args.epochs, steps=args.steps, lr=args.lr,
         tokens_per_batch=args.tokens_per_batch, noise=args.noise, max_minutes=args.max_minutes,
-        eval_records=args.eval_records)
+        budget_minutes=args.budget_minutes, eval_records=args.eval_records)
     return 0
 
 

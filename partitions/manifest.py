@@ -35,6 +35,12 @@ EXIT_IDS, EXIT_LOGPROBS = "exit_topk_ids", "exit_topk_logprobs"
 LOGITS = "logits"
 STREAM_IDS = "stream_ids"  # a streaming draft's extra proposals: [B,T,streams] target ids
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # a reduced-vocabulary draft's output index -> target id
+# The feature channel (a draft that reads the target's hidden states, models/feature_draft.py): the prefix also
+# gives the residual stream after each of the draft's tap layers, TAPS [B,T,n_taps,H]; the draft graph takes, per
+# input token, the taps of the position before it (FEATURES [B,T,n_taps,H]) or, where the target has not run that
+# position yet, its own hidden state there (SURROGATE [B,T,H], chosen where USE_SURROGATE [B,T] is 1), and gives
+# its hidden state DRAFT_HIDDEN [B,kept,H] for the next forward's surrogate.
+TAPS, FEATURES, SURROGATE, USE_SURROGATE, DRAFT_HIDDEN = "taps", "features", "surrogate", "use_surrogate", "draft_hidden"
 # Parity of an exported graph with its torch source, for every float output: max |graph - torch| <= PARITY_ATOL +
 # PARITY_RTOL * max |torch| (export/parity.py; package/build.py holds a static fp32 draft to it too). The relative
 # term is fp32 rounding, which grows with a tensor's scale: SmolLM2's own fp32 logits (|x| up to ~33) differ from
@@ -75,6 +81,12 @@ class DraftFacts(ModelFacts):
     output_vocab_size: int = 0
     output_vocab_file: str | None = None
     streams: int = 0  # extra proposed tokens per forward (the graph's stream_ids output), 0 for a plain draft
+    # A feature draft reads the target's residual stream after these layers (each <= the exit layer, so the prefix
+    # has them before the suffix runs); () for a draft that reads token ids only.
+    feature_taps: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_taps", tuple(self.feature_taps))  # JSON gives a list
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,7 @@ class Manifest:
             "format_version": self.format_version,
             "producer": self.producer,
             "target": asdict(self.target),
-            "draft": asdict(self.draft),
+            "draft": {**asdict(self.draft), "feature_taps": list(self.draft.feature_taps)},
             "partitions": [p.to_dict() for p in self.partitions],
             "tokenizer": {**asdict(self.tokenizer), "files": list(self.tokenizer.files),
                           "eos_token_ids": list(self.tokenizer.eos_token_ids)},
@@ -229,6 +241,7 @@ class Manifest:
                                 f"{dr.output_vocab_size or t.vocab_size}")
         if not self.tokenizer.eos_token_ids:
             raise ManifestError("manifest lists no EOS token id")
+        _check_feature_channel(self, prefix, draft)
 
         if bundle_dir is not None:
             bundle = Path(bundle_dir).resolve()
@@ -248,6 +261,34 @@ def resolve_inside(bundle: Path, rel: str) -> Path:
     if not path.is_file():
         raise ManifestError(f"bundle file {rel!r} named in the manifest is missing")
     return path
+
+
+def _check_feature_channel(m: Manifest, prefix: PartitionSpec, draft: PartitionSpec) -> None:
+    """A feature draft's taps lie in [1, exit layer], the prefix gives them and the draft graph reads them; a token
+    draft has none of the channel's tensors."""
+    taps, t = m.draft.feature_taps, m.target
+    prefix_out = {o.name for o in prefix.outputs}
+    draft_io = {x.name for x in draft.inputs + draft.outputs}
+    channel = {FEATURES, SURROGATE, USE_SURROGATE, DRAFT_HIDDEN}
+    if not taps:
+        if TAPS in prefix_out or channel & draft_io:
+            raise ManifestError("the graphs carry the feature channel but the draft lists no feature_taps")
+        return
+    if list(taps) != sorted(set(taps)) or not all(1 <= i <= t.exit_layer for i in taps):
+        raise ManifestError(f"draft feature_taps {list(taps)} must be distinct, ascending and in [1, exit layer "
+                            f"{t.exit_layer}]")
+    if m.draft.hidden_size != t.hidden_size:
+        raise ManifestError(f"a feature draft works at the target's width {t.hidden_size}, not {m.draft.hidden_size}")
+    if m.draft.streams:
+        raise ManifestError("a feature draft proposes one token per forward (no streams)")
+    wanted = [(prefix, "output", TAPS, (len(taps), t.hidden_size)), (draft, "input", FEATURES, (len(taps), t.hidden_size)),
+              (draft, "input", SURROGATE, (t.hidden_size,)), (draft, "input", USE_SURROGATE, ()),
+              (draft, "output", DRAFT_HIDDEN, (t.hidden_size,))]
+    for part, kind, name, tail in wanted:
+        spec = part.output(name) if kind == "output" else part.input(name)
+        if len(spec.shape) != len(tail) + 2 or tuple(spec.shape[2:]) != tail:
+            raise ManifestError(f"{part.role} {kind} {name} has shape {list(spec.shape)}, expected "
+                                f"[batch, sequence{''.join(f', {d}' for d in tail)}]")
 
 
 def _check_kv(part: PartitionSpec, facts: ModelFacts) -> None:

@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from mirror_sd.errors import ManifestError
-from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, Manifest, resolve_inside
+from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, TAPS, Manifest, resolve_inside
 from mirror_sd.partitions.spec import (
     KEEP, SEQLENS, TOTAL_LENGTH, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
     shared_value_name,
@@ -235,8 +235,9 @@ class OpenVINOTarget(Target):
         # the request reuses its output memory on the next call: keep copies of the head outputs
         return {name: np.array(a) for name, a in out.items() if not name.startswith("present.")}
 
-    def _run_prefix(self, ids: np.ndarray, start: int) -> np.ndarray:
-        return self._run("target_prefix", ("input_ids", ids), start, ids.shape[1])[BOUNDARY]
+    def _run_prefix(self, ids: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray | None]:
+        out = self._run("target_prefix", ("input_ids", ids), start, ids.shape[1])
+        return out[BOUNDARY], (out[TAPS][0] if TAPS in out else None)
 
     def _run_suffix(self, boundary: Boundary, logits_for: int) -> np.ndarray:
         out = self._run("target_suffix", (BOUNDARY, boundary.hidden), boundary.start, boundary.tokens,

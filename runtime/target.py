@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mirror_sd.errors import ContextLimitError, ManifestError
-from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, Manifest, resolve_inside
+from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, TAPS, Manifest, resolve_inside
 from mirror_sd.partitions.spec import (
     KEEP, SEQLENS, TOTAL_LENGTH, PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name,
 )
@@ -51,6 +51,9 @@ class Boundary:
     hidden: object  # OrtValue [1, T, H]
     start: int
     tokens: int
+    # a feature draft's channel: the residual stream after its tap layers [T, n_taps, H], on the host (small: the
+    # draft reads it); None when the draft reads token ids only
+    taps: np.ndarray | None = None
 
 
 def ort_device(provider: str) -> tuple[str, int]:
@@ -66,12 +69,17 @@ class _Bound:
         self.binding = session.io_binding()
         self.head = spec.outputs[0].name
         self.binding.bind_output(self.head, "cpu")  # bound first: get_outputs()[0] is always the head
+        self.taps = any(o.name == TAPS for o in spec.outputs)
+        if self.taps:
+            self.binding.bind_output(TAPS, "cpu")  # bound second: get_outputs()[1]
         for i in spec.kv_layers:
             for past, present in ((past_key_name(i), present_key_name(i)), (past_value_name(i), present_value_name(i))):
                 self.binding.bind_ortvalue_input(past, buffers[past])
                 self.binding.bind_ortvalue_output(present, buffers[past])
 
     def run(self, inputs: dict[str, object], head_device: tuple[str, int]):
+        """The head output (an OrtValue on head_device), and the taps [T, n, H] on the host where the graph has
+        them (else None)."""
         b = self.binding
         for name, value in inputs.items():
             if isinstance(value, np.ndarray):
@@ -79,8 +87,11 @@ class _Bound:
             else:
                 b.bind_ortvalue_input(name, value)
         b.bind_output(self.head, *head_device)
+        if self.taps:  # bound again: an output bound once keeps the shape of its first run
+            b.bind_output(TAPS, "cpu")
         self.session.run_with_iobinding(b)
-        return b.get_outputs()[0]
+        outputs = b.get_outputs()
+        return outputs[0], (outputs[1].numpy()[0] if self.taps else None)
 
 
 class Target:
@@ -102,8 +113,9 @@ class Target:
         self.forwards = 0  # prefix + suffix pairs run
 
     # -- what a backend implements ---------------------------------------------------------------------------
-    def _run_prefix(self, ids: np.ndarray, start: int) -> object:
-        """Layers [0, l_e) on ids [1,T] after `start` positions, writing their KV; returns the hidden state."""
+    def _run_prefix(self, ids: np.ndarray, start: int) -> tuple[object, np.ndarray | None]:
+        """Layers [0, l_e) on ids [1,T] after `start` positions, writing their KV; returns the hidden state and the
+        feature taps [T, n, H] (None without a feature draft)."""
         raise NotImplementedError
 
     def _run_suffix(self, boundary: Boundary, logits_for: int) -> np.ndarray:
@@ -141,9 +153,9 @@ class Target:
         """Layers [0, l_e) on `ids` after `cache`: writes their KV at [length, length + T)."""
         ids = np.asarray([ids], np.int64)
         self._check(cache, ids.shape[1])
-        hidden = self._run_prefix(ids, cache.length)
+        hidden, taps = self._run_prefix(ids, cache.length)
         self._write(cache.length, cache.length + ids.shape[1])
-        return Boundary(hidden, cache.length, ids.shape[1])
+        return Boundary(hidden, cache.length, ids.shape[1], taps)
 
     def run_suffix(self, boundary: Boundary, logits_for: int | None = None) -> tuple[np.ndarray, TargetCache]:
         """Layers [l_e, N) + head on the boundary: [n, V] logits of its last n = logits_for (default all) positions,
@@ -197,13 +209,13 @@ class OrtTarget(Target):
         total = start + new
         return {SEQLENS: np.array([total - 1], np.int32), TOTAL_LENGTH: np.array(total, np.int32)}
 
-    def _run_prefix(self, ids: np.ndarray, start: int) -> object:
+    def _run_prefix(self, ids: np.ndarray, start: int) -> tuple[object, np.ndarray | None]:
         return self._prefix.run({"input_ids": ids, **self._lengths(start, ids.shape[1])}, self._device)
 
     def _run_suffix(self, boundary: Boundary, logits_for: int) -> np.ndarray:
         inputs = {BOUNDARY: boundary.hidden, KEEP: np.array([logits_for], np.int64),
                   **self._lengths(boundary.start, boundary.tokens)}
-        return self._suffix.run(inputs, ("cpu", 0)).numpy()
+        return self._suffix.run(inputs, ("cpu", 0))[0].numpy()
 
     def exit_candidates(self, boundary: Boundary, kappa: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         binding = self._exit.io_binding()

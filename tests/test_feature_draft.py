@@ -118,3 +118,61 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     assert 1.0 <= summary["held_out"]["tokens_per_step"] <= 5.0
     loaded = FeatureDraft.load(out, target.get_input_embeddings().weight)
     assert loaded.config.taps == [1, 2] and (out / "training.json").exists()
+
+
+# -- export: the feature channel in the graphs and the manifest --------------------------------------------------
+@pytest.fixture(scope="module")
+def feature_bundle(tmp_path_factory, pair_factory):
+    """A tiny llama target exported at exit layer 3 with a feature draft tapping layers 1 and 3."""
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
+    from mirror_sd.models.tiny import make_feature_draft
+
+    root = tmp_path_factory.mktemp("feature-bundle")
+    target, _ = pair_factory("llama")
+    draft = make_feature_draft(root / "draft", target, taps=(1, 3))
+    export_bundle(ExportOptions(model=str(target), draft=str(draft), out=root / "bundle", exit_layer=3, top_k=4),
+                  report=lambda _line: None)
+    return root / "bundle", target, draft
+
+
+def test_feature_draft_exports_with_its_channel_checked(feature_bundle):
+    from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, SURROGATE, TAPS, USE_SURROGATE, Manifest
+
+    bundle, _, _ = feature_bundle
+    m = Manifest.load(bundle)
+    assert m.draft.feature_taps == (1, 3) and m.draft.hidden_size == m.target.hidden_size
+    assert m.partition("target_prefix").output(TAPS).shape[2:] == (2, m.target.hidden_size)
+    draft = m.partition("draft")
+    assert {FEATURES, SURROGATE, USE_SURROGATE} <= {t.name for t in draft.inputs}
+    assert draft.output(DRAFT_HIDDEN).shape[-1] == m.target.hidden_size
+    checked = {(c["runtime"], c["quantity"]) for c in m.validation["checks"]}
+    for runtime in ("onnxruntime-cpu", "openvino-cpu"):  # taps, draft logits and hidden state in both runtimes
+        assert {(runtime, TAPS), (runtime, "logits"), (runtime, DRAFT_HIDDEN)} <= checked
+    assert m.validation["passed"]
+
+
+def test_feature_channel_is_validated(feature_bundle, tmp_path):
+    import dataclasses
+
+    from mirror_sd.errors import ManifestError
+    from mirror_sd.partitions.manifest import Manifest
+
+    bundle, _, _ = feature_bundle
+    m = Manifest.load(bundle)
+    with pytest.raises(ManifestError, match="feature_taps"):  # a tap past the exit layer
+        dataclasses.replace(m, draft=dataclasses.replace(m.draft, feature_taps=(1, 4))).validate()
+    with pytest.raises(ManifestError, match="feature channel"):  # the graphs carry it, the facts do not
+        dataclasses.replace(m, draft=dataclasses.replace(m.draft, feature_taps=())).validate()
+    with pytest.raises(ManifestError, match="taps"):  # the facts say 3 taps, the graphs give 2
+        dataclasses.replace(m, draft=dataclasses.replace(m.draft, feature_taps=(1, 2, 3))).validate()
+
+
+def test_feature_draft_deeper_than_the_exit_layer_is_refused(feature_bundle, tmp_path):
+    from mirror_sd.errors import BadInputError
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
+
+    _, target, draft = feature_bundle
+    with pytest.raises(BadInputError, match="past the exit layer"):
+        export_bundle(ExportOptions(model=str(target), draft=str(draft), out=tmp_path / "b", exit_layer=2, top_k=4),
+                      report=lambda _line: None)
+    assert not (tmp_path / "b").exists()
