@@ -132,13 +132,58 @@ def _tap_model(target, taps: list[int]):
     return captured, handles
 
 
+class _OrtTaps:
+    """The target's layers up to the deepest tap as the exported prefix graph (export/target_graphs.py, the one the
+    runtime runs) on ONNX Runtime, one record at a time: on CPU about four times torch's speed, and no padding."""
+
+    def __init__(self, target, taps: list[int], threads: int | None = None) -> None:
+        import onnxruntime as ort
+        from mirror_sd.export.architectures import architecture_of
+        from mirror_sd.export.target_graphs import build_target_graph
+
+        arch = architecture_of(target.config)
+        facts = arch.model_facts()
+        proto = build_target_graph(target, arch, facts, "target_prefix", 0, max(taps), tuple(taps))
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads or torch.get_num_threads()
+        self.session = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        self.layers = range(max(taps))
+        self.empty = np.zeros((1, facts.num_kv_heads, 0, facts.head_dim), np.float32)
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        """ids [T] -> taps [T, n_taps, H]."""
+        from mirror_sd.partitions.manifest import TAPS
+        from mirror_sd.partitions.spec import (
+            SEQLENS,
+            TOTAL_LENGTH,
+            past_key_name,
+            past_value_name,
+        )
+
+        t = len(ids)
+        feed = {"input_ids": np.asarray(ids, np.int64)[None], SEQLENS: np.array([t - 1], np.int32),
+                TOTAL_LENGTH: np.array(t, np.int32)}
+        for i in self.layers:
+            feed[past_key_name(i)] = feed[past_value_name(i)] = self.empty
+        return self.session.run([TAPS], feed)[0][0]
+
+
 @torch.no_grad()
 def extract_features(target, records: list[Record], store: FeatureStore, device: str, tokens_per_batch: int = 8192,
                      report=print) -> None:
     from tqdm import tqdm
 
-    captured, handles = _tap_model(target, store.taps)
     start = store.done
+    if device == "cpu":
+        taps_of = _OrtTaps(target, store.taps)
+        with tqdm(total=len(records), initial=start, desc="target features (onnxruntime)", unit="record") as bar:
+            for i in range(start, len(records)):
+                store.array[store.offsets[i]: store.offsets[i + 1]] = taps_of(records[i].ids)
+                if (i + 1) % 64 == 0 or i + 1 == len(records):
+                    store.mark(i + 1)
+                bar.update(1)
+        return
+    captured, handles = _tap_model(target, store.taps)
     try:
         with tqdm(total=len(records), initial=start, desc="target features", unit="record") as bar:
             i = start
@@ -347,7 +392,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     else:
         vocab = build_vocab(train_set, vocab_size, special)
         vocab_path.write_text(json.dumps({"size": vocab_size, "ids": vocab}))
-    cover = {n: coverage(held, vocab[:n]) for n in sorted({2048, 4096, 8192, 16384, vocab_size}) if n <= len(vocab)}
+    cover = {n: coverage(held, vocab[:n]) for n in sorted({2048, 4096, 8192, 16384, len(vocab)}) if n <= len(vocab)}
     answer_tokens = int(sum(r.labels.sum() for r in train_set))
     report(f"{len(train_set)} training records ({answer_tokens} answer tokens, "
            f"{sum(len(r.ids) for r in train_set)} in all), {len(held)} held out; held-out answer tokens covered "

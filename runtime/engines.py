@@ -78,10 +78,12 @@ class GraphEngine:
         return OwnPast.empty(self.spec.kv_layers, batch, f.num_kv_heads, f.head_dim, f.dtype)
 
     def run(self, x: np.ndarray, positions: np.ndarray, lane: ContextLane, shared: np.ndarray, own: OwnPast,
-            new_mask: np.ndarray, keep: int | None = None) -> tuple[dict[str, np.ndarray], LayerKV]:
+            new_mask: np.ndarray, keep: int | None = None, channel: dict[str, np.ndarray] | None = None
+            ) -> tuple[dict[str, np.ndarray], LayerKV]:
         """Run x [B,T] at `positions` [B,T]; row b reads lane slots [0, shared[b]), its own past, and x where
         new_mask [B,T] is 1. Returns (head outputs [B,keep,...] for the last `keep` columns (default all T), new KV
-        [B,kv_heads,T,head_dim] per layer), copies."""
+        [B,kv_heads,T,head_dim] per layer), copies. channel: a feature draft's features/surrogate/use_surrogate
+        [B,T,...] (partitions/manifest.py)."""
         batch, new = x.shape
         if own.batch != batch:
             raise ValueError(f"input batch {batch} != own past batch {own.batch}")
@@ -90,6 +92,7 @@ class GraphEngine:
         feed = {"input_ids": np.ascontiguousarray(x), "position_ids": positions, "shared_mask": shared_mask,
                 "attention_mask": np.concatenate([own.mask, new_mask.astype(np.int64)], 1),
                 KEEP: np.array([new if keep is None else keep], np.int64)}
+        feed.update(channel or {})
         context = lane.view(span)
         for j, i in enumerate(own.layers):
             feed[shared_key_name(i)], feed[shared_value_name(i)] = context[i]
@@ -100,12 +103,12 @@ class GraphEngine:
         return heads, {i: (np.array(out[present_key_name(i)]), np.array(out[present_value_name(i)]))
                        for i in own.layers}
 
-    def prefill(self, x: np.ndarray) -> dict[str, np.ndarray]:
+    def prefill(self, x: np.ndarray, channel: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Head outputs for whole sequences x [B,T] from an empty past (the reference generator)."""
         mask = np.ones(x.shape, np.int64)
         own = self.empty_own(x.shape[0])
         heads, _ = self.run(x, np.broadcast_to(np.arange(x.shape[1]), x.shape).astype(np.int64), self.context_lane(),
-                            np.zeros(x.shape[0], np.int64), own, mask)
+                            np.zeros(x.shape[0], np.int64), own, mask, channel=channel)
         return heads
 
 

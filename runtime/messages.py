@@ -52,12 +52,28 @@ class ExitCandidates:
     topk_logprobs: np.ndarray  # [gamma+1, k]
 
 
+@dataclass(frozen=True)
+class FeatureBlock:
+    """The feature channel (a feature draft only): the target's taps [m, n_taps, H] at positions start..start+m-1 of
+    the token sequence `tokens` it ran (position p's depend on tokens[:p + 1] alone, so they hold for any sequence
+    sharing that prefix)."""
+
+    tokens: tuple[int, ...]
+    start: int
+    taps: np.ndarray
+
+
+Features = tuple[FeatureBlock, ...]  # every block since the last request, oldest first
+
+
 # -- requests ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Warm:
-    """Feed `context` into the draft's cache (the prompt, while the target prefills it)."""
+    """Feed `context` into the draft's cache (the prompt, while the target prefills it; a feature draft after it,
+    with the prompt's features)."""
 
     context: tuple[int, ...]
+    features: Features = ()
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,7 @@ class Rollout:
 
     context: tuple[int, ...]
     gamma: int
+    features: Features = ()
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,7 @@ class Branches:
     candidates: ExitCandidates
     plan: tuple[BranchKey, ...]  # most probable first
     gamma: int
+    features: Features = ()  # a feature draft's: the verification window's among them
 
 
 # -- answers -------------------------------------------------------------------------------------------------

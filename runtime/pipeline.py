@@ -30,6 +30,7 @@ from mirror_sd.partitions.planner import PLAN_FILE, RuntimeDefaults, read_plan, 
 from mirror_sd.runtime.draft import Drafter, streaming_mode
 from mirror_sd.runtime.backends import BACKENDS
 from mirror_sd.runtime.engines import GraphEngine, open_engine
+from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.package import OpenedPackage, is_package, open_package
 from mirror_sd.runtime.sampling import SamplingParams
 from mirror_sd.runtime.scheduler import MODES, DecodeConfig, DraftWorker, decode
@@ -241,13 +242,15 @@ class Pipeline:
         return GenerationResult(list(sink.ids), sink.text, {**stats.as_dict(len(sink.ids), ttft, wall), **draft_info},
                                 sink.finish_reason or "length")
 
-    def _drafter(self, cfg: DecodeConfig) -> Drafter | None:
+    def _drafter(self, cfg: DecodeConfig) -> Drafter | FeatureDrafter | None:
         """A drafter over the draft engine, or None while an earlier call's draft thread is still stalled in it."""
         if self._draft_thread is not None:
             self._draft_thread.join(cfg.draft_timeout_s)
             if self._draft_thread.is_alive():
                 return None
             self._draft_thread = None
+        if self.manifest.draft.feature_taps:
+            return FeatureDrafter(self.draft, cfg.params)
         return Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming)
 
     def _remember(self, worker: DraftWorker) -> None:

@@ -32,8 +32,9 @@ from typing import Callable, Iterator, Union
 import numpy as np
 
 from mirror_sd.runtime.draft import Drafter, plan_branches
+from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.messages import (
-    Branches, BranchSet, DraftFailed, DraftWindow, ExitCandidates, Rollout, Warm, Warmed, frozen,
+    Branches, BranchSet, DraftFailed, DraftWindow, ExitCandidates, FeatureBlock, Rollout, Warm, Warmed, frozen,
 )
 from mirror_sd.runtime.sampling import TARGET_STREAM, SamplingParams, choose, rng_for
 from mirror_sd.runtime.stats import Counters
@@ -66,14 +67,16 @@ class DecodeConfig:
 
 
 # -- the draft side of the thread boundary -------------------------------------------------------------------
-def _serve(drafter: Drafter, request: Request, cancelled) -> Answer:
+def _serve(drafter: Drafter | FeatureDrafter, request: Request, cancelled) -> Answer:
     """Run one request on the drafter. Any exception becomes an answer, and the drafter forgets its caches."""
     try:
+        # a feature draft also takes the target's taps sent since the last request (runtime/feature_draft.py)
+        extra = {"features": request.features} if isinstance(drafter, FeatureDrafter) else {}
         if isinstance(request, Warm):
-            return Warmed(drafter.warm(request.context))
+            return Warmed(drafter.warm(request.context, **extra))
         if isinstance(request, Rollout):
-            return drafter.rollout(request.context, request.gamma)
-        return drafter.branches(request.candidates, request.plan, request.gamma, cancelled)
+            return drafter.rollout(request.context, request.gamma, **extra)
+        return drafter.branches(request.candidates, request.plan, request.gamma, cancelled, **extra)
     except Exception as e:  # noqa: BLE001 - the draft's failure must never reach the target's loop
         drafter.reset()
         return DraftFailed(f"{type(e).__name__}: {e}")
@@ -85,7 +88,7 @@ class DraftWorker:
     Tickets number the requests; `wait` gives a request's answer or None after the timeout. Draft forward
     intervals are recorded here for the stats (the only shared state, under a lock)."""
 
-    def __init__(self, drafter: Drafter, threaded: bool) -> None:
+    def __init__(self, drafter: Drafter | FeatureDrafter, threaded: bool) -> None:
         self._drafter = drafter
         self._lock = threading.Condition()
         self._answers: dict[int, Answer] = {}
@@ -183,15 +186,20 @@ class _Decoder:
     def __init__(self, target: Target, worker: DraftWorker | None, cfg: DecodeConfig, stats: Counters) -> None:
         self.target, self.worker, self.cfg, self.stats = target, worker, cfg, stats
         self.cache: TargetCache = target.empty_cache()
+        # the feature channel: the target's taps since the last draft request (a feature draft only; else empty)
+        self.features: list[FeatureBlock] = []
         self.budget = cfg.branch_budget if cfg.branch_budget is not None else cfg.kappa
         self.max_budget = (cfg.gamma + 1) * cfg.kappa
 
     def _target_rng(self, context_len: int) -> np.random.Generator | None:
         return None if self.cfg.params.greedy else rng_for(self.cfg.params, TARGET_STREAM, context_len)
 
-    def _prefix(self, ids, cache: TargetCache) -> Boundary:
+    def _prefix(self, ids, cache: TargetCache, sequence) -> Boundary:
+        """The prefix on ids after cache; `sequence` is every token through the last of ids (the taps' context)."""
         start = time.perf_counter()
         out = self.target.run_prefix(ids, cache)
+        if out.taps is not None and self.worker is not None:
+            self.features.append(FeatureBlock(tuple(sequence), cache.length, frozen(out.taps)))
         end = time.perf_counter()
         self.stats.prefix_s += end - start
         self.stats.mark("prefix", start, end)
@@ -219,13 +227,14 @@ class _Decoder:
         first new token."""
         logits = None
         for start in range(0, len(prompt), PREFILL_CHUNK):
-            logits, self.cache = self._suffix(self._prefix(prompt[start:start + PREFILL_CHUNK], self.cache), 1)
+            chunk = prompt[start:start + PREFILL_CHUNK]
+            logits, self.cache = self._suffix(self._prefix(chunk, self.cache, prompt[:start + len(chunk)]), 1)
         self.stats.target_steps += 1
         return choose(logits[-1], self.cfg.params, self._target_rng(len(prompt)))
 
     def target_step(self, ctx: list[int]) -> tuple[int, ...]:
         """One token from the target alone (ar, and the fallback when the draft is unavailable)."""
-        logits, self.cache = self._suffix(self._prefix([ctx[-1]], self.cache), 1)
+        logits, self.cache = self._suffix(self._prefix([ctx[-1]], self.cache, ctx), 1)
         self.stats.target_steps += 1
         return (choose(logits[0], self.cfg.params, self._target_rng(len(ctx))),)
 
@@ -234,12 +243,17 @@ class _Decoder:
         if self.worker is None or not self.worker.responsive:
             self.stats.fallbacks += 1
             return None
-        answer = self._wait(self.worker.submit(Rollout(tuple(ctx), gamma)))
+        answer = self._wait(self.worker.submit(Rollout(tuple(ctx), gamma, self.take_features())))
         if not isinstance(answer, DraftWindow):
             self.stats.fallbacks += 1
             return None
         self.stats.fresh_rollouts += 1
         return answer
+
+    def take_features(self) -> tuple[FeatureBlock, ...]:
+        """The taps sent with the next request: every block since the last one."""
+        blocks, self.features = tuple(self.features), []
+        return blocks
 
     def _wait(self, ticket: int) -> object | None:
         start = time.perf_counter()
@@ -258,7 +272,7 @@ class _Decoder:
         when a branch for the outcome was ready."""
         w = window.tokens
         # 1. prefix on the verification window [pending] + w
-        boundary = self._prefix([ctx[-1], *w], self.cache)
+        boundary = self._prefix([ctx[-1], *w], self.cache, (*ctx, *w))
         # 2. mirror: the early-exit candidates go to the draft thread at once
         ticket, plan = None, ()
         if self.cfg.mode == "mirror" and self.worker.responsive:
@@ -266,7 +280,7 @@ class _Decoder:
             topk_ids, topk_logprobs = self._exit_candidates(boundary)
             candidates = ExitCandidates(tuple(ctx), w, frozen(topk_ids[:, :k]), frozen(topk_logprobs[:, :k]))
             plan = plan_branches(candidates, k, self.budget, self._accept_rate())
-            ticket = self.worker.submit(Branches(candidates, plan, self.cfg.gamma))
+            ticket = self.worker.submit(Branches(candidates, plan, self.cfg.gamma, self.take_features()))
         # 3. suffix (the draft works meanwhile), verify, trim the target cache to what was accepted
         logits, cache = self._suffix(boundary)
         ready_under_suffix = ticket is not None and self.worker.poll(ticket) is not None
@@ -312,7 +326,7 @@ class _Decoder:
         self.stats.branch_budget = self.budget
 
 
-def decode(target: Target, drafter: Drafter | None, prompt: tuple[int, ...], cfg: DecodeConfig,
+def decode(target: Target, drafter: Drafter | FeatureDrafter | None, prompt: tuple[int, ...], cfg: DecodeConfig,
            stats: Counters, on_worker=None) -> Iterator[int]:
     """Yield the new tokens one at a time as they are committed. Stops after cfg.max_new_tokens; the caller
     stops earlier (EOS, stop strings) by closing the generator, which also stops the draft thread.
@@ -332,11 +346,13 @@ def decode(target: Target, drafter: Drafter | None, prompt: tuple[int, ...], cfg
     ctx = list(prompt)
     try:
         warm = worker is not None and len(prompt) <= draft_context
-        if warm and cfg.warm_with_prefill:
+        # a feature draft reads the prompt with its taps, so only after the prefill has computed them
+        alongside = cfg.warm_with_prefill and not isinstance(drafter, FeatureDrafter)
+        if warm and alongside:
             worker.submit(Warm(tuple(prompt)))  # the draft reads the prompt while the target does
         ctx.append(dec.prefill(tuple(prompt)))
-        if warm and not cfg.warm_with_prefill:
-            worker.submit(Warm(tuple(prompt)))
+        if warm and not alongside:
+            worker.submit(Warm(tuple(prompt), dec.take_features()))
         yield ctx[-1]
         window: DraftWindow | None = None
         while len(ctx) - len(prompt) < cfg.max_new_tokens:

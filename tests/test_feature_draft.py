@@ -136,7 +136,14 @@ def feature_bundle(tmp_path_factory, pair_factory):
 
 
 def test_feature_draft_exports_with_its_channel_checked(feature_bundle):
-    from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, SURROGATE, TAPS, USE_SURROGATE, Manifest
+    from mirror_sd.partitions.manifest import (
+        DRAFT_HIDDEN,
+        FEATURES,
+        SURROGATE,
+        TAPS,
+        USE_SURROGATE,
+        Manifest,
+    )
 
     bundle, _, _ = feature_bundle
     m = Manifest.load(bundle)
@@ -154,8 +161,9 @@ def test_feature_draft_exports_with_its_channel_checked(feature_bundle):
 def test_feature_channel_is_validated(feature_bundle, tmp_path):
     import dataclasses
 
-    from mirror_sd.errors import ManifestError
     from mirror_sd.partitions.manifest import Manifest
+
+    from mirror_sd.errors import ManifestError
 
     bundle, _, _ = feature_bundle
     m = Manifest.load(bundle)
@@ -168,11 +176,92 @@ def test_feature_channel_is_validated(feature_bundle, tmp_path):
 
 
 def test_feature_draft_deeper_than_the_exit_layer_is_refused(feature_bundle, tmp_path):
-    from mirror_sd.errors import BadInputError
     from mirror_sd.export.bundle import ExportOptions, export_bundle
+
+    from mirror_sd.errors import BadInputError
 
     _, target, draft = feature_bundle
     with pytest.raises(BadInputError, match="past the exit layer"):
         export_bundle(ExportOptions(model=str(target), draft=str(draft), out=tmp_path / "b", exit_layer=2, top_k=4),
                       report=lambda _line: None)
     assert not (tmp_path / "b").exists()
+
+
+# -- runtime: the feature channel end to end ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained_feature_bundle(tmp_path_factory, pair_factory):
+    """A feature draft trained for a few seconds on the tiny llama target's own greedy answers, exported at exit
+    layer 3, and prompts: two it was trained on (the random target's answers are only learnt by heart, so there the
+    target accepts most of what it drafts) and one it was not (mostly rejected)."""
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("trained-feature-bundle")
+    target_dir, _ = pair_factory("llama")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    data = root / "answers.jsonl.gz"
+    _answers_file(data, target, n=40)
+    tfd.run(target_dir, [data], root / "work", root / "draft", taps=[1, 3], vocab_size=384, max_len=64, epochs=80,
+            steps=3, lr=3e-3, tokens_per_batch=512, noise=0.0, max_minutes=None, eval_records=4,
+            report=lambda _line: None)
+    export_bundle(ExportOptions(model=str(target_dir), draft=str(root / "draft"), out=root / "bundle", exit_layer=3,
+                                top_k=8), report=lambda _line: None)
+    learnt = [r.ids[~r.labels].tolist() for r in tfd.split(tfd.load_records([data], 64))[0][:2]]
+    return root / "bundle", learnt + [[1, 200, 64, 9, 9, 120, 3]]
+
+
+def test_feature_draft_sd_and_mirror_equal_ar_and_the_reference(trained_feature_bundle):
+    from mirror_sd.runtime.pipeline import Pipeline
+    from mirror_sd.runtime.reference import reference_generate
+
+    bundle, prompts = trained_feature_bundle
+    pipe = Pipeline.load(bundle)
+    acceptance = []
+    for prompt in prompts:
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=24)
+        assert reference_generate(pipe.target, pipe.draft, prompt, 24, gamma=3) == ar.token_ids[:24]
+        for mode, gamma, kappa, overlap in [("sd", 1, None, True), ("sd", 4, None, False), ("sd", 3, None, True),
+                                            ("mirror", 1, 1, True), ("mirror", 3, 4, True), ("mirror", 4, 8, False),
+                                            ("mirror", 4, 8, True)]:
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=24, gamma=gamma, kappa=kappa, overlap=overlap)
+            assert out.token_ids == ar.token_ids, f"{mode} gamma={gamma} kappa={kappa} overlap={overlap}"
+            assert out.stats["fallbacks"] == 0 and out.stats["draft_failures"] == 0
+            acceptance.append(out.stats["acceptance_rate"])
+    assert max(acceptance) > 0.5 and min(acceptance) < 0.5  # both paths ran: long acceptances and rejections
+
+
+def test_feature_drafter_windows_equal_the_reference_after_rejections(trained_feature_bundle):
+    """The drafter's windows, with its lane kept across requests and cut back after rejections, equal the
+    reference's from-scratch windows (every input with the target's taps of the position before it, drafted inputs
+    on surrogates)."""
+    from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureGapError
+    from mirror_sd.runtime.messages import FeatureBlock
+    from mirror_sd.runtime.pipeline import Pipeline
+    from mirror_sd.runtime.reference import reference_feature_window
+    from mirror_sd.runtime.sampling import SamplingParams
+
+    bundle, prompts = trained_feature_bundle
+    pipe = Pipeline.load(bundle)
+    target = pipe.target
+
+    def block(seq, start):
+        """The taps the target's prefix gives for positions start.. of seq."""
+        taps = target.run_prefix(list(seq), target.empty_cache()).taps
+        return FeatureBlock(tuple(seq), start, taps[start:])
+
+    drafter = FeatureDrafter(pipe.draft, SamplingParams())
+    prompt = prompts[0]
+    assert drafter.warm(tuple(prompt), (block(prompt, 0),)) == len(prompt) - 1
+    ctx = prompt + [int(target.prefill(prompt, target.empty_cache())[0].argmax())]
+    rng = np.random.default_rng(0)
+    sent = len(prompt)  # positions whose taps the drafter has
+    for _ in range(6):
+        window = drafter.rollout(tuple(ctx), 4, (block(ctx, sent),)).tokens  # as verification sends them
+        sent = len(ctx) - 1
+        assert list(window) == reference_feature_window(target, pipe.draft, ctx, 4)
+        # a rejection at a random slot with another token: the lane must drop the surrogate-fed inputs
+        assert drafter.lane.length == len(ctx) - 1  # every input of ctx, with real taps; none drafted
+        cut = int(rng.integers(0, 4))
+        ctx = ctx + list(window[:cut]) + [int(rng.integers(3, 300))]
+    with pytest.raises(FeatureGapError):  # taps that skip positions are refused, not guessed
+        drafter.rollout(tuple(ctx + [5, 6, 7]), 2, ())

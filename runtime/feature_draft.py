@@ -1,0 +1,262 @@
+"""The draft side for a feature draft: a draft that reads the target's hidden states (models/feature_draft.py).
+
+Input token x_q goes into the draft with the target's taps at position q - 1, the residual stream after the draft's
+tap layers, all at or below the exit layer: the prefix gives them before the suffix runs. Where the target has not
+run q - 1 yet, because the token was drafted, the draft's own hidden state at q - 1 stands in for them (the
+surrogate), as in EAGLE. A rollout of gamma tokens from a sequence of n tokens is one forward over the inputs the
+lane lacks, all with real taps, then gamma - 1 forwards of one token each on surrogates.
+
+The target sends its taps as `FeatureBlock`s (runtime/messages.py) with every request: the prompt's after the
+prefill, each verification window's, each target-only step's. A `FeatureStore` keeps them for the sequence they
+were computed on; a position's taps stay valid for any sequence that shares the tokens up to it. So a branch
+(A, c) of a verification window has real taps for every input it feeds: the window's prefix ran [pending] + w,
+which covers position len(C) - 1 + A, the one before c. Every committed token's input therefore has real taps.
+
+Only inputs with real taps enter the context lane (slot j holds input j + 1). The surrogate-fed inputs of a
+rollout live in its rows' own past and are dropped after it: once the target has verified them, the next request
+feeds them again with their real taps. After a branch hit the hit row's real inputs move into the lane, as with
+token drafts (runtime/draft.py).
+
+A `FeatureDrafter` is used by exactly one thread: the scheduler's draft thread, or the main thread when overlap is
+off. A failure resets it, taps included: the rest of that generation runs on the target alone (counted fallbacks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from mirror_sd.partitions.manifest import (
+    DRAFT_HIDDEN,
+    FEATURES,
+    LOGITS,
+    SURROGATE,
+    USE_SURROGATE,
+)
+from mirror_sd.runtime.draft import PAD_ID, DraftVocab, _common_prefix
+from mirror_sd.runtime.engines import GraphEngine
+from mirror_sd.runtime.kv import LayerKV, positions
+from mirror_sd.runtime.messages import (
+    BranchKey,
+    BranchSet,
+    DraftWindow,
+    ExitCandidates,
+    FeatureBlock,
+    Features,
+    frozen,
+)
+from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, rng_for
+
+
+class FeatureGapError(RuntimeError):
+    """The draft was asked to feed an input whose taps it never received."""
+
+
+class FeatureStore:
+    """Taps [capacity, n_taps, H] of positions [0, length), each computed by the target on tokens[:p + 1]."""
+
+    def __init__(self, capacity: int, n_taps: int, width: int, dtype: str) -> None:
+        self.taps = np.zeros((capacity, n_taps, width), dtype)
+        self.tokens = np.zeros(0, np.int64)
+        self.length = 0
+
+    def reset(self) -> None:
+        self.tokens, self.length = np.zeros(0, np.int64), 0
+
+    def absorb(self, block: FeatureBlock) -> None:
+        seq = np.asarray(block.tokens, np.int64)
+        valid = self.valid_for(seq)
+        end = block.start + len(block.taps)
+        if block.start > valid:
+            raise FeatureGapError(f"taps from position {block.start} arrived, but only {valid} are known")
+        if end > self.taps.shape[0] or end > seq.size:
+            raise FeatureGapError(f"taps up to position {end} do not fit the store or their sequence")
+        self.taps[block.start:end] = block.taps
+        self.tokens, self.length = seq[:end], end
+
+    def valid_for(self, seq: np.ndarray) -> int:
+        """How many leading positions of `seq` have their taps here."""
+        return min(self.length, _common_prefix(self.tokens, seq))
+
+
+@dataclass
+class _Rows:
+    tokens: list[list[int]]
+    logits: list[list[np.ndarray]]
+    bases: list[np.ndarray]
+    shared: np.ndarray  # [B] lane slots each row reads
+    real: list[LayerKV]  # per row, the KV of the inputs it fed with real taps (its first forward)
+    forwards: int
+    complete: bool = True
+
+    def held(self, lane_tokens: np.ndarray, b: int) -> np.ndarray:
+        """Row b's inputs with real taps: its lane prefix, then what it fed first."""
+        return np.concatenate([lane_tokens[:self.shared[b]], self.bases[b][1 + self.shared[b]:]])
+
+
+class FeatureDrafter:
+    def __init__(self, engine: GraphEngine, params: SamplingParams,
+                 on_forward: Callable[[float, float, int, int], None] | None = None) -> None:
+        facts = engine.facts
+        if not facts.feature_taps:
+            raise ValueError("FeatureDrafter needs a feature draft (the manifest's draft.feature_taps)")
+        if facts.output_vocab_size and engine.output_ids is None:
+            raise ValueError("the draft predicts over a reduced vocabulary, but its engine has no output_ids")
+        self.engine, self.params, self.on_forward = engine, params, on_forward
+        self.vocab = DraftVocab(facts.vocab_size, engine.output_ids)
+        self.n_taps, self.width, self.dtype = len(facts.feature_taps), facts.hidden_size, facts.dtype
+        self.lane = engine.context_lane()  # slot j: input j + 1, fed with real taps
+        self.store = FeatureStore(engine.lane_capacity + 1, self.n_taps, self.width, facts.dtype)
+        self.rows: _Rows | None = None
+
+    def reset(self) -> None:
+        self.lane.truncate(0)
+        self.store.reset()
+        self.rows = None
+
+    # -- building blocks -----------------------------------------------------------------------------------
+    def _absorb(self, features: Features) -> None:
+        for block in features:
+            self.store.absorb(block)
+
+    def _report(self, start: float, rows: int, tokens: int) -> None:
+        if self.on_forward:
+            self.on_forward(start, time.perf_counter(), rows, tokens)
+
+    def _check_taps(self, seq: np.ndarray) -> None:
+        """Every input of seq (tokens 1..n-1) needs the taps of the position before it."""
+        if self.store.valid_for(seq) < seq.size - 1:
+            raise FeatureGapError(f"a {seq.size}-token sequence needs taps of {seq.size - 1} positions, "
+                                  f"{self.store.valid_for(seq)} are known")
+
+    def _take(self, seq: np.ndarray, keep_last: bool = True) -> int:
+        """Make the lane hold the longest prefix of seq's inputs (seq[1:]) any cache has - at most all but the last
+        when keep_last - and return its length. A row of the last branch set that shares more moves in first."""
+        inputs = seq[1:]
+        common = _common_prefix(self.lane.tokens, inputs)
+        rows, self.rows = self.rows, None
+        if rows is not None and rows.tokens:
+            best = max(range(len(rows.bases)), key=lambda b: _common_prefix(rows.held(self.lane.tokens, b), inputs))
+            held = rows.held(self.lane.tokens, best)
+            if _common_prefix(held, inputs) > common:
+                shared = int(rows.shared[best])
+                self.lane.truncate(shared)
+                self.lane.append(rows.real[best], held[shared:])
+                common = _common_prefix(self.lane.tokens, inputs)
+        keep = min(common, inputs.size - 1) if keep_last else min(common, inputs.size)
+        self.lane.truncate(keep)
+        return keep
+
+    def _channel(self, batch: int, width: int) -> dict[str, np.ndarray]:
+        return {FEATURES: np.zeros((batch, width, self.n_taps, self.width), self.dtype),
+                SURROGATE: np.zeros((batch, width, self.width), self.dtype),
+                USE_SURROGATE: np.zeros((batch, width), np.int64)}
+
+    def _read(self, seq: np.ndarray, start: int) -> None:
+        """Feed inputs start+1 .. n-1 of seq (real taps) into the lane, in chunks; no heads are read."""
+        chunk = self.engine.prompt_chunk
+        for lo in range(start + 1, seq.size, chunk):
+            hi = min(lo + chunk, seq.size)
+            t0 = time.perf_counter()
+            x = seq[None, lo:hi]
+            mask = np.ones(x.shape, np.int64)
+            own = self.engine.empty_own(1)
+            channel = self._channel(1, x.shape[1])
+            channel[FEATURES][0] = self.store.taps[lo - 1:hi - 1]
+            shared = np.array([self.lane.length])
+            _, new_kv = self.engine.run(x, positions(shared, own, mask), self.lane, shared, own, mask, 1, channel)
+            self.lane.append(new_kv, x[0])
+            self._report(t0, 0, 0)
+
+    def _choose(self, row: np.ndarray, rng) -> int:
+        return self.vocab.choose(row, self.params, rng)
+
+    def _roll(self, bases: list[np.ndarray], shared: np.ndarray, rngs: list, gamma: int,
+              cancelled: Callable[[], bool]) -> _Rows:
+        """gamma tokens continuing every base: row b reads lane slots [0, shared[b]) and feeds inputs
+        shared[b]+1 .. n_b-1 with real taps (one forward for all rows), then one drafted token per forward on its
+        own hidden state."""
+        n, engine = len(bases), self.engine
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logits: list[list[np.ndarray]] = [[] for _ in range(n)]
+        feeds = [base[1 + s:] for base, s in zip(bases, shared)]
+        width = max(f.size for f in feeds)
+        x, mask = np.full((n, width), PAD_ID, np.int64), np.zeros((n, width), np.int64)
+        channel = self._channel(n, width)
+        for b, (base, s, feed) in enumerate(zip(bases, shared, feeds)):  # left-padded: the last column is newest
+            x[b, width - feed.size:], mask[b, width - feed.size:] = feed, 1
+            channel[FEATURES][b, width - feed.size:] = self.store.taps[s:base.size - 1]
+        own = engine.empty_own(n)
+        real: list[LayerKV] = []
+        forwards = 0
+        while True:
+            t0 = time.perf_counter()
+            out, new_kv = engine.run(x, positions(shared, own, mask), self.lane, shared, own, mask, 1, channel)
+            forwards += 1
+            own = own.extended(new_kv, mask)
+            if forwards == 1:
+                real = [own.row(b) for b in range(n)]
+            step_logits = out[LOGITS][:, -1]
+            for b in range(n):
+                if self.params.greedy:
+                    tokens[b].append(int(self.vocab.argmax(step_logits[b])))
+                else:
+                    logits[b].append(step_logits[b])
+                    tokens[b].append(self._choose(step_logits[b], rngs[b]))
+            self._report(t0, n, n)
+            if len(tokens[0]) == gamma:
+                return _Rows(tokens, logits, bases, shared, real, forwards)
+            if cancelled():
+                return _Rows(tokens, logits, bases, shared, real, forwards, complete=False)
+            x = np.asarray([[t[-1]] for t in tokens], np.int64)
+            mask = np.ones((n, 1), np.int64)
+            channel = self._channel(n, 1)
+            channel[SURROGATE][:] = out[DRAFT_HIDDEN][:, -1:]
+            channel[USE_SURROGATE][:] = 1
+
+    def _window(self, context_len: int, rows: _Rows, b: int) -> DraftWindow:
+        lg = None if self.params.greedy else frozen(self.vocab.full(np.stack(rows.logits[b])))
+        return DraftWindow(context_len, tuple(rows.tokens[b]), lg, rows.forwards)
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def warm(self, context: tuple[int, ...], features: Features = ()) -> int:
+        """Feed the prompt's inputs into the lane with the taps the prefill sent; returns the inputs fed."""
+        self._absorb(features)
+        seq = np.asarray(context, np.int64)
+        self._check_taps(seq)
+        keep = self._take(seq, keep_last=False)
+        self._read(seq, keep)
+        return int(seq.size - 1 - keep)
+
+    def rollout(self, context: tuple[int, ...], gamma: int, features: Features = ()) -> DraftWindow:
+        """gamma tokens continuing `context`; afterwards the lane holds every input of context (real taps)."""
+        self._absorb(features)
+        seq = np.asarray(context, np.int64)
+        self._check_taps(seq)
+        keep = self._take(seq)
+        rng = None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, seq.size)
+        rows = self._roll([seq], np.array([keep]), [rng], gamma, lambda: False)
+        self.lane.append(rows.real[0], seq[1 + keep:])
+        return self._window(seq.size, rows, 0)
+
+    def branches(self, c: ExitCandidates, plan: tuple[BranchKey, ...], gamma: int,
+                 cancelled: Callable[[], bool] = lambda: False, features: Features = ()) -> BranchSet:
+        """One batched rollout: row b continues context + window[:A_b] + (c_b,) by gamma tokens, each base fed with
+        the verification window's taps (the features sent with the request)."""
+        self._absorb(features)
+        ctx = np.asarray(c.context, np.int64)
+        self._take(np.concatenate([ctx, c.window]).astype(np.int64), keep_last=False)  # a hit row joins the lane
+        if not plan:
+            return BranchSet.of({}, 0)
+        bases = [np.concatenate([ctx, c.window[:r], [v]]).astype(np.int64) for r, v in plan]
+        for base in bases:
+            self._check_taps(base)
+        shared = np.array([min(_common_prefix(self.lane.tokens, b[1:]), b.size - 2) for b in bases], np.int64)
+        rngs = [None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, b.size) for b in bases]
+        rows = self._roll(bases, shared, rngs, gamma, cancelled)
+        if not rows.complete:
+            return BranchSet.of({}, rows.forwards, complete=False)
+        self.rows = rows
+        return BranchSet.of({key: self._window(bases[b].size, rows, b) for b, key in enumerate(plan)}, rows.forwards)
