@@ -31,6 +31,8 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
     pipe = Pipeline.load(bundle)
     runs = {"sd": dict(mode="sd"), "sd_verify": dict(mode="sd", draft_streaming="verify"),
             "sd_no_streaming": dict(mode="sd", draft_streaming=False), "mirror": dict(mode="mirror")}
+    if not pipe.manifest.draft.streams:  # streaming modes change nothing for a one-token-per-forward draft
+        runs = {"sd": runs["sd"], "mirror": runs["mirror"]}
     rows = []
     for prompt in _prompts(n_per_kind):
         messages = [dict(m) for m in prompt.messages]
@@ -67,17 +69,22 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
         "mean_accepted_tokens_all": mean("sd", "mean_accepted_tokens"),
         "per_kind_mean_accepted_tokens": {k: median("sd", "mean_accepted_tokens", (k,)) for k in KINDS},
         "draft_tokens_per_forward": mean("sd", "draft_tokens_per_forward"),
-        "draft_tokens_per_forward_verify": mean("sd_verify", "draft_tokens_per_forward"),
-        "acceptance_streaming_on": mean("sd", "acceptance_rate"),
-        "acceptance_streaming_verify": mean("sd_verify", "acceptance_rate"),
-        "acceptance_streaming_off": mean("sd_no_streaming", "acceptance_rate"),
-        "mean_accepted_tokens_chat_code_streaming_off": mean("sd_no_streaming", "mean_accepted_tokens", chat_code),
+        "acceptance_rate": mean("sd", "acceptance_rate"),
+        "draft": pipe.manifest.draft.architecture,
         "mirror_branch_hit_rate": mean("mirror", "branch_hit_rate"),
         "mirror_rejected_branch_hit_rate": mean("mirror", "rejected_branch_hit_rate"),
         "median_tokens_per_second": {"ar": statistics.median(r["ar_tokens_per_second"] for r in rows),
                                      **{n: median(n, "tokens_per_second") for n in runs}},
         "mirror_draft_hidden_fraction": median("mirror", "draft_hidden_fraction"),
     }
+    if "sd_verify" in runs:
+        summary.update({
+            "draft_tokens_per_forward_verify": mean("sd_verify", "draft_tokens_per_forward"),
+            "acceptance_streaming_on": mean("sd", "acceptance_rate"),
+            "acceptance_streaming_verify": mean("sd_verify", "acceptance_rate"),
+            "acceptance_streaming_off": mean("sd_no_streaming", "acceptance_rate"),
+            "mean_accepted_tokens_chat_code_streaming_off": mean("sd_no_streaming", "mean_accepted_tokens", chat_code),
+        })
     return {"summary": summary, "rows": rows}
 
 
