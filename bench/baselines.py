@@ -4,6 +4,7 @@
 - "hf-assisted":  transformers assisted generation, assistant = plain draft (bench/hf_baselines.py)
 - "ov-genai-ar":  OpenVINO GenAI LLMPipeline, the target alone              (bench/ov_genai.py)
 - "ov-genai-sd":  OpenVINO GenAI speculative decoding, target + plain draft (bench/ov_genai.py)
+- "ov-genai-pld": OpenVINO GenAI prompt-lookup decoding, the target alone   (bench/ov_genai.py)
 
 What is compared: the same fp32 target and the same trained draft network as the bundle. The streaming draft
 goes in its plain form (bench/plain_draft.py: full 49152-token vocabulary, one token per forward, stream heads
@@ -26,7 +27,7 @@ from mirror_sd.bench.variants import Sources
 from mirror_sd.errors import BadInputError, MirrorSDError
 from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE, Manifest
 
-NAMES = ("hf-generate", "hf-assisted", "ov-genai-sd", "ov-genai-ar")
+NAMES = ("hf-generate", "hf-assisted", "ov-genai-sd", "ov-genai-ar", "ov-genai-pld")
 CACHE = Path("build") / "bench-cache"
 DEFAULT_GAMMA = 4  # the harness's default window; every speculative baseline proposes exactly this many
 
@@ -120,7 +121,8 @@ def _open(name: str, sources: Sources, cache: Path, *, threads: int, gamma: int,
 
     target = genai_dir(sources.target, cache, "target")
     draft = genai_dir(plain_draft_dir(sources, cache), cache, "draft") if name == "ov-genai-sd" else None
-    return GenAIMethod(name, target, threads=threads, eos_token_ids=eos, draft_dir=draft, gamma=gamma)
+    return GenAIMethod(name, target, threads=threads, eos_token_ids=eos, draft_dir=draft, gamma=gamma,
+                       prompt_lookup=name == "ov-genai-pld")
 
 
 def _close_all(methods: list[Method]) -> None:

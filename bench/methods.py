@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 PROJECT_METHODS = ("ar", "sd", "mirror")  # the project's own decoders (bench/pipeline_methods.py)
-BASELINE_METHODS = ("hf-generate", "hf-assisted", "ov-genai-sd", "ov-genai-ar")  # bench/baselines.py
+BASELINE_METHODS = ("hf-generate", "hf-assisted", "ov-genai-sd", "ov-genai-ar", "ov-genai-pld")  # bench/baselines.py
 
 
 @dataclass

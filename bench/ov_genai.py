@@ -1,6 +1,7 @@
-"""OpenVINO GenAI baselines: "ov-genai-ar" (LLMPipeline, the target alone) and "ov-genai-sd" (LLMPipeline with
-`draft_model=`: GenAI's speculative decoding, same target and the plain draft), on models converted by
-bench/ov_convert.py.
+"""OpenVINO GenAI baselines: "ov-genai-ar" (LLMPipeline, the target alone), "ov-genai-sd" (LLMPipeline with
+`draft_model=`: GenAI's speculative decoding, same target and the plain draft) and "ov-genai-pld" (LLMPipeline with
+`prompt_lookup=True`: prompt-lookup decoding, windows copied from n-gram matches in the prompt and the text so far,
+no draft model), on models converted by bench/ov_convert.py.
 
 Both models get `threads` intra-op threads (INFERENCE_NUM_THREADS), the LATENCY hint, and fp32 compute and KV cache
 (the CPU plugin's default KV cache for GenAI's paged attention is u8). The prompt goes in as
@@ -24,6 +25,9 @@ import numpy as np
 from mirror_sd.bench.methods import MethodResult
 
 
+PLD_NGRAM = 3  # prompt lookup's longest n-gram matched (GenAI's sample uses 3)
+
+
 def _properties(threads: int) -> dict[str, Any]:
     # fp32 everywhere, as the target the others run: the CPU plugin otherwise stores GenAI's paged KV cache as
     # u8 (its default for PagedAttention), which flipped greedy tokens on a tiny test model
@@ -33,14 +37,19 @@ def _properties(threads: int) -> dict[str, Any]:
 
 class GenAIMethod:
     def __init__(self, name: str, target_dir: Path, *, threads: int, eos_token_ids: list[int],
-                 draft_dir: Path | None = None, gamma: int = 4) -> None:
+                 draft_dir: Path | None = None, gamma: int = 4, prompt_lookup: bool = False) -> None:
         import openvino_genai as ov_genai
 
+        if draft_dir is not None and prompt_lookup:
+            raise ValueError("a GenAI pipeline takes a draft model or prompt lookup, not both")
         self.name, self.threads, self.gamma, self.eos = name, threads, gamma, list(eos_token_ids)
-        extra = {}
+        extra: dict[str, Any] = {}
         if draft_dir is not None:
             extra["draft_model"] = ov_genai.draft_model(str(draft_dir), "CPU", **_properties(threads))
+        if prompt_lookup:
+            extra["prompt_lookup"] = True
         self.pipe = ov_genai.LLMPipeline(str(target_dir), "CPU", **extra, **_properties(threads))
+        self.prompt_lookup = prompt_lookup
         self.speculative = draft_dir is not None
         if self.speculative:
             self._absorb_first_sampling_failure()
@@ -76,8 +85,10 @@ class GenAIMethod:
             cfg.do_sample, cfg.temperature, cfg.top_p, cfg.top_k, cfg.rng_seed = True, temperature, 1.0, 0, seed
         else:
             cfg.do_sample = False
-        if self.speculative:
+        if self.speculative or self.prompt_lookup:
             cfg.num_assistant_tokens = self.gamma
+        if self.prompt_lookup:
+            cfg.max_ngram_size = PLD_NGRAM
         return cfg
 
     def generate(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, seed: int) -> MethodResult:
@@ -90,7 +101,7 @@ class GenAIMethod:
         stats: dict[str, Any] = {"threads": self.threads,
                                  "genai_generate_s": metrics.get_generate_duration().mean / 1000.0,
                                  "genai_tpot_s": metrics.get_tpot().mean / 1000.0}
-        if self.speculative:
+        if self.speculative or self.prompt_lookup:
             stats.update(gamma=self.gamma, **_speculative_stats(result, len(tokens)))
         return MethodResult(tokens, metrics.get_ttft().mean / 1000.0, total, stats)
 

@@ -16,6 +16,7 @@ WHAT = {
                    "4 layers and weights over the full vocabulary, one token per forward, stream heads dropped",
     "ov-genai-ar": "OpenVINO GenAI LLMPipeline, the same fp32 target converted to OpenVINO IR",
     "ov-genai-sd": "OpenVINO GenAI speculative decoding, the same target and the plain-form draft as OpenVINO IR",
+    "ov-genai-pld": "OpenVINO GenAI prompt-lookup decoding (n-grams of the prompt as the draft), the same target",
     "ar-openvino": "the project's target alone on OpenVINO (its graphs rewritten without GroupQueryAttention, "
                    "runtime/portable.py): the CPU-only backend",
 }

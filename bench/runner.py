@@ -77,6 +77,8 @@ TARGETS = (
     ("mirror_vs_ar", "mirror tokens/s over ar (ar at its best thread setting)", 2.0, "mirror", "ar"),
     ("mirror_vs_sd", "mirror tokens/s over sd (same draft)", 1.3, "mirror", "sd"),
     ("mirror_vs_ov_genai_sd", "mirror tokens/s over OpenVINO GenAI speculative decoding", 1.3, "mirror", "ov-genai-sd"),
+    ("mirror_vs_ov_genai_pld", "mirror tokens/s over OpenVINO GenAI prompt-lookup decoding", 1.3, "mirror",
+     "ov-genai-pld"),
     ("mirror_vs_hf_assisted", "mirror tokens/s over transformers assisted generation", 1.5, "mirror", "hf-assisted"),
 )
 HIDDEN_TARGET = 0.8  # draft time hidden under the suffix

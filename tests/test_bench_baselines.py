@@ -106,7 +106,8 @@ def test_hf_baselines_equal_ar_greedy(tiny, pipe, prompts):
 def test_ov_genai_conversion_and_speculative_decoding_equal_ar(tiny, pipe, prompts):
     bundle, sources, cache = tiny
     start = time.perf_counter()
-    methods = open_baselines(bundle, names=["ov-genai-ar", "ov-genai-sd"], threads=1, sources=sources, cache=cache)
+    methods = open_baselines(bundle, names=["ov-genai-ar", "ov-genai-sd", "ov-genai-pld"], threads=1, sources=sources,
+                             cache=cache)
     try:
         for ids in prompts:
             expected = _ar(pipe, ids)
@@ -114,8 +115,11 @@ def test_ov_genai_conversion_and_speculative_decoding_equal_ar(tiny, pipe, promp
                 r = m.generate(ids, max_new_tokens=MAX_NEW, temperature=0.0, seed=0)
                 assert r.token_ids == expected, m.name
                 assert 0 < r.ttft_s and 0 < r.total_s
-        sd = methods[1]
+        sd, pld = methods[1], methods[2]
         assert sd.generate(prompts[0], max_new_tokens=MAX_NEW, temperature=0.0, seed=0).stats["target_forwards"] >= 1
+        # prompt lookup: a prompt that repeats itself gives n-gram matches to copy, the output stays the target's
+        looped = list(prompts[0]) * 3
+        assert pld.generate(looped, max_new_tokens=MAX_NEW, temperature=0.0, seed=0).token_ids == _ar(pipe, looped)
         a, b = (sd.generate(prompts[1], max_new_tokens=MAX_NEW, temperature=1.0, seed=3) for _ in range(2))
         assert a.token_ids == b.token_ids and 0 < len(a.token_ids) <= MAX_NEW
     finally:
