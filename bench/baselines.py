@@ -47,16 +47,28 @@ def check_sources(bundle: Path, manifest: Manifest, sources: Sources) -> None:
     why = sources.unusable_for(manifest)
     if why:
         raise BaselineError(f"baselines need the bundle's source models: {why}")
-    from mirror_sd.models.streaming_draft import CONFIG_NAME, StreamingDraft
+    from mirror_sd.models import feature_draft, streaming_draft
 
-    if StreamingDraft.is_streaming_draft(sources.draft):
-        vocab = json.loads((sources.draft / CONFIG_NAME).read_text())["vocab_ids"]
-        bundled = bundle / DRAFT_VOCAB_FILE
-        if not bundled.is_file() or json.loads(bundled.read_text()) != vocab:
-            raise BaselineError(f"the draft {sources.draft} is not the bundle's draft (its vocabulary differs from "
-                                f"{bundled.name})")
-    elif not (sources.draft / "config.json").is_file():
-        raise BaselineError(f"the draft {sources.draft} is neither a streaming draft nor an HF model directory")
+    for module in (streaming_draft, feature_draft):
+        config = sources.draft / module.CONFIG_NAME
+        if config.is_file():
+            bundled = bundle / DRAFT_VOCAB_FILE
+            if not bundled.is_file() or json.loads(bundled.read_text()) != json.loads(config.read_text())["vocab_ids"]:
+                raise BaselineError(f"the draft {sources.draft} is not the bundle's draft (its vocabulary differs from "
+                                    f"{bundled.name})")
+            break
+    else:
+        if not (sources.draft / "config.json").is_file():
+            raise BaselineError(f"the draft {sources.draft} is neither a streaming or feature draft nor an HF model "
+                                "directory")
+    loaded = _baseline_draft(sources)
+    if feature_draft.FeatureDraft.is_feature_draft(loaded) or not (
+            streaming_draft.StreamingDraft.is_streaming_draft(loaded) or (loaded / "config.json").is_file()):
+        raise BaselineError(f"the baselines' draft {loaded} must be a streaming draft or an HF model directory")
+
+
+def _baseline_draft(sources: Sources) -> Path:
+    return sources.baseline_draft or sources.draft
 
 
 def plain_draft_dir(sources: Sources, cache: Path) -> Path:
@@ -65,10 +77,11 @@ def plain_draft_dir(sources: Sources, cache: Path) -> Path:
     from mirror_sd.bench import plain_draft
     from mirror_sd.models.streaming_draft import StreamingDraft
 
-    if not StreamingDraft.is_streaming_draft(sources.draft):
-        return sources.draft
-    out = cache / f"plain-draft-{fingerprint(sources.draft)}"
-    return plain_draft.convert(sources.draft, sources.target, out)
+    draft = _baseline_draft(sources)
+    if not StreamingDraft.is_streaming_draft(draft):
+        return draft
+    out = cache / f"plain-draft-{fingerprint(draft)}"
+    return plain_draft.convert(draft, sources.target, out)
 
 
 def genai_dir(model_dir: Path, cache: Path, what: str) -> Path:

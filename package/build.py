@@ -24,7 +24,9 @@ from mirror_sd.errors import BadInputError, PackageError
 from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.package.compress import DEFAULT_GROUP_SIZE, compress_weights
 from mirror_sd.package.static_graph import make_static
-from mirror_sd.partitions.manifest import PARITY_ATOL, PARITY_RTOL, Manifest, resolve_inside
+from mirror_sd.partitions.manifest import (
+    FEATURES, PARITY_ATOL, PARITY_RTOL, SURROGATE, USE_SURROGATE, Manifest, resolve_inside,
+)
 from mirror_sd.partitions.package import (
     BRANCH, DECODE, DEVICES, PACKAGE_FILE, PREFILL, DraftGraph, PackageInfo, StaticBounds, graph_sha256,
     normalize_weights, sha256_of,
@@ -211,6 +213,15 @@ def _check_static_draft(root: Path, bundle: Path, draft_file: str, graph: DraftG
             slots = bounds.kv_length if name.startswith("shared_") else bounds.own_slots
             feed_d[name] = np.zeros((1, heads, 0, head_dim), np.float32)
             feed_s[name] = np.zeros((1, heads, slots, head_dim), np.float32)
+    taps = manifest_taps(bundle)
+    if taps:  # a feature draft: random features, the last token on a surrogate
+        width = next(p.get_partial_shape()[2].get_length() for p in dynamic.inputs if p.get_any_name() == SURROGATE)
+        rng = np.random.default_rng(0)
+        channel = {FEATURES: rng.standard_normal((1, n, taps, width)).astype(np.float32),
+                   SURROGATE: rng.standard_normal((1, n, width)).astype(np.float32),
+                   USE_SURROGATE: (np.arange(n) == n - 1).astype(np.int64)[None]}
+        feed_d.update(channel)
+        feed_s.update(channel)
     feed_d[KEEP] = np.array([n], np.int64)  # the dynamic graph's heads on every token, as the static graph's
     want = np.array(dynamic(feed_d)[dynamic.output("logits")])
     got = np.array(static(feed_s)[static.output("logits")])
@@ -222,6 +233,11 @@ def _check_static_draft(root: Path, bundle: Path, draft_file: str, graph: DraftG
         raise PackageError(f"the static draft graph differs from the bundle's draft by {diff:.2e} (fp32 weights)")
     report(f"draft check: static {weights} vs bundle fp32 on {n} tokens: max |logit diff| {diff:.2e}, "
            f"argmax agreement {agree:.2f}")
+
+
+def manifest_taps(bundle: Path) -> int:
+    """How many taps the bundle's draft reads (0: a token draft)."""
+    return len(Manifest.load(bundle).draft.feature_taps)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -17,6 +17,7 @@ def make_static(model, batch: int, tokens: int, kv_length: int, own_slots: int):
     import numpy as np
     from openvino import opset13 as ops
 
+    from mirror_sd.partitions.manifest import FEATURES, SURROGATE, USE_SURROGATE
     from mirror_sd.partitions.spec import KEEP
 
     for param in list(model.get_parameters()):
@@ -37,8 +38,12 @@ def make_static(model, batch: int, tokens: int, kv_length: int, own_slots: int):
             shapes[name] = [1, shape[1].get_length(), kv_length, shape[3].get_length()]
         elif name.startswith("past_key_values."):
             shapes[name] = [batch, shape[1].get_length(), own_slots, shape[3].get_length()]
-        elif name in ("input_ids", "position_ids"):
+        elif name in ("input_ids", "position_ids", USE_SURROGATE):
             shapes[name] = [batch, tokens]
+        elif name == FEATURES:  # the feature channel (partitions/manifest.py): [B, T, n_taps, H]
+            shapes[name] = [batch, tokens, shape[2].get_length(), shape[3].get_length()]
+        elif name == SURROGATE:
+            shapes[name] = [batch, tokens, shape[2].get_length()]
         else:
             raise PackageError(f"the draft graph has an input {name!r} a static package does not know")
     try:

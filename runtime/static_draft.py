@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mirror_sd.errors import PackageError
-from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.partitions.manifest import FEATURES, SURROGATE, USE_SURROGATE, Manifest
 from mirror_sd.partitions.package import BRANCH, DECODE, PREFILL, PackageInfo
 from mirror_sd.partitions.spec import (
     PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
@@ -37,7 +37,7 @@ class _StaticGraph:
     """One compiled static graph and its preallocated inputs."""
 
     def __init__(self, graph: OpenedGraph, batch: int, tokens: int, own_slots: int, layers: range,
-                 kv_heads: int, head_dim: int, dtype: str) -> None:
+                 kv_heads: int, head_dim: int, dtype: str, taps: int = 0, hidden: int = 0) -> None:
         self.graph, self.batch, self.tokens, self.own_slots = graph, batch, tokens, own_slots
         self.layers = tuple(layers)
         self.feed: dict[str, np.ndarray] = {
@@ -48,6 +48,12 @@ class _StaticGraph:
         for i in self.layers:
             for name in (past_key_name(i), past_value_name(i)):
                 self.feed[name] = np.zeros((batch, kv_heads, own_slots, head_dim), dtype)
+        # a feature draft's channel at the graph's static shapes (padding: zero features, no surrogate)
+        self.channel = tuple(n for n in (FEATURES, SURROGATE, USE_SURROGATE) if n in graph.input_names)
+        shapes = {FEATURES: (batch, tokens, taps, hidden), SURROGATE: (batch, tokens, hidden),
+                  USE_SURROGATE: (batch, tokens)}
+        for name in self.channel:
+            self.feed[name] = np.zeros(shapes[name], np.int64 if name == USE_SURROGATE else dtype)
         wanted = set(self.feed) | {"shared_mask"} | {n(i) for i in self.layers for n in (shared_key_name,
                                                                                           shared_value_name)}
         # (num_logits_to_keep is a constant T inside a static graph: package/static_graph.py)
@@ -56,10 +62,15 @@ class _StaticGraph:
                                f"{sorted(wanted ^ set(graph.input_names))[:4]}")
 
     def run(self, x: np.ndarray, positions: np.ndarray, new_mask: np.ndarray, lane: ContextLane,
-            shared: np.ndarray, own: OwnPast) -> tuple[dict[str, np.ndarray], LayerKV]:
-        """x, positions, new_mask [b, t] with b <= batch, t <= tokens; own has b rows and <= own_slots slots."""
+            shared: np.ndarray, own: OwnPast, channel: dict[str, np.ndarray] | None = None
+            ) -> tuple[dict[str, np.ndarray], LayerKV]:
+        """x, positions, new_mask [b, t] with b <= batch, t <= tokens; own has b rows and <= own_slots slots;
+        channel: a feature draft's [b, t, ...] inputs."""
         b, t = x.shape
         f = self.feed
+        for name in self.channel:
+            f[name][:] = 0
+            f[name][:b, :t] = channel[name]
         slots = own.slots
         for j, i in enumerate(self.layers):
             f[past_key_name(i)][:b, :, :slots] = own.keys[j]
@@ -118,7 +129,8 @@ class StaticDraftEngine(GraphEngine):
                 "draft_static_shapes": g}
 
     def run(self, x: np.ndarray, positions: np.ndarray, lane: ContextLane, shared: np.ndarray, own: OwnPast,
-            new_mask: np.ndarray, keep: int | None = None) -> tuple[dict[str, np.ndarray], LayerKV]:
+            new_mask: np.ndarray, keep: int | None = None, channel: dict[str, np.ndarray] | None = None
+            ) -> tuple[dict[str, np.ndarray], LayerKV]:
         """As GraphEngine.run. The static graphs run their heads on all T columns (a fixed shape); the last `keep`
         columns of the call are returned."""
         batch, width = x.shape
@@ -137,8 +149,9 @@ class StaticDraftEngine(GraphEngine):
                     if group_own.slots + (cols.stop - cols.start) > graph.own_slots:
                         raise PackageError(f"a draft row holds {group_own.slots} own tokens; the package's static "
                                            f"graphs take {graph.own_slots}: its bounds were exceeded")
+                part = None if channel is None else {k: v[rows, cols] for k, v in channel.items()}
                 out, kv = graph.run(x[rows, cols], positions[rows, cols], new_mask[rows, cols], lane, shared[rows],
-                                    group_own)
+                                    group_own, part)
                 self.forwards += 1
                 group_own = group_own.extended(kv, new_mask[rows, cols])
                 parts.append((out, kv))
@@ -182,7 +195,8 @@ def open_static_draft(root: Path, manifest: Manifest, info: PackageInfo, device:
     for name, g in info.draft_graphs.items():
         opened = open_openvino(root / g.xml, device, threads, cache_dir, weights=root / g.bin)
         graphs[name] = _StaticGraph(opened, g.batch, g.tokens, info.bounds.own_slots, spec.kv_layers,
-                                    facts.num_kv_heads, facts.head_dim, facts.dtype)
+                                    facts.num_kv_heads, facts.head_dim, facts.dtype, len(facts.feature_taps),
+                                    facts.hidden_size)
     return StaticDraftEngine(graphs, spec, manifest, info, load_output_vocab(root, manifest))
 
 

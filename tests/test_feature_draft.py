@@ -265,3 +265,24 @@ def test_feature_drafter_windows_equal_the_reference_after_rejections(trained_fe
         ctx = ctx + list(window[:cut]) + [int(rng.integers(3, 300))]
     with pytest.raises(FeatureGapError):  # taps that skip positions are refused, not guessed
         drafter.rollout(tuple(ctx + [5, 6, 7]), 2, ())
+
+
+def test_feature_draft_packages_for_a_static_device(trained_feature_bundle, tmp_path):
+    """The static NPU package of a feature draft: the channel's inputs at fixed shapes, the static engine feeding
+    them; outputs stay the target's and the fp32 package drafts what the bundle drafts."""
+    from mirror_sd.package.build import PackageOptions, build_package
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    bundle, prompts = trained_feature_bundle
+    package = tmp_path / "package"
+    build_package(PackageOptions(bundle=bundle, out=package, weights="fp32", max_prompt=32, max_context=80,
+                                 max_gamma=4, batch=3, prefill_chunk=8), report=lambda _line: None)
+    dynamic, static = Pipeline.load(bundle), Pipeline.load(package)
+    for prompt in prompts[:2]:
+        ar = dynamic.generate(prompt, mode="ar", max_new_tokens=24)
+        for mode in ("sd", "mirror"):
+            want = dynamic.generate(prompt, mode=mode, max_new_tokens=24, gamma=4)
+            got = static.generate(prompt, mode=mode, max_new_tokens=24, gamma=4)
+            assert got.token_ids == ar.token_ids, mode
+            assert got.stats["draft_graph"] == "static-ir" and got.stats["fallbacks"] == 0
+            assert abs(got.stats["acceptance_rate"] - want.stats["acceptance_rate"]) <= 0.1
