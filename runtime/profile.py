@@ -35,9 +35,11 @@ import numpy as np
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions import planner
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
+from mirror_sd.partitions.manifest import FEATURES, SURROGATE, USE_SURROGATE
 from mirror_sd.runtime.draft import Drafter, plan_branches
+from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.engines import GraphEngine
-from mirror_sd.runtime.messages import ExitCandidates, frozen
+from mirror_sd.runtime.messages import ExitCandidates, FeatureBlock, frozen
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.sampling import SamplingParams
 from mirror_sd.runtime.kv import positions
@@ -152,6 +154,15 @@ def time_target(target: Target, past: list[int], windows: tuple[int, ...], repea
     return prefix, suffix
 
 
+def _zero_channel(draft: GraphEngine, shape: tuple[int, int]) -> dict[str, np.ndarray] | None:
+    """A feature draft's channel inputs for a [B, T] feed (zeros: a forward costs the same whatever the taps)."""
+    f = draft.facts
+    if not getattr(f, "feature_taps", ()):
+        return None
+    return {FEATURES: np.zeros((*shape, len(f.feature_taps), f.hidden_size), f.dtype),
+            SURROGATE: np.zeros((*shape, f.hidden_size), f.dtype), USE_SURROGATE: np.zeros(shape, np.int64)}
+
+
 def time_draft(draft: GraphEngine, past: list[int], rows: tuple[int, ...], widths: tuple[int, ...], repeats: int
                ) -> dict[tuple[int, int], float]:
     """Median seconds of one draft forward of `b` rows x `w` new tokens after `past` (every row reading it from the
@@ -161,7 +172,8 @@ def time_draft(draft: GraphEngine, past: list[int], rows: tuple[int, ...], width
     for lo in range(0, seq.size, draft.prompt_chunk):
         part, own = seq[None, lo:lo + draft.prompt_chunk], draft.empty_own(1)
         mask, shared = np.ones(part.shape, np.int64), np.array([lane.length])
-        _, kv = draft.run(part, positions(shared, own, mask), lane, shared, own, mask, keep=1)
+        _, kv = draft.run(part, positions(shared, own, mask), lane, shared, own, mask, keep=1,
+                          channel=_zero_channel(draft, part.shape))
         lane.append(kv, part[0])
     out = {}
     for b in rows:
@@ -170,7 +182,9 @@ def time_draft(draft: GraphEngine, past: list[int], rows: tuple[int, ...], width
             x = np.asarray([past[-w:]] * b, np.int64) if len(past) >= w else np.ones((b, w), np.int64)
             mask = np.ones(x.shape, np.int64)
             pos = positions(shared, own, mask)
-            out[(b, w)] = _median_time(lambda: draft.run(x, pos, lane, shared, own, mask), repeats)  # noqa: B023
+            channel = _zero_channel(draft, x.shape)
+            out[(b, w)] = _median_time(lambda: draft.run(x, pos, lane, shared, own, mask, channel=channel),  # noqa: B023
+                                       repeats)
     return out
 
 
@@ -192,8 +206,45 @@ class DraftScene:
     miss_context: tuple[int, ...]  # the context after a rejection at the first window position
 
 
+_TAPS: dict[tuple[int, ...], np.ndarray] = {}  # the target's taps per sequence, for FedFeatureDrafter
+
+
+class FedFeatureDrafter:
+    """A FeatureDrafter that gets the target's taps for each request here (in decoding the scheduler sends them):
+    taps are computed once per sequence, by a prefix run of the whole sequence, and only what the drafter lacks is
+    passed. The scenes compute them before any timing (draft_scene)."""
+
+    def __init__(self, pipe: Pipeline, params: SamplingParams) -> None:
+        self.inner, self.target = FeatureDrafter(pipe.draft, params), pipe.target
+
+    def taps(self, seq: tuple[int, ...]) -> np.ndarray:
+        if seq not in _TAPS:
+            _TAPS[seq] = self.target.run_prefix(list(seq), self.target.empty_cache()).taps
+        return _TAPS[seq]
+
+    def _block(self, seq: tuple[int, ...]) -> tuple[FeatureBlock, ...]:
+        have = self.inner.store.valid_for(np.asarray(seq, np.int64))
+        return (FeatureBlock(seq, have, self.taps(seq)[have:]),)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def warm(self, context: tuple[int, ...]) -> int:
+        return self.inner.warm(context, self._block(context))
+
+    def rollout(self, context: tuple[int, ...], gamma: int):
+        return self.inner.rollout(context, gamma, self._block(context))
+
+    def branches(self, c: ExitCandidates, plan, gamma: int, cancelled: Callable[[], bool] = lambda: False):
+        return self.inner.branches(c, plan, gamma, cancelled, self._block((*c.context, *c.window)))
+
+
+def make_drafter(pipe: Pipeline, params: SamplingParams) -> Drafter | FedFeatureDrafter:
+    return FedFeatureDrafter(pipe, params) if pipe.manifest.draft.feature_taps else Drafter(pipe.draft, params)
+
+
 def draft_scene(pipe: Pipeline, past: list[int], gamma: int) -> DraftScene:
-    drafter = Drafter(pipe.draft, SamplingParams())
+    drafter = make_drafter(pipe, SamplingParams())
     ctx = tuple(past)
     drafter.warm(ctx)
     window = drafter.rollout(ctx, gamma).tokens
@@ -202,6 +253,9 @@ def draft_scene(pipe: Pipeline, past: list[int], gamma: int) -> DraftScene:
     topk_ids, topk_logprobs = target.exit_candidates(target.run_prefix([ctx[-1], *window], cache))
     c = ExitCandidates(ctx, window, frozen(topk_ids), frozen(topk_logprobs))
     correction = next((int(v) for v in topk_ids[0] if v != window[0]), (window[0] + 1) % 2)
+    if isinstance(drafter, FedFeatureDrafter):  # every sequence the timings feed, before any timing
+        for seq in ((*ctx, *window), (*ctx, correction)):
+            drafter.taps(seq)
     return DraftScene(ctx, window, c, (*ctx, correction))
 
 
@@ -213,7 +267,7 @@ def time_drafter(pipe: Pipeline, scenes: dict[int, DraftScene], budgets: dict[in
     and the window it just proposed). A miss's rollout starts right after the target suffix returns, so
     `target_call` (the suffix) runs just before each timed rollout: a multi-threaded ONNX Runtime pool keeps its
     threads spinning for a while after a call, and that slows a draft that starts at once."""
-    drafter = Drafter(pipe.draft, SamplingParams())
+    drafter = make_drafter(pipe, SamplingParams())
     branch, rollout = {}, {}
     for gamma, scene in scenes.items():
         k = scene.candidates.topk_ids.shape[1]
@@ -232,7 +286,7 @@ def time_drafter(pipe: Pipeline, scenes: dict[int, DraftScene], budgets: dict[in
     return branch, rollout
 
 
-def _after_rollout(drafter: Drafter, scene: DraftScene, gamma: int) -> Callable[[], None]:
+def _after_rollout(drafter: Drafter | FedFeatureDrafter, scene: DraftScene, gamma: int) -> Callable[[], None]:
     drafter.reset()
     drafter.warm(scene.context)
 
@@ -261,7 +315,7 @@ def profile_split(pipe: Pipeline, past: list[int], windows: tuple[int, ...], row
 
     # contention: the suffix on the middle window while the Drafter runs that window's branch set over and over,
     # and the branch set while the suffix runs over and over
-    drafter = Drafter(pipe.draft, SamplingParams())
+    drafter = make_drafter(pipe, SamplingParams())
     setup = _after_rollout(drafter, scene, gamma)
     plan = plan_branches(scene.candidates, scene.candidates.topk_ids.shape[1], budget, accept_rate)
     run_suffix = lambda: pipe.target.run_suffix(boundary)  # noqa: E731
@@ -398,6 +452,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
                                       use_plan=False)
     pipes: dict[tuple[int, int], Pipeline] = {splits[0]: load(*splits[0])}
     first = pipes[splits[0]]
+    _TAPS.clear()
     manifest = first.manifest
     settings = grid(manifest.target.top_k, options)  # every option is checked before any work
     prompts = calibration_prompts(first, options.calibration, options.max_new_tokens)

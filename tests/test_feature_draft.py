@@ -286,3 +286,21 @@ def test_feature_draft_packages_for_a_static_device(trained_feature_bundle, tmp_
             assert got.token_ids == ar.token_ids, mode
             assert got.stats["draft_graph"] == "static-ir" and got.stats["fallbacks"] == 0
             assert abs(got.stats["acceptance_rate"] - want.stats["acceptance_rate"]) <= 0.1
+
+
+def test_plan_measures_a_feature_draft(trained_feature_bundle, tmp_path, capsys):
+    """`mirror-sd plan` on a feature-draft bundle: its timings feed the draft the target's taps."""
+    import json
+    import shutil
+
+    from mirror_sd.cli import main
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(trained_feature_bundle[0], bundle)
+    args = ["--calibration", "2", "--max-new-tokens", "12", "--gammas", "2,3", "--kappas", "4", "--splits", "1+1",
+            "--repeats", "2"]
+    assert main(["plan", str(bundle), *args, "--json", "--save"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (bundle / "plan.json").is_file() and doc["runtime"]["gamma"] in (2, 3)
+    assert doc["runtime"]["measured"]["tokens_per_second"] > 0
+    assert doc["profile"]["splits"][0]["draft"]["branch_set_s (gamma,budget)"]
