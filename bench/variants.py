@@ -31,12 +31,17 @@ class Sources:
     baseline_draft: Path | None = None
 
     @classmethod
-    def real_pair(cls) -> Sources:
-        from mirror_sd.models.smollm2 import (
-            ADAPTER_LAYERS, ADAPTER_WEIGHTS, DRAFT_WEIGHTS, TARGET_DIR, default_draft,
-        )
+    def real_pair(cls, bundle: Path | None = None) -> Sources:
+        """The real pair's sources (models/smollm2.py); the draft is the feature draft where `bundle` holds one."""
+        from mirror_sd.models.smollm2 import ADAPTER_LAYERS, ADAPTER_WEIGHTS, DRAFT_WEIGHTS, TARGET_DIR, draft_weights
 
-        return cls(TARGET_DIR, default_draft(), ADAPTER_LAYERS, (ADAPTER_WEIGHTS,), baseline_draft=DRAFT_WEIGHTS)
+        kind = "streaming"
+        if bundle is not None and (Path(bundle) / "manifest.json").is_file():
+            try:
+                kind = "feature" if Manifest.load(bundle).draft.feature_taps else kind
+            except MirrorSDError:
+                pass
+        return cls(TARGET_DIR, draft_weights(kind), ADAPTER_LAYERS, (ADAPTER_WEIGHTS,), baseline_draft=DRAFT_WEIGHTS)
 
     def adapter(self, layer: int) -> Path | None:
         for path in (self.adapters / f"layer-{layer}", *self.more_adapters):

@@ -7,9 +7,11 @@
    adapter from the target's own hidden states (models/train_exit.py); then the feature draft is trained on the
    target's answers to the broad pool (the committed token ids in models/data/, models/answers.py; missing ones
    are generated) with models/train_feature_draft.py;
-3. export: target split at the adapter's exit layer, the adapter as the early-exit head, and the feature draft
-   where its weights are committed (else the streaming draft). The streaming draft stays the draft the external
-   baselines load (bench/baselines.py): they cannot feed a draft the target's hidden states.
+3. export: target split at the adapter's exit layer, the adapter as the early-exit head, and the streaming draft
+   (build/bundles/smollm2) or, with `--draft feature` (`make models DRAFT_KIND=feature`), the feature draft
+   (build/bundles/smollm2-feature). The streaming draft stays the default until the feature draft is faster
+   end to end (results/smollm2-feature-draft-eval.json); it is also the draft the external baselines load
+   (bench/baselines.py): they cannot feed a draft the target's hidden states.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ PLAN = WEIGHTS / "smollm2-plan.json"
 BUILD = Path("build")
 TARGET_DIR = BUILD / "models" / "smollm2-135m-instruct"
 BUNDLE_DIR = BUILD / "bundles" / "smollm2"
+FEATURE_BUNDLE_DIR = BUILD / "bundles" / "smollm2-feature"
+DRAFT_KINDS = ("streaming", "feature")
 DATA_FILE = BUILD / "data" / "target_answers.jsonl"
 BROAD_FILE = BUILD / "data" / "target_answers_broad.jsonl"  # the broad pool's answers (models/prompts.py)
 HELD_OUT_FILE = BUILD / "data" / "held_out_answers.jsonl"  # answers to held-out prompts: evaluation only
@@ -61,9 +65,12 @@ def ensure_target(report=print) -> Path:
     return TARGET_DIR
 
 
-def default_draft() -> Path:
-    """The draft `make models` exports: the feature draft where its weights are committed."""
-    return FEATURE_WEIGHTS if (FEATURE_WEIGHTS / "feature_draft.json").is_file() else DRAFT_WEIGHTS
+def draft_weights(kind: str = "streaming") -> Path:
+    return FEATURE_WEIGHTS if kind == "feature" else DRAFT_WEIGHTS
+
+
+def bundle_dir(kind: str = "streaming") -> Path:
+    return FEATURE_BUNDLE_DIR if kind == "feature" else BUNDLE_DIR
 
 
 def retrain_feature_draft(report=print) -> None:
@@ -98,23 +105,25 @@ def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minute
     shutil.copy(ADAPTER_LAYERS / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
 
 
-def build_bundle(force: bool = False, report=print) -> Path:
+def build_bundle(force: bool = False, report=print, kind: str = "streaming") -> Path:
+    """The real pair's bundle with the `kind` draft ("streaming" or "feature"), exported unless it is there."""
     from mirror_sd.export.bundle import ExportOptions, export_bundle
     from mirror_sd.partitions import Manifest
 
+    out, draft = bundle_dir(kind), draft_weights(kind)
     if not force:
         try:
-            Manifest.load(BUNDLE_DIR)
-            if _bundled_vocab(BUNDLE_DIR) == _draft_vocab(default_draft()):
-                report(f"bundle {BUNDLE_DIR} is ready")
-                return _add_plan(BUNDLE_DIR)
-            report(f"bundle {BUNDLE_DIR} holds another draft than {default_draft()}: exporting it again")
+            Manifest.load(out)
+            if _bundled_vocab(out) == _draft_vocab(draft):
+                report(f"bundle {out} is ready")
+                return _add_plan(out, kind)
+            report(f"bundle {out} holds another draft than {draft}: exporting it again")
         except MirrorSDError:
             pass
-    export_bundle(ExportOptions(str(TARGET_DIR), str(default_draft()), BUNDLE_DIR, exit_layer=EXIT_LAYER, top_k=TOP_K,
+    export_bundle(ExportOptions(str(TARGET_DIR), str(draft), out, exit_layer=EXIT_LAYER, top_k=TOP_K,
                                 force=True, exit_adapter=str(ADAPTER_WEIGHTS)),
                   report=lambda line: None if line.startswith("  ") else report(line))
-    return BUNDLE_DIR if force else _add_plan(BUNDLE_DIR)  # a retrained draft is not what the plan measured
+    return out if force else _add_plan(out, kind)  # a retrained draft is not what the plan measured
 
 
 def _draft_vocab(draft: Path) -> list[int] | None:
@@ -131,12 +140,13 @@ def _bundled_vocab(bundle: Path) -> list[int] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _add_plan(bundle: Path) -> Path:
-    """The committed plan as the bundle's plan.json, unless the bundle already has one (a `make plan` made here)."""
+def _add_plan(bundle: Path, kind: str = "streaming") -> Path:
+    """The committed plan as the bundle's plan.json, unless the bundle already has one (a `make plan` made here).
+    It was measured with the streaming draft: a feature-draft bundle gets none (`make plan` makes one)."""
     from mirror_sd.partitions.planner import PLAN_FILE
 
     dest = bundle / PLAN_FILE
-    if PLAN.is_file() and not dest.exists():
+    if PLAN.is_file() and not dest.exists() and kind == "streaming":
         partial = dest.with_name(PLAN_FILE + ".partial")
         shutil.copyfile(PLAN, partial)
         partial.replace(dest)  # atomic: a reader never sees half a plan
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--broad-prompts", type=int, default=3000, help="broad-pool prompts answered (retrain)")
     parser.add_argument("--draft-minutes", type=float, default=25.0, help="draft training time, base pool (retrain)")
     parser.add_argument("--broad-minutes", type=float, default=40.0, help="draft training time, both pools (retrain)")
+    parser.add_argument("--draft", choices=DRAFT_KINDS, default="streaming",
+                        help="which committed draft the bundle gets (feature: build/bundles/smollm2-feature)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -159,11 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.retrain or not (DRAFT_WEIGHTS.is_dir() and ADAPTER_WEIGHTS.is_dir()):
             retrain(args.prompts, args.broad_prompts, args.draft_minutes, args.broad_minutes)
         if args.retrain:
-            # the answers are rendered through a bundle's tokenizer and chat template: the streaming draft's first
-            shutil.rmtree(FEATURE_WEIGHTS, ignore_errors=True)
+            # the answers are rendered through a bundle's tokenizer and chat template: the streaming draft's
             build_bundle(force=True)
             retrain_feature_draft()
-        build_bundle(force=args.retrain)
+        build_bundle(force=args.retrain, kind=args.draft)
     except MirrorSDError as e:
         print(f"mirror-sd models: error: {e}", file=sys.stderr)
         return e.exit_code
