@@ -36,6 +36,7 @@ FEATURE_TRAINING = {"taps": [5, 10, 15], "vocab_size": 8192, "max_len": 768, "ep
 # `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
 # kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
+FEATURE_PLAN = WEIGHTS / "smollm2-feature-plan.json"  # the same for the feature-draft bundle
 BUILD = Path("build")
 TARGET_DIR = BUILD / "models" / "smollm2-135m-instruct"
 BUNDLE_DIR = BUILD / "bundles" / "smollm2"
@@ -141,14 +142,15 @@ def _bundled_vocab(bundle: Path) -> list[int] | None:
 
 
 def _add_plan(bundle: Path, kind: str = "streaming") -> Path:
-    """The committed plan as the bundle's plan.json, unless the bundle already has one (a `make plan` made here).
-    It was measured with the streaming draft: a feature-draft bundle gets none (`make plan` makes one)."""
+    """The committed plan of the bundle's draft as its plan.json, unless the bundle already has one (a `make plan`
+    made here)."""
     from mirror_sd.partitions.planner import PLAN_FILE
 
     dest = bundle / PLAN_FILE
-    if PLAN.is_file() and not dest.exists() and kind == "streaming":
+    plan = FEATURE_PLAN if kind == "feature" else PLAN
+    if plan.is_file() and not dest.exists():
         partial = dest.with_name(PLAN_FILE + ".partial")
-        shutil.copyfile(PLAN, partial)
+        shutil.copyfile(plan, partial)
         partial.replace(dest)  # atomic: a reader never sees half a plan
     return bundle
 
