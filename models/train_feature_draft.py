@@ -370,7 +370,9 @@ def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore, in
 def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, taps: list[int], vocab_size: int,
         max_len: int, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float,
         max_minutes: float | None, eval_records: int, budget_minutes: float | None = None, seed: int = 0,
-        report=print) -> dict:
+        init_from: Path | None = None, report=print) -> dict:
+    """All stages; returns the summary (also written as training.json beside the weights at `out`). init_from: go on
+    training a saved feature draft (its vocabulary and taps are kept; use a fresh `work` for its checkpoints)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -387,7 +389,12 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
                       if i is not None})
     vocab_path = work / "vocab.json"
     work.mkdir(parents=True, exist_ok=True)
-    if vocab_path.exists() and json.loads(vocab_path.read_text())["size"] == vocab_size:
+    start_from = None
+    if init_from is not None:
+        start_from = FeatureDraft.load(init_from, target.get_input_embeddings().weight)
+        vocab, taps = list(start_from.config.vocab_ids), list(start_from.config.taps)
+        vocab_path.write_text(json.dumps({"size": vocab_size, "ids": vocab}))
+    elif vocab_path.exists() and json.loads(vocab_path.read_text())["size"] == vocab_size:
         vocab = json.loads(vocab_path.read_text())["ids"]
     else:
         vocab = build_vocab(train_set, vocab_size, special)
@@ -401,9 +408,11 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     store = FeatureStore(work, records, taps, target.config.hidden_size)
     if store.done < len(records):
         extract_features(target, records, store, device, report=report)
-    config = FeatureDraftConfig.for_target(target.config, vocab, taps)
-    draft = FeatureDraft(config)
-    draft.init_from_target(target)
+    if start_from is not None:
+        draft = start_from.train()
+    else:
+        draft = FeatureDraft(FeatureDraftConfig.for_target(target.config, vocab, taps))
+        draft.init_from_target(target)
     draft.to(device)
     del target
     result = train(draft, records, list(range(len(train_set))), store, work, epochs=epochs, steps=steps, lr=lr,
@@ -419,7 +428,8 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
                "minutes": round((time.monotonic() - t0) / 60, 1), "records": len(train_set),
                "answer_tokens": answer_tokens, "held_out_records": len(held), "vocab_size": vocab_size,
                "vocab_coverage_held_out": cover, "taps": taps, "epochs": epochs, "steps": steps, "lr": lr,
-               "noise": noise, "train": result, "held_out": metrics}
+               "noise": noise, "continued_from": str(init_from) if init_from else None, "train": result,
+               "held_out": metrics}
     if out is not None:
         draft.to("cpu").save(out)
         (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -445,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="train this long in all (the schedule fits it), then save and evaluate")
     parser.add_argument("--eval-records", type=int, default=400)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--init-from", type=Path, default=None, help="go on training this saved feature draft")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -455,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     run(args.target, args.answers, args.work, args.out, taps=args.taps, vocab_size=args.vocab_size,
         max_len=args.max_len, epochs=args.epochs, steps=args.steps, lr=args.lr,
         tokens_per_batch=args.tokens_per_batch, noise=args.noise, max_minutes=args.max_minutes,
-        budget_minutes=args.budget_minutes, eval_records=args.eval_records)
+        budget_minutes=args.budget_minutes, eval_records=args.eval_records, init_from=args.init_from)
     return 0
 
 

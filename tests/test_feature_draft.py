@@ -119,6 +119,12 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     loaded = FeatureDraft.load(out, target.get_input_embeddings().weight)
     assert loaded.config.taps == [1, 2] and (out / "training.json").exists()
 
+    # training goes on from the saved draft (its vocabulary and taps), with checkpoints of its own
+    more = tfd.run(target_dir, [data], tmp_path / "work2", tmp_path / "draft2", init_from=out,
+                   max_minutes=None, **{**kwargs, "epochs": 2, "taps": [1]})
+    assert more["continued_from"] == str(out) and more["taps"] == [1, 2]
+    assert more["held_out"]["tokens_per_step"] >= 1.0
+
 
 # -- export: the feature channel in the graphs and the manifest --------------------------------------------------
 @pytest.fixture(scope="module")
