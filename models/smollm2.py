@@ -30,9 +30,11 @@ DRAFT_WEIGHTS, ADAPTER_WEIGHTS = WEIGHTS / "smollm2-streaming-draft", WEIGHTS / 
 FEATURE_WEIGHTS = WEIGHTS / "smollm2-feature-draft"
 ANSWERS_FILE = REPO / "models" / "data" / "answers-broad.jsonl.gz"  # committed: the feature draft's training data
 ANSWER_PROMPTS = 5632  # broad-pool prompts answered in it
-# How the committed feature draft was trained (models/train_feature_draft.py; its training.json has the rest)
+# How the committed feature draft was trained (models/train_feature_draft.py; its training.json has the rest): 50
+# minutes, then 22 more continuing from those weights at half the learning rate
 FEATURE_TRAINING = {"taps": [5, 10, 15], "vocab_size": 8192, "max_len": 768, "epochs": 3, "steps": 4, "lr": 1e-3,
                     "tokens_per_batch": 4096, "noise": 0.05, "budget_minutes": 50, "eval_records": 400}
+FEATURE_CONTINUED = {**FEATURE_TRAINING, "epochs": 1, "lr": 5e-4, "budget_minutes": 22}
 # `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
 # kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
@@ -83,8 +85,12 @@ def retrain_feature_draft(report=print) -> None:
     ov_dir = convert(TARGET_DIR, BUILD / "bench-cache" / f"ov-genai-target-{fingerprint(TARGET_DIR)}",
                      fingerprint=fingerprint(TARGET_DIR))
     answers.generate(BUNDLE_DIR, ov_dir, ANSWERS_FILE, "broad", ANSWER_PROMPTS, report=report)
-    train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], BUILD / "feature-draft", FEATURE_WEIGHTS, max_minutes=None,
-                            report=report, **FEATURE_TRAINING)
+    work = BUILD / "feature-draft"
+    train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
+                            **FEATURE_TRAINING)
+    (work / "checkpoint.pt").unlink(missing_ok=True)  # the second stage plans its own batches
+    train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
+                            init_from=FEATURE_WEIGHTS, **FEATURE_CONTINUED)
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:
@@ -115,7 +121,7 @@ def build_bundle(force: bool = False, report=print, kind: str = "streaming") -> 
     if not force:
         try:
             Manifest.load(out)
-            if _bundled_vocab(out) == _draft_vocab(draft):
+            if _bundled_vocab(out) == _draft_vocab(draft) and _marker(out) == _weights_digest(draft):
                 report(f"bundle {out} is ready")
                 return _add_plan(out, kind)
             report(f"bundle {out} holds another draft than {draft}: exporting it again")
@@ -124,7 +130,26 @@ def build_bundle(force: bool = False, report=print, kind: str = "streaming") -> 
     export_bundle(ExportOptions(str(TARGET_DIR), str(draft), out, exit_layer=EXIT_LAYER, top_k=TOP_K,
                                 force=True, exit_adapter=str(ADAPTER_WEIGHTS)),
                   report=lambda line: None if line.startswith("  ") else report(line))
+    (out / DRAFT_MARKER).write_text(_weights_digest(draft) + "\n")
     return out if force else _add_plan(out, kind)  # a retrained draft is not what the plan measured
+
+
+DRAFT_MARKER = "source_draft.sha256"  # which committed draft weights the bundle was exported from
+
+
+def _weights_digest(draft: Path) -> str:
+    """sha256 of the draft's weight files: a draft retrained with the same vocabulary is another draft."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(draft.glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _marker(bundle: Path) -> str | None:
+    path = bundle / DRAFT_MARKER
+    return path.read_text().strip() if path.is_file() else None
 
 
 def _draft_vocab(draft: Path) -> list[int] | None:
