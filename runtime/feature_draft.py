@@ -28,26 +28,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from mirror_sd.partitions.manifest import (
-    DRAFT_HIDDEN,
-    FEATURES,
-    LOGITS,
-    SURROGATE,
-    USE_SURROGATE,
-)
+
+from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, SURROGATE, USE_SURROGATE
 from mirror_sd.runtime.draft import PAD_ID, DraftVocab, _common_prefix
 from mirror_sd.runtime.engines import GraphEngine
 from mirror_sd.runtime.kv import LayerKV, positions
 from mirror_sd.runtime.messages import (
-    BranchKey,
-    BranchSet,
-    DraftWindow,
-    ExitCandidates,
-    FeatureBlock,
-    Features,
-    frozen,
+    BranchKey, BranchSet, DraftWindow, ExitCandidates, FeatureBlock, Features, frozen,
 )
 from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, rng_for
+
+
+def empty_channel(facts, batch: int, width: int) -> dict[str, np.ndarray]:
+    """A feature draft's channel inputs for a [batch, width] feed, all zero: no taps, no surrogate (the caller fills
+    what it has)."""
+    return {FEATURES: np.zeros((batch, width, len(facts.feature_taps), facts.hidden_size), facts.dtype),
+            SURROGATE: np.zeros((batch, width, facts.hidden_size), facts.dtype),
+            USE_SURROGATE: np.zeros((batch, width), np.int64)}
 
 
 class FeatureGapError(RuntimeError):
@@ -106,9 +103,8 @@ class FeatureDrafter:
             raise ValueError("the draft predicts over a reduced vocabulary, but its engine has no output_ids")
         self.engine, self.params, self.on_forward = engine, params, on_forward
         self.vocab = DraftVocab(facts.vocab_size, engine.output_ids)
-        self.n_taps, self.width, self.dtype = len(facts.feature_taps), facts.hidden_size, facts.dtype
         self.lane = engine.context_lane()  # slot j: input j + 1, fed with real taps
-        self.store = FeatureStore(engine.lane_capacity + 1, self.n_taps, self.width, facts.dtype)
+        self.store = FeatureStore(engine.lane_capacity + 1, len(facts.feature_taps), facts.hidden_size, facts.dtype)
         self.rows: _Rows | None = None
 
     def reset(self) -> None:
@@ -149,11 +145,6 @@ class FeatureDrafter:
         self.lane.truncate(keep)
         return keep
 
-    def _channel(self, batch: int, width: int) -> dict[str, np.ndarray]:
-        return {FEATURES: np.zeros((batch, width, self.n_taps, self.width), self.dtype),
-                SURROGATE: np.zeros((batch, width, self.width), self.dtype),
-                USE_SURROGATE: np.zeros((batch, width), np.int64)}
-
     def _read(self, seq: np.ndarray, start: int) -> None:
         """Feed inputs start+1 .. n-1 of seq (real taps) into the lane, in chunks; no heads are read."""
         chunk = self.engine.prompt_chunk
@@ -163,15 +154,12 @@ class FeatureDrafter:
             x = seq[None, lo:hi]
             mask = np.ones(x.shape, np.int64)
             own = self.engine.empty_own(1)
-            channel = self._channel(1, x.shape[1])
+            channel = empty_channel(self.engine.facts, 1, x.shape[1])
             channel[FEATURES][0] = self.store.taps[lo - 1:hi - 1]
             shared = np.array([self.lane.length])
             _, new_kv = self.engine.run(x, positions(shared, own, mask), self.lane, shared, own, mask, 1, channel)
             self.lane.append(new_kv, x[0])
             self._report(t0, 0, 0)
-
-    def _choose(self, row: np.ndarray, rng) -> int:
-        return self.vocab.choose(row, self.params, rng)
 
     def _roll(self, bases: list[np.ndarray], shared: np.ndarray, rngs: list, gamma: int,
               cancelled: Callable[[], bool]) -> _Rows:
@@ -184,7 +172,7 @@ class FeatureDrafter:
         feeds = [base[1 + s:] for base, s in zip(bases, shared)]
         width = max(f.size for f in feeds)
         x, mask = np.full((n, width), PAD_ID, np.int64), np.zeros((n, width), np.int64)
-        channel = self._channel(n, width)
+        channel = empty_channel(self.engine.facts, n, width)
         for b, (base, s, feed) in enumerate(zip(bases, shared, feeds)):  # left-padded: the last column is newest
             x[b, width - feed.size:], mask[b, width - feed.size:] = feed, 1
             channel[FEATURES][b, width - feed.size:] = self.store.taps[s:base.size - 1]
@@ -204,7 +192,7 @@ class FeatureDrafter:
                     tokens[b].append(int(self.vocab.argmax(step_logits[b])))
                 else:
                     logits[b].append(step_logits[b])
-                    tokens[b].append(self._choose(step_logits[b], rngs[b]))
+                    tokens[b].append(self.vocab.choose(step_logits[b], self.params, rngs[b]))
             self._report(t0, n, n)
             if len(tokens[0]) == gamma:
                 return _Rows(tokens, logits, bases, shared, real, forwards)
@@ -212,7 +200,7 @@ class FeatureDrafter:
                 return _Rows(tokens, logits, bases, shared, real, forwards, complete=False)
             x = np.asarray([[t[-1]] for t in tokens], np.int64)
             mask = np.ones((n, 1), np.int64)
-            channel = self._channel(n, 1)
+            channel = empty_channel(self.engine.facts, n, 1)
             channel[SURROGATE][:] = out[DRAFT_HIDDEN][:, -1:]
             channel[USE_SURROGATE][:] = 1
 

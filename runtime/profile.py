@@ -35,9 +35,8 @@ import numpy as np
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions import planner
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
-from mirror_sd.partitions.manifest import FEATURES, SURROGATE, USE_SURROGATE
 from mirror_sd.runtime.draft import Drafter, plan_branches
-from mirror_sd.runtime.feature_draft import FeatureDrafter
+from mirror_sd.runtime.feature_draft import FeatureDrafter, empty_channel
 from mirror_sd.runtime.engines import GraphEngine
 from mirror_sd.runtime.messages import ExitCandidates, FeatureBlock, frozen
 from mirror_sd.runtime.pipeline import Pipeline
@@ -156,11 +155,7 @@ def time_target(target: Target, past: list[int], windows: tuple[int, ...], repea
 
 def _zero_channel(draft: GraphEngine, shape: tuple[int, int]) -> dict[str, np.ndarray] | None:
     """A feature draft's channel inputs for a [B, T] feed (zeros: a forward costs the same whatever the taps)."""
-    f = draft.facts
-    if not getattr(f, "feature_taps", ()):
-        return None
-    return {FEATURES: np.zeros((*shape, len(f.feature_taps), f.hidden_size), f.dtype),
-            SURROGATE: np.zeros((*shape, f.hidden_size), f.dtype), USE_SURROGATE: np.zeros(shape, np.int64)}
+    return empty_channel(draft.facts, *shape) if getattr(draft.facts, "feature_taps", ()) else None
 
 
 def time_draft(draft: GraphEngine, past: list[int], rows: tuple[int, ...], widths: tuple[int, ...], repeats: int

@@ -15,6 +15,7 @@ import numpy as np
 
 from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, SURROGATE, USE_SURROGATE
 from mirror_sd.runtime.engines import GraphEngine
+from mirror_sd.runtime.feature_draft import empty_channel
 from mirror_sd.runtime.target import Target
 
 
@@ -62,9 +63,7 @@ def reference_feature_window(target: Target, draft: GraphEngine, seq: list[int],
     for _ in range(size):
         x = np.asarray([seq[1:] + window], np.int64)
         total, real = x.shape[1], len(seq) - 1
-        channel = {FEATURES: np.zeros((1, total, *taps.shape[1:]), taps.dtype),
-                   SURROGATE: np.zeros((1, total, taps.shape[2]), taps.dtype),
-                   USE_SURROGATE: np.zeros((1, total), np.int64)}
+        channel = empty_channel(draft.facts, 1, total)
         channel[FEATURES][0, :real] = taps[:real]
         for j, h in enumerate(hidden):
             channel[SURROGATE][0, real + j], channel[USE_SURROGATE][0, real + j] = h, 1

@@ -194,12 +194,13 @@ class _Decoder:
     def _target_rng(self, context_len: int) -> np.random.Generator | None:
         return None if self.cfg.params.greedy else rng_for(self.cfg.params, TARGET_STREAM, context_len)
 
-    def _prefix(self, ids, cache: TargetCache, sequence) -> Boundary:
-        """The prefix on ids after cache; `sequence` is every token through the last of ids (the taps' context)."""
+    def _prefix(self, ids, cache: TargetCache, sequence: Callable[[], tuple[int, ...]]) -> Boundary:
+        """The prefix on ids after cache. `sequence()` gives every token through the last of ids (the taps'
+        context); it is called only where a feature draft takes the taps, so other steps build no copy of it."""
         start = time.perf_counter()
         out = self.target.run_prefix(ids, cache)
         if out.taps is not None and self.worker is not None:
-            self.features.append(FeatureBlock(tuple(sequence), cache.length, frozen(out.taps)))
+            self.features.append(FeatureBlock(sequence(), cache.length, frozen(out.taps)))
         end = time.perf_counter()
         self.stats.prefix_s += end - start
         self.stats.mark("prefix", start, end)
@@ -228,13 +229,14 @@ class _Decoder:
         logits = None
         for start in range(0, len(prompt), PREFILL_CHUNK):
             chunk = prompt[start:start + PREFILL_CHUNK]
-            logits, self.cache = self._suffix(self._prefix(chunk, self.cache, prompt[:start + len(chunk)]), 1)
+            end = start + len(chunk)
+            logits, self.cache = self._suffix(self._prefix(chunk, self.cache, lambda: prompt[:end]), 1)  # noqa: B023
         self.stats.target_steps += 1
         return choose(logits[-1], self.cfg.params, self._target_rng(len(prompt)))
 
     def target_step(self, ctx: list[int]) -> tuple[int, ...]:
         """One token from the target alone (ar, and the fallback when the draft is unavailable)."""
-        logits, self.cache = self._suffix(self._prefix([ctx[-1]], self.cache, ctx), 1)
+        logits, self.cache = self._suffix(self._prefix([ctx[-1]], self.cache, lambda: tuple(ctx)), 1)
         self.stats.target_steps += 1
         return (choose(logits[0], self.cfg.params, self._target_rng(len(ctx))),)
 
@@ -272,7 +274,7 @@ class _Decoder:
         when a branch for the outcome was ready."""
         w = window.tokens
         # 1. prefix on the verification window [pending] + w
-        boundary = self._prefix([ctx[-1], *w], self.cache, (*ctx, *w))
+        boundary = self._prefix([ctx[-1], *w], self.cache, lambda: (*ctx, *w))
         # 2. mirror: the early-exit candidates go to the draft thread at once
         ticket, plan = None, ()
         if self.cfg.mode == "mirror" and self.worker.responsive:
