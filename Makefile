@@ -28,7 +28,7 @@ WEIGHTS ?= fp16
 MAX_PROMPT ?=
 MAX_CONTEXT ?=
 
-.PHONY: setup test test-fast demo models export plan package clean
+.PHONY: setup lint test test-fast demo models export plan package clean
 
 setup: $(STAMP)
 
@@ -40,10 +40,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	@touch $@
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: setup
+# ruff: pyflakes, pycodestyle, bugbear and import order at 120 columns (pyproject.toml); CI runs it with the tests
+lint: setup
+	$(PY) -m ruff check .
+
+test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The real pair: SmolLM2-135M-Instruct target (from PyPI), the committed streaming draft and exit adapter,

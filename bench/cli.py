@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.bundle).is_dir():
         raise BadInputError(f"bundle {args.bundle} is not a directory (make models builds build/bundles/smollm2)")
     check_out(out)  # refuse before any work, not after half an hour
-    doc = run_bench(Path(args.bundle), size, methods, sources=Sources.real_pair(Path(args.bundle)), progress=not args.no_progress)
+    doc = run_bench(Path(args.bundle), size, methods, sources=Sources.real_pair(Path(args.bundle)),
+                    progress=not args.no_progress)
     files = write_outputs(doc, out)
     print(f"wrote {len(files)} files into {out}: {', '.join(str(f.relative_to(out)) for f in files)}",
           file=sys.stderr)

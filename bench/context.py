@@ -69,7 +69,8 @@ def context_prompts(pipe: Pipeline, length: int, count: int, text: list[int] | N
     passage i - 1 ended (the documentation is some 200,000 tokens long: nothing repeats). text: the passages'
     token ids, when the caller has them already."""
     codec = pipe.codec
-    wrapped = codec.render_chat([{"role": "user", "content": "\x00"}]) if pipe.manifest.tokenizer.chat_template else "\x00"
+    wrapped = (codec.render_chat([{"role": "user", "content": "\x00"}]) if pipe.manifest.tokenizer.chat_template
+               else "\x00")
     head, tail = wrapped.split("\x00")
     head_ids, tail_ids = codec.encode(head, special=False), codec.encode(QUESTION + tail, special=False)
     room = length - len(head_ids) - len(tail_ids)
@@ -140,12 +141,12 @@ def run_context(bundle: Path, size: ContextSize, main: Pipeline, ar_pipes: dict[
         ov = Pipeline.load(bundle, target_backend="openvino", target_threads=max(ar_pipes),
                            draft_threads=main.draft_threads)
         runners.append(PipelineMethod("ar-openvino", ov, "ar"))
-    except Exception as e:  # noqa: BLE001 - a backend that cannot open is reported, the rest runs
+    except Exception as e:  # a backend that cannot open is reported, the rest runs
         not_run["ar-openvino"] = f"{type(e).__name__}: {e}"
     runners += [_Renamed(f"ov-genai-ar@{n}t", m) for n, m in sorted(genai.items())]
     try:
         unsplit = open_unsplit(bundle, main.manifest, ar_pipes[max(ar_pipes)].target, cache)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # the unsplit baseline is reported as not run, the rest runs
         unsplit, not_run["unsplit"] = None, f"{type(e).__name__}: {e}"
 
     lengths = [n for n in size.lengths if n + NEW_TOKENS <= main.context_limit]
@@ -163,7 +164,7 @@ def run_context(bundle: Path, size: ContextSize, main: Pipeline, ar_pipes: dict[
                 if method.name not in not_run:
                     try:
                         method.generate(warm, max_new_tokens=2, temperature=0.0, seed=0)
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:  # a method whose warm-up fails is reported, the others go on
                         not_run[method.name] = f"{type(e).__name__}: {e}"
             runs: dict[str, list[MethodResult]] = {r.name: [] for r in runners}
             for i, ids in enumerate(prompts):
@@ -173,7 +174,7 @@ def run_context(bundle: Path, size: ContextSize, main: Pipeline, ar_pipes: dict[
                         try:
                             runs[method.name].append(method.generate(ids, max_new_tokens=NEW_TOKENS,
                                                                      temperature=0.0, seed=0))
-                        except Exception as e:  # noqa: BLE001
+                        except Exception as e:  # a failing method is reported, the others go on
                             not_run[method.name] = f"{type(e).__name__}: {e}"
                             report(f"context {length}: {method.name} failed: {e}")
                     bar.update()
@@ -252,7 +253,8 @@ def context_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                                   default=None) or None,
     }
     for mode in ("ar", "sd", "mirror"):
-        measured[f"flat_{mode}"] = (_ratio(get(longest, mode, "decode_tokens_per_s"), get(short, mode, "decode_tokens_per_s"))
+        measured[f"flat_{mode}"] = (_ratio(get(longest, mode, "decode_tokens_per_s"),
+                                           get(short, mode, "decode_tokens_per_s"))
                                     if longest != short else None)
     out = []
     for key, what, target, higher in TARGETS:

@@ -24,7 +24,6 @@ import numpy as np
 
 from mirror_sd.bench.methods import MethodResult
 
-
 PLD_NGRAM = 3  # prompt lookup's longest n-gram matched (GenAI's sample uses 3)
 
 

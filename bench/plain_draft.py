@@ -57,7 +57,8 @@ def _llama_from(streaming, vocab_size: int):
     state = {k: v for k, v in streaming.lm.state_dict().items() if not k.startswith(("model.embed_tokens", "lm_head"))}
     missing, unexpected = plain.load_state_dict(state, strict=False)
     if unexpected or set(missing) != {"model.embed_tokens.weight", "lm_head.weight"}:
-        raise BadInputError(f"streaming draft body does not fit a Llama: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise BadInputError(f"streaming draft body does not fit a Llama: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
     return plain.eval()
 
 
@@ -74,7 +75,8 @@ def _least_likely_token(streaming, calibration: list[list[int]]) -> tuple[int, i
 
 @torch.no_grad()
 def plain_model(streaming, calibration: list[list[int]]):
-    """(LlamaForCausalLM over the full vocabulary, PlainDraftInfo) from a loaded models.streaming_draft.StreamingDraft."""
+    """(LlamaForCausalLM over the full vocabulary, PlainDraftInfo) from a loaded
+    models.streaming_draft.StreamingDraft."""
     cfg = streaming.config
     if not calibration or not all(calibration):
         raise BadInputError("the plain-draft conversion needs at least one non-empty calibration sequence")

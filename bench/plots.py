@@ -10,9 +10,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never a window (the benchmark runs headless)
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from mirror_sd.bench.prompts import KINDS  # noqa: E402
+from mirror_sd.bench.prompts import KINDS
 
 LANES = ("prefix", "suffix", "verify", "wait", "draft")  # timeline rows, top to bottom
 COLOURS = {"prefix": "tab:blue", "suffix": "tab:orange", "draft": "tab:green", "verify": "tab:purple",

@@ -79,7 +79,8 @@ def _machine(doc: dict[str, Any]) -> list[str]:
         f"- CPU: {m['cpu']}, {m['cores']} cores ({m.get('cores_usable')} usable), {m.get('ram_gib')} GiB RAM; "
         f"{m['os']}; Python {m['python']}; load average at start {m.get('load_average')}",
         f"- versions: {versions}",
-        f"- git commit {git.get('commit', '?')}{' (with uncommitted changes in tracked files)' if git.get('dirty') else ''}",
+        f"- git commit {git.get('commit', '?')}"
+        f"{' (with uncommitted changes in tracked files)' if git.get('dirty') else ''}",
         f"- size: greedy {size['per_kind']} prompt(s) per task kind, T=1 {size['sampled_prompts']} prompt(s), "
         f"{size['max_new_tokens']} new tokens at most (EOS ends earlier); every method runs every prompt once, "
         "in an order that rotates from prompt to prompt, after one warm-up generation each",
@@ -267,7 +268,8 @@ def _context(c: dict[str, Any] | None) -> list[str]:
     for n in lengths:
         k = c["per_length"][n].get("kernels", {})
         rows.append([n, _ms(k.get("step_1_s")), _ms(k.get("step_5_s")), _f(k.get("verify_5_over_1")),
-                     _ms(k.get("unsplit_step_1_s")), _f(k.get("split_over_unsplit")), _f(k.get("split_over_unsplit_5"))])
+                     _ms(k.get("unsplit_step_1_s")), _f(k.get("split_over_unsplit")),
+                     _f(k.get("split_over_unsplit_5"))])
     lines += ["The target alone after the prompt (ms per step): 1 and 5 new tokens, and the split target (prefix + "
               "suffix sessions) against one graph of both:", ""]
     lines += _table(["prompt tokens", "1-token step", "5-token step", "5 / 1", "unsplit 1-token", "split / unsplit",

@@ -139,7 +139,7 @@ class Bench:
             self.report(f"opening baseline {name} (the first time converts into build/bench-cache/)")
             try:
                 opened = open_baselines(self.bundle, names=[name], threads=threads, gamma=gamma, sources=self.sources)
-            except Exception as e:  # noqa: BLE001 - typed or not, a baseline that cannot open is reported
+            except Exception as e:  # typed or not, a baseline that cannot open is reported
                 self.not_run[name] = _why(e)
                 continue
             found = [m for m in opened if m.name == name]
@@ -181,7 +181,7 @@ class Bench:
                     try:
                         result = self._run_one(method, ids, group.max_new_tokens, group.temperature,
                                                SEED + PROMPTS.index(prompt))
-                    except Exception as e:  # noqa: BLE001 - a failing method is reported, the others go on
+                    except Exception as e:  # a failing method is reported, the others go on
                         group.not_run[method.name] = _why(e)
                         self.report(f"{group.name}: {method.name} failed on {prompt.name}: {_why(e)}")
                         bar.update()
@@ -200,7 +200,7 @@ class Bench:
             try:
                 r = self._run_one(method, ids, self.size.max_new_tokens, 0.0, SEED)
                 per_token[method.name] = r.total_s / max(1, len(r.token_ids))
-            except Exception as e:  # noqa: BLE001 - reported as not run
+            except Exception as e:  # reported as not run
                 self.not_run[method.name] = f"warm-up failed: {_why(e)}"
         return per_token
 
@@ -235,7 +235,7 @@ class Bench:
         ar = PipelineMethod("ar", ar_pipes[best], "ar")
         doc["ar_threads"] = {"tokens_per_s": speeds, "chosen": best, "prompts": [p.name for p in probe.prompts]}
         per_token["ar"] = per_token[f"ar@{best}t"]
-        self.report(f"ar tokens/s by target threads: " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items())
+        self.report("ar tokens/s by target threads: " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items())
                     + f" -> ar uses {best}")
 
         methods: list[Method] = [ar, *(m for m in [*(project[n] for n in ("sd", "mirror") if n in self.requested),
@@ -349,7 +349,7 @@ class Bench:
         # the same packages `python -m mirror_sd.bench.compressed BUNDLE` builds; missing ones, and ones made from
         # an earlier draft, are built here (seconds each for this draft) so the report compares the bundle's draft
         found = {w: package_path(self.bundle, w) for w in WEIGHT_MODES}
-        for weights, path in found.items():
+        for weights, _path in found.items():
             try:
                 ensure_package(self.bundle, weights, rebuild=False, report=self.report)
             except MirrorSDError as e:
@@ -379,7 +379,7 @@ class Bench:
             try:
                 genai[1] = open_baselines(self.bundle, names=["ov-genai-ar"], threads=1, sources=self.sources)[0]
                 self.baselines.append(genai[1])
-            except Exception as e:  # noqa: BLE001 - reported, the context benchmark runs without it
+            except Exception as e:  # reported, the context benchmark runs without it
                 self.report(f"ov-genai-ar at 1 thread not opened: {_why(e)}")
         self.report(f"context lengths {self.size.context.lengths} ({self.size.context.repeats} prompts each)")
         return run_context(self.bundle, self.size.context, main, ar_pipes, genai, self.requested, self.report,
@@ -389,7 +389,7 @@ class Bench:
         for method in self.baselines:
             try:
                 method.close()
-            except Exception as e:  # noqa: BLE001 - closing must not hide the results
+            except Exception as e:  # closing must not hide the results
                 self.report(f"closing {method.name}: {_why(e)}")
 
 
@@ -450,7 +450,8 @@ def targets(greedy: dict[str, Any] | None) -> list[dict[str, Any]]:
                            None if ratio["median"] is not None else f"{den} or {num} did not run"))
     hidden = summary.median(r["stats"].get("draft_hidden_fraction") for r in runs if r["method"] == "mirror")
     out.append(_target("draft_hidden", "draft time hidden under the suffix (mirror, fraction)", HIDDEN_TARGET, hidden,
-                       sum(r["method"] == "mirror" for r in runs), None if hidden is not None else "mirror did not run"))
+                       sum(r["method"] == "mirror" for r in runs),
+                       None if hidden is not None else "mirror did not run"))
     return out
 
 

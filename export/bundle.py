@@ -90,7 +90,8 @@ def check_options(opts: ExportOptions, target: LoadedModel, draft: Draft) -> tup
     if opts.exit_adapter is not None:
         adapter_layer = _adapter_config(opts.exit_adapter)["exit_layer"]
         if opts.exit_layer is not None and opts.exit_layer != adapter_layer:
-            raise BadInputError(f"the exit adapter was trained for layer {adapter_layer}, not EXIT_LAYER {opts.exit_layer}")
+            raise BadInputError(f"the exit adapter was trained for layer {adapter_layer}, "
+                                f"not EXIT_LAYER {opts.exit_layer}")
         exit_layer = adapter_layer
     if not 1 <= exit_layer <= n - 1:
         raise BadInputError(f"EXIT_LAYER {exit_layer} is outside [1, {n - 1}] for a {n}-layer target")
@@ -168,7 +169,8 @@ def _check_draft_tokenizer(target_tokenizer, draft_source: str) -> None:
     except (OSError, ValueError):
         return
     if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise BadInputError("the draft's tokenizer vocabulary differs from the target's (same ids must be the same tokens)")
+        raise BadInputError("the draft's tokenizer vocabulary differs from the target's "
+                            "(same ids must be the same tokens)")
 
 
 def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) -> Manifest:

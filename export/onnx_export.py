@@ -19,10 +19,27 @@ import torch
 
 from mirror_sd.errors import ExportError
 from mirror_sd.partitions.manifest import (
-    BOUNDARY, DRAFT_HIDDEN, EXIT_IDS, EXIT_LOGPROBS, FEATURES, LOGITS, STREAM_IDS, SURROGATE, USE_SURROGATE, ModelFacts,
+    BOUNDARY,
+    DRAFT_HIDDEN,
+    EXIT_IDS,
+    EXIT_LOGPROBS,
+    FEATURES,
+    LOGITS,
+    STREAM_IDS,
+    SURROGATE,
+    USE_SURROGATE,
+    ModelFacts,
 )
 from mirror_sd.partitions.spec import (
-    BATCH, KEEP, KEPT, SEQUENCE, SHARED, TOTAL, PartitionSpec, TensorSpec, kv_specs,
+    BATCH,
+    KEEP,
+    KEPT,
+    SEQUENCE,
+    SHARED,
+    TOTAL,
+    PartitionSpec,
+    TensorSpec,
+    kv_specs,
 )
 
 OPSET = 17
@@ -36,8 +53,10 @@ def draft_spec(segment, facts: ModelFacts, file: str) -> PartitionSpec:
     reduced vocabulary and whether it proposes stream tokens."""
     dtype = facts.dtype
     past, present = kv_specs(range(segment.start, segment.end), facts.num_kv_heads, facts.head_dim, dtype)
-    inputs = (TensorSpec("input_ids", "int64", (BATCH, SEQUENCE)), TensorSpec("position_ids", "int64", (BATCH, SEQUENCE)),
-              TensorSpec("shared_mask", "int64", (BATCH, SHARED)), TensorSpec("attention_mask", "int64", (BATCH, TOTAL)),
+    inputs = (TensorSpec("input_ids", "int64", (BATCH, SEQUENCE)),
+              TensorSpec("position_ids", "int64", (BATCH, SEQUENCE)),
+              TensorSpec("shared_mask", "int64", (BATCH, SHARED)),
+              TensorSpec("attention_mask", "int64", (BATCH, TOTAL)),
               TensorSpec(KEEP, "int64", (1,)))
     taps = getattr(facts, "feature_taps", ())
     if taps:  # the feature channel (partitions/manifest.py)

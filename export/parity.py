@@ -19,11 +19,27 @@ import torch
 
 from mirror_sd.errors import ParityError
 from mirror_sd.partitions.manifest import (
-    DRAFT_HIDDEN, EXIT_IDS, EXIT_LOGPROBS, FEATURES, LOGITS, PARITY_ATOL, PARITY_RTOL, STREAM_IDS, SURROGATE, TAPS,
-    USE_SURROGATE, Manifest,
+    DRAFT_HIDDEN,
+    EXIT_IDS,
+    EXIT_LOGPROBS,
+    FEATURES,
+    LOGITS,
+    PARITY_ATOL,
+    PARITY_RTOL,
+    STREAM_IDS,
+    SURROGATE,
+    TAPS,
+    USE_SURROGATE,
+    Manifest,
 )
 from mirror_sd.partitions.spec import (
-    KEEP, PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
+    KEEP,
+    PartitionSpec,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
+    shared_key_name,
     shared_value_name,
 )
 from mirror_sd.runtime.backends import OpenedGraph, open_onnxruntime, open_openvino
@@ -85,7 +101,8 @@ def _topk_checks(lp: np.ndarray, ids: np.ndarray, ref_lp: torch.Tensor, k: int,
     ref_vals, ref_ids = ref_vals.numpy(), ref_ids.numpy()
     if id_table is not None:
         ref_ids = id_table[ref_ids]
-    clear = np.ones(lp.shape[:-1], bool) if ref_vals.shape[-1] == k else (ref_vals[..., k - 1] - ref_vals[..., k]) > ATOL
+    clear = (np.ones(lp.shape[:-1], bool) if ref_vals.shape[-1] == k
+             else (ref_vals[..., k - 1] - ref_vals[..., k]) > ATOL)
     differs = (np.sort(ids, -1) != np.sort(ref_ids[..., :k], -1)).any(-1) & clear
     return lp_check, int(differs.sum())
 
@@ -248,7 +265,8 @@ def _check_feature_draft(bundle_dir: Path, spec: PartitionSpec, taps: tuple[int,
                              **part(start, total)})
             key = (runtime, "draft")
             results.record((*key, LOGITS, batch, start, new), _compare(out[LOGITS], ref_logits[:, total - kept:]))
-            results.record((*key, DRAFT_HIDDEN, batch, start, new), _compare(out[DRAFT_HIDDEN], ref_h[:, total - kept:]))
+            results.record((*key, DRAFT_HIDDEN, batch, start, new),
+                           _compare(out[DRAFT_HIDDEN], ref_h[:, total - kept:]))
 
 
 def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, exit_topk,

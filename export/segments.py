@@ -62,7 +62,8 @@ class _PlainKV:
         return k, v
 
 
-def additive_mask(attention_mask: torch.Tensor, new_tokens: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(attention_mask: torch.Tensor, new_tokens: int, window: int | None,
+                  dtype: torch.dtype) -> torch.Tensor:
     """[B,1,T,S] additive mask: 0 where query t may see key s, the dtype's minimum elsewhere.
 
     attention_mask: [B, S] with S = past + T, 1 for real tokens. Query t sits at index S - T + t; it sees keys at

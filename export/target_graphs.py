@@ -38,8 +38,20 @@ from mirror_sd.export import onnx_export
 from mirror_sd.export.architectures import Architecture
 from mirror_sd.partitions.manifest import BOUNDARY, LOGITS, TAPS, ModelFacts
 from mirror_sd.partitions.spec import (
-    BATCH, CAPACITY, KEEP, KEPT, SEQLENS, SEQUENCE, TOTAL_LENGTH, PartitionSpec, Role, TensorSpec, past_key_name,
-    past_value_name, present_key_name, present_value_name,
+    BATCH,
+    CAPACITY,
+    KEEP,
+    KEPT,
+    SEQLENS,
+    SEQUENCE,
+    TOTAL_LENGTH,
+    PartitionSpec,
+    Role,
+    TensorSpec,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
 )
 
 OPSET = 17
@@ -250,5 +262,5 @@ def write_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         onnx.save_model(proto, str(bundle_dir / file))
     layers = range(start, end)
     return PartitionSpec(role, (start, end), file, target_input_specs(role, facts, layers),
-                         target_output_specs(role, facts, layers, taps), "onnxruntime", "default", data_files=data_files,
-                         extra={"kv": "shared-buffer", **(extra or {})})
+                         target_output_specs(role, facts, layers, taps), "onnxruntime", "default",
+                         data_files=data_files, extra={"kv": "shared-buffer", **(extra or {})})

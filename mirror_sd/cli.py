@@ -81,7 +81,8 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         s = result.stats
         print()
-        print(f"[{s['mode']}] {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, ttft {s['ttft_s'] * 1000:.1f} ms, "
+        print(f"[{s['mode']}] {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
+              f"ttft {s['ttft_s'] * 1000:.1f} ms, "
               f"{s['mean_accepted_tokens']:.2f} tokens/step, acceptance {s['acceptance_rate']:.2f}, "
               f"branch hits {s['branch_hit_rate']:.2f}, draft hidden {s['draft_hidden_fraction']:.2f}, "
               f"fallbacks {s['fallbacks']} ({result.finish_reason})", file=sys.stderr)

@@ -133,7 +133,7 @@ def generate(bundle: Path, ov_dir: Path, out: Path, pool: str, n: int, seed: int
             first = [j for j, c in enumerate(convs) if len(c) == 3 and c[1]["role"] == "assistant"]
             if first:
                 heads = [gen.ids(convs[j][:1]) for j in first]
-                for j, head, ans in zip(first, heads, gen.answer(heads)):
+                for j, _head, ans in zip(first, heads, gen.answer(heads)):
                     convs[j][1]["content"] = gen.codec.decode(ans).strip()
             prompt_ids = [gen.ids(c) for c in convs]
             answers = gen.answer(prompt_ids)
@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     from mirror_sd.bench.ov_convert import convert
 
     target = Path(args.target)
-    ov_dir = convert(target, Path(args.cache) / f"ov-genai-target-{fingerprint(target)}", fingerprint=fingerprint(target))
+    ov_dir = convert(target, Path(args.cache) / f"ov-genai-target-{fingerprint(target)}",
+                     fingerprint=fingerprint(target))
     generate(Path(args.bundle), ov_dir, Path(args.out), args.pool, args.n, batch=args.batch,
              max_new_tokens=args.max_new_tokens, threads=args.threads)
     return 0

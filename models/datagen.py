@@ -13,7 +13,6 @@ from pathlib import Path
 
 from mirror_sd.models.prompts import Prompt, build, build_broad
 
-
 POOLS = {"base": build, "broad": build_broad, "held-out": lambda n, seed: build(n, seed=seed, held_out=True)}
 
 

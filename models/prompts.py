@@ -136,7 +136,8 @@ def build(n: int, seed: int = 0, held_out: bool = False) -> list[Prompt]:
         if kind == "translation":
             return [{"role": "user", "content": f"Translate to {rng.choice(LANGUAGES)}: {rng.choice(sentences)}"}]
         if kind == "summarisation":
-            return [{"role": "user", "content": f"Summarize the following text in two sentences.\n\n{rng.choice(passages)}"}]
+            return [{"role": "user",
+                     "content": f"Summarize the following text in two sentences.\n\n{rng.choice(passages)}"}]
         if kind == "qa":
             questions = HELD_OUT_QUESTIONS if held_out else QUESTIONS
             return [{"role": "user", "content": rng.choice(questions).format(c=rng.choice(countries))}]

@@ -112,10 +112,10 @@ class StreamingDraft(nn.Module):
     def forward_train(self, target_ids: torch.Tensor, stream_stride: int = 1):
         """Teacher-forced on the sequence itself. Returns (main logits [B,T-1,Vd], their labels [B,T-1], per
         stream j logits [B,T',Vd], stream labels [B,T',S], positions [T']) where stream j at position t is fed
-        the true tokens t+1..t+1+j and predicts t+2+j, over positions t < T - S - 1 (every stream has a label). Labels outside the
-        draft vocabulary are -100 (ignored): the draft cannot propose them. stream_stride > 1 trains the streams
-        on every stride-th of those positions only (from a random offset): each stream costs a full LM head per
-        position, more than the body."""
+        the true tokens t+1..t+1+j and predicts t+2+j, over positions t < T - S - 1 (every stream has a label).
+        Labels outside the draft vocabulary are -100 (ignored): the draft cannot propose them. stream_stride > 1
+        trains the streams on every stride-th of those positions only (from a random offset): each stream costs a
+        full LM head per position, more than the body."""
         ids = self.id_map[target_ids]  # [B,T]
         labels = ids.masked_fill(ids == self.config.draft_vocab, -100)
         hidden = self.prenorm_hidden(ids)

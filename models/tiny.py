@@ -89,7 +89,8 @@ def make_pair(root: str | Path, architecture: str = "llama", target_layers: int 
     draft_sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
     draft = make_model(root / "draft", architecture, draft_layers, seed=seed + 1, tokenizer_dir=target,
                        **{**config_overrides, **draft_sizes})
-    (root / "pair.json").write_text(json.dumps({"architecture": architecture, "target": str(target), "draft": str(draft)}))
+    (root / "pair.json").write_text(json.dumps({"architecture": architecture, "target": str(target),
+                                                "draft": str(draft)}))
     return target, draft
 
 

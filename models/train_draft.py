@@ -153,7 +153,8 @@ def evaluate(draft: StreamingDraft, examples: list[Example]) -> dict[str, float]
             stream_total[j] += int(ans_s.sum())
     draft.train()
     return {"next_token_agreement": hits / max(1, total),
-            **{f"stream{j + 1}_agreement": float(h / max(1, n)) for j, (h, n) in enumerate(zip(stream_hits, stream_total))}}
+            **{f"stream{j + 1}_agreement": float(h / max(1, n))
+               for j, (h, n) in enumerate(zip(stream_hits, stream_total))}}
 
 
 def train(target_dir: Path, data_file: Path | Sequence[Path], out_dir: Path, *, vocab_size: int = 8192,

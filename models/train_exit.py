@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from mirror_sd.models.exit_adapter import ExitAdapter, ExitAdapterConfig

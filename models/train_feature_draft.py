@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from mirror_sd.models import answers as answers_file
 from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
 
@@ -138,6 +139,7 @@ class _OrtTaps:
 
     def __init__(self, target, taps: list[int], threads: int | None = None) -> None:
         import onnxruntime as ort
+
         from mirror_sd.export.architectures import architecture_of
         from mirror_sd.export.target_graphs import build_target_graph
 

@@ -25,11 +25,26 @@ from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.package.compress import DEFAULT_GROUP_SIZE, compress_weights
 from mirror_sd.package.static_graph import make_static
 from mirror_sd.partitions.manifest import (
-    FEATURES, PARITY_ATOL, PARITY_RTOL, SURROGATE, USE_SURROGATE, Manifest, resolve_inside,
+    FEATURES,
+    PARITY_ATOL,
+    PARITY_RTOL,
+    SURROGATE,
+    USE_SURROGATE,
+    Manifest,
+    resolve_inside,
 )
 from mirror_sd.partitions.package import (
-    BRANCH, DECODE, DEVICES, PACKAGE_FILE, PREFILL, DraftGraph, PackageInfo, StaticBounds, graph_sha256,
-    normalize_weights, sha256_of,
+    BRANCH,
+    DECODE,
+    DEVICES,
+    PACKAGE_FILE,
+    PREFILL,
+    DraftGraph,
+    PackageInfo,
+    StaticBounds,
+    graph_sha256,
+    normalize_weights,
+    sha256_of,
 )
 from mirror_sd.partitions.planner import PLAN_FILE
 from mirror_sd.partitions.spec import KEEP, PartitionSpec, TensorSpec
@@ -165,7 +180,8 @@ def _write_package(root: Path, bundle: Path, manifest: Manifest, bounds: StaticB
     devices = (device,) if device == "CPU" else (device, "CPU")
     info = PackageInfo(bounds=bounds, weights=weights, group_size=group_size if weights == "int4_sym" else 0,
                        devices=devices, draft_graphs=graphs, files=files, producer=f"mirror-sd {__version__}",
-                       source_bundle=manifest.producer, source_draft_sha256=graph_sha256(bundle, (draft_spec.file, *draft_spec.data_files)))
+                       source_bundle=manifest.producer,
+                       source_draft_sha256=graph_sha256(bundle, (draft_spec.file, *draft_spec.data_files)))
     info.validate()
     info.save(root)
     PackageInfo.load(root)  # what a reader will see: every checksum again

@@ -40,6 +40,6 @@ def compress_weights(model, weights: str, group_size: int = DEFAULT_GROUP_SIZE):
     try:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             return nncf.compress_weights(model, **options)
-    except Exception as e:  # noqa: BLE001 - NNCF raises its own and plain errors for shapes it cannot group
+    except Exception as e:  # NNCF raises its own and plain errors for shapes it cannot group
         raise PackageError(f"NNCF could not compress the draft to {weights}"
                            f"{f' (group size {group_size})' if weights == 'int4_sym' else ''}: {e}") from None

@@ -18,6 +18,7 @@ from mirror_sd.partitions.manifest import (
 from mirror_sd.partitions.spec import PartitionSpec, TensorSpec
 
 __all__ = [
-    "BOUNDARY", "DRAFT_VOCAB_FILE", "EXIT_IDS", "EXIT_LOGPROBS", "FORMAT_VERSION", "LOGITS", "MANIFEST_NAME", "STREAM_IDS", "DraftFacts", "Manifest",
+    "BOUNDARY", "DRAFT_VOCAB_FILE", "EXIT_IDS", "EXIT_LOGPROBS", "FORMAT_VERSION", "LOGITS", "MANIFEST_NAME",
+    "STREAM_IDS", "DraftFacts", "Manifest",
     "ModelFacts", "PartitionSpec", "TargetFacts", "TensorSpec", "TokenizerFacts",
 ]

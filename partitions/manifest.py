@@ -40,7 +40,8 @@ DRAFT_VOCAB_FILE = "draft_vocab.json"  # a reduced-vocabulary draft's output ind
 # input token, the taps of the position before it (FEATURES [B,T,n_taps,H]) or, where the target has not run that
 # position yet, its own hidden state there (SURROGATE [B,T,H], chosen where USE_SURROGATE [B,T] is 1), and gives
 # its hidden state DRAFT_HIDDEN [B,kept,H] for the next forward's surrogate.
-TAPS, FEATURES, SURROGATE, USE_SURROGATE, DRAFT_HIDDEN = "taps", "features", "surrogate", "use_surrogate", "draft_hidden"
+TAPS, FEATURES, SURROGATE, USE_SURROGATE, DRAFT_HIDDEN = ("taps", "features", "surrogate", "use_surrogate",
+                                                         "draft_hidden")
 # Parity of an exported graph with its torch source, for every float output: max |graph - torch| <= PARITY_ATOL +
 # PARITY_RTOL * max |torch| (export/parity.py; package/build.py holds a static fp32 draft to it too). The relative
 # term is fp32 rounding, which grows with a tensor's scale: SmolLM2's own fp32 logits (|x| up to ~33) differ from
@@ -281,7 +282,8 @@ def _check_feature_channel(m: Manifest, prefix: PartitionSpec, draft: PartitionS
         raise ManifestError(f"a feature draft works at the target's width {t.hidden_size}, not {m.draft.hidden_size}")
     if m.draft.streams:
         raise ManifestError("a feature draft proposes one token per forward (no streams)")
-    wanted = [(prefix, "output", TAPS, (len(taps), t.hidden_size)), (draft, "input", FEATURES, (len(taps), t.hidden_size)),
+    wanted = [(prefix, "output", TAPS, (len(taps), t.hidden_size)),
+              (draft, "input", FEATURES, (len(taps), t.hidden_size)),
               (draft, "input", SURROGATE, (t.hidden_size,)), (draft, "input", USE_SURROGATE, ()),
               (draft, "output", DRAFT_HIDDEN, (t.hidden_size,))]
     for part, kind, name, tail in wanted:
@@ -309,5 +311,6 @@ def _check_kv(part: PartitionSpec, facts: ModelFacts) -> None:
             f"unexpected {sorted((have_in - want_in) | (have_out - want_out))[:4]}"
         )
     for t in part.inputs + part.outputs:
-        if t.name.startswith(("past_key_values.", "shared_key_values.", "present.")) and (t.shape[1], t.shape[3]) != (facts.num_kv_heads, facts.head_dim):
+        if (t.name.startswith(("past_key_values.", "shared_key_values.", "present."))
+                and (t.shape[1], t.shape[3]) != (facts.num_kv_heads, facts.head_dim)):
             raise ManifestError(f"{part.role} {t.name} shape {list(t.shape)} does not match the KV layout")

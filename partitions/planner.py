@@ -260,7 +260,8 @@ def draft_time(d: DraftTimes, gamma: int, rows: int, eta: float, first_width: in
     return draft_forward(d, rows, first_width) + (forwards - 1.0) * draft_forward(d, rows, min(d.width, gamma))
 
 
-def overlap_walls(suffix_s: float, draft_s: float, suffix_slowdown: float, draft_slowdown: float) -> tuple[float, float]:
+def overlap_walls(suffix_s: float, draft_s: float, suffix_slowdown: float,
+                  draft_slowdown: float) -> tuple[float, float]:
     """Wall times (suffix, draft) of two jobs started together that slow each other down while both run.
 
     While both run, the suffix advances at 1/suffix_slowdown and the draft at 1/draft_slowdown of their
@@ -402,7 +403,7 @@ def validate_profile(profile: Profile) -> None:
     for g, e in cal.eta.items():
         if not (isinstance(e, (int, float)) and math.isfinite(e) and e > 0):
             raise BadInputError(f"draft tokens per forward must be > 0, got {e!r} for gamma {g}")
-    for (g, k, b), h in cal.hit_rate.items():
+    for (_g, _k, b), h in cal.hit_rate.items():
         _check_prob("branch_hit_rate", h)
         _check_int("branch_budget", b, 0)
     for layer, c in cal.coverage.items():

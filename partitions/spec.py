@@ -69,7 +69,8 @@ class TensorSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> TensorSpec:
-        name, dtype, shape = require_field(d, "name", where), require_field(d, "dtype", where), require_field(d, "shape", where)
+        name, dtype, shape = (require_field(d, "name", where), require_field(d, "dtype", where),
+                              require_field(d, "shape", where))
         if not isinstance(name, str) or not name:
             raise ManifestError(f"{where}: tensor name must be a non-empty string")
         if dtype not in DTYPES:
@@ -150,7 +151,8 @@ class PartitionSpec:
         )
 
 
-def kv_specs(layers: range, kv_heads: int, head_dim: int, dtype: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def kv_specs(layers: range, kv_heads: int, head_dim: int,
+             dtype: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Past (inputs) and present (outputs) KV specs for `layers` of a "split-past" graph, named with global layer
     numbers: per layer the shared past, then the row's own past; present = the new positions only."""
     past, present = [], []

@@ -253,8 +253,9 @@ class Drafter:
             step_logits, first = out[LOGITS], width - span  # [B,span,Vd]: column j is input column first + j
             choices = vocab.argmax(step_logits) if params.greedy else None  # [B,span]
 
-            def pick(b: int, at: int) -> int:
-                """Row b's main-stream token after input column `at`."""
+            def pick(b: int, at: int, choices: np.ndarray | None = choices, step_logits: np.ndarray = step_logits,
+                     first: int = first) -> int:
+                """Row b's main-stream token after input column `at` (this forward's outputs, bound here)."""
                 if params.greedy:
                     return int(choices[b, at - first])
                 logits[b].append(step_logits[b, at - first])
@@ -264,7 +265,7 @@ class Drafter:
             for b in active:
                 m = props[b].size
                 col = width - m - 1  # the last fed token that is not a proposal: its choice is the next token
-                new = _confirm(lambda i: pick(b, col + i), props[b], gamma - len(tokens[b]))  # noqa: B023
+                new = _confirm(lambda i, b=b, col=col: pick(b, col + i), props[b], gamma - len(tokens[b]))
                 accepted = len(new) - 1  # proposals that held
                 keep[b, col + 1 + accepted:] = 0  # the rejected proposals' slots become holes
                 fed[b] += x[b, width - feeds[b].size - m:col + 1 + accepted].tolist()

@@ -3,7 +3,8 @@
 `GraphEngine.run(x, positions, lane, shared, own, new_mask)` is the whole interface the drafter uses: every row
 reads the first shared[b] slots of the context lane, then its own past, then its new tokens; the engine returns
 the head outputs and the new tokens' KV, which the drafter appends where it belongs (runtime/draft.py). The
-engine keeps no per-sequence state: whichever thread holds a lane (`context_lane`) owns that sequence. The target is in runtime/target.py.
+engine keeps no per-sequence state: whichever thread holds a lane (`context_lane`) owns that sequence. The target
+is in runtime/target.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import numpy as np
 from mirror_sd.errors import ManifestError
 from mirror_sd.partitions.manifest import Manifest, ModelFacts, resolve_inside
 from mirror_sd.partitions.spec import (
-    KEEP, PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
+    KEEP,
+    PartitionSpec,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
+    shared_key_name,
     shared_value_name,
 )
 from mirror_sd.runtime.backends import OpenedGraph, open_graph

@@ -34,7 +34,13 @@ from mirror_sd.runtime.draft import PAD_ID, DraftVocab, _common_prefix
 from mirror_sd.runtime.engines import GraphEngine
 from mirror_sd.runtime.kv import LayerKV, positions
 from mirror_sd.runtime.messages import (
-    BranchKey, BranchSet, DraftWindow, ExitCandidates, FeatureBlock, Features, frozen,
+    BranchKey,
+    BranchSet,
+    DraftWindow,
+    ExitCandidates,
+    FeatureBlock,
+    Features,
+    frozen,
 )
 from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, rng_for
 

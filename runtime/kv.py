@@ -1,9 +1,9 @@
 """The draft's KV state, as its split-past graph reads it (partitions/spec.py "split-past").
 
 - `ContextLane`: the KV of one token sequence in per-layer buffers [1, kv_heads, capacity, head_dim] allocated once
-  per lane (a drafter keeps one for a whole generation): slots [0, length) hold `tokens`. Every batch row of a forward reads a prefix of it
-  (the row's shared length), so branch rows over one context never copy it. Truncating is a length; appending
-  writes only the new slots.
+  per lane (a drafter keeps one for a whole generation): slots [0, length) hold `tokens`. Every batch row of a
+  forward reads a prefix of it (the row's shared length), so branch rows over one context never copy it.
+  Truncating is a length; appending writes only the new slots.
 - `OwnPast`: each row's own short past [B, kv_heads, S, head_dim] - the tokens a row fed since it left the lane, a
   few per forward - as an immutable value: extending it makes a new one, a slot can become a hole (mask 0: a
   proposal the row fed and then rejected). Holes never shift positions: a row's next position is its shared length
@@ -103,7 +103,8 @@ class OwnPast:
     def row(self, b: int) -> LayerKV:
         """Row b's real slots (holes removed) as [1, kv_heads, n, head_dim] per layer."""
         keep = np.flatnonzero(self.mask[b])
-        return {i: (k[b:b + 1][:, :, keep], v[b:b + 1][:, :, keep]) for i, k, v in zip(self.layers, self.keys, self.values)}
+        return {i: (k[b:b + 1][:, :, keep], v[b:b + 1][:, :, keep])
+                for i, k, v in zip(self.layers, self.keys, self.values)}
 
 
 def positions(shared: np.ndarray, own: OwnPast, new_mask: np.ndarray) -> np.ndarray:

@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator, Sequence
 from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.planner import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
-from mirror_sd.runtime.draft import Drafter, streaming_mode
 from mirror_sd.runtime.backends import BACKENDS
+from mirror_sd.runtime.draft import Drafter, streaming_mode
 from mirror_sd.runtime.engines import GraphEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.package import OpenedPackage, is_package, open_package

@@ -24,7 +24,14 @@ from onnx import TensorProto, helper, numpy_helper
 from mirror_sd.errors import ManifestError
 from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, TAPS, Manifest, resolve_inside
 from mirror_sd.partitions.spec import (
-    KEEP, SEQLENS, TOTAL_LENGTH, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
+    KEEP,
+    SEQLENS,
+    TOTAL_LENGTH,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
+    shared_key_name,
     shared_value_name,
 )
 from mirror_sd.runtime.backends import open_openvino, open_openvino_model
@@ -106,7 +113,8 @@ class _Rewriter:
         return self.once(("bias", window), build)
 
     def _bias(self, allowed: str) -> str:
-        return self.node("Where", [allowed, self.const(np.array(0.0, np.float32)), self.const(np.array(_NEG, np.float32))])
+        return self.node("Where", [allowed, self.const(np.array(0.0, np.float32)),
+                                   self.const(np.array(_NEG, np.float32))])
 
     # -- one GroupQueryAttention ---------------------------------------------------------------------------------
     def attention(self, node: onnx.NodeProto) -> None:

@@ -36,12 +36,12 @@ from mirror_sd.errors import BadInputError
 from mirror_sd.partitions import planner
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
 from mirror_sd.runtime.draft import Drafter, plan_branches
-from mirror_sd.runtime.feature_draft import FeatureDrafter, empty_channel
 from mirror_sd.runtime.engines import GraphEngine
+from mirror_sd.runtime.feature_draft import FeatureDrafter, empty_channel
+from mirror_sd.runtime.kv import positions
 from mirror_sd.runtime.messages import ExitCandidates, FeatureBlock, frozen
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.sampling import SamplingParams
-from mirror_sd.runtime.kv import positions
 from mirror_sd.runtime.scheduler import background_loop
 from mirror_sd.runtime.target import Target
 
@@ -148,8 +148,8 @@ def time_target(target: Target, past: list[int], windows: tuple[int, ...], repea
         ids = past[-window:] if len(past) >= window else (past * window)[:window]
         boundary = target.run_prefix(ids, cache)
         prefix[window] = _median_time(
-            lambda: target.exit_candidates(target.run_prefix(ids, cache)), repeats)  # noqa: B023
-        suffix[window] = _median_time(lambda: target.run_suffix(boundary), repeats)  # noqa: B023
+            lambda: target.exit_candidates(target.run_prefix(ids, cache)), repeats)  # noqa: B023 - called at once
+        suffix[window] = _median_time(lambda: target.run_suffix(boundary), repeats)  # noqa: B023 - called at once
     return prefix, suffix
 
 
@@ -178,8 +178,9 @@ def time_draft(draft: GraphEngine, past: list[int], rows: tuple[int, ...], width
             mask = np.ones(x.shape, np.int64)
             pos = positions(shared, own, mask)
             channel = _zero_channel(draft, x.shape)
-            out[(b, w)] = _median_time(lambda: draft.run(x, pos, lane, shared, own, mask, channel=channel),  # noqa: B023
-                                       repeats)
+            out[(b, w)] = _median_time(
+                lambda: draft.run(x, pos, lane, shared, own, mask, channel=channel),  # noqa: B023 - called at once
+                repeats)
     return out
 
 
@@ -269,15 +270,16 @@ def time_drafter(pipe: Pipeline, scenes: dict[int, DraftScene], budgets: dict[in
         setup = _after_rollout(drafter, scene, gamma)
 
         def setup_then_target() -> None:
-            setup()  # noqa: B023
+            setup()  # noqa: B023 - used only by the timing below, in this iteration
             target_call()
 
-        rollout[gamma] = _median_time(lambda: drafter.rollout(scene.miss_context, gamma), repeats,  # noqa: B023
-                                      setup_then_target)
+        rollout[gamma] = _median_time(
+            lambda: drafter.rollout(scene.miss_context, gamma), repeats,  # noqa: B023 - called at once
+            setup_then_target)
         for b in budgets[gamma]:
             plan = plan_branches(scene.candidates, k, b, accept_rate)
             branch[(gamma, b)] = _median_time(
-                lambda: drafter.branches(scene.candidates, plan, gamma), repeats, setup)  # noqa: B023
+                lambda: drafter.branches(scene.candidates, plan, gamma), repeats, setup)  # noqa: B023 - called at once
     return branch, rollout
 
 
@@ -313,8 +315,8 @@ def profile_split(pipe: Pipeline, past: list[int], windows: tuple[int, ...], row
     drafter = make_drafter(pipe, SamplingParams())
     setup = _after_rollout(drafter, scene, gamma)
     plan = plan_branches(scene.candidates, scene.candidates.topk_ids.shape[1], budget, accept_rate)
-    run_suffix = lambda: pipe.target.run_suffix(boundary)  # noqa: E731
-    run_branches = lambda: drafter.branches(scene.candidates, plan, gamma)  # noqa: E731
+    run_suffix = lambda: pipe.target.run_suffix(boundary)  # noqa: E731 - named jobs, timed below
+    run_branches = lambda: drafter.branches(scene.candidates, plan, gamma)  # noqa: E731 - named jobs, timed below
 
     def setup_and_branches() -> None:
         setup()
@@ -433,7 +435,8 @@ class PlanResult:
 
 
 def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), report: Report = lambda _m: None,
-                space: planner.SearchSpace = planner.SearchSpace()) -> PlanResult:
+                space: planner.SearchSpace | None = None) -> PlanResult:
+    space = planner.SearchSpace() if space is None else space
     splits = options.splits or default_splits()
     if options.repeats < 1:
         raise BadInputError(f"repeats must be >= 1, got {options.repeats}")
@@ -442,7 +445,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     for t, d in splits:
         if t < 1 or d < 1:
             raise BadInputError(f"thread counts must be >= 1, got {t}+{d}")
-    load = lambda t, d: Pipeline.load(bundle, target_device=options.target_device,  # noqa: E731
+    load = lambda t, d: Pipeline.load(bundle, target_device=options.target_device,  # noqa: E731 - a one-line factory
                                       draft_device=options.draft_device, target_threads=t, draft_threads=d,
                                       use_plan=False)
     pipes: dict[tuple[int, int], Pipeline] = {splits[0]: load(*splits[0])}

@@ -34,7 +34,16 @@ import numpy as np
 from mirror_sd.runtime.draft import Drafter, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.messages import (
-    Branches, BranchSet, DraftFailed, DraftWindow, ExitCandidates, FeatureBlock, Rollout, Warm, Warmed, frozen,
+    Branches,
+    BranchSet,
+    DraftFailed,
+    DraftWindow,
+    ExitCandidates,
+    FeatureBlock,
+    Rollout,
+    Warm,
+    Warmed,
+    frozen,
 )
 from mirror_sd.runtime.sampling import TARGET_STREAM, SamplingParams, choose, rng_for
 from mirror_sd.runtime.stats import Counters
@@ -77,7 +86,7 @@ def _serve(drafter: Drafter | FeatureDrafter, request: Request, cancelled) -> An
         if isinstance(request, Rollout):
             return drafter.rollout(request.context, request.gamma, **extra)
         return drafter.branches(request.candidates, request.plan, request.gamma, cancelled, **extra)
-    except Exception as e:  # noqa: BLE001 - the draft's failure must never reach the target's loop
+    except Exception as e:  # the draft's failure must never reach the target's loop
         drafter.reset()
         return DraftFailed(f"{type(e).__name__}: {e}")
 
@@ -116,7 +125,7 @@ class DraftWorker:
             ticket, request = self._queue.get()
             if request is None:
                 return
-            answer = _serve(self._drafter, request, lambda: self._is_cancelled(ticket))
+            answer = _serve(self._drafter, request, lambda ticket=ticket: self._is_cancelled(ticket))
             with self._lock:
                 if ticket not in self._cancelled:  # a cancelled request's answer is never read
                     self._answers[ticket] = answer
@@ -230,7 +239,8 @@ class _Decoder:
         for start in range(0, len(prompt), PREFILL_CHUNK):
             chunk = prompt[start:start + PREFILL_CHUNK]
             end = start + len(chunk)
-            logits, self.cache = self._suffix(self._prefix(chunk, self.cache, lambda: prompt[:end]), 1)  # noqa: B023
+            logits, self.cache = self._suffix(
+                self._prefix(chunk, self.cache, lambda: prompt[:end]), 1)  # noqa: B023 - _prefix calls it at once
         self.stats.target_steps += 1
         return choose(logits[-1], self.cfg.params, self._target_rng(len(prompt)))
 

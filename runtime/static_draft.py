@@ -23,7 +23,12 @@ from mirror_sd.errors import PackageError
 from mirror_sd.partitions.manifest import FEATURES, SURROGATE, USE_SURROGATE, Manifest
 from mirror_sd.partitions.package import BRANCH, DECODE, PREFILL, PackageInfo
 from mirror_sd.partitions.spec import (
-    PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name, shared_key_name,
+    PartitionSpec,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
+    shared_key_name,
     shared_value_name,
 )
 from mirror_sd.runtime.backends import OpenedGraph, open_openvino

@@ -24,9 +24,17 @@ import numpy as np
 from mirror_sd.errors import ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, TAPS, Manifest, resolve_inside
 from mirror_sd.partitions.spec import (
-    KEEP, SEQLENS, TOTAL_LENGTH, PartitionSpec, past_key_name, past_value_name, present_key_name, present_value_name,
+    KEEP,
+    SEQLENS,
+    TOTAL_LENGTH,
+    PartitionSpec,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
 )
 from mirror_sd.runtime.backends import ort_session
+
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the attention scratch (T x capacity per head)
 
 

@@ -22,7 +22,7 @@ class TextCodec:
         path = resolve_inside(Path(bundle).resolve(), TOKENIZER_FILE)
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a malformed file
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise ManifestError(f"cannot read {TOKENIZER_FILE}: {e}") from None
         self.facts = manifest.tokenizer
 

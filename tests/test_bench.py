@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -83,7 +82,8 @@ def test_quick_pipeline_writes_measured_results(bench_run):
     exit_methods = doc["groups"]["exit sweep"]["methods"]
     assert exit_methods["mirror@exit2"]["exit_head"] == "logit_lens"  # no adapter for layer 2: the lens, said so
     # variants are cached per exit layer, head and kind of draft (a feature draft's differ from a token draft's)
-    assert [p.parent.name for p in (root / "cache").glob("exit2-logit_lens-*/manifest.json")] == ["exit2-logit_lens-streaming-llama"]
+    assert ([p.parent.name for p in (root / "cache").glob("exit2-logit_lens-*/manifest.json")]
+            == ["exit2-logit_lens-streaming-llama"])
 
     timeline = doc["timeline"]
     assert timeline["trace"] and {p for p, _, _ in timeline["trace"]} <= set(TRACE_PHASES)

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-
 from conftest import ARCHITECTURES
+
 from mirror_sd.cli import main
 from mirror_sd.errors import ParityError
 from mirror_sd.export import onnx_export, parity

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from mirror_sd.models import train_feature_draft as tfd
 from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
 
@@ -167,9 +168,8 @@ def test_feature_draft_exports_with_its_channel_checked(feature_bundle):
 def test_feature_channel_is_validated(feature_bundle, tmp_path):
     import dataclasses
 
-    from mirror_sd.partitions.manifest import Manifest
-
     from mirror_sd.errors import ManifestError
+    from mirror_sd.partitions.manifest import Manifest
 
     bundle, _, _ = feature_bundle
     m = Manifest.load(bundle)
@@ -182,9 +182,8 @@ def test_feature_channel_is_validated(feature_bundle, tmp_path):
 
 
 def test_feature_draft_deeper_than_the_exit_layer_is_refused(feature_bundle, tmp_path):
-    from mirror_sd.export.bundle import ExportOptions, export_bundle
-
     from mirror_sd.errors import BadInputError
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
 
     _, target, draft = feature_bundle
     with pytest.raises(BadInputError, match="past the exit layer"):
@@ -199,8 +198,9 @@ def trained_feature_bundle(tmp_path_factory, pair_factory):
     """A feature draft trained for a few seconds on the tiny llama target's own greedy answers, exported at exit
     layer 3, and prompts: two it was trained on (the random target's answers are only learnt by heart, so there the
     target accepts most of what it drafts) and one it was not (mostly rejected)."""
-    from mirror_sd.export.bundle import ExportOptions, export_bundle
     from transformers import AutoModelForCausalLM
+
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
 
     root = tmp_path_factory.mktemp("trained-feature-bundle")
     target_dir, _ = pair_factory("llama")

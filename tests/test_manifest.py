@@ -97,8 +97,8 @@ def _mutations():
         d["tokenizer"]["eos_token_ids"] = []
 
     return [gap, overlap, short_of_n, boundary, vocab, exit_layer, version, missing_role, unknown_role, kv_names,
-            kv_interface, exit_with_layers, old_version, top_k, outside_dotdot, outside_absolute, missing_file, bad_dtype,
-            missing_field, no_eos]
+            kv_interface, exit_with_layers, old_version, top_k, outside_dotdot, outside_absolute, missing_file,
+            bad_dtype, missing_field, no_eos]
 
 
 @pytest.mark.parametrize("mutate", _mutations(), ids=lambda f: f.__name__)

@@ -39,10 +39,12 @@ def test_sd_and_mirror_equal_ar(pipelines, arch, exit_layer, top_k):
         assert len(ar.token_ids) == NEW_TOKENS or ar.finish_reason == "eos"
         assert ar.stats["mean_accepted_tokens"] == 1.0
         runs = [("sd", g, None, o) for g, o in itertools.product((1, 3, 6), (True, False))]
-        runs += [("mirror", g, k, o) for g, k, o in itertools.product((1, 3, 6), (1, 4, 8), (True, False)) if k <= top_k]
+        runs += [("mirror", g, k, o) for g, k, o in itertools.product((1, 3, 6), (1, 4, 8), (True, False))
+                 if k <= top_k]
         for mode, gamma, kappa, overlap in runs:
             out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=gamma, kappa=kappa, overlap=overlap)
-            assert out.token_ids == ar.token_ids, f"{mode} gamma={gamma} kappa={kappa} overlap={overlap} prompt={prompt}"
+            assert out.token_ids == ar.token_ids, (f"{mode} gamma={gamma} kappa={kappa} overlap={overlap} "
+                                                   f"prompt={prompt}")
             assert out.stats["fallbacks"] == 0
 
 

@@ -21,13 +21,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from test_runtime_sampling import PARAMS, PROMPT, SAMPLES, assert_follows, exact_joint
 
 from mirror_sd.errors import ManifestError
 from mirror_sd.runtime.draft import Drafter, _confirm
 from mirror_sd.runtime.messages import ExitCandidates
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.sampling import SamplingParams, warp
-from test_runtime_sampling import PARAMS, PROMPT, SAMPLES, assert_follows, exact_joint
 
 PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
 NEW_TOKENS = 20
@@ -81,7 +81,8 @@ def test_greedy_sd_and_mirror_equal_ar(pipe):
     for mode, gamma, kappa, overlap, streaming in runs:
         out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=gamma, kappa=kappa, overlap=overlap,
                             draft_streaming=streaming)
-        assert out.token_ids == ar.token_ids, f"{mode} gamma={gamma} kappa={kappa} overlap={overlap} streaming={streaming}"
+        assert out.token_ids == ar.token_ids, (f"{mode} gamma={gamma} kappa={kappa} overlap={overlap} "
+                                               f"streaming={streaming}")
         assert out.stats["fallbacks"] == 0
 
 
@@ -120,7 +121,8 @@ def test_windows_equal_with_streaming_on_and_off(pipe, params):
         for r, v in plan[:4]:  # a branch's window is what a fresh rollout of its context gives
             fresh = Drafter(pipe.draft, params, streaming=streaming).rollout(ctx + window[:r] + (v,), 6)
             assert fresh.tokens == sets[streaming].windows[(r, v)].tokens
-    assert {k: w.tokens for k, w in sets["verify"].windows.items()} == {k: w.tokens for k, w in sets[False].windows.items()}
+    assert ({k: w.tokens for k, w in sets["verify"].windows.items()}
+            == {k: w.tokens for k, w in sets[False].windows.items()})
     assert sets[False].forwards == 6
 
 
@@ -254,7 +256,8 @@ def test_trust_takes_the_last_proposals_as_drafted(pipe):
         assert fresh.tokens == branches.windows[(r, v)].tokens
         # and the lane kept from the batch continues that row correctly
         follow = ctx + window[:r] + (v,) + fresh.tokens + (3,)
-        assert drafter.rollout(follow, 4).tokens == Drafter(pipe.draft, SamplingParams(), streaming="trust").rollout(follow, 4).tokens
+        assert (drafter.rollout(follow, 4).tokens
+                == Drafter(pipe.draft, SamplingParams(), streaming="trust").rollout(follow, 4).tokens)
         drafter.branches(candidates, plan, 5)
 
     for ctx in random_contexts(3, seed=9):  # sampled windows self-check: trust changes nothing
@@ -276,7 +279,8 @@ def test_trust_mode_through_the_api_and_cli(pipe, bundle_factory, capsys):
     bundle = str(bundle_factory("llama", streaming=True))
     assert main(["generate", bundle, "--prompt-ids", "5,17,33", "--mode", "sd", "--max-new-tokens", "8",
                  "--draft-streaming", "trust", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["token_ids"] == pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=8).token_ids
+    assert (json.loads(capsys.readouterr().out)["token_ids"]
+            == pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=8).token_ids)
     # an unknown mode: the runtime's one list of modes answers, exit 2, one line
     assert main(["generate", bundle, "--prompt-ids", "5,17,33", "--draft-streaming", "always"]) == 2
     assert "off, verify, trust" in capsys.readouterr().err

@@ -104,7 +104,8 @@ def test_own_past_extends_makes_holes_and_gives_rows():
     row = holed.row(1)
     assert np.array_equal(row[0][0], new[0][0][1:2, :, 1:])
     # positions continue each row's shared length + real own slots; a hole repeats its neighbour's position
-    assert positions(np.array([4, 4, 0]), holed, np.array([[1, 1], [1, 0], [0, 1]])).tolist() == [[5, 6], [6, 6], [0, 1]]
+    assert (positions(np.array([4, 4, 0]), holed, np.array([[1, 1], [1, 0], [0, 1]])).tolist()
+            == [[5, 6], [6, 6], [0, 1]])
 
 
 def test_overlap_seconds():
