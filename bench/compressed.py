@@ -51,7 +51,7 @@ def _made_from(package: Path, bundle: Path) -> bool:
     """Whether `package` records the digest of the draft graph `bundle` has now (an unreadable package: no)."""
     from mirror_sd.errors import MirrorSDError
     from mirror_sd.partitions import Manifest
-    from mirror_sd.partitions.package import PackageInfo, graph_sha256
+    from mirror_sd.partitions.package_format import PackageInfo, graph_sha256
 
     try:
         draft = Manifest.load(bundle).partition("draft")

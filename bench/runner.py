@@ -150,9 +150,7 @@ class Bench:
     @staticmethod
     def gamma(pipe: Pipeline) -> int:
         """The window sd and mirror use by default: the bundle plan's, else the runtime's built-in one."""
-        from mirror_sd.runtime.pipeline import BUILTIN_GAMMA
-
-        return pipe.defaults.gamma if pipe.defaults else BUILTIN_GAMMA
+        return pipe.generation_config.gamma
 
     def _prompt_ids(self, pipe: Pipeline, prompt: BenchPrompt) -> list[int]:
         if prompt.name not in self.ids:

@@ -15,7 +15,7 @@ import numpy as np
 
 from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.partitions.manifest import BOUNDARY, LOGITS, Manifest, resolve_inside
-from mirror_sd.partitions.package import graph_sha256
+from mirror_sd.partitions.package_format import graph_sha256
 from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH
 from mirror_sd.runtime.backends import ort_session
 

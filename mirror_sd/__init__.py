@@ -7,7 +7,7 @@ Subpackages: ``mirror_sd.export`` (torch side, writes bundles), ``mirror_sd.part
 from mirror_sd.errors import MirrorSDError
 
 __version__ = "0.1.0"
-__all__ = ["MirrorSDError", "Pipeline", "__version__"]
+__all__ = ["GenerationConfig", "MirrorSDError", "Pipeline", "__version__"]
 
 
 def __getattr__(name: str):
@@ -16,4 +16,8 @@ def __getattr__(name: str):
         from mirror_sd.runtime.pipeline import Pipeline
 
         return Pipeline
+    if name == "GenerationConfig":
+        from mirror_sd.runtime.config import GenerationConfig
+
+        return GenerationConfig
     raise AttributeError(f"module 'mirror_sd' has no attribute {name!r}")

@@ -16,7 +16,7 @@ def _export(args: argparse.Namespace) -> int:
 
     exit_layer, top_k = args.exit_layer, args.top_k
     if args.plan is not None:  # the plan's advice fills what was not given (an exit adapter sets its own layer)
-        from mirror_sd.partitions.planner import export_advice, read_plan
+        from mirror_sd.partitions.plan_file import export_advice, read_plan
 
         advice = export_advice(read_plan(args.plan))
         if exit_layer is None and args.exit_adapter is None:
@@ -61,31 +61,31 @@ def _generate(args: argparse.Namespace) -> int:
     if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
         prompt = [{"role": "user", "content": args.prompt}]
-    streaming = "off" if args.no_draft_streaming else args.draft_streaming or True  # True: the runtime's default
-    options = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, overlap=not args.no_overlap,
-                   stop=args.stop or (), draft_streaming=streaming)
-    # not given: the bundle's plan.json decides, else the built-in defaults
-    options.update({name: value for name, value in (("gamma", args.gamma), ("kappa", args.kappa),
-                                                    ("branch_budget", args.branch_budget)) if value is not None})
+    given = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()) or None,
+                 draft_streaming="off" if args.no_draft_streaming else args.draft_streaming,
+                 overlap=False if args.no_overlap else None,
+                 gamma=args.gamma, kappa=args.kappa, branch_budget=args.branch_budget)
+    # what was not given keeps the pipeline's config: the built-in defaults, with the bundle plan's merged in
+    options = {name: value for name, value in given.items() if value is not None}
     if options.get("branch_budget") == "auto":
         options["branch_budget"] = None
+    config = pipe.generation_config.updated(**options)
 
     def show(_token: int, text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = pipe.generate(prompt, streamer=None if args.json else show, **options)
+    result = pipe.generate(prompt, config, streamer=None if args.json else show)
     if args.json:
-        print(json.dumps({"token_ids": result.token_ids, "text": result.text, "stats": result.stats}))
+        print(json.dumps({"token_ids": result.token_ids, "text": result.text, "stats": result.stats.as_dict()}))
     else:
         s = result.stats
         print()
-        print(f"[{s['mode']}] {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
-              f"ttft {s['ttft_s'] * 1000:.1f} ms, "
-              f"{s['mean_accepted_tokens']:.2f} tokens/step, acceptance {s['acceptance_rate']:.2f}, "
-              f"branch hits {s['branch_hit_rate']:.2f}, draft hidden {s['draft_hidden_fraction']:.2f}, "
-              f"fallbacks {s['fallbacks']} ({result.finish_reason})", file=sys.stderr)
+        print(f"[{s.mode}] {s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, ttft {s.ttft_s * 1000:.1f} ms, "
+              f"{s.mean_accepted_tokens:.2f} tokens/step, acceptance {s.acceptance_rate:.2f}, "
+              f"branch hits {s.branch_hit_rate:.2f}, draft hidden {s.draft_hidden_fraction:.2f}, "
+              f"fallbacks {s.fallbacks} ({result.finish_reason})", file=sys.stderr)
     return 0
 
 
@@ -121,7 +121,8 @@ def _budget(text: str) -> int | str:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from mirror_sd.partitions.planner import PLAN_FILE, iter_table
+    from mirror_sd.partitions.plan_file import PLAN_FILE
+    from mirror_sd.partitions.planner import iter_table
     from mirror_sd.runtime.profile import ProfileOptions, plan_bundle
 
     defaults = ProfileOptions()
@@ -196,12 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 5,17,33")
     g.add_argument("--raw", action="store_true",
                    help="send --prompt as plain text (default: as a user turn of the bundle's chat template, if any)")
-    g.add_argument("--mode", default="mirror", help="ar (target only), sd (vanilla speculative) or mirror (default)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
-    g.add_argument("--seed", type=int, default=0)
+    # generation options left out take runtime/config.py GenerationConfig's defaults (and the bundle plan's)
+    g.add_argument("--mode", default=None, help="ar (target only), sd (vanilla speculative) or mirror (default)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="default 64")
+    g.add_argument("--temperature", type=float, default=None, help="0 (default): greedy")
+    g.add_argument("--top-p", type=float, default=None, help="default 1.0")
+    g.add_argument("--top-k", type=int, default=None, help="sampling top-k (default 0: off)")
+    g.add_argument("--seed", type=int, default=None, help="default 0")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--gamma", type=int, default=None, help="draft window length (default: the bundle's plan, else 4)")
     g.add_argument("--kappa", type=int, default=None,

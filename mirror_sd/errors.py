@@ -39,3 +39,10 @@ class PackageError(MirrorSDError):
 class ContextLimitError(BadInputError):
     """A prompt plus the tokens asked for would not fit the context: the model's positions or the KV buffers the
     runtime allocated (raised before any device work)."""
+
+
+def check_int(name: str, value: object, low: int) -> None:
+    """BadInputError unless `value` is an int >= low. A bool is refused although it is an int: `True` given for a
+    count is a mistake, never a 1."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise BadInputError(f"{name} must be an integer >= {low}, got {value!r}")

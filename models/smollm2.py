@@ -169,7 +169,7 @@ def _bundled_vocab(bundle: Path) -> list[int] | None:
 def _add_plan(bundle: Path, kind: str = "streaming") -> Path:
     """The committed plan of the bundle's draft as its plan.json, unless the bundle already has one (a `make plan`
     made here)."""
-    from mirror_sd.partitions.planner import PLAN_FILE
+    from mirror_sd.partitions.plan_file import PLAN_FILE
 
     dest = bundle / PLAN_FILE
     plan = FEATURE_PLAN if kind == "feature" else PLAN

@@ -33,7 +33,7 @@ from mirror_sd.partitions.manifest import (
     Manifest,
     resolve_inside,
 )
-from mirror_sd.partitions.package import (
+from mirror_sd.partitions.package_format import (
     BRANCH,
     DECODE,
     DEVICES,
@@ -46,7 +46,7 @@ from mirror_sd.partitions.package import (
     normalize_weights,
     sha256_of,
 )
-from mirror_sd.partitions.planner import PLAN_FILE
+from mirror_sd.partitions.plan_file import PLAN_FILE
 from mirror_sd.partitions.spec import KEEP, PartitionSpec, TensorSpec
 
 DRAFT_DIR = "draft"

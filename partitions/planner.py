@@ -1,8 +1,10 @@
 """The partition planner: a cost model of one Mirror-SD step and a search over the settings it depends on.
 
 Plain data and pure functions only (no torch, no runtimes): `runtime/profile.py` measures a bundle into a `Profile`,
-this module predicts tokens/s for every `Candidate` and ranks them. Symbols: N target layers, l exit layer,
-gamma window, T = gamma + 1 verification positions, kappa candidates per position, b branch budget.
+this module predicts tokens/s for every `Candidate` and ranks them, and `plan_document` writes the result as
+plan.json (its format, and reading it back, live in plan_file.py: the runtime needs those, not the model).
+Symbols: N target layers, l exit layer, gamma window, T = gamma + 1 verification positions, kappa candidates per
+position, b branch budget.
 
 Cost of one step (seconds), for a candidate on one thread split:
 
@@ -38,17 +40,12 @@ What the bundle cannot show, and how it is extrapolated:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from mirror_sd.errors import BadInputError
-
-PLAN_FILE = "plan.json"  # optional file in a bundle directory: the runtime's defaults come from it when present
-PLAN_FORMAT = "mirror-sd-plan"
-PLAN_VERSION = 1
+from mirror_sd.errors import BadInputError, check_int
+from mirror_sd.partitions.plan_file import PLAN_FORMAT, PLAN_VERSION
 
 
 # -- measured inputs -------------------------------------------------------------------------------------------
@@ -185,7 +182,7 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     """Expected tokens committed by verifying a gamma window when each token is accepted with probability alpha
     (independently, until the first rejection), counting the target's own correction or bonus token."""
     _check_prob("alpha", alpha)
-    _check_int("gamma", gamma, 1)
+    check_int("gamma", gamma, 1)
     if alpha >= 1.0:
         return gamma + 1.0
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
@@ -195,7 +192,7 @@ def fit_alpha(acceptance_rate: float, gamma: int) -> float:
     """The per-token acceptance probability alpha whose expected accepted tokens per window,
     alpha (1 - alpha^gamma) / (1 - alpha), equal acceptance_rate * gamma (the measured accepted / proposed)."""
     _check_prob("acceptance_rate", acceptance_rate)
-    _check_int("gamma", gamma, 1)
+    check_int("gamma", gamma, 1)
     target = acceptance_rate * gamma
     lo, hi = 0.0, 1.0
     for _ in range(60):  # the expectation rises monotonically in alpha: bisection
@@ -218,7 +215,7 @@ def split_layer_costs(prefix_s: float, suffix_s: float, num_layers: int, exit_la
     after its layers, (P - l c) and (S - (N - l) c): it absorbs per-call overhead, and it reproduces both
     measurements exactly at the bundle's split. Per-layer cost of each partition alone is (time - head) / layers.
     """
-    _check_int("num_layers", num_layers, 2)
+    check_int("num_layers", num_layers, 2)
     if not 1 <= exit_layer <= num_layers - 1:
         raise BadInputError(f"exit layer {exit_layer} is outside [1, {num_layers - 1}]")
     for name, v in (("prefix time", prefix_s), ("suffix time", suffix_s), ("prefix head ratio", prefix_head_layers),
@@ -243,8 +240,8 @@ def draft_forward(d: DraftTimes, rows: int, width: int) -> float:
     """One draft forward of `rows` rows feeding `width` tokens each: bilinear over the measured grid (linear
     extrapolation past its edges: cost grows about linearly in rows x tokens once the weights are no longer the
     bottleneck)."""
-    _check_int("rows", rows, 1)
-    _check_int("width", width, 1)
+    check_int("rows", rows, 1)
+    check_int("width", width, 1)
     widths = sorted({w for _, w in d.forward_s})
     by_width = {w: {b: s for (b, ww), s in d.forward_s.items() if ww == w} for w in widths}
     at_width = {w: _interp1(by_width[w], rows) for w in widths}
@@ -285,9 +282,9 @@ def predict(profile: Profile, cand: Candidate) -> Plan:
     n = profile.num_layers
     if not 1 <= cand.exit_layer <= n - 1:
         raise BadInputError(f"exit layer {cand.exit_layer} is outside [1, {n - 1}]")
-    _check_int("gamma", cand.gamma, 1)
-    _check_int("kappa", cand.kappa, 1)
-    _check_int("branch_budget", cand.branch_budget, 0)
+    check_int("gamma", cand.gamma, 1)
+    check_int("kappa", cand.kappa, 1)
+    check_int("branch_budget", cand.branch_budget, 0)
     if cand.kappa > profile.top_k:
         raise BadInputError(f"kappa {cand.kappa} exceeds the bundle's early-exit top_k {profile.top_k}")
     key = (cand.gamma, cand.kappa, cand.branch_budget)
@@ -370,11 +367,11 @@ def validate_profile(profile: Profile) -> None:
     """BadInputError on the first measured value that is missing, negative, or out of range."""
     if not profile.splits:
         raise BadInputError("the profile holds no thread split")
-    _check_int("top_k", profile.top_k, 1)
+    check_int("top_k", profile.top_k, 1)
     seen = set()
     for sp in profile.splits:
-        _check_int("target_threads", sp.target_threads, 1)
-        _check_int("draft_threads", sp.draft_threads, 1)
+        check_int("target_threads", sp.target_threads, 1)
+        check_int("draft_threads", sp.draft_threads, 1)
         if (sp.target_threads, sp.draft_threads) in seen:
             raise BadInputError(f"thread split {sp.target_threads}+{sp.draft_threads} is profiled twice")
         seen.add((sp.target_threads, sp.draft_threads))
@@ -389,7 +386,7 @@ def validate_profile(profile: Profile) -> None:
                 raise BadInputError(f"no {name} timings")
             for v in table.values():
                 _check_nonneg(f"{name} time", v)
-        _check_int("draft width", sp.draft.width, 1)
+        check_int("draft width", sp.draft.width, 1)
         _check_nonneg("rendezvous time", sp.rendezvous_s)
         split_layer_costs(t.prefix_s[min(t.prefix_s)], t.suffix_s[min(t.suffix_s)], t.num_layers, t.exit_layer,
                           t.prefix_head_layers, t.suffix_head_layers)
@@ -398,36 +395,19 @@ def validate_profile(profile: Profile) -> None:
     if not cal.acceptance or not cal.eta or not cal.hit_rate:
         raise BadInputError("the calibration holds no acceptance, draft-rate or hit-rate measurement")
     for g, a in cal.acceptance.items():
-        _check_int("gamma", g, 1)
+        check_int("gamma", g, 1)
         _check_prob("acceptance_rate", a)
     for g, e in cal.eta.items():
         if not (isinstance(e, (int, float)) and math.isfinite(e) and e > 0):
             raise BadInputError(f"draft tokens per forward must be > 0, got {e!r} for gamma {g}")
     for (_g, _k, b), h in cal.hit_rate.items():
         _check_prob("branch_hit_rate", h)
-        _check_int("branch_budget", b, 0)
+        check_int("branch_budget", b, 0)
     for layer, c in cal.coverage.items():
         _check_prob(f"coverage at layer {layer}", c)
 
 
-# -- the plan file -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RuntimeDefaults:
-    """The settings a bundle's plan.json gives the runtime (each overridable per call)."""
-
-    gamma: int
-    kappa: int
-    branch_budget: int | None  # None: adaptive
-    target_threads: int
-    draft_threads: int
-
-
-@dataclass(frozen=True)
-class ExportAdvice:
-    exit_layer: int
-    top_k: int
-
-
+# -- the plan document (plan_file.py reads it back) ------------------------------------------------------------
 def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, Any] | None = None,
                   table_rows: int = 20) -> dict[str, Any]:
     """The JSON a plan is written as: the runtime defaults (best at the bundle's own exit layer), the export advice
@@ -478,44 +458,6 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     }
 
 
-def read_plan(path: str | Path) -> dict[str, Any]:
-    """A plan file, checked: BadInputError if it is unreadable or not a plan of this version."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInputError(f"cannot read plan {str(path)!r}: {e}") from None
-    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or doc.get("version") != PLAN_VERSION:
-        raise BadInputError(f"{str(path)!r} is not a {PLAN_FORMAT} file of version {PLAN_VERSION}")
-    for part in ("bundle", "runtime", "export"):
-        if not isinstance(doc.get(part), dict):
-            raise BadInputError(f"plan {str(path)!r} has no {part!r} section")
-    return doc
-
-
-def runtime_defaults(doc: Mapping[str, Any], exit_layer: int, top_k: int) -> RuntimeDefaults:
-    """The runtime section of a plan made for a bundle with this exit layer and top_k; BadInputError if the plan
-    was made for another export (its settings were measured on other graphs) or a value is out of range."""
-    b, r = doc["bundle"], doc["runtime"]
-    if b.get("exit_layer") != exit_layer or b.get("top_k") != top_k:
-        raise BadInputError(f"the plan was made for exit layer {b.get('exit_layer')} / top_k {b.get('top_k')}, the "
-                            f"bundle has {exit_layer} / {top_k}: run `mirror-sd plan` on this bundle again")
-    for name, low in (("gamma", 1), ("kappa", 1), ("target_threads", 1), ("draft_threads", 1)):
-        _check_int(f"plan runtime.{name}", r.get(name), low)
-    if r["kappa"] > top_k:
-        raise BadInputError(f"plan runtime.kappa {r['kappa']} exceeds the bundle's top_k {top_k}")
-    budget = r.get("branch_budget")
-    if budget is not None:
-        _check_int("plan runtime.branch_budget", budget, 0)
-    return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"])
-
-
-def export_advice(doc: Mapping[str, Any]) -> ExportAdvice:
-    e = doc["export"]
-    _check_int("plan export.exit_layer", e.get("exit_layer"), 1)
-    _check_int("plan export.top_k", e.get("top_k"), 1)
-    return ExportAdvice(e["exit_layer"], e["top_k"])
-
-
 # -- helpers ---------------------------------------------------------------------------------------------------
 def _split(profile: Profile, target_threads: int, draft_threads: int) -> SplitProfile:
     for s in profile.splits:
@@ -553,11 +495,6 @@ def _interp1(table: Mapping[int, float], x: float) -> float:
         i += 1
     x0, x1 = xs[i - 1], xs[i]
     return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise BadInputError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def _check_prob(name: str, value: Any) -> None:

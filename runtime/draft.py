@@ -44,26 +44,17 @@ from typing import Callable
 import numpy as np
 
 from mirror_sd.partitions.manifest import LOGITS, STREAM_IDS
-from mirror_sd.runtime.engines import GraphEngine
-from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
+from mirror_sd.runtime.config import streaming_mode
+from mirror_sd.runtime.engines import DraftEngine
+from mirror_sd.runtime.kv import ContextLane, LayerKV, OwnPast, positions
 from mirror_sd.runtime.messages import BranchKey, BranchSet, DraftWindow, ExitCandidates, frozen
 from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, rng_for
+from mirror_sd.runtime.stats import Recorder
 
 PAD_ID = 0  # any id: padded slots are masked out
-# How a streaming draft uses its proposals: not at all, self-checked by the next forward, or (greedy) the last
-# ones taken as drafted. "verify" windows equal one-token-per-forward windows; "trust" windows take fewer forwards.
-# "trust" is what streaming on means: on the real pair it drafts 3.95 tokens per forward against 1.38 for "verify"
-# at 0.96x the acceptance (results/smollm2-draft-eval.json); sampled windows fall back to "verify" by themselves.
-STREAMING_MODES = ("off", "verify", "trust")
-
-
-def streaming_mode(value: bool | str) -> str:
-    """A STREAMING_MODES value from a mode name or a bool (True: "trust", False: "off")."""
-    if isinstance(value, bool):
-        return "trust" if value else "off"
-    if value not in STREAMING_MODES:
-        raise ValueError(f"draft streaming must be one of {', '.join(STREAMING_MODES)}, not {value!r}")
-    return value
+# "trust" is what streaming on means (runtime/config.py STREAMING_MODES): on the real pair it drafts 3.95 tokens per
+# forward against 1.38 for "verify" at 0.96x the acceptance (results/smollm2-draft-eval.json); sampled windows fall
+# back to "verify" by themselves.
 
 
 _NONE = np.zeros(0, np.int64)
@@ -161,14 +152,13 @@ def _confirm(choose_at: Callable[[int], int], proposals: np.ndarray, room: int) 
 
 
 class Drafter:
-    def __init__(self, engine: GraphEngine, params: SamplingParams,
-                 on_forward: Callable[[float, float, int, int], None] | None = None,
-                 streaming: bool | str = True) -> None:
-        """streaming: a STREAMING_MODES value; True is "trust", False is "off" (a streaming draft one token per
-        forward, its proposals ignored: the same tokens as "verify")."""
+    def __init__(self, engine: DraftEngine, params: SamplingParams, streaming: bool | str = True,
+                 recorder: Recorder | None = None) -> None:
+        """streaming: runtime/config.py STREAMING_MODES; True is "trust", False is "off" (a streaming draft one
+        token per forward, its proposals ignored: the same tokens as "verify"). recorder: where this generation's
+        draft forwards are timed and counted (None: nowhere)."""
         self.engine, self.params = engine, params
-        # (start, end, rows, tokens produced) per forward, for the stats; a prompt read reports 0 rows
-        self.on_forward = on_forward
+        self.recorder = recorder or Recorder()
         self.lane = engine.context_lane()
         self.rows: _Rows | None = None  # the last branch set's rows, kept until the next request
         facts = engine.facts
@@ -187,16 +177,13 @@ class Drafter:
         self.rows = None
 
     # -- building blocks -----------------------------------------------------------------------------------
-    def _forward(self, x: np.ndarray, shared: np.ndarray, own: OwnPast, new_mask: np.ndarray, keep: int
-                 ) -> tuple[dict[str, np.ndarray], dict, tuple[float, float]]:
-        """One forward; its heads on the last `keep` columns only."""
+    def _forward(self, x: np.ndarray, shared: np.ndarray, own: OwnPast, new_mask: np.ndarray, keep: int,
+                 rows: int) -> tuple[dict[str, np.ndarray], LayerKV]:
+        """One forward for `rows` rollout rows (0: reading a prompt); its heads on the last `keep` columns only."""
         start = time.perf_counter()
         out, new_kv = self.engine.run(x, positions(shared, own, new_mask), self.lane, shared, own, new_mask, keep)
-        return out, new_kv, (start, time.perf_counter())
-
-    def _report(self, interval: tuple[float, float], rows: int, tokens: int) -> None:
-        if self.on_forward:
-            self.on_forward(*interval, rows, tokens)
+        self.recorder.draft_forward(start, time.perf_counter(), rows)
+        return out, new_kv
 
     def _take(self, seq: np.ndarray, keep_last: bool = True) -> int:
         """Make the lane hold the longest prefix of `seq` any cache has (at most len - 1 when keep_last, so at least
@@ -214,16 +201,15 @@ class Drafter:
         self.lane.truncate(keep)
         return keep
 
-    def _read(self, seq: np.ndarray) -> tuple[float, float] | None:
-        """Feed `seq` into the lane in chunks (a prompt); returns the reading's interval."""
-        start, chunk = time.perf_counter(), self.engine.prompt_chunk
+    def _read(self, seq: np.ndarray) -> None:
+        """Feed `seq` into the lane in chunks (a prompt)."""
+        chunk = self.engine.prompt_chunk
         for lo in range(0, seq.size, chunk):
             part = seq[None, lo:lo + chunk]
             mask = np.ones(part.shape, np.int64)
             own = self.engine.empty_own(1)
-            _, new_kv, _ = self._forward(part, np.array([self.lane.length]), own, mask, 1)  # KV only: no heads
+            _, new_kv = self._forward(part, np.array([self.lane.length]), own, mask, 1, 0)  # KV only: no heads
             self.lane.append(new_kv, part[0])
-        return start, time.perf_counter()
 
     def _roll(self, shared: np.ndarray, tails: list[np.ndarray], rngs: list, gamma: int,
               cancelled: Callable[[], bool]) -> _Rows:
@@ -248,7 +234,8 @@ class Drafter:
                 row = np.concatenate([feeds[b], props[b]])
                 x[b, width - row.size:], mask[b, width - row.size:] = row, 1
             span = 1 + max(props[b].size for b in active)  # the columns where choices are made: the heads run there
-            out, new_kv, interval = self._forward(x, shared, own, mask, span)
+            # finished rows feed only holes: they are not row-forwards
+            out, new_kv = self._forward(x, shared, own, mask, span, len(active))
             forwards += 1
             step_logits, first = out[LOGITS], width - span  # [B,span,Vd]: column j is input column first + j
             choices = vocab.argmax(step_logits) if params.greedy else None  # [B,span]
@@ -282,7 +269,7 @@ class Drafter:
                 more = min(self.streams, room - 1)  # never propose past the window
                 props[b] = out[STREAM_IDS][b, col + accepted - first, :more].astype(np.int64) if more > 0 else _NONE
             own = own.extended(new_kv, keep)
-            self._report(interval, len(active), produced)  # finished rows fed only holes: not row-forwards
+            self.recorder.drafted(produced)
 
     def _window(self, context_len: int, rows: _Rows, b: int) -> DraftWindow:
         lg = None if self.params.greedy else frozen(self.vocab.full(np.stack(rows.logits[b])))
@@ -294,8 +281,7 @@ class Drafter:
         seq = np.asarray(context, np.int64)
         keep = self._take(seq, keep_last=False)
         if keep < seq.size:
-            interval = self._read(seq[keep:])
-            self._report(interval, 0, 0)  # reads the prompt, produces no draft token
+            self._read(seq[keep:])
         return int(seq.size - keep)
 
     def rollout(self, context: tuple[int, ...], gamma: int) -> DraftWindow:
@@ -324,6 +310,6 @@ class Drafter:
         rngs = [None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, b.size) for b in bases]
         rows = self._roll(shared, [b[s:] for b, s in zip(bases, shared)], rngs, gamma, cancelled)
         if not rows.complete:
-            return BranchSet.of({}, rows.forwards, complete=False)
+            return BranchSet.of({}, rows.forwards)  # cancelled: no windows
         self.rows = rows
         return BranchSet.of({key: self._window(bases[b].size, rows, b) for b, key in enumerate(plan)}, rows.forwards)

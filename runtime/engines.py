@@ -10,6 +10,7 @@ is in runtime/target.py.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,55 @@ LANE_OVERHANG = 64
 PROMPT_CHUNK = 512  # prompt tokens per forward when the draft reads a prompt: bounds its attention scratch
 
 
-class GraphEngine:
+class DraftEngine(ABC):
+    """What a drafter (runtime/draft.py, runtime/feature_draft.py) needs of a draft engine, and the caches both
+    engines shape the same way. Two implement it: `GraphEngine` (the bundle's dynamic graph) and
+    runtime/static_draft.py's `StaticDraftEngine` (a package's static IR)."""
+
+    def __init__(self, spec: PartitionSpec, facts: ModelFacts, output_ids: np.ndarray | None) -> None:
+        self.spec, self.facts = spec, facts
+        self.output_ids = output_ids  # the target id of each logits column (None: column i is id i)
+        self.head_outputs = tuple(o.name for o in spec.outputs if not o.name.startswith("present."))
+        self.forwards = 0  # graph executions so far (the stats report a generation's share)
+
+    backend: str  # what runs it ("onnxruntime", "openvino", "openvino-static") and on which device
+    device: str
+    lane_capacity: int  # the slots of a context lane
+    prompt_chunk: int  # the widest feed worth one forward when reading a prompt
+
+    @abstractmethod
+    def describe(self) -> dict[str, object]:
+        """What ran the draft, for the stats."""
+
+    @abstractmethod
+    def run(self, x: np.ndarray, positions: np.ndarray, lane: ContextLane, shared: np.ndarray, own: OwnPast,
+            new_mask: np.ndarray, keep: int | None = None, channel: dict[str, np.ndarray] | None = None
+            ) -> tuple[dict[str, np.ndarray], LayerKV]:
+        """Run x [B,T] at `positions` [B,T]; row b reads lane slots [0, shared[b]), its own past, and x where
+        new_mask [B,T] is 1. Returns (head outputs [B,keep,...] for the last `keep` columns (default all T), new KV
+        [B,kv_heads,T,head_dim] per layer), copies. channel: a feature draft's features/surrogate/use_surrogate
+        [B,T,...] (partitions/manifest.py)."""
+
+    def context_lane(self) -> ContextLane:
+        """An empty lane with buffers of `lane_capacity` slots of its own."""
+        f = self.facts
+        shape = (1, f.num_kv_heads, self.lane_capacity, f.head_dim)
+        return ContextLane({i: (np.zeros(shape, f.dtype), np.zeros(shape, f.dtype)) for i in self.spec.kv_layers})
+
+    def empty_own(self, batch: int = 1) -> OwnPast:
+        f = self.facts
+        return OwnPast.empty(self.spec.kv_layers, batch, f.num_kv_heads, f.head_dim, f.dtype)
+
+    def prefill(self, x: np.ndarray, channel: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Head outputs for whole sequences x [B,T] from an empty past (the reference generator)."""
+        mask = np.ones(x.shape, np.int64)
+        own = self.empty_own(x.shape[0])
+        heads, _ = self.run(x, np.broadcast_to(np.arange(x.shape[1]), x.shape).astype(np.int64), self.context_lane(),
+                            np.zeros(x.shape[0], np.int64), own, mask, channel=channel)
+        return heads
+
+
+class GraphEngine(DraftEngine):
     """The draft graph. Inputs: input_ids, position_ids, shared_mask, attention_mask (own past + new), the shared and
     own past KV of its layers; outputs: its head outputs plus the new tokens' KV.
 
@@ -44,10 +93,8 @@ class GraphEngine:
     def __init__(self, graph: OpenedGraph, spec: PartitionSpec, facts: ModelFacts,
                  output_ids: np.ndarray | None = None) -> None:
         _check_names(graph, spec)
-        self.graph, self.spec, self.facts = graph, spec, facts
-        self.output_ids = output_ids
-        self.head_outputs = tuple(o.name for o in spec.outputs if not o.name.startswith("present."))
-        self.forwards = 0  # graph executions so far (the stats report a generation's share)
+        super().__init__(spec, facts, output_ids)
+        self.graph = graph
 
     @property
     def backend(self) -> str:
@@ -56,10 +103,6 @@ class GraphEngine:
     @property
     def device(self) -> str:
         return self.graph.device
-
-    @property
-    def tokens_per_forward(self) -> int:
-        return self.spec.tokens_per_forward
 
     def describe(self) -> dict[str, object]:
         """What ran this graph, for the stats (the static-IR draft engine reports its shapes and weights)."""
@@ -74,23 +117,9 @@ class GraphEngine:
         """The widest feed worth one forward when reading a prompt."""
         return PROMPT_CHUNK
 
-    def context_lane(self) -> ContextLane:
-        """An empty lane with buffers of `lane_capacity` slots of its own."""
-        f = self.facts
-        shape = (1, f.num_kv_heads, self.lane_capacity, f.head_dim)
-        return ContextLane({i: (np.zeros(shape, f.dtype), np.zeros(shape, f.dtype)) for i in self.spec.kv_layers})
-
-    def empty_own(self, batch: int = 1) -> OwnPast:
-        f = self.facts
-        return OwnPast.empty(self.spec.kv_layers, batch, f.num_kv_heads, f.head_dim, f.dtype)
-
     def run(self, x: np.ndarray, positions: np.ndarray, lane: ContextLane, shared: np.ndarray, own: OwnPast,
             new_mask: np.ndarray, keep: int | None = None, channel: dict[str, np.ndarray] | None = None
             ) -> tuple[dict[str, np.ndarray], LayerKV]:
-        """Run x [B,T] at `positions` [B,T]; row b reads lane slots [0, shared[b]), its own past, and x where
-        new_mask [B,T] is 1. Returns (head outputs [B,keep,...] for the last `keep` columns (default all T), new KV
-        [B,kv_heads,T,head_dim] per layer), copies. channel: a feature draft's features/surrogate/use_surrogate
-        [B,T,...] (partitions/manifest.py)."""
         batch, new = x.shape
         if own.batch != batch:
             raise ValueError(f"input batch {batch} != own past batch {own.batch}")
@@ -109,14 +138,6 @@ class GraphEngine:
         heads = {name: np.array(out[name]) for name in self.head_outputs}
         return heads, {i: (np.array(out[present_key_name(i)]), np.array(out[present_value_name(i)]))
                        for i in own.layers}
-
-    def prefill(self, x: np.ndarray, channel: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """Head outputs for whole sequences x [B,T] from an empty past (the reference generator)."""
-        mask = np.ones(x.shape, np.int64)
-        own = self.empty_own(x.shape[0])
-        heads, _ = self.run(x, np.broadcast_to(np.arange(x.shape[1]), x.shape).astype(np.int64), self.context_lane(),
-                            np.zeros(x.shape[0], np.int64), own, mask, channel=channel)
-        return heads
 
 
 def _check_names(graph: OpenedGraph, spec: PartitionSpec) -> None:

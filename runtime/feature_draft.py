@@ -31,7 +31,7 @@ import numpy as np
 
 from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, SURROGATE, USE_SURROGATE
 from mirror_sd.runtime.draft import PAD_ID, DraftVocab, _common_prefix
-from mirror_sd.runtime.engines import GraphEngine
+from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.kv import LayerKV, positions
 from mirror_sd.runtime.messages import (
     BranchKey,
@@ -43,6 +43,7 @@ from mirror_sd.runtime.messages import (
     frozen,
 )
 from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, rng_for
+from mirror_sd.runtime.stats import Recorder
 
 
 def empty_channel(facts, batch: int, width: int) -> dict[str, np.ndarray]:
@@ -100,14 +101,14 @@ class _Rows:
 
 
 class FeatureDrafter:
-    def __init__(self, engine: GraphEngine, params: SamplingParams,
-                 on_forward: Callable[[float, float, int, int], None] | None = None) -> None:
+    def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None = None) -> None:
         facts = engine.facts
         if not facts.feature_taps:
             raise ValueError("FeatureDrafter needs a feature draft (the manifest's draft.feature_taps)")
         if facts.output_vocab_size and engine.output_ids is None:
             raise ValueError("the draft predicts over a reduced vocabulary, but its engine has no output_ids")
-        self.engine, self.params, self.on_forward = engine, params, on_forward
+        self.engine, self.params = engine, params
+        self.recorder = recorder or Recorder()  # where this generation's draft forwards are timed and counted
         self.vocab = DraftVocab(facts.vocab_size, engine.output_ids)
         self.lane = engine.context_lane()  # slot j: input j + 1, fed with real taps
         self.store = FeatureStore(engine.lane_capacity + 1, len(facts.feature_taps), facts.hidden_size, facts.dtype)
@@ -123,9 +124,13 @@ class FeatureDrafter:
         for block in features:
             self.store.absorb(block)
 
-    def _report(self, start: float, rows: int, tokens: int) -> None:
-        if self.on_forward:
-            self.on_forward(start, time.perf_counter(), rows, tokens)
+    def _forward(self, x: np.ndarray, shared: np.ndarray, own, mask: np.ndarray, channel: dict[str, np.ndarray],
+                 rows: int) -> tuple[dict[str, np.ndarray], LayerKV]:
+        """One forward for `rows` rollout rows (0: reading a prompt), its heads on the last column only."""
+        start = time.perf_counter()
+        out = self.engine.run(x, positions(shared, own, mask), self.lane, shared, own, mask, 1, channel)
+        self.recorder.draft_forward(start, time.perf_counter(), rows)
+        return out
 
     def _check_taps(self, seq: np.ndarray) -> None:
         """Every input of seq (tokens 1..n-1) needs the taps of the position before it."""
@@ -156,16 +161,14 @@ class FeatureDrafter:
         chunk = self.engine.prompt_chunk
         for lo in range(start + 1, seq.size, chunk):
             hi = min(lo + chunk, seq.size)
-            t0 = time.perf_counter()
             x = seq[None, lo:hi]
             mask = np.ones(x.shape, np.int64)
             own = self.engine.empty_own(1)
             channel = empty_channel(self.engine.facts, 1, x.shape[1])
             channel[FEATURES][0] = self.store.taps[lo - 1:hi - 1]
             shared = np.array([self.lane.length])
-            _, new_kv = self.engine.run(x, positions(shared, own, mask), self.lane, shared, own, mask, 1, channel)
+            _, new_kv = self._forward(x, shared, own, mask, channel, 0)
             self.lane.append(new_kv, x[0])
-            self._report(t0, 0, 0)
 
     def _roll(self, bases: list[np.ndarray], shared: np.ndarray, rngs: list, gamma: int,
               cancelled: Callable[[], bool]) -> _Rows:
@@ -186,8 +189,7 @@ class FeatureDrafter:
         real: list[LayerKV] = []
         forwards = 0
         while True:
-            t0 = time.perf_counter()
-            out, new_kv = engine.run(x, positions(shared, own, mask), self.lane, shared, own, mask, 1, channel)
+            out, new_kv = self._forward(x, shared, own, mask, channel, n)
             forwards += 1
             own = own.extended(new_kv, mask)
             if forwards == 1:
@@ -199,7 +201,7 @@ class FeatureDrafter:
                 else:
                     logits[b].append(step_logits[b])
                     tokens[b].append(self.vocab.choose(step_logits[b], self.params, rngs[b]))
-            self._report(t0, n, n)
+            self.recorder.drafted(n)
             if len(tokens[0]) == gamma:
                 return _Rows(tokens, logits, bases, shared, real, forwards)
             if cancelled():
@@ -251,6 +253,6 @@ class FeatureDrafter:
         rngs = [None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, b.size) for b in bases]
         rows = self._roll(bases, shared, rngs, gamma, cancelled)
         if not rows.complete:
-            return BranchSet.of({}, rows.forwards, complete=False)
+            return BranchSet.of({}, rows.forwards)  # cancelled: no windows
         self.rows = rows
         return BranchSet.of({key: self._window(bases[b].size, rows, b) for b, key in enumerate(plan)}, rows.forwards)

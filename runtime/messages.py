@@ -99,17 +99,16 @@ class Branches:
 @dataclass(frozen=True)
 class BranchSet:
     windows: Mapping[BranchKey, DraftWindow]
-    forwards: int
-    complete: bool  # False when it was cancelled part way (then `windows` is empty)
+    forwards: int  # a set cancelled part way has no windows
 
     @classmethod
-    def of(cls, windows: dict[BranchKey, DraftWindow], forwards: int, complete: bool = True) -> BranchSet:
-        return cls(MappingProxyType(dict(windows)), forwards, complete)
+    def of(cls, windows: dict[BranchKey, DraftWindow], forwards: int) -> BranchSet:
+        return cls(MappingProxyType(dict(windows)), forwards)
 
 
 @dataclass(frozen=True)
 class Warmed:
-    tokens: int
+    tokens: int  # prompt tokens the draft read (the lane may have held the rest)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,8 @@ a plan made for another export of the bundle is refused.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,29 +25,28 @@ from typing import Any, Callable, Iterator, Sequence
 
 from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
-from mirror_sd.partitions.planner import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
+from mirror_sd.partitions.plan_file import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
 from mirror_sd.runtime.backends import BACKENDS
-from mirror_sd.runtime.draft import Drafter, streaming_mode
-from mirror_sd.runtime.engines import GraphEngine, open_engine
+from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.draft import Drafter
+from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter
-from mirror_sd.runtime.package import OpenedPackage, is_package, open_package
-from mirror_sd.runtime.sampling import SamplingParams
-from mirror_sd.runtime.scheduler import MODES, DecodeConfig, DraftWorker, decode
-from mirror_sd.runtime.stats import Counters
+from mirror_sd.runtime.package_reader import OpenedPackage, is_package, open_package
+from mirror_sd.runtime.scheduler import DraftWorker, decode
+from mirror_sd.runtime.stats import GenerationStats, Recorder
 from mirror_sd.runtime.target import Target, open_target
 from mirror_sd.runtime.text import TextCodec, TextSink
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 Streamer = Callable[[int, str], None]  # (token id, new text) for every committed token
-_UNSET: Any = object()  # an option the caller did not give: from the bundle's plan, else the built-in default
-BUILTIN_GAMMA, BUILTIN_THREADS = 4, 1
+BUILTIN_THREADS = 1  # per engine, where neither the caller nor the bundle's plan says
 
 
 @dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]  # new tokens only; an EOS that ended generation is included
     text: str  # their text, without special tokens, cut before a stop string
-    stats: dict[str, Any]
+    stats: GenerationStats  # typed; also reads as a mapping (stats["acceptance_rate"]), stats.as_dict() for JSON
     finish_reason: str  # "eos", "stop" or "length"
 
 
@@ -74,7 +72,7 @@ class GenerationStream:
 
 
 class Pipeline:
-    def __init__(self, manifest: Manifest, target: Target, draft: GraphEngine, codec: TextCodec,
+    def __init__(self, manifest: Manifest, target: Target, draft: DraftEngine, codec: TextCodec,
                  defaults: RuntimeDefaults | None = None, target_threads: int = BUILTIN_THREADS,
                  draft_threads: int = BUILTIN_THREADS, package: OpenedPackage | None = None) -> None:
         self.manifest, self.target, self.draft, self.codec = manifest, target, draft, codec
@@ -84,7 +82,12 @@ class Pipeline:
         # the longest context a generation may reach: the target's KV buffers (at most its positions); past the
         # draft's own context (if shorter) steps run on the target alone
         self.context_limit = target.capacity
-        self._draft_thread: threading.Thread | None = None  # the last draft thread, if it may still be running
+        # every generation's options: the built-in defaults with the plan's gamma, kappa and branch budget
+        self.generation_config = GenerationConfig()
+        if defaults:
+            self.generation_config = dataclasses.replace(self.generation_config, gamma=defaults.gamma,
+                                                         kappa=defaults.kappa, branch_budget=defaults.branch_budget)
+        self._worker: DraftWorker | None = None  # the last generation's draft worker, if its thread may still run
 
     @classmethod
     def load(cls, bundle: str | Path, *, target_device: str | None = None, draft_device: str | None = None,
@@ -156,10 +159,12 @@ class Pipeline:
         return ids
 
     # -- generation ----------------------------------------------------------------------------------------
-    def generate(self, prompt: Prompt, *, streamer: Streamer | None = None, **options: Any) -> GenerationResult:
-        """Generate from `prompt`; see `stream` for the options. `streamer(token_id, text)` gets every
-        committed token as it is committed."""
-        run = self._run(prompt, **options)
+    def generate(self, prompt: Prompt, config: GenerationConfig | None = None, *, streamer: Streamer | None = None,
+                 **overrides: Any) -> GenerationResult:
+        """Generate from `prompt` with `config` (default: `self.generation_config`), any of its fields overridden
+        by keyword (runtime/config.py lists them). `streamer(token_id, text)` gets every committed token as it is
+        committed."""
+        run = self._run(prompt, config, overrides)
         try:
             while True:
                 chunk = next(run)
@@ -170,61 +175,46 @@ class Pipeline:
         finally:
             run.close()
 
-    def stream(self, prompt: Prompt, **options: Any) -> GenerationStream:
-        """Options: mode ("ar", "sd", "mirror"), max_new_tokens, temperature (0 = greedy), top_p, top_k, seed,
-        stop (strings), gamma (window), kappa (candidates per position, <= the bundle's top_k), branch_budget
-        (None adapts; gamma, kappa and branch_budget default to the bundle's plan.json, else 4, the bundle's top_k
-        and None), overlap (False runs the same schedule serially), draft_timeout_s, draft_streaming ("trust"
-        or True, the default: a streaming draft's greedy windows take their last proposals as drafted - fewest
-        forwards, possibly other draft tokens, the target still verifies all; "verify": proposals are checked by
-        the draft's next forward, the windows one token per forward would give; False or "off": one token per
-        forward), trace (True: stats["trace"]
-        lists every phase as (phase, start_s, end_s) since the first one - prefix, suffix, draft, verify, wait)."""
-        return GenerationStream(self._run(prompt, **options))
+    def stream(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides: Any) -> GenerationStream:
+        """generate as an iterator of Chunks; its result is set once the iterator is exhausted."""
+        return GenerationStream(self._run(prompt, config, overrides))
 
-    def _run(self, prompt: Prompt, *, mode: str = "mirror", max_new_tokens: int = 64, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), gamma: int = _UNSET,
-             kappa: int | None = _UNSET, branch_budget: int | None = _UNSET, overlap: bool = True,
-             draft_timeout_s: float = 10.0, draft_streaming: bool | str = True, trace: bool = False) -> Iterator[Chunk]:
-        plan = self.defaults
-        if gamma is _UNSET:
-            gamma = plan.gamma if plan else BUILTIN_GAMMA
-        if kappa is _UNSET or kappa is None:
-            kappa = plan.kappa if plan else None  # None: the bundle's top_k
-        if branch_budget is _UNSET:
-            branch_budget = plan.branch_budget if plan else None  # None: adaptive
-        cfg = self._config(mode, max_new_tokens, temperature, top_p, top_k, seed, gamma, kappa, branch_budget,
-                           overlap, draft_timeout_s, draft_streaming, trace)
-        stop = _check_stop(stop)
+    def _run(self, prompt: Prompt, config: GenerationConfig | None, overrides: dict[str, Any]) -> Iterator[Chunk]:
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise BadInputError(f"config must be a GenerationConfig, not {type(config).__name__}")
+        cfg = (config or self.generation_config).updated(**overrides)
+        k_max = self.manifest.target.top_k
+        if cfg.kappa is not None and cfg.kappa > k_max:
+            raise BadInputError(f"kappa {cfg.kappa} exceeds the bundle's early-exit top_k {k_max}")
+        cfg = cfg.updated(kappa=cfg.kappa or k_max)
         ids = self.prompt_ids(prompt)
         if self.package:
-            self._check_bounds(len(ids), max_new_tokens, cfg)
-        if len(ids) + max_new_tokens > self.context_limit:
-            raise ContextLimitError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            self._check_bounds(len(ids), cfg)
+        if len(ids) + cfg.max_new_tokens > self.context_limit:
+            raise ContextLimitError(f"prompt ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
                                     f"context limit of {self.context_limit} tokens")
-        return self._decode(ids, cfg, stop)
+        return self._decode(ids, cfg)
 
-    def _check_bounds(self, prompt_len: int, max_new_tokens: int, cfg: DecodeConfig) -> None:
+    def _check_bounds(self, prompt_len: int, cfg: GenerationConfig) -> None:
         """A package's static shapes admit so much and no more: refused here, before any device work."""
         b = self.package.info.bounds
         if prompt_len > b.max_prompt:
             raise BadInputError(f"the prompt has {prompt_len} tokens; this package takes at most {b.max_prompt} "
                                 f"(MAX_PROMPT)")
-        if prompt_len + max_new_tokens > b.max_context:
-            raise BadInputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds this "
+        if prompt_len + cfg.max_new_tokens > b.max_context:
+            raise BadInputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds this "
                                 f"package's MAX_CONTEXT of {b.max_context} tokens")
         if cfg.mode != "ar" and cfg.gamma > b.max_gamma:
             raise BadInputError(f"gamma {cfg.gamma} exceeds this package's max_gamma {b.max_gamma}")
 
-    def _decode(self, ids: list[int], cfg: DecodeConfig, stop: tuple[str, ...]) -> Iterator[Chunk]:
-        stats = Counters(cfg.mode, gamma=cfg.gamma if cfg.mode != "ar" else 0,
-                         kappa=cfg.kappa if cfg.mode == "mirror" else 0,
-                         target_device=self.target.device, draft_device=self.draft.device,
-                         trace=[] if cfg.trace else None)
-        sink = TextSink(self.codec, stop, self.manifest.tokenizer.eos_token_ids, cfg.max_new_tokens)
-        drafter = self._drafter(cfg) if cfg.mode != "ar" else None
+    def _decode(self, ids: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
+        rec = Recorder(cfg.trace)
+        sink = TextSink(self.codec, cfg.stop, self.manifest.tokenizer.eos_token_ids, cfg.max_new_tokens)
+        worker = self._start_worker(cfg, rec) if cfg.mode != "ar" else None
         draft_forwards = self.draft.forwards
-        tokens = decode(self.target, drafter, tuple(ids), cfg, stats, on_worker=self._remember)
+        # the draft reads the prompt during the prefill only where target and draft threads fit the cores together
+        fits = self.target_threads + self.draft_threads <= len(os.sched_getaffinity(0))
+        tokens = decode(self.target, worker, tuple(ids), cfg, rec, warm_with_prefill=fits)
         start = time.perf_counter()
         ttft = 0.0
         try:
@@ -235,56 +225,31 @@ class Pipeline:
                 if sink.finish_reason:
                     break
         finally:
-            tokens.close()  # stops the draft thread and completes the stats
+            tokens.close()
+            if worker is not None:  # a stalled thread keeps running; the next call checks it has let go
+                worker.close(timeout=min(cfg.draft_timeout_s, 1.0))
         wall = time.perf_counter() - start
         # which draft graph ran, and how often: a package's stats show its static IR at work
-        draft_info = {**self.draft.describe(), "draft_graph_forwards": self.draft.forwards - draft_forwards}
-        return GenerationResult(list(sink.ids), sink.text, {**stats.as_dict(len(sink.ids), ttft, wall), **draft_info},
-                                sink.finish_reason or "length")
+        draft_engine = {**self.draft.describe(), "draft_graph_forwards": self.draft.forwards - draft_forwards}
+        stats = rec.finish(mode=cfg.mode, gamma=cfg.gamma if cfg.mode != "ar" else 0,
+                           kappa=cfg.kappa if cfg.mode == "mirror" else 0, new_tokens=len(sink.ids), ttft_s=ttft,
+                           wall_s=wall, target_device=self.target.device, draft_device=self.draft.device,
+                           draft_engine=draft_engine)
+        return GenerationResult(list(sink.ids), sink.text, stats, sink.finish_reason or "length")
 
-    def _drafter(self, cfg: DecodeConfig) -> Drafter | FeatureDrafter | None:
-        """A drafter over the draft engine, or None while an earlier call's draft thread is still stalled in it."""
-        if self._draft_thread is not None:
-            self._draft_thread.join(cfg.draft_timeout_s)
-            if self._draft_thread.is_alive():
+    def _start_worker(self, cfg: GenerationConfig, rec: Recorder) -> DraftWorker | None:
+        """This generation's draft worker (its own thread when overlapping), or None while an earlier generation's
+        draft thread is still stalled in the draft engine: that generation runs on the target alone."""
+        if self._worker is not None:
+            if not self._worker.join(cfg.draft_timeout_s):
                 return None
-            self._draft_thread = None
+            self._worker = None
         if self.manifest.draft.feature_taps:
-            return FeatureDrafter(self.draft, cfg.params)
-        return Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming)
-
-    def _remember(self, worker: DraftWorker) -> None:
-        self._draft_thread = worker.thread
-
-    def _config(self, mode, max_new_tokens, temperature, top_p, top_k, seed, gamma, kappa, branch_budget,
-                overlap, draft_timeout_s, draft_streaming, trace=False) -> DecodeConfig:
-        k_max = self.manifest.target.top_k
-        if mode not in MODES:
-            raise BadInputError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
-        _check_int("max_new_tokens", max_new_tokens, 1)
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-            raise BadInputError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-            raise BadInputError(f"top_p must be in (0, 1], got {top_p!r}")
-        _check_int("top_k", top_k, 0)
-        _check_int("seed", seed, 0)
-        _check_int("gamma", gamma, 1)
-        kappa = k_max if kappa is None else kappa
-        _check_int("kappa", kappa, 1)
-        if kappa > k_max:
-            raise BadInputError(f"kappa {kappa} exceeds the bundle's early-exit top_k {k_max}")
-        if branch_budget is not None:
-            _check_int("branch_budget", branch_budget, 0)
-        if not isinstance(draft_timeout_s, (int, float)) or not draft_timeout_s > 0:
-            raise BadInputError(f"draft_timeout_s must be > 0, got {draft_timeout_s!r}")
-        try:
-            streaming = streaming_mode(draft_streaming)
-        except ValueError as e:
-            raise BadInputError(str(e)) from None
-        params = SamplingParams(float(temperature), float(top_p), top_k, seed)
-        fits = self.target_threads + self.draft_threads <= len(os.sched_getaffinity(0))
-        return DecodeConfig(mode, max_new_tokens, gamma, kappa, branch_budget, params, bool(overlap),
-                            float(draft_timeout_s), streaming, bool(trace), warm_with_prefill=fits)
+            drafter = FeatureDrafter(self.draft, cfg.params, recorder=rec)
+        else:
+            drafter = Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming, recorder=rec)
+        self._worker = DraftWorker(drafter, threaded=cfg.overlap)
+        return self._worker
 
 
 def _plan_defaults(bundle: str | Path, manifest: Manifest) -> RuntimeDefaults | None:
@@ -296,16 +261,3 @@ def _plan_defaults(bundle: str | Path, manifest: Manifest) -> RuntimeDefaults | 
         return runtime_defaults(read_plan(path), manifest.target.exit_layer, manifest.target.top_k)
     except BadInputError as e:
         raise ManifestError(f"{PLAN_FILE}: {e}") from None
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise BadInputError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def _check_stop(stop: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not all(isinstance(s, str) and s for s in stop):
-        raise BadInputError("stop must be a list of non-empty strings")
-    return tuple(stop)

@@ -36,13 +36,14 @@ from mirror_sd.errors import BadInputError
 from mirror_sd.partitions import planner
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
 from mirror_sd.runtime.draft import Drafter, plan_branches
-from mirror_sd.runtime.engines import GraphEngine
+from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, empty_channel
 from mirror_sd.runtime.kv import positions
 from mirror_sd.runtime.messages import ExitCandidates, FeatureBlock, frozen
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.sampling import SamplingParams
 from mirror_sd.runtime.scheduler import background_loop
+from mirror_sd.runtime.stats import GenerationStats
 from mirror_sd.runtime.target import Target
 
 Report = Callable[[str], None]
@@ -153,12 +154,12 @@ def time_target(target: Target, past: list[int], windows: tuple[int, ...], repea
     return prefix, suffix
 
 
-def _zero_channel(draft: GraphEngine, shape: tuple[int, int]) -> dict[str, np.ndarray] | None:
+def _zero_channel(draft: DraftEngine, shape: tuple[int, int]) -> dict[str, np.ndarray] | None:
     """A feature draft's channel inputs for a [B, T] feed (zeros: a forward costs the same whatever the taps)."""
     return empty_channel(draft.facts, *shape) if getattr(draft.facts, "feature_taps", ()) else None
 
 
-def time_draft(draft: GraphEngine, past: list[int], rows: tuple[int, ...], widths: tuple[int, ...], repeats: int
+def time_draft(draft: DraftEngine, past: list[int], rows: tuple[int, ...], widths: tuple[int, ...], repeats: int
                ) -> dict[tuple[int, int], float]:
     """Median seconds of one draft forward of `b` rows x `w` new tokens after `past` (every row reading it from the
     context lane), for every (b, w)."""
@@ -369,18 +370,18 @@ class _Totals:
     lookups: int = 0
     eta: list[float] = field(default_factory=list)
 
-    def add(self, s: dict[str, Any]) -> None:
-        self.new += s["new_tokens"]
-        self.wall += s["wall_s"]
-        self.ttft += s["ttft_s"]
-        self.steps += s["target_steps"]
-        self.other += max(0.0, s["wall_s"] - s["prefix_s"] - s["suffix_s"] - s["draft_wait_s"])
-        self.accepted += s["accepted_tokens"]
-        self.proposed += s["proposed_tokens"]
-        self.hits += s["branch_hits"]
-        self.lookups += s["branch_lookups"]
-        if s["draft_tokens_per_forward"] > 0:
-            self.eta.append(s["draft_tokens_per_forward"])
+    def add(self, s: GenerationStats) -> None:
+        self.new += s.new_tokens
+        self.wall += s.wall_s
+        self.ttft += s.ttft_s
+        self.steps += s.target_steps
+        self.other += max(0.0, s.wall_s - s.prefix_s - s.suffix_s - s.draft_wait_s)
+        self.accepted += s.accepted_tokens
+        self.proposed += s.proposed_tokens
+        self.hits += s.branch_hits
+        self.lookups += s.branch_lookups
+        if s.draft_tokens_per_forward > 0:
+            self.eta.append(s.draft_tokens_per_forward)
 
     @property
     def decode_tokens_per_second(self) -> float:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, SURROGATE, USE_SURROGATE
-from mirror_sd.runtime.engines import GraphEngine
+from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import empty_channel
 from mirror_sd.runtime.target import Target
 
 
-def reference_generate(target: Target, draft: GraphEngine | None, prompt: list[int], max_new_tokens: int,
+def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[int], max_new_tokens: int,
                        gamma: int = 0, eos_token_ids: tuple[int, ...] = ()) -> list[int]:
     """The new tokens (up to and including the first EOS) of greedy decoding of `prompt`."""
 
@@ -55,7 +55,7 @@ def reference_generate(target: Target, draft: GraphEngine | None, prompt: list[i
     return new
 
 
-def reference_feature_window(target: Target, draft: GraphEngine, seq: list[int], size: int) -> list[int]:
+def reference_feature_window(target: Target, draft: DraftEngine, seq: list[int], size: int) -> list[int]:
     """`size` tokens of a feature draft: inputs seq[1:] with real taps, then its own on surrogates."""
     taps = target.run_prefix(seq, target.empty_cache()).taps  # [n, n_taps, H]
     window: list[int] = []

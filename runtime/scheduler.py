@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Iterator, Union
 
 import numpy as np
 
+from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import Drafter, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.messages import (
@@ -45,34 +44,13 @@ from mirror_sd.runtime.messages import (
     Warmed,
     frozen,
 )
-from mirror_sd.runtime.sampling import TARGET_STREAM, SamplingParams, choose, rng_for
-from mirror_sd.runtime.stats import Counters
+from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
+from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import PREFILL_CHUNK, Boundary, Target, TargetCache
 from mirror_sd.runtime.verify import verify
 
-MODES = ("ar", "sd", "mirror")
 Request = Union[Warm, Rollout, Branches]
 Answer = Union[Warmed, DraftWindow, BranchSet, DraftFailed]
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    mode: str = "mirror"
-    max_new_tokens: int = 64
-    gamma: int = 4  # draft window length
-    kappa: int = 8  # early-exit candidates used per position (<= the bundle's top_k)
-    branch_budget: int | None = None  # branches per step; None: adapt (grow while the draft stays hidden)
-    params: SamplingParams = SamplingParams()
-    overlap: bool = True  # False: serve the draft inline on the main thread (same schedule, serial)
-    draft_timeout_s: float = 10.0
-    draft_streaming: str = "trust"  # runtime/draft.py STREAMING_MODES: "off" (one token per forward: same
-    # windows, more forwards), "verify" (proposals self-checked: same windows), "trust" (greedy: fewer forwards)
-    trace: bool = False  # True: stats["trace"] holds every phase's (phase, start, end) - for timelines, off by default
-    # The draft reads the prompt while the target prefills it only where both fit the cores together: a
-    # multi-threaded prefill sharing its cores with the draft waits at every parallel section for a preempted
-    # thread (on 2 cores, 2 target + 1 draft thread: TTFT at 512 prompt tokens 382 -> 540 ms). Otherwise it reads
-    # the prompt right after, before the first window.
-    warm_with_prefill: bool = True
 
 
 # -- the draft side of the thread boundary -------------------------------------------------------------------
@@ -94,19 +72,17 @@ def _serve(drafter: Drafter | FeatureDrafter, request: Request, cancelled) -> An
 class DraftWorker:
     """Serves draft requests in order, on its own thread (overlap) or inline at submit (no overlap).
 
-    Tickets number the requests; `wait` gives a request's answer or None after the timeout. Draft forward
-    intervals are recorded here for the stats (the only shared state, under a lock)."""
+    The pipeline makes one per generation and owns it: it closes it when the generation ends and keeps it to learn,
+    at the next call, whether a stalled thread has let go of the draft engine. Tickets number the requests; `wait`
+    gives a request's answer or None after the timeout."""
 
     def __init__(self, drafter: Drafter | FeatureDrafter, threaded: bool) -> None:
-        self._drafter = drafter
+        self.drafter = drafter
         self._lock = threading.Condition()
         self._answers: dict[int, Answer] = {}
         self._cancelled: set[int] = set()
         self._stale: set[int] = set()  # timed out, not answered yet
         self._next = 0
-        self.intervals: list[tuple[float, float]] = []
-        self.rows = self.tokens = 0
-        drafter.on_forward = self._record
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         if threaded:
@@ -114,18 +90,12 @@ class DraftWorker:
             self._thread = threading.Thread(target=self._loop, name="mirror-sd-draft", daemon=True)
             self._thread.start()
 
-    def _record(self, start: float, end: float, rows: int, tokens: int) -> None:
-        with self._lock:
-            self.intervals.append((start, end))
-            self.rows += rows
-            self.tokens += tokens
-
     def _loop(self) -> None:
         while True:
             ticket, request = self._queue.get()
             if request is None:
                 return
-            answer = _serve(self._drafter, request, lambda ticket=ticket: self._is_cancelled(ticket))
+            answer = _serve(self.drafter, request, lambda ticket=ticket: self._is_cancelled(ticket))
             with self._lock:
                 if ticket not in self._cancelled:  # a cancelled request's answer is never read
                     self._answers[ticket] = answer
@@ -139,7 +109,7 @@ class DraftWorker:
     def submit(self, request: Request) -> int:
         ticket, self._next = self._next, self._next + 1
         if self._queue is None:
-            self._answers[ticket] = _serve(self._drafter, request, lambda: False)
+            self._answers[ticket] = _serve(self.drafter, request, lambda: False)
         else:
             self._queue.put((ticket, request))
         return ticket
@@ -179,87 +149,70 @@ class DraftWorker:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
-
-    def record_into(self, stats: Counters) -> None:
-        with self._lock:
-            stats.draft_intervals.extend(self.intervals)
-            stats.draft_rows += self.rows
-            stats.draft_tokens += self.tokens
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` for a closed worker's thread to return; True once it has (or there is none)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
 
 
 # -- the target side: the decoding loop ----------------------------------------------------------------------
 class _Decoder:
-    def __init__(self, target: Target, worker: DraftWorker | None, cfg: DecodeConfig, stats: Counters) -> None:
-        self.target, self.worker, self.cfg, self.stats = target, worker, cfg, stats
+    def __init__(self, target: Target, worker: DraftWorker | None, cfg: GenerationConfig, rec: Recorder) -> None:
+        self.target, self.worker, self.cfg, self.rec = target, worker, cfg, rec
+        self.counts = rec.counts
         self.cache: TargetCache = target.empty_cache()
         # the feature channel: the target's taps since the last draft request (a feature draft only; else empty)
         self.features: list[FeatureBlock] = []
         self.budget = cfg.branch_budget if cfg.branch_budget is not None else cfg.kappa
         self.max_budget = (cfg.gamma + 1) * cfg.kappa
+        self.counts.branch_budget = self.budget
 
     def _target_rng(self, context_len: int) -> np.random.Generator | None:
         return None if self.cfg.params.greedy else rng_for(self.cfg.params, TARGET_STREAM, context_len)
 
-    def _prefix(self, ids, cache: TargetCache, sequence: Callable[[], tuple[int, ...]]) -> Boundary:
-        """The prefix on ids after cache. `sequence()` gives every token through the last of ids (the taps'
+    def _prefix(self, ids, sequence: Callable[[], tuple[int, ...]]) -> Boundary:
+        """The prefix on ids after the cache. `sequence()` gives every token through the last of ids (the taps'
         context); it is called only where a feature draft takes the taps, so other steps build no copy of it."""
-        start = time.perf_counter()
-        out = self.target.run_prefix(ids, cache)
+        with self.rec.phase("prefix"):
+            out = self.target.run_prefix(ids, self.cache)
         if out.taps is not None and self.worker is not None:
-            self.features.append(FeatureBlock(sequence(), cache.length, frozen(out.taps)))
-        end = time.perf_counter()
-        self.stats.prefix_s += end - start
-        self.stats.mark("prefix", start, end)
-        return out
-
-    def _exit_candidates(self, boundary: Boundary) -> tuple[np.ndarray, np.ndarray]:
-        """The early-exit head, run only in mirror mode: part of the prefix phase (before the rendezvous)."""
-        start = time.perf_counter()
-        out = self.target.exit_candidates(boundary, self.cfg.kappa)
-        end = time.perf_counter()
-        self.stats.prefix_s += end - start
-        self.stats.mark("prefix", start, end)
+            self.features.append(FeatureBlock(sequence(), self.cache.length, frozen(out.taps)))
         return out
 
     def _suffix(self, boundary: Boundary, logits_for: int | None = None) -> tuple[np.ndarray, TargetCache]:
-        start = time.perf_counter()
-        out = self.target.run_suffix(boundary, logits_for)
-        end = time.perf_counter()
-        self.stats.suffix_s += end - start
-        self.stats.suffix_intervals.append((start, end))  # the overlap measure; a trace reads its suffixes here
-        return out
+        with self.rec.phase("suffix"):
+            return self.target.run_suffix(boundary, logits_for)
+
+    def _forward(self, ids, sequence: Callable[[], tuple[int, ...]]) -> np.ndarray:
+        """Prefix then suffix on ids, the LM head on the last position only; the cache takes all of ids."""
+        logits, self.cache = self._suffix(self._prefix(ids, sequence), 1)
+        return logits[-1]
 
     def prefill(self, prompt: tuple[int, ...]) -> int:
-        """Run the prompt through the target in chunks, the LM head on its last position only; its logits give the
-        first new token."""
-        logits = None
+        """Run the prompt through the target in chunks; the last position's logits give the first new token."""
         for start in range(0, len(prompt), PREFILL_CHUNK):
-            chunk = prompt[start:start + PREFILL_CHUNK]
-            end = start + len(chunk)
-            logits, self.cache = self._suffix(
-                self._prefix(chunk, self.cache, lambda: prompt[:end]), 1)  # noqa: B023 - _prefix calls it at once
-        self.stats.target_steps += 1
-        return choose(logits[-1], self.cfg.params, self._target_rng(len(prompt)))
+            end = min(start + PREFILL_CHUNK, len(prompt))
+            logits = self._forward(prompt[start:end], lambda end=end: prompt[:end])
+        self.counts.target_steps += 1
+        return choose(logits, self.cfg.params, self._target_rng(len(prompt)))
 
     def target_step(self, ctx: list[int]) -> tuple[int, ...]:
         """One token from the target alone (ar, and the fallback when the draft is unavailable)."""
-        logits, self.cache = self._suffix(self._prefix([ctx[-1]], self.cache, lambda: tuple(ctx)), 1)
-        self.stats.target_steps += 1
-        return (choose(logits[0], self.cfg.params, self._target_rng(len(ctx))),)
+        logits = self._forward([ctx[-1]], lambda: tuple(ctx))
+        self.counts.target_steps += 1
+        return (choose(logits, self.cfg.params, self._target_rng(len(ctx))),)
 
     def fresh_window(self, ctx: list[int], gamma: int) -> DraftWindow | None:
         """A serial rollout; None (and a counted fallback) when the draft fails, stalls, or is still stalled."""
         if self.worker is None or not self.worker.responsive:
-            self.stats.fallbacks += 1
+            self.counts.fallbacks += 1
             return None
         answer = self._wait(self.worker.submit(Rollout(tuple(ctx), gamma, self.take_features())))
         if not isinstance(answer, DraftWindow):
-            self.stats.fallbacks += 1
+            self.counts.fallbacks += 1
             return None
-        self.stats.fresh_rollouts += 1
+        self.counts.fresh_rollouts += 1
         return answer
 
     def take_features(self) -> tuple[FeatureBlock, ...]:
@@ -267,16 +220,13 @@ class _Decoder:
         blocks, self.features = tuple(self.features), []
         return blocks
 
-    def _wait(self, ticket: int) -> object | None:
-        start = time.perf_counter()
-        answer = self.worker.wait(ticket, self.cfg.draft_timeout_s)
-        end = time.perf_counter()
-        self.stats.draft_wait_s += end - start
-        self.stats.mark("wait", start, end)
+    def _wait(self, ticket: int) -> Answer | None:
+        with self.rec.phase("wait"):
+            answer = self.worker.wait(ticket, self.cfg.draft_timeout_s)
         if answer is None:
-            self.stats.draft_timeouts += 1
+            self.counts.draft_timeouts += 1
         elif isinstance(answer, DraftFailed):
-            self.stats.draft_failures += 1
+            self.counts.draft_failures += 1
         return answer
 
     def speculative_step(self, ctx: list[int], window: DraftWindow) -> tuple[tuple[int, ...], DraftWindow | None]:
@@ -284,46 +234,47 @@ class _Decoder:
         when a branch for the outcome was ready."""
         w = window.tokens
         # 1. prefix on the verification window [pending] + w
-        boundary = self._prefix([ctx[-1], *w], self.cache, lambda: (*ctx, *w))
+        boundary = self._prefix([ctx[-1], *w], lambda: (*ctx, *w))
         # 2. mirror: the early-exit candidates go to the draft thread at once
         ticket, plan = None, ()
         if self.cfg.mode == "mirror" and self.worker.responsive:
             k = self.cfg.kappa
-            topk_ids, topk_logprobs = self._exit_candidates(boundary)
+            with self.rec.phase("prefix"):  # the exit head is part of the prefix phase (before the rendezvous)
+                topk_ids, topk_logprobs = self.target.exit_candidates(boundary, k)
             candidates = ExitCandidates(tuple(ctx), w, frozen(topk_ids[:, :k]), frozen(topk_logprobs[:, :k]))
             plan = plan_branches(candidates, k, self.budget, self._accept_rate())
             ticket = self.worker.submit(Branches(candidates, plan, self.cfg.gamma, self.take_features()))
         # 3. suffix (the draft works meanwhile), verify, trim the target cache to what was accepted
         logits, cache = self._suffix(boundary)
         ready_under_suffix = ticket is not None and self.worker.poll(ticket) is not None
-        start = time.perf_counter()
-        verdict = verify(w, window.logits, logits, self.cfg.params, self._target_rng(len(ctx)))
-        self.stats.mark("verify", start, time.perf_counter())
+        with self.rec.phase("verify"):
+            verdict = verify(w, window.logits, logits, self.cfg.params, self._target_rng(len(ctx)))
         self.cache = cache.trim(len(ctx) + verdict.accepted)
-        self.stats.target_steps += 1
-        self.stats.proposed += len(w)
-        self.stats.accepted += verdict.accepted
+        c = self.counts
+        c.target_steps += 1
+        c.proposed += len(w)
+        c.accepted += verdict.accepted
         # 4. the next window from a ready branch, if one was planned for this outcome
         next_window = None
         if ticket is not None:
             rejected = verdict.accepted < len(w)  # the outcome a correction branch must have foreseen
-            self.stats.branch_lookups += 1
-            self.stats.rejected_lookups += rejected
+            c.branch_lookups += 1
+            c.rejected_lookups += rejected
             self._adapt_budget(ready_under_suffix)
             key = (verdict.accepted, verdict.token)
             if key in plan:
                 answer = self._wait(ticket)
                 if isinstance(answer, BranchSet) and key in answer.windows:
                     next_window = answer.windows[key]
-                    self.stats.branch_hits += 1
-                    self.stats.rejected_hits += rejected
+                    c.branch_hits += 1
+                    c.rejected_hits += rejected
             else:
                 self.worker.cancel(ticket)
         return verdict.committed(w), next_window
 
     def _accept_rate(self) -> float:
         """Draft tokens accepted so far, smoothed toward 1/2 (the planner's prior for a window token)."""
-        return (self.stats.accepted + 1) / (self.stats.proposed + 2)
+        return (self.counts.accepted + 1) / (self.counts.proposed + 2)
 
     def _adapt_budget(self, ready_under_suffix: bool) -> None:
         """A given budget stays fixed. Otherwise it moves within [kappa, (gamma+1)*kappa]: up by kappa while
@@ -335,58 +286,54 @@ class _Decoder:
             self.budget = min(self.max_budget, self.budget + self.cfg.kappa)
         else:
             self.budget = max(self.cfg.kappa, self.budget // 2)
-        self.stats.branch_budget = self.budget
+        self.counts.branch_budget = self.budget
 
 
-def decode(target: Target, drafter: Drafter | FeatureDrafter | None, prompt: tuple[int, ...], cfg: DecodeConfig,
-           stats: Counters, on_worker=None) -> Iterator[int]:
+def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], cfg: GenerationConfig,
+           rec: Recorder, warm_with_prefill: bool = True) -> Iterator[int]:
     """Yield the new tokens one at a time as they are committed. Stops after cfg.max_new_tokens; the caller
-    stops earlier (EOS, stop strings) by closing the generator, which also stops the draft thread.
+    stops earlier (EOS, stop strings) by closing the generator, and closes the worker.
 
-    drafter None in sd/mirror mode: the draft is unavailable (e.g. still stalled from an earlier call), and
-    every step runs on the target alone. `on_worker(worker)` is told the worker, to learn whether it stopped.
+    cfg.kappa must be resolved (an int). worker None in sd/mirror mode: the draft is unavailable (e.g. still
+    stalled from an earlier call), and every step runs on the target alone. warm_with_prefill: the draft reads
+    the prompt while the target prefills it, which pays only where both fit the cores together: a multi-threaded
+    prefill sharing its cores with the draft waits at every parallel section for a preempted thread (on 2 cores,
+    2 target + 1 draft thread: TTFT at 512 prompt tokens 382 -> 540 ms). Otherwise it reads the prompt right after,
+    before the first window.
     """
-    worker = None
-    if cfg.mode != "ar" and drafter is not None:
-        worker = DraftWorker(drafter, threaded=cfg.overlap)
-        if on_worker:
-            on_worker(worker)
-    dec = _Decoder(target, worker, cfg, stats)
-    stats.branch_budget = dec.budget
+    if cfg.mode == "ar":
+        worker = None
+    drafter = worker.drafter if worker is not None else None
+    dec = _Decoder(target, worker, cfg, rec)
     # Past the draft's context (its manifest facts) every step runs on the target alone, counted in the stats.
     draft_context = drafter.engine.facts.max_position_embeddings if drafter is not None else 0
     ctx = list(prompt)
-    try:
-        warm = worker is not None and len(prompt) <= draft_context
-        # a feature draft reads the prompt with its taps, so only after the prefill has computed them
-        alongside = cfg.warm_with_prefill and not isinstance(drafter, FeatureDrafter)
-        if warm and alongside:
-            worker.submit(Warm(tuple(prompt)))  # the draft reads the prompt while the target does
-        ctx.append(dec.prefill(tuple(prompt)))
-        if warm and not alongside:
-            worker.submit(Warm(tuple(prompt), dec.take_features()))
-        yield ctx[-1]
-        window: DraftWindow | None = None
-        while len(ctx) - len(prompt) < cfg.max_new_tokens:
-            # gamma shrinks at the end so that no step verifies tokens it could not commit
-            gamma = min(cfg.gamma, cfg.max_new_tokens - (len(ctx) - len(prompt)) - 1)
-            if cfg.mode != "ar" and gamma > 0 and len(ctx) + gamma > draft_context:
-                stats.draft_context_steps += 1
-                gamma, window = 0, None
-            if cfg.mode != "ar" and gamma > 0 and window is None:
-                window = dec.fresh_window(ctx, gamma)
-            if cfg.mode == "ar" or gamma == 0 or window is None:
-                new, window = dec.target_step(ctx), None
-            else:
-                assert window.context_len == len(ctx), "a window must continue the committed tokens"
-                new, window = dec.speculative_step(ctx, window.head(gamma))
-            for token in new:
-                ctx.append(token)
-                yield token
-    finally:
-        if worker is not None:
-            worker.close(timeout=min(cfg.draft_timeout_s, 1.0))
-            worker.record_into(stats)
+    warm = worker is not None and len(prompt) <= draft_context
+    # a feature draft reads the prompt with its taps, so only after the prefill has computed them
+    alongside = warm_with_prefill and not isinstance(drafter, FeatureDrafter)
+    if warm and alongside:
+        worker.submit(Warm(tuple(prompt)))  # the draft reads the prompt while the target does
+    ctx.append(dec.prefill(tuple(prompt)))
+    if warm and not alongside:
+        worker.submit(Warm(tuple(prompt), dec.take_features()))
+    yield ctx[-1]
+    window: DraftWindow | None = None
+    while len(ctx) - len(prompt) < cfg.max_new_tokens:
+        # gamma shrinks at the end so that no step verifies tokens it could not commit
+        gamma = min(cfg.gamma, cfg.max_new_tokens - (len(ctx) - len(prompt)) - 1)
+        if cfg.mode != "ar" and gamma > 0 and len(ctx) + gamma > draft_context:
+            rec.counts.draft_context_steps += 1
+            gamma, window = 0, None
+        if cfg.mode != "ar" and gamma > 0 and window is None:
+            window = dec.fresh_window(ctx, gamma)
+        if cfg.mode == "ar" or gamma == 0 or window is None:
+            new, window = dec.target_step(ctx), None
+        else:
+            assert window.context_len == len(ctx), "a window must continue the committed tokens"
+            new, window = dec.speculative_step(ctx, window.head(gamma))
+        for token in new:
+            ctx.append(token)
+            yield token
 
 
 @contextmanager

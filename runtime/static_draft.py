@@ -1,7 +1,7 @@
 """The draft from a package's static OpenVINO IR, behind the same interface as the dynamic `GraphEngine`.
 
 An NPU compiles only static shapes, so every draft graph of a package has a fixed batch B, a fixed number of new
-tokens T, a fixed context lane of L slots and a fixed own past of S slots (partitions/package.py StaticBounds):
+tokens T, a fixed context lane of L slots and a fixed own past of S slots (partitions/package_format.py StaticBounds):
   decode  batch 1, T = tokens per forward       rollouts
   branch  batch B, T = tokens per forward       branch sets (split into groups of B, the last padded)
   prefill batch 1, T = prefill chunk            prompts, in chunks
@@ -21,7 +21,7 @@ import numpy as np
 
 from mirror_sd.errors import PackageError
 from mirror_sd.partitions.manifest import FEATURES, SURROGATE, USE_SURROGATE, Manifest
-from mirror_sd.partitions.package import BRANCH, DECODE, PREFILL, PackageInfo
+from mirror_sd.partitions.package_format import BRANCH, DECODE, PREFILL, PackageInfo
 from mirror_sd.partitions.spec import (
     PartitionSpec,
     past_key_name,
@@ -32,7 +32,7 @@ from mirror_sd.partitions.spec import (
     shared_value_name,
 )
 from mirror_sd.runtime.backends import OpenedGraph, open_openvino
-from mirror_sd.runtime.engines import GraphEngine, load_output_vocab
+from mirror_sd.runtime.engines import DraftEngine, load_output_vocab
 from mirror_sd.runtime.kv import ContextLane, LayerKV, OwnPast
 
 PAD_ID = 0  # any id: padded columns and rows are masked out
@@ -100,16 +100,14 @@ class _StaticGraph:
         return heads, new
 
 
-class StaticDraftEngine(GraphEngine):
-    """The draft on static graphs: the GraphEngine interface (run, context_lane, empty_own, prefill)."""
+class StaticDraftEngine(DraftEngine):
+    """The draft on static graphs, behind the DraftEngine protocol (runtime/engines.py)."""
 
     def __init__(self, graphs: dict[str, _StaticGraph], spec: PartitionSpec, manifest: Manifest, info: PackageInfo,
                  output_ids: np.ndarray | None) -> None:
-        self.graphs, self.spec, self.facts, self.info = graphs, spec, manifest.draft, info
-        self.output_ids = output_ids
-        self.head_outputs = tuple(o.name for o in spec.outputs if not o.name.startswith("present."))
+        super().__init__(spec, manifest.draft, output_ids)
+        self.graphs, self.info = graphs, info
         self.kv_length = info.bounds.kv_length
-        self.forwards = 0  # static graph executions so far (the stats report them per generation)
 
 
     @property

@@ -1,28 +1,30 @@
-"""Generation statistics as data: counters filled by the scheduler, turned into one flat dict at the end.
+"""Generation statistics as data: a `Recorder` fills them while the scheduler runs; `GenerationStats` is the result.
 
-The issue's keys are always present; the others explain them. Time keys are seconds.
+The Recorder owns every clock of a generation. The main thread times its phases with `phase(...)`; the draft thread
+reports each forward with `draft_forward(...)` (the only state the two threads share, under a lock). Counts that
+only the main thread changes are plain fields of `recorder.counts`.
+
+`GenerationStats` is frozen and typed; it also reads as a mapping of the same names (`stats["acceptance_rate"]`,
+`stats.as_dict()` for JSON). Time fields are seconds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 Interval = tuple[float, float]  # (start, end) on time.perf_counter()
 TRACE_PHASES = ("prefix", "suffix", "draft", "verify", "wait")  # the phases an opt-in trace records
 
-REQUIRED_KEYS = (
-    "tokens_per_second", "ttft_s", "new_tokens", "target_steps", "acceptance_rate", "mean_accepted_tokens",
-    "branch_hit_rate", "fallbacks", "draft_tokens_per_forward", "prefix_s", "suffix_s", "draft_s",
-    "draft_hidden_fraction",
-)
-
 
 @dataclass
-class Counters:
-    mode: str
-    gamma: int = 0
-    kappa: int = 0
+class Counts:
+    """What the main thread counts during one generation."""
+
     branch_budget: int = 0  # the last budget used (it may adapt)
     target_steps: int = 0  # target forward passes, the prefill included
     proposed: int = 0  # draft tokens the target verified
@@ -36,60 +38,141 @@ class Counters:
     draft_context_steps: int = 0  # steps run by the target alone because the context passed the draft's
     draft_failures: int = 0  # exceptions raised in the draft thread
     draft_timeouts: int = 0  # draft answers that did not come within the timeout
-    draft_wait_s: float = 0.0  # main thread time spent waiting for the draft
-    prefix_s: float = 0.0
-    suffix_s: float = 0.0
-    suffix_intervals: list[Interval] = field(default_factory=list)
-    draft_intervals: list[Interval] = field(default_factory=list)
-    draft_rows: int = 0  # row-forwards of rollouts (a batch of B rows counts B; reading the prompt does not count)
-    draft_tokens: int = 0  # draft tokens those forwards produced (a streaming draft's accepted proposals included)
-    target_device: str = ""
-    draft_device: str = ""
-    # opt-in per-step timeline (generate(..., trace=True)): (phase, start, end) on the main thread; the suffixes and
-    # the draft's forwards join from suffix_intervals / draft_intervals at the end. None when off, so the hot loop
-    # pays one `is None` test.
-    trace: list[tuple[str, float, float]] | None = None
 
-    def mark(self, phase: str, start: float, end: float) -> None:
-        if self.trace is not None:
-            self.trace.append((phase, start, end))
 
-    def as_dict(self, new_tokens: int, ttft_s: float, wall_s: float) -> dict[str, Any]:
-        draft_s = sum(e - s for s, e in self.draft_intervals)
-        hidden = overlap_seconds(self.draft_intervals, self.suffix_intervals)
-        return {
-            "tokens_per_second": new_tokens / wall_s if wall_s > 0 else 0.0,
-            "ttft_s": ttft_s,
-            "new_tokens": new_tokens,
-            "target_steps": self.target_steps,
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            # Spec-Bench: tokens per target step counting the target's own token (1.00 for ar).
-            "mean_accepted_tokens": new_tokens / self.target_steps if self.target_steps else 0.0,
-            "branch_hit_rate": self.branch_hits / self.branch_lookups if self.branch_lookups else 0.0,
-            "fallbacks": self.fallbacks,
-            "draft_tokens_per_forward": self.draft_tokens / self.draft_rows if self.draft_rows else 0.0,
-            "prefix_s": self.prefix_s,
-            "suffix_s": self.suffix_s,
-            "draft_s": draft_s,
-            "draft_hidden_fraction": hidden / draft_s if draft_s > 0 else 0.0,
-            # explanations
-            "mode": self.mode, "gamma": self.gamma, "kappa": self.kappa, "branch_budget": self.branch_budget,
-            "wall_s": wall_s, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
-            "branch_lookups": self.branch_lookups, "branch_hits": self.branch_hits,
-            "rejected_branch_hit_rate": self.rejected_hits / self.rejected_lookups if self.rejected_lookups else 0.0,
-            "fresh_rollouts": self.fresh_rollouts, "draft_failures": self.draft_failures,
-            "draft_context_steps": self.draft_context_steps,
-            "draft_timeouts": self.draft_timeouts, "draft_wait_s": self.draft_wait_s,
-            "target_device": self.target_device, "draft_device": self.draft_device,
-            **({"trace": self._timeline()} if self.trace is not None else {}),
-        }
+class Recorder:
+    """The clocks and counts of one generation. trace: also keep every phase as (phase, start, end)."""
 
-    def _timeline(self) -> list[tuple[str, float, float]]:
+    def __init__(self, trace: bool = False) -> None:
+        self.counts = Counts()
+        self.seconds = {"prefix": 0.0, "suffix": 0.0, "wait": 0.0}  # main-thread time per phase
+        self.suffix_intervals: list[Interval] = []  # where the draft may hide: the overlap measure
+        self._trace: list[tuple[str, float, float]] | None = [] if trace else None
+        self._lock = threading.Lock()
+        self.draft_intervals: list[Interval] = []
+        self.draft_rows = 0  # row-forwards of rollouts (a batch of B rows counts B; reading a prompt counts 0)
+        self.draft_tokens = 0  # draft tokens those forwards produced (accepted stream proposals included)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a main-thread phase (TRACE_PHASES)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            if name in self.seconds:
+                self.seconds[name] += end - start
+            if name == "suffix":
+                self.suffix_intervals.append((start, end))
+            elif self._trace is not None:  # suffixes join the trace from suffix_intervals at the end
+                self._trace.append((name, start, end))
+
+    def draft_forward(self, start: float, end: float, rows: int) -> None:
+        """A draft forward over `rows` rollout rows (0: reading a prompt), from the draft's thread."""
+        with self._lock:
+            self.draft_intervals.append((start, end))
+            self.draft_rows += rows
+
+    def drafted(self, tokens: int) -> None:
+        """Draft tokens a forward produced (from the draft's thread)."""
+        with self._lock:
+            self.draft_tokens += tokens
+
+    def finish(self, *, mode: str, gamma: int, kappa: int, new_tokens: int, ttft_s: float, wall_s: float,
+               target_device: str, draft_device: str, draft_engine: dict[str, Any]) -> GenerationStats:
+        c = self.counts
+        with self._lock:
+            draft = list(self.draft_intervals)
+            rows, tokens = self.draft_rows, self.draft_tokens
+        draft_s = sum(e - s for s, e in draft)
+        hidden = overlap_seconds(draft, self.suffix_intervals)
+        return GenerationStats(
+            tokens_per_second=new_tokens / wall_s if wall_s > 0 else 0.0,
+            ttft_s=ttft_s,
+            new_tokens=new_tokens,
+            target_steps=c.target_steps,
+            acceptance_rate=c.accepted / c.proposed if c.proposed else 0.0,
+            mean_accepted_tokens=new_tokens / c.target_steps if c.target_steps else 0.0,
+            branch_hit_rate=c.branch_hits / c.branch_lookups if c.branch_lookups else 0.0,
+            fallbacks=c.fallbacks,
+            draft_tokens_per_forward=tokens / rows if rows else 0.0,
+            prefix_s=self.seconds["prefix"],
+            suffix_s=self.seconds["suffix"],
+            draft_s=draft_s,
+            draft_hidden_fraction=hidden / draft_s if draft_s > 0 else 0.0,
+            mode=mode, gamma=gamma, kappa=kappa, branch_budget=c.branch_budget, wall_s=wall_s,
+            proposed_tokens=c.proposed, accepted_tokens=c.accepted, branch_lookups=c.branch_lookups,
+            branch_hits=c.branch_hits,
+            rejected_branch_hit_rate=c.rejected_hits / c.rejected_lookups if c.rejected_lookups else 0.0,
+            fresh_rollouts=c.fresh_rollouts, draft_failures=c.draft_failures,
+            draft_context_steps=c.draft_context_steps, draft_timeouts=c.draft_timeouts,
+            draft_wait_s=self.seconds["wait"], target_device=target_device, draft_device=draft_device,
+            draft_engine=dict(draft_engine), trace=self._timeline(draft) if self._trace is not None else None)
+
+    def _timeline(self, draft: list[Interval]) -> list[tuple[str, float, float]]:
         """The trace with the suffixes and the draft's forwards, ordered by start, in seconds since the first event."""
-        events = [*self.trace, *(("suffix", s, e) for s, e in self.suffix_intervals),
-                  *(("draft", s, e) for s, e in self.draft_intervals)]
+        events = [*self._trace, *(("suffix", s, e) for s, e in self.suffix_intervals),
+                  *(("draft", s, e) for s, e in draft)]
         t0 = min((s for _, s, _ in events), default=0.0)
         return [(phase, s - t0, e - t0) for phase, s, e in sorted(events, key=lambda ev: (ev[1], ev[2]))]
+
+
+@dataclass(frozen=True)
+class GenerationStats(Mapping):
+    """One generation's statistics. The first thirteen are the headline figures; the rest explain them."""
+
+    tokens_per_second: float
+    ttft_s: float
+    new_tokens: int
+    target_steps: int  # target forward passes, the prefill included
+    acceptance_rate: float  # accepted / proposed draft tokens
+    mean_accepted_tokens: float  # Spec-Bench: tokens per target step counting the target's own (1.00 for ar)
+    branch_hit_rate: float  # mirror steps whose next window was ready in the branch set
+    fallbacks: int
+    draft_tokens_per_forward: float
+    prefix_s: float
+    suffix_s: float
+    draft_s: float
+    draft_hidden_fraction: float  # share of the draft's time under a target suffix
+    mode: str
+    gamma: int
+    kappa: int
+    branch_budget: int
+    wall_s: float
+    proposed_tokens: int
+    accepted_tokens: int
+    branch_lookups: int
+    branch_hits: int
+    rejected_branch_hit_rate: float
+    fresh_rollouts: int
+    draft_failures: int
+    draft_context_steps: int
+    draft_timeouts: int
+    draft_wait_s: float
+    target_device: str
+    draft_device: str
+    # which draft graph ran and how often (draft_graph, draft_graph_forwards; a package adds its static shapes)
+    draft_engine: dict[str, Any] = field(default_factory=dict)
+    trace: list[tuple[str, float, float]] | None = None  # generate(..., trace=True) only
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat JSON view: every field, draft_engine's keys inlined, trace only when it was recorded."""
+        d = asdict(self)
+        d.update(d.pop("draft_engine"))
+        if d["trace"] is None:
+            del d["trace"]
+        return d
+
+    # read-only mapping of as_dict's keys: stats["acceptance_rate"], dict(stats)
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
 
 
 def overlap_seconds(a: list[Interval], b: list[Interval]) -> float:

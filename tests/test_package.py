@@ -19,7 +19,7 @@ import pytest
 
 from mirror_sd.errors import BadInputError, PackageError
 from mirror_sd.package.build import PackageOptions, build_package
-from mirror_sd.partitions.package import PACKAGE_FILE, PackageInfo
+from mirror_sd.partitions.package_format import PACKAGE_FILE, PackageInfo
 from mirror_sd.runtime.engines import open_engine
 from mirror_sd.runtime.pipeline import Pipeline
 
@@ -283,7 +283,7 @@ def test_benchmark_package_cache_rebuilds_a_stale_package(bundle_factory, tmp_pa
     from another draft (package.json records a digest of the draft graph's files, external data included)."""
     from mirror_sd.bench.compressed import ensure_package
     from mirror_sd.partitions import Manifest
-    from mirror_sd.partitions.package import PACKAGE_FILE, PackageInfo, graph_sha256
+    from mirror_sd.partitions.package_format import PACKAGE_FILE, PackageInfo, graph_sha256
 
     bundle = bundle_factory("llama", streaming=True)
     said: list[str] = []

@@ -12,6 +12,7 @@ import pytest
 
 from mirror_sd.cli import main
 from mirror_sd.errors import BadInputError, ManifestError, MirrorSDError
+from mirror_sd.partitions import plan_file as pf
 from mirror_sd.partitions import planner as pl
 
 MS = 1e-3
@@ -180,20 +181,20 @@ def test_plan_file_round_trip(tmp_path):
     doc = pl.plan_document(profile, plans, {"tokens_per_second": 100.0})
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
-    read = pl.read_plan(path)
-    defaults = pl.runtime_defaults(read, 4, 8)
+    read = pf.read_plan(path)
+    defaults = pf.runtime_defaults(read, 4, 8)
     run = pl.best_for_bundle(plans).choice
-    assert defaults == pl.RuntimeDefaults(run.gamma, run.kappa, run.branch_budget, 1, 1)
-    assert pl.export_advice(read) == pl.ExportAdvice(plans[0].choice.exit_layer, plans[0].choice.kappa)
+    assert defaults == pf.RuntimeDefaults(run.gamma, run.kappa, run.branch_budget, 1, 1)
+    assert pf.export_advice(read) == pf.ExportAdvice(plans[0].choice.exit_layer, plans[0].choice.kappa)
     assert read["export"]["needs_export"] and read["runtime"]["measured"]["tokens_per_second"] == 100.0
     with pytest.raises(BadInputError, match="made for exit layer 4"):
-        pl.runtime_defaults(read, 3, 8)
+        pf.runtime_defaults(read, 3, 8)
     path.write_text(json.dumps({**doc, "runtime": {**doc["runtime"], "kappa": 99}}))
     with pytest.raises(BadInputError, match="kappa"):
-        pl.runtime_defaults(pl.read_plan(path), 4, 8)
+        pf.runtime_defaults(pf.read_plan(path), 4, 8)
     path.write_text("{}")
     with pytest.raises(BadInputError, match="not a mirror-sd-plan"):
-        pl.read_plan(path)
+        pf.read_plan(path)
 
 
 # -- mirror-sd plan on a tiny bundle ---------------------------------------------------------------------------
@@ -213,7 +214,7 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", str(bundle), *PLAN_ARGS, "--json", "--out", str(out), "--save"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert json.loads(out.read_text()) == doc == json.loads((bundle / pl.PLAN_FILE).read_text())
+    assert json.loads(out.read_text()) == doc == json.loads((bundle / pf.PLAN_FILE).read_text())
     assert doc["bundle"] == {"num_layers": 6, "exit_layer": 3, "top_k": 8}
     run, measured = doc["runtime"], doc["runtime"]["measured"]
     assert run["gamma"] in (2, 3) and run["kappa"] == 4 and run["branch_budget"] >= 1
@@ -234,7 +235,7 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     from mirror_sd.runtime.pipeline import Pipeline
 
     pipe = Pipeline.load(bundle)
-    assert pipe.defaults == pl.RuntimeDefaults(run["gamma"], 4, run["branch_budget"], 1, 1)
+    assert pipe.defaults == pf.RuntimeDefaults(run["gamma"], 4, run["branch_budget"], 1, 1)
     stats = pipe.generate([5, 17, 33], max_new_tokens=6).stats
     assert (stats["gamma"], stats["kappa"], stats["branch_budget"]) == (run["gamma"], 4, run["branch_budget"])
     assert pipe.generate([5, 17, 33], max_new_tokens=6, gamma=1, kappa=2).stats["gamma"] == 1
@@ -254,13 +255,13 @@ def test_stale_or_broken_plan_in_a_bundle_is_refused(bundle, tmp_path):
 
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
-    doc = {"format": pl.PLAN_FORMAT, "version": pl.PLAN_VERSION, "bundle": {"exit_layer": 2, "top_k": 8},
+    doc = {"format": pf.PLAN_FORMAT, "version": pf.PLAN_VERSION, "bundle": {"exit_layer": 2, "top_k": 8},
            "runtime": {"gamma": 2, "kappa": 4, "branch_budget": 4, "target_threads": 1, "draft_threads": 1},
            "export": {"exit_layer": 2, "top_k": 4}}
-    (copy / pl.PLAN_FILE).write_text(json.dumps(doc))
+    (copy / pf.PLAN_FILE).write_text(json.dumps(doc))
     with pytest.raises(ManifestError, match="plan.json: the plan was made for exit layer 2"):
         Pipeline.load(copy)
-    (copy / pl.PLAN_FILE).write_text("not json")
+    (copy / pf.PLAN_FILE).write_text("not json")
     with pytest.raises(ManifestError, match="plan.json"):
         Pipeline.load(copy)
 
@@ -279,7 +280,7 @@ def test_cli_export_takes_exit_layer_and_k_from_a_plan(tmp_path, monkeypatch, ca
     seen = []
     monkeypatch.setattr(export_bundle_module, "export_bundle", lambda opts: seen.append(opts))
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"format": pl.PLAN_FORMAT, "version": pl.PLAN_VERSION, "bundle": {}, "runtime": {},
+    plan.write_text(json.dumps({"format": pf.PLAN_FORMAT, "version": pf.PLAN_VERSION, "bundle": {}, "runtime": {},
                                 "export": {"exit_layer": 5, "top_k": 4}}))
     base = ["export", "--model", "m", "--draft", "d", "--out", str(tmp_path / "out"), "--plan", str(plan)]
     assert main(base) == 0 and (seen[-1].exit_layer, seen[-1].top_k) == (5, 4)

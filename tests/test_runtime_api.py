@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from mirror_sd.cli import main
-from mirror_sd.errors import BadInputError, ManifestError, MirrorSDError
+from mirror_sd.errors import BadInputError, ManifestError, MirrorSDError, PackageError, check_int
+from mirror_sd.partitions import MANIFEST_NAME, Manifest
+from mirror_sd.partitions.package_format import PACKAGE_FILE, PackageInfo
+from mirror_sd.partitions.plan_file import PLAN_FILE, read_plan
 from mirror_sd.runtime.engines import GraphEngine
 from mirror_sd.runtime.pipeline import Pipeline
 
@@ -68,9 +71,20 @@ def test_stops_at_eos_stop_string_and_length(pipe):
 
 
 def test_sampling_is_seeded(pipe):
-    a = pipe.generate(PROMPT, mode="mirror", max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)
-    b = pipe.generate(PROMPT, mode="mirror", max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+    """The seed decides the draws: the same seed repeats them, other seeds give other tokens, and a sampled output
+    is not the greedy one. Several seeds, each fixed, so the test is deterministic and no single coincidence (two
+    seeds drawing alike, one seed drawing the greedy tokens) can fail it, while a seed that were ignored, or
+    sampling that were silently greedy, would."""
+    options = dict(mode="mirror", max_new_tokens=12, temperature=0.8, top_p=0.9)
+    a = pipe.generate(PROMPT, **options, seed=3)
+    b = pipe.generate(PROMPT, **options, seed=3)
     assert a.token_ids == b.token_ids
+    others = {seed: pipe.generate(PROMPT, **options, seed=seed).token_ids for seed in range(4, 12)}
+    assert pipe.generate(PROMPT, **options, seed=4).token_ids == others[4]
+    assert any(ids != a.token_ids for ids in others.values()), "every seed gave the same tokens: the seed is ignored"
+    greedy = pipe.generate(PROMPT, mode="mirror", max_new_tokens=12, temperature=0.0).token_ids
+    assert greedy == pipe.generate(PROMPT, mode="ar", max_new_tokens=12).token_ids
+    assert any(ids != greedy for ids in [a.token_ids, *others.values()]), "every seed gave the greedy tokens"
 
 
 # -- bad input ------------------------------------------------------------------------------------------------
@@ -204,5 +218,26 @@ def test_draft_stall_times_out_without_hanging(pipe):
     assert again.token_ids == ar.token_ids
 
 
-def test_errors_are_typed():
+def test_errors_are_typed(pipe, tmp_path):
+    """Real code paths given bad input raise the typed errors: each one a MirrorSDError (what the CLI catches to
+    print one line and exit 2) whose message says what was wrong."""
     assert issubclass(BadInputError, MirrorSDError) and issubclass(ManifestError, MirrorSDError)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / MANIFEST_NAME).write_text(json.dumps({"format_version": 999}))
+    plan = tmp_path / PLAN_FILE
+    plan.write_text("[]")
+    cases = [
+        (lambda: Manifest.load(bundle), ManifestError, "manifest format_version 999 is not supported"),
+        (lambda: Manifest.load(tmp_path / "missing"), ManifestError, "does not exist"),
+        (lambda: read_plan(plan), BadInputError, "is not a mirror-sd-plan file"),
+        (lambda: check_int("gamma", True, 1), BadInputError, "gamma must be an integer >= 1, got True"),
+        (lambda: PackageInfo.load(tmp_path), PackageError, f"has no {PACKAGE_FILE}"),
+        (lambda: Pipeline.load(bundle), ManifestError, "format_version 999"),
+        (lambda: pipe.generate(PROMPT, max_new_tokens=0), BadInputError, "max_new_tokens"),
+    ]
+    for call, kind, words in cases:
+        with pytest.raises(MirrorSDError) as err:
+            call()
+        assert isinstance(err.value, kind) and words in str(err.value), repr(err.value)
+        assert err.value.exit_code == 2

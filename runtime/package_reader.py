@@ -1,4 +1,4 @@
-"""Opening a package (partitions/package.py) for the runtime: a directory, or a .tar checked before extraction.
+"""Opening a package (partitions/package_format.py) for the runtime: a directory, or a .tar checked before extraction.
 
 A .tar is read member by member: every member must be a regular file or a directory with a name inside the
 package (no absolute path, no `..`, no symbolic or hard link, no device); only then are the files written, one by
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mirror_sd.errors import PackageError
-from mirror_sd.partitions.package import PACKAGE_FILE, PackageInfo, check_member_name
+from mirror_sd.partitions.package_format import PACKAGE_FILE, PackageInfo, check_member_name
 
 
 @dataclass

@@ -1,0 +1,75 @@
+"""The plan file: plan.json in a bundle directory, written by `mirror-sd plan` (planner.plan_document), read by
+the runtime for its defaults and by `mirror-sd export --plan` for its advice.
+
+Its own module so that reading a plan needs neither the cost model nor the search: this is the schema's whole
+contract with its readers (file name, format tag and version, the three sections they use, and their checks).
+Plain data only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from mirror_sd.errors import BadInputError, check_int
+
+PLAN_FILE = "plan.json"  # optional file in a bundle directory: the runtime's defaults come from it when present
+PLAN_FORMAT = "mirror-sd-plan"
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RuntimeDefaults:
+    """The settings a bundle's plan.json gives the runtime (each overridable per call)."""
+
+    gamma: int
+    kappa: int
+    branch_budget: int | None  # None: adaptive
+    target_threads: int
+    draft_threads: int
+
+
+@dataclass(frozen=True)
+class ExportAdvice:
+    exit_layer: int
+    top_k: int
+
+
+def read_plan(path: str | Path) -> dict[str, Any]:
+    """A plan file, checked: BadInputError if it is unreadable or not a plan of this version."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInputError(f"cannot read plan {str(path)!r}: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or doc.get("version") != PLAN_VERSION:
+        raise BadInputError(f"{str(path)!r} is not a {PLAN_FORMAT} file of version {PLAN_VERSION}")
+    for part in ("bundle", "runtime", "export"):
+        if not isinstance(doc.get(part), dict):
+            raise BadInputError(f"plan {str(path)!r} has no {part!r} section")
+    return doc
+
+
+def runtime_defaults(doc: Mapping[str, Any], exit_layer: int, top_k: int) -> RuntimeDefaults:
+    """The runtime section of a plan made for a bundle with this exit layer and top_k; BadInputError if the plan
+    was made for another export (its settings were measured on other graphs) or a value is out of range."""
+    b, r = doc["bundle"], doc["runtime"]
+    if b.get("exit_layer") != exit_layer or b.get("top_k") != top_k:
+        raise BadInputError(f"the plan was made for exit layer {b.get('exit_layer')} / top_k {b.get('top_k')}, the "
+                            f"bundle has {exit_layer} / {top_k}: run `mirror-sd plan` on this bundle again")
+    for name, low in (("gamma", 1), ("kappa", 1), ("target_threads", 1), ("draft_threads", 1)):
+        check_int(f"plan runtime.{name}", r.get(name), low)
+    if r["kappa"] > top_k:
+        raise BadInputError(f"plan runtime.kappa {r['kappa']} exceeds the bundle's top_k {top_k}")
+    budget = r.get("branch_budget")
+    if budget is not None:
+        check_int("plan runtime.branch_budget", budget, 0)
+    return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"])
+
+
+def export_advice(doc: Mapping[str, Any]) -> ExportAdvice:
+    e = doc["export"]
+    check_int("plan export.exit_layer", e.get("exit_layer"), 1)
+    check_int("plan export.top_k", e.get("top_k"), 1)
+    return ExportAdvice(e["exit_layer"], e["top_k"])

@@ -1,0 +1,100 @@
+"""`GenerationConfig`: every option of one generation, each default written once, validated when it is made.
+
+A pipeline holds one (`Pipeline.generation_config`: these defaults, with the bundle plan's gamma, kappa and
+branch budget merged in). A call takes it, or a config of its own, and overrides by keyword:
+
+    pipe.generate(prompt, max_new_tokens=32)                      # the pipeline's config, one field changed
+    cfg = dataclasses.replace(pipe.generation_config, mode="sd")  # a config to reuse
+    pipe.generate(prompt, cfg, temperature=0.7)
+
+The CLI, the benchmark and the planner build theirs the same way, so no default lives anywhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from mirror_sd.errors import BadInputError, check_int
+from mirror_sd.runtime.sampling import SamplingParams
+
+MODES = ("ar", "sd", "mirror")
+# How a streaming draft uses its proposals (runtime/draft.py): not at all, self-checked by the next forward, or
+# (greedy) the last ones taken as drafted. "verify" windows equal one-token-per-forward windows; "trust" windows
+# take fewer forwards. True means "trust", False "off".
+STREAMING_MODES = ("off", "verify", "trust")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    mode: str = "mirror"  # MODES: the target alone, vanilla speculative decoding, Mirror-SD
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # sampling top-k (0: off)
+    seed: int = 0
+    stop: tuple[str, ...] = ()  # strings that end the text (a single string is taken as one)
+    gamma: int = 4  # draft window length
+    kappa: int | None = None  # early-exit candidates per position (None: the bundle's top_k, also the maximum)
+    branch_budget: int | None = None  # branches per mirror step (None: adapts while the draft stays hidden)
+    overlap: bool = True  # False: the draft runs on the main thread, the same schedule serially
+    draft_timeout_s: float = 10.0  # a draft answer later than this makes the step run on the target alone
+    draft_streaming: str = "trust"  # STREAMING_MODES (or a bool)
+    trace: bool = False  # True: stats.trace lists every phase as (phase, start_s, end_s)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise BadInputError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        t = self.temperature
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise BadInputError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise BadInputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        check_int("top_k", self.top_k, 0)
+        check_int("seed", self.seed, 0)
+        check_int("gamma", self.gamma, 1)
+        if self.kappa is not None:
+            check_int("kappa", self.kappa, 1)
+        if self.branch_budget is not None:
+            check_int("branch_budget", self.branch_budget, 0)
+        if not _is_number(self.draft_timeout_s) or not self.draft_timeout_s > 0:
+            raise BadInputError(f"draft_timeout_s must be > 0, got {self.draft_timeout_s!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+            raise BadInputError("stop must be a list of non-empty strings")
+        # normalised once here: every reader sees a tuple of strings and a STREAMING_MODES name
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "draft_streaming", streaming_mode(self.draft_streaming))
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "draft_timeout_s", float(self.draft_timeout_s))
+        object.__setattr__(self, "overlap", bool(self.overlap))
+        object.__setattr__(self, "trace", bool(self.trace))
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
+
+    def updated(self, **overrides: Any) -> GenerationConfig:
+        """A copy with `overrides`; an unknown option is a BadInputError naming it."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise BadInputError(f"unknown generation option(s) {', '.join(unknown)}; known: "
+                                f"{', '.join(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+
+def streaming_mode(value: bool | str) -> str:
+    """A STREAMING_MODES name from a name or a bool (True: "trust", False: "off")."""
+    if isinstance(value, bool):
+        return "trust" if value else "off"
+    if value not in STREAMING_MODES:
+        raise BadInputError(f"draft streaming must be one of {', '.join(STREAMING_MODES)}, not {value!r}")
+    return value
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
