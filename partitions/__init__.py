@@ -1,24 +1,7 @@
-"""The partition plan and the bundle manifest, as plain validated data (no torch, no runtimes)."""
+"""The partition plan and the bundle manifest, as plain validated data (no torch, no runtimes). The manifest's
+module (partitions/manifest.py) holds the contract between export and runtime; the names users reach for most are
+here too."""
 
-from mirror_sd.partitions.manifest import (
-    BOUNDARY,
-    DRAFT_VOCAB_FILE,
-    EXIT_IDS,
-    EXIT_LOGPROBS,
-    FORMAT_VERSION,
-    LOGITS,
-    MANIFEST_NAME,
-    STREAM_IDS,
-    DraftFacts,
-    Manifest,
-    ModelFacts,
-    TargetFacts,
-    TokenizerFacts,
-)
-from mirror_sd.partitions.spec import PartitionSpec, TensorSpec
+from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE, MANIFEST_NAME, Manifest
 
-__all__ = [
-    "BOUNDARY", "DRAFT_VOCAB_FILE", "EXIT_IDS", "EXIT_LOGPROBS", "FORMAT_VERSION", "LOGITS", "MANIFEST_NAME",
-    "STREAM_IDS", "DraftFacts", "Manifest",
-    "ModelFacts", "PartitionSpec", "TargetFacts", "TensorSpec", "TokenizerFacts",
-]
+__all__ = ["DRAFT_VOCAB_FILE", "MANIFEST_NAME", "Manifest"]

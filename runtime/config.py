@@ -47,32 +47,25 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise BadInputError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}")
-        check_int("max_new_tokens", self.max_new_tokens, 1)
+        for name, low in (("max_new_tokens", 1), ("top_k", 0), ("seed", 0), ("gamma", 1), ("kappa", 1),
+                          ("branch_budget", 0)):
+            if getattr(self, name) is not None or name not in ("kappa", "branch_budget"):  # those two may be None
+                check_int(name, getattr(self, name), low)
         t = self.temperature
         if not _is_number(t) or not math.isfinite(t) or t < 0:
             raise BadInputError(f"temperature must be a finite number >= 0, got {t!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise BadInputError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        check_int("top_k", self.top_k, 0)
-        check_int("seed", self.seed, 0)
-        check_int("gamma", self.gamma, 1)
-        if self.kappa is not None:
-            check_int("kappa", self.kappa, 1)
-        if self.branch_budget is not None:
-            check_int("branch_budget", self.branch_budget, 0)
         if not _is_number(self.draft_timeout_s) or not self.draft_timeout_s > 0:
             raise BadInputError(f"draft_timeout_s must be > 0, got {self.draft_timeout_s!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
             raise BadInputError("stop must be a list of non-empty strings")
-        # normalised once here: every reader sees a tuple of strings and a STREAMING_MODES name
-        object.__setattr__(self, "stop", tuple(stop))
-        object.__setattr__(self, "draft_streaming", streaming_mode(self.draft_streaming))
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_p", float(self.top_p))
-        object.__setattr__(self, "draft_timeout_s", float(self.draft_timeout_s))
-        object.__setattr__(self, "overlap", bool(self.overlap))
-        object.__setattr__(self, "trace", bool(self.trace))
+        # normalised once here: every reader sees a tuple of strings, a STREAMING_MODES name, floats and bools
+        for name, value in (("stop", tuple(stop)), ("draft_streaming", streaming_mode(self.draft_streaming)),
+                            ("temperature", float(t)), ("top_p", float(self.top_p)), ("overlap", bool(self.overlap)),
+                            ("draft_timeout_s", float(self.draft_timeout_s)), ("trace", bool(self.trace))):
+            object.__setattr__(self, name, value)
 
     @property
     def params(self) -> SamplingParams:

@@ -151,39 +151,53 @@ def _confirm(choose_at: Callable[[int], int], proposals: np.ndarray, room: int) 
     return new
 
 
-class Drafter:
-    def __init__(self, engine: DraftEngine, params: SamplingParams, streaming: bool | str = True,
-                 recorder: Recorder | None = None) -> None:
-        """streaming: runtime/config.py STREAMING_MODES; True is "trust", False is "off" (a streaming draft one
-        token per forward, its proposals ignored: the same tokens as "verify"). recorder: where this generation's
-        draft forwards are timed and counted (None: nowhere)."""
-        self.engine, self.params = engine, params
-        self.recorder = recorder or Recorder()
-        self.lane = engine.context_lane()
-        self.rows: _Rows | None = None  # the last branch set's rows, kept until the next request
-        facts = engine.facts
-        if getattr(facts, "output_vocab_size", 0) and engine.output_ids is None:
+class DrafterBase:
+    """What both drafters share (this one and runtime/feature_draft.py's): the engine, the sampling parameters, the
+    generation's recorder (None: nowhere), the draft's vocabulary, one context lane and the last branch set's rows."""
+
+    def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None) -> None:
+        if engine.facts.output_vocab_size and engine.output_ids is None:
             raise ValueError("the draft predicts over a reduced vocabulary, but its engine has no output_ids "
                              "(open it with open_engine)")
-        self.vocab = DraftVocab(facts.vocab_size, engine.output_ids)
-        has_streams = STREAM_IDS in engine.head_outputs
-        mode = streaming_mode(streaming)
-        self.streams = getattr(facts, "streams", 0) if mode != "off" and has_streams else 0
-        self.trust = mode == "trust" and params.greedy
+        self.engine, self.params, self.recorder = engine, params, recorder or Recorder()
+        self.vocab = DraftVocab(engine.facts.vocab_size, engine.output_ids)
+        self.lane = engine.context_lane()
+        self.rows = None  # kept until the next request: a branch hit continues its row
 
     def reset(self) -> None:
         """Forget every cache (after a failure: nothing half-updated is ever reused)."""
         self.lane.truncate(0)
         self.rows = None
 
-    # -- building blocks -----------------------------------------------------------------------------------
-    def _forward(self, x: np.ndarray, shared: np.ndarray, own: OwnPast, new_mask: np.ndarray, keep: int,
-                 rows: int) -> tuple[dict[str, np.ndarray], LayerKV]:
+    def _forward(self, x: np.ndarray, shared: np.ndarray, own: OwnPast, new_mask: np.ndarray, keep: int, rows: int,
+                 channel: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], LayerKV]:
         """One forward for `rows` rollout rows (0: reading a prompt); its heads on the last `keep` columns only."""
         start = time.perf_counter()
-        out, new_kv = self.engine.run(x, positions(shared, own, new_mask), self.lane, shared, own, new_mask, keep)
+        out = self.engine.run(x, positions(shared, own, new_mask), self.lane, shared, own, new_mask, keep, channel)
         self.recorder.draft_forward(start, time.perf_counter(), rows)
-        return out, new_kv
+        return out
+
+    def _rng(self, length: int) -> np.random.Generator | None:
+        """The generator a rollout continuing `length` tokens draws with (None: greedy)."""
+        return None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, length)
+
+    def _window(self, context_len: int, rows, b: int) -> DraftWindow:
+        lg = None if self.params.greedy else frozen(self.vocab.full(np.stack(rows.logits[b])))
+        return DraftWindow(context_len, tuple(rows.tokens[b]), lg, rows.forwards)
+
+
+class Drafter(DrafterBase):
+    def __init__(self, engine: DraftEngine, params: SamplingParams, streaming: bool | str = True,
+                 recorder: Recorder | None = None) -> None:
+        """streaming: runtime/config.py STREAMING_MODES; True is "trust", False is "off" (a streaming draft one
+        token per forward, its proposals ignored: the same tokens as "verify")."""
+        super().__init__(engine, params, recorder)
+        mode = streaming_mode(streaming)
+        has_streams = STREAM_IDS in engine.head_outputs
+        self.streams = engine.facts.streams if mode != "off" and has_streams else 0
+        self.trust = mode == "trust" and params.greedy
+
+    # -- building blocks -----------------------------------------------------------------------------------
 
     def _take(self, seq: np.ndarray, keep_last: bool = True) -> int:
         """Make the lane hold the longest prefix of `seq` any cache has (at most len - 1 when keep_last, so at least
@@ -271,10 +285,6 @@ class Drafter:
             own = own.extended(new_kv, keep)
             self.recorder.drafted(produced)
 
-    def _window(self, context_len: int, rows: _Rows, b: int) -> DraftWindow:
-        lg = None if self.params.greedy else frozen(self.vocab.full(np.stack(rows.logits[b])))
-        return DraftWindow(context_len, tuple(rows.tokens[b]), lg, rows.forwards)
-
     # -- requests ------------------------------------------------------------------------------------------
     def warm(self, context: tuple[int, ...]) -> int:
         """Read `context` into the lane (the prompt, while the target prefills it); returns the tokens fed."""
@@ -289,7 +299,7 @@ class Drafter:
         (every token but the last, less any trusted ones: the target verifies those, the next rollout feeds them)."""
         seq = np.asarray(context, np.int64)
         keep = self._take(seq)
-        rng = None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, seq.size)
+        rng = self._rng(seq.size)
         rows = self._roll(np.array([keep]), [seq[keep:]], [rng], gamma, lambda: False)
         self.lane.append(rows.own.row(0), np.asarray(rows.fed[0], np.int64))
         return self._window(seq.size, rows, 0)
@@ -307,7 +317,7 @@ class Drafter:
         shared = np.array([min(_common_prefix(self.lane.tokens, b), b.size - 1) for b in bases], np.int64)
         # Each row draws with the generator a fresh rollout of its context would use, so a branch's window is
         # the window a miss would have drawn (up to batch rounding of the draft's logits).
-        rngs = [None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, b.size) for b in bases]
+        rngs = [self._rng(b.size) for b in bases]
         rows = self._roll(shared, [b[s:] for b, s in zip(bases, shared)], rngs, gamma, cancelled)
         if not rows.complete:
             return BranchSet.of({}, rows.forwards)  # cancelled: no windows

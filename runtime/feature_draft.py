@@ -23,16 +23,15 @@ off. A failure resets it, taps included: the rest of that generation runs on the
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, SURROGATE, USE_SURROGATE
-from mirror_sd.runtime.draft import PAD_ID, DraftVocab, _common_prefix
+from mirror_sd.runtime.draft import PAD_ID, DrafterBase, _common_prefix
 from mirror_sd.runtime.engines import DraftEngine
-from mirror_sd.runtime.kv import LayerKV, positions
+from mirror_sd.runtime.kv import LayerKV
 from mirror_sd.runtime.messages import (
     BranchKey,
     BranchSet,
@@ -40,9 +39,8 @@ from mirror_sd.runtime.messages import (
     ExitCandidates,
     FeatureBlock,
     Features,
-    frozen,
 )
-from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, rng_for
+from mirror_sd.runtime.sampling import SamplingParams
 from mirror_sd.runtime.stats import Recorder
 
 
@@ -100,37 +98,24 @@ class _Rows:
         return np.concatenate([lane_tokens[:self.shared[b]], self.bases[b][1 + self.shared[b]:]])
 
 
-class FeatureDrafter:
+class FeatureDrafter(DrafterBase):
+    """Lane slot j holds input j + 1, fed with real taps."""
+
     def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None = None) -> None:
         facts = engine.facts
         if not facts.feature_taps:
             raise ValueError("FeatureDrafter needs a feature draft (the manifest's draft.feature_taps)")
-        if facts.output_vocab_size and engine.output_ids is None:
-            raise ValueError("the draft predicts over a reduced vocabulary, but its engine has no output_ids")
-        self.engine, self.params = engine, params
-        self.recorder = recorder or Recorder()  # where this generation's draft forwards are timed and counted
-        self.vocab = DraftVocab(facts.vocab_size, engine.output_ids)
-        self.lane = engine.context_lane()  # slot j: input j + 1, fed with real taps
+        super().__init__(engine, params, recorder)
         self.store = FeatureStore(engine.lane_capacity + 1, len(facts.feature_taps), facts.hidden_size, facts.dtype)
-        self.rows: _Rows | None = None
 
     def reset(self) -> None:
-        self.lane.truncate(0)
+        super().reset()
         self.store.reset()
-        self.rows = None
 
     # -- building blocks -----------------------------------------------------------------------------------
     def _absorb(self, features: Features) -> None:
         for block in features:
             self.store.absorb(block)
-
-    def _forward(self, x: np.ndarray, shared: np.ndarray, own, mask: np.ndarray, channel: dict[str, np.ndarray],
-                 rows: int) -> tuple[dict[str, np.ndarray], LayerKV]:
-        """One forward for `rows` rollout rows (0: reading a prompt), its heads on the last column only."""
-        start = time.perf_counter()
-        out = self.engine.run(x, positions(shared, own, mask), self.lane, shared, own, mask, 1, channel)
-        self.recorder.draft_forward(start, time.perf_counter(), rows)
-        return out
 
     def _check_taps(self, seq: np.ndarray) -> None:
         """Every input of seq (tokens 1..n-1) needs the taps of the position before it."""
@@ -167,7 +152,7 @@ class FeatureDrafter:
             channel = empty_channel(self.engine.facts, 1, x.shape[1])
             channel[FEATURES][0] = self.store.taps[lo - 1:hi - 1]
             shared = np.array([self.lane.length])
-            _, new_kv = self._forward(x, shared, own, mask, channel, 0)
+            _, new_kv = self._forward(x, shared, own, mask, 1, 0, channel)
             self.lane.append(new_kv, x[0])
 
     def _roll(self, bases: list[np.ndarray], shared: np.ndarray, rngs: list, gamma: int,
@@ -189,7 +174,7 @@ class FeatureDrafter:
         real: list[LayerKV] = []
         forwards = 0
         while True:
-            out, new_kv = self._forward(x, shared, own, mask, channel, n)
+            out, new_kv = self._forward(x, shared, own, mask, 1, n, channel)
             forwards += 1
             own = own.extended(new_kv, mask)
             if forwards == 1:
@@ -212,10 +197,6 @@ class FeatureDrafter:
             channel[SURROGATE][:] = out[DRAFT_HIDDEN][:, -1:]
             channel[USE_SURROGATE][:] = 1
 
-    def _window(self, context_len: int, rows: _Rows, b: int) -> DraftWindow:
-        lg = None if self.params.greedy else frozen(self.vocab.full(np.stack(rows.logits[b])))
-        return DraftWindow(context_len, tuple(rows.tokens[b]), lg, rows.forwards)
-
     # -- requests ------------------------------------------------------------------------------------------
     def warm(self, context: tuple[int, ...], features: Features = ()) -> int:
         """Feed the prompt's inputs into the lane with the taps the prefill sent; returns the inputs fed."""
@@ -232,7 +213,7 @@ class FeatureDrafter:
         seq = np.asarray(context, np.int64)
         self._check_taps(seq)
         keep = self._take(seq)
-        rng = None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, seq.size)
+        rng = self._rng(seq.size)
         rows = self._roll([seq], np.array([keep]), [rng], gamma, lambda: False)
         self.lane.append(rows.real[0], seq[1 + keep:])
         return self._window(seq.size, rows, 0)
@@ -250,7 +231,7 @@ class FeatureDrafter:
         for base in bases:
             self._check_taps(base)
         shared = np.array([min(_common_prefix(self.lane.tokens, b[1:]), b.size - 2) for b in bases], np.int64)
-        rngs = [None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, b.size) for b in bases]
+        rngs = [self._rng(b.size) for b in bases]
         rows = self._roll(bases, shared, rngs, gamma, cancelled)
         if not rows.complete:
             return BranchSet.of({}, rows.forwards)  # cancelled: no windows

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
+from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError, check_int
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.plan_file import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
 from mirror_sd.runtime.backends import BACKENDS
@@ -108,8 +108,8 @@ class Pipeline:
         cache_dir: OpenVINO's compile cache directory (CACHE_DIR)."""
         for name, n in (("target_threads", target_threads), ("draft_threads", draft_threads),
                         ("max_context", max_context)):
-            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-                raise BadInputError(f"{name} must be an integer >= 1, got {n!r}")
+            if n is not None:
+                check_int(name, n, 1)
         for name, value in (("target_backend", target_backend), ("draft_backend", draft_backend)):
             if value is not None and value not in BACKENDS:
                 raise BadInputError(f"unknown {name} {value!r}; known: {', '.join(BACKENDS)}")

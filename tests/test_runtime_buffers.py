@@ -72,11 +72,11 @@ class _Recording(GraphEngine):
         super().__init__(real.graph, real.spec, real.facts, real.output_ids)
         self.calls: list[tuple[int, int, int, int]] = []  # (rows, shared slots read, own slots, lane buffer id)
 
-    def run(self, x, positions, lane, shared, own, new_mask, keep=None):
+    def run(self, x, positions, lane, shared, own, new_mask, keep=None, channel=None):
         self.calls.append((x.shape[0], int(shared.max()), own.slots, id(lane.buffers[own.layers[0]][0])))
         view = lane.view(int(shared.max()))[own.layers[0]][0]
         assert view.base is lane.buffers[own.layers[0]][0] or view.size == 0  # a view, not a copy
-        return super().run(x, positions, lane, shared, own, new_mask, keep)
+        return super().run(x, positions, lane, shared, own, new_mask, keep, channel)
 
 
 def test_draft_lane_is_read_in_place_and_own_pasts_stay_short(pipe):
