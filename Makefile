@@ -28,7 +28,7 @@ WEIGHTS ?= fp16
 MAX_PROMPT ?=
 MAX_CONTEXT ?=
 
-.PHONY: setup lint test test-fast demo models export plan package clean
+.PHONY: setup lint test test-fast demo models export plan package serve soak clean
 
 setup: $(STAMP)
 
@@ -67,6 +67,12 @@ export: setup
 	  $(if $(TOPK),--top-k $(TOPK)) $(if $(PLAN),--plan "$(PLAN)") \
 	  $(if $(EXIT_LAYER),--exit-layer $(EXIT_LAYER)) $(if $(EXIT_ADAPTER),--exit-adapter "$(EXIT_ADAPTER)") \
 	  $(if $(FORCE),--force)
+
+# Serve BUNDLE (default: the real pair) over an OpenAI-compatible HTTP API on HOST:PORT (default 127.0.0.1:8000).
+HOST ?= 127.0.0.1
+PORT ?= 8000
+serve: models
+	$(VENV)/bin/mirror-sd serve "$(BUNDLE)" --host "$(HOST)" --port "$(PORT)" --model-name smollm2
 
 # Measure BUNDLE and save the chosen exit layer / k / gamma / branch budget / threads as its plan.json.
 plan: setup

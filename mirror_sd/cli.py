@@ -89,6 +89,32 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from mirror_sd.errors import BadInputError, check_int
+    from mirror_sd.runtime.pipeline import Pipeline
+    from mirror_sd.serve.app import ServerSettings, create_app
+
+    check_int("--max-queue", args.max_queue, 0)
+    if not 0 < args.port < 65536:
+        raise BadInputError(f"--port must be in 1..65535, got {args.port}")
+    if not args.request_timeout > 0:
+        raise BadInputError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    pipe = Pipeline.load(args.bundle, target_device=args.target_device, draft_device=args.draft_device,
+                         target_threads=args.target_threads, draft_threads=args.draft_threads,
+                         max_context=args.max_context)
+    given = {"mode": args.mode, "max_new_tokens": args.max_new_tokens}
+    pipe.generation_config = pipe.generation_config.updated(**{k: v for k, v in given.items() if v is not None})
+    name = args.model_name or Path(args.bundle).resolve().name
+    app = create_app(pipe, ServerSettings(name, args.max_queue, args.request_timeout))
+    print(f"mirror-sd: serving {name!r} on http://{args.host}:{args.port}/v1 ({pipe.generation_config.mode}; "
+          f"target {pipe.target.device}, draft {pipe.draft.device})", file=sys.stderr)
+    # a stream in flight is cut after 3 s of a SIGTERM: its generation stops at its next step (serve/app.py)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
+    return 0
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(t) for t in text.split(",") if t.strip())
@@ -265,6 +291,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also write it into the bundle as plan.json: the runtime's defaults then come from it")
     pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     pl.set_defaults(func=_plan)
+
+    sv = sub.add_parser("serve", help="serve a bundle over HTTP: OpenAI-compatible chat and completions")
+    sv.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="default 8000")
+    sv.add_argument("--model-name", default=None, help="the model id clients name (default: the bundle's folder name)")
+    sv.add_argument("--mode", default=None, help="ar, sd or mirror (default: mirror); a request's mirror.mode wins")
+    sv.add_argument("--max-new-tokens", type=int, default=None,
+                    help="tokens a request gets when it does not say (default 64)")
+    sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait behind the running one "
+                    "(default 16); more get 429 with Retry-After")
+    sv.add_argument("--request-timeout", type=float, default=600.0,
+                    help="seconds a request may take, queueing included (default 600)")
+    sv.add_argument("--target-threads", type=int, default=None, help="as for generate")
+    sv.add_argument("--draft-threads", type=int, default=None, help="as for generate")
+    sv.add_argument("--target-device", default=None, help="as for generate")
+    sv.add_argument("--draft-device", default=None, help="as for generate")
+    sv.add_argument("--max-context", type=int, default=None, help="as for generate")
+    sv.set_defaults(func=_serve)
 
     from mirror_sd.bench.cli import add_parser as add_bench_parser
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,10 @@ class Pipeline:
             self.generation_config = dataclasses.replace(self.generation_config, gamma=defaults.gamma,
                                                          kappa=defaults.kappa, branch_budget=defaults.branch_budget)
         self._worker: DraftWorker | None = None  # the last generation's draft worker, if its thread may still run
+        # The engines are single-owner: generations from several threads run one at a time, each holding this
+        # from its first token to its end (a stream: until it is exhausted or closed).
+        self._busy = threading.Lock()
+        self._owner: int | None = None  # the thread generating now
 
     @classmethod
     def load(cls, bundle: str | Path, *, target_device: str | None = None, draft_device: str | None = None,
@@ -208,6 +213,16 @@ class Pipeline:
             raise BadInputError(f"gamma {cfg.gamma} exceeds this package's max_gamma {b.max_gamma}")
 
     def _decode(self, ids: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
+        if self._owner == threading.get_ident():  # waiting for ourselves would never end
+            raise BadInputError("this thread's earlier stream is still open: exhaust or close it first")
+        with self._busy:
+            self._owner = threading.get_ident()
+            try:
+                return (yield from self._decode_alone(ids, cfg))
+            finally:
+                self._owner = None
+
+    def _decode_alone(self, ids: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
         rec = Recorder(cfg.trace)
         sink = TextSink(self.codec, cfg.stop, self.manifest.tokenizer.eos_token_ids, cfg.max_new_tokens)
         worker = self._start_worker(cfg, rec) if cfg.mode != "ar" else None

@@ -1,0 +1,342 @@
+"""`mirror-sd serve`: an OpenAI-compatible HTTP server over one Pipeline.
+
+One pipeline per process, one generation at a time: its engines are single-owner, so generations run on one
+worker thread, in arrival order. Requests beyond the one running wait in a bounded FIFO (`max_queue`); a full
+queue is a 429 with Retry-After. Every request has a deadline (`request_timeout_s`, queueing included): a request
+still queued at its deadline gets a 503; a generation still running at it stops at its next step and answers what
+it has (finish_reason "length"). A client that disconnects stops its generation at the next step, and the next
+request starts as soon as that step ends.
+
+Scale-out: requests are independent and a process owns its devices, so several processes (one per GPU/NPU, or per
+machine) sit behind any HTTP load balancer; each one's /health and /metrics describe it alone.
+
+Errors: a request the server cannot honour is a 4xx with an OpenAI-style body before any device work (malformed
+JSON, wrong types, unknown fields, an empty or oversize prompt, max_tokens out of range, an unknown model). A
+failure inside the target is a 500 for that request; the server keeps serving. A draft failure never fails a
+request: the step runs on the target alone and /metrics counts the fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.runtime.pipeline import GenerationResult, Pipeline
+from mirror_sd.serve import protocol as p
+from mirror_sd.serve.metrics import Metrics
+
+log = logging.getLogger("mirror_sd.serve")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str  # what /v1/models lists and requests must name
+    max_queue: int = 16  # requests that may wait behind the running one
+    request_timeout_s: float = 600.0  # a request's deadline, queueing included
+    retry_after_s: int = 1  # the Retry-After a 429 carries
+
+
+@dataclass
+class _Job:
+    """One admitted request: its prompt ids, its generation options, and how to stop it early."""
+
+    ids: list[int]
+    options: dict[str, Any]
+    deadline: float  # time.monotonic()
+    cancel: threading.Event
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    result: GenerationResult | None  # None when stopped early (its stats were not completed)
+
+
+class GenerationSlot:
+    """Runs generations one at a time on one thread, in arrival order, behind a bounded queue."""
+
+    def __init__(self, pipe: Pipeline, settings: ServerSettings, metrics: Metrics) -> None:
+        self.pipe, self.settings, self.metrics = pipe, settings, metrics
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mirror-sd-generate")
+        self.lock = asyncio.Lock()  # FIFO: asyncio wakes its waiters in order
+        self.waiting = 0
+
+    async def run(self, job: _Job, work: Callable[[], Any]) -> Any:
+        """Run `work` on the generation thread once every earlier request is done; 429 when the queue is full,
+        503 when the deadline passes in the queue. If the caller is cancelled (client gone), the generation is told
+        to stop, and the slot is free again only when it has."""
+        if self.lock.locked() and self.waiting >= self.settings.max_queue:
+            raise p.ApiError(429, f"the server is busy: {self.waiting} requests are waiting; retry later",
+                             "server_busy", code="queue_full",
+                             headers={"Retry-After": str(self.settings.retry_after_s)})
+        self.waiting += 1
+        self.metrics.queue_depth.set(self.waiting)
+        try:
+            await asyncio.wait_for(self.lock.acquire(), timeout=max(0.0, job.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise p.ApiError(503, "the request timed out waiting in the queue", "server_busy",
+                             code="queue_timeout", headers={"Retry-After": str(self.settings.retry_after_s)}
+                             ) from None
+        finally:
+            self.waiting -= 1
+            self.metrics.queue_depth.set(self.waiting)
+        self.metrics.running.set(1)
+        future = asyncio.get_running_loop().run_in_executor(self.executor, work)
+        future.add_done_callback(self._release)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            job.cancel.set()  # the generation stops at its next step; _release frees the slot then
+            raise
+
+    def _release(self, _future) -> None:
+        self.metrics.running.set(0)
+        self.lock.release()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
+    metrics = Metrics()
+    slot: GenerationSlot | None = None
+    active: set[threading.Event] = set()  # the cancel flags of running generations (set all at shutdown)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        nonlocal slot
+        slot = GenerationSlot(pipe, settings, metrics)
+        yield
+        for flag in list(active):  # SIGTERM: stop what runs at its next step, so the process exits at once
+            flag.set()
+        slot.close()
+
+    app = FastAPI(title="mirror-sd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.pipeline, app.state.metrics, app.state.settings = pipe, metrics, settings
+
+    # -- errors in OpenAI's shape --------------------------------------------------------------------------
+    @app.exception_handler(p.ApiError)
+    async def _api_error(request: Request, e: p.ApiError) -> JSONResponse:
+        metrics.requests.labels(request.url.path, str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {"loc": ("body",), "msg": "invalid request", "type": ""}
+        field = p.field_name(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            err = p.ApiError(400, f"the body is not valid JSON: {first.get('msg')}", param=None, code="invalid_json")
+        elif first.get("type") == "extra_forbidden":
+            err = p.ApiError(400, f"unsupported field {field!r}: this server does not implement it", param=field,
+                             code="unsupported_field")
+        else:
+            err = p.ApiError(400, f"{field}: {first.get('msg')}", param=field, code="invalid_value")
+        return await _api_error(request, err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own 400 is a body it could not parse (bad UTF-8 among others)
+        code = "invalid_body" if e.status_code == 400 else None
+        return await _api_error(request, p.ApiError(e.status_code, str(e.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return await _api_error(request, p.ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+    # -- endpoints -------------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": settings.model_name, "queue_depth": slot.waiting if slot else 0,
+                "target_device": pipe.target.device, "draft_device": pipe.draft.device}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "mirror-sd"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: p.ChatRequest, request: Request) -> Any:
+        return await _complete(request, body, body.prompt(), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, request: Request) -> Any:
+        return await _complete(request, body, body.prompt, chat=False)
+
+    # -- one request -----------------------------------------------------------------------------------------
+    def _admit(body: p.ChatRequest | p.CompletionRequest, prompt: Any) -> _Job:
+        """Everything checkable before the queue: the model, the prompt, the options, the context."""
+        if body.model != settings.model_name:
+            raise p.ApiError(404, f"the model {body.model!r} does not exist; this server has "
+                                  f"{settings.model_name!r}", param="model", code="model_not_found")
+        options = body.generation_options()
+        try:
+            ids = pipe.prompt_ids(prompt)
+            config = pipe.generation_config.updated(**options)
+        except BadInputError as e:
+            raise p.ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
+        if len(ids) + config.max_new_tokens > pipe.context_limit:
+            room = pipe.context_limit - len(ids)
+            raise p.ApiError(400, f"this model's context is {pipe.context_limit} tokens; the prompt has {len(ids)} "
+                                  f"and {config.max_new_tokens} more were asked for "
+                                  f"({max(room, 0)} fit)", param="max_tokens" if room > 0 else "messages",
+                             code="context_length_exceeded")
+        return _Job(ids, options, time.monotonic() + settings.request_timeout_s, threading.Event())
+
+    async def _complete(request: Request, body: p.ChatRequest | p.CompletionRequest, prompt: Any,
+                        chat: bool) -> Any:
+        job = _admit(body, prompt)
+        rid = p.new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(request, job, rid, body.model, chat, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        try:
+            outcome = await slot.run(job, lambda: _generate(job, None))
+        except p.ApiError:
+            raise
+        except Exception as e:  # the target failed: a 500 for this request, the server goes on
+            log.exception("generation failed")
+            raise p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
+        finally:
+            watcher.cancel()
+        make = p.chat_response if chat else p.completion_response
+        metrics.requests.labels(request.url.path, "200").inc()
+        return make(rid, body.model, outcome.text, outcome.finish_reason, len(job.ids), len(outcome.token_ids),
+                    _mirror_stats(outcome))
+
+    async def _stream(request: Request, job: _Job, rid: str, model: str, chat: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(kind: str, value: Any) -> None:  # from the generation thread
+            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+
+        def chunk(text: str, reason: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                doc = p.chat_chunk(rid, model, delta, reason)
+            else:
+                doc = p.completion_chunk(rid, model, text, reason)
+            return f"data: {json.dumps(doc)}\n\n"
+
+        async def run() -> None:
+            try:
+                emit("done", await slot.run(job, lambda: _generate(job, emit)))
+            except p.ApiError as e:
+                emit("error", e)
+            except Exception as e:  # the target failed: this request ends with an error event, the server goes on
+                log.exception("generation failed")
+                emit("error", p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
+
+        task = asyncio.create_task(run())
+        status = "200"
+        try:
+            first = True
+            while True:
+                kind, value = await events.get()
+                if kind == "text":
+                    yield chunk(value, None, first)
+                    first = False
+                elif kind == "error":
+                    status = str(value.status)
+                    yield f"data: {json.dumps(value.body())}\n\n"
+                    break
+                else:
+                    outcome: _Outcome = value
+                    yield chunk("", outcome.finish_reason, first)
+                    if include_usage:
+                        doc = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                               "created": int(time.time()), "model": model, "choices": [],
+                               "usage": p.usage(len(job.ids), len(outcome.token_ids))}
+                        yield f"data: {json.dumps(doc)}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not task.done():  # the client went away mid-stream: stop the generation at its next step
+                job.cancel.set()
+                metrics.cancelled.labels("disconnect").inc()
+                task.cancel()
+            metrics.requests.labels(request.url.path, status).inc()
+
+    def _generate(job: _Job, emit: Callable[[str, Any], None] | None) -> _Outcome:
+        """On the generation thread: run the pipeline, stop early on cancel or deadline, record the metrics."""
+        active.add(job.cancel)
+        stream = pipe.stream(job.ids, **job.options)
+        texts, ids = [], []
+        try:
+            for c in stream:
+                texts.append(c.text)
+                ids.append(c.token_id)
+                if emit is not None and c.text:
+                    emit("text", c.text)
+                if job.cancel.is_set():
+                    break
+                if time.monotonic() > job.deadline:
+                    job.timed_out = True
+                    metrics.cancelled.labels("deadline").inc()
+                    break
+        finally:
+            stream.close()
+            active.discard(job.cancel)
+        result = stream.result
+        if result is not None:
+            metrics.generation(result.stats, len(job.ids))
+            missing = result.text[len("".join(texts)):]  # what a final flush still held back, if anything
+            if missing and emit is not None:
+                emit("text", missing)
+            return _Outcome(result.text, result.token_ids, result.finish_reason, result)
+        return _Outcome("".join(texts), ids, "length", None)
+
+    return app
+
+
+async def _watch_disconnect(request: Request, job: _Job) -> None:
+    """A non-streaming request whose client went away stops its generation at the next step."""
+    while not job.cancel.is_set():
+        if await request.is_disconnected():
+            job.cancel.set()
+            return
+        await asyncio.sleep(0.1)
+
+
+def _mirror_stats(outcome: _Outcome) -> dict[str, Any]:
+    """The project's extension of a response: how the decoding went."""
+    if outcome.result is None:
+        return {"stopped_early": True}
+    s = outcome.result.stats
+    return {"mode": s.mode, "tokens_per_second": s.tokens_per_second, "ttft_s": s.ttft_s,
+            "acceptance_rate": s.acceptance_rate, "mean_accepted_tokens": s.mean_accepted_tokens,
+            "branch_hit_rate": s.branch_hit_rate, "fallbacks": s.fallbacks}
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a pipeline error names (its messages start with the option's name)."""
+    names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
+             "stop": "stop", "gamma": "mirror.gamma", "kappa": "mirror.kappa", "branch_budget": "mirror.branch_budget",
+             "the prompt": "prompt", "token ids": "prompt"}
+    return next((field for start, field in names.items() if message.startswith(start)), None)
+
