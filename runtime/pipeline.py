@@ -185,6 +185,12 @@ class Pipeline:
         return GenerationStream(self._run(prompt, config, overrides))
 
     def _run(self, prompt: Prompt, config: GenerationConfig | None, overrides: dict[str, Any]) -> Iterator[Chunk]:
+        return self._decode(*self.check(prompt, config, **overrides))
+
+    def check(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides: Any
+              ) -> tuple[list[int], GenerationConfig]:
+        """The prompt's ids and the resolved config of a generation, every check done and no device work: what
+        generate would refuse (BadInputError; ContextLimitError when it would not fit) is refused here."""
         if config is not None and not isinstance(config, GenerationConfig):
             raise BadInputError(f"config must be a GenerationConfig, not {type(config).__name__}")
         cfg = (config or self.generation_config).updated(**overrides)
@@ -198,7 +204,7 @@ class Pipeline:
         if len(ids) + cfg.max_new_tokens > self.context_limit:
             raise ContextLimitError(f"prompt ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
                                     f"context limit of {self.context_limit} tokens")
-        return self._decode(ids, cfg)
+        return ids, cfg
 
     def _check_bounds(self, prompt_len: int, cfg: GenerationConfig) -> None:
         """A package's static shapes admit so much and no more: refused here, before any device work."""

@@ -34,7 +34,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mirror_sd.errors import BadInputError
+from mirror_sd.errors import BadInputError, ContextLimitError
+from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.pipeline import GenerationResult, Pipeline
 from mirror_sd.serve import protocol as p
 from mirror_sd.serve.metrics import Metrics
@@ -55,7 +56,7 @@ class _Job:
     """One admitted request: its prompt ids, its generation options, and how to stop it early."""
 
     ids: list[int]
-    options: dict[str, Any]
+    config: GenerationConfig
     deadline: float  # time.monotonic()
     cancel: threading.Event
     timed_out: bool = False
@@ -185,28 +186,25 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         return await _complete(request, body, body.prompt, chat=False)
 
     # -- one request -----------------------------------------------------------------------------------------
-    def _admit(body: p.ChatRequest | p.CompletionRequest, prompt: Any) -> _Job:
-        """Everything checkable before the queue: the model, the prompt, the options, the context."""
+    def _admit(body: p.ChatRequest | p.CompletionRequest, prompt: Any, chat: bool) -> _Job:
+        """Everything checkable before the queue (the pipeline's own checks): the model, the prompt, the options,
+        the context."""
         if body.model != settings.model_name:
             raise p.ApiError(404, f"the model {body.model!r} does not exist; this server has "
                                   f"{settings.model_name!r}", param="model", code="model_not_found")
-        options = body.generation_options()
         try:
-            ids = pipe.prompt_ids(prompt)
-            config = pipe.generation_config.updated(**options)
+            ids, config = pipe.check(prompt, **body.generation_options())
+        except ContextLimitError as e:
+            too_long = len(pipe.prompt_ids(prompt)) >= pipe.context_limit
+            raise p.ApiError(400, str(e), param=("messages" if chat else "prompt") if too_long else "max_tokens",
+                             code="context_length_exceeded") from None
         except BadInputError as e:
-            raise p.ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from None
-        if len(ids) + config.max_new_tokens > pipe.context_limit:
-            room = pipe.context_limit - len(ids)
-            raise p.ApiError(400, f"this model's context is {pipe.context_limit} tokens; the prompt has {len(ids)} "
-                                  f"and {config.max_new_tokens} more were asked for "
-                                  f"({max(room, 0)} fit)", param="max_tokens" if room > 0 else "messages",
-                             code="context_length_exceeded")
-        return _Job(ids, options, time.monotonic() + settings.request_timeout_s, threading.Event())
+            raise p.ApiError(400, str(e), param=_param_of(str(e), chat), code="invalid_value") from None
+        return _Job(ids, config, time.monotonic() + settings.request_timeout_s, threading.Event())
 
     async def _complete(request: Request, body: p.ChatRequest | p.CompletionRequest, prompt: Any,
                         chat: bool) -> Any:
-        job = _admit(body, prompt)
+        job = _admit(body, prompt, chat)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -285,7 +283,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     def _generate(job: _Job, emit: Callable[[str, Any], None] | None) -> _Outcome:
         """On the generation thread: run the pipeline, stop early on cancel or deadline, record the metrics."""
         active.add(job.cancel)
-        stream = pipe.stream(job.ids, **job.options)
+        stream = pipe.stream(job.ids, job.config)
         texts, ids = [], []
         try:
             for c in stream:
@@ -333,10 +331,9 @@ def _mirror_stats(outcome: _Outcome) -> dict[str, Any]:
             "branch_hit_rate": s.branch_hit_rate, "fallbacks": s.fallbacks}
 
 
-def _param_of(message: str) -> str | None:
+def _param_of(message: str, chat: bool) -> str | None:
     """The request field a pipeline error names (its messages start with the option's name)."""
     names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
              "stop": "stop", "gamma": "mirror.gamma", "kappa": "mirror.kappa", "branch_budget": "mirror.branch_budget",
-             "the prompt": "prompt", "token ids": "prompt"}
+             "the prompt": "messages" if chat else "prompt", "token ids": "prompt"}
     return next((field for start, field in names.items() if message.startswith(start)), None)
-

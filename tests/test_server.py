@@ -1,0 +1,287 @@
+"""The OpenAI-compatible server (serve/app.py), started for real on 127.0.0.1 over a tiny bundle and spoken to with
+the official `openai` client and with raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import openai
+import pytest
+import uvicorn
+
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.serve.app import ServerSettings, create_app
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(pipe: Pipeline, **settings):
+    """The real server on a free port, on a thread of this process; yields its port."""
+    port = _free_port()
+    app = create_app(pipe, ServerSettings(MODEL, **settings))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _post(port: int, path: str, body, raw: bytes | None = None) -> tuple[int, dict, dict[str, str]]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    payload = r.read()
+    conn.close()
+    return r.status, json.loads(payload), dict(r.getheaders())
+
+
+def _sse(port: int, path: str, body) -> list[dict]:
+    """A streaming request's events, in order, up to [DONE] (which must come)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+    events = []
+    for line in r.read().decode().splitlines():
+        if line.startswith("data: "):
+            if line == "data: [DONE]":
+                return events
+            events.append(json.loads(line[6:]))
+    raise AssertionError("the stream ended without [DONE]")
+
+
+@pytest.fixture(scope="module")
+def pipe(bundle_factory) -> Pipeline:
+    return Pipeline.load(bundle_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def port(pipe):
+    with serving(pipe, max_queue=4) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def client(port) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_health_metrics(port, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/health")
+    health = json.loads(conn.getresponse().read())
+    assert health["status"] == "ok" and health["model"] == MODEL
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    for name in ("mirror_sd_requests_total", "mirror_sd_queue_depth", "mirror_sd_ttft_seconds",
+                 "mirror_sd_tokens_per_second", "mirror_sd_draft_fallbacks_total", "mirror_sd_branch_hits_total",
+                 "mirror_sd_draft_tokens_accepted_total"):
+        assert name in text
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+def test_chat_equals_the_library_and_streams_the_same_text(pipe, port, client, mode):
+    solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=12)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                       extra_body={"mirror": {"mode": mode}})
+    assert r.choices[0].message.content == solo.text
+    assert r.usage.completion_tokens == len(solo.token_ids)
+    assert r.usage.prompt_tokens == len(pipe.prompt_ids(MESSAGES))
+    assert r.choices[0].finish_reason == ("length" if solo.finish_reason == "length" else "stop")
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                            stream=True, extra_body={"mirror": {"mode": mode}})
+    deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(deltas) == solo.text
+
+
+def test_completions_text_and_ids_stream_and_usage(pipe, port, client):
+    solo = pipe.generate([5, 17, 33], mode="ar", max_new_tokens=10)
+    r = client.completions.create(model=MODEL, prompt=[5, 17, 33], max_tokens=10, temperature=0)
+    assert r.choices[0].text == solo.text and r.usage.completion_tokens == len(solo.token_ids)
+    text_solo = pipe.generate("the cat", mode="ar", max_new_tokens=10)
+    r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=10, temperature=0)
+    assert r.choices[0].text == text_solo.text
+    events = _sse(port, "/v1/completions", {"model": MODEL, "prompt": "the cat", "max_tokens": 10,
+                                            "stream_options": {"include_usage": True}})
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == text_solo.text
+    assert events[-1]["usage"]["completion_tokens"] == len(text_solo.token_ids)
+
+
+def test_stop_strings_and_seeds(pipe, client):
+    full = pipe.generate(MESSAGES, mode="ar", max_new_tokens=16)
+    cut = full.text[len(full.text) // 2:][:2]
+    assert cut.strip(), "the tiny model's text should have something to stop at"
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, stop=[cut])
+    assert r.choices[0].message.content == full.text[:full.text.find(cut)]
+    assert r.choices[0].finish_reason == "stop"
+
+    def sampled(seed: int) -> str:
+        return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0,
+                                              seed=seed).choices[0].message.content
+    assert sampled(7) == sampled(7) == pipe.generate(MESSAGES, max_new_tokens=12, temperature=1.0, seed=7).text
+    assert len({sampled(s) for s in range(4)}) > 1  # the seed is used, not ignored
+
+
+@pytest.mark.parametrize("body, raw, status, param, code", [
+    (None, b"{not json", 400, None, "invalid_json"),
+    (None, b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None, None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, None, 400, "max_tokens", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, None, 400, "logprobs", "unsupported_field"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, None, 400, "n", "invalid_value"),
+    ({"model": MODEL, "prompt": ""}, None, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "messages": []}, None, 400, "messages", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, None, 400, "max_tokens", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 100000}, None, 400, "max_tokens", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": [5] * 600, "max_tokens": 1}, None, 400, "prompt", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": [5, 99999]}, None, 400, "prompt", "invalid_value"),
+    ({"model": "gpt-4", "prompt": "hi"}, None, 404, "model", "model_not_found"),
+    ({"model": MODEL, "prompt": "hi", "mirror": {"gamma": 0}}, None, 400, "mirror.gamma", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "mirror": {"kappa": 99}}, None, 400, "mirror.kappa", "invalid_value"),
+])
+def test_bad_requests_get_openai_errors(port, body, raw, status, param, code):
+    got, doc, _ = _post(port, "/v1/completions" if raw or "prompt" in body else "/v1/chat/completions", body, raw)
+    assert got == status
+    err = doc["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError, match="unsupported field"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
+
+
+def _slow(pipe: Pipeline, seconds: float) -> Pipeline:
+    """Another pipeline over the same engines whose every target step takes `seconds` longer: a long generation."""
+    slow = Pipeline(pipe.manifest, pipe.target, pipe.draft, pipe.codec)
+    run_suffix = pipe.target.run_suffix
+
+    class _Target:
+        def __getattr__(self, name):
+            return getattr(pipe.target, name)
+
+        def run_suffix(self, *a, **k):
+            time.sleep(seconds)
+            return run_suffix(*a, **k)
+
+    slow.target = _Target()
+    return slow
+
+
+def test_full_queue_is_429_and_a_disconnect_frees_the_slot(pipe):
+    slow = _slow(pipe, 0.05)
+    with serving(slow, max_queue=0) as port:
+        # a long stream holds the only slot: the next request cannot even queue
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True, "mirror": {"mode": "ar"}}),
+            {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: ")
+        status, doc, headers = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert status == 429 and doc["error"]["code"] == "queue_full" and int(headers["retry-after"]) >= 1
+        # the client goes away: its generation stops at the next step, and the next request is served at once
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        start = time.monotonic()
+        while True:
+            status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            if status == 200 or time.monotonic() - start > 5:
+                break
+            time.sleep(0.05)
+        assert status == 200, doc
+        assert time.monotonic() - start < 2.0  # not the ~20 s the abandoned stream would have taken
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/metrics")
+        assert 'mirror_sd_cancelled_total{why="disconnect"} 1.0' in conn.getresponse().read().decode()
+
+
+def test_deadline_cuts_a_generation(pipe):
+    with serving(_slow(pipe, 0.05), request_timeout_s=0.5) as port:
+        start = time.monotonic()
+        status, doc, _ = _post(port, "/v1/chat/completions",
+                               {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "mirror": {"mode": "ar"}})
+        assert status == 200 and doc["choices"][0]["finish_reason"] == "length"
+        assert 0 < doc["usage"]["completion_tokens"] < 400 and time.monotonic() - start < 3
+
+
+def test_target_failure_is_500_and_the_server_goes_on(pipe):
+    broken = Pipeline(pipe.manifest, pipe.target, pipe.draft, pipe.codec)
+    calls = {"n": 0}
+
+    class _Target:
+        def __getattr__(self, name):
+            return getattr(pipe.target, name)
+
+        def run_suffix(self, *a, **k):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("device lost")
+            return pipe.target.run_suffix(*a, **k)
+
+    broken.target = _Target()
+    with serving(broken) as port:
+        status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8,
+                                                         "mirror": {"mode": "ar"}})
+        assert status == 500 and doc["error"]["type"] == "server_error" and "device lost" in doc["error"]["message"]
+        status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8,
+                                                         "mirror": {"mode": "ar"}})
+        assert status == 200
+        assert doc["choices"][0]["text"] == pipe.generate("hi", mode="ar", max_new_tokens=8).text
+
+
+def test_concurrent_library_calls_run_one_at_a_time(pipe):
+    """Pipeline.generate from several threads: each gets exactly its solo output (the calls take turns)."""
+    prompts = [[5, 17, 33], [7, 8, 9, 10], [40, 41], [100, 3, 3, 7]]
+    solo = {tuple(p): pipe.generate(p, mode="ar", max_new_tokens=10).token_ids for p in prompts}
+    got: dict[tuple[int, ...], list[list[int]]] = {tuple(p): [] for p in prompts}
+    errors = []
+
+    def work(p, mode):
+        try:
+            got[tuple(p)].append(pipe.generate(p, mode=mode, max_new_tokens=10).token_ids)
+        except Exception as e:  # collected: a failure in a thread must fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(p, m)) for p in prompts for m in ("ar", "sd", "mirror")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert all(runs == [solo[k]] * 3 for k, runs in got.items())
+
+
+def test_a_thread_generating_while_its_own_stream_is_open_gets_a_clear_error(pipe):
+    stream = pipe.stream([5, 17, 33], mode="ar", max_new_tokens=4)
+    chunks = iter(stream)
+    next(chunks)  # the stream now holds the pipeline: waiting for it on this thread would never end
+    with pytest.raises(Exception, match="earlier stream is still open"):
+        pipe.generate([5, 17, 33], max_new_tokens=2)
+    stream.close()
+    assert len(pipe.generate([5, 17, 33], max_new_tokens=2).token_ids) == 2
