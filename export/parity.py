@@ -6,6 +6,11 @@ written in place (runtime/target.py) - and, rewritten for runtimes without Group
 Face model's logits, the layer-l_e hidden state and the early-exit top-k. The draft graph runs in ONNX Runtime and
 OpenVINO with its split past: a shared context read by every row, then each row's own tokens, then T new ones. Any
 difference above the tolerance is a ParityError: in an exactness pipeline it is never a warning.
+
+The grids read token ids from SAMPLE_TEXT through the bundle's tokenizer. A tokenizer that gives too few ordinary
+ids for it (none at all, seen with a WordLevel tokenizer.json that transformers rebuilds as a byte-level BPE without
+the bytes in its vocabulary) does not stop the checks: they run on a fixed spread of ids over the vocabulary instead,
+and the report and the manifest say so.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from mirror_sd.errors import ParityError
+from mirror_sd.errors import ExportError, ParityError
 from mirror_sd.partitions.manifest import (
     DRAFT_HIDDEN,
     EXIT_IDS,
@@ -58,6 +63,12 @@ TARGET_GRID = ((6, 1), (6, 4))
 # common to every row and is read as one shared past; the rows' own tokens become their own past; the heads run on
 # the last `kept` new tokens.
 DRAFT_GRID = ((1, 6, 0, 1, 1), (1, 4, 2, 3, 3), (2, 5, 1, 1, 1), (2, 3, 2, 3, 2))
+# The longest run of sample ids one grid point reads (row b starts 3 ids after row b - 1; the draft's shared context
+# is read after the first 7 ids, the feature draft's after 7 and with one more before it). A sample of fewer ordinary
+# ids than this would have to repeat itself within one sequence: the checks then run on vocabulary ids instead.
+SAMPLE_TOKENS_NEEDED = max([past + new for past, new in TARGET_GRID]
+                           + [max(3 * (b - 1) + own + new + 1, shared + 8) for b, shared, own, new, _ in DRAFT_GRID])
+_GOLDEN = (5 ** 0.5 - 1) / 2  # the fallback ids' stride, as a fraction of the vocabulary: spread and never periodic
 RUNTIMES = ("onnxruntime-cpu", "openvino-cpu")
 GRAPH_OPENERS: dict[str, Callable[[Path], OpenedGraph]] = {
     "onnxruntime-cpu": lambda p: open_onnxruntime(p, ["CPUExecutionProvider"], threads=2),
@@ -107,13 +118,77 @@ def _topk_checks(lp: np.ndarray, ids: np.ndarray, ref_lp: torch.Tensor, k: int,
     return lp_check, int(differs.sum())
 
 
-def sample_ids(bundle_dir: Path, batch: int, length: int) -> np.ndarray:
-    """[batch, length] token ids of SAMPLE_TEXT (each row from another offset), via the bundle's tokenizer."""
+@dataclass(frozen=True)
+class Sample:
+    """The token ids the grids read: SAMPLE_TEXT through the bundle's tokenizer ("text"), or, where that gives too
+    few ordinary ids, a fixed spread of non-special ids over the vocabulary ("vocabulary"; `note` says why)."""
+
+    ids: tuple[int, ...]
+    source: str
+    note: str = ""
+
+    def rows(self, batch: int, length: int) -> np.ndarray:
+        """[batch, length] ids, each row from another offset (3 apart) of the sample, repeated where it is short."""
+        ids = list(self.ids) * (1 + (length + 3 * batch) // len(self.ids))
+        return np.array([ids[3 * b: 3 * b + length] for b in range(batch)], dtype=np.int64)
+
+    def record(self) -> dict:
+        return {"source": self.source} if self.source == "text" else {"source": self.source, "ids": list(self.ids)}
+
+
+def sample_tokens(bundle_dir: Path, manifest: Manifest) -> Sample:
+    """The ids the parity grids run on: SAMPLE_TEXT via the bundle's tokenizer.json when it gives at least
+    SAMPLE_TOKENS_NEEDED ordinary ids (inside the model's vocabulary, neither special nor unknown), else a fixed,
+    deterministic spread over the vocabulary's ordinary ids. ExportError when the tokenizer file cannot be read (the
+    runtime reads it too) or the vocabulary has no ordinary id at all."""
     from tokenizers import Tokenizer
 
-    ids = Tokenizer.from_file(str(bundle_dir / "tokenizer.json")).encode(SAMPLE_TEXT).ids
-    ids = ids * (1 + (length + 3 * batch) // max(1, len(ids)))
-    return np.array([ids[3 * b: 3 * b + length] for b in range(batch)], dtype=np.int64)
+    try:
+        tokenizer = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise ExportError(f"the bundle's tokenizer.json cannot be read by the tokenizers library: {_one_line(e)}") \
+            from None
+    vocab = manifest.target.vocab_size
+    special = _special_ids(tokenizer, manifest)
+    try:
+        encoded = [i for i in tokenizer.encode(SAMPLE_TEXT).ids if 0 <= i < vocab]
+    except Exception as e:  # a tokenizer that cannot encode plain text: the vocabulary ids below still check the graphs
+        encoded, failure = [], f" (encoding failed: {_one_line(e)})"
+    else:
+        failure = ""
+    ordinary = sum(i not in special for i in encoded)
+    if ordinary >= SAMPLE_TOKENS_NEEDED:
+        return Sample(tuple(encoded), "text")
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    pool = [i for i in range(min(vocab, size) if size > 0 else vocab) if i not in special]
+    if not pool:
+        raise ExportError(f"parity has no token ids to run on: the bundle's tokenizer encodes the sample text to "
+                          f"{ordinary} ordinary ids and every id of its vocabulary is special")
+    ids = tuple(pool[int(len(pool) * ((k * _GOLDEN) % 1.0))] for k in range(1, SAMPLE_TOKENS_NEEDED + 1))
+    note = (f"the bundle's tokenizer encodes the sample text to {ordinary} ordinary token ids{failure}, fewer than the "
+            f"{SAMPLE_TOKENS_NEEDED} the grid needs: checking on {len(ids)} fixed ids spread over the vocabulary "
+            "instead (check that the tokenizer encodes text as the model expects)")
+    return Sample(ids, "vocabulary", note)
+
+
+def _special_ids(tokenizer, manifest: Manifest) -> set[int]:
+    """Special and unknown-token ids: they say little about the model's behaviour on text."""
+    import json
+
+    ids = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    facts = manifest.tokenizer
+    ids.update(i for i in (*facts.eos_token_ids, facts.bos_token_id, facts.pad_token_id) if i is not None)
+    try:
+        unk = json.loads(tokenizer.to_str()).get("model", {}).get("unk_token")
+    except (ValueError, AttributeError):
+        unk = None
+    if isinstance(unk, str) and tokenizer.token_to_id(unk) is not None:
+        ids.add(tokenizer.token_to_id(unk))
+    return ids
+
+
+def _one_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 class _Results:
@@ -132,7 +207,8 @@ class _Results:
         return out
 
 
-def _check_target(bundle_dir: Path, manifest: Manifest, target, exit_topk, results: _Results) -> None:
+def _check_target(bundle_dir: Path, manifest: Manifest, sample: Sample, target, exit_topk,
+                  results: _Results) -> None:
     from mirror_sd.runtime.portable import open_portable_target
     from mirror_sd.runtime.target import open_target
 
@@ -141,7 +217,7 @@ def _check_target(bundle_dir: Path, manifest: Manifest, target, exit_topk, resul
         engine = (open_target(bundle_dir, manifest, "cpu", threads=2) if runtime == "onnxruntime-cpu"
                   else open_portable_target(bundle_dir, manifest, "CPU", threads=2))
         for past, new in TARGET_GRID:
-            ids = sample_ids(bundle_dir, 1, past + new)
+            ids = sample.rows(1, past + new)
             with torch.no_grad():
                 ref = target(torch.from_numpy(ids), output_hidden_states=True)
                 ref_hidden = ref.hidden_states[t.exit_layer]
@@ -194,12 +270,13 @@ def _new_kv(spec: PartitionSpec, out: dict[str, np.ndarray], shared: bool) -> di
     return {names[k]: np.array(v) for k, v in out.items() if k in names}  # copies: OpenVINO reuses output memory
 
 
-def _check_draft(bundle_dir: Path, spec: PartitionSpec, draft_reference, results: _Results) -> None:
+def _check_draft(bundle_dir: Path, spec: PartitionSpec, sample: Sample, draft_reference,
+                 results: _Results) -> None:
     for runtime in RUNTIMES:
         graph = GRAPH_OPENERS[runtime](bundle_dir / spec.file)
         for batch, shared_len, own_len, new, kept in DRAFT_GRID:
-            rows = sample_ids(bundle_dir, batch, own_len + new + 1)
-            context = sample_ids(bundle_dir, 1, shared_len + 7)[:, 7:]  # common to every row
+            rows = sample.rows(batch, own_len + new + 1)
+            context = sample.rows(1, shared_len + 7)[:, 7:]  # common to every row
             ids = np.concatenate([np.repeat(context, batch, 0), rows[:, :own_len + new]], 1)
             with torch.no_grad():
                 ref = draft_reference(torch.from_numpy(ids))
@@ -218,16 +295,16 @@ def _check_draft(bundle_dir: Path, spec: PartitionSpec, draft_reference, results
                 results.record((*key, STREAM_IDS, batch, shared_len + own_len, new), (mismatches, mismatches))
 
 
-def _check_feature_draft(bundle_dir: Path, spec: PartitionSpec, taps: tuple[int, ...], target, draft,
-                         results: _Results) -> None:
+def _check_feature_draft(bundle_dir: Path, spec: PartitionSpec, sample: Sample, taps: tuple[int, ...], target,
+                         draft, results: _Results) -> None:
     """The feature draft graph against FeatureDraft.forward_cached on the same features: every row's tokens with
     the target's taps of the position before each (its own sequence's), the last new token on a surrogate (the
     draft's own hidden state one position back, as a rollout feeds it)."""
     for runtime in RUNTIMES:
         graph = GRAPH_OPENERS[runtime](bundle_dir / spec.file)
         for batch, shared_len, own_len, new, kept in DRAFT_GRID:
-            context = sample_ids(bundle_dir, 1, shared_len + 8)[:, 7:]  # + 1: the token before the first input
-            rows = sample_ids(bundle_dir, batch, own_len + new)
+            context = sample.rows(1, shared_len + 8)[:, 7:]  # + 1: the token before the first input
+            rows = sample.rows(batch, own_len + new)
             seqs = np.concatenate([np.repeat(context, batch, 0), rows], 1)  # [B, 1 + shared + own + new]
             with torch.no_grad():
                 hidden = target(torch.from_numpy(seqs), output_hidden_states=True).hidden_states
@@ -270,19 +347,25 @@ def _check_feature_draft(bundle_dir: Path, spec: PartitionSpec, taps: tuple[int,
 
 
 def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, exit_topk,
-                 report: Callable[[str], None] = print, feature_draft=None) -> list[ParityCheck]:
+                 report: Callable[[str], None] = print, feature_draft=None,
+                 sample: Sample | None = None) -> list[ParityCheck]:
     """Run the grids in every runtime; returns all checks, raises ParityError listing the failures.
 
     draft_reference(ids [B,T]) -> the draft graph's head outputs in torch (logits, and stream_ids if any);
     exit_topk: the exported early-exit module (export/segments.py ExitTopK), whose log-probs are the reference;
-    feature_draft: a feature draft (models/feature_draft.py), checked on the target's own features instead."""
+    feature_draft: a feature draft (models/feature_draft.py), checked on the target's own features instead;
+    sample: the ids to run on (default: sample_tokens(bundle_dir, manifest), which reports a fallback here)."""
+    if sample is None:
+        sample = sample_tokens(bundle_dir, manifest)
+    if sample.note:
+        report(f"parity: {sample.note}")
     results = _Results()
-    _check_target(bundle_dir, manifest, target, exit_topk, results)
+    _check_target(bundle_dir, manifest, sample, target, exit_topk, results)
     if manifest.draft.feature_taps:
-        _check_feature_draft(bundle_dir, manifest.partition("draft"), manifest.draft.feature_taps, target,
+        _check_feature_draft(bundle_dir, manifest.partition("draft"), sample, manifest.draft.feature_taps, target,
                              feature_draft, results)
     else:
-        _check_draft(bundle_dir, manifest.partition("draft"), draft_reference, results)
+        _check_draft(bundle_dir, manifest.partition("draft"), sample, draft_reference, results)
     checks = results.checks()
     for line in format_checks(checks):
         report(line)
@@ -308,8 +391,11 @@ def format_checks(checks: list[ParityCheck]) -> list[str]:
     return lines
 
 
-def summary(checks: list[ParityCheck]) -> dict:
-    """What the manifest records about the validation that ran."""
-    return {"atol": ATOL, "rtol": RTOL, "target_grid": [list(g) for g in TARGET_GRID],
-            "draft_grid": [list(g) for g in DRAFT_GRID], "passed": all(c.passed for c in checks),
-            "checks": [asdict(c) for c in checks]}
+def summary(checks: list[ParityCheck], sample: Sample | None = None) -> dict:
+    """What the manifest records about the validation that ran (and on which ids, where `sample` is given)."""
+    out = {"atol": ATOL, "rtol": RTOL, "target_grid": [list(g) for g in TARGET_GRID],
+           "draft_grid": [list(g) for g in DRAFT_GRID], "passed": all(c.passed for c in checks),
+           "checks": [asdict(c) for c in checks]}
+    if sample is not None:
+        out["sample"] = sample.record()
+    return out
