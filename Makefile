@@ -94,5 +94,11 @@ bench: models
 	$(VENV)/bin/mirror-sd bench "$(BUNDLE)" $(if $(QUICK),--quick) $(if $(OUT),--out "$(OUT)") \
 	  $(if $(METHODS),--methods "$(METHODS)")
 
+# Soak test of the server over BUNDLE (default: the real pair): exactness and resources under concurrent load, a
+# draft that fails or stalls, SIGTERM mid-stream (bench/soak.py) -> results/soak/ (soak.json, README.md), or OUT.
+# About 8-10 minutes here; exits non-zero when a bar fails.
+soak: models
+	$(PY) -m mirror_sd.bench.soak "$(BUNDLE)" $(if $(OUT),--out "$(OUT)")
+
 clean:
 	rm -rf build

@@ -90,11 +90,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from mirror_sd.errors import BadInputError, check_int
     from mirror_sd.runtime.pipeline import Pipeline
-    from mirror_sd.serve.app import ServerSettings, create_app
+    from mirror_sd.serve.app import ServerSettings, create_app, serve
 
     check_int("--max-queue", args.max_queue, 0)
     if not 0 < args.port < 65536:
@@ -110,8 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(pipe, ServerSettings(name, args.max_queue, args.request_timeout))
     print(f"mirror-sd: serving {name!r} on http://{args.host}:{args.port}/v1 ({pipe.generation_config.mode}; "
           f"target {pipe.target.device}, draft {pipe.draft.device})", file=sys.stderr)
-    # a stream in flight is cut after 3 s of a SIGTERM: its generation stops at its next step (serve/app.py)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
+    serve(app, args.host, args.port)  # SIGTERM: open generations stop at their next step, then exit 0
     return 0
 
 

@@ -39,9 +39,9 @@ def ort_session(path: str | Path, providers: list[str] | None = None, threads: i
     caller reads the provider from `session.get_providers()[0]`, never from what it asked for.
     Every session stops its threads spinning when its run ends (session.force_spinning_stop): the target is three
     sessions, each with a pool of its own, and a pool left spinning after its run took the cores from the next
-    session's pool (on the 2-core reference machine: ar at 2 threads 33-36 tok/s with ORT's default, 61-66 with this,
-    51-55 at 1 thread). spinning: whether threads spin between kernels during a run (None: ORT's default, on; False
-    hands the cores to whatever runs beside the target - the draft - at a wake-up cost per kernel).
+    session's pool (measured: results/README.md, "Why the runtime is set up as it is"). spinning: whether threads
+    spin between kernels during a run (None: ORT's default, on; False hands the cores to whatever runs beside the
+    target - the draft - at a wake-up cost per kernel).
     """
     import onnxruntime as ort
 

@@ -52,9 +52,9 @@ from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, rng
 from mirror_sd.runtime.stats import Recorder
 
 PAD_ID = 0  # any id: padded slots are masked out
-# "trust" is what streaming on means (runtime/config.py STREAMING_MODES): on the real pair it drafts 3.95 tokens per
-# forward against 1.38 for "verify" at 0.96x the acceptance (results/smollm2-draft-eval.json); sampled windows fall
-# back to "verify" by themselves.
+# "trust" is what streaming on means (runtime/config.py STREAMING_MODES): several times the tokens per forward of
+# "verify" at nearly its acceptance (results/smollm2-draft-eval.json); sampled windows fall back to "verify" by
+# themselves.
 
 
 _NONE = np.zeros(0, np.int64)

@@ -68,7 +68,7 @@ class ProfileOptions:
 def default_splits(cores: int | None = None) -> tuple[tuple[int, int], ...]:
     """(target, draft) thread counts worth trying: powers of two with target + draft <= cores (1+1 on one core).
     Oversubscribed splits are left out: the cost model measures contention between the suffix and the branch set
-    only, and on the 2-core reference machine 2+1 was predicted at 20.6 tok/s but ran at 11.1 (1+1: within 10%).
+    only, and it over-predicted an oversubscribed split by far (results/README.md, smollm2-plan.log).
     --splits still measures any split asked for."""
     cores = max(1, cores or os.cpu_count() or 1)
     powers = [p for p in (1, 2, 4, 8, 16, 32) if p <= cores]

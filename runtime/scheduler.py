@@ -66,6 +66,7 @@ def _serve(drafter: Drafter | FeatureDrafter, request: Request, cancelled) -> An
         return drafter.branches(request.candidates, request.plan, request.gamma, cancelled, **extra)
     except Exception as e:  # the draft's failure must never reach the target's loop
         drafter.reset()
+        drafter.recorder.draft_failed()  # counted here: a cancelled branch set's failure is never waited for
         return DraftFailed(f"{type(e).__name__}: {e}")
 
 
@@ -225,8 +226,6 @@ class _Decoder:
             answer = self.worker.wait(ticket, self.cfg.draft_timeout_s)
         if answer is None:
             self.counts.draft_timeouts += 1
-        elif isinstance(answer, DraftFailed):
-            self.counts.draft_failures += 1
         return answer
 
     def speculative_step(self, ctx: list[int], window: DraftWindow) -> tuple[tuple[int, ...], DraftWindow | None]:
@@ -297,9 +296,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     cfg.kappa must be resolved (an int). worker None in sd/mirror mode: the draft is unavailable (e.g. still
     stalled from an earlier call), and every step runs on the target alone. warm_with_prefill: the draft reads
     the prompt while the target prefills it, which pays only where both fit the cores together: a multi-threaded
-    prefill sharing its cores with the draft waits at every parallel section for a preempted thread (on 2 cores,
-    2 target + 1 draft thread: TTFT at 512 prompt tokens 382 -> 540 ms). Otherwise it reads the prompt right after,
-    before the first window.
+    prefill sharing its cores with the draft waits at every parallel section for a preempted thread (measured:
+    results/README.md, "Why the runtime is set up as it is"). Otherwise it reads the prompt right after, before the
+    first window.
     """
     if cfg.mode == "ar":
         worker = None

@@ -36,7 +36,6 @@ class Counts:
     fresh_rollouts: int = 0  # windows drawn serially (first window, branch misses, sd)
     fallbacks: int = 0  # steps run by the target alone because the draft failed, timed out, or was busy
     draft_context_steps: int = 0  # steps run by the target alone because the context passed the draft's
-    draft_failures: int = 0  # exceptions raised in the draft thread
     draft_timeouts: int = 0  # draft answers that did not come within the timeout
 
 
@@ -52,6 +51,7 @@ class Recorder:
         self.draft_intervals: list[Interval] = []
         self.draft_rows = 0  # row-forwards of rollouts (a batch of B rows counts B; reading a prompt counts 0)
         self.draft_tokens = 0  # draft tokens those forwards produced (accepted stream proposals included)
+        self.draft_failures = 0  # requests the draft failed, whether or not their answers were read
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -74,6 +74,11 @@ class Recorder:
             self.draft_intervals.append((start, end))
             self.draft_rows += rows
 
+    def draft_failed(self) -> None:
+        """The draft raised while serving a request (from the draft's thread)."""
+        with self._lock:
+            self.draft_failures += 1
+
     def drafted(self, tokens: int) -> None:
         """Draft tokens a forward produced (from the draft's thread)."""
         with self._lock:
@@ -84,7 +89,7 @@ class Recorder:
         c = self.counts
         with self._lock:
             draft = list(self.draft_intervals)
-            rows, tokens = self.draft_rows, self.draft_tokens
+            rows, tokens, failures = self.draft_rows, self.draft_tokens, self.draft_failures
         draft_s = sum(e - s for s, e in draft)
         hidden = overlap_seconds(draft, self.suffix_intervals)
         return GenerationStats(
@@ -105,7 +110,7 @@ class Recorder:
             proposed_tokens=c.proposed, accepted_tokens=c.accepted, branch_lookups=c.branch_lookups,
             branch_hits=c.branch_hits,
             rejected_branch_hit_rate=c.rejected_hits / c.rejected_lookups if c.rejected_lookups else 0.0,
-            fresh_rollouts=c.fresh_rollouts, draft_failures=c.draft_failures,
+            fresh_rollouts=c.fresh_rollouts, draft_failures=failures,
             draft_context_steps=c.draft_context_steps, draft_timeouts=c.draft_timeouts,
             draft_wait_s=self.seconds["wait"], target_device=target_device, draft_device=draft_device,
             draft_engine=dict(draft_engine), trace=self._timeline(draft) if self._trace is not None else None)

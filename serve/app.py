@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +31,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -120,17 +123,22 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     slot: GenerationSlot | None = None
     active: set[threading.Event] = set()  # the cancel flags of running generations (set all at shutdown)
 
+    def stop_generations() -> None:
+        """Stop what runs at its next step: it answers what it has (streams end with finish_reason and [DONE])."""
+        for flag in list(active):
+            flag.set()
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         nonlocal slot
         slot = GenerationSlot(pipe, settings, metrics)
         yield
-        for flag in list(active):  # SIGTERM: stop what runs at its next step, so the process exits at once
-            flag.set()
+        stop_generations()
         slot.close()
 
     app = FastAPI(title="mirror-sd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pipeline, app.state.metrics, app.state.settings = pipe, metrics, settings
+    app.state.stop_generations = stop_generations  # a server told to exit calls it at once (serve())
 
     # -- errors in OpenAI's shape --------------------------------------------------------------------------
     @app.exception_handler(p.ApiError)
@@ -310,6 +318,23 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         return _Outcome("".join(texts), ids, "length", None)
 
     return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app's generations to stop the moment an exit signal arrives: open streams then
+    end properly at their next step instead of being cut when the graceful-shutdown wait runs out."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.config.app.state.stop_generations()
+        super().handle_exit(sig, frame)
+
+
+def serve(app: FastAPI, host: str, port: int) -> None:
+    """Run `app` until SIGINT or SIGTERM; then open generations stop at their next step and the process exits
+    with status 0 (uvicorn re-raises the signal it caught; the handler installed here makes that a clean exit)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)).run()
 
 
 async def _watch_disconnect(request: Request, job: _Job) -> None:
