@@ -43,9 +43,10 @@ def test_load_is_exact_and_leaks_nothing(doc):
     # Every answer was counted by the server as a 200, and nothing else was.
     assert sum(load["metrics_requests"].values()) == 50
     assert all(key.endswith(" 200") for key in load["metrics_requests"])
-    # fds and threads return exactly to their warm-up values: no tolerance is needed, since they are read with the
-    # clients gone and once they have stopped changing (bench/soak.py: settled_resources).
-    assert load["resources"]["fd_delta"] == 0 and load["resources"]["thread_delta"] == 0, load["resources"]
+    # fds and threads do not grow from their warm-up values (read with the clients gone and once they have stopped
+    # changing: bench/soak.py settled_resources). In this shared pytest process an earlier test's socket or thread
+    # may still be let go of during the run, so a count may fall; `make soak`, a process of its own, needs exactly 0.
+    assert load["resources"]["fd_delta"] <= 0 and load["resources"]["thread_delta"] <= 0, load["resources"]
 
 
 def test_draft_faults_change_nothing_and_are_counted(doc):
