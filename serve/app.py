@@ -86,10 +86,7 @@ class GenerationSlot:
         """Run `work` on the generation thread once every earlier request is done; 429 when the queue is full,
         503 when the deadline passes in the queue. If the caller is cancelled (client gone), the generation is told
         to stop, and the slot is free again only when it has."""
-        if self.lock.locked() and self.waiting >= self.settings.max_queue:
-            raise p.ApiError(429, f"the server is busy: {self.waiting} requests are waiting; retry later",
-                             "server_busy", code="queue_full",
-                             headers={"Retry-After": str(self.settings.retry_after_s)})
+        self.check_room()
         self.waiting += 1
         self.metrics.queue_depth.set(self.waiting)
         try:
@@ -109,6 +106,13 @@ class GenerationSlot:
         except asyncio.CancelledError:
             job.cancel.set()  # the generation stops at its next step; _release frees the slot then
             raise
+
+    def check_room(self) -> None:
+        """429 when one generation runs and max_queue more wait (a stream checks before its 200 goes out)."""
+        if self.lock.locked() and self.waiting >= self.settings.max_queue:
+            raise p.ApiError(429, f"the server is busy: {self.waiting} requests are waiting; retry later",
+                             "server_busy", code="queue_full",
+                             headers={"Retry-After": str(self.settings.retry_after_s)})
 
     def _release(self, _future) -> None:
         self.metrics.running.set(0)
@@ -215,6 +219,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         job = _admit(body, prompt, chat)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
+            slot.check_room()
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(request, job, rid, body.model, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -205,6 +205,8 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_slot(pipe):
         assert r.status == 200 and r.readline().startswith(b"data: ")
         status, doc, headers = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert status == 429 and doc["error"]["code"] == "queue_full" and int(headers["retry-after"]) >= 1
+        status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True})
+        assert status == 429 and doc["error"]["code"] == "queue_full"  # a stream too, before any 200 goes out
         # the client goes away: its generation stops at the next step, and the next request is served at once
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
