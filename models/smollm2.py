@@ -29,7 +29,9 @@ WEIGHTS = REPO / "models" / "weights"
 DRAFT_WEIGHTS, ADAPTER_WEIGHTS = WEIGHTS / "smollm2-streaming-draft", WEIGHTS / "smollm2-exit-adapter"
 FEATURE_WEIGHTS = WEIGHTS / "smollm2-feature-draft"
 ANSWERS_FILE = REPO / "models" / "data" / "answers-broad.jsonl.gz"  # committed: the feature draft's training data
-ANSWER_PROMPTS = 5632  # broad-pool prompts answered in it
+# The committed feature draft was trained on the answers of the first ANSWER_PROMPTS broad-pool prompts; the file
+# holds more (answered since, for the next training), which RETRAIN leaves out so that it reproduces those weights.
+ANSWER_PROMPTS = 5632
 # How the committed feature draft was trained (models/train_feature_draft.py; its training.json has the rest): 50
 # minutes, then 22 more continuing from those weights at half the learning rate
 FEATURE_TRAINING = {"taps": [5, 10, 15], "vocab_size": 8192, "max_len": 768, "epochs": 3, "steps": 4, "lr": 1e-3,
@@ -87,10 +89,10 @@ def retrain_feature_draft(report=print) -> None:
     answers.generate(BUNDLE_DIR, ov_dir, ANSWERS_FILE, "broad", ANSWER_PROMPTS, report=report)
     work = BUILD / "feature-draft"
     train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
-                            **FEATURE_TRAINING)
+                            max_prompts=ANSWER_PROMPTS, **FEATURE_TRAINING)
     (work / "checkpoint.pt").unlink(missing_ok=True)  # the second stage plans its own batches
     train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
-                            init_from=FEATURE_WEIGHTS, **FEATURE_CONTINUED)
+                            init_from=FEATURE_WEIGHTS, max_prompts=ANSWER_PROMPTS, **FEATURE_CONTINUED)
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:

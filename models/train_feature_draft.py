@@ -51,12 +51,15 @@ class Record:
     labels: np.ndarray  # [T] bool: ids[t] is a token the target generated (an answer token)
 
 
-def load_records(paths: list[Path], max_len: int) -> list[Record]:
+def load_records(paths: list[Path], max_len: int, max_prompts: int | None = None) -> list[Record]:
     """Answer records as ids and answer masks; a conversation longer than max_len keeps its last max_len tokens
-    (the answers are at the end)."""
+    (the answers are at the end). max_prompts: only records of prompt index below it (the answers file grows across
+    sessions; a committed draft names the prefix it was trained on)."""
     out = []
     for path in paths:
         for r in answers_file.read(path):
+            if max_prompts is not None and int(r["index"]) >= max_prompts:
+                continue
             ids = np.asarray(r["ids"], np.int64)
             labels = np.zeros(len(ids), bool)
             for start, end in r["answers"]:
@@ -372,7 +375,7 @@ def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore, in
 def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, taps: list[int], vocab_size: int,
         max_len: int, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float,
         max_minutes: float | None, eval_records: int, budget_minutes: float | None = None, seed: int = 0,
-        init_from: Path | None = None, report=print) -> dict:
+        init_from: Path | None = None, max_prompts: int | None = None, report=print) -> dict:
     """All stages; returns the summary (also written as training.json beside the weights at `out`). init_from: go on
     training a saved feature draft (its vocabulary and taps are kept; use a fresh `work` for its checkpoints)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -380,7 +383,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.monotonic()
-    records = load_records(answers, max_len)
+    records = load_records(answers, max_len, max_prompts)
     train_set, held = split(records)
     records = train_set + held  # one order for the feature store: training records first
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -458,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-records", type=int, default=400)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--init-from", type=Path, default=None, help="go on training this saved feature draft")
+    parser.add_argument("--max-prompts", type=int, default=None,
+                        help="train on the records of the first N prompts only (default: all)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -468,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     run(args.target, args.answers, args.work, args.out, taps=args.taps, vocab_size=args.vocab_size,
         max_len=args.max_len, epochs=args.epochs, steps=args.steps, lr=args.lr,
         tokens_per_batch=args.tokens_per_batch, noise=args.noise, max_minutes=args.max_minutes,
-        budget_minutes=args.budget_minutes, eval_records=args.eval_records, init_from=args.init_from)
+        budget_minutes=args.budget_minutes, eval_records=args.eval_records, init_from=args.init_from,
+        max_prompts=args.max_prompts)
     return 0
 
 
