@@ -62,7 +62,6 @@ class _Job:
     config: GenerationConfig
     deadline: float  # time.monotonic()
     cancel: threading.Event
-    timed_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,8 +75,8 @@ class _Outcome:
 class GenerationSlot:
     """Runs generations one at a time on one thread, in arrival order, behind a bounded queue."""
 
-    def __init__(self, pipe: Pipeline, settings: ServerSettings, metrics: Metrics) -> None:
-        self.pipe, self.settings, self.metrics = pipe, settings, metrics
+    def __init__(self, settings: ServerSettings, metrics: Metrics) -> None:
+        self.settings, self.metrics = settings, metrics
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mirror-sd-generate")
         self.lock = asyncio.Lock()  # FIFO: asyncio wakes its waiters in order
         self.waiting = 0
@@ -135,7 +134,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         nonlocal slot
-        slot = GenerationSlot(pipe, settings, metrics)
+        slot = GenerationSlot(settings, metrics)
         yield
         stop_generations()
         slot.close()
@@ -307,7 +306,6 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                 if job.cancel.is_set():
                     break
                 if time.monotonic() > job.deadline:
-                    job.timed_out = True
                     metrics.cancelled.labels("deadline").inc()
                     break
         finally:

@@ -12,38 +12,19 @@ from contextlib import contextmanager
 
 import openai
 import pytest
-import uvicorn
 
+from mirror_sd.bench.soak import InProcessServer
 from mirror_sd.runtime.pipeline import Pipeline
-from mirror_sd.serve.app import ServerSettings, create_app
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def serving(pipe: Pipeline, **settings):
-    """The real server on a free port, on a thread of this process; yields its port."""
-    port = _free_port()
-    app = create_app(pipe, ServerSettings(MODEL, **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    """The real server on a free port, on a thread of this process (the soak suite's harness); yields its port."""
+    with InProcessServer(pipe, model_name=MODEL, **settings) as server:
+        yield server.port
 
 
 def _post(port: int, path: str, body, raw: bytes | None = None) -> tuple[int, dict, dict[str, str]]:
@@ -176,21 +157,25 @@ def test_openai_client_raises_typed_errors(client):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
 
 
-def _slow(pipe: Pipeline, seconds: float) -> Pipeline:
-    """Another pipeline over the same engines whose every target step takes `seconds` longer: a long generation."""
-    slow = Pipeline(pipe.manifest, pipe.target, pipe.draft, pipe.codec)
-    run_suffix = pipe.target.run_suffix
+def _hooked(pipe: Pipeline, before_suffix) -> Pipeline:
+    """Another pipeline over the same engines whose target calls `before_suffix()` before every suffix run."""
+    hooked = Pipeline(pipe.manifest, pipe.target, pipe.draft, pipe.codec)
 
     class _Target:
         def __getattr__(self, name):
             return getattr(pipe.target, name)
 
         def run_suffix(self, *a, **k):
-            time.sleep(seconds)
-            return run_suffix(*a, **k)
+            before_suffix()
+            return pipe.target.run_suffix(*a, **k)
 
-    slow.target = _Target()
-    return slow
+    hooked.target = _Target()
+    return hooked
+
+
+def _slow(pipe: Pipeline, seconds: float) -> Pipeline:
+    """Every target step takes `seconds` longer: a long generation."""
+    return _hooked(pipe, lambda: time.sleep(seconds))
 
 
 def test_full_queue_is_429_and_a_disconnect_frees_the_slot(pipe):
@@ -233,20 +218,14 @@ def test_deadline_cuts_a_generation(pipe):
 
 
 def test_target_failure_is_500_and_the_server_goes_on(pipe):
-    broken = Pipeline(pipe.manifest, pipe.target, pipe.draft, pipe.codec)
     calls = {"n": 0}
 
-    class _Target:
-        def __getattr__(self, name):
-            return getattr(pipe.target, name)
+    def third_fails():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
 
-        def run_suffix(self, *a, **k):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("device lost")
-            return pipe.target.run_suffix(*a, **k)
-
-    broken.target = _Target()
+    broken = _hooked(pipe, third_fails)
     with serving(broken) as port:
         status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8,
                                                          "mirror": {"mode": "ar"}})
