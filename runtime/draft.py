@@ -46,8 +46,8 @@ import numpy as np
 from mirror_sd.partitions.manifest import LOGITS, STREAM_IDS
 from mirror_sd.runtime.config import streaming_mode
 from mirror_sd.runtime.engines import DraftEngine
-from mirror_sd.runtime.kv import ContextLane, LayerKV, OwnPast, positions
-from mirror_sd.runtime.messages import BranchKey, BranchSet, DraftWindow, ExitCandidates, frozen
+from mirror_sd.runtime.kv import LayerKV, OwnPast, positions
+from mirror_sd.runtime.messages import BranchKey, BranchSet, DraftWindow, ExitCandidates, Features, frozen
 from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, rng_for
 from mirror_sd.runtime.stats import Recorder
 
@@ -135,9 +135,13 @@ class _Rows:
     forwards: int
     complete: bool = True  # False: cancelled part way
 
-    def held(self, lane: ContextLane, b: int) -> np.ndarray:
+    def held(self, lane_tokens: np.ndarray, b: int) -> np.ndarray:
         """The token sequence row b's caches hold: its lane prefix, then its own real tokens."""
-        return np.concatenate([lane.tokens[:self.shared[b]], np.asarray(self.fed[b], np.int64)])
+        return np.concatenate([lane_tokens[:self.shared[b]], np.asarray(self.fed[b], np.int64)])
+
+    def lane_kv(self, b: int) -> LayerKV:
+        """The KV of row b's own real tokens (held past its lane prefix)."""
+        return self.own.row(b)
 
 
 def _confirm(choose_at: Callable[[int], int], proposals: np.ndarray, room: int) -> list[int]:
@@ -153,7 +157,14 @@ def _confirm(choose_at: Callable[[int], int], proposals: np.ndarray, room: int) 
 
 class DrafterBase:
     """What both drafters share (this one and runtime/feature_draft.py's): the engine, the sampling parameters, the
-    generation's recorder (None: nowhere), the draft's vocabulary, one context lane and the last branch set's rows."""
+    generation's recorder (None: nowhere), the draft's vocabulary, one context lane, the last branch set's rows, and
+    the three requests, written once over what a drafter defines:
+      _inputs(seq)   the inputs the lane holds for a token sequence (the tokens; a feature draft: all but the first)
+      _receive(features, seqs)  take the target's taps sent with a request, and check that they cover `seqs`
+      _read(seq, keep)  feed seq's inputs from `keep` on into the lane (a prompt)
+      _roll(bases, shared, rngs, gamma, cancelled)  a batched rollout of gamma tokens continuing every base, row b
+                     reading lane slots [0, shared[b]); its rows give `held(lane_tokens, b)` (row b's inputs, lane
+                     prefix included) and `lane_kv(b)` (the KV of those past the lane prefix)."""
 
     def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None) -> None:
         if engine.facts.output_vocab_size and engine.output_ids is None:
@@ -185,6 +196,67 @@ class DrafterBase:
         lg = None if self.params.greedy else frozen(self.vocab.full(np.stack(rows.logits[b])))
         return DraftWindow(context_len, tuple(rows.tokens[b]), lg, rows.forwards)
 
+    def _take(self, inputs: np.ndarray, keep_last: bool = True) -> int:
+        """Make the lane hold the longest prefix of `inputs` any cache has (at most all but the last when keep_last,
+        so one is left to feed) and return its length. A row of the last branch set that shares more of them than
+        the lane (a branch hit) moves into the lane first: the lane is cut to the row's prefix, the row's own slots
+        follow."""
+        common = _common_prefix(self.lane.tokens, inputs)
+        rows, self.rows = self.rows, None
+        if rows is not None:
+            best = max(range(len(rows.tokens)), key=lambda b: _common_prefix(rows.held(self.lane.tokens, b), inputs))
+            held = rows.held(self.lane.tokens, best)
+            if _common_prefix(held, inputs) > common:
+                shared = int(rows.shared[best])
+                self.lane.truncate(shared)
+                self.lane.append(rows.lane_kv(best), held[shared:])
+                common = _common_prefix(self.lane.tokens, inputs)
+        keep = min(common, inputs.size - 1) if keep_last else common
+        self.lane.truncate(keep)
+        return keep
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def warm(self, context: tuple[int, ...], features: Features = ()) -> int:
+        """Read `context` into the lane (the prompt); returns the inputs fed."""
+        seq = np.asarray(context, np.int64)
+        self._receive(features, (seq,))
+        keep = self._take(self._inputs(seq), keep_last=False)
+        self._read(seq, keep)
+        return int(self._inputs(seq).size - keep)
+
+    def rollout(self, context: tuple[int, ...], gamma: int, features: Features = ()) -> DraftWindow:
+        """gamma tokens continuing `context`; afterwards the lane holds what the rollout fed of context and window
+        (a feature draft: context's inputs; a token draft: also the window but its last token, less any trusted
+        ones: the target verifies those, the next rollout feeds them)."""
+        seq = np.asarray(context, np.int64)
+        self._receive(features, (seq,))
+        keep = self._take(self._inputs(seq))
+        rows = self._roll([seq], np.array([keep]), [self._rng(seq.size)], gamma, lambda: False)
+        self.lane.append(rows.lane_kv(0), rows.held(self.lane.tokens, 0)[keep:])
+        return self._window(seq.size, rows, 0)
+
+    def branches(self, c: ExitCandidates, plan: tuple[BranchKey, ...], gamma: int,
+                 cancelled: Callable[[], bool] = lambda: False, features: Features = ()) -> BranchSet:
+        """One batched rollout: row b continues context + window[:A_b] + (c_b,) by gamma tokens. Every row reads as
+        much of the lane as it shares with its inputs; the lane itself is not changed (a miss continues it), and
+        the rows are kept for the next request (a hit continues its row)."""
+        ctx = np.asarray(c.context, np.int64)
+        verified = np.concatenate([ctx, c.window]).astype(np.int64)
+        bases = [np.concatenate([ctx, c.window[:r], [v]]).astype(np.int64) for r, v in plan]
+        self._receive(features, (verified, *bases))
+        self._take(self._inputs(verified), keep_last=False)  # a hit row joins the lane
+        if not plan:
+            return BranchSet.of({}, 0)
+        shared = np.array([min(_common_prefix(self.lane.tokens, self._inputs(b)), self._inputs(b).size - 1)
+                           for b in bases], np.int64)
+        # Each row draws with the generator a fresh rollout of its context would use, so a branch's window is
+        # the window a miss would have drawn (up to batch rounding of the draft's logits).
+        rows = self._roll(bases, shared, [self._rng(b.size) for b in bases], gamma, cancelled)
+        if not rows.complete:
+            return BranchSet.of({}, rows.forwards)  # cancelled: no windows
+        self.rows = rows
+        return BranchSet.of({key: self._window(bases[b].size, rows, b) for b, key in enumerate(plan)}, rows.forwards)
+
 
 class Drafter(DrafterBase):
     def __init__(self, engine: DraftEngine, params: SamplingParams, streaming: bool | str = True,
@@ -198,41 +270,31 @@ class Drafter(DrafterBase):
         self.trust = mode == "trust" and params.greedy
 
     # -- building blocks -----------------------------------------------------------------------------------
+    def _inputs(self, seq: np.ndarray) -> np.ndarray:
+        return seq
 
-    def _take(self, seq: np.ndarray, keep_last: bool = True) -> int:
-        """Make the lane hold the longest prefix of `seq` any cache has (at most len - 1 when keep_last, so at least
-        one token is left to feed) and return its length. A row of the last branch set that shares more of `seq`
-        than the lane (a branch hit) moves into the lane first: its lane prefix, then its own real slots."""
-        common = _common_prefix(self.lane.tokens, seq)
-        rows, self.rows = self.rows, None
-        if rows is not None:
-            best = max(range(rows.own.batch), key=lambda b: _common_prefix(rows.held(self.lane, b), seq))
-            if _common_prefix(rows.held(self.lane, best), seq) > common:
-                self.lane.truncate(int(rows.shared[best]))
-                self.lane.append(rows.own.row(best), np.asarray(rows.fed[best], np.int64))
-                common = _common_prefix(self.lane.tokens, seq)
-        keep = min(common, seq.size - 1) if keep_last else common
-        self.lane.truncate(keep)
-        return keep
+    def _receive(self, features: Features, seqs: tuple[np.ndarray, ...]) -> None:
+        """A token draft reads no taps (the scheduler sends none)."""
 
-    def _read(self, seq: np.ndarray) -> None:
-        """Feed `seq` into the lane in chunks (a prompt)."""
+    def _read(self, seq: np.ndarray, keep: int) -> None:
+        """Feed seq[keep:] into the lane in chunks (a prompt)."""
         chunk = self.engine.prompt_chunk
-        for lo in range(0, seq.size, chunk):
+        for lo in range(keep, seq.size, chunk):
             part = seq[None, lo:lo + chunk]
             mask = np.ones(part.shape, np.int64)
             own = self.engine.empty_own(1)
             _, new_kv = self._forward(part, np.array([self.lane.length]), own, mask, 1, 0)  # KV only: no heads
             self.lane.append(new_kv, part[0])
 
-    def _roll(self, shared: np.ndarray, tails: list[np.ndarray], rngs: list, gamma: int,
+    def _roll(self, bases: list[np.ndarray], shared: np.ndarray, rngs: list, gamma: int,
               cancelled: Callable[[], bool]) -> _Rows:
-        """Continue every row by gamma tokens: row b reads lane slots [0, shared[b]) and tails[b] (>= 1 token) is
-        what it lacks of its sequence after them. Stops incomplete when `cancelled` says so between forwards."""
-        n, vocab, params = len(tails), self.vocab, self.params
+        """Continue every base by gamma tokens: row b reads lane slots [0, shared[b]) and feeds the rest of its base
+        (>= 1 token). Stops incomplete when `cancelled` says so between forwards."""
+        n, vocab, params = len(bases), self.vocab, self.params
         tokens: list[list[int]] = [[] for _ in range(n)]
         logits: list[list[np.ndarray]] = [[] for _ in range(n)]
-        feeds, props = list(tails), [_NONE] * n  # per row: tokens its caches lack, then the proposals to check
+        # per row: the tokens its caches lack, then the proposals to check
+        feeds, props = [base[s:] for base, s in zip(bases, shared)], [_NONE] * n
         own, fed = self.engine.empty_own(n), [[] for _ in range(n)]
         forwards = 0
         while True:
@@ -284,42 +346,3 @@ class Drafter(DrafterBase):
                 props[b] = out[STREAM_IDS][b, col + accepted - first, :more].astype(np.int64) if more > 0 else _NONE
             own = own.extended(new_kv, keep)
             self.recorder.drafted(produced)
-
-    # -- requests ------------------------------------------------------------------------------------------
-    def warm(self, context: tuple[int, ...]) -> int:
-        """Read `context` into the lane (the prompt, while the target prefills it); returns the tokens fed."""
-        seq = np.asarray(context, np.int64)
-        keep = self._take(seq, keep_last=False)
-        if keep < seq.size:
-            self._read(seq[keep:])
-        return int(seq.size - keep)
-
-    def rollout(self, context: tuple[int, ...], gamma: int) -> DraftWindow:
-        """gamma tokens continuing `context`; afterwards the lane holds context + what the rollout fed of the window
-        (every token but the last, less any trusted ones: the target verifies those, the next rollout feeds them)."""
-        seq = np.asarray(context, np.int64)
-        keep = self._take(seq)
-        rng = self._rng(seq.size)
-        rows = self._roll(np.array([keep]), [seq[keep:]], [rng], gamma, lambda: False)
-        self.lane.append(rows.own.row(0), np.asarray(rows.fed[0], np.int64))
-        return self._window(seq.size, rows, 0)
-
-    def branches(self, c: ExitCandidates, plan: tuple[BranchKey, ...], gamma: int,
-                 cancelled: Callable[[], bool] = lambda: False) -> BranchSet:
-        """One batched rollout: row b continues context + window[:A_b] + (c_b,) by gamma tokens. Every row reads as
-        much of the lane as it shares with its sequence; the lane itself is not changed (a miss continues it), and
-        the rows are kept for the next request (a hit continues its row)."""
-        ctx = np.asarray(c.context, np.int64)
-        self._take(np.concatenate([ctx, c.window]).astype(np.int64), keep_last=False)  # a hit row joins the lane
-        if not plan:
-            return BranchSet.of({}, 0)
-        bases = [np.concatenate([ctx, c.window[:r], [v]]).astype(np.int64) for r, v in plan]
-        shared = np.array([min(_common_prefix(self.lane.tokens, b), b.size - 1) for b in bases], np.int64)
-        # Each row draws with the generator a fresh rollout of its context would use, so a branch's window is
-        # the window a miss would have drawn (up to batch rounding of the draft's logits).
-        rngs = [self._rng(b.size) for b in bases]
-        rows = self._roll(shared, [b[s:] for b, s in zip(bases, shared)], rngs, gamma, cancelled)
-        if not rows.complete:
-            return BranchSet.of({}, rows.forwards)  # cancelled: no windows
-        self.rows = rows
-        return BranchSet.of({key: self._window(bases[b].size, rows, b) for b, key in enumerate(plan)}, rows.forwards)

@@ -33,10 +33,6 @@ from mirror_sd.runtime.draft import PAD_ID, DrafterBase, _common_prefix
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.kv import LayerKV
 from mirror_sd.runtime.messages import (
-    BranchKey,
-    BranchSet,
-    DraftWindow,
-    ExitCandidates,
     FeatureBlock,
     Features,
 )
@@ -97,6 +93,9 @@ class _Rows:
         """Row b's inputs with real taps: its lane prefix, then what it fed first."""
         return np.concatenate([lane_tokens[:self.shared[b]], self.bases[b][1 + self.shared[b]:]])
 
+    def lane_kv(self, b: int) -> LayerKV:
+        return self.real[b]
+
 
 class FeatureDrafter(DrafterBase):
     """Lane slot j holds input j + 1, fed with real taps."""
@@ -113,38 +112,23 @@ class FeatureDrafter(DrafterBase):
         self.store.reset()
 
     # -- building blocks -----------------------------------------------------------------------------------
-    def _absorb(self, features: Features) -> None:
+    def _inputs(self, seq: np.ndarray) -> np.ndarray:
+        return seq[1:]  # input j + 1 is fed with the taps of position j
+
+    def _receive(self, features: Features, seqs: tuple[np.ndarray, ...]) -> None:
+        """Keep the taps sent with a request; every input of each seq (tokens 1..n-1) needs the taps of the position
+        before it."""
         for block in features:
             self.store.absorb(block)
+        for seq in seqs:
+            if self.store.valid_for(seq) < seq.size - 1:
+                raise FeatureGapError(f"a {seq.size}-token sequence needs taps of {seq.size - 1} positions, "
+                                      f"{self.store.valid_for(seq)} are known")
 
-    def _check_taps(self, seq: np.ndarray) -> None:
-        """Every input of seq (tokens 1..n-1) needs the taps of the position before it."""
-        if self.store.valid_for(seq) < seq.size - 1:
-            raise FeatureGapError(f"a {seq.size}-token sequence needs taps of {seq.size - 1} positions, "
-                                  f"{self.store.valid_for(seq)} are known")
-
-    def _take(self, seq: np.ndarray, keep_last: bool = True) -> int:
-        """Make the lane hold the longest prefix of seq's inputs (seq[1:]) any cache has - at most all but the last
-        when keep_last - and return its length. A row of the last branch set that shares more moves in first."""
-        inputs = seq[1:]
-        common = _common_prefix(self.lane.tokens, inputs)
-        rows, self.rows = self.rows, None
-        if rows is not None and rows.tokens:
-            best = max(range(len(rows.bases)), key=lambda b: _common_prefix(rows.held(self.lane.tokens, b), inputs))
-            held = rows.held(self.lane.tokens, best)
-            if _common_prefix(held, inputs) > common:
-                shared = int(rows.shared[best])
-                self.lane.truncate(shared)
-                self.lane.append(rows.real[best], held[shared:])
-                common = _common_prefix(self.lane.tokens, inputs)
-        keep = min(common, inputs.size - 1) if keep_last else min(common, inputs.size)
-        self.lane.truncate(keep)
-        return keep
-
-    def _read(self, seq: np.ndarray, start: int) -> None:
-        """Feed inputs start+1 .. n-1 of seq (real taps) into the lane, in chunks; no heads are read."""
+    def _read(self, seq: np.ndarray, keep: int) -> None:
+        """Feed inputs keep+1 .. n-1 of seq (real taps) into the lane, in chunks; no heads are read."""
         chunk = self.engine.prompt_chunk
-        for lo in range(start + 1, seq.size, chunk):
+        for lo in range(keep + 1, seq.size, chunk):
             hi = min(lo + chunk, seq.size)
             x = seq[None, lo:hi]
             mask = np.ones(x.shape, np.int64)
@@ -196,44 +180,3 @@ class FeatureDrafter(DrafterBase):
             channel = empty_channel(self.engine.facts, n, 1)
             channel[SURROGATE][:] = out[DRAFT_HIDDEN][:, -1:]
             channel[USE_SURROGATE][:] = 1
-
-    # -- requests ------------------------------------------------------------------------------------------
-    def warm(self, context: tuple[int, ...], features: Features = ()) -> int:
-        """Feed the prompt's inputs into the lane with the taps the prefill sent; returns the inputs fed."""
-        self._absorb(features)
-        seq = np.asarray(context, np.int64)
-        self._check_taps(seq)
-        keep = self._take(seq, keep_last=False)
-        self._read(seq, keep)
-        return int(seq.size - 1 - keep)
-
-    def rollout(self, context: tuple[int, ...], gamma: int, features: Features = ()) -> DraftWindow:
-        """gamma tokens continuing `context`; afterwards the lane holds every input of context (real taps)."""
-        self._absorb(features)
-        seq = np.asarray(context, np.int64)
-        self._check_taps(seq)
-        keep = self._take(seq)
-        rng = self._rng(seq.size)
-        rows = self._roll([seq], np.array([keep]), [rng], gamma, lambda: False)
-        self.lane.append(rows.real[0], seq[1 + keep:])
-        return self._window(seq.size, rows, 0)
-
-    def branches(self, c: ExitCandidates, plan: tuple[BranchKey, ...], gamma: int,
-                 cancelled: Callable[[], bool] = lambda: False, features: Features = ()) -> BranchSet:
-        """One batched rollout: row b continues context + window[:A_b] + (c_b,) by gamma tokens, each base fed with
-        the verification window's taps (the features sent with the request)."""
-        self._absorb(features)
-        ctx = np.asarray(c.context, np.int64)
-        self._take(np.concatenate([ctx, c.window]).astype(np.int64), keep_last=False)  # a hit row joins the lane
-        if not plan:
-            return BranchSet.of({}, 0)
-        bases = [np.concatenate([ctx, c.window[:r], [v]]).astype(np.int64) for r, v in plan]
-        for base in bases:
-            self._check_taps(base)
-        shared = np.array([min(_common_prefix(self.lane.tokens, b[1:]), b.size - 2) for b in bases], np.int64)
-        rngs = [self._rng(b.size) for b in bases]
-        rows = self._roll(bases, shared, rngs, gamma, cancelled)
-        if not rows.complete:
-            return BranchSet.of({}, rows.forwards)  # cancelled: no windows
-        self.rows = rows
-        return BranchSet.of({key: self._window(bases[b].size, rows, b) for b, key in enumerate(plan)}, rows.forwards)

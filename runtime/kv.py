@@ -93,13 +93,6 @@ class OwnPast:
         values = tuple(np.concatenate([v, new[i][1]], axis=2) for i, v in zip(self.layers, self.values))
         return OwnPast(self.layers, keys, values, np.concatenate([self.mask, new_mask.astype(np.int64)], axis=1))
 
-    def masked_tail(self, keep: np.ndarray) -> OwnPast:
-        """The mask of the last T slots multiplied by keep [B,T]: a 0 turns a fed token into a hole. Keys and values
-        are shared, not copied."""
-        mask = self.mask.copy()
-        mask[:, self.slots - keep.shape[1]:] *= keep.astype(np.int64)
-        return OwnPast(self.layers, self.keys, self.values, mask)
-
     def row(self, b: int) -> LayerKV:
         """Row b's real slots (holes removed) as [1, kv_heads, n, head_dim] per layer."""
         keep = np.flatnonzero(self.mask[b])

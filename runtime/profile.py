@@ -206,34 +206,25 @@ class DraftScene:
 _TAPS: dict[tuple[int, ...], np.ndarray] = {}  # the target's taps per sequence, for FedFeatureDrafter
 
 
-class FedFeatureDrafter:
+class FedFeatureDrafter(FeatureDrafter):
     """A FeatureDrafter that gets the target's taps for each request here (in decoding the scheduler sends them):
     taps are computed once per sequence, by a prefix run of the whole sequence, and only what the drafter lacks is
     passed. The scenes compute them before any timing (draft_scene)."""
 
     def __init__(self, pipe: Pipeline, params: SamplingParams) -> None:
-        self.inner, self.target = FeatureDrafter(pipe.draft, params), pipe.target
+        super().__init__(pipe.draft, params)
+        self.target = pipe.target
 
     def taps(self, seq: tuple[int, ...]) -> np.ndarray:
         if seq not in _TAPS:
             _TAPS[seq] = self.target.run_prefix(list(seq), self.target.empty_cache()).taps
         return _TAPS[seq]
 
-    def _block(self, seq: tuple[int, ...]) -> tuple[FeatureBlock, ...]:
-        have = self.inner.store.valid_for(np.asarray(seq, np.int64))
-        return (FeatureBlock(seq, have, self.taps(seq)[have:]),)
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def warm(self, context: tuple[int, ...]) -> int:
-        return self.inner.warm(context, self._block(context))
-
-    def rollout(self, context: tuple[int, ...], gamma: int):
-        return self.inner.rollout(context, gamma, self._block(context))
-
-    def branches(self, c: ExitCandidates, plan, gamma: int, cancelled: Callable[[], bool] = lambda: False):
-        return self.inner.branches(c, plan, gamma, cancelled, self._block((*c.context, *c.window)))
+    def _receive(self, features, seqs: tuple[np.ndarray, ...]) -> None:
+        """The taps of the request's sequence (the first of seqs), as the scheduler would send them."""
+        seq = tuple(seqs[0].tolist())
+        have = self.store.valid_for(seqs[0])
+        super()._receive((FeatureBlock(seq, have, self.taps(seq)[have:]),), seqs)
 
 
 def make_drafter(pipe: Pipeline, params: SamplingParams) -> Drafter | FedFeatureDrafter:
@@ -357,43 +348,22 @@ def grid(top_k: int, options: ProfileOptions) -> list[tuple[int, int, int]]:
             for b in _budgets(k, g, options.budget_multiples)]
 
 
-@dataclass
-class _Totals:
-    new: int = 0
-    wall: float = 0.0
-    ttft: float = 0.0
-    steps: int = 0
-    other: float = 0.0  # main-thread time that is neither target nor draft wait
-    accepted: int = 0
-    proposed: int = 0
-    hits: int = 0
-    lookups: int = 0
-    eta: list[float] = field(default_factory=list)
-
-    def add(self, s: GenerationStats) -> None:
-        self.new += s.new_tokens
-        self.wall += s.wall_s
-        self.ttft += s.ttft_s
-        self.steps += s.target_steps
-        self.other += max(0.0, s.wall_s - s.prefix_s - s.suffix_s - s.draft_wait_s)
-        self.accepted += s.accepted_tokens
-        self.proposed += s.proposed_tokens
-        self.hits += s.branch_hits
-        self.lookups += s.branch_lookups
-        if s.draft_tokens_per_forward > 0:
-            self.eta.append(s.draft_tokens_per_forward)
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """After the first token: the steady state the cost model predicts (prefill is not part of a step)."""
-        return (self.new - 1) / (self.wall - self.ttft) if self.wall > self.ttft else 0.0
+def run_setting(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, **options: Any
+                ) -> list[GenerationStats]:
+    return [pipe.generate(ids, max_new_tokens=max_new_tokens, **options).stats for ids in prompts]
 
 
-def run_setting(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, **options: Any) -> _Totals:
-    totals = _Totals()
-    for ids in prompts:
-        totals.add(pipe.generate(ids, max_new_tokens=max_new_tokens, **options).stats)
-    return totals
+def _ratio(stats: list[GenerationStats], num: str, den: str) -> float:
+    """sum(num) / sum(den) over several generations (0 where den sums to 0)."""
+    d = sum(getattr(s, den) for s in stats)
+    return sum(getattr(s, num) for s in stats) / d if d else 0.0
+
+
+def decode_rate(stats: list[GenerationStats]) -> float:
+    """Tokens/s after each generation's first token: the steady state the cost model predicts (prefill is not
+    part of a step)."""
+    new, wall = sum(s.new_tokens - 1 for s in stats), sum(s.wall_s - s.ttft_s for s in stats)
+    return new / wall if wall > 0 else 0.0
 
 
 def calibrate(pipe: Pipeline, prompts: list[list[int]], options: ProfileOptions, report: Report
@@ -401,26 +371,25 @@ def calibrate(pipe: Pipeline, prompts: list[list[int]], options: ProfileOptions,
     """Acceptance, draft tokens per forward and hit rate for every grid setting, the rendezvous time per step, and
     each setting's measured decode tokens/s (a free check of the model's ranking at the bundle's exit layer)."""
     speeds: dict[tuple[int, int, int], float] = {}
-    acceptance: dict[int, list[int]] = {}
-    eta: dict[int, list[float]] = {}
+    by_gamma: dict[int, list[GenerationStats]] = {}  # acceptance and draft rate depend on gamma alone
     hit: dict[tuple[int, int, int], float] = {}
-    other = steps = 0.0
     settings = grid(pipe.manifest.target.top_k, options)
     for i, (g, k, b) in enumerate(settings):
-        t = run_setting(pipe, prompts, options.max_new_tokens, mode="mirror", gamma=g, kappa=k, branch_budget=b)
-        acc = acceptance.setdefault(g, [0, 0])
-        acc[0] += t.accepted
-        acc[1] += t.proposed
-        eta.setdefault(g, []).extend(t.eta)
-        hit[(g, k, b)] = t.hits / t.lookups if t.lookups else 0.0
-        speeds[(g, k, b)] = t.decode_tokens_per_second
-        other, steps = other + t.other, steps + t.steps
+        stats = run_setting(pipe, prompts, options.max_new_tokens, mode="mirror", gamma=g, kappa=k, branch_budget=b)
+        by_gamma.setdefault(g, []).extend(stats)
+        hit[(g, k, b)] = _ratio(stats, "branch_hits", "branch_lookups")
+        speeds[(g, k, b)] = decode_rate(stats)
         report(f"  calibration {i + 1}/{len(settings)}: gamma {g} kappa {k} budget {b}: acceptance "
-               f"{t.accepted / max(t.proposed, 1):.2f}, branch hits {hit[(g, k, b)]:.2f}")
+               f"{_ratio(stats, 'accepted_tokens', 'proposed_tokens'):.2f}, branch hits {hit[(g, k, b)]:.2f}")
     cal = planner.Calibration(
-        acceptance={g: a / p if p else 0.0 for g, (a, p) in acceptance.items()},
-        eta={g: statistics.mean(v) if v else 1.0 for g, v in eta.items()},
+        acceptance={g: _ratio(v, "accepted_tokens", "proposed_tokens") for g, v in by_gamma.items()},
+        eta={g: statistics.mean([s.draft_tokens_per_forward for s in v if s.draft_tokens_per_forward > 0] or [1.0])
+             for g, v in by_gamma.items()},
         hit_rate=hit, coverage=dict(options.coverage))
+    every = [s for v in by_gamma.values() for s in v]
+    # the rendezvous: main-thread time per step that is neither target nor draft wait
+    other = sum(max(0.0, s.wall_s - s.prefix_s - s.suffix_s - s.draft_wait_s) for s in every)
+    steps = sum(s.target_steps for s in every)
     return cal, other / steps if steps else 0.0, speeds
 
 
@@ -492,15 +461,15 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     pipe = pipes[(c.target_threads, c.draft_threads)]
     measured = run_setting(pipe, prompts, options.max_new_tokens, mode="mirror", gamma=c.gamma, kappa=c.kappa,
                            branch_budget=c.branch_budget)
-    end_to_end = measured.new / measured.wall if measured.wall > 0 else 0.0
-    tps = measured.decode_tokens_per_second
+    end_to_end = _ratio(measured, "new_tokens", "wall_s")
+    tps = decode_rate(measured)
     doc = planner.plan_document(profile, plans, {
         "tokens_per_second": tps, "end_to_end_tokens_per_second": end_to_end,
         "predicted_over_measured": chosen.predicted_tokens_per_second / tps if tps > 0 else None,
         "prompts": len(prompts), "max_new_tokens": options.max_new_tokens,
-        "mean_accepted_tokens": measured.new / measured.steps if measured.steps else 0.0,
-        "acceptance_rate": measured.accepted / measured.proposed if measured.proposed else 0.0,
-        "branch_hit_rate": measured.hits / measured.lookups if measured.lookups else 0.0,
+        "mean_accepted_tokens": _ratio(measured, "new_tokens", "target_steps"),
+        "acceptance_rate": _ratio(measured, "accepted_tokens", "proposed_tokens"),
+        "branch_hit_rate": _ratio(measured, "branch_hits", "branch_lookups"),
     })
     doc["past_tokens"] = past_len
     # every calibration setting, predicted on the calibration split at the bundle's exit layer vs measured there

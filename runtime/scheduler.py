@@ -57,13 +57,12 @@ Answer = Union[Warmed, DraftWindow, BranchSet, DraftFailed]
 def _serve(drafter: Drafter | FeatureDrafter, request: Request, cancelled) -> Answer:
     """Run one request on the drafter. Any exception becomes an answer, and the drafter forgets its caches."""
     try:
-        # a feature draft also takes the target's taps sent since the last request (runtime/feature_draft.py)
-        extra = {"features": request.features} if isinstance(drafter, FeatureDrafter) else {}
+        # every request carries the target's taps sent since the last one (a feature draft's; else none)
         if isinstance(request, Warm):
-            return Warmed(drafter.warm(request.context, **extra))
+            return Warmed(drafter.warm(request.context, request.features))
         if isinstance(request, Rollout):
-            return drafter.rollout(request.context, request.gamma, **extra)
-        return drafter.branches(request.candidates, request.plan, request.gamma, cancelled, **extra)
+            return drafter.rollout(request.context, request.gamma, request.features)
+        return drafter.branches(request.candidates, request.plan, request.gamma, cancelled, request.features)
     except Exception as e:  # the draft's failure must never reach the target's loop
         drafter.reset()
         drafter.recorder.draft_failed()  # counted here: a cancelled branch set's failure is never waited for

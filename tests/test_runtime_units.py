@@ -99,10 +99,11 @@ def test_own_past_extends_makes_holes_and_gives_rows():
     new = {i: (rng.normal(size=(3, 2, 3, 4)).astype(np.float32),) * 2 for i in range(2)}
     own = own.extended(new, np.array([[1, 1, 1], [0, 1, 1], [0, 0, 1]]))
     assert own.slots == 3 and own.real().tolist() == [3, 2, 1]
-    holed = own.masked_tail(np.array([[1, 0, 0], [1, 1, 1], [1, 1, 1]]))
-    assert holed.real().tolist() == [1, 2, 1] and own.real().tolist() == [3, 2, 1]  # the original is unchanged
-    row = holed.row(1)
-    assert np.array_equal(row[0][0], new[0][0][1:2, :, 1:])
+    # a rejected proposal's slot is a hole: the drafter extends a row's past with a 0 there (runtime/draft.py)
+    holed = OwnPast.empty(range(2), 3, 2, 4).extended(new, np.array([[1, 0, 0], [0, 1, 1], [0, 0, 1]]))
+    assert holed.real().tolist() == [1, 2, 1] and own.real().tolist() == [3, 2, 1]  # extending makes a new value
+    assert np.array_equal(holed.row(1)[0][0], new[0][0][1:2, :, 1:])
+    assert np.array_equal(holed.row(0)[1][1], new[1][1][0:1, :, :1])  # holes are left out of a row
     # positions continue each row's shared length + real own slots; a hole repeats its neighbour's position
     assert (positions(np.array([4, 4, 0]), holed, np.array([[1, 1], [1, 0], [0, 1]])).tolist()
             == [[5, 6], [6, 6], [0, 1]])
