@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from mirror_sd.errors import MirrorSDError
+from mirror_sd.partitions.planner import Plan  # plain data, no runtimes: cheap to import
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -141,11 +142,23 @@ def _budget(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
+def iter_table(plans: list[Plan], rows: int) -> list[str]:
+    """The head of the planner's ranked table (`mirror-sd plan`) as text lines."""
+    lines = [f"{'rank':>4} {'l_e':>4} {'k':>3} {'gamma':>5} {'budget':>6} {'threads':>7} {'tok/s':>8} "
+             f"{'step ms':>8} {'tok/step':>8} {'hit':>5} {'hidden':>6}"]
+    for i, p in enumerate(plans[:rows]):
+        c, t = p.choice, p.terms
+        lines.append(f"{i + 1:>4} {c.exit_layer:>4} {c.kappa:>3} {c.gamma:>5} {c.branch_budget:>6} "
+                     f"{f'{c.target_threads}+{c.draft_threads}':>7} {p.predicted_tokens_per_second:>8.1f} "
+                     f"{t.step_s * 1000:>8.2f} {t.tokens_per_step:>8.2f} {t.hit_rate:>5.2f} "
+                     f"{'yes' if t.draft_hidden else 'no':>6}")
+    return lines
+
+
 def _plan(args: argparse.Namespace) -> int:
     import json
 
     from mirror_sd.partitions.plan_file import PLAN_FILE
-    from mirror_sd.partitions.planner import iter_table
     from mirror_sd.runtime.profile import ProfileOptions, plan_bundle
 
     defaults = ProfileOptions()

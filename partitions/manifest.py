@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mirror_sd.errors import ManifestError
 from mirror_sd.partitions.spec import (
+    KV_INTERFACES,
     ROLES,
     PartitionSpec,
     Role,
-    past_key_name,
-    past_value_name,
     present_key_name,
     present_value_name,
     require_field,
-    shared_key_name,
-    shared_value_name,
+    to_json,
 )
 
 # 2: target graphs keep their KV in shared buffers (GroupQueryAttention), the early-exit head is a partition of its
@@ -117,16 +115,9 @@ class Manifest:
 
     # -- serialisation ---------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format_version": self.format_version,
-            "producer": self.producer,
-            "target": asdict(self.target),
-            "draft": {**asdict(self.draft), "feature_taps": list(self.draft.feature_taps)},
-            "partitions": [p.to_dict() for p in self.partitions],
-            "tokenizer": {**asdict(self.tokenizer), "files": list(self.tokenizer.files),
-                          "eos_token_ids": list(self.tokenizer.eos_token_ids)},
-            "validation": self.validation,
-        }
+        d = {**to_json(self), "partitions": [p.to_dict() for p in self.partitions]}
+        return {k: d[k] for k in ("format_version", "producer", "target", "draft", "partitions", "tokenizer",
+                                  "validation")}  # manifest.json's order
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
@@ -296,8 +287,7 @@ def _check_feature_channel(m: Manifest, prefix: PartitionSpec, draft: PartitionS
 def _check_kv(part: PartitionSpec, facts: ModelFacts) -> None:
     """Every layer of the partition has its past inputs and a present output, named with its global number: a
     shared-buffer graph past_key_values.{i}.*, a split-past graph shared_key_values.{i}.* as well."""
-    wanted = {"shared-buffer": (past_key_name, past_value_name),
-              "split-past": (past_key_name, past_value_name, shared_key_name, shared_value_name)}.get(part.kv)
+    wanted = KV_INTERFACES.get(part.kv)
     if wanted is None:
         raise ManifestError(f"{part.role} must keep a KV cache (kv: shared-buffer or split-past), not {part.kv!r}")
     want_in = {n(i) for i in part.kv_layers for n in wanted}

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mirror_sd.errors import PackageError
+from mirror_sd.partitions.spec import to_json
 
 # 2: the static draft graphs read a split past (the context lane whole, plus an own past of own_slots slots)
 PACKAGE_FORMAT_VERSION = 2
@@ -90,12 +91,10 @@ class PackageInfo:
     format_version: int = PACKAGE_FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": PACKAGE_KIND, "format_version": self.format_version, "producer": self.producer,
-                "source_bundle": self.source_bundle, "source_draft_sha256": self.source_draft_sha256,
-                "bounds": {**asdict(self.bounds), "kv_length": self.bounds.kv_length,
-                           "own_slots": self.bounds.own_slots},
-                "weights": self.weights, "group_size": self.group_size, "devices": list(self.devices),
-                "draft_graphs": {k: asdict(g) for k, g in self.draft_graphs.items()}, "files": dict(self.files)}
+        d = {"kind": PACKAGE_KIND, **to_json(self)}
+        d["bounds"].update(kv_length=self.bounds.kv_length, own_slots=self.bounds.own_slots)  # for the reader
+        return {k: d[k] for k in ("kind", "format_version", "producer", "source_bundle", "source_draft_sha256",
+                                  "bounds", "weights", "group_size", "devices", "draft_graphs", "files")}
 
     @classmethod
     def from_dict(cls, d: Any) -> PackageInfo:
@@ -106,8 +105,7 @@ class PackageInfo:
             raise PackageError(f"package format_version {version!r} is not supported (this build reads "
                                f"{PACKAGE_FORMAT_VERSION})")
         try:
-            raw_bounds = {k: v for k, v in d["bounds"].items() if k not in ("kv_length", "own_slots")}
-            bounds = StaticBounds(**raw_bounds)
+            bounds = StaticBounds(**{k: v for k, v in d["bounds"].items() if k not in ("kv_length", "own_slots")})
             graphs = {k: DraftGraph(**g) for k, g in d["draft_graphs"].items()}
             info = cls(bounds=bounds, weights=d["weights"], group_size=int(d["group_size"]),
                        devices=tuple(d["devices"]), draft_graphs=graphs, files=dict(d["files"]),
@@ -162,9 +160,7 @@ def normalize_weights(weights: str) -> str:
 
 def check_member_name(rel: str) -> None:
     """A package member must land inside the package: relative, no `..`, no backslashes or empty parts."""
-    parts = PurePosixPath(rel).parts
-    if (not rel or rel.startswith("/") or "\\" in rel or Path(rel).is_absolute() or ".." in parts
-            or "." in rel.split("/") or "" in rel.split("/")):
+    if "\\" in rel or Path(rel).is_absolute() or any(part in ("", ".", "..") for part in rel.split("/")):
         raise PackageError(f"package member {rel!r} would land outside the package directory")
 
 
@@ -191,11 +187,9 @@ def verify_files(root: Path, files: dict[str, str]) -> None:
     for rel, digest in files.items():
         check_member_name(rel)
         path = root / rel
-        walk = root
-        for part in PurePosixPath(rel).parts:
-            walk = walk / part
-            if walk.is_symlink():
-                raise PackageError(f"package member {rel!r} is a symbolic link: refused")
+        parts = PurePosixPath(rel).parts
+        if any(root.joinpath(*parts[:i]).is_symlink() for i in range(1, len(parts) + 1)):  # the file or a folder
+            raise PackageError(f"package member {rel!r} is a symbolic link: refused")
         if not path.is_file():
             raise PackageError(f"package file {rel!r} is missing")
         if sha256_of(path) != digest:

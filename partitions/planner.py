@@ -41,11 +41,12 @@ What the bundle cannot show, and how it is extrapolated:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from bisect import bisect_left
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Mapping
 
 from mirror_sd.errors import BadInputError, check_int
-from mirror_sd.partitions.plan_file import PLAN_FORMAT, PLAN_VERSION
+from mirror_sd.partitions.plan_file import PLAN_FORMAT, PLAN_VERSION, RuntimeDefaults
 
 
 # -- measured inputs -------------------------------------------------------------------------------------------
@@ -73,10 +74,11 @@ class DraftTimes:
     through the runtime's Drafter (its Python work included). Where these are given they are used; otherwise the
     draft is modelled from forward_s (`draft_time`)."""
 
-    forward_s: Mapping[tuple[int, int], float]
+    forward_s: Mapping[tuple[int, int], float] = field(metadata={"json": "forward_s (rows,tokens)"})
     width: int = 1
-    branch_s: Mapping[tuple[int, int], float] = field(default_factory=dict)
-    rollout_s: Mapping[int, float] = field(default_factory=dict)
+    branch_s: Mapping[tuple[int, int], float] = field(default_factory=dict,
+                                                      metadata={"json": "branch_set_s (gamma,budget)"})
+    rollout_s: Mapping[int, float] = field(default_factory=dict, metadata={"json": "rollout_s (gamma)"})
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ class Calibration:
 
     acceptance: Mapping[int, float]
     eta: Mapping[int, float]
-    hit_rate: Mapping[tuple[int, int, int], float]
+    hit_rate: Mapping[tuple[int, int, int], float] = field(metadata={"json": "hit_rate (gamma,kappa,budget)"})
     coverage: Mapping[int, float] = field(default_factory=dict)
 
 
@@ -160,10 +162,6 @@ class Plan:
     terms: StepTerms
     needs_export: bool  # the exit layer differs from the bundle's: `make export EXIT_LAYER=...` first
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"choice": asdict(self.choice), "predicted_tokens_per_second": self.predicted_tokens_per_second,
-                "terms": asdict(self.terms), "needs_export": self.needs_export}
-
 
 @dataclass(frozen=True)
 class SearchSpace:
@@ -181,7 +179,7 @@ class SearchSpace:
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Expected tokens committed by verifying a gamma window when each token is accepted with probability alpha
     (independently, until the first rejection), counting the target's own correction or bonus token."""
-    _check_prob("alpha", alpha)
+    _check_real("alpha", alpha, 0.0, 1.0)
     check_int("gamma", gamma, 1)
     if alpha >= 1.0:
         return gamma + 1.0
@@ -191,7 +189,7 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 def fit_alpha(acceptance_rate: float, gamma: int) -> float:
     """The per-token acceptance probability alpha whose expected accepted tokens per window,
     alpha (1 - alpha^gamma) / (1 - alpha), equal acceptance_rate * gamma (the measured accepted / proposed)."""
-    _check_prob("acceptance_rate", acceptance_rate)
+    _check_real("acceptance_rate", acceptance_rate, 0.0, 1.0)
     check_int("gamma", gamma, 1)
     target = acceptance_rate * gamma
     lo, hi = 0.0, 1.0
@@ -220,7 +218,7 @@ def split_layer_costs(prefix_s: float, suffix_s: float, num_layers: int, exit_la
         raise BadInputError(f"exit layer {exit_layer} is outside [1, {num_layers - 1}]")
     for name, v in (("prefix time", prefix_s), ("suffix time", suffix_s), ("prefix head ratio", prefix_head_layers),
                     ("suffix head ratio", suffix_head_layers)):
-        _check_nonneg(name, v)
+        _check_real(name, v)
     c = (prefix_s + suffix_s) / (num_layers + prefix_head_layers + suffix_head_layers)
     return c, prefix_s - exit_layer * c, suffix_s - (num_layers - exit_layer) * c
 
@@ -264,8 +262,7 @@ def overlap_walls(suffix_s: float, draft_s: float, suffix_slowdown: float,
     While both run, the suffix advances at 1/suffix_slowdown and the draft at 1/draft_slowdown of their
     isolated speeds; whichever is left finishes at full speed."""
     for name, v in (("suffix_slowdown", suffix_slowdown), ("draft_slowdown", draft_slowdown)):
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 1.0):
-            raise BadInputError(f"{name} must be a number >= 1, got {v!r}")
+        _check_real(name, v, 1.0)
     if draft_s <= 0:
         return suffix_s, 0.0
     if draft_s * draft_slowdown <= suffix_s * suffix_slowdown:  # the draft finishes first
@@ -279,12 +276,8 @@ def predict(profile: Profile, cand: Candidate) -> Plan:
     """The predicted step and tokens/s of one candidate. BadInputError if the candidate is outside the profile."""
     split = _split(profile, cand.target_threads, cand.draft_threads)
     cal = profile.calibration
-    n = profile.num_layers
-    if not 1 <= cand.exit_layer <= n - 1:
-        raise BadInputError(f"exit layer {cand.exit_layer} is outside [1, {n - 1}]")
-    check_int("gamma", cand.gamma, 1)
-    check_int("kappa", cand.kappa, 1)
-    check_int("branch_budget", cand.branch_budget, 0)
+    for name, low in (("gamma", 1), ("kappa", 1), ("branch_budget", 0)):  # the exit layer: in target_times
+        check_int(name, getattr(cand, name), low)
     if cand.kappa > profile.top_k:
         raise BadInputError(f"kappa {cand.kappa} exceeds the bundle's early-exit top_k {profile.top_k}")
     key = (cand.gamma, cand.kappa, cand.branch_budget)
@@ -292,8 +285,9 @@ def predict(profile: Profile, cand: Candidate) -> Plan:
         raise BadInputError(f"no measured branch hit rate for gamma={cand.gamma}, kappa={cand.kappa}, "
                             f"branch_budget={cand.branch_budget}")
     hit = _hit_rate(cal, key, cand.exit_layer, profile.exit_layer)
-    alpha = fit_alpha(_nearest(cal.acceptance, cand.gamma), _nearest_key(cal.acceptance, cand.gamma))
-    eta = _nearest(cal.eta, cand.gamma)
+    measured_gamma = _nearest_key(cal.acceptance, cand.gamma)
+    alpha = fit_alpha(cal.acceptance[measured_gamma], measured_gamma)
+    eta = cal.eta[_nearest_key(cal.eta, cand.gamma)]
 
     window = cand.gamma + 1
     p, s = target_times(split.target, cand.exit_layer, window)
@@ -380,31 +374,30 @@ def validate_profile(profile: Profile) -> None:
             raise BadInputError("every split must profile the same target split")
         if not t.prefix_s or set(t.prefix_s) != set(t.suffix_s):
             raise BadInputError("prefix and suffix must be timed on the same, non-empty window sizes")
-        for name, table in (("prefix", t.prefix_s), ("suffix", t.suffix_s), ("draft", sp.draft.forward_s),
-                            ("branch set", sp.draft.branch_s or {0: 0.0}), ("rollout", sp.draft.rollout_s or {0: 0.0})):
-            if not table:
-                raise BadInputError(f"no {name} timings")
+        _per_layer_costs(t)  # checks the layer numbers, both partitions' times and the head ratios
+        if not sp.draft.forward_s:
+            raise BadInputError("no draft timings")
+        for name, table in (("draft", sp.draft.forward_s), ("branch set", sp.draft.branch_s),
+                            ("rollout", sp.draft.rollout_s)):
             for v in table.values():
-                _check_nonneg(f"{name} time", v)
+                _check_real(f"{name} time", v)
         check_int("draft width", sp.draft.width, 1)
-        _check_nonneg("rendezvous time", sp.rendezvous_s)
-        split_layer_costs(t.prefix_s[min(t.prefix_s)], t.suffix_s[min(t.suffix_s)], t.num_layers, t.exit_layer,
-                          t.prefix_head_layers, t.suffix_head_layers)
+        _check_real("rendezvous time", sp.rendezvous_s)
         overlap_walls(1.0, 1.0, sp.suffix_slowdown, sp.draft_slowdown)
     cal = profile.calibration
     if not cal.acceptance or not cal.eta or not cal.hit_rate:
         raise BadInputError("the calibration holds no acceptance, draft-rate or hit-rate measurement")
     for g, a in cal.acceptance.items():
         check_int("gamma", g, 1)
-        _check_prob("acceptance_rate", a)
+        _check_real("acceptance_rate", a, 0.0, 1.0)
     for g, e in cal.eta.items():
         if not (isinstance(e, (int, float)) and math.isfinite(e) and e > 0):
             raise BadInputError(f"draft tokens per forward must be > 0, got {e!r} for gamma {g}")
     for (_g, _k, b), h in cal.hit_rate.items():
-        _check_prob("branch_hit_rate", h)
+        _check_real("branch_hit_rate", h, 0.0, 1.0)
         check_int("branch_budget", b, 0)
     for layer, c in cal.coverage.items():
-        _check_prob(f"coverage at layer {layer}", c)
+        _check_real(f"coverage at layer {layer}", c, 0.0, 1.0)
 
 
 # -- the plan document (plan_file.py reads it back) ------------------------------------------------------------
@@ -417,45 +410,32 @@ def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, An
     return {
         "format": PLAN_FORMAT, "version": PLAN_VERSION,
         "bundle": {"num_layers": profile.num_layers, "exit_layer": profile.exit_layer, "top_k": profile.top_k},
-        "runtime": {"gamma": c.gamma, "kappa": c.kappa, "branch_budget": c.branch_budget,
-                    "target_threads": c.target_threads, "draft_threads": c.draft_threads,
+        "runtime": {**{f.name: getattr(c, f.name) for f in fields(RuntimeDefaults)},  # what the runtime reads
                     "predicted_tokens_per_second": run.predicted_tokens_per_second,
                     **({"measured": dict(measured)} if measured else {})},
         "export": {"exit_layer": best.choice.exit_layer, "top_k": best.choice.kappa,
                    "predicted_tokens_per_second": best.predicted_tokens_per_second,
                    "needs_export": best.needs_export},
-        "best": best.to_dict(),
-        "best_for_bundle": run.to_dict(),
-        "table": [p.to_dict() for p in plans[:table_rows]],
+        "best": _plain(best),
+        "best_for_bundle": _plain(run),
+        "table": [_plain(p) for p in plans[:table_rows]],
         "profile": profile_to_dict(profile),
     }
 
 
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
-    def keyed(table: Mapping) -> dict[str, Any]:
-        return {",".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in sorted(table.items())}
+    """The profile as plan.json records it, for people (nothing reads it back): field by field (`_plain`, the
+    tables with tuple keys named after their parts), plus each split's per-layer target cost at each window size."""
+    doc = _plain(profile)
+    for split, out in zip(profile.splits, doc["splits"]):
+        out["target"]["per_layer_s"] = _plain(_per_layer_costs(split.target))
+    return doc
 
-    return {
-        "top_k": profile.top_k,
-        "splits": [{"target_threads": s.target_threads, "draft_threads": s.draft_threads,
-                    "suffix_slowdown": s.suffix_slowdown, "draft_slowdown": s.draft_slowdown,
-                    "rendezvous_s": s.rendezvous_s,
-                    "target": {"num_layers": s.target.num_layers, "exit_layer": s.target.exit_layer,
-                               "prefix_s": keyed(s.target.prefix_s), "suffix_s": keyed(s.target.suffix_s),
-                               "prefix_head_layers": s.target.prefix_head_layers,
-                               "suffix_head_layers": s.target.suffix_head_layers,
-                               "per_layer_s": keyed({w: split_layer_costs(
-                                   s.target.prefix_s[w], s.target.suffix_s[w], s.target.num_layers,
-                                   s.target.exit_layer, s.target.prefix_head_layers,
-                                   s.target.suffix_head_layers)[0] for w in s.target.prefix_s})},
-                    "draft": {"width": s.draft.width, "forward_s (rows,tokens)": keyed(s.draft.forward_s),
-                              "branch_set_s (gamma,budget)": keyed(s.draft.branch_s),
-                              "rollout_s (gamma)": keyed(s.draft.rollout_s)}}
-                   for s in profile.splits],
-        "calibration": {"acceptance": keyed(profile.calibration.acceptance), "eta": keyed(profile.calibration.eta),
-                        "hit_rate (gamma,kappa,budget)": keyed(profile.calibration.hit_rate),
-                        "coverage": keyed(profile.calibration.coverage)},
-    }
+
+def _per_layer_costs(t: TargetTimes) -> dict[int, float]:
+    """Window size -> the per-layer cost c of `split_layer_costs` (which checks its inputs) at that size."""
+    return {w: split_layer_costs(t.prefix_s[w], t.suffix_s[w], t.num_layers, t.exit_layer, t.prefix_head_layers,
+                                 t.suffix_head_layers)[0] for w in t.prefix_s}
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -468,19 +448,13 @@ def _split(profile: Profile, target_threads: int, draft_threads: int) -> SplitPr
 
 def _hit_rate(cal: Calibration, key: tuple[int, int, int], exit_layer: int, measured_layer: int) -> float:
     h = cal.hit_rate[key]
-    if exit_layer == measured_layer or not cal.coverage:
-        return h
-    if exit_layer not in cal.coverage or not cal.coverage.get(measured_layer):
-        return h  # no coverage for this layer: held at the measured value
+    if exit_layer == measured_layer or exit_layer not in cal.coverage or not cal.coverage.get(measured_layer):
+        return h  # the measured layer, or no coverage for one of the two: held at the measured value
     return min(1.0, h * cal.coverage[exit_layer] / cal.coverage[measured_layer])
 
 
 def _nearest_key(table: Mapping[int, float], x: int) -> int:
     return min(table, key=lambda k: (abs(k - x), k))
-
-
-def _nearest(table: Mapping[int, float], x: int) -> float:
-    return table[_nearest_key(table, x)]
 
 
 def _interp1(table: Mapping[int, float], x: float) -> float:
@@ -490,33 +464,24 @@ def _interp1(table: Mapping[int, float], x: float) -> float:
         raise BadInputError("no measurements to interpolate")
     if len(xs) == 1:
         return table[xs[0]]
-    i = 1
-    while i < len(xs) - 1 and x > xs[i]:
-        i += 1
+    i = min(max(bisect_left(xs, x), 1), len(xs) - 1)  # the segment holding x, or the nearest at either end
     x0, x1 = xs[i - 1], xs[i]
     return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
 
 
-def _check_prob(name: str, value: Any) -> None:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0):
-        raise BadInputError(f"{name} must be a number in [0, 1], got {value!r}")
+def _check_real(name: str, value: Any, low: float = 0.0, high: float = math.inf) -> None:
+    """BadInputError unless `value` is a finite number (a bool is not one) in [low, high]."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and low <= value <= high):
+        bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+        raise BadInputError(f"{name} must be a finite number {bounds}, got {value!r}")
 
 
-def _check_nonneg(name: str, value: Any) -> None:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
-        raise BadInputError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def iter_table(plans: Iterable[Plan], rows: int) -> list[str]:
-    """The ranked table as text lines."""
-    lines = [f"{'rank':>4} {'l_e':>4} {'k':>3} {'gamma':>5} {'budget':>6} {'threads':>7} {'tok/s':>8} "
-             f"{'step ms':>8} {'tok/step':>8} {'hit':>5} {'hidden':>6}"]
-    for i, p in enumerate(plans):
-        if i >= rows:
-            break
-        c, t = p.choice, p.terms
-        lines.append(f"{i + 1:>4} {c.exit_layer:>4} {c.kappa:>3} {c.gamma:>5} {c.branch_budget:>6} "
-                     f"{f'{c.target_threads}+{c.draft_threads}':>7} {p.predicted_tokens_per_second:>8.1f} "
-                     f"{t.step_s * 1000:>8.2f} {t.tokens_per_step:>8.2f} {t.hit_rate:>5.2f} "
-                     f"{'yes' if t.draft_hidden else 'no':>6}")
-    return lines
+def _plain(x: Any) -> Any:
+    """A dataclass as JSON data: its fields in order (under their metadata "json" name where one is given), tables
+    sorted with tuple keys written "a,b", tuples as lists."""
+    if is_dataclass(x):
+        return {f.metadata.get("json", f.name): _plain(getattr(x, f.name)) for f in fields(x)}
+    if isinstance(x, Mapping):
+        return {",".join(map(str, k)) if isinstance(k, tuple) else str(k): _plain(v) for k, v in sorted(x.items())}
+    return [_plain(v) for v in x] if isinstance(x, tuple) else x

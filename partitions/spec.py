@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Callable, Literal
 
 from mirror_sd.errors import ManifestError
 
@@ -17,41 +17,26 @@ CAPACITY = "kv_capacity"  # a preallocated KV buffer's slots (target graphs: pas
 KEPT = "kept"  # positions the LM head runs on (num_logits_to_keep)
 SHARED = "shared_sequence"  # slots of a draft's shared past (one row every batch row reads)
 
-# How a partition's graph keeps its KV cache (PartitionSpec.kv):
+# The KV tensors' names, with global layer numbers: past_key_name(3) == "past_key_values.3.key".
+past_key_name: Callable[[int], str] = "past_key_values.{}.key".format
+past_value_name: Callable[[int], str] = "past_key_values.{}.value".format
+present_key_name: Callable[[int], str] = "present.{}.key".format
+present_value_name: Callable[[int], str] = "present.{}.value".format
+shared_key_name: Callable[[int], str] = "shared_key_values.{}.key".format
+shared_value_name: Callable[[int], str] = "shared_key_values.{}.value".format
+
+# How a partition's graph keeps its KV cache (PartitionSpec.kv), and the past inputs each of its layers takes:
 # - "shared-buffer": past_key_values.{i}.* and present.{i}.* are one preallocated buffer of CAPACITY slots; the graph
 #   reads seqlens_k + 1 - T of them and writes the T new positions in place (ONNX Runtime GroupQueryAttention).
 # - "split-past": the past comes in two parts - shared_key_values.{i}.* [1, kv_heads, SHARED, hd], one row that every
 #   batch row reads up to its shared_mask, and past_key_values.{i}.* [B, kv_heads, PAST, hd], each row's own - and
 #   present.{i}.* holds only the T new positions. Nothing is concatenated with the shared part, so branch rows over
 #   one context never copy it (runtime/draft.py).
-KV_INTERFACES = ("shared-buffer", "split-past")
+KV_INTERFACES = {"shared-buffer": (past_key_name, past_value_name),
+                 "split-past": (past_key_name, past_value_name, shared_key_name, shared_value_name)}
 # The shared-buffer graphs' length inputs: seqlens_k [B] int32 (each row's total length - 1) and
 # total_sequence_length [] int32; the suffix's LM head runs on the last num_logits_to_keep [1] int64 positions.
 SEQLENS, TOTAL_LENGTH, KEEP = "seqlens_k", "total_sequence_length", "num_logits_to_keep"
-
-
-def past_key_name(layer: int) -> str:
-    return f"past_key_values.{layer}.key"
-
-
-def past_value_name(layer: int) -> str:
-    return f"past_key_values.{layer}.value"
-
-
-def present_key_name(layer: int) -> str:
-    return f"present.{layer}.key"
-
-
-def present_value_name(layer: int) -> str:
-    return f"present.{layer}.value"
-
-
-def shared_key_name(layer: int) -> str:
-    return f"shared_key_values.{layer}.key"
-
-
-def shared_value_name(layer: int) -> str:
-    return f"shared_key_values.{layer}.value"
 
 
 @dataclass(frozen=True)
@@ -64,13 +49,9 @@ class TensorSpec:
     def dynamic_axes(self) -> dict[int, str]:
         return {i: d for i, d in enumerate(self.shape) if isinstance(d, str)}
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> TensorSpec:
-        name, dtype, shape = (require_field(d, "name", where), require_field(d, "dtype", where),
-                              require_field(d, "shape", where))
+        name, dtype, shape = (require_field(d, key, where) for key in ("name", "dtype", "shape"))
         if not isinstance(name, str) or not name:
             raise ManifestError(f"{where}: tensor name must be a non-empty string")
         if dtype not in DTYPES:
@@ -105,19 +86,9 @@ class PartitionSpec:
         return _by_name(self.outputs, name, f"{self.role} outputs")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "role": self.role,
-            "layers": list(self.layers),
-            "file": self.file,
-            "data_files": list(self.data_files),
-            "backend": self.backend,
-            "device": self.device,
-            "tokens_per_forward": self.tokens_per_forward,
-            "kv": self.kv,
-            "inputs": [t.to_dict() for t in self.inputs],
-            "outputs": [t.to_dict() for t in self.outputs],
-            "extra": dict(self.extra),
-        }
+        d = to_json(self)
+        return {k: d[k] for k in ("role", "layers", "file", "data_files", "backend", "device", "tokens_per_forward",
+                                  "kv", "inputs", "outputs", "extra")}  # manifest.json's order
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> PartitionSpec:
@@ -162,6 +133,15 @@ def kv_specs(layers: range, kv_heads: int, head_dim: int,
         present += [TensorSpec(n(i), dtype, (BATCH, kv_heads, SEQUENCE, head_dim))
                     for n in (present_key_name, present_value_name)]
     return tuple(past), tuple(present)
+
+
+def to_json(x: Any) -> Any:
+    """A dataclass as JSON data (what json.dumps writes of it): its fields in order, tuples as lists, dicts copied."""
+    if is_dataclass(x):
+        return {f.name: to_json(getattr(x, f.name)) for f in fields(x)}
+    if isinstance(x, dict):
+        return {k: to_json(v) for k, v in x.items()}
+    return [to_json(v) for v in x] if isinstance(x, (tuple, list)) else x
 
 
 def _by_name(specs: tuple[TensorSpec, ...], name: str, what: str) -> TensorSpec:

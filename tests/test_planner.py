@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mirror_sd.cli import main
+from mirror_sd.cli import iter_table, main
 from mirror_sd.errors import BadInputError, ManifestError, MirrorSDError
 from mirror_sd.partitions import plan_file as pf
 from mirror_sd.partitions import planner as pl
@@ -142,7 +142,7 @@ def test_ranked_table_is_sorted_and_complete():
     speeds = [p.predicted_tokens_per_second for p in plans]
     assert all(a >= b * (1 - 1e-9) for a, b in zip(speeds, speeds[1:]))  # ties may differ in the last bit
     assert len(plans) == 7 * 3  # exit layers 1..7 x three measured budgets x one split
-    assert pl.iter_table(plans, 5)[0].split()[:2] == ["rank", "l_e"] and len(pl.iter_table(plans, 5)) == 6
+    assert iter_table(plans, 5)[0].split()[:2] == ["rank", "l_e"] and len(iter_table(plans, 5)) == 6
 
 
 # -- invalid inputs --------------------------------------------------------------------------------------------
