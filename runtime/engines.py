@@ -94,28 +94,13 @@ class GraphEngine(DraftEngine):
                  output_ids: np.ndarray | None = None) -> None:
         _check_names(graph, spec)
         super().__init__(spec, facts, output_ids)
-        self.graph = graph
-
-    @property
-    def backend(self) -> str:
-        return self.graph.backend
-
-    @property
-    def device(self) -> str:
-        return self.graph.device
+        self.graph, self.backend, self.device = graph, graph.backend, graph.device
+        self.lane_capacity = facts.max_position_embeddings + LANE_OVERHANG
+        self.prompt_chunk = PROMPT_CHUNK
 
     def describe(self) -> dict[str, object]:
         """What ran this graph, for the stats (the static-IR draft engine reports its shapes and weights)."""
         return {f"{self.spec.role}_graph": f"dynamic-{self.spec.file.rsplit('.', 1)[-1]}"}
-
-    @property
-    def lane_capacity(self) -> int:
-        return self.facts.max_position_embeddings + LANE_OVERHANG
-
-    @property
-    def prompt_chunk(self) -> int:
-        """The widest feed worth one forward when reading a prompt."""
-        return PROMPT_CHUNK
 
     def run(self, x: np.ndarray, positions: np.ndarray, lane: ContextLane, shared: np.ndarray, own: OwnPast,
             new_mask: np.ndarray, keep: int | None = None, channel: dict[str, np.ndarray] | None = None

@@ -107,29 +107,14 @@ class StaticDraftEngine(DraftEngine):
                  output_ids: np.ndarray | None) -> None:
         super().__init__(spec, manifest.draft, output_ids)
         self.graphs, self.info = graphs, info
-        self.kv_length = info.bounds.kv_length
-
-
-    @property
-    def backend(self) -> str:
-        return "openvino-static"
-
-    @property
-    def device(self) -> str:
-        return self.graphs[DECODE].graph.device
-
-    @property
-    def lane_capacity(self) -> int:
-        return self.kv_length  # the static graphs read the whole lane buffer
-
-    @property
-    def prompt_chunk(self) -> int:
-        return self.graphs[PREFILL].tokens
+        self.backend, self.device = "openvino-static", graphs[DECODE].graph.device
+        self.lane_capacity = info.bounds.kv_length  # the static graphs read the whole lane buffer
+        self.prompt_chunk = graphs[PREFILL].tokens
 
     def describe(self) -> dict[str, object]:
         g = {k: f"{v.batch}x{v.tokens}" for k, v in self.graphs.items()}
-        return {"draft_graph": "static-ir", "draft_weights": self.info.weights, "draft_kv_length": self.kv_length,
-                "draft_static_shapes": g}
+        return {"draft_graph": "static-ir", "draft_weights": self.info.weights,
+                "draft_kv_length": self.lane_capacity, "draft_static_shapes": g}
 
     def run(self, x: np.ndarray, positions: np.ndarray, lane: ContextLane, shared: np.ndarray, own: OwnPast,
             new_mask: np.ndarray, keep: int | None = None, channel: dict[str, np.ndarray] | None = None
