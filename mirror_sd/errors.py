@@ -12,7 +12,12 @@ class MirrorSDError(Exception):
 
 
 class BadInputError(MirrorSDError, ValueError):
-    """An argument or option the user gave is out of range or inconsistent."""
+    """An argument or option the user gave is out of range or inconsistent. `option`: the option at fault where
+    one is (e.g. "gamma", "prompt"), for callers that point at it (the server names the request field)."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 class UnsupportedArchitectureError(MirrorSDError):
@@ -45,4 +50,4 @@ def check_int(name: str, value: object, low: int) -> None:
     """BadInputError unless `value` is an int >= low. A bool is refused although it is an int: `True` given for a
     count is a mistake, never a 1."""
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise BadInputError(f"{name} must be an integer >= {low}, got {value!r}")
+        raise BadInputError(f"{name} must be an integer >= {low}, got {value!r}", option=name)

@@ -46,21 +46,21 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise BadInputError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}")
+            raise BadInputError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}", option="mode")
         for name, low in (("max_new_tokens", 1), ("top_k", 0), ("seed", 0), ("gamma", 1), ("kappa", 1),
                           ("branch_budget", 0)):
             if getattr(self, name) is not None or name not in ("kappa", "branch_budget"):  # those two may be None
                 check_int(name, getattr(self, name), low)
         t = self.temperature
         if not _is_number(t) or not math.isfinite(t) or t < 0:
-            raise BadInputError(f"temperature must be a finite number >= 0, got {t!r}")
+            raise BadInputError(f"temperature must be a finite number >= 0, got {t!r}", option="temperature")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise BadInputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise BadInputError(f"top_p must be in (0, 1], got {self.top_p!r}", option="top_p")
         if not _is_number(self.draft_timeout_s) or not self.draft_timeout_s > 0:
-            raise BadInputError(f"draft_timeout_s must be > 0, got {self.draft_timeout_s!r}")
+            raise BadInputError(f"draft_timeout_s must be > 0, got {self.draft_timeout_s!r}", option="draft_timeout_s")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
-            raise BadInputError("stop must be a list of non-empty strings")
+            raise BadInputError("stop must be a list of non-empty strings", option="stop")
         # normalised once here: every reader sees a tuple of strings, a STREAMING_MODES name, floats and bools
         for name, value in (("stop", tuple(stop)), ("draft_streaming", streaming_mode(self.draft_streaming)),
                             ("temperature", float(t)), ("top_p", float(self.top_p)), ("overlap", bool(self.overlap)),
@@ -85,7 +85,8 @@ def streaming_mode(value: bool | str) -> str:
     if isinstance(value, bool):
         return "trust" if value else "off"
     if value not in STREAMING_MODES:
-        raise BadInputError(f"draft streaming must be one of {', '.join(STREAMING_MODES)}, not {value!r}")
+        raise BadInputError(f"draft streaming must be one of {', '.join(STREAMING_MODES)}, not {value!r}",
+                            option="draft_streaming")
     return value
 
 

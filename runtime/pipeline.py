@@ -147,7 +147,7 @@ class Pipeline:
         """Token ids of a prompt given as text, chat messages, or ids (checked against the vocabulary)."""
         if isinstance(prompt, str):
             if not prompt:
-                raise BadInputError("the prompt is empty")
+                raise BadInputError("the prompt is empty", option="prompt")
             ids = self.codec.encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
             ids = self.codec.encode(self.codec.render_chat(list(prompt)), special=False)
@@ -156,11 +156,12 @@ class Pipeline:
             vocab = self.manifest.target.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise BadInputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+                raise BadInputError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", option="prompt")
         else:
-            raise BadInputError("the prompt must be a string, a list of chat messages, or a list of token ids")
+            raise BadInputError("the prompt must be a string, a list of chat messages, or a list of token ids",
+                                option="prompt")
         if not ids:
-            raise BadInputError("the prompt is empty")
+            raise BadInputError("the prompt is empty", option="prompt")
         return ids
 
     # -- generation ----------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ class Pipeline:
         cfg = (config or self.generation_config).updated(**overrides)
         k_max = self.manifest.target.top_k
         if cfg.kappa is not None and cfg.kappa > k_max:
-            raise BadInputError(f"kappa {cfg.kappa} exceeds the bundle's early-exit top_k {k_max}")
+            raise BadInputError(f"kappa {cfg.kappa} exceeds the bundle's early-exit top_k {k_max}", option="kappa")
         cfg = cfg.updated(kappa=cfg.kappa or k_max)
         ids = self.prompt_ids(prompt)
         if self.package:
@@ -211,12 +212,12 @@ class Pipeline:
         b = self.package.info.bounds
         if prompt_len > b.max_prompt:
             raise BadInputError(f"the prompt has {prompt_len} tokens; this package takes at most {b.max_prompt} "
-                                f"(MAX_PROMPT)")
+                                f"(MAX_PROMPT)", option="prompt")
         if prompt_len + cfg.max_new_tokens > b.max_context:
             raise BadInputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds this "
-                                f"package's MAX_CONTEXT of {b.max_context} tokens")
+                                f"package's MAX_CONTEXT of {b.max_context} tokens", option="max_new_tokens")
         if cfg.mode != "ar" and cfg.gamma > b.max_gamma:
-            raise BadInputError(f"gamma {cfg.gamma} exceeds this package's max_gamma {b.max_gamma}")
+            raise BadInputError(f"gamma {cfg.gamma} exceeds this package's max_gamma {b.max_gamma}", option="gamma")
 
     def _decode(self, ids: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
         if self._owner == threading.get_ident():  # waiting for ourselves would never end

@@ -210,7 +210,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             raise p.ApiError(400, str(e), param=("messages" if chat else "prompt") if too_long else "max_tokens",
                              code="context_length_exceeded") from None
         except BadInputError as e:
-            raise p.ApiError(400, str(e), param=_param_of(str(e), chat), code="invalid_value") from None
+            raise p.ApiError(400, str(e), param=_param_of(e, chat), code="invalid_value") from None
         return _Job(ids, config, time.monotonic() + settings.request_timeout_s, threading.Event())
 
     async def _complete(request: Request, body: p.ChatRequest | p.CompletionRequest, prompt: Any,
@@ -359,9 +359,9 @@ def _mirror_stats(outcome: _Outcome) -> dict[str, Any]:
             "branch_hit_rate": s.branch_hit_rate, "fallbacks": s.fallbacks}
 
 
-def _param_of(message: str, chat: bool) -> str | None:
-    """The request field a pipeline error names (its messages start with the option's name)."""
-    names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
-             "stop": "stop", "gamma": "mirror.gamma", "kappa": "mirror.kappa", "branch_budget": "mirror.branch_budget",
-             "the prompt": "messages" if chat else "prompt", "token ids": "prompt"}
-    return next((field for start, field in names.items() if message.startswith(start)), None)
+def _param_of(error: BadInputError, chat: bool) -> str | None:
+    """The request field of the generation option a pipeline error names."""
+    fields = {"max_new_tokens": "max_tokens", "gamma": "mirror.gamma", "kappa": "mirror.kappa",
+              "branch_budget": "mirror.branch_budget", "draft_streaming": "mirror.draft_streaming",
+              "mode": "mirror.mode", "prompt": "messages" if chat else "prompt"}
+    return fields.get(error.option, error.option)

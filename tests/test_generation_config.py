@@ -52,6 +52,20 @@ def test_pipeline_config_and_overrides(pipe):
         pipe.generate(PROMPT, num_beams=2)
 
 
+@pytest.mark.parametrize("options, option", [
+    ({"gamma": 0}, "gamma"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"draft_streaming": "x"}, "draft_streaming"), ({"stop": [""]}, "stop"), ({"kappa": 99}, "kappa"),
+    ({"mode": "beam"}, "mode"), ({"seed": -1}, "seed"), ({"beams": 2}, None)])
+def test_errors_name_the_option_at_fault(pipe, options, option):
+    """The server maps `option` to the request field (serve/app.py), so each check must name its own option."""
+    with pytest.raises(BadInputError) as caught:
+        pipe.check(PROMPT, **options)
+    assert caught.value.option == option
+    with pytest.raises(BadInputError) as caught:
+        pipe.check([10**9])  # outside the vocabulary
+    assert caught.value.option == "prompt"
+
+
 def test_stats_are_typed_and_read_as_a_mapping(pipe):
     stats = pipe.generate(PROMPT, mode="mirror", max_new_tokens=8, trace=True).stats
     assert isinstance(stats, GenerationStats)
