@@ -31,13 +31,16 @@ FEATURE_WEIGHTS = WEIGHTS / "smollm2-feature-draft"
 ANSWERS_FILE = REPO / "models" / "data" / "answers-broad.jsonl.gz"  # committed: the feature draft's training data
 # How the committed feature draft was trained (models/train_feature_draft.py; its training.json has the last
 # stage): 50 minutes on the answers of the first FIRST_PROMPTS broad-pool prompts, 22 more continuing from those
-# weights at half the learning rate, then one pass over the answers of all ANSWER_PROMPTS prompts (75 minutes)
-# continuing again. The answers file may hold more (answered since, for the next training): RETRAIN leaves them out.
+# weights at half the learning rate, then a pass over the answers of all ANSWER_PROMPTS prompts (75 minutes) and
+# 42 minutes more of a second one, each continuing from the last. (The committed fourth stage ran 5 minutes under a
+# 75-minute schedule before it was resumed under this 42-minute one.) The answers file may hold more (answered
+# since, for the next training): RETRAIN leaves them out.
 FIRST_PROMPTS, ANSWER_PROMPTS = 5632, 13632
 FEATURE_TRAINING = {"taps": [5, 10, 15], "vocab_size": 8192, "max_len": 768, "epochs": 3, "steps": 4, "lr": 1e-3,
                     "tokens_per_batch": 4096, "noise": 0.05, "budget_minutes": 50, "eval_records": 400}
 FEATURE_CONTINUED = {**FEATURE_TRAINING, "epochs": 1, "lr": 5e-4, "budget_minutes": 22}
 FEATURE_BROADER = {**FEATURE_CONTINUED, "budget_minutes": 75}
+FEATURE_SECOND_PASS = {**FEATURE_CONTINUED, "budget_minutes": 42}
 # `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
 # kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
@@ -91,7 +94,8 @@ def retrain_feature_draft(report=print) -> None:
     work = BUILD / "feature-draft"
     train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                             max_prompts=FIRST_PROMPTS, **FEATURE_TRAINING)
-    for prompts, stage in ((FIRST_PROMPTS, FEATURE_CONTINUED), (ANSWER_PROMPTS, FEATURE_BROADER)):
+    for prompts, stage in ((FIRST_PROMPTS, FEATURE_CONTINUED), (ANSWER_PROMPTS, FEATURE_BROADER),
+                           (ANSWER_PROMPTS, FEATURE_SECOND_PASS)):
         (work / "checkpoint.pt").unlink(missing_ok=True)  # each later stage plans its own batches
         train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                                 init_from=FEATURE_WEIGHTS, max_prompts=prompts, **stage)
