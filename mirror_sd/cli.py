@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mirror_sd.errors import MirrorSDError
-from mirror_sd.partitions.planner import Plan  # plain data, no runtimes: cheap to import
+
+if TYPE_CHECKING:
+    from mirror_sd.partitions.planner import Plan
 
 
 def _export(args: argparse.Namespace) -> int:

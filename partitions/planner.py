@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from mirror_sd.errors import BadInputError, check_int
 from mirror_sd.partitions.plan_file import PLAN_FORMAT, PLAN_VERSION, RuntimeDefaults
+from mirror_sd.partitions.spec import to_json
 
 
 # -- measured inputs -------------------------------------------------------------------------------------------
@@ -478,10 +479,6 @@ def _check_real(name: str, value: Any, low: float = 0.0, high: float = math.inf)
 
 
 def _plain(x: Any) -> Any:
-    """A dataclass as JSON data: its fields in order (under their metadata "json" name where one is given), tables
-    sorted with tuple keys written "a,b", tuples as lists."""
-    if is_dataclass(x):
-        return {f.metadata.get("json", f.name): _plain(getattr(x, f.name)) for f in fields(x)}
-    if isinstance(x, Mapping):
-        return {",".join(map(str, k)) if isinstance(k, tuple) else str(k): _plain(v) for k, v in sorted(x.items())}
-    return [_plain(v) for v in x] if isinstance(x, tuple) else x
+    """A planner dataclass as JSON data (spec.to_json), its tables sorted and their tuple keys written "a,b"."""
+    return to_json(x, lambda table: {",".join(map(str, k)) if isinstance(k, tuple) else str(k): v
+                                     for k, v in sorted(table.items())})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 from mirror_sd.errors import ManifestError
 
@@ -135,13 +135,14 @@ def kv_specs(layers: range, kv_heads: int, head_dim: int,
     return tuple(past), tuple(present)
 
 
-def to_json(x: Any) -> Any:
-    """A dataclass as JSON data (what json.dumps writes of it): its fields in order, tuples as lists, dicts copied."""
+def to_json(x: Any, table: Callable[[Mapping], Mapping] = dict) -> Any:
+    """A dataclass as JSON data (what json.dumps writes of it): its fields in order, each under its metadata "json"
+    name where it has one; tuples as lists; every mapping passed through `table` (default: copied as it is)."""
     if is_dataclass(x):
-        return {f.name: to_json(getattr(x, f.name)) for f in fields(x)}
-    if isinstance(x, dict):
-        return {k: to_json(v) for k, v in x.items()}
-    return [to_json(v) for v in x] if isinstance(x, (tuple, list)) else x
+        return {f.metadata.get("json", f.name): to_json(getattr(x, f.name), table) for f in fields(x)}
+    if isinstance(x, Mapping):
+        return {k: to_json(v, table) for k, v in table(x).items()}
+    return [to_json(v, table) for v in x] if isinstance(x, (tuple, list)) else x
 
 
 def _by_name(specs: tuple[TensorSpec, ...], name: str, what: str) -> TensorSpec:

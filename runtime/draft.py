@@ -220,9 +220,10 @@ class DrafterBase:
         """Read `context` into the lane (the prompt); returns the inputs fed."""
         seq = np.asarray(context, np.int64)
         self._receive(features, (seq,))
-        keep = self._take(self._inputs(seq), keep_last=False)
+        inputs = self._inputs(seq)
+        keep = self._take(inputs, keep_last=False)
         self._read(seq, keep)
-        return int(self._inputs(seq).size - keep)
+        return int(inputs.size - keep)
 
     def rollout(self, context: tuple[int, ...], gamma: int, features: Features = ()) -> DraftWindow:
         """gamma tokens continuing `context`; afterwards the lane holds what the rollout fed of context and window

@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Union
 import numpy as np
 
 from mirror_sd.runtime.config import GenerationConfig
-from mirror_sd.runtime.draft import Drafter, plan_branches
+from mirror_sd.runtime.draft import DrafterBase, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.messages import (
     Branches,
@@ -54,7 +54,7 @@ Answer = Union[Warmed, DraftWindow, BranchSet, DraftFailed]
 
 
 # -- the draft side of the thread boundary -------------------------------------------------------------------
-def _serve(drafter: Drafter | FeatureDrafter, request: Request, cancelled) -> Answer:
+def _serve(drafter: DrafterBase, request: Request, cancelled) -> Answer:
     """Run one request on the drafter. Any exception becomes an answer, and the drafter forgets its caches."""
     try:
         # every request carries the target's taps sent since the last one (a feature draft's; else none)
@@ -76,7 +76,7 @@ class DraftWorker:
     at the next call, whether a stalled thread has let go of the draft engine. Tickets number the requests; `wait`
     gives a request's answer or None after the timeout."""
 
-    def __init__(self, drafter: Drafter | FeatureDrafter, threaded: bool) -> None:
+    def __init__(self, drafter: DrafterBase, threaded: bool) -> None:
         self.drafter = drafter
         self._lock = threading.Condition()
         self._answers: dict[int, Answer] = {}
