@@ -69,7 +69,8 @@ def _generate(args: argparse.Namespace) -> int:
                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()) or None,
                  draft_streaming="off" if args.no_draft_streaming else args.draft_streaming,
                  overlap=False if args.no_overlap else None,
-                 gamma=args.gamma, kappa=args.kappa, branch_budget=args.branch_budget)
+                 gamma=args.gamma, kappa=args.kappa, branch_budget=args.branch_budget,
+                 draft_confidence_threshold=args.draft_confidence_threshold)
     # what was not given keeps the pipeline's config: the built-in defaults, with the bundle plan's merged in
     options = {name: value for name, value in given.items() if value is not None}
     if options.get("branch_budget") == "auto":
@@ -255,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-streaming", default=None,
                    help="how a streaming draft uses its proposals: trust (default; greedy windows take their last "
                         "proposals as drafted: fewest forwards), verify (checked by its next forward), off")
+    g.add_argument("--draft-confidence-threshold", type=float, default=None,
+                   help="end a draft window after a token the draft gives a probability below this, in [0, 1) "
+                        "(default: the built-in default; 0: every window runs to gamma)")
     g.add_argument("--target-backend", default="onnxruntime",
                    help="onnxruntime (default: KV buffers on the device, CUDA where present) or openvino (CPU-only "
                         "machines: the same graphs rewritten for OpenVINO)")

@@ -42,6 +42,9 @@ class GenerationConfig:
     overlap: bool = True  # False: the draft runs on the main thread, the same schedule serially
     draft_timeout_s: float = 10.0  # a draft answer later than this makes the step run on the target alone
     draft_streaming: str = "trust"  # STREAMING_MODES (or a bool)
+    # a draft window ends after a token whose draft probability is below this (transformers' assisted generation
+    # calls it assistant_confidence_threshold); 0: every window runs to gamma. Output never depends on it.
+    draft_confidence_threshold: float = 0.0
     trace: bool = False  # True: stats.trace lists every phase as (phase, start_s, end_s)
 
     def __post_init__(self) -> None:
@@ -56,6 +59,10 @@ class GenerationConfig:
             raise BadInputError(f"temperature must be a finite number >= 0, got {t!r}", option="temperature")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise BadInputError(f"top_p must be in (0, 1], got {self.top_p!r}", option="top_p")
+        c = self.draft_confidence_threshold
+        if not _is_number(c) or not 0 <= c < 1:
+            raise BadInputError(f"draft_confidence_threshold must be in [0, 1), got {c!r}",
+                                option="draft_confidence_threshold")
         if not _is_number(self.draft_timeout_s) or not self.draft_timeout_s > 0:
             raise BadInputError(f"draft_timeout_s must be > 0, got {self.draft_timeout_s!r}", option="draft_timeout_s")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -63,7 +70,8 @@ class GenerationConfig:
             raise BadInputError("stop must be a list of non-empty strings", option="stop")
         # normalised once here: every reader sees a tuple of strings, a STREAMING_MODES name, floats and bools
         for name, value in (("stop", tuple(stop)), ("draft_streaming", streaming_mode(self.draft_streaming)),
-                            ("temperature", float(t)), ("top_p", float(self.top_p)), ("overlap", bool(self.overlap)),
+                            ("temperature", float(t)), ("top_p", float(self.top_p)),
+                            ("draft_confidence_threshold", float(c)), ("overlap", bool(self.overlap)),
                             ("draft_timeout_s", float(self.draft_timeout_s)), ("trace", bool(self.trace))):
             object.__setattr__(self, name, value)
 

@@ -100,6 +100,7 @@ class DraftVocab:
         # Samples are drawn over the columns in ascending target-id order: the same draw, tie-breaks included,
         # as over the full row with -inf elsewhere, which is what verification sees.
         self.order = None if ids is None else np.argsort(ids, kind="stable")
+        self.column = None  # target id -> column, made the first time a probability is asked for
 
     def argmax(self, logits: np.ndarray) -> np.ndarray:
         """[..., Vd] -> [...] target ids of the argmax columns."""
@@ -113,6 +114,17 @@ class DraftVocab:
         if self.ids is None:
             return choose(row, params, rng)
         return int(self.ids[self.order[choose(row[self.order], params, rng)]])
+
+    def prob(self, row: np.ndarray, token: int) -> float:
+        """The draft's probability of `token` (a target id it chose) under the softmax of its logits row [Vd]."""
+        if self.ids is None:
+            col = token
+        else:
+            if self.column is None:
+                self.column = np.zeros(self.size, np.int64)
+                self.column[self.ids] = np.arange(self.ids.size)
+            col = int(self.column[token])
+        return float(1.0 / np.exp(row - row[col]).sum())
 
     def full(self, rows: np.ndarray) -> np.ndarray:
         """[n, Vd] -> [n, V] logits over the target vocabulary, -inf where the draft has no column."""
@@ -144,15 +156,19 @@ class _Rows:
         return self.own.row(b)
 
 
-def _confirm(choose_at: Callable[[int], int], proposals: np.ndarray, room: int) -> list[int]:
+def _confirm(choose_at: Callable[[int], tuple[int, bool]], proposals: np.ndarray, room: int
+             ) -> tuple[list[int], bool]:
     """A row's new tokens from one forward: the main stream's choice after its last fed non-proposal token
     (choose_at(0)), then, while proposal i equals the choice before it, the choice after that proposal
     (choose_at(i + 1)); at most `room` tokens. Choices are made in order and only as far as they are used, so a
-    sampling row draws exactly what one token per forward would draw."""
-    new = [choose_at(0)]
-    while len(new) < room and len(new) <= proposals.size and proposals[len(new) - 1] == new[-1]:
-        new.append(choose_at(len(new)))
-    return new
+    sampling row draws exactly what one token per forward would draw. choose_at gives (token, confident); after a
+    token the draft is not confident of, the row stops (returned second: True)."""
+    token, confident = choose_at(0)
+    new = [token]
+    while confident and len(new) < room and len(new) <= proposals.size and proposals[len(new) - 1] == new[-1]:
+        token, confident = choose_at(len(new))
+        new.append(token)
+    return new, not confident
 
 
 class DrafterBase:
@@ -166,7 +182,12 @@ class DrafterBase:
                      reading lane slots [0, shared[b]); its rows give `held(lane_tokens, b)` (row b's inputs, lane
                      prefix included) and `lane_kv(b)` (the KV of those past the lane prefix)."""
 
-    def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None) -> None:
+    def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None,
+                 confidence: float = 0.0) -> None:
+        """confidence: a window ends after a token whose draft probability is below it (0: windows always run to
+        gamma). A draft is well calibrated (results/README.md): the target accepts a token about as often as the
+        draft's probability of it, so a window stops where further tokens would cost more to draft and verify
+        than they are likely to commit. Any window is verified as usual: the output never depends on it."""
         if engine.facts.output_vocab_size and engine.output_ids is None:
             raise ValueError("the draft predicts over a reduced vocabulary, but its engine has no output_ids "
                              "(open it with open_engine)")
@@ -174,6 +195,7 @@ class DrafterBase:
         self.vocab = DraftVocab(engine.facts.vocab_size, engine.output_ids)
         self.lane = engine.context_lane()
         self.rows = None  # kept until the next request: a branch hit continues its row
+        self.confidence = float(confidence)
 
     def reset(self) -> None:
         """Forget every cache (after a failure: nothing half-updated is ever reused)."""
@@ -191,6 +213,10 @@ class DrafterBase:
     def _rng(self, length: int) -> np.random.Generator | None:
         """The generator a rollout continuing `length` tokens draws with (None: greedy)."""
         return None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, length)
+
+    def _confident(self, row: np.ndarray, token: int) -> bool:
+        """Whether a window may go on after `token`, chosen from logits `row` [Vd]."""
+        return self.confidence <= 0 or self.vocab.prob(row, token) >= self.confidence
 
     def _window(self, context_len: int, rows, b: int) -> DraftWindow:
         lg = None if self.params.greedy else frozen(self.vocab.full(np.stack(rows.logits[b])))
@@ -261,10 +287,11 @@ class DrafterBase:
 
 class Drafter(DrafterBase):
     def __init__(self, engine: DraftEngine, params: SamplingParams, streaming: bool | str = True,
-                 recorder: Recorder | None = None) -> None:
+                 recorder: Recorder | None = None, confidence: float = 0.0) -> None:
         """streaming: runtime/config.py STREAMING_MODES; True is "trust", False is "off" (a streaming draft one
-        token per forward, its proposals ignored: the same tokens as "verify")."""
-        super().__init__(engine, params, recorder)
+        token per forward, its proposals ignored: the same tokens as "verify"). Tokens taken as drafted ("trust")
+        carry no probability: only main-stream choices can end a window early."""
+        super().__init__(engine, params, recorder, confidence)
         mode = streaming_mode(streaming)
         has_streams = STREAM_IDS in engine.head_outputs
         self.streams = engine.facts.streams if mode != "off" and has_streams else 0
@@ -297,9 +324,10 @@ class Drafter(DrafterBase):
         # per row: the tokens its caches lack, then the proposals to check
         feeds, props = [base[s:] for base, s in zip(bases, shared)], [_NONE] * n
         own, fed = self.engine.empty_own(n), [[] for _ in range(n)]
+        stopped = [False] * n  # the row's window ended early (a token the draft was not confident of)
         forwards = 0
         while True:
-            active = [b for b in range(n) if len(tokens[b]) < gamma]
+            active = [b for b in range(n) if len(tokens[b]) < gamma and not stopped[b]]
             if not active:
                 return _Rows(tokens, logits, shared, own, fed, forwards)
             if forwards and cancelled():
@@ -318,25 +346,29 @@ class Drafter(DrafterBase):
             choices = vocab.argmax(step_logits) if params.greedy else None  # [B,span]
 
             def pick(b: int, at: int, choices: np.ndarray | None = choices, step_logits: np.ndarray = step_logits,
-                     first: int = first) -> int:
-                """Row b's main-stream token after input column `at` (this forward's outputs, bound here)."""
+                     first: int = first) -> tuple[int, bool]:
+                """Row b's main-stream token after input column `at` (this forward's outputs, bound here), and
+                whether its window may go on after it."""
+                row = step_logits[b, at - first]
                 if params.greedy:
-                    return int(choices[b, at - first])
-                logits[b].append(step_logits[b, at - first])
-                return vocab.choose(step_logits[b, at - first], params, rngs[b])
+                    token = int(choices[b, at - first])
+                else:
+                    logits[b].append(row)
+                    token = vocab.choose(row, params, rngs[b])
+                return token, self._confident(row, token)
 
             keep, produced = mask.copy(), 0
             for b in active:
                 m = props[b].size
                 col = width - m - 1  # the last fed token that is not a proposal: its choice is the next token
-                new = _confirm(lambda i, b=b, col=col: pick(b, col + i), props[b], gamma - len(tokens[b]))
-                accepted = len(new) - 1  # proposals that held
+                new, stopped[b] = _confirm(lambda i, b=b, col=col: pick(b, col + i), props[b], gamma - len(tokens[b]))
+                accepted = len(new) - 1  # proposals that held (and were used)
                 keep[b, col + 1 + accepted:] = 0  # the rejected proposals' slots become holes
                 fed[b] += x[b, width - feeds[b].size - m:col + 1 + accepted].tolist()
                 tokens[b] += new
                 produced += len(new)
                 feeds[b] = np.asarray(new[-1:], np.int64)
-                room = gamma - len(tokens[b])
+                room = 0 if stopped[b] else gamma - len(tokens[b])
                 if self.trust and 0 < room <= self.streams:  # the proposals fill the window: take them as drafted
                     trusted = out[STREAM_IDS][b, col + accepted - first, :room].astype(np.int64).tolist()
                     tokens[b] += trusted

@@ -100,11 +100,12 @@ class _Rows:
 class FeatureDrafter(DrafterBase):
     """Lane slot j holds input j + 1, fed with real taps."""
 
-    def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None = None) -> None:
+    def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None = None,
+                 confidence: float = 0.0) -> None:
         facts = engine.facts
         if not facts.feature_taps:
             raise ValueError("FeatureDrafter needs a feature draft (the manifest's draft.feature_taps)")
-        super().__init__(engine, params, recorder)
+        super().__init__(engine, params, recorder, confidence)
         self.store = FeatureStore(engine.lane_capacity + 1, len(facts.feature_taps), facts.hidden_size, facts.dtype)
 
     def reset(self) -> None:
@@ -143,7 +144,7 @@ class FeatureDrafter(DrafterBase):
               cancelled: Callable[[], bool]) -> _Rows:
         """gamma tokens continuing every base: row b reads lane slots [0, shared[b]) and feeds inputs
         shared[b]+1 .. n_b-1 with real taps (one forward for all rows), then one drafted token per forward on its
-        own hidden state."""
+        own hidden state. A row stops early after a token the draft is not confident of, and leaves the batch."""
         n, engine = len(bases), self.engine
         tokens: list[list[int]] = [[] for _ in range(n)]
         logits: list[list[np.ndarray]] = [[] for _ in range(n)]
@@ -156,27 +157,35 @@ class FeatureDrafter(DrafterBase):
             channel[FEATURES][b, width - feed.size:] = self.store.taps[s:base.size - 1]
         own = engine.empty_own(n)
         real: list[LayerKV] = []
+        live = list(range(n))  # the rows in the batch, in batch order
+        live_shared = shared
         forwards = 0
         while True:
-            out, new_kv = self._forward(x, shared, own, mask, 1, n, channel)
+            out, new_kv = self._forward(x, live_shared, own, mask, 1, len(live), channel)
             forwards += 1
             own = own.extended(new_kv, mask)
             if forwards == 1:
                 real = [own.row(b) for b in range(n)]
             step_logits = out[LOGITS][:, -1]
-            for b in range(n):
+            going = []  # batch positions of the rows that go on
+            for i, b in enumerate(live):
                 if self.params.greedy:
-                    tokens[b].append(int(self.vocab.argmax(step_logits[b])))
+                    token = int(self.vocab.argmax(step_logits[i]))
                 else:
-                    logits[b].append(step_logits[b])
-                    tokens[b].append(self.vocab.choose(step_logits[b], self.params, rngs[b]))
-            self.recorder.drafted(n)
-            if len(tokens[0]) == gamma:
+                    logits[b].append(step_logits[i])
+                    token = self.vocab.choose(step_logits[i], self.params, rngs[b])
+                tokens[b].append(token)
+                if len(tokens[b]) < gamma and self._confident(step_logits[i], token):
+                    going.append(i)
+            self.recorder.drafted(len(live))
+            if not going:
                 return _Rows(tokens, logits, bases, shared, real, forwards)
             if cancelled():
                 return _Rows(tokens, logits, bases, shared, real, forwards, complete=False)
-            x = np.asarray([[t[-1]] for t in tokens], np.int64)
-            mask = np.ones((n, 1), np.int64)
-            channel = empty_channel(self.engine.facts, n, 1)
-            channel[SURROGATE][:] = out[DRAFT_HIDDEN][:, -1:]
+            if len(going) < len(live):  # finished rows leave the batch
+                own, live_shared, live = own.take(going), live_shared[going], [live[i] for i in going]
+            x = np.asarray([[tokens[b][-1]] for b in live], np.int64)
+            mask = np.ones((len(live), 1), np.int64)
+            channel = empty_channel(self.engine.facts, len(live), 1)
+            channel[SURROGATE][:] = out[DRAFT_HIDDEN][going, -1:]
             channel[USE_SURROGATE][:] = 1

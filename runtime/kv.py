@@ -93,6 +93,11 @@ class OwnPast:
         values = tuple(np.concatenate([v, new[i][1]], axis=2) for i, v in zip(self.layers, self.values))
         return OwnPast(self.layers, keys, values, np.concatenate([self.mask, new_mask.astype(np.int64)], axis=1))
 
+    def take(self, rows: list[int]) -> OwnPast:
+        """The past of these rows only, in this order (a batch that drops finished rows)."""
+        return OwnPast(self.layers, tuple(k[rows] for k in self.keys), tuple(v[rows] for v in self.values),
+                       self.mask[rows])
+
     def row(self, b: int) -> LayerKV:
         """Row b's real slots (holes removed) as [1, kv_heads, n, head_dim] per layer."""
         keep = np.flatnonzero(self.mask[b])

@@ -267,9 +267,10 @@ class Pipeline:
                 return None
             self._worker = None
         if self.manifest.draft.feature_taps:
-            drafter = FeatureDrafter(self.draft, cfg.params, recorder=rec)
+            drafter = FeatureDrafter(self.draft, cfg.params, recorder=rec, confidence=cfg.draft_confidence_threshold)
         else:
-            drafter = Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming, recorder=rec)
+            drafter = Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming, recorder=rec,
+                              confidence=cfg.draft_confidence_threshold)
         self._worker = DraftWorker(drafter, threaded=cfg.overlap)
         return self._worker
 

@@ -2,7 +2,8 @@
 
 No KV cache is kept between forwards: every forward runs the whole sequence from an empty cache, so none of the
 scheduler's cache trimming, branching or threading is involved. Greedy only. gamma 0 is plain target decoding;
-gamma > 0 is vanilla speculative decoding with the draft, which must give the same tokens.
+gamma > 0 is vanilla speculative decoding with the draft, which must give the same tokens. confidence > 0 ends a
+window after a token the draft gives a probability below it (GenerationConfig.draft_confidence_threshold).
 
 A feature draft (runtime/feature_draft.py) reads the target's taps: every input of the committed sequence with
 the taps of the position before it, from a prefix run over the whole sequence; each drafted input with the
@@ -20,7 +21,7 @@ from mirror_sd.runtime.target import Target
 
 
 def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[int], max_new_tokens: int,
-                       gamma: int = 0, eos_token_ids: tuple[int, ...] = ()) -> list[int]:
+                       gamma: int = 0, eos_token_ids: tuple[int, ...] = (), confidence: float = 0.0) -> list[int]:
     """The new tokens (up to and including the first EOS) of greedy decoding of `prompt`."""
 
     def target_tokens(seq: list[int]) -> np.ndarray:
@@ -28,25 +29,21 @@ def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[i
         logits, _ = target.forward(seq, target.empty_cache())
         return np.argmax(logits, axis=-1)
 
-    def draft_token(seq: list[int]) -> int:
-        out = draft.prefill(np.asarray([seq], np.int64))
-        column = int(np.argmax(out[LOGITS][0, -1]))
-        return column if draft.output_ids is None else int(draft.output_ids[column])  # a reduced vocabulary
-
     features = draft is not None and bool(getattr(draft.facts, "feature_taps", ()))
     seq = list(prompt)
     new: list[int] = []
     while len(new) < max_new_tokens and not (new and new[-1] in eos_token_ids):
         # 1. the draft proposes a window, one token at a time (never more than could be committed)
         size = min(gamma, max_new_tokens - len(new) - 1) if draft is not None else 0
-        window: list[int] = reference_feature_window(target, draft, seq, size) if features and size else []
-        for _ in range(0 if features else size):
-            window.append(draft_token(seq + window))
+        window: list[int] = []
+        if size:
+            window = (reference_feature_window(target, draft, seq, size, confidence) if features
+                      else reference_token_window(draft, seq, size, confidence))
         # 2. the target scores the sequence with the window: its token after seq[-1], after window[0], ...
-        choices = target_tokens(seq + window)[len(seq) - 1:]  # [size + 1]
+        choices = target_tokens(seq + window)[len(seq) - 1:]  # [len(window) + 1]
         # 3. accept the longest prefix of the window the target agrees with, then the target's own token
         accepted = 0
-        while accepted < size and window[accepted] == choices[accepted]:
+        while accepted < len(window) and window[accepted] == choices[accepted]:
             accepted += 1
         for token in window[:accepted] + [int(choices[accepted])]:
             if len(new) < max_new_tokens and not (new and new[-1] in eos_token_ids):
@@ -55,8 +52,29 @@ def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[i
     return new
 
 
-def reference_feature_window(target: Target, draft: DraftEngine, seq: list[int], size: int) -> list[int]:
-    """`size` tokens of a feature draft: inputs seq[1:] with real taps, then its own on surrogates."""
+def _greedy(draft: DraftEngine, row: np.ndarray) -> tuple[int, float]:
+    """The draft's greedy token (a target id) from its logits row over its columns, and its probability."""
+    column = int(np.argmax(row))
+    p = float(1.0 / np.exp(row - row[column]).sum())
+    return (column if draft.output_ids is None else int(draft.output_ids[column])), p  # a reduced vocabulary
+
+
+def reference_token_window(draft: DraftEngine, seq: list[int], size: int, confidence: float = 0.0) -> list[int]:
+    """Up to `size` tokens of a token draft, one per forward over the whole sequence; the window ends after a token
+    whose probability is below `confidence`."""
+    window: list[int] = []
+    while len(window) < size:
+        token, p = _greedy(draft, draft.prefill(np.asarray([seq + window], np.int64))[LOGITS][0, -1])
+        window.append(token)
+        if p < confidence:
+            break
+    return window
+
+
+def reference_feature_window(target: Target, draft: DraftEngine, seq: list[int], size: int,
+                             confidence: float = 0.0) -> list[int]:
+    """Up to `size` tokens of a feature draft: inputs seq[1:] with real taps, then its own on surrogates; the window
+    ends after a token whose probability is below `confidence`."""
     taps = target.run_prefix(seq, target.empty_cache()).taps  # [n, n_taps, H]
     window: list[int] = []
     hidden: list[np.ndarray] = []  # the draft's hidden state at each drafted input's position before it
@@ -68,7 +86,9 @@ def reference_feature_window(target: Target, draft: DraftEngine, seq: list[int],
         for j, h in enumerate(hidden):
             channel[SURROGATE][0, real + j], channel[USE_SURROGATE][0, real + j] = h, 1
         out = draft.prefill(x, channel)
-        column = int(np.argmax(out[LOGITS][0, -1]))
-        window.append(column if draft.output_ids is None else int(draft.output_ids[column]))
+        token, p = _greedy(draft, out[LOGITS][0, -1])
+        window.append(token)
+        if p < confidence:
+            break
         hidden.append(out[DRAFT_HIDDEN][0, -1])
     return window

@@ -363,5 +363,6 @@ def _param_of(error: BadInputError, chat: bool) -> str | None:
     """The request field of the generation option a pipeline error names."""
     fields = {"max_new_tokens": "max_tokens", "gamma": "mirror.gamma", "kappa": "mirror.kappa",
               "branch_budget": "mirror.branch_budget", "draft_streaming": "mirror.draft_streaming",
-              "mode": "mirror.mode", "prompt": "messages" if chat else "prompt"}
+              "draft_confidence_threshold": "mirror.draft_confidence_threshold", "mode": "mirror.mode",
+              "prompt": "messages" if chat else "prompt"}
     return fields.get(error.option, error.option)

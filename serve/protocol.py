@@ -3,7 +3,7 @@ response objects, as plain data. Nothing here runs a model.
 
 Requests accept the fields this server honours and nothing else: a field it would silently ignore (logprobs, tools,
 n > 1, ...) is a 400 that names it, so a client never believes it got what it asked for. The project's own
-options ride in `mirror` (mode, gamma, kappa, branch_budget, draft_streaming).
+options ride in `mirror` (mode, gamma, kappa, branch_budget, draft_streaming, draft_confidence_threshold).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class MirrorOptions(_Strict):
     kappa: int | None = Field(default=None, ge=1)
     branch_budget: int | None = Field(default=None, ge=0)
     draft_streaming: Literal["off", "verify", "trust"] | None = None
+    draft_confidence_threshold: float | None = Field(default=None, ge=0.0, lt=1.0)
 
 
 class StreamOptions(_Strict):

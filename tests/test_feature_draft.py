@@ -273,6 +273,53 @@ def test_feature_drafter_windows_equal_the_reference_after_rejections(trained_fe
         drafter.rollout(tuple(ctx + [5, 6, 7]), 2, ())
 
 
+def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does(trained_feature_bundle):
+    """With a confidence threshold, rollouts and branch rows (which leave the batch as they end) are the
+    reference's windows with the same threshold, and sd/mirror stay exact."""
+    from mirror_sd.runtime.feature_draft import FeatureDrafter
+    from mirror_sd.runtime.messages import ExitCandidates, FeatureBlock
+    from mirror_sd.runtime.pipeline import Pipeline
+    from mirror_sd.runtime.reference import reference_feature_window, reference_generate
+    from mirror_sd.runtime.sampling import SamplingParams
+
+    bundle, prompts = trained_feature_bundle
+    pipe = Pipeline.load(bundle)
+    target = pipe.target
+
+    def block(seq, start):
+        taps = target.run_prefix(list(seq), target.empty_cache()).taps
+        return FeatureBlock(tuple(seq), start, taps[start:])
+
+    lengths = set()
+    for prompt in prompts:
+        for threshold in (0.3, 0.6, 0.9):
+            drafter = FeatureDrafter(pipe.draft, SamplingParams(), confidence=threshold)
+            drafter.warm(tuple(prompt), (block(prompt, 0),))
+            ctx = prompt + [int(target.prefill(prompt, target.empty_cache())[0].argmax())]
+            window = drafter.rollout(tuple(ctx), 4, (block(ctx, len(prompt)),)).tokens
+            assert list(window) == reference_feature_window(target, pipe.draft, ctx, 4, threshold)
+            lengths.add(len(window))
+            # branches over the verification window [pending] + window, whose taps come with the request
+            verified = ctx + list(window)
+            plan = tuple((r, v) for r in range(len(window) + 1) for v in (7, 11))
+            candidates = ExitCandidates(tuple(ctx), tuple(window), np.array([[7, 11]] * (len(window) + 1)),
+                                        np.log(np.full((len(window) + 1, 2), 0.5)))
+            branches = drafter.branches(candidates, plan, 4, features=(block(verified, len(ctx) - 1),))
+            for r, v in plan:
+                base = ctx + list(window[:r]) + [v]
+                got = branches.windows[(r, v)].tokens
+                assert list(got) == reference_feature_window(target, pipe.draft, base, 4, threshold), (r, v)
+                lengths.add(len(got))
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=24)
+        assert reference_generate(target, pipe.draft, prompt, 24, gamma=4, confidence=0.6) == ar.token_ids[:24]
+        for mode, overlap in (("sd", True), ("sd", False), ("mirror", True), ("mirror", False)):
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=24, gamma=4, overlap=overlap,
+                                draft_confidence_threshold=0.6)
+            assert out.token_ids == ar.token_ids, f"{mode} overlap={overlap}"
+            assert out.stats["fallbacks"] == 0 and out.stats["draft_failures"] == 0
+    assert len(lengths) > 2  # windows ended at several places
+
+
 def test_feature_draft_packages_for_a_static_device(trained_feature_bundle, tmp_path):
     """The static NPU package of a feature draft: the channel's inputs at fixed shapes, the static engine feeding
     them; outputs stay the target's and the fp32 package drafts what the bundle drafts."""
@@ -292,6 +339,9 @@ def test_feature_draft_packages_for_a_static_device(trained_feature_bundle, tmp_
             assert got.token_ids == ar.token_ids, mode
             assert got.stats["draft_graph"] == "static-ir" and got.stats["fallbacks"] == 0
             assert abs(got.stats["acceptance_rate"] - want.stats["acceptance_rate"]) <= 0.1
+            # rows that end early leave the batch: the static graph takes the smaller batch too
+            short = static.generate(prompt, mode=mode, max_new_tokens=24, gamma=4, draft_confidence_threshold=0.6)
+            assert short.token_ids == ar.token_ids and short.stats["fallbacks"] == 0, mode
 
 
 def test_plan_measures_a_feature_draft(trained_feature_bundle, tmp_path, capsys):

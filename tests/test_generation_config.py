@@ -55,7 +55,9 @@ def test_pipeline_config_and_overrides(pipe):
 @pytest.mark.parametrize("options, option", [
     ({"gamma": 0}, "gamma"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
     ({"draft_streaming": "x"}, "draft_streaming"), ({"stop": [""]}, "stop"), ({"kappa": 99}, "kappa"),
-    ({"mode": "beam"}, "mode"), ({"seed": -1}, "seed"), ({"beams": 2}, None)])
+    ({"mode": "beam"}, "mode"), ({"seed": -1}, "seed"), ({"beams": 2}, None),
+    ({"draft_confidence_threshold": 1.0}, "draft_confidence_threshold"),
+    ({"draft_confidence_threshold": "high"}, "draft_confidence_threshold")])
 def test_errors_name_the_option_at_fault(pipe, options, option):
     """The server maps `option` to the request field (serve/app.py), so each check must name its own option."""
     with pytest.raises(BadInputError) as caught:

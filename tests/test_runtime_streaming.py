@@ -24,9 +24,11 @@ import pytest
 from test_runtime_sampling import PARAMS, PROMPT, SAMPLES, assert_follows, exact_joint
 
 from mirror_sd.errors import ManifestError
+from mirror_sd.partitions.manifest import LOGITS
 from mirror_sd.runtime.draft import Drafter, _confirm
 from mirror_sd.runtime.messages import ExitCandidates
 from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.reference import reference_generate, reference_token_window
 from mirror_sd.runtime.sampling import SamplingParams, warp
 
 PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
@@ -150,22 +152,90 @@ def test_draft_tokens_come_from_the_draft_vocabulary(pipe, bundle_factory, tmp_p
         Pipeline.load(broken)
 
 
-@pytest.mark.parametrize("choices, proposals, room, new", [
-    ([7, 8, 9, 4], [7, 8, 9], 8, [7, 8, 9, 4]),  # every proposal holds: 1 + 3 tokens
-    ([7, 8, 9, 4], [7, 5, 9], 8, [7, 8]),  # proposal 1 (5) is not the choice after proposal 0 (8): stop there
-    ([7, 8, 9, 4], [6, 8, 9], 8, [7]),
-    ([7, 8, 9, 4], [7, 8, 9], 2, [7, 8]),  # never past the window
-    ([7], [], 8, [7]),  # no proposals: one token per forward
+@pytest.mark.parametrize("choices, proposals, room, new, stopped", [
+    ([7, 8, 9, 4], [7, 8, 9], 8, [7, 8, 9, 4], False),  # every proposal holds: 1 + 3 tokens
+    ([7, 8, 9, 4], [7, 5, 9], 8, [7, 8], False),  # proposal 1 (5) is not the choice after proposal 0 (8): stop there
+    ([7, 8, 9, 4], [6, 8, 9], 8, [7], False),
+    ([7, 8, 9, 4], [7, 8, 9], 2, [7, 8], False),  # never past the window
+    ([7], [], 8, [7], False),  # no proposals: one token per forward
+    ([7, 8, -9, 4], [7, 8, 9], 8, [7, 8, 9], True),  # the draft is not confident of 9: the window ends after it
+    ([-7, 8, 9, 4], [7, 8, 9], 8, [7], True),
 ])
-def test_confirm_stops_at_the_first_mismatch(choices, proposals, room, new):
+def test_confirm_stops_at_the_first_mismatch(choices, proposals, room, new, stopped):
     asked = []
 
-    def choose_at(i: int) -> int:
+    def choose_at(i: int) -> tuple[int, bool]:  # a negative choice stands for a token the draft is unsure of
         asked.append(i)
-        return choices[i]
+        return abs(choices[i]), choices[i] > 0
 
-    assert _confirm(choose_at, np.asarray(proposals, np.int64), room) == new
+    assert _confirm(choose_at, np.asarray(proposals, np.int64), room) == (new, stopped)
     assert asked == list(range(len(new)))  # choices (sampling draws) are made in order, only as far as used
+
+
+def _window_probs(draft, ctx, window) -> list[float]:
+    """The draft's probability of each window token, one forward per token over the whole sequence."""
+    probs = []
+    for j, token in enumerate(window):
+        row = draft.prefill(np.asarray([list(ctx) + list(window[:j])], np.int64))[LOGITS][0, -1]
+        col = token if draft.output_ids is None else int(np.flatnonzero(draft.output_ids == token)[0])
+        probs.append(float(1 / np.exp(row - row[col]).sum()))
+    return probs
+
+
+@pytest.mark.parametrize("streaming", ["off", "verify"])
+def test_confidence_threshold_ends_windows_as_the_reference_does(pipe, streaming):
+    """A window with a confidence threshold is the full window cut after its first token the draft gives a
+    probability below the threshold (computed here one forward per token, as the reference does); fresh rollouts,
+    rollouts continuing a kept lane, and branch rows alike."""
+    cut_at = []
+    for ctx in random_contexts(4, seed=4):
+        full = Drafter(pipe.draft, SamplingParams(), streaming=streaming).rollout(ctx, 6).tokens
+        probs = _window_probs(pipe.draft, ctx, full)
+        ranked = sorted(probs)
+        # thresholds between the probabilities (away from any of them: the cached forwards round differently), so
+        # that windows end at varying places
+        for threshold in [(a + b) / 2 for a, b in zip(ranked, ranked[1:]) if b - a > 1e-4]:
+            low = [j for j, p in enumerate(probs) if p < threshold]
+            want = full[:low[0] + 1] if low else full
+            drafter = Drafter(pipe.draft, SamplingParams(), streaming=streaming, confidence=threshold)
+            drafter.warm(ctx[:-1])
+            got = drafter.rollout(ctx, 6)
+            assert got.tokens == want
+            assert list(got.tokens) == reference_token_window(pipe.draft, list(ctx), 6, threshold)
+            cut_at.append(len(want))
+            # the lane goes on from what this rollout fed, as without a threshold
+            nxt = ctx + got.tokens[:1] + (5,)
+            assert drafter.rollout(nxt, 6).tokens == tuple(reference_token_window(pipe.draft, list(nxt), 6, threshold))
+            # branch rows: each ends where a fresh rollout of its context ends
+            window = full[:3]
+            candidates = ExitCandidates(ctx, window, np.array([[3, 4]] * 4), np.log(np.full((4, 2), 0.5)))
+            plan = ((0, 3), (1, 4), (3, 3))
+            fresh = Drafter(pipe.draft, SamplingParams(), streaming=streaming, confidence=threshold)
+            fresh.warm(ctx)
+            branches = fresh.branches(candidates, plan, 6)
+            for r, v in plan:
+                base = list(ctx) + list(window[:r]) + [v]
+                assert list(branches.windows[(r, v)].tokens) == reference_token_window(pipe.draft, base, 6, threshold)
+    assert len(set(cut_at)) > 1  # windows of several lengths
+
+
+def test_confidence_threshold_keeps_sd_and_mirror_exact(pipe):
+    prompt = PROMPTS[1]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    assert reference_generate(pipe.target, pipe.draft, list(prompt), NEW_TOKENS, gamma=4, confidence=0.01) \
+        == ar.token_ids
+    for mode, overlap, streaming, threshold in itertools.product(("sd", "mirror"), (True, False), ("trust", "off"),
+                                                                 (0.005, 0.02, 0.99)):
+        out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=4, overlap=overlap,
+                            draft_streaming=streaming, draft_confidence_threshold=threshold)
+        assert out.token_ids == ar.token_ids, f"{mode} overlap={overlap} streaming={streaming} threshold={threshold}"
+        assert out.stats["fallbacks"] == 0
+        if mode == "sd" and threshold == 0.99:  # this random draft is never that sure: every window is one token
+            assert out.stats["proposed_tokens"] == out.stats["fresh_rollouts"]
+    # sampled windows end early too, each token with the row it was drawn from
+    drafter = Drafter(pipe.draft, SAMPLING, confidence=0.99)
+    window = drafter.rollout(tuple(prompt), 6)
+    assert len(window.tokens) == 1 and window.logits.shape[0] == 1
 
 
 def test_warp_gives_zero_probability_to_minus_inf():
