@@ -188,8 +188,10 @@ def _plan(args: argparse.Namespace) -> int:
     m = doc["runtime"]["measured"]
     print("\n".join(iter_table(result.plans, args.rows)))
     print()
+    swept = ", ".join(f"{t}: {v:.1f}" for t, v in m["tokens_per_second_by_draft_confidence_threshold"].items())
     print(f"runtime (this bundle, exit layer {c.exit_layer}): gamma {c.gamma}, kappa {c.kappa}, branch budget "
-          f"{c.branch_budget}, threads {c.target_threads}+{c.draft_threads}")
+          f"{c.branch_budget}, threads {c.target_threads}+{c.draft_threads}, draft confidence threshold "
+          f"{doc['runtime']['draft_confidence_threshold']} (measured tok/s by threshold: {swept})")
     print(f"  step {t.step_s * 1e3:.2f} ms = prefix {t.prefix_s * 1e3:.2f} + rendezvous {t.rendezvous_s * 1e3:.2f} "
           f"+ hit {t.hit_rate:.2f} x max(suffix {t.suffix_wall_s * 1e3:.2f}, branches {t.draft_wall_s * 1e3:.2f}) "
           f"+ miss x (suffix + rollout {t.draft_rollout_s * 1e3:.2f}); {t.tokens_per_step:.2f} tokens/step "

@@ -29,6 +29,8 @@ class RuntimeDefaults:
     branch_budget: int | None  # None: adaptive
     target_threads: int
     draft_threads: int
+    # measured on real generations of the chosen setting (runtime/profile.py); a plan without it: 0 (off)
+    draft_confidence_threshold: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,10 @@ def runtime_defaults(doc: Mapping[str, Any], exit_layer: int, top_k: int) -> Run
     budget = r.get("branch_budget")
     if budget is not None:
         check_int("plan runtime.branch_budget", budget, 0)
-    return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"])
+    threshold = r.get("draft_confidence_threshold", 0.0)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+        raise BadInputError(f"plan runtime.draft_confidence_threshold must be a number in [0, 1), got {threshold!r}")
+    return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"], float(threshold))
 
 
 def export_advice(doc: Mapping[str, Any]) -> ExportAdvice:

@@ -403,15 +403,17 @@ def validate_profile(profile: Profile) -> None:
 
 # -- the plan document (plan_file.py reads it back) ------------------------------------------------------------
 def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, Any] | None = None,
-                  table_rows: int = 20) -> dict[str, Any]:
-    """The JSON a plan is written as: the runtime defaults (best at the bundle's own exit layer), the export advice
-    (best overall), the ranked table's head, and the profile it came from."""
+                  table_rows: int = 20, draft_confidence_threshold: float = 0.0) -> dict[str, Any]:
+    """The JSON a plan is written as: the runtime defaults (best at the bundle's own exit layer, with the draft
+    confidence threshold measured for it), the export advice (best overall), the ranked table's head, and the
+    profile it came from."""
     run, best = best_for_bundle(plans), plans[0]
     c = run.choice
+    chosen = {f.name: getattr(c, f.name) for f in fields(RuntimeDefaults) if hasattr(c, f.name)}
     return {
         "format": PLAN_FORMAT, "version": PLAN_VERSION,
         "bundle": {"num_layers": profile.num_layers, "exit_layer": profile.exit_layer, "top_k": profile.top_k},
-        "runtime": {**{f.name: getattr(c, f.name) for f in fields(RuntimeDefaults)},  # what the runtime reads
+        "runtime": {**chosen, "draft_confidence_threshold": draft_confidence_threshold,  # what the runtime reads
                     "predicted_tokens_per_second": run.predicted_tokens_per_second,
                     **({"measured": dict(measured)} if measured else {})},
         "export": {"exit_layer": best.choice.exit_layer, "top_k": best.choice.kappa,

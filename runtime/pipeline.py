@@ -83,11 +83,13 @@ class Pipeline:
         # the longest context a generation may reach: the target's KV buffers (at most its positions); past the
         # draft's own context (if shorter) steps run on the target alone
         self.context_limit = target.capacity
-        # every generation's options: the built-in defaults with the plan's gamma, kappa and branch budget
+        # every generation's options: the built-in defaults with the plan's gamma, kappa, branch budget and draft
+        # confidence threshold
         self.generation_config = GenerationConfig()
         if defaults:
-            self.generation_config = dataclasses.replace(self.generation_config, gamma=defaults.gamma,
-                                                         kappa=defaults.kappa, branch_budget=defaults.branch_budget)
+            self.generation_config = dataclasses.replace(
+                self.generation_config, gamma=defaults.gamma, kappa=defaults.kappa,
+                branch_budget=defaults.branch_budget, draft_confidence_threshold=defaults.draft_confidence_threshold)
         self._worker: DraftWorker | None = None  # the last generation's draft worker, if its thread may still run
         # The engines are single-owner: generations from several threads run one at a time, each holding this
         # from its first token to its end (a stream: until it is exhausted or closed).

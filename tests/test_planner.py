@@ -178,13 +178,17 @@ def test_invalid_inputs_are_typed_errors(call, match):
 def test_plan_file_round_trip(tmp_path):
     profile = _profile(prefix_ms=4.0, suffix_ms=4.0, branch_ms={(2, 4): 6.0})
     plans = pl.search(profile)
-    doc = pl.plan_document(profile, plans, {"tokens_per_second": 100.0})
+    doc = pl.plan_document(profile, plans, {"tokens_per_second": 100.0}, draft_confidence_threshold=0.6)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
     read = pf.read_plan(path)
     defaults = pf.runtime_defaults(read, 4, 8)
     run = pl.best_for_bundle(plans).choice
-    assert defaults == pf.RuntimeDefaults(run.gamma, run.kappa, run.branch_budget, 1, 1)
+    assert defaults == pf.RuntimeDefaults(run.gamma, run.kappa, run.branch_budget, 1, 1, 0.6)
+    older = {**doc, "runtime": {k: v for k, v in doc["runtime"].items() if k != "draft_confidence_threshold"}}
+    assert pf.runtime_defaults(older, 4, 8).draft_confidence_threshold == 0.0  # plans from before it: off
+    with pytest.raises(BadInputError, match="draft_confidence_threshold"):
+        pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "draft_confidence_threshold": 1.5}}, 4, 8)
     assert pf.export_advice(read) == pf.ExportAdvice(plans[0].choice.exit_layer, plans[0].choice.kappa)
     assert read["export"]["needs_export"] and read["runtime"]["measured"]["tokens_per_second"] == 100.0
     with pytest.raises(BadInputError, match="made for exit layer 4"):
@@ -234,8 +238,14 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     # the runtime's defaults now come from the plan; explicit options still win
     from mirror_sd.runtime.pipeline import Pipeline
 
+    # the draft confidence threshold: the chosen setting measured at each, the fastest kept
+    swept = measured["tokens_per_second_by_draft_confidence_threshold"]
+    assert set(swept) == {"0.0", "0.4", "0.6", "0.8"} and all(v > 0 for v in swept.values())
+    assert swept[str(run["draft_confidence_threshold"])] == max(swept.values()) == measured["tokens_per_second"]
     pipe = Pipeline.load(bundle)
-    assert pipe.defaults == pf.RuntimeDefaults(run["gamma"], 4, run["branch_budget"], 1, 1)
+    assert pipe.defaults == pf.RuntimeDefaults(run["gamma"], 4, run["branch_budget"], 1, 1,
+                                               run["draft_confidence_threshold"])
+    assert pipe.generation_config.draft_confidence_threshold == run["draft_confidence_threshold"]
     stats = pipe.generate([5, 17, 33], max_new_tokens=6).stats
     assert (stats["gamma"], stats["kappa"], stats["branch_budget"]) == (run["gamma"], 4, run["branch_budget"])
     assert pipe.generate([5, 17, 33], max_new_tokens=6, gamma=1, kappa=2).stats["gamma"] == 1
