@@ -185,9 +185,10 @@ class DrafterBase:
     def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None,
                  confidence: float = 0.0) -> None:
         """confidence: a window ends after a token whose draft probability is below it (0: windows always run to
-        gamma). A draft is well calibrated (results/README.md): the target accepts a token about as often as the
-        draft's probability of it, so a window stops where further tokens would cost more to draft and verify
-        than they are likely to commit. Any window is verified as usual: the output never depends on it."""
+        gamma). A draft is well calibrated (results/smollm2-feature-draft-calibration.json): the target accepts a
+        token about as often as the draft's probability of it, so a window stops where further tokens would cost
+        more to draft and verify than they are likely to commit. Any window is verified as usual: the output never
+        depends on it."""
         if engine.facts.output_vocab_size and engine.output_ids is None:
             raise ValueError("the draft predicts over a reduced vocabulary, but its engine has no output_ids "
                              "(open it with open_engine)")

@@ -29,16 +29,12 @@ def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[i
         logits, _ = target.forward(seq, target.empty_cache())
         return np.argmax(logits, axis=-1)
 
-    features = draft is not None and bool(getattr(draft.facts, "feature_taps", ()))
     seq = list(prompt)
     new: list[int] = []
     while len(new) < max_new_tokens and not (new and new[-1] in eos_token_ids):
         # 1. the draft proposes a window, one token at a time (never more than could be committed)
         size = min(gamma, max_new_tokens - len(new) - 1) if draft is not None else 0
-        window: list[int] = []
-        if size:
-            window = (reference_feature_window(target, draft, seq, size, confidence) if features
-                      else reference_token_window(draft, seq, size, confidence))
+        window = reference_window(target, draft, seq, size, confidence)[0] if size else []
         # 2. the target scores the sequence with the window: its token after seq[-1], after window[0], ...
         choices = target_tokens(seq + window)[len(seq) - 1:]  # [len(window) + 1]
         # 3. accept the longest prefix of the window the target agrees with, then the target's own token
@@ -59,24 +55,36 @@ def _greedy(draft: DraftEngine, row: np.ndarray) -> tuple[int, float]:
     return (column if draft.output_ids is None else int(draft.output_ids[column])), p  # a reduced vocabulary
 
 
-def reference_token_window(draft: DraftEngine, seq: list[int], size: int, confidence: float = 0.0) -> list[int]:
-    """Up to `size` tokens of a token draft, one per forward over the whole sequence; the window ends after a token
-    whose probability is below `confidence`."""
+def reference_window(target: Target, draft: DraftEngine, seq: list[int], size: int, confidence: float = 0.0
+                     ) -> tuple[list[int], list[float]]:
+    """Up to `size` greedy draft tokens continuing seq, and the draft's probability of each; the window ends after a
+    token whose probability is below `confidence`."""
+    if getattr(draft.facts, "feature_taps", ()):
+        return reference_feature_window(target, draft, seq, size, confidence)
+    return reference_token_window(draft, seq, size, confidence)
+
+
+def reference_token_window(draft: DraftEngine, seq: list[int], size: int, confidence: float = 0.0
+                           ) -> tuple[list[int], list[float]]:
+    """A token draft's window (as reference_window), one token per forward over the whole sequence."""
     window: list[int] = []
+    probs: list[float] = []
     while len(window) < size:
         token, p = _greedy(draft, draft.prefill(np.asarray([seq + window], np.int64))[LOGITS][0, -1])
         window.append(token)
+        probs.append(p)
         if p < confidence:
             break
-    return window
+    return window, probs
 
 
 def reference_feature_window(target: Target, draft: DraftEngine, seq: list[int], size: int,
-                             confidence: float = 0.0) -> list[int]:
-    """Up to `size` tokens of a feature draft: inputs seq[1:] with real taps, then its own on surrogates; the window
-    ends after a token whose probability is below `confidence`."""
+                             confidence: float = 0.0) -> tuple[list[int], list[float]]:
+    """A feature draft's window (as reference_window): inputs seq[1:] with real taps, then its own on
+    surrogates."""
     taps = target.run_prefix(seq, target.empty_cache()).taps  # [n, n_taps, H]
     window: list[int] = []
+    probs: list[float] = []
     hidden: list[np.ndarray] = []  # the draft's hidden state at each drafted input's position before it
     for _ in range(size):
         x = np.asarray([seq[1:] + window], np.int64)
@@ -88,7 +96,8 @@ def reference_feature_window(target: Target, draft: DraftEngine, seq: list[int],
         out = draft.prefill(x, channel)
         token, p = _greedy(draft, out[LOGITS][0, -1])
         window.append(token)
+        probs.append(p)
         if p < confidence:
             break
         hidden.append(out[DRAFT_HIDDEN][0, -1])
-    return window
+    return window, probs

@@ -264,7 +264,7 @@ def test_feature_drafter_windows_equal_the_reference_after_rejections(trained_fe
     for _ in range(6):
         window = drafter.rollout(tuple(ctx), 4, (block(ctx, sent),)).tokens  # as verification sends them
         sent = len(ctx) - 1
-        assert list(window) == reference_feature_window(target, pipe.draft, ctx, 4)
+        assert list(window) == reference_feature_window(target, pipe.draft, ctx, 4)[0]
         # a rejection at a random slot with another token: the lane must drop the surrogate-fed inputs
         assert drafter.lane.length == len(ctx) - 1  # every input of ctx, with real taps; none drafted
         cut = int(rng.integers(0, 4))
@@ -297,7 +297,7 @@ def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does
             drafter.warm(tuple(prompt), (block(prompt, 0),))
             ctx = prompt + [int(target.prefill(prompt, target.empty_cache())[0].argmax())]
             window = drafter.rollout(tuple(ctx), 4, (block(ctx, len(prompt)),)).tokens
-            assert list(window) == reference_feature_window(target, pipe.draft, ctx, 4, threshold)
+            assert list(window) == reference_feature_window(target, pipe.draft, ctx, 4, threshold)[0]
             lengths.add(len(window))
             # branches over the verification window [pending] + window, whose taps come with the request
             verified = ctx + list(window)
@@ -308,7 +308,8 @@ def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does
             for r, v in plan:
                 base = ctx + list(window[:r]) + [v]
                 got = branches.windows[(r, v)].tokens
-                assert list(got) == reference_feature_window(target, pipe.draft, base, 4, threshold), (r, v)
+                want = reference_feature_window(target, pipe.draft, base, 4, threshold)[0]
+                assert list(got) == want, (r, v)
                 lengths.add(len(got))
         ar = pipe.generate(prompt, mode="ar", max_new_tokens=24)
         assert reference_generate(target, pipe.draft, prompt, 24, gamma=4, confidence=0.6) == ar.token_ids[:24]

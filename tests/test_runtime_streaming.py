@@ -24,7 +24,6 @@ import pytest
 from test_runtime_sampling import PARAMS, PROMPT, SAMPLES, assert_follows, exact_joint
 
 from mirror_sd.errors import ManifestError
-from mirror_sd.partitions.manifest import LOGITS
 from mirror_sd.runtime.draft import Drafter, _confirm
 from mirror_sd.runtime.messages import ExitCandidates
 from mirror_sd.runtime.pipeline import Pipeline
@@ -172,25 +171,16 @@ def test_confirm_stops_at_the_first_mismatch(choices, proposals, room, new, stop
     assert asked == list(range(len(new)))  # choices (sampling draws) are made in order, only as far as used
 
 
-def _window_probs(draft, ctx, window) -> list[float]:
-    """The draft's probability of each window token, one forward per token over the whole sequence."""
-    probs = []
-    for j, token in enumerate(window):
-        row = draft.prefill(np.asarray([list(ctx) + list(window[:j])], np.int64))[LOGITS][0, -1]
-        col = token if draft.output_ids is None else int(np.flatnonzero(draft.output_ids == token)[0])
-        probs.append(float(1 / np.exp(row - row[col]).sum()))
-    return probs
-
-
 @pytest.mark.parametrize("streaming", ["off", "verify"])
 def test_confidence_threshold_ends_windows_as_the_reference_does(pipe, streaming):
     """A window with a confidence threshold is the full window cut after its first token the draft gives a
-    probability below the threshold (computed here one forward per token, as the reference does); fresh rollouts,
+    probability below the threshold (the reference's probabilities: one forward per token); fresh rollouts,
     rollouts continuing a kept lane, and branch rows alike."""
     cut_at = []
     for ctx in random_contexts(4, seed=4):
         full = Drafter(pipe.draft, SamplingParams(), streaming=streaming).rollout(ctx, 6).tokens
-        probs = _window_probs(pipe.draft, ctx, full)
+        reference, probs = reference_token_window(pipe.draft, list(ctx), 6)  # one forward per token
+        assert tuple(reference) == full
         ranked = sorted(probs)
         # thresholds between the probabilities (away from any of them: the cached forwards round differently), so
         # that windows end at varying places
@@ -201,11 +191,12 @@ def test_confidence_threshold_ends_windows_as_the_reference_does(pipe, streaming
             drafter.warm(ctx[:-1])
             got = drafter.rollout(ctx, 6)
             assert got.tokens == want
-            assert list(got.tokens) == reference_token_window(pipe.draft, list(ctx), 6, threshold)
+            assert list(got.tokens) == reference_token_window(pipe.draft, list(ctx), 6, threshold)[0]
             cut_at.append(len(want))
             # the lane goes on from what this rollout fed, as without a threshold
             nxt = ctx + got.tokens[:1] + (5,)
-            assert drafter.rollout(nxt, 6).tokens == tuple(reference_token_window(pipe.draft, list(nxt), 6, threshold))
+            want_next = reference_token_window(pipe.draft, list(nxt), 6, threshold)[0]
+            assert list(drafter.rollout(nxt, 6).tokens) == want_next
             # branch rows: each ends where a fresh rollout of its context ends
             window = full[:3]
             candidates = ExitCandidates(ctx, window, np.array([[3, 4]] * 4), np.log(np.full((4, 2), 0.5)))
@@ -215,7 +206,8 @@ def test_confidence_threshold_ends_windows_as_the_reference_does(pipe, streaming
             branches = fresh.branches(candidates, plan, 6)
             for r, v in plan:
                 base = list(ctx) + list(window[:r]) + [v]
-                assert list(branches.windows[(r, v)].tokens) == reference_token_window(pipe.draft, base, 6, threshold)
+                want_row = reference_token_window(pipe.draft, base, 6, threshold)[0]
+                assert list(branches.windows[(r, v)].tokens) == want_row
     assert len(set(cut_at)) > 1  # windows of several lengths
 
 
