@@ -8,7 +8,7 @@ default; the runtime here does not).
 Per length, after one short warm-up run of every method on a prompt of that length (first runs at a new length
 allocate), interleaved with the order rotating per repetition:
 - ar at 1 and at 2 target threads ("ar" is the faster at that length, as OpenVINO GenAI ar is its faster of 1 and 2);
-- sd and mirror at the bundle plan's threads;
+- sd at ar's best target threads overall (its draft and target never run together), mirror at the bundle plan's;
 - ar with the target on OpenVINO (runtime/portable.py), the CPU-only backend;
 - OpenVINO GenAI ar (LLMPipeline, the same fp32 target and fp32 KV cache) at 1 and 2 threads.
 TTFT is prompt in -> first token out; decode tokens/s is (new tokens - 1) / (total - TTFT), medians over the
@@ -128,14 +128,17 @@ def time_kernels(pipe: Pipeline, ids: list[int], unsplit, repeats: int) -> dict[
 
 def run_context(bundle: Path, size: ContextSize, main: Pipeline, ar_pipes: dict[int, Pipeline],
                 genai: dict[int, Method], methods: list[str], report: Callable[[str], None],
-                progress: bool = True, cache: Path | None = None) -> dict[str, Any]:
-    """The whole context benchmark as plain data (bench.json's "context")."""
+                progress: bool = True, cache: Path | None = None, sd_pipe: Pipeline | None = None
+                ) -> dict[str, Any]:
+    """The whole context benchmark as plain data (bench.json's "context"). sd_pipe: the pipeline sd runs on
+    (default: main)."""
     from tqdm import tqdm
 
     from mirror_sd.bench.unsplit import open_unsplit
 
     runners: list[Method] = [PipelineMethod(f"ar@{n}t", p, "ar") for n, p in sorted(ar_pipes.items())]
-    runners += [PipelineMethod(m, main, m) for m in ("sd", "mirror") if m in methods]
+    sd_pipe = sd_pipe or main
+    runners += [PipelineMethod(m, sd_pipe if m == "sd" else main, m) for m in ("sd", "mirror") if m in methods]
     not_run: dict[str, str] = {}
     try:
         ov = Pipeline.load(bundle, target_backend="openvino", target_threads=max(ar_pipes),
@@ -153,6 +156,7 @@ def run_context(bundle: Path, size: ContextSize, main: Pipeline, ar_pipes: dict[
     doc: dict[str, Any] = {"lengths": lengths, "new_tokens": NEW_TOKENS, "repeats": size.repeats,
                            "methods": [r.name for r in runners], "not_run": not_run, "per_length": {},
                            "threads": {"sd_mirror": [main.target_threads, main.draft_threads],
+                                       "sd": [sd_pipe.target_threads, sd_pipe.draft_threads],
                                        "ar": sorted(ar_pipes), "ov_genai_ar": sorted(genai)}}
     text = main.codec.encode(_passages(), special=False)
     bar = tqdm(total=len(lengths) * size.repeats * len(runners), desc="context lengths", file=sys.stderr,

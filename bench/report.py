@@ -69,6 +69,14 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sd_threads(t: dict[str, Any], sm: dict[str, Any]) -> str:
+    """sd's thread split: ar's best target threads (draft and target take turns), or the plan's in older runs."""
+    sd = t.get("sd")
+    if sd is None:
+        return "the same"
+    return f"{sd['target']} target + {sd['draft']} draft (ar's best target threads: draft and target take turns)"
+
+
 def _machine(doc: dict[str, Any]) -> list[str]:
     m, size, t = doc["machine"], doc["size"], doc.get("threads", {})
     versions = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items())
@@ -84,7 +92,8 @@ def _machine(doc: dict[str, Any]) -> list[str]:
         f"- size: greedy {size['per_kind']} prompt(s) per task kind, T=1 {size['sampled_prompts']} prompt(s), "
         f"{size['max_new_tokens']} new tokens at most (EOS ends earlier); every method runs every prompt once, "
         "in an order that rotates from prompt to prompt, after one warm-up generation each",
-        f"- threads: sd and mirror {sm.get('target')} target + {sm.get('draft')} draft ({sm.get('from')}); ar at its "
+        f"- threads: mirror {sm.get('target')} target + {sm.get('draft')} draft ({sm.get('from')}); sd "
+        f"{_sd_threads(t, sm)}; ar at its "
         f"best of 1 and 2 target threads ({doc.get('ar_threads', {}).get('chosen')}); external baselines were given "
         f"{t.get('baselines')} threads; gamma {t.get('gamma')} for sd, mirror and the speculative baselines",
         f"- elapsed: {doc.get('elapsed_s', 0) / 60:.1f} min", "",
@@ -207,7 +216,8 @@ def _ablations(g: dict[str, Any]) -> list[str]:
              f"{len(g['prompts'])} prompts; ar and full mirror run again in the same rotation. no-branches: branch "
              "budget 0 (overlap only, every window a serial rollout); no-streaming: one draft token per forward; "
              "logit-lens: the untrained exit head at the same layer (a bundle exported for it); no-overlap: the "
-             "same schedule served serially.", ""]
+             "same schedule served serially; no-confidence: draft confidence threshold 0 (every window runs to "
+             "gamma; the plan's threshold otherwise).", ""]
     lines += _table(["method", "tokens/s", "x ar", "mean accepted", "branch hit", "draft hidden",
                      "draft tokens/forward"], rows) + [""]
     if g.get("not_run"):
@@ -253,13 +263,14 @@ def _context(c: dict[str, Any] | None) -> list[str]:
         return "–" if not row or row.get(key) is None else f"{row[key] * scale:.{digits}f}"
 
     sm = c["threads"]["sd_mirror"]
+    sd = c["threads"].get("sd", sm)
     lines = ["## Context length (time to first token, decode speed)", "",
              f"Prompts of {', '.join(lengths)} tokens of real text (Python's documentation under a summarisation "
              f"request, chat template applied, another passage for every run), {c['repeats']} prompt(s) per length, "
              f"{c['new_tokens']} new tokens, greedy; medians. ar is the faster of 1 and 2 target threads at each "
-             f"length and OpenVINO GenAI ar the faster of its 1 and 2 threads (which one: the @ rows); sd and "
-             f"mirror run {sm[0]} target + {sm[1]} draft threads. Decode tokens/s = (new tokens - 1) / (total - "
-             "TTFT).", ""]
+             f"length and OpenVINO GenAI ar the faster of its 1 and 2 threads (which one: the @ rows); sd runs "
+             f"{sd[0]} target + {sd[1]} draft threads, mirror {sm[0]} + {sm[1]}. Decode tokens/s = (new tokens - 1) "
+             "/ (total - TTFT).", ""]
     rows = [[m, *(cell(n, m, "ttft_s", 1e3, 0) for n in lengths)] for m in methods]
     lines += ["TTFT (ms):", ""] + _table(["method", *lengths], rows) + [""]
     rows = [[m, *(cell(n, m, "decode_tokens_per_s") for n in lengths)] for m in methods]

@@ -37,6 +37,7 @@ ABLATIONS = {  # mirror with one mechanism off; the logit lens one also needs an
     "no-streaming": dict(draft_streaming=False),  # one draft token per forward
     "logit-lens": {},  # the untrained early-exit head at the same exit layer
     "no-overlap": dict(overlap=False),  # the same schedule, served serially on the main thread
+    "no-confidence": dict(draft_confidence_threshold=0.0),  # every window runs to gamma, however unsure the draft
 }
 WARMUP_PROMPT = ({"role": "user", "content": "Write one sentence about the sea."},)
 SEED = 1234  # T=1 runs: prompt i uses SEED + i in every method
@@ -72,7 +73,8 @@ FULL = BenchSize("full", per_kind=10, sampled_prompts=6, max_new_tokens=32, prob
                  sweep_prompts=4, export=True, compressed_prompts=6, context=CONTEXT_FULL)
 SIZES = {"quick": QUICK, "full": FULL}
 
-# Targets of issue 5 (greedy, real pair, median over the prompt set): (key, what, target, numerator, denominator)
+# Targets of issues 5 and 12 (greedy, real pair, median over the prompt set):
+# (key, what, target, numerator, denominator)
 TARGETS = (
     ("mirror_vs_ar", "mirror tokens/s over ar (ar at its best thread setting)", 2.0, "mirror", "ar"),
     ("mirror_vs_sd", "mirror tokens/s over sd (same draft)", 1.3, "mirror", "sd"),
@@ -80,6 +82,9 @@ TARGETS = (
     ("mirror_vs_ov_genai_pld", "mirror tokens/s over OpenVINO GenAI prompt-lookup decoding", 1.3, "mirror",
      "ov-genai-pld"),
     ("mirror_vs_hf_assisted", "mirror tokens/s over transformers assisted generation", 1.5, "mirror", "hf-assisted"),
+    # issue 12's: sd over ar, and mirror over OpenVINO GenAI's plain decoding
+    ("sd_vs_ar", "sd tokens/s over ar (both at their best target threads)", 1.25, "sd", "ar"),
+    ("mirror_vs_ov_genai_ar", "mirror tokens/s over OpenVINO GenAI plain decoding", 1.3, "mirror", "ov-genai-ar"),
 )
 HIDDEN_TARGET = 0.8  # draft time hidden under the suffix
 
@@ -218,6 +223,7 @@ class Bench:
         doc["threads"] = {"sd_mirror": {"target": main.target_threads, "draft": main.draft_threads,
                                         "from": "bundle plan.json" if main.defaults else "runtime defaults"},
                           "baselines": cores, "gamma": self.gamma(main)}
+        self.sd_pipe = main  # sd's pipeline: set to ar's best target threads below
 
         # ar at 1 and 2 target threads: the faster is the ar every ratio uses
         probes = [PipelineMethod(f"ar@{n}t", p, "ar") for n, p in ar_pipes.items()]
@@ -235,6 +241,13 @@ class Bench:
         per_token["ar"] = per_token[f"ar@{best}t"]
         self.report("ar tokens/s by target threads: " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items())
                     + f" -> ar uses {best}")
+        # sd runs draft and target one after the other, never together: its target gets ar's best thread count
+        # (mirror keeps the plan's split, its draft runs beside the target)
+        self.sd_pipe = ar_pipes[best]
+        if "sd" in self.requested and self.sd_pipe is not main:
+            self.sd_pipe.generate(list(WARMUP_PROMPT), mode="sd", max_new_tokens=8)  # its draft's first forwards
+            project["sd"] = PipelineMethod("sd", self.sd_pipe, "sd")
+        doc["threads"]["sd"] = {"target": self.sd_pipe.target_threads, "draft": self.sd_pipe.draft_threads}
 
         methods: list[Method] = [ar, *(m for m in [*(project[n] for n in ("sd", "mirror") if n in self.requested),
                                                    *self.baselines] if m.name not in self.not_run)]
@@ -273,8 +286,8 @@ class Bench:
         spec = [m for m in ("sd", "mirror") if m in names]
         if spec and size.gammas:
             plan.append(_Group("gamma sweep", 0.0, size.max_new_tokens, sweep_prompts,
-                               [ar, *(PipelineMethod(f"{m}@gamma{g}", main, m, gamma=g)
-                                      for g in size.gammas for m in spec)]))
+                               [ar, *(PipelineMethod(f"{m}@gamma{g}", self.sd_pipe if m == "sd" else main, m,
+                                                     gamma=g) for g in size.gammas for m in spec)]))
         if "mirror" in names and size.exit_layers:
             plan.append(_Group("exit sweep", 0.0, size.max_new_tokens, sweep_prompts, [ar, *self._exit_layers(main)]))
         return [g for g in plan if g.prompts]
@@ -295,7 +308,8 @@ class Bench:
     def _same_defaults(self, main: Pipeline) -> dict[str, Any]:
         """A variant bundle has no plan.json: give it the main bundle's plan choices, so only the bundle differs."""
         d = main.defaults
-        return {} if d is None else dict(gamma=d.gamma, kappa=d.kappa, branch_budget=d.branch_budget)
+        return {} if d is None else dict(gamma=d.gamma, kappa=d.kappa, branch_budget=d.branch_budget,
+                                         draft_confidence_threshold=d.draft_confidence_threshold)
 
     def _ablations(self, main: Pipeline) -> list[Method]:
         out: list[Method] = []
@@ -381,7 +395,7 @@ class Bench:
                 self.report(f"ov-genai-ar at 1 thread not opened: {_why(e)}")
         self.report(f"context lengths {self.size.context.lengths} ({self.size.context.repeats} prompts each)")
         return run_context(self.bundle, self.size.context, main, ar_pipes, genai, self.requested, self.report,
-                           self.progress, self.cache)
+                           self.progress, self.cache, sd_pipe=self.sd_pipe)
 
     def close(self) -> None:
         for method in self.baselines:

@@ -74,8 +74,8 @@ def test_quick_pipeline_writes_measured_results(bench_run):
     assert "not run" in report and "hf-assisted" in report  # baselines were not requested: said so, not hidden
 
     assert doc["ar_threads"]["chosen"] in (1, 2) and set(doc["ar_threads"]["tokens_per_s"]) == {"ar@1t", "ar@2t"}
-    assert {"mirror-no-branches", "mirror-no-streaming", "mirror-logit-lens", "mirror-no-overlap"} <= set(
-        doc["groups"]["ablations"]["summary"])
+    assert {"mirror-no-branches", "mirror-no-streaming", "mirror-logit-lens", "mirror-no-overlap",
+            "mirror-no-confidence"} <= set(doc["groups"]["ablations"]["summary"])
     assert doc["groups"]["ablations"]["summary"]["mirror-no-branches"]["overall"]["branch_hit_rate"] == 0
     sweep = doc["groups"]["gamma sweep"]["summary"]
     assert {"sd@gamma1", "mirror@gamma1", "sd@gamma2", "mirror@gamma2"} <= set(sweep)
@@ -116,6 +116,23 @@ def test_identity_check_flags_a_different_output(bundle_factory, tmp_path):
     assert all(f["method"] == "altered" and f["first_difference"] == 2 for f in failures)
     write_outputs(doc, tmp_path / "out")
     assert "FAILURE" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_draft_calibration_counts_what_verification_sees(bundle_factory, tmp_path):
+    """bench/draft_calibration.py: a self-draft (the target as its own draft) is accepted on every window token, a
+    random draft mostly not; each window stops counting at its first rejection; the bins hold every token."""
+    from mirror_sd.bench.draft_calibration import table, window_records
+
+    prompt = [5, 17, 33, 9]
+    same = window_records(Pipeline.load(bundle_factory(self_draft=True)), prompt, 3, 12, 2)
+    assert same and all(accepted for _, _, accepted in same)
+    assert sorted({slot for slot, _, _ in same}) == [0, 1, 2]
+    other = window_records(Pipeline.load(bundle_factory()), prompt, 3, 12, 2)
+    for before, after in zip(other, other[1:]):  # a slot > 0 only follows an accepted token of its window
+        assert after[0] == 0 or (after[0] == before[0] + 1 and before[2])
+    rows = table(same + other)
+    assert sum(r["tokens"] for r in rows) == len(same) + len(other)
+    assert all(0 <= p <= 1 for _, p, _ in same + other)
 
 
 def test_trace_is_well_formed_and_off_by_default(bundle_factory):
