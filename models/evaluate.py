@@ -3,8 +3,9 @@
 Greedy, on held-out prompts (models/prompts.py, topics the draft never trained on): mean accepted tokens per target
 step (Spec-Bench: counting the target's own token) for sd and mirror at the given gamma, per task kind; the
 streaming draft's tokens per draft forward and its acceptance with streaming on ("trust", the default), "verify"
-and off; mirror's branch hit rate, overall and on steps where the target rejected a window token. Every run is
-also checked for token identity with `ar`. Writes one JSON file; prints a table.
+and off; mirror's branch hit rate, overall and on steps where the target rejected a window token. These run full
+windows (draft confidence threshold 0); sd and mirror run again at the bundle plan's threshold ("planned": their
+speed against ar). Every run is also checked for token identity with `ar`. Writes one JSON file; prints a table.
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
     from mirror_sd import Pipeline
 
     pipe = Pipeline.load(bundle)
-    runs = {"sd": dict(mode="sd"), "sd_verify": dict(mode="sd", draft_streaming="verify"),
-            "sd_no_streaming": dict(mode="sd", draft_streaming=False), "mirror": dict(mode="mirror")}
+    # The draft's own quality is measured on full windows (draft confidence threshold 0); the "_planned" runs use
+    # the bundle plan's threshold (shorter windows where the draft is unsure: the speed a user gets).
+    full = dict(draft_confidence_threshold=0.0)
+    runs = {"sd": dict(mode="sd", **full), "sd_verify": dict(mode="sd", draft_streaming="verify", **full),
+            "sd_no_streaming": dict(mode="sd", draft_streaming=False, **full), "mirror": dict(mode="mirror", **full),
+            "sd_planned": dict(mode="sd"), "mirror_planned": dict(mode="mirror")}
     if not pipe.manifest.draft.streams:  # streaming modes change nothing for a one-token-per-forward draft
-        runs = {"sd": runs["sd"], "mirror": runs["mirror"]}
+        runs = {k: v for k, v in runs.items() if k in ("sd", "mirror", "sd_planned", "mirror_planned")}
     rows = []
     for prompt in _prompts(n_per_kind):
         messages = [dict(m) for m in prompt.messages]
@@ -76,6 +81,14 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
         "median_tokens_per_second": {"ar": statistics.median(r["ar_tokens_per_second"] for r in rows),
                                      **{n: median(n, "tokens_per_second") for n in runs}},
         "mirror_draft_hidden_fraction": median("mirror", "draft_hidden_fraction"),
+        "draft_confidence_threshold_planned": pipe.generation_config.draft_confidence_threshold,
+        "planned": {n: {"mean_accepted_tokens": mean(n, "mean_accepted_tokens"),
+                        "acceptance_rate": mean(n, "acceptance_rate"),
+                        "branch_hit_rate": mean(n, "branch_hit_rate"),
+                        "rejected_branch_hit_rate": mean(n, "rejected_branch_hit_rate"),
+                        "median_tokens_per_second_over_ar": statistics.median(
+                            r[n]["tokens_per_second"] / r["ar_tokens_per_second"] for r in rows)}
+                    for n in ("sd_planned", "mirror_planned")},
     }
     if "sd_verify" in runs:
         summary.update({
