@@ -236,25 +236,33 @@ def test_feature_draft_sd_and_mirror_equal_ar_and_the_reference(trained_feature_
     assert max(acceptance) > 0.5 and min(acceptance) < 0.5  # both paths ran: long acceptances and rejections
 
 
-def test_feature_drafter_windows_equal_the_reference_after_rejections(trained_feature_bundle):
+@pytest.fixture(scope="module")
+def fed(trained_feature_bundle):
+    """(pipeline, block, prompts) on the trained bundle; block(seq, start) is the FeatureBlock of the taps the
+    target's prefix gives for positions start.. of seq."""
+    from mirror_sd.runtime.messages import FeatureBlock
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    bundle, prompts = trained_feature_bundle
+    pipe = Pipeline.load(bundle)
+
+    def block(seq, start):
+        taps = pipe.target.run_prefix(list(seq), pipe.target.empty_cache()).taps
+        return FeatureBlock(tuple(seq), start, taps[start:])
+
+    return pipe, block, prompts
+
+
+def test_feature_drafter_windows_equal_the_reference_after_rejections(fed):
     """The drafter's windows, with its lane kept across requests and cut back after rejections, equal the
     reference's from-scratch windows (every input with the target's taps of the position before it, drafted inputs
     on surrogates)."""
     from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureGapError
-    from mirror_sd.runtime.messages import FeatureBlock
-    from mirror_sd.runtime.pipeline import Pipeline
     from mirror_sd.runtime.reference import reference_feature_window
     from mirror_sd.runtime.sampling import SamplingParams
 
-    bundle, prompts = trained_feature_bundle
-    pipe = Pipeline.load(bundle)
+    pipe, block, prompts = fed
     target = pipe.target
-
-    def block(seq, start):
-        """The taps the target's prefix gives for positions start.. of seq."""
-        taps = target.run_prefix(list(seq), target.empty_cache()).taps
-        return FeatureBlock(tuple(seq), start, taps[start:])
-
     drafter = FeatureDrafter(pipe.draft, SamplingParams())
     prompt = prompts[0]
     assert drafter.warm(tuple(prompt), (block(prompt, 0),)) == len(prompt) - 1
@@ -273,23 +281,16 @@ def test_feature_drafter_windows_equal_the_reference_after_rejections(trained_fe
         drafter.rollout(tuple(ctx + [5, 6, 7]), 2, ())
 
 
-def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does(trained_feature_bundle):
+def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does(fed):
     """With a confidence threshold, rollouts and branch rows (which leave the batch as they end) are the
     reference's windows with the same threshold, and sd/mirror stay exact."""
     from mirror_sd.runtime.feature_draft import FeatureDrafter
-    from mirror_sd.runtime.messages import ExitCandidates, FeatureBlock
-    from mirror_sd.runtime.pipeline import Pipeline
+    from mirror_sd.runtime.messages import ExitCandidates
     from mirror_sd.runtime.reference import reference_feature_window, reference_generate
     from mirror_sd.runtime.sampling import SamplingParams
 
-    bundle, prompts = trained_feature_bundle
-    pipe = Pipeline.load(bundle)
+    pipe, block, prompts = fed
     target = pipe.target
-
-    def block(seq, start):
-        taps = target.run_prefix(list(seq), target.empty_cache()).taps
-        return FeatureBlock(tuple(seq), start, taps[start:])
-
     lengths = set()
     for prompt in prompts:
         for threshold in (0.3, 0.6, 0.9):
