@@ -51,17 +51,14 @@ def table(records: list[tuple[int, float, bool]]) -> list[dict]:
 
 
 def measure(bundle: Path, per_kind: int, gamma: int, max_new_tokens: int, stride: int, report=print) -> dict:
-    from mirror_sd.models.evaluate import KINDS, _prompts
+    from mirror_sd.models.evaluate import KINDS, _prompts, messages_of
     from mirror_sd.runtime.pipeline import Pipeline
 
     pipe = Pipeline.load(bundle)
     records: list[tuple[int, float, bool]] = []
     started = time.perf_counter()
     for n, prompt in enumerate(_prompts(per_kind)):
-        messages = [dict(m) for m in prompt.messages]
-        if prompt.kind == "multi_turn":  # the first answer is the target's own, as models/evaluate.py does
-            messages[1]["content"] = pipe.generate(messages[:1], mode="ar", max_new_tokens=48).text
-        records += window_records(pipe, messages, gamma, max_new_tokens, stride)
+        records += window_records(pipe, messages_of(pipe, prompt), gamma, max_new_tokens, stride)
         report(f"{n + 1}/{per_kind * len(KINDS)} {prompt.kind}: {len(records)} window tokens "
                f"({time.perf_counter() - started:.0f} s)")
     slots = sorted({s for s, _, _ in records})

@@ -26,6 +26,14 @@ def _prompts(n_per_kind: int):
     return build(len(KINDS) * n_per_kind, seed=0, held_out=True)
 
 
+def messages_of(pipe, prompt) -> list[dict]:
+    """A held-out prompt's chat messages; a multi-turn prompt's first answer is the target's own."""
+    messages = [dict(m) for m in prompt.messages]
+    if prompt.kind == "multi_turn":
+        messages[1]["content"] = pipe.generate(messages[:1], mode="ar", max_new_tokens=48).text
+    return messages
+
+
 def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, report=print) -> dict:
     from mirror_sd import Pipeline
 
@@ -40,9 +48,7 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
         runs = {k: v for k, v in runs.items() if k in ("sd", "mirror", "sd_planned", "mirror_planned")}
     rows = []
     for prompt in _prompts(n_per_kind):
-        messages = [dict(m) for m in prompt.messages]
-        if prompt.kind == "multi_turn":  # the first answer is the target's own
-            messages[1]["content"] = pipe.generate(messages[:1], mode="ar", max_new_tokens=48).text
+        messages = messages_of(pipe, prompt)
         ar = pipe.generate(messages, mode="ar", max_new_tokens=max_new_tokens)
         row = {"kind": prompt.kind, "ar_tokens_per_second": ar.stats["tokens_per_second"]}
         for name, options in runs.items():

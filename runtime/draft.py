@@ -48,7 +48,7 @@ from mirror_sd.runtime.config import streaming_mode
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.kv import LayerKV, OwnPast, positions
 from mirror_sd.runtime.messages import BranchKey, BranchSet, DraftWindow, ExitCandidates, Features, frozen
-from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, rng_for
+from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, probability, rng_for
 from mirror_sd.runtime.stats import Recorder
 
 PAD_ID = 0  # any id: padded slots are masked out
@@ -124,7 +124,7 @@ class DraftVocab:
                 self.column = np.zeros(self.size, np.int64)
                 self.column[self.ids] = np.arange(self.ids.size)
             col = int(self.column[token])
-        return float(1.0 / np.exp(row - row[col]).sum())
+        return probability(row, col)
 
     def full(self, rows: np.ndarray) -> np.ndarray:
         """[n, Vd] -> [n, V] logits over the target vocabulary, -inf where the draft has no column."""

@@ -17,6 +17,7 @@ import numpy as np
 from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, SURROGATE, USE_SURROGATE
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import empty_channel
+from mirror_sd.runtime.sampling import probability
 from mirror_sd.runtime.target import Target
 
 
@@ -51,8 +52,8 @@ def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[i
 def _greedy(draft: DraftEngine, row: np.ndarray) -> tuple[int, float]:
     """The draft's greedy token (a target id) from its logits row over its columns, and its probability."""
     column = int(np.argmax(row))
-    p = float(1.0 / np.exp(row - row[column]).sum())
-    return (column if draft.output_ids is None else int(draft.output_ids[column])), p  # a reduced vocabulary
+    token = column if draft.output_ids is None else int(draft.output_ids[column])  # a reduced vocabulary
+    return token, probability(row, column)
 
 
 def reference_window(target: Target, draft: DraftEngine, seq: list[int], size: int, confidence: float = 0.0

@@ -51,6 +51,11 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+def probability(logits: np.ndarray, index: int) -> float:
+    """The softmax probability of one entry of a logits row (unwarped)."""
+    return float(1.0 / np.exp(logits - logits[index]).sum())
+
+
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One draw from `probs` [V] by inverse CDF (one uniform number per draw)."""
     cdf = np.cumsum(probs)
