@@ -83,7 +83,8 @@ def _measure(pipe, prompts, ar, max_new_tokens, gamma, mode) -> dict[str, Any]:
     accepted = proposed = steps = new = identical = 0
     stats: dict[str, Any] = {}
     for prompt, want in zip(prompts, ar):
-        result = pipe.generate(prompt, mode=mode, max_new_tokens=max_new_tokens, gamma=gamma)
+        result = pipe.generate(prompt, mode=mode, max_new_tokens=max_new_tokens, gamma=gamma,
+                               adaptive_speculation=False)  # acceptance is measured at every step
         stats = result.stats
         accepted += stats["accepted_tokens"]
         proposed += stats["proposed_tokens"]

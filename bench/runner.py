@@ -38,6 +38,7 @@ ABLATIONS = {  # mirror with one mechanism off; the logit lens one also needs an
     "logit-lens": {},  # the untrained early-exit head at the same exit layer
     "no-overlap": dict(overlap=False),  # the same schedule, served serially on the main thread
     "no-confidence": dict(draft_confidence_threshold=0.0),  # every window runs to gamma, however unsure the draft
+    "no-gate": dict(adaptive_speculation=False),  # every step speculates, however much slower than the target alone
 }
 WARMUP_PROMPT = ({"role": "user", "content": "Write one sentence about the sea."},)
 SEED = 1234  # T=1 runs: prompt i uses SEED + i in every method
@@ -287,7 +288,8 @@ class Bench:
         if spec and size.gammas:
             plan.append(_Group("gamma sweep", 0.0, size.max_new_tokens, sweep_prompts,
                                [ar, *(PipelineMethod(f"{m}@gamma{g}", self.sd_pipe if m == "sd" else main, m,
-                                                     gamma=g) for g in size.gammas for m in spec)]))
+                                                     gamma=g, adaptive_speculation=False)
+                                      for g in size.gammas for m in spec)]))
         if "mirror" in names and size.exit_layers:
             plan.append(_Group("exit sweep", 0.0, size.max_new_tokens, sweep_prompts, [ar, *self._exit_layers(main)]))
         return [g for g in plan if g.prompts]
@@ -335,7 +337,7 @@ class Bench:
                 continue
             out.append(PipelineMethod(name, self._variant_pipe(found.path, main), "mirror",
                                       notes={"exit_layer": layer, "exit_head": found.exit_head},
-                                      **self._same_defaults(main)))
+                                      **self._same_defaults(main), adaptive_speculation=False))
         return out
 
     def _timeline(self, main: Pipeline, greedy: dict[str, Any] | None) -> dict[str, Any] | None:

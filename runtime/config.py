@@ -45,6 +45,10 @@ class GenerationConfig:
     # a draft window ends after a token whose draft probability is below this (transformers' assisted generation
     # calls it assistant_confidence_threshold); 0: every window runs to gamma. Output never depends on it.
     draft_confidence_threshold: float = 0.0
+    # greedy sd / mirror: before each step, speculate or run the target alone, whichever this generation has
+    # measured faster (runtime/gate.py); False: every step speculates. Output never depends on it. Sampling always
+    # speculates: the choice is timed, and which steps speculate decides which random draws make the tokens.
+    adaptive_speculation: bool = True
     trace: bool = False  # True: stats.trace lists every phase as (phase, start_s, end_s)
 
     def __post_init__(self) -> None:
@@ -63,6 +67,9 @@ class GenerationConfig:
         if not _is_number(c) or not 0 <= c < 1:
             raise BadInputError(f"draft_confidence_threshold must be in [0, 1), got {c!r}",
                                 option="draft_confidence_threshold")
+        if not isinstance(self.adaptive_speculation, bool):
+            raise BadInputError(f"adaptive_speculation must be true or false, got {self.adaptive_speculation!r}",
+                                option="adaptive_speculation")
         if not _is_number(self.draft_timeout_s) or not self.draft_timeout_s > 0:
             raise BadInputError(f"draft_timeout_s must be > 0, got {self.draft_timeout_s!r}", option="draft_timeout_s")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop

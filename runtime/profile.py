@@ -352,6 +352,8 @@ def grid(top_k: int, options: ProfileOptions) -> list[tuple[int, int, int]]:
 
 def run_setting(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, **options: Any
                 ) -> list[GenerationStats]:
+    # every step speculates: the cost model predicts a setting's speculation, which the gate would mask
+    options.setdefault("adaptive_speculation", False)
     return [pipe.generate(ids, max_new_tokens=max_new_tokens, **options).stats for ids in prompts]
 
 

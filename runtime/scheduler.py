@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Union
 
@@ -32,6 +33,7 @@ import numpy as np
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import DrafterBase, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
+from mirror_sd.runtime.gate import SpeculationGate
 from mirror_sd.runtime.messages import (
     Branches,
     BranchSet,
@@ -309,26 +311,43 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     warm = worker is not None and len(prompt) <= draft_context
     # a feature draft reads the prompt with its taps, so only after the prefill has computed them
     alongside = warm_with_prefill and not isinstance(drafter, FeatureDrafter)
+    warmed = None  # the ticket of the draft's reading of the prompt
     if warm and alongside:
-        worker.submit(Warm(tuple(prompt)))  # the draft reads the prompt while the target does
+        warmed = worker.submit(Warm(tuple(prompt)))  # the draft reads the prompt while the target does
     ctx.append(dec.prefill(tuple(prompt)))
     if warm and not alongside:
-        worker.submit(Warm(tuple(prompt), dec.take_features()))
+        warmed = worker.submit(Warm(tuple(prompt), dec.take_features()))
     yield ctx[-1]
     window: DraftWindow | None = None
+    # Greedy only: when sampling, a step of the target alone draws its token where a speculative step would have
+    # drawn others, so a timed choice between them would make a seed's text vary from run to run.
+    gate = SpeculationGate() if cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy else None
+    # With the gate, steps run on the target alone until the draft has read the prompt, rather than waiting for it
+    # (a feature draft reads a 2,048-token prompt's taps after the prefill: 0.25 s, a dozen target steps).
+    draft_ready = gate is None or warmed is None
     while len(ctx) - len(prompt) < cfg.max_new_tokens:
         # gamma shrinks at the end so that no step verifies tokens it could not commit
         gamma = min(cfg.gamma, cfg.max_new_tokens - (len(ctx) - len(prompt)) - 1)
         if cfg.mode != "ar" and gamma > 0 and len(ctx) + gamma > draft_context:
             rec.counts.draft_context_steps += 1
             gamma, window = 0, None
-        if cfg.mode != "ar" and gamma > 0 and window is None:
+        if not draft_ready:
+            draft_ready = worker.poll(warmed) is not None
+        gated = cfg.mode != "ar" and gamma > 0 and gate is not None and not (draft_ready and gate.speculate())
+        if gated:
+            rec.counts.gated_steps += 1
+            window = None  # a branch window is dropped: the next speculative step starts a fresh rollout
+        started = time.perf_counter()
+        if cfg.mode != "ar" and gamma > 0 and window is None and not gated:
             window = dec.fresh_window(ctx, gamma)
-        if cfg.mode == "ar" or gamma == 0 or window is None:
+        speculative = not (cfg.mode == "ar" or gamma == 0 or window is None)
+        if not speculative:
             new, window = dec.target_step(ctx), None
         else:
             assert window.context_len == len(ctx), "a window must continue the committed tokens"
             new, window = dec.speculative_step(ctx, window.head(gamma))
+        if gate is not None and gamma > 0 and draft_ready:  # a step beside the draft's reading shares its cores
+            gate.record(speculative, len(new), time.perf_counter() - started)
         for token in new:
             ctx.append(token)
             yield token

@@ -36,6 +36,9 @@ class Counts:
     fresh_rollouts: int = 0  # windows drawn serially (first window, branch misses, sd)
     fallbacks: int = 0  # steps run by the target alone because the draft failed, timed out, or was busy
     draft_context_steps: int = 0  # steps run by the target alone because the context passed the draft's
+    # steps run by the target alone because it was measured faster (runtime/gate.py) or the draft was still reading
+    # the prompt
+    gated_steps: int = 0
     draft_timeouts: int = 0  # draft answers that did not come within the timeout
 
 
@@ -111,7 +114,7 @@ class Recorder:
             branch_hits=c.branch_hits,
             rejected_branch_hit_rate=c.rejected_hits / c.rejected_lookups if c.rejected_lookups else 0.0,
             fresh_rollouts=c.fresh_rollouts, draft_failures=failures,
-            draft_context_steps=c.draft_context_steps, draft_timeouts=c.draft_timeouts,
+            draft_context_steps=c.draft_context_steps, gated_steps=c.gated_steps, draft_timeouts=c.draft_timeouts,
             draft_wait_s=self.seconds["wait"], target_device=target_device, draft_device=draft_device,
             draft_engine=dict(draft_engine), trace=self._timeline(draft) if self._trace is not None else None)
 
@@ -153,6 +156,7 @@ class GenerationStats(Mapping):
     fresh_rollouts: int
     draft_failures: int
     draft_context_steps: int
+    gated_steps: int  # steps the speculation gate gave to the target alone (runtime/gate.py; Counts says when)
     draft_timeouts: int
     draft_wait_s: float
     target_device: str

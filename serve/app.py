@@ -364,5 +364,6 @@ def _param_of(error: BadInputError, chat: bool) -> str | None:
     fields = {"max_new_tokens": "max_tokens", "gamma": "mirror.gamma", "kappa": "mirror.kappa",
               "branch_budget": "mirror.branch_budget", "draft_streaming": "mirror.draft_streaming",
               "draft_confidence_threshold": "mirror.draft_confidence_threshold", "mode": "mirror.mode",
+              "adaptive_speculation": "mirror.adaptive_speculation",
               "prompt": "messages" if chat else "prompt"}
     return fields.get(error.option, error.option)

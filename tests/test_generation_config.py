@@ -57,7 +57,8 @@ def test_pipeline_config_and_overrides(pipe):
     ({"draft_streaming": "x"}, "draft_streaming"), ({"stop": [""]}, "stop"), ({"kappa": 99}, "kappa"),
     ({"mode": "beam"}, "mode"), ({"seed": -1}, "seed"), ({"beams": 2}, None),
     ({"draft_confidence_threshold": 1.0}, "draft_confidence_threshold"),
-    ({"draft_confidence_threshold": "high"}, "draft_confidence_threshold")])
+    ({"draft_confidence_threshold": "high"}, "draft_confidence_threshold"),
+    ({"adaptive_speculation": "no"}, "adaptive_speculation")])
 def test_errors_name_the_option_at_fault(pipe, options, option):
     """The server maps `option` to the request field (serve/app.py), so each check must name its own option."""
     with pytest.raises(BadInputError) as caught:

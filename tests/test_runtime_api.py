@@ -176,6 +176,10 @@ def test_cli_generate_json_subprocess(bundle):
     out = json.loads(done.stdout)
     assert set(out) == {"token_ids", "text", "stats"} and len(out["token_ids"]) == 10
     assert out["stats"]["mode"] == "mirror" and out["stats"]["new_tokens"] == 10
+    done = subprocess.run([*cmd, "generate", str(bundle), "--prompt-ids", "5,17,33", "--mode", "sd", "--json",
+                           "--max-new-tokens", "10", "--always-speculate"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stats"]["gated_steps"] == 0  # every step speculated
 
 
 # -- a draft that fails or stalls -----------------------------------------------------------------------------
@@ -200,7 +204,8 @@ class FaultyDraft(GraphEngine):
 def test_draft_exception_falls_back(pipe, mode, overlap):
     ar = pipe.generate(PROMPT, mode="ar", max_new_tokens=30)
     faulty = Pipeline(pipe.manifest, pipe.target, FaultyDraft(pipe.draft, {4, 9, 10, 11, 12, 30}), pipe.codec)
-    out = faulty.generate(PROMPT, mode=mode, max_new_tokens=30, overlap=overlap)
+    # every step speculates, so that the draft is called as often as the injected failures assume
+    out = faulty.generate(PROMPT, mode=mode, max_new_tokens=30, overlap=overlap, adaptive_speculation=False)
     assert out.token_ids == ar.token_ids
     assert out.stats["draft_failures"] >= 2 and out.stats["fallbacks"] >= 1
 
@@ -209,7 +214,7 @@ def test_draft_stall_times_out_without_hanging(pipe):
     ar = pipe.generate(PROMPT, mode="ar", max_new_tokens=30)
     faulty = Pipeline(pipe.manifest, pipe.target, FaultyDraft(pipe.draft, {6}, stall_s=1.5), pipe.codec)
     start = time.perf_counter()
-    out = faulty.generate(PROMPT, mode="mirror", max_new_tokens=30, draft_timeout_s=0.2)
+    out = faulty.generate(PROMPT, mode="mirror", max_new_tokens=30, draft_timeout_s=0.2, adaptive_speculation=False)
     assert out.token_ids == ar.token_ids
     assert out.stats["draft_timeouts"] >= 1 and out.stats["fallbacks"] >= 1
     assert time.perf_counter() - start < 5.0

@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 
+from mirror_sd.runtime.gate import SpeculationGate
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.reference import reference_generate
 
@@ -42,10 +43,46 @@ def test_sd_and_mirror_equal_ar(pipelines, arch, exit_layer, top_k):
         runs += [("mirror", g, k, o) for g, k, o in itertools.product((1, 3, 6), (1, 4, 8), (True, False))
                  if k <= top_k]
         for mode, gamma, kappa, overlap in runs:
-            out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=gamma, kappa=kappa, overlap=overlap)
+            # every step speculates (no gate): the grid covers the speculative paths, not the gate's choices
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=gamma, kappa=kappa, overlap=overlap,
+                                adaptive_speculation=False)
             assert out.token_ids == ar.token_ids, (f"{mode} gamma={gamma} kappa={kappa} overlap={overlap} "
                                                    f"prompt={prompt}")
             assert out.stats["fallbacks"] == 0
+
+
+class _Alternating(SpeculationGate):
+    """A gate whose choices do not depend on time: speculate on two steps, then give one to the target alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def speculate(self) -> bool:
+        self.asked += 1
+        return self.asked % 3 != 0
+
+
+def test_gated_steps_keep_output_identical(pipelines, monkeypatch):
+    """Steps the gate gives to the target alone (dropping a ready branch window in mirror) change nothing in the
+    output; the stats count them and the speculative steps after them start fresh rollouts."""
+    import mirror_sd.runtime.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "SpeculationGate", _Alternating)
+    pipe = pipelines("llama")
+    for prompt in PROMPTS:
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+        for mode, gamma, overlap in itertools.product(("sd", "mirror"), (1, 4), (True, False)):
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=gamma, overlap=overlap)
+            assert out.token_ids == ar.token_ids, (mode, gamma, overlap, prompt)
+            s = out.stats
+            assert s["gated_steps"] >= 2 and s["fallbacks"] == 0
+            if overlap:  # steps run on the target alone until the draft thread has read the prompt: timing decides
+                continue
+            assert s["proposed_tokens"] > 0 and s["gated_steps"] < s["target_steps"] - 1
+            assert s["fresh_rollouts"] >= s["gated_steps"] - 1  # a window after a gated step is a fresh one
+        off = pipe.generate(prompt, mode="mirror", max_new_tokens=NEW_TOKENS, adaptive_speculation=False)
+        assert off.token_ids == ar.token_ids and off.stats["gated_steps"] == 0
 
 
 def test_reference_generator_agrees(pipelines):
@@ -61,7 +98,8 @@ def test_self_draft_is_accepted(pipelines, mode):
     """A draft identical to the target is accepted (almost) always."""
     pipe = pipelines("llama", self_draft=True)
     ar = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=40)
-    out = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=40, gamma=4)
+    # every step speculates: the gate would rightly give most steps to the target alone, as costly as its draft
+    out = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=40, gamma=4, adaptive_speculation=False)
     assert out.token_ids == ar.token_ids
     assert out.stats["acceptance_rate"] >= 0.95
     assert out.stats["mean_accepted_tokens"] > 3.0
@@ -84,7 +122,7 @@ def test_stats_keys_and_meaning(pipelines):
                 "mean_accepted_tokens", "branch_hit_rate", "fallbacks", "draft_tokens_per_forward", "prefix_s",
                 "suffix_s", "draft_s", "draft_hidden_fraction"}
     for mode in ("ar", "sd", "mirror"):
-        stats = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=20).stats
+        stats = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=20, adaptive_speculation=False).stats
         assert required <= stats.keys()
         assert stats["new_tokens"] == 20
         assert stats["mean_accepted_tokens"] == pytest.approx(20 / stats["target_steps"])

@@ -245,7 +245,8 @@ def test_accepted_proposals_give_several_tokens_per_forward(repeating):
     ar = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=40)
     measured = {}
     for mode, streaming in itertools.product(("sd", "mirror"), (True, False)):
-        out = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=40, gamma=6, draft_streaming=streaming)
+        out = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=40, gamma=6, draft_streaming=streaming,
+                            adaptive_speculation=False)
         assert out.token_ids == ar.token_ids, (mode, streaming)
         measured[mode, streaming] = out.stats["draft_tokens_per_forward"]
     for mode in ("sd", "mirror"):
@@ -332,8 +333,10 @@ def test_trust_mode_through_the_api_and_cli(pipe, bundle_factory, capsys):
     from mirror_sd.cli import main
     from mirror_sd.errors import BadInputError
 
-    verify = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=24, gamma=4, draft_streaming="verify")
-    trust = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=24, gamma=4, draft_streaming="trust")
+    verify = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=24, gamma=4, draft_streaming="verify",
+                           adaptive_speculation=False)
+    trust = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=24, gamma=4, draft_streaming="trust",
+                          adaptive_speculation=False)
     assert trust.token_ids == verify.token_ids
     assert trust.stats["draft_tokens_per_forward"] > verify.stats["draft_tokens_per_forward"]
     with pytest.raises(BadInputError, match="trust"):

@@ -1,4 +1,5 @@
-"""Pure pieces of the runtime: verification rules, sampling warps, the branch planner, KV caches, text sink."""
+"""Pure pieces of the runtime: verification rules, sampling warps, the branch planner, KV caches, text sink, the
+speculation gate."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from mirror_sd.runtime.draft import plan_branches
+from mirror_sd.runtime.gate import SpeculationGate
 from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
 from mirror_sd.runtime.messages import ExitCandidates
 from mirror_sd.runtime.sampling import SamplingParams, warp
@@ -112,3 +114,35 @@ def test_own_past_extends_makes_holes_and_gives_rows():
 def test_overlap_seconds():
     assert overlap_seconds([(0, 2), (3, 5)], [(1, 4)]) == pytest.approx(2.0)
     assert overlap_seconds([(0, 1)], []) == 0.0
+
+
+def _run_gate(gate: SpeculationGate, steps: int, spec: tuple[int, float], alone: tuple[int, float]) -> list[bool]:
+    """Drive the gate with steps of fixed cost: (tokens, seconds) for a speculative step and for the target alone."""
+    chosen = []
+    for _ in range(steps):
+        speculate = gate.speculate()
+        chosen.append(speculate)
+        gate.record(speculate, *(spec if speculate else alone))
+    return chosen
+
+
+def test_gate_measures_both_kinds_then_keeps_the_faster_and_explores():
+    # speculation: 1 token in 30 ms (33 tok/s) against the target alone's 1 in 20 ms (50 tok/s)
+    gate = SpeculationGate(explore_every=8)
+    chosen = _run_gate(gate, 40, spec=(1, 0.030), alone=(1, 0.020))
+    assert chosen[:3] == [True, True, False]  # the first speculative step is not counted: a second measures it
+    later = chosen[3:]
+    assert later.count(True) == len(later) // 8  # the slower kind once every 8 steps
+    assert gate.rates() == pytest.approx({"speculative": 1 / 0.030, "target_alone": 1 / 0.020})
+    # speculation faster (2.5 tokens in 30 ms = 83 tok/s): it runs, and the target alone only to explore
+    gate = SpeculationGate(explore_every=8)
+    later = _run_gate(gate, 40, spec=(5, 0.060), alone=(1, 0.020))[3:]
+    assert later.count(False) == len(later) // 8
+
+
+def test_gate_follows_a_change_in_speed():
+    """Speculation turns from slower to faster mid-generation: the explorations notice and the gate switches."""
+    gate = SpeculationGate(explore_every=4, smoothing=0.5)
+    _run_gate(gate, 20, spec=(1, 0.030), alone=(1, 0.020))
+    after = _run_gate(gate, 40, spec=(4, 0.030), alone=(1, 0.020))
+    assert after[-12:].count(False) == 3  # speculation runs; the target alone only to explore, every 4th step

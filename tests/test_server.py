@@ -142,6 +142,8 @@ def test_stop_strings_and_seeds(pipe, client):
     ({"model": MODEL, "prompt": "hi", "mirror": {"kappa": 99}}, None, 400, "mirror.kappa", "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "mirror": {"draft_confidence_threshold": 1.5}}, None, 400,
      "mirror.draft_confidence_threshold", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "mirror": {"adaptive_speculation": "maybe"}}, None, 400,
+     "mirror.adaptive_speculation", "invalid_value"),
 ])
 def test_bad_requests_get_openai_errors(port, body, raw, status, param, code):
     got, doc, _ = _post(port, "/v1/completions" if raw or "prompt" in body else "/v1/chat/completions", body, raw)
