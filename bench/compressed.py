@@ -83,8 +83,9 @@ def _measure(pipe, prompts, ar, max_new_tokens, gamma, mode) -> dict[str, Any]:
     accepted = proposed = steps = new = identical = 0
     stats: dict[str, Any] = {}
     for prompt, want in zip(prompts, ar):
+        # the draft's acceptance, measured at every step on its own windows
         result = pipe.generate(prompt, mode=mode, max_new_tokens=max_new_tokens, gamma=gamma,
-                               adaptive_speculation=False)  # acceptance is measured at every step
+                               adaptive_speculation=False, prompt_lookup_num_tokens=0)
         stats = result.stats
         accepted += stats["accepted_tokens"]
         proposed += stats["proposed_tokens"]

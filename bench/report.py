@@ -218,7 +218,9 @@ def _ablations(g: dict[str, Any]) -> list[str]:
              "logit-lens: the untrained exit head at the same layer (a bundle exported for it); no-overlap: the "
              "same schedule served serially; no-confidence: draft confidence threshold 0 (every window runs to "
              "gamma; the plan's threshold otherwise); no-gate: every step speculates (otherwise the speculation gate "
-             "gives a step to the target alone where that has been measured faster: runtime/gate.py).", ""]
+             "gives a step to the target alone where that has been measured faster: runtime/gate.py); no-lookup: every "
+             "window from the draft (otherwise a window is copied from the text where its last tokens occurred "
+             "before: runtime/prompt_lookup.py).", ""]
     lines += _table(["method", "tokens/s", "x ar", "mean accepted", "branch hit", "draft hidden",
                      "draft tokens/forward"], rows) + [""]
     if g.get("not_run"):
@@ -236,8 +238,8 @@ def _sweep(title: str, g: dict[str, Any], plot: str, extra: tuple[str, str] | No
             row.append(str(g["methods"].get(method, {}).get(extra[0], "")))
         rows.append(row)
     header = ["method", "tokens/s", "x ar", "mean accepted", "branch hit", "draft hidden"]
-    lines = [f"## {title}", "", f"{len(g['prompts'])} prompts, greedy; every step speculates (no speculation gate), "
-             "so each setting's own speed shows.", ""]
+    lines = [f"## {title}", "", f"{len(g['prompts'])} prompts, greedy; every step speculates with the draft (no "
+             "speculation gate, no prompt lookup), so each setting's own speed shows.", ""]
     lines += _table(header + ([extra[1]] if extra else []), rows) + [""]
     if g.get("not_run"):
         lines += [f"- {m}: not run: {why}" for m, why in g["not_run"].items()] + [""]

@@ -39,6 +39,7 @@ ABLATIONS = {  # mirror with one mechanism off; the logit lens one also needs an
     "no-overlap": dict(overlap=False),  # the same schedule, served serially on the main thread
     "no-confidence": dict(draft_confidence_threshold=0.0),  # every window runs to gamma, however unsure the draft
     "no-gate": dict(adaptive_speculation=False),  # every step speculates, however much slower than the target alone
+    "no-lookup": dict(prompt_lookup_num_tokens=0),  # every window from the draft, none copied from the text
 }
 WARMUP_PROMPT = ({"role": "user", "content": "Write one sentence about the sea."},)
 SEED = 1234  # T=1 runs: prompt i uses SEED + i in every method
@@ -288,7 +289,8 @@ class Bench:
         if spec and size.gammas:
             plan.append(_Group("gamma sweep", 0.0, size.max_new_tokens, sweep_prompts,
                                [ar, *(PipelineMethod(f"{m}@gamma{g}", self.sd_pipe if m == "sd" else main, m,
-                                                     gamma=g, adaptive_speculation=False)
+                                                     gamma=g, adaptive_speculation=False,
+                                                     prompt_lookup_num_tokens=0)
                                       for g in size.gammas for m in spec)]))
         if "mirror" in names and size.exit_layers:
             plan.append(_Group("exit sweep", 0.0, size.max_new_tokens, sweep_prompts, [ar, *self._exit_layers(main)]))
@@ -337,7 +339,8 @@ class Bench:
                 continue
             out.append(PipelineMethod(name, self._variant_pipe(found.path, main), "mirror",
                                       notes={"exit_layer": layer, "exit_head": found.exit_head},
-                                      **self._same_defaults(main), adaptive_speculation=False))
+                                      **self._same_defaults(main), adaptive_speculation=False,
+                                      prompt_lookup_num_tokens=0))
         return out
 
     def _timeline(self, main: Pipeline, greedy: dict[str, Any] | None) -> dict[str, Any] | None:

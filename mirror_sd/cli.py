@@ -71,7 +71,8 @@ def _generate(args: argparse.Namespace) -> int:
                  overlap=False if args.no_overlap else None,
                  gamma=args.gamma, kappa=args.kappa, branch_budget=args.branch_budget,
                  draft_confidence_threshold=args.draft_confidence_threshold,
-                 adaptive_speculation=False if args.always_speculate else None)
+                 adaptive_speculation=False if args.always_speculate else None,
+                 prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)
     # what was not given keeps the pipeline's config: the built-in defaults, with the bundle plan's merged in
     options = {name: value for name, value in given.items() if value is not None}
     if options.get("branch_budget") == "auto":
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-confidence-threshold", type=float, default=None,
                    help="end a draft window after a token the draft gives a probability below this, in [0, 1) "
                         "(default: the built-in default; 0: every window runs to gamma)")
+    g.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
+                   help="greedy sd/mirror: verify up to this many tokens copied from where the text's last tokens "
+                        "occurred before, instead of a draft window (default 4; 0: off)")
     g.add_argument("--always-speculate", action="store_true",
                    help="sd/mirror: speculate at every step (default: a step runs on the target alone where this "
                         "generation has measured that faster)")

@@ -38,9 +38,10 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
     from mirror_sd import Pipeline
 
     pipe = Pipeline.load(bundle)
-    # The draft's own quality is measured on full windows at every step (draft confidence threshold 0, no
-    # speculation gate); the "_planned" runs use the bundle plan's threshold and the gate (the speed a user gets).
-    full = dict(draft_confidence_threshold=0.0, adaptive_speculation=False)
+    # The draft's own quality is measured on full draft windows at every step (draft confidence threshold 0, no
+    # speculation gate, no prompt lookup); the "_planned" runs use the bundle plan's threshold, the gate and prompt
+    # lookup (the speed a user gets).
+    full = dict(draft_confidence_threshold=0.0, adaptive_speculation=False, prompt_lookup_num_tokens=0)
     runs = {"sd": dict(mode="sd", **full), "sd_verify": dict(mode="sd", draft_streaming="verify", **full),
             "sd_no_streaming": dict(mode="sd", draft_streaming=False, **full), "mirror": dict(mode="mirror", **full),
             "sd_planned": dict(mode="sd"), "mirror_planned": dict(mode="mirror")}

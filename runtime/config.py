@@ -49,13 +49,18 @@ class GenerationConfig:
     # measured faster (runtime/gate.py); False: every step speculates. Output never depends on it. Sampling always
     # speculates: the choice is timed, and which steps speculate decides which random draws make the tokens.
     adaptive_speculation: bool = True
+    # greedy sd / mirror: where the text's last few tokens (up to max_matching_ngram_size, at least 2) occurred
+    # before, verify the (up to) prompt_lookup_num_tokens that followed them instead of a draft window, as
+    # transformers' prompt_lookup_num_tokens and OpenVINO GenAI's prompt lookup do. 0: off.
+    prompt_lookup_num_tokens: int = 4
+    max_matching_ngram_size: int = 3
     trace: bool = False  # True: stats.trace lists every phase as (phase, start_s, end_s)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise BadInputError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}", option="mode")
         for name, low in (("max_new_tokens", 1), ("top_k", 0), ("seed", 0), ("gamma", 1), ("kappa", 1),
-                          ("branch_budget", 0)):
+                          ("branch_budget", 0), ("prompt_lookup_num_tokens", 0), ("max_matching_ngram_size", 2)):
             if getattr(self, name) is not None or name not in ("kappa", "branch_budget"):  # those two may be None
                 check_int(name, getattr(self, name), low)
         t = self.temperature

@@ -352,8 +352,10 @@ def grid(top_k: int, options: ProfileOptions) -> list[tuple[int, int, int]]:
 
 def run_setting(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, **options: Any
                 ) -> list[GenerationStats]:
-    # every step speculates: the cost model predicts a setting's speculation, which the gate would mask
+    # every step speculates with the draft: the cost model predicts a setting's speculation, which the gate and
+    # copied (prompt-lookup) windows would mask
     options.setdefault("adaptive_speculation", False)
+    options.setdefault("prompt_lookup_num_tokens", 0)
     return [pipe.generate(ids, max_new_tokens=max_new_tokens, **options).stats for ids in prompts]
 
 

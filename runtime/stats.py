@@ -39,6 +39,9 @@ class Counts:
     # steps run by the target alone because it was measured faster (runtime/gate.py) or the draft was still reading
     # the prompt
     gated_steps: int = 0
+    lookup_steps: int = 0  # steps that verified a prompt-lookup window (runtime/prompt_lookup.py)
+    lookup_proposed: int = 0  # its tokens (in proposed too)
+    lookup_accepted: int = 0  # ... and those accepted (in accepted too)
     draft_timeouts: int = 0  # draft answers that did not come within the timeout
 
 
@@ -115,6 +118,8 @@ class Recorder:
             rejected_branch_hit_rate=c.rejected_hits / c.rejected_lookups if c.rejected_lookups else 0.0,
             fresh_rollouts=c.fresh_rollouts, draft_failures=failures,
             draft_context_steps=c.draft_context_steps, gated_steps=c.gated_steps, draft_timeouts=c.draft_timeouts,
+            lookup_steps=c.lookup_steps, lookup_proposed_tokens=c.lookup_proposed,
+            lookup_accepted_tokens=c.lookup_accepted,
             draft_wait_s=self.seconds["wait"], target_device=target_device, draft_device=draft_device,
             draft_engine=dict(draft_engine), trace=self._timeline(draft) if self._trace is not None else None)
 
@@ -158,6 +163,9 @@ class GenerationStats(Mapping):
     draft_context_steps: int
     gated_steps: int  # steps the speculation gate gave to the target alone (runtime/gate.py; Counts says when)
     draft_timeouts: int
+    lookup_steps: int  # steps that verified a window copied from the text (prompt lookup)
+    lookup_proposed_tokens: int  # their tokens (counted in proposed_tokens too)
+    lookup_accepted_tokens: int  # ... accepted (counted in accepted_tokens too)
     draft_wait_s: float
     target_device: str
     draft_device: str

@@ -365,5 +365,6 @@ def _param_of(error: BadInputError, chat: bool) -> str | None:
               "branch_budget": "mirror.branch_budget", "draft_streaming": "mirror.draft_streaming",
               "draft_confidence_threshold": "mirror.draft_confidence_threshold", "mode": "mirror.mode",
               "adaptive_speculation": "mirror.adaptive_speculation",
+              "prompt_lookup_num_tokens": "mirror.prompt_lookup_num_tokens",
               "prompt": "messages" if chat else "prompt"}
     return fields.get(error.option, error.option)

@@ -58,7 +58,9 @@ def test_pipeline_config_and_overrides(pipe):
     ({"mode": "beam"}, "mode"), ({"seed": -1}, "seed"), ({"beams": 2}, None),
     ({"draft_confidence_threshold": 1.0}, "draft_confidence_threshold"),
     ({"draft_confidence_threshold": "high"}, "draft_confidence_threshold"),
-    ({"adaptive_speculation": "no"}, "adaptive_speculation")])
+    ({"adaptive_speculation": "no"}, "adaptive_speculation"),
+    ({"prompt_lookup_num_tokens": -1}, "prompt_lookup_num_tokens"),
+    ({"max_matching_ngram_size": 1}, "max_matching_ngram_size")])
 def test_errors_name_the_option_at_fault(pipe, options, option):
     """The server maps `option` to the request field (serve/app.py), so each check must name its own option."""
     with pytest.raises(BadInputError) as caught:

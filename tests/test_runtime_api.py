@@ -177,9 +177,11 @@ def test_cli_generate_json_subprocess(bundle):
     assert set(out) == {"token_ids", "text", "stats"} and len(out["token_ids"]) == 10
     assert out["stats"]["mode"] == "mirror" and out["stats"]["new_tokens"] == 10
     done = subprocess.run([*cmd, "generate", str(bundle), "--prompt-ids", "5,17,33", "--mode", "sd", "--json",
-                           "--max-new-tokens", "10", "--always-speculate"], capture_output=True, text=True, timeout=120)
+                           "--max-new-tokens", "10", "--always-speculate", "--prompt-lookup-num-tokens", "0"],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["stats"]["gated_steps"] == 0  # every step speculated
+    stats = json.loads(done.stdout)["stats"]
+    assert stats["gated_steps"] == 0 and stats["lookup_steps"] == 0  # every step speculated with the draft
 
 
 # -- a draft that fails or stalls -----------------------------------------------------------------------------

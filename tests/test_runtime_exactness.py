@@ -85,6 +85,27 @@ def test_gated_steps_keep_output_identical(pipelines, monkeypatch):
         assert off.token_ids == ar.token_ids and off.stats["gated_steps"] == 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_copied_windows_keep_output_identical(pipelines, arch):
+    """Prompt lookup: a prompt that repeats itself (and a tiny model's output, which repeats too) gives copied
+    windows; sd and mirror still equal ar, with and without the gate and overlap, at several window lengths."""
+    pipe = pipelines(arch)
+    prompt = [5, 17, 33, 90, 12, 5, 17, 33, 90, 12, 5, 17]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    for mode, n, overlap, gate in itertools.product(("sd", "mirror"), (1, 4, 8), (True, False), (True, False)):
+        out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=3, prompt_lookup_num_tokens=n,
+                            overlap=overlap, adaptive_speculation=gate)
+        assert out.token_ids == ar.token_ids, (mode, n, overlap, gate)
+        s = out.stats
+        assert s["lookup_steps"] >= 1 and 0 <= s["lookup_accepted_tokens"] <= s["lookup_proposed_tokens"]
+        assert s["lookup_proposed_tokens"] <= min(n, NEW_TOKENS - 1) * s["lookup_steps"]
+        assert s["proposed_tokens"] >= s["lookup_proposed_tokens"] and s["fallbacks"] == 0
+    off = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, prompt_lookup_num_tokens=0)
+    assert off.token_ids == ar.token_ids and off.stats["lookup_steps"] == 0
+    sampled = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, temperature=1.0, seed=1)
+    assert sampled.stats["lookup_steps"] == 0  # greedy only
+
+
 def test_reference_generator_agrees(pipelines):
     pipe = pipelines("llama")
     prompt = PROMPTS[1]

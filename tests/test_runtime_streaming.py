@@ -219,7 +219,8 @@ def test_confidence_threshold_keeps_sd_and_mirror_exact(pipe):
     for mode, overlap, streaming, threshold in itertools.product(("sd", "mirror"), (True, False), ("trust", "off"),
                                                                  (0.005, 0.02, 0.99)):
         out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=4, overlap=overlap,
-                            draft_streaming=streaming, draft_confidence_threshold=threshold)
+                            draft_streaming=streaming, draft_confidence_threshold=threshold,
+                            prompt_lookup_num_tokens=0)  # every window from the draft
         assert out.token_ids == ar.token_ids, f"{mode} overlap={overlap} streaming={streaming} threshold={threshold}"
         assert out.stats["fallbacks"] == 0
         if mode == "sd" and threshold == 0.99:  # this random draft is never that sure: every window is one token

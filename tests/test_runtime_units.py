@@ -1,5 +1,5 @@
 """Pure pieces of the runtime: verification rules, sampling warps, the branch planner, KV caches, text sink, the
-speculation gate."""
+speculation gate, prompt lookup."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from mirror_sd.runtime.draft import plan_branches
 from mirror_sd.runtime.gate import SpeculationGate
 from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
 from mirror_sd.runtime.messages import ExitCandidates
+from mirror_sd.runtime.prompt_lookup import lookup
 from mirror_sd.runtime.sampling import SamplingParams, warp
 from mirror_sd.runtime.stats import overlap_seconds
 from mirror_sd.runtime.verify import greedy_accept, speculative_accept
@@ -146,3 +147,18 @@ def test_gate_follows_a_change_in_speed():
     _run_gate(gate, 20, spec=(1, 0.030), alone=(1, 0.020))
     after = _run_gate(gate, 40, spec=(4, 0.030), alone=(1, 0.020))
     assert after[-12:].count(False) == 3  # speculation runs; the target alone only to explore, every 4th step
+
+
+@pytest.mark.parametrize("context, max_ngram, max_tokens, want", [
+    ([1, 2, 3, 4, 5, 9, 2, 3], 3, 4, (4, 5, 9, 2)),  # "2 3" occurred before: what followed it
+    ([1, 2, 3, 4, 5, 1, 2, 3], 3, 2, (4, 5)),  # the longest match ("1 2 3"), cut to max_tokens
+    ([7, 2, 3, 8, 1, 2, 3, 6, 2, 3], 3, 3, (6, 2, 3)),  # the latest of two occurrences
+    ([5, 1, 2, 3, 9, 2, 3], 3, 4, (9, 2, 3)),  # the continuation may run into the tail itself
+    ([1, 2, 3, 4, 5, 6, 3], 3, 4, ()),  # a 1-token match is not enough
+    ([4, 4, 4], 3, 2, (4,)),  # "4 4" at 0 is followed by the last token only
+    ([1, 2, 3, 1, 2], 3, 0, ()),
+    ([1], 3, 4, ()),
+])
+def test_prompt_lookup(context, max_ngram, max_tokens, want):
+    assert lookup(context, max_ngram, max_tokens) == want
+    assert lookup(np.asarray(context), max_ngram, max_tokens) == want

@@ -144,6 +144,8 @@ def test_stop_strings_and_seeds(pipe, client):
      "mirror.draft_confidence_threshold", "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "mirror": {"adaptive_speculation": "maybe"}}, None, 400,
      "mirror.adaptive_speculation", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "mirror": {"prompt_lookup_num_tokens": -1}}, None, 400,
+     "mirror.prompt_lookup_num_tokens", "invalid_value"),
 ])
 def test_bad_requests_get_openai_errors(port, body, raw, status, param, code):
     got, doc, _ = _post(port, "/v1/completions" if raw or "prompt" in body else "/v1/chat/completions", body, raw)

@@ -1,0 +1,43 @@
+"""Prompt lookup: a draft window copied from the text itself, as OpenVINO GenAI's prompt-lookup decoding and
+transformers' `prompt_lookup_num_tokens` propose it.
+
+Summaries, answers over a passage, code edits and multi-turn chats repeat spans of their prompt; where the last few
+committed tokens occurred before, the tokens that followed them then are a window that costs no draft forward. The
+target verifies it like any other window, so output never depends on it.
+
+Plain arithmetic on token ids (numpy); the scheduler asks before each greedy sd/mirror step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def lookup(context: Sequence[int] | np.ndarray, max_ngram: int, max_tokens: int, min_ngram: int = 2
+           ) -> tuple[int, ...]:
+    """Up to `max_tokens` tokens that followed the latest earlier occurrence of the context's last n tokens, for the
+    longest n in [min_ngram, max_ngram] that occurred before; () where none did.
+
+    The latest occurrence is taken: in a generation that repeats itself, the most recent copy is the one it is
+    continuing. A 1-token match is not tried by default: it proposes windows of common tokens the target mostly
+    rejects, and a rejected window still costs a wider verification.
+    """
+    ids = np.asarray(context, np.int64)
+    n_ctx = ids.size
+    if max_tokens < 1:
+        return ()
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        tail = ids[n_ctx - n:]
+        # starts of every earlier n-gram equal to the tail (the tail itself excluded: it has no continuation)
+        starts = np.flatnonzero(ids[:n_ctx - n] == tail[0])
+        starts = starts[starts + n < n_ctx]
+        for j in range(1, n):
+            if starts.size == 0:
+                break
+            starts = starts[ids[starts + j] == tail[j]]
+        if starts.size:
+            begin = int(starts[-1]) + n
+            return tuple(int(t) for t in ids[begin:begin + max_tokens])
+    return ()
