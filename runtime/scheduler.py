@@ -316,11 +316,11 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     stops earlier (EOS, stop strings) by closing the generator, and closes the worker.
 
     cfg.kappa must be resolved (an int). worker None in sd/mirror mode: the draft is unavailable (e.g. still
-    stalled from an earlier call), and every step runs on the target alone (or verifies a copied window). warm_with_prefill: the draft reads
-    the prompt while the target prefills it, which pays only where both fit the cores together: a multi-threaded
-    prefill sharing its cores with the draft waits at every parallel section for a preempted thread (measured:
-    results/README.md, "Why the runtime is set up as it is"). Otherwise it reads the prompt right after, before the
-    first window.
+    stalled from an earlier call), and every step runs on the target alone (or verifies a copied window).
+    warm_with_prefill: the draft reads the prompt while the target prefills it, which pays only where both fit the
+    cores together: a multi-threaded prefill sharing its cores with the draft waits at every parallel section for a
+    preempted thread (measured: results/README.md, "Why the runtime is set up as it is"). Otherwise it reads the
+    prompt right after, before the first window.
     """
     if cfg.mode == "ar":
         worker = None

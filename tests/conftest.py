@@ -16,6 +16,24 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
+def scripted_gate(speculate_when):
+    """A speculation gate whose n-th choice (n from 1) is speculate_when(n), not the clock's: tests of the steps it
+    gives to the target alone then run the same every time. Patch it over mirror_sd.runtime.scheduler's
+    SpeculationGate."""
+    from mirror_sd.runtime.gate import SpeculationGate
+
+    class Scripted(SpeculationGate):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked = 0
+
+        def speculate(self) -> bool:
+            self.asked += 1
+            return speculate_when(self.asked)
+
+    return Scripted
+
+
 @pytest.fixture(scope="session")
 def pair_factory(tmp_path_factory):
     """pair_factory(arch) -> (target_dir, draft_dir): a tiny 6-layer target and 2-layer draft sharing a tokenizer."""

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import scripted_gate
 
 import mirror_sd.runtime.scheduler as scheduler
 from mirror_sd.models import train_feature_draft as tfd
 from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
-from mirror_sd.runtime.gate import SpeculationGate
 
 
 def _tiny_target(vocab: int = 300, layers: int = 4):
@@ -324,18 +324,6 @@ def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does
     assert len(lengths) > 2  # windows ended at several places
 
 
-class _Bursts(SpeculationGate):
-    """A gate whose choices do not depend on time: twelve steps of the target alone, then four speculative ones."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.asked = 0
-
-    def speculate(self) -> bool:
-        self.asked += 1
-        return self.asked % 16 >= 12
-
-
 def test_feature_draft_packages_for_a_static_device(trained_feature_bundle, tmp_path, monkeypatch):
     """The static NPU package of a feature draft: the channel's inputs at fixed shapes, the static engine feeding
     them; outputs stay the target's and the fp32 package drafts what the bundle drafts."""
@@ -361,7 +349,7 @@ def test_feature_draft_packages_for_a_static_device(trained_feature_bundle, tmp_
             assert short.token_ids == ar.token_ids and short.stats["fallbacks"] == 0, mode
     # runs of steps on the target alone: the draft reads what it missed into its cache before the next rollout,
     # so no row outgrows the static graphs (overlap off: the draft reads the prompt before the first step)
-    monkeypatch.setattr(scheduler, "SpeculationGate", _Bursts)
+    monkeypatch.setattr(scheduler, "SpeculationGate", scripted_gate(lambda n: n % 16 >= 12))  # 11 alone, then 4
     for prompt in prompts[:2]:
         ar = dynamic.generate(prompt, mode="ar", max_new_tokens=24)
         for mode in ("sd", "mirror"):

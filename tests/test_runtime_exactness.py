@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from conftest import scripted_gate
 
-from mirror_sd.runtime.gate import SpeculationGate
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.reference import reference_generate
 
@@ -51,24 +51,13 @@ def test_sd_and_mirror_equal_ar(pipelines, arch, exit_layer, top_k):
             assert out.stats["fallbacks"] == 0
 
 
-class _Alternating(SpeculationGate):
-    """A gate whose choices do not depend on time: speculate on two steps, then give one to the target alone."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.asked = 0
-
-    def speculate(self) -> bool:
-        self.asked += 1
-        return self.asked % 3 != 0
-
-
 def test_gated_steps_keep_output_identical(pipelines, monkeypatch):
     """Steps the gate gives to the target alone (dropping a ready branch window in mirror) change nothing in the
     output; the stats count them and the speculative steps after them start fresh rollouts."""
     import mirror_sd.runtime.scheduler as scheduler
 
-    monkeypatch.setattr(scheduler, "SpeculationGate", _Alternating)
+    # speculate on two steps, then give one to the target alone
+    monkeypatch.setattr(scheduler, "SpeculationGate", scripted_gate(lambda n: n % 3 != 0))
     pipe = pipelines("llama")
     for prompt in PROMPTS:
         ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
