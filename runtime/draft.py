@@ -52,6 +52,11 @@ from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, pro
 from mirror_sd.runtime.stats import Recorder
 
 PAD_ID = 0  # any id: padded slots are masked out
+# The most prompt tokens a draft reads. A longer prompt's head is held without KV and masked out of the draft's
+# attention (positions still count it): the draft reads the prompt after the target's prefill on a small machine,
+# ~0.17-0.2 s for 2,048 tokens at one thread, time every sd/mirror generation on a long prompt waits or shares its
+# cores with; a one- to four-layer draft predicts the next tokens from the recent text. Output never depends on it.
+PROMPT_WINDOW = 1024
 # "trust" is what streaming on means (runtime/config.py STREAMING_MODES): several times the tokens per forward of
 # "verify" at nearly its acceptance (results/smollm2-draft-eval.json); sampled windows fall back to "verify" by
 # themselves.
@@ -197,6 +202,16 @@ class DrafterBase:
         self.lane = engine.context_lane()
         self.rows = None  # kept until the next request: a branch hit continues its row
         self.confidence = float(confidence)
+        self.prompt_window = PROMPT_WINDOW
+
+    def _skip_head(self, inputs: np.ndarray, keep: int) -> int:
+        """Reading a prompt into a lane that holds no KV yet: of more than prompt_window inputs, hold the head without
+        KV (masked out) and return where reading starts, so that the draft reads the last prompt_window only."""
+        if keep != self.lane.start or inputs.size - keep <= self.prompt_window:
+            return keep
+        start = inputs.size - self.prompt_window
+        self.lane.skip(inputs[keep:start])
+        return start
 
     def reset(self) -> None:
         """Forget every cache (after a failure: nothing half-updated is ever reused)."""
@@ -250,7 +265,7 @@ class DrafterBase:
         inputs = self._inputs(seq)
         keep = self._take(inputs, keep_last=False)
         self._read(seq, keep)
-        return int(inputs.size - keep)
+        return int(inputs.size - max(keep, self.lane.start))  # a long prompt's unread head is not fed
 
     def rollout(self, context: tuple[int, ...], gamma: int, features: Features = ()) -> DraftWindow:
         """gamma tokens continuing `context`; afterwards the lane holds what the rollout fed of context and window
@@ -306,9 +321,9 @@ class Drafter(DrafterBase):
         """A token draft reads no taps (the scheduler sends none)."""
 
     def _read(self, seq: np.ndarray, keep: int) -> None:
-        """Feed seq[keep:] into the lane in chunks (a prompt)."""
+        """Feed seq[keep:] into the lane in chunks (a prompt; of a long one, the last prompt_window tokens)."""
         chunk = self.engine.prompt_chunk
-        for lo in range(keep, seq.size, chunk):
+        for lo in range(self._skip_head(seq, keep), seq.size, chunk):
             part = seq[None, lo:lo + chunk]
             mask = np.ones(part.shape, np.int64)
             own = self.engine.empty_own(1)

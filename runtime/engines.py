@@ -109,7 +109,7 @@ class GraphEngine(DraftEngine):
         if own.batch != batch:
             raise ValueError(f"input batch {batch} != own past batch {own.batch}")
         span = int(shared.max()) if shared.size else 0
-        shared_mask = (np.arange(span)[None] < shared[:, None]).astype(np.int64)
+        shared_mask = lane.shared_mask(shared, span)
         feed = {"input_ids": np.ascontiguousarray(x), "position_ids": positions, "shared_mask": shared_mask,
                 "attention_mask": np.concatenate([own.mask, new_mask.astype(np.int64)], 1),
                 KEEP: np.array([new if keep is None else keep], np.int64)}

@@ -127,9 +127,10 @@ class FeatureDrafter(DrafterBase):
                                       f"{self.store.valid_for(seq)} are known")
 
     def _read(self, seq: np.ndarray, keep: int) -> None:
-        """Feed inputs keep+1 .. n-1 of seq (real taps) into the lane, in chunks; no heads are read."""
+        """Feed inputs keep+1 .. n-1 of seq (real taps) into the lane, in chunks; no heads are read. Of a long
+        prompt, the last prompt_window inputs only."""
         chunk = self.engine.prompt_chunk
-        for lo in range(keep + 1, seq.size, chunk):
+        for lo in range(self._skip_head(self._inputs(seq), keep) + 1, seq.size, chunk):
             hi = min(lo + chunk, seq.size)
             x = seq[None, lo:hi]
             mask = np.ones(x.shape, np.int64)

@@ -29,6 +29,20 @@ class ContextLane:
     def __init__(self, buffers: LayerKV) -> None:
         self.buffers = buffers
         self.tokens = np.zeros(0, np.int64)
+        self.start = 0  # slots [0, start) hold tokens without KV (a long prompt's head, unread): masked out
+
+    def skip(self, tokens: np.ndarray) -> None:
+        """Hold `tokens` without their KV, at the head of an otherwise empty lane: attention never reads them
+        (shared_mask), positions still count them."""
+        if self.length != self.start:
+            raise ValueError("only the head of a lane may be held without its KV")
+        self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int64)])
+        self.start = self.length
+
+    def shared_mask(self, shared: np.ndarray, span: int) -> np.ndarray:
+        """[B, span]: 1 where row b reads slot j, j in [start, shared[b])."""
+        cols = np.arange(span)[None]
+        return ((cols < shared[:, None]) & (cols >= self.start)).astype(np.int64)
 
     @property
     def length(self) -> int:
@@ -50,6 +64,7 @@ class ContextLane:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a {self.length}-token lane to {length}")
         self.tokens = self.tokens[:length]
+        self.start = min(self.start, length)
 
     def append(self, kv: LayerKV, tokens: np.ndarray) -> None:
         """Write the KV of `tokens` ([1, kv_heads, n, head_dim] per layer) after the held slots."""

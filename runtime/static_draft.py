@@ -87,7 +87,7 @@ class _StaticGraph:
         mask[:b, self.own_slots:self.own_slots + t] = new_mask
         capacity = lane.capacity
         shared_mask = np.zeros((self.batch, capacity), np.int64)
-        shared_mask[:b] = np.arange(capacity)[None] < shared[:, None]
+        shared_mask[:b] = lane.shared_mask(shared, capacity)
         f["shared_mask"] = shared_mask
         f["input_ids"][:] = PAD_ID
         f["input_ids"][:b, :t] = x

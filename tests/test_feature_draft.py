@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import scripted_gate
 
+import mirror_sd.runtime.draft as draft_module
 import mirror_sd.runtime.scheduler as scheduler
 from mirror_sd.models import train_feature_draft as tfd
 from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
@@ -347,6 +348,16 @@ def test_feature_draft_packages_for_a_static_device(trained_feature_bundle, tmp_
             # rows that end early leave the batch: the static graph takes the smaller batch too
             short = static.generate(prompt, mode=mode, max_new_tokens=24, gamma=4, draft_confidence_threshold=0.6)
             assert short.token_ids == ar.token_ids and short.stats["fallbacks"] == 0, mode
+    # a draft that reads only a prompt's tail (its head held without KV, masked out), in the dynamic graph and the
+    # static one (whose shared mask covers the whole lane buffer)
+    monkeypatch.setattr(draft_module, "PROMPT_WINDOW", 4)
+    for prompt in prompts:
+        ar = dynamic.generate(prompt, mode="ar", max_new_tokens=24)
+        for pipe in (dynamic, static):
+            out = pipe.generate(prompt, mode="sd", max_new_tokens=24, gamma=4, adaptive_speculation=False,
+                                prompt_lookup_num_tokens=0)
+            assert out.token_ids == ar.token_ids and out.stats["fallbacks"] == 0
+    monkeypatch.setattr(draft_module, "PROMPT_WINDOW", 1024)
     # runs of steps on the target alone: the draft reads what it missed into its cache before the next rollout,
     # so no row outgrows the static graphs (overlap off: the draft reads the prompt before the first step)
     monkeypatch.setattr(scheduler, "SpeculationGate", scripted_gate(lambda n: n % 16 >= 12))  # 11 alone, then 4

@@ -95,6 +95,26 @@ def test_copied_windows_keep_output_identical(pipelines, arch):
     assert sampled.stats["lookup_steps"] == 0  # greedy only
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_draft_reading_only_the_prompts_tail_keeps_output_identical(pipelines, arch, monkeypatch):
+    """A prompt longer than the draft's prompt window: the draft holds its head without KV and reads the rest; sd and
+    mirror still equal ar, and the draft's lane starts where the window does."""
+    import mirror_sd.runtime.draft as draft
+
+    monkeypatch.setattr(draft, "PROMPT_WINDOW", 6)
+    pipe = pipelines(arch)
+    prompt = [(7 * i + 3) % 250 + 4 for i in range(40)]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    for mode, overlap in itertools.product(("sd", "mirror"), (True, False)):
+        out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=3, overlap=overlap,
+                            adaptive_speculation=False, prompt_lookup_num_tokens=0)
+        assert out.token_ids == ar.token_ids, (mode, overlap)
+        assert out.stats["proposed_tokens"] > 0 and out.stats["fallbacks"] == 0
+    drafter = draft.Drafter(pipe.draft, pipe.generation_config.params)
+    assert drafter.warm(tuple(prompt)) == 6  # inputs fed: the last 6
+    assert (drafter.lane.start, drafter.lane.length) == (34, 40)
+
+
 def test_reference_generator_agrees(pipelines):
     pipe = pipelines("llama")
     prompt = PROMPTS[1]

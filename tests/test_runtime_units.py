@@ -96,6 +96,24 @@ def test_context_lane_truncates_by_length_and_writes_only_new_slots():
         lane.append({i: (np.ones((1, 2, 4, 4), np.float32),) * 2 for i in range(2)}, np.arange(4))
 
 
+def test_context_lane_holds_a_skipped_head_masked_out():
+    """A long prompt's head is held without KV: positions count it, attention (shared_mask) never reads it."""
+    buffers = {0: (np.zeros((1, 2, 8, 4), np.float32), np.zeros((1, 2, 8, 4), np.float32))}
+    lane = ContextLane(buffers)
+    lane.skip(np.array([7, 8, 9]))
+    assert (lane.length, lane.start) == (3, 3) and not buffers[0][0].any()
+    lane.append({0: (np.ones((1, 2, 2, 4), np.float32),) * 2}, np.array([1, 2]))
+    assert lane.tokens.tolist() == [7, 8, 9, 1, 2]
+    assert lane.shared_mask(np.array([5, 4, 2]), 6).tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 0, 0],
+                                                                  [0, 0, 0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="head"):
+        lane.skip(np.array([3]))  # KV follows: the head is over
+    lane.truncate(2)  # back inside the head: what is left is all unread
+    assert (lane.length, lane.start) == (2, 2)
+    lane.truncate(0)
+    assert lane.start == 0 and lane.shared_mask(np.array([1]), 1).tolist() == [[1]]
+
+
 def test_own_past_extends_makes_holes_and_gives_rows():
     own = OwnPast.empty(range(2), 3, 2, 4)
     rng = np.random.default_rng(0)
