@@ -99,7 +99,8 @@ class StreamingDraftSource(Draft):
         base = self.arch.facts()
         return DraftFacts(**{**base, "architecture": "streaming-llama", "vocab_size": cfg.target_vocab_size},
                           tokens_per_forward=cfg.streams + 1, output_vocab_size=cfg.draft_vocab,
-                          output_vocab_file=DRAFT_VOCAB_FILE, streams=cfg.streams)
+                          output_vocab_file=DRAFT_VOCAB_FILE, streams=cfg.streams,
+                          attention_window=cfg.attention_window)
 
     def segment(self) -> nn.Module:
         return _StreamingSegment(self.model, self.arch)

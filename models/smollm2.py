@@ -146,11 +146,12 @@ DRAFT_MARKER = "source_draft.sha256"  # which committed draft weights the bundle
 
 
 def _weights_digest(draft: Path) -> str:
-    """sha256 of the draft's weight files: a draft retrained with the same vocabulary is another draft."""
+    """sha256 of the draft's weight and config files: a draft retrained with the same vocabulary, or given another
+    setting (its attention window), is another draft."""
     import hashlib
 
     h = hashlib.sha256()
-    for f in sorted(draft.glob("*.safetensors")):
+    for f in sorted([*draft.glob("*.safetensors"), *draft.glob("*_draft.json")]):
         h.update(f.read_bytes())
     return h.hexdigest()
 

@@ -43,6 +43,9 @@ class StreamingDraftConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     stream_weights: list[float] = field(default_factory=lambda: [0.6, 0.4, 0.3, 0.2, 0.1])  # alpha_j
+    # The window of recent tokens the draft was trained on (train_draft's seq_len); 0: not recorded. The runtime
+    # keeps the draft's attention to that window (partitions/manifest.py DraftFacts.attention_window).
+    attention_window: int = 0
 
     @property
     def draft_vocab(self) -> int:

@@ -175,6 +175,7 @@ def train(target_dir: Path, data_file: Path | Sequence[Path], out_dir: Path, *, 
     code = code_examples(tokenizer, max_tokens=sum(len(e.ids) for e in convs) // 4, seed=seed)
     if init_from is not None:
         draft = StreamingDraft.load(init_from)
+        draft.config.attention_window = seq_len  # what this training shows it
         vocab = list(draft.config.vocab_ids)
     else:
         special = sorted({tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens})
@@ -185,7 +186,7 @@ def train(target_dir: Path, data_file: Path | Sequence[Path], out_dir: Path, *, 
                                       rope_theta=tc.rope_parameters["rope_theta"]
                                       if getattr(tc, "rope_parameters", None) else getattr(tc, "rope_theta", 10000.0),
                                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                      **(config_overrides or {}))
+                                      attention_window=seq_len, **(config_overrides or {}))
         draft = StreamingDraft(config)
         init_from_target(draft, target.get_input_embeddings().weight.detach())
         del target

@@ -83,6 +83,10 @@ class DraftFacts(ModelFacts):
     # A feature draft reads the target's residual stream after these layers (each <= the exit layer, so the prefix
     # has them before the suffix runs); () for a draft that reads token ids only.
     feature_taps: tuple[int, ...] = ()
+    # The most recent tokens the draft attends to (0: its whole context): the length it was trained on, where
+    # drafting over a far longer context costs acceptance (results/README.md). The runtime masks older slots out of
+    # its attention and reads only the last attention_window tokens of a longer prompt; positions still count them.
+    attention_window: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_taps", tuple(self.feature_taps))  # JSON gives a list
@@ -209,6 +213,10 @@ class Manifest:
             raise ManifestError(f"draft {STREAM_IDS} last axis is not its {dr.streams} streams")
         if bool(dr.output_vocab_size) != bool(dr.output_vocab_file):
             raise ManifestError("a reduced draft vocabulary needs both output_vocab_size and output_vocab_file")
+        if not isinstance(dr.attention_window, int) or isinstance(dr.attention_window, bool) \
+                or dr.attention_window < 0:
+            raise ManifestError(f"draft attention_window must be a whole number >= 0 (0: the whole context), "
+                                f"not {dr.attention_window!r}")
 
         out = prefix.output(BOUNDARY)
         for reader in (suffix, exit_head):

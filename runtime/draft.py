@@ -56,6 +56,7 @@ PAD_ID = 0  # any id: padded slots are masked out
 # attention (positions still count it): the draft reads the prompt after the target's prefill on a small machine,
 # ~0.17-0.2 s for 2,048 tokens at one thread, time every sd/mirror generation on a long prompt waits or shares its
 # cores with; a one- to four-layer draft predicts the next tokens from the recent text. Output never depends on it.
+# A draft with a shorter attention window (DraftFacts.attention_window) reads only that.
 PROMPT_WINDOW = 1024
 # "trust" is what streaming on means (runtime/config.py STREAMING_MODES): several times the tokens per forward of
 # "verify" at nearly its acceptance (results/smollm2-draft-eval.json); sampled windows fall back to "verify" by
@@ -202,7 +203,8 @@ class DrafterBase:
         self.lane = engine.context_lane()
         self.rows = None  # kept until the next request: a branch hit continues its row
         self.confidence = float(confidence)
-        self.prompt_window = PROMPT_WINDOW
+        # a draft with an attention window never reads past it: of a longer prompt, only the last window is read
+        self.prompt_window = min(PROMPT_WINDOW, engine.facts.attention_window or PROMPT_WINDOW)
 
     def _skip_head(self, inputs: np.ndarray, keep: int) -> int:
         """Reading a prompt into a lane that holds no KV yet: of more than prompt_window inputs, hold the head without

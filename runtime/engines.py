@@ -65,10 +65,12 @@ class DraftEngine(ABC):
         [B,T,...] (partitions/manifest.py)."""
 
     def context_lane(self) -> ContextLane:
-        """An empty lane with buffers of `lane_capacity` slots of its own."""
+        """An empty lane with buffers of `lane_capacity` slots of its own, read through the draft's attention
+        window."""
         f = self.facts
         shape = (1, f.num_kv_heads, self.lane_capacity, f.head_dim)
-        return ContextLane({i: (np.zeros(shape, f.dtype), np.zeros(shape, f.dtype)) for i in self.spec.kv_layers})
+        return ContextLane({i: (np.zeros(shape, f.dtype), np.zeros(shape, f.dtype)) for i in self.spec.kv_layers},
+                           f.attention_window)
 
     def empty_own(self, batch: int = 1) -> OwnPast:
         f = self.facts

@@ -2,8 +2,9 @@
 
 - `ContextLane`: the KV of one token sequence in per-layer buffers [1, kv_heads, capacity, head_dim] allocated once
   per lane (a drafter keeps one for a whole generation): slots [0, length) hold `tokens`. Every batch row of a
-  forward reads a prefix of it (the row's shared length), so branch rows over one context never copy it.
-  Truncating is a length; appending writes only the new slots.
+  forward reads a prefix of it (the row's shared length), so branch rows over one context never copy it; a draft
+  with an attention window reads only the last `window` slots of that prefix. Truncating is a length; appending
+  writes only the new slots.
 - `OwnPast`: each row's own short past [B, kv_heads, S, head_dim] - the tokens a row fed since it left the lane, a
   few per forward - as an immutable value: extending it makes a new one, a slot can become a hole (mask 0: a
   proposal the row fed and then rejected). Holes never shift positions: a row's next position is its shared length
@@ -26,10 +27,13 @@ class ContextLane:
     """One sequence's KV in buffers allocated once for it (np.zeros: pages are mapped as they are first written);
     the thread that holds the lane owns it."""
 
-    def __init__(self, buffers: LayerKV) -> None:
+    def __init__(self, buffers: LayerKV, window: int = 0) -> None:
         self.buffers = buffers
         self.tokens = np.zeros(0, np.int64)
         self.start = 0  # slots [0, start) hold tokens without KV (a long prompt's head, unread): masked out
+        # A row reads at most the last `window` shared slots (0: all of them): a draft trained on short windows
+        # drafts worse over a context far longer than that (DraftFacts.attention_window).
+        self.window = int(window)
 
     def skip(self, tokens: np.ndarray) -> None:
         """Hold `tokens` without their KV, at the head of an otherwise empty lane: attention never reads them
@@ -40,9 +44,12 @@ class ContextLane:
         self.start = self.length
 
     def shared_mask(self, shared: np.ndarray, span: int) -> np.ndarray:
-        """[B, span]: 1 where row b reads slot j, j in [start, shared[b])."""
+        """[B, span]: 1 where row b reads slot j: j in [start, shared[b]), and j >= shared[b] - window if windowed."""
         cols = np.arange(span)[None]
-        return ((cols < shared[:, None]) & (cols >= self.start)).astype(np.int64)
+        first = np.full((len(shared), 1), self.start)
+        if self.window:
+            first = np.maximum(first, shared[:, None] - self.window)
+        return ((cols < shared[:, None]) & (cols >= first)).astype(np.int64)
 
     @property
     def length(self) -> int:

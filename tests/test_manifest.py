@@ -96,9 +96,15 @@ def _mutations():
     def no_eos(d):
         d["tokenizer"]["eos_token_ids"] = []
 
+    def negative_window(d):
+        d["draft"]["attention_window"] = -1
+
+    def fractional_window(d):
+        d["draft"]["attention_window"] = 2.5
+
     return [gap, overlap, short_of_n, boundary, vocab, exit_layer, version, missing_role, unknown_role, kv_names,
             kv_interface, exit_with_layers, old_version, top_k, outside_dotdot, outside_absolute, missing_file,
-            bad_dtype, missing_field, no_eos]
+            bad_dtype, missing_field, no_eos, negative_window, fractional_window]
 
 
 @pytest.mark.parametrize("mutate", _mutations(), ids=lambda f: f.__name__)

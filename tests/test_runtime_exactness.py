@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from conftest import scripted_gate
 
@@ -113,6 +114,30 @@ def test_a_draft_reading_only_the_prompts_tail_keeps_output_identical(pipelines,
     drafter = draft.Drafter(pipe.draft, pipe.generation_config.params)
     assert drafter.warm(tuple(prompt)) == 6  # inputs fed: the last 6
     assert (drafter.lane.start, drafter.lane.length) == (34, 40)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_draft_with_an_attention_window_keeps_output_identical(pipelines, arch, monkeypatch):
+    """A draft that attends to its last 5 tokens only (DraftFacts.attention_window): it reads a longer prompt's last
+    5 tokens, its lane masks older slots out, and sd and mirror still equal ar."""
+    import dataclasses
+
+    import mirror_sd.runtime.draft as draft
+
+    pipe = pipelines(arch)
+    monkeypatch.setattr(pipe.draft, "facts", dataclasses.replace(pipe.draft.facts, attention_window=5))
+    prompt = [(5 * i + 1) % 250 + 4 for i in range(30)]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    for mode, overlap in itertools.product(("sd", "mirror"), (True, False)):
+        out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=3, overlap=overlap,
+                            adaptive_speculation=False, prompt_lookup_num_tokens=0)
+        assert out.token_ids == ar.token_ids, (mode, overlap)
+        assert out.stats["proposed_tokens"] > 0 and out.stats["fallbacks"] == 0
+    drafter = draft.Drafter(pipe.draft, pipe.generation_config.params)
+    assert drafter.warm(tuple(prompt)) == 5 and drafter.lane.window == 5
+    assert (drafter.lane.start, drafter.lane.length) == (25, 30)
+    mask = drafter.lane.shared_mask(np.array([30]), 30)[0]
+    assert mask.tolist() == [0] * 25 + [1] * 5
 
 
 def test_reference_generator_agrees(pipelines):

@@ -114,6 +114,17 @@ def test_context_lane_holds_a_skipped_head_masked_out():
     assert lane.start == 0 and lane.shared_mask(np.array([1]), 1).tolist() == [[1]]
 
 
+def test_context_lane_window_masks_older_slots_per_row():
+    """A windowed lane: each row reads only the last `window` of its shared slots, and never the unread head."""
+    buffers = {0: (np.zeros((1, 2, 8, 4), np.float32), np.zeros((1, 2, 8, 4), np.float32))}
+    lane = ContextLane(buffers, window=3)
+    lane.skip(np.array([7]))
+    lane.append({0: (np.ones((1, 2, 5, 4), np.float32),) * 2}, np.arange(5))
+    assert lane.shared_mask(np.array([6, 4, 2]), 7).tolist() == [[0, 0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0],
+                                                                  [0, 1, 0, 0, 0, 0, 0]]
+    assert ContextLane(buffers).shared_mask(np.array([6]), 6).tolist() == [[1] * 6]  # window 0: every slot
+
+
 def test_own_past_extends_makes_holes_and_gives_rows():
     own = OwnPast.empty(range(2), 3, 2, 4)
     rng = np.random.default_rng(0)
