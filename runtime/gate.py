@@ -1,14 +1,20 @@
 """Speculate or not: a gate that picks, before each decode step of sd and mirror, between a speculative step and a
-step of the target alone, by the rate (committed tokens per second) each has been measured at in this generation.
+step of the target alone, by the rate (committed tokens per second) each has been measured at.
 
 Why: a speculative step pays a draft and a wider verification for the tokens the draft gets accepted. Where the
 draft is rejected, or the context is long (verifying several rows costs ONNX Runtime's CPU attention far more than
 one row: results/README.md), that step commits ~1 token for more time than the target alone takes for the same
-token, and sd and mirror run slower than ar. The gate measures both kinds of step as the generation goes and takes
-the faster, trying the other kind once every `explore_every` steps so that a change (the text becomes predictable,
-the context grows) is noticed. Output never depends on it: both kinds of step commit the target's own greedy tokens.
-Greedy only: when sampling, the two kinds of step make their tokens from different random draws, and a choice made
-by the clock would make a seeded generation vary from run to run.
+token, and sd and mirror run slower than ar. The gate measures both kinds of step and takes the faster, trying the
+other kind now and then so that a change (the text becomes predictable, the context grows) is noticed: every
+`explore_every` steps, an interval that doubles (up to `max_explore_every`) each time a try confirms the choice and
+starts over when a try changes it. On two cores a speculative step that commits one token costs 1.5-2.5 target
+steps, so each try that confirms the target alone costs about a step.
+
+What it learned outlives a generation: a pipeline keeps the `GateState` of its last generation per mode and starts
+the next one from it (`SpeculationGate.resumed`), instead of paying for its first speculative steps again.
+Output never depends on it: both kinds of step commit the target's own greedy tokens. Greedy only: when sampling,
+the two kinds of step make their tokens from different random draws, and a choice made by the clock would make a
+seeded generation vary from run to run.
 
 Plain data and arithmetic; the scheduler times the steps and feeds them in (tests feed in their own numbers).
 """
@@ -39,38 +45,77 @@ class _Rate:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
+@dataclass(frozen=True)
+class GateState:
+    """What a gate learned, as plain data: per kind of step (speculative, target alone) the smoothed tokens and
+    seconds per step and how many steps they cover, and the current interval between tries of the slower kind."""
+
+    speculative: tuple[float, float, int]
+    alone: tuple[float, float, int]
+    explore_every: int
+
+
 @dataclass
 class SpeculationGate:
-    """speculate() before a step, record() after it. Speculation is measured first, then the target alone once;
-    from then on the faster kind runs, the slower once every `explore_every` steps."""
+    """speculate() before a step, record() after it. A fresh gate measures speculation first, then the target alone
+    once; from then on the faster kind runs, the slower one now and then."""
 
     explore_every: int = 8
+    max_explore_every: int = 64
     smoothing: float = 0.3  # weight of the newest step in the smoothed tokens and seconds
     _rates: dict[bool, _Rate] = field(default_factory=lambda: {True: _Rate(), False: _Rate()})
     _skipped_first: bool = False
     _since_explore: int = 0
+    _interval: int = 0  # 0: explore_every
+    _exploring: bool = False  # the last step speculate() chose was a try of the slower kind
+
+    @classmethod
+    def resumed(cls, state: GateState | None) -> SpeculationGate:
+        """A gate for a new generation that starts from what an earlier one learned (None: a fresh gate)."""
+        gate = cls()
+        if state is not None:
+            for kind, (tokens, seconds, steps) in ((True, state.speculative), (False, state.alone)):
+                gate._rates[kind] = _Rate(tokens, seconds, steps)
+            gate._interval = state.explore_every
+        return gate
+
+    def state(self) -> GateState:
+        spec, alone = self._rates[True], self._rates[False]
+        return GateState((spec.tokens, spec.seconds, spec.steps), (alone.tokens, alone.seconds, alone.steps),
+                         self._interval or self.explore_every)
+
+    def _best(self) -> bool:
+        return self._rates[True].per_second >= self._rates[False].per_second
 
     def speculate(self) -> bool:
         spec, alone = self._rates[True], self._rates[False]
+        self._exploring = False
         if spec.steps == 0:
             return True
         if alone.steps == 0:
             return False
-        best = spec.per_second >= alone.per_second
         self._since_explore += 1
-        if self._since_explore >= self.explore_every:
+        if self._since_explore >= (self._interval or self.explore_every):
             self._since_explore = 0
-            return not best
-        return best
+            self._exploring = True
+            return not self._best()
+        return self._best()
 
     def record(self, speculative: bool, tokens: int, seconds: float) -> None:
-        """A step of the given kind committed `tokens` in `seconds`. The first speculative step is not counted: it
-        pays once for the draft's first forwards at this context (a first inference at a new shape, the prompt's
-        last positions), which says nothing about the rate."""
-        if speculative and not self._skipped_first:
+        """A step of the given kind committed `tokens` in `seconds`. A fresh gate does not count its first
+        speculative step: it pays once for the draft's first forwards at this context (a first inference at a new
+        shape, the prompt's last positions), which says nothing about the rate."""
+        if speculative and not self._skipped_first and self._rates[True].steps == 0:
             self._skipped_first = True
             return
+        best_before = self._best()
         self._rates[speculative].add(tokens, seconds, self.smoothing)
+        if self._exploring:
+            interval = self._interval or self.explore_every
+            # a try that confirms the choice makes the next one rarer; one that changes it, as frequent as at first
+            self._interval = (min(2 * interval, self.max_explore_every) if self._best() == best_before
+                              else self.explore_every)
+            self._exploring = False
 
     def rates(self) -> dict[str, float | None]:
         """The smoothed tokens per second of each kind of step (None: not measured yet)."""

@@ -32,6 +32,7 @@ from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import Drafter
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter
+from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.package_reader import OpenedPackage, is_package, open_package
 from mirror_sd.runtime.scheduler import DraftWorker, decode
 from mirror_sd.runtime.stats import GenerationStats, Recorder
@@ -95,6 +96,9 @@ class Pipeline:
         # from its first token to its end (a stream: until it is exhausted or closed).
         self._busy = threading.Lock()
         self._owner: int | None = None  # the thread generating now
+        # per mode, what the speculation gate learned in the last generation: the next one starts from it
+        # (runtime/gate.py); touched only by the generating thread, under _busy
+        self._gate_memory: dict[str, GateState] = {}
 
     @classmethod
     def load(cls, bundle: str | Path, *, target_device: str | None = None, draft_device: str | None = None,
@@ -238,7 +242,8 @@ class Pipeline:
         draft_forwards = self.draft.forwards
         # the draft reads the prompt during the prefill only where target and draft threads fit the cores together
         fits = self.target_threads + self.draft_threads <= len(os.sched_getaffinity(0))
-        tokens = decode(self.target, worker, tuple(ids), cfg, rec, warm_with_prefill=fits)
+        tokens = decode(self.target, worker, tuple(ids), cfg, rec, warm_with_prefill=fits,
+                        gate_memory=self._gate_memory)
         start = time.perf_counter()
         ttft = 0.0
         try:

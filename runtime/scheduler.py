@@ -37,7 +37,7 @@ import numpy as np
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import DrafterBase, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
-from mirror_sd.runtime.gate import SpeculationGate
+from mirror_sd.runtime.gate import GateState, SpeculationGate
 from mirror_sd.runtime.messages import (
     Branches,
     BranchSet,
@@ -175,6 +175,7 @@ class _Decoder:
         self.max_budget = (cfg.gamma + 1) * cfg.kappa
         self.counts.branch_budget = self.budget
         self.draft_seen = 0  # the committed tokens the draft's last request carried
+        self.catch_up_s = 0.0  # the last fresh window's wait for the draft to read skipped tokens
 
     def _target_rng(self, context_len: int) -> np.random.Generator | None:
         return None if self.cfg.params.greedy else rng_for(self.cfg.params, TARGET_STREAM, context_len)
@@ -216,11 +217,15 @@ class _Decoder:
         if self.worker is None or not self.worker.responsive:
             self.counts.fallbacks += 1
             return None
+        self.catch_up_s = 0.0
         if len(ctx) - self.draft_seen > self.cfg.gamma + 1:
             # More committed tokens than one step commits went by without the draft (steps of the target alone,
             # copied windows): it reads them into its cache first, as it reads a prompt, rather than in the
-            # rollout's row, whose length a static package bounds.
-            self.worker.submit(Warm(tuple(ctx[:-1]), self.take_features()))
+            # rollout's row, whose length a static package bounds. Timed apart: the speculation gate charges it to
+            # the steps that skipped the draft, not to this one.
+            started = time.perf_counter()
+            self._wait(self.worker.submit(Warm(tuple(ctx[:-1]), self.take_features())))
+            self.catch_up_s = time.perf_counter() - started
         self.draft_seen = len(ctx)
         answer = self._wait(self.worker.submit(Rollout(tuple(ctx), gamma, self.take_features())))
         if not isinstance(answer, DraftWindow):
@@ -311,7 +316,8 @@ class _Decoder:
 
 
 def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], cfg: GenerationConfig,
-           rec: Recorder, warm_with_prefill: bool = True) -> Iterator[int]:
+           rec: Recorder, warm_with_prefill: bool = True, gate_memory: dict[str, GateState] | None = None
+           ) -> Iterator[int]:
     """Yield the new tokens one at a time as they are committed. Stops after cfg.max_new_tokens; the caller
     stops earlier (EOS, stop strings) by closing the generator, and closes the worker.
 
@@ -321,6 +327,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     cores together: a multi-threaded prefill sharing its cores with the draft waits at every parallel section for a
     preempted thread (measured: results/README.md, "Why the runtime is set up as it is"). Otherwise it reads the
     prompt right after, before the first window.
+    gate_memory: per mode, what the speculation gate learned in the caller's last generation; the gate starts from
+    it and leaves its own there (the caller runs one generation at a time).
     """
     if cfg.mode == "ar":
         worker = None
@@ -343,7 +351,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     window: DraftWindow | None = None
     # Greedy only: when sampling, a step of the target alone draws its token where a speculative step would have
     # drawn others, so a timed choice between them would make a seed's text vary from run to run.
-    gate = SpeculationGate() if cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy else None
+    gate = (SpeculationGate.resumed((gate_memory or {}).get(cfg.mode))
+            if cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy else None)
     # With the gate, steps run on the target alone until the draft has read the prompt, rather than waiting for it
     # (a feature draft reads a 2,048-token prompt's taps after the prefill: 0.25 s, a dozen target steps).
     draft_ready = gate is None or warmed is None
@@ -367,7 +376,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             if gated:
                 rec.counts.gated_steps += 1
                 window = None  # a branch window is dropped: the next speculative step starts a fresh rollout
-            started = time.perf_counter()
+            started, dec.catch_up_s = time.perf_counter(), 0.0
             if cfg.mode != "ar" and gamma > 0 and window is None and not gated:
                 window = dec.fresh_window(ctx, gamma)
             speculative = not (cfg.mode == "ar" or gamma == 0 or window is None)
@@ -377,7 +386,10 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
                 assert window.context_len == len(ctx), "a window must continue the committed tokens"
                 new, window = dec.speculative_step(ctx, window.head(gamma))
             if gate is not None and gamma > 0 and draft_ready:  # a step beside the draft's reading shares its cores
-                gate.record(speculative, len(new), time.perf_counter() - started)
+                took = time.perf_counter() - started - (dec.catch_up_s if speculative else 0.0)
+                gate.record(speculative, len(new), took)
+                if gate_memory is not None:
+                    gate_memory[cfg.mode] = gate.state()
         for token in new:
             ctx.append(token)
             yield token

@@ -116,6 +116,34 @@ def test_a_draft_reading_only_the_prompts_tail_keeps_output_identical(pipelines,
     assert (drafter.lane.start, drafter.lane.length) == (34, 40)
 
 
+def test_the_gate_resumes_from_the_last_generation_of_its_mode(pipelines, monkeypatch):
+    """A pipeline keeps what its speculation gate learned, per mode, and the next greedy generation starts from it;
+    sampled generations and adaptive_speculation=False leave it alone."""
+    import mirror_sd.runtime.scheduler as scheduler
+
+    pipe = pipelines("qwen2")
+    pipe._gate_memory.clear()
+    first = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
+    learned = pipe._gate_memory["sd"]
+    assert learned.speculative[2] >= 1 and learned.alone[2] >= 1 and "mirror" not in pipe._gate_memory
+    resumed_from = []
+    real = scheduler.SpeculationGate
+
+    class Spy(real):
+        @classmethod
+        def resumed(cls, state):
+            resumed_from.append(state)
+            return super().resumed(state)
+
+    monkeypatch.setattr(scheduler, "SpeculationGate", Spy)
+    again = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
+    assert again.token_ids == first.token_ids and resumed_from == [learned]
+    kept = pipe._gate_memory["sd"]
+    pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, temperature=1.0, seed=3)
+    pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, adaptive_speculation=False)
+    assert pipe._gate_memory["sd"] == kept and len(resumed_from) == 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_draft_with_an_attention_window_keeps_output_identical(pipelines, arch, monkeypatch):
     """A draft that attends to its last 5 tokens only (DraftFacts.attention_window): it reads a longer prompt's last

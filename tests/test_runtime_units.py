@@ -156,26 +156,44 @@ def _run_gate(gate: SpeculationGate, steps: int, spec: tuple[int, float], alone:
     return chosen
 
 
-def test_gate_measures_both_kinds_then_keeps_the_faster_and_explores():
+def test_gate_measures_both_kinds_then_keeps_the_faster_and_explores_less_and_less():
     # speculation: 1 token in 30 ms (33 tok/s) against the target alone's 1 in 20 ms (50 tok/s)
-    gate = SpeculationGate(explore_every=8)
-    chosen = _run_gate(gate, 40, spec=(1, 0.030), alone=(1, 0.020))
+    gate = SpeculationGate(explore_every=8, max_explore_every=32)
+    chosen = _run_gate(gate, 100, spec=(1, 0.030), alone=(1, 0.020))
     assert chosen[:3] == [True, True, False]  # the first speculative step is not counted: a second measures it
     later = chosen[3:]
-    assert later.count(True) == len(later) // 8  # the slower kind once every 8 steps
+    # a try of the slower kind after 8 steps; each confirms the choice, so the next waits twice as long, up to 32
+    assert [i for i, c in enumerate(later) if c] == [7, 23, 55, 87]
     assert gate.rates() == pytest.approx({"speculative": 1 / 0.030, "target_alone": 1 / 0.020})
     # speculation faster (2.5 tokens in 30 ms = 83 tok/s): it runs, and the target alone only to explore
-    gate = SpeculationGate(explore_every=8)
-    later = _run_gate(gate, 40, spec=(5, 0.060), alone=(1, 0.020))[3:]
-    assert later.count(False) == len(later) // 8
+    gate = SpeculationGate(explore_every=8, max_explore_every=32)
+    later = _run_gate(gate, 100, spec=(5, 0.060), alone=(1, 0.020))[3:]
+    assert [i for i, c in enumerate(later) if not c] == [7, 23, 55, 87]
 
 
 def test_gate_follows_a_change_in_speed():
-    """Speculation turns from slower to faster mid-generation: the explorations notice and the gate switches."""
-    gate = SpeculationGate(explore_every=4, smoothing=0.5)
+    """Speculation turns from slower to faster mid-generation: a try notices, the gate switches, and tries of the
+    target alone start again at the shortest interval."""
+    gate = SpeculationGate(explore_every=4, max_explore_every=16, smoothing=0.5)
     _run_gate(gate, 20, spec=(1, 0.030), alone=(1, 0.020))
     after = _run_gate(gate, 40, spec=(4, 0.030), alone=(1, 0.020))
-    assert after[-12:].count(False) == 3  # speculation runs; the target alone only to explore, every 4th step
+    switched = after.index(True) + 1  # the try that measured the faster speculation
+    assert switched <= 16 and all(after[switched:switched + 3])
+    assert after[switched:switched + 4] == [True, True, True, False]  # the target alone tried after 4 steps again
+
+
+def test_gate_resumes_from_an_earlier_generation():
+    """A pipeline's next generation starts from what the last one learned: no speculative steps to measure again,
+    the slower kind tried at the interval reached."""
+    first = SpeculationGate(explore_every=8, max_explore_every=32)
+    _run_gate(first, 40, spec=(1, 0.030), alone=(1, 0.020))
+    state = first.state()
+    assert state.explore_every == 32 and state.alone[2] > 0 and state.speculative[2] > 0
+    resumed = SpeculationGate.resumed(state)
+    assert resumed.state() == state and resumed.rates() == pytest.approx(first.rates())
+    chosen = _run_gate(resumed, 40, spec=(1, 0.030), alone=(1, 0.020))
+    assert [i for i, c in enumerate(chosen) if c] == [31]  # the first speculative step counts: a resumed gate
+    assert SpeculationGate.resumed(None).state() == SpeculationGate().state()
 
 
 @pytest.mark.parametrize("context, max_ngram, max_tokens, want", [
