@@ -11,7 +11,10 @@ starts over when a try changes it. On two cores a speculative step that commits 
 steps, so each try that confirms the target alone costs about a step.
 
 What it learned outlives a generation: a pipeline keeps the `GateState` of its last generation per mode and starts
-the next one from it (`SpeculationGate.resumed`), instead of paying for its first speculative steps again.
+the next one from it (`SpeculationGate.resumed`), instead of paying for its first speculative steps again. The
+count of steps since the last try goes with it: tries stay `explore_every` steps apart across generations. (Counted
+per generation, a gate whose interval had grown past the generations' length never tried the slower kind again: in
+results/bench-full, every greedy generation after the first groups ran the target alone at every step.)
 Output never depends on it: both kinds of step commit the target's own greedy tokens. Greedy only: when sampling,
 the two kinds of step make their tokens from different random draws, and a choice made by the clock would make a
 seeded generation vary from run to run.
@@ -48,11 +51,13 @@ class _Rate:
 @dataclass(frozen=True)
 class GateState:
     """What a gate learned, as plain data: per kind of step (speculative, target alone) the smoothed tokens and
-    seconds per step and how many steps they cover, and the current interval between tries of the slower kind."""
+    seconds per step and how many steps they cover, the current interval between tries of the slower kind, and the
+    steps taken since the last try."""
 
     speculative: tuple[float, float, int]
     alone: tuple[float, float, int]
     explore_every: int
+    since_explore: int = 0
 
 
 @dataclass
@@ -77,12 +82,13 @@ class SpeculationGate:
             for kind, (tokens, seconds, steps) in ((True, state.speculative), (False, state.alone)):
                 gate._rates[kind] = _Rate(tokens, seconds, steps)
             gate._interval = state.explore_every
+            gate._since_explore = state.since_explore
         return gate
 
     def state(self) -> GateState:
         spec, alone = self._rates[True], self._rates[False]
         return GateState((spec.tokens, spec.seconds, spec.steps), (alone.tokens, alone.seconds, alone.steps),
-                         self._interval or self.explore_every)
+                         self._interval or self.explore_every, self._since_explore)
 
     def _best(self) -> bool:
         return self._rates[True].per_second >= self._rates[False].per_second

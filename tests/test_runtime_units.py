@@ -184,16 +184,32 @@ def test_gate_follows_a_change_in_speed():
 
 def test_gate_resumes_from_an_earlier_generation():
     """A pipeline's next generation starts from what the last one learned: no speculative steps to measure again,
-    the slower kind tried at the interval reached."""
+    the slower kind tried at the interval reached, counting the steps the last generation took since its try."""
     first = SpeculationGate(explore_every=8, max_explore_every=32)
-    _run_gate(first, 40, spec=(1, 0.030), alone=(1, 0.020))
+    chosen = _run_gate(first, 40, spec=(1, 0.030), alone=(1, 0.020))
     state = first.state()
     assert state.explore_every == 32 and state.alone[2] > 0 and state.speculative[2] > 0
+    since = len(chosen) - 1 - max(i for i, c in enumerate(chosen) if c)
+    assert state.since_explore == since
     resumed = SpeculationGate.resumed(state)
     assert resumed.state() == state and resumed.rates() == pytest.approx(first.rates())
     chosen = _run_gate(resumed, 40, spec=(1, 0.030), alone=(1, 0.020))
-    assert [i for i, c in enumerate(chosen) if c] == [31]  # the first speculative step counts: a resumed gate
+    # the first speculative step counts (a resumed gate has measured it); the try comes 32 steps after the last one
+    assert [i for i, c in enumerate(chosen) if c] == [31 - since]
     assert SpeculationGate.resumed(None).state() == SpeculationGate().state()
+
+
+def test_gate_keeps_trying_across_generations_shorter_than_its_interval():
+    """Generations of 20 steps, each resuming the last one's gate: the slower kind is still tried every 64 steps
+    (a count that started over with every generation would never reach 64 again)."""
+    gate = SpeculationGate()
+    chosen = _run_gate(gate, 200, spec=(1, 0.030), alone=(1, 0.020))
+    assert gate.state().explore_every == gate.max_explore_every == 64
+    for _ in range(20):
+        gate = SpeculationGate.resumed(gate.state())
+        chosen += _run_gate(gate, 20, spec=(1, 0.030), alone=(1, 0.020))
+    tries = [i for i, c in enumerate(chosen) if c and i >= 200]
+    assert len(tries) >= 6 and {b - a for a, b in zip(tries, tries[1:])} == {64}
 
 
 @pytest.mark.parametrize("context, max_ngram, max_tokens, want", [
