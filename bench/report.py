@@ -92,7 +92,8 @@ def _machine(doc: dict[str, Any]) -> list[str]:
         f"- size: greedy {size['per_kind']} prompt(s) per task kind, T=1 {size['sampled_prompts']} prompt(s), "
         f"{size['max_new_tokens']} new tokens at most (EOS ends earlier); every method runs every prompt once, "
         "in an order that rotates from prompt to prompt, after one warm-up generation each",
-        f"- threads: mirror {sm.get('target')} target + {sm.get('draft')} draft ({sm.get('from')}); sd "
+        f"- threads: mirror {sm.get('target')} target + {sm.get('draft')} draft ({sm.get('from')}"
+        f"{'; draft on ' + sm['draft_runtime'] if 'draft_runtime' in sm else ''}); sd "
         f"{_sd_threads(t, sm)}; ar at its "
         f"best of 1 and 2 target threads ({doc.get('ar_threads', {}).get('chosen')}); external baselines were given "
         f"{t.get('baselines')} threads; gamma {t.get('gamma')} for sd, mirror and the speculative baselines",

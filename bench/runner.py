@@ -223,6 +223,7 @@ class Bench:
         cores = len(os.sched_getaffinity(0))
         self._open_baselines(threads=cores, gamma=self.gamma(main))
         doc["threads"] = {"sd_mirror": {"target": main.target_threads, "draft": main.draft_threads,
+                                        "draft_runtime": f"{main.draft.backend} {main.draft.device}",
                                         "from": "bundle plan.json" if main.defaults else "runtime defaults"},
                           "baselines": cores, "gamma": self.gamma(main)}
         self.sd_pipe = main  # sd's pipeline: set to ar's best target threads below

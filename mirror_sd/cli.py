@@ -194,6 +194,9 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"runtime (this bundle, exit layer {c.exit_layer}): gamma {c.gamma}, kappa {c.kappa}, branch budget "
           f"{c.branch_budget}, threads {c.target_threads}+{c.draft_threads}, draft confidence threshold "
           f"{doc['runtime']['draft_confidence_threshold']} (measured tok/s by threshold: {swept})")
+    if "tokens_per_second_by_draft_backend" in m:
+        runtimes = ", ".join(f"{n}: {v:.1f}" for n, v in m["tokens_per_second_by_draft_backend"].items())
+        print(f"  draft on {doc['runtime']['draft_backend']} (the draft runs on the CPU; measured tok/s: {runtimes})")
     print(f"  step {t.step_s * 1e3:.2f} ms = prefix {t.prefix_s * 1e3:.2f} + rendezvous {t.rendezvous_s * 1e3:.2f} "
           f"+ hit {t.hit_rate:.2f} x max(suffix {t.suffix_wall_s * 1e3:.2f}, branches {t.draft_wall_s * 1e3:.2f}) "
           f"+ miss x (suffix + rollout {t.draft_rollout_s * 1e3:.2f}); {t.tokens_per_step:.2f} tokens/step "
@@ -272,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-backend", default="onnxruntime",
                    help="onnxruntime (default: KV buffers on the device, CUDA where present) or openvino (CPU-only "
                         "machines: the same graphs rewritten for OpenVINO)")
-    g.add_argument("--draft-backend", default=None, help="openvino (the bundle's default) or onnxruntime")
+    g.add_argument("--draft-backend", default=None,
+                   help="openvino or onnxruntime (default: the bundle plan's where the draft runs on the CPU, "
+                        "else openvino)")
     g.add_argument("--target-device", default=None,
                    help="ONNX Runtime: cpu, cuda or a provider (default: CUDA, else CPU); OpenVINO: a device (CPU)")
     g.add_argument("--draft-device", default=None, help="OpenVINO device (default: NPU, else CPU)")

@@ -18,6 +18,8 @@ from mirror_sd.errors import BadInputError, check_int
 PLAN_FILE = "plan.json"  # optional file in a bundle directory: the runtime's defaults come from it when present
 PLAN_FORMAT = "mirror-sd-plan"
 PLAN_VERSION = 1
+# the runtimes a plan may pick for the draft (runtime/backends.py BACKENDS; partitions/ imports no runtime code)
+DRAFT_BACKENDS = ("openvino", "onnxruntime")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class RuntimeDefaults:
     draft_threads: int
     # measured on real generations of the chosen setting (runtime/profile.py); a plan without it: 0 (off)
     draft_confidence_threshold: float = 0.0
+    # the faster runtime for the draft where it runs on the CPU (no NPU), measured the same way; None: the
+    # manifest's (a plan without it, or one made where the draft ran on another device)
+    draft_backend: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,11 @@ def runtime_defaults(doc: Mapping[str, Any], exit_layer: int, top_k: int) -> Run
     threshold = r.get("draft_confidence_threshold", 0.0)
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
         raise BadInputError(f"plan runtime.draft_confidence_threshold must be a number in [0, 1), got {threshold!r}")
-    return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"], float(threshold))
+    backend = r.get("draft_backend")
+    if backend is not None and backend not in DRAFT_BACKENDS:
+        raise BadInputError(f"plan runtime.draft_backend must be one of {', '.join(DRAFT_BACKENDS)}, got {backend!r}")
+    return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"], float(threshold),
+                           backend)
 
 
 def export_advice(doc: Mapping[str, Any]) -> ExportAdvice:

@@ -403,10 +403,11 @@ def validate_profile(profile: Profile) -> None:
 
 # -- the plan document (plan_file.py reads it back) ------------------------------------------------------------
 def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, Any] | None = None,
-                  table_rows: int = 20, draft_confidence_threshold: float = 0.0) -> dict[str, Any]:
+                  table_rows: int = 20, draft_confidence_threshold: float = 0.0,
+                  draft_backend: str | None = None) -> dict[str, Any]:
     """The JSON a plan is written as: the runtime defaults (best at the bundle's own exit layer, with the draft
-    confidence threshold measured for it), the export advice (best overall), the ranked table's head, and the
-    profile it came from."""
+    confidence threshold and, where the draft runs on the CPU, the draft's runtime measured for it), the export
+    advice (best overall), the ranked table's head, and the profile it came from."""
     run, best = best_for_bundle(plans), plans[0]
     c = run.choice
     chosen = {f.name: getattr(c, f.name) for f in fields(RuntimeDefaults) if hasattr(c, f.name)}
@@ -414,6 +415,7 @@ def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, An
         "format": PLAN_FORMAT, "version": PLAN_VERSION,
         "bundle": {"num_layers": profile.num_layers, "exit_layer": profile.exit_layer, "top_k": profile.top_k},
         "runtime": {**chosen, "draft_confidence_threshold": draft_confidence_threshold,  # what the runtime reads
+                    **({"draft_backend": draft_backend} if draft_backend else {}),
                     "predicted_tokens_per_second": run.predicted_tokens_per_second,
                     **({"measured": dict(measured)} if measured else {})},
         "export": {"exit_layer": best.choice.exit_layer, "top_k": best.choice.kappa,

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError, check_int
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.plan_file import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
-from mirror_sd.runtime.backends import BACKENDS
+from mirror_sd.runtime.backends import BACKENDS, default_openvino_device
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import Drafter
 from mirror_sd.runtime.engines import DraftEngine, open_engine
@@ -109,7 +109,8 @@ class Pipeline:
         target_backend: "onnxruntime" (the default: KV buffers bound on the device, CUDA where present) or
         "openvino" (the same graphs rewritten for OpenVINO, runtime/portable.py: for CPU-only machines).
         target_device: ONNX Runtime: None (CUDA, else CPU), "cpu", "cuda" or a provider name; OpenVINO: a device
-        string (default CPU). draft_backend: None (the manifest's: OpenVINO), "openvino" or "onnxruntime".
+        string (default CPU). draft_backend: None (the bundle plan's where the draft runs on the CPU, else the
+        manifest's: OpenVINO), "openvino" or "onnxruntime".
         draft_device: None (NPU, else CPU; a package: its intended device where present, else CPU) or a device
         string of the draft's backend (absent: BadInputError listing the available ones).
         Thread counts None: the bundle plan's, else 1 each. use_plan False ignores the bundle's plan.json.
@@ -132,6 +133,8 @@ class Pipeline:
             target_threads = defaults.target_threads if defaults else BUILTIN_THREADS
         if draft_threads is None:
             draft_threads = defaults.draft_threads if defaults else BUILTIN_THREADS
+        if draft_backend is None and draft_device is None and not package:
+            draft_backend = _planned_draft_backend(defaults)
         codec = TextCodec(bundle, manifest)
         if target_backend == "openvino":
             from mirror_sd.runtime.portable import open_portable_target
@@ -280,6 +283,14 @@ class Pipeline:
                               confidence=cfg.draft_confidence_threshold)
         self._worker = DraftWorker(drafter, threaded=cfg.overlap)
         return self._worker
+
+
+def _planned_draft_backend(defaults: RuntimeDefaults | None) -> str | None:
+    """The plan's draft runtime, which it measured on the CPU, where the draft will run on the CPU too: with an
+    NPU present the draft goes there on OpenVINO, the placement this pipeline is for."""
+    if defaults is None or defaults.draft_backend is None:
+        return None
+    return defaults.draft_backend if default_openvino_device() == "CPU" else None
 
 
 def _plan_defaults(bundle: str | Path, manifest: Manifest) -> RuntimeDefaults | None:

@@ -18,6 +18,10 @@ Once, on the first split (greedy decoding: the numbers do not depend on timing):
 forward and branch hit rate for every measured (gamma, kappa, branch budget), from `Pipeline.generate` in mirror
 mode on the calibration prompts (greedy mirror commits exactly sd's windows, so its acceptance is sd's), and the
 per-step time that is neither target nor draft (the rendezvous).
+Last, the chosen setting is measured at several draft confidence thresholds, and, where the draft runs on the CPU,
+with the draft on OpenVINO and on ONNX Runtime in turn: the faster of each is what the plan keeps. (On a 2-core
+box, a streaming-draft forward beside the target took 1.7 ms on ONNX Runtime against 3.8-6.6 ms on OpenVINO's CPU
+plugin: its cost grows with a new input shape at every step and with caches the target's weights have evicted.)
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class ProfileOptions:
     coverage: dict[int, float] = field(default_factory=dict)  # optional exit layer -> top-k coverage
     # draft confidence thresholds the chosen setting is measured at (the fastest is kept; 0: off)
     confidence_thresholds: tuple[float, ...] = (0.0, 0.4, 0.6, 0.8)
+    # where the draft runs on the CPU: measure the chosen setting with the draft on each runtime, keep the faster
+    compare_draft_backends: bool = True
 
 
 def default_splits(cores: int | None = None) -> tuple[tuple[int, int], ...]:
@@ -359,6 +365,17 @@ def run_setting(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, *
     return [pipe.generate(ids, max_new_tokens=max_new_tokens, **options).stats for ids in prompts]
 
 
+def _alternating(pipes: dict[str, Pipeline], prompts: list[list[int]], max_new_tokens: int, **options: Any
+                 ) -> dict[str, list[GenerationStats]]:
+    """run_setting on several pipelines, prompt by prompt in turn (a drift in the machine's speed then reaches
+    each alike)."""
+    runs: dict[str, list[GenerationStats]] = {name: [] for name in pipes}
+    for ids in prompts:
+        for name, pipe in pipes.items():
+            runs[name] += run_setting(pipe, [ids], max_new_tokens, **options)
+    return runs
+
+
 def _ratio(stats: list[GenerationStats], num: str, den: str) -> float:
     """sum(num) / sum(den) over several generations (0 where den sums to 0)."""
     d = sum(getattr(s, den) for s in stats)
@@ -421,9 +438,9 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     for t, d in splits:
         if t < 1 or d < 1:
             raise BadInputError(f"thread counts must be >= 1, got {t}+{d}")
-    load = lambda t, d: Pipeline.load(bundle, target_device=options.target_device,  # noqa: E731 - a one-line factory
-                                      draft_device=options.draft_device, target_threads=t, draft_threads=d,
-                                      use_plan=False)
+    load = lambda t, d, backend=None: Pipeline.load(  # noqa: E731 - a one-line factory
+        bundle, target_device=options.target_device, draft_device=options.draft_device, target_threads=t,
+        draft_threads=d, draft_backend=backend, use_plan=False)
     pipes: dict[tuple[int, int], Pipeline] = {splits[0]: load(*splits[0])}
     first = pipes[splits[0]]
     _TAPS.clear()
@@ -475,6 +492,18 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         report(f"  draft confidence threshold {threshold}: {decode_rate(by_threshold[threshold]):.1f} tok/s")
     threshold = max(by_threshold, key=lambda t: decode_rate(by_threshold[t]))
     measured = by_threshold[threshold]
+    draft_backend, by_backend = None, {}
+    if options.compare_draft_backends and options.draft_device is None and pipe.draft.device == "CPU" \
+            and pipe.draft.backend == "openvino":
+        other = load(c.target_threads, c.draft_threads, "onnxruntime")
+        other.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
+        runs = _alternating({"openvino": pipe, "onnxruntime": other}, prompts, options.max_new_tokens, mode="mirror",
+                            gamma=c.gamma, kappa=c.kappa, branch_budget=c.branch_budget,
+                            draft_confidence_threshold=threshold)
+        by_backend = {name: decode_rate(stats) for name, stats in runs.items()}
+        report("  draft runtime on the CPU: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in by_backend.items()))
+        draft_backend = max(by_backend, key=by_backend.get)
+        measured = runs[draft_backend]
     end_to_end = _ratio(measured, "new_tokens", "wall_s")
     tps = decode_rate(measured)
     doc = planner.plan_document(profile, plans, {
@@ -485,7 +514,8 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         "acceptance_rate": _ratio(measured, "accepted_tokens", "proposed_tokens"),
         "branch_hit_rate": _ratio(measured, "branch_hits", "branch_lookups"),
         "tokens_per_second_by_draft_confidence_threshold": {str(t): decode_rate(v) for t, v in by_threshold.items()},
-    }, draft_confidence_threshold=threshold)
+        **({"tokens_per_second_by_draft_backend": by_backend} if by_backend else {}),
+    }, draft_confidence_threshold=threshold, draft_backend=draft_backend)
     doc["past_tokens"] = past_len
     # every calibration setting, predicted on the calibration split at the bundle's exit layer vs measured there
     t, d = splits[0]

@@ -187,6 +187,11 @@ def test_plan_file_round_trip(tmp_path):
     assert defaults == pf.RuntimeDefaults(run.gamma, run.kappa, run.branch_budget, 1, 1, 0.6)
     older = {**doc, "runtime": {k: v for k, v in doc["runtime"].items() if k != "draft_confidence_threshold"}}
     assert pf.runtime_defaults(older, 4, 8).draft_confidence_threshold == 0.0  # plans from before it: off
+    assert "draft_backend" not in doc["runtime"] and defaults.draft_backend is None  # not measured: the manifest's
+    chose = pl.plan_document(profile, plans, draft_backend="onnxruntime")
+    assert pf.runtime_defaults(chose, 4, 8).draft_backend == "onnxruntime"
+    with pytest.raises(BadInputError, match="draft_backend"):
+        pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "draft_backend": "tensorrt"}}, 4, 8)
     with pytest.raises(BadInputError, match="draft_confidence_threshold"):
         pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "draft_confidence_threshold": 1.5}}, 4, 8)
     assert pf.export_advice(read) == pf.ExportAdvice(plans[0].choice.exit_layer, plans[0].choice.kappa)
@@ -241,10 +246,17 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     # the draft confidence threshold: the chosen setting measured at each, the fastest kept
     swept = measured["tokens_per_second_by_draft_confidence_threshold"]
     assert set(swept) == {"0.0", "0.4", "0.6", "0.8"} and all(v > 0 for v in swept.values())
-    assert swept[str(run["draft_confidence_threshold"])] == max(swept.values()) == measured["tokens_per_second"]
+    assert swept[str(run["draft_confidence_threshold"])] == max(swept.values())
+    # the draft runs on the CPU here: the chosen setting measured with it on each runtime, the faster kept
+    runtimes = measured["tokens_per_second_by_draft_backend"]
+    assert set(runtimes) == {"openvino", "onnxruntime"} and all(v > 0 for v in runtimes.values())
+    assert runtimes[run["draft_backend"]] == max(runtimes.values()) == measured["tokens_per_second"]
     pipe = Pipeline.load(bundle)
     assert pipe.defaults == pf.RuntimeDefaults(run["gamma"], 4, run["branch_budget"], 1, 1,
-                                               run["draft_confidence_threshold"])
+                                               run["draft_confidence_threshold"], run["draft_backend"])
+    assert pipe.draft.backend == run["draft_backend"]
+    for backend in ("openvino", "onnxruntime"):  # an explicit choice wins over the plan's
+        assert Pipeline.load(bundle, draft_backend=backend).draft.backend == backend
     assert pipe.generation_config.draft_confidence_threshold == run["draft_confidence_threshold"]
     stats = pipe.generate([5, 17, 33], max_new_tokens=6).stats
     assert (stats["gamma"], stats["kappa"], stats["branch_budget"]) == (run["gamma"], 4, run["branch_budget"])
