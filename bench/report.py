@@ -9,7 +9,8 @@ from mirror_sd.bench.prompts import KINDS
 # What each method is (text, not figures): the report says what was compared with what.
 WHAT = {
     "ar": "the project's target alone (ONNX Runtime, prefix + suffix graphs), at its best target thread count",
-    "sd": "the project's vanilla speculative decoding: streaming draft (OpenVINO) then target, serially",
+    "sd": "the project's vanilla speculative decoding: the bundle's draft (its runtime: Machine and settings) then "
+          "the target, serially",
     "mirror": "the project's Mirror-SD: early-exit candidates, branch rollouts on the draft thread under the suffix",
     "hf-generate": "transformers generate, the fp32 target alone (PyTorch)",
     "hf-assisted": "transformers assisted generation (assistant_model=) with the draft in its plain form: the same "
