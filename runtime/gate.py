@@ -13,8 +13,8 @@ steps, so each try that confirms the target alone costs about a step.
 What it learned outlives a generation: a pipeline keeps the `GateState` of its last generation per mode and starts
 the next one from it (`SpeculationGate.resumed`), instead of paying for its first speculative steps again. The
 count of steps since the last try goes with it: tries stay `explore_every` steps apart across generations. (Counted
-per generation, a gate whose interval had grown past the generations' length never tried the slower kind again: in
-results/bench-full, every greedy generation after the first groups ran the target alone at every step.)
+per generation, a gate whose interval had grown past the generations' length never tried the slower kind again,
+whatever the next prompts were: a benchmark's 32-token generations then ran the target alone at every step.)
 Output never depends on it: both kinds of step commit the target's own greedy tokens. Greedy only: when sampling,
 the two kinds of step make their tokens from different random draws, and a choice made by the clock would make a
 seeded generation vary from run to run.
