@@ -222,3 +222,21 @@ def test_context_length_benchmark(bundle_factory, tmp_path):
                    "context": doc})
     assert "## Context length" in text and f"{flat:.2f}" in text
     assert context_length({"context": doc}, tmp_path / "c.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_attention_cost_measures_every_kernel_at_every_point(tmp_path):
+    """bench/attention_cost.py times the target's own attention kernel and the standard-op form on one grid point
+    per (past, rows), and writes what it printed."""
+    from mirror_sd.bench import attention_cost
+
+    out = tmp_path / "attention.json"
+    assert attention_cost.main(["--pasts", "8,40", "--rows", "1,3", "--repeats", "1", "--threads", "1",
+                                "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["past"] for r in doc["results"]] == [8, 40] and doc["threads"] == 1
+    for row in doc["results"]:
+        timed = {k for k in row if k.endswith("_ms")}
+        assert timed == {"read_ms", "gqa_T1_ms", "gqa_T3_ms", "matmul_T1_ms", "matmul_T3_ms"}
+        assert all(row[k] > 0 for k in timed) and row["kv_mb"] > 0
+    with pytest.raises(ValueError, match="does not fit"):
+        attention_cost.measure((8190,), (5,), 1, 1)
