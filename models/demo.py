@@ -45,7 +45,7 @@ def run(bundle: Path, max_new_tokens: int) -> int:
     from mirror_sd import Pipeline
 
     pipe = Pipeline.load(bundle)
-    print(f"bundle {bundle}: target on {pipe.target.device}, draft on {pipe.draft.device}")
+    print(f"bundle {bundle}: target on {pipe.target.device}, draft on {pipe.draft.backend} {pipe.draft.device}")
     outputs = {}
     for mode in ("ar", "sd", "mirror"):
         result = pipe.generate(PROMPT, mode=mode, max_new_tokens=max_new_tokens)
