@@ -20,7 +20,7 @@ mode on the calibration prompts (greedy mirror commits exactly sd's windows, so 
 per-step time that is neither target nor draft (the rendezvous).
 Last, the chosen setting is measured at several draft confidence thresholds, and, where the draft runs on the CPU,
 with the draft on OpenVINO and on ONNX Runtime in turn: the faster of each is what the plan keeps. (On a 2-core
-box, a streaming-draft forward beside the target took 1.7 ms on ONNX Runtime against 3.8-6.6 ms on OpenVINO's CPU
+box, a streaming-draft forward beside the target took 1.7 ms on ONNX Runtime against 3.8-7.6 ms on OpenVINO's CPU
 plugin: its cost grows with a new input shape at every step and with caches the target's weights have evicted.)
 """
 
