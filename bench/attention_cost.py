@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -36,17 +34,6 @@ def _session(model, threads: int):
     opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
     opts.add_session_config_entry("session.force_spinning_stop", "1")
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-
-
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def _gqa_model():
@@ -92,6 +79,12 @@ def _matmul_model():
     outputs = [helper.make_tensor_value_info("out", f, [1, KV_HEADS, "rows", HEAD_DIM])]
     return helper.make_model(helper.make_graph(nodes, "matmul", inputs, outputs),
                              opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    from mirror_sd.runtime.profile import _median_time
+
+    return 1e3 * _median_time(fn, repeats)
 
 
 def measure(pasts: tuple[int, ...], rows: tuple[int, ...], threads: int, repeats: int) -> dict:

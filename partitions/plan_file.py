@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mirror_sd.errors import BadInputError, check_int
+from mirror_sd.partitions.spec import BACKENDS
 
 PLAN_FILE = "plan.json"  # optional file in a bundle directory: the runtime's defaults come from it when present
 PLAN_FORMAT = "mirror-sd-plan"
 PLAN_VERSION = 1
-# the runtimes a plan may pick for the draft (runtime/backends.py BACKENDS; partitions/ imports no runtime code)
-DRAFT_BACKENDS = ("openvino", "onnxruntime")
 
 
 @dataclass(frozen=True)
@@ -76,8 +75,8 @@ def runtime_defaults(doc: Mapping[str, Any], exit_layer: int, top_k: int) -> Run
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
         raise BadInputError(f"plan runtime.draft_confidence_threshold must be a number in [0, 1), got {threshold!r}")
     backend = r.get("draft_backend")
-    if backend is not None and backend not in DRAFT_BACKENDS:
-        raise BadInputError(f"plan runtime.draft_backend must be one of {', '.join(DRAFT_BACKENDS)}, got {backend!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise BadInputError(f"plan runtime.draft_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"], float(threshold),
                            backend)
 

@@ -10,6 +10,7 @@ from mirror_sd.errors import ManifestError
 Role = Literal["target_prefix", "target_suffix", "target_exit", "draft"]
 ROLES: tuple[Role, ...] = ("target_prefix", "target_suffix", "target_exit", "draft")
 DTYPES = ("float32", "float16", "int64", "int32", "bool")
+BACKENDS = ("onnxruntime", "openvino")  # the runtimes a partition can run on (runtime/backends.py opens them)
 
 # Symbolic axis names shared by every graph. KV tensors are [batch, kv_heads, seq, head_dim].
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"

@@ -14,13 +14,13 @@ from typing import Callable
 import numpy as np
 
 from mirror_sd.errors import BadInputError
+from mirror_sd.partitions.spec import BACKENDS
 
 log = logging.getLogger(__name__)
 
 Feed = dict[str, np.ndarray]
 RunFn = Callable[[Feed], dict[str, np.ndarray]]
 
-BACKENDS = ("onnxruntime", "openvino")
 
 
 @dataclass(frozen=True)
