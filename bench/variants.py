@@ -33,7 +33,14 @@ class Sources:
     @classmethod
     def real_pair(cls, bundle: Path | None = None) -> Sources:
         """The real pair's sources (models/smollm2.py); the draft is the feature draft where `bundle` holds one."""
-        from mirror_sd.models.smollm2 import ADAPTER_LAYERS, ADAPTER_WEIGHTS, DRAFT_WEIGHTS, TARGET_DIR, draft_weights
+        from mirror_sd.models.smollm2 import (
+            ADAPTER_LAYERS,
+            ADAPTER_WEIGHTS,
+            DRAFT_WEIGHTS,
+            FEATURE_ADAPTER_WEIGHTS,
+            TARGET_DIR,
+            draft_weights,
+        )
 
         kind = "streaming"
         if bundle is not None and (Path(bundle) / "manifest.json").is_file():
@@ -41,7 +48,8 @@ class Sources:
                 kind = "feature" if Manifest.load(bundle).draft.feature_taps else kind
             except MirrorSDError:
                 pass
-        return cls(TARGET_DIR, draft_weights(kind), ADAPTER_LAYERS, (ADAPTER_WEIGHTS,), baseline_draft=DRAFT_WEIGHTS)
+        return cls(TARGET_DIR, draft_weights(kind), ADAPTER_LAYERS, (ADAPTER_WEIGHTS, FEATURE_ADAPTER_WEIGHTS),
+                   baseline_draft=DRAFT_WEIGHTS)
 
     def adapter(self, layer: int) -> Path | None:
         for path in (self.adapters / f"layer-{layer}", *self.more_adapters):
@@ -81,7 +89,11 @@ def variant(sources: Sources | None, manifest: Manifest, bundle: Path, exit_laye
         exit_head = "logit_lens"  # no trained adapter for this layer
     if manifest.target.exit_layer == exit_layer and manifest.target.exit_head == exit_head:
         return Variant(exit_layer, exit_head, bundle)
-    out = cache / f"exit{exit_layer}-{exit_head}-{manifest.draft.architecture}"  # a variant of this kind of draft
+    from mirror_sd.bench.baselines import fingerprint  # (baselines imports this module)
+
+    # a variant of this draft: another draft (or the same one retrained) is exported anew, never read stale
+    drafted = f"-{fingerprint(sources.draft)[:10]}" if sources is not None and sources.draft.is_dir() else ""
+    out = cache / f"exit{exit_layer}-{exit_head}-{manifest.draft.architecture}{drafted}"
     try:
         Manifest.load(out)
         return Variant(exit_layer, exit_head, out)

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 WEIGHTS = REPO / "models" / "weights"
 DRAFT_WEIGHTS, ADAPTER_WEIGHTS = WEIGHTS / "smollm2-streaming-draft", WEIGHTS / "smollm2-exit-adapter"
 FEATURE_WEIGHTS = WEIGHTS / "smollm2-feature-draft"
+FEATURE_ADAPTER_WEIGHTS = WEIGHTS / "smollm2-exit-adapter-24"  # the feature bundle's exit head (FEATURE_EXIT_LAYER)
 ANSWERS_FILE = REPO / "models" / "data" / "answers-broad.jsonl.gz"  # committed: the feature draft's training data
 # How the committed feature draft was trained (models/train_feature_draft.py; its training.json has the last
 # stage): 50 minutes on the answers of the first FIRST_PROMPTS broad-pool prompts, 22 more continuing from those
@@ -59,6 +60,11 @@ ADAPTER_LAYERS = BUILD / "exit-adapters"  # RETRAIN=1's adapters per layer (laye
 # Deeper exits cover more (layer 24: 90%) but leave the draft less time (models/weights/.../coverage.json).
 EXIT_LAYER = 15
 TOP_K = 8
+# The feature bundle exits deeper: the exit head's top-k at layer 24 holds the target's token far more often than at
+# 15 (top-1 / top-8 coverage 70% / 90% against 49% / 74%, coverage.json), which is what mirror's branches bet on,
+# and the suffix it leaves (6 layers + head) still holds the branch rollouts. Its draft still reads taps 5/10/15
+# (deeper taps did not draft better: results/README.md). The exit adapter there is trained on the committed answers.
+FEATURE_EXIT_LAYER = 24
 
 
 def ensure_target(report=print) -> Path:
@@ -82,11 +88,16 @@ def bundle_dir(kind: str = "streaming") -> Path:
     return FEATURE_BUNDLE_DIR if kind == "feature" else BUNDLE_DIR
 
 
+def exit_of(kind: str = "streaming") -> tuple[int, Path]:
+    """The exit layer and the committed exit adapter of the `kind` bundle."""
+    return (FEATURE_EXIT_LAYER, FEATURE_ADAPTER_WEIGHTS) if kind == "feature" else (EXIT_LAYER, ADAPTER_WEIGHTS)
+
+
 def retrain_feature_draft(report=print) -> None:
     """The feature draft from the committed answers (any missing ones generated first, with OpenVINO GenAI)."""
     from mirror_sd.bench.baselines import fingerprint
     from mirror_sd.bench.ov_convert import convert
-    from mirror_sd.models import answers, train_feature_draft
+    from mirror_sd.models import answers, train_exit, train_feature_draft
 
     ov_dir = convert(TARGET_DIR, BUILD / "bench-cache" / f"ov-genai-target-{fingerprint(TARGET_DIR)}",
                      fingerprint=fingerprint(TARGET_DIR))
@@ -99,6 +110,13 @@ def retrain_feature_draft(report=print) -> None:
         (work / "checkpoint.pt").unlink(missing_ok=True)  # each later stage plans its own batches
         train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                                 init_from=FEATURE_WEIGHTS, max_prompts=prompts, **stage)
+    # the exit head at the feature bundle's exit layer, from the same answers
+    layers = BUILD / "exit-adapters-answers"
+    train_exit.train(TARGET_DIR, ANSWERS_FILE, layers, [FEATURE_EXIT_LAYER], conversations=1000, rank=512, steps=800,
+                     batch=256, minutes_per_layer=5, max_prompts=ANSWER_PROMPTS, report=report)
+    shutil.rmtree(FEATURE_ADAPTER_WEIGHTS, ignore_errors=True)
+    shutil.copytree(layers / f"layer-{FEATURE_EXIT_LAYER}", FEATURE_ADAPTER_WEIGHTS)
+    shutil.copy(layers / "coverage.json", FEATURE_ADAPTER_WEIGHTS / "coverage.json")
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:
@@ -126,32 +144,40 @@ def build_bundle(force: bool = False, report=print, kind: str = "streaming") -> 
     from mirror_sd.partitions import Manifest
 
     out, draft = bundle_dir(kind), draft_weights(kind)
+    exit_layer, adapter = exit_of(kind)
     if not force:
         try:
             Manifest.load(out)
-            if _bundled_vocab(out) == _draft_vocab(draft) and _marker(out) == _weights_digest(draft):
+            if _bundled_vocab(out) == _draft_vocab(draft) and _marker(out) == _weights_digest(draft, adapter):
                 report(f"bundle {out} is ready")
                 return _add_plan(out, kind)
-            report(f"bundle {out} holds another draft than {draft}: exporting it again")
+            report(f"bundle {out} holds another draft or exit adapter than {draft}, {adapter}: exporting it again")
         except MirrorSDError:
             pass
-    export_bundle(ExportOptions(str(TARGET_DIR), str(draft), out, exit_layer=EXIT_LAYER, top_k=TOP_K,
-                                force=True, exit_adapter=str(ADAPTER_WEIGHTS)),
+    from mirror_sd.partitions.plan_file import PLAN_FILE
+
+    # a plan measured the bundle it sits in: another draft or exit makes it stale (the export keeps other files)
+    (out / PLAN_FILE).unlink(missing_ok=True)
+    export_bundle(ExportOptions(str(TARGET_DIR), str(draft), out, exit_layer=exit_layer, top_k=TOP_K,
+                                force=True, exit_adapter=str(adapter)),
                   report=lambda line: None if line.startswith("  ") else report(line))
-    (out / DRAFT_MARKER).write_text(_weights_digest(draft) + "\n")
+    (out / DRAFT_MARKER).write_text(_weights_digest(draft, adapter) + "\n")
     return out if force else _add_plan(out, kind)  # a retrained draft is not what the plan measured
 
 
-DRAFT_MARKER = "source_draft.sha256"  # which committed draft weights the bundle was exported from
+DRAFT_MARKER = "source_draft.sha256"  # which committed draft weights and exit adapter the bundle was exported from
 
 
-def _weights_digest(draft: Path) -> str:
-    """sha256 of the draft's weight and config files: a draft retrained with the same vocabulary, or given another
-    setting (its attention window), is another draft."""
+def _weights_digest(draft: Path, adapter: Path) -> str:
+    """sha256 of the draft's and the exit adapter's weight and config files: a draft retrained with the same
+    vocabulary, or given another setting (its attention window), is another draft; another adapter is another
+    exit (its layer)."""
     import hashlib
 
     h = hashlib.sha256()
     for f in sorted([*draft.glob("*.safetensors"), *draft.glob("*_draft.json")]):
+        h.update(f.read_bytes())
+    for f in sorted([*adapter.glob("*.safetensors"), *adapter.glob("exit_adapter.json")]):
         h.update(f.read_bytes())
     return h.hexdigest()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from mirror_sd.models.exit_adapter import ExitAdapter, ExitAdapterConfig
-from mirror_sd.models.train_draft import ANSWER_WEIGHT, conversation_examples
+from mirror_sd.models.train_draft import ANSWER_WEIGHT, PROMPT_WEIGHT, Example, conversation_examples
 
 TEACHER_TOP = 32
 
@@ -47,6 +47,31 @@ def teacher_pass(model, examples, layers: list[int], report=print) -> TeacherDat
         ids.append(top.indices)
         lps.append(top.values)
     return TeacherData({k: torch.cat(v) for k, v in hidden.items()}, torch.cat(ids), torch.cat(lps))
+
+
+def answer_examples(path: Path, max_prompts: int | None = None) -> list[Example]:
+    """Examples from an answers file (models/answers.py: the committed token ids of the target's own answers, chat
+    template applied); the answer spans get ANSWER_WEIGHT. max_prompts: only records of prompt index below it."""
+    import numpy as np
+
+    from mirror_sd.models import answers
+
+    out = []
+    for r in answers.read(path):
+        if max_prompts is not None and int(r["index"]) >= max_prompts:
+            continue
+        weights = np.full(len(r["ids"]), PROMPT_WEIGHT, np.float32)
+        for start, end in r["answers"]:
+            weights[start:end] = ANSWER_WEIGHT
+        out.append(Example(np.asarray(r["ids"], np.int64), weights))
+    return out
+
+
+def _examples(data_file: Path, tokenizer, max_prompts: int | None = None) -> list[Example]:
+    """An answers file (*.jsonl.gz, token ids) or a datagen file (*.jsonl, chat messages)."""
+    if data_file.name.endswith(".jsonl.gz"):
+        return answer_examples(data_file, max_prompts)
+    return conversation_examples(data_file, tokenizer)
 
 
 def coverage(head, hidden: torch.Tensor, final_ids: torch.Tensor, ks=(1, 8), chunk: int = 512) -> dict[int, float]:
@@ -89,7 +114,7 @@ def train_adapter(model, layer: int, data: TeacherData, *, rank: int, steps: int
 
 def train(target_dir: Path, data_file: Path, out_dir: Path, layers: list[int], *, conversations: int = 300,
           rank: int = 512, steps: int = 400, batch: int = 256, lr: float = 2e-3, minutes_per_layer: float = 5.0,
-          top_k: int = 8, seed: int = 0, report=print) -> dict:
+          top_k: int = 8, seed: int = 0, max_prompts: int | None = None, report=print) -> dict:
     """Train one adapter per layer in `layers`; saves each to out_dir/layer-<l>; returns the coverage table."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,9 +124,9 @@ def train(target_dir: Path, data_file: Path, out_dir: Path, layers: list[int], *
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    examples = conversation_examples(data_file, tokenizer)
+    examples = _examples(Path(data_file), tokenizer, max_prompts)
     random.Random(seed).shuffle(examples)
-    held = max(10, len(examples) // 10)
+    held = min(max(10, len(examples) // 10), 300)  # a large answers file: 300 held-out conversations do
     train_data = teacher_pass(model, examples[held: held + conversations], layers)
     test_data = teacher_pass(model, examples[:held], layers)
     final = test_data.top_ids[:, 0]
@@ -125,16 +150,20 @@ def train(target_dir: Path, data_file: Path, out_dir: Path, layers: list[int], *
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--data", type=Path, required=True,
+                        help="the target's answers: an answers file (*.jsonl.gz) or a datagen file (*.jsonl)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", default="15,20,24")
     parser.add_argument("--conversations", type=int, default=300)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--minutes-per-layer", type=float, default=5.0)
+    parser.add_argument("--max-prompts", type=int, default=None,
+                        help="an answers file's records of the first N prompts only (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     train(args.target, args.data, args.out, [int(x) for x in args.layers.split(",")],
-          conversations=args.conversations, steps=args.steps, minutes_per_layer=args.minutes_per_layer)
+          conversations=args.conversations, steps=args.steps, minutes_per_layer=args.minutes_per_layer,
+          max_prompts=args.max_prompts)
     return 0
 
 

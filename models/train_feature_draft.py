@@ -372,12 +372,13 @@ def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore, in
             "alpha_first": alpha[0], "alpha_mean": float(np.mean(alpha))}
 
 
-def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, taps: list[int], vocab_size: int,
+def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, taps: list[int] | None, vocab_size: int,
         max_len: int, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float,
         max_minutes: float | None, eval_records: int, budget_minutes: float | None = None, seed: int = 0,
         init_from: Path | None = None, max_prompts: int | None = None, report=print) -> dict:
     """All stages; returns the summary (also written as training.json beside the weights at `out`). init_from: go on
-    training a saved feature draft (its vocabulary and taps are kept; use a fresh `work` for its checkpoints)."""
+    training a saved feature draft (its vocabulary is kept, and its taps unless `taps` names others; use a fresh
+    `work` for its checkpoints)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -388,8 +389,6 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     records = train_set + held  # one order for the feature store: training records first
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
-    if max(taps) > len(target.model.layers):
-        raise SystemExit(f"tap {max(taps)} is deeper than the target's {len(target.model.layers)} layers")
     special = sorted({i for i in (tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens)
                       if i is not None})
     vocab_path = work / "vocab.json"
@@ -397,13 +396,25 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     start_from = None
     if init_from is not None:
         start_from = FeatureDraft.load(init_from, target.get_input_embeddings().weight)
-        vocab, taps = list(start_from.config.vocab_ids), list(start_from.config.taps)
+        vocab, trained_on = list(start_from.config.vocab_ids), list(start_from.config.taps)
+        taps = list(taps or trained_on)
+        if taps != trained_on:
+            # other layers, as many: the same weights read them (the tap norms and the fuse layer relearn them), so
+            # a draft for a deeper exit layer starts from the one trained for a shallower
+            if len(taps) != len(trained_on):
+                raise SystemExit(f"--taps {taps}: the draft continued from reads {len(trained_on)} taps")
+            start_from.config.taps = taps
+            report(f"continuing from {init_from} on taps {taps} (it was trained on {trained_on})")
         vocab_path.write_text(json.dumps({"size": vocab_size, "ids": vocab}))
-    elif vocab_path.exists() and json.loads(vocab_path.read_text())["size"] == vocab_size:
-        vocab = json.loads(vocab_path.read_text())["ids"]
     else:
-        vocab = build_vocab(train_set, vocab_size, special)
-        vocab_path.write_text(json.dumps({"size": vocab_size, "ids": vocab}))
+        taps = list(taps or DEFAULT_TAPS)
+        if vocab_path.exists() and json.loads(vocab_path.read_text())["size"] == vocab_size:
+            vocab = json.loads(vocab_path.read_text())["ids"]
+        else:
+            vocab = build_vocab(train_set, vocab_size, special)
+            vocab_path.write_text(json.dumps({"size": vocab_size, "ids": vocab}))
+    if max(taps) > len(target.model.layers):
+        raise SystemExit(f"tap {max(taps)} is deeper than the target's {len(target.model.layers)} layers")
     cover = {n: coverage(held, vocab[:n]) for n in sorted({2048, 4096, 8192, 16384, len(vocab)}) if n <= len(vocab)}
     answer_tokens = int(sum(r.labels.sum() for r in train_set))
     report(f"{len(train_set)} training records ({answer_tokens} answer tokens, "
@@ -447,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answers", type=Path, nargs="+", required=True, help="answers files (models/answers.py)")
     parser.add_argument("--work", type=Path, default=Path("build/feature-draft"), help="features and checkpoints")
     parser.add_argument("--out", type=Path, default=None, help="save the trained draft here")
-    parser.add_argument("--taps", type=int, nargs="+", default=list(DEFAULT_TAPS))
+    parser.add_argument("--taps", type=int, nargs="+", default=None,
+                        help=f"target layers the draft reads (default {list(DEFAULT_TAPS)}, or --init-from's)")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--max-len", type=int, default=768)
     parser.add_argument("--epochs", type=float, default=1.0)

@@ -125,9 +125,44 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
 
     # training goes on from the saved draft (its vocabulary and taps), with checkpoints of its own
     more = tfd.run(target_dir, [data], tmp_path / "work2", tmp_path / "draft2", init_from=out,
-                   max_minutes=None, **{**kwargs, "epochs": 2, "taps": [1]})
+                   max_minutes=None, **{**kwargs, "epochs": 2, "taps": None})
     assert more["continued_from"] == str(out) and more["taps"] == [1, 2]
     assert more["held_out"]["tokens_per_step"] >= 1.0
+    # or on other layers, as many as it reads (a deeper exit layer): its weights and vocabulary, the new taps
+    retapped = tfd.run(target_dir, [data], tmp_path / "work3", tmp_path / "draft3", init_from=out,
+                       max_minutes=None, **{**kwargs, "epochs": 1, "taps": [2, 3]})
+    assert retapped["taps"] == [2, 3]
+    draft3 = FeatureDraft.load(tmp_path / "draft3", target.get_input_embeddings().weight)
+    assert draft3.config.taps == [2, 3] and draft3.config.vocab_ids == loaded.config.vocab_ids
+    with pytest.raises(SystemExit, match="reads 2 taps"):
+        tfd.run(target_dir, [data], tmp_path / "work4", None, init_from=out, max_minutes=None,
+                **{**kwargs, "taps": [3]})
+
+
+def test_exit_adapter_trains_on_an_answers_file(tmp_path):
+    """The exit adapter learns from the committed answers (token ids, answer spans) as from a datagen file: the
+    answer spans are the weighted positions, max_prompts keeps to a prefix of the prompts."""
+    from mirror_sd.models import train_exit
+    from mirror_sd.models.exit_adapter import ExitAdapter
+    from mirror_sd.models.tiny import make_tokenizer
+    from mirror_sd.models.train_draft import ANSWER_WEIGHT
+
+    target = _tiny_target(layers=3)
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    make_tokenizer(target_dir, vocab_size=300)
+    data = tmp_path / "answers.jsonl.gz"
+    _answers_file(data, target, n=60)
+    examples = train_exit.answer_examples(data, max_prompts=10)
+    assert len(examples) == 10
+    record = json.loads(gzip.open(data, "rt").readline())
+    start, end = record["answers"][0]
+    assert (examples[0].weights == ANSWER_WEIGHT).nonzero()[0].tolist() == list(range(start, end))
+    results = train_exit.train(target_dir, data, tmp_path / "adapters", [1], conversations=50, rank=64, steps=60,
+                               batch=64, minutes_per_layer=1, report=lambda _line: None)
+    row = results["layers"][1]
+    assert row["adapter"][8] >= row["logit_lens"][8]
+    assert ExitAdapter.is_exit_adapter(tmp_path / "adapters" / "layer-1")
 
 
 # -- export: the feature channel in the graphs and the manifest --------------------------------------------------
