@@ -34,10 +34,10 @@ class Sources:
     def real_pair(cls, bundle: Path | None = None) -> Sources:
         """The real pair's sources (models/smollm2.py); the draft is the feature draft where `bundle` holds one."""
         from mirror_sd.models.smollm2 import (
+            ADAPTER_15_WEIGHTS,
             ADAPTER_LAYERS,
             ADAPTER_WEIGHTS,
             DRAFT_WEIGHTS,
-            FEATURE_ADAPTER_WEIGHTS,
             TARGET_DIR,
             draft_weights,
         )
@@ -48,7 +48,7 @@ class Sources:
                 kind = "feature" if Manifest.load(bundle).draft.feature_taps else kind
             except MirrorSDError:
                 pass
-        return cls(TARGET_DIR, draft_weights(kind), ADAPTER_LAYERS, (ADAPTER_WEIGHTS, FEATURE_ADAPTER_WEIGHTS),
+        return cls(TARGET_DIR, draft_weights(kind), ADAPTER_LAYERS, (ADAPTER_WEIGHTS, ADAPTER_15_WEIGHTS),
                    baseline_draft=DRAFT_WEIGHTS)
 
     def adapter(self, layer: int) -> Path | None:

@@ -26,9 +26,10 @@ from mirror_sd.errors import MirrorSDError
 
 REPO = Path(__file__).resolve().parents[1]
 WEIGHTS = REPO / "models" / "weights"
-DRAFT_WEIGHTS, ADAPTER_WEIGHTS = WEIGHTS / "smollm2-streaming-draft", WEIGHTS / "smollm2-exit-adapter"
-FEATURE_WEIGHTS = WEIGHTS / "smollm2-feature-draft"
-FEATURE_ADAPTER_WEIGHTS = WEIGHTS / "smollm2-exit-adapter-24"  # the feature bundle's exit head (FEATURE_EXIT_LAYER)
+DRAFT_WEIGHTS, FEATURE_WEIGHTS = WEIGHTS / "smollm2-streaming-draft", WEIGHTS / "smollm2-feature-draft"
+ADAPTER_WEIGHTS = WEIGHTS / "smollm2-exit-adapter-24"  # the bundles' exit head, at EXIT_LAYER
+# the exit head at layer 15, the bundles' exit layer before: the benchmark's exit-layer sweep still measures it
+ADAPTER_15_WEIGHTS = WEIGHTS / "smollm2-exit-adapter-15"
 ANSWERS_FILE = REPO / "models" / "data" / "answers-broad.jsonl.gz"  # committed: the feature draft's training data
 # How the committed feature draft was trained (models/train_feature_draft.py; its training.json has the last
 # stage): 50 minutes on the answers of the first FIRST_PROMPTS broad-pool prompts, 22 more continuing from those
@@ -55,16 +56,13 @@ DATA_FILE = BUILD / "data" / "target_answers.jsonl"
 BROAD_FILE = BUILD / "data" / "target_answers_broad.jsonl"  # the broad pool's answers (models/prompts.py)
 HELD_OUT_FILE = BUILD / "data" / "held_out_answers.jsonl"  # answers to held-out prompts: evaluation only
 ADAPTER_LAYERS = BUILD / "exit-adapters"  # RETRAIN=1's adapters per layer (layer-N), for the exit-layer sweeps
-# l_e = N/2, the paper's default: the trained adapter already covers the final token in its top-8 74% of the time
-# there (logit lens: 31%), and the suffix it leaves (15 layers + head) is the overlap budget the draft hides under.
-# Deeper exits cover more (layer 24: 90%) but leave the draft less time (models/weights/.../coverage.json).
-EXIT_LAYER = 15
+# l_e = 24 of 30, not the paper's N/2: the exit head's top-k is what mirror's branches bet on, and at layer 24 it
+# holds the target's token far more often (adapter top-1 / top-8 coverage 68% / 90% against 49% / 74% at 15:
+# coverage.json), while the suffix it leaves (6 layers + the LM head, about 40% of a step) still holds the branch
+# rollouts. Side by side in the benchmark's exit sweep mirror ran 0.96x ar at 24 against 0.67x at 15, branch hits
+# 0.40 against 0.17 (results/bench-full-feature). The feature draft's taps (5/10/15) sit below either.
+EXIT_LAYER = 24
 TOP_K = 8
-# The feature bundle exits deeper: the exit head's top-k at layer 24 holds the target's token far more often than at
-# 15 (top-1 / top-8 coverage 70% / 90% against 49% / 74%, coverage.json), which is what mirror's branches bet on,
-# and the suffix it leaves (6 layers + head) still holds the branch rollouts. Its draft still reads taps 5/10/15
-# (deeper taps did not draft better: results/README.md). The exit adapter there is trained on the committed answers.
-FEATURE_EXIT_LAYER = 24
 
 
 def ensure_target(report=print) -> Path:
@@ -88,11 +86,6 @@ def bundle_dir(kind: str = "streaming") -> Path:
     return FEATURE_BUNDLE_DIR if kind == "feature" else BUNDLE_DIR
 
 
-def exit_of(kind: str = "streaming") -> tuple[int, Path]:
-    """The exit layer and the committed exit adapter of the `kind` bundle."""
-    return (FEATURE_EXIT_LAYER, FEATURE_ADAPTER_WEIGHTS) if kind == "feature" else (EXIT_LAYER, ADAPTER_WEIGHTS)
-
-
 def retrain_feature_draft(report=print) -> None:
     """The feature draft from the committed answers (any missing ones generated first, with OpenVINO GenAI)."""
     from mirror_sd.bench.baselines import fingerprint
@@ -110,13 +103,13 @@ def retrain_feature_draft(report=print) -> None:
         (work / "checkpoint.pt").unlink(missing_ok=True)  # each later stage plans its own batches
         train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                                 init_from=FEATURE_WEIGHTS, max_prompts=prompts, **stage)
-    # the exit head at the feature bundle's exit layer, from the same answers
+    # the bundles' exit head at EXIT_LAYER, from the same answers
     layers = BUILD / "exit-adapters-answers"
-    train_exit.train(TARGET_DIR, ANSWERS_FILE, layers, [FEATURE_EXIT_LAYER], conversations=1000, rank=512, steps=800,
+    train_exit.train(TARGET_DIR, ANSWERS_FILE, layers, [EXIT_LAYER], conversations=1000, rank=512, steps=800,
                      batch=256, minutes_per_layer=5, max_prompts=ANSWER_PROMPTS, report=report)
-    shutil.rmtree(FEATURE_ADAPTER_WEIGHTS, ignore_errors=True)
-    shutil.copytree(layers / f"layer-{FEATURE_EXIT_LAYER}", FEATURE_ADAPTER_WEIGHTS)
-    shutil.copy(layers / "coverage.json", FEATURE_ADAPTER_WEIGHTS / "coverage.json")
+    shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
+    shutil.copytree(layers / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
+    shutil.copy(layers / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:
@@ -131,11 +124,13 @@ def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minute
     train_draft.train(TARGET_DIR, [DATA_FILE, BROAD_FILE], DRAFT_WEIGHTS, max_minutes=broad_minutes, steps=3000,
                       init_from=DRAFT_WEIGHTS, eval_file=HELD_OUT_FILE, lr=1.5e-3, report=report)
     # the exit layer and two deeper ones, as coverage.json reports them; only the exit layer's adapter is committed
-    train_exit.train(TARGET_DIR, DATA_FILE, ADAPTER_LAYERS, sorted({EXIT_LAYER, 20, 24}),
+    # layer 15 and two deeper ones, as coverage.json reports them; the layer-15 adapter is committed for the
+    # benchmark's exit sweep (the bundles' own, at EXIT_LAYER, learns from the answers file: retrain_feature_draft)
+    train_exit.train(TARGET_DIR, DATA_FILE, ADAPTER_LAYERS, [15, 20, 24],
                      conversations=300, rank=512, steps=800, batch=256, minutes_per_layer=5, report=report)
-    shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
-    shutil.copytree(ADAPTER_LAYERS / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
-    shutil.copy(ADAPTER_LAYERS / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
+    shutil.rmtree(ADAPTER_15_WEIGHTS, ignore_errors=True)
+    shutil.copytree(ADAPTER_LAYERS / "layer-15", ADAPTER_15_WEIGHTS)
+    shutil.copy(ADAPTER_LAYERS / "coverage.json", ADAPTER_15_WEIGHTS / "coverage.json")
 
 
 def build_bundle(force: bool = False, report=print, kind: str = "streaming") -> Path:
@@ -143,8 +138,7 @@ def build_bundle(force: bool = False, report=print, kind: str = "streaming") -> 
     from mirror_sd.export.bundle import ExportOptions, export_bundle
     from mirror_sd.partitions import Manifest
 
-    out, draft = bundle_dir(kind), draft_weights(kind)
-    exit_layer, adapter = exit_of(kind)
+    out, draft, adapter = bundle_dir(kind), draft_weights(kind), ADAPTER_WEIGHTS
     if not force:
         try:
             Manifest.load(out)
@@ -158,7 +152,7 @@ def build_bundle(force: bool = False, report=print, kind: str = "streaming") -> 
 
     # a plan measured the bundle it sits in: another draft or exit makes it stale (the export keeps other files)
     (out / PLAN_FILE).unlink(missing_ok=True)
-    export_bundle(ExportOptions(str(TARGET_DIR), str(draft), out, exit_layer=exit_layer, top_k=TOP_K,
+    export_bundle(ExportOptions(str(TARGET_DIR), str(draft), out, exit_layer=EXIT_LAYER, top_k=TOP_K,
                                 force=True, exit_adapter=str(adapter)),
                   report=lambda line: None if line.startswith("  ") else report(line))
     (out / DRAFT_MARKER).write_text(_weights_digest(draft, adapter) + "\n")
