@@ -162,3 +162,35 @@ def test_exit_adapter_training_improves_coverage(tmp_path, tiny_data, pair_facto
     # on its own training distribution a trained head must beat the untrained logit lens
     assert row["adapter"][8] >= row["logit_lens"][8]
     assert ExitAdapter.is_exit_adapter(tmp_path / "adapters" / "layer-3")
+
+
+def test_committed_plan_is_installed_only_for_the_export_it_measured(bundle_factory, tmp_path, monkeypatch):
+    """`make models` gives a bundle the committed plan as plan.json unless one is there, and never a plan measured
+    at another exit layer or top_k: the runtime refuses such a plan, so the bundle runs on built-in defaults."""
+    import json
+    import shutil
+
+    from mirror_sd import Pipeline
+    from mirror_sd.models import smollm2
+    from mirror_sd.partitions.plan_file import PLAN_FILE
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(bundle_factory(exit_layer=3, top_k=8), bundle)
+    committed = json.loads(smollm2.PLAN.read_text())
+    plan = tmp_path / "plan.json"
+    monkeypatch.setattr(smollm2, "PLAN", plan)
+
+    plan.write_text(json.dumps({**committed, "bundle": {**committed["bundle"], "exit_layer": 2, "top_k": 8}}))
+    smollm2._add_plan(bundle)
+    assert not (bundle / PLAN_FILE).exists()
+    Pipeline.load(bundle)  # built-in defaults
+
+    runtime = {**committed["runtime"], "kappa": 4, "gamma": 3}
+    plan.write_text(json.dumps({**committed, "bundle": {**committed["bundle"], "exit_layer": 3, "top_k": 8},
+                                "runtime": runtime}))
+    smollm2._add_plan(bundle)
+    assert json.loads((bundle / PLAN_FILE).read_text())["runtime"]["gamma"] == 3
+    assert Pipeline.load(bundle).generation_config.gamma == 3
+    plan.write_text(json.dumps({**committed, "runtime": {**runtime, "gamma": 5}}))
+    smollm2._add_plan(bundle)  # one is there (a `make plan` made here): kept
+    assert json.loads((bundle / PLAN_FILE).read_text())["runtime"]["gamma"] == 3
