@@ -59,8 +59,9 @@ ADAPTER_LAYERS = BUILD / "exit-adapters"  # RETRAIN=1's adapters per layer (laye
 # l_e = 24 of 30, not the paper's N/2: the exit head's top-k is what mirror's branches bet on, and at layer 24 it
 # holds the target's token far more often (adapter top-1 / top-8 coverage 68% / 90% against 49% / 74% at 15:
 # coverage.json), while the suffix it leaves (6 layers + the LM head, about 40% of a step) still holds the branch
-# rollouts. Side by side in the benchmark's exit sweep mirror ran 0.96x ar at 24 against 0.67x at 15, branch hits
-# 0.40 against 0.17 (results/bench-full-feature). The feature draft's taps (5/10/15) sit below either.
+# rollouts. Side by side in the benchmark's exit sweeps, every step speculating, mirror ran 0.86x ar at 24 against
+# 0.61x at 15 with the streaming draft (branch hits 0.62 against 0.28) and 0.96x against 0.67x with the feature draft
+# (0.40 against 0.17): results/bench-full*. The feature draft's taps (5/10/15) sit below either.
 EXIT_LAYER = 24
 TOP_K = 8
 
