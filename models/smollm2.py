@@ -58,7 +58,7 @@ HELD_OUT_FILE = BUILD / "data" / "held_out_answers.jsonl"  # answers to held-out
 ADAPTER_LAYERS = BUILD / "exit-adapters"  # RETRAIN=1's adapters per layer (layer-N), for the exit-layer sweeps
 # l_e = 24 of 30, not the paper's N/2: the exit head's top-k is what mirror's branches bet on, and at layer 24 it
 # holds the target's token far more often (adapter top-1 / top-8 coverage 68% / 90% against 49% / 74% at 15:
-# coverage.json), while the suffix it leaves (6 layers + the LM head, about 40% of a step) still holds the branch
+# coverage.json), while the suffix it leaves (6 layers + the LM head, about a third of a step) still holds the branch
 # rollouts. Side by side in the benchmark's exit sweeps, every step speculating, mirror ran 0.86x ar at 24 against
 # 0.61x at 15 with the streaming draft (branch hits 0.62 against 0.28) and 0.96x against 0.67x with the feature draft
 # (0.40 against 0.17): results/bench-full*. The feature draft's taps (5/10/15) sit below either.
@@ -124,7 +124,6 @@ def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minute
     train_draft.train(TARGET_DIR, DATA_FILE, DRAFT_WEIGHTS, max_minutes=draft_minutes, steps=2000, report=report)
     train_draft.train(TARGET_DIR, [DATA_FILE, BROAD_FILE], DRAFT_WEIGHTS, max_minutes=broad_minutes, steps=3000,
                       init_from=DRAFT_WEIGHTS, eval_file=HELD_OUT_FILE, lr=1.5e-3, report=report)
-    # the exit layer and two deeper ones, as coverage.json reports them; only the exit layer's adapter is committed
     # layer 15 and two deeper ones, as coverage.json reports them; the layer-15 adapter is committed for the
     # benchmark's exit sweep (the bundles' own, at EXIT_LAYER, learns from the answers file: retrain_feature_draft)
     train_exit.train(TARGET_DIR, DATA_FILE, ADAPTER_LAYERS, [15, 20, 24],
