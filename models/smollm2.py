@@ -197,21 +197,24 @@ def _bundled_vocab(bundle: Path) -> list[int] | None:
 
 def _add_plan(bundle: Path, kind: str = "streaming") -> Path:
     """The committed plan of the bundle's draft as its plan.json, unless the bundle already has one (a `make plan`
-    made here) or the plan was measured at another exit layer or top_k (the runtime would refuse it; the bundle
-    then runs on the built-in defaults until `make plan`)."""
+    made here) or the runtime would refuse the plan for this bundle (measured at another exit layer or top_k; the
+    bundle then runs on the built-in defaults until `make plan`)."""
+    from mirror_sd.errors import BadInputError
     from mirror_sd.partitions import Manifest
-    from mirror_sd.partitions.plan_file import PLAN_FILE
+    from mirror_sd.partitions.plan_file import PLAN_FILE, read_plan, runtime_defaults
 
     dest = bundle / PLAN_FILE
     plan = FEATURE_PLAN if kind == "feature" else PLAN
     if not plan.is_file() or dest.exists():
         return bundle
-    made_for = json.loads(plan.read_text()).get("bundle", {})
     target = Manifest.load(bundle).target
-    if (made_for.get("exit_layer"), made_for.get("top_k")) == (target.exit_layer, target.top_k):
-        partial = dest.with_name(PLAN_FILE + ".partial")
-        shutil.copyfile(plan, partial)
-        partial.replace(dest)  # atomic: a reader never sees half a plan
+    try:
+        runtime_defaults(read_plan(plan), target.exit_layer, target.top_k)  # the runtime's own check of a plan
+    except BadInputError:
+        return bundle
+    partial = dest.with_name(PLAN_FILE + ".partial")
+    shutil.copyfile(plan, partial)
+    partial.replace(dest)  # atomic: a reader never sees half a plan
     return bundle
 
 
