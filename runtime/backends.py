@@ -22,7 +22,6 @@ Feed = dict[str, np.ndarray]
 RunFn = Callable[[Feed], dict[str, np.ndarray]]
 
 
-
 @dataclass(frozen=True)
 class OpenedGraph:
     backend: str
