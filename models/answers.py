@@ -14,6 +14,9 @@ are the spans of ids the target generated (a multi-turn prompt has two: its firs
 the follow-up's). Features (hidden states) are not stored: they are recomputed from ids by the target itself.
 
     python -m mirror_sd.models.answers --pool broad -n 20000 --out models/data/answers-broad.jsonl.gz
+    python -m mirror_sd.models.answers --pool everyday -n 6000 --out models/data/answers-everyday.jsonl.gz
+The everyday pool (translation, summarisation, QA, RAG; models/prompts.py build_everyday) is written on the prose of
+the broad answers' training records (--texts-from).
 """
 
 from __future__ import annotations
@@ -29,13 +32,29 @@ from mirror_sd.models.prompts import Prompt
 
 DEFAULT_BATCH = 64
 DEFAULT_MAX_NEW = 160
+HOLD_OUT = 20  # records with index % HOLD_OUT == 0 are held out: no draft trains on them, no pool borrows their text
+BROAD_ANSWERS = Path("models/data/answers-broad.jsonl.gz")
 
 
-def _pool(name: str, n: int, seed: int) -> list[Prompt]:
+def answer_texts(path: Path, codec, kinds: tuple[str, ...] = ("chat", "multi_turn")) -> list[str]:
+    """The decoded answers of `path`'s training records of `kinds`, in index order."""
+    records = sorted((r for r in read(path) if r["kind"] in kinds and r["index"] % HOLD_OUT), key=lambda r: r["index"])
+    return [codec.decode(r["ids"][start:end]) for r in records for start, end in r["answers"]]
+
+
+def _pool(name: str, n: int, seed: int, bundle: Path, texts_from: Path = BROAD_ANSWERS) -> list[Prompt]:
     from mirror_sd.models.datagen import POOLS
+    from mirror_sd.models.prompts import build_everyday
 
+    if name == "everyday":
+        from mirror_sd.partitions import Manifest
+        from mirror_sd.runtime.text import TextCodec
+
+        if not texts_from.exists():
+            raise SystemExit(f"the everyday pool is written on answer texts: {texts_from} not found")
+        return build_everyday(n, answer_texts(texts_from, TextCodec(bundle, Manifest.load(bundle))), seed=seed)
     if name not in POOLS:
-        raise SystemExit(f"unknown pool {name!r}; known: {', '.join(POOLS)}")
+        raise SystemExit(f"unknown pool {name!r}; known: {', '.join([*POOLS, 'everyday'])}")
     return POOLS[name](n, seed=seed)
 
 
@@ -109,11 +128,12 @@ class _Generator:
 
 
 def generate(bundle: Path, ov_dir: Path, out: Path, pool: str, n: int, seed: int = 0, batch: int = DEFAULT_BATCH,
-             max_new_tokens: int = DEFAULT_MAX_NEW, threads: int = 2, report=print) -> Path:
+             max_new_tokens: int = DEFAULT_MAX_NEW, threads: int = 2, texts_from: Path = BROAD_ANSWERS,
+             report=print) -> Path:
     """Append the answers to prompts [0, n) of `pool` not yet in `out`."""
     from tqdm import tqdm
 
-    prompts = _pool(pool, n, seed)
+    prompts = _pool(pool, n, seed, bundle, texts_from)
     done = done_indices(out)
     todo = [i for i in range(n) if i not in done]
     if not todo:
@@ -157,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", default="build/bundles/smollm2", help="the bundle (its tokenizer and chat template)")
     p.add_argument("--target", default="build/models/smollm2-135m-instruct", help="the target's HF directory")
-    p.add_argument("--pool", default="broad", help="prompt pool: base, broad or held-out (models/prompts.py)")
+    p.add_argument("--pool", default="broad",
+                   help="prompt pool: base, broad, held-out or everyday (models/prompts.py)")
+    p.add_argument("--texts-from", default=str(BROAD_ANSWERS),
+                   help="the answers file whose prose the everyday pool's passages and sentences come from")
     p.add_argument("-n", type=int, default=20000, help="prompts [0, n) of the pool")
     p.add_argument("--out", required=True, help="gzip JSON-lines file (appended to; resumes)")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="sequences in flight")
@@ -172,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ov_dir = convert(target, Path(args.cache) / f"ov-genai-target-{fingerprint(target)}",
                      fingerprint=fingerprint(target))
     generate(Path(args.bundle), ov_dir, Path(args.out), args.pool, args.n, batch=args.batch,
-             max_new_tokens=args.max_new_tokens, threads=args.threads)
+             max_new_tokens=args.max_new_tokens, threads=args.threads, texts_from=Path(args.texts_from))
     return 0
 
 

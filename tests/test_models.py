@@ -208,3 +208,46 @@ def test_public_prompt_set_comes_from_its_package():
     assert len({p.messages[0]["content"] for p in prompts}) == 8
     with pytest.raises(SystemExit, match="unknown public prompt set"):
         public_prompts("mt-bench", 8)
+
+
+def test_everyday_pool_is_written_on_plain_prose_and_stays_off_the_benchmark():
+    """The everyday pool (translation, summarisation, QA, RAG) takes its passages and sentences from plain-prose
+    paragraphs of answer texts: lists, first-person talk and looping paragraphs are left out; it repeats no prompt,
+    is the same for the same seed, and shares no user turn with the benchmark or the held-out prompts."""
+    from mirror_sd.bench.prompts import PROMPTS as BENCH
+    from mirror_sd.models import prompts
+
+    good = ("Honey bees live in large colonies that can hold tens of thousands of workers. Each colony has a single "
+            "queen that lays the eggs, while the workers collect nectar and pollen from flowers nearby. The bees "
+            "turn the nectar into honey and store it in wax cells for the winter. Drones mate with queens from "
+            "other colonies and die soon after.")
+    loop = "Bees are busy insects that work hard every day. " * 8
+    listed = "1. Bees make honey from the nectar of many flowers in the garden and field.\n2. Bees sting."
+    first_person = good.replace("Honey bees live", "I think honey bees live")
+    passages, sentences = prompts.prose([good, loop.strip(), listed, first_person])
+    assert passages == [good]
+    assert "The bees turn the nectar into honey and store it in wax cells for the winter." in sentences
+    assert not any("busy insects" in s or "I think" in s for s in sentences)
+
+    texts = [good.replace("Honey bees", f"Honey bees of valley {i}") for i in range(40)]
+    pool = prompts.build_everyday(200, texts)
+    assert pool == prompts.build_everyday(200, texts) and len({json.dumps(p.messages) for p in pool}) == 200
+    assert {p.kind for p in pool} == {"translation", "summarisation", "qa", "rag"}
+    users = {p.messages[0]["content"] for p in pool}
+    bench_users = {m["content"] for p in BENCH for m in p.messages if m["role"] == "user"}
+    assert not users & bench_users and not users & {p.messages[0]["content"] for p in build(400, held_out=True)}
+    rag = next(p for p in pool if p.kind == "rag").messages[0]["content"]
+    assert "Passage: Honey bees of valley" in rag and "Question: " in rag and "{t}" not in rag
+    with pytest.raises(ValueError, match="plain-prose"):
+        prompts.build_everyday(10, [listed])
+
+
+def test_bench_prompt_evaluation_keeps_the_written_history():
+    """`models.evaluate --bench` measures on the benchmark's own prompts; their multi-turn history is written there
+    and is kept (only an empty held-out first answer is the target's own)."""
+    from mirror_sd.models.evaluate import bench_prompts, messages_of
+
+    prompts, kinds = bench_prompts(2)
+    assert len(prompts) == 2 * len(kinds) and {p.kind for p in prompts} == set(kinds)
+    multi = next(p for p in prompts if p.kind == "multi_turn")
+    assert messages_of(None, multi) == [dict(m) for m in multi.messages]  # the pipeline is never asked
