@@ -35,14 +35,18 @@ ANSWERS_FILE = REPO / "models" / "data" / "answers-broad.jsonl.gz"  # committed:
 # stage): 50 minutes on the answers of the first FIRST_PROMPTS broad-pool prompts, 22 more continuing from those
 # weights at half the learning rate, then a pass over the answers of all ANSWER_PROMPTS prompts (75 minutes) and
 # 42 minutes more of a second one, each continuing from the last. (The committed fourth stage ran 5 minutes under a
-# 75-minute schedule before it was resumed under this 42-minute one.) The answers file may hold more (answered
-# since, for the next training): RETRAIN leaves them out.
-FIRST_PROMPTS, ANSWER_PROMPTS = 5632, 13632
+# 75-minute schedule before it was resumed under this 42-minute one.)
+# A fifth stage continues on what none of those saw: the answers to broad prompts ANSWER_PROMPTS..ALL_ANSWER_PROMPTS
+# and to EVERYDAY_PROMPTS prompts of the everyday pool (translation, summarisation, QA, RAG: the kinds the broad
+# pool is thin in), its vocabulary refreshed for them (translations bring tokens the broad answers lack).
+FIRST_PROMPTS, ANSWER_PROMPTS, ALL_ANSWER_PROMPTS = 5632, 13632, 20000
+EVERYDAY_FILE, EVERYDAY_PROMPTS = REPO / "models" / "data" / "answers-everyday.jsonl.gz", 6000
 FEATURE_TRAINING = {"taps": [5, 10, 15], "vocab_size": 8192, "max_len": 768, "epochs": 3, "steps": 4, "lr": 1e-3,
                     "tokens_per_batch": 4096, "noise": 0.05, "budget_minutes": 50, "eval_records": 400}
 FEATURE_CONTINUED = {**FEATURE_TRAINING, "epochs": 1, "lr": 5e-4, "budget_minutes": 22}
 FEATURE_BROADER = {**FEATURE_CONTINUED, "budget_minutes": 75}
 FEATURE_SECOND_PASS = {**FEATURE_CONTINUED, "budget_minutes": 42}
+FEATURE_EVERYDAY = {**FEATURE_CONTINUED, "budget_minutes": 60, "refresh_vocab": 1024}
 # `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
 # kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
@@ -95,7 +99,9 @@ def retrain_feature_draft(report=print) -> None:
 
     ov_dir = convert(TARGET_DIR, BUILD / "bench-cache" / f"ov-genai-target-{fingerprint(TARGET_DIR)}",
                      fingerprint=fingerprint(TARGET_DIR))
-    answers.generate(BUNDLE_DIR, ov_dir, ANSWERS_FILE, "broad", ANSWER_PROMPTS, report=report)
+    answers.generate(BUNDLE_DIR, ov_dir, ANSWERS_FILE, "broad", ALL_ANSWER_PROMPTS, report=report)
+    answers.generate(BUNDLE_DIR, ov_dir, EVERYDAY_FILE, "everyday", EVERYDAY_PROMPTS, texts_from=ANSWERS_FILE,
+                     report=report)
     work = BUILD / "feature-draft"
     train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                             max_prompts=FIRST_PROMPTS, **FEATURE_TRAINING)
@@ -104,6 +110,11 @@ def retrain_feature_draft(report=print) -> None:
         (work / "checkpoint.pt").unlink(missing_ok=True)  # each later stage plans its own batches
         train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                                 init_from=FEATURE_WEIGHTS, max_prompts=prompts, **stage)
+    (work / "checkpoint.pt").unlink(missing_ok=True)
+    train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE, EVERYDAY_FILE], work, FEATURE_WEIGHTS, max_minutes=None,
+                            report=report, init_from=FEATURE_WEIGHTS,
+                            prompt_ranges=[(ANSWER_PROMPTS, ALL_ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS)],
+                            **FEATURE_EVERYDAY)
     # the bundles' exit head at EXIT_LAYER, from the same answers
     layers = BUILD / "exit-adapters-answers"
     train_exit.train(TARGET_DIR, ANSWERS_FILE, layers, [EXIT_LAYER], conversations=1000, rank=512, steps=800,
