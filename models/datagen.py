@@ -11,9 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
-from mirror_sd.models.prompts import Prompt, build, build_broad
+from mirror_sd.models.prompts import Prompt, build, build_broad, build_code
 
-POOLS = {"base": build, "broad": build_broad, "held-out": lambda n, seed: build(n, seed=seed, held_out=True)}
+POOLS = {"base": build, "broad": build_broad, "held-out": lambda n, seed: build(n, seed=seed, held_out=True),
+         "code": build_code}
 
 
 def _load(model_dir: Path):

@@ -251,3 +251,20 @@ def test_bench_prompt_evaluation_keeps_the_written_history():
     assert len(prompts) == 2 * len(kinds) and {p.kind for p in prompts} == set(kinds)
     multi = next(p for p in prompts if p.kind == "multi_turn")
     assert messages_of(None, multi) == [dict(m) for m in multi.messages]  # the pipeline is never asked
+
+
+def test_code_pool_comes_from_the_standard_library_and_not_from_humaneval():
+    """The code pool's tasks are the standard library's documented functions: as many distinct prompts as asked,
+    the same every time, and none of them a HumanEval stub (the public check) or a held-out code task."""
+    from mirror_sd.models import prompts
+    from mirror_sd.models.evaluate import public_prompts
+
+    functions = prompts.library_functions()
+    assert len(functions) > 500 and ("dedent", "(text)") in [(n, s) for n, s, _ in functions]
+    pool = prompts.build_code(1200)
+    texts = [p.messages[0]["content"] for p in pool]
+    assert len(set(texts)) == 1200 and texts == [p.messages[0]["content"] for p in prompts.build_code(1200)]
+    assert {p.kind for p in pool} == {"code"}
+    stubs = {p.messages[0]["content"] for p in public_prompts("humaneval", 164)}
+    assert not set(texts) & stubs
+    assert not any(task in text for task in prompts.HELD_OUT_CODE_TASKS for text in texts)
