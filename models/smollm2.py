@@ -46,7 +46,7 @@ FEATURE_TRAINING = {"taps": [5, 10, 15], "vocab_size": 8192, "max_len": 768, "ep
 FEATURE_CONTINUED = {**FEATURE_TRAINING, "epochs": 1, "lr": 5e-4, "budget_minutes": 22}
 FEATURE_BROADER = {**FEATURE_CONTINUED, "budget_minutes": 75}
 FEATURE_SECOND_PASS = {**FEATURE_CONTINUED, "budget_minutes": 42}
-FEATURE_EVERYDAY = {**FEATURE_CONTINUED, "budget_minutes": 60, "refresh_vocab": 1024}
+FEATURE_EVERYDAY = {**FEATURE_CONTINUED, "budget_minutes": 60, "refresh_vocab": 1024, "refresh_drop": "tail"}
 # `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
 # kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"

@@ -41,6 +41,7 @@ from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
 
 HOLD_OUT = answers_file.HOLD_OUT  # every 20th record is held out
 DEFAULT_TAPS = (5, 10, 15)
+REFRESH_DROPS = ("least-used", "tail")  # which tokens a vocabulary refresh swaps out (refreshed_vocab)
 STEP_DECAY = 0.8  # loss weight of draft step k: STEP_DECAY ** k (later tokens matter only if earlier ones land)
 
 
@@ -100,21 +101,26 @@ def build_vocab(train: list[Record], size: int, always: list[int]) -> list[int]:
     return list(dict.fromkeys(list(always) + ranked))[:size]
 
 
-def refreshed_vocab(vocab: list[int], train: list[Record], n: int, keep: list[int]) -> list[int]:
-    """`vocab` (most frequent first) with its n least frequent tokens, never one of `keep`, replaced by the n
-    most frequent answer tokens of `train` it lacks (new data in new kinds brings new tokens: translations)."""
+def refreshed_vocab(vocab: list[int], train: list[Record], n: int, keep: list[int],
+                    drop: str = "least-used") -> list[int]:
+    """`vocab` with n of its tokens, never one of `keep`, replaced by the n most frequent answer tokens of `train` it
+    lacks (new data in new kinds brings new tokens: translations, code). drop "least-used": the tokens dropped are
+    the ones `train`'s answers use least, the later in `vocab` first among equals (its order is most frequent first
+    in the data it was built on; tokens a refresh added sit at its end, so they go only where this data does not use
+    them either). drop "tail": the last n, whatever this data uses (how the committed fifth stage ran, on a
+    vocabulary no refresh had touched)."""
+    if drop not in REFRESH_DROPS:
+        raise ValueError(f"drop {drop!r}: one of {', '.join(REFRESH_DROPS)}")
     counts = Counter()
     for r in train:
         counts.update(r.ids[r.labels].tolist())
     have = set(vocab)
     new = [t for t, _ in counts.most_common() if t not in have][:n]
-    dropped, kept = set(), list(vocab)
-    for t in reversed(vocab):
-        if len(dropped) == len(new):
-            break
-        if t not in keep:
-            dropped.add(t)
-    return [t for t in kept if t not in dropped] + new
+    position = {t: i for i, t in enumerate(vocab)}
+    used = counts if drop == "least-used" else Counter()
+    candidates = sorted((t for t in vocab if t not in set(keep)), key=lambda t: (used[t], -position[t]))
+    dropped = set(candidates[: len(new)])
+    return [t for t in vocab if t not in dropped] + new
 
 
 def coverage(records: list[Record], vocab: list[int]) -> float:
@@ -409,7 +415,8 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
         max_len: int, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float,
         max_minutes: float | None, eval_records: int, budget_minutes: float | None = None, seed: int = 0,
         init_from: Path | None = None, max_prompts: int | None = None,
-        prompt_ranges: list[tuple[int, int | None]] | None = None, refresh_vocab: int = 0, report=print) -> dict:
+        prompt_ranges: list[tuple[int, int | None]] | None = None, refresh_vocab: int = 0,
+        refresh_drop: str = "least-used", report=print) -> dict:
     """All stages; returns the summary (also written as training.json beside the weights at `out`). init_from: go on
     training a saved feature draft (its vocabulary is kept, and its taps unless `taps` names others; use a fresh
     `work` for its checkpoints)."""
@@ -441,7 +448,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
             report(f"continuing from {init_from} on taps {taps} (it was trained on {trained_on})")
         if refresh_vocab:
             before = coverage(held, vocab)
-            vocab = refreshed_vocab(vocab, train_set, refresh_vocab, special)
+            vocab = refreshed_vocab(vocab, train_set, refresh_vocab, special, refresh_drop)
             start_from = start_from.with_vocab(vocab, target.get_output_embeddings().weight)
             report(f"vocabulary refreshed: {refresh_vocab} tokens swapped; held-out answer tokens covered "
                    f"{before:.1%} -> {coverage(held, vocab):.1%}")
@@ -489,7 +496,8 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
                "noise": noise, "continued_from": str(init_from) if init_from else None,
                "data": [{"file": str(path), "prompts": list(rng)} for path, rng in
                         zip(answers, prompt_ranges or [(0, max_prompts)] * len(answers))],
-               "vocab_refreshed": refresh_vocab, "train": result,
+               "vocab_refreshed": refresh_vocab, "vocab_refresh_drop": refresh_drop if refresh_vocab else None,
+               "train": result,
                "held_out": metrics}
     if out is not None:
         draft.to("cpu").save(out)
@@ -560,7 +568,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="per answers file, the prompt indices to train on (instead of --max-prompts)")
     parser.add_argument("--refresh-vocab", type=int, default=0, metavar="N",
                         help="with --init-from: the N most frequent answer tokens of this data that the draft's "
-                             "vocabulary lacks replace its N least frequent (head rows from the target's LM head)")
+                             "vocabulary lacks replace N of its tokens (head rows from the target's LM head)")
+    parser.add_argument("--refresh-drop", choices=REFRESH_DROPS, default="least-used",
+                        help="which tokens --refresh-vocab swaps out: the ones this data uses least, or the last N")
     parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="DRAFT",
                         help="train nothing: evaluate these saved drafts on the same held-out records of each "
                              "answers file (--eval-records per file) and write the figures to --compare-out")
@@ -584,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
         max_len=args.max_len, epochs=args.epochs, steps=args.steps, lr=args.lr,
         tokens_per_batch=args.tokens_per_batch, noise=args.noise, max_minutes=args.max_minutes,
         budget_minutes=args.budget_minutes, eval_records=args.eval_records, init_from=args.init_from,
-        max_prompts=args.max_prompts, prompt_ranges=args.prompt_range, refresh_vocab=args.refresh_vocab)
+        max_prompts=args.max_prompts, prompt_ranges=args.prompt_range, refresh_vocab=args.refresh_vocab,
+        refresh_drop=args.refresh_drop)
     return 0
 
 

@@ -438,10 +438,16 @@ def test_vocabulary_refresh_keeps_trained_rows_and_starts_new_ones_from_the_lm_h
     target = _tiny_target()
     draft = _draft(target)  # vocabulary: the even ids, most frequent first
     old = draft.config.vocab_ids
-    ids = np.array([1, 3, 3, 5, 5, 5, 2, 0], np.int64)
+    ids = np.array([1, 3, 3, 5, 5, 5, 2, 0, old[-2]], np.int64)
     rec = tfd.Record(1, ids, np.ones(len(ids), bool))
     vocab = tfd.refreshed_vocab(old, [rec], 2, keep=[old[-1]])
-    assert len(vocab) == len(old) and vocab[-2:] == [5, 3] and old[-1] in vocab and old[-2] not in vocab
+    # dropped: the unused tokens latest in the list; old[-1] is kept, old[-2] is used by this data
+    assert len(vocab) == len(old) and vocab[-2:] == [5, 3] and {old[-1], old[-2]} <= set(vocab)
+    assert old[-3] not in vocab and old[-4] not in vocab
+    tail = tfd.refreshed_vocab(old, [rec], 2, keep=[old[-1]], drop="tail")
+    assert old[-2] not in tail and old[-3] not in tail and old[-4] in tail
+    with pytest.raises(ValueError, match="least-used"):
+        tfd.refreshed_vocab(old, [rec], 2, keep=[], drop="rarest")
     refreshed = draft.with_vocab(vocab, target.get_output_embeddings().weight)
     assert refreshed.config.vocab_ids == vocab and int(refreshed.id_map[5]) == len(vocab) - 2
     head, lm = refreshed.head.weight, target.get_output_embeddings().weight
