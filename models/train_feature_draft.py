@@ -582,6 +582,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: not found: {', '.join(missing)}", file=sys.stderr)
         return 2
+    if args.prompt_range and len(args.prompt_range) != len(args.answers):
+        print(f"error: {len(args.prompt_range)} --prompt-range values for {len(args.answers)} answers files",
+              file=sys.stderr)
+        return 2
     if args.compare:
         result = compare(args.target, args.compare, args.answers, args.work, max_len=args.max_len,
                          eval_records=args.eval_records, prompt_ranges=args.prompt_range,

@@ -472,3 +472,10 @@ def test_prompt_ranges_pick_records_per_answers_file(tmp_path):
         tfd.parse_range("2500")
     with pytest.raises(ValueError, match="2 prompt ranges for 1"):
         tfd.load_records([first], 64, ranges=[(0, None), (0, None)])
+
+
+def test_prompt_ranges_must_match_the_answers_files(tmp_path, capsys):
+    data = tmp_path / "a.jsonl.gz"
+    data.write_bytes(b"")
+    code = tfd.main(["--target", str(tmp_path), "--answers", str(data), "--prompt-range", "0:5", "5:"])
+    assert code == 2 and "2 --prompt-range values for 1 answers files" in capsys.readouterr().err
