@@ -38,15 +38,20 @@ ANSWERS_FILE = REPO / "models" / "data" / "answers-broad.jsonl.gz"  # committed:
 # 75-minute schedule before it was resumed under this 42-minute one.)
 # A fifth stage continues on what none of those saw: the answers to broad prompts ANSWER_PROMPTS..ALL_ANSWER_PROMPTS
 # and to EVERYDAY_PROMPTS prompts of the everyday pool (translation, summarisation, QA, RAG: the kinds the broad
-# pool is thin in), its vocabulary refreshed for them (translations bring tokens the broad answers lack).
+# pool is thin in), its vocabulary refreshed for them (translations bring tokens the broad answers lack). A sixth
+# (15 minutes) on the answers to CODE_PROMPTS code-pool prompts (the standard library's functions: code is thin in
+# every other pool, and the prose-only fifth stage cost the draft on code), replaying part of the fifth's data.
 FIRST_PROMPTS, ANSWER_PROMPTS, ALL_ANSWER_PROMPTS = 5632, 13632, 20000
 EVERYDAY_FILE, EVERYDAY_PROMPTS = REPO / "models" / "data" / "answers-everyday.jsonl.gz", 6000
+CODE_FILE, CODE_PROMPTS = REPO / "models" / "data" / "answers-code.jsonl.gz", 3000
 FEATURE_TRAINING = {"taps": [5, 10, 15], "vocab_size": 8192, "max_len": 768, "epochs": 3, "steps": 4, "lr": 1e-3,
                     "tokens_per_batch": 4096, "noise": 0.05, "budget_minutes": 50, "eval_records": 400}
 FEATURE_CONTINUED = {**FEATURE_TRAINING, "epochs": 1, "lr": 5e-4, "budget_minutes": 22}
 FEATURE_BROADER = {**FEATURE_CONTINUED, "budget_minutes": 75}
 FEATURE_SECOND_PASS = {**FEATURE_CONTINUED, "budget_minutes": 42}
 FEATURE_EVERYDAY = {**FEATURE_CONTINUED, "budget_minutes": 60, "refresh_vocab": 1024, "refresh_drop": "tail"}
+FEATURE_CODE = {**FEATURE_CONTINUED, "budget_minutes": 15, "refresh_vocab": 512, "eval_records": 300}
+CODE_REPLAY = [(0, CODE_PROMPTS), (0, 1500), (ANSWER_PROMPTS, ANSWER_PROMPTS + 2000)]  # code, everyday, broad
 # `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
 # kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
@@ -102,6 +107,7 @@ def retrain_feature_draft(report=print) -> None:
     answers.generate(BUNDLE_DIR, ov_dir, ANSWERS_FILE, "broad", ALL_ANSWER_PROMPTS, report=report)
     answers.generate(BUNDLE_DIR, ov_dir, EVERYDAY_FILE, "everyday", EVERYDAY_PROMPTS, texts_from=ANSWERS_FILE,
                      report=report)
+    answers.generate(BUNDLE_DIR, ov_dir, CODE_FILE, "code", CODE_PROMPTS, report=report)
     work = BUILD / "feature-draft"
     train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                             max_prompts=FIRST_PROMPTS, **FEATURE_TRAINING)
@@ -115,6 +121,10 @@ def retrain_feature_draft(report=print) -> None:
                             report=report, init_from=FEATURE_WEIGHTS,
                             prompt_ranges=[(ANSWER_PROMPTS, ALL_ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS)],
                             **FEATURE_EVERYDAY)
+    (work / "checkpoint.pt").unlink(missing_ok=True)
+    train_feature_draft.run(TARGET_DIR, [CODE_FILE, EVERYDAY_FILE, ANSWERS_FILE], work, FEATURE_WEIGHTS,
+                            max_minutes=None, report=report, init_from=FEATURE_WEIGHTS, prompt_ranges=CODE_REPLAY,
+                            **FEATURE_CODE)
     # the bundles' exit head at EXIT_LAYER, from the same answers
     layers = BUILD / "exit-adapters-answers"
     train_exit.train(TARGET_DIR, ANSWERS_FILE, layers, [EXIT_LAYER], conversations=1000, rank=512, steps=800,
