@@ -311,14 +311,26 @@ def build_broad(n: int, seed: int = 0) -> list[Prompt]:
         return [{"role": "user", "content": f"Answer the question using the passage.\n\nPassage: "
                                             f"{rng.choice(passages)}\n\nQuestion: What is this passage about?"}]
 
-    out: list[Prompt] = []
     # Math prompts without a name or item ("What is 3 times 4 plus 5?") can coincide with held-out ones: skipped.
-    seen = {repr(p.messages) for p in build(800, seed, held_out=True)}
-    for i in range(50 * n):  # repeats are skipped: the pool has fewer code, QA and translation prompts than chat
+    # Repeats are skipped too: the pool has fewer code, QA and translation prompts than chat.
+    return _distinct(n, lambda i: Prompt(BROAD_KINDS[i % len(BROAD_KINDS)], make(BROAD_KINDS[i % len(BROAD_KINDS)])),
+                     _held_out_keys(seed))
+
+
+def _held_out_keys(seed: int) -> set[str]:
+    """The held-out prompts' messages, as `_distinct` keys them: no training pool may hold one."""
+    return {repr(p.messages) for p in build(800, seed, held_out=True)}
+
+
+def _distinct(n: int, make, exclude: set[str]) -> list[Prompt]:
+    """The first `n` distinct prompts of make(0), make(1), ... (at most 50 n tries) whose messages are not in
+    `exclude`: how every training pool skips its repeats."""
+    out: list[Prompt] = []
+    seen = set(exclude)
+    for i in range(50 * n):
         if len(out) == n:
             break
-        kind = BROAD_KINDS[i % len(BROAD_KINDS)]
-        prompt = Prompt(kind, make(kind))
+        prompt = make(i)
         key = repr(prompt.messages)
         if key not in seen:
             seen.add(key)
@@ -404,19 +416,8 @@ def build_everyday(n: int, texts: list[str], seed: int = 0) -> list[Prompt]:
         return [{"role": "user", "content": f"{rng.choice(RAG_INSTRUCTIONS)}\n\nPassage: {passage}\n\n"
                                             f"Question: {question}"}]
 
-    held = {repr(p.messages) for p in build(800, seed, held_out=True)}
-    out: list[Prompt] = []
-    seen: set[str] = set()
-    for i in range(50 * n):
-        if len(out) == n:
-            break
-        kind = EVERYDAY_KINDS[i % len(EVERYDAY_KINDS)]
-        prompt = Prompt(kind, make(kind))
-        key = repr(prompt.messages)
-        if key not in seen and key not in held:
-            seen.add(key)
-            out.append(prompt)
-    return out
+    return _distinct(n, lambda i: Prompt(EVERYDAY_KINDS[i % len(EVERYDAY_KINDS)],
+                                         make(EVERYDAY_KINDS[i % len(EVERYDAY_KINDS)])), _held_out_keys(seed))
 
 
 # -- the code pool: code tasks from the standard library's own functions ------------------------------------------
@@ -474,11 +475,8 @@ def build_code(n: int, seed: int = 0) -> list[Prompt]:
     rng.shuffle(functions)
     verbs = ["Write a Python function that does the following:", "Implement this in Python:",
              "Write Python code for this task:", "Show me a Python function for this:"]
-    out: list[Prompt] = []
-    seen: set[str] = set()
-    for i in range(50 * n):
-        if len(out) == n:
-            break
+
+    def make(i: int) -> Prompt:
         name, signature, summary = functions[i % len(functions)]
         template = CODE_TEMPLATES[(i // len(functions) + i) % len(CODE_TEMPLATES)]
         if template == "stub":
@@ -487,7 +485,6 @@ def build_code(n: int, seed: int = 0) -> list[Prompt]:
             text = f"{rng.choice(verbs)} {summary}"
         else:
             text = f"Explain what a Python function `{name}{signature}` does, given its documentation: {summary}"
-        if text not in seen:  # a function comes round again under another template
-            seen.add(text)
-            out.append(Prompt("code", [{"role": "user", "content": text}]))
-    return out
+        return Prompt("code", [{"role": "user", "content": text}])
+
+    return _distinct(n, make, set())  # a function comes round again under another template: a repeat is skipped

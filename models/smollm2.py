@@ -111,20 +111,17 @@ def retrain_feature_draft(report=print) -> None:
     work = BUILD / "feature-draft"
     train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                             max_prompts=FIRST_PROMPTS, **FEATURE_TRAINING)
-    for prompts, stage in ((FIRST_PROMPTS, FEATURE_CONTINUED), (ANSWER_PROMPTS, FEATURE_BROADER),
-                           (ANSWER_PROMPTS, FEATURE_SECOND_PASS)):
+    # each later stage continues from the last one's weights: (answers files, prompt range per file, settings)
+    later = [([ANSWERS_FILE], [(0, FIRST_PROMPTS)], FEATURE_CONTINUED),
+             ([ANSWERS_FILE], [(0, ANSWER_PROMPTS)], FEATURE_BROADER),
+             ([ANSWERS_FILE], [(0, ANSWER_PROMPTS)], FEATURE_SECOND_PASS),
+             ([ANSWERS_FILE, EVERYDAY_FILE], [(ANSWER_PROMPTS, ALL_ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS)],
+              FEATURE_EVERYDAY),
+             ([CODE_FILE, EVERYDAY_FILE, ANSWERS_FILE], CODE_REPLAY, FEATURE_CODE)]
+    for files, ranges, stage in later:
         (work / "checkpoint.pt").unlink(missing_ok=True)  # each later stage plans its own batches
-        train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
-                                init_from=FEATURE_WEIGHTS, max_prompts=prompts, **stage)
-    (work / "checkpoint.pt").unlink(missing_ok=True)
-    train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE, EVERYDAY_FILE], work, FEATURE_WEIGHTS, max_minutes=None,
-                            report=report, init_from=FEATURE_WEIGHTS,
-                            prompt_ranges=[(ANSWER_PROMPTS, ALL_ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS)],
-                            **FEATURE_EVERYDAY)
-    (work / "checkpoint.pt").unlink(missing_ok=True)
-    train_feature_draft.run(TARGET_DIR, [CODE_FILE, EVERYDAY_FILE, ANSWERS_FILE], work, FEATURE_WEIGHTS,
-                            max_minutes=None, report=report, init_from=FEATURE_WEIGHTS, prompt_ranges=CODE_REPLAY,
-                            **FEATURE_CODE)
+        train_feature_draft.run(TARGET_DIR, files, work, FEATURE_WEIGHTS, max_minutes=None, report=report,
+                                init_from=FEATURE_WEIGHTS, prompt_ranges=ranges, **stage)
     # the bundles' exit head at EXIT_LAYER, from the same answers
     layers = BUILD / "exit-adapters-answers"
     train_exit.train(TARGET_DIR, ANSWERS_FILE, layers, [EXIT_LAYER], conversations=1000, rank=512, steps=800,

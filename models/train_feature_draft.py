@@ -58,7 +58,7 @@ def load_records(paths: list[Path], max_len: int, max_prompts: int | None = None
     (the answers are at the end). max_prompts: only records of prompt index below it (the answers file grows across
     sessions; a committed draft names the prefix it was trained on). ranges: per file, the prompt indices [lo, hi)
     to read (hi None: to the end), instead of max_prompts."""
-    ranges = ranges or [(0, max_prompts)] * len(paths)
+    ranges = file_ranges(paths, max_prompts, ranges)
     if len(ranges) != len(paths):
         raise ValueError(f"{len(ranges)} prompt ranges for {len(paths)} answers files")
     out = []
@@ -75,6 +75,12 @@ def load_records(paths: list[Path], max_len: int, max_prompts: int | None = None
             if labels.any():
                 out.append(Record(int(r["index"]), ids, labels))
     return out
+
+
+def file_ranges(paths: list[Path], max_prompts: int | None,
+                ranges: list[tuple[int, int | None]] | None) -> list[tuple[int, int | None]]:
+    """The prompt range of each answers file: `ranges` where given, else the first max_prompts of each."""
+    return ranges or [(0, max_prompts)] * len(paths)
 
 
 def parse_range(text: str) -> tuple[int, int | None]:
@@ -118,7 +124,8 @@ def refreshed_vocab(vocab: list[int], train: list[Record], n: int, keep: list[in
     new = [t for t, _ in counts.most_common() if t not in have][:n]
     position = {t: i for i, t in enumerate(vocab)}
     used = counts if drop == "least-used" else Counter()
-    candidates = sorted((t for t in vocab if t not in set(keep)), key=lambda t: (used[t], -position[t]))
+    keep = set(keep)
+    candidates = sorted((t for t in vocab if t not in keep), key=lambda t: (used[t], -position[t]))
     dropped = set(candidates[: len(new)])
     return [t for t in vocab if t not in dropped] + new
 
@@ -495,7 +502,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
                "vocab_coverage_held_out": cover, "taps": taps, "epochs": epochs, "steps": steps, "lr": lr,
                "noise": noise, "continued_from": str(init_from) if init_from else None,
                "data": [{"file": str(path), "prompts": list(rng)} for path, rng in
-                        zip(answers, prompt_ranges or [(0, max_prompts)] * len(answers))],
+                        zip(answers, file_ranges(answers, max_prompts, prompt_ranges))],
                "vocab_refreshed": refresh_vocab, "vocab_refresh_drop": refresh_drop if refresh_vocab else None,
                "train": result,
                "held_out": metrics}
@@ -513,7 +520,7 @@ def compare(target_dir: Path, drafts: list[Path], answers: list[Path], work: Pat
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ranges = prompt_ranges or [(0, max_prompts)] * len(answers)
+    ranges = file_ranges(answers, max_prompts, prompt_ranges)
     held_by_file = [split(load_records([path], max_len, ranges=[rng]))[1][:eval_records]
                     for path, rng in zip(answers, ranges)]
     held = [r for part in held_by_file for r in part]
