@@ -458,7 +458,8 @@ def library_functions() -> list[tuple[str, str, str]]:
                 continue
             summary = " ".join(fn.__doc__.strip().split("\n\n")[0].split())
             try:
-                signature = str(inspect.signature(fn))
+                # a default's repr may hold a memory address ("<weakref at 0x7f...>"), which differs per process
+                signature = re.sub(r" at 0x[0-9a-fA-F]+", "", str(inspect.signature(fn)))
             except (TypeError, ValueError):
                 continue
             if not 20 <= len(summary) <= 200 or not summary[:1].isupper() or "(" in summary[:len(qual) + 2]:

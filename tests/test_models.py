@@ -265,6 +265,7 @@ def test_code_pool_comes_from_the_standard_library_and_not_from_humaneval():
     texts = [p.messages[0]["content"] for p in pool]
     assert len(set(texts)) == 1200 and texts == [p.messages[0]["content"] for p in prompts.build_code(1200)]
     assert {p.kind for p in pool} == {"code"}
+    assert not any("0x" in signature for _, signature, _ in functions)  # no per-process memory address
     stubs = {p.messages[0]["content"] for p in public_prompts("humaneval", 164)}
     assert not set(texts) & stubs
     assert not any(task in text for task in prompts.HELD_OUT_CODE_TASKS for text in texts)
