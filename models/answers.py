@@ -16,6 +16,7 @@ the follow-up's). Features (hidden states) are not stored: they are recomputed f
     python -m mirror_sd.models.answers --pool broad -n 20000 --out models/data/answers-broad.jsonl.gz
     python -m mirror_sd.models.answers --pool everyday -n 6000 --out models/data/answers-everyday.jsonl.gz
     python -m mirror_sd.models.answers --pool code -n 3000 --out models/data/answers-code.jsonl.gz
+    python -m mirror_sd.models.answers --pool advice -n 3000 --out models/data/answers-advice.jsonl.gz
 The everyday pool (translation, summarisation, QA, RAG; models/prompts.py build_everyday) is written on the prose of
 the broad answers' training records (--texts-from).
 """
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bundle", default="build/bundles/smollm2", help="the bundle (its tokenizer and chat template)")
     p.add_argument("--target", default="build/models/smollm2-135m-instruct", help="the target's HF directory")
     p.add_argument("--pool", default="broad",
-                   help="prompt pool: base, broad, held-out, everyday or code (models/prompts.py)")
+                   help="prompt pool: base, broad, held-out, everyday, code or advice (models/prompts.py)")
     p.add_argument("--texts-from", default=str(BROAD_ANSWERS),
                    help="the answers file whose prose the everyday pool's passages and sentences come from")
     p.add_argument("-n", type=int, default=20000, help="prompts [0, n) of the pool")

@@ -11,10 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
-from mirror_sd.models.prompts import Prompt, build, build_broad, build_code
+from mirror_sd.models.prompts import Prompt, build, build_advice, build_broad, build_code
 
 POOLS = {"base": build, "broad": build_broad, "held-out": lambda n, seed: build(n, seed=seed, held_out=True),
-         "code": build_code}
+         "code": build_code, "advice": build_advice}
 
 
 def _load(model_dir: Path):

@@ -489,3 +489,104 @@ def build_code(n: int, seed: int = 0) -> list[Prompt]:
         return Prompt("code", [{"role": "user", "content": text}])
 
     return _distinct(n, make, set())  # a function comes round again under another template: a repeat is skipped
+
+
+# -- the advice pool: practical how-to chat, asked once and followed up -------------------------------------------
+# People ask a chat model how to do things: start a habit, fix something at home, care for a plant or a pet, plan a
+# trip, learn a skill. No other pool asks that (the broad pool's chat is "explain a topic"), and the feature draft
+# drafted the benchmark's multi-turn prompts, which are exactly such advice, worst of the kinds (1.37 tokens per
+# step). Subjects and problems are written here by hand; the benchmark's own subjects (a journal, houseplants, a
+# puppy, hiking, a slow laptop, breakfast, remembering names, sourdough, guitar or keyboard, groceries) and the
+# held-out topics stay out (ADVICE_EXCLUDED; tests/test_models.py checks it).
+ADVICE_EXCLUDED = ("journal", "houseplant", "puppy", "puppies", "hiking", "hike", "laptop", "breakfast", "name",
+                   "sourdough", "guitar", "keyboard", "grocery", "groceries", "tea", "bicycle", "violin", "piano",
+                   "origami", "chocolate", "umbrella", "train", "compass", "lighthouse", "firework", "windmill",
+                   "snowflake", "octopus")  # whole words, singular or plural
+ADVICE_GOALS = [
+    "start running", "learn to cook simple meals", "grow tomatoes on a balcony", "sleep better", "learn Spanish",
+    "organize my closet", "paint a small room", "fix a leaking tap", "write a cover letter", "prepare for a job "
+    "interview", "get better at public speaking", "stop procrastinating", "drink more water during the day",
+    "read more books", "learn to swim as an adult", "make friends in a new city", "plan a road trip",
+    "pack light for a week away", "study for an exam", "keep my kitchen clean", "start meditating",
+    "cut down on sugar", "learn to draw", "take better photos with my phone", "set up a home office",
+    "keep my cat entertained", "care for a goldfish", "grow herbs on a windowsill", "start a vegetable garden",
+    "make my own pasta", "bake a simple cake", "clean my oven", "remove a coffee stain from a shirt",
+    "save for a holiday", "make a monthly budget", "pay off a small debt", "negotiate a higher salary",
+    "ask my manager for feedback", "work from home without getting distracted", "wake up earlier",
+    "build a reading habit with my kids", "teach my child to ride a scooter", "help my kid with homework",
+    "host a dinner party", "plan a birthday party for a ten-year-old", "choose a good mattress",
+    "keep my plants alive while I travel", "get rid of fruit flies", "unclog a drain", "hang a heavy mirror",
+    "put up shelves", "reduce the noise from my neighbours", "make my small flat feel bigger",
+    "start strength training at home", "stretch after a workout", "improve my posture at a desk",
+    "stay warm in winter without a big heating bill", "keep my home cool in summer", "learn to knit",
+    "start a podcast", "write a short story", "learn basic photo editing", "back up the photos on my phone",
+    "make a strong password that I can remember", "spot a phishing email", "sell old clothes online",
+    "declutter my home", "move house with less stress", "prepare my car for winter", "change a flat tire",
+    "learn to parallel park", "take care of a leather jacket", "wash a wool sweater", "iron a shirt quickly",
+    "cook rice that is not sticky", "make a good cup of coffee at home", "meal prep for the week",
+    "eat more vegetables", "cook for one person without waste", "store fresh bread", "keep herbs fresh",
+    "teach my dog to walk on a loose lead", "introduce a new cat to my home", "clean a fish tank",
+    "choose a first pet for a child", "learn to play the drums", "sing in tune", "memorize a speech",
+    "learn to type faster", "keep a conversation going", "say no politely", "apologize to a friend",
+    "deal with a difficult coworker", "run a good meeting", "write a clear email", "give a short presentation",
+    "learn to juggle", "start birdwatching", "go camping for the first time", "build a campfire safely",
+    "plan a picnic", "keep mosquitoes away", "learn to ice skate", "ski for the first time",
+    "prepare for a long flight", "beat jet lag", "learn the basics of chess", "solve a Rubik's cube",
+    "start volunteering", "look after my mental health during exams", "stay motivated to exercise",
+    "prepare for a half marathon", "recover after a long run", "make a smoothie without a blender",
+]
+ADVICE_PROBLEMS = [
+    "My tomato plants have yellow leaves.", "My shower drain is slow.", "My bike chain keeps slipping.",
+    "My cat scratches the sofa.", "My dog barks at every noise outside.", "I wake up tired every morning.",
+    "I can never finish my to-do list.", "My phone battery runs out by lunchtime.", "My rice always burns at the "
+    "bottom of the pot.", "My cookies spread too much in the oven.", "My cake sinks in the middle.",
+    "My wooden table has a water ring on it.", "My windows fog up every morning.", "My wifi is slow in the bedroom.",
+    "My basil plant keeps wilting.", "I get nervous before every presentation.", "I spend too much money on "
+    "takeaway food.", "My kids fight over screen time.", "I always arrive late to meetings.",
+    "My running shoes give me blisters.", "My back hurts after working at my desk.", "My jeans are too tight.",
+    "My fridge smells bad.", "My white shirts are turning grey.", "My car makes a squeaking noise when I brake.",
+    "My neighbour's music keeps me awake.", "I forget to water my plants.", "I feel lonely since I moved.",
+    "My coffee tastes bitter.", "My hands get very dry in winter.", "I lose my keys all the time.",
+    "My email inbox has thousands of unread messages.", "My bread goes mouldy too fast.",
+    "My goldfish tank turns green.", "My hamster bites when I pick it up.", "My bathroom grout is black.",
+]
+ADVICE_ASKS = [
+    "I want to {g}. Any tips?", "How do I {g}?", "What is the best way to {g}?", "I'm a beginner. How should I {g}?",
+    "Can you give me a simple plan to {g}?", "What mistakes should I avoid when I try to {g}?",
+    "I have never tried to {g}. Where do I start?", "What do I need to {g}?", "Give me three tips to {g}.",
+    "How long does it usually take to {g}?", "Is it hard to {g}?", "My friend told me to {g}. How do I begin?",
+]
+ADVICE_PROBLEM_ASKS = ["{p} What can I do?", "{p} Any advice?", "{p} How do I fix this?", "{p}",
+                       "{p} Why does this happen?", "{p} What should I try first?"]
+ADVICE_FOLLOW_UPS = [
+    "What should I do if that does not work?", "How long will it take to see a difference?",
+    "Which of those steps matters most?", "Is it expensive?", "What do I need to buy?", "Can I do it on my own?",
+    "How often should I do it?", "What if I only have ten minutes a day?", "Is there a cheaper way?",
+    "What is the most common mistake?", "Can you turn that into a step-by-step list?", "How do I know it is working?",
+    "Is it safe for children?", "Thanks! What should I do first?", "What if I live in a small flat?",
+    "Could you explain the second point in more detail?", "What should I avoid?", "How do I stay motivated?",
+]
+ADVICE_KINDS = ("multi_turn", "chat", "multi_turn", "multi_turn", "chat")
+
+
+def build_advice(n: int, seed: int = 0) -> list[Prompt]:
+    """`n` practical how-to and advice prompts, cycling through ADVICE_KINDS: a goal or a problem asked about
+    ("chat"), or asked, answered by the target (left empty here, as in the broad pool) and followed up."""
+    rng = random.Random(seed + 5000)
+
+    def ask() -> str:
+        if rng.random() < 0.3:
+            return rng.choice(ADVICE_PROBLEM_ASKS).format(p=rng.choice(ADVICE_PROBLEMS))
+        return rng.choice(ADVICE_ASKS).format(g=rng.choice(ADVICE_GOALS))
+
+    def make(kind: str) -> Messages:
+        if kind == "chat":
+            return [{"role": "user", "content": ask()}]
+        return [{"role": "user", "content": ask()}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": rng.choice(ADVICE_FOLLOW_UPS)}]
+
+    def prompt(i: int) -> Prompt:
+        kind = ADVICE_KINDS[i % len(ADVICE_KINDS)]
+        return Prompt(kind, make(kind))
+
+    return _distinct(n, prompt, _held_out_keys(seed))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 from mirror_sd.models.exit_adapter import ExitAdapter, ExitAdapterConfig
 from mirror_sd.models.train_draft import ANSWER_WEIGHT, PROMPT_WEIGHT, Example, conversation_examples
+from mirror_sd.models.train_feature_draft import parse_range
 
 TEACHER_TOP = 32
 
@@ -49,16 +51,17 @@ def teacher_pass(model, examples, layers: list[int], report=print) -> TeacherDat
     return TeacherData({k: torch.cat(v) for k, v in hidden.items()}, torch.cat(ids), torch.cat(lps))
 
 
-def answer_examples(path: Path, max_prompts: int | None = None) -> list[Example]:
+def answer_examples(path: Path, max_prompts: int | None = None, min_prompt: int = 0) -> list[Example]:
     """Examples from an answers file (models/answers.py: the committed token ids of the target's own answers, chat
-    template applied); the answer spans get ANSWER_WEIGHT. max_prompts: only records of prompt index below it."""
+    template applied); the answer spans get ANSWER_WEIGHT. Only records of prompt index in [min_prompt,
+    max_prompts)."""
     import numpy as np
 
     from mirror_sd.models import answers
 
     out = []
     for r in answers.read(path):
-        if max_prompts is not None and int(r["index"]) >= max_prompts:
+        if int(r["index"]) < min_prompt or (max_prompts is not None and int(r["index"]) >= max_prompts):
             continue
         weights = np.full(len(r["ids"]), PROMPT_WEIGHT, np.float32)
         for start, end in r["answers"]:
@@ -67,10 +70,10 @@ def answer_examples(path: Path, max_prompts: int | None = None) -> list[Example]
     return out
 
 
-def _examples(data_file: Path, tokenizer, max_prompts: int | None = None) -> list[Example]:
+def _examples(data_file: Path, tokenizer, max_prompts: int | None = None, min_prompt: int = 0) -> list[Example]:
     """An answers file (*.jsonl.gz, token ids) or a datagen file (*.jsonl, chat messages)."""
     if data_file.name.endswith(".jsonl.gz"):
-        return answer_examples(data_file, max_prompts)
+        return answer_examples(data_file, max_prompts, min_prompt)
     return conversation_examples(data_file, tokenizer)
 
 
@@ -86,12 +89,19 @@ def coverage(head, hidden: torch.Tensor, final_ids: torch.Tensor, ks=(1, 8), chu
 
 
 def train_adapter(model, layer: int, data: TeacherData, *, rank: int, steps: int, batch: int, lr: float,
-                  max_seconds: float, seed: int) -> ExitAdapter:
+                  max_seconds: float, seed: int, initial: ExitAdapter | None = None) -> ExitAdapter:
+    """initial: an adapter to go on training (a copy; its rank wins over `rank`)."""
+    import copy
+
     from tqdm import tqdm
 
     torch.manual_seed(seed)
-    adapter = ExitAdapter(ExitAdapterConfig(model.config.hidden_size, layer, rank, model.config.rms_norm_eps),
-                          model.model.norm, model.lm_head)
+    if initial is not None:
+        adapter = copy.deepcopy(initial)
+        adapter.final_norm, adapter.lm_head = model.model.norm, model.lm_head  # shared, frozen: not copies
+    else:
+        adapter = ExitAdapter(ExitAdapterConfig(model.config.hidden_size, layer, rank, model.config.rms_norm_eps),
+                              model.model.norm, model.lm_head)
     params = [p for name, p in adapter.named_parameters() if name.split(".")[0] in ("norm", "down", "up")]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     x, ids, lps = data.hidden[layer], data.top_ids, data.top_logprobs
@@ -112,36 +122,71 @@ def train_adapter(model, layer: int, data: TeacherData, *, rank: int, steps: int
     return adapter.eval()
 
 
-def train(target_dir: Path, data_file: Path, out_dir: Path, layers: list[int], *, conversations: int = 300,
-          rank: int = 512, steps: int = 400, batch: int = 256, lr: float = 2e-3, minutes_per_layer: float = 5.0,
-          top_k: int = 8, seed: int = 0, max_prompts: int | None = None, report=print) -> dict:
-    """Train one adapter per layer in `layers`; saves each to out_dir/layer-<l>; returns the coverage table."""
+def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers: list[int], *,
+          conversations: int = 300, rank: int = 512, steps: int = 400, batch: int = 256, lr: float = 2e-3,
+          minutes_per_layer: float = 5.0, top_k: int = 8, seed: int = 0, max_prompts: int | None = None,
+          prompt_ranges: list[tuple[int, int | None]] | None = None, init_from: Path | None = None,
+          report=print) -> dict:
+    """Train one adapter per layer in `layers`; saves each to out_dir/layer-<l>; returns the coverage table.
+
+    data_file: one data file or several (the answers of several prompt pools); each gives its own held-out
+    conversations and up to `conversations` training ones, so a small pool is not drowned by a large one.
+    prompt_ranges: per answers file, the prompt indices [lo, hi) to read (instead of max_prompts). init_from: a
+    saved adapter (one layer) to go on training instead of starting from the logit lens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mirror_sd.export.segments import LogitLens
 
+    files = [Path(data_file)] if isinstance(data_file, (str, Path)) else [Path(f) for f in data_file]
+    ranges = prompt_ranges or [(0, max_prompts)] * len(files)
+    if len(ranges) != len(files):
+        raise ValueError(f"{len(ranges)} prompt ranges for {len(files)} data files")
+    if init_from is not None and len(layers) != 1:
+        raise ValueError("--init-from continues one adapter: give one layer")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    examples = _examples(Path(data_file), tokenizer, max_prompts)
-    random.Random(seed).shuffle(examples)
-    held = min(max(10, len(examples) // 10), 300)  # a large answers file: 300 held-out conversations do
-    train_data = teacher_pass(model, examples[held: held + conversations], layers)
-    test_data = teacher_pass(model, examples[:held], layers)
-    final = test_data.top_ids[:, 0]
+    train_examples, held_examples = [], {}
+    for path, (lo, hi) in zip(files, ranges):
+        examples = _examples(path, tokenizer, hi, lo)
+        random.Random(seed).shuffle(examples)
+        held = min(max(10, len(examples) // 10), 300)  # a large answers file: 300 held-out conversations do
+        train_examples += examples[held: held + conversations]
+        held_examples[path.name] = examples[:held]
+    train_data = teacher_pass(model, train_examples, layers)
+    tests = {name: teacher_pass(model, ex, layers) for name, ex in held_examples.items()}
     lens = LogitLens(model.model.norm, model.lm_head)
-    results = {"positions": {"train": len(train_data.top_ids), "held_out": len(final)}, "layers": {}}
+    ks = sorted({1, 4, top_k})
+    results = {"data": {str(f): list(r) for f, r in zip(files, ranges)},
+               "positions": {"train": len(train_data.top_ids),
+                             "held_out": sum(len(t.top_ids) for t in tests.values())},
+               "layers": {}}
     for layer in layers:
+        initial = None
+        if init_from is not None:
+            initial = ExitAdapter.load(init_from, model.model.norm, model.lm_head)
+            if initial.config.exit_layer != layer:
+                raise ValueError(f"{init_from} is an adapter at layer {initial.config.exit_layer}, not {layer}")
+            results["init_from"] = str(init_from)
         adapter = train_adapter(model, layer, train_data, rank=rank, steps=steps, batch=batch, lr=lr,
-                                max_seconds=minutes_per_layer * 60, seed=seed)
+                                max_seconds=minutes_per_layer * 60, seed=seed, initial=initial)
         adapter.save(out_dir / f"layer-{layer}")
-        row = {"logit_lens": coverage(lens, test_data.hidden[layer], final, (1, top_k)),
-               "adapter": coverage(adapter, test_data.hidden[layer], final, (1, top_k))}
+        row: dict = {}
+        for name, test in tests.items():
+            final = test.top_ids[:, 0]
+            row[name] = {"positions": len(final), "logit_lens": coverage(lens, test.hidden[layer], final, ks),
+                         "adapter": coverage(adapter, test.hidden[layer], final, ks)}
+            if initial is not None:
+                row[name]["initial"] = coverage(initial, test.hidden[layer], final, ks)
+        if len(files) == 1:  # the table's shape before several files
+            row = {k: v for k, v in next(iter(row.values())).items() if k != "positions"}
         results["layers"][layer] = row
-        report(f"layer {layer}: top-1 / top-{top_k} coverage of the final token: logit lens "
-               f"{row['logit_lens'][1]:.1%} / {row['logit_lens'][top_k]:.1%}, adapter "
-               f"{row['adapter'][1]:.1%} / {row['adapter'][top_k]:.1%}")
+        for name, r in (row.items() if len(files) > 1 else [(files[0].name, row)]):
+            report(f"layer {layer}, {name}: top-1 / top-{top_k} coverage of the final token: logit lens "
+                   f"{r['logit_lens'][1]:.1%} / {r['logit_lens'][top_k]:.1%}, adapter "
+                   f"{r['adapter'][1]:.1%} / {r['adapter'][top_k]:.1%}"
+                   + (f" (before: {r['initial'][1]:.1%} / {r['initial'][top_k]:.1%})" if "initial" in r else ""))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "coverage.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
@@ -150,20 +195,38 @@ def train(target_dir: Path, data_file: Path, out_dir: Path, layers: list[int], *
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--data", type=Path, required=True,
-                        help="the target's answers: an answers file (*.jsonl.gz) or a datagen file (*.jsonl)")
+    parser.add_argument("--data", type=Path, nargs="+", required=True,
+                        help="the target's answers: answers files (*.jsonl.gz) or datagen files (*.jsonl)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", default="15,20,24")
-    parser.add_argument("--conversations", type=int, default=300)
+    parser.add_argument("--conversations", type=int, default=300, help="training conversations per data file")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--minutes-per-layer", type=float, default=5.0)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-prompts", type=int, default=None,
                         help="an answers file's records of the first N prompts only (default: all)")
+    parser.add_argument("--prompt-range", type=parse_range, nargs="+", default=None, metavar="LO:HI",
+                        help="per data file, the prompt indices to read (instead of --max-prompts)")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="a saved adapter to go on training (one layer) instead of starting from the logit lens")
     args = parser.parse_args(argv)
+    missing = [str(p) for p in [args.target, *args.data, *([args.init_from] if args.init_from else [])]
+               if not p.exists()]
+    if missing:
+        print(f"error: not found: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    layers = [int(x) for x in args.layers.split(",")]
+    if args.prompt_range and len(args.prompt_range) != len(args.data):
+        print(f"error: {len(args.prompt_range)} --prompt-range values for {len(args.data)} data files",
+              file=sys.stderr)
+        return 2
+    if args.init_from and len(layers) != 1:
+        print("error: --init-from continues one adapter: give one layer in --layers", file=sys.stderr)
+        return 2
     torch.set_num_threads(2)
-    train(args.target, args.data, args.out, [int(x) for x in args.layers.split(",")],
-          conversations=args.conversations, steps=args.steps, minutes_per_layer=args.minutes_per_layer,
-          max_prompts=args.max_prompts)
+    train(args.target, args.data, args.out, layers, conversations=args.conversations, steps=args.steps,
+          minutes_per_layer=args.minutes_per_layer, lr=args.lr, max_prompts=args.max_prompts,
+          prompt_ranges=args.prompt_range, init_from=args.init_from)
     return 0
 
 

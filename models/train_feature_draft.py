@@ -385,7 +385,7 @@ def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore, in
     alpha_k = P(token k right | tokens before it right)."""
     draft.eval()
     accepted, tried = np.zeros(gamma + 1), np.zeros(gamma)
-    bases = 0
+    bases = walked_steps = walked_tokens = 0
     for i in indices:
         ids, labels, taps = _tensors([i], records, store, device)
         hs = draft.forward_ttt(taps, ids, gamma)
@@ -411,11 +411,31 @@ def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore, in
             tried[k] += int((valid & (lead[k - 1].bool() if k else valid)).sum())
             accepted[k] += int((valid & lead[k].bool()).sum())
         bases += int(valid.sum())
+        steps, tokens = _walk(valid.tolist(), lead.sum(0).tolist())
+        walked_steps += steps
+        walked_tokens += tokens
     alpha = [float(accepted[k] / max(1, tried[k])) for k in range(gamma)]
     mean_accepted = float(accepted[:gamma].sum() / max(1, bases))
     return {"bases": bases, "gamma": gamma, "tokens_per_step": 1.0 + mean_accepted,
             "acceptance": mean_accepted / gamma, "alpha_per_step": alpha,
-            "alpha_first": alpha[0], "alpha_mean": float(np.mean(alpha))}
+            "alpha_first": alpha[0], "alpha_mean": float(np.mean(alpha)),
+            "walked_tokens_per_step": walked_tokens / max(1, walked_steps), "walked_steps": walked_steps}
+
+
+def _walk(valid: list[bool], accepted: list[int]) -> tuple[int, int]:
+    """The steps sd takes through one answer: from a base, the target commits the accepted drafted tokens and its
+    own, and the next step starts after them. Returns (steps, tokens) over the valid bases it lands on. The mean over
+    every base (`tokens_per_step`) weights an easy stretch by its length although sd crosses it in few steps; this
+    walk is what sd measures at run time (full windows, no gate)."""
+    steps = tokens = b = 0
+    while b < len(valid):
+        if valid[b]:
+            steps += 1
+            tokens += 1 + accepted[b]
+            b += 1 + accepted[b]
+        else:
+            b += 1
+    return steps, tokens
 
 
 def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, taps: list[int] | None, vocab_size: int,
@@ -494,8 +514,9 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
         return result
     held_idx = list(range(len(train_set), len(records)))[:eval_records]
     metrics = evaluate(draft, records, store, held_idx, gamma=4, device=device)
-    report(f"held-out ({metrics['bases']} bases, gamma 4): {metrics['tokens_per_step']:.2f} tokens per target step, "
-           f"per-token acceptance " + "/".join(f"{a:.2f}" for a in metrics["alpha_per_step"]))
+    report(f"held-out ({metrics['bases']} bases, gamma 4): {metrics['tokens_per_step']:.2f} tokens per target step "
+           f"from every base, {metrics['walked_tokens_per_step']:.2f} walked as sd steps, per-token acceptance "
+           + "/".join(f"{a:.2f}" for a in metrics["alpha_per_step"]))
     summary = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
                "minutes": round((time.monotonic() - t0) / 60, 1), "records": len(train_set),
                "answer_tokens": answer_tokens, "held_out_records": len(held), "vocab_size": vocab_size,
@@ -542,7 +563,7 @@ def compare(target_dir: Path, drafts: list[Path], answers: list[Path], work: Pat
         for d in drafts:
             m = out[str(path)][str(d)]
             report(f"{path.name} ({len(part)} held-out records, {m['bases']} bases) {d}: "
-                   f"{m['tokens_per_step']:.3f} tokens per step, alpha "
+                   f"{m['tokens_per_step']:.3f} tokens per step ({m['walked_tokens_per_step']:.3f} walked), alpha "
                    + "/".join(f"{a:.2f}" for a in m["alpha_per_step"]))
     return {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
             "gamma": 4, "held_out_records_per_file": eval_records, "by_file": out}

@@ -120,6 +120,7 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     before = tfd.evaluate(untrained, train + held, store, list(range(len(train), len(records))), 4, "cpu")
     assert summary["held_out"]["tokens_per_step"] > before["tokens_per_step"]
     assert 1.0 <= summary["held_out"]["tokens_per_step"] <= 5.0
+    assert 1.0 <= summary["held_out"]["walked_tokens_per_step"] <= summary["held_out"]["tokens_per_step"] + 0.5
     loaded = FeatureDraft.load(out, target.get_input_embeddings().weight)
     assert loaded.config.taps == [1, 2] and (out / "training.json").exists()
 
@@ -144,6 +145,16 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     assert side[str(out)]["tokens_per_step"] == pytest.approx(summary["held_out"]["tokens_per_step"], abs=0.02)
     assert side[str(tmp_path / "draft2")]["tokens_per_step"] == pytest.approx(
         more["held_out"]["tokens_per_step"], abs=0.02)
+
+
+def test_the_walk_takes_the_steps_sd_takes():
+    """From a base sd commits the accepted tokens and the target's own, and its next step starts after them: an easy
+    stretch counts once, not once per position (the mean over every base counts it at each)."""
+    assert tfd._walk([True] * 6, [2, 0, 0, 1, 0, 0]) == (3, 6)  # bases 0, 3, 5
+    # half the bases easy: the mean over bases is 2.5 tokens per step, sd walks 8 tokens in 5 steps (1.6)
+    assert tfd._walk([True] * 8, [3, 3, 3, 3, 0, 0, 0, 0]) == (5, 8)
+    assert tfd._walk([False, True, False, True], [4, 1, 4, 0]) == (2, 3)  # only bases whose window is all answer
+    assert tfd._walk([], []) == (0, 0)
 
 
 def test_exit_adapter_trains_on_an_answers_file(tmp_path):

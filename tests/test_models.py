@@ -269,3 +269,29 @@ def test_code_pool_comes_from_the_standard_library_and_not_from_humaneval():
     stubs = {p.messages[0]["content"] for p in public_prompts("humaneval", 164)}
     assert not set(texts) & stubs
     assert not any(task in text for task in prompts.HELD_OUT_CODE_TASKS for text in texts)
+
+
+def test_advice_pool_asks_how_to_questions_off_the_benchmark_and_held_out_subjects():
+    """The advice pool asks practical how-to questions, once or with a follow-up after the target's own answer (an
+    empty assistant turn, filled in when the answers are generated); it repeats no prompt, is the same for the same
+    seed, and names none of the benchmark's multi-turn subjects or the held-out topics, so the benchmark's and the
+    evaluation's advice prompts stay unseen."""
+    import re
+
+    from mirror_sd.bench.prompts import PROMPTS as BENCH
+    from mirror_sd.models import prompts
+
+    pool = prompts.build_advice(1500)
+    assert pool == prompts.build_advice(1500) and len({json.dumps(p.messages) for p in pool}) == 1500
+    assert {p.kind for p in pool} == {"chat", "multi_turn"}
+    multi = [p for p in pool if p.kind == "multi_turn"]
+    assert multi and all(len(p.messages) == 3 and p.messages[1] == {"role": "assistant", "content": ""}
+                         for p in multi)
+    excluded = re.compile(r"\b(" + "|".join(prompts.ADVICE_EXCLUDED) + r")s?\b")
+    users = [m["content"] for p in pool for m in p.messages if m["role"] == "user"]
+    assert not [u for u in users if excluded.search(u.lower())]
+    bench_users = {m["content"] for p in BENCH for m in p.messages if m["role"] == "user"}
+    assert not set(users) & bench_users
+    assert not {p.messages[0]["content"] for p in pool} & {p.messages[0]["content"] for p in build(400, held_out=True)}
+    for word in ("journal", "sourdough", "puppy", "laptop", "groceries"):  # the benchmark's multi-turn subjects
+        assert excluded.search(word) and any(word in m["content"].lower() for p in BENCH for m in p.messages)
