@@ -15,6 +15,12 @@ the next one from it (`SpeculationGate.resumed`), instead of paying for its firs
 count of steps since the last try goes with it: tries stay `explore_every` steps apart across generations. (Counted
 per generation, a gate whose interval had grown past the generations' length never tried the slower kind again,
 whatever the next prompts were: a benchmark's 32-token generations then ran the target alone at every step.)
+The memory is kept per bucket of context length as well (`context_bucket`: one per doubling past 256 tokens), and a
+generation whose context grows into the next bucket goes on with that bucket's gate: what a speculative step costs
+against a step of the target alone depends on the context (a 5-token step over a 1-token step: 1.21x after 64
+tokens, 1.73x after 4,096). One memory for every length carried the choice made on short prompts into long ones, so
+sd and mirror speculated at 4,096 tokens where the target alone was faster (30 tokens/s against ar's 41,
+results/bench-full-feature before this).
 Output never depends on it: both kinds of step commit the target's own greedy tokens. Greedy only: when sampling,
 the two kinds of step make their tokens from different random draws, and a choice made by the clock would make a
 seeded generation vary from run to run.
@@ -25,6 +31,14 @@ Plain data and arithmetic; the scheduler times the steps and feeds them in (test
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+SHORT_CONTEXT = 256  # contexts up to this many tokens share the first bucket of gate memory
+
+
+def context_bucket(length: int) -> int:
+    """The gate memory's bucket of a context of `length` tokens: 0 up to SHORT_CONTEXT, then one per doubling
+    (257-512: 1, 513-1,024: 2, ..., 2,049-4,096: 4)."""
+    return max(0, (max(1, length) - 1).bit_length() - (SHORT_CONTEXT - 1).bit_length())
 
 
 @dataclass

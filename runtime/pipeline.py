@@ -96,9 +96,9 @@ class Pipeline:
         # from its first token to its end (a stream: until it is exhausted or closed).
         self._busy = threading.Lock()
         self._owner: int | None = None  # the thread generating now
-        # per mode, what the speculation gate learned in the last generation: the next one starts from it
-        # (runtime/gate.py); touched only by the generating thread, under _busy
-        self._gate_memory: dict[str, GateState] = {}
+        # per mode and bucket of context length, what the speculation gate learned in the last generation there: the
+        # next one starts from it (runtime/gate.py); touched only by the generating thread, under _busy
+        self._gate_memory: dict[tuple[str, int], GateState] = {}
 
     @classmethod
     def load(cls, bundle: str | Path, *, target_device: str | None = None, draft_device: str | None = None,

@@ -37,7 +37,7 @@ import numpy as np
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import DrafterBase, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
-from mirror_sd.runtime.gate import GateState, SpeculationGate
+from mirror_sd.runtime.gate import GateState, SpeculationGate, context_bucket
 from mirror_sd.runtime.messages import (
     Branches,
     BranchSet,
@@ -316,7 +316,8 @@ class _Decoder:
 
 
 def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], cfg: GenerationConfig,
-           rec: Recorder, warm_with_prefill: bool = True, gate_memory: dict[str, GateState] | None = None
+           rec: Recorder, warm_with_prefill: bool = True,
+           gate_memory: dict[tuple[str, int], GateState] | None = None
            ) -> Iterator[int]:
     """Yield the new tokens one at a time as they are committed. Stops after cfg.max_new_tokens; the caller
     stops earlier (EOS, stop strings) by closing the generator, and closes the worker.
@@ -327,8 +328,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     cores together: a multi-threaded prefill sharing its cores with the draft waits at every parallel section for a
     preempted thread (measured: results/README.md, "Why the runtime is set up as it is"). Otherwise it reads the
     prompt right after, before the first window.
-    gate_memory: per mode, what the speculation gate learned in the caller's last generation; the gate starts from
-    it and leaves its own there (the caller runs one generation at a time).
+    gate_memory: per mode and bucket of context length (runtime/gate.py context_bucket), what the speculation gate
+    learned in the caller's last generation there; the gate starts from it, goes on with the next bucket's where
+    the context grows into it, and leaves its own in each (the caller runs one generation at a time).
     """
     if cfg.mode == "ar":
         worker = None
@@ -351,7 +353,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     window: DraftWindow | None = None
     # Greedy only: when sampling, a step of the target alone draws its token where a speculative step would have
     # drawn others, so a timed choice between them would make a seed's text vary from run to run.
-    gate = (SpeculationGate.resumed((gate_memory or {}).get(cfg.mode))
+    gate_key = (cfg.mode, context_bucket(len(ctx)))
+    gate = (SpeculationGate.resumed((gate_memory or {}).get(gate_key))
             if cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy else None)
     # With the gate, steps run on the target alone until the draft has read the prompt, rather than waiting for it
     # (a feature draft reads a 2,048-token prompt's taps after the prefill: 0.25 s, a dozen target steps).
@@ -367,6 +370,11 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             gamma, window = 0, None
         if not draft_ready:
             draft_ready = worker.poll(warmed) is not None
+        if gate is not None and context_bucket(len(ctx)) != gate_key[1]:  # the context grew into the next bucket
+            if gate_memory is not None:
+                gate_memory[gate_key] = gate.state()
+            gate_key = (cfg.mode, context_bucket(len(ctx)))
+            gate = SpeculationGate.resumed((gate_memory or {}).get(gate_key))
         copied = (lookup(ctx, cfg.max_matching_ngram_size, min(cfg.prompt_lookup_num_tokens, remaining - 1))
                   if lookups else ())
         if copied:  # the text repeats itself: a window that costs no draft forward (and is not the gate's to time)
@@ -389,7 +397,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
                 took = time.perf_counter() - started - (dec.catch_up_s if speculative else 0.0)
                 gate.record(speculative, len(new), took)
                 if gate_memory is not None:
-                    gate_memory[cfg.mode] = gate.state()
+                    gate_memory[gate_key] = gate.state()
         for token in new:
             ctx.append(token)
             yield token

@@ -124,8 +124,8 @@ def test_the_gate_resumes_from_the_last_generation_of_its_mode(pipelines, monkey
     pipe = pipelines("qwen2")
     pipe._gate_memory.clear()
     first = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
-    learned = pipe._gate_memory["sd"]
-    assert learned.speculative[2] >= 1 and learned.alone[2] >= 1 and "mirror" not in pipe._gate_memory
+    learned = pipe._gate_memory["sd", 0]
+    assert learned.speculative[2] >= 1 and learned.alone[2] >= 1 and list(pipe._gate_memory) == [("sd", 0)]
     resumed_from = []
     real = scheduler.SpeculationGate
 
@@ -138,10 +138,39 @@ def test_the_gate_resumes_from_the_last_generation_of_its_mode(pipelines, monkey
     monkeypatch.setattr(scheduler, "SpeculationGate", Spy)
     again = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
     assert again.token_ids == first.token_ids and resumed_from == [learned]
-    kept = pipe._gate_memory["sd"]
+    kept = pipe._gate_memory["sd", 0]
     pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, temperature=1.0, seed=3)
     pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, adaptive_speculation=False)
-    assert pipe._gate_memory["sd"] == kept and len(resumed_from) == 1
+    assert pipe._gate_memory["sd", 0] == kept and len(resumed_from) == 1
+
+
+def test_the_gate_goes_on_with_the_next_context_buckets_memory(pipelines, monkeypatch):
+    """A generation whose context grows past a bucket of the gate's memory (runtime/gate.py context_bucket) leaves
+    what it learned in the short bucket and goes on with the long one's: a later generation there starts from that,
+    and one on a short prompt from the short bucket's. Output stays the target's."""
+    import mirror_sd.runtime.scheduler as scheduler
+
+    pipe = pipelines("qwen2")
+    pipe._gate_memory.clear()
+    prompt = [(7 * i + 3) % 250 + 4 for i in range(250)]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    out = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
+    assert out.token_ids == ar.token_ids
+    assert set(pipe._gate_memory) == {("sd", 0), ("sd", 1)}  # 251 tokens after the prefill, 270 at the end
+    resumed_from = []
+    real = scheduler.SpeculationGate
+
+    class Spy(real):
+        @classmethod
+        def resumed(cls, state):
+            resumed_from.append(state)
+            return super().resumed(state)
+
+    monkeypatch.setattr(scheduler, "SpeculationGate", Spy)
+    short_state, long_state = pipe._gate_memory["sd", 0], pipe._gate_memory["sd", 1]
+    pipe.generate(prompt + prompt[:20], mode="sd", max_new_tokens=4, overlap=False)  # 270 tokens: the long bucket
+    pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=4, overlap=False)
+    assert resumed_from == [long_state, short_state]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

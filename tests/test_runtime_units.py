@@ -212,6 +212,15 @@ def test_gate_keeps_trying_across_generations_shorter_than_its_interval():
     assert len(tries) >= 6 and {b - a for a, b in zip(tries, tries[1:])} == {64}
 
 
+def test_gate_memory_buckets_double_with_the_context():
+    """The gate's memory is kept per bucket of context length: what speculation costs against the target alone
+    changes with the context, so a choice learned on short prompts does not carry into long ones."""
+    from mirror_sd.runtime.gate import context_bucket
+
+    assert [context_bucket(n) for n in (0, 1, 64, 256)] == [0, 0, 0, 0]
+    assert [context_bucket(n) for n in (257, 512, 513, 1024, 2048, 2049, 4096, 8192)] == [1, 1, 2, 2, 3, 4, 4, 5]
+
+
 @pytest.mark.parametrize("context, max_ngram, max_tokens, want", [
     ([1, 2, 3, 4, 5, 9, 2, 3], 3, 4, (4, 5, 9, 2)),  # "2 3" occurred before: what followed it
     ([1, 2, 3, 4, 5, 1, 2, 3], 3, 2, (4, 5)),  # the longest match ("1 2 3"), cut to max_tokens
