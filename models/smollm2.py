@@ -52,6 +52,11 @@ FEATURE_SECOND_PASS = {**FEATURE_CONTINUED, "budget_minutes": 42}
 FEATURE_EVERYDAY = {**FEATURE_CONTINUED, "budget_minutes": 60, "refresh_vocab": 1024, "refresh_drop": "tail"}
 FEATURE_CODE = {**FEATURE_CONTINUED, "budget_minutes": 15, "refresh_vocab": 512, "eval_records": 300}
 CODE_REPLAY = [(0, CODE_PROMPTS), (0, 1500), (ANSWER_PROMPTS, ANSWER_PROMPTS + 2000)]  # code, everyday, broad
+# The exit adapter, first trained on the broad answers alone, continued on 800 conversations of each of the broad,
+# everyday and code answers (a teacher pass of 2,400, 20 minutes here, then 7 minutes of steps): held-out top-1 /
+# top-4 coverage of the target's token went from 68% / 85% to 73% / 89% on broad, 59% / 76% to 75% / 89% on
+# everyday and 60% / 78% to 81% / 95% on code (its coverage.json).
+EXIT_MIXED = {"conversations": 800, "rank": 512, "steps": 2400, "batch": 256, "lr": 1e-3, "minutes_per_layer": 20}
 # `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
 # kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
@@ -122,13 +127,18 @@ def retrain_feature_draft(report=print) -> None:
         (work / "checkpoint.pt").unlink(missing_ok=True)  # each later stage plans its own batches
         train_feature_draft.run(TARGET_DIR, files, work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                                 init_from=FEATURE_WEIGHTS, prompt_ranges=ranges, **stage)
-    # the bundles' exit head at EXIT_LAYER, from the same answers
+    # the bundles' exit head at EXIT_LAYER, from the same answers: first on the broad pool's, then continued on the
+    # broad, everyday and code answers together (EXIT_MIXED)
     layers = BUILD / "exit-adapters-answers"
     train_exit.train(TARGET_DIR, ANSWERS_FILE, layers, [EXIT_LAYER], conversations=1000, rank=512, steps=800,
                      batch=256, minutes_per_layer=5, max_prompts=ANSWER_PROMPTS, report=report)
+    mixed = BUILD / "exit-adapters-mixed"
+    train_exit.train(TARGET_DIR, [ANSWERS_FILE, EVERYDAY_FILE, CODE_FILE], mixed, [EXIT_LAYER],
+                     prompt_ranges=[(0, ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS), (0, CODE_PROMPTS)],
+                     init_from=layers / f"layer-{EXIT_LAYER}", report=report, **EXIT_MIXED)
     shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
-    shutil.copytree(layers / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
-    shutil.copy(layers / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
+    shutil.copytree(mixed / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
+    shutil.copy(mixed / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:

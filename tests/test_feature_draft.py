@@ -182,6 +182,20 @@ def test_exit_adapter_trains_on_an_answers_file(tmp_path):
     assert row["adapter"][8] >= row["logit_lens"][8]
     assert ExitAdapter.is_exit_adapter(tmp_path / "adapters" / "layer-1")
 
+    # continued on several answers files (here two prompt ranges of one), each with its own held-out conversations
+    # and coverage; the adapter starts from the saved one, whose coverage is reported beside it
+    more = train_exit.train(target_dir, [data, data], tmp_path / "mixed", [1], conversations=20, rank=64, steps=30,
+                            batch=64, minutes_per_layer=1, prompt_ranges=[(0, 30), (30, None)],
+                            init_from=tmp_path / "adapters" / "layer-1", report=lambda _line: None)
+    rows = more["layers"][1]
+    assert set(rows) == {f"{data.name} 0:30", f"{data.name} 30:"}
+    assert all(r["positions"] > 0 and {"adapter", "initial", "logit_lens"} <= set(r) for r in rows.values())
+    assert more["init_from"] == str(tmp_path / "adapters" / "layer-1")
+    assert more["positions"]["train"] > 0
+    with pytest.raises(ValueError, match="not 2"):
+        train_exit.train(target_dir, data, tmp_path / "bad", [2], conversations=5, rank=64, steps=1, batch=8,
+                         init_from=tmp_path / "adapters" / "layer-1", report=lambda _line: None)
+
 
 # -- export: the feature channel in the graphs and the manifest --------------------------------------------------
 @pytest.fixture(scope="module")
