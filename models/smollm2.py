@@ -44,6 +44,7 @@ ANSWERS_FILE = REPO / "models" / "data" / "answers-broad.jsonl.gz"  # committed:
 FIRST_PROMPTS, ANSWER_PROMPTS, ALL_ANSWER_PROMPTS = 5632, 13632, 20000
 EVERYDAY_FILE, EVERYDAY_PROMPTS = REPO / "models" / "data" / "answers-everyday.jsonl.gz", 6000
 CODE_FILE, CODE_PROMPTS = REPO / "models" / "data" / "answers-code.jsonl.gz", 3000
+ADVICE_FILE, ADVICE_PROMPTS = REPO / "models" / "data" / "answers-advice.jsonl.gz", 2400
 FEATURE_TRAINING = {"taps": [5, 10, 15], "vocab_size": 8192, "max_len": 768, "epochs": 3, "steps": 4, "lr": 1e-3,
                     "tokens_per_batch": 4096, "noise": 0.05, "budget_minutes": 50, "eval_records": 400}
 FEATURE_CONTINUED = {**FEATURE_TRAINING, "epochs": 1, "lr": 5e-4, "budget_minutes": 22}
@@ -52,6 +53,10 @@ FEATURE_SECOND_PASS = {**FEATURE_CONTINUED, "budget_minutes": 42}
 FEATURE_EVERYDAY = {**FEATURE_CONTINUED, "budget_minutes": 60, "refresh_vocab": 1024, "refresh_drop": "tail"}
 FEATURE_CODE = {**FEATURE_CONTINUED, "budget_minutes": 15, "refresh_vocab": 512, "eval_records": 300}
 CODE_REPLAY = [(0, CODE_PROMPTS), (0, 1500), (ANSWER_PROMPTS, ANSWER_PROMPTS + 2000)]  # code, everyday, broad
+# A seventh (12 minutes) on the answers to ADVICE_PROMPTS advice-pool prompts (practical how-to chat, asked once or
+# followed up: what the benchmark's multi-turn prompts are), replaying other parts of the earlier stages' data.
+FEATURE_ADVICE = {**FEATURE_CONTINUED, "budget_minutes": 12, "refresh_vocab": 256, "eval_records": 300}
+ADVICE_REPLAY = [(0, ADVICE_PROMPTS), (1500, 2500), (ANSWER_PROMPTS + 2000, ANSWER_PROMPTS + 3000), (0, 800)]
 # The exit adapter, first trained on the broad answers alone, continued on 800 conversations of each of the broad,
 # everyday and code answers (a teacher pass of 2,400, 20 minutes here, then 7 minutes of steps): held-out top-1 /
 # top-4 coverage of the target's token went from 68% / 85% to 73% / 89% on broad, 59% / 76% to 75% / 89% on
@@ -113,6 +118,7 @@ def retrain_feature_draft(report=print) -> None:
     answers.generate(BUNDLE_DIR, ov_dir, EVERYDAY_FILE, "everyday", EVERYDAY_PROMPTS, texts_from=ANSWERS_FILE,
                      report=report)
     answers.generate(BUNDLE_DIR, ov_dir, CODE_FILE, "code", CODE_PROMPTS, report=report)
+    answers.generate(BUNDLE_DIR, ov_dir, ADVICE_FILE, "advice", ADVICE_PROMPTS, report=report)
     work = BUILD / "feature-draft"
     train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                             max_prompts=FIRST_PROMPTS, **FEATURE_TRAINING)
@@ -122,7 +128,8 @@ def retrain_feature_draft(report=print) -> None:
              ([ANSWERS_FILE], [(0, ANSWER_PROMPTS)], FEATURE_SECOND_PASS),
              ([ANSWERS_FILE, EVERYDAY_FILE], [(ANSWER_PROMPTS, ALL_ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS)],
               FEATURE_EVERYDAY),
-             ([CODE_FILE, EVERYDAY_FILE, ANSWERS_FILE], CODE_REPLAY, FEATURE_CODE)]
+             ([CODE_FILE, EVERYDAY_FILE, ANSWERS_FILE], CODE_REPLAY, FEATURE_CODE),
+             ([ADVICE_FILE, EVERYDAY_FILE, ANSWERS_FILE, CODE_FILE], ADVICE_REPLAY, FEATURE_ADVICE)]
     for files, ranges, stage in later:
         (work / "checkpoint.pt").unlink(missing_ok=True)  # each later stage plans its own batches
         train_feature_draft.run(TARGET_DIR, files, work, FEATURE_WEIGHTS, max_minutes=None, report=report,
