@@ -60,8 +60,7 @@ def teacher_pass(model, examples, layers: list[int], report=print) -> TeacherDat
         keep = torch.from_numpy(ex.weights[1:] == ANSWER_WEIGHT)
         for layer in layers:
             hidden[layer].append(out.hidden_states[layer][0, :-1][keep].clone())
-        # the LM head on the kept rows only: logits of every position ([T, 49,152] fp32, a size per conversation)
-        # grew the process to 24 GiB over 3,000 conversations here
+        # the LM head on the kept rows only: no [T, 49,152] logits for the prompt's positions
         top = torch.log_softmax(model.lm_head(out.last_hidden_state[0, :-1][keep]), -1).topk(TEACHER_TOP, -1)
         ids.append(top.indices)
         lps.append(top.values)

@@ -116,26 +116,31 @@ def test_a_draft_reading_only_the_prompts_tail_keeps_output_identical(pipelines,
     assert (drafter.lane.start, drafter.lane.length) == (34, 40)
 
 
-def test_the_gate_resumes_from_the_last_generation_of_its_mode(pipelines, monkeypatch):
-    """A pipeline keeps what its speculation gate learned, per mode, and the next greedy generation starts from it;
-    sampled generations and adaptive_speculation=False leave it alone."""
+def _record_gate_resumes(monkeypatch) -> list:
+    """From now on, the state every speculation gate the scheduler makes is resumed from, in order."""
     import mirror_sd.runtime.scheduler as scheduler
 
-    pipe = pipelines("qwen2")
-    pipe._gate_memory.clear()
-    first = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
-    learned = pipe._gate_memory["sd", 0]
-    assert learned.speculative[2] >= 1 and learned.alone[2] >= 1 and list(pipe._gate_memory) == [("sd", 0)]
     resumed_from = []
-    real = scheduler.SpeculationGate
 
-    class Spy(real):
+    class Spy(scheduler.SpeculationGate):
         @classmethod
         def resumed(cls, state):
             resumed_from.append(state)
             return super().resumed(state)
 
     monkeypatch.setattr(scheduler, "SpeculationGate", Spy)
+    return resumed_from
+
+
+def test_the_gate_resumes_from_the_last_generation_of_its_mode(pipelines, monkeypatch):
+    """A pipeline keeps what its speculation gate learned, per mode, and the next greedy generation starts from it;
+    sampled generations and adaptive_speculation=False leave it alone."""
+    pipe = pipelines("qwen2")
+    pipe._gate_memory.clear()
+    first = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
+    learned = pipe._gate_memory["sd", 0]
+    assert learned.speculative[2] >= 1 and learned.alone[2] >= 1 and list(pipe._gate_memory) == [("sd", 0)]
+    resumed_from = _record_gate_resumes(monkeypatch)
     again = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
     assert again.token_ids == first.token_ids and resumed_from == [learned]
     kept = pipe._gate_memory["sd", 0]
@@ -148,8 +153,6 @@ def test_the_gate_goes_on_with_the_next_context_buckets_memory(pipelines, monkey
     """A generation whose context grows past a bucket of the gate's memory (runtime/gate.py context_bucket) leaves
     what it learned in the short bucket and goes on with the long one's: a later generation there starts from that,
     and one on a short prompt from the short bucket's. Output stays the target's."""
-    import mirror_sd.runtime.scheduler as scheduler
-
     pipe = pipelines("qwen2")
     pipe._gate_memory.clear()
     prompt = [(7 * i + 3) % 250 + 4 for i in range(250)]
@@ -157,16 +160,7 @@ def test_the_gate_goes_on_with_the_next_context_buckets_memory(pipelines, monkey
     out = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
     assert out.token_ids == ar.token_ids
     assert set(pipe._gate_memory) == {("sd", 0), ("sd", 1)}  # 251 tokens after the prefill, 270 at the end
-    resumed_from = []
-    real = scheduler.SpeculationGate
-
-    class Spy(real):
-        @classmethod
-        def resumed(cls, state):
-            resumed_from.append(state)
-            return super().resumed(state)
-
-    monkeypatch.setattr(scheduler, "SpeculationGate", Spy)
+    resumed_from = _record_gate_resumes(monkeypatch)
     short_state, long_state = pipe._gate_memory["sd", 0], pipe._gate_memory["sd", 1]
     pipe.generate(prompt + prompt[:20], mode="sd", max_new_tokens=4, overlap=False)  # 270 tokens: the long bucket
     pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=4, overlap=False)
