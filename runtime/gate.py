@@ -18,9 +18,10 @@ whatever the next prompts were: a benchmark's 32-token generations then ran the 
 The memory is kept per bucket of context length as well (`context_bucket`: one per doubling past 256 tokens), and a
 generation whose context grows into the next bucket goes on with that bucket's gate: what a speculative step costs
 against a step of the target alone depends on the context (a 5-token step over a 1-token step: 1.21x after 64
-tokens, 1.73x after 4,096). One memory for every length carried the choice made on short prompts into long ones, so
-sd and mirror speculated at 4,096 tokens where the target alone was faster (30 tokens/s against ar's 41,
-results/bench-full-feature before this).
+tokens, 1.73x after 4,096), and one memory for every length carried the choice made on short prompts into long
+ones. (It was not what kept sd below ar at 4,096 tokens in the benchmark, 0.71x after the change: there a
+speculative step costs 1.5 target steps and pays only on text the draft predicts well, which changes from one
+generation to the next faster than the gate follows; results/README.md.)
 Output never depends on it: both kinds of step commit the target's own greedy tokens. Greedy only: when sampling,
 the two kinds of step make their tokens from different random draws, and a choice made by the clock would make a
 seeded generation vary from run to run.
