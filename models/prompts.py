@@ -313,8 +313,16 @@ def build_broad(n: int, seed: int = 0) -> list[Prompt]:
 
     # Math prompts without a name or item ("What is 3 times 4 plus 5?") can coincide with held-out ones: skipped.
     # Repeats are skipped too: the pool has fewer code, QA and translation prompts than chat.
-    return _distinct(n, lambda i: Prompt(BROAD_KINDS[i % len(BROAD_KINDS)], make(BROAD_KINDS[i % len(BROAD_KINDS)])),
-                     _held_out_keys(seed))
+    return _distinct(n, _cycling(BROAD_KINDS, make), _held_out_keys(seed))
+
+
+def _cycling(kinds: tuple[str, ...], make):
+    """make(kind) -> messages, as the prompt maker `_distinct` calls: prompt i is of kind kinds[i % len(kinds)]."""
+    def prompt(i: int) -> Prompt:
+        kind = kinds[i % len(kinds)]
+        return Prompt(kind, make(kind))
+
+    return prompt
 
 
 def _held_out_keys(seed: int) -> set[str]:
@@ -416,8 +424,7 @@ def build_everyday(n: int, texts: list[str], seed: int = 0) -> list[Prompt]:
         return [{"role": "user", "content": f"{rng.choice(RAG_INSTRUCTIONS)}\n\nPassage: {passage}\n\n"
                                             f"Question: {question}"}]
 
-    return _distinct(n, lambda i: Prompt(EVERYDAY_KINDS[i % len(EVERYDAY_KINDS)],
-                                         make(EVERYDAY_KINDS[i % len(EVERYDAY_KINDS)])), _held_out_keys(seed))
+    return _distinct(n, _cycling(EVERYDAY_KINDS, make), _held_out_keys(seed))
 
 
 # -- the code pool: code tasks from the standard library's own functions ------------------------------------------
@@ -585,8 +592,4 @@ def build_advice(n: int, seed: int = 0) -> list[Prompt]:
         return [{"role": "user", "content": ask()}, {"role": "assistant", "content": ""},
                 {"role": "user", "content": rng.choice(ADVICE_FOLLOW_UPS)}]
 
-    def prompt(i: int) -> Prompt:
-        kind = ADVICE_KINDS[i % len(ADVICE_KINDS)]
-        return Prompt(kind, make(kind))
-
-    return _distinct(n, prompt, _held_out_keys(seed))
+    return _distinct(n, _cycling(ADVICE_KINDS, make), _held_out_keys(seed))

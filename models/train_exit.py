@@ -21,7 +21,7 @@ import torch
 
 from mirror_sd.models.exit_adapter import ExitAdapter, ExitAdapterConfig
 from mirror_sd.models.train_draft import ANSWER_WEIGHT, PROMPT_WEIGHT, Example, conversation_examples
-from mirror_sd.models.train_feature_draft import parse_range
+from mirror_sd.models.train_feature_draft import file_ranges, input_error, parse_range
 
 TEACHER_TOP = 32
 
@@ -154,7 +154,7 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
     from mirror_sd.export.segments import LogitLens
 
     files = [Path(data_file)] if isinstance(data_file, (str, Path)) else [Path(f) for f in data_file]
-    ranges = prompt_ranges or [(0, max_prompts)] * len(files)
+    ranges = file_ranges(files, max_prompts, prompt_ranges)
     if len(ranges) != len(files):
         raise ValueError(f"{len(ranges)} prompt ranges for {len(files)} data files")
     if init_from is not None and len(layers) != 1:
@@ -164,14 +164,13 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
     for p in model.parameters():
         p.requires_grad_(False)
     train_examples, held_examples = [], {}
+    named_twice = len({f.name for f in files}) < len(files)  # two prompt ranges of one file: figures per range
     for path, (lo, hi) in zip(files, ranges):
         examples = _examples(path, tokenizer, hi, lo)
         random.Random(seed).shuffle(examples)
         held = min(max(10, len(examples) // 10), 300)  # a large answers file: 300 held-out conversations do
         train_examples += examples[held: held + conversations]
-        name = path.name  # a file named twice (two prompt ranges): each range's own held-out figures
-        if len({f.name for f in files}) < len(files):
-            name = f"{path.name} {lo}:{'' if hi is None else hi}"
+        name = f"{path.name} {lo}:{'' if hi is None else hi}" if named_twice else path.name
         held_examples[name] = examples[:held]
     train_data = teacher_pass(model, train_examples, layers)
     tests = {name: teacher_pass(model, ex, layers) for name, ex in held_examples.items()}
@@ -191,17 +190,17 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
         adapter = train_adapter(model, layer, train_data, rank=rank, steps=steps, batch=batch, lr=lr,
                                 max_seconds=minutes_per_layer * 60, seed=seed, initial=initial)
         adapter.save(out_dir / f"layer-{layer}")
-        row: dict = {}
+        per_file: dict = {}
         for name, test in tests.items():
             final = test.top_ids[:, 0]
-            row[name] = {"positions": len(final), "logit_lens": coverage(lens, test.hidden[layer], final, ks),
-                         "adapter": coverage(adapter, test.hidden[layer], final, ks)}
+            per_file[name] = {"positions": len(final), "logit_lens": coverage(lens, test.hidden[layer], final, ks),
+                              "adapter": coverage(adapter, test.hidden[layer], final, ks)}
             if initial is not None:
-                row[name]["initial"] = coverage(initial, test.hidden[layer], final, ks)
-        if len(files) == 1:  # the table's shape before several files
-            row = {k: v for k, v in next(iter(row.values())).items() if k != "positions"}
-        results["layers"][layer] = row
-        for name, r in (row.items() if len(files) > 1 else [(files[0].name, row)]):
+                per_file[name]["initial"] = coverage(initial, test.hidden[layer], final, ks)
+        # one data file: the table's shape before several files
+        results["layers"][layer] = (per_file if len(files) > 1 else
+                                    {k: v for k, v in next(iter(per_file.values())).items() if k != "positions"})
+        for name, r in per_file.items():
             report(f"layer {layer}, {name}: top-1 / top-{top_k} coverage of the final token: logit lens "
                    f"{r['logit_lens'][1]:.1%} / {r['logit_lens'][top_k]:.1%}, adapter "
                    f"{r['adapter'][1]:.1%} / {r['adapter'][top_k]:.1%}"
@@ -229,16 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-from", type=Path, default=None,
                         help="a saved adapter to go on training (one layer) instead of starting from the logit lens")
     args = parser.parse_args(argv)
-    missing = [str(p) for p in [args.target, *args.data, *([args.init_from] if args.init_from else [])]
-               if not p.exists()]
-    if missing:
-        print(f"error: not found: {', '.join(missing)}", file=sys.stderr)
+    error = input_error([args.target, *args.data, *([args.init_from] if args.init_from else [])],
+                        args.prompt_range, args.data, "data files")
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     layers = [int(x) for x in args.layers.split(",")]
-    if args.prompt_range and len(args.prompt_range) != len(args.data):
-        print(f"error: {len(args.prompt_range)} --prompt-range values for {len(args.data)} data files",
-              file=sys.stderr)
-        return 2
     if args.init_from and len(layers) != 1:
         print("error: --init-from continues one adapter: give one layer in --layers", file=sys.stderr)
         return 2

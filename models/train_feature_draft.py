@@ -94,6 +94,17 @@ def parse_range(text: str) -> tuple[int, int | None]:
         raise argparse.ArgumentTypeError(f"{text!r}: a prompt range is LO:HI of integers") from None
 
 
+def input_error(paths: list[Path], prompt_ranges: list | None, files: list[Path], noun: str) -> str | None:
+    """What is wrong with a training command's inputs, or None: a path that does not exist, or --prompt-range values
+    that do not pair up with the data files (`noun`: what the files are called)."""
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        return f"not found: {', '.join(missing)}"
+    if prompt_ranges and len(prompt_ranges) != len(files):
+        return f"{len(prompt_ranges)} --prompt-range values for {len(files)} {noun}"
+    return None
+
+
 def split(records: list[Record]) -> tuple[list[Record], list[Record]]:
     train = [r for r in records if r.index % HOLD_OUT != 0]
     return train, [r for r in records if r.index % HOLD_OUT == 0]
@@ -606,13 +617,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    missing = [str(p) for p in [args.target, *args.answers, *(args.compare or [])] if not p.exists()]
-    if missing:
-        print(f"error: not found: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    if args.prompt_range and len(args.prompt_range) != len(args.answers):
-        print(f"error: {len(args.prompt_range)} --prompt-range values for {len(args.answers)} answers files",
-              file=sys.stderr)
+    error = input_error([args.target, *args.answers, *(args.compare or [])], args.prompt_range, args.answers,
+                        "answers files")
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if args.compare:
         result = compare(args.target, args.compare, args.answers, args.work, max_len=args.max_len,

@@ -353,12 +353,12 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     window: DraftWindow | None = None
     # Greedy only: when sampling, a step of the target alone draws its token where a speculative step would have
     # drawn others, so a timed choice between them would make a seed's text vary from run to run.
-    gate_key = (cfg.mode, context_bucket(len(ctx)))
-    gate = (SpeculationGate.resumed((gate_memory or {}).get(gate_key))
-            if cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy else None)
+    gated_mode = cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy
+    gate: SpeculationGate | None = None  # resumed in the loop from the memory of the context's bucket
+    gate_key: tuple[str, int] | None = None
     # With the gate, steps run on the target alone until the draft has read the prompt, rather than waiting for it
     # (a feature draft reads a 2,048-token prompt's taps after the prefill: 0.25 s, a dozen target steps).
-    draft_ready = gate is None or warmed is None
+    draft_ready = not gated_mode or warmed is None
     # Greedy only: a copied window has no draft distribution for speculative sampling to correct.
     lookups = cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and cfg.params.greedy
     while len(ctx) - len(prompt) < cfg.max_new_tokens:
@@ -370,10 +370,11 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             gamma, window = 0, None
         if not draft_ready:
             draft_ready = worker.poll(warmed) is not None
-        if gate is not None and context_bucket(len(ctx)) != gate_key[1]:  # the context grew into the next bucket
-            if gate_memory is not None:
+        bucket = context_bucket(len(ctx))
+        if gated_mode and (gate_key is None or bucket != gate_key[1]):  # the first step, or the next bucket
+            if gate is not None and gate_memory is not None:
                 gate_memory[gate_key] = gate.state()
-            gate_key = (cfg.mode, context_bucket(len(ctx)))
+            gate_key = (cfg.mode, bucket)
             gate = SpeculationGate.resumed((gate_memory or {}).get(gate_key))
         copied = (lookup(ctx, cfg.max_matching_ngram_size, min(cfg.prompt_lookup_num_tokens, remaining - 1))
                   if lookups else ())

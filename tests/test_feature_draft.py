@@ -504,3 +504,20 @@ def test_prompt_ranges_must_match_the_answers_files(tmp_path, capsys):
     data.write_bytes(b"")
     code = tfd.main(["--target", str(tmp_path), "--answers", str(data), "--prompt-range", "0:5", "5:"])
     assert code == 2 and "2 --prompt-range values for 1 answers files" in capsys.readouterr().err
+
+
+def test_exit_adapter_training_refuses_bad_inputs_before_any_work(tmp_path, capsys):
+    """train_exit's command checks its inputs as train_feature_draft's does (one check for both), and --init-from
+    continues one adapter only."""
+    from mirror_sd.models import train_exit
+
+    data = tmp_path / "a.jsonl.gz"
+    data.write_bytes(b"")
+    base = ["--target", str(tmp_path), "--out", str(tmp_path / "out"), "--data", str(data)]
+    assert train_exit.main([*base, "--prompt-range", "0:5", "5:"]) == 2
+    assert "2 --prompt-range values for 1 data files" in capsys.readouterr().err
+    assert train_exit.main([*base, "--init-from", str(tmp_path / "missing")]) == 2
+    assert "not found: " in capsys.readouterr().err
+    assert train_exit.main([*base, "--init-from", str(tmp_path), "--layers", "15,24"]) == 2
+    assert "give one layer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
