@@ -19,9 +19,13 @@ The memory is kept per bucket of context length as well (`context_bucket`: one p
 generation whose context grows into the next bucket goes on with that bucket's gate: what a speculative step costs
 against a step of the target alone depends on the context (a 5-token step over a 1-token step: 1.21x after 64
 tokens, 1.73x after 4,096), and one memory for every length carried the choice made on short prompts into long
-ones. (It was not what kept sd below ar at 4,096 tokens in the benchmark, 0.71x after the change: there a
-speculative step costs 1.5 target steps and pays only on text the draft predicts well, which changes from one
-generation to the next faster than the gate follows; results/README.md.)
+ones.
+The scheduler keeps a second gate of this kind beside it (`copy_gate_key`): where a window can be copied from the
+text (prompt lookup), between verifying the copy and the step the first gate would take instead. What kept sd at
+0.7x ar after 4,096 prompt tokens was the copies, which no gate timed: in a long prompt some earlier occurrence of
+the last two or three tokens is nearly always there, its continuation mostly is not the text's, and each copy's
+5-row step costs 1.5 steps of the target alone there. And where the first gate's memory prefers the target alone
+(`GateState.prefers_alone`), the draft does not read the prompt: beside the first steps its reading slowed them 2-3x.
 Output never depends on it: both kinds of step commit the target's own greedy tokens. Greedy only: when sampling,
 the two kinds of step make their tokens from different random draws, and a choice made by the clock would make a
 seeded generation vary from run to run.
@@ -40,6 +44,14 @@ def context_bucket(length: int) -> int:
     """The gate memory's bucket of a context of `length` tokens: 0 up to SHORT_CONTEXT, then one per doubling
     (257-512: 1, 513-1,024: 2, ..., 2,049-4,096: 4)."""
     return max(0, (max(1, length) - 1).bit_length() - (SHORT_CONTEXT - 1).bit_length())
+
+
+def copy_gate_key(key: tuple[str, int]) -> tuple[str, int]:
+    """The memory key of the copy gate beside the speculation gate kept under `key` (mode, bucket): the scheduler's
+    second gate, between verifying a window copied from the text (prompt lookup) and the step the first gate would
+    take instead."""
+    mode, bucket = key
+    return f"{mode} copy", bucket
 
 
 @dataclass
@@ -73,6 +85,11 @@ class GateState:
     alone: tuple[float, float, int]
     explore_every: int
     since_explore: int = 0
+
+    def prefers_alone(self) -> bool:
+        """Both kinds measured, and steps of the target alone were the faster."""
+        (spec_tokens, spec_s, spec_steps), (alone_tokens, alone_s, alone_steps) = self.speculative, self.alone
+        return spec_steps > 0 and alone_steps > 0 and alone_tokens * spec_s > spec_tokens * alone_s
 
 
 @dataclass

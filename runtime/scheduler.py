@@ -37,7 +37,7 @@ import numpy as np
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import DrafterBase, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
-from mirror_sd.runtime.gate import GateState, SpeculationGate, context_bucket
+from mirror_sd.runtime.gate import GateState, SpeculationGate, context_bucket, copy_gate_key
 from mirror_sd.runtime.messages import (
     Branches,
     BranchSet,
@@ -339,7 +339,16 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # Past the draft's context (its manifest facts) every step runs on the target alone, counted in the stats.
     draft_context = drafter.engine.facts.max_position_embeddings if drafter is not None else 0
     ctx = list(prompt)
-    warm = worker is not None and len(prompt) <= draft_context
+    # Greedy only: when sampling, a step of the target alone draws its token where a speculative step would have
+    # drawn others, so a timed choice between them would make a seed's text vary from run to run.
+    gated_mode = cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy
+    # Where the gate learned that the target alone is faster at this length, the draft does not read the prompt
+    # now: beside the first steps it would slow them (1,024 inputs read at 4,096 tokens: ~0.4 s, the first dozen
+    # steps at 2-3x their time), for windows that are not wanted. A step the gate later tries speculatively reads
+    # what it needs first (fresh_window's catch-up).
+    learned = (gate_memory or {}).get((cfg.mode, context_bucket(len(prompt) + 1))) if gated_mode else None
+    warm = (worker is not None and len(prompt) <= draft_context
+            and not (learned is not None and learned.prefers_alone()))
     # a feature draft reads the prompt with its taps, so only after the prefill has computed them
     alongside = warm_with_prefill and not isinstance(drafter, FeatureDrafter)
     warmed = None  # the ticket of the draft's reading of the prompt
@@ -351,16 +360,25 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     dec.draft_seen = len(prompt) if warm else 0
     yield ctx[-1]
     window: DraftWindow | None = None
-    # Greedy only: when sampling, a step of the target alone draws its token where a speculative step would have
-    # drawn others, so a timed choice between them would make a seed's text vary from run to run.
-    gated_mode = cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy
     gate: SpeculationGate | None = None  # resumed in the loop from the memory of the context's bucket
     gate_key: tuple[str, int] | None = None
+    # Greedy only: a copied window has no draft distribution for speculative sampling to correct.
+    lookups = cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and cfg.params.greedy
+    # Where a window can be copied, a second gate picks between copying it and the step the first gate would take:
+    # in a long prompt some earlier occurrence of the last tokens is nearly always there, and its continuation
+    # mostly is not the text's (measured at 4,096 tokens of documentation: 11-15 copied windows in a 32-token
+    # generation, 1.1 tokens per step, each step 1.5x a step of the target alone: sd at 0.7x ar).
+    copy_gate: SpeculationGate | None = None
+
+    def remember() -> None:
+        if gate_memory is not None:
+            gate_memory[gate_key] = gate.state()
+            if copy_gate is not None:
+                gate_memory[copy_gate_key(gate_key)] = copy_gate.state()
+
     # With the gate, steps run on the target alone until the draft has read the prompt, rather than waiting for it
     # (a feature draft reads a 2,048-token prompt's taps after the prefill: 0.25 s, a dozen target steps).
     draft_ready = not gated_mode or warmed is None
-    # Greedy only: a copied window has no draft distribution for speculative sampling to correct.
-    lookups = cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and cfg.params.greedy
     while len(ctx) - len(prompt) < cfg.max_new_tokens:
         remaining = cfg.max_new_tokens - (len(ctx) - len(prompt))
         # windows shrink at the end so that no step verifies tokens it could not commit
@@ -372,14 +390,24 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             draft_ready = worker.poll(warmed) is not None
         bucket = context_bucket(len(ctx))
         if gated_mode and (gate_key is None or bucket != gate_key[1]):  # the first step, or the next bucket
-            if gate is not None and gate_memory is not None:
-                gate_memory[gate_key] = gate.state()
+            if gate is not None:
+                remember()
             gate_key = (cfg.mode, bucket)
             gate = SpeculationGate.resumed((gate_memory or {}).get(gate_key))
+            if lookups:
+                copy_gate = SpeculationGate.resumed((gate_memory or {}).get(copy_gate_key(gate_key)))
         copied = (lookup(ctx, cfg.max_matching_ngram_size, min(cfg.prompt_lookup_num_tokens, remaining - 1))
                   if lookups else ())
-        if copied:  # the text repeats itself: a window that costs no draft forward (and is not the gate's to time)
+        copy_choice = bool(copied) and copy_gate is not None and draft_ready  # a choice the copy gate makes and times
+        if copy_choice and not copy_gate.speculate():
+            rec.counts.declined_copies += 1
+            copied = ()
+        if copied:  # the text repeats itself: a window that costs no draft forward (and is not the first gate's)
+            started = time.perf_counter()
             new, window = dec.speculative_step(ctx, DraftWindow(len(ctx), copied, None, 0), copied=True)
+            if copy_choice:
+                copy_gate.record(True, len(new), time.perf_counter() - started)
+                remember()
         else:
             gated = cfg.mode != "ar" and gamma > 0 and gate is not None and not (draft_ready and gate.speculate())
             if gated:
@@ -394,11 +422,13 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             else:
                 assert window.context_len == len(ctx), "a window must continue the committed tokens"
                 new, window = dec.speculative_step(ctx, window.head(gamma))
+            took = time.perf_counter() - started - (dec.catch_up_s if speculative else 0.0)
             if gate is not None and gamma > 0 and draft_ready:  # a step beside the draft's reading shares its cores
-                took = time.perf_counter() - started - (dec.catch_up_s if speculative else 0.0)
                 gate.record(speculative, len(new), took)
-                if gate_memory is not None:
-                    gate_memory[gate_key] = gate.state()
+            if copy_choice:  # the step taken instead of a copy
+                copy_gate.record(False, len(new), took)
+            if gate is not None:
+                remember()
         for token in new:
             ctx.append(token)
             yield token

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import scripted_gate
 
+from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.reference import reference_generate
 
@@ -138,15 +139,16 @@ def test_the_gate_resumes_from_the_last_generation_of_its_mode(pipelines, monkey
     pipe = pipelines("qwen2")
     pipe._gate_memory.clear()
     first = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
-    learned = pipe._gate_memory["sd", 0]
-    assert learned.speculative[2] >= 1 and learned.alone[2] >= 1 and list(pipe._gate_memory) == [("sd", 0)]
+    learned, copy_learned = pipe._gate_memory["sd", 0], pipe._gate_memory.get(("sd copy", 0))
+    assert learned.speculative[2] >= 1 and learned.alone[2] >= 1
+    assert set(pipe._gate_memory) <= {("sd", 0), ("sd copy", 0)}  # the copy gate's, where a window was copyable
     resumed_from = _record_gate_resumes(monkeypatch)
     again = pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
-    assert again.token_ids == first.token_ids and resumed_from == [learned]
+    assert again.token_ids == first.token_ids and resumed_from == [learned, copy_learned]
     kept = pipe._gate_memory["sd", 0]
     pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, temperature=1.0, seed=3)
     pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW_TOKENS, adaptive_speculation=False)
-    assert pipe._gate_memory["sd", 0] == kept and len(resumed_from) == 1
+    assert pipe._gate_memory["sd", 0] == kept and len(resumed_from) == 2
 
 
 def test_the_gate_goes_on_with_the_next_context_buckets_memory(pipelines, monkeypatch):
@@ -159,12 +161,61 @@ def test_the_gate_goes_on_with_the_next_context_buckets_memory(pipelines, monkey
     ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
     out = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, overlap=False)
     assert out.token_ids == ar.token_ids
-    assert set(pipe._gate_memory) == {("sd", 0), ("sd", 1)}  # 251 tokens after the prefill, 270 at the end
+    # 251 tokens after the prefill, 270 at the end; a speculation gate and a copy gate each
+    assert set(pipe._gate_memory) == {("sd", 0), ("sd copy", 0), ("sd", 1), ("sd copy", 1)}
     resumed_from = _record_gate_resumes(monkeypatch)
     short_state, long_state = pipe._gate_memory["sd", 0], pipe._gate_memory["sd", 1]
+    short_copy, long_copy = pipe._gate_memory["sd copy", 0], pipe._gate_memory["sd copy", 1]
     pipe.generate(prompt + prompt[:20], mode="sd", max_new_tokens=4, overlap=False)  # 270 tokens: the long bucket
     pipe.generate(PROMPTS[0], mode="sd", max_new_tokens=4, overlap=False)
-    assert resumed_from == [long_state, short_state]
+    assert resumed_from == [long_state, long_copy, short_state, short_copy]
+
+
+# a gate's memory that found steps of the target alone 1,000x faster, its next try of the slower kind `since` steps
+# away (the interval is 64)
+def _alone_faster(since: int) -> GateState:
+    return GateState(speculative=(1.0, 1.0, 5), alone=(1.0, 0.001, 5), explore_every=64, since_explore=64 - since)
+
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_a_copy_gate_that_measured_copies_slower_declines_them(pipelines, mode):
+    """The copy gate: where copied windows were measured slower than the steps taken instead, a copyable window
+    is not copied (until the next try); output stays the target's either way."""
+    pipe = pipelines("qwen3")
+    prompt = [5, 17, 33, 90, 12, 5, 17, 33, 90, 12, 5, 17]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    pipe._gate_memory.clear()
+    copying = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, overlap=False)
+    assert copying.token_ids == ar.token_ids and copying.stats["lookup_steps"] >= 1
+    pipe._gate_memory.clear()
+    pipe._gate_memory[f"{mode} copy", 0] = _alone_faster(since=100)
+    declining = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, overlap=False)
+    assert declining.token_ids == ar.token_ids
+    assert declining.stats["lookup_steps"] == 0 and declining.stats["declined_copies"] >= 1
+    off = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, overlap=False, adaptive_speculation=False)
+    assert off.stats["declined_copies"] == 0 and off.stats["lookup_steps"] >= 1  # no gate: every copy is taken
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_draft_reads_no_prompt_where_the_gate_learned_the_target_alone_is_faster(pipelines, arch):
+    """Where the gate's memory for the prompt's length prefers the target alone, the draft does not read the prompt
+    after the prefill; a later speculative try reads what it needs first. Output stays the target's."""
+    pipe = pipelines(arch)
+    prompt = PROMPTS[1]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    for mode, overlap in itertools.product(("sd", "mirror"), (True, False)):
+        pipe._gate_memory.clear()
+        pipe._gate_memory[mode, 0] = _alone_faster(since=100)
+        alone = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, overlap=overlap,
+                              prompt_lookup_num_tokens=0)
+        assert alone.token_ids == ar.token_ids, (mode, overlap)
+        # the draft never ran; the gate gave every decode step but the last (no room for a window) to the target
+        assert alone.stats["draft_s"] == 0 and alone.stats["gated_steps"] == NEW_TOKENS - 2
+        pipe._gate_memory[mode, 0] = _alone_faster(since=1)  # the first decode step tries speculating
+        trying = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, overlap=overlap,
+                               prompt_lookup_num_tokens=0)
+        assert trying.token_ids == ar.token_ids, (mode, overlap)
+        assert trying.stats["proposed_tokens"] > 0 and trying.stats["fallbacks"] == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -212,6 +212,15 @@ def test_gate_keeps_trying_across_generations_shorter_than_its_interval():
     assert len(tries) >= 6 and {b - a for a, b in zip(tries, tries[1:])} == {64}
 
 
+def test_gate_state_says_which_kind_was_faster():
+    from mirror_sd.runtime.gate import GateState, copy_gate_key
+
+    assert GateState((2.0, 0.06, 3), (1.0, 0.025, 3), 8).prefers_alone()  # speculating 33 tokens/s, alone 40
+    assert not GateState((2.0, 0.04, 3), (1.0, 0.025, 3), 8).prefers_alone()  # 50 against 40
+    assert not GateState((2.0, 0.06, 3), (0.0, 0.0, 0), 8).prefers_alone()  # the target alone not measured yet
+    assert copy_gate_key(("mirror", 3)) == ("mirror copy", 3)
+
+
 def test_gate_memory_buckets_double_with_the_context():
     """The gate's memory is kept per bucket of context length: what speculation costs against the target alone
     changes with the context, so a choice learned on short prompts does not carry into long ones."""
