@@ -55,7 +55,7 @@ class ContextSize:
 
 
 QUICK = ContextSize((64, 512), repeats=1, kernel_repeats=5)
-FULL = ContextSize((64, 512, 2048, 4096), repeats=3, kernel_repeats=15)
+FULL = ContextSize((64, 512, 2048, 4096), repeats=3, kernel_repeats=40)
 
 
 def _passages() -> str:

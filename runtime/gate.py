@@ -16,10 +16,10 @@ count of steps since the last try goes with it: tries stay `explore_every` steps
 per generation, a gate whose interval had grown past the generations' length never tried the slower kind again,
 whatever the next prompts were: a benchmark's 32-token generations then ran the target alone at every step.)
 The memory is kept per bucket of context length as well (`context_bucket`: one per doubling past 256 tokens), and a
-generation whose context grows into the next bucket goes on with that bucket's gate: what a speculative step costs
-against a step of the target alone depends on the context (a 5-token step over a 1-token step: 1.21x after 64
-tokens, 1.73x after 4,096), and one memory for every length carried the choice made on short prompts into long
-ones.
+generation whose context grows into the next bucket goes on with that bucket's gate (one not seen yet starts from
+the nearest shorter bucket's memory): what a speculative step costs against a step of the target alone depends on
+the context (a 5-token step over a 1-token step: 1.21x after 64 tokens, 1.73x after 4,096), and one memory for
+every length carried the choice made on short prompts into long ones.
 The scheduler keeps a second gate of this kind beside it (`copy_gate_key`): where a window can be copied from the
 text (prompt lookup), between verifying the copy and the step the first gate would take instead. What kept sd at
 0.7x ar after 4,096 prompt tokens was the copies, which no gate timed: in a long prompt some earlier occurrence of

@@ -315,6 +315,14 @@ class _Decoder:
         self.counts.branch_budget = self.budget
 
 
+def _recalled(memory: dict[tuple[str, int], GateState] | None, key: tuple[str, int]) -> GateState | None:
+    """What a gate learned under `key` (kind, bucket); for a bucket not seen yet, what it learned in the nearest
+    shorter one: the longer the context, the more a wide step costs against a narrow one, so a choice made on
+    shorter contexts is the better first guess than none, and the gate's tries correct it."""
+    kind, bucket = key
+    return next((memory[kind, b] for b in range(bucket, -1, -1) if (kind, b) in (memory or {})), None)
+
+
 def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], cfg: GenerationConfig,
            rec: Recorder, warm_with_prefill: bool = True,
            gate_memory: dict[tuple[str, int], GateState] | None = None
@@ -329,8 +337,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     preempted thread (measured: results/README.md, "Why the runtime is set up as it is"). Otherwise it reads the
     prompt right after, before the first window.
     gate_memory: per mode and bucket of context length (runtime/gate.py context_bucket), what the speculation gate
-    learned in the caller's last generation there; the gate starts from it, goes on with the next bucket's where
-    the context grows into it, and leaves its own in each (the caller runs one generation at a time).
+    and the copy gate learned in the caller's last generation there; each gate starts from it (a bucket not seen
+    yet: from the nearest shorter one's), goes on with the next bucket's where the context grows into it, and leaves
+    its own in each (the caller runs one generation at a time).
     """
     if cfg.mode == "ar":
         worker = None
@@ -393,9 +402,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             if gate is not None:
                 remember()
             gate_key = (cfg.mode, bucket)
-            gate = SpeculationGate.resumed((gate_memory or {}).get(gate_key))
+            gate = SpeculationGate.resumed(_recalled(gate_memory, gate_key))
             if lookups:
-                copy_gate = SpeculationGate.resumed((gate_memory or {}).get(copy_gate_key(gate_key)))
+                copy_gate = SpeculationGate.resumed(_recalled(gate_memory, copy_gate_key(gate_key)))
         copied = (lookup(ctx, cfg.max_matching_ngram_size, min(cfg.prompt_lookup_num_tokens, remaining - 1))
                   if lookups else ())
         copy_choice = bool(copied) and copy_gate is not None and draft_ready  # a choice the copy gate makes and times

@@ -221,6 +221,17 @@ def test_gate_state_says_which_kind_was_faster():
     assert copy_gate_key(("mirror", 3)) == ("mirror copy", 3)
 
 
+def test_a_gate_on_a_bucket_not_seen_yet_starts_from_the_nearest_shorter_ones_memory():
+    from mirror_sd.runtime.gate import GateState
+    from mirror_sd.runtime.scheduler import _recalled
+
+    short, middle = GateState((1.0, 0.01, 2), (1.0, 0.02, 2), 8), GateState((1.0, 0.03, 2), (1.0, 0.02, 2), 16)
+    memory = {("sd", 0): short, ("sd", 2): middle, ("mirror copy", 1): middle}
+    assert [_recalled(memory, ("sd", b)) for b in range(5)] == [short, short, middle, middle, middle]
+    assert _recalled(memory, ("mirror", 3)) is None and _recalled(memory, ("mirror copy", 0)) is None
+    assert _recalled(None, ("sd", 1)) is None
+
+
 def test_gate_memory_buckets_double_with_the_context():
     """The gate's memory is kept per bucket of context length: what speculation costs against the target alone
     changes with the context, so a choice learned on short prompts does not carry into long ones."""
