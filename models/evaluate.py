@@ -72,9 +72,10 @@ def messages_of(pipe, prompt) -> list[dict]:
 
 
 def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, report=print,
-             public: str | None = None, bench: bool = False) -> dict:
+             public: str | None = None, bench: bool = False, branch_budget: int | None = None) -> dict:
     """public: a public prompt set (PUBLIC_SETS) instead of our held-out prompts, 8 x n_per_kind of them; bench: the
-    benchmark's prompts instead, n_per_kind of each of its kinds."""
+    benchmark's prompts instead, n_per_kind of each of its kinds. branch_budget: the mirror runs' branches per step
+    (None: the bundle plan's)."""
     from mirror_sd import Pipeline
 
     pipe = Pipeline.load(bundle)
@@ -85,6 +86,9 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
     runs = {"sd": dict(mode="sd", **full), "sd_verify": dict(mode="sd", draft_streaming="verify", **full),
             "sd_no_streaming": dict(mode="sd", draft_streaming=False, **full), "mirror": dict(mode="mirror", **full),
             "sd_planned": dict(mode="sd"), "mirror_planned": dict(mode="mirror")}
+    if branch_budget is not None:
+        for name in ("mirror", "mirror_planned"):
+            runs[name]["branch_budget"] = branch_budget
     if not pipe.manifest.draft.streams:  # streaming modes change nothing for a one-token-per-forward draft
         runs = {k: v for k, v in runs.items() if k in ("sd", "mirror", "sd_planned", "mirror_planned")}
     rows = []
@@ -138,6 +142,7 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
                                      **{n: median(n, "tokens_per_second") for n in runs}},
         "mirror_draft_hidden_fraction": median("mirror", "draft_hidden_fraction"),
         "draft_confidence_threshold_planned": pipe.generation_config.draft_confidence_threshold,
+        "mirror_branch_budget": branch_budget if branch_budget is not None else pipe.generation_config.branch_budget,
         "planned": {n: {"mean_accepted_tokens": mean(n, "mean_accepted_tokens"),
                         "acceptance_rate": mean(n, "acceptance_rate"),
                         "branch_hit_rate": mean(n, "branch_hit_rate"),
@@ -168,11 +173,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="a public prompt set instead of our held-out prompts (8 x --per-kind of them)")
     parser.add_argument("--bench", action="store_true",
                         help="the benchmark's own prompts (bench/prompts.py) instead, --per-kind of each kind")
+    parser.add_argument("--branch-budget", type=int, default=None,
+                        help="branches per mirror step (default: the bundle plan's)")
     args = parser.parse_args(argv)
+    if args.branch_budget is not None and args.branch_budget < 1:
+        parser.error("--branch-budget must be at least 1")
     if args.bench and args.public:
         parser.error("--bench and --public name two prompt sets: choose one")
     result = evaluate(args.bundle, args.per_kind, args.gamma, args.max_new_tokens, public=args.public,
-                      bench=args.bench)
+                      bench=args.bench, branch_budget=args.branch_budget)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["summary"], indent=1))

@@ -295,3 +295,13 @@ def test_advice_pool_asks_how_to_questions_off_the_benchmark_and_held_out_subjec
     assert not {p.messages[0]["content"] for p in pool} & {p.messages[0]["content"] for p in build(400, held_out=True)}
     for word in ("journal", "sourdough", "puppy", "laptop", "groceries"):  # the benchmark's multi-turn subjects
         assert excluded.search(word) and any(word in m["content"].lower() for p in BENCH for m in p.messages)
+
+
+def test_evaluate_rejects_a_branch_budget_below_one(capsys):
+    """`models.evaluate --branch-budget` (mirror's branches per step; default the plan's) must be at least 1: a
+    usage error, before any bundle is opened."""
+    from mirror_sd.models.evaluate import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--bundle", "no/such/bundle", "--branch-budget", "0"])
+    assert exit_.value.code == 2 and "--branch-budget must be at least 1" in capsys.readouterr().err
