@@ -355,7 +355,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # now: beside the first steps it would slow them (1,024 inputs read at 4,096 tokens: ~0.4 s, the first dozen
     # steps at 2-3x their time), for windows that are not wanted. A step the gate later tries speculatively reads
     # what it needs first (fresh_window's catch-up).
-    learned = (gate_memory or {}).get((cfg.mode, context_bucket(len(prompt) + 1))) if gated_mode else None
+    learned = _recalled(gate_memory, (cfg.mode, context_bucket(len(prompt) + 1))) if gated_mode else None
     warm = (worker is not None and len(prompt) <= draft_context
             and not (learned is not None and learned.prefers_alone()))
     # a feature draft reads the prompt with its taps, so only after the prefill has computed them
