@@ -42,8 +42,8 @@ from mirror_sd.runtime.stats import Recorder
 # The most prompt inputs a feature draft reads (a token draft reads up to runtime/draft.py PROMPT_WINDOW). Its inputs
 # carry the target's taps, which have attended to the whole prompt already; measured on the context benchmark's
 # prompts (sd, gamma 4, no gate, no lookup, 6 prompts x 48 tokens), tokens per step reading the last 1,024 / 256 /
-# 128 inputs: 1.44 / 1.47 / 1.41 at 512 prompt tokens, 1.45 / 1.55 / 1.59 at 2,048. Reading 256 takes a quarter of
-# the time: ~0.06 s instead of ~0.25 s at one thread, time the first steps after a long prompt share their cores with.
+# 128 inputs: 1.44 / 1.47 / 1.41 at 512 prompt tokens, 1.45 / 1.55 / 1.59 at 2,048. Reading 256 takes about a quarter
+# of the time (34 ms in a generation here), time the first steps after a long prompt share their cores with.
 FEATURE_PROMPT_WINDOW = 256
 
 

@@ -21,11 +21,13 @@ the nearest shorter bucket's memory): what a speculative step costs against a st
 the context (a 5-token step over a 1-token step: 1.21x after 64 tokens, 1.73x after 4,096), and one memory for
 every length carried the choice made on short prompts into long ones.
 The scheduler keeps a second gate of this kind beside it (`copy_gate_key`): where a window can be copied from the
-text (prompt lookup), between verifying the copy and the step the first gate would take instead. What kept sd at
-0.7x ar after 4,096 prompt tokens was the copies, which no gate timed: in a long prompt some earlier occurrence of
-the last two or three tokens is nearly always there, its continuation mostly is not the text's, and each copy's
+text (prompt lookup), between verifying the copy and the step the first gate would take instead. Much of what kept
+sd at 0.7x ar after 4,096 prompt tokens was the copies, which no gate timed: in a long prompt some earlier occurrence
+of the last two or three tokens is nearly always there, its continuation mostly is not the text's, and each copy's
 5-row step costs 1.5 steps of the target alone there. And where the first gate's memory prefers the target alone
 (`GateState.prefers_alone`), the draft does not read the prompt: beside the first steps its reading slowed them 2-3x.
+(What is left there, where the draft is rarely accepted: the gates' tries, each a wide step at that length;
+results/README.md.)
 Output never depends on it: both kinds of step commit the target's own greedy tokens. Greedy only: when sampling,
 the two kinds of step make their tokens from different random draws, and a choice made by the clock would make a
 seeded generation vary from run to run.
