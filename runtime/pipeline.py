@@ -31,7 +31,7 @@ from mirror_sd.runtime.backends import BACKENDS, default_openvino_device
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import Drafter
 from mirror_sd.runtime.engines import DraftEngine, open_engine
-from mirror_sd.runtime.feature_draft import FeatureDrafter
+from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.package_reader import OpenedPackage, is_package, open_package
 from mirror_sd.runtime.scheduler import DraftWorker, decode
@@ -92,6 +92,7 @@ class Pipeline:
                 self.generation_config, gamma=defaults.gamma, kappa=defaults.kappa,
                 branch_budget=defaults.branch_budget, draft_confidence_threshold=defaults.draft_confidence_threshold)
         self._worker: DraftWorker | None = None  # the last generation's draft worker, if its thread may still run
+        self._feature_store: FeatureStore | None = None  # a feature draft's taps store, kept across generations
         # The engines are single-owner: generations from several threads run one at a time, each holding this
         # from its first token to its end (a stream: until it is exhausted or closed).
         self._busy = threading.Lock()
@@ -277,7 +278,11 @@ class Pipeline:
                 return None
             self._worker = None
         if self.manifest.draft.feature_taps:
-            drafter = FeatureDrafter(self.draft, cfg.params, recorder=rec, confidence=cfg.draft_confidence_threshold)
+            # one taps store for every generation's drafter (FeatureDrafter: its pages stay mapped); only one drafter
+            # at a time uses it, since a stalled earlier worker made this call return above
+            drafter = FeatureDrafter(self.draft, cfg.params, recorder=rec, confidence=cfg.draft_confidence_threshold,
+                                     store=self._feature_store)
+            self._feature_store = drafter.store
         else:
             drafter = Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming, recorder=rec,
                               confidence=cfg.draft_confidence_threshold)

@@ -351,6 +351,43 @@ def test_feature_drafter_windows_equal_the_reference_after_rejections(fed):
         drafter.rollout(tuple(ctx + [5, 6, 7]), 2, ())
 
 
+def test_a_drafter_on_an_earlier_drafters_store_drafts_as_a_fresh_one(fed):
+    """A pipeline hands one taps store from each generation's drafter to the next (its pages stay mapped): the next
+    drafter empties it, so what an earlier prompt left there never stands in for this prompt's taps. A store of
+    another shape is refused."""
+    from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
+    from mirror_sd.runtime.reference import reference_feature_window
+    from mirror_sd.runtime.sampling import SamplingParams
+
+    pipe, block, prompts = fed
+    target = pipe.target
+    first = FeatureDrafter(pipe.draft, SamplingParams())
+    first.warm(tuple(prompts[1]), (block(prompts[1], 0),))
+    for prompt in (prompts[0], prompts[2]):
+        drafter = FeatureDrafter(pipe.draft, SamplingParams(), store=first.store)
+        assert drafter.store is first.store and drafter.store.length == 0
+        drafter.warm(tuple(prompt), (block(prompt, 0),))
+        ctx = prompt + [int(target.prefill(prompt, target.empty_cache())[0].argmax())]
+        window = drafter.rollout(tuple(ctx), 4, (block(ctx, len(prompt)),)).tokens
+        assert list(window) == reference_feature_window(target, pipe.draft, ctx, 4)[0]
+    shape = first.store.taps.shape
+    with pytest.raises(ValueError, match="does not fit"):
+        FeatureDrafter(pipe.draft, SamplingParams(), store=FeatureStore(shape[0] - 1, shape[1], shape[2], "float32"))
+
+
+def test_a_pipeline_keeps_one_taps_store_across_generations(trained_feature_bundle):
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    bundle, prompts = trained_feature_bundle
+    pipe = Pipeline.load(bundle)
+    stores = []
+    for prompt in prompts:
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=16)
+        assert pipe.generate(prompt, mode="sd", max_new_tokens=16, gamma=3).token_ids == ar.token_ids
+        stores.append(pipe._feature_store)
+    assert stores[0] is not None and all(s is stores[0] for s in stores)
+
+
 def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does(fed):
     """With a confidence threshold, rollouts and branch rows (which leave the batch as they end) are the
     reference's windows with the same threshold, and sd/mirror stay exact."""
