@@ -17,8 +17,11 @@ the follow-up's). Features (hidden states) are not stored: they are recomputed f
     python -m mirror_sd.models.answers --pool everyday -n 6000 --out models/data/answers-everyday.jsonl.gz
     python -m mirror_sd.models.answers --pool code -n 3000 --out models/data/answers-code.jsonl.gz
     python -m mirror_sd.models.answers --pool advice -n 2400 --out models/data/answers-advice.jsonl.gz
+    python -m mirror_sd.models.answers --pool dialogue -n 2400 --texts-from models/data/answers-advice.jsonl.gz \
+        --out models/data/answers-dialogue.jsonl.gz
 The everyday pool (translation, summarisation, QA, RAG; models/prompts.py build_everyday) is written on the prose of
-the broad answers' training records (--texts-from).
+the broad answers' training records (--texts-from); the dialogue pool (build_dialogue) on the advice answers'
+training records: their questions and the target's first answers, cut short.
 """
 
 from __future__ import annotations
@@ -55,9 +58,29 @@ def _pool(name: str, n: int, seed: int, bundle: Path, texts_from: Path = BROAD_A
         if not texts_from.exists():
             raise SystemExit(f"the everyday pool is written on answer texts: {texts_from} not found")
         return build_everyday(n, answer_texts(texts_from, TextCodec(bundle, Manifest.load(bundle))), seed=seed)
+    if name == "dialogue":
+        from mirror_sd.models.prompts import build_dialogue
+
+        if not texts_from.exists():
+            raise SystemExit(f"the dialogue pool is written on the advice pool's answers: {texts_from} not found")
+        return build_dialogue(n, first_exchanges(texts_from, bundle, seed), seed=seed)
     if name not in POOLS:
-        raise SystemExit(f"unknown pool {name!r}; known: {', '.join([*POOLS, 'everyday'])}")
+        raise SystemExit(f"unknown pool {name!r}; known: {', '.join([*POOLS, 'everyday', 'dialogue'])}")
     return POOLS[name](n, seed=seed)
+
+
+def first_exchanges(path: Path, bundle: Path, seed: int = 0) -> list[tuple[str, str]]:
+    """Of an advice-pool answers file's training records, in index order: each prompt's first question and the
+    target's first answer to it (decoded from the record's first answer span)."""
+    from mirror_sd.models.prompts import build_advice
+    from mirror_sd.partitions import Manifest
+    from mirror_sd.runtime.text import TextCodec
+
+    codec = TextCodec(bundle, Manifest.load(bundle))
+    records = sorted((r for r in read(path) if r["index"] % HOLD_OUT), key=lambda r: r["index"])
+    prompts = build_advice(max(r["index"] for r in records) + 1, seed=seed)
+    return [(prompts[r["index"]].messages[0]["content"], codec.decode(r["ids"][slice(*r["answers"][0])]).strip())
+            for r in records]
 
 
 def _members(path: Path) -> tuple[list[bytes], int]:
@@ -151,8 +174,10 @@ def generate(bundle: Path, ov_dir: Path, out: Path, pool: str, n: int, seed: int
             idx = todo[lo:lo + batch]
             convs = [[dict(m) for m in prompts[i].messages] for i in idx]
             spans: list[list[list[int]]] = [[] for _ in idx]
-            # a multi-turn prompt's earlier assistant turn is the target's own first answer
-            first = [j for j, c in enumerate(convs) if len(c) == 3 and c[1]["role"] == "assistant"]
+            # a multi-turn prompt's empty earlier assistant turn is the target's own first answer (the dialogue
+            # pool's is written already: not the target's verbatim, so not an answer span either)
+            first = [j for j, c in enumerate(convs) if len(c) == 3 and c[1]["role"] == "assistant"
+                     and not c[1]["content"]]
             if first:
                 heads = [gen.ids(convs[j][:1]) for j in first]
                 for j, _head, ans in zip(first, heads, gen.answer(heads)):
@@ -180,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bundle", default="build/bundles/smollm2", help="the bundle (its tokenizer and chat template)")
     p.add_argument("--target", default="build/models/smollm2-135m-instruct", help="the target's HF directory")
     p.add_argument("--pool", default="broad",
-                   help="prompt pool: base, broad, held-out, everyday, code or advice (models/prompts.py)")
+                   help="prompt pool: base, broad, held-out, everyday, code, advice or dialogue (models/prompts.py)")
     p.add_argument("--texts-from", default=str(BROAD_ANSWERS),
-                   help="the answers file whose prose the everyday pool's passages and sentences come from")
+                   help="the answers file the everyday pool's passages and sentences come from (the dialogue pool's "
+                        "exchanges: the advice answers)")
     p.add_argument("-n", type=int, default=20000, help="prompts [0, n) of the pool")
     p.add_argument("--out", required=True, help="gzip JSON-lines file (appended to; resumes)")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="sequences in flight")

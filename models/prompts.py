@@ -593,3 +593,49 @@ def build_advice(n: int, seed: int = 0) -> list[Prompt]:
                 {"role": "user", "content": rng.choice(ADVICE_FOLLOW_UPS)}]
 
     return _distinct(n, _cycling(ADVICE_KINDS, make), _held_out_keys(seed))
+
+
+# -- the dialogue pool: follow-ups to a short earlier reply -------------------------------------------------------
+# The benchmark's multi-turn prompts carry an earlier assistant turn written by hand, two short sentences; every
+# multi-turn prompt of the other pools carries the target's own full first answer. The draft drafts the target's
+# answer to the follow-up far better after the latter: on the benchmark's ten multi-turn conversations, 2.24 tokens
+# per gamma-4 step with the target's own first answer, 1.93 with it cut to its first two sentences, 1.61 with the
+# hand-written reply (results/README.md). So this pool asks the advice pool's questions again, with the target's
+# first answer cut to its first one or two plain sentences as the earlier turn, and a follow-up: the answer to the
+# follow-up is what the target generates here.
+DIALOGUE_FOLLOW_UPS = ADVICE_FOLLOW_UPS + [
+    "How long does that usually take?", "Which of these would you try first?", "Does that work for beginners too?",
+    "What if I have no time during the week?", "Is there anything I should buy first?", "How do I keep it up?",
+    "What should I do when it goes wrong?", "Can you give me an example?", "Is this also true in winter?",
+    "How do I explain this to my kids?", "What is the cheapest option?", "Can I do this with a friend?",
+]
+
+
+def short_reply(answer: str, rng: random.Random) -> str | None:
+    """The first one or two plain sentences of an answer (no list item, heading or markup), or None if it opens
+    with none."""
+    first = re.split(r"\n\s*\n", answer.strip())[0]
+    if _LIST_MARK.match(first) or any(c in first for c in "*#`|") or "\n" in first.strip():
+        return None
+    parts = [p for p in _SENTENCE_END.split(" ".join(first.split())) if p]
+    if not parts or parts[0][-1] not in ".!?":
+        return None
+    reply = " ".join(parts[: rng.choice((1, 2))])
+    return reply if 5 <= len(reply.split()) <= 60 and reply[-1] in ".!?" else None
+
+
+def build_dialogue(n: int, exchanges: list[tuple[str, str]], seed: int = 0) -> list[Prompt]:
+    """`n` multi-turn prompts over `exchanges` (a question and the target's first answer to it: the advice pool's
+    training records), the answer cut to a short reply (short_reply), then a follow-up."""
+    rng = random.Random(seed + 7000)
+    usable = [(q, a) for q, a in exchanges if a]
+
+    def make(i: int) -> Prompt:
+        question, answer = usable[i % len(usable)]
+        reply = short_reply(answer, rng)
+        if reply is None:
+            return Prompt("multi_turn", [])  # skipped: `_distinct` keys it once, and empty prompts are dropped
+        return Prompt("multi_turn", [{"role": "user", "content": question}, {"role": "assistant", "content": reply},
+                                     {"role": "user", "content": rng.choice(DIALOGUE_FOLLOW_UPS)}])
+
+    return [p for p in _distinct(n + 1, make, _held_out_keys(seed)) if p.messages][:n]

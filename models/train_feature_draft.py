@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from collections import Counter
@@ -542,6 +543,33 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
         draft.to("cpu").save(out)
         (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def average_drafts(drafts: list[Path], out: Path, weights: list[float]) -> Path:
+    """A saved feature draft whose every tensor is the weighted mean of the same tensor of `drafts` (saved drafts of
+    one config: the same taps and vocabulary, as a stage continued without a vocabulary refresh leaves them). A
+    stage that gains on its own data but loses elsewhere keeps most of the gain and little of the loss halfway
+    between its start and its end (weight averaging as in WiSE-FT): models/smollm2.py's eighth stage."""
+    from safetensors.torch import load_file, save_file
+
+    from mirror_sd.models.feature_draft import CONFIG_NAME, WEIGHTS_NAME
+
+    if len(drafts) != len(weights) or not drafts or abs(sum(weights) - 1.0) > 1e-6:
+        raise ValueError(f"{len(drafts)} drafts and weights {weights}: one weight per draft, summing to 1")
+    configs = [json.loads((Path(d) / CONFIG_NAME).read_text()) for d in drafts]
+    if any(c != configs[0] for c in configs[1:]):
+        raise ValueError("drafts of different configs (taps, vocabulary or shapes) cannot be averaged")
+    states = [load_file(str(Path(d) / WEIGHTS_NAME)) for d in drafts]
+    mean = {k: sum(w * st[k].float() for w, st in zip(weights, states)).to(states[0][k].dtype).contiguous()
+            for k in states[0]}
+    staging = Path(str(out) + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file(mean, str(staging / WEIGHTS_NAME))
+    (staging / CONFIG_NAME).write_text(json.dumps(configs[0]) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return out
 
 
 def compare(target_dir: Path, drafts: list[Path], answers: list[Path], work: Path, *, max_len: int,

@@ -493,6 +493,35 @@ def test_plan_measures_a_feature_draft(trained_feature_bundle, tmp_path, capsys)
     assert doc["profile"]["splits"][0]["draft"]["branch_set_s (gamma,budget)"]
 
 
+def test_averaged_drafts_are_the_weighted_mean_of_drafts_of_one_config(tmp_path):
+    """average_drafts (the eighth stage's mean with the seventh): every tensor is the weighted mean, the config is
+    kept, the result loads; drafts of another vocabulary, or weights that do not sum to 1, are refused and leave no
+    output."""
+    import copy
+
+    target = _tiny_target()
+    a = _draft(target)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        for p in b.parameters():
+            if p is not b.embed.weight:
+                p.add_(0.5)
+    a.save(tmp_path / "a", dtype=torch.float32)
+    b.save(tmp_path / "b", dtype=torch.float32)
+    out = tfd.average_drafts([tmp_path / "a", tmp_path / "b"], tmp_path / "mean", [0.75, 0.25])
+    mean = FeatureDraft.load(out, target.get_input_embeddings().weight)
+    assert mean.config == a.config
+    torch.testing.assert_close(mean.layer.q_proj.weight, 0.75 * a.layer.q_proj.weight + 0.25 * b.layer.q_proj.weight)
+    torch.testing.assert_close(mean.head.weight, a.head.weight + 0.125)
+    other = a.with_vocab(list(reversed(a.config.vocab_ids)), target.get_output_embeddings().weight)
+    other.save(tmp_path / "other", dtype=torch.float32)
+    with pytest.raises(ValueError, match="different configs"):
+        tfd.average_drafts([tmp_path / "a", tmp_path / "other"], tmp_path / "bad", [0.5, 0.5])
+    with pytest.raises(ValueError, match="summing to 1"):
+        tfd.average_drafts([tmp_path / "a", tmp_path / "b"], tmp_path / "bad", [0.5, 0.6])
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
+
+
 def test_vocabulary_refresh_keeps_trained_rows_and_starts_new_ones_from_the_lm_head():
     """--refresh-vocab: the least frequent tokens (never a kept special one) make way for the new data's most
     frequent missing ones; kept tokens keep their trained head rows, new ones start as the target's LM head rows,

@@ -297,6 +297,33 @@ def test_advice_pool_asks_how_to_questions_off_the_benchmark_and_held_out_subjec
         assert excluded.search(word) and any(word in m["content"].lower() for p in BENCH for m in p.messages)
 
 
+def test_dialogue_pool_follows_up_a_short_reply_to_an_advice_question():
+    """The dialogue pool: an advice question, the target's first answer cut to its first one or two plain
+    sentences as the earlier turn (an answer opening with a list has none: skipped), and a follow-up. The same
+    exchanges and seed give the same prompts; none repeats, and no user turn is one of the benchmark's."""
+    import random
+
+    from mirror_sd.bench.prompts import PROMPTS as BENCH
+    from mirror_sd.models import prompts
+
+    rng = random.Random(0)
+    assert prompts.short_reply("1. Buy a pot.\n2. Water it.", rng) is None
+    assert prompts.short_reply("**Tips**\n\nWater it.", rng) is None
+    reply = prompts.short_reply("Start with a small pot. Water it once a week. Then repot it in spring.\n\n- More", rng)
+    assert reply in ("Start with a small pot.", "Start with a small pot. Water it once a week.")
+    exchanges = [(f"How do I grow herbs number {i}?", f"Pick a sunny spot for herb {i}. Water it every day. Enjoy.")
+                 for i in range(30)] + [("How do I plan a picnic?", "1. Pack food.\n2. Go.")]
+    pool = prompts.build_dialogue(60, exchanges)
+    assert pool == prompts.build_dialogue(60, exchanges) and len({json.dumps(p.messages) for p in pool}) == 60
+    for p in pool:
+        question, reply, follow_up = p.messages
+        assert p.kind == "multi_turn" and question["content"] != "How do I plan a picnic?"  # its answer is a list
+        assert reply["role"] == "assistant" and reply["content"].startswith("Pick a sunny spot")
+        assert follow_up["content"] in prompts.DIALOGUE_FOLLOW_UPS
+    bench_users = {m["content"] for p in BENCH for m in p.messages if m["role"] == "user"}
+    assert not set(prompts.DIALOGUE_FOLLOW_UPS) & bench_users
+
+
 def test_evaluate_rejects_a_branch_budget_below_one(capsys):
     """`models.evaluate --branch-budget` (mirror's branches per step; default the plan's) must be at least 1: a
     usage error, before any bundle is opened."""
