@@ -600,9 +600,9 @@ def build_advice(n: int, seed: int = 0) -> list[Prompt]:
 # multi-turn prompt of the other pools carries the target's own full first answer. The draft drafts the target's
 # answer to the follow-up far better after the latter: on the benchmark's ten multi-turn conversations, 2.24 tokens
 # per gamma-4 step with the target's own first answer, 1.93 with it cut to its first two sentences, 1.61 with the
-# hand-written reply (results/README.md). So this pool asks the advice pool's questions again, with the target's
-# first answer cut to its first one or two plain sentences as the earlier turn, and a follow-up: the answer to the
-# follow-up is what the target generates here.
+# hand-written reply (results/feature-draft-dialogue-ab.json). So this pool asks the advice pool's questions again,
+# with the target's first answer cut to its first one or two plain sentences as the earlier turn, and a follow-up:
+# the answer to the follow-up is what the target generates here.
 DIALOGUE_FOLLOW_UPS = ADVICE_FOLLOW_UPS + [
     "How long does that usually take?", "Which of these would you try first?", "Does that work for beginners too?",
     "What if I have no time during the week?", "Is there anything I should buy first?", "How do I keep it up?",

@@ -155,7 +155,8 @@ def retrain_feature_draft(report=print) -> None:
                                       prompt_ranges=DIALOGUE_REPLAY, **FEATURE_DIALOGUE)
     train_feature_draft.average_drafts([FEATURE_WEIGHTS, stage_out], FEATURE_WEIGHTS,
                                        [1 - DIALOGUE_MIX, DIALOGUE_MIX])
-    summary["averaged"] = {"with": "the seventh stage's weights", "weight_of_this_stage": DIALOGUE_MIX}
+    summary["averaged"] = {"with": "the seventh stage's weights", "weight_of_this_stage": DIALOGUE_MIX,
+                           "held_out_above_is_of": "this stage alone, before the averaging"}
     (FEATURE_WEIGHTS / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     # the bundles' exit head at EXIT_LAYER, from the same answers: first on the broad pool's, then continued on the
     # broad, everyday and code answers together (EXIT_MIXED)

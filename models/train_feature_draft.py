@@ -547,9 +547,10 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
 
 def average_drafts(drafts: list[Path], out: Path, weights: list[float]) -> Path:
     """A saved feature draft whose every tensor is the weighted mean of the same tensor of `drafts` (saved drafts of
-    one config: the same taps and vocabulary, as a stage continued without a vocabulary refresh leaves them). A
-    stage that gains on its own data but loses elsewhere keeps most of the gain and little of the loss halfway
-    between its start and its end (weight averaging as in WiSE-FT): models/smollm2.py's eighth stage."""
+    one config: the same taps and vocabulary, as a stage continued without a vocabulary refresh leaves them). Halfway
+    between its start and its end, a stage that gained on its own data and lost elsewhere kept most of the gain and
+    none of the loss (weight averaging as in WiSE-FT; models/smollm2.py's eighth stage,
+    results/feature-draft-dialogue-ab.json)."""
     from safetensors.torch import load_file, save_file
 
     from mirror_sd.models.feature_draft import CONFIG_NAME, WEIGHTS_NAME
