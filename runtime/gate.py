@@ -89,9 +89,9 @@ class GateState:
     since_explore: int = 0
 
     def prefers_alone(self) -> bool:
-        """Both kinds measured, and steps of the target alone were the faster."""
-        (spec_tokens, spec_s, spec_steps), (alone_tokens, alone_s, alone_steps) = self.speculative, self.alone
-        return spec_steps > 0 and alone_steps > 0 and alone_tokens * spec_s > spec_tokens * alone_s
+        """Both kinds measured, and steps of the target alone were the faster (by the gate's own rule, `_best`)."""
+        gate = SpeculationGate.resumed(self)
+        return all(rate.steps for rate in gate._rates.values()) and not gate._best()
 
 
 @dataclass
