@@ -84,11 +84,13 @@ def plain_draft_dir(sources: Sources, cache: Path) -> Path:
     return plain_draft.convert(draft, sources.target, out)
 
 
-def genai_dir(model_dir: Path, cache: Path, what: str) -> Path:
+def genai_dir(model_dir: Path, cache: Path, what: str, weights: str = "float32") -> Path:
+    """model_dir converted for OpenVINO GenAI (cached); weights "int8": its MatMul weights compressed to int8, as
+    the bundle's own draft is (the speculative baseline drafts with the same weights as ours)."""
     from mirror_sd.bench import ov_convert
 
-    key = fingerprint(model_dir)
-    return ov_convert.convert(model_dir, cache / f"ov-genai-{what}-{key}", fingerprint=key)
+    key = fingerprint(model_dir) + ("" if weights == "float32" else f"-{weights}")
+    return ov_convert.convert(model_dir, cache / f"ov-genai-{what}-{key}", fingerprint=key, weights=weights)
 
 
 def open_baselines(bundle: Path, *, names: list[str] | None = None, threads: int = 1, gamma: int = DEFAULT_GAMMA,
@@ -113,7 +115,8 @@ def open_baselines(bundle: Path, *, names: list[str] | None = None, threads: int
     opened: list[Method] = []
     try:
         for name in names:
-            opened.append(_open(name, sources, cache, threads=threads, gamma=gamma, eos=eos, pad=pad))
+            opened.append(_open(name, sources, cache, threads=threads, gamma=gamma, eos=eos, pad=pad,
+                                draft_weights=manifest.draft.weight_format))
     except MirrorSDError:
         _close_all(opened)
         raise
@@ -123,7 +126,8 @@ def open_baselines(bundle: Path, *, names: list[str] | None = None, threads: int
     return opened
 
 
-def _open(name: str, sources: Sources, cache: Path, *, threads: int, gamma: int, eos: list[int], pad: int) -> Method:
+def _open(name: str, sources: Sources, cache: Path, *, threads: int, gamma: int, eos: list[int], pad: int,
+          draft_weights: str = "float32") -> Method:
     if name.startswith("hf-"):
         from mirror_sd.bench.hf_baselines import HFMethod
 
@@ -133,7 +137,8 @@ def _open(name: str, sources: Sources, cache: Path, *, threads: int, gamma: int,
     from mirror_sd.bench.ov_genai import GenAIMethod
 
     target = genai_dir(sources.target, cache, "target")
-    draft = genai_dir(plain_draft_dir(sources, cache), cache, "draft") if name == "ov-genai-sd" else None
+    draft = (genai_dir(plain_draft_dir(sources, cache), cache, "draft", draft_weights) if name == "ov-genai-sd"
+             else None)
     return GenAIMethod(name, target, threads=threads, eos_token_ids=eos, draft_dir=draft, gamma=gamma,
                        prompt_lookup=name == "ov-genai-pld")
 

@@ -15,7 +15,9 @@ optimum-intel takes (`optimum/exporters/openvino/stateful.py`):
 4. the tokenizer and detokenizer as OpenVINO models (openvino_tokenizers.convert_tokenizer), config.json and
    generation_config.json next to openvino_model.xml/bin.
 
-Weights stay fp32 (compress_to_fp16=False) so the baselines compare with the fp32 target everywhere.
+Weights stay fp32 (compress_to_fp16=False) so the baselines compare with the fp32 target everywhere; a draft is
+converted with int8 weights where the bundle's own draft has them (bench/baselines.py), so the speculative baseline
+drafts at the same weight precision as ours.
 """
 
 from __future__ import annotations
@@ -123,10 +125,11 @@ def _write_tokenizer(tokenizer_dir: Path, out: Path) -> None:
             shutil.copy(f, out / f.name)
 
 
-def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "") -> Path:
+def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "", weights: str = "float32") -> Path:
     """Convert the HF causal LM in `model_dir` (fp32, with its tokenizer files) to a GenAI model directory
     `out_dir`. Reused when `out_dir` carries a marker with the same `fingerprint`; built in a sibling temporary
-    directory and moved into place, so a failure leaves nothing half-written."""
+    directory and moved into place, so a failure leaves nothing half-written. weights "int8": MatMul weights
+    compressed to int8 (NNCF, symmetric per channel), for a draft; "float32": unchanged."""
     import openvino as ov
     from transformers import AutoModelForCausalLM
 
@@ -144,6 +147,10 @@ def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "") -
         ov_model, kv_in, kv_out = _convert_graph(model)
         _fuse_cache_reorder(ov_model, kv_in)
         _make_stateful(ov_model, kv_in, kv_out)
+        if weights == "int8":
+            from mirror_sd.package.compress import compress_weights
+
+            ov_model = compress_weights(ov_model, "int8_sym")
         ov.save_model(ov_model, tmp / MODEL_XML, compress_to_fp16=False)
         _write_tokenizer(src, tmp)
     except (RuntimeError, ValueError) as e:  # conversion failures surface from OpenVINO as RuntimeError

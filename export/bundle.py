@@ -21,6 +21,14 @@ from mirror_sd import __version__
 from mirror_sd.errors import BadInputError, ExportError
 from mirror_sd.export import parity
 from mirror_sd.export.architectures import Architecture, architecture_of
+from mirror_sd.export.draft_weights import (
+    BLOCK_SIZE,
+    DEFAULT_WEIGHT_FORMAT,
+    INT8,
+    MIN_TOP1_AGREEMENT,
+    check_weight_format,
+    quantize_draft,
+)
 from mirror_sd.export.drafts import Draft, load_draft
 from mirror_sd.export.onnx_export import draft_spec, exit_spec, export_segment
 from mirror_sd.export.segments import ExitTopK, LogitLens
@@ -45,6 +53,8 @@ class ExportOptions:
     # the early-exit head's vocabulary: "draft" - the draft's own output vocabulary where it has one (the head then
     # streams those rows of the LM head only), else the whole; "full" - always the whole
     exit_vocab: str = "draft"
+    # the draft graph's MatMul weights: "int8" (8-bit blocks, export/draft_weights.py) or "float32"
+    draft_weights: str = DEFAULT_WEIGHT_FORMAT
 
 
 @dataclass
@@ -177,6 +187,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     """Write a validated bundle to `opts.out`; returns its manifest."""
     out = Path(opts.out).expanduser()
     check_out_dir(out, opts.force)
+    check_weight_format(opts.draft_weights)
     target = load_causal_lm(opts.model, "target")
     draft = load_draft(opts.draft, load_causal_lm, target)
     exit_layer, top_k = check_options(opts, target, draft)
@@ -190,7 +201,8 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
 
     staging = staging_dir(out)
     try:
-        manifest = _write_bundle(staging, target, draft, exit_topk, exit_layer, top_k, opts.validate, report)
+        manifest = _write_bundle(staging, target, draft, exit_topk, exit_layer, top_k, opts.validate, report,
+                                 opts.draft_weights)
         move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -200,7 +212,8 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
 
 
 def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: ExitTopK, exit_layer: int,
-                  top_k: int, validate: bool, report: Callable[[str], None]) -> Manifest:
+                  top_k: int, validate: bool, report: Callable[[str], None],
+                  draft_weights: str = DEFAULT_WEIGHT_FORMAT) -> Manifest:
     t_model = target.model
     kind = exit_topk.exit_head.kind
     exit_vocab = 0 if exit_topk.vocab_ids is None else int(exit_topk.vocab_ids.numel())
@@ -230,13 +243,31 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: Ex
     manifest = Manifest(target=t_facts, draft=d_facts, partitions=tuple(specs), tokenizer=tokenizer,
                         producer=f"mirror-sd {__version__}")
     manifest.validate(bundle)
-    if validate:
-        feature_draft = draft.model if d_facts.feature_taps else None
+    feature_draft = draft.model if d_facts.feature_taps else None
+    sample = None
+    if validate:  # on the fp32 graphs: parity proves the export, before any weight is compressed
         sample = parity.sample_tokens(bundle, manifest)  # the fallback, if any, is reported by check_bundle
         checks = parity.check_bundle(bundle, manifest, t_model, draft.reference, exit_topk, report, feature_draft,
                                      sample)
         manifest = replace(manifest, validation=parity.summary(checks, sample))
         on = "" if sample.source == "text" else " (on fixed vocabulary ids, not the sample text)"
         report(f"parity: all {len(checks)} checks passed in onnxruntime-cpu and openvino-cpu{on}")
+    if draft_weights == INT8:
+        spec = manifest.partition("draft")
+        draft_file = bundle / spec.file
+        count = quantize_draft(draft_file, spec.data_files)
+        manifest = replace(manifest, draft=replace(manifest.draft, weight_format=INT8))
+        report(f"draft weights: {count} MatMuls as 8-bit blocks of {BLOCK_SIZE} ({draft_file.name})")
+        if sample is not None:
+            agreement = parity.draft_top1_agreement(bundle, manifest, t_model, draft.reference, feature_draft, sample)
+            report("draft weights: greedy token agrees with the fp32 reference on "
+                   + ", ".join(f"{rate:.0%} of positions in {runtime}" for runtime, rate in agreement.items()))
+            if min(agreement.values()) < MIN_TOP1_AGREEMENT:
+                raise ExportError(f"the int8 draft agrees with its fp32 reference on only {min(agreement.values()):.0%}"
+                                  f" of greedy tokens (at least {MIN_TOP1_AGREEMENT:.0%} expected)")
+            manifest = replace(manifest, validation={
+                **manifest.validation, "draft_weights": {"format": INT8, "matmuls": count, "block_size": BLOCK_SIZE,
+                                                         "top1_agreement": agreement}})
+    manifest.validate(bundle)
     manifest.save(bundle)
     return manifest

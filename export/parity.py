@@ -271,7 +271,7 @@ def _new_kv(spec: PartitionSpec, out: dict[str, np.ndarray], shared: bool) -> di
 
 
 def _check_draft(bundle_dir: Path, spec: PartitionSpec, sample: Sample, draft_reference,
-                 results: _Results) -> None:
+                 results: _Results | _Agreement) -> None:
     for runtime in RUNTIMES:
         graph = GRAPH_OPENERS[runtime](bundle_dir / spec.file)
         for batch, shared_len, own_len, new, kept in DRAFT_GRID:
@@ -289,6 +289,9 @@ def _check_draft(bundle_dir: Path, spec: PartitionSpec, sample: Sample, draft_re
             out = graph.run(_draft_feed(spec, rows[:, own_len:own_len + new], shared, own, shared_len, own_len, kept))
             seq = slice(shared_len + own_len + new - kept, shared_len + own_len + new)
             key = (runtime, "draft")
+            if isinstance(results, _Agreement):
+                results.count(runtime, out[LOGITS], ref[LOGITS][:, seq])
+                continue
             results.record((*key, LOGITS, batch, shared_len + own_len, new), _compare(out[LOGITS], ref[LOGITS][:, seq]))
             if STREAM_IDS in ref:
                 mismatches = float((out[STREAM_IDS] != ref[STREAM_IDS][:, seq].numpy()).sum())
@@ -296,7 +299,7 @@ def _check_draft(bundle_dir: Path, spec: PartitionSpec, sample: Sample, draft_re
 
 
 def _check_feature_draft(bundle_dir: Path, spec: PartitionSpec, sample: Sample, taps: tuple[int, ...], target,
-                         draft, results: _Results) -> None:
+                         draft, results: _Results | _Agreement) -> None:
     """The feature draft graph against FeatureDraft.forward_cached on the same features: every row's tokens with
     the target's taps of the position before each (its own sequence's), the last new token on a surrogate (the
     draft's own hidden state one position back, as a rollout feeds it)."""
@@ -341,6 +344,9 @@ def _check_feature_draft(bundle_dir: Path, spec: PartitionSpec, sample: Sample, 
             out = graph.run({**_draft_feed(spec, seqs[:, start + 1:], shared, own, shared_len, own_len, kept),
                              **part(start, total)})
             key = (runtime, "draft")
+            if isinstance(results, _Agreement):
+                results.count(runtime, out[LOGITS], ref_logits[:, total - kept:])
+                continue
             results.record((*key, LOGITS, batch, start, new), _compare(out[LOGITS], ref_logits[:, total - kept:]))
             results.record((*key, DRAFT_HIDDEN, batch, start, new),
                            _compare(out[DRAFT_HIDDEN], ref_h[:, total - kept:]))
@@ -375,6 +381,37 @@ def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, 
                           for c in failed[:5])
         raise ParityError(f"{len(failed)} of {len(checks)} parity checks failed ({_TOLERANCES}): {worst}")
     return checks
+
+
+class _Agreement:
+    """How often a graph's greedy token (its logits' argmax) is the torch reference's, per runtime."""
+
+    def __init__(self) -> None:
+        self.same: dict[str, int] = {}
+        self.positions: dict[str, int] = {}
+
+    def count(self, runtime: str, logits: np.ndarray, ref: torch.Tensor) -> None:
+        same = int((logits.argmax(-1) == ref.numpy().argmax(-1)).sum())
+        self.same[runtime] = self.same.get(runtime, 0) + same
+        self.positions[runtime] = self.positions.get(runtime, 0) + int(np.prod(logits.shape[:-1]))
+
+    def rates(self) -> dict[str, float]:
+        return {r: self.same[r] / self.positions[r] for r in self.positions}
+
+
+def draft_top1_agreement(bundle_dir: Path, manifest: Manifest, target, draft_reference, feature_draft,
+                         sample: Sample) -> dict[str, float]:
+    """Per runtime, the share of the draft grid's positions where the bundle's draft graph picks the torch
+    reference's greedy token. For a draft whose weights were compressed after the parity checks passed on its fp32
+    graph (export/draft_weights.py): its logits are no longer within the parity tolerance, and what counts is the
+    token it proposes."""
+    agreement = _Agreement()
+    spec = manifest.partition("draft")
+    if manifest.draft.feature_taps:
+        _check_feature_draft(bundle_dir, spec, sample, manifest.draft.feature_taps, target, feature_draft, agreement)
+    else:
+        _check_draft(bundle_dir, spec, sample, draft_reference, agreement)
+    return agreement.rates()
 
 
 _TOLERANCES = f"max diff <= {ATOL} + {RTOL} x max |torch|"

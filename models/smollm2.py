@@ -195,16 +195,19 @@ def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minute
 def build_bundle(force: bool = False, report=print, kind: str = "streaming") -> Path:
     """The real pair's bundle with the `kind` draft ("streaming" or "feature"), exported unless it is there."""
     from mirror_sd.export.bundle import ExportOptions, export_bundle
+    from mirror_sd.export.draft_weights import DEFAULT_WEIGHT_FORMAT
     from mirror_sd.partitions import Manifest
 
     out, draft, adapter = bundle_dir(kind), draft_weights(kind), ADAPTER_WEIGHTS
     if not force:
         try:
-            Manifest.load(out)
-            if _bundled_vocab(out) == _draft_vocab(draft) and _marker(out) == _weights_digest(draft, adapter):
+            weights = Manifest.load(out).draft.weight_format
+            if (_bundled_vocab(out) == _draft_vocab(draft) and _marker(out) == _weights_digest(draft, adapter)
+                    and weights == DEFAULT_WEIGHT_FORMAT):
                 report(f"bundle {out} is ready")
                 return _add_plan(out, kind)
-            report(f"bundle {out} holds another draft or exit adapter than {draft}, {adapter}: exporting it again")
+            report(f"bundle {out} holds another draft, exit adapter or draft weight format than {draft}, {adapter}, "
+                   f"{DEFAULT_WEIGHT_FORMAT}: exporting it again")
         except MirrorSDError:
             pass
     from mirror_sd.partitions.plan_file import PLAN_FILE

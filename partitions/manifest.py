@@ -46,6 +46,9 @@ TAPS, FEATURES, SURROGATE, USE_SURROGATE, DRAFT_HIDDEN = ("taps", "features", "s
 # fp64 by 7e-5, OpenVINO's by 1.5e-4, and its residual stream carries massive activations (|h| ~ 2.6e4) whose
 # rounding is ~1e-2 absolute.
 PARITY_ATOL, PARITY_RTOL = 1e-4, 1e-5
+# How the draft graph stores its MatMul weights (export/draft_weights.py): fp32, or 8-bit blocks (MatMulNBits). Its
+# activations, KV and outputs are `dtype` either way.
+DRAFT_WEIGHT_FORMATS = ("float32", "int8")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class DraftFacts(ModelFacts):
     # drafting over a far longer context costs acceptance (results/README.md). The runtime masks older slots out of
     # its attention and reads only the last attention_window tokens of a longer prompt; positions still count them.
     attention_window: int = 0
+    weight_format: str = "float32"  # one of DRAFT_WEIGHT_FORMATS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_taps", tuple(self.feature_taps))  # JSON gives a list
@@ -209,6 +213,8 @@ class Manifest:
             raise ManifestError(f"draft partition layers {list(draft.layers)} != [0, {dr.num_layers})")
         if draft.tokens_per_forward != dr.tokens_per_forward or dr.tokens_per_forward != 1 + dr.streams:
             raise ManifestError("draft tokens_per_forward is inconsistent (it must be 1 + streams)")
+        if dr.weight_format not in DRAFT_WEIGHT_FORMATS:
+            raise ManifestError(f"draft weight_format {dr.weight_format!r} is not one of {DRAFT_WEIGHT_FORMATS}")
         if dr.streams and draft.output(STREAM_IDS).shape[-1] != dr.streams:
             raise ManifestError(f"draft {STREAM_IDS} last axis is not its {dr.streams} streams")
         if bool(dr.output_vocab_size) != bool(dr.output_vocab_file):

@@ -54,7 +54,8 @@ def bundle_factory(tmp_path_factory, pair_factory):
     """bundle_factory(arch="llama", exit_layer=3, top_k=8, self_draft=False, streaming=False) -> bundle dir
     (exported, validated).
 
-    self_draft=True exports the target itself as the draft (a draft that always agrees with the target);
+    self_draft=True exports the target itself as the draft (a draft that always agrees with the target: its weights
+    stay fp32, where every other draft here takes the export's default int8 weights);
     streaming=True a random streaming draft (reduced vocabulary, 3 stream heads: 4 tokens per forward at most).
     """
     from mirror_sd.export.bundle import ExportOptions, export_bundle
@@ -72,7 +73,9 @@ def bundle_factory(tmp_path_factory, pair_factory):
                 draft = make_streaming_draft(tmp_path_factory.mktemp("streaming-draft"), target)
             out = tmp_path_factory.mktemp("bundle") / "-".join(map(str, key))
             export_bundle(ExportOptions(model=str(target), draft=str(target if self_draft else draft), out=out,
-                                        exit_layer=exit_layer, top_k=top_k), report=lambda _line: None)
+                                        exit_layer=exit_layer, top_k=top_k,
+                                        draft_weights="float32" if self_draft else "int8"),
+                          report=lambda _line: None)
             cache[key] = out
         return cache[key]
 
