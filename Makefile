@@ -24,7 +24,7 @@ METHODS ?=
 
 # package options (see README): OUT, BUNDLE and FORCE as above
 DEVICE ?= NPU
-WEIGHTS ?= fp16
+WEIGHTS ?=
 MAX_PROMPT ?=
 MAX_CONTEXT ?=
 
@@ -78,12 +78,13 @@ serve: models
 plan: setup
 	$(VENV)/bin/mirror-sd plan "$(BUNDLE)" --save
 
-# Package BUNDLE for a static-shape device: static draft IR (WEIGHTS fp16|int8|int4), target graphs, tokenizer.
+# Package BUNDLE for a static-shape device: static draft IR (WEIGHTS fp16|int8|int4; default: int8 for a bundle whose
+# draft has int8 weights, the export's default, fp16 otherwise), target graphs, tokenizer.
 package: setup
 	@if [ -z "$(OUT)" ]; then \
 	  echo "usage: make package BUNDLE=<dir> OUT=<dir or .tar> [DEVICE=NPU] [WEIGHTS=fp16|int8|int4] [MAX_PROMPT=n] [MAX_CONTEXT=n] [FORCE=1]" >&2; \
 	  exit 2; fi
-	@$(VENV)/bin/mirror-sd package "$(BUNDLE)" --out "$(OUT)" --device "$(DEVICE)" --weights "$(WEIGHTS)" \
+	@$(VENV)/bin/mirror-sd package "$(BUNDLE)" --out "$(OUT)" --device "$(DEVICE)" $(if $(WEIGHTS),--weights "$(WEIGHTS)") \
 	  $(if $(MAX_PROMPT),--max-prompt $(MAX_PROMPT)) $(if $(MAX_CONTEXT),--max-context $(MAX_CONTEXT)) \
 	  $(if $(FORCE),--force)
 

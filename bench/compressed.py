@@ -2,13 +2,16 @@
 
 The target verifies every draft token, so a package's output is the target's whatever its draft weights; what
 compression can change is how many draft tokens the target accepts. `compressed_draft_acceptance` runs the
-bundle itself (its fp32 ONNX draft) and each package on the same prompts in greedy `sd` mode (acceptance is a
-property of the windows; mirror changes only when they are drafted) and reports, per weights mode, the acceptance
-rate, mean accepted tokens per target step, and whether the tokens are identical to the target alone.
+bundle itself (its ONNX draft, with the weights it was exported with) and each package on the same prompts in greedy
+`sd` mode (acceptance is a property of the windows; mirror changes only when they are drafted) and reports, per
+weights mode, the acceptance rate, mean accepted tokens per target step, and whether the tokens are identical to
+the target alone.
 
     python -m mirror_sd.bench.compressed build/bundles/smollm2 [--prompts 6] [--max-new-tokens 64] [--gamma 4]
 
-builds fp16, int8 and int4 packages under build/packages/ and prints (and writes) the JSON.
+builds the packages the bundle allows under build/packages/ (fp16, int8 and int4 from a draft exported with fp32
+weights; int8 only from one exported with int8 weights, the default: package/build.py package_weights) and prints
+(and writes) the JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ from typing import Any, Callable, Sequence
 from mirror_sd.errors import MirrorSDError
 
 WEIGHT_MODES = ("fp16", "int8", "int4")
-REFERENCE = "fp32"  # the bundle's own draft graph
+REFERENCE = "bundle"  # the bundle's own draft graph
+
+
+def weight_modes(bundle: str | Path) -> tuple[str, ...]:
+    """The WEIGHT_MODES a package of `bundle` can have: all from an fp32 draft, int8 only from an int8 one."""
+    from mirror_sd.partitions import Manifest
+
+    return WEIGHT_MODES if Manifest.load(bundle).draft.weight_format == "float32" else ("int8",)
 PACKAGES = Path("build") / "packages"
 
 
@@ -62,20 +72,22 @@ def _made_from(package: Path, bundle: Path) -> bool:
 
 def compressed_draft_acceptance(bundle: str | Path, packages: dict[str, Path], prompts: Sequence[Any],
                                 max_new_tokens: int = 64, gamma: int = 4, mode: str = "sd") -> dict[str, Any]:
-    """{weights: {acceptance_rate, mean_accepted_tokens, acceptance_vs_fp32, tokens_identical_to_ar,
-    identical_prompts, prompts, draft_graph, draft_device}} with REFERENCE ("fp32") for the bundle's draft.
+    """{weights: {acceptance_rate, mean_accepted_tokens, acceptance_vs_bundle, tokens_identical_to_ar,
+    identical_prompts, prompts, draft_graph, draft_device}} with REFERENCE ("bundle") for the bundle's draft, whose
+    row also gives its draft_weights (the manifest's weight format).
     prompts: anything Pipeline.generate takes (text, chat messages or ids)."""
     from mirror_sd.runtime.pipeline import Pipeline
 
     reference = Pipeline.load(bundle)
     ar = [reference.generate(p, mode="ar", max_new_tokens=max_new_tokens).token_ids for p in prompts]
     report = {REFERENCE: _measure(reference, prompts, ar, max_new_tokens, gamma, mode)}
+    report[REFERENCE]["draft_weights"] = reference.manifest.draft.weight_format
     del reference
     for weights, package in packages.items():
         report[weights] = _measure(Pipeline.load(package), prompts, ar, max_new_tokens, gamma, mode)
     base = report[REFERENCE]["acceptance_rate"]
     for row in report.values():
-        row["acceptance_vs_fp32"] = row["acceptance_rate"] / base if base else None
+        row["acceptance_vs_bundle"] = row["acceptance_rate"] / base if base else None
     return report
 
 
@@ -119,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bundle, root = Path(args.bundle), Path(args.packages)
         packages = {w: ensure_package(bundle, w, root, rebuild=True, report=lambda line: print(line, file=sys.stderr))
-                    for w in WEIGHT_MODES}
+                    for w in weight_modes(bundle)}
         report = compressed_draft_acceptance(bundle, packages, default_prompts(args.prompts), args.max_new_tokens,
                                              args.gamma)
     except MirrorSDError as e:
@@ -131,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc, indent=2))
     for weights, row in report.items():
-        print(f"{weights:>5}: acceptance {row['acceptance_rate']:.3f} ({row['acceptance_vs_fp32'] or 0:.2f}x fp32), "
+        print(f"{weights:>6}: acceptance {row['acceptance_rate']:.3f} ({row['acceptance_vs_bundle'] or 0:.2f}x the "
+              "bundle's), "
               f"{row['mean_accepted_tokens']:.2f} tokens/step, identical to ar: {row['identical_prompts']}/"
               f"{row['prompts']}", file=sys.stderr)
     return 0

@@ -362,11 +362,11 @@ class Bench:
         """The int8/int4 draft acceptance of the NPU packages (bench/compressed.py), where that exists."""
         if self.size.compressed_prompts <= 0:
             return {"not_run": "the size skips it"}
-        from mirror_sd.bench.compressed import WEIGHT_MODES, compressed_draft_acceptance, ensure_package, package_path
+        from mirror_sd.bench.compressed import compressed_draft_acceptance, ensure_package, package_path, weight_modes
 
         # the same packages `python -m mirror_sd.bench.compressed BUNDLE` builds; missing ones, and ones made from
         # an earlier draft, are built here (seconds each for this draft) so the report compares the bundle's draft
-        found = {w: package_path(self.bundle, w) for w in WEIGHT_MODES}
+        found = {w: package_path(self.bundle, w) for w in weight_modes(self.bundle)}
         for weights, _path in found.items():
             try:
                 ensure_package(self.bundle, weights, rebuild=False, report=self.report)
@@ -375,7 +375,8 @@ class Bench:
         packages = {w: p for w, p in found.items() if p.is_dir()}
         prompts = [self._prompt_ids(main, p) for p in spread(self.size.compressed_prompts)]
         gamma = self.gamma(main)
-        self.report(f"compressed draft acceptance ({', '.join(packages) or 'no packages built'}; fp32 reference)")
+        self.report(f"compressed draft acceptance ({', '.join(packages) or 'no packages built'}; the bundle's draft "
+                    "as reference)")
         try:
             result = compressed_draft_acceptance(self.bundle, packages, prompts, self.size.max_new_tokens, gamma)
         except MirrorSDError as e:

@@ -297,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("bundle", help="bundle directory written by export")
     pk.add_argument("--out", required=True, help="package directory, or a file ending in .tar")
     pk.add_argument("--device", default="NPU", help="intended draft device: NPU (default), CPU or GPU")
-    pk.add_argument("--weights", default="fp16", help="draft weights: fp16 (default), fp32, int8, int8_asym, int4")
+    pk.add_argument("--weights", default=None,
+                    help="draft weights: fp16, fp32, int8, int8_asym, int4 (default: int8 for a bundle whose draft has "
+                         "int8 weights, the export's default, which allows no other; fp16 otherwise)")
     pk.add_argument("--group-size", type=int, default=64, help="int4 weights per quantisation group (default 64)")
     pk.add_argument("--max-prompt", type=int, default=None, help="longest prompt in tokens (default 1024)")
     pk.add_argument("--max-context", type=int, default=None, help="prompt + new tokens (default 2048)")

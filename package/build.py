@@ -62,7 +62,8 @@ class PackageOptions:
     bundle: Path
     out: Path  # a directory, or a file ending in .tar
     device: str = "NPU"  # intended draft device (the runtime still falls back to CPU where it is absent)
-    weights: str = "fp16"  # fp32, fp16, int8 (= int8_sym), int8_asym, int4 (= int4_sym)
+    # fp32, fp16, int8 (= int8_sym), int8_asym, int4 (= int4_sym); None: the bundle's own (package_weights)
+    weights: str | None = None
     group_size: int = DEFAULT_GROUP_SIZE  # int4 only
     max_prompt: int | None = None  # None: min(1024, max_context)
     max_context: int | None = None  # None: min(2048, the models' position limit)
@@ -73,11 +74,24 @@ class PackageOptions:
     force: bool = False
 
 
+def package_weights(manifest: Manifest, asked: str | None) -> str:
+    """The package's draft weights: `asked` (normalised), or by default fp16 for a bundle whose draft has fp32
+    weights and int8_sym for one whose draft has int8 weights already (the export's default). NNCF compresses fp32
+    weights only, so an int8 draft cannot become fp16, fp32, int8_asym or int4: that is refused, not ignored."""
+    bundled = manifest.draft.weight_format
+    weights = normalize_weights(asked) if asked is not None else ("int8_sym" if bundled == "int8" else "fp16")
+    if bundled == "int8" and weights != "int8_sym":
+        raise PackageError(f"the bundle's draft has int8 weights already: its package keeps them (weights int8), "
+                           f"not {weights}; export the bundle with --draft-weights float32 (DRAFT_WEIGHTS=float32) "
+                           "to package other weights")
+    return weights
+
+
 def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -> PackageInfo:
     """Write a validated package to `opts.out`; returns its description."""
     bundle = Path(opts.bundle).expanduser()
     manifest = Manifest.load(bundle)  # ManifestError: not a bundle
-    weights = normalize_weights(opts.weights)
+    weights = package_weights(manifest, opts.weights)
     device = opts.device.upper()
     if device not in DEVICES:
         raise BadInputError(f"unknown device {opts.device!r}; a package targets one of {', '.join(DEVICES)}")

@@ -78,3 +78,18 @@ def test_bad_weight_formats_are_refused(tmp_path, pair_factory, bundle_factory, 
     raw["draft"]["weight_format"] = "int3"
     with pytest.raises(ManifestError, match="weight_format"):
         Manifest.from_dict(raw).validate()
+
+
+def test_a_package_keeps_an_int8_drafts_weights_and_refuses_others(bundle_factory, tmp_path):
+    from mirror_sd.errors import PackageError
+    from mirror_sd.package.build import PackageOptions, build_package
+
+    bundle = bundle_factory("llama")
+    info = build_package(PackageOptions(bundle=bundle, out=tmp_path / "p", max_context=64), report=lambda _line: None)
+    assert info.weights == "int8_sym"
+    want = Pipeline.load(bundle).generate([5, 17, 33, 2], mode="ar", max_new_tokens=12).token_ids
+    assert Pipeline.load(tmp_path / "p").generate([5, 17, 33, 2], mode="sd", max_new_tokens=12).token_ids == want
+    for weights in ("fp16", "int4"):
+        with pytest.raises(PackageError, match="--draft-weights float32"):
+            build_package(PackageOptions(bundle=bundle, out=tmp_path / weights, weights=weights))
+        assert not (tmp_path / weights).exists()

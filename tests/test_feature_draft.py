@@ -420,14 +420,16 @@ def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does
 
 def test_feature_draft_packages_for_a_static_device(trained_feature_bundle, tmp_path, monkeypatch):
     """The static NPU package of a feature draft: the channel's inputs at fixed shapes, the static engine feeding
-    them; outputs stay the target's and the fp32 package drafts what the bundle drafts."""
+    them; outputs stay the target's and the package, with the bundle's own int8 weights, drafts what the bundle
+    drafts."""
     from mirror_sd.package.build import PackageOptions, build_package
     from mirror_sd.runtime.pipeline import Pipeline
 
     bundle, prompts = trained_feature_bundle
     package = tmp_path / "package"
-    build_package(PackageOptions(bundle=bundle, out=package, weights="fp32", max_prompt=32, max_context=80,
-                                 max_gamma=4, batch=3, prefill_chunk=8), report=lambda _line: None)
+    info = build_package(PackageOptions(bundle=bundle, out=package, max_prompt=32, max_context=80, max_gamma=4,
+                                        batch=3, prefill_chunk=8), report=lambda _line: None)
+    assert info.weights == "int8_sym"
     dynamic, static = Pipeline.load(bundle), Pipeline.load(package)
     for prompt in prompts[:2]:
         ar = dynamic.generate(prompt, mode="ar", max_new_tokens=24)

@@ -38,7 +38,7 @@ def built(bundle_factory, tmp_path_factory):
     an fp32 one with small bounds (for the engine check and the bound errors), and a .tar."""
     root = tmp_path_factory.mktemp("packages")
     self_draft = bundle_factory("llama", self_draft=True)
-    streaming = bundle_factory("llama", streaming=True)
+    streaming = bundle_factory("llama", streaming=True, draft_weights="float32")  # packages compress fp32 weights
     return {
         "self_draft": self_draft, "streaming": streaming,
         "fp16": _build(self_draft, root / "fp16"),
@@ -74,14 +74,14 @@ def test_compressed_drafts_stay_exact_and_report_acceptance(built):
     packages = {w: built[w] for w in ("fp16", "int8", "int4")}
     report = compressed_draft_acceptance(built["self_draft"], packages, [PROMPT, [9, 8, 7, 6]], max_new_tokens=20,
                                          gamma=4)
-    assert set(report) == {"fp32", "fp16", "int8", "int4"}
+    assert set(report) == {"bundle", "fp16", "int8", "int4"}
     for weights, row in report.items():
         assert row["tokens_identical_to_ar"] and row["identical_prompts"] == 2, weights
         assert row["proposed_tokens"] > 0 and 0 <= row["acceptance_rate"] <= 1
-        assert row["draft_graph"] == ("dynamic-onnx" if weights == "fp32" else "static-ir")
+        assert row["draft_graph"] == ("dynamic-onnx" if weights == "bundle" else "static-ir")
     # the self-draft is the target: its fp32 windows are all accepted; fp16 weights cannot flip clear-cut choices
-    assert report["fp32"]["acceptance_rate"] == 1.0
-    assert report["fp16"]["acceptance_vs_fp32"] > 0.9
+    assert report["bundle"]["acceptance_rate"] == 1.0 and report["bundle"]["draft_weights"] == "float32"
+    assert report["fp16"]["acceptance_vs_bundle"] > 0.9
     info = {w: PackageInfo.load(built[w]) for w in ("int8", "int4")}
     assert (info["int8"].weights, info["int4"].weights, info["int4"].group_size) == ("int8_sym", "int4_sym", 32)
 
@@ -285,7 +285,7 @@ def test_benchmark_package_cache_rebuilds_a_stale_package(bundle_factory, tmp_pa
     from mirror_sd.partitions import Manifest
     from mirror_sd.partitions.package_format import PACKAGE_FILE, PackageInfo, graph_sha256
 
-    bundle = bundle_factory("llama", streaming=True)
+    bundle = bundle_factory("llama", streaming=True, draft_weights="float32")
     said: list[str] = []
     out = ensure_package(bundle, "fp16", tmp_path, rebuild=False, report=said.append)
     draft = Manifest.load(bundle).partition("draft")
