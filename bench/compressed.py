@@ -26,6 +26,7 @@ from mirror_sd.errors import MirrorSDError
 
 WEIGHT_MODES = ("fp16", "int8", "int4")
 REFERENCE = "bundle"  # the bundle's own draft graph
+PACKAGES = Path("build") / "packages"
 
 
 def weight_modes(bundle: str | Path) -> tuple[str, ...]:
@@ -33,7 +34,6 @@ def weight_modes(bundle: str | Path) -> tuple[str, ...]:
     from mirror_sd.partitions import Manifest
 
     return WEIGHT_MODES if Manifest.load(bundle).draft.weight_format == "float32" else ("int8",)
-PACKAGES = Path("build") / "packages"
 
 
 def package_path(bundle: str | Path, weights: str, root: Path = PACKAGES) -> Path:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mirror_sd.errors import MirrorSDError
+from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from mirror_sd.partitions.planner import Plan
@@ -235,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-vocab", default="draft", choices=("draft", "full"),
                    help="the early-exit head's vocabulary: the draft's own where it has a reduced one (default; the "
                         "head then reads those rows of the LM head only) or the full vocabulary")
-    p.add_argument("--draft-weights", default="int8", choices=("int8", "float32"),
+    p.add_argument("--draft-weights", default="int8", choices=DRAFT_WEIGHT_FORMATS,
                    help="the draft graph's MatMul weights: int8 (default: 8-bit blocks, a forward ~4x faster on CPU; "
                         "the output is the target's either way) or float32")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
