@@ -5,7 +5,9 @@ written in place (runtime/target.py) - and, rewritten for runtimes without Group
 (runtime/portable.py): a prompt on an empty cache, then T new tokens on it. It must reproduce the full Hugging
 Face model's logits, the layer-l_e hidden state and the early-exit top-k. The draft graph runs in ONNX Runtime and
 OpenVINO with its split past: a shared context read by every row, then each row's own tokens, then T new ones. Any
-difference above the tolerance is a ParityError: in an exactness pipeline it is never a warning.
+difference above the tolerance is a ParityError: in an exactness pipeline it is never a warning. A draft whose
+weights the export then compresses (export/draft_weights.py) is checked once more on the same grid for the token it
+proposes: `draft_top1_agreement`.
 
 The grids read token ids from SAMPLE_TEXT through the bundle's tokenizer. A tokenizer that gives too few ordinary
 ids for it (none at all, seen with a WordLevel tokenizer.json that transformers rebuilds as a byte-level BPE without
