@@ -30,10 +30,22 @@ PACKAGES = Path("build") / "packages"
 
 
 def weight_modes(bundle: str | Path) -> tuple[str, ...]:
-    """The WEIGHT_MODES a package of `bundle` can have: all from an fp32 draft, int8 only from an int8 one."""
+    """The WEIGHT_MODES a package of `bundle` can have, by the package builder's own rule (package_weights): all from
+    an fp32 draft, int8 only from an int8 one."""
+    from mirror_sd.errors import PackageError
+    from mirror_sd.package.build import package_weights
     from mirror_sd.partitions import Manifest
 
-    return WEIGHT_MODES if Manifest.load(bundle).draft.weight_format == "float32" else ("int8",)
+    manifest = Manifest.load(bundle)
+
+    def allowed(weights: str) -> bool:
+        try:
+            package_weights(manifest, weights)
+            return True
+        except PackageError:
+            return False
+
+    return tuple(w for w in WEIGHT_MODES if allowed(w))
 
 
 def package_path(bundle: str | Path, weights: str, root: Path = PACKAGES) -> Path:

@@ -554,6 +554,7 @@ def average_drafts(drafts: list[Path], out: Path, weights: list[float]) -> Path:
     from safetensors.torch import load_file, save_file
 
     from mirror_sd.models.feature_draft import CONFIG_NAME, WEIGHTS_NAME
+    from mirror_sd.outputs import move_into_place, staging_dir
 
     if len(drafts) != len(weights) or not drafts or abs(sum(weights) - 1.0) > 1e-6:
         raise ValueError(f"{len(drafts)} drafts and weights {weights}: one weight per draft, summing to 1")
@@ -563,14 +564,15 @@ def average_drafts(drafts: list[Path], out: Path, weights: list[float]) -> Path:
     states = [load_file(str(Path(d) / WEIGHTS_NAME)) for d in drafts]
     mean = {k: sum(w * st[k].float() for w, st in zip(weights, states)).to(states[0][k].dtype).contiguous()
             for k in states[0]}
-    staging = Path(str(out) + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_file(mean, str(staging / WEIGHTS_NAME))
-    (staging / CONFIG_NAME).write_text(json.dumps(configs[0]) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
-    return out
+    staging = staging_dir(Path(out))
+    try:
+        save_file(mean, str(staging / WEIGHTS_NAME))
+        (staging / CONFIG_NAME).write_text(json.dumps(configs[0]) + "\n")
+        move_into_place(staging, Path(out))  # `out` may be one of `drafts`: it is replaced only now
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Path(out)
 
 
 def compare(target_dir: Path, drafts: list[Path], answers: list[Path], work: Path, *, max_len: int,
