@@ -14,10 +14,10 @@ are the spans of ids the target generated (a multi-turn prompt has two: its firs
 the follow-up's). Features (hidden states) are not stored: they are recomputed from ids by the target itself.
 
     python -m mirror_sd.models.answers --pool broad -n 20000 --out models/data/answers-broad.jsonl.gz
-    python -m mirror_sd.models.answers --pool everyday -n 6000 --out models/data/answers-everyday.jsonl.gz
+    python -m mirror_sd.models.answers --pool everyday -n 12000 --out models/data/answers-everyday.jsonl.gz
     python -m mirror_sd.models.answers --pool code -n 3000 --out models/data/answers-code.jsonl.gz
     python -m mirror_sd.models.answers --pool advice -n 2400 --out models/data/answers-advice.jsonl.gz
-    python -m mirror_sd.models.answers --pool dialogue -n 2400 --texts-from models/data/answers-advice.jsonl.gz \
+    python -m mirror_sd.models.answers --pool dialogue -n 6000 --texts-from models/data/answers-advice.jsonl.gz \
         --out models/data/answers-dialogue.jsonl.gz
 The everyday pool (translation, summarisation, QA, RAG; models/prompts.py build_everyday) is written on the prose of
 the broad answers' training records (--texts-from); the dialogue pool (build_dialogue) on the advice answers'

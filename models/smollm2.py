@@ -76,6 +76,20 @@ FEATURE_MIXED = {**FEATURE_CONTINUED, "lr": 3e-4, "budget_minutes": 22, "eval_re
 MIXED_MIX = 0.5
 MIXED_REPLAY = [(0, 1200), (1200, ADVICE_PROMPTS), (4000, 5200), (ANSWER_PROMPTS + 3000, ANSWER_PROMPTS + 4200),
                 (2600, CODE_PROMPTS)]  # dialogue, advice, everyday, broad, code
+# A tenth and an eleventh (20 minutes each at lr 3e-4) on answers no stage saw: the dialogue and everyday pools'
+# generators go on past the prompts the earlier stages used (DIALOGUE_PROMPTS..DIALOGUE_PROMPTS_10..
+# DIALOGUE_PROMPTS_11, EVERYDAY_PROMPTS..EVERYDAY_PROMPTS_10..EVERYDAY_PROMPTS_11: 3,600 more dialogue and 6,000
+# more everyday prompts, 26 minutes of OpenVINO GenAI here), each replaying part of the advice, broad and code
+# answers, and each committed as the mean of its weights and the draft before (NEW_DATA_MIX): held-out tokens per
+# step up on every answers file at both stages (results/feature-draft-new-data-ab.json).
+DIALOGUE_PROMPTS_10, EVERYDAY_PROMPTS_10 = 4800, 8400
+DIALOGUE_PROMPTS_11, EVERYDAY_PROMPTS_11 = 6000, 12000
+FEATURE_NEW_DATA = {**FEATURE_MIXED, "budget_minutes": 20}
+NEW_DATA_MIX = 0.5
+NEW_DATA_REPLAY = [(DIALOGUE_PROMPTS, DIALOGUE_PROMPTS_10), (EVERYDAY_PROMPTS, EVERYDAY_PROMPTS_10),
+                   (1800, ADVICE_PROMPTS), (5000, 6000), (0, 500)]  # dialogue, everyday, advice, broad, code
+MORE_DATA_REPLAY = [(DIALOGUE_PROMPTS_10, DIALOGUE_PROMPTS_11), (EVERYDAY_PROMPTS_10, EVERYDAY_PROMPTS_11),
+                    (0, 600), (6000, 7000), (500, 1000)]  # dialogue, everyday, advice, broad, code
 # The exit adapter, first trained on the broad answers alone, continued on 800 conversations of each of the broad,
 # everyday and code answers (a teacher pass of 2,400, 20 minutes here, then 7 minutes of steps): held-out top-1 /
 # top-4 coverage of the target's token went from 68% / 85% to 73% / 89% on broad, 59% / 76% to 75% / 89% on
@@ -134,11 +148,11 @@ def retrain_feature_draft(report=print) -> None:
     ov_dir = convert(TARGET_DIR, BUILD / "bench-cache" / f"ov-genai-target-{fingerprint(TARGET_DIR)}",
                      fingerprint=fingerprint(TARGET_DIR))
     answers.generate(BUNDLE_DIR, ov_dir, ANSWERS_FILE, "broad", ALL_ANSWER_PROMPTS, report=report)
-    answers.generate(BUNDLE_DIR, ov_dir, EVERYDAY_FILE, "everyday", EVERYDAY_PROMPTS, texts_from=ANSWERS_FILE,
+    answers.generate(BUNDLE_DIR, ov_dir, EVERYDAY_FILE, "everyday", EVERYDAY_PROMPTS_11, texts_from=ANSWERS_FILE,
                      report=report)
     answers.generate(BUNDLE_DIR, ov_dir, CODE_FILE, "code", CODE_PROMPTS, report=report)
     answers.generate(BUNDLE_DIR, ov_dir, ADVICE_FILE, "advice", ADVICE_PROMPTS, report=report)
-    answers.generate(BUNDLE_DIR, ov_dir, DIALOGUE_FILE, "dialogue", DIALOGUE_PROMPTS, texts_from=ADVICE_FILE,
+    answers.generate(BUNDLE_DIR, ov_dir, DIALOGUE_FILE, "dialogue", DIALOGUE_PROMPTS_11, texts_from=ADVICE_FILE,
                      report=report)
     work = BUILD / "feature-draft"
     train_feature_draft.run(TARGET_DIR, [ANSWERS_FILE], work, FEATURE_WEIGHTS, max_minutes=None, report=report,
@@ -155,23 +169,23 @@ def retrain_feature_draft(report=print) -> None:
         (work / "checkpoint.pt").unlink(missing_ok=True)  # each later stage plans its own batches
         train_feature_draft.run(TARGET_DIR, files, work, FEATURE_WEIGHTS, max_minutes=None, report=report,
                                 init_from=FEATURE_WEIGHTS, prompt_ranges=ranges, **stage)
-    # the eighth stage trains beside the committed weights, which then become the two drafts' mean (DIALOGUE_MIX)
-    (work / "checkpoint.pt").unlink(missing_ok=True)
-    stage_out = BUILD / "feature-draft-dialogue-stage"
-    train_feature_draft.run(TARGET_DIR, [DIALOGUE_FILE, EVERYDAY_FILE, ANSWERS_FILE, CODE_FILE], work, stage_out,
-                            max_minutes=None, report=report, init_from=FEATURE_WEIGHTS, prompt_ranges=DIALOGUE_REPLAY,
-                            **FEATURE_DIALOGUE)
-    train_feature_draft.average_drafts([FEATURE_WEIGHTS, stage_out], FEATURE_WEIGHTS,
-                                       [1 - DIALOGUE_MIX, DIALOGUE_MIX])
-    # the ninth the same way, beside the eighth's mean
-    (work / "checkpoint.pt").unlink(missing_ok=True)
-    stage_out = BUILD / "feature-draft-mixed-stage"
-    summary = train_feature_draft.run(TARGET_DIR, [DIALOGUE_FILE, ADVICE_FILE, EVERYDAY_FILE, ANSWERS_FILE, CODE_FILE],
-                                      work, stage_out, max_minutes=None, report=report, init_from=FEATURE_WEIGHTS,
-                                      prompt_ranges=MIXED_REPLAY, **FEATURE_MIXED)
-    train_feature_draft.average_drafts([FEATURE_WEIGHTS, stage_out], FEATURE_WEIGHTS, [1 - MIXED_MIX, MIXED_MIX])
-    summary["averaged"] = {"with": "the eighth stage's committed draft (itself the mean of the seventh and eighth "
-                                   "stages)", "weight_of_this_stage": MIXED_MIX,
+    # the eighth stage on: each trains beside the committed weights, which then become the two drafts' mean
+    averaged = [("dialogue", [DIALOGUE_FILE, EVERYDAY_FILE, ANSWERS_FILE, CODE_FILE], DIALOGUE_REPLAY, FEATURE_DIALOGUE,
+                 DIALOGUE_MIX),
+                ("mixed", [DIALOGUE_FILE, ADVICE_FILE, EVERYDAY_FILE, ANSWERS_FILE, CODE_FILE], MIXED_REPLAY,
+                 FEATURE_MIXED, MIXED_MIX),
+                ("new-data", [DIALOGUE_FILE, EVERYDAY_FILE, ADVICE_FILE, ANSWERS_FILE, CODE_FILE], NEW_DATA_REPLAY,
+                 FEATURE_NEW_DATA, NEW_DATA_MIX),
+                ("more-data", [DIALOGUE_FILE, EVERYDAY_FILE, ADVICE_FILE, ANSWERS_FILE, CODE_FILE], MORE_DATA_REPLAY,
+                 FEATURE_NEW_DATA, NEW_DATA_MIX)]
+    for name, files, ranges, stage, mix in averaged:
+        (work / "checkpoint.pt").unlink(missing_ok=True)
+        stage_out = BUILD / f"feature-draft-{name}-stage"
+        summary = train_feature_draft.run(TARGET_DIR, files, work, stage_out, max_minutes=None, report=report,
+                                          init_from=FEATURE_WEIGHTS, prompt_ranges=ranges, **stage)
+        train_feature_draft.average_drafts([FEATURE_WEIGHTS, stage_out], FEATURE_WEIGHTS, [1 - mix, mix])
+    summary["averaged"] = {"with": "the stage before's committed draft (each stage from the eighth on is averaged "
+                                   "with the one before it)", "weight_of_this_stage": mix,
                            "held_out_above_is_of": "this stage alone, before the averaging"}
     (FEATURE_WEIGHTS / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     # the bundles' exit head at EXIT_LAYER, from the same answers: first on the broad pool's, then continued on the
