@@ -14,14 +14,15 @@ are the spans of ids the target generated (a multi-turn prompt has two: its firs
 the follow-up's). Features (hidden states) are not stored: they are recomputed from ids by the target itself.
 
     python -m mirror_sd.models.answers --pool broad -n 20000 --out models/data/answers-broad.jsonl.gz
-    python -m mirror_sd.models.answers --pool everyday -n 12000 --out models/data/answers-everyday.jsonl.gz
+    python -m mirror_sd.models.answers --pool everyday -n 16000 --out models/data/answers-everyday.jsonl.gz
     python -m mirror_sd.models.answers --pool code -n 3000 --out models/data/answers-code.jsonl.gz
     python -m mirror_sd.models.answers --pool advice -n 2400 --out models/data/answers-advice.jsonl.gz
     python -m mirror_sd.models.answers --pool dialogue -n 6000 --texts-from models/data/answers-advice.jsonl.gz \
         --out models/data/answers-dialogue.jsonl.gz
 The everyday pool (translation, summarisation, QA, RAG; models/prompts.py build_everyday) is written on the prose of
-the broad answers' training records (--texts-from); the dialogue pool (build_dialogue) on the advice answers'
-training records: their questions and the target's first answers, cut short.
+the broad answers' training records of prompts [0, 20,000) (--texts-from); the dialogue pool (build_dialogue) on the
+advice answers' training records of prompts [0, 2,400): their questions and the target's first answers, cut short
+(SOURCE_PROMPTS).
 """
 
 from __future__ import annotations
@@ -39,11 +40,23 @@ DEFAULT_BATCH = 64
 DEFAULT_MAX_NEW = 160
 HOLD_OUT = 20  # records with index % HOLD_OUT == 0 are held out: no draft trains on them, no pool borrows their text
 BROAD_ANSWERS = Path("models/data/answers-broad.jsonl.gz")
+# The source records a pool written on other answers reads: the everyday pool the broad answers to prompts
+# [0, 20,000), the dialogue pool the advice answers to prompts [0, 2,400). Both pools draw their passages and
+# exchanges at random from what they read, so a source file answered further would change every prompt they make;
+# fixed, the committed everyday and dialogue answers stay what their generators make however far those grow.
+SOURCE_PROMPTS = {"everyday": 20000, "dialogue": 2400}
 
 
-def answer_texts(path: Path, codec, kinds: tuple[str, ...] = ("chat", "multi_turn")) -> list[str]:
-    """The decoded answers of `path`'s training records of `kinds`, in index order."""
-    records = sorted((r for r in read(path) if r["kind"] in kinds and r["index"] % HOLD_OUT), key=lambda r: r["index"])
+def _training_records(path: Path, prompts: int | None, kinds: tuple[str, ...] | None = None) -> list[dict]:
+    """`path`'s training records (not held out) of prompts [0, prompts) and of `kinds` (None: all), in index order."""
+    return sorted((r for r in read(path) if r["index"] % HOLD_OUT and (prompts is None or r["index"] < prompts)
+                   and (kinds is None or r["kind"] in kinds)), key=lambda r: r["index"])
+
+
+def answer_texts(path: Path, codec, kinds: tuple[str, ...] = ("chat", "multi_turn"),
+                 prompts: int | None = SOURCE_PROMPTS["everyday"]) -> list[str]:
+    """The decoded answers of `path`'s training records of `kinds` among prompts [0, prompts), in index order."""
+    records = _training_records(path, prompts, kinds)
     return [codec.decode(r["ids"][start:end]) for r in records for start, end in r["answers"]]
 
 
@@ -69,15 +82,16 @@ def _pool(name: str, n: int, seed: int, bundle: Path, texts_from: Path = BROAD_A
     return POOLS[name](n, seed=seed)
 
 
-def first_exchanges(path: Path, bundle: Path, seed: int = 0) -> list[tuple[str, str]]:
-    """Of an advice-pool answers file's training records, in index order: each prompt's first question and the
-    target's first answer to it (decoded from the record's first answer span)."""
+def first_exchanges(path: Path, bundle: Path, seed: int = 0,
+                    prompts: int | None = SOURCE_PROMPTS["dialogue"]) -> list[tuple[str, str]]:
+    """Of an advice-pool answers file's training records among prompts [0, prompts), in index order: each prompt's
+    first question and the target's first answer to it (decoded from the record's first answer span)."""
     from mirror_sd.models.prompts import build_advice
     from mirror_sd.partitions import Manifest
     from mirror_sd.runtime.text import TextCodec
 
     codec = TextCodec(bundle, Manifest.load(bundle))
-    records = sorted((r for r in read(path) if r["index"] % HOLD_OUT), key=lambda r: r["index"])
+    records = _training_records(path, prompts)
     prompts = build_advice(max(r["index"] for r in records) + 1, seed=seed)
     return [(prompts[r["index"]].messages[0]["content"], codec.decode(r["ids"][slice(*r["answers"][0])]).strip())
             for r in records]

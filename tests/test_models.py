@@ -324,6 +324,27 @@ def test_dialogue_pool_follows_up_a_short_reply_to_an_advice_question():
     assert not set(prompts.DIALOGUE_FOLLOW_UPS) & bench_users
 
 
+def test_pools_written_on_answers_read_a_fixed_range_of_them(tmp_path):
+    """The everyday pool's texts are the broad answers' training records among prompts [0, SOURCE_PROMPTS
+    ["everyday"]): records answered past that are not read, so answering the source further leaves the pool's prompts
+    as they were (the committed everyday answers are the answers to those prompts). Held-out records never are."""
+    import gzip
+
+    from mirror_sd.models import answers
+
+    class Codec:
+        def decode(self, ids):
+            return " ".join(f"word{i}" for i in ids)
+
+    cap = answers.SOURCE_PROMPTS["everyday"]
+    path = tmp_path / "answers.jsonl.gz"
+    indices = (1, 2, answers.HOLD_OUT, cap - 1, cap + 1, cap + 7)
+    records = [{"index": i, "kind": "chat", "ids": [i, i + 1], "answers": [[0, 2]]} for i in indices]
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    assert answers.answer_texts(path, Codec()) == [f"word{i} word{i + 1}" for i in (1, 2, cap - 1)]
+    assert answers.answer_texts(path, Codec(), prompts=None)[-1] == f"word{cap + 7} word{cap + 8}"
+
+
 def test_evaluate_rejects_a_branch_budget_below_one(capsys):
     """`models.evaluate --branch-budget` (mirror's branches per step; default the plan's) must be at least 1: a
     usage error, before any bundle is opened."""
