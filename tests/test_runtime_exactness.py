@@ -88,7 +88,10 @@ def test_copied_windows_keep_output_identical(pipelines, arch):
                             overlap=overlap, adaptive_speculation=gate)
         assert out.token_ids == ar.token_ids, (mode, n, overlap, gate)
         s = out.stats
-        assert s["lookup_steps"] >= 1 and 0 <= s["lookup_accepted_tokens"] <= s["lookup_proposed_tokens"]
+        # with the gate, copying is a timed choice (runtime/gate.py): on a loaded machine every copy may be
+        # declined, but each one found is either verified or declined
+        found = s["lookup_steps"] + (s["declined_copies"] if gate else 0)
+        assert found >= 1 and 0 <= s["lookup_accepted_tokens"] <= s["lookup_proposed_tokens"]
         assert s["lookup_proposed_tokens"] <= min(n, NEW_TOKENS - 1) * s["lookup_steps"]
         assert s["proposed_tokens"] >= s["lookup_proposed_tokens"] and s["fallbacks"] == 0
     off = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, prompt_lookup_num_tokens=0)
