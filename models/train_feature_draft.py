@@ -13,6 +13,9 @@ Stages, each resumable: a stopped run goes on where it stopped when run again wi
             after the first (models/feature_draft.py `forward_ttt`); cross-entropy on the target's answer tokens
             (its greedy choices, so hard targets are the target's argmax), later steps weighted down, Gaussian
             feature noise. A checkpoint is written every few minutes; the run resumes from it.
+            With --soft-targets K the loss also takes the target's own next-token distribution (its top K over
+            the draft vocabulary, from a pass of the whole target stored beside the features), as EAGLE and
+            DistillSpec distil: half hard, half soft (--soft-weight).
   eval      the go/no-go figure before any export: on held-out records, from every answer position, how many of
             gamma drafted tokens the target would accept (the chain stops at the first miss). This is what sd
             commits per target step, without the runtime's costs.
@@ -30,6 +33,7 @@ import random
 import shutil
 import sys
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,6 +276,103 @@ def extract_features(target, records: list[Record], store: FeatureStore, device:
             h.remove()
 
 
+class SoftTargets:
+    """The target's next-token distribution at every position of every record, as its top K rows of the draft
+    vocabulary (int16) and their probabilities renormalised over that vocabulary (fp16), memory-mapped under `work`
+    beside the features; row p is what the target predicts for ids[p + 1]. Resumable as the features are."""
+
+    def __init__(self, work: Path, records: list[Record], vocab: list[int], k: int) -> None:
+        self.k = k
+        lengths = np.asarray([len(r.ids) for r in records], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+        tokens = int(self.offsets[-1])
+        if len(vocab) > np.iinfo(np.int16).max:
+            raise ValueError(f"soft targets store draft-vocabulary rows as int16: {len(vocab)} rows do not fit")
+        self.key = {"records": [r.index for r in records], "k": k,
+                    "vocab": zlib.crc32(np.asarray(vocab, np.int64).tobytes()), "tokens": tokens}
+        self.meta = work / "soft.json"
+        paths = work / "soft_rows.i16", work / "soft_probs.f16"
+        work.mkdir(parents=True, exist_ok=True)
+        meta = json.loads(self.meta.read_text()) if self.meta.exists() else None
+        if meta is None or meta["key"] != self.key:
+            for path in paths:
+                with path.open("wb") as f:
+                    f.truncate(tokens * k * 2)
+            self._write_meta(0)
+        self.rows = np.memmap(paths[0], np.int16, "r+", shape=(tokens, k))
+        self.probs = np.memmap(paths[1], np.float16, "r+", shape=(tokens, k))
+
+    def _write_meta(self, done: int) -> None:
+        tmp = self.meta.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": self.key, "done": done}))
+        os.replace(tmp, self.meta)
+
+    @property
+    def done(self) -> int:
+        return json.loads(self.meta.read_text())["done"]
+
+    def mark(self, done: int) -> None:
+        self.rows.flush()
+        self.probs.flush()
+        self._write_meta(done)
+
+    def get(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        return self.rows[lo:hi], self.probs[lo:hi]
+
+
+def _top_rows(hidden: np.ndarray, norm_w: np.ndarray, eps: float, head: np.ndarray, k: int):
+    """hidden [T,H] (the residual stream after the last layer) -> the top k rows of the head [Vd,H] after the final
+    RMS norm and their softmax probabilities over all Vd rows."""
+    x = hidden / np.sqrt((hidden * hidden).mean(-1, keepdims=True) + eps) * norm_w
+    logits = x @ head.T
+    logits -= logits.max(-1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(-1, keepdims=True)
+    top = np.argpartition(-p, k - 1, axis=-1)[:, :k]
+    return top, np.take_along_axis(p, top, -1)
+
+
+@torch.no_grad()
+def extract_soft_targets(target, records: list[Record], store: SoftTargets, vocab: list[int], report=print) -> None:
+    """The whole target over each record (the exported graph on ONNX Runtime's CPU EP whatever the training device,
+    as the features on CPU), then its final norm and the LM head's rows of the draft vocabulary."""
+    import onnxruntime as ort
+    from tqdm import tqdm
+
+    from mirror_sd.export.architectures import architecture_of
+    from mirror_sd.export.target_graphs import build_target_graph
+    from mirror_sd.partitions.manifest import BOUNDARY
+    from mirror_sd.partitions.spec import SEQLENS, TOTAL_LENGTH, past_key_name, past_value_name
+
+    arch = architecture_of(target.config)
+    facts = arch.model_facts()
+    n_layers = len(target.model.layers)
+    proto = build_target_graph(target, arch, facts, "target_prefix", 0, n_layers)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = torch.get_num_threads()
+    session = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    empty = np.zeros((1, facts.num_kv_heads, 0, facts.head_dim), np.float32)
+    head = target.get_output_embeddings().weight.detach().float().numpy()[np.asarray(vocab)]
+    norm_w = target.model.norm.weight.detach().float().numpy()
+    eps = float(target.config.rms_norm_eps)
+    start = store.done
+    with tqdm(total=len(records), initial=start, desc="target soft targets (onnxruntime)", unit="record") as bar:
+        for i in range(start, len(records)):
+            ids = records[i].ids
+            feed = {"input_ids": np.asarray(ids, np.int64)[None], SEQLENS: np.array([len(ids) - 1], np.int32),
+                    TOTAL_LENGTH: np.array(len(ids), np.int32)}
+            for layer in range(n_layers):
+                feed[past_key_name(layer)] = feed[past_value_name(layer)] = empty
+            hidden = session.run([BOUNDARY], feed)[0][0]
+            top, p = _top_rows(hidden, norm_w, eps, head, store.k)
+            lo, hi = store.offsets[i], store.offsets[i + 1]
+            store.rows[lo:hi], store.probs[lo:hi] = top.astype(np.int16), p.astype(np.float16)
+            if (i + 1) % 64 == 0 or i + 1 == len(records):
+                store.mark(i + 1)
+            bar.update(1)
+
+
 # -- training -----------------------------------------------------------------------------------------------------
 def _batches(order: list[int], records: list[Record], tokens_per_batch: int, rng: random.Random):
     """Batches of record indices of similar length (sorted within shuffled blocks), at most tokens_per_batch
@@ -306,10 +407,26 @@ def _tensors(batch: list[int], records: list[Record], store: FeatureStore, devic
     return ids.to(device), labels.to(device), taps.to(device)
 
 
-def ttt_loss(draft: FeatureDraft, taps, ids, labels, steps: int, noise: float):
-    """Weighted CE over the draft steps and per-step accuracy; the head runs only where there is a label."""
+def _soft_tensors(batch: list[int], records: list[Record], soft: SoftTargets, device: str):
+    """The batch's soft targets: rows [B,W,K] (draft-vocabulary rows) and probabilities [B,W,K] (0 on padding)."""
+    width = max(len(records[i].ids) for i in batch)
+    rows = torch.zeros(len(batch), width, soft.k, dtype=torch.long)
+    probs = torch.zeros(len(batch), width, soft.k)
+    for n, i in enumerate(batch):
+        r, p = soft.get(i)
+        rows[n, : len(r)] = torch.from_numpy(np.asarray(r, np.int64))
+        probs[n, : len(p)] = torch.from_numpy(np.asarray(p, np.float32))
+    return rows.to(device), probs.to(device)
+
+
+def ttt_loss(draft: FeatureDraft, taps, ids, labels, steps: int, noise: float, soft=None, soft_weight: float = 0.5):
+    """Weighted CE over the draft steps and per-step accuracy; the head runs only where there is a label. soft:
+    (rows, probs) [B,T,K] of `_soft_tensors`; the loss is then (1 - soft_weight) x the hard CE + soft_weight x the
+    cross-entropy against the target's top-K distribution (renormalised over its K rows)."""
     hs = draft.forward_ttt(taps, ids, steps, noise=noise)
     target_rows = draft.id_map[ids[:, 2:]]  # position t predicts ids[t + 2]
+    if soft is not None:  # row p of the soft targets predicts ids[p + 1]: position t's is row t + 1
+        soft_rows, soft_probs = soft[0][:, 1:-1], soft[1][:, 1:-1]
     total, weight, accs = 0.0, 0.0, []
     for k, h in enumerate(hs):
         valid = labels[:, 2:].clone()
@@ -318,6 +435,11 @@ def ttt_loss(draft: FeatureDraft, taps, ids, labels, steps: int, noise: float):
         logits = draft.logits(h[:, :-1][valid])
         # a token outside the draft vocabulary (-100) cannot be proposed: it costs nothing and is a miss
         ce = torch.nn.functional.cross_entropy(logits, rows, ignore_index=-100)
+        if soft is not None:
+            q = soft_probs[valid]
+            q = q / q.sum(-1, keepdim=True).clamp_min(1e-6)
+            soft_ce = -(q * logits.log_softmax(-1).gather(-1, soft_rows[valid])).sum(-1).mean()
+            ce = (1 - soft_weight) * ce + soft_weight * soft_ce
         total = total + STEP_DECAY ** k * ce
         weight += STEP_DECAY ** k
         accs.append(float((logits.argmax(-1) == rows).float().mean()) if len(rows) else 0.0)
@@ -326,7 +448,8 @@ def ttt_loss(draft: FeatureDraft, taps, ids, labels, steps: int, noise: float):
 
 def train(draft: FeatureDraft, records: list[Record], order: list[int], store: FeatureStore, work: Path, *,
           epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float, device: str, seed: int,
-          max_minutes: float | None, budget_minutes: float | None = None, report=print) -> dict:
+          max_minutes: float | None, budget_minutes: float | None = None, soft: SoftTargets | None = None,
+          soft_weight: float = 0.5, report=print) -> dict:
     """max_minutes: stop after this long, resumably (a run spread over sessions). budget_minutes: the whole
     training's length: the learning-rate schedule runs over whichever ends first, the plan or this budget (time
     spent before a resume counts), and training ends there."""
@@ -361,7 +484,8 @@ def train(draft: FeatureDraft, records: list[Record], order: list[int], store: F
             for group in optimizer.param_groups:  # warm-up, then cosine to 5% over the plan (or the budget)
                 group["lr"] = lr * min(1.0, (b + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
             ids, labels, taps = _tensors(plan[b], records, store, device)
-            loss, accs = ttt_loss(draft, taps, ids, labels, steps, noise)
+            soft_batch = _soft_tensors(plan[b], records, soft, device) if soft is not None else None
+            loss, accs = ttt_loss(draft, taps, ids, labels, steps, noise, soft_batch, soft_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -455,7 +579,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
         max_minutes: float | None, eval_records: int, budget_minutes: float | None = None, seed: int = 0,
         init_from: Path | None = None, max_prompts: int | None = None,
         prompt_ranges: list[tuple[int, int | None]] | None = None, refresh_vocab: int = 0,
-        refresh_drop: str = "least-used", report=print) -> dict:
+        refresh_drop: str = "least-used", soft_targets: int = 0, soft_weight: float = 0.5, report=print) -> dict:
     """All stages; returns the summary (also written as training.json beside the weights at `out`). init_from: go on
     training a saved feature draft (its vocabulary is kept, and its taps unless `taps` names others; use a fresh
     `work` for its checkpoints)."""
@@ -512,6 +636,11 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     store = FeatureStore(work, records, taps, target.config.hidden_size)
     if store.done < len(records):
         extract_features(target, records, store, device, report=report)
+    if soft_targets > len(vocab):
+        raise SystemExit(f"--soft-targets {soft_targets}: more than the draft vocabulary's {len(vocab)} rows")
+    soft = SoftTargets(work, records, vocab, soft_targets) if soft_targets else None
+    if soft is not None and soft.done < len(records):
+        extract_soft_targets(target, records, soft, vocab, report=report)
     if start_from is not None:
         draft = start_from.train()
     else:
@@ -521,7 +650,8 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     del target
     result = train(draft, records, list(range(len(train_set))), store, work, epochs=epochs, steps=steps, lr=lr,
                    tokens_per_batch=tokens_per_batch, noise=noise, device=device, seed=seed,
-                   max_minutes=max_minutes, budget_minutes=budget_minutes, report=report)
+                   max_minutes=max_minutes, budget_minutes=budget_minutes, soft=soft, soft_weight=soft_weight,
+                   report=report)
     if not result["finished"]:
         return result
     held_idx = list(range(len(train_set), len(records)))[:eval_records]
@@ -537,6 +667,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
                "data": [{"file": str(path), "prompts": list(rng)} for path, rng in
                         zip(answers, file_ranges(answers, max_prompts, prompt_ranges))],
                "vocab_refreshed": refresh_vocab, "vocab_refresh_drop": refresh_drop if refresh_vocab else None,
+               "soft_targets": soft_targets, "soft_weight": soft_weight if soft_targets else None,
                "train": result,
                "held_out": metrics}
     if out is not None:
@@ -641,6 +772,11 @@ def main(argv: list[str] | None = None) -> int:
                              "vocabulary lacks replace N of its tokens (head rows from the target's LM head)")
     parser.add_argument("--refresh-drop", choices=REFRESH_DROPS, default="least-used",
                         help="which tokens --refresh-vocab swaps out: the ones this data uses least, or the last N")
+    parser.add_argument("--soft-targets", type=int, default=0, metavar="K",
+                        help="also distil the target's own next-token distribution, its top K draft-vocabulary "
+                             "rows (a pass of the whole target; 0: hard targets only)")
+    parser.add_argument("--soft-weight", type=float, default=0.5,
+                        help="with --soft-targets: the soft loss's share (the hard loss gets the rest)")
     parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="DRAFT",
                         help="train nothing: evaluate these saved drafts on the same held-out records of each "
                              "answers file (--eval-records per file) and write the figures to --compare-out")
@@ -650,6 +786,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     error = input_error([args.target, *args.answers, *(args.compare or [])], args.prompt_range, args.answers,
                         "answers files")
+    if not error and (args.soft_targets < 0 or not 0.0 <= args.soft_weight <= 1.0):
+        error = f"--soft-targets {args.soft_targets} / --soft-weight {args.soft_weight}: K >= 0, weight in [0, 1]"
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -666,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens_per_batch=args.tokens_per_batch, noise=args.noise, max_minutes=args.max_minutes,
         budget_minutes=args.budget_minutes, eval_records=args.eval_records, init_from=args.init_from,
         max_prompts=args.max_prompts, prompt_ranges=args.prompt_range, refresh_vocab=args.refresh_vocab,
-        refresh_drop=args.refresh_drop)
+        refresh_drop=args.refresh_drop, soft_targets=args.soft_targets, soft_weight=args.soft_weight)
     return 0
 
 

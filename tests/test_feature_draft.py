@@ -147,6 +147,41 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
         more["held_out"]["tokens_per_step"], abs=0.02)
 
 
+def test_soft_targets_are_the_targets_next_token_distribution_and_train(tmp_path):
+    """--soft-targets: the whole target's top-K draft-vocabulary rows at every position, row p predicting ids[p + 1]
+    (on greedy answers its top row is the answer's next token), probabilities summing to at most 1; a run with them
+    trains and records them in its summary."""
+    target = _tiny_target(layers=3)
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    from mirror_sd.models.tiny import make_tokenizer
+
+    make_tokenizer(target_dir, vocab_size=300)
+    data = tmp_path / "answers.jsonl.gz"
+    _answers_file(data, target, n=12)
+    kwargs = {"taps": [1, 2], "vocab_size": 300, "max_len": 64, "epochs": 3, "steps": 2, "lr": 3e-3,
+              "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "report": lambda _line: None}
+    summary = tfd.run(target_dir, [data], tmp_path / "work", tmp_path / "draft", max_minutes=None, soft_targets=4,
+                      soft_weight=0.5, **kwargs)
+    assert summary["soft_targets"] == 4 and summary["train"]["finished"]
+    assert summary["held_out"]["tokens_per_step"] >= 1.0
+    records = tfd.load_records([data], max_len=64)
+    train, held = tfd.split(records)
+    records = train + held
+    vocab = json.loads((tmp_path / "work" / "vocab.json").read_text())["ids"]
+    soft = tfd.SoftTargets(tmp_path / "work", records, vocab, 4)
+    assert soft.done == len(records)
+    hits = total = 0
+    for i, r in enumerate(records):
+        rows, probs = soft.get(i)
+        assert (probs.astype(np.float32).sum(-1) <= 1.001).all() and (probs >= 0).all()
+        top = np.asarray(vocab)[rows[np.arange(len(rows)), probs.argmax(-1)]]
+        answer = np.flatnonzero(r.labels[1:])  # positions p whose next token the target generated
+        hits += int((top[answer] == r.ids[answer + 1]).sum())
+        total += len(answer)
+    assert hits >= 0.95 * total
+
+
 def test_the_walk_takes_the_steps_sd_takes():
     """From a base sd commits the accepted tokens and the target's own, and its next step starts after them: an easy
     stretch counts once, not once per position (the mean over every base counts it at each)."""
@@ -561,6 +596,8 @@ def test_prompt_ranges_must_match_the_answers_files(tmp_path, capsys):
     data.write_bytes(b"")
     code = tfd.main(["--target", str(tmp_path), "--answers", str(data), "--prompt-range", "0:5", "5:"])
     assert code == 2 and "2 --prompt-range values for 1 answers files" in capsys.readouterr().err
+    code = tfd.main(["--target", str(tmp_path), "--answers", str(data), "--soft-targets", "8", "--soft-weight", "2"])
+    assert code == 2 and "--soft-weight 2.0" in capsys.readouterr().err
 
 
 def test_exit_adapter_training_refuses_bad_inputs_before_any_work(tmp_path, capsys):
