@@ -83,18 +83,24 @@ def _answers_file(path, target, n: int = 24):
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
+def _target_with_answers(tmp_path, n: int = 24):
+    """A tiny 3-layer target saved with a tokenizer, and its greedy answers to n random prompts."""
+    from mirror_sd.models.tiny import make_tokenizer
+
+    target = _tiny_target(layers=3)
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    make_tokenizer(target_dir, vocab_size=300)
+    data = tmp_path / "answers.jsonl.gz"
+    _answers_file(data, target, n=n)
+    return target, target_dir, data
+
+
 def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     """A few passes over a tiny target's greedy answers: features come from the target (the tap layers only), the
     held-out acceptance rises above the untrained draft's, a stopped run resumes from its checkpoint, and the
     saved draft loads."""
-    target = _tiny_target(layers=3)
-    target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
-    from mirror_sd.models.tiny import make_tokenizer
-
-    make_tokenizer(target_dir, vocab_size=300)
-    data = tmp_path / "answers.jsonl.gz"
-    _answers_file(data, target)
+    target, target_dir, data = _target_with_answers(tmp_path)
     records = tfd.load_records([data], max_len=64)
     train, held = tfd.split(records)
     assert held and all(r.index % tfd.HOLD_OUT == 0 for r in held) and len(train) + len(held) == len(records)
@@ -151,14 +157,7 @@ def test_soft_targets_are_the_targets_next_token_distribution_and_train(tmp_path
     """--soft-targets: the whole target's top-K draft-vocabulary rows at every position, row p predicting ids[p + 1]
     (on greedy answers its top row is the answer's next token), probabilities summing to at most 1; a run with them
     trains and records them in its summary."""
-    target = _tiny_target(layers=3)
-    target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
-    from mirror_sd.models.tiny import make_tokenizer
-
-    make_tokenizer(target_dir, vocab_size=300)
-    data = tmp_path / "answers.jsonl.gz"
-    _answers_file(data, target, n=12)
+    _, target_dir, data = _target_with_answers(tmp_path, n=12)
     kwargs = {"taps": [1, 2], "vocab_size": 300, "max_len": 64, "epochs": 3, "steps": 2, "lr": 3e-3,
               "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "report": lambda _line: None}
     summary = tfd.run(target_dir, [data], tmp_path / "work", tmp_path / "draft", max_minutes=None, soft_targets=4,
@@ -197,15 +196,9 @@ def test_exit_adapter_trains_on_an_answers_file(tmp_path):
     answer spans are the weighted positions, max_prompts keeps to a prefix of the prompts."""
     from mirror_sd.models import train_exit
     from mirror_sd.models.exit_adapter import ExitAdapter
-    from mirror_sd.models.tiny import make_tokenizer
     from mirror_sd.models.train_draft import ANSWER_WEIGHT
 
-    target = _tiny_target(layers=3)
-    target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
-    make_tokenizer(target_dir, vocab_size=300)
-    data = tmp_path / "answers.jsonl.gz"
-    _answers_file(data, target, n=60)
+    target, target_dir, data = _target_with_answers(tmp_path, n=60)
     examples = train_exit.answer_examples(data, max_prompts=10)
     assert len(examples) == 10
     record = json.loads(gzip.open(data, "rt").readline())
