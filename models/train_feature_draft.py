@@ -152,24 +152,23 @@ def coverage(records: list[Record], vocab: list[int]) -> float:
 
 
 # -- features -----------------------------------------------------------------------------------------------------
-class FeatureStore:
-    """fp16 features [tokens, taps, d] of every record in a fixed order, in one memory-mapped file, plus a
-    progress file: records are written in order and `done` counts the ones complete."""
+class _MappedStore:
+    """Arrays memory-mapped under a work directory and filled record by record, in a fixed order, plus a progress
+    file: `done` counts the records complete. A store opened with another `key` (other data, taps, vocabulary)
+    starts over."""
 
-    def __init__(self, work: Path, records: list[Record], taps: list[int], width: int) -> None:
-        self.work, self.taps, self.width = work, taps, width
-        self.lengths = np.asarray([len(r.ids) for r in records], np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        self.key = {"records": [r.index for r in records], "taps": taps, "width": width,
-                    "tokens": int(self.offsets[-1])}
-        self.path, self.meta = work / "features.f16", work / "features.json"
-        work.mkdir(parents=True, exist_ok=True)
-        meta = json.loads(self.meta.read_text()) if self.meta.exists() else None
-        if meta is None or meta["key"] != self.key:  # another data set or taps: start over
-            with self.path.open("wb") as f:
-                f.truncate(int(self.offsets[-1]) * len(taps) * width * 2)
+    arrays: tuple[np.memmap, ...] = ()
+
+    def _open(self, meta: Path, key: dict, nbytes: dict[Path, int]) -> None:
+        """Set up the progress file `meta` for `key`; where it held another key, size each file of `nbytes` afresh."""
+        self.meta, self.key = meta, key
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        old = json.loads(meta.read_text()) if meta.exists() else None
+        if old is None or old["key"] != key:
+            for path, size in nbytes.items():
+                with path.open("wb") as f:
+                    f.truncate(size)
             self._write_meta(0)
-        self.array = np.memmap(self.path, np.float16, "r+", shape=(int(self.offsets[-1]), len(taps), width))
 
     def _write_meta(self, done: int) -> None:
         tmp = self.meta.with_suffix(".tmp")
@@ -181,8 +180,24 @@ class FeatureStore:
         return json.loads(self.meta.read_text())["done"]
 
     def mark(self, done: int) -> None:
-        self.array.flush()
+        for array in self.arrays:
+            array.flush()
         self._write_meta(done)
+
+
+class FeatureStore(_MappedStore):
+    """fp16 features [tokens, taps, d] of every record in a fixed order, in one memory-mapped file."""
+
+    def __init__(self, work: Path, records: list[Record], taps: list[int], width: int) -> None:
+        self.work, self.taps, self.width = work, taps, width
+        self.lengths = np.asarray([len(r.ids) for r in records], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        tokens = int(self.offsets[-1])
+        self.path = work / "features.f16"
+        self._open(work / "features.json", {"records": [r.index for r in records], "taps": taps, "width": width,
+                                            "tokens": tokens}, {self.path: tokens * len(taps) * width * 2})
+        self.array = np.memmap(self.path, np.float16, "r+", shape=(tokens, len(taps), width))
+        self.arrays = (self.array,)
 
     def get(self, i: int) -> np.ndarray:
         return self.array[self.offsets[i]: self.offsets[i + 1]]
@@ -198,11 +213,12 @@ def _tap_model(target, taps: list[int]):
     return captured, handles
 
 
-class _OrtTaps:
-    """The target's layers up to the deepest tap as the exported prefix graph (export/target_graphs.py, the one the
-    runtime runs) on ONNX Runtime, one record at a time: on CPU about four times torch's speed, and no padding."""
+class _OrtPrefix:
+    """The target's layers [0, end) as the exported prefix graph (export/target_graphs.py, the one the runtime runs)
+    on ONNX Runtime, one record at a time: on CPU about four times torch's speed, and no padding. taps: it also
+    outputs the residual stream after these layers."""
 
-    def __init__(self, target, taps: list[int], threads: int | None = None) -> None:
+    def __init__(self, target, end: int, taps: tuple[int, ...] = (), threads: int | None = None) -> None:
         import onnxruntime as ort
 
         from mirror_sd.export.architectures import architecture_of
@@ -210,16 +226,16 @@ class _OrtTaps:
 
         arch = architecture_of(target.config)
         facts = arch.model_facts()
-        proto = build_target_graph(target, arch, facts, "target_prefix", 0, max(taps), tuple(taps))
+        proto = build_target_graph(target, arch, facts, "target_prefix", 0, end, tuple(taps))
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or torch.get_num_threads()
         self.session = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-        self.layers = range(max(taps))
+        self.layers = range(end)
         self.empty = np.zeros((1, facts.num_kv_heads, 0, facts.head_dim), np.float32)
 
-    def __call__(self, ids: np.ndarray) -> np.ndarray:
-        """ids [T] -> taps [T, n_taps, H]."""
-        from mirror_sd.partitions.manifest import TAPS
+    def __call__(self, ids: np.ndarray, output: str) -> np.ndarray:
+        """ids [T] -> the graph's `output` for them, batch dimension dropped (TAPS: [T, n_taps, H]; BOUNDARY: the
+        residual stream after layer end - 1, [T, H])."""
         from mirror_sd.partitions.spec import (
             SEQLENS,
             TOTAL_LENGTH,
@@ -232,7 +248,7 @@ class _OrtTaps:
                 TOTAL_LENGTH: np.array(t, np.int32)}
         for i in self.layers:
             feed[past_key_name(i)] = feed[past_value_name(i)] = self.empty
-        return self.session.run([TAPS], feed)[0][0]
+        return self.session.run([output], feed)[0][0]
 
 
 @torch.no_grad()
@@ -242,10 +258,12 @@ def extract_features(target, records: list[Record], store: FeatureStore, device:
 
     start = store.done
     if device == "cpu":
-        taps_of = _OrtTaps(target, store.taps)
+        from mirror_sd.partitions.manifest import TAPS
+
+        prefix = _OrtPrefix(target, max(store.taps), tuple(store.taps))
         with tqdm(total=len(records), initial=start, desc="target features (onnxruntime)", unit="record") as bar:
             for i in range(start, len(records)):
-                store.array[store.offsets[i]: store.offsets[i + 1]] = taps_of(records[i].ids)
+                store.array[store.offsets[i]: store.offsets[i + 1]] = prefix(records[i].ids, TAPS)
                 if (i + 1) % 64 == 0 or i + 1 == len(records):
                     store.mark(i + 1)
                 bar.update(1)
@@ -276,7 +294,7 @@ def extract_features(target, records: list[Record], store: FeatureStore, device:
             h.remove()
 
 
-class SoftTargets:
+class SoftTargets(_MappedStore):
     """The target's next-token distribution at every position of every record, as its top K rows of the draft
     vocabulary (int16) and their probabilities renormalised over that vocabulary (fp16), memory-mapped under `work`
     beside the features; row p is what the target predicts for ids[p + 1]. Resumable as the features are."""
@@ -288,33 +306,13 @@ class SoftTargets:
         tokens = int(self.offsets[-1])
         if len(vocab) > np.iinfo(np.int16).max:
             raise ValueError(f"soft targets store draft-vocabulary rows as int16: {len(vocab)} rows do not fit")
-        self.key = {"records": [r.index for r in records], "k": k,
-                    "vocab": zlib.crc32(np.asarray(vocab, np.int64).tobytes()), "tokens": tokens}
-        self.meta = work / "soft.json"
-        paths = work / "soft_rows.i16", work / "soft_probs.f16"
-        work.mkdir(parents=True, exist_ok=True)
-        meta = json.loads(self.meta.read_text()) if self.meta.exists() else None
-        if meta is None or meta["key"] != self.key:
-            for path in paths:
-                with path.open("wb") as f:
-                    f.truncate(tokens * k * 2)
-            self._write_meta(0)
-        self.rows = np.memmap(paths[0], np.int16, "r+", shape=(tokens, k))
-        self.probs = np.memmap(paths[1], np.float16, "r+", shape=(tokens, k))
-
-    def _write_meta(self, done: int) -> None:
-        tmp = self.meta.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": self.key, "done": done}))
-        os.replace(tmp, self.meta)
-
-    @property
-    def done(self) -> int:
-        return json.loads(self.meta.read_text())["done"]
-
-    def mark(self, done: int) -> None:
-        self.rows.flush()
-        self.probs.flush()
-        self._write_meta(done)
+        rows_path, probs_path = work / "soft_rows.i16", work / "soft_probs.f16"
+        self._open(work / "soft.json", {"records": [r.index for r in records], "k": k,
+                                        "vocab": zlib.crc32(np.asarray(vocab, np.int64).tobytes()), "tokens": tokens},
+                   {rows_path: tokens * k * 2, probs_path: tokens * k * 2})
+        self.rows = np.memmap(rows_path, np.int16, "r+", shape=(tokens, k))
+        self.probs = np.memmap(probs_path, np.float16, "r+", shape=(tokens, k))
+        self.arrays = (self.rows, self.probs)
 
     def get(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = self.offsets[i], self.offsets[i + 1]
@@ -333,39 +331,21 @@ def _top_rows(hidden: np.ndarray, norm_w: np.ndarray, eps: float, head: np.ndarr
     return top, np.take_along_axis(p, top, -1)
 
 
-@torch.no_grad()
-def extract_soft_targets(target, records: list[Record], store: SoftTargets, vocab: list[int], report=print) -> None:
+def extract_soft_targets(target, records: list[Record], store: SoftTargets, vocab: list[int]) -> None:
     """The whole target over each record (the exported graph on ONNX Runtime's CPU EP whatever the training device,
     as the features on CPU), then its final norm and the LM head's rows of the draft vocabulary."""
-    import onnxruntime as ort
     from tqdm import tqdm
 
-    from mirror_sd.export.architectures import architecture_of
-    from mirror_sd.export.target_graphs import build_target_graph
     from mirror_sd.partitions.manifest import BOUNDARY
-    from mirror_sd.partitions.spec import SEQLENS, TOTAL_LENGTH, past_key_name, past_value_name
 
-    arch = architecture_of(target.config)
-    facts = arch.model_facts()
-    n_layers = len(target.model.layers)
-    proto = build_target_graph(target, arch, facts, "target_prefix", 0, n_layers)
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = torch.get_num_threads()
-    session = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    empty = np.zeros((1, facts.num_kv_heads, 0, facts.head_dim), np.float32)
+    prefix = _OrtPrefix(target, len(target.model.layers))
     head = target.get_output_embeddings().weight.detach().float().numpy()[np.asarray(vocab)]
     norm_w = target.model.norm.weight.detach().float().numpy()
     eps = float(target.config.rms_norm_eps)
     start = store.done
     with tqdm(total=len(records), initial=start, desc="target soft targets (onnxruntime)", unit="record") as bar:
         for i in range(start, len(records)):
-            ids = records[i].ids
-            feed = {"input_ids": np.asarray(ids, np.int64)[None], SEQLENS: np.array([len(ids) - 1], np.int32),
-                    TOTAL_LENGTH: np.array(len(ids), np.int32)}
-            for layer in range(n_layers):
-                feed[past_key_name(layer)] = feed[past_value_name(layer)] = empty
-            hidden = session.run([BOUNDARY], feed)[0][0]
-            top, p = _top_rows(hidden, norm_w, eps, head, store.k)
+            top, p = _top_rows(prefix(records[i].ids, BOUNDARY), norm_w, eps, head, store.k)
             lo, hi = store.offsets[i], store.offsets[i + 1]
             store.rows[lo:hi], store.probs[lo:hi] = top.astype(np.int16), p.astype(np.float16)
             if (i + 1) % 64 == 0 or i + 1 == len(records):
@@ -640,7 +620,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
         raise SystemExit(f"--soft-targets {soft_targets}: more than the draft vocabulary's {len(vocab)} rows")
     soft = SoftTargets(work, records, vocab, soft_targets) if soft_targets else None
     if soft is not None and soft.done < len(records):
-        extract_soft_targets(target, records, soft, vocab, report=report)
+        extract_soft_targets(target, records, soft, vocab)
     if start_from is not None:
         draft = start_from.train()
     else:
