@@ -62,7 +62,8 @@ def _generate(args: argparse.Namespace) -> int:
     pipe = Pipeline.load(args.bundle, target_device=args.target_device, draft_device=args.draft_device,
                          target_threads=args.target_threads, draft_threads=args.draft_threads,
                          cache_dir=args.cache_dir, target_backend=args.target_backend,
-                         draft_backend=args.draft_backend, max_context=args.max_context)
+                         draft_backend=args.draft_backend, max_context=args.max_context,
+                         huge_pages=args.huge_pages)
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
@@ -291,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-threads", type=int, default=None, help="default: the bundle's plan, else 1")
     g.add_argument("--draft-threads", type=int, default=None, help="default: the bundle's plan, else 1")
     g.add_argument("--cache-dir", default=None, help="OpenVINO compile cache directory for the draft")
+    g.add_argument("--huge-pages", action="store_true",
+                   help="move the loaded weights into huge pages (Linux): steps 4-6%% faster for 1-2.5 s more "
+                        "load, so off for one generation; the Python API and serve have it on")
     g.add_argument("--json", action="store_true", help='print {"token_ids", "text", "stats"} as one JSON object')
     g.set_defaults(func=_generate)
 
