@@ -28,12 +28,12 @@ from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError, ch
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.plan_file import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
 from mirror_sd.runtime.backends import BACKENDS, default_openvino_device
-from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import Drafter
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
+from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.package_reader import OpenedPackage, is_package, open_package
 from mirror_sd.runtime.scheduler import DraftWorker, decode
 from mirror_sd.runtime.stats import GenerationStats, Recorder
