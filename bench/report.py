@@ -98,8 +98,19 @@ def _machine(doc: dict[str, Any]) -> list[str]:
         f"{_sd_threads(t, sm)}; ar at its "
         f"best of 1 and 2 target threads ({doc.get('ar_threads', {}).get('chosen')}); external baselines were given "
         f"{t.get('baselines')} threads; gamma {t.get('gamma')} for sd, mirror and the speculative baselines",
+        *_huge_pages_line(doc.get("huge_pages")),
         f"- elapsed: {doc.get('elapsed_s', 0) / 60:.1f} min", "",
     ]
+
+
+def _huge_pages_line(loads: dict[str, Any] | None) -> list[str]:
+    """The project's pipelines' weights in huge pages (runtime/huge_pages.py), where the run says."""
+    if not loads:
+        return []
+    said = [f"{name} {r['collapsed_mib']} MiB in {r['seconds']:.1f} s" if r and not r.get("skipped")
+            else f"{name} {r['skipped'] if r else 'off'}" for name, r in loads.items()]
+    return ["- the project's weights in huge pages after load (runtime/huge_pages.py; the baselines as their runtimes "
+            "keep them): " + ", ".join(said)]
 
 
 def _targets(doc: dict[str, Any], greedy: dict[str, Any] | None) -> list[str]:

@@ -226,6 +226,9 @@ class Bench:
                                         "draft_runtime": f"{main.draft.backend} {main.draft.device}",
                                         "from": "bundle plan.json" if main.defaults else "runtime defaults"},
                           "baselines": cores, "gamma": self.gamma(main)}
+        # the project's pipelines as loaded (runtime/huge_pages.py): the baselines keep their runtimes' own memory
+        doc["huge_pages"] = {f"ar@{n}t" if p is not main else "main": (vars(p.huge_pages) if p.huge_pages else None)
+                             for n, p in ar_pipes.items()}
         self.sd_pipe = main  # sd's pipeline: set to ar's best target threads below
 
         # ar at 1 and 2 target threads: the faster is the ar every ratio uses

@@ -72,6 +72,10 @@ def test_quick_pipeline_writes_measured_results(bench_run):
     report = (out / "report.md").read_text()
     assert f"{targets['mirror_vs_ar']['measured']:.2f}" in report
     assert "not run" in report and "hf-assisted" in report  # baselines were not requested: said so, not hidden
+    # the project's pipelines say what their load put in huge pages, and the report carries it
+    assert set(doc["huge_pages"]) == {"main", "ar@1t"} or set(doc["huge_pages"]) == {"main", "ar@2t"}
+    assert all(r is not None and r["refused_mib"] >= 0 for r in doc["huge_pages"].values())
+    assert "in huge pages after load" in report
 
     assert doc["ar_threads"]["chosen"] in (1, 2) and set(doc["ar_threads"]["tokens_per_s"]) == {"ar@1t", "ar@2t"}
     assert {"mirror-no-branches", "mirror-no-streaming", "mirror-logit-lens", "mirror-no-overlap",
