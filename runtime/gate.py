@@ -104,9 +104,9 @@ class SpeculationGate:
     # Weight of the newest step in the smoothed tokens and seconds. A speculative step commits 1 to gamma + 1 tokens
     # (sd on the feature draft: 1.87 on average, 1 nearly half the time), so at 0.3 a few 1-token steps in a row
     # pulled the smoothed rate under the target alone's, the gate took the target alone, and its tries, rarer and
-    # rarer, seldom won it back: side by side on the benchmark's 24 prompts (3 runs), sd ran 1.12-1.13x ar with the
-    # gate at 0.3, 1.24-1.32x at 0.1 and 1.26-1.30x speculating at every step (mirror 1.04-1.13x, 1.07-1.21x,
-    # 1.21-1.22x); at 2,048 and 4,096 prompt tokens 0.1 and 0.3 were alike (0.99-1.04x ar). results/README.md
+    # rarer, seldom won it back: side by side on the benchmark's 24 prompts (4 runs), sd ran 1.09-1.13x ar with the
+    # gate at 0.3, 1.15-1.32x at 0.1 and 1.19-1.30x speculating at every step (mirror 1.04-1.13x, 1.07-1.21x,
+    # 1.09-1.22x); at 2,048 and 4,096 prompt tokens 0.1 and 0.3 were alike (0.98-1.05x ar). results/gate-smoothing.json
     smoothing: float = 0.1
     _rates: dict[bool, _Rate] = field(default_factory=lambda: {True: _Rate(), False: _Rate()})
     _skipped_first: bool = False

@@ -90,7 +90,8 @@ def _runs(chunks: set[int]) -> list[tuple[int, int]]:
 
 class NewMemory:
     """Remembers which memory was resident when made; `collapse()` moves what became resident since into huge
-    pages. Best effort: where the kernel refuses (no THP, a kernel before 6.1) it reports so and changes nothing."""
+    pages. Best effort: where the kernel refuses the collapse (THP off, a kernel before 6.1) the report counts it as
+    refused and the pages stay as they were."""
 
     def __init__(self) -> None:
         self._libc = _libc()
