@@ -317,10 +317,14 @@ class _Decoder:
 
 def _recalled(memory: dict[tuple[str, int], GateState] | None, key: tuple[str, int]) -> GateState | None:
     """What a gate learned under `key` (kind, bucket); for a bucket not seen yet, what it learned in the nearest
-    shorter one: the longer the context, the more a wide step costs against a narrow one, so a choice made on
-    shorter contexts is the better first guess than none, and the gate's tries correct it."""
+    shorter one, as a prior (GateState.as_prior): the longer the context, the more a wide step costs against a
+    narrow one, so a choice made on shorter contexts is the better first guess than none, and the first steps at the
+    new length correct it."""
     kind, bucket = key
-    return next((memory[kind, b] for b in range(bucket, -1, -1) if (kind, b) in (memory or {})), None)
+    found = next((b for b in range(bucket, -1, -1) if (kind, b) in (memory or {})), None)
+    if found is None:
+        return None
+    return memory[kind, found] if found == bucket else memory[kind, found].as_prior()
 
 
 def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], cfg: GenerationConfig,

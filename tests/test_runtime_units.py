@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mirror_sd.runtime.draft import plan_branches
-from mirror_sd.runtime.gate import SpeculationGate
+from mirror_sd.runtime.gate import GateState, SpeculationGate
 from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
 from mirror_sd.runtime.messages import ExitCandidates
 from mirror_sd.runtime.prompt_lookup import lookup
@@ -220,6 +220,20 @@ def test_gate_resumes_from_an_earlier_generation():
     assert SpeculationGate.resumed(None).state() == SpeculationGate().state()
 
 
+def test_a_gate_started_from_shorter_contexts_follows_the_new_lengths_costs():
+    """A memory from shorter prompts, where speculating paid (1.8 tokens in 20 ms against 1 in 14.5 ms alone, 40
+    steps each), at a length where a speculative step commits 1 token in 32 ms and the target alone 1 in 19 ms:
+    resumed as a prior the gate speculates once and then keeps to the target alone but for a try; resumed as it
+    was, its 40 steps outweigh the new ones and it speculates on and off for the first dozen steps."""
+    learned = GateState(speculative=(1.8, 0.020, 40), alone=(1.0, 0.0145, 40), explore_every=64, since_explore=3)
+    prior = learned.as_prior()
+    assert prior.speculative == (1.8, 0.020, 1) and prior.alone == (1.0, 0.0145, 1)
+    assert (prior.explore_every, prior.since_explore) == (SpeculationGate().explore_every, 0)
+    as_was = _run_gate(SpeculationGate.resumed(learned), 16, spec=(1, 0.032), alone=(1, 0.019))
+    as_prior = _run_gate(SpeculationGate.resumed(prior), 16, spec=(1, 0.032), alone=(1, 0.019))
+    assert as_prior[0] and sum(as_prior) <= 2 < sum(as_was)
+
+
 def test_gate_keeps_trying_across_generations_shorter_than_its_interval():
     """Generations of 20 steps, each resuming the last one's gate: the slower kind is still tried every 64 steps
     (a count that started over with every generation would never reach 64 again)."""
@@ -243,12 +257,13 @@ def test_gate_state_says_which_kind_was_faster():
 
 
 def test_a_gate_on_a_bucket_not_seen_yet_starts_from_the_nearest_shorter_ones_memory():
-    from mirror_sd.runtime.gate import GateState
+    """A bucket's own memory as it was; a longer bucket's first gate from the nearest shorter one's, as a prior."""
     from mirror_sd.runtime.scheduler import _recalled
 
     short, middle = GateState((1.0, 0.01, 2), (1.0, 0.02, 2), 8), GateState((1.0, 0.03, 2), (1.0, 0.02, 2), 16)
     memory = {("sd", 0): short, ("sd", 2): middle, ("mirror copy", 1): middle}
-    assert [_recalled(memory, ("sd", b)) for b in range(5)] == [short, short, middle, middle, middle]
+    assert ([_recalled(memory, ("sd", b)) for b in range(5)]
+            == [short, short.as_prior(), middle, middle.as_prior(), middle.as_prior()])
     assert _recalled(memory, ("mirror", 3)) is None and _recalled(memory, ("mirror copy", 0)) is None
     assert _recalled(None, ("sd", 1)) is None
 
