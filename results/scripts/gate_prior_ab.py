@@ -72,7 +72,8 @@ for length in lengths:
         per[name] = {"decode_tokens_per_s": decode, "over_ar": decode / ar, "identical_to_ar": identical[name],
                      "runs": stats}
         print(f"{length:>5} {name:<15} {decode:6.1f} tok/s  {decode / ar:.2f}x ar  "
-              f"lookup {sum(s['lookup_steps'] for s in stats):>3}  declined {sum(s['declined_copies'] for s in stats):>3}"
+              f"lookup {sum(s['lookup_steps'] for s in stats):>3}  "
+              f"declined {sum(s['declined_copies'] for s in stats):>3}"
               f"  gated {sum(s['gated_steps'] for s in stats):>3}  accepted/step "
               f"{statistics.mean(s['mean_accepted_tokens'] for s in stats):.2f}", flush=True)
     doc["per_length"][str(length)] = per
