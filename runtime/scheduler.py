@@ -221,8 +221,9 @@ class _Decoder:
         if len(ctx) - self.draft_seen > self.cfg.gamma + 1:
             # More committed tokens than one step commits went by without the draft (steps of the target alone,
             # copied windows): it reads them into its cache first, as it reads a prompt, rather than in the
-            # rollout's row, whose length a static package bounds. Timed apart: the speculation gate charges it to
-            # the steps that skipped the draft, not to this one.
+            # rollout's row, whose length a static package bounds. Timed apart and left out of the gate's timing of
+            # this step: timed with it, the copy gate's alternative looked slow and copies were verified 10x as
+            # often at 4,096 tokens in one run (results/gate-catch-up.json).
             started = time.perf_counter()
             self._wait(self.worker.submit(Warm(tuple(ctx[:-1]), self.take_features())))
             self.catch_up_s = time.perf_counter() - started
