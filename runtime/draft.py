@@ -183,7 +183,7 @@ class DrafterBase:
     the three requests, written once over what a drafter defines:
       _inputs(seq)   the inputs the lane holds for a token sequence (the tokens; a feature draft: all but the first)
       _receive(features, seqs)  take the target's taps sent with a request, and check that they cover `seqs`
-      _read(seq, keep)  feed seq's inputs from `keep` on into the lane (a prompt)
+      _read(seq, keep, window)  feed seq's inputs from `keep` on into the lane (a prompt; _skip_head)
       _roll(bases, shared, rngs, gamma, cancelled)  a batched rollout of gamma tokens continuing every base, row b
                      reading lane slots [0, shared[b]); its rows give `held(lane_tokens, b)` (row b's inputs, lane
                      prefix included) and `lane_kv(b)` (the KV of those past the lane prefix)."""
@@ -206,12 +206,14 @@ class DrafterBase:
         # a draft with an attention window never reads past it: of a longer prompt, only the last window is read
         self.prompt_window = min(PROMPT_WINDOW, engine.facts.attention_window or PROMPT_WINDOW)
 
-    def _skip_head(self, inputs: np.ndarray, keep: int) -> int:
-        """Reading a prompt into a lane that holds no KV yet: of more than prompt_window inputs, hold the head without
-        KV (masked out) and return where reading starts, so that the draft reads the last prompt_window only."""
-        if keep != self.lane.start or inputs.size - keep <= self.prompt_window:
+    def _skip_head(self, inputs: np.ndarray, keep: int, window: int = 0) -> int:
+        """Reading a prompt into a lane that holds no KV yet: of more than prompt_window inputs (or `window`, where it
+        is smaller and not 0), hold the head without KV (masked out) and return where reading starts, so that the
+        draft reads the last ones only."""
+        limit = min(self.prompt_window, window) if window > 0 else self.prompt_window
+        if keep != self.lane.start or inputs.size - keep <= limit:
             return keep
-        start = inputs.size - self.prompt_window
+        start = inputs.size - limit
         self.lane.skip(inputs[keep:start])
         return start
 
@@ -260,13 +262,14 @@ class DrafterBase:
         return keep
 
     # -- requests ------------------------------------------------------------------------------------------
-    def warm(self, context: tuple[int, ...], features: Features = ()) -> int:
-        """Read `context` into the lane (the prompt); returns the inputs fed."""
+    def warm(self, context: tuple[int, ...], features: Features = (), window: int = 0) -> int:
+        """Read `context` into the lane (the prompt); returns the inputs fed. window > 0: into an empty lane, read at
+        most the last `window` inputs (fewer than the prompt window)."""
         seq = np.asarray(context, np.int64)
         self._receive(features, (seq,))
         inputs = self._inputs(seq)
         keep = self._take(inputs, keep_last=False)
-        self._read(seq, keep)
+        self._read(seq, keep, window)
         return int(inputs.size - max(keep, self.lane.start))  # a long prompt's unread head is not fed
 
     def rollout(self, context: tuple[int, ...], gamma: int, features: Features = ()) -> DraftWindow:
@@ -322,10 +325,11 @@ class Drafter(DrafterBase):
     def _receive(self, features: Features, seqs: tuple[np.ndarray, ...]) -> None:
         """A token draft reads no taps (the scheduler sends none)."""
 
-    def _read(self, seq: np.ndarray, keep: int) -> None:
-        """Feed seq[keep:] into the lane in chunks (a prompt; of a long one, the last prompt_window tokens)."""
+    def _read(self, seq: np.ndarray, keep: int, window: int = 0) -> None:
+        """Feed seq[keep:] into the lane in chunks (a prompt; of a long one, the last prompt_window tokens, or
+        `window`: _skip_head)."""
         chunk = self.engine.prompt_chunk
-        for lo in range(self._skip_head(seq, keep), seq.size, chunk):
+        for lo in range(self._skip_head(seq, keep, window), seq.size, chunk):
             part = seq[None, lo:lo + chunk]
             mask = np.ones(part.shape, np.int64)
             own = self.engine.empty_own(1)

@@ -143,11 +143,11 @@ class FeatureDrafter(DrafterBase):
                 raise FeatureGapError(f"a {seq.size}-token sequence needs taps of {seq.size - 1} positions, "
                                       f"{self.store.valid_for(seq)} are known")
 
-    def _read(self, seq: np.ndarray, keep: int) -> None:
+    def _read(self, seq: np.ndarray, keep: int, window: int = 0) -> None:
         """Feed inputs keep+1 .. n-1 of seq (real taps) into the lane, in chunks; no heads are read. Of a long
         prompt, the last prompt_window inputs only."""
         chunk = self.engine.prompt_chunk
-        for lo in range(self._skip_head(self._inputs(seq), keep) + 1, seq.size, chunk):
+        for lo in range(self._skip_head(self._inputs(seq), keep, window) + 1, seq.size, chunk):
             hi = min(lo + chunk, seq.size)
             x = seq[None, lo:hi]
             mask = np.ones(x.shape, np.int64)

@@ -74,6 +74,9 @@ class Warm:
 
     context: tuple[int, ...]
     features: Features = ()
+    # > 0: of a context the draft holds nothing of yet, read at most the last `window` inputs (a speculative try
+    # after steps of the target alone: runtime/scheduler.py TRY_PROMPT_WINDOW); 0: the drafter's prompt window
+    window: int = 0
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,16 @@ from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import PREFILL_CHUNK, Boundary, Target, TargetCache
 from mirror_sd.runtime.verify import verify
 
+# The most prompt inputs the draft reads before a speculative try in a generation whose gate memory preferred the
+# target alone (the draft skipped the prompt then): a try there is a bet that rarely pays, and the feature draft's
+# usual 256 inputs were the main part of what sd and mirror waited for the draft at long prompts. Side by side
+# (results/try-window.json, 3 prompts per length): the draft wait over 3 generations went 0.49 -> 0.24 s (sd) and
+# 0.30 -> 0.15 s (mirror) at 4,096 prompt tokens, 0.24 -> 0.13 s and 0.23 -> 0.10 s at 2,048; decode over ar moved
+# within that run's noise. A draft that read 64 inputs drafts a little worse for the rest of that generation (full
+# windows: 1.43 against 1.53 tokens per step at 4,096 prompt tokens, 1.54 against 1.58 at 2,048;
+# results/scripts/prompt_window_acceptance.py).
+TRY_PROMPT_WINDOW = 64
+
 Request = Union[Warm, Rollout, Branches]
 Answer = Union[Warmed, DraftWindow, BranchSet, DraftFailed]
 
@@ -66,7 +76,7 @@ def _serve(drafter: DrafterBase, request: Request, cancelled) -> Answer:
     try:
         # every request carries the target's taps sent since the last one (a feature draft's; else none)
         if isinstance(request, Warm):
-            return Warmed(drafter.warm(request.context, request.features))
+            return Warmed(drafter.warm(request.context, request.features, request.window))
         if isinstance(request, Rollout):
             return drafter.rollout(request.context, request.gamma, request.features)
         return drafter.branches(request.candidates, request.plan, request.gamma, cancelled, request.features)
@@ -224,8 +234,10 @@ class _Decoder:
             # rollout's row, whose length a static package bounds. Timed apart and left out of the gate's timing of
             # this step: timed with it, the copy gate's alternative looked slow and copies were verified 10x as
             # often at 4,096 tokens in one run (results/gate-catch-up.json).
+            # a draft that skipped the prompt (the gate preferred the target alone) reads only its last inputs
+            window = TRY_PROMPT_WINDOW if self.draft_seen == 0 else 0
             started = time.perf_counter()
-            self._wait(self.worker.submit(Warm(tuple(ctx[:-1]), self.take_features())))
+            self._wait(self.worker.submit(Warm(tuple(ctx[:-1]), self.take_features(), window)))
             self.catch_up_s = time.perf_counter() - started
         self.draft_seen = len(ctx)
         answer = self._wait(self.worker.submit(Rollout(tuple(ctx), gamma, self.take_features())))

@@ -118,6 +118,41 @@ def test_a_draft_reading_only_the_prompts_tail_keeps_output_identical(pipelines,
     drafter = draft.Drafter(pipe.draft, pipe.generation_config.params)
     assert drafter.warm(tuple(prompt)) == 6  # inputs fed: the last 6
     assert (drafter.lane.start, drafter.lane.length) == (34, 40)
+    drafter = draft.Drafter(pipe.draft, pipe.generation_config.params)
+    assert drafter.warm(tuple(prompt), window=4) == 4  # a smaller window asked for: the last 4
+    assert (drafter.lane.start, drafter.lane.length) == (36, 40)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_try_after_a_skipped_prompt_reads_only_its_tail(pipelines, arch, monkeypatch):
+    """Where the gate's memory prefers the target alone, the draft skips the prompt; the first speculative try then
+    has it read at most TRY_PROMPT_WINDOW of it (4 here), and the output stays the target's."""
+    import mirror_sd.runtime.draft as draft
+    import mirror_sd.runtime.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "TRY_PROMPT_WINDOW", 4)
+    reads = []
+    warm = draft.DrafterBase.warm
+
+    def spy(self, context, features=(), window=0):
+        fed = warm(self, context, features, window)
+        reads.append((len(context), window, fed))
+        return fed
+
+    monkeypatch.setattr(draft.DrafterBase, "warm", spy)
+    pipe = pipelines(arch)
+    prompt = [(7 * i + 3) % 250 + 4 for i in range(40)]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    for mode in ("sd", "mirror"):
+        reads.clear()
+        # the target alone measured 1,000x faster; the next step is a try of speculation (interval 2, 1 step since)
+        pipe._gate_memory.clear()
+        pipe._gate_memory[mode, 0] = GateState(speculative=(1.0, 1.0, 5), alone=(1.0, 0.001, 5), explore_every=2,
+                                               since_explore=1)
+        out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, overlap=False, prompt_lookup_num_tokens=0)
+        assert out.token_ids == ar.token_ids, mode
+        assert out.stats["proposed_tokens"] > 0 and out.stats["gated_steps"] >= 1
+        assert reads and reads[0][1] == 4 and reads[0][2] <= 4, (mode, reads)  # the try read the prompt's tail only
 
 
 def _record_gate_resumes(monkeypatch) -> list:

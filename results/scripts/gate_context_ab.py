@@ -1,17 +1,20 @@
 """The speculation and copy gates over growing contexts, two ways of running them side by side in one process on the
-feature bundle (2026-11-26, at commit 26c84ac):
+feature bundle (2026-11-26; `prior` and `catch-up` at commit 26c84ac, `try-window` at the commit that added
+scheduler.TRY_PROMPT_WINDOW):
 
 - `prior` (results/gate-prior.json): each longer bucket's first gate starting from the nearest shorter bucket's
   memory as it was ("carried", the runtime before GateState.as_prior) or as a prior ("prior", the runtime now).
 - `catch-up` (results/gate-catch-up.json): a speculative step after steps of the target alone first lets the draft
   read what it skipped (scheduler.fresh_window: after a generation whose gate memory preferred the target alone, the
   prompt's last 256 inputs); "uncharged" times the step without that wait (the runtime), "charged" with it.
+- `try-window` (results/try-window.json): that read of a skipped prompt before a try at most 256 inputs (the feature
+  draft's prompt window, "try-256") or 64 ("try-64", the runtime now: scheduler.TRY_PROMPT_WINDOW).
 
 It follows the context benchmark (bench/context.py): lengths in increasing order, at each one a warm-up generation of
 8 new tokens per method, then REPEATS prompts of real text, 32 new tokens, the order of the methods rotating per
 prompt. Each arm keeps its own gate memory across the lengths, as a pipeline does across a benchmark's prompts.
 
-python results/scripts/gate_context_ab.py prior|catch-up LENGTHS REPEATS OUT
+python results/scripts/gate_context_ab.py prior|catch-up|try-window LENGTHS REPEATS OUT
 e.g. `prior 64,2048,4096 3 results/gate-prior.json`
 """
 import json
@@ -26,6 +29,7 @@ from mirror_sd.runtime.pipeline import Pipeline
 
 NEW = 32
 recalled_now, fresh_window = scheduler._recalled, scheduler._Decoder.fresh_window
+try_window = getattr(scheduler, "TRY_PROMPT_WINDOW", 0)  # 0: read the drafter's whole prompt window
 
 
 def recalled_carried(memory, key):
@@ -41,16 +45,22 @@ def charged_fresh_window(self, ctx, gamma):
     return window
 
 
-# arm -> (mode, scheduler._recalled, scheduler._Decoder.fresh_window)
-ARMS = {"prior": {"ar": ("ar", recalled_now, fresh_window),
-                  "sd-carried": ("sd", recalled_carried, fresh_window), "sd-prior": ("sd", recalled_now, fresh_window),
-                  "mirror-carried": ("mirror", recalled_carried, fresh_window),
-                  "mirror-prior": ("mirror", recalled_now, fresh_window)},
-        "catch-up": {"ar": ("ar", recalled_now, fresh_window),
-                     "sd-uncharged": ("sd", recalled_now, fresh_window),
-                     "sd-charged": ("sd", recalled_now, charged_fresh_window),
-                     "mirror-uncharged": ("mirror", recalled_now, fresh_window),
-                     "mirror-charged": ("mirror", recalled_now, charged_fresh_window)}}
+# arm -> (mode, scheduler._recalled, scheduler._Decoder.fresh_window, scheduler.TRY_PROMPT_WINDOW)
+ARMS = {"prior": {"ar": ("ar", recalled_now, fresh_window, try_window),
+                  "sd-carried": ("sd", recalled_carried, fresh_window, try_window),
+                  "sd-prior": ("sd", recalled_now, fresh_window, try_window),
+                  "mirror-carried": ("mirror", recalled_carried, fresh_window, try_window),
+                  "mirror-prior": ("mirror", recalled_now, fresh_window, try_window)},
+        "catch-up": {"ar": ("ar", recalled_now, fresh_window, try_window),
+                     "sd-uncharged": ("sd", recalled_now, fresh_window, try_window),
+                     "sd-charged": ("sd", recalled_now, charged_fresh_window, try_window),
+                     "mirror-uncharged": ("mirror", recalled_now, fresh_window, try_window),
+                     "mirror-charged": ("mirror", recalled_now, charged_fresh_window, try_window)},
+        "try-window": {"ar": ("ar", recalled_now, fresh_window, 64),
+                       "sd-try-256": ("sd", recalled_now, fresh_window, 256),
+                       "sd-try-64": ("sd", recalled_now, fresh_window, 64),
+                       "mirror-try-256": ("mirror", recalled_now, fresh_window, 256),
+                       "mirror-try-64": ("mirror", recalled_now, fresh_window, 64)}}
 KEYS = ("draft_wait_s", "mean_accepted_tokens", "target_steps", "proposed_tokens", "accepted_tokens", "gated_steps",
         "lookup_steps", "declined_copies", "fresh_rollouts")
 
@@ -61,7 +71,7 @@ memories = {name: {} for name in arms}
 
 
 def run(name, ids, n):
-    mode, scheduler._recalled, scheduler._Decoder.fresh_window = arms[name]
+    mode, scheduler._recalled, scheduler._Decoder.fresh_window, scheduler.TRY_PROMPT_WINDOW = arms[name]
     pipe._gate_memory = memories[name]
     start = time.perf_counter()
     r = pipe.generate(ids, mode=mode, max_new_tokens=n, temperature=0.0)
