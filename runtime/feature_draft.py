@@ -145,7 +145,7 @@ class FeatureDrafter(DrafterBase):
 
     def _read(self, seq: np.ndarray, keep: int, window: int = 0) -> None:
         """Feed inputs keep+1 .. n-1 of seq (real taps) into the lane, in chunks; no heads are read. Of a long
-        prompt, the last prompt_window inputs only."""
+        prompt, the last prompt_window inputs only (or `window`: _skip_head)."""
         chunk = self.engine.prompt_chunk
         for lo in range(self._skip_head(self._inputs(seq), keep, window) + 1, seq.size, chunk):
             hi = min(lo + chunk, seq.size)
