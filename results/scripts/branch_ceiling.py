@@ -62,10 +62,22 @@ def _exit_prob(step, r):
     return math.exp(lps[hit[0]]) if hit.size else math.exp(lps[3])
 
 
-# P(window token r accepted), as each way of scoring estimates it. plan_branches floors the exit probability at the
-# generation's running acceptance ((accepted + 1) / (proposed + 2), 0.2-0.4 here): 0.3 stands for it offline.
-ACCEPT = {"plan_branches (exit probability, floor 0.3)": lambda s, r: max(_exit_prob(s, r), 0.3),
-          "exit probability": _exit_prob,
+# plan_branches floors a window token's exit probability at the generation's running acceptance ((accepted + 1) /
+# (proposed + 2), 0.2-0.4 here): 0.3 stands for it offline.
+FLOOR = 0.3
+
+
+def runtime_plan(step, budget, kappa):
+    """runtime/draft.py plan_branches itself, on the step's exit candidates cut to kappa."""
+    from mirror_sd.runtime.draft import plan_branches
+    from mirror_sd.runtime.messages import ExitCandidates
+
+    c = ExitCandidates((), tuple(step["window"]), np.array(step["ids"])[:, :kappa], np.array(step["lps"])[:, :kappa])
+    return set(plan_branches(c, kappa, budget, FLOOR))
+
+
+# P(window token r accepted), as other ways of scoring estimate it
+ACCEPT = {"exit probability": _exit_prob,
           "draft probability": lambda s, r: s["q"][r],
           "mean of draft and exit probabilities": lambda s, r: 0.5 * (s["q"][r] + _exit_prob(s, r))}
 
@@ -95,8 +107,8 @@ def plan(step, budget, kappa, accept, proper):
 def summarise(steps, vocab) -> dict:
     rejected = [s for s in steps if s["A"] < len(s["window"])]
 
-    def rejected_hits(budget, kappa, accept, proper):
-        return float(np.mean([(s["A"], s["c"]) in plan(s, budget, kappa, accept, proper) for s in rejected]))
+    def rejected_hits(planner):
+        return float(np.mean([(s["A"], s["c"]) in planner(s) for s in rejected]))
 
     doc = {"steps": len(steps), "rejected_steps": len(rejected),
            "tokens_per_step": float(np.mean([s["A"] + 1 for s in steps])),
@@ -105,10 +117,11 @@ def summarise(steps, vocab) -> dict:
            "exit_coverage_of_correction": {f"top{k}": float(np.mean([s["c"] in s["ids"][s["A"]][:k]
                                                                      for s in rejected])) for k in (1, 2, 4, 8)},
            "plan_branches_rejected_hit_rate": {
-               f"budget {b}, kappa {k}": rejected_hits(b, k, ACCEPT["plan_branches (exit probability, floor 0.3)"],
-                                                       False) for b, k in ((4, 4), (8, 4), (8, 8), (16, 8))},
-           "other_scores_budget_4_kappa_4": {f"{name}{', proper' if proper else ''}": rejected_hits(4, 4, a, proper)
-                                             for name, a in ACCEPT.items() for proper in (False, True)}}
+               f"budget {b}, kappa {k}": rejected_hits(lambda s, b=b, k=k: runtime_plan(s, b, k))
+               for b, k in ((4, 4), (8, 4), (8, 8), (16, 8))},
+           "other_scores_budget_4_kappa_4": {
+               f"{name}{', proper' if proper else ''}": rejected_hits(lambda s, a=a, p=proper: plan(s, 4, 4, a, p))
+               for name, a in ACCEPT.items() for proper in (False, True)}}
     return doc
 
 
