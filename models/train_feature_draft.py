@@ -26,6 +26,7 @@ Records with index % HOLD_OUT == 0 are never trained on. Uses CUDA when torch se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -47,6 +48,7 @@ from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
 HOLD_OUT = answers_file.HOLD_OUT  # every 20th record is held out
 DEFAULT_TAPS = (5, 10, 15)
 REFRESH_DROPS = ("least-used", "tail")  # which tokens a vocabulary refresh swaps out (refreshed_vocab)
+FEATURE_MODES = ("auto", "stored", "online")  # run(features=...)
 STEP_DECAY = 0.8  # loss weight of draft step k: STEP_DECAY ** k (later tokens matter only if earlier ones land)
 
 
@@ -146,6 +148,16 @@ def refreshed_vocab(vocab: list[int], train: list[Record], n: int, keep: list[in
     return [t for t in vocab if t not in dropped] + new
 
 
+def extended_vocab(vocab: list[int], train: list[Record], n: int) -> list[int]:
+    """`vocab` and, after it, the n most frequent answer tokens of `train` it lacks (a draft that reads a larger
+    vocabulary keeps every row it had)."""
+    counts = Counter()
+    for r in train:
+        counts.update(r.ids[r.labels].tolist())
+    have = set(vocab)
+    return list(vocab) + [t for t, _ in counts.most_common() if t not in have][:n]
+
+
 def coverage(records: list[Record], vocab: list[int]) -> float:
     answer = np.concatenate([r.ids[r.labels] for r in records])
     return float(np.isin(answer, vocab).mean())
@@ -201,6 +213,23 @@ class FeatureStore(_MappedStore):
 
     def get(self, i: int) -> np.ndarray:
         return self.array[self.offsets[i]: self.offsets[i + 1]]
+
+
+class OnlineFeatures:
+    """The target's tap features computed batch by batch on the training device instead of stored: on a GPU the
+    target's layers up to the deepest tap cost less than reading them back (every committed answers file at once is
+    about 9M tokens, 32 GB of fp16 features for three taps). Stands where a FeatureStore does in `_tensors`."""
+
+    def __init__(self, target, taps: list[int]) -> None:
+        self.taps, self.width = list(taps), target.config.hidden_size
+        self.captured, self.handles = _tap_model(target, self.taps)
+        self.model = target.model
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B,W] (right-padded: causal attention keeps the real positions exact) -> taps [B,W,n_taps,d]."""
+        self.model(input_ids=ids, use_cache=False)
+        return torch.stack([self.captured[t] for t in self.taps], 2).float()
 
 
 def _tap_model(target, taps: list[int]):
@@ -374,17 +403,20 @@ def _batches(order: list[int], records: list[Record], tokens_per_batch: int, rng
     return out
 
 
-def _tensors(batch: list[int], records: list[Record], store: FeatureStore, device: str):
+def _tensors(batch: list[int], records: list[Record], store: FeatureStore | OnlineFeatures, device: str):
     width = max(len(records[i].ids) for i in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     labels = torch.zeros(len(batch), width, dtype=torch.bool)
-    taps = torch.zeros(len(batch), width, len(store.taps), store.width)
+    online = isinstance(store, OnlineFeatures)
+    taps = None if online else torch.zeros(len(batch), width, len(store.taps), store.width)
     for n, i in enumerate(batch):
         r = records[i]
         ids[n, : len(r.ids)] = torch.from_numpy(r.ids)
         labels[n, : len(r.ids)] = torch.from_numpy(r.labels)
-        taps[n, : len(r.ids)] = torch.from_numpy(np.asarray(store.get(i), np.float32))
-    return ids.to(device), labels.to(device), taps.to(device)
+        if not online:
+            taps[n, : len(r.ids)] = torch.from_numpy(np.asarray(store.get(i), np.float32))
+    ids = ids.to(device)
+    return ids, labels.to(device), store(ids) if online else taps.to(device)
 
 
 def _soft_tensors(batch: list[int], records: list[Record], soft: SoftTargets, device: str):
@@ -426,7 +458,8 @@ def ttt_loss(draft: FeatureDraft, taps, ids, labels, steps: int, noise: float, s
     return total / weight, accs
 
 
-def train(draft: FeatureDraft, records: list[Record], order: list[int], store: FeatureStore, work: Path, *,
+def train(draft: FeatureDraft, records: list[Record], order: list[int], store: FeatureStore | OnlineFeatures,
+          work: Path, *,
           epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float, device: str, seed: int,
           max_minutes: float | None, budget_minutes: float | None = None, soft: SoftTargets | None = None,
           soft_weight: float = 0.5, report=print) -> dict:
@@ -450,6 +483,8 @@ def train(draft: FeatureDraft, records: list[Record], order: list[int], store: F
             done, spent = state["done"], state.get("seconds", 0.0)
             report(f"resuming training at batch {done} of {len(plan)}")
     draft.train()
+    # on a GPU the draft trains in bf16 autocast (fp32 weights and optimizer); on CPU in fp32, as it always did
+    autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
     run_start = last_save = time.monotonic()
     start = run_start - spent  # the training's start, counting the time spent before a resume
     budget = budget_minutes * 60 if budget_minutes else math.inf
@@ -465,7 +500,8 @@ def train(draft: FeatureDraft, records: list[Record], order: list[int], store: F
                 group["lr"] = lr * min(1.0, (b + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
             ids, labels, taps = _tensors(plan[b], records, store, device)
             soft_batch = _soft_tensors(plan[b], records, soft, device) if soft is not None else None
-            loss, accs = ttt_loss(draft, taps, ids, labels, steps, noise, soft_batch, soft_weight)
+            with autocast:
+                loss, accs = ttt_loss(draft, taps, ids, labels, steps, noise, soft_batch, soft_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -492,7 +528,8 @@ def train(draft: FeatureDraft, records: list[Record], order: list[int], store: F
 
 
 @torch.no_grad()
-def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore, indices: list[int], gamma: int,
+def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore | OnlineFeatures, indices: list[int],
+             gamma: int,
              device: str) -> dict:
     """From every answer position whose next gamma tokens are all answer tokens: the number of leading drafted
     tokens equal to the target's (the draft fed its own features and, while it is right, the right tokens: the
@@ -559,14 +596,23 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
         max_minutes: float | None, eval_records: int, budget_minutes: float | None = None, seed: int = 0,
         init_from: Path | None = None, max_prompts: int | None = None,
         prompt_ranges: list[tuple[int, int | None]] | None = None, refresh_vocab: int = 0,
-        refresh_drop: str = "least-used", soft_targets: int = 0, soft_weight: float = 0.5, report=print) -> dict:
+        refresh_drop: str = "least-used", soft_targets: int = 0, soft_weight: float = 0.5, extend_vocab: int = 0,
+        features: str = "auto", device: str | None = None, report=print) -> dict:
     """All stages; returns the summary (also written as training.json beside the weights at `out`). init_from: go on
     training a saved feature draft (its vocabulary is kept, and its taps unless `taps` names others; use a fresh
-    `work` for its checkpoints)."""
+    `work` for its checkpoints). extend_vocab: with init_from, append the N most frequent answer tokens of the
+    training records its vocabulary lacks (their head rows start as the target's LM head rows). features: "stored"
+    (memory-mapped under `work`, the CPU way), "online" (recomputed per batch, OnlineFeatures) or "auto" (online on
+    CUDA). device: "cuda" where torch sees a GPU, else "cpu", unless named."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if features not in FEATURE_MODES:
+        raise ValueError(f"features {features!r}: one of {', '.join(FEATURE_MODES)}")
     torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    online = features == "online" or (features == "auto" and device == "cuda")
+    if device == "cuda":  # the target's features in TF32, near its fp32 (the stored ones are fp16)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     t0 = time.monotonic()
     records = load_records(answers, max_len, max_prompts, prompt_ranges)
     train_set, held = split(records)
@@ -595,10 +641,17 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
             start_from = start_from.with_vocab(vocab, target.get_output_embeddings().weight)
             report(f"vocabulary refreshed: {refresh_vocab} tokens swapped; held-out answer tokens covered "
                    f"{before:.1%} -> {coverage(held, vocab):.1%}")
+        if extend_vocab:
+            before = coverage(held, vocab)
+            vocab = extended_vocab(vocab, train_set, extend_vocab)
+            start_from = start_from.with_vocab(vocab, target.get_output_embeddings().weight)
+            report(f"vocabulary extended to {len(vocab)} tokens; held-out answer tokens covered "
+                   f"{before:.1%} -> {coverage(held, vocab):.1%}")
         vocab_path.write_text(json.dumps({"size": vocab_size, "ids": vocab}))
     else:
-        if refresh_vocab:
-            raise SystemExit("--refresh-vocab swaps tokens of a trained draft's vocabulary: it needs --init-from")
+        if refresh_vocab or extend_vocab:
+            raise SystemExit("--refresh-vocab and --extend-vocab change a trained draft's vocabulary: they need "
+                             "--init-from")
         taps = list(taps or DEFAULT_TAPS)
         if vocab_path.exists() and json.loads(vocab_path.read_text())["size"] == vocab_size:
             vocab = json.loads(vocab_path.read_text())["ids"]
@@ -613,21 +666,24 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
            f"{sum(len(r.ids) for r in train_set)} in all), {len(held)} held out; held-out answer tokens covered "
            "by the top-N vocabulary: " + ", ".join(f"{n}: {c:.1%}" for n, c in cover.items()))
 
-    store = FeatureStore(work, records, taps, target.config.hidden_size)
-    if store.done < len(records):
-        extract_features(target, records, store, device, report=report)
+    if not online:
+        store = FeatureStore(work, records, taps, target.config.hidden_size)
+        if store.done < len(records):
+            extract_features(target, records, store, device, report=report)
     if soft_targets > len(vocab):
         raise SystemExit(f"--soft-targets {soft_targets}: more than the draft vocabulary's {len(vocab)} rows")
     soft = SoftTargets(work, records, vocab, soft_targets) if soft_targets else None
     if soft is not None and soft.done < len(records):
         extract_soft_targets(target, records, soft, vocab)
+    if online:  # after the soft targets: it cuts the target to its layers up to the deepest tap
+        store = OnlineFeatures(target, taps)
     if start_from is not None:
         draft = start_from.train()
     else:
         draft = FeatureDraft(FeatureDraftConfig.for_target(target.config, vocab, taps))
         draft.init_from_target(target)
     draft.to(device)
-    del target
+    del target  # online features keep only the layers up to the deepest tap (OnlineFeatures)
     result = train(draft, records, list(range(len(train_set))), store, work, epochs=epochs, steps=steps, lr=lr,
                    tokens_per_batch=tokens_per_batch, noise=noise, device=device, seed=seed,
                    max_minutes=max_minutes, budget_minutes=budget_minutes, soft=soft, soft_weight=soft_weight,
@@ -641,13 +697,15 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
            + "/".join(f"{a:.2f}" for a in metrics["alpha_per_step"]))
     summary = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
                "minutes": round((time.monotonic() - t0) / 60, 1), "records": len(train_set),
-               "answer_tokens": answer_tokens, "held_out_records": len(held), "vocab_size": vocab_size,
+               "answer_tokens": answer_tokens, "held_out_records": len(held), "vocab_size": len(vocab),
                "vocab_coverage_held_out": cover, "taps": taps, "epochs": epochs, "steps": steps, "lr": lr,
                "noise": noise, "continued_from": str(init_from) if init_from else None,
                "data": [{"file": str(path), "prompts": list(rng)} for path, rng in
                         zip(answers, file_ranges(answers, max_prompts, prompt_ranges))],
                "vocab_refreshed": refresh_vocab, "vocab_refresh_drop": refresh_drop if refresh_vocab else None,
                "soft_targets": soft_targets, "soft_weight": soft_weight if soft_targets else None,
+               "vocab_extended": extend_vocab, "features": "online (recomputed per batch)" if online else "stored fp16",
+               "tokens_per_batch": tokens_per_batch,
                "train": result,
                "held_out": metrics}
     if out is not None:
@@ -757,6 +815,11 @@ def main(argv: list[str] | None = None) -> int:
                              "rows (a pass of the whole target; 0: hard targets only)")
     parser.add_argument("--soft-weight", type=float, default=0.5,
                         help="with --soft-targets: the soft loss's share (the hard loss gets the rest)")
+    parser.add_argument("--extend-vocab", type=int, default=0, metavar="N",
+                        help="with --init-from: append the N most frequent answer tokens of this data that the "
+                             "draft's vocabulary lacks (head rows from the target's LM head)")
+    parser.add_argument("--features", choices=FEATURE_MODES, default="auto",
+                        help="the target's features stored under --work (CPU) or recomputed per batch (auto: on CUDA)")
     parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="DRAFT",
                         help="train nothing: evaluate these saved drafts on the same held-out records of each "
                              "answers file (--eval-records per file) and write the figures to --compare-out")
@@ -766,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     error = input_error([args.target, *args.answers, *(args.compare or [])], args.prompt_range, args.answers,
                         "answers files")
+    if not error and args.extend_vocab < 0:
+        error = f"--extend-vocab {args.extend_vocab}: N >= 0"
     if not error and (args.soft_targets < 0 or not 0.0 <= args.soft_weight <= 1.0):
         error = f"--soft-targets {args.soft_targets} / --soft-weight {args.soft_weight}: K >= 0, weight in [0, 1]"
     if error:
@@ -784,7 +849,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens_per_batch=args.tokens_per_batch, noise=args.noise, max_minutes=args.max_minutes,
         budget_minutes=args.budget_minutes, eval_records=args.eval_records, init_from=args.init_from,
         max_prompts=args.max_prompts, prompt_ranges=args.prompt_range, refresh_vocab=args.refresh_vocab,
-        refresh_drop=args.refresh_drop, soft_targets=args.soft_targets, soft_weight=args.soft_weight)
+        refresh_drop=args.refresh_drop, soft_targets=args.soft_targets, soft_weight=args.soft_weight,
+        extend_vocab=args.extend_vocab, features=args.features)
     return 0
 
 

@@ -181,6 +181,55 @@ def test_soft_targets_are_the_targets_next_token_distribution_and_train(tmp_path
     assert hits >= 0.95 * total
 
 
+def test_online_features_are_the_stored_ones_and_train(tmp_path):
+    """features="online" (the GPU way: the target's tap layers rerun per batch, nothing stored) gives the draft the
+    features the stored path does, up to their fp16 storage, and a run with them trains and evaluates; the summary
+    says which it used."""
+    target, target_dir, data = _target_with_answers(tmp_path, n=12)
+    kwargs = {"taps": [1, 2], "vocab_size": 300, "max_len": 64, "epochs": 3, "steps": 2, "lr": 3e-3,
+              "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "max_minutes": None,
+              "report": lambda _line: None}
+    stored = tfd.run(target_dir, [data], tmp_path / "work", tmp_path / "stored", features="stored", **kwargs)
+    online = tfd.run(target_dir, [data], tmp_path / "work-online", tmp_path / "online", features="online", **kwargs)
+    assert online["features"].startswith("online") and stored["features"] == "stored fp16"
+    assert not (tmp_path / "work-online" / "features.f16").exists()
+    assert online["train"]["finished"] and online["held_out"]["tokens_per_step"] >= 1.0
+    assert online["held_out"]["bases"] == stored["held_out"]["bases"]
+    records = tfd.load_records([data], max_len=64)
+    train, held = tfd.split(records)
+    store = tfd.FeatureStore(tmp_path / "work", train + held, [1, 2], 64)
+    live = tfd.OnlineFeatures(_tiny_target(layers=3), [1, 2])
+    for i in (0, len(train)):  # a padded batch of two records of different lengths: padding changes nothing
+        ids, _, taps = tfd._tensors([i, 1], train + held, live, "cpu")
+        n = len((train + held)[i].ids)
+        np.testing.assert_allclose(taps[0, :n].numpy(), store.get(i).astype(np.float32), atol=2e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="one of"):
+        tfd.run(target_dir, [data], tmp_path / "bad", None, features="cached", **kwargs)
+
+
+def test_an_extended_vocabulary_keeps_every_trained_row_and_adds_the_most_frequent_missing_tokens(tmp_path):
+    """--extend-vocab N: the draft's vocabulary, then the N most frequent answer tokens it lacks; a continued run
+    starts with every trained head row in place and the new rows from the target's LM head."""
+    target = _tiny_target()
+    old = list(range(0, 300, 2))
+    rec = tfd.Record(1, np.array([7, 7, 7, 9, 9, 3, 2], np.int64), np.array([1, 1, 1, 1, 1, 1, 0], bool))
+    assert tfd.extended_vocab(old, [rec], 2) == old + [7, 9]
+    assert tfd.extended_vocab(old, [rec], 10) == old + [7, 9, 3]  # no more than the data has
+    _, target_dir, data = _target_with_answers(tmp_path, n=12)
+    kwargs = {"taps": [1, 2], "vocab_size": 300, "max_len": 64, "epochs": 1, "steps": 2, "lr": 3e-3,
+              "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "max_minutes": None,
+              "report": lambda _line: None}
+    draft = _draft(target)
+    draft.save(tmp_path / "start")
+    more = tfd.run(target_dir, [data], tmp_path / "work", tmp_path / "more", init_from=tmp_path / "start",
+                   extend_vocab=20, **{**kwargs, "taps": None})
+    grown = FeatureDraft.load(tmp_path / "more", target.get_input_embeddings().weight)
+    assert grown.config.vocab_ids[: len(old)] == old and len(old) < len(grown.config.vocab_ids) <= len(old) + 20
+    assert more["vocab_size"] == len(grown.config.vocab_ids) and more["vocab_extended"] == 20
+    with pytest.raises(SystemExit, match="need --init-from"):
+        tfd.run(target_dir, [data], tmp_path / "work2", None, extend_vocab=4, **kwargs)
+
+
 def test_the_walk_takes_the_steps_sd_takes():
     """From a base sd commits the accepted tokens and the target's own, and its next step starts after them: an easy
     stretch counts once, not once per position (the mean over every base counts it at each)."""
