@@ -1,0 +1,33 @@
+"""The target's greedy answers to the benchmark's prompts (bench/prompts.py) as an answers file (models/answers.py
+format), so that `train_feature_draft --compare` measures saved drafts on them offline: the prompt set `make bench`
+times, which no draft trains on. Every record's index is a multiple of HOLD_OUT, so every one is a held-out record.
+Multi-turn prompts carry their hand-written first reply; only the target's last answer is an answer span.
+
+python results/scripts/bench_answers.py build/bundles/smollm2-feature 10 96 build/gpu/bench-answers.jsonl.gz
+"""
+import gzip
+import json
+import sys
+import time
+
+
+def main(bundle: str, per_kind: int, new_tokens: int, out: str) -> None:
+    from mirror_sd.models.answers import HOLD_OUT
+    from mirror_sd.models.evaluate import bench_prompts, messages_of
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    pipe = Pipeline.load(bundle, huge_pages=False)
+    prompts = bench_prompts(per_kind)[0]
+    started = time.time()
+    with gzip.open(out, "wt") as f:
+        for n, prompt in enumerate(prompts):
+            messages = messages_of(pipe, prompt)
+            ids = list(pipe.prompt_ids(messages))
+            answer = list(pipe.generate(messages, mode="ar", max_new_tokens=new_tokens).token_ids)
+            f.write(json.dumps({"index": n * HOLD_OUT, "kind": prompt.kind, "ids": ids + answer,
+                                "answers": [[len(ids), len(ids) + len(answer)]]}) + "\n")
+            print(f"{n + 1}/{len(prompts)} {prompt.kind:<14} {time.time() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
