@@ -97,11 +97,11 @@ EVERYDAY_PROMPTS_12 = 16000
 FEATURE_LATEST_DATA = {**FEATURE_MIXED, "budget_minutes": 18}
 LATEST_DATA_REPLAY = [(0, 1200), (EVERYDAY_PROMPTS_11, EVERYDAY_PROMPTS_12), (600, 1200), (7000, 8000),
                       (1000, 1500)]  # dialogue, everyday, advice, broad, code
-# A fourteenth and a fifteenth on a GPU (results/feature-draft-gpu.json, results/scripts/feature_draft_gpu.sh): every
+# A thirteenth and a fourteenth on a GPU (results/feature-draft-gpu.json, results/scripts/feature_draft_gpu.sh): every
 # committed answers file at once (45,030 training records, 5.9M answer tokens), 16,384-token batches, the target's
-# features recomputed per batch. The fourteenth extends the vocabulary by the 8,192 most frequent answer tokens it
+# features recomputed per batch. The thirteenth extends the vocabulary by the 8,192 most frequent answer tokens it
 # lacked (held-out answer tokens covered 97.0% -> 99.4%) and runs 1,965 batches at lr 6e-4 (5.5 minutes on one H100,
-# beside a control arm that kept the vocabulary); the fifteenth continues it for 2,567 batches at lr 3e-4 (3.7
+# beside a control arm that kept the vocabulary); the fourteenth continues it for 2,567 batches at lr 3e-4 (3.7
 # minutes). Those runs were timed (a cosine schedule over their minutes); RETRAIN=1 runs the same batches in the
 # same order with the schedule over the batches (GPU_EPOCHS of GPU_PASS batches per pass), which on this 2-core
 # machine takes about a day and about 31 GB of stored features (minutes on a GPU: the script uses CUDA when torch
