@@ -9,10 +9,11 @@ Stages, each resumable: a stopped run goes on where it stopped when run again wi
             proposed).
   features  the target's hidden states after each tap layer, recomputed from the token ids (the committed data is
             ids only), stored as fp16 in a memory map under --work. Only the layers up to the deepest tap run.
+            On CUDA (--features online, the default there) they are recomputed batch by batch instead.
   train     training-time test: every position drafts `steps` tokens deep, fed its own hidden states as features
             after the first (models/feature_draft.py `forward_ttt`); cross-entropy on the target's answer tokens
             (its greedy choices, so hard targets are the target's argmax), later steps weighted down, Gaussian
-            feature noise. A checkpoint is written every few minutes; the run resumes from it.
+            feature noise; bf16 autocast on CUDA. A checkpoint is written every few minutes; the run resumes from it.
             With --soft-targets K the loss also takes the target's own next-token distribution (its top K over
             the draft vocabulary, from a pass of the whole target stored beside the features), as EAGLE and
             DistillSpec distil: half hard, half soft (--soft-weight).
@@ -218,7 +219,7 @@ class FeatureStore(_MappedStore):
 class OnlineFeatures:
     """The target's tap features computed batch by batch on the training device instead of stored: on a GPU the
     target's layers up to the deepest tap cost less than reading them back (every committed answers file at once is
-    about 9M tokens, 32 GB of fp16 features for three taps). Stands where a FeatureStore does in `_tensors`."""
+    8.9M tokens, about 31 GB of fp16 features for three taps). Stands where a FeatureStore does in `_tensors`."""
 
     def __init__(self, target, taps: list[int]) -> None:
         self.taps, self.width = list(taps), target.config.hidden_size
@@ -459,9 +460,8 @@ def ttt_loss(draft: FeatureDraft, taps, ids, labels, steps: int, noise: float, s
 
 
 def train(draft: FeatureDraft, records: list[Record], order: list[int], store: FeatureStore | OnlineFeatures,
-          work: Path, *,
-          epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float, device: str, seed: int,
-          max_minutes: float | None, budget_minutes: float | None = None, soft: SoftTargets | None = None,
+          work: Path, *, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float, device: str,
+          seed: int, max_minutes: float | None, budget_minutes: float | None = None, soft: SoftTargets | None = None,
           soft_weight: float = 0.5, report=print) -> dict:
     """max_minutes: stop after this long, resumably (a run spread over sessions). budget_minutes: the whole
     training's length: the learning-rate schedule runs over whichever ends first, the plan or this budget (time
@@ -529,8 +529,7 @@ def train(draft: FeatureDraft, records: list[Record], order: list[int], store: F
 
 @torch.no_grad()
 def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore | OnlineFeatures, indices: list[int],
-             gamma: int,
-             device: str) -> dict:
+             gamma: int, device: str) -> dict:
     """From every answer position whose next gamma tokens are all answer tokens: the number of leading drafted
     tokens equal to the target's (the draft fed its own features and, while it is right, the right tokens: the
     training-time-test form equals the sequential rollout, tests/test_feature_draft.py). Returns the mean accepted
