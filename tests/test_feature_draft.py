@@ -274,6 +274,91 @@ def test_exit_adapter_trains_on_an_answers_file(tmp_path):
                          init_from=tmp_path / "adapters" / "layer-1", report=lambda _line: None)
 
 
+def _rollout_on_text(draft, taps, ids, base: int, steps: int) -> list[int]:
+    """The draft's tokens from `base` as the cached rollout drafts them, each step fed the text's next token instead
+    of the draft's own: what sd's draft has fed at a window slot it reaches (every earlier slot accepted)."""
+    kv, d = draft.config.num_key_value_heads, draft.config.head_dim
+    past_k = past_v = torch.zeros(1, kv, 0, d)
+    g, nxt, pos = draft.fused(taps[None, : base + 1]), ids[None, 1: base + 2], torch.arange(base + 1)[None]
+    tokens = []
+    for j in range(steps):
+        p, n = past_k.shape[2], nxt.shape[1]
+        mask = torch.full((n, p + n), float("-inf")).triu(p + 1)[None, None]
+        logits, h, k, v = draft.forward_cached(g, nxt, pos, past_k, past_v, mask)
+        past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        tokens.append(int(draft.vocab_ids[logits[0, -1].argmax()]))
+        g, nxt, pos = h[:, -1:], ids[None, base + 2 + j: base + 3 + j], pos[:, -1:] + 1
+    return tokens
+
+
+def test_draft_misses_are_the_rollouts_misses_at_each_depth():
+    """The teacher pass's hard-position record: at exit position e and depth k, the draft's k-th token from base
+    e-1-k (the cached rollout the runtime runs, the k tokens before it the text's own) is compared with the
+    target's greedy token after e."""
+    from mirror_sd.models import train_exit
+
+    target = _tiny_target()
+    draft = _draft(target)
+    ids = torch.randint(0, 300, (14,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = target(ids[None], output_hidden_states=True)
+    final = out.logits[0, :-1].argmax(-1)
+    share, first = train_exit.draft_misses(draft, out.hidden_states, ids, final)
+    taps = torch.stack([out.hidden_states[t][0] for t in draft.config.taps], 1)
+    for e in range(len(ids) - 1):
+        misses = []
+        for k in range(train_exit.HARD_DEPTHS):
+            base = e - 1 - k
+            if base < 0:
+                continue
+            misses.append(_rollout_on_text(draft, taps, ids, base, k + 1)[k] != int(final[e]))
+        expected = sum(misses) / len(misses) if misses else 0.0
+        assert share[e].item() == pytest.approx(expected), e
+        assert bool(first[e]) == (bool(misses[0]) if misses else False)
+    assert 0 < share.mean() < 1  # a random draft misses some, not all
+    wanted = torch.arange(len(ids) - 1) % 3 != 1  # the head on some rows only: the same figures there, 0 elsewhere
+    some, some_first = train_exit.draft_misses(draft, out.hidden_states, ids, final, wanted)
+    torch.testing.assert_close(some[wanted], share[wanted])
+    assert torch.equal(some_first[wanted], first[wanted]) and not some[~wanted].any()
+
+
+def test_exit_adapter_trains_on_the_positions_the_draft_misses(tmp_path):
+    """With a feature draft, the teacher pass records its misses, training draws them more often, and coverage is
+    reported where the draft misses; without the draft a hard weight is refused."""
+    from mirror_sd.models import train_exit
+
+    target, target_dir, data = _target_with_answers(tmp_path, n=40)
+    draft = _draft(target)
+    draft.save(tmp_path / "draft")
+    kwargs = {"conversations": 30, "rank": 64, "steps": 40, "batch": 64, "minutes_per_layer": 1,
+              "hard_draft": tmp_path / "draft", "held_out": 5, "teacher_cache": tmp_path / "teacher"}
+    lines: list[str] = []
+    results = train_exit.train(target_dir, data, tmp_path / "adapters", [1], hard_weight=3.0, report=lines.append,
+                               **kwargs)
+    assert results["hard"]["weight"] == 3.0 and 0 < results["hard"]["train_mean_miss_share"] < 1
+    missed = results["layers"][1]["draft_misses"]
+    assert missed["positions"] > 0 and 0 <= missed["adapter"][4] <= 1
+    assert not any("read from" in line for line in lines)
+
+    # the same inputs again (another weight): the teacher passes come from the cache, the figures are the same
+    lines.clear()
+    again = train_exit.train(target_dir, data, tmp_path / "uniform", [1], hard_weight=0.0, report=lines.append,
+                             **kwargs)
+    assert any("teacher passes read from" in line for line in lines)
+    assert again["hard"]["train_mean_miss_share"] == results["hard"]["train_mean_miss_share"]
+    assert again["positions"] == results["positions"]
+    lines.clear()
+    train_exit.train(target_dir, data, tmp_path / "fewer", [1], hard_weight=0.0, report=lines.append,
+                     **{**kwargs, "conversations": 20})  # other inputs: computed again
+    assert not any("read from" in line for line in lines)
+    with pytest.raises(ValueError, match="--hard-draft"):
+        train_exit.train(target_dir, data, tmp_path / "bad", [1], conversations=5, rank=64, steps=1, batch=8,
+                         hard_weight=1.0, report=lambda _line: None)
+    assert train_exit.main(["--target", str(target_dir), "--data", str(data), "--out", str(tmp_path / "cli"),
+                            "--hard-weight", "2"]) == 2
+    assert not (tmp_path / "cli").exists()
+
+
 # -- export: the feature channel in the graphs and the manifest --------------------------------------------------
 @pytest.fixture(scope="module")
 def feature_bundle(tmp_path_factory, pair_factory):
