@@ -116,6 +116,13 @@ FEATURE_GPU_MORE = {**FEATURE_GPU_ALL, "epochs": 2567 / GPU_PASS, "lr": 3e-4, "e
 # top-4 coverage of the target's token went from 68% / 85% to 73% / 89% on broad, 59% / 76% to 75% / 89% on
 # everyday and 60% / 78% to 81% / 95% on code (its coverage.json).
 EXIT_MIXED = {"conversations": 800, "rank": 512, "steps": 2400, "batch": 256, "lr": 1e-3, "minutes_per_layer": 20}
+# Then continued once more (EXIT_HARD) on 400 conversations of each of the five answers files that neither stage
+# before read (the advice and dialogue answers for the first time), drawing the positions where the committed
+# feature draft misses the target's token up to 4x as often (hard_weight 3: mirror's branches are needed only
+# there; models/train_exit.py). A teacher pass of 2,500 conversations (~45 minutes here), then 2,400 steps
+# (~15 minutes). Results in its coverage.json and results/exit-hard-ab.json.
+EXIT_HARD = {"conversations": 400, "skip": 800, "held_out": 100, "steps": 2400, "batch": 256, "lr": 1e-3,
+             "minutes_per_layer": 60, "hard_weight": 3.0}
 # `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
 # kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
@@ -217,7 +224,8 @@ def retrain_feature_draft(report=print) -> None:
         train_feature_draft.run(TARGET_DIR, GPU_FILES, gpu_work, FEATURE_WEIGHTS,
                                 max_minutes=None, report=report, init_from=FEATURE_WEIGHTS, **stage)
     # the bundles' exit head at EXIT_LAYER, from the same answers: first on the broad pool's, then continued on the
-    # broad, everyday and code answers together (EXIT_MIXED)
+    # broad, everyday and code answers together (EXIT_MIXED), then on all five files where the draft misses
+    # (EXIT_HARD)
     layers = BUILD / "exit-adapters-answers"
     train_exit.train(TARGET_DIR, ANSWERS_FILE, layers, [EXIT_LAYER], conversations=1000, rank=512, steps=800,
                      batch=256, minutes_per_layer=5, max_prompts=ANSWER_PROMPTS, report=report)
@@ -225,9 +233,14 @@ def retrain_feature_draft(report=print) -> None:
     train_exit.train(TARGET_DIR, [ANSWERS_FILE, EVERYDAY_FILE, CODE_FILE], mixed, [EXIT_LAYER],
                      prompt_ranges=[(0, ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS), (0, CODE_PROMPTS)],
                      init_from=layers / f"layer-{EXIT_LAYER}", report=report, **EXIT_MIXED)
+    hard = BUILD / "exit-adapters-hard"
+    train_exit.train(TARGET_DIR, [ANSWERS_FILE, EVERYDAY_FILE, CODE_FILE, ADVICE_FILE, DIALOGUE_FILE], hard,
+                     [EXIT_LAYER], prompt_ranges=[(0, ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS), (0, CODE_PROMPTS),
+                                                  (0, ADVICE_PROMPTS), (0, DIALOGUE_PROMPTS)],
+                     init_from=mixed / f"layer-{EXIT_LAYER}", hard_draft=FEATURE_WEIGHTS, report=report, **EXIT_HARD)
     shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
-    shutil.copytree(mixed / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
-    shutil.copy(mixed / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
+    shutil.copytree(hard / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
+    shutil.copy(hard / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:
