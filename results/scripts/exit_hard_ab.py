@@ -1,21 +1,23 @@
 """The exit adapter continued where the feature draft misses (EXIT_HARD in models/smollm2.py) against the same
 continuation drawing every position alike, and both against the adapter they continue: results/exit-hard-ab.json.
 
-Both arms read one teacher pass (train_exit --teacher-cache): 400 conversations of each answers file after the
+The arms read one teacher pass (train_exit --teacher-cache): 400 conversations of each answers file after the
 first 800 past the held-out ones, 2,400 steps each; "hard" draws a position 1 + 3 x (share of draft depths 0-3
-that miss it) times as often, "uniform" draws them alike. Coverage is of the target's greedy token on the same
-100 held-out conversations per file, overall and at the positions where the draft's first token misses (where
-mirror's branches are needed). The runtime's figures (models.evaluate, full windows: mirror's branch hits on
-rejected steps) come from the evaluation files given.
+that miss it) times as often, "uniform" draws them alike; "hard-more" continues "hard" 2,400 steps more at 1 + 8 x
+(the committed adapter: EXIT_HARD_MORE), so its "before" is "hard". Coverage is of the target's greedy
+token on the same 100 held-out conversations per file, overall and at the positions where the draft's first token
+misses (where mirror's branches are needed). The runtime's figures (models.evaluate, full windows: mirror's branch
+hits on rejected steps) come from the evaluation files given.
 
-python -m mirror_sd.models.train_exit ... --out build/exit-hard/w3 --hard-weight 3 --teacher-cache build/exit-hard/teacher
-python -m mirror_sd.models.train_exit ... --out build/exit-hard/w0 --hard-weight 0 --teacher-cache build/exit-hard/teacher
-python results/scripts/exit_hard_ab.py results/exit-hard-ab.json build/exit-hard/w3 build/exit-hard/w0 \\
-    [NAME=before.json,after.json ...]     (a file as COMMIT:PATH is read from git)
+python -m mirror_sd.models.train_exit ... --hard-weight W --out build/exit-hard/wW \\
+    --teacher-cache build/exit-hard/teacher       (W = 3, 0; then 8 --init-from w3: the teacher pass runs once)
+python results/scripts/exit_hard_ab.py results/exit-hard-ab.json --arm hard=build/exit-hard/w3 \\
+    --arm uniform=build/exit-hard/w0 --arm hard-more=build/exit-hard/w8 \\
+    [--eval NAME=BEFORE.json,AFTER.json ...]                     (a file as COMMIT:PATH: read from git)
 """
+import argparse
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +28,8 @@ EVAL_KEYS = ("mirror_rejected_branch_hit_rate", "mirror_branch_hit_rate", "mean_
 def arm(directory: str) -> dict:
     data = json.loads((Path(directory) / "coverage.json").read_text())
     (layer, files), = data["layers"].items()
-    out = {"layer": int(layer), "hard": data.get("hard"), "positions": data["positions"], "files": {}}
+    out = {"layer": int(layer), "init_from": data.get("init_from"), "hard": data.get("hard"),
+           "positions": data["positions"], "files": {}}
     for name, row in files.items():
         missed = row["draft_misses"]
         out["files"][name] = {
@@ -53,16 +56,23 @@ def evaluation(pair: str) -> dict:
             **{k: [before.get(k), after.get(k)] for k in EVAL_KEYS}}
 
 
-def main(out: str, hard: str, uniform: str, *evaluations: str) -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--arm", action="append", required=True, metavar="NAME=DIR",
+                        help="a train_exit output directory (its coverage.json) and the arm's name")
+    parser.add_argument("--eval", action="append", default=[], metavar="NAME=BEFORE,AFTER",
+                        help="two models.evaluate files of one prompt set, before and after")
+    args = parser.parse_args(argv)
     result = {
         "what": __doc__.split("\n\n")[0],
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "pairs_are": "[the adapter continued from (committed before), this arm]",
-        "hard": arm(hard), "uniform": arm(uniform),
-        "runtime": [evaluation(e) for e in evaluations],
+        "arms": {name: arm(directory) for name, _, directory in (a.partition("=") for a in args.arm)},
+        "runtime": [evaluation(e) for e in args.eval],
     }
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()
