@@ -236,21 +236,17 @@ def retrain_feature_draft(report=print) -> None:
     train_exit.train(TARGET_DIR, [ANSWERS_FILE, EVERYDAY_FILE, CODE_FILE], mixed, [EXIT_LAYER],
                      prompt_ranges=[(0, ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS), (0, CODE_PROMPTS)],
                      init_from=layers / f"layer-{EXIT_LAYER}", report=report, **EXIT_MIXED)
-    hard = BUILD / "exit-adapters-hard"
-    train_exit.train(TARGET_DIR, [ANSWERS_FILE, EVERYDAY_FILE, CODE_FILE, ADVICE_FILE, DIALOGUE_FILE], hard,
-                     [EXIT_LAYER], prompt_ranges=[(0, ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS), (0, CODE_PROMPTS),
-                                                  (0, ADVICE_PROMPTS), (0, DIALOGUE_PROMPTS)],
-                     init_from=mixed / f"layer-{EXIT_LAYER}", hard_draft=FEATURE_WEIGHTS, report=report,
-                     teacher_cache=hard / "teacher", **EXIT_HARD)
-    more = BUILD / "exit-adapters-hard-more"
-    train_exit.train(TARGET_DIR, [ANSWERS_FILE, EVERYDAY_FILE, CODE_FILE, ADVICE_FILE, DIALOGUE_FILE], more,
-                     [EXIT_LAYER], prompt_ranges=[(0, ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS), (0, CODE_PROMPTS),
-                                                  (0, ADVICE_PROMPTS), (0, DIALOGUE_PROMPTS)],
-                     init_from=hard / f"layer-{EXIT_LAYER}", hard_draft=FEATURE_WEIGHTS, report=report,
-                     teacher_cache=hard / "teacher", **EXIT_HARD_MORE)
+    adapter = mixed / f"layer-{EXIT_LAYER}"
+    for out, stage in ((BUILD / "exit-adapters-hard", EXIT_HARD), (BUILD / "exit-adapters-hard-more", EXIT_HARD_MORE)):
+        train_exit.train(TARGET_DIR, [ANSWERS_FILE, EVERYDAY_FILE, CODE_FILE, ADVICE_FILE, DIALOGUE_FILE], out,
+                         [EXIT_LAYER], prompt_ranges=[(0, ANSWER_PROMPTS), (0, EVERYDAY_PROMPTS), (0, CODE_PROMPTS),
+                                                      (0, ADVICE_PROMPTS), (0, DIALOGUE_PROMPTS)],
+                         init_from=adapter, hard_draft=FEATURE_WEIGHTS, report=report,
+                         teacher_cache=BUILD / "exit-adapters-hard-teacher", **stage)  # both stages: one pass
+        adapter = out / f"layer-{EXIT_LAYER}"
     shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
-    shutil.copytree(more / f"layer-{EXIT_LAYER}", ADAPTER_WEIGHTS)
-    shutil.copy(more / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
+    shutil.copytree(adapter, ADAPTER_WEIGHTS)
+    shutil.copy(adapter.parent / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:
