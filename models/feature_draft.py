@@ -254,17 +254,20 @@ class FeatureDraft(nn.Module):
         return self.logits(h), h, k, v
 
     @torch.no_grad()
-    def rollout(self, taps: torch.Tensor, ids: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
+    def rollout(self, taps: torch.Tensor, ids: torch.Tensor, steps: int,
+                fed: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
         """Greedy draft tokens continuing ids [T] (a single sequence) whose features taps [T-1,n,d] are known for
         every position but the last (the target has not run it yet): the prompt is read in one forward, then one
-        token per forward on the draft's own features. Returns `steps` target ids and their logits [steps, Vd]."""
+        token per forward on the draft's own features. Returns `steps` target ids and their logits [steps, Vd].
+        fed [steps-1]: the tokens fed after each step instead of the draft's own (what sd's draft has read at a
+        window slot it reaches: every earlier slot accepted, so the text's own tokens)."""
         t = ids.shape[0]
         kv, d = self.config.num_key_value_heads, self.config.head_dim
         past_k = past_v = torch.zeros(1, kv, 0, d)
         g = self.fused(taps[None, : t - 1])
         nxt, pos = ids[None, 1:], torch.arange(t - 1)[None]
         tokens, rows = [], []
-        for _ in range(steps):
+        for j in range(steps):
             p, n = past_k.shape[2], nxt.shape[1]
             mask = torch.full((n, p + n), float("-inf")).triu(p + 1)[None, None]
             logits, h, k, v = self.forward_cached(g, nxt, pos, past_k, past_v, mask)
@@ -272,7 +275,8 @@ class FeatureDraft(nn.Module):
             token = int(self.vocab_ids[logits[0, -1].argmax()])
             tokens.append(token)
             rows.append(logits[0, -1])
-            g, nxt, pos = h[:, -1:], torch.tensor([[token]]), pos[:, -1:] + 1
+            following = token if fed is None or j >= len(fed) else int(fed[j])
+            g, nxt, pos = h[:, -1:], torch.tensor([[following]]), pos[:, -1:] + 1
         return tokens, torch.stack(rows)
 
     # -- files ----------------------------------------------------------------------------------------------------

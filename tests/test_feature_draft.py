@@ -274,23 +274,6 @@ def test_exit_adapter_trains_on_an_answers_file(tmp_path):
                          init_from=tmp_path / "adapters" / "layer-1", report=lambda _line: None)
 
 
-def _rollout_on_text(draft, taps, ids, base: int, steps: int) -> list[int]:
-    """The draft's tokens from `base` as the cached rollout drafts them, each step fed the text's next token instead
-    of the draft's own: what sd's draft has fed at a window slot it reaches (every earlier slot accepted)."""
-    kv, d = draft.config.num_key_value_heads, draft.config.head_dim
-    past_k = past_v = torch.zeros(1, kv, 0, d)
-    g, nxt, pos = draft.fused(taps[None, : base + 1]), ids[None, 1: base + 2], torch.arange(base + 1)[None]
-    tokens = []
-    for j in range(steps):
-        p, n = past_k.shape[2], nxt.shape[1]
-        mask = torch.full((n, p + n), float("-inf")).triu(p + 1)[None, None]
-        logits, h, k, v = draft.forward_cached(g, nxt, pos, past_k, past_v, mask)
-        past_k, past_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
-        tokens.append(int(draft.vocab_ids[logits[0, -1].argmax()]))
-        g, nxt, pos = h[:, -1:], ids[None, base + 2 + j: base + 3 + j], pos[:, -1:] + 1
-    return tokens
-
-
 def test_draft_misses_are_the_rollouts_misses_at_each_depth():
     """The teacher pass's hard-position record: at exit position e and depth k, the draft's k-th token from base
     e-1-k (the cached rollout the runtime runs, the k tokens before it the text's own) is compared with the
@@ -311,7 +294,8 @@ def test_draft_misses_are_the_rollouts_misses_at_each_depth():
             base = e - 1 - k
             if base < 0:
                 continue
-            misses.append(_rollout_on_text(draft, taps, ids, base, k + 1)[k] != int(final[e]))
+            tokens, _ = draft.rollout(taps[: base + 1], ids[: base + 2], k + 1, fed=ids[base + 2: base + 2 + k])
+            misses.append(tokens[k] != int(final[e]))
         expected = sum(misses) / len(misses) if misses else 0.0
         assert share[e].item() == pytest.approx(expected), e
         assert bool(first[e]) == (bool(misses[0]) if misses else False)
