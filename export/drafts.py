@@ -123,7 +123,8 @@ class _FeatureSegment(nn.Module):
     forward(input_ids, position_ids, shared_mask, attention_mask, keep, features, surrogate, use_surrogate, *past):
     input token x_q comes with the taps of position q - 1 (features [B,T,n,H]) or, where the target has not run
     q - 1 yet, the draft's own hidden state there (surrogate [B,T,H], where use_surrogate [B,T] is 1). Returns
-    (logits [B,keep,Vd], draft_hidden [B,keep,H], new key, new value)."""
+    (logits [B,keep,Vd], draft_hidden [B,keep,H], [stream_ids [B,keep,S] of a draft with stream heads,] new key,
+    new value)."""
 
     def __init__(self, draft) -> None:
         super().__init__()
@@ -149,7 +150,10 @@ class _FeatureSegment(nn.Module):
         n = layer.post_attention_layernorm(h)
         h = h + layer.down_proj(nn.functional.silu(layer.gate_proj(n)) * layer.up_proj(n))
         h = last_positions(h, keep)
-        return d.logits(h), h, k, v
+        logits = d.logits(h)
+        if d.config.streams:
+            return logits, h, d.stream_ids(h, logits), k, v
+        return logits, h, k, v
 
 
 class _AttentionView:
@@ -174,9 +178,9 @@ class FeatureDraftSource(Draft):
         return DraftFacts(architecture="feature-llama", num_layers=1, hidden_size=cfg.hidden_size,
                           vocab_size=cfg.target_vocab_size, num_attention_heads=cfg.num_attention_heads,
                           num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                          max_position_embeddings=cfg.max_position_embeddings, tokens_per_forward=1,
+                          max_position_embeddings=cfg.max_position_embeddings, tokens_per_forward=1 + cfg.streams,
                           output_vocab_size=cfg.draft_vocab, output_vocab_file=DRAFT_VOCAB_FILE,
-                          feature_taps=tuple(cfg.taps))
+                          streams=cfg.streams, feature_taps=tuple(cfg.taps))
 
     def segment(self) -> nn.Module:
         return _FeatureSegment(self.model)

@@ -352,6 +352,11 @@ def _check_feature_draft(bundle_dir: Path, spec: PartitionSpec, sample: Sample, 
             results.record((*key, LOGITS, batch, start, new), _compare(out[LOGITS], ref_logits[:, total - kept:]))
             results.record((*key, DRAFT_HIDDEN, batch, start, new),
                            _compare(out[DRAFT_HIDDEN], ref_h[:, total - kept:]))
+            if draft.config.streams:  # the stream heads' proposals, chained from the main stream's choice
+                with torch.no_grad():
+                    ref_ids = draft.stream_ids(ref_h[:, total - kept:], ref_logits[:, total - kept:]).numpy()
+                mismatches = float((out[STREAM_IDS] != ref_ids).sum())
+                results.record((*key, STREAM_IDS, batch, start, new), (mismatches, mismatches))
 
 
 def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, exit_topk,

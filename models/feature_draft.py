@@ -48,10 +48,19 @@ class FeatureDraftConfig:
     max_position_embeddings: int
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Stream heads (multi-token prediction, `StreamHead`): after the main token, `streams` more tokens per forward,
+    # each over the first `stream_vocab` rows of the head (the most frequent tokens; 0: all of them)
+    streams: int = 0
+    stream_vocab: int = 0
+    stream_width: int = 0  # each stream head's inner width (0: twice the hidden size)
 
     @property
     def draft_vocab(self) -> int:
         return len(self.vocab_ids)
+
+    @property
+    def stream_rows(self) -> int:
+        return min(self.stream_vocab or self.draft_vocab, self.draft_vocab)
 
     @classmethod
     def for_target(cls, target_config, vocab_ids: list[int], taps: list[int]) -> FeatureDraftConfig:
@@ -141,6 +150,27 @@ class DraftLayer(nn.Module):
         return self.finish(x, scores.softmax(-1) @ self.expand(values)), k, v
 
 
+class StreamHead(nn.Module):
+    """One stream of the draft's multi-token prediction (Hydra/Medusa-style, no attention): from the hidden state
+    that chose a token y (the main stream's h, or the previous stream's) and y's embedding, the hidden state that
+    chooses the token after y. Its output projection starts at zero, so a new stream starts as a copy of the state
+    it reads."""
+
+    def __init__(self, c: FeatureDraftConfig) -> None:
+        super().__init__()
+        d = c.hidden_size
+        width = c.stream_width or 2 * d
+        self.state_norm = RMSNorm(d, c.rms_norm_eps)
+        self.token_norm = RMSNorm(d, c.rms_norm_eps)
+        self.inp = nn.Linear(2 * d, width, bias=False)
+        self.out = nn.Linear(width, d, bias=False)
+        nn.init.zeros_(self.out.weight)
+
+    def forward(self, z: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
+        u = torch.cat([self.state_norm(z), self.token_norm(token_embedding)], -1)
+        return z + self.out(nn.functional.silu(self.inp(u)))
+
+
 class FeatureDraft(nn.Module):
     def __init__(self, config: FeatureDraftConfig) -> None:
         super().__init__()
@@ -156,6 +186,7 @@ class FeatureDraft(nn.Module):
         self.layer = DraftLayer(c)
         self.norm = RMSNorm(d, c.rms_norm_eps)
         self.head = nn.Linear(d, c.draft_vocab, bias=False)
+        self.stream_heads = nn.ModuleList(StreamHead(c) for _ in range(c.streams))
         self.register_buffer("vocab_ids", torch.tensor(c.vocab_ids, dtype=torch.long), persistent=False)
         id_map = torch.full((c.target_vocab_size,), -100, dtype=torch.long)
         id_map[self.vocab_ids] = torch.arange(c.draft_vocab)
@@ -171,6 +202,30 @@ class FeatureDraft(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(h))
+
+    def stream_states(self, h: torch.Tensor, fed: torch.Tensor) -> list[torch.Tensor]:
+        """Stream j's hidden states [.., d] for the main stream's h [.., d], stream j fed token fed[.., j] (target ids
+        [.., S]): the token the state before it chose (training feeds the text's, inference the chosen ones)."""
+        states, z = [], h
+        for j, stream in enumerate(self.stream_heads):
+            z = stream(z, self.embed(fed[..., j]))
+            states.append(z)
+        return states
+
+    def stream_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """A stream state's logits over the first `stream_rows` rows of the head."""
+        return nn.functional.linear(self.norm(z), self.head.weight[: self.config.stream_rows])
+
+    def stream_ids(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy stream proposals [.., S] (target ids) after the main stream's h and logits [.., Vd]: each stream is
+        fed the token the one before it chose."""
+        token = self.vocab_ids[logits.argmax(-1)]
+        z, out = h, []
+        for stream in self.stream_heads:
+            z = stream(z, self.embed(token))
+            token = self.vocab_ids[self.stream_logits(z).argmax(-1)]
+            out.append(token)
+        return torch.stack(out, -1)
 
     def init_from_target(self, target) -> None:
         """Frozen embedding = the target's; head rows = the target's LM head rows of the draft vocabulary; the
@@ -200,6 +255,15 @@ class FeatureDraft(nn.Module):
                 head[row] = state["head.weight"][trained[token]]
         state["head.weight"] = head
         out.load_state_dict(state, strict=True)
+        return out.train(self.training)
+
+    def with_streams(self, streams: int, stream_vocab: int = 0, stream_width: int = 0) -> FeatureDraft:
+        """The same draft with `streams` new stream heads (any it had are dropped): everything else keeps its
+        weights."""
+        out = FeatureDraft(replace(self.config, streams=streams, stream_vocab=stream_vocab, stream_width=stream_width))
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("stream_heads.")}
+        missing, unexpected = out.load_state_dict(state, strict=False)
+        assert not unexpected and all(k.startswith("stream_heads.") for k in missing), (missing, unexpected)
         return out.train(self.training)
 
     # -- training: every position at once, `steps` draft steps deep ----------------------------------------------
@@ -255,12 +319,14 @@ class FeatureDraft(nn.Module):
 
     @torch.no_grad()
     def rollout(self, taps: torch.Tensor, ids: torch.Tensor, steps: int,
-                fed: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
+                fed: torch.Tensor | None = None, trust_streams: bool = False) -> tuple[list[int], torch.Tensor]:
         """Greedy draft tokens continuing ids [T] (a single sequence) whose features taps [T-1,n,d] are known for
         every position but the last (the target has not run it yet): the prompt is read in one forward, then one
         token per forward on the draft's own features. Returns `steps` target ids and their logits [steps, Vd].
         fed [steps-1]: the tokens fed after each step instead of the draft's own (what sd's draft has read at a
-        window slot it reaches: every earlier slot accepted, so the text's own tokens)."""
+        window slot it reaches: every earlier slot accepted, so the text's own tokens). trust_streams: once the
+        tokens still to draft fit in the stream heads' proposals, take them as drafted (the runtime's streaming
+        "trust"); their logits rows are not returned."""
         t = ids.shape[0]
         kv, d = self.config.num_key_value_heads, self.config.head_dim
         past_k = past_v = torch.zeros(1, kv, 0, d)
@@ -275,6 +341,10 @@ class FeatureDraft(nn.Module):
             token = int(self.vocab_ids[logits[0, -1].argmax()])
             tokens.append(token)
             rows.append(logits[0, -1])
+            room = steps - len(tokens)
+            if trust_streams and 0 < room <= self.config.streams:
+                tokens += self.stream_ids(h[0, -1], logits[0, -1])[:room].tolist()
+                break
             following = token if fed is None or j >= len(fed) else int(fed[j])
             g, nxt, pos = h[:, -1:], torch.tensor([[following]]), pos[:, -1:] + 1
         return tokens, torch.stack(rows)

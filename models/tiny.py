@@ -120,10 +120,11 @@ def make_streaming_draft(out_dir: str | Path, tokenizer_dir: str | Path, seed: i
 
 
 def make_feature_draft(out_dir: str | Path, target_dir: str | Path, taps: tuple[int, ...] = (1, 3), seed: int = 0,
-                       keep_every: int = 2) -> Path:
+                       keep_every: int = 2, streams: int = 0) -> Path:
     """A feature draft (models/feature_draft.py) for the tiny target at `target_dir`, over every `keep_every`-th
     target id (the special tokens always), its layer copied from the target's and its weights spread so that its
-    choices are clear-cut; saved in fp32. Returns its directory."""
+    choices are clear-cut, with `streams` random stream heads over the first half of its vocabulary; saved in fp32.
+    Returns its directory."""
     from transformers import AutoModelForCausalLM
 
     from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
@@ -131,7 +132,9 @@ def make_feature_draft(out_dir: str | Path, target_dir: str | Path, taps: tuple[
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     vocab = target.config.vocab_size
     ids = list(dict.fromkeys(list(range(len(SPECIAL_TOKENS))) + list(range(0, vocab, keep_every))))
-    model = FeatureDraft(FeatureDraftConfig.for_target(target.config, ids, list(taps)))
+    config = FeatureDraftConfig.for_target(target.config, ids, list(taps))
+    config.streams, config.stream_vocab = streams, len(ids) // 2 if streams else 0
+    model = FeatureDraft(config)
     model.init_from_target(target)
     torch.manual_seed(seed)
     with torch.no_grad():

@@ -285,8 +285,6 @@ def _check_feature_channel(m: Manifest, prefix: PartitionSpec, draft: PartitionS
                             f"{t.exit_layer}]")
     if m.draft.hidden_size != t.hidden_size:
         raise ManifestError(f"a feature draft works at the target's width {t.hidden_size}, not {m.draft.hidden_size}")
-    if m.draft.streams:
-        raise ManifestError("a feature draft proposes one token per forward (no streams)")
     wanted = [(prefix, "output", TAPS, (len(taps), t.hidden_size)),
               (draft, "input", FEATURES, (len(taps), t.hidden_size)),
               (draft, "input", SURROGATE, (t.hidden_size,)), (draft, "input", USE_SURROGATE, ()),

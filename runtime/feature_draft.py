@@ -4,7 +4,10 @@ Input token x_q goes into the draft with the target's taps at position q - 1, th
 tap layers, all at or below the exit layer: the prefix gives them before the suffix runs. Where the target has not
 run q - 1 yet, because the token was drafted, the draft's own hidden state at q - 1 stands in for them (the
 surrogate), as in EAGLE. A rollout of gamma tokens from a sequence of n tokens is one forward over the inputs the
-lane lacks, all with real taps, then gamma - 1 forwards of one token each on surrogates.
+lane lacks, all with real taps, then gamma - 1 forwards of one token each on surrogates. A draft with stream heads
+(manifest `draft.streams` = S) also proposes S tokens after each forward's token; in greedy windows ("trust", the
+default streaming mode) they are taken as drafted once they fill the rest of the window, so a gamma-token window
+takes gamma - S forwards. The target verifies them like any drafted token: the output cannot change.
 
 The target sends its taps as `FeatureBlock`s (runtime/messages.py) with every request: the prompt's after the
 prefill, each verification window's, each target-only step's. A `FeatureStore` keeps them for the sequence they
@@ -28,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, SURROGATE, USE_SURROGATE
+from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, STREAM_IDS, SURROGATE, USE_SURROGATE
+from mirror_sd.runtime.config import streaming_mode
 from mirror_sd.runtime.draft import PAD_ID, DrafterBase, _common_prefix
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.kv import LayerKV
@@ -108,12 +112,16 @@ class FeatureDrafter(DrafterBase):
     """Lane slot j holds input j + 1, fed with real taps."""
 
     def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None = None,
-                 confidence: float = 0.0, store: FeatureStore | None = None) -> None:
+                 confidence: float = 0.0, store: FeatureStore | None = None, streaming: bool | str = True) -> None:
         """store: the taps store of an earlier drafter on this engine, to write into (emptied first), instead of a new
         one. A pipeline passes it from one generation's drafter to the next: a new store's pages are mapped as the
         taps are first written, on the draft thread, and on this machine's VM writing a 4,096-token prompt's 28 MB of
         taps into a new store took 65-85 ms of that thread per generation (into a store written before: ~3 ms),
-        twice the forwards of reading the prompt."""
+        twice the forwards of reading the prompt.
+        streaming (runtime/config.py STREAMING_MODES), for a draft with stream heads: "trust" (True) takes their
+        proposals as drafted once the room left in a row's window fits in them, in greedy windows; "verify" and
+        "off" (False) draft one token per forward. A feature draft has no self-check: a fed proposal would need the
+        hidden state of the position before it, which the same forward is computing."""
         facts = engine.facts
         if not facts.feature_taps:
             raise ValueError("FeatureDrafter needs a feature draft (the manifest's draft.feature_taps)")
@@ -124,6 +132,8 @@ class FeatureDrafter(DrafterBase):
             raise ValueError(f"a taps store of shape {store.taps.shape} does not fit this draft's {shape}")
         self.store = store if store is not None else FeatureStore(*shape, facts.dtype)
         self.store.reset()
+        trust = streaming_mode(streaming) == "trust" and params.greedy and STREAM_IDS in engine.head_outputs
+        self.streams = facts.streams if trust else 0
 
     def reset(self) -> None:
         super().reset()
@@ -186,6 +196,7 @@ class FeatureDrafter(DrafterBase):
                 real = [own.row(b) for b in range(n)]
             step_logits = out[LOGITS][:, -1]
             going = []  # batch positions of the rows that go on
+            produced = len(live)
             for i, b in enumerate(live):
                 if self.params.greedy:
                     token = int(self.vocab.argmax(step_logits[i]))
@@ -193,9 +204,15 @@ class FeatureDrafter(DrafterBase):
                     logits[b].append(step_logits[i])
                     token = self.vocab.choose(step_logits[i], self.params, rngs[b])
                 tokens[b].append(token)
-                if len(tokens[b]) < gamma and self._confident(step_logits[i], token):
+                room = gamma - len(tokens[b])
+                if room <= 0 or not self._confident(step_logits[i], token):
+                    continue
+                if room <= self.streams:  # the stream heads' proposals fill the window: take them as drafted
+                    tokens[b] += out[STREAM_IDS][i, -1, :room].astype(np.int64).tolist()
+                    produced += room
+                else:
                     going.append(i)
-            self.recorder.drafted(len(live))
+            self.recorder.drafted(produced)
             if not going:
                 return _Rows(tokens, logits, bases, shared, real, forwards)
             if cancelled():

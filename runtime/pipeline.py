@@ -290,7 +290,7 @@ class Pipeline:
             # one taps store for every generation's drafter (FeatureDrafter: its pages stay mapped); only one drafter
             # at a time uses it, since a stalled earlier worker made this call return above
             drafter = FeatureDrafter(self.draft, cfg.params, recorder=rec, confidence=cfg.draft_confidence_threshold,
-                                     store=self._feature_store)
+                                     store=self._feature_store, streaming=cfg.draft_streaming)
             self._feature_store = drafter.store
         else:
             drafter = Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming, recorder=rec,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, SURROGATE, USE_SURROGATE
+from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, STREAM_IDS, SURROGATE, USE_SURROGATE
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import empty_channel
 from mirror_sd.runtime.sampling import probability
@@ -80,9 +80,10 @@ def reference_token_window(draft: DraftEngine, seq: list[int], size: int, confid
 
 
 def reference_feature_window(target: Target, draft: DraftEngine, seq: list[int], size: int,
-                             confidence: float = 0.0) -> tuple[list[int], list[float]]:
+                             confidence: float = 0.0, trust_streams: bool = False) -> tuple[list[int], list[float]]:
     """A feature draft's window (as reference_window): inputs seq[1:] with real taps, then its own on
-    surrogates."""
+    surrogates. trust_streams: a draft with stream heads ends the window with their proposals once they fill it
+    (streaming "trust"); those tokens have no probability (nan)."""
     taps = target.run_prefix(seq, target.empty_cache()).taps  # [n, n_taps, H]
     window: list[int] = []
     probs: list[float] = []
@@ -99,6 +100,11 @@ def reference_feature_window(target: Target, draft: DraftEngine, seq: list[int],
         window.append(token)
         probs.append(p)
         if p < confidence:
+            break
+        room = size - len(window)
+        if trust_streams and 0 < room <= draft.facts.streams:
+            window += out[STREAM_IDS][0, -1, :room].astype(np.int64).tolist()
+            probs += [float("nan")] * room
             break
         hidden.append(out[DRAFT_HIDDEN][0, -1])
     return window, probs

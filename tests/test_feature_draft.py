@@ -726,3 +726,151 @@ def test_exit_adapter_training_refuses_bad_inputs_before_any_work(tmp_path, caps
     assert train_exit.main([*base, "--init-from", str(tmp_path), "--layers", "15,24"]) == 2
     assert "give one layer" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# -- stream heads: several drafted tokens per forward --------------------------------------------------------------
+def test_stream_heads_read_the_draft_as_training_feeds_them():
+    """with_streams keeps every weight of the draft; a rollout that trusts its streams is the plain rollout up to the
+    token after which the streams fill the window, then the streams' proposals; and those proposals are what the
+    training path (stream_states on forward_ttt's hidden state, fed the text's tokens) predicts where the text is the
+    draft's own tokens: training optimises exactly what inference runs."""
+    from mirror_sd.models import train_stream_heads as tsh
+
+    target = _tiny_target()
+    draft = _draft(target)
+    streamed = draft.with_streams(2, stream_vocab=60)
+    for name, value in draft.state_dict().items():
+        assert torch.equal(streamed.state_dict()[name], value)
+    with torch.no_grad():
+        for p in streamed.stream_heads.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    base, gamma = 7, 4
+    ids, taps = torch.randint(0, 300, (1, 20)), torch.randn(1, 20, 2, 64) * 3
+    plain, _ = streamed.rollout(taps[0, : base + 1], ids[0, : base + 2], gamma)
+    trusted, rows = streamed.rollout(taps[0, : base + 1], ids[0, : base + 2], gamma, trust_streams=True)
+    assert trusted[:2] == plain[:2] and len(trusted) == gamma and rows.shape[0] == 2
+    assert set(trusted[2:]) <= set(streamed.config.vocab_ids[:60])  # streams propose from their rows only
+    fed = ids.clone()
+    fed[0, base + 2: base + 2 + gamma] = torch.tensor(trusted)
+    with torch.no_grad():
+        h = streamed.forward_ttt(taps, fed, 2)[1][0, base + 1]  # depth 1 for base `base`
+        states = streamed.stream_states(h, fed[0, base + 3: base + 5])
+    got = [int(streamed.vocab_ids[streamed.stream_logits(z).argmax()]) for z in states]
+    assert got == trusted[2:]
+    rows = tsh._stream_rows(streamed, torch.tensor(streamed.config.vocab_ids[58:62] + [1]))
+    assert rows.tolist() == [58, 59, -100, -100, -100]  # past the streams' rows, and outside the vocabulary
+
+
+@pytest.fixture(scope="module")
+def stream_feature_bundle(tmp_path_factory, trained_feature_bundle, pair_factory):
+    """Stream heads trained on the trained feature draft's own data (the random target's answers, learnt by heart),
+    exported: (bundle, prompts, training summary)."""
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
+    from mirror_sd.models import train_stream_heads as tsh
+
+    root = tmp_path_factory.mktemp("stream-feature-bundle")
+    trained, prompts = trained_feature_bundle
+    target_dir, _ = pair_factory("llama")
+    draft_dir, data = trained.parent / "draft", trained.parent / "answers.jsonl.gz"
+    summary = tsh.run(target_dir, draft_dir, [data], root / "work", root / "draft", streams=2, stream_vocab=0,
+                      depths=2, batches=150, lr=5e-3, tokens_per_batch=512, max_len=64, eval_records=4,
+                      report=lambda _line: None)
+    export_bundle(ExportOptions(model=str(target_dir), draft=str(root / "draft"), out=root / "bundle", exit_layer=3,
+                                top_k=8), report=lambda _line: None)
+    return root / "bundle", prompts, summary
+
+
+def test_stream_heads_train_and_export_with_their_proposals_checked(stream_feature_bundle, tmp_path):
+    from mirror_sd.models import train_stream_heads as tsh
+    from mirror_sd.partitions.manifest import STREAM_IDS, Manifest
+
+    bundle, _, summary = stream_feature_bundle
+    # accuracy over the streams' ~190 rows, averaged over the run (chance: ~0.005); the answers are learnt by heart
+    assert summary["train"]["finished"] and min(summary["train"]["stream_accuracy"]) > 0.2
+    held = summary["held_out"]
+    assert held["trust_draft_tokens_per_forward"] == 2.0 and held["plain_draft_tokens_per_forward"] == 1.0
+    assert held["bases"] > 0 and 1.0 <= held["trust_tokens_per_step"] <= 5.0
+    m = Manifest.load(bundle)
+    assert m.draft.streams == 2 and m.draft.tokens_per_forward == 3 and m.draft.feature_taps == (1, 3)
+    assert m.partition("draft").output(STREAM_IDS).shape[-1] == 2
+    checked = {(c["runtime"], c["quantity"]) for c in m.validation["checks"]}
+    assert {("onnxruntime-cpu", STREAM_IDS), ("openvino-cpu", STREAM_IDS)} <= checked and m.validation["passed"]
+    # bad inputs: a code and a message, nothing written
+    draft_dir = bundle.parent / "draft"
+    assert tsh.main(["--target", str(draft_dir), "--draft", str(tmp_path), "--answers", str(tmp_path / "none.gz"),
+                     "--work", str(tmp_path / "w")]) == 2
+    assert tsh.main(["--target", str(draft_dir), "--draft", str(tmp_path), "--answers", str(draft_dir / "training.json"),
+                     "--work", str(tmp_path / "w")]) == 2  # not a feature draft
+    assert not (tmp_path / "w").exists()
+
+
+def test_stream_feature_drafter_windows_equal_the_reference_and_sd_mirror_stay_exact(stream_feature_bundle):
+    """Trusting the streams: rollouts and branch rows are the reference's windows with trust_streams (gamma - 2 main
+    tokens, then the streams), "off" gives the plain windows, and sd / mirror equal ar with overlap on and off, at
+    more than one draft token per forward."""
+    from mirror_sd.runtime.feature_draft import FeatureDrafter
+    from mirror_sd.runtime.messages import ExitCandidates, FeatureBlock
+    from mirror_sd.runtime.pipeline import Pipeline
+    from mirror_sd.runtime.reference import reference_feature_window, reference_generate
+    from mirror_sd.runtime.sampling import SamplingParams
+
+    bundle, prompts, _ = stream_feature_bundle
+    pipe = Pipeline.load(bundle)
+    target = pipe.target
+
+    def block(seq, start):
+        return FeatureBlock(tuple(seq), start, target.run_prefix(list(seq), target.empty_cache()).taps[start:])
+
+    for prompt in prompts:
+        ctx = prompt + [int(target.prefill(prompt, target.empty_cache())[0].argmax())]
+        for streaming, gamma in (("trust", 4), ("trust", 3), ("trust", 2), ("off", 4)):
+            drafter = FeatureDrafter(pipe.draft, SamplingParams(), streaming=streaming)
+            drafter.warm(tuple(prompt), (block(prompt, 0),))
+            window = drafter.rollout(tuple(ctx), gamma, (block(ctx, len(prompt)),)).tokens
+            trust = streaming == "trust"
+            assert list(window) == reference_feature_window(target, pipe.draft, ctx, gamma, trust_streams=trust)[0]
+            verified = ctx + list(window)
+            plan = tuple((r, v) for r in range(len(window) + 1) for v in (7, 11))
+            candidates = ExitCandidates(tuple(ctx), tuple(window), np.array([[7, 11]] * (len(window) + 1)),
+                                        np.log(np.full((len(window) + 1, 2), 0.5)))
+            branches = drafter.branches(candidates, plan, gamma, features=(block(verified, len(ctx) - 1),))
+            for r, v in plan:
+                base = ctx + list(window[:r]) + [v]
+                want = reference_feature_window(target, pipe.draft, base, gamma, trust_streams=trust)[0]
+                assert list(branches.windows[(r, v)].tokens) == want, (streaming, gamma, r, v)
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=24)
+        assert reference_generate(target, pipe.draft, prompt, 24, gamma=4) == ar.token_ids[:24]
+        for mode, gamma, overlap, streaming in (("sd", 4, True, "trust"), ("sd", 3, False, "trust"),
+                                                ("sd", 4, True, "off"), ("mirror", 4, True, "trust"),
+                                                ("mirror", 4, False, "trust"), ("mirror", 3, True, "verify")):
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=24, gamma=gamma, overlap=overlap,
+                                draft_streaming=streaming, adaptive_speculation=False)
+            assert out.token_ids == ar.token_ids, (mode, gamma, overlap, streaming)
+            s = out.stats
+            assert s["fallbacks"] == 0 and s["draft_failures"] == 0
+            if mode == "sd":
+                assert (s["draft_tokens_per_forward"] > 1.5) == (streaming == "trust"), (gamma, streaming)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_random_stream_feature_draft_is_exact_and_packages(arch, pair_factory, tmp_path):
+    """Random stream heads propose tokens the target mostly rejects: sd and mirror still equal ar, in the bundle
+    and in its static package (whose graphs take the draft's tokens per forward)."""
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
+    from mirror_sd.models.tiny import make_feature_draft
+    from mirror_sd.package.build import PackageOptions, build_package
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    target, _ = pair_factory(arch)
+    draft = make_feature_draft(tmp_path / "draft", target, taps=(1, 3), streams=2)
+    export_bundle(ExportOptions(model=str(target), draft=str(draft), out=tmp_path / "bundle", exit_layer=3, top_k=4),
+                  report=lambda _line: None)
+    build_package(PackageOptions(bundle=tmp_path / "bundle", out=tmp_path / "package", max_prompt=32, max_context=80,
+                                 max_gamma=4, batch=3, prefill_chunk=8), report=lambda _line: None)
+    prompt = [1, 200, 64, 9, 9, 120, 3]
+    for pipe in (Pipeline.load(tmp_path / "bundle"), Pipeline.load(tmp_path / "package")):
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=20)
+        for mode in ("sd", "mirror"):
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=20, gamma=4, adaptive_speculation=False)
+            assert out.token_ids == ar.token_ids, mode
+            assert out.stats["fallbacks"] == 0 and out.stats["draft_tokens_per_forward"] > 1.0
