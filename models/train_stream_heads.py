@@ -86,7 +86,8 @@ def stream_loss(draft: FeatureDraft, taps, ids, labels, depths: int) -> tuple[to
     pad = torch.zeros(ids.shape[0], s + 1, dtype=ids.dtype, device=ids.device)
     ext_ids = torch.cat([ids, pad], 1)
     ext_lab = torch.cat([labels, torch.zeros_like(pad, dtype=torch.bool)], 1)
-    # [B, T-2, S]: stream j at position p (of the T - 2 with a main label) is fed ids[p + 2 + j], predicts ids[p + 3 + j]
+    # [B, T-2, S]: stream j at position p (of the T - 2 with a main label) is fed ids[p + 2 + j] and predicts
+    # ids[p + 3 + j]
     fed = torch.stack([ext_ids[:, 2 + j: t + j] for j in range(s)], -1)
     want = torch.stack([ext_ids[:, 3 + j: t + 1 + j] for j in range(s)], -1)
     want_ok = torch.stack([ext_lab[:, 3 + j: t + 1 + j] for j in range(s)], -1)
@@ -189,7 +190,8 @@ def train(draft: FeatureDraft, records: list[tfd.Record], order: list[int], feat
     with tqdm(total=len(plan), initial=done, desc="training stream heads", unit="batch") as bar:
         for b in range(done, len(plan)):
             for group in optimizer.param_groups:
-                group["lr"] = lr * min(1.0, (b + 1) / 30) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * b / len(plan))))
+                cosine = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * b / len(plan)))
+                group["lr"] = lr * min(1.0, (b + 1) / 30) * cosine
             ids, labels, taps = features([records[i] for i in plan[b]])
             loss, step_accs = stream_loss(draft, taps, ids, labels, depths)
             optimizer.zero_grad(set_to_none=True)
@@ -230,7 +232,8 @@ def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out:
     records = train_set + held
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
     base = FeatureDraft.load(draft_dir, target.get_input_embeddings().weight)
-    if base.config.target_vocab_size != target.config.vocab_size or base.config.hidden_size != target.config.hidden_size:
+    c = base.config
+    if c.target_vocab_size != target.config.vocab_size or c.hidden_size != target.config.hidden_size:
         raise SystemExit(f"the feature draft at {draft_dir} was trained for another target")
     draft = base.with_streams(streams, stream_vocab, stream_width).to(device)
     for name, p in draft.named_parameters():

@@ -799,8 +799,8 @@ def test_stream_heads_train_and_export_with_their_proposals_checked(stream_featu
     draft_dir = bundle.parent / "draft"
     assert tsh.main(["--target", str(draft_dir), "--draft", str(tmp_path), "--answers", str(tmp_path / "none.gz"),
                      "--work", str(tmp_path / "w")]) == 2
-    assert tsh.main(["--target", str(draft_dir), "--draft", str(tmp_path), "--answers", str(draft_dir / "training.json"),
-                     "--work", str(tmp_path / "w")]) == 2  # not a feature draft
+    assert tsh.main(["--target", str(draft_dir), "--draft", str(tmp_path), "--work", str(tmp_path / "w"),
+                     "--answers", str(draft_dir / "training.json")]) == 2  # not a feature draft
     assert not (tmp_path / "w").exists()
 
 
