@@ -40,6 +40,24 @@ def check_weight_format(value: str) -> str:
     return value
 
 
+def _unshare_constants(model: onnx.ModelProto) -> None:
+    """Give every Identity of an initializer its own copy of it, and drop the Identity. The exporter shares a constant
+    two MatMuls use through such a node (a feature draft's stream heads read the same rows of its head), and the
+    quantizer rewrites only MatMuls whose weight is an initializer: the other would read fp32 weights."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    kept = []
+    for node in model.graph.node:
+        if node.op_type == "Identity" and node.input[0] in initializers:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(initializers[node.input[0]])
+            copy.name = node.output[0]
+            model.graph.initializer.append(copy)
+        else:
+            kept.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+
+
 def quantize_draft(path: Path, data_files: tuple[str, ...] = ()) -> int:
     """Rewrite the ONNX file at `path` (and its external-data files `data_files`, beside it, if any) with 8-bit block
     weights; returns how many MatMuls were quantized. Export runs this in its staging directory, so a failure
@@ -50,7 +68,9 @@ def quantize_draft(path: Path, data_files: tuple[str, ...] = ()) -> int:
     level = logger.level
     logger.setLevel(logging.WARNING)  # it logs every node it looks at
     try:
-        quantizer = MatMulNBitsQuantizer(onnx.load(str(path)), block_size=BLOCK_SIZE, is_symmetric=True, bits=8,
+        model = onnx.load(str(path))
+        _unshare_constants(model)
+        quantizer = MatMulNBitsQuantizer(model, block_size=BLOCK_SIZE, is_symmetric=True, bits=8,
                                          accuracy_level=ACCURACY_LEVEL)
         quantizer.process()
     finally:

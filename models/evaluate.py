@@ -91,6 +91,8 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
             runs[name]["branch_budget"] = branch_budget
     if not pipe.manifest.draft.streams:  # streaming modes change nothing for a one-token-per-forward draft
         runs = {k: v for k, v in runs.items() if k in ("sd", "mirror", "sd_planned", "mirror_planned")}
+    elif pipe.manifest.draft.feature_taps:  # a feature draft's streams have no self-check: "verify" drafts as "off"
+        runs.pop("sd_verify")
     rows = []
     if bench:
         prompts, kinds = bench_prompts(n_per_kind)
@@ -151,13 +153,18 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
                             r[n]["tokens_per_second"] / r["ar_tokens_per_second"] for r in rows)}
                     for n in ("sd_planned", "mirror_planned")},
     }
+    if "sd_no_streaming" in runs:
+        summary.update({
+            "acceptance_streaming_on": mean("sd", "acceptance_rate"),
+            "acceptance_streaming_off": mean("sd_no_streaming", "acceptance_rate"),
+            "mean_accepted_tokens_chat_code_streaming_off": None if public or bench
+            else mean("sd_no_streaming", "mean_accepted_tokens", chat_code),
+            "mean_accepted_tokens_all_streaming_off": mean("sd_no_streaming", "mean_accepted_tokens"),
+        })
     if "sd_verify" in runs:
         summary.update({
             "draft_tokens_per_forward_verify": mean("sd_verify", "draft_tokens_per_forward"),
-            "acceptance_streaming_on": mean("sd", "acceptance_rate"),
             "acceptance_streaming_verify": mean("sd_verify", "acceptance_rate"),
-            "acceptance_streaming_off": mean("sd_no_streaming", "acceptance_rate"),
-            "mean_accepted_tokens_chat_code_streaming_off": mean("sd_no_streaming", "mean_accepted_tokens", chat_code),
         })
     return {"summary": summary, "rows": rows}
 

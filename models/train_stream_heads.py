@@ -2,7 +2,7 @@
 
     python -m mirror_sd.models.train_stream_heads --target build/models/smollm2-135m-instruct \\
         --draft models/weights/smollm2-feature-draft --answers models/data/answers-broad.jsonl.gz \\
-        --work build/stream-heads --out models/weights/smollm2-feature-draft-streams
+        --work build/stream-heads --out models/weights/smollm2-feature-draft
 
 The draft itself is frozen: only its new `StreamHead`s train (models/feature_draft.py), so they read the hidden
 states the committed draft gives at run time. Each batch runs the target's layers up to the draft's deepest tap (the
@@ -25,6 +25,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch
 from mirror_sd.models import train_feature_draft as tfd
 from mirror_sd.models.feature_draft import FeatureDraft
 
+STREAMS_SUMMARY = "streams.json"  # the stream heads' training summary, beside the draft's weights
 STREAM_DECAY = 0.8  # loss weight of stream j: STREAM_DECAY ** j (a later stream counts only if earlier ones land)
 
 
@@ -220,8 +222,8 @@ def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out:
         stream_vocab: int, stream_width: int = 0, depths: int = 3, batches: int, lr: float = 1e-3,
         tokens_per_batch: int = 4096, max_len: int = 1024, prompt_ranges=None, eval_records: int = 64,
         max_minutes: float | None = None, seed: int = 0, device: str | None = None, report=print) -> dict:
-    """Train `streams` stream heads for the feature draft at `draft_dir`; save the draft with them at `out` (with
-    training.json). Returns the summary."""
+    """Train `streams` stream heads for the feature draft at `draft_dir`; save the draft with them at `out` (which may
+    be `draft_dir`: its streams are replaced), the summary in its STREAMS_SUMMARY. Returns the summary."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -260,9 +262,25 @@ def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out:
                         zip(answers, tfd.file_ranges(answers, None, prompt_ranges))],
                "train": result, "held_out": metrics}
     if out is not None:
-        draft.to("cpu").save(out)
-        (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
+        _save(draft.to("cpu"), draft_dir, out, summary)
     return summary
+
+
+def _save(draft: FeatureDraft, draft_dir: Path, out: Path, summary: dict) -> None:
+    """The draft with its streams at `out` (which may be `draft_dir` itself), with the summary as STREAMS_SUMMARY and
+    the draft's own training.json kept; written beside it first and swapped in, so a failure leaves the old one."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    draft.save(partial)
+    if (draft_dir / "training.json").is_file():  # the draft's own history: the streams do not change it
+        shutil.copy(draft_dir / "training.json", partial / "training.json")
+    (partial / STREAMS_SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    partial.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

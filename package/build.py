@@ -69,7 +69,7 @@ class PackageOptions:
     max_context: int | None = None  # None: min(2048, the models' position limit)
     max_gamma: int = DEFAULT_MAX_GAMMA
     batch: int = DEFAULT_BATCH
-    tokens_per_forward: int | None = None  # None: the draft's own (1 + streams)
+    tokens_per_forward: int | None = None  # None: the inputs the draft feeds per forward (1 + a token draft's streams)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     force: bool = False
 
@@ -116,7 +116,10 @@ def _bounds(opts: PackageOptions, manifest: Manifest) -> StaticBounds:
     limit = min(manifest.target.max_position_embeddings, manifest.draft.max_position_embeddings)
     max_context = opts.max_context if opts.max_context is not None else min(DEFAULT_MAX_CONTEXT, limit)
     max_prompt = opts.max_prompt if opts.max_prompt is not None else min(DEFAULT_MAX_PROMPT, max_context)
-    tpf = opts.tokens_per_forward if opts.tokens_per_forward is not None else manifest.draft.tokens_per_forward
+    # the inputs a forward feeds: a streaming token draft feeds its stream proposals back, a feature draft's streams
+    # only propose (runtime/feature_draft.py), so it feeds one token
+    own = 1 if manifest.draft.feature_taps else manifest.draft.tokens_per_forward
+    tpf = opts.tokens_per_forward if opts.tokens_per_forward is not None else own
     bounds = StaticBounds(max_prompt=max_prompt, max_context=max_context, max_gamma=opts.max_gamma, batch=opts.batch,
                           tokens_per_forward=tpf, prefill_chunk=opts.prefill_chunk)
     try:
@@ -125,8 +128,8 @@ def _bounds(opts: PackageOptions, manifest: Manifest) -> StaticBounds:
         raise BadInputError(str(e)) from None
     if max_context > limit:
         raise BadInputError(f"MAX_CONTEXT {max_context} exceeds the models' position limit {limit}")
-    if tpf < manifest.draft.tokens_per_forward:
-        raise BadInputError(f"tokens per forward {tpf} is below the draft's own {manifest.draft.tokens_per_forward} "
+    if tpf < own:
+        raise BadInputError(f"tokens per forward {tpf} is below the draft's own {own} "
                             f"(1 + its streams): every forward feeds a token and its stream proposals")
     if opts.prefill_chunk < tpf:
         raise BadInputError(f"prefill chunk {opts.prefill_chunk} is below the tokens per forward {tpf}")

@@ -856,6 +856,8 @@ def test_stream_feature_drafter_windows_equal_the_reference_and_sd_mirror_stay_e
 def test_a_random_stream_feature_draft_is_exact_and_packages(arch, pair_factory, tmp_path):
     """Random stream heads propose tokens the target mostly rejects: sd and mirror still equal ar, in the bundle
     and in its static package (whose graphs take the draft's tokens per forward)."""
+    import onnx
+
     from mirror_sd.export.bundle import ExportOptions, export_bundle
     from mirror_sd.models.tiny import make_feature_draft
     from mirror_sd.package.build import PackageOptions, build_package
@@ -865,6 +867,11 @@ def test_a_random_stream_feature_draft_is_exact_and_packages(arch, pair_factory,
     draft = make_feature_draft(tmp_path / "draft", target, taps=(1, 3), streams=2)
     export_bundle(ExportOptions(model=str(target), draft=str(draft), out=tmp_path / "bundle", exit_layer=3, top_k=4),
                   report=lambda _line: None)
+    graph = onnx.load(str(tmp_path / "bundle" / "draft.onnx"))
+    constants = {t.name for t in graph.graph.initializer}
+    # every weight int8, the stream heads' shared head rows too (the exporter shares them through an Identity)
+    assert not [n.name for n in graph.graph.node if n.op_type == "MatMul" and n.input[1] in constants]
+    assert sum(n.op_type == "MatMulNBits" for n in graph.graph.node) == 10 + 3 * 2
     build_package(PackageOptions(bundle=tmp_path / "bundle", out=tmp_path / "package", max_prompt=32, max_context=80,
                                  max_gamma=4, batch=3, prefill_chunk=8), report=lambda _line: None)
     prompt = [1, 200, 64, 9, 9, 120, 3]
