@@ -761,6 +761,24 @@ def test_stream_heads_read_the_draft_as_training_feeds_them():
     assert rows.tolist() == [58, 59, -100, -100, -100]  # past the streams' rows, and outside the vocabulary
 
 
+def test_stream_heads_are_saved_in_place_keeping_the_drafts_history(tmp_path):
+    """Saving into the draft's own directory swaps the whole directory in: the draft gains its streams, its own
+    training.json stays, the streams' summary is beside it, and no staging directory is left."""
+    from mirror_sd.models import train_stream_heads as tsh
+
+    target = _tiny_target()
+    draft = _draft(target)
+    where = tmp_path / "draft"
+    draft.save(where, dtype=torch.float32)
+    (where / "training.json").write_text('{"stages": 14}\n')
+    tsh._save(draft.with_streams(2, stream_vocab=60), where, where, {"streams": 2})
+    loaded = FeatureDraft.load(where, target.get_input_embeddings().weight)
+    assert loaded.config.streams == 2 and len(loaded.stream_heads) == 2
+    assert json.loads((where / "training.json").read_text()) == {"stages": 14}
+    assert json.loads((where / tsh.STREAMS_SUMMARY).read_text()) == {"streams": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
+
+
 @pytest.fixture(scope="module")
 def stream_feature_bundle(tmp_path_factory, trained_feature_bundle, pair_factory):
     """Stream heads trained on the trained feature draft's own data (the random target's answers, learnt by heart),
