@@ -126,6 +126,15 @@ EXIT_MIXED = {"conversations": 800, "rank": 512, "steps": 2400, "batch": 256, "l
 EXIT_HARD = {"conversations": 400, "skip": 800, "held_out": 100, "steps": 2400, "batch": 256, "lr": 1e-3,
              "minutes_per_layer": 60, "hard_weight": 3.0}
 EXIT_HARD_MORE = {**EXIT_HARD, "hard_weight": 8.0}
+# Stream heads on the committed feature draft, the draft itself frozen and the heads saved into its directory
+# (models/train_stream_heads.py; their summary in its streams.json): 2 streams over the 4,096 most frequent rows of
+# its head, each a 576-wide MLP fed the token before it, trained on the draft's hidden states at its first two
+# depths, 400 batches of 4,096 tokens from the files' earlier prompts (46 minutes here). Results:
+# results/smollm2-feature-streams-*.json.
+FEATURE_STREAMS = {"streams": 2, "stream_vocab": 4096, "stream_width": 576, "depths": 2, "batches": 400, "lr": 2e-3,
+                   "max_len": 512, "eval_records": 100}
+STREAM_FILES = [ANSWERS_FILE, EVERYDAY_FILE, CODE_FILE, ADVICE_FILE, DIALOGUE_FILE]
+STREAM_RANGES = [(0, 3000), (0, 1500), (0, 800), (0, 600), (0, 600)]
 # `mirror-sd plan` of this bundle on the reference machine (results/README.md): the runtime's defaults (gamma,
 # kappa, branch budget, threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
@@ -174,7 +183,7 @@ def retrain_feature_draft(report=print) -> None:
     """The feature draft from the committed answers (any missing ones generated first, with OpenVINO GenAI)."""
     from mirror_sd.bench.baselines import fingerprint
     from mirror_sd.bench.ov_convert import convert
-    from mirror_sd.models import answers, train_exit, train_feature_draft
+    from mirror_sd.models import answers, train_exit, train_feature_draft, train_stream_heads
 
     ov_dir = convert(TARGET_DIR, BUILD / "bench-cache" / f"ov-genai-target-{fingerprint(TARGET_DIR)}",
                      fingerprint=fingerprint(TARGET_DIR))
@@ -226,6 +235,8 @@ def retrain_feature_draft(report=print) -> None:
         (gpu_work / "checkpoint.pt").unlink(missing_ok=True)
         train_feature_draft.run(TARGET_DIR, GPU_FILES, gpu_work, FEATURE_WEIGHTS,
                                 max_minutes=None, report=report, init_from=FEATURE_WEIGHTS, **stage)
+    train_stream_heads.run(TARGET_DIR, FEATURE_WEIGHTS, STREAM_FILES, BUILD / "feature-draft-streams",
+                           FEATURE_WEIGHTS, prompt_ranges=STREAM_RANGES, report=report, **FEATURE_STREAMS)
     # the bundles' exit head at EXIT_LAYER, from the same answers: first on the broad pool's, then continued on the
     # broad, everyday and code answers together (EXIT_MIXED), then on all five files where the draft misses
     # (EXIT_HARD, EXIT_HARD_MORE: one teacher pass)
