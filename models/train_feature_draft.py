@@ -460,6 +460,27 @@ def ttt_loss(draft: FeatureDraft, taps, ids, labels, steps: int, noise: float, s
     return total / weight, accs
 
 
+def optimizer_step(optimizer, params, loss: torch.Tensor, accs_avg: list[float], accs: list[float], bar
+                   ) -> list[float]:
+    """One step on `loss` (gradients clipped to 0.5); returns the running accuracies with this batch's `accs` in,
+    shown with the loss on the progress bar."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    optimizer.step()
+    accs_avg = accs if not accs_avg else [0.98 * a + 0.02 * x for a, x in zip(accs_avg, accs)]
+    bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs_avg))
+    bar.update(1)
+    return accs_avg
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """torch.save, written beside `path` and moved over it: a run stopped mid-write keeps the checkpoint before."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
 def train(draft: FeatureDraft, records: list[Record], order: list[int], store: FeatureStore | OnlineFeatures,
           work: Path, *, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float, device: str,
           seed: int, max_minutes: float | None, budget_minutes: float | None = None, soft: SoftTargets | None = None,
@@ -503,20 +524,12 @@ def train(draft: FeatureDraft, records: list[Record], order: list[int], store: F
             soft_batch = _soft_tensors(plan[b], records, soft, device) if soft is not None else None
             with autocast:
                 loss, accs = ttt_loss(draft, taps, ids, labels, steps, noise, soft_batch, soft_weight)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            optimizer.step()
-            accs_avg = accs if not accs_avg else [0.98 * a + 0.02 * x for a, x in zip(accs_avg, accs)]
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs_avg))
-            bar.update(1)
+            accs_avg = optimizer_step(optimizer, params, loss, accs_avg, accs, bar)
             stop = max_minutes is not None and time.monotonic() - run_start > max_minutes * 60
             if time.monotonic() - last_save > 300 or b + 1 == len(plan) or stop:
-                tmp = ckpt.with_suffix(".tmp")
-                torch.save({"model": {k: v for k, v in draft.state_dict().items() if k != "embed.weight"},
-                            "optimizer": optimizer.state_dict(), "done": b + 1, "plan_len": len(plan),
-                            "seconds": time.monotonic() - start}, tmp)
-                os.replace(tmp, ckpt)
+                save_checkpoint(ckpt, {"model": {k: v for k, v in draft.state_dict().items() if k != "embed.weight"},
+                                       "optimizer": optimizer.state_dict(), "done": b + 1, "plan_len": len(plan),
+                                       "seconds": time.monotonic() - start})
                 last_save = time.monotonic()
             if stop:
                 report(f"time budget reached after batch {b + 1} of {len(plan)}: run again to go on")

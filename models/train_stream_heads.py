@@ -196,20 +196,12 @@ def train(draft: FeatureDraft, records: list[tfd.Record], order: list[int], feat
                 group["lr"] = lr * min(1.0, (b + 1) / 30) * cosine
             ids, labels, taps = features([records[i] for i in plan[b]])
             loss, step_accs = stream_loss(draft, taps, ids, labels, depths)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            optimizer.step()
-            accs = step_accs if not accs else [0.98 * a + 0.02 * x for a, x in zip(accs, step_accs)]
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs))
-            bar.update(1)
+            accs = tfd.optimizer_step(optimizer, params, loss, accs, step_accs, bar)
             stop = max_minutes is not None and time.monotonic() - run_start > max_minutes * 60
             if time.monotonic() - last_save > 300 or b + 1 == len(plan) or stop:
-                tmp = ckpt.with_suffix(".tmp")
-                torch.save({"streams": draft.stream_heads.state_dict(), "optimizer": optimizer.state_dict(),
-                            "done": b + 1, "plan_len": len(plan),
-                            "seconds": spent + time.monotonic() - run_start}, tmp)
-                os.replace(tmp, ckpt)
+                tfd.save_checkpoint(ckpt, {"streams": draft.stream_heads.state_dict(),
+                                           "optimizer": optimizer.state_dict(), "done": b + 1, "plan_len": len(plan),
+                                           "seconds": spent + time.monotonic() - run_start})
                 last_save = time.monotonic()
             if stop and b + 1 < len(plan):
                 report(f"time budget reached after batch {b + 1} of {len(plan)}: run again to go on")

@@ -822,6 +822,24 @@ def test_stream_heads_train_and_export_with_their_proposals_checked(stream_featu
     assert not (tmp_path / "w").exists()
 
 
+def test_stream_head_training_stops_on_its_time_budget_and_resumes(trained_feature_bundle, pair_factory, tmp_path):
+    """A run out of time writes its checkpoint and no draft; run again, it goes on from that batch and finishes."""
+    from mirror_sd.models import train_stream_heads as tsh
+
+    trained, _ = trained_feature_bundle
+    target_dir, _ = pair_factory("llama")
+    args = dict(streams=1, stream_vocab=0, depths=1, batches=3, tokens_per_batch=256, max_len=64, eval_records=2,
+                report=lambda _line: None)
+    first = tsh.run(target_dir, trained.parent / "draft", [trained.parent / "answers.jsonl.gz"], tmp_path / "work",
+                    tmp_path / "out", max_minutes=0.0, **args)
+    assert first == {"finished": False, "batches": 1, "of": 3} and not (tmp_path / "out").exists()
+    done = tsh.run(target_dir, trained.parent / "draft", [trained.parent / "answers.jsonl.gz"], tmp_path / "work",
+                   tmp_path / "out", **args)
+    assert done["train"]["finished"] and done["train"]["batches"] == 3
+    assert torch.load(tmp_path / "work" / "checkpoint.pt")["done"] == 3
+    assert json.loads((tmp_path / "out" / tsh.STREAMS_SUMMARY).read_text())["streams"] == 1
+
+
 def test_stream_feature_drafter_windows_equal_the_reference_and_sd_mirror_stay_exact(stream_feature_bundle):
     """Trusting the streams: rollouts and branch rows are the reference's windows with trust_streams (gamma - 2 main
     tokens, then the streams), "off" gives the plain windows, and sd / mirror equal ar with overlap on and off, at
