@@ -541,6 +541,29 @@ def train(draft: FeatureDraft, records: list[Record], order: list[int], store: F
             "train_step_accuracy": accs_avg}
 
 
+def draft_right(draft: FeatureDraft, hs: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """[len(hs), T] bool, indexed by base b: whether the token drafted k places after base b is the text's. Base b
+    drafts ids[b + 2 ..]; forward_ttt's step k row for base b is position b + k (ids [1, T], hs its steps)."""
+    t = ids.shape[1]
+    right = torch.zeros(len(hs), t, dtype=torch.bool, device=ids.device)
+    for k, h in enumerate(hs):
+        pred = draft.vocab_ids[draft.logits(h[0, :-1]).argmax(-1)]  # [T-2]: position p predicts ids[p + 2]
+        n = t - 2 - k
+        if n > 0:
+            right[k, :n] = pred[k: k + n] == ids[0, 2 + k: 2 + k + n]  # indexed by base b = p - k
+    return right
+
+
+def window_bases(labels: torch.Tensor, gamma: int) -> torch.Tensor:
+    """[T] bool: the bases whose next gamma tokens (ids[b + 2 .. b + 1 + gamma]) are all answer tokens (labels [T])."""
+    t = labels.shape[0]
+    span = t - 1 - gamma
+    valid = torch.zeros(t, dtype=torch.bool, device=labels.device)
+    if span > 0:
+        valid[:span] = torch.stack([labels[2 + k: 2 + k + span] for k in range(gamma)]).all(0)
+    return valid
+
+
 @torch.no_grad()
 def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore | OnlineFeatures, indices: list[int],
              gamma: int, device: str) -> dict:
@@ -554,24 +577,10 @@ def evaluate(draft: FeatureDraft, records: list[Record], store: FeatureStore | O
     bases = walked_steps = walked_tokens = 0
     for i in indices:
         ids, labels, taps = _tensors([i], records, store, device)
-        hs = draft.forward_ttt(taps, ids, gamma)
-        t = ids.shape[1]
-        # base b drafts ids[b+2 .. b+1+gamma]; step k's row for base b is position b + k
-        right = []
-        for k, h in enumerate(hs):
-            pred = draft.vocab_ids[draft.logits(h[0, :-1]).argmax(-1)]  # [T-2]: position p predicts ids[p + 2]
-            ok = torch.zeros(t, dtype=torch.bool, device=ids.device)
-            n = t - 2 - k
-            if n > 0:
-                ok[:n] = pred[k: k + n] == ids[0, 2 + k: 2 + k + n]  # indexed by base b = p - k
-            right.append(ok)
-        right = torch.stack(right)  # [gamma, T]
-        lab = labels[0]
-        valid = torch.zeros(t, dtype=torch.bool, device=ids.device)
-        span = t - 1 - gamma
-        if span <= 0:
+        if ids.shape[1] - 1 - gamma <= 0:
             continue
-        valid[:span] = torch.stack([lab[2 + k: 2 + k + span] for k in range(gamma)]).all(0)
+        right = draft_right(draft, draft.forward_ttt(taps, ids, gamma), ids)  # [gamma, T]
+        valid = window_bases(labels[0], gamma)
         lead = torch.cumprod(right.int(), 0)  # [gamma, T]: 1 while every step so far is right
         for k in range(gamma):
             tried[k] += int((valid & (lead[k - 1].bool() if k else valid)).sum())

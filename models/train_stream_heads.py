@@ -40,35 +40,19 @@ STREAMS_SUMMARY = "streams.json"  # the stream heads' training summary, beside t
 STREAM_DECAY = 0.8  # loss weight of stream j: STREAM_DECAY ** j (a later stream counts only if earlier ones land)
 
 
-class _Features:
-    """The target's tap features of a batch of records: the exported prefix graph on ONNX Runtime one record at a
-    time on CPU (about four times torch's speed there), torch's layers on CUDA (tfd.OnlineFeatures)."""
+class _OrtFeatures:
+    """The target's tap features of a record, recomputed each time it is read by the exported prefix graph on ONNX
+    Runtime (on CPU about four times torch's speed, and nothing stored): stands where a FeatureStore does in
+    tfd._tensors. On CUDA tfd.OnlineFeatures stands there instead."""
 
-    def __init__(self, target, taps: list[int], device: str) -> None:
-        self.device = device
-        if device == "cpu":
-            self.prefix = tfd._OrtPrefix(target, max(taps), tuple(taps))
-        else:
-            self.online = tfd.OnlineFeatures(target, taps)
+    def __init__(self, target, taps: list[int], records: list[tfd.Record]) -> None:
+        self.prefix = tfd._OrtPrefix(target, max(taps), tuple(taps))
+        self.taps, self.width, self.records = list(taps), target.config.hidden_size, records
 
-    def __call__(self, records: list[tfd.Record]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ids [B,W] (right-padded), labels [B,W] and taps [B,W,n,d] of `records`."""
+    def get(self, i: int) -> np.ndarray:
         from mirror_sd.partitions.manifest import TAPS
 
-        width = max(len(r.ids) for r in records)
-        ids = torch.zeros(len(records), width, dtype=torch.long)
-        labels = torch.zeros(len(records), width, dtype=torch.bool)
-        for n, r in enumerate(records):
-            ids[n, : len(r.ids)] = torch.from_numpy(r.ids)
-            labels[n, : len(r.ids)] = torch.from_numpy(r.labels)
-        if self.device != "cpu":
-            ids = ids.to(self.device)
-            return ids, labels.to(self.device), self.online(ids)
-        taps = [torch.from_numpy(np.asarray(self.prefix(r.ids, TAPS), np.float32)) for r in records]
-        out = torch.zeros(len(records), width, *taps[0].shape[1:])
-        for n, t in enumerate(taps):
-            out[n, : t.shape[0]] = t
-        return ids, labels, out
+        return self.prefix(self.records[i].ids, TAPS)
 
 
 def _stream_rows(draft: FeatureDraft, ids: torch.Tensor) -> torch.Tensor:
@@ -116,7 +100,8 @@ def stream_loss(draft: FeatureDraft, taps, ids, labels, depths: int) -> tuple[to
 
 
 @torch.no_grad()
-def evaluate(draft: FeatureDraft, records: list[tfd.Record], features: _Features, gamma: int) -> dict:
+def evaluate(draft: FeatureDraft, records: list[tfd.Record], indices: list[int], features, device: str,
+             gamma: int) -> dict:
     """From every held-out answer position whose next gamma tokens are answer tokens: the tokens sd commits per
     target step (1 + the leading drafted tokens the target takes) with the draft alone, one token per forward, and
     with the last streams-many window tokens taken from the stream heads after the draft's (gamma - streams)-th
@@ -125,19 +110,13 @@ def evaluate(draft: FeatureDraft, records: list[tfd.Record], features: _Features
     main_depth = gamma - s  # main-stream tokens per window; the streams read the hidden state of the last of them
     sums = {"plain": [0, 0], "trust": [0, 0]}  # walked steps, tokens
     bases = 0
-    for r in records:
-        ids, labels, taps = features([r])
+    for i in indices:
+        ids, labels, taps = tfd._tensors([i], records, features, device)
         t = ids.shape[1]
-        span = t - 1 - gamma
-        if span <= 0:
+        if t - 1 - gamma <= 0:
             continue
         hs = draft.forward_ttt(taps, ids, gamma)
-        right = torch.zeros(gamma, t, dtype=torch.bool)
-        for k, h in enumerate(hs):
-            pred = draft.vocab_ids[draft.logits(h[0, :-1]).argmax(-1)]
-            n = t - 2 - k
-            if n > 0:
-                right[k, :n] = pred[k: k + n] == ids[0, 2 + k: 2 + k + n]  # indexed by base b = p - k
+        right = tfd.draft_right(draft, hs, ids)  # [gamma, T], indexed by base
         trusted = right.clone()
         h = hs[main_depth - 1][0, :-1]  # base b's row is position b + main_depth - 1
         proposals = draft.stream_ids(h, draft.logits(h))  # [T-1, S]
@@ -146,9 +125,7 @@ def evaluate(draft: FeatureDraft, records: list[tfd.Record], features: _Features
             n = t - 2 - k
             if n > 0:
                 trusted[k, :n] = proposals[main_depth - 1: main_depth - 1 + n, j] == ids[0, 2 + k: 2 + k + n]
-        lab = labels[0]
-        valid = torch.stack([lab[2 + k: 2 + k + span] for k in range(gamma)]).all(0).tolist()
-        valid += [False] * (t - span)
+        valid = tfd.window_bases(labels[0], gamma).tolist()
         bases += sum(valid)
         for name, table in (("plain", right), ("trust", trusted)):
             lead = torch.cumprod(table.int(), 0).sum(0).tolist()
@@ -164,7 +141,7 @@ def evaluate(draft: FeatureDraft, records: list[tfd.Record], features: _Features
     return out
 
 
-def train(draft: FeatureDraft, records: list[tfd.Record], order: list[int], features: _Features, work: Path, *,
+def train(draft: FeatureDraft, records: list[tfd.Record], order: list[int], features, device: str, work: Path, *,
           batches: int, depths: int, lr: float, tokens_per_batch: int, seed: int, max_minutes: float | None,
           report=print) -> dict:
     """`batches` batches of the training records (passes over them as needed), AdamW on the stream heads only with a
@@ -194,7 +171,7 @@ def train(draft: FeatureDraft, records: list[tfd.Record], order: list[int], feat
             for group in optimizer.param_groups:
                 cosine = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * b / len(plan)))
                 group["lr"] = lr * min(1.0, (b + 1) / 30) * cosine
-            ids, labels, taps = features([records[i] for i in plan[b]])
+            ids, labels, taps = tfd._tensors(plan[b], records, features, device)
             loss, step_accs = stream_loss(draft, taps, ids, labels, depths)
             accs = tfd.optimizer_step(optimizer, params, loss, accs, step_accs, bar)
             stop = max_minutes is not None and time.monotonic() - run_start > max_minutes * 60
@@ -233,16 +210,19 @@ def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out:
     for name, p in draft.named_parameters():
         p.requires_grad_(name.startswith("stream_heads."))
     work.mkdir(parents=True, exist_ok=True)
-    features = _Features(target, draft.config.taps, device)
+    taps = draft.config.taps
+    features = _OrtFeatures(target, taps, records) if device == "cpu" else tfd.OnlineFeatures(target, taps)
     report(f"{len(train_set)} training records, {len(held)} held out; {streams} streams over the first "
            f"{draft.config.stream_rows} head rows, held-out answer tokens covered: "
            f"{tfd.coverage(held, draft.config.vocab_ids[: draft.config.stream_rows]):.1%}")
-    result = train(draft, records, list(range(len(train_set))), features, work, batches=batches, depths=depths, lr=lr,
-                   tokens_per_batch=tokens_per_batch, seed=seed, max_minutes=max_minutes, report=report)
+    result = train(draft, records, list(range(len(train_set))), features, device, work, batches=batches,
+                   depths=depths, lr=lr, tokens_per_batch=tokens_per_batch, seed=seed, max_minutes=max_minutes,
+                   report=report)
     if not result["finished"]:
         return result
     draft.eval()
-    metrics = evaluate(draft, records[len(train_set):][:eval_records], features, gamma=4)
+    metrics = evaluate(draft, records, list(range(len(train_set), len(records)))[:eval_records], features, device,
+                       gamma=4)
     report(f"held-out ({metrics['bases']} bases, gamma 4): tokens per sd step {metrics['plain_tokens_per_step']:.2f} "
            f"one token per forward, {metrics['trust_tokens_per_step']:.2f} with the last {metrics['streams']} from the "
            f"streams ({metrics['trust_draft_tokens_per_forward']:.1f} draft tokens per forward)")

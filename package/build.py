@@ -116,9 +116,7 @@ def _bounds(opts: PackageOptions, manifest: Manifest) -> StaticBounds:
     limit = min(manifest.target.max_position_embeddings, manifest.draft.max_position_embeddings)
     max_context = opts.max_context if opts.max_context is not None else min(DEFAULT_MAX_CONTEXT, limit)
     max_prompt = opts.max_prompt if opts.max_prompt is not None else min(DEFAULT_MAX_PROMPT, max_context)
-    # the inputs a forward feeds: a streaming token draft feeds its stream proposals back, a feature draft's streams
-    # only propose (runtime/feature_draft.py), so it feeds one token
-    own = 1 if manifest.draft.feature_taps else manifest.draft.tokens_per_forward
+    own = manifest.draft.inputs_per_forward
     tpf = opts.tokens_per_forward if opts.tokens_per_forward is not None else own
     bounds = StaticBounds(max_prompt=max_prompt, max_context=max_context, max_gamma=opts.max_gamma, batch=opts.batch,
                           tokens_per_forward=tpf, prefill_chunk=opts.prefill_chunk)

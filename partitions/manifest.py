@@ -95,6 +95,13 @@ class DraftFacts(ModelFacts):
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_taps", tuple(self.feature_taps))  # JSON gives a list
 
+    @property
+    def inputs_per_forward(self) -> int:
+        """Tokens a rollout feeds per forward after its first: a streaming token draft feeds its stream proposals
+        back to check them (tokens_per_forward); a feature draft's streams only propose (runtime/feature_draft.py),
+        so it feeds one."""
+        return 1 if self.feature_taps else self.tokens_per_forward
+
 
 @dataclass(frozen=True)
 class TokenizerFacts:

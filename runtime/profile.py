@@ -300,8 +300,7 @@ def profile_split(pipe: Pipeline, past: list[int], windows: tuple[int, ...], row
     """Target, draft and contention timings on the pipeline's devices and threads."""
     facts = pipe.manifest.target
     prefix, suffix = time_target(pipe.target, past, windows, repeats)
-    # a feature draft's streams add proposals to a forward, not inputs: its rollouts feed one token per forward
-    width = 1 if pipe.manifest.draft.feature_taps else pipe.manifest.draft.tokens_per_forward
+    width = pipe.manifest.draft.inputs_per_forward
     widths = tuple(sorted({1, width, *first_widths}))
     forward = time_draft(pipe.draft, past, rows, widths, repeats)
     gamma, budget = contention_at
