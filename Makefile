@@ -61,12 +61,13 @@ demo: models
 
 export: setup
 	@if [ -z "$(MODEL)" ] || [ -z "$(DRAFT)" ] || [ -z "$(OUT)" ]; then \
-	  echo "usage: make export MODEL=<hf id or dir> DRAFT=<hf id or dir> OUT=<dir> [EXIT_LAYER=n] [TOPK=k] [EXIT_ADAPTER=dir] [PLAN=plan.json] [DRAFT_WEIGHTS=int8|float32] [FORCE=1]" >&2; \
+	  echo "usage: make export MODEL=<hf id or dir> DRAFT=<hf id or dir> OUT=<dir> [EXIT_LAYER=n] [TOPK=k] [EXIT_ADAPTER=dir] [PLAN=plan.json] [DRAFT_WEIGHTS=int8|float32] [TARGET_DTYPE=float32|float16] [FORCE=1]" >&2; \
 	  exit 2; fi
 	@$(VENV)/bin/mirror-sd export --model "$(MODEL)" --draft "$(DRAFT)" --out "$(OUT)" \
 	  $(if $(TOPK),--top-k $(TOPK)) $(if $(PLAN),--plan "$(PLAN)") \
 	  $(if $(EXIT_LAYER),--exit-layer $(EXIT_LAYER)) $(if $(EXIT_ADAPTER),--exit-adapter "$(EXIT_ADAPTER)") \
-	  $(if $(DRAFT_WEIGHTS),--draft-weights "$(DRAFT_WEIGHTS)") $(if $(FORCE),--force)
+	  $(if $(DRAFT_WEIGHTS),--draft-weights "$(DRAFT_WEIGHTS)") $(if $(TARGET_DTYPE),--target-dtype "$(TARGET_DTYPE)") \
+	  $(if $(FORCE),--force)
 
 # Serve BUNDLE (default: the real pair) over an OpenAI-compatible HTTP API on HOST:PORT (default 127.0.0.1:8000).
 HOST ?= 127.0.0.1

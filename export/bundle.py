@@ -33,6 +33,7 @@ from mirror_sd.export.drafts import Draft, load_draft
 from mirror_sd.export.onnx_export import draft_spec, exit_spec, export_segment
 from mirror_sd.export.segments import ExitTopK, LogitLens
 from mirror_sd.export.target_graphs import write_target_graph
+from mirror_sd.export.target_precision import MIN_TARGET_AGREEMENT, check_target_dtype, retype_target
 from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.partitions.manifest import Manifest, TargetFacts, TokenizerFacts
 
@@ -55,6 +56,9 @@ class ExportOptions:
     exit_vocab: str = "draft"
     # the draft graph's MatMul weights: "int8" (8-bit blocks, export/draft_weights.py) or "float32"
     draft_weights: str = DEFAULT_WEIGHT_FORMAT
+    # what the target graphs compute in: "float32", or "float16" for the CUDA execution provider
+    # (export/target_precision.py)
+    target_dtype: str = "float32"
 
 
 @dataclass
@@ -188,6 +192,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     out = Path(opts.out).expanduser()
     check_out_dir(out, opts.force)
     check_weight_format(opts.draft_weights)
+    check_target_dtype(opts.target_dtype)
     target = load_causal_lm(opts.model, "target")
     draft = load_draft(opts.draft, load_causal_lm, target)
     exit_layer, top_k = check_options(opts, target, draft)
@@ -202,7 +207,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     staging = staging_dir(out)
     try:
         manifest = _write_bundle(staging, target, draft, exit_topk, exit_layer, top_k, opts.validate, report,
-                                 opts.draft_weights)
+                                 opts.draft_weights, opts.target_dtype)
         move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -213,7 +218,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
 
 def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: ExitTopK, exit_layer: int,
                   top_k: int, validate: bool, report: Callable[[str], None],
-                  draft_weights: str = DEFAULT_WEIGHT_FORMAT) -> Manifest:
+                  draft_weights: str = DEFAULT_WEIGHT_FORMAT, target_dtype: str = "float32") -> Manifest:
     t_model = target.model
     kind = exit_topk.exit_head.kind
     exit_vocab = 0 if exit_topk.vocab_ids is None else int(exit_topk.vocab_ids.numel())
@@ -268,6 +273,19 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: Ex
             manifest = replace(manifest, validation={
                 **manifest.validation, "draft_weights": {"format": INT8, "matmuls": count, "block_size": BLOCK_SIZE,
                                                          "top1_agreement": agreement}})
+    if target_dtype != t_facts.dtype:
+        manifest = retype_target(bundle, manifest, t_model, target.arch, target_dtype)
+        report(f"target graphs rewritten in {target_dtype}")
+        if sample is not None:
+            agreement = parity.target_top1_agreement(bundle, manifest, t_model, sample)
+            report(f"{target_dtype} target: greedy token agrees with the float32 reference on "
+                   f"{agreement['top1']:.0%} of positions (logits within {agreement['max_abs_logits_diff']:.3g})")
+            if agreement["top1"] < MIN_TARGET_AGREEMENT:
+                raise ExportError(f"the {target_dtype} target agrees with its float32 reference on only "
+                                  f"{agreement['top1']:.0%} of greedy tokens (at least {MIN_TARGET_AGREEMENT:.0%} "
+                                  "expected)")
+            manifest = replace(manifest, validation={**manifest.validation,
+                                                     "target_dtype": {"dtype": target_dtype, **agreement}})
     manifest.validate(bundle)
     manifest.save(bundle)
     return manifest

@@ -390,6 +390,29 @@ def check_bundle(bundle_dir: Path, manifest: Manifest, target, draft_reference, 
     return checks
 
 
+def target_top1_agreement(bundle_dir: Path, manifest: Manifest, target, sample: Sample) -> dict[str, float]:
+    """The bundle's target chain (ONNX Runtime, CPU EP, as the runtime runs it) against the float32 torch model on
+    the target grid: the share of positions whose greedy token is the reference's, and the largest logit
+    difference. For a target rewritten in float16 (export/target_precision.py), whose logits are no longer within
+    the parity tolerance."""
+    from mirror_sd.runtime.target import open_target
+
+    engine = open_target(bundle_dir, manifest, "cpu", threads=2)
+    same = positions = 0
+    worst = 0.0
+    for past, new in TARGET_GRID:
+        ids = sample.rows(1, past + new)
+        with torch.no_grad():
+            ref = target(torch.from_numpy(ids)).logits[0].numpy()
+        cache = engine.empty_cache()
+        for lo, hi in ((0, past), (past, past + new)):
+            logits, cache = engine.forward(ids[0, lo:hi].tolist(), cache)
+            same += int((logits.argmax(-1) == ref[lo:hi].argmax(-1)).sum())
+            positions += hi - lo
+            worst = max(worst, float(np.abs(logits - ref[lo:hi]).max()))
+    return {"top1": same / positions, "max_abs_logits_diff": worst}
+
+
 class _Agreement:
     """How often a graph's greedy token (its logits' argmax) is the torch reference's, per runtime."""
 

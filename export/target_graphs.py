@@ -36,7 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 from mirror_sd.errors import ExportError, UnsupportedArchitectureError
 from mirror_sd.export import onnx_export
 from mirror_sd.export.architectures import Architecture
-from mirror_sd.partitions.manifest import BOUNDARY, LOGITS, TAPS, ModelFacts
+from mirror_sd.partitions.manifest import BOUNDARY, LOGITS, TAPS, TARGET_DTYPES, ModelFacts
 from mirror_sd.partitions.spec import (
     BATCH,
     CAPACITY,
@@ -71,9 +71,11 @@ def target_input_specs(role: Role, facts: ModelFacts, layers: range) -> tuple[Te
 
 def target_output_specs(role: Role, facts: ModelFacts, layers: range, taps: tuple[int, ...] = ()
                         ) -> tuple[TensorSpec, ...]:
+    # what the host reads (logits, a feature draft's taps) is float32 whatever the target computes in; the boundary
+    # and the KV stay on the device in the target's own dtype
     head = (TensorSpec(BOUNDARY, facts.dtype, (BATCH, SEQUENCE, facts.hidden_size)) if role == "target_prefix"
-            else TensorSpec(LOGITS, facts.dtype, (BATCH, KEPT, facts.vocab_size)))
-    tap_out = (TensorSpec(TAPS, facts.dtype, (BATCH, SEQUENCE, len(taps), facts.hidden_size)),) if taps else ()
+            else TensorSpec(LOGITS, "float32", (BATCH, KEPT, facts.vocab_size)))
+    tap_out = (TensorSpec(TAPS, "float32", (BATCH, SEQUENCE, len(taps), facts.hidden_size)),) if taps else ()
     return (head, *tap_out) + _kv(layers, facts, present_key_name, present_value_name)
 
 
@@ -89,6 +91,8 @@ class _Graph:
     nodes: list
     initializers: list
     count: int = 0
+    float_type: type = np.float32  # the dtype float weights are stored and computed in
+
 
     def name(self, hint: str) -> str:
         self.count += 1
@@ -96,6 +100,8 @@ class _Graph:
 
     def weight(self, hint: str, array: np.ndarray) -> str:
         name = self.name(hint)
+        if array.dtype == np.float32:
+            array = array.astype(self.float_type)
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
@@ -104,6 +110,13 @@ class _Graph:
         names = outputs if isinstance(outputs, list) else [self.name(op.lower()) for _ in range(outputs)]
         self.nodes.append(helper.make_node(op, inputs, names, name=self.name(op), domain=domain, **attrs))
         return names
+
+    def to_float32(self, x: str, output: str) -> None:
+        """`output` = x as float32 (the tensors the host reads)."""
+        if self.float_type == np.float32:
+            self.node("Identity", [x], [output])
+        else:
+            self.node("Cast", [x], [output], to=TensorProto.FLOAT)
 
     def rms_norm(self, x: str, weight: torch.Tensor, eps: float) -> str:
         return self.node("SimplifiedLayerNormalization", [x, self.weight("norm", _np(weight))], axis=-1,
@@ -159,7 +172,9 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         raise ExportError(f"taps {list(taps)} must lie in the prefix's layers ({start}, {end}]")
     backbone = arch.backbone(model)
     config = model.config
-    g = _Graph([], [])
+    if facts.dtype not in TARGET_DTYPES:
+        raise ExportError(f"the target graphs compute in one of {', '.join(TARGET_DTYPES)}, not {facts.dtype!r}")
+    g = _Graph([], [], float_type=np.dtype(facts.dtype).type)
     heads, kv_heads, hd = facts.num_attention_heads, facts.num_kv_heads, facts.head_dim
     eps = float(config.rms_norm_eps)
     windows = arch.sliding_windows()
@@ -211,7 +226,7 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         g.node("Identity", [x], [BOUNDARY])
         if taps:  # [B,T,H] each -> [B,T,n,H]
             axis = g.weight("axis", np.array([2], np.int64))
-            g.node("Concat", [g.node("Unsqueeze", [tapped[t], axis])[0] for t in taps], [TAPS], axis=2)
+            g.to_float32(g.node("Concat", [g.node("Unsqueeze", [tapped[t], axis])[0] for t in taps], axis=2)[0], TAPS)
     else:
         # only the last n positions reach the norm and the LM head: x[:, -n:]
         begin = g.node("Neg", [KEEP])[0]
@@ -220,7 +235,7 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         h = g.rms_norm(last, backbone.norm.weight, eps)
         lm_head = arch.lm_head(model)
         head_w = g.linear(h, [lm_head.weight], [getattr(lm_head, "bias", None)])
-        g.node("Identity", [head_w], [LOGITS])
+        g.to_float32(head_w, LOGITS)
 
     layers = range(start, end)
     inputs = [_value_info(t) for t in target_input_specs(role, facts, layers)]
@@ -252,7 +267,7 @@ def write_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         proto = build_target_graph(model, arch, facts, role, start, end, taps)
     except (AttributeError, KeyError, ValueError) as e:  # a module layout this builder does not know
         raise ExportError(f"building the {role} graph failed: {type(e).__name__}: {e}") from e
-    weight_bytes = sum(int(np.prod(t.dims)) * 4 for t in proto.graph.initializer)
+    weight_bytes = sum(len(t.raw_data) for t in proto.graph.initializer)
     data_files: tuple[str, ...] = ()
     if weight_bytes > onnx_export.EXTERNAL_DATA_BYTES:
         data_files = (file + ".data",)

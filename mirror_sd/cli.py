@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mirror_sd.errors import MirrorSDError
-from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS
+from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES
 
 if TYPE_CHECKING:
     from mirror_sd.partitions.planner import Plan
@@ -32,7 +32,7 @@ def _export(args: argparse.Namespace) -> int:
     export_bundle(ExportOptions(model=args.model, draft=args.draft, out=Path(args.out), exit_layer=exit_layer,
                                 top_k=DEFAULT_TOP_K if top_k is None else top_k, force=args.force,
                                 exit_adapter=args.exit_adapter, exit_vocab=args.exit_vocab,
-                                draft_weights=args.draft_weights))
+                                draft_weights=args.draft_weights, target_dtype=args.target_dtype))
     return 0
 
 
@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-weights", default="int8", choices=DRAFT_WEIGHT_FORMATS,
                    help="the draft graph's MatMul weights: int8 (default: 8-bit blocks, a forward ~4x faster on CPU; "
                         "the output is the target's either way) or float32")
+    p.add_argument("--target-dtype", default="float32", choices=TARGET_DTYPES,
+                   help="what the target graphs compute in: float32 (default; CPU and OpenVINO) or float16 (the CUDA "
+                        "execution provider, whose fused attention has no float32 kernel)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_export)
 

@@ -49,6 +49,9 @@ PARITY_ATOL, PARITY_RTOL = 1e-4, 1e-5
 # How the draft graph stores its MatMul weights (export/draft_weights.py): fp32, or 8-bit blocks (MatMulNBits). Its
 # activations, KV and outputs are `dtype` either way.
 DRAFT_WEIGHT_FORMATS = ("float32", "int8")
+# What the target's graphs compute in and keep their KV and boundary tensor in: float32, or float16 for the CUDA
+# execution provider (whose GroupQueryAttention has no float32 kernel). Logits and taps reach the host as float32.
+TARGET_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,17 @@ class Manifest:
             raise ManifestError(f"draft attention_window must be a whole number >= 0 (0: the whole context), "
                                 f"not {dr.attention_window!r}")
 
+        if t.dtype not in TARGET_DTYPES:
+            raise ManifestError(f"target dtype {t.dtype!r} is not one of {TARGET_DTYPES}")
+        if out_of_dtype := [f"{p.role} {x.name}" for p in (prefix, suffix) for x in p.inputs + p.outputs
+                            if x.name.startswith(("past_key_values.", "present.")) and x.dtype != t.dtype]:
+            raise ManifestError(f"the target's KV must be its dtype {t.dtype}: {', '.join(out_of_dtype[:3])}")
+        if suffix.output(LOGITS).dtype != "float32" or any(o.name == TAPS and o.dtype != "float32"
+                                                           for o in prefix.outputs):
+            raise ManifestError("the target's logits and taps reach the host as float32")
         out = prefix.output(BOUNDARY)
+        if out.dtype != t.dtype:
+            raise ManifestError(f"the boundary tensor is {out.dtype}, the target's dtype {t.dtype}")
         for reader in (suffix, exit_head):
             inp = reader.input(BOUNDARY)
             if (out.dtype, out.shape) != (inp.dtype, inp.shape) or out.shape[-1] != t.hidden_size:

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from mirror_sd.errors import ManifestError
+from mirror_sd.errors import BadInputError, ManifestError
 from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, TAPS, Manifest, resolve_inside
 from mirror_sd.partitions.spec import (
     KEEP,
@@ -263,4 +263,9 @@ class OpenVINOTarget(Target):
 
 def open_portable_target(bundle: str | Path, manifest: Manifest, device: str | None = None, threads: int = 1,
                          capacity: int | None = None, cache_dir: str | Path | None = None) -> OpenVINOTarget:
+    if manifest.target.dtype != "float32":
+        # the rewrite above emits float32 constants and masks; a float16 target is exported for the CUDA EP
+        raise BadInputError(f"the OpenVINO target backend runs a float32 target; this bundle's target graphs are "
+                            f"{manifest.target.dtype} (for ONNX Runtime's CUDA execution provider): export it again "
+                            "with --target-dtype float32", option="target_backend")
     return OpenVINOTarget(Path(bundle).resolve(), manifest, device, threads, capacity, cache_dir)

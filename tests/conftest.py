@@ -57,16 +57,17 @@ def bundle_factory(tmp_path_factory, pair_factory):
     self_draft=True exports the target itself as the draft (a draft that always agrees with the target: its weights
     stay fp32, where every other draft here takes the export's default int8 weights);
     streaming=True a random streaming draft (reduced vocabulary, 3 stream heads: 4 tokens per forward at most);
-    draft_weights: "int8" or "float32" (default: as said above).
+    draft_weights: "int8" or "float32" (default: as said above);
+    target_dtype: what the target graphs compute in, "float32" (default) or "float16".
     """
     from mirror_sd.export.bundle import ExportOptions, export_bundle
 
     cache: dict[tuple, Path] = {}
 
     def make(architecture: str = "llama", exit_layer: int = 3, top_k: int = 8, self_draft: bool = False,
-             streaming: bool = False, draft_weights: str | None = None) -> Path:
+             streaming: bool = False, draft_weights: str | None = None, target_dtype: str = "float32") -> Path:
         weights = draft_weights or ("float32" if self_draft else "int8")
-        key = (architecture, exit_layer, top_k, self_draft, streaming, weights)
+        key = (architecture, exit_layer, top_k, self_draft, streaming, weights, target_dtype)
         if key not in cache:
             target, draft = pair_factory(architecture)
             if streaming:
@@ -76,7 +77,7 @@ def bundle_factory(tmp_path_factory, pair_factory):
             out = tmp_path_factory.mktemp("bundle") / "-".join(map(str, key))
             export_bundle(ExportOptions(model=str(target), draft=str(target if self_draft else draft), out=out,
                                         exit_layer=exit_layer, top_k=top_k,
-                                        draft_weights=weights),
+                                        draft_weights=weights, target_dtype=target_dtype),
                           report=lambda _line: None)
             cache[key] = out
         return cache[key]
