@@ -107,8 +107,8 @@ class Pipeline:
     def load(cls, bundle: str | Path, *, target_device: str | None = None, draft_device: str | None = None,
              target_threads: int | None = None, draft_threads: int | None = None, use_plan: bool = True,
              cache_dir: str | Path | None = None, target_backend: str = "onnxruntime", draft_backend: str | None = None,
-             max_context: int | None = None, target_spinning: bool | None = None, huge_pages: bool = True
-             ) -> Pipeline:
+             max_context: int | None = None, target_spinning: bool | None = None, huge_pages: bool = True,
+             target_step_width: int | None = None) -> Pipeline:
         """bundle: a bundle directory, or a package (directory or .tar, checked before use).
         target_backend: "onnxruntime" (the default: KV buffers bound on the device, CUDA where present) or
         "openvino" (the same graphs rewritten for OpenVINO, runtime/portable.py: for CPU-only machines).
@@ -121,6 +121,8 @@ class Pipeline:
         max_context: the target's KV buffers in positions (default and maximum: the target's own context); a
         generation that would not fit is refused before any device work.
         target_spinning: whether ONNX Runtime's idle target threads spin (None: ORT's default).
+        target_step_width: ONNX Runtime: pad every target step of fewer tokens to this many (runtime/target.py
+        says why); None: 8 on the CUDA execution provider, else 0 (none).
         cache_dir: OpenVINO's compile cache directory (CACHE_DIR).
         huge_pages: move the memory this load makes resident (the weights) into transparent huge pages once the
         engines are open (Linux; runtime/huge_pages.py): target steps 4-6% faster here, 0.9-2.3 s more to load. What
@@ -129,6 +131,8 @@ class Pipeline:
                         ("max_context", max_context)):
             if n is not None:
                 check_int(name, n, 1)
+        if target_step_width is not None:
+            check_int("target_step_width", target_step_width, 0)
         for name, value in (("target_backend", target_backend), ("draft_backend", draft_backend)):
             if value is not None and value not in BACKENDS:
                 raise BadInputError(f"unknown {name} {value!r}; known: {', '.join(BACKENDS)}")
@@ -150,7 +154,8 @@ class Pipeline:
             target = open_portable_target(bundle, manifest, target_device or "CPU", target_threads, max_context,
                                           cache_dir)
         else:
-            target = open_target(bundle, manifest, target_device, target_threads, max_context, target_spinning)
+            target = open_target(bundle, manifest, target_device, target_threads, max_context, target_spinning,
+                                 target_step_width)
         if package:
             from mirror_sd.runtime.static_draft import open_static_draft
 

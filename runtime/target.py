@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mirror_sd.errors import ContextLimitError, ManifestError
+from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import BOUNDARY, EXIT_IDS, EXIT_LOGPROBS, TAPS, Manifest, resolve_inside
 from mirror_sd.partitions.spec import (
     KEEP,
@@ -39,6 +39,9 @@ from mirror_sd.runtime.backends import ort_session
 # less of the attention rectangle that the causal mask then discards: prefill at 2 threads measured 256 fastest of
 # 192/256/384/512 (512 prompt tokens 327 vs 342 ms, 2048 1859 vs 1893 ms, 4096 4583 vs 4944 ms).
 PREFILL_CHUNK = 256
+# Every target step on the CUDA execution provider runs this many rows (Target.step_width says why): a draft window
+# of up to 7 tokens, or a prompt-lookup window (4), plus the token before it. A longer window still runs, unpadded.
+GPU_STEP_WIDTH = 8
 
 
 @dataclass(frozen=True)
@@ -59,12 +62,17 @@ class TargetCache:
 class Boundary:
     """The prefix's output for T new tokens after `start` context positions, still on the device."""
 
-    hidden: object  # OrtValue [1, T, H]
+    hidden: object  # OrtValue [1, width, H]
     start: int
     tokens: int
     # a feature draft's channel: the residual stream after its tap layers [T, n_taps, H], on the host (small: the
     # draft reads it); None when the draft reads token ids only
     taps: np.ndarray | None = None
+    width: int = 0  # positions the device tensor holds: the tokens and the padding of a fixed-width step (0: tokens)
+
+    @property
+    def positions(self) -> int:
+        return self.width or self.tokens
 
 
 def ort_device(provider: str) -> tuple[str, int]:
@@ -112,15 +120,26 @@ class Target:
 
     device = ""
 
-    def __init__(self, manifest: Manifest, capacity: int | None) -> None:
+    def __init__(self, manifest: Manifest, capacity: int | None, step_width: int = 0) -> None:
         facts = manifest.target
         limit = facts.max_position_embeddings or capacity or 0
         self.capacity = min(capacity or limit, limit)
         if self.capacity < 1:
             raise ManifestError("the target has no maximum context (max_position_embeddings) and no capacity was given")
+        if step_width < 0:
+            raise ValueError(f"step width must be >= 0, not {step_width}")
+        # Fixed-width steps: every forward of fewer than `step_width` tokens is padded to it. Why: float16 kernels on
+        # a GPU pick their tiling and reduction order by the number of rows, so a position's logits in a 5-token
+        # verification step can differ in the last bits from the same position's in a 1-token step, and a greedy
+        # near-tie then flips (measured: results/cuda-ep.json). At one width every step runs the same kernels and
+        # each row is computed alone, so ar, sd and mirror see the same logits. On a GPU the extra rows are nearly
+        # free (a 5-token step costs about a 1-token one); 0 (the CPU's default) pads nothing.
+        self.step_width = step_width
+        # the padding's keys are written past the context; the buffers hold them, up to the model's rotary table
+        self.slots = min(self.capacity + step_width, max(limit, self.capacity))
         self.top_k = facts.top_k
         self._writes = 0
-        self._written_by = np.zeros(self.capacity, np.int64)  # the write that last touched each position
+        self._written_by = np.zeros(self.slots, np.int64)  # the write that last touched each position
         self.forwards = 0  # prefix + suffix pairs run
 
     # -- what a backend implements ---------------------------------------------------------------------------
@@ -161,19 +180,28 @@ class Target:
 
     # -- runs ----------------------------------------------------------------------------------------------------
     def run_prefix(self, ids, cache: TargetCache) -> Boundary:
-        """Layers [0, l_e) on `ids` after `cache`: writes their KV at [length, length + T)."""
-        ids = np.asarray([ids], np.int64)
-        self._check(cache, ids.shape[1])
-        hidden, taps = self._run_prefix(ids, cache.length)
-        self._write(cache.length, cache.length + ids.shape[1])
-        return Boundary(hidden, cache.length, ids.shape[1], taps)
+        """Layers [0, l_e) on `ids` after `cache`: writes their KV at [length, length + T) (and a fixed-width step's
+        padding after them, which the next step overwrites)."""
+        ids = list(ids)
+        tokens = len(ids)
+        self._check(cache, tokens)
+        width = min(self.step_width, self.slots - cache.length)  # the padding stops at the buffers' end
+        if tokens < width:
+            ids += [ids[-1]] * (width - tokens)  # any id: the padding's rows and keys are never read
+        hidden, taps = self._run_prefix(np.asarray([ids], np.int64), cache.length)
+        self._write(cache.length, cache.length + len(ids))
+        return Boundary(hidden, cache.length, tokens, None if taps is None else taps[:tokens], len(ids))
 
     def run_suffix(self, boundary: Boundary, logits_for: int | None = None) -> tuple[np.ndarray, TargetCache]:
-        """Layers [l_e, N) + head on the boundary: [n, V] logits of its last n = logits_for (default all) positions,
+        """Layers [l_e, N) + head on the boundary: [n, V] logits of its last n = logits_for (default all) tokens,
         and the cache extended by its tokens."""
-        logits = self._run_suffix(boundary, boundary.tokens if logits_for is None else logits_for)[0]
+        n = boundary.tokens if logits_for is None else logits_for
+        if boundary.positions == boundary.tokens:
+            logits = self._run_suffix(boundary, n)[0]
+        else:  # the head on every row, as at any width: a row's logits must not depend on how many are kept
+            logits = self._run_suffix(boundary, boundary.positions)[0][boundary.tokens - n:boundary.tokens]
         end = boundary.start + boundary.tokens
-        stamp = self._write(boundary.start, end)
+        stamp = self._write(boundary.start, boundary.start + boundary.positions)
         self.forwards += 1
         return logits, TargetCache(end, stamp)
 
@@ -195,8 +223,7 @@ class OrtTarget(Target):
     """The target on ONNX Runtime with IOBinding: KV buffers and the boundary tensor on the session's device."""
 
     def __init__(self, bundle: Path, manifest: Manifest, providers: list[str] | None = None, threads: int = 1,
-                 capacity: int | None = None, spinning: bool | None = None) -> None:
-        super().__init__(manifest, capacity)
+                 capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None) -> None:
         import onnxruntime as ort
 
         self.threads = threads
@@ -206,8 +233,17 @@ class OrtTarget(Target):
                     for role, spec in specs.items()}
         self.providers = sessions["target_prefix"].get_providers()
         self.device = self.providers[0]
+        if self.device == "CUDAExecutionProvider" and facts.dtype == "float32":
+            # ONNX Runtime places the float32 GroupQueryAttention on the CPU, and the copies it adds around it break
+            # the shared KV buffers: the tokens came out wrong (results/cuda-ep.json), not merely slow
+            raise BadInputError("a float32 target cannot run on the CUDA execution provider (its fused attention "
+                                "has float16 kernels only): export the bundle with --target-dtype float16, or run "
+                                "the target on the CPU", option="target_device")
+        if step_width is None:  # fixed-width steps where the kernels choose by width: the GPU's float16 ones
+            step_width = GPU_STEP_WIDTH if self.device == "CUDAExecutionProvider" else 0
+        super().__init__(manifest, capacity, step_width)
         self._device = ort_device(self.device)
-        shape = [1, facts.num_kv_heads, self.capacity, facts.head_dim]
+        shape = [1, facts.num_kv_heads, self.slots, facts.head_dim]
         self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(facts.dtype), *self._device)
                         for role in ("target_prefix", "target_suffix") for i in specs[role].kv_layers
                         for name in (past_key_name(i), past_value_name(i))}
@@ -225,7 +261,7 @@ class OrtTarget(Target):
 
     def _run_suffix(self, boundary: Boundary, logits_for: int) -> np.ndarray:
         inputs = {BOUNDARY: boundary.hidden, KEEP: np.array([logits_for], np.int64),
-                  **self._lengths(boundary.start, boundary.tokens)}
+                  **self._lengths(boundary.start, boundary.positions)}
         return self._suffix.run(inputs, ("cpu", 0))[0].numpy()
 
     def exit_candidates(self, boundary: Boundary, kappa: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -234,17 +270,21 @@ class OrtTarget(Target):
         binding.bind_output(EXIT_IDS, "cpu")
         binding.bind_output(EXIT_LOGPROBS, "cpu")
         self._exit.run_with_iobinding(binding)
-        ids, logprobs = (o.numpy()[0] for o in binding.get_outputs())
+        ids, logprobs = (o.numpy()[0][:boundary.tokens] for o in binding.get_outputs())
         k = kappa or self.top_k
         return ids[:, :k], logprobs[:, :k]
 
     def boundary_array(self, boundary: Boundary) -> np.ndarray:
-        return boundary.hidden.numpy()
+        return boundary.hidden.numpy()[:, :boundary.tokens]
 
 
 def open_target(bundle: str | Path, manifest: Manifest, device: str | None = None, threads: int = 1,
-                capacity: int | None = None, spinning: bool | None = None) -> OrtTarget:
-    """device None: CUDA where the session really gets it, else CPU; "cpu", "cuda" or a provider name."""
+                capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None
+                ) -> OrtTarget:
+    """device None: CUDA where the session really gets it and the target is float16, else CPU; "cpu", "cuda" or a
+    provider name. step_width None: GPU_STEP_WIDTH on the CUDA execution provider, else 0 (no padding)."""
     from mirror_sd.runtime.backends import ort_providers
 
-    return OrtTarget(Path(bundle).resolve(), manifest, ort_providers(device), threads, capacity, spinning)
+    if device is None and manifest.target.dtype == "float32":
+        device = "cpu"  # a float32 target has no CUDA attention kernel (OrtTarget refuses the pairing)
+    return OrtTarget(Path(bundle).resolve(), manifest, ort_providers(device), threads, capacity, spinning, step_width)
