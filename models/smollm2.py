@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from mirror_sd.errors import MirrorSDError
+from mirror_sd.partitions.manifest import TARGET_DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
 WEIGHTS = REPO / "models" / "weights"
@@ -175,8 +176,10 @@ def draft_weights(kind: str = "streaming") -> Path:
     return FEATURE_WEIGHTS if kind == "feature" else DRAFT_WEIGHTS
 
 
-def bundle_dir(kind: str = "streaming") -> Path:
-    return FEATURE_BUNDLE_DIR if kind == "feature" else BUNDLE_DIR
+def bundle_dir(kind: str = "streaming", target_dtype: str = "float32") -> Path:
+    """build/bundles/smollm2[-feature][-float16]: a float16 target (for the CUDA EP) sits beside the float32 one."""
+    out = FEATURE_BUNDLE_DIR if kind == "feature" else BUNDLE_DIR
+    return out if target_dtype == "float32" else out.with_name(f"{out.name}-{target_dtype}")
 
 
 def retrain_feature_draft(report=print) -> None:
@@ -280,22 +283,24 @@ def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minute
     shutil.copy(ADAPTER_LAYERS / "coverage.json", ADAPTER_15_WEIGHTS / "coverage.json")
 
 
-def build_bundle(force: bool = False, report=print, kind: str = "streaming") -> Path:
-    """The real pair's bundle with the `kind` draft ("streaming" or "feature"), exported unless it is there."""
+def build_bundle(force: bool = False, report=print, kind: str = "streaming", target_dtype: str = "float32") -> Path:
+    """The real pair's bundle with the `kind` draft ("streaming" or "feature") and the target graphs in
+    `target_dtype`, exported unless it is there."""
     from mirror_sd.export.bundle import ExportOptions, export_bundle
     from mirror_sd.export.draft_weights import DEFAULT_WEIGHT_FORMAT
     from mirror_sd.partitions import Manifest
 
-    out, draft, adapter = bundle_dir(kind), draft_weights(kind), ADAPTER_WEIGHTS
+    out, draft, adapter = bundle_dir(kind, target_dtype), draft_weights(kind), ADAPTER_WEIGHTS
     if not force:
         try:
-            weights = Manifest.load(out).draft.weight_format
+            manifest = Manifest.load(out)
             if (_bundled_vocab(out) == _draft_vocab(draft) and _marker(out) == _weights_digest(draft, adapter)
-                    and weights == DEFAULT_WEIGHT_FORMAT):
+                    and manifest.draft.weight_format == DEFAULT_WEIGHT_FORMAT
+                    and manifest.target.dtype == target_dtype):
                 report(f"bundle {out} is ready")
                 return _add_plan(out, kind)
-            report(f"bundle {out} holds another draft, exit adapter or draft weight format than {draft}, {adapter}, "
-                   f"{DEFAULT_WEIGHT_FORMAT}: exporting it again")
+            report(f"bundle {out} holds another draft, exit adapter, draft weight format or target dtype than {draft}, "
+                   f"{adapter}, {DEFAULT_WEIGHT_FORMAT}, {target_dtype}: exporting it again")
         except MirrorSDError:
             pass
     from mirror_sd.partitions.plan_file import PLAN_FILE
@@ -303,7 +308,7 @@ def build_bundle(force: bool = False, report=print, kind: str = "streaming") -> 
     # a plan measured the bundle it sits in: another draft or exit makes it stale (the export keeps other files)
     (out / PLAN_FILE).unlink(missing_ok=True)
     export_bundle(ExportOptions(str(TARGET_DIR), str(draft), out, exit_layer=EXIT_LAYER, top_k=TOP_K,
-                                force=True, exit_adapter=str(adapter)),
+                                force=True, exit_adapter=str(adapter), target_dtype=target_dtype),
                   report=lambda line: None if line.startswith("  ") else report(line))
     (out / DRAFT_MARKER).write_text(_weights_digest(draft, adapter) + "\n")
     return out if force else _add_plan(out, kind)  # a retrained draft is not what the plan measured
@@ -377,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--broad-minutes", type=float, default=40.0, help="draft training time, both pools (retrain)")
     parser.add_argument("--draft", choices=DRAFT_KINDS, default="streaming",
                         help="which committed draft the bundle gets (feature: build/bundles/smollm2-feature)")
+    parser.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32",
+                        help="the target graphs' dtype: float16 for the CUDA execution provider (the bundle's "
+                             "directory then ends in -float16)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -389,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             # the answers are rendered through a bundle's tokenizer and chat template: the streaming draft's
             build_bundle(force=True)
             retrain_feature_draft()
-        build_bundle(force=args.retrain, kind=args.draft)
+        build_bundle(force=args.retrain, kind=args.draft, target_dtype=args.target_dtype)
     except MirrorSDError as e:
         print(f"mirror-sd models: error: {e}", file=sys.stderr)
         return e.exit_code

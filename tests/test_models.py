@@ -353,3 +353,15 @@ def test_evaluate_rejects_a_branch_budget_below_one(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--bundle", "no/such/bundle", "--branch-budget", "0"])
     assert exit_.value.code == 2 and "--branch-budget must be at least 1" in capsys.readouterr().err
+
+
+def test_real_pair_bundles_are_named_by_draft_and_target_dtype(capsys):
+    from mirror_sd.models import smollm2
+
+    assert smollm2.bundle_dir() == smollm2.BUNDLE_DIR
+    assert smollm2.bundle_dir("feature") == smollm2.FEATURE_BUNDLE_DIR
+    assert smollm2.bundle_dir("feature", "float16").name == "smollm2-feature-float16"
+    assert smollm2.bundle_dir("streaming", "float16").parent == smollm2.BUNDLE_DIR.parent
+    with pytest.raises(SystemExit) as e:  # refused before anything is fetched or written
+        smollm2.main(["--target-dtype", "bfloat16"])
+    assert e.value.code == 2 and "bfloat16" in capsys.readouterr().err
