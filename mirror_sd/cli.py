@@ -63,7 +63,7 @@ def _generate(args: argparse.Namespace) -> int:
                          target_threads=args.target_threads, draft_threads=args.draft_threads,
                          cache_dir=args.cache_dir, target_backend=args.target_backend,
                          draft_backend=args.draft_backend, max_context=args.max_context,
-                         huge_pages=args.huge_pages)
+                         huge_pages=args.huge_pages, target_step_width=args.target_step_width)
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
@@ -111,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise BadInputError(f"--request-timeout must be > 0, got {args.request_timeout}")
     pipe = Pipeline.load(args.bundle, target_device=args.target_device, draft_device=args.draft_device,
                          target_threads=args.target_threads, draft_threads=args.draft_threads,
-                         max_context=args.max_context)
+                         max_context=args.max_context, target_step_width=args.target_step_width)
     given = {"mode": args.mode, "max_new_tokens": args.max_new_tokens}
     pipe.generation_config = pipe.generation_config.updated(**{k: v for k, v in given.items() if v is not None})
     name = args.model_name or Path(args.bundle).resolve().name
@@ -288,7 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="openvino or onnxruntime (default: the bundle plan's where the draft runs on the CPU, "
                         "else openvino)")
     g.add_argument("--target-device", default=None,
-                   help="ONNX Runtime: cpu, cuda or a provider (default: CUDA, else CPU); OpenVINO: a device (CPU)")
+                   help="ONNX Runtime: cpu, cuda or a provider (default: CUDA for a float16 bundle, else CPU); "
+                        "OpenVINO: a device (CPU)")
+    g.add_argument("--target-step-width", type=int, default=None,
+                   help="pad every target step of fewer tokens to this many rows, so that the GPU's float16 kernels "
+                        "give a position the same logits in any step (default: 8 on CUDA, 0 (off) on the CPU)")
     g.add_argument("--draft-device", default=None, help="OpenVINO device (default: NPU, else CPU)")
     g.add_argument("--max-context", type=int, default=None,
                    help="the target's KV buffers in tokens (default and maximum: the model's context)")
@@ -355,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--target-device", default=None, help="as for generate")
     sv.add_argument("--draft-device", default=None, help="as for generate")
     sv.add_argument("--max-context", type=int, default=None, help="as for generate")
+    sv.add_argument("--target-step-width", type=int, default=None, help="as for generate")
     sv.set_defaults(func=_serve)
 
     from mirror_sd.bench.cli import add_parser as add_bench_parser

@@ -190,3 +190,20 @@ def test_a_float32_target_asks_for_the_cpu_only(bundle_factory, monkeypatch):
     asked.clear()
     Pipeline.load(bundle_factory("llama", target_dtype="float16"))
     assert asked and all(p is None for p in asked)  # ort_session's default: CUDA where the session gets it, else CPU
+
+
+def test_cli_takes_a_step_width_and_refuses_a_negative_one(bundle_factory, capsys):
+    import json
+
+    from mirror_sd.cli import main
+
+    bundle = str(bundle_factory("llama", target_dtype="float16"))
+    ids = ",".join(map(str, PROMPT))
+    outputs = []
+    for mode in ("ar", "mirror"):
+        assert main(["generate", bundle, "--prompt-ids", ids, "--mode", mode, "--max-new-tokens", "12",
+                     "--target-step-width", "8", "--json"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outputs[0] == outputs[1]
+    assert main(["generate", bundle, "--prompt-ids", ids, "--target-step-width", "-1"]) == 2
+    assert "target_step_width" in capsys.readouterr().err
