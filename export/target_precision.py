@@ -1,9 +1,10 @@
 """A float16 target: the same graphs written again in float16, once parity has proved them in float32.
 
 Why: ONNX Runtime's CUDA GroupQueryAttention has float16 and bfloat16 kernels only. A float32 target under the
-CUDA execution provider gets its attention placed on the CPU, and ONNX Runtime then copies every layer's whole KV
-buffer from the GPU and back around it at every step: exactly the per-step cache copy the shared buffers exist to
-avoid. In float16 every node of the target has a CUDA kernel and the KV stays on the GPU.
+CUDA execution provider gets its attention placed on the CPU with copies of every layer's whole KV buffer around it
+at every step: exactly the per-step cache copy the shared buffers exist to avoid, and on an H100 those copies broke
+the buffers' in-place writes (wrong tokens, results/cuda-ep.json; the runtime now refuses the pairing). In float16
+every node of the target has a CUDA kernel and the KV stays on the GPU.
 
 What changes: the weights, the activations, the KV buffers and the boundary tensor between prefix, suffix and exit
 head are float16; the logits and a feature draft's taps are cast to float32 in the graph, so the host reads what it
