@@ -28,11 +28,13 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from mirror_sd.errors import BadInputError
 from mirror_sd.models import train_feature_draft as tfd
 from mirror_sd.models.feature_draft import FeatureDraft
 
@@ -190,9 +192,12 @@ def train(draft: FeatureDraft, records: list[tfd.Record], order: list[int], feat
 def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out: Path | None, *, streams: int,
         stream_vocab: int, stream_width: int = 0, depths: int = 3, batches: int, lr: float = 1e-3,
         tokens_per_batch: int = 4096, max_len: int = 1024, prompt_ranges=None, eval_records: int = 64,
-        max_minutes: float | None = None, seed: int = 0, device: str | None = None, report=print) -> dict:
+        max_minutes: float | None = None, seed: int = 0, device: str | None = None, continue_streams: bool = False,
+        report=print) -> dict:
     """Train `streams` stream heads for the feature draft at `draft_dir`; save the draft with them at `out` (which may
-    be `draft_dir`: its streams are replaced), the summary in its STREAMS_SUMMARY. Returns the summary."""
+    be `draft_dir`: its streams are replaced), the summary in its STREAMS_SUMMARY. Returns the summary.
+    continue_streams: train the heads the draft has further (they must have these streams, rows and width) instead
+    of new ones; the summary keeps the earlier training's under "before"."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -206,7 +211,20 @@ def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out:
     c = base.config
     if c.target_vocab_size != target.config.vocab_size or c.hidden_size != target.config.hidden_size:
         raise SystemExit(f"the feature draft at {draft_dir} was trained for another target")
-    draft = base.with_streams(streams, stream_vocab, stream_width).to(device)
+    before = None
+    if continue_streams:
+        def shape(cfg) -> tuple[int, int, int]:
+            return cfg.streams, cfg.stream_rows, cfg.stream_width or 2 * cfg.hidden_size
+
+        wanted = replace(c, streams=streams, stream_vocab=stream_vocab, stream_width=stream_width)
+        if shape(c) != shape(wanted):
+            raise BadInputError(f"--continue-streams: the draft at {draft_dir} has streams, rows, width {shape(c)}, "
+                                f"not the {shape(wanted)} asked for")
+        summary_file = draft_dir / STREAMS_SUMMARY
+        before = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+        draft = base.to(device)
+    else:
+        draft = base.with_streams(streams, stream_vocab, stream_width).to(device)
     for name, p in draft.named_parameters():
         p.requires_grad_(name.startswith("stream_heads."))
     work.mkdir(parents=True, exist_ok=True)
@@ -233,6 +251,8 @@ def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out:
                "data": [{"file": str(p), "prompts": list(r)} for p, r in
                         zip(answers, tfd.file_ranges(answers, None, prompt_ranges))],
                "train": result, "held_out": metrics}
+    if before is not None:
+        summary["before"] = before
     if out is not None:
         _save(draft.to("cpu"), draft_dir, out, summary)
     return summary
@@ -275,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-records", type=int, default=64)
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--continue-streams", action="store_true",
+                   help="train the stream heads the draft has further instead of new ones (use another --seed for "
+                        "another batch order)")
     a = p.parse_args(argv)
     problem = tfd.input_error([a.target, a.draft, *a.answers], a.prompt_range, a.answers, "answers files")
     if problem is None and not FeatureDraft.is_feature_draft(a.draft):
@@ -284,10 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    summary = run(a.target, a.draft, a.answers, a.work, a.out, streams=a.streams, stream_vocab=a.stream_vocab,
-                  stream_width=a.stream_width, depths=a.depths, batches=a.batches, lr=a.lr,
-                  tokens_per_batch=a.tokens_per_batch, max_len=a.max_len, prompt_ranges=a.prompt_range,
-                  eval_records=a.eval_records, max_minutes=a.max_minutes, seed=a.seed)
+    try:
+        summary = run(a.target, a.draft, a.answers, a.work, a.out, streams=a.streams, stream_vocab=a.stream_vocab,
+                      stream_width=a.stream_width, depths=a.depths, batches=a.batches, lr=a.lr,
+                      tokens_per_batch=a.tokens_per_batch, max_len=a.max_len, prompt_ranges=a.prompt_range,
+                      eval_records=a.eval_records, max_minutes=a.max_minutes, seed=a.seed,
+                      continue_streams=a.continue_streams)
+    except BadInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0 if summary.get("finished", True) else 3
 
 

@@ -822,6 +822,33 @@ def test_stream_heads_train_and_export_with_their_proposals_checked(stream_featu
     assert not (tmp_path / "w").exists()
 
 
+def test_stream_heads_continue_from_the_drafts_own(stream_feature_bundle, trained_feature_bundle, pair_factory,
+                                                   tmp_path):
+    """--continue-streams trains the heads the draft has (at lr 0 they come out as they went in; new heads would
+    not), keeps the earlier summary under "before", and refuses heads of another shape with exit code 2."""
+    from safetensors.torch import load_file
+
+    from mirror_sd.models import train_stream_heads as tsh
+    from mirror_sd.models.feature_draft import WEIGHTS_NAME
+
+    bundle, _, summary = stream_feature_bundle
+    target_dir, _ = pair_factory("llama")
+    draft_dir, data = bundle.parent / "draft", trained_feature_bundle[0].parent / "answers.jsonl.gz"
+    args = dict(streams=2, stream_vocab=0, depths=1, batches=2, lr=0.0, tokens_per_batch=256, max_len=64,
+                eval_records=2, report=lambda _line: None)
+    done = tsh.run(target_dir, draft_dir, [data], tmp_path / "work", tmp_path / "out", continue_streams=True, **args)
+    assert done["before"] == summary
+
+    def heads(where):
+        return {k: v for k, v in load_file(str(where / WEIGHTS_NAME)).items() if k.startswith("stream_heads.")}
+
+    before, after = heads(draft_dir), heads(tmp_path / "out")
+    assert before and before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert tsh.main(["--target", str(target_dir), "--draft", str(draft_dir), "--answers", str(data), "--work",
+                     str(tmp_path / "w"), "--streams", "1", "--stream-vocab", "0", "--continue-streams"]) == 2
+    assert not (tmp_path / "w").exists()
+
+
 def test_stream_head_training_stops_on_its_time_budget_and_resumes(trained_feature_bundle, pair_factory, tmp_path):
     """A run out of time writes its checkpoint and no draft; run again, it goes on from that batch and finishes."""
     from mirror_sd.models import train_stream_heads as tsh
