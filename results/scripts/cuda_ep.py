@@ -3,11 +3,16 @@
 Run on a GPU machine (results/scripts/cuda_ep.sh lays it out and calls this): exports the feature bundle twice from
 the same fp32 SmolLM2 target, with the target graphs in float16 (what the CUDA EP runs fused: its
 GroupQueryAttention has no float32 kernel) and in float32 (the CPU bundle as `make models` builds it), then times
-ar / sd / mirror per prompt length, the draft on OpenVINO's CPU plugin as the bundle plans it:
-- float16 target, CUDA EP: every length, plus sd and mirror with every step speculating ("*_always"), and the
-  target's 1- and 5-token steps at the shortest and longest length (5 over 1: what a verification window costs);
-- float32 target, CUDA EP: the shortest and one long length (attention then falls back to the CPU);
-- float32 target, CPU EP: the same lengths, the same machine's CPU as the baseline.
+ar / sd / mirror per prompt length, the draft on OpenVINO's CPU plugin (the product's pairing), in arms:
+- fp16-cuda: float16 target, CUDA EP, fixed-width steps (the runtime's default there): every length, plus sd and
+  mirror with every step speculating ("*_always"), and the target's 1- and 5-token steps at the shortest and
+  longest length (5 over 1: what a verification window costs);
+- fp16-cuda-width0: the same with every step as wide as its tokens; fp16-cuda-noflash: with flash attention off;
+- fp32-cuda: the float32 target on the CUDA EP (its attention falls back to the CPU; the runtime now refuses it,
+  and the refusal is what this arm records);
+- fp32-cpu: the float32 target on the same machine's CPU, the shortest and one long length, the baseline.
+(run-1 in results/cuda-ep/ ran before fixed-width steps and the refusal existed: fp16-cuda unpadded, fp32-cuda
+timed.)
 Greedy outputs are compared with ar's on the same prompt and pipeline. Prompts are bench/context.py's (real text
 cut to exactly N tokens). TTFT is prompt in -> first token out; decode tokens/s is (new tokens - 1) / (total - TTFT).
 Everything is written to --out after every run, so a run cut off by its time limit still leaves what it measured.
@@ -54,7 +59,8 @@ def _step_times(pipe, ids: list[int], repeats: int) -> dict:
             if i >= 2:  # the first two are warm-up
                 times[n].append(time.perf_counter() - t0)
     one, five = statistics.median(times[1]), statistics.median(times[5])
-    return {"step_1_ms": round(one * 1e3, 3), "step_5_ms": round(five * 1e3, 3), "verify_5_over_1": round(five / one, 3)}
+    return {"step_1_ms": round(one * 1e3, 3), "step_5_ms": round(five * 1e3, 3),
+            "verify_5_over_1": round(five / one, 3)}
 
 
 def _scalar_stats(stats: dict) -> dict:
@@ -91,10 +97,14 @@ def measure(name: str, bundle: Path, device: str, lengths: list[int], modes: lis
         for r in range(repeats):
             order = modes[r % len(modes):] + modes[:r % len(modes)]
             for mode in order:
-                first = []
+                first: list[float] = []
+
+                def streamer(_token, _text, first=first) -> None:
+                    if not first:
+                        first.append(time.perf_counter())
+
                 t0 = time.perf_counter()
-                res = pipe.generate(prompts[1 + r], **_mode(mode), max_new_tokens=new_tokens,
-                                    streamer=lambda _t, _s: first.append(time.perf_counter()) if not first else None)
+                res = pipe.generate(prompts[1 + r], **_mode(mode), max_new_tokens=new_tokens, streamer=streamer)
                 total = time.perf_counter() - t0
                 ttft = first[0] - t0
                 n = len(res.token_ids)
