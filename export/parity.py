@@ -397,20 +397,19 @@ def target_top1_agreement(bundle_dir: Path, manifest: Manifest, target, sample: 
     the parity tolerance."""
     from mirror_sd.runtime.target import open_target
 
+    runtime = "onnxruntime-cpu"
     engine = open_target(bundle_dir, manifest, "cpu", threads=2)
-    same = positions = 0
-    worst = 0.0
+    agreement, worst = _Agreement(), 0.0
     for past, new in TARGET_GRID:
         ids = sample.rows(1, past + new)
         with torch.no_grad():
-            ref = target(torch.from_numpy(ids)).logits[0].numpy()
+            ref = target(torch.from_numpy(ids)).logits[0]
         cache = engine.empty_cache()
         for lo, hi in ((0, past), (past, past + new)):
             logits, cache = engine.forward(ids[0, lo:hi].tolist(), cache)
-            same += int((logits.argmax(-1) == ref[lo:hi].argmax(-1)).sum())
-            positions += hi - lo
-            worst = max(worst, float(np.abs(logits - ref[lo:hi]).max()))
-    return {"top1": same / positions, "max_abs_logits_diff": worst}
+            agreement.count(runtime, logits, ref[lo:hi])
+            worst = max(worst, _compare(logits, ref[lo:hi])[0])
+    return {"top1": agreement.rates()[runtime], "max_abs_logits_diff": worst}
 
 
 class _Agreement:
