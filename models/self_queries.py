@@ -1,0 +1,197 @@
+"""Prompts the target writes itself (Magpie): user queries sampled from its own chat template, answered greedily.
+
+Every other pool (models/prompts.py) fills templates from short lists, so a draft trained on them learns the
+templates: on the benchmark's prompts, which it never saw, the feature draft commits 2.2 tokens per gamma-4 step
+against 2.8-3.5 on held-out records of its own pools (results/feature-draft-gpu.json). An instruction-tuned model
+given its chat template up to the start of a user turn writes a user turn (Magpie, Xu et al. 2024): sampled, those
+queries are as varied as what the model was tuned on. Each is then answered the way every pool is: the target's
+greedy answer, fp32, to the conversation rendered by the same chat template.
+
+    python -m mirror_sd.models.self_queries --target build/models/smollm2-135m-instruct -n 20000 \\
+        --out models/data/answers-self.jsonl.gz
+
+Records are those of models/answers.py (one gzip member per batch, kind "self"; an interrupted run resumes where
+it stopped, indices already in the file skipped), so every trainer reads them like the other answers files. The
+query sampling is seeded per batch, but sampled text is not bit-reproducible across devices or torch builds: the
+token ids are what is committed, not the recipe's output. Runs on CUDA when torch sees a GPU (minutes), else on
+the CPU (hours for thousands of prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.models import answers as answers_file
+
+KIND = "self"
+MARK = "\x00QUERY\x00"  # stands for the user turn's text while the template is rendered
+MIN_QUERY_TOKENS = 4
+DEFAULT_QUERY_TOKENS = 96
+
+
+class SelfQueries:
+    """The target, its tokenizer and chat template, on one device: samples queries, answers them greedily."""
+
+    def __init__(self, target: Path, device: str | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # fp32 without TF32: the answers are the fp32 target's, as the runtime verifies with
+        torch.backends.cuda.matmul.allow_tf32 = False
+        self.tokenizer = AutoTokenizer.from_pretrained(target)
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(self.device).eval()
+        self.eos = self.tokenizer.eos_token_id
+        rendered = self.render([{"role": "user", "content": MARK}])
+        if rendered.count(MARK) != 1:
+            raise BadInputError(f"{target}: its chat template does not render a user turn's text once")
+        # the conversation up to where the user's text begins (the system turn the template adds included)
+        self.pre_query = self.encode(rendered.split(MARK)[0])
+
+    def render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int, **sampling) -> list[list[int]]:
+        """Each prompt's continuation up to and including the end-of-turn token (or max_new_tokens), batched with
+        left padding."""
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.eos, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      max_new_tokens=max_new_tokens, eos_token_id=self.eos, pad_token_id=self.eos,
+                                      **sampling)
+        result = []
+        for row in out[:, width:].tolist():
+            end = row.index(self.eos) + 1 if self.eos in row else len(row)
+            result.append(row[:end])
+        return result
+
+    def queries(self, n: int, seed: int, temperature: float, top_p: float,
+                max_tokens: int = DEFAULT_QUERY_TOKENS) -> list[str | None]:
+        """`n` sampled user turns; None where one ran past max_tokens or is too short to be a question."""
+        import torch
+
+        torch.manual_seed(seed)
+        texts: list[str | None] = []
+        for ids in self._generate([self.pre_query] * n, max_tokens, do_sample=True, temperature=temperature,
+                                  top_p=top_p, top_k=0):
+            finished = bool(ids) and ids[-1] == self.eos
+            text = self.tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=True).strip()
+            texts.append(text if finished and len(ids) > MIN_QUERY_TOKENS and text else None)
+        return texts
+
+    def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return self._generate(prompts, max_new_tokens, do_sample=False)
+
+
+def _taken(out: Path, exclude: set[str]) -> set[str]:
+    """The queries already in `out` and those no training pool may hold (the held-out and benchmark prompts)."""
+    return set(exclude) | {r.get("query", "") for r in answers_file.read(out)}
+
+
+def excluded_queries() -> set[str]:
+    """User turns a training pool must not hold: the held-out prompts' and the benchmark's."""
+    from mirror_sd.bench.prompts import PROMPTS
+    from mirror_sd.models.prompts import build
+
+    turns = [m for p in build(800, 0, held_out=True) for m in p.messages]
+    turns += [m for p in PROMPTS for m in p.messages]
+    return {m["content"].strip() for m in turns if m["role"] == "user"}
+
+
+def generate(target: Path, out: Path, n: int, *, batch: int = 256, seed: int = 0, temperature: float = 1.0,
+             top_p: float = 0.95, max_new_tokens: int = answers_file.DEFAULT_MAX_NEW, max_minutes: float | None = None,
+             device: str | None = None, report=print) -> dict:
+    """Append records [done, n) to `out`: for each batch, sample queries (seed + first index), drop unfinished,
+    repeated and excluded ones, answer the rest. Stops resumably after max_minutes."""
+    from tqdm import tqdm
+
+    if n <= 0 or batch <= 0:
+        raise BadInputError("-n and --batch must be positive")
+    gen = SelfQueries(target, device)
+    answers_file._truncate_partial(out)
+    done = answers_file.done_indices(out)
+    taken = _taken(out, excluded_queries())
+    index = max(done, default=-1) + 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start, tokens, dropped, retry = time.monotonic(), 0, 0, 0
+    with out.open("ab") as f, tqdm(total=n, initial=min(index, n), desc="self queries", unit="prompt",
+                                   file=sys.stderr) as bar:
+        while index < n:
+            if max_minutes is not None and time.monotonic() - start > max_minutes * 60:
+                report(f"time budget reached at {index} of {n} prompts: run again to go on")
+                break
+            want = min(batch, n - index)
+            queries = []
+            # a batch whose queries were all dropped draws again with another seed, not the same one forever
+            for q in gen.queries(want, seed + index + 1_000_003 * retry, temperature, top_p):
+                if q is None or q in taken:
+                    dropped += 1
+                    continue
+                taken.add(q)
+                queries.append(q)
+            if not queries:
+                retry += 1
+                continue
+            retry = 0
+            prompt_ids = [gen.encode(gen.render([{"role": "user", "content": q}])) for q in queries]
+            lines = []
+            for q, ids, ans in zip(queries, prompt_ids, gen.answer(prompt_ids, max_new_tokens)):
+                lines.append(json.dumps({"index": index, "kind": KIND, "query": q, "ids": ids + ans,
+                                         "answers": [[len(ids), len(ids) + len(ans)]]}))
+                index += 1
+                tokens += len(ans)
+            f.write(gzip.compress(("\n".join(lines) + "\n").encode()))  # one complete member per batch
+            f.flush()
+            bar.update(len(lines))
+            bar.set_postfix(answer_tok_per_s=f"{tokens / (time.monotonic() - start):.0f}", dropped=dropped)
+    seconds = time.monotonic() - start
+    return {"device": gen.device, "records": index, "new_answer_tokens": tokens, "dropped_queries": dropped,
+            "seconds": round(seconds, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", type=Path, default=Path("build/models/smollm2-135m-instruct"),
+                   help="the target's HF directory")
+    p.add_argument("-n", type=int, default=20000, help="records [0, n)")
+    p.add_argument("--out", type=Path, required=True, help="gzip JSON-lines file (appended to; resumes)")
+    p.add_argument("--batch", type=int, default=256, help="conversations per batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0, help="query sampling temperature")
+    p.add_argument("--top-p", type=float, default=0.95, help="query sampling nucleus")
+    p.add_argument("--max-new-tokens", type=int, default=answers_file.DEFAULT_MAX_NEW, help="answer length cap")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
+    args = p.parse_args(argv)
+    try:
+        if not (args.target / "config.json").is_file():
+            raise BadInputError(f"{args.target}: not a transformers model directory (no config.json)")
+        if not 0 < args.top_p <= 1 or args.temperature <= 0:
+            raise BadInputError("--temperature must be positive and --top-p in (0, 1]")
+        summary = generate(args.target, args.out, args.n, batch=args.batch, seed=args.seed,
+                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                           max_minutes=args.max_minutes)
+    except BadInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Self-written prompts and the feature draft trained on them, on a GPU machine (results/self-data-gpu.json):
+#   1. the target writes user queries and answers them (python -m mirror_sd.models.self_queries) for
+#      QUERY_MINUTES, into $OUT/answers-self.jsonl.gz;
+#   2. the committed feature draft trains further on every answers file, the new one included, for DRAFT_MINUTES
+#      (features recomputed per batch, as results/scripts/feature_draft_gpu.sh's stages);
+#   3. its stream heads, which read the draft's hidden states, train further on the changed draft
+#      (--continue-streams, STREAM_BATCHES batches).
+# Runs once every part of the payload (results/scripts/self_data_gpu_payload.sh) lies in $PARTS, from the last
+# folder, which holds repo.tar.xz and this script. Writes logs, the answers file and the trained draft (tar parts of
+# at most 15 MB) to $OUT, each as soon as it is done. The GPU machine has torch, transformers and numpy, and no
+# package index or openvino: evaluation, export and the runtime run back on the CPU machine.
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+PARTS=${PARTS:-/tmp/parts}
+WORK=${WORK:-/tmp/self-data}
+QUERY_MINUTES=${QUERY_MINUTES:-2}
+QUERY_BATCH=${QUERY_BATCH:-512}
+DRAFT_MINUTES=${DRAFT_MINUTES:-3.5}
+STREAM_BATCHES=${STREAM_BATCHES:-800}
+EVAL=${EVAL:-600}
+export PYTHONUNBUFFERED=1
+mkdir -p "$WORK" && cd "$WORK" || exit 1
+cat "$PARTS"/payload.part* | tar -x || exit 1
+mkdir -p repo && tar -xJf "$HERE/repo.tar.xz" -C repo || exit 1
+python3 -m pip install -q --no-index --no-deps --target "$WORK/site" gguf-*.whl || exit 1
+export PYTHONPATH=$WORK/site:$WORK/repo/pkg
+{
+    nvidia-smi -L
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+} > "$OUT/device.txt" 2>&1
+# the same fp32 target as the CPU machine's: dequantised from the same GGUF; its weights' digest goes back to compare
+python3 - >> "$OUT/device.txt" 2>&1 <<'PY' || exit 1
+import glob, hashlib
+from mirror_sd.models.gguf import convert_gguf
+convert_gguf(glob.glob("*.gguf")[0], "target")
+from safetensors.numpy import load_file
+state = load_file("target/model.safetensors")
+h = hashlib.sha256()
+for k in sorted(state):
+    h.update(k.encode()); h.update(state[k].tobytes())
+print("target weights sha256", h.hexdigest())
+PY
+stamp() { echo "$(date -u +%H:%M:%S) $*" >> "$OUT/device.txt"; }
+stamp "self queries"
+python3 -m mirror_sd.models.self_queries --target target -n 1000000 --batch "$QUERY_BATCH" \
+    --max-minutes "$QUERY_MINUTES" --out "$OUT/answers-self.jsonl.gz" > "$OUT/self.log" 2>&1
+stamp "self queries exit $?"
+cp "$OUT/answers-self.jsonl.gz" data/ || exit 1
+python3 -m mirror_sd.models.train_feature_draft --target target --answers data/*.jsonl.gz --work work-D \
+    --out out-D --init-from draft --features online --budget-minutes "$DRAFT_MINUTES" --epochs 50 \
+    --tokens-per-batch 16384 --lr 3e-4 --eval-records "$EVAL" > "$OUT/draft.log" 2>&1
+stamp "draft exit $?"
+pack() {
+    rm -f "$OUT/$2".tar.part*
+    tar -C "$1" -cf "/tmp/$2.tar" . && split -b 15000000 -d "/tmp/$2.tar" "$OUT/$2.tar.part"
+}
+[ -d out-D ] && pack out-D draft
+[ -d out-D ] && python3 -m mirror_sd.models.train_stream_heads --target target --draft out-D \
+    --answers data/*.jsonl.gz --work work-S --out out-S --continue-streams --streams 2 --stream-vocab 4096 \
+    --stream-width 576 --depths 2 --lr 1e-3 --batches "$STREAM_BATCHES" --tokens-per-batch 8192 --max-minutes 2.5 \
+    > "$OUT/streams.log" 2>&1
+stamp "streams exit $?"
+[ -d out-S ] && pack out-S draft-streams && rm -f "$OUT"/draft.tar.part*
+nvidia-smi --query-gpu=name,memory.used --format=csv >> "$OUT/device.txt"
+stamp done
