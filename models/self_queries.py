@@ -33,6 +33,7 @@ KIND = "self"
 MARK = "\x00QUERY\x00"  # stands for the user turn's text while the template is rendered
 MIN_QUERY_TOKENS = 4
 DEFAULT_QUERY_TOKENS = 96
+MAX_EMPTY_BATCHES = 20  # batches in a row with no usable query: the model does not write user turns
 
 
 class SelfQueries:
@@ -47,12 +48,15 @@ class SelfQueries:
         torch.backends.cuda.matmul.allow_tf32 = False
         self.tokenizer = AutoTokenizer.from_pretrained(target)
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(self.device).eval()
-        self.eos = self.tokenizer.eos_token_id
         rendered = self.render([{"role": "user", "content": MARK}])
         if rendered.count(MARK) != 1:
             raise BadInputError(f"{target}: its chat template does not render a user turn's text once")
         # the conversation up to where the user's text begins (the system turn the template adds included)
         self.pre_query = self.encode(rendered.split(MARK)[0])
+        # Not the tokenizer's eos_token_id alone: the GPU machine's transformers read the converted GGUF's as
+        # <|im_start|>, so a first run stopped one turn late (results/self-data-gpu.json).
+        self.eos = end_of_turn(self.tokenizer)
+        self.stops = [self.eos] + [t for t in [self.tokenizer.eos_token_id] if t is not None and t != self.eos]
 
     def render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -73,13 +77,9 @@ class SelfQueries:
             mask[row, width - len(p):] = 1
         with torch.no_grad():
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      max_new_tokens=max_new_tokens, eos_token_id=self.eos, pad_token_id=self.eos,
+                                      max_new_tokens=max_new_tokens, eos_token_id=self.stops, pad_token_id=self.eos,
                                       **sampling)
-        result = []
-        for row in out[:, width:].tolist():
-            end = row.index(self.eos) + 1 if self.eos in row else len(row)
-            result.append(row[:end])
-        return result
+        return [cut_at_stop(row, self.stops) for row in out[:, width:].tolist()]
 
     def queries(self, n: int, seed: int, temperature: float, top_p: float,
                 max_tokens: int = DEFAULT_QUERY_TOKENS) -> list[str | None]:
@@ -90,13 +90,29 @@ class SelfQueries:
         texts: list[str | None] = []
         for ids in self._generate([self.pre_query] * n, max_tokens, do_sample=True, temperature=temperature,
                                   top_p=top_p, top_k=0):
-            finished = bool(ids) and ids[-1] == self.eos
+            finished = bool(ids) and ids[-1] in self.stops
             text = self.tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=True).strip()
             texts.append(text if finished and len(ids) > MIN_QUERY_TOKENS and text else None)
         return texts
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         return self._generate(prompts, max_new_tokens, do_sample=False)
+
+
+def end_of_turn(tokenizer) -> int:
+    """The token that ends a turn where the chat template ends it: the first after an assistant turn's text."""
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "assistant", "content": MARK}],
+                                         tokenize=False)
+    after = tokenizer(turn.split(MARK)[-1], add_special_tokens=False).input_ids if turn.count(MARK) == 1 else []
+    if not after:
+        raise BadInputError("the chat template ends an assistant turn with no token")
+    return after[0]
+
+
+def cut_at_stop(ids: list[int], stops: list[int]) -> list[int]:
+    """`ids` up to and including the first stop token (all of them where none occurs)."""
+    ends = [i for i, t in enumerate(ids) if t in stops]
+    return ids[: ends[0] + 1] if ends else ids
 
 
 def _taken(out: Path, exclude: set[str]) -> set[str]:
@@ -147,6 +163,9 @@ def generate(target: Path, out: Path, n: int, *, batch: int = 256, seed: int = 0
                 queries.append(q)
             if not queries:
                 retry += 1
+                if retry == MAX_EMPTY_BATCHES:
+                    raise BadInputError(f"{target}: no usable query in {retry} batches in a row (none ended its turn "
+                                        f"within {DEFAULT_QUERY_TOKENS} tokens, or all were repeats)")
                 continue
             retry = 0
             prompt_ids = [gen.encode(gen.render([{"role": "user", "content": q}])) for q in queries]
