@@ -112,6 +112,19 @@ GPU_PASS = 707  # batches in one pass over GPU_FILES' training records at 16,384
 FEATURE_GPU_ALL = {**FEATURE_CONTINUED, "epochs": 1965 / GPU_PASS, "lr": 6e-4, "tokens_per_batch": 16384,
                    "budget_minutes": None, "extend_vocab": 8192, "eval_records": 600}
 FEATURE_GPU_MORE = {**FEATURE_GPU_ALL, "epochs": 2567 / GPU_PASS, "lr": 3e-4, "extend_vocab": 0}
+# A fifteenth on a GPU (results/self-data-gpu.json, results/scripts/self_data_gpu.sh): the same files and the
+# answers to SELF_TRAINED prompts the target wrote itself (models/self_queries.py: Magpie), 2,472 batches at lr 3e-4
+# (3.6 minutes on one H100), then the stream heads continued on the changed draft (FEATURE_STREAMS_SELF, 1.2
+# minutes there). The self-written answers file holds more prompts than that stage read (SELF_PROMPTS, the same
+# machine's next 2.5 minutes): the next stage's data.
+SELF_FILE = REPO / "models" / "data" / "answers-self.jsonl.gz"
+SELF_PROMPTS, SELF_TRAINED = 10783, 5573
+GPU_SELF_FILES = [*GPU_FILES, SELF_FILE]
+GPU_SELF_PASS = 789  # batches in one pass over GPU_SELF_FILES' training records (SELF_TRAINED of the last)
+FEATURE_GPU_SELF = {**FEATURE_GPU_MORE, "epochs": 2472 / GPU_SELF_PASS}
+FEATURE_STREAMS_SELF = {"streams": 2, "stream_vocab": 4096, "stream_width": 576, "depths": 2, "batches": 1200,
+                        "lr": 1e-3, "tokens_per_batch": 8192, "max_len": 1024, "eval_records": 64,
+                        "continue_streams": True}
 # The exit adapter, first trained on the broad answers alone, continued on 800 conversations of each of the broad,
 # everyday and code answers (a teacher pass of 2,400, 20 minutes here, then 7 minutes of steps): held-out top-1 /
 # top-4 coverage of the target's token went from 68% / 85% to 73% / 89% on broad, 59% / 76% to 75% / 89% on
@@ -186,7 +199,7 @@ def retrain_feature_draft(report=print) -> None:
     """The feature draft from the committed answers (any missing ones generated first, with OpenVINO GenAI)."""
     from mirror_sd.bench.baselines import fingerprint
     from mirror_sd.bench.ov_convert import convert
-    from mirror_sd.models import answers, train_exit, train_feature_draft, train_stream_heads
+    from mirror_sd.models import answers, self_queries, train_exit, train_feature_draft, train_stream_heads
 
     ov_dir = convert(TARGET_DIR, BUILD / "bench-cache" / f"ov-genai-target-{fingerprint(TARGET_DIR)}",
                      fingerprint=fingerprint(TARGET_DIR))
@@ -240,6 +253,16 @@ def retrain_feature_draft(report=print) -> None:
                                 max_minutes=None, report=report, init_from=FEATURE_WEIGHTS, **stage)
     train_stream_heads.run(TARGET_DIR, FEATURE_WEIGHTS, STREAM_FILES, BUILD / "feature-draft-streams",
                            FEATURE_WEIGHTS, prompt_ranges=STREAM_RANGES, report=report, **FEATURE_STREAMS)
+    # the self-written prompts: their answers are committed (sampled queries are not bit-reproducible across
+    # devices); any missing ones are written here, on CUDA where torch sees a GPU
+    self_queries.generate(TARGET_DIR, SELF_FILE, SELF_PROMPTS, report=report)
+    self_ranges = [(0, None)] * len(GPU_FILES) + [(0, SELF_TRAINED)]
+    gpu_self_work = BUILD / "feature-draft-gpu-self"
+    (gpu_self_work / "checkpoint.pt").unlink(missing_ok=True)
+    train_feature_draft.run(TARGET_DIR, GPU_SELF_FILES, gpu_self_work, FEATURE_WEIGHTS, max_minutes=None,
+                            report=report, init_from=FEATURE_WEIGHTS, prompt_ranges=self_ranges, **FEATURE_GPU_SELF)
+    train_stream_heads.run(TARGET_DIR, FEATURE_WEIGHTS, GPU_SELF_FILES, BUILD / "feature-draft-streams-self",
+                           FEATURE_WEIGHTS, prompt_ranges=self_ranges, report=report, **FEATURE_STREAMS_SELF)
     # the bundles' exit head at EXIT_LAYER, from the same answers: first on the broad pool's, then continued on the
     # broad, everyday and code answers together (EXIT_MIXED), then on all five files where the draft misses
     # (EXIT_HARD, EXIT_HARD_MORE: one teacher pass)
