@@ -9,6 +9,7 @@ quantization config, and that is saved.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import zipfile
@@ -60,3 +61,38 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     fresh.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def state_digest(model_dir: str | Path) -> str:
+    """sha256 over a saved model's tensors (name, then bytes, in name order): two machines' conversions of one GGUF
+    file hold the same target when their digests match (the GPU scripts under results/scripts compare them)."""
+    import hashlib
+
+    from safetensors.numpy import load_file
+
+    digest = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        state = load_file(f)
+        for key in sorted(state):
+            digest.update(key.encode())
+            digest.update(state[key].tobytes())
+    return digest.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Dequantise a GGUF causal LM to an fp32 transformers directory and print "
+                                            "its weights' digest")
+    p.add_argument("gguf", type=Path)
+    p.add_argument("out", type=Path)
+    args = p.parse_args(argv)
+    try:
+        convert_gguf(args.gguf, args.out)
+    except BadInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("target weights sha256", state_digest(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

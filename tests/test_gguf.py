@@ -162,3 +162,19 @@ def test_convert_gguf_missing_file(tmp_path):
     with pytest.raises(BadInputError, match="does not exist"):
         convert_gguf(tmp_path / "absent.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_converts_and_prints_the_weights_digest(tmp_path, tokenizer, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mirror_sd.models.gguf import main, state_digest
+
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **SIZES)
+    torch.manual_seed(0)
+    _write_gguf(tmp_path / "tiny.gguf", LlamaForCausalLM(config).eval(), tokenizer)
+    assert main([str(tmp_path / "tiny.gguf"), str(tmp_path / "a")]) == 0
+    printed = capsys.readouterr().out.split()[-1]
+    assert printed == state_digest(tmp_path / "a")
+    assert main([str(tmp_path / "tiny.gguf"), str(tmp_path / "b")]) == 0 and state_digest(tmp_path / "b") == printed
+    assert main([str(tmp_path / "absent.gguf"), str(tmp_path / "c")]) == 2 and not (tmp_path / "c").exists()

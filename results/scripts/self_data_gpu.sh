@@ -30,17 +30,8 @@ export PYTHONPATH=$WORK/site:$WORK/repo/pkg
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } > "$OUT/device.txt" 2>&1
 # the same fp32 target as the CPU machine's: dequantised from the same GGUF; its weights' digest goes back to compare
-python3 - >> "$OUT/device.txt" 2>&1 <<'PY' || exit 1
-import glob, hashlib
-from mirror_sd.models.gguf import convert_gguf
-convert_gguf(glob.glob("*.gguf")[0], "target")
-from safetensors.numpy import load_file
-state = load_file("target/model.safetensors")
-h = hashlib.sha256()
-for k in sorted(state):
-    h.update(k.encode()); h.update(state[k].tobytes())
-print("target weights sha256", h.hexdigest())
-PY
+# (the run recorded in results/self-data-gpu.json did this with the same code inline)
+python3 -m mirror_sd.models.gguf ./*.gguf target >> "$OUT/device.txt" 2>&1 || exit 1
 stamp() { echo "$(date -u +%H:%M:%S) $*" >> "$OUT/device.txt"; }
 stamp "self queries"
 python3 -m mirror_sd.models.self_queries --target target -n 1000000 --batch "$QUERY_BATCH" \
