@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from mirror_sd.models import answers, self_queries
+from mirror_sd.models import train_feature_draft as tfd
 from mirror_sd.models.tiny import make_model
 
 
@@ -51,15 +52,8 @@ def test_records_are_the_targets_greedy_answers_and_a_run_resumes(target, tmp_pa
     again = self_queries.generate(target, out, 7, batch=4, temperature=3.0, max_new_tokens=10, device="cpu")
     grown = answers.read(out)
     assert again["records"] == 7 and grown[:5] == records and [r["index"] for r in grown] == list(range(7))
-    trained, held = answers_split(out)
-    assert [i for i in held] == [0]  # every 20th record is held out, as in every answers file
-
-
-def answers_split(path: Path) -> tuple[list[int], list[int]]:
-    from mirror_sd.models import train_feature_draft as tfd
-
-    train, held = tfd.split(tfd.load_records([path], 64))
-    return [r.index for r in train], [r.index for r in held]
+    _, held = tfd.split(tfd.load_records([out], 64))
+    assert [r.index for r in held] == [0]  # every 20th record is held out, as in every answers file
 
 
 def test_no_training_query_is_a_held_out_or_benchmark_prompt():

@@ -10,14 +10,14 @@
 # folder, which holds repo.tar.xz and this script. Writes logs, the answers file and the trained draft (tar parts of
 # at most 15 MB) to $OUT, each as soon as it is done. The GPU machine has torch, transformers and numpy, and no
 # package index or openvino: evaluation, export and the runtime run back on the CPU machine.
-set -u
+set -u  # defaults: the run in results/self-data-gpu.json
 HERE=$(cd "$(dirname "$0")" && pwd)
 PARTS=${PARTS:-/tmp/parts}
 WORK=${WORK:-/tmp/self-data}
-QUERY_MINUTES=${QUERY_MINUTES:-2}
+QUERY_MINUTES=${QUERY_MINUTES:-2.3}
 QUERY_BATCH=${QUERY_BATCH:-512}
-DRAFT_MINUTES=${DRAFT_MINUTES:-3.5}
-STREAM_BATCHES=${STREAM_BATCHES:-800}
+DRAFT_MINUTES=${DRAFT_MINUTES:-3.6}
+STREAM_BATCHES=${STREAM_BATCHES:-1200}
 EVAL=${EVAL:-600}
 export PYTHONUNBUFFERED=1
 mkdir -p "$WORK" && cd "$WORK" || exit 1
