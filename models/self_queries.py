@@ -115,11 +115,6 @@ def cut_at_stop(ids: list[int], stops: list[int]) -> list[int]:
     return ids[: ends[0] + 1] if ends else ids
 
 
-def _taken(out: Path, exclude: set[str]) -> set[str]:
-    """The queries already in `out` and those no training pool may hold (the held-out and benchmark prompts)."""
-    return set(exclude) | {r.get("query", "") for r in answers_file.read(out)}
-
-
 def excluded_queries() -> set[str]:
     """User turns a training pool must not hold: the held-out prompts' and the benchmark's."""
     from mirror_sd.bench.prompts import PROMPTS
@@ -141,9 +136,10 @@ def generate(target: Path, out: Path, n: int, *, batch: int = 256, seed: int = 0
         raise BadInputError("-n and --batch must be positive")
     gen = SelfQueries(target, device)
     answers_file._truncate_partial(out)
-    done = answers_file.done_indices(out)
-    taken = _taken(out, excluded_queries())
-    index = max(done, default=-1) + 1
+    existing = answers_file.read(out)
+    # no query twice, and none that a training pool may not hold (the held-out and benchmark prompts)
+    taken = excluded_queries() | {r.get("query", "") for r in existing}
+    index = max((r["index"] for r in existing), default=-1) + 1
     out.parent.mkdir(parents=True, exist_ok=True)
     start, tokens, dropped, retry = time.monotonic(), 0, 0, 0
     with out.open("ab") as f, tqdm(total=n, initial=min(index, n), desc="self queries", unit="prompt",

@@ -17,7 +17,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from mirror_sd.models import answers
-from mirror_sd.models.self_queries import end_of_turn
+from mirror_sd.models.self_queries import cut_at_stop, end_of_turn
 
 TARGET = Path("build/models/smollm2-135m-instruct")
 
@@ -31,11 +31,10 @@ def main(src: Path, dst: Path) -> None:
             lines = []
             for r in records[lo:lo + 512]:
                 (start, end), = r["answers"]
-                answer = r["ids"][start:end]
-                if eot in answer:
-                    stop = start + answer.index(eot) + 1
+                stop = start + len(cut_at_stop(r["ids"][start:end], [eot]))
+                if stop < end:
                     dropped += end - stop
-                    cut += stop < end
+                    cut += 1
                     r = {**r, "ids": r["ids"][:stop], "answers": [[start, stop]]}
                 lines.append(json.dumps(r))
             f.write(gzip.compress(("\n".join(lines) + "\n").encode()))
