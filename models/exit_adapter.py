@@ -65,7 +65,7 @@ class ExitAdapter(nn.Module):
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG_NAME).write_text(json.dumps(asdict(self.config)) + "\n")
-        save_file({k: v.detach().contiguous() for k, v in self.own_state().items()}, str(out / WEIGHTS_NAME))
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.own_state().items()}, str(out / WEIGHTS_NAME))
         return out
 
     @classmethod

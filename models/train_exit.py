@@ -14,12 +14,16 @@ over each conversation as training runs it (every position, its own features for
 per position, the share of those depths at which the draft's token is not the target's; `--hard-weight W` then
 samples training positions in proportion to 1 + W x that share, and coverage is reported on the positions the draft
 misses as well.
+
+Where torch sees a GPU the teacher pass, the steps and the coverage run there (the teacher's tensors come back to
+the CPU between them, so a cache written on one device reads on the other); `--device cpu` keeps them here.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -73,11 +77,12 @@ def draft_misses(draft, hidden_states, ids: torch.Tensor, final: torch.Tensor,
     t = ids.shape[0]
     taps = torch.stack([hidden_states[tap][0] for tap in draft.config.taps], 1)[None]  # [1,T,n,d]
     outs = draft.forward_ttt(taps, ids[None], HARD_DEPTHS)
-    misses = torch.zeros(t - 1)
-    counted = torch.zeros(t - 1)
-    first = torch.zeros(t - 1, dtype=torch.bool)
+    misses = torch.zeros(t - 1, device=ids.device)
+    counted = torch.zeros(t - 1, device=ids.device)
+    first = torch.zeros(t - 1, dtype=torch.bool, device=ids.device)
     for k, h in enumerate(outs):
-        pos = torch.arange(k + 1, t - 1)  # exit positions t whose draft position t-1 has a base at depth k
+        # exit positions t whose draft position t-1 has a base at depth k
+        pos = torch.arange(k + 1, t - 1, device=ids.device)
         if where is not None:
             pos = pos[where[pos]]
         guess = draft.vocab_ids[draft.logits(h[0, pos - 1]).argmax(-1)]  # draft position t-1's guess for t+1
@@ -91,30 +96,33 @@ def draft_misses(draft, hidden_states, ids: torch.Tensor, final: torch.Tensor,
 
 @torch.no_grad()
 def teacher_pass(model, examples, layers: list[int], draft=None, report=print) -> TeacherData:
-    """draft: a feature draft whose misses to record per position (TeacherData.miss_share, first_miss)."""
+    """draft: a feature draft whose misses to record per position (TeacherData.miss_share, first_miss). Runs on
+    the model's device; what it keeps is on the CPU (a large pass would not fit beside the model on a small GPU)."""
     from tqdm import tqdm
 
     hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     ids, lps, shares, firsts = [], [], [], []
     trim = _malloc_trim()
+    device = model.lm_head.weight.device
     for n, ex in enumerate(tqdm(examples, desc="teacher pass", unit="conversation")):
         if n % 25 == 24:
             trim()
-        out = model.model(torch.from_numpy(ex.ids[None]), output_hidden_states=True)
+        ex_ids = torch.from_numpy(ex.ids).to(device)
+        out = model.model(ex_ids[None], output_hidden_states=True)
         # position t predicts token t+1: keep the positions whose next token is part of the answer
-        keep = torch.from_numpy(ex.weights[1:] == ANSWER_WEIGHT)
+        keep = torch.from_numpy(ex.weights[1:] == ANSWER_WEIGHT).to(device)
         for layer in layers:
-            hidden[layer].append(out.hidden_states[layer][0, :-1][keep].clone())
+            hidden[layer].append(out.hidden_states[layer][0, :-1][keep].cpu())
         # the LM head on the kept rows only: no [T, 49,152] logits for the prompt's positions
         top = torch.log_softmax(model.lm_head(out.last_hidden_state[0, :-1][keep]), -1).topk(TEACHER_TOP, -1)
-        ids.append(top.indices)
-        lps.append(top.values)
+        ids.append(top.indices.cpu())
+        lps.append(top.values.cpu())
         if draft is not None:  # the final token is wanted at the kept rows only: the teacher's top-1 there
-            final = torch.full((len(keep),), -1, dtype=torch.long)
+            final = torch.full((len(keep),), -1, dtype=torch.long, device=device)
             final[keep] = top.indices[:, 0]
-            share, first = draft_misses(draft, out.hidden_states, torch.from_numpy(ex.ids), final, keep)
-            shares.append(share[keep])
-            firsts.append(first[keep])
+            share, first = draft_misses(draft, out.hidden_states, ex_ids, final, keep)
+            shares.append(share[keep].cpu())
+            firsts.append(first[keep].cpu())
     data = TeacherData({k: torch.cat(v) for k, v in hidden.items()}, torch.cat(ids), torch.cat(lps))
     if draft is not None:
         data.miss_share, data.first_miss = torch.cat(shares), torch.cat(firsts)
@@ -186,11 +194,12 @@ def _load_teacher(cache: Path | None, key: dict) -> tuple[TeacherData, dict[str,
 
 
 def coverage(head, hidden: torch.Tensor, final_ids: torch.Tensor, ks=(1, 8), chunk: int = 512) -> dict[int, float]:
-    """Share of positions whose final greedy token is in the head's top-k, for each k."""
+    """Share of positions whose final greedy token is in the head's top-k, for each k (on the head's device)."""
     hits = {k: 0 for k in ks}
+    device = next(head.parameters()).device
     with torch.no_grad():
         for i in range(0, len(hidden), chunk):
-            top = head(hidden[i: i + chunk]).topk(max(ks), -1).indices
+            top = head(hidden[i: i + chunk].to(device)).topk(max(ks), -1).indices.cpu()
             for k in ks:
                 hits[k] += int((top[:, :k] == final_ids[i: i + chunk, None]).any(-1).sum())
     return {k: hits[k] / max(1, len(hidden)) for k in ks}
@@ -200,7 +209,8 @@ def train_adapter(model, layer: int, data: TeacherData, *, rank: int, steps: int
                   max_seconds: float, seed: int, initial: ExitAdapter | None = None,
                   hard_weight: float = 0.0) -> ExitAdapter:
     """initial: an adapter to go on training (a copy; its rank wins over `rank`). hard_weight W: positions are
-    drawn in proportion to 1 + W x the share of draft depths that miss them (data.miss_share), else uniformly."""
+    drawn in proportion to 1 + W x the share of draft depths that miss them (data.miss_share), else uniformly.
+    Trains on the model's device; positions are drawn on the CPU (the same draws on either device)."""
     import copy
 
     from tqdm import tqdm
@@ -212,6 +222,8 @@ def train_adapter(model, layer: int, data: TeacherData, *, rank: int, steps: int
     else:
         adapter = ExitAdapter(ExitAdapterConfig(model.config.hidden_size, layer, rank, model.config.rms_norm_eps),
                               model.model.norm, model.lm_head)
+    device = model.lm_head.weight.device
+    adapter.to(device)
     params = [p for name, p in adapter.named_parameters() if name.split(".")[0] in ("norm", "down", "up")]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     x, ids, lps = data.hidden[layer], data.top_ids, data.top_logprobs
@@ -228,8 +240,8 @@ def train_adapter(model, layer: int, data: TeacherData, *, rank: int, steps: int
             group["lr"] = lr * min(1.0, (step + 1) / 20) * (1 - step / steps)
         sel = (torch.randint(0, len(x), (batch,), generator=g) if draw is None
                else torch.multinomial(draw, batch, replacement=True, generator=g))
-        logq = torch.log_softmax(adapter(x[sel]), -1)
-        loss = -(target_p[sel] * logq.gather(-1, ids[sel])).sum(-1).mean()
+        logq = torch.log_softmax(adapter(x[sel].to(device)), -1)
+        loss = -(target_p[sel].to(device) * logq.gather(-1, ids[sel].to(device))).sum(-1).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -243,7 +255,7 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
           minutes_per_layer: float = 5.0, top_k: int = 8, seed: int = 0, max_prompts: int | None = None,
           prompt_ranges: list[tuple[int, int | None]] | None = None, init_from: Path | None = None,
           hard_draft: Path | None = None, hard_weight: float = 0.0, held_out: int = 300, skip: int = 0,
-          teacher_cache: Path | None = None, report=print) -> dict:
+          teacher_cache: Path | None = None, device: str | None = None, report=print) -> dict:
     """Train one adapter per layer in `layers`; saves each to out_dir/layer-<l>; returns the coverage table.
 
     data_file: one data file or several (the answers of several prompt pools); each gives its own held-out
@@ -255,7 +267,8 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
     held-out conversations per file to measure on (at most the 300 the split sets apart); skip: training reads
     the conversations after the first `skip` past the held-out ones (a continued stage reads ones the stage
     before did not). teacher_cache: a directory that keeps the teacher passes (tens of minutes here) for the
-    next run with the same inputs, e.g. another hard_weight."""
+    next run with the same inputs, e.g. another hard_weight. device: "cuda" where torch sees a GPU, else "cpu",
+    unless named."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mirror_sd.export.segments import LogitLens
@@ -268,15 +281,16 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
         raise ValueError("--init-from continues one adapter: give one layer")
     if hard_weight > 0 and hard_draft is None:
         raise ValueError("--hard-weight needs the draft whose misses it weighs: give --hard-draft")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(device)
     for p in model.parameters():
         p.requires_grad_(False)
     draft = None
     if hard_draft is not None:
         from mirror_sd.models.feature_draft import FeatureDraft
 
-        draft = FeatureDraft.load(hard_draft, model.get_input_embeddings().weight)
+        draft = FeatureDraft.load(hard_draft, model.get_input_embeddings().weight).to(device)
         if max(draft.config.taps) > model.config.num_hidden_layers:
             raise ValueError(f"{hard_draft} reads layer {max(draft.config.taps)}: not a draft of this target")
     train_examples, held_examples = [], {}
@@ -301,7 +315,8 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
         report(f"teacher passes read from {teacher_cache}")
     lens = LogitLens(model.model.norm, model.lm_head)
     ks = sorted({1, 4, top_k})
-    results = {"data": {str(f): list(r) for f, r in zip(files, ranges)},
+    results = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
+               "data": {str(f): list(r) for f, r in zip(files, ranges)},
                "positions": {"train": len(train_data.top_ids),
                              "held_out": sum(len(t.top_ids) for t in tests.values())},
                "layers": {}}
@@ -314,7 +329,7 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
     for layer in layers:
         initial = None
         if init_from is not None:
-            initial = ExitAdapter.load(init_from, model.model.norm, model.lm_head)
+            initial = ExitAdapter.load(init_from, model.model.norm, model.lm_head).to(device)
             if initial.config.exit_layer != layer:
                 raise ValueError(f"{init_from} is an adapter at layer {initial.config.exit_layer}, not {layer}")
             results["init_from"] = str(init_from)
@@ -377,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out", type=int, default=300, help="held-out conversations per data file to measure")
     parser.add_argument("--teacher-cache", type=Path, default=None,
                         help="keep the teacher passes here for the next run with the same inputs")
+    parser.add_argument("--batch", type=int, default=256, help="positions per step")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where to run (default: cuda where torch sees a GPU, else cpu)")
     parser.add_argument("--skip", type=int, default=0,
                         help="train on the conversations after the first SKIP past the held-out ones")
     args = parser.parse_args(argv)
@@ -384,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                         args.prompt_range, args.data, "data files")
     if not error and args.hard_weight < 0:
         error = f"--hard-weight {args.hard_weight}: give a weight >= 0"
+    if not error and args.batch < 1:
+        error = f"--batch {args.batch}: give at least 1 position per step"
+    if not error and args.device == "cuda" and not torch.cuda.is_available():
+        error = "--device cuda: torch sees no GPU here"
     if not error and args.hard_weight > 0 and args.hard_draft is None:
         error = "--hard-weight needs --hard-draft (the draft whose misses it weighs)"
     if error:
@@ -397,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     train(args.target, args.data, args.out, layers, conversations=args.conversations, steps=args.steps,
           minutes_per_layer=args.minutes_per_layer, lr=args.lr, max_prompts=args.max_prompts,
           prompt_ranges=args.prompt_range, init_from=args.init_from, hard_draft=args.hard_draft,
-          hard_weight=args.hard_weight, held_out=args.held_out, skip=args.skip, teacher_cache=args.teacher_cache)
+          hard_weight=args.hard_weight, held_out=args.held_out, skip=args.skip, teacher_cache=args.teacher_cache,
+          batch=args.batch, device=args.device)
     return 0
 
 

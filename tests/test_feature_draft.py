@@ -263,7 +263,9 @@ def test_exit_adapter_trains_on_an_answers_file(tmp_path):
     # and coverage; the adapter starts from the saved one, whose coverage is reported beside it
     more = train_exit.train(target_dir, [data, data], tmp_path / "mixed", [1], conversations=20, rank=64, steps=30,
                             batch=64, minutes_per_layer=1, prompt_ranges=[(0, 30), (30, None)],
-                            init_from=tmp_path / "adapters" / "layer-1", report=lambda _line: None)
+                            init_from=tmp_path / "adapters" / "layer-1", device="cpu", report=lambda _line: None)
+    assert more["device"].startswith("cpu (")  # where it ran, in its coverage.json (a GPU by its name)
+    assert json.loads((tmp_path / "mixed" / "coverage.json").read_text())["device"] == more["device"]
     rows = more["layers"][1]
     assert set(rows) == {f"{data.name} 0:30", f"{data.name} 30:"}
     assert all(r["positions"] > 0 and {"adapter", "initial", "logit_lens"} <= set(r) for r in rows.values())
@@ -725,6 +727,11 @@ def test_exit_adapter_training_refuses_bad_inputs_before_any_work(tmp_path, caps
     assert "not found: " in capsys.readouterr().err
     assert train_exit.main([*base, "--init-from", str(tmp_path), "--layers", "15,24"]) == 2
     assert "give one layer" in capsys.readouterr().err
+    assert train_exit.main([*base, "--batch", "0"]) == 2
+    assert "--batch 0" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # a GPU asked for where torch sees none: said before any work
+        assert train_exit.main([*base, "--device", "cuda"]) == 2
+        assert "torch sees no GPU" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
