@@ -14,6 +14,7 @@ python -m mirror_sd.models.train_exit ... --hard-weight W --out build/exit-hard/
 python results/scripts/exit_hard_ab.py results/exit-hard-ab.json --arm hard=build/exit-hard/w3 \\
     --arm uniform=build/exit-hard/w0 --arm hard-more=build/exit-hard/w8 \\
     [--eval NAME=BEFORE.json,AFTER.json ...]                     (a file as COMMIT:PATH: read from git)
+    [--what TEXT]                        (another A/B of a continued adapter: what it asks, instead of the above)
 """
 import argparse
 import json
@@ -28,6 +29,8 @@ EVAL_KEYS = ("mirror_rejected_branch_hit_rate", "mirror_branch_hit_rate", "mean_
 def arm(directory: str) -> dict:
     data = json.loads((Path(directory) / "coverage.json").read_text())
     (layer, files), = data["layers"].items()
+    if "adapter" in files:  # one data file: train_exit writes its table without the file level
+        files = {Path(next(iter(data["data"]))).name: files}
     out = {"layer": int(layer), "init_from": data.get("init_from"), "hard": data.get("hard"),
            "positions": data["positions"], "files": {}}
     for name, row in files.items():
@@ -63,9 +66,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="a train_exit output directory (its coverage.json) and the arm's name")
     parser.add_argument("--eval", action="append", default=[], metavar="NAME=BEFORE,AFTER",
                         help="two models.evaluate files of one prompt set, before and after")
+    parser.add_argument("--what", default=__doc__.split("\n\n")[0], help="what the A/B asks")
     args = parser.parse_args(argv)
     result = {
-        "what": __doc__.split("\n\n")[0],
+        "what": args.what,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "pairs_are": "[the adapter continued from (committed before), this arm]",
         "arms": {name: arm(directory) for name, _, directory in (a.partition("=") for a in args.arm)},
