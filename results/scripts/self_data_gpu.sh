@@ -5,7 +5,12 @@
 #   2. the committed feature draft trains further on every answers file, the new one included, for DRAFT_MINUTES
 #      (features recomputed per batch, as results/scripts/feature_draft_gpu.sh's stages);
 #   3. its stream heads, which read the draft's hidden states, train further on the changed draft
-#      (--continue-streams, STREAM_BATCHES batches).
+#      (--continue-streams, STREAM_BATCHES batches);
+#   4. where EXIT_CONVERSATIONS > 0 (not in the recorded run): the committed exit adapter continues on that many
+#      conversations of every answers file, drawing the positions the new draft misses up to 9x as often (as
+#      EXIT_HARD_MORE in models/smollm2.py), EXIT_STEPS steps of EXIT_BATCH positions. On the CPU, continued on the
+#      self-written answers alone it did not raise the runtime's branch hits (results/exit-self-ab.json): all files
+#      at once, at GPU scale, is what is left to try.
 # Runs once every part of the payload (results/scripts/self_data_gpu_payload.sh) lies in $PARTS, from the last
 # folder, which holds repo.tar.xz and this script. Writes logs, the answers file and the trained draft (tar parts of
 # at most 15 MB) to $OUT, each as soon as it is done. The GPU machine has torch, transformers and numpy, and no
@@ -18,6 +23,9 @@ QUERY_MINUTES=${QUERY_MINUTES:-2.3}
 QUERY_BATCH=${QUERY_BATCH:-512}
 DRAFT_MINUTES=${DRAFT_MINUTES:-3.6}
 STREAM_BATCHES=${STREAM_BATCHES:-1200}
+EXIT_CONVERSATIONS=${EXIT_CONVERSATIONS:-0}
+EXIT_STEPS=${EXIT_STEPS:-4000}
+EXIT_BATCH=${EXIT_BATCH:-1024}
 EVAL=${EVAL:-600}
 export PYTHONUNBUFFERED=1
 mkdir -p "$WORK" && cd "$WORK" || exit 1
@@ -53,5 +61,14 @@ pack() {
     > "$OUT/streams.log" 2>&1
 stamp "streams exit $?"
 [ -d out-S ] && pack out-S draft-streams && rm -f "$OUT"/draft.tar.part*
+if [ "$EXIT_CONVERSATIONS" -gt 0 ]; then
+    hard=draft
+    for d in out-D out-S; do [ -d "$d" ] && hard=$d; done  # the newest draft's misses
+    python3 -m mirror_sd.models.train_exit --target target --data data/*.jsonl.gz --out out-E --layers 24 \
+        --conversations "$EXIT_CONVERSATIONS" --held-out 100 --steps "$EXIT_STEPS" --batch "$EXIT_BATCH" --lr 1e-3 \
+        --minutes-per-layer 5 --init-from adapter --hard-draft "$hard" --hard-weight 8 > "$OUT/exit.log" 2>&1
+    stamp "exit adapter exit $?"
+    [ -d out-E ] && pack out-E exit-adapter
+fi
 nvidia-smi --query-gpu=name,memory.used --format=csv >> "$OUT/device.txt"
 stamp done

