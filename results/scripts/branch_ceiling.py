@@ -116,6 +116,10 @@ def summarise(steps, vocab) -> dict:
            "correction_in_draft_vocabulary": float(np.mean([s["c"] in vocab for s in rejected])),
            "exit_coverage_of_correction": {f"top{k}": float(np.mean([s["c"] in s["ids"][s["A"]][:k]
                                                                      for s in rejected])) for k in (1, 2, 4, 8)},
+           # the cap of any planner at budget 4 (kappa <= 8): the rejected slot known, its 4 most probable exit
+           # candidates other than the draft's rejected token
+           "rejected_slot_known_budget_4": float(np.mean([
+               s["c"] in [v for v in s["ids"][s["A"]] if v != s["window"][s["A"]]][:4] for s in rejected])),
            "plan_branches_rejected_hit_rate": {
                f"budget {b}, kappa {k}": rejected_hits(lambda s, b=b, k=k: runtime_plan(s, b, k))
                for b, k in ((4, 4), (8, 4), (8, 8), (16, 8))},
