@@ -20,8 +20,8 @@ for d in export runtime partitions models bench package serve; do  # each holds 
 done
 tar -C "$TMP/repo" -cf - . | xz -6 -T2 > "$TMP/repo.tar.xz"
 rm -rf "$STAGE" && mkdir -p "$STAGE"
-# the GGUF, the wheel, the answers, the committed draft and exit adapter in parts c1..; the code and the script in the last
-# folder beside the last part
+# the GGUF, the wheel, the answers, the committed draft and exit adapter in parts c1..; the code and the script in
+# the last folder beside the last part
 tar -C "$TMP/load" -cf - . | split -b 65011712 -d -a 1 - "$STAGE/payload.part"
 i=1
 for part in "$STAGE"/payload.part*; do
