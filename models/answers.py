@@ -121,6 +121,13 @@ def read(path: Path) -> list[dict]:
     return [json.loads(line) for member in _members(path)[0] for line in member.decode().splitlines() if line]
 
 
+def write_member(f, records: list[dict]) -> None:
+    """Append `records` to an answers file open for binary append as one complete gzip member, flushed: an
+    interrupted run loses at most the member being written (_truncate_partial cuts it off)."""
+    f.write(gzip.compress(("\n".join(json.dumps(r) for r in records) + "\n").encode()))
+    f.flush()
+
+
 def done_indices(out: Path) -> set[int]:
     return {r["index"] for r in read(out)}
 
@@ -198,17 +205,16 @@ def generate(bundle: Path, ov_dir: Path, out: Path, pool: str, n: int, seed: int
                     convs[j][1]["content"] = gen.codec.decode(ans).strip()
             prompt_ids = [gen.ids(c) for c in convs]
             answers = gen.answer(prompt_ids)
-            lines = []
+            records = []
             for j, (i, ids, ans) in enumerate(zip(idx, prompt_ids, answers)):
                 if j in first:  # where the first answer sits in the re-rendered conversation (its text re-tokenized)
                     head = gen.ids(convs[j][:1])
                     reply = gen.codec.encode(convs[j][1]["content"], special=False)
                     spans[j].append([len(head), len(head) + len(reply)])
                 spans[j].append([len(ids), len(ids) + len(ans)])
-                lines.append(json.dumps({"index": i, "kind": prompts[i].kind, "ids": ids + ans, "answers": spans[j]}))
+                records.append({"index": i, "kind": prompts[i].kind, "ids": ids + ans, "answers": spans[j]})
                 tokens += len(ans)
-            f.write(gzip.compress(("\n".join(lines) + "\n").encode()))  # one complete member per batch
-            f.flush()
+            write_member(f, records)  # one complete member per batch
             bar.update(len(idx))
             bar.set_postfix(answer_tok_per_s=f"{tokens / (time.perf_counter() - start):.0f}")
     return out

@@ -20,7 +20,6 @@ the CPU (hours for thousands of prompts).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 import time
@@ -165,15 +164,14 @@ def generate(target: Path, out: Path, n: int, *, batch: int = 256, seed: int = 0
                 continue
             retry = 0
             prompt_ids = [gen.encode(gen.render([{"role": "user", "content": q}])) for q in queries]
-            lines = []
+            records = []
             for q, ids, ans in zip(queries, prompt_ids, gen.answer(prompt_ids, max_new_tokens)):
-                lines.append(json.dumps({"index": index, "kind": KIND, "query": q, "ids": ids + ans,
-                                         "answers": [[len(ids), len(ids) + len(ans)]]}))
+                records.append({"index": index, "kind": KIND, "query": q, "ids": ids + ans,
+                                "answers": [[len(ids), len(ids) + len(ans)]]})
                 index += 1
                 tokens += len(ans)
-            f.write(gzip.compress(("\n".join(lines) + "\n").encode()))  # one complete member per batch
-            f.flush()
-            bar.update(len(lines))
+            answers_file.write_member(f, records)  # one complete member per batch
+            bar.update(len(records))
             bar.set_postfix(answer_tok_per_s=f"{tokens / (time.monotonic() - start):.0f}", dropped=dropped)
     seconds = time.monotonic() - start
     return {"device": gen.device, "records": index, "new_answer_tokens": tokens, "dropped_queries": dropped,

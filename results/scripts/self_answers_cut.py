@@ -9,7 +9,6 @@ template's own end-of-turn token). Answers without an <|im_end|> (the 160-token 
     python results/scripts/self_answers_cut.py IN.jsonl.gz models/data/answers-self.jsonl.gz
 """
 
-import gzip
 import json
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ def main(src: Path, dst: Path) -> None:
     partial = dst.with_name(dst.name + ".partial")
     with partial.open("wb") as f:
         for lo in range(0, len(records), 512):
-            lines = []
+            batch = []
             for r in records[lo:lo + 512]:
                 (start, end), = r["answers"]
                 stop = start + len(cut_at_stop(r["ids"][start:end], [eot]))
@@ -36,8 +35,8 @@ def main(src: Path, dst: Path) -> None:
                     dropped += end - stop
                     cut += 1
                     r = {**r, "ids": r["ids"][:stop], "answers": [[start, stop]]}
-                lines.append(json.dumps(r))
-            f.write(gzip.compress(("\n".join(lines) + "\n").encode()))
+                batch.append(r)
+            answers.write_member(f, batch)
     partial.replace(dst)
     print(json.dumps({"records": len(records), "answers_cut": cut, "tokens_dropped": dropped, "end_of_turn": eot}))
 
