@@ -14,12 +14,13 @@ context never copy it, and nothing is concatenated onto it.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
-from mirror_sd.export.architectures import Architecture
+if TYPE_CHECKING:  # an annotation only: the exit heads import without optimum (the GPU training machine has none)
+    from mirror_sd.export.architectures import Architecture
 
 
 class ExitHead(Protocol):

@@ -951,3 +951,19 @@ def test_a_random_stream_feature_draft_is_exact_and_packages(arch, pair_factory,
             out = pipe.generate(prompt, mode=mode, max_new_tokens=20, gamma=4, adaptive_speculation=False)
             assert out.token_ids == ar.token_ids, mode
             assert out.stats["fallbacks"] == 0 and out.stats["draft_tokens_per_forward"] > 1.0
+
+
+def test_gpu_training_modules_import_without_export_or_runtime_packages():
+    """The GPU machine (results/scripts/self_data_gpu.sh) has torch, transformers and numpy only: the modules it runs
+    must not reach optimum, onnxruntime or openvino, nor what they import inside (train_exit's train() imports
+    export/segments.py, which once imported optimum)."""
+    import subprocess
+    import sys
+
+    modules = ["mirror_sd.models.train_exit", "mirror_sd.models.train_feature_draft",
+               "mirror_sd.models.train_stream_heads", "mirror_sd.models.self_queries", "mirror_sd.models.gguf", "mirror_sd.export.segments",
+               "mirror_sd.models.exit_adapter", "mirror_sd.models.feature_draft"]
+    code = ("import sys\nfor m in ('optimum', 'onnxruntime', 'openvino'):\n    sys.modules[m] = None\n"
+            + "".join(f"import {m}\n" for m in modules))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Self-written prompts and the feature draft trained on them, on a GPU machine (results/self-data-gpu.json):
-#   1. the target writes user queries and answers them (python -m mirror_sd.models.self_queries) for
-#      QUERY_MINUTES, into $OUT/answers-self.jsonl.gz;
+#   1. where QUERY_MINUTES is not 0: the target writes user queries and answers them (python -m
+#      mirror_sd.models.self_queries) for QUERY_MINUTES, appended to the payload's answers-self.jsonl.gz, into
+#      $OUT/answers-self.jsonl.gz;
 #   2. the committed feature draft trains further on every answers file, the new one included, for DRAFT_MINUTES
 #      (features recomputed per batch, as results/scripts/feature_draft_gpu.sh's stages);
 #   3. its stream heads, which read the draft's hidden states, train further on the changed draft
 #      (--continue-streams, STREAM_BATCHES batches);
-#   4. where EXIT_CONVERSATIONS > 0 (not in the recorded run): the committed exit adapter continues on that many
-#      conversations of every answers file, drawing the positions the new draft misses up to 9x as often (as
-#      EXIT_HARD_MORE in models/smollm2.py), EXIT_STEPS steps of EXIT_BATCH positions. On the CPU, continued on the
-#      self-written answers alone it did not raise the runtime's branch hits (results/exit-self-ab.json): all files
-#      at once, at GPU scale, is what is left to try.
+#   4. where EXIT_CONVERSATIONS > 0 (not in the first recorded run), beside stages 2-3 on the same GPU: the
+#      committed exit adapter continues on that many conversations of every answers file past the first EXIT_SKIP
+#      (the ones its stages read), drawing the positions the committed draft misses up to 9x as often (as
+#      EXIT_HARD_MORE in models/smollm2.py), EXIT_STEPS steps of EXIT_BATCH positions or EXIT_MINUTES. On the CPU,
+#      continued on the self-written answers alone it did not raise the runtime's branch hits
+#      (results/exit-self-ab.json): all files at once, at GPU scale, is what is left to try.
 # Runs once every part of the payload (results/scripts/self_data_gpu_payload.sh) lies in $PARTS, from the last
 # folder, which holds repo.tar.xz and this script. Writes logs, the answers file and the trained draft (tar parts of
 # at most 15 MB) to $OUT, each as soon as it is done. The GPU machine has torch, transformers and numpy, and no
@@ -26,6 +28,8 @@ STREAM_BATCHES=${STREAM_BATCHES:-1200}
 EXIT_CONVERSATIONS=${EXIT_CONVERSATIONS:-0}
 EXIT_STEPS=${EXIT_STEPS:-4000}
 EXIT_BATCH=${EXIT_BATCH:-1024}
+EXIT_SKIP=${EXIT_SKIP:-0}
+EXIT_MINUTES=${EXIT_MINUTES:-5}
 EVAL=${EVAL:-600}
 export PYTHONUNBUFFERED=1
 mkdir -p "$WORK" && cd "$WORK" || exit 1
@@ -41,19 +45,34 @@ export PYTHONPATH=$WORK/site:$WORK/repo/pkg
 # (the run recorded in results/self-data-gpu.json did this with the same code inline)
 python3 -m mirror_sd.models.gguf ./*.gguf target >> "$OUT/device.txt" 2>&1 || exit 1
 stamp() { echo "$(date -u +%H:%M:%S) $*" >> "$OUT/device.txt"; }
-stamp "self queries"
-python3 -m mirror_sd.models.self_queries --target target -n 1000000 --batch "$QUERY_BATCH" \
-    --max-minutes "$QUERY_MINUTES" --out "$OUT/answers-self.jsonl.gz" > "$OUT/self.log" 2>&1
-stamp "self queries exit $?"
-cp "$OUT/answers-self.jsonl.gz" data/ || exit 1
-python3 -m mirror_sd.models.train_feature_draft --target target --answers data/*.jsonl.gz --work work-D \
-    --out out-D --init-from draft --features online --budget-minutes "$DRAFT_MINUTES" --epochs 50 \
-    --tokens-per-batch 16384 --lr 3e-4 --eval-records "$EVAL" > "$OUT/draft.log" 2>&1
-stamp "draft exit $?"
+if [ "$QUERY_MINUTES" != 0 ]; then
+    stamp "self queries"
+    # self_queries appends to its file and resumes: the payload's self-written answers are its start
+    [ -f data/answers-self.jsonl.gz ] && cp data/answers-self.jsonl.gz "$OUT/"
+    python3 -m mirror_sd.models.self_queries --target target -n 1000000 --batch "$QUERY_BATCH" \
+        --max-minutes "$QUERY_MINUTES" --out "$OUT/answers-self.jsonl.gz" > "$OUT/self.log" 2>&1
+    stamp "self queries exit $?"
+    cp "$OUT/answers-self.jsonl.gz" data/ || exit 1
+fi
 pack() {
     rm -f "$OUT/$2".tar.part*
     tar -C "$1" -cf "/tmp/$2.tar" . && split -b 15000000 -d "/tmp/$2.tar" "$OUT/$2.tar.part"
 }
+if [ "$EXIT_CONVERSATIONS" -gt 0 ]; then  # beside the draft's stages: the GPU has room for both
+    (
+        stamp "exit adapter"
+        python3 -m mirror_sd.models.train_exit --target target --data data/*.jsonl.gz --out out-E --layers 24 \
+            --conversations "$EXIT_CONVERSATIONS" --skip "$EXIT_SKIP" --held-out 100 --steps "$EXIT_STEPS" \
+            --batch "$EXIT_BATCH" --lr 1e-3 --minutes-per-layer "$EXIT_MINUTES" --init-from adapter \
+            --hard-draft draft --hard-weight 8 > "$OUT/exit.log" 2>&1
+        stamp "exit adapter exit $?"
+        [ -d out-E ] && pack out-E exit-adapter
+    ) &
+fi
+python3 -m mirror_sd.models.train_feature_draft --target target --answers data/*.jsonl.gz --work work-D \
+    --out out-D --init-from draft --features online --budget-minutes "$DRAFT_MINUTES" --epochs 50 \
+    --tokens-per-batch 16384 --lr 3e-4 --eval-records "$EVAL" > "$OUT/draft.log" 2>&1
+stamp "draft exit $?"
 [ -d out-D ] && pack out-D draft
 [ -d out-D ] && python3 -m mirror_sd.models.train_stream_heads --target target --draft out-D \
     --answers data/*.jsonl.gz --work work-S --out out-S --continue-streams --streams 2 --stream-vocab 4096 \
@@ -61,14 +80,6 @@ pack() {
     > "$OUT/streams.log" 2>&1
 stamp "streams exit $?"
 [ -d out-S ] && pack out-S draft-streams && rm -f "$OUT"/draft.tar.part*
-if [ "$EXIT_CONVERSATIONS" -gt 0 ]; then
-    hard=draft
-    for d in out-D out-S; do [ -d "$d" ] && hard=$d; done  # the newest draft's misses
-    python3 -m mirror_sd.models.train_exit --target target --data data/*.jsonl.gz --out out-E --layers 24 \
-        --conversations "$EXIT_CONVERSATIONS" --held-out 100 --steps "$EXIT_STEPS" --batch "$EXIT_BATCH" --lr 1e-3 \
-        --minutes-per-layer 5 --init-from adapter --hard-draft "$hard" --hard-weight 8 > "$OUT/exit.log" 2>&1
-    stamp "exit adapter exit $?"
-    [ -d out-E ] && pack out-E exit-adapter
-fi
+wait  # the exit stage
 nvidia-smi --query-gpu=name,memory.used --format=csv >> "$OUT/device.txt"
 stamp done
