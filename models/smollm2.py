@@ -125,6 +125,13 @@ FEATURE_GPU_SELF = {**FEATURE_GPU_MORE, "epochs": 2472 / GPU_SELF_PASS}
 FEATURE_STREAMS_SELF = {"streams": 2, "stream_vocab": 4096, "stream_width": 576, "depths": 2, "batches": 1200,
                         "lr": 1e-3, "tokens_per_batch": 8192, "max_len": 1024, "eval_records": 64,
                         "continue_streams": True}
+# A sixteenth on a GPU (results/stage16-gpu.json, results/scripts/self_data_gpu.sh with QUERY_MINUTES=0): the same
+# files with the self-written answers whole (SELF_PROMPTS: the 5,210 the fifteenth did not read included), 2,889
+# batches at lr 3e-4 (4.3 minutes on one H100), then the stream heads continued on it (FEATURE_STREAMS_SELF, 1.2
+# minutes). In-run held-out 3.127 -> 3.165 tokens per step; in the runtime within noise of the fifteenth (+0.015 /
+# +0.017 tokens per step held-out / on the benchmark's prompts, one paired standard error 0.029 / 0.021).
+GPU_ALL_SELF_PASS = 866  # batches in one pass over GPU_SELF_FILES' training records, the self-written ones all
+FEATURE_GPU_SELF_ALL = {**FEATURE_GPU_MORE, "epochs": 2889 / GPU_ALL_SELF_PASS}
 # The exit adapter, first trained on the broad answers alone, continued on 800 conversations of each of the broad,
 # everyday and code answers (a teacher pass of 2,400, 20 minutes here, then 7 minutes of steps): held-out top-1 /
 # top-4 coverage of the target's token went from 68% / 85% to 73% / 89% on broad, 59% / 76% to 75% / 89% on
@@ -140,6 +147,13 @@ EXIT_MIXED = {"conversations": 800, "rank": 512, "steps": 2400, "batch": 256, "l
 EXIT_HARD = {"conversations": 400, "skip": 800, "held_out": 100, "steps": 2400, "batch": 256, "lr": 1e-3,
              "minutes_per_layer": 60, "hard_weight": 3.0}
 EXIT_HARD_MORE = {**EXIT_HARD, "hard_weight": 8.0}
+# Then, on the GPU beside the sixteenth draft stage (results/stage16-gpu.json), continued on 300 conversations of
+# each of the six answers files past the first 1,200 (the ones the stages before read), the misses of the
+# fifteenth-stage draft drawn up to 9x as often, 4,000 steps of 1,024 positions (26 s there; the time cap did not
+# bind). Held-out top-4 at the draft's misses rose in every file (+1.1 to +5.8 points); the runtime's rejected-step
+# branch hits moved within noise (0.654 -> 0.656 held-out, 0.601 -> 0.625 on the benchmark's prompts).
+EXIT_GPU = {"conversations": 300, "skip": 1200, "held_out": 60, "steps": 4000, "batch": 1024, "lr": 1e-3,
+            "minutes_per_layer": 600, "hard_weight": 8.0}
 # Stream heads on the committed feature draft, the draft itself frozen and the heads saved into its directory
 # (models/train_stream_heads.py; their summary in its streams.json): 2 streams over the 4,096 most frequent rows of
 # its head, each a 576-wide MLP fed the token before it, trained on the draft's hidden states at its first two
@@ -263,6 +277,14 @@ def retrain_feature_draft(report=print) -> None:
                             report=report, init_from=FEATURE_WEIGHTS, prompt_ranges=self_ranges, **FEATURE_GPU_SELF)
     train_stream_heads.run(TARGET_DIR, FEATURE_WEIGHTS, GPU_SELF_FILES, BUILD / "feature-draft-streams-self",
                            FEATURE_WEIGHTS, prompt_ranges=self_ranges, report=report, **FEATURE_STREAMS_SELF)
+    stage15 = BUILD / "feature-draft-stage15"  # the exit adapter's last stage weighs this draft's misses
+    shutil.rmtree(stage15, ignore_errors=True)
+    shutil.copytree(FEATURE_WEIGHTS, stage15)
+    (gpu_self_work / "checkpoint.pt").unlink(missing_ok=True)
+    train_feature_draft.run(TARGET_DIR, GPU_SELF_FILES, gpu_self_work, FEATURE_WEIGHTS, max_minutes=None,
+                            report=report, init_from=FEATURE_WEIGHTS, **FEATURE_GPU_SELF_ALL)
+    train_stream_heads.run(TARGET_DIR, FEATURE_WEIGHTS, GPU_SELF_FILES, BUILD / "feature-draft-streams-self-all",
+                           FEATURE_WEIGHTS, report=report, **FEATURE_STREAMS_SELF)
     # the bundles' exit head at EXIT_LAYER, from the same answers: first on the broad pool's, then continued on the
     # broad, everyday and code answers together (EXIT_MIXED), then on all five files where the draft misses
     # (EXIT_HARD, EXIT_HARD_MORE: one teacher pass)
@@ -281,6 +303,9 @@ def retrain_feature_draft(report=print) -> None:
                          init_from=adapter, hard_draft=FEATURE_WEIGHTS, report=report,
                          teacher_cache=BUILD / "exit-adapters-hard-teacher", **stage)  # both stages: one pass
         adapter = out / f"layer-{EXIT_LAYER}"
+    train_exit.train(TARGET_DIR, GPU_SELF_FILES, BUILD / "exit-adapters-gpu", [EXIT_LAYER], init_from=adapter,
+                     hard_draft=stage15, report=report, **EXIT_GPU)
+    adapter = BUILD / "exit-adapters-gpu" / f"layer-{EXIT_LAYER}"
     shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
     shutil.copytree(adapter, ADAPTER_WEIGHTS)
     shutil.copy(adapter.parent / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
