@@ -961,8 +961,8 @@ def test_gpu_training_modules_import_without_export_or_runtime_packages():
     import sys
 
     modules = ["mirror_sd.models.train_exit", "mirror_sd.models.train_feature_draft",
-               "mirror_sd.models.train_stream_heads", "mirror_sd.models.self_queries", "mirror_sd.models.gguf", "mirror_sd.export.segments",
-               "mirror_sd.models.exit_adapter", "mirror_sd.models.feature_draft"]
+               "mirror_sd.models.train_stream_heads", "mirror_sd.models.self_queries", "mirror_sd.models.gguf",
+               "mirror_sd.export.segments", "mirror_sd.models.exit_adapter", "mirror_sd.models.feature_draft"]
     code = ("import sys\nfor m in ('optimum', 'onnxruntime', 'openvino'):\n    sys.modules[m] = None\n"
             + "".join(f"import {m}\n" for m in modules))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
