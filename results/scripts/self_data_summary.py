@@ -1,5 +1,5 @@
-"""Builds results/self-data-gpu.json from the GPU run's logs (results/self-data-gpu/), the committed draft's
-training.json and streams.json, and the runtime evaluations before (at BEFORE) and after (in the tree).
+"""Builds results/self-data-gpu.json from the GPU run's logs (results/self-data-gpu/), the fifteenth-stage draft's
+training.json and streams.json and its runtime evaluations (at STAGE15), and the evaluations before (at BEFORE).
 
     python results/scripts/self_data_summary.py
 """
@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 BEFORE = "5ec1c5b"  # the last commit with the fourteenth-stage draft's evaluations
+STAGE15 = "7da2f28"  # the last commit with the fifteenth-stage draft (the sixteenth replaced it)
 RUN = Path("results/self-data-gpu")
 DRAFT = Path("models/weights/smollm2-feature-draft")
 EVALS = {"held_out": "results/smollm2-feature-streams-eval.json",
@@ -43,24 +44,30 @@ def runtime(data: dict) -> dict:
     return out
 
 
+def device_fields(device: str, check_note: str) -> dict:
+    """The machine and the target's digest from a run's device.txt (nvidia-smi -L, versions, the digest line)."""
+    lines = device.splitlines()
+    return {"device": lines[0].split(" (UUID")[0] + "; " + lines[1]
+                      + "; lent for 15 minutes of device time; evaluation on the 2-core CPU machine",
+            "target_check": re.search(r"sha256 (\w+)", device).group(1)[:8] + "... (the state-dict digest of the "
+                            "dequantised GGUF: the same as on the CPU machine" + check_note + ")"}
+
+
 def main() -> None:
-    training = json.loads((DRAFT / "training.json").read_text())
-    streams = json.loads((DRAFT / "streams.json").read_text())
+    training, streams = (json.loads(subprocess.check_output(["git", "show", f"{STAGE15}:{DRAFT}/{name}"]))
+                         for name in ("training.json", "streams.json"))
     device = (RUN / "run-device.txt").read_text()
     first, second = last_json(RUN / "run-self.log"), last_json(RUN / "run-self2.log")
     evals = {}
     for name, path in EVALS.items():
         before = json.loads(subprocess.check_output(["git", "show", f"{BEFORE}:{path}"]))
-        after = json.loads(Path(path).read_text())
+        after = json.loads(subprocess.check_output(["git", "show", f"{STAGE15}:{path}"]))
         evals[name] = {"before": runtime(before), "after": runtime(after)}
     out = {
         "question": "does the feature draft gain from prompts the target writes itself (Magpie), generated and "
                     "trained on a GPU in one call?",
         "date": "2026-11-27",
-        "device": device.splitlines()[0].split(" (UUID")[0] + "; " + device.splitlines()[1]
-                  + "; lent for 15 minutes of device time; evaluation on the 2-core CPU machine",
-        "target_check": re.search(r"sha256 (\w+)", device).group(1)[:8] + "... (the state-dict digest of the "
-                        "dequantised GGUF: the same as on the CPU machine)",
+        **device_fields(device, ""),
         "self_written_prompts": {
             "how": "models/self_queries.py: the target's chat template up to the start of a user turn, sampled at "
                    "temperature 1.0, top-p 0.95 (turns that did not end within 96 tokens, repeats, and the "

@@ -6,12 +6,11 @@ and the runtime evaluations before (at BEFORE) and after (in the tree).
 """
 
 import json
-import re
 import statistics
 import subprocess
 from pathlib import Path
 
-from self_data_summary import runtime
+from self_data_summary import device_fields, runtime
 
 BEFORE = "b222475"  # the last commit with the fifteenth-stage draft and adapter's models.evaluate files
 RUN = Path("results/stage16-gpu")
@@ -70,10 +69,7 @@ def main() -> None:
                     "the exit adapter continued at GPU scale on every answers file beside it: do the draft and the "
                     "rejected-step branch hits move?",
         "date": "2026-11-27",
-        "device": device.splitlines()[0].split(" (UUID")[0] + "; " + device.splitlines()[1]
-                  + "; lent for 15 minutes of device time; evaluation on the 2-core CPU machine",
-        "target_check": re.search(r"sha256 (\w+)", device).group(1)[:8] + "... (the state-dict digest of the "
-                        "dequantised GGUF: the same as on the CPU machine, on both GPU machines)",
+        **device_fields(device, ", on both GPU machines"),
         "draft_stage": {
             "from": "the fifteenth stage", "lr": training["lr"], "batches": training["train"]["batches"],
             "gpu_minutes": training["train"]["minutes"], "records": training["records"],
