@@ -30,11 +30,11 @@ CALLS = [("carry the payload's first 62 MiB (the machine's start counted here)",
           "imports without it)", 221.5, 837.7)]
 
 
-def paired(before: Path | dict, after: Path) -> dict:
-    """Per-prompt change of sd's full-window tokens per step: mean, its standard error, prompts up / down."""
-    rb = before["rows"] if isinstance(before, dict) else json.loads(before.read_text())["rows"]
-    ra = json.loads(after.read_text())["rows"]
-    d = [a["sd"]["mean_accepted_tokens"] - b["sd"]["mean_accepted_tokens"] for b, a in zip(rb, ra)]
+def paired(before: dict, after: dict) -> dict:
+    """Per-prompt change of sd's full-window tokens per step between two models.evaluate results of the same prompts:
+    mean, its standard error, prompts up / down."""
+    d = [a["sd"]["mean_accepted_tokens"] - b["sd"]["mean_accepted_tokens"]
+         for b, a in zip(before["rows"], after["rows"], strict=True)]
     return {"mean": round(statistics.mean(d), 3), "standard_error": round(statistics.stdev(d) / len(d) ** 0.5, 3),
             "prompts_up": sum(x > 0 for x in d), "prompts_down": sum(x < 0 for x in d)}
 
@@ -60,9 +60,9 @@ def main() -> None:
     evals = {}
     for name, (path, old_adapter) in EVALS.items():
         before = json.loads(subprocess.check_output(["git", "show", f"{BEFORE}:{path}"]))
+        after = json.loads(Path(path).read_text())
         evals[name] = {"before": runtime(before), "new_draft_old_adapter": runtime(json.loads(old_adapter.read_text())),
-                       "after": runtime(json.loads(Path(path).read_text())),
-                       "sd_tokens_per_step_change_per_prompt": paired(before, Path(path))}
+                       "after": runtime(after), "sd_tokens_per_step_change_per_prompt": paired(before, after)}
     keep = ("tokens_per_step", "acceptance", "walked_tokens_per_step")
     out = {
         "question": "the fifteenth stage's recipe again with the 5,210 self-written records no draft had read, and "
