@@ -208,6 +208,14 @@ def _profile(g: dict[str, Any], timeline: dict[str, Any] | None) -> list[str]:
                   f"ar commits 1 at {ar['step_s'] * 1e3:.1f} ms. At this acceptance, mirror would need a step of at "
                   f"most {mi['tokens_per_step'] * ar['step_s'] / 2 * 1e3:.1f} ms to reach 2x ar; "
                   f"the main thread waits {mi['draft_wait_s'] * 1e3:.1f} ms a step for the draft.", ""]
+        kinds = mi.get("step_kinds")
+        if kinds and kinds["decode_steps"]:
+            share = {k: f"{100 * v / kinds['decode_steps']:.0f}%" for k, v in kinds.items()}
+            lines += [f"Of mirror's {kinds['decode_steps']} decode steps, {share['with_branch_set']} verified a draft "
+                      f"window with a branch set under the suffix, {share['without_branch_set']} a draft window "
+                      f"without one (the branch gate measured that faster: runtime/gate.py), "
+                      f"{share['copied_window']} a window copied from the text, and {share['target_alone']} ran on "
+                      "the target alone.", ""]
     if timeline:
         rows = [[phase, str(v["count"]), _ms(v["median_s"]), _ms(v["total_s"])]
                 for phase, v in sorted(timeline["phases"].items())]
@@ -230,8 +238,9 @@ def _ablations(g: dict[str, Any]) -> list[str]:
              "budget 0 (overlap only, every window a serial rollout); no-streaming: one draft token per forward; "
              "logit-lens: the untrained exit head at the same layer (a bundle exported for it); no-overlap: the "
              "same schedule served serially; no-confidence: draft confidence threshold 0 (every window runs to "
-             "gamma; the plan's threshold otherwise); no-gate: every step speculates (otherwise the speculation gate "
-             "gives a step to the target alone where that has been measured faster: runtime/gate.py); no-lookup: every "
+             "gamma; the plan's threshold otherwise); no-gate: every step speculates, with a branch set (otherwise the "
+             "speculation gate gives a step to the target alone, and the branch gate a step to no branch set, where "
+             "that has been measured faster: runtime/gate.py); no-lookup: every "
              "window from the draft (otherwise a window is copied from the text where its last tokens occurred "
              "before: runtime/prompt_lookup.py).", ""]
     lines += _table(["method", "tokens/s", "x ar", "mean accepted", "branch hit", "draft hidden",

@@ -38,7 +38,8 @@ ABLATIONS = {  # mirror with one mechanism off; the logit lens one also needs an
     "logit-lens": {},  # the untrained early-exit head at the same exit layer
     "no-overlap": dict(overlap=False),  # the same schedule, served serially on the main thread
     "no-confidence": dict(draft_confidence_threshold=0.0),  # every window runs to gamma, however unsure the draft
-    "no-gate": dict(adaptive_speculation=False),  # every step speculates, however much slower than the target alone
+    # every step speculates with a branch set, however much slower than the target alone or a step without one
+    "no-gate": dict(adaptive_speculation=False),
     "no-lookup": dict(prompt_lookup_num_tokens=0),  # every window from the draft, none copied from the text
 }
 WARMUP_PROMPT = ({"role": "user", "content": "Write one sentence about the sea."},)

@@ -97,8 +97,22 @@ def profile(runs: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
                for phase in PROFILE_PHASES}
         row["step_s"] = median(r["total_s"] / r["stats"]["target_steps"] for r in mine)
         row["tokens_per_step"] = median(r["new_tokens"] / r["stats"]["target_steps"] for r in mine)
+        row["step_kinds"] = step_kinds(mine)
         out[method] = row
     return out
+
+
+# What a decode step of mirror did, by the stats that count it (summed over runs); the rest ran on the target alone
+STEP_KINDS = {"copied_window": "lookup_steps", "with_branch_set": "branch_lookups",
+              "without_branch_set": "unbranched_steps"}
+
+
+def step_kinds(runs: list[dict[str, Any]]) -> dict[str, int]:
+    """Decode steps (target steps after the prefill) summed over runs, how many verified a window of each kind of
+    STEP_KINDS (mirror's: sd's steps have no branch sets), and how many ran on the target alone (the rest)."""
+    kinds = {name: sum(r["stats"].get(key, 0) for r in runs) for name, key in STEP_KINDS.items()}
+    total = sum(r["stats"]["target_steps"] - 1 for r in runs)
+    return {"decode_steps": total, **kinds, "target_alone": total - sum(kinds.values())}
 
 
 def trace_profile(trace: list[tuple[str, float, float]]) -> dict[str, Any]:

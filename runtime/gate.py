@@ -28,6 +28,14 @@ of the last two or three tokens is nearly always there, its continuation mostly 
 (`GateState.prefers_alone`), the draft does not read the prompt: beside the first steps its reading slowed them 2-3x.
 (What is left there, where the draft is rarely accepted: the gates' tries, each a wide step at that length;
 results/README.md.)
+In mirror a third gate of this kind (`branch_gate_key`) picks, for each step that verifies a draft window, between
+rolling out a branch set under the suffix and not: where target and draft share cores, the branch set's rollouts
+slow the prefix and suffix they run beside by more than the serial rollout they save, and the step without one is
+sd's (two cores, speculating at every step, the benchmark's 24 prompts twice: a mirror step 59.8 ms against sd's
+52.6 ms at the same 1.80 tokens per step; with the gate mirror ran 1.06 +- 0.02x as fast as with a branch set at
+every draft step, and 1.03 +- 0.02x sd; results/branch-gate.json). Where the draft has a device of its own, branch sets
+are the faster kind and the gate keeps them. A step's branch set pays off in the next step's window (ready, or a
+fresh rollout after a miss), so the scheduler times each choice as the step plus the fetching of the next window.
 Output never depends on it: both kinds of step commit the target's own greedy tokens. Greedy only: when sampling,
 the two kinds of step make their tokens from different random draws, and a choice made by the clock would make a
 seeded generation vary from run to run.
@@ -54,6 +62,13 @@ def copy_gate_key(key: tuple[str, int]) -> tuple[str, int]:
     take instead."""
     mode, bucket = key
     return f"{mode} copy", bucket
+
+
+def branch_gate_key(key: tuple[str, int]) -> tuple[str, int]:
+    """The memory key of mirror's branch gate beside the speculation gate kept under `key` (mode, bucket): between a
+    step that rolls out a branch set under its suffix and one that does not."""
+    mode, bucket = key
+    return f"{mode} branches", bucket
 
 
 @dataclass

@@ -37,7 +37,7 @@ import numpy as np
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import DrafterBase, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
-from mirror_sd.runtime.gate import GateState, SpeculationGate, context_bucket, copy_gate_key
+from mirror_sd.runtime.gate import GateState, SpeculationGate, branch_gate_key, context_bucket, copy_gate_key
 from mirror_sd.runtime.messages import (
     Branches,
     BranchSet,
@@ -259,19 +259,22 @@ class _Decoder:
             self.counts.draft_timeouts += 1
         return answer
 
-    def speculative_step(self, ctx: list[int], window: DraftWindow, copied: bool = False
+    def speculative_step(self, ctx: list[int], window: DraftWindow, copied: bool = False, branches: bool = True
                          ) -> tuple[tuple[int, ...], DraftWindow | None]:
         """Verify `window` (continuing ctx); returns the committed tokens and, in mirror mode, the next window
         when a branch for the outcome was ready. copied: a prompt-lookup window, counted apart and verified without
         a branch set: text that repeats itself mostly goes on repeating (the next step copies again), and on two
         cores a branch set's rollouts slow the suffix they hide under (measured on the summarisation prompts: mirror
-        1.47x ar with branches on copied windows, 1.77x without)."""
+        1.47x ar with branches on copied windows, 1.77x without). branches False: a mirror step without a branch set
+        either (the branch gate measured that faster: runtime/gate.py), sd's step."""
         w = window.tokens
         # 1. prefix on the verification window [pending] + w
         boundary = self._prefix([ctx[-1], *w], lambda: (*ctx, *w))
         # 2. mirror: the early-exit candidates go to the draft thread at once
         ticket, plan = None, ()
-        if self.cfg.mode == "mirror" and not copied and self.worker.responsive:
+        if self.cfg.mode == "mirror" and not copied and not branches:
+            self.counts.unbranched_steps += 1
+        elif self.cfg.mode == "mirror" and not copied and self.worker.responsive:
             k = self.cfg.kappa
             with self.rec.phase("prefix"):  # the exit head is part of the prefix phase (before the rendezvous)
                 topk_ids, topk_logprobs = self.target.exit_candidates(boundary, k)
@@ -395,12 +398,26 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # mostly is not the text's (measured at 4,096 tokens of documentation: 11-15 copied windows in a 32-token
     # generation, 1.1 tokens per step, each step 1.5x a step of the target alone: sd at 0.7x ar).
     copy_gate: SpeculationGate | None = None
+    # Mirror: a third gate picks, for each step verifying a draft window, between a branch set under the suffix and
+    # none. A branch set pays off in the next window, so a choice is timed as its step plus the fetching of the next
+    # window (nothing when a branch had it ready, a fresh rollout otherwise), and recorded once that is known.
+    branch_gate: SpeculationGate | None = None
+    branch_pending: tuple[bool, int, float] | None = None  # (branch set or not, tokens, seconds) of the last such step
 
     def remember() -> None:
         if gate_memory is not None:
             gate_memory[gate_key] = gate.state()
-            if copy_gate is not None:
-                gate_memory[copy_gate_key(gate_key)] = copy_gate.state()
+            for key, g in ((copy_gate_key(gate_key), copy_gate), (branch_gate_key(gate_key), branch_gate)):
+                if g is not None:
+                    gate_memory[key] = g.state()
+
+    def settle_branch_choice(fetch_s: float) -> None:
+        """Record the last branch choice with the seconds the next window took to fetch (0: no draft window)."""
+        nonlocal branch_pending
+        if branch_pending is not None:
+            with_branches, tokens, seconds = branch_pending
+            branch_gate.record(with_branches, tokens, seconds + fetch_s)
+            branch_pending = None
 
     # With the gate, steps run on the target alone until the draft has read the prompt, rather than waiting for it
     # (a feature draft reads a 2,048-token prompt's taps after the prefill: 0.25 s, a dozen target steps).
@@ -422,6 +439,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             gate = SpeculationGate.resumed(_recalled(gate_memory, gate_key))
             if lookups:
                 copy_gate = SpeculationGate.resumed(_recalled(gate_memory, copy_gate_key(gate_key)))
+            if cfg.mode == "mirror":
+                branch_pending = None  # a choice made at the last length is not charged to this one
+                branch_gate = SpeculationGate.resumed(_recalled(gate_memory, branch_gate_key(gate_key)))
         copied = (lookup(ctx, cfg.max_matching_ngram_size, min(cfg.prompt_lookup_num_tokens, remaining - 1))
                   if lookups else ())
         copy_choice = bool(copied) and copy_gate is not None and draft_ready  # a choice the copy gate makes and times
@@ -429,6 +449,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             rec.counts.declined_copies += 1
             copied = ()
         if copied:  # the text repeats itself: a window that costs no draft forward (and is not the first gate's)
+            settle_branch_choice(0.0)
             started = time.perf_counter()
             new, window = dec.speculative_step(ctx, DraftWindow(len(ctx), copied, None, 0), copied=True)
             if copy_choice:
@@ -443,11 +464,16 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             if cfg.mode != "ar" and gamma > 0 and window is None and not gated:
                 window = dec.fresh_window(ctx, gamma)
             speculative = not (cfg.mode == "ar" or gamma == 0 or window is None)
+            fetched = time.perf_counter()
+            settle_branch_choice(fetched - started - dec.catch_up_s if speculative else 0.0)
             if not speculative:
                 new, window = dec.target_step(ctx), None
             else:
                 assert window.context_len == len(ctx), "a window must continue the committed tokens"
-                new, window = dec.speculative_step(ctx, window.head(gamma))
+                with_branches = branch_gate is None or branch_gate.speculate()
+                new, window = dec.speculative_step(ctx, window.head(gamma), branches=with_branches)
+                if branch_gate is not None:
+                    branch_pending = (with_branches, len(new), time.perf_counter() - fetched)
             took = time.perf_counter() - started - (dec.catch_up_s if speculative else 0.0)
             if gate is not None and gamma > 0 and draft_ready:  # a step beside the draft's reading shares its cores
                 gate.record(speculative, len(new), took)

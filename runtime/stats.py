@@ -43,6 +43,7 @@ class Counts:
     lookup_proposed: int = 0  # its tokens (in proposed too)
     lookup_accepted: int = 0  # ... and those accepted (in accepted too)
     declined_copies: int = 0  # steps that had a window to copy and ran otherwise: measured slower (runtime/gate.py)
+    unbranched_steps: int = 0  # mirror steps verifying a draft window without a branch set: measured faster (gate.py)
     draft_timeouts: int = 0  # draft answers that did not come within the timeout
 
 
@@ -121,6 +122,7 @@ class Recorder:
             draft_context_steps=c.draft_context_steps, gated_steps=c.gated_steps, draft_timeouts=c.draft_timeouts,
             lookup_steps=c.lookup_steps, lookup_proposed_tokens=c.lookup_proposed,
             lookup_accepted_tokens=c.lookup_accepted, declined_copies=c.declined_copies,
+            unbranched_steps=c.unbranched_steps,
             draft_wait_s=self.seconds["wait"], target_device=target_device, draft_device=draft_device,
             draft_engine=dict(draft_engine), trace=self._timeline(draft) if self._trace is not None else None)
 
@@ -168,6 +170,7 @@ class GenerationStats(Mapping):
     lookup_proposed_tokens: int  # their tokens (counted in proposed_tokens too)
     lookup_accepted_tokens: int  # ... accepted (counted in accepted_tokens too)
     declined_copies: int  # steps that had a window to copy and did not copy it: measured slower (the copy gate)
+    unbranched_steps: int  # mirror steps that verified a draft window with no branch set: measured faster (gate.py)
     draft_wait_s: float
     target_device: str
     draft_device: str

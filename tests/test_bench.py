@@ -90,6 +90,14 @@ def test_quick_pipeline_writes_measured_results(bench_run):
     cached = [p.parent.name for p in (root / "cache").glob("exit2-logit_lens-*/manifest.json")]
     assert len(cached) == 1 and cached[0].startswith("exit2-logit_lens-streaming-llama-"), cached
 
+    # what mirror's decode steps did, summed from the runs' stats, and said in the report
+    kinds = greedy["profile"]["mirror"]["step_kinds"]
+    mirror_runs = [r for r in greedy["runs"] if r["method"] == "mirror"]
+    assert kinds["decode_steps"] == sum(r["stats"]["target_steps"] - 1 for r in mirror_runs)
+    assert kinds["with_branch_set"] == sum(r["stats"]["branch_lookups"] for r in mirror_runs)
+    assert kinds["without_branch_set"] == sum(r["stats"]["unbranched_steps"] for r in mirror_runs)
+    assert min(kinds.values()) >= 0 and f"Of mirror's {kinds['decode_steps']} decode steps" in report
+
     timeline = doc["timeline"]
     assert timeline["trace"] and {p for p, _, _ in timeline["trace"]} <= set(TRACE_PHASES)
     assert doc["machine"]["cores"] and doc["machine"]["versions"]["onnxruntime-gpu" if "onnxruntime-gpu" in

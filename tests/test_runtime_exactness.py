@@ -234,6 +234,39 @@ def test_a_copy_gate_that_measured_copies_slower_declines_them(pipelines, mode):
     assert off.stats["declined_copies"] == 0 and off.stats["lookup_steps"] >= 1  # no gate: every copy is taken
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_branch_gate_that_measured_branch_sets_slower_runs_mirror_steps_without_them(pipelines, overlap):
+    """Mirror's branch gate: where steps without a branch set were measured faster, mirror verifies its draft windows
+    as sd does (no exit candidates, no branch set; the next window a fresh rollout), until the next try; where branch
+    sets were faster, every draft step has one. Output stays the target's either way, and the gate's memory is kept
+    beside the speculation gate's."""
+    pipe = pipelines("llama")
+    prompt = PROMPTS[1]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    options = dict(mode="mirror", max_new_tokens=NEW_TOKENS, overlap=overlap, prompt_lookup_num_tokens=0)
+    branches_faster = GateState(speculative=(1.0, 0.001, 5), alone=(1.0, 1.0, 5), explore_every=64,
+                                since_explore=0)
+    for branch_memory, without in ((_alone_faster(since=100), True), (branches_faster, False)):
+        pipe._gate_memory.clear()
+        pipe._gate_memory["mirror", 0] = branches_faster  # the speculation gate: speculating is faster
+        pipe._gate_memory["mirror branches", 0] = branch_memory
+        out = pipe.generate(prompt, **options)
+        assert out.token_ids == ar.token_ids, (branch_memory, overlap)
+        s = out.stats
+        drafted = s["branch_lookups"] + s["unbranched_steps"]
+        assert drafted >= 2 and s["fallbacks"] == 0
+        if without:  # every draft window verified without a branch set, each fetched by a fresh rollout
+            assert s["branch_lookups"] == 0 and s["fresh_rollouts"] == s["unbranched_steps"]
+        else:
+            assert s["unbranched_steps"] == 0
+        assert set(pipe._gate_memory) >= {("mirror", 0), ("mirror branches", 0)}
+    always = pipe.generate(prompt, **options, adaptive_speculation=False)
+    assert always.token_ids == ar.token_ids and always.stats["unbranched_steps"] == 0
+    pipe._gate_memory.clear()
+    sd = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, overlap=overlap)
+    assert sd.stats["unbranched_steps"] == 0 and not any("branches" in kind for kind, _ in pipe._gate_memory)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_draft_reads_no_prompt_where_the_gate_learned_the_target_alone_is_faster(pipelines, arch):
     """Where the gate's memory for the prompt's length prefers the target alone, the draft does not read the prompt
