@@ -248,12 +248,13 @@ def test_gate_keeps_trying_across_generations_shorter_than_its_interval():
 
 
 def test_gate_state_says_which_kind_was_faster():
-    from mirror_sd.runtime.gate import GateState, copy_gate_key
+    from mirror_sd.runtime.gate import GateState, branch_gate_key, copy_gate_key
 
     assert GateState((2.0, 0.06, 3), (1.0, 0.025, 3), 8).prefers_alone()  # speculating 33 tokens/s, alone 40
     assert not GateState((2.0, 0.04, 3), (1.0, 0.025, 3), 8).prefers_alone()  # 50 against 40
     assert not GateState((2.0, 0.06, 3), (0.0, 0.0, 0), 8).prefers_alone()  # the target alone not measured yet
     assert copy_gate_key(("mirror", 3)) == ("mirror copy", 3)
+    assert branch_gate_key(("mirror", 3)) == ("mirror branches", 3)
 
 
 def test_a_gate_on_a_bucket_not_seen_yet_starts_from_the_nearest_shorter_ones_memory():

@@ -6,6 +6,7 @@ and both speculating at every step, against ar, in one process, prompts in a rot
 python results/scripts/branch_gate_ab.py PER_KIND ROUNDS OUT
 """
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -72,7 +73,7 @@ def main(per_kind: int, rounds: int, out: str) -> None:
             "identical_to_ar": all(r["token_ids"] == ar[r["prompt"]]["token_ids"] for r in mine)}
     doc = {"what": __doc__.split("\n\n")[0], "created": time.strftime("%Y-%m-%d %H:%M:%S"),
            "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "machine": f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores", "bundle": BUNDLE,
+           "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores", "bundle": BUNDLE,
            "prompts": len(prompts), "rounds": rounds, "new_tokens": NEW, "arms": arms,
            "per_prompt": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]}
     with open(out, "w") as f:
