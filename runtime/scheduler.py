@@ -274,6 +274,9 @@ class _Decoder:
         ticket, plan = None, ()
         if self.cfg.mode == "mirror" and not copied and not branches:
             self.counts.unbranched_steps += 1
+            # the draft wrote this window from ctx (a fresh rollout, or a branch's row after a hit, whose slots move
+            # into its lane): the next fresh rollout has only this step's tokens to read, no catch-up
+            self.draft_seen = len(ctx)
         elif self.cfg.mode == "mirror" and not copied and self.worker.responsive:
             k = self.cfg.kappa
             with self.rec.phase("prefix"):  # the exit head is part of the prefix phase (before the rendezvous)
