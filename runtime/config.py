@@ -38,7 +38,8 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()  # strings that end the text (a single string is taken as one)
     gamma: int = 4  # draft window length
     kappa: int | None = None  # early-exit candidates per position (None: the bundle's top_k, also the maximum)
-    branch_budget: int | None = None  # branches per mirror step (None: adapts while the draft stays hidden)
+    # branches per mirror step (None: adapts while the draft stays hidden; 0: none, every draft step is sd's)
+    branch_budget: int | None = None
     overlap: bool = True  # False: the draft runs on the main thread, the same schedule serially
     draft_timeout_s: float = 10.0  # a draft answer later than this makes the step run on the target alone
     draft_streaming: str = "trust"  # STREAMING_MODES (or a bool)

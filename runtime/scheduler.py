@@ -405,6 +405,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # none. A branch set pays off in the next window, so a choice is timed as its step plus the fetching of the next
     # window (nothing when a branch had it ready, a fresh rollout otherwise), and recorded once that is known.
     branch_gate: SpeculationGate | None = None
+    # budget 0 (a plan that measured branch sets slower on this machine, or the caller's choice): no mirror step
+    # rolls one out, sampled ones included, and there is no branch gate; every draft step is sd's step
+    branching = cfg.mode == "mirror" and dec.budget > 0
     branch_pending: tuple[bool, int, float] | None = None  # (branch set or not, tokens, seconds) of the last such step
 
     def remember() -> None:
@@ -442,7 +445,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             gate = SpeculationGate.resumed(_recalled(gate_memory, gate_key))
             if lookups:
                 copy_gate = SpeculationGate.resumed(_recalled(gate_memory, copy_gate_key(gate_key)))
-            if cfg.mode == "mirror":
+            if branching:
                 branch_pending = None  # a choice made at the last length is not charged to this one
                 branch_gate = SpeculationGate.resumed(_recalled(gate_memory, branch_gate_key(gate_key)))
         copied = (lookup(ctx, cfg.max_matching_ngram_size, min(cfg.prompt_lookup_num_tokens, remaining - 1))
@@ -473,7 +476,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
                 new, window = dec.target_step(ctx), None
             else:
                 assert window.context_len == len(ctx), "a window must continue the committed tokens"
-                with_branches = branch_gate is None or branch_gate.speculate()
+                with_branches = branching and (branch_gate is None or branch_gate.speculate())
                 new, window = dec.speculative_step(ctx, window.head(gamma), branches=with_branches)
                 if branch_gate is not None:
                     branch_pending = (with_branches, len(new), time.perf_counter() - fetched)

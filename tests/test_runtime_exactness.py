@@ -243,6 +243,9 @@ def test_a_branch_gate_that_measured_branch_sets_slower_runs_mirror_steps_withou
     pipe = pipelines("llama")
     prompt = PROMPTS[1]
     ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    # a first draft generation: on a cold draft engine, its reading of the prompt can outlast this short generation,
+    # whose steps then all run on the target alone
+    pipe.generate(prompt, mode="mirror", max_new_tokens=NEW_TOKENS)
     options = dict(mode="mirror", max_new_tokens=NEW_TOKENS, overlap=overlap, prompt_lookup_num_tokens=0)
     branches_faster = GateState(speculative=(1.0, 0.001, 5), alone=(1.0, 1.0, 5), explore_every=64,
                                 since_explore=0)
@@ -265,6 +268,30 @@ def test_a_branch_gate_that_measured_branch_sets_slower_runs_mirror_steps_withou
     pipe._gate_memory.clear()
     sd = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, overlap=overlap)
     assert sd.stats["unbranched_steps"] == 0 and not any("branches" in kind for kind, _ in pipe._gate_memory)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_branch_budget_zero_makes_every_mirror_draft_step_sds_step(pipelines, overlap):
+    """Budget 0 (a plan that measured branch sets slower): mirror asks for no exit candidates and no branch set at
+    any step, and has no branch gate; every window is a fresh rollout verified as sd verifies it. Greedy output is
+    the target's, and a sampled one is sd's with the same seed, draw for draw: the schedule is sd's."""
+    pipe = pipelines("llama")
+    prompt = PROMPTS[1]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+    pipe.generate(prompt, mode="mirror", max_new_tokens=NEW_TOKENS)  # warm, as in the test above
+    for adaptive in (True, False):
+        pipe._gate_memory.clear()
+        out = pipe.generate(prompt, mode="mirror", max_new_tokens=NEW_TOKENS, overlap=overlap, branch_budget=0,
+                            prompt_lookup_num_tokens=0, adaptive_speculation=adaptive)
+        assert out.token_ids == ar.token_ids
+        s = out.stats
+        assert s["branch_lookups"] == 0 and s["unbranched_steps"] >= 2 and s["fallbacks"] == 0
+        assert s["fresh_rollouts"] == s["unbranched_steps"]
+        assert not any("branches" in kind for kind, _ in pipe._gate_memory)
+    sampled = dict(max_new_tokens=NEW_TOKENS, overlap=overlap, temperature=1.0, top_p=0.95, seed=7)
+    mirror = pipe.generate(prompt, mode="mirror", branch_budget=0, **sampled)
+    assert mirror.stats["branch_lookups"] == 0 and mirror.stats["unbranched_steps"] >= 2
+    assert mirror.token_ids == pipe.generate(prompt, mode="sd", **sampled).token_ids
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
