@@ -55,7 +55,8 @@ def render(doc: dict[str, Any]) -> str:
                              groups["sampled"])
     lines += _threads(doc)
     if "greedy" in groups:
-        lines += _profile(groups["greedy"], doc.get("timeline"))
+        lines += _profile(groups["greedy"], doc.get("timeline"),
+                          doc.get("threads", {}).get("sd_mirror", {}).get("branch_budget"))
     if "ablations" in groups:
         lines += _ablations(groups["ablations"])
     if "gamma sweep" in groups:
@@ -94,7 +95,8 @@ def _machine(doc: dict[str, Any]) -> list[str]:
         f"{size['max_new_tokens']} new tokens at most (EOS ends earlier); every method runs every prompt once, "
         "in an order that rotates from prompt to prompt, after one warm-up generation each",
         f"- threads: mirror {sm.get('target')} target + {sm.get('draft')} draft ({sm.get('from')}"
-        f"{'; draft on ' + sm['draft_runtime'] if 'draft_runtime' in sm else ''}); sd "
+        f"{'; draft on ' + sm['draft_runtime'] if 'draft_runtime' in sm else ''}"
+        f"{'; branch budget ' + str(sm['branch_budget']) if sm.get('branch_budget') is not None else ''}); sd "
         f"{_sd_threads(t, sm)}; ar at its "
         f"best of 1 and 2 target threads ({doc.get('ar_threads', {}).get('chosen')}); external baselines were given "
         f"{t.get('baselines')} threads; gamma {t.get('gamma')} for sd, mirror and the speculative baselines",
@@ -191,7 +193,8 @@ def _threads(doc: dict[str, Any]) -> list[str]:
             f"{a['chosen']} thread(s), is the ar every ratio uses.", ""]
 
 
-def _profile(g: dict[str, Any], timeline: dict[str, Any] | None) -> list[str]:
+def _profile(g: dict[str, Any], timeline: dict[str, Any] | None, branch_budget: int | None = None) -> list[str]:
+    """branch_budget: the plan's (0: branch sets off, measured slower at plan time; None: no plan, or adaptive)."""
     lines = ["## Where the time goes", "",
              "Median per target step (ms). prefix + suffix are the target's two graphs; draft is the draft's "
              "forwards (hidden under the suffix when overlapped, so columns need not add up); wait is the main "
@@ -213,7 +216,9 @@ def _profile(g: dict[str, Any], timeline: dict[str, Any] | None) -> list[str]:
             share = {k: f"{100 * v / kinds['decode_steps']:.0f}%" for k, v in kinds.items()}
             lines += [f"Of mirror's {kinds['decode_steps']} decode steps, {share['with_branch_set']} verified a draft "
                       f"window with a branch set under the suffix, {share['without_branch_set']} a draft window "
-                      f"without one (the branch gate measured that faster: runtime/gate.py), "
+                      + ("without one (the plan's branch budget is 0: `mirror-sd plan` measured mirror faster "
+                         "without branch sets on this machine), " if branch_budget == 0 else
+                         "without one (the branch gate measured that faster: runtime/gate.py), ") +
                       f"{share['copied_window']} a window copied from the text, and {share['target_alone']} ran on "
                       "the target alone.", ""]
     if timeline:
@@ -242,7 +247,11 @@ def _ablations(g: dict[str, Any]) -> list[str]:
              "speculation gate gives a step to the target alone, and the branch gate a step to no branch set, where "
              "that has been measured faster: runtime/gate.py); no-lookup: every "
              "window from the draft (otherwise a window is copied from the text where its last tokens occurred "
-             "before: runtime/prompt_lookup.py).", ""]
+             "before: runtime/prompt_lookup.py)."
+             + (" branch-sets: the plan turned branch sets off (branch budget 0: measured slower on this machine, "
+                "every draft step sd's), so this row gives mirror a budget of kappa, as the logit-lens row and the "
+                "sweeps' mirror rows have; no-gate then means every step speculates, without one."
+                if "mirror-branch-sets" in g["summary"] else ""), ""]
     lines += _table(["method", "tokens/s", "x ar", "mean accepted", "branch hit", "draft hidden",
                      "draft tokens/forward"], rows) + [""]
     if g.get("not_run"):

@@ -225,7 +225,8 @@ class Bench:
         self._open_baselines(threads=cores, gamma=self.gamma(main))
         doc["threads"] = {"sd_mirror": {"target": main.target_threads, "draft": main.draft_threads,
                                         "draft_runtime": f"{main.draft.backend} {main.draft.device}",
-                                        "from": "bundle plan.json" if main.defaults else "runtime defaults"},
+                                        "from": "bundle plan.json" if main.defaults else "runtime defaults",
+                                        "branch_budget": main.defaults.branch_budget if main.defaults else None},
                           "baselines": cores, "gamma": self.gamma(main)}
         # the project's pipelines as loaded (runtime/huge_pages.py): the baselines keep their runtimes' own memory
         doc["huge_pages"] = {f"ar@{n}t" if p is not main else "main": (vars(p.huge_pages) if p.huge_pages else None)
@@ -295,7 +296,8 @@ class Bench:
             plan.append(_Group("gamma sweep", 0.0, size.max_new_tokens, sweep_prompts,
                                [ar, *(PipelineMethod(f"{m}@gamma{g}", self.sd_pipe if m == "sd" else main, m,
                                                      gamma=g, adaptive_speculation=False,
-                                                     prompt_lookup_num_tokens=0)
+                                                     prompt_lookup_num_tokens=0,
+                                                     **(self._branch_sets(main) if m == "mirror" else {}))
                                       for g in size.gammas for m in spec)]))
         if "mirror" in names and size.exit_layers:
             plan.append(_Group("exit sweep", 0.0, size.max_new_tokens, sweep_prompts, [ar, *self._exit_layers(main)]))
@@ -320,6 +322,16 @@ class Bench:
         return {} if d is None else dict(gamma=d.gamma, kappa=d.kappa, branch_budget=d.branch_budget,
                                          draft_confidence_threshold=d.draft_confidence_threshold)
 
+    @staticmethod
+    def _branch_sets(main: Pipeline) -> dict[str, Any]:
+        """Where the plan turned branch sets off (budget 0: measured slower on this machine), the runs that show
+        mirror's own mechanism (the sweeps, the branch ablation) give it a budget of kappa, one row of candidates;
+        otherwise nothing: the plan's budget."""
+        d = main.defaults
+        if d is None or d.branch_budget != 0:
+            return {}
+        return dict(branch_budget=d.kappa)
+
     def _ablations(self, main: Pipeline) -> list[Method]:
         out: list[Method] = []
         for name in self.size.ablations:
@@ -329,7 +341,9 @@ class Bench:
                     self.not_run[f"mirror-{name}"] = found.reason
                     continue
                 out.append(PipelineMethod(f"mirror-{name}", self._variant_pipe(found.path, main), "mirror",
-                                          **self._same_defaults(main)))
+                                          **{**self._same_defaults(main), **self._branch_sets(main)}))
+            elif name == "no-branches" and self._branch_sets(main):  # the plan has none: the row gives it some
+                out.append(PipelineMethod("mirror-branch-sets", main, "mirror", **self._branch_sets(main)))
             else:
                 out.append(PipelineMethod(f"mirror-{name}", main, "mirror", **ABLATIONS[name]))
         return out
@@ -344,8 +358,8 @@ class Bench:
                 continue
             out.append(PipelineMethod(name, self._variant_pipe(found.path, main), "mirror",
                                       notes={"exit_layer": layer, "exit_head": found.exit_head},
-                                      **self._same_defaults(main), adaptive_speculation=False,
-                                      prompt_lookup_num_tokens=0))
+                                      **{**self._same_defaults(main), **self._branch_sets(main)},
+                                      adaptive_speculation=False, prompt_lookup_num_tokens=0))
         return out
 
     def _timeline(self, main: Pipeline, greedy: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -255,3 +255,30 @@ def test_attention_cost_measures_every_kernel_at_every_point(tmp_path):
         assert all(row[k] > 0 for k in timed) and row["kv_mb"] > 0
     with pytest.raises(ValueError, match="does not fit"):
         attention_cost.measure((8190,), (5,), 1, 1)
+
+
+def test_a_plan_without_branch_sets_still_shows_them_where_the_bench_measures_mirrors_mechanism(bundle_factory):
+    """Where the bundle's plan turned branch sets off (budget 0: measured slower at plan time), mirror runs without
+    them, and the rows that show mirror's own mechanism (the branch ablation, the gamma sweep's mirror rows) give it
+    a budget of kappa; other ablations keep the plan's."""
+    from mirror_sd.partitions.plan_file import RuntimeDefaults
+
+    bundle = bundle_factory()
+    size = BenchSize("test", per_kind=1, sampled_prompts=0, max_new_tokens=5, probe_prompts=1,
+                     ablations=("no-branches", "no-overlap"), ablation_prompts=1, gammas=(2,), exit_layers=(),
+                     sweep_prompts=1, export=False)
+    bench = Bench(bundle, size, ["ar", "sd", "mirror"], sources=None, progress=False, report=lambda _line: None)
+    main = Pipeline.load(bundle)
+    bench.sd_pipe = main
+    methods = [PipelineMethod("ar", main, "ar"), PipelineMethod("sd", main, "sd"), PipelineMethod("mirror", main,
+                                                                                                  "mirror")]
+    for budget, branch_row in ((0, "mirror-branch-sets"), (2, "mirror-no-branches"), (None, "mirror-no-branches")):
+        main.defaults = RuntimeDefaults(gamma=2, kappa=3, branch_budget=budget, target_threads=1, draft_threads=1)
+        groups = {g.name: {m.name: m for m in g.methods} for g in bench._plan(methods, main)}
+        ablations = groups["ablations"]
+        assert set(ablations) == {"ar", "mirror", branch_row, "mirror-no-overlap"}
+        assert ablations[branch_row].options["branch_budget"] == (3 if budget == 0 else 0)
+        assert "branch_budget" not in ablations["mirror-no-overlap"].options  # the plan's, whatever it is
+        sweep = groups["gamma sweep"]
+        assert sweep["mirror@gamma2"].options.get("branch_budget") == (3 if budget == 0 else None)
+        assert "branch_budget" not in sweep["sd@gamma2"].options
