@@ -79,6 +79,18 @@ def _sd_threads(t: dict[str, Any], sm: dict[str, Any]) -> str:
     return f"{sd['target']} target + {sd['draft']} draft (ar's best target threads: draft and target take turns)"
 
 
+def _baseline_windows(found: dict[str, Any] | None) -> str:
+    """The settings line's end: the speculative baselines' windows (each its fastest on the probe, where probed)."""
+    if not found:
+        return " and the speculative baselines"
+    chosen = ", ".join(f"{name} {w['chosen']}" for name, w in found.items())
+    speeds = "; ".join(f"{name}: " + ", ".join(f"{k} {v:.1f}" if v else f"{k} -" for k, v in w["tokens_per_s"].items())
+                       for name, w in found.items())
+    prompts = len(next(iter(found.values()))["prompts"])
+    return (f"; the speculative OpenVINO GenAI baselines each at its fastest window, timed on {prompts} prompts "
+            f"(one per task kind) before the run: {chosen} (median tokens/s by window: {speeds})")
+
+
 def _machine(doc: dict[str, Any]) -> list[str]:
     m, size, t = doc["machine"], doc["size"], doc.get("threads", {})
     versions = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items())
@@ -99,7 +111,8 @@ def _machine(doc: dict[str, Any]) -> list[str]:
         f"{'; branch budget ' + str(sm['branch_budget']) if sm.get('branch_budget') is not None else ''}); sd "
         f"{_sd_threads(t, sm)}; ar at its "
         f"best of 1 and 2 target threads ({doc.get('ar_threads', {}).get('chosen')}); external baselines were given "
-        f"{t.get('baselines')} threads; gamma {t.get('gamma')} for sd, mirror and the speculative baselines",
+        f"{t.get('baselines')} threads; gamma {t.get('gamma')} for sd and mirror"
+        + _baseline_windows(doc.get("baseline_windows")),
         *_huge_pages_line(doc.get("huge_pages")),
         f"- elapsed: {doc.get('elapsed_s', 0) / 60:.1f} min", "",
     ]

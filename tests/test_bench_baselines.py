@@ -136,6 +136,32 @@ def test_ov_genai_conversion_and_speculative_decoding_equal_ar(tiny, pipe, promp
     assert not list(cache.glob("*.partial"))
 
 
+def test_speculative_genai_baselines_run_at_their_fastest_window(tiny, pipe):
+    """The benchmark times GenAI's speculative decoding and prompt lookup at several windows on one prompt of every
+    task kind before its run, and leaves each at its fastest (as ar at its faster thread count): the comparison is
+    with each method at its best, not at our gamma."""
+    from mirror_sd.bench.runner import BASELINE_WINDOWS, Bench, BenchSize
+
+    bundle, sources, cache = tiny
+    size = BenchSize("test", per_kind=1, sampled_prompts=0, max_new_tokens=6, probe_prompts=1, ablations=(),
+                     ablation_prompts=0, gammas=(), exit_layers=(), sweep_prompts=0, export=False)
+    bench = Bench(bundle, size, ["ov-genai-sd", "ov-genai-pld"], sources=sources, cache=cache, progress=False,
+                  report=lambda _line: None)
+    bench._open_baselines(threads=1, gamma=3)
+    try:
+        assert [m.gamma for m in bench.baselines] == [3, 3] and not bench.not_run
+        found = bench._probe_windows(pipe)
+        assert set(found) == {"ov-genai-sd", "ov-genai-pld"}
+        for m in bench.baselines:
+            speeds = {int(w): v for w, v in found[m.name]["tokens_per_s"].items()}
+            assert set(speeds) == {*BASELINE_WINDOWS, Bench.gamma(pipe)} and all(v > 0 for v in speeds.values())
+            assert m.gamma == found[m.name]["chosen"] == max(speeds, key=speeds.get)
+            assert len(found[m.name]["prompts"]) == 6  # one per task kind
+    finally:
+        for m in bench.baselines:
+            m.close()
+
+
 def test_bad_requests_are_typed_errors(tiny, tmp_path):
     bundle, sources, cache = tiny
     with pytest.raises(BadInputError, match="unknown baseline"):
