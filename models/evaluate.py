@@ -75,7 +75,7 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
              public: str | None = None, bench: bool = False, branch_budget: int | None = None) -> dict:
     """public: a public prompt set (PUBLIC_SETS) instead of our held-out prompts, 8 x n_per_kind of them; bench: the
     benchmark's prompts instead, n_per_kind of each of its kinds. branch_budget: the mirror runs' branches per step
-    (None: the bundle plan's)."""
+    (None: the bundle plan's; where that is 0, kappa for the full-window run)."""
     from mirror_sd import Pipeline
 
     pipe = Pipeline.load(bundle)
@@ -89,6 +89,12 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
     if branch_budget is not None:
         for name in ("mirror", "mirror_planned"):
             runs[name]["branch_budget"] = branch_budget
+    elif pipe.generation_config.branch_budget == 0:
+        # the plan turned branch sets off (measured slower on its machine): the full-window mirror run, which
+        # measures the branch mechanism, gets a budget of kappa, as the benchmark's sweeps do; mirror_planned
+        # keeps the plan's
+        branch_budget = pipe.generation_config.kappa
+        runs["mirror"]["branch_budget"] = branch_budget
     if not pipe.manifest.draft.streams:  # streaming modes change nothing for a one-token-per-forward draft
         runs = {k: v for k, v in runs.items() if k in ("sd", "mirror", "sd_planned", "mirror_planned")}
     elif pipe.manifest.draft.feature_taps:  # a feature draft's streams have no self-check: "verify" drafts as "off"
@@ -145,6 +151,8 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
         "mirror_draft_hidden_fraction": median("mirror", "draft_hidden_fraction"),
         "draft_confidence_threshold_planned": pipe.generation_config.draft_confidence_threshold,
         "mirror_branch_budget": branch_budget if branch_budget is not None else pipe.generation_config.branch_budget,
+        "mirror_planned_branch_budget": runs["mirror_planned"].get("branch_budget",
+                                                                   pipe.generation_config.branch_budget),
         "planned": {n: {"mean_accepted_tokens": mean(n, "mean_accepted_tokens"),
                         "acceptance_rate": mean(n, "acceptance_rate"),
                         "branch_hit_rate": mean(n, "branch_hit_rate"),
