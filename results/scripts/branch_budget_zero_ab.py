@@ -1,16 +1,15 @@
 """Mirror with branch budget 0 (no branch set at any step: what a plan that measured branch sets slower now gives
 it) side by side with mirror at the plan's budget, sd and ar, greedy and sampled, on the feature bundle, in one
-process, prompts in a rotating order (results/branch-budget-zero.json).
+process, prompts in a rotating order (results/branch-budget-zero.json). Run under the plan of the time (budget 4):
+under the re-plan since (budget 0) both mirror arms are the same.
 
 python results/scripts/branch_budget_zero_ab.py PER_KIND ROUNDS OUT
 """
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
+
+from ab_rotation import write_results
 
 from mirror_sd.bench.prompts import select
 from mirror_sd.runtime.pipeline import Pipeline
@@ -70,14 +69,9 @@ def main(per_kind: int, rounds: int, out: str) -> None:
             q = [by["mirror, budget 0", p] / by[other, p] for (a, p) in by if a == "mirror, budget 0"]
             arms[f"mirror, budget 0 over {other} ({s}), paired"] = {
                 "mean": statistics.mean(q), "sem": statistics.stdev(q) / len(q) ** 0.5, "median": statistics.median(q)}
-    doc = {"what": __doc__.split("\n\n")[0], "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores", "bundle": BUNDLE,
-           "plan_branch_budget": pipe.defaults.branch_budget if pipe.defaults else None,
-           "prompts": len(prompts), "rounds": rounds, "new_tokens": NEW, "seed": SEED, "arms": arms,
-           "per_prompt": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]}
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_results(out, __doc__.split("\n\n")[0], BUNDLE, rows, arms,
+                  plan_branch_budget=pipe.defaults.branch_budget if pipe.defaults else None, prompts=len(prompts),
+                  rounds=rounds, new_tokens=NEW, seed=SEED)
     for name, a in arms.items():
         print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in a.items()})
 

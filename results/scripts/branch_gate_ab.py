@@ -1,17 +1,15 @@
 """Mirror's branch gate (runtime/gate.py branch_gate_key) side by side on the feature bundle: mirror as it runs now,
 mirror with every draft step given a branch set (the speculation gate still on: mirror before the branch gate), sd,
 and both speculating at every step, against ar, in one process, prompts in a rotating order
-(results/branch-gate.json).
+(results/branch-gate.json). Run under the plan of the time (branch budget 4): under a plan with budget 0
+(the committed one since) no mirror arm rolls out a branch set.
 
 python results/scripts/branch_gate_ab.py PER_KIND ROUNDS OUT
 """
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
+
+from ab_rotation import rotating_runs, write_results
 
 from mirror_sd.bench.prompts import select
 from mirror_sd.runtime.gate import GateState
@@ -35,26 +33,13 @@ def main(per_kind: int, rounds: int, out: str) -> None:
     memory["mirror, every draft step with a branch set"].update({("mirror branches", b): ALWAYS_BRANCHES
                                                                  for b in range(8)})
 
-    def run(name, prompt, n):
+    def run(name, _index, prompt, n):
         pipe._gate_memory = memory[name]
         return pipe.generate(list(prompt.messages), max_new_tokens=n, temperature=0.0, **ARMS[name])
 
-    for name in ARMS:  # warm-up, and the gates' first measurements
-        run(name, prompts[0], 8)
-    rows, started = [], time.time()
-    for rep in range(rounds):
-        for i, prompt in enumerate(prompts):
-            names = list(ARMS)
-            k = (i + rep) % len(names)
-            for name in names[k:] + names[:k]:
-                r = run(name, prompt, NEW)
-                rows.append({"prompt": f"{prompt.name}/{rep}", "kind": prompt.kind, "arm": name,
-                             "tokens_per_s": len(r.token_ids) / r.stats.wall_s, "token_ids": list(r.token_ids),
-                             "stats": {k: r.stats[k] for k in (
-                                 "target_steps", "mean_accepted_tokens", "gated_steps", "lookup_steps",
-                                 "branch_lookups", "unbranched_steps", "rejected_branch_hit_rate", "prefix_s",
-                                 "suffix_s", "draft_wait_s", "draft_hidden_fraction", "wall_s")}})
-        print(f"round {rep + 1}/{rounds}: {time.time() - started:.0f} s", flush=True)
+    rows = rotating_runs(prompts, list(ARMS), rounds, run, NEW, (
+        "target_steps", "mean_accepted_tokens", "gated_steps", "lookup_steps", "branch_lookups", "unbranched_steps",
+        "rejected_branch_hit_rate", "prefix_s", "suffix_s", "draft_wait_s", "draft_hidden_fraction", "wall_s"))
     ar = {r["prompt"]: r for r in rows if r["arm"] == "ar"}
     arms = {}
     for name in ARMS:
@@ -71,13 +56,8 @@ def main(per_kind: int, rounds: int, out: str) -> None:
             **{k: sum(r["stats"][k] for r in mine) for k in ("gated_steps", "lookup_steps", "branch_lookups",
                                                               "unbranched_steps")},
             "identical_to_ar": all(r["token_ids"] == ar[r["prompt"]]["token_ids"] for r in mine)}
-    doc = {"what": __doc__.split("\n\n")[0], "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores", "bundle": BUNDLE,
-           "prompts": len(prompts), "rounds": rounds, "new_tokens": NEW, "arms": arms,
-           "per_prompt": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]}
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_results(out, __doc__.split("\n\n")[0], BUNDLE, rows, arms, prompts=len(prompts), rounds=rounds,
+                  new_tokens=NEW)
     for name, a in arms.items():
         print(f"{name:<52} {a['over_ar_median']:.3f} {a['over_ar_mean']:.3f} {a['tokens_per_step']:.2f} "
               f"{a['step_ms_median']:.1f} ms  with/without branch set {a['branch_lookups']}/{a['unbranched_steps']}"
