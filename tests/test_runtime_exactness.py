@@ -18,6 +18,7 @@ from mirror_sd.runtime.reference import reference_generate
 
 PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
 NEW_TOKENS = 20
+GATED_NEW_TOKENS = 60  # where a test needs draft steps with the gate on (see its comment)
 BUNDLES = [("llama", 3, 8), ("qwen2", 3, 8), ("qwen3", 3, 8), ("mistral", 3, 8), ("llama", 1, 4), ("llama", 5, 1)]
 
 
@@ -242,11 +243,11 @@ def test_a_branch_gate_that_measured_branch_sets_slower_runs_mirror_steps_withou
     beside the speculation gate's."""
     pipe = pipelines("llama")
     prompt = PROMPTS[1]
-    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
-    # a first draft generation: on a cold draft engine, its reading of the prompt can outlast this short generation,
-    # whose steps then all run on the target alone
-    pipe.generate(prompt, mode="mirror", max_new_tokens=NEW_TOKENS)
-    options = dict(mode="mirror", max_new_tokens=NEW_TOKENS, overlap=overlap, prompt_lookup_num_tokens=0)
+    # Longer than the other tests' generations: with the gate on, steps run on the target alone until the draft
+    # thread has read the prompt, and a tiny target's 20 steps could all finish before that (17-18 of 20 did in
+    # some runs), leaving no draft step to test.
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=GATED_NEW_TOKENS)
+    options = dict(mode="mirror", max_new_tokens=GATED_NEW_TOKENS, overlap=overlap, prompt_lookup_num_tokens=0)
     branches_faster = GateState(speculative=(1.0, 0.001, 5), alone=(1.0, 1.0, 5), explore_every=64,
                                 since_explore=0)
     for branch_memory, without in ((_alone_faster(since=100), True), (branches_faster, False)):
@@ -257,7 +258,8 @@ def test_a_branch_gate_that_measured_branch_sets_slower_runs_mirror_steps_withou
         assert out.token_ids == ar.token_ids, (branch_memory, overlap)
         s = out.stats
         drafted = s["branch_lookups"] + s["unbranched_steps"]
-        assert drafted >= 2 and s["fallbacks"] == 0
+        assert drafted >= 2 and s["fallbacks"] == 0, {k: s[k] for k in ("gated_steps", "fallbacks", "target_steps",
+                                                                         "draft_timeouts", "lookup_steps")}
         if without:  # every draft window verified without a branch set, each fetched by a fresh rollout
             assert s["branch_lookups"] == 0 and s["fresh_rollouts"] == s["unbranched_steps"]
         else:
@@ -277,11 +279,10 @@ def test_branch_budget_zero_makes_every_mirror_draft_step_sds_step(pipelines, ov
     the target's, and a sampled one is sd's with the same seed, draw for draw: the schedule is sd's."""
     pipe = pipelines("llama")
     prompt = PROMPTS[1]
-    ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
-    pipe.generate(prompt, mode="mirror", max_new_tokens=NEW_TOKENS)  # warm, as in the test above
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=GATED_NEW_TOKENS)  # long enough, as in the test above
     for adaptive in (True, False):
         pipe._gate_memory.clear()
-        out = pipe.generate(prompt, mode="mirror", max_new_tokens=NEW_TOKENS, overlap=overlap, branch_budget=0,
+        out = pipe.generate(prompt, mode="mirror", max_new_tokens=GATED_NEW_TOKENS, overlap=overlap, branch_budget=0,
                             prompt_lookup_num_tokens=0, adaptive_speculation=adaptive)
         assert out.token_ids == ar.token_ids
         s = out.stats
