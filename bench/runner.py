@@ -353,13 +353,10 @@ class Bench:
 
     @staticmethod
     def _branch_sets(main: Pipeline) -> dict[str, Any]:
-        """Where the plan turned branch sets off (budget 0: measured slower on this machine), the runs that show
-        mirror's own mechanism (the sweeps, the branch ablation) give it a budget of kappa, one row of candidates;
-        otherwise nothing: the plan's budget."""
-        d = main.defaults
-        if d is None or d.branch_budget != 0:
-            return {}
-        return dict(branch_budget=d.kappa)
+        """The options that give the runs showing mirror's own mechanism (the sweeps, the branch ablation) branch
+        sets where the plan turned them off (RuntimeDefaults.budget_showing_branches); otherwise none: the plan's."""
+        budget = main.defaults.budget_showing_branches() if main.defaults else None
+        return {} if budget is None else dict(branch_budget=budget)
 
     def _ablations(self, main: Pipeline) -> list[Method]:
         out: list[Method] = []

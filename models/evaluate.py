@@ -89,11 +89,10 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
     if branch_budget is not None:
         for name in ("mirror", "mirror_planned"):
             runs[name]["branch_budget"] = branch_budget
-    elif pipe.generation_config.branch_budget == 0:
-        # the plan turned branch sets off (measured slower on its machine): the full-window mirror run, which
-        # measures the branch mechanism, gets a budget of kappa, as the benchmark's sweeps do; mirror_planned
-        # keeps the plan's
-        branch_budget = pipe.generation_config.kappa
+    elif pipe.defaults is not None and pipe.defaults.budget_showing_branches() is not None:
+        # the plan turned branch sets off: the full-window mirror run, which measures the branch mechanism, gets
+        # branch sets, as the benchmark's sweeps do; mirror_planned keeps the plan's
+        branch_budget = pipe.defaults.budget_showing_branches()
         runs["mirror"]["branch_budget"] = branch_budget
     if not pipe.manifest.draft.streams:  # streaming modes change nothing for a one-token-per-forward draft
         runs = {k: v for k, v in runs.items() if k in ("sd", "mirror", "sd_planned", "mirror_planned")}

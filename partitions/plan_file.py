@@ -36,6 +36,12 @@ class RuntimeDefaults:
     # manifest's (a plan without it, or one made where the draft ran on another device)
     draft_backend: str | None = None
 
+    def budget_showing_branches(self) -> int | None:
+        """Where the plan turned branch sets off (budget 0: measured slower on its machine), the budget the runs
+        that measure mirror's branch mechanism use instead: kappa, one row of candidates; None where the plan's own
+        budget has branch sets."""
+        return self.kappa if self.branch_budget == 0 else None
+
 
 @dataclass(frozen=True)
 class ExportAdvice:

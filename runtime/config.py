@@ -48,8 +48,9 @@ class GenerationConfig:
     draft_confidence_threshold: float = 0.0
     # greedy sd / mirror: before each step, speculate or run the target alone, whichever this generation has
     # measured faster (runtime/gate.py), and in mirror roll out a branch set under the suffix or not, likewise;
-    # False: every step speculates (mirror's with a branch set). Output never depends on it. Sampling always
-    # speculates: the choice is timed, and which steps speculate decides which random draws make the tokens.
+    # False: every step speculates (mirror's with a branch set, unless its budget is 0). Output never depends on
+    # it. Sampling always speculates: the choice is timed, and which steps speculate decides which random draws make
+    # the tokens.
     adaptive_speculation: bool = True
     # greedy sd / mirror: where the text's last few tokens (up to max_matching_ngram_size, at least 2) occurred
     # before, verify the (up to) prompt_lookup_num_tokens that followed them instead of a draft window, as

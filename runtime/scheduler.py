@@ -266,7 +266,7 @@ class _Decoder:
         a branch set: text that repeats itself mostly goes on repeating (the next step copies again), and on two
         cores a branch set's rollouts slow the suffix they hide under (measured on the summarisation prompts: mirror
         1.47x ar with branches on copied windows, 1.77x without). branches False: a mirror step without a branch set
-        either (the branch gate measured that faster: runtime/gate.py), sd's step."""
+        either (the branch gate measured that faster: runtime/gate.py; or the budget is 0), sd's step."""
         w = window.tokens
         # 1. prefix on the verification window [pending] + w
         boundary = self._prefix([ctx[-1], *w], lambda: (*ctx, *w))

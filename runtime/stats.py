@@ -43,7 +43,7 @@ class Counts:
     lookup_proposed: int = 0  # its tokens (in proposed too)
     lookup_accepted: int = 0  # ... and those accepted (in accepted too)
     declined_copies: int = 0  # steps that had a window to copy and ran otherwise: measured slower (runtime/gate.py)
-    unbranched_steps: int = 0  # mirror steps verifying a draft window without a branch set: measured faster (gate.py)
+    unbranched_steps: int = 0  # mirror steps verifying a draft window without a branch set (branch gate, or budget 0)
     draft_timeouts: int = 0  # draft answers that did not come within the timeout
 
 
@@ -170,7 +170,7 @@ class GenerationStats(Mapping):
     lookup_proposed_tokens: int  # their tokens (counted in proposed_tokens too)
     lookup_accepted_tokens: int  # ... accepted (counted in accepted_tokens too)
     declined_copies: int  # steps that had a window to copy and did not copy it: measured slower (the copy gate)
-    unbranched_steps: int  # mirror steps that verified a draft window with no branch set: measured faster (gate.py)
+    unbranched_steps: int  # mirror steps that verified a draft window with no branch set (branch gate, or budget 0)
     draft_wait_s: float
     target_device: str
     draft_device: str
