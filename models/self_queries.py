@@ -83,16 +83,23 @@ class SelfQueries:
     def queries(self, n: int, seed: int, temperature: float, top_p: float,
                 max_tokens: int = DEFAULT_QUERY_TOKENS) -> list[str | None]:
         """`n` sampled user turns; None where one ran past max_tokens or is too short to be a question."""
+        return [text.strip() if finished and tokens > MIN_QUERY_TOKENS and text.strip() else None
+                for text, tokens, finished in self.sample([self.pre_query] * n, seed, temperature, top_p, max_tokens)]
+
+    def sample(self, prefixes: list[list[int]], seed: int, temperature: float, top_p: float,
+               max_tokens: int) -> list[tuple[str, int, bool]]:
+        """Each prefix's sampled continuation: its text (stop token left out), how many tokens it took, and whether
+        it ended its turn within max_tokens."""
         import torch
 
         torch.manual_seed(seed)
-        texts: list[str | None] = []
-        for ids in self._generate([self.pre_query] * n, max_tokens, do_sample=True, temperature=temperature,
-                                  top_p=top_p, top_k=0):
+        out = []
+        for ids in self._generate(prefixes, max_tokens, do_sample=True, temperature=temperature, top_p=top_p,
+                                  top_k=0):
             finished = bool(ids) and ids[-1] in self.stops
-            text = self.tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=True).strip()
-            texts.append(text if finished and len(ids) > MIN_QUERY_TOKENS and text else None)
-        return texts
+            out.append((self.tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=True), len(ids),
+                        finished))
+        return out
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         return self._generate(prompts, max_new_tokens, do_sample=False)

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Self-written prompts and the feature draft trained on them, on a GPU machine (results/self-data-gpu.json):
-#   1. where QUERY_MINUTES is not 0: the target writes user queries and answers them (python -m
-#      mirror_sd.models.self_queries) for QUERY_MINUTES, appended to the payload's answers-self.jsonl.gz, into
-#      $OUT/answers-self.jsonl.gz;
-#   2. the committed feature draft trains further on every answers file, the new one included, for DRAFT_MINUTES
-#      (features recomputed per batch, as results/scripts/feature_draft_gpu.sh's stages);
+#   1. where QUERY_MINUTES is not 0: the target writes user queries and answers them for QUERY_MINUTES: with
+#      QUERIES=self (python -m mirror_sd.models.self_queries) appended to the payload's answers-self.jsonl.gz, into
+#      $OUT/answers-self.jsonl.gz; with QUERIES=tasks (models.task_queries: turns of the benchmark's task kinds,
+#      results/task-data-gpu.json) appended to the payload's answers-tasks.jsonl.gz where it has one, into
+#      $OUT/answers-tasks.jsonl.gz;
+#   2. the committed feature draft trains further on every answers file, the new one included (listed NEW_REPEATS
+#      times: read that many times as often), for DRAFT_MINUTES (features recomputed per batch, as
+#      results/scripts/feature_draft_gpu.sh's stages);
 #   3. its stream heads, which read the draft's hidden states, train further on the changed draft
 #      (--continue-streams, STREAM_BATCHES batches);
 #   4. where EXIT_CONVERSATIONS > 0 (not in the first recorded run), beside stages 2-3 on the same GPU: the
@@ -22,6 +25,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 PARTS=${PARTS:-/tmp/parts}
 WORK=${WORK:-/tmp/self-data}
 QUERY_MINUTES=${QUERY_MINUTES:-2.3}
+QUERIES=${QUERIES:-self}
+NEW_REPEATS=${NEW_REPEATS:-1}
 QUERY_BATCH=${QUERY_BATCH:-512}
 DRAFT_MINUTES=${DRAFT_MINUTES:-3.6}
 STREAM_BATCHES=${STREAM_BATCHES:-1200}
@@ -45,15 +50,25 @@ export PYTHONPATH=$WORK/site:$WORK/repo/pkg
 # (the run recorded in results/self-data-gpu.json did this with the same code inline)
 python3 -m mirror_sd.models.gguf ./*.gguf target >> "$OUT/device.txt" 2>&1 || exit 1
 stamp() { echo "$(date -u +%H:%M:%S) $*" >> "$OUT/device.txt"; }
+NEW=data/answers-$QUERIES.jsonl.gz
 if [ "$QUERY_MINUTES" != 0 ]; then
-    stamp "self queries"
-    # self_queries appends to its file and resumes: the payload's self-written answers are its start
-    [ -f data/answers-self.jsonl.gz ] && cp data/answers-self.jsonl.gz "$OUT/"
-    python3 -m mirror_sd.models.self_queries --target target -n 1000000 --batch "$QUERY_BATCH" \
-        --max-minutes "$QUERY_MINUTES" --out "$OUT/answers-self.jsonl.gz" > "$OUT/self.log" 2>&1
-    stamp "self queries exit $?"
-    cp "$OUT/answers-self.jsonl.gz" data/ || exit 1
+    stamp "$QUERIES queries"
+    # both append to their file and resume: the payload's file of the same name is where they start
+    [ -f "$NEW" ] && cp "$NEW" "$OUT/"
+    case $QUERIES in
+        self) extra=() ;;
+        tasks) extra=(--self-answers data/answers-self.jsonl.gz) ;;
+        *) echo "QUERIES is self or tasks" >&2; exit 1 ;;
+    esac
+    python3 -m mirror_sd.models.${QUERIES/tasks/task}_queries --target target -n 1000000 --batch "$QUERY_BATCH" \
+        "${extra[@]}" --max-minutes "$QUERY_MINUTES" --out "$OUT/answers-$QUERIES.jsonl.gz" > "$OUT/$QUERIES.log" 2>&1
+    stamp "$QUERIES queries exit $?"
+    cp "$OUT/answers-$QUERIES.jsonl.gz" data/ || exit 1
 fi
+# every answers file once (in name order: the in-run held-out records, the first EVAL, stay the advice file's),
+# the new one NEW_REPEATS times in all
+answers=(data/*.jsonl.gz)
+for _ in $(seq 2 "$NEW_REPEATS"); do answers+=("$NEW"); done
 pack() {
     rm -f "$OUT/$2".tar.part*
     tar -C "$1" -cf "/tmp/$2.tar" . && split -b 15000000 -d "/tmp/$2.tar" "$OUT/$2.tar.part"
@@ -69,13 +84,13 @@ if [ "$EXIT_CONVERSATIONS" -gt 0 ]; then  # beside the draft's stages: the GPU h
         [ -d out-E ] && pack out-E exit-adapter
     ) &
 fi
-python3 -m mirror_sd.models.train_feature_draft --target target --answers data/*.jsonl.gz --work work-D \
+python3 -m mirror_sd.models.train_feature_draft --target target --answers "${answers[@]}" --work work-D \
     --out out-D --init-from draft --features online --budget-minutes "$DRAFT_MINUTES" --epochs 50 \
     --tokens-per-batch 16384 --lr 3e-4 --eval-records "$EVAL" > "$OUT/draft.log" 2>&1
 stamp "draft exit $?"
 [ -d out-D ] && pack out-D draft
 [ -d out-D ] && python3 -m mirror_sd.models.train_stream_heads --target target --draft out-D \
-    --answers data/*.jsonl.gz --work work-S --out out-S --continue-streams --streams 2 --stream-vocab 4096 \
+    --answers "${answers[@]}" --work work-S --out out-S --continue-streams --streams 2 --stream-vocab 4096 \
     --stream-width 576 --depths 2 --lr 1e-3 --batches "$STREAM_BATCHES" --tokens-per-batch 8192 --max-minutes 2.5 \
     > "$OUT/streams.log" 2>&1
 stamp "streams exit $?"
