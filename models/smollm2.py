@@ -132,6 +132,18 @@ FEATURE_STREAMS_SELF = {"streams": 2, "stream_vocab": 4096, "stream_width": 576,
 # +0.017 tokens per step held-out / on the benchmark's prompts, one paired standard error 0.029 / 0.021).
 GPU_ALL_SELF_PASS = 866  # batches in one pass over GPU_SELF_FILES' training records, the self-written ones all
 FEATURE_GPU_SELF_ALL = {**FEATURE_GPU_MORE, "epochs": 2889 / GPU_ALL_SELF_PASS}
+# A seventeenth on a GPU (results/task-data-gpu.json, results/scripts/self_data_gpu.sh with QUERIES=tasks
+# NEW_REPEATS=2): the target wrote user turns of the benchmark's task kinds from openings given in
+# models/task_queries.py and answered them (TASKS_TRAINED records, 2.4 minutes on one H200); the draft continued on
+# every answers file with those listed twice (read twice as often), 3,072 batches at lr 3e-4 (3.6 minutes there),
+# then its stream heads 900 batches. The task answers file holds more (TASKS_PROMPTS, the same machine's next 2.9
+# minutes): the next stage's data.
+TASKS_FILE = REPO / "models" / "data" / "answers-tasks.jsonl.gz"
+TASKS_PROMPTS, TASKS_TRAINED = 6564, 3296
+GPU_TASKS_FILES = [*GPU_SELF_FILES, TASKS_FILE, TASKS_FILE]
+GPU_TASKS_PASS = 965  # batches in one pass over GPU_TASKS_FILES' training records (TASKS_TRAINED of the last two)
+FEATURE_GPU_TASKS = {**FEATURE_GPU_MORE, "epochs": 3072 / GPU_TASKS_PASS}
+FEATURE_STREAMS_TASKS = {**FEATURE_STREAMS_SELF, "batches": 900}
 # The exit adapter, first trained on the broad answers alone, continued on 800 conversations of each of the broad,
 # everyday and code answers (a teacher pass of 2,400, 20 minutes here, then 7 minutes of steps): held-out top-1 /
 # top-4 coverage of the target's token went from 68% / 85% to 73% / 89% on broad, 59% / 76% to 75% / 89% on
@@ -213,7 +225,14 @@ def retrain_feature_draft(report=print) -> None:
     """The feature draft from the committed answers (any missing ones generated first, with OpenVINO GenAI)."""
     from mirror_sd.bench.baselines import fingerprint
     from mirror_sd.bench.ov_convert import convert
-    from mirror_sd.models import answers, self_queries, train_exit, train_feature_draft, train_stream_heads
+    from mirror_sd.models import (
+        answers,
+        self_queries,
+        task_queries,
+        train_exit,
+        train_feature_draft,
+        train_stream_heads,
+    )
 
     ov_dir = convert(TARGET_DIR, BUILD / "bench-cache" / f"ov-genai-target-{fingerprint(TARGET_DIR)}",
                      fingerprint=fingerprint(TARGET_DIR))
@@ -309,6 +328,16 @@ def retrain_feature_draft(report=print) -> None:
     shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
     shutil.copytree(adapter, ADAPTER_WEIGHTS)
     shutil.copy(adapter.parent / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
+    # the seventeenth stage, after the exit adapter's, whose misses are the sixteenth-stage draft's: the task-kind
+    # turns are committed like the self-written ones (sampled); any missing are written here
+    task_queries.generate(TARGET_DIR, TASKS_FILE, TASKS_PROMPTS, self_answers=SELF_FILE, report=report)
+    task_ranges = [(0, None)] * len(GPU_SELF_FILES) + [(0, TASKS_TRAINED)] * 2
+    gpu_tasks_work = BUILD / "feature-draft-gpu-tasks"
+    (gpu_tasks_work / "checkpoint.pt").unlink(missing_ok=True)
+    train_feature_draft.run(TARGET_DIR, GPU_TASKS_FILES, gpu_tasks_work, FEATURE_WEIGHTS, max_minutes=None,
+                            report=report, init_from=FEATURE_WEIGHTS, prompt_ranges=task_ranges, **FEATURE_GPU_TASKS)
+    train_stream_heads.run(TARGET_DIR, FEATURE_WEIGHTS, GPU_TASKS_FILES, BUILD / "feature-draft-streams-tasks",
+                           FEATURE_WEIGHTS, prompt_ranges=task_ranges, report=report, **FEATURE_STREAMS_TASKS)
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:
