@@ -4,6 +4,10 @@ times, which no draft trains on. Every record's index is a multiple of HOLD_OUT,
 Multi-turn prompts carry their hand-written first reply; only the target's last answer is an answer span.
 
 python results/scripts/bench_answers.py build/bundles/smollm2-feature 10 96 build/gpu/bench-answers.jsonl.gz
+
+With a fifth argument "held-out", the prompts are the held-out pool's (models/prompts.py, the kinds
+models.evaluate measures) past the first EVALUATED per kind that `models.evaluate --per-kind 3` reads, less any
+equal to one of those: a diagnostic set neither the benchmark nor the held-out evaluation measures (results/scripts/self_data_gpu.sh's ARM_B_TAPS).
 """
 import gzip
 import json
@@ -11,13 +15,22 @@ import sys
 import time
 
 
-def main(bundle: str, per_kind: int, new_tokens: int, out: str) -> None:
+EVALUATED = 3
+
+
+def main(bundle: str, per_kind: int, new_tokens: int, out: str, which: str = "bench") -> None:
     from mirror_sd.models.answers import HOLD_OUT
-    from mirror_sd.models.evaluate import bench_prompts, messages_of
+    from mirror_sd.models.evaluate import KINDS, _prompts, bench_prompts, messages_of
     from mirror_sd.runtime.pipeline import Pipeline
 
     pipe = Pipeline.load(bundle, huge_pages=False)
-    prompts = bench_prompts(per_kind)[0]
+    if which == "held-out":  # build() cycles through the kinds: the first EVALUATED rounds are models.evaluate's
+        evaluated = _prompts(EVALUATED)  # the held-out pool's few templates repeat: none of those prompts again
+        prompts = [p for p in _prompts(EVALUATED + per_kind)[len(evaluated):] if p not in evaluated]
+    elif which == "bench":
+        prompts = bench_prompts(per_kind)[0]
+    else:
+        raise SystemExit(f"prompt set {which!r}: bench or held-out")
     started = time.time()
     with gzip.open(out, "wt") as f:
         for n, prompt in enumerate(prompts):
@@ -30,4 +43,4 @@ def main(bundle: str, per_kind: int, new_tokens: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])

@@ -8,6 +8,11 @@
 #   2. the committed feature draft trains further on every answers file, the new one included (listed NEW_REPEATS
 #      times: read that many times as often), for DRAFT_MINUTES (features recomputed per batch, as
 #      results/scripts/feature_draft_gpu.sh's stages);
+#      Where ARM_B_TAPS is set (e.g. "8 16 24"), a second arm beside it on the same GPU continues the same draft
+#      on the same data re-tapped (train_feature_draft --taps: at GPU scale, what the CPU's 8-minute A/B in
+#      results/feature-draft-taps*-ab.json could not show); both are then measured offline on the answers files in
+#      $DIAG (results/scripts/bench_answers.py: target answers to prompts no draft trains on), and the one with more
+#      tokens per step walked as sd steps goes on to stage 3;
 #   3. its stream heads, which read the draft's hidden states, train further on the changed draft
 #      (--continue-streams, STREAM_BATCHES batches);
 #   4. where EXIT_CONVERSATIONS > 0 (not in the first recorded run), beside stages 2-3 on the same GPU: the
@@ -27,6 +32,8 @@ WORK=${WORK:-/tmp/self-data}
 QUERY_MINUTES=${QUERY_MINUTES:-2.3}
 QUERIES=${QUERIES:-self}
 NEW_REPEATS=${NEW_REPEATS:-1}
+ARM_B_TAPS=${ARM_B_TAPS:-}
+DIAG=${DIAG:-$HERE/diag}
 QUERY_BATCH=${QUERY_BATCH:-512}
 DRAFT_MINUTES=${DRAFT_MINUTES:-3.6}
 STREAM_BATCHES=${STREAM_BATCHES:-1200}
@@ -84,10 +91,47 @@ if [ "$EXIT_CONVERSATIONS" -gt 0 ]; then  # beside the draft's stages: the GPU h
         [ -d out-E ] && pack out-E exit-adapter
     ) &
 fi
-python3 -m mirror_sd.models.train_feature_draft --target target --answers "${answers[@]}" --work work-D \
-    --out out-D --init-from draft --features online --budget-minutes "$DRAFT_MINUTES" --epochs 50 \
-    --tokens-per-batch 16384 --lr 3e-4 --eval-records "$EVAL" > "$OUT/draft.log" 2>&1
-stamp "draft exit $?"
+draft_arm() {  # the arm's name (D: the committed taps), then any more flags
+    local name=$1 log=$OUT/draft.log
+    shift
+    [ "$name" = D ] || log=$OUT/draft-$name.log
+    python3 -m mirror_sd.models.train_feature_draft --target target --answers "${answers[@]}" --work "work-$name" \
+        --out "out-$name" --init-from draft --features online --budget-minutes "$DRAFT_MINUTES" --epochs 50 \
+        --tokens-per-batch 16384 --lr 3e-4 --eval-records "$EVAL" "$@" > "$log" 2>&1
+    stamp "draft $name exit $?"
+}
+# the diagnostic set's tokens per step, walked as sd steps, over every file in $DIAG (held-out records only)
+walked() {
+    python3 -c "
+import json, sys
+by_file = json.load(open(sys.argv[1]))['by_file']
+runs = [next(iter(d.values())) for d in by_file.values()]
+print(round(sum(r['walked_tokens_per_step'] * r['bases'] for r in runs) / sum(r['bases'] for r in runs), 4))" "$1"
+}
+if [ -n "$ARM_B_TAPS" ]; then
+    # arm B beside D on the one GPU: the same data, batches and minutes, reading other taps; the arm that drafts the
+    # diagnostic set better goes on (both logs and their scores go back in draft.log: $OUT holds 8 files at most)
+    draft_arm D &
+    # shellcheck disable=SC2086  # the taps are words
+    draft_arm B --taps $ARM_B_TAPS &
+    wait
+    for arm in D B; do
+        [ -d "out-$arm" ] && python3 -m mirror_sd.models.train_feature_draft --target target --compare "out-$arm" \
+            --answers "$DIAG"/*.jsonl.gz --work "diag-$arm" --eval-records 1000 --compare-out "diag-$arm.json" \
+            >> "$WORK/compare.log" 2>&1
+    done
+    score_d=$( [ -f diag-D.json ] && walked diag-D.json || echo 0 )
+    score_b=$( [ -f diag-B.json ] && walked diag-B.json || echo 0 )
+    stamp "diagnostic walked tokens per step: D $score_d, B (taps $ARM_B_TAPS) $score_b"
+    if python3 -c "import sys; sys.exit(not float(sys.argv[2]) > float(sys.argv[1]))" "$score_d" "$score_b"; then
+        stamp "arm B goes on"
+        rm -rf out-D && mv out-B out-D
+    fi
+    { echo "== arm B (taps $ARM_B_TAPS)"; cat "$OUT/draft-B.log"; echo "== diagnostic set"; cat "$WORK/compare.log" \
+        diag-*.json; } >> "$OUT/draft.log" 2>&1 && rm -f "$OUT/draft-B.log"
+else
+    draft_arm D
+fi
 [ -d out-D ] && pack out-D draft
 [ -d out-D ] && python3 -m mirror_sd.models.train_stream_heads --target target --draft out-D \
     --answers "${answers[@]}" --work work-S --out out-S --continue-streams --streams 2 --stream-vocab 4096 \

@@ -5,6 +5,7 @@
 set -eu
 STAGE=${STAGE:-.gpu}
 PY=${PY:-.venv/bin/python}
+DIAG_DIR=${DIAG_DIR:-results/gpu-diag}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 $PY -m pip download -q --no-deps --only-binary=:all: -d "$TMP/load" gguf==0.19.0
@@ -30,4 +31,8 @@ for part in "$STAGE"/payload.part*; do
 done
 last=$((i - 1))
 cp "$TMP/repo.tar.xz" results/scripts/self_data_gpu.sh "$STAGE/c$last/"
+# the diagnostic answers an ARM_B_TAPS run compares its arms on (results/scripts/bench_answers.py: the benchmark's prompts and held-out ones the evaluation does not read)
+if ls "$DIAG_DIR"/*.jsonl.gz > /dev/null 2>&1; then
+    mkdir -p "$STAGE/c$last/diag" && cp "$DIAG_DIR"/*.jsonl.gz "$STAGE/c$last/diag/"
+fi
 du -sh "$STAGE"/c*
