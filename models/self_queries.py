@@ -24,6 +24,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.models import answers as answers_file
@@ -131,86 +132,116 @@ def excluded_queries() -> set[str]:
     return {m["content"].strip() for m in turns if m["role"] == "user"}
 
 
-def generate(target: Path, out: Path, n: int, *, batch: int = 256, seed: int = 0, temperature: float = 1.0,
-             top_p: float = 0.95, max_new_tokens: int = answers_file.DEFAULT_MAX_NEW, max_minutes: float | None = None,
-             device: str | None = None, report=print) -> dict:
-    """Append records [done, n) to `out`: for each batch, sample queries (seed + first index), drop unfinished,
-    repeated and excluded ones, answer the rest. Stops resumably after max_minutes."""
+# A batch's conversations as (record kind, messages ending in the user turn, or None where none was usable), drawn
+# for records [index, index + want) with a seed salt that changes when the batch before was all dropped.
+Draw = Callable[[int, int, int], list[tuple[str, list[dict] | None]]]
+
+
+def append_answers(gen: SelfQueries, out: Path, n: int, batch: int, draw: Draw, *, desc: str, max_new_tokens: int,
+                   max_minutes: float | None, report, no_turn: str) -> dict:
+    """Append records [done, n) to `out`, a batch at a time: the conversations `draw` gives, less unusable, repeated
+    and excluded user turns, each with the target's greedy answer. Stops resumably after max_minutes; raises
+    BadInputError with `no_turn` after MAX_EMPTY_BATCHES batches in a row with no usable turn."""
     from tqdm import tqdm
 
-    if n <= 0 or batch <= 0:
-        raise BadInputError("-n and --batch must be positive")
-    gen = SelfQueries(target, device)
     answers_file._truncate_partial(out)
     existing = answers_file.read(out)
-    # no query twice, and none that a training pool may not hold (the held-out and benchmark prompts)
+    # no user turn twice, and none that a training pool may not hold (the held-out and benchmark prompts)
     taken = excluded_queries() | {r.get("query", "") for r in existing}
     index = max((r["index"] for r in existing), default=-1) + 1
     out.parent.mkdir(parents=True, exist_ok=True)
     start, tokens, dropped, retry = time.monotonic(), 0, 0, 0
-    with out.open("ab") as f, tqdm(total=n, initial=min(index, n), desc="self queries", unit="prompt",
-                                   file=sys.stderr) as bar:
+    with out.open("ab") as f, tqdm(total=n, initial=min(index, n), desc=desc, unit="prompt", file=sys.stderr) as bar:
         while index < n:
             if max_minutes is not None and time.monotonic() - start > max_minutes * 60:
                 report(f"time budget reached at {index} of {n} prompts: run again to go on")
                 break
             want = min(batch, n - index)
-            queries = []
-            # a batch whose queries were all dropped draws again with another seed, not the same one forever
-            for q in gen.queries(want, seed + index + 1_000_003 * retry, temperature, top_p):
-                if q is None or q in taken:
-                    dropped += 1
+            convs = []
+            # a batch whose turns were all dropped draws again with another seed, not the same one forever
+            for kind, conv in draw(index, want, 1_000_003 * retry):
+                if conv is None or conv[-1]["content"].strip() in taken:
                     continue
-                taken.add(q)
-                queries.append(q)
-            if not queries:
+                taken.add(conv[-1]["content"].strip())
+                convs.append((kind, conv))
+            dropped += want - len(convs)
+            if not convs:
                 retry += 1
                 if retry == MAX_EMPTY_BATCHES:
-                    raise BadInputError(f"{target}: no usable query in {retry} batches in a row (none ended its turn "
-                                        f"within {DEFAULT_QUERY_TOKENS} tokens, or all were repeats)")
+                    raise BadInputError(f"no usable user turn in {retry} batches in a row: {no_turn}")
                 continue
             retry = 0
-            prompt_ids = [gen.encode(gen.render([{"role": "user", "content": q}])) for q in queries]
+            prompt_ids = [gen.encode(gen.render(conv)) for _, conv in convs]
             records = []
-            for q, ids, ans in zip(queries, prompt_ids, gen.answer(prompt_ids, max_new_tokens)):
-                records.append({"index": index, "kind": KIND, "query": q, "ids": ids + ans,
+            for (kind, conv), ids, ans in zip(convs, prompt_ids, gen.answer(prompt_ids, max_new_tokens)):
+                records.append({"index": index, "kind": kind, "query": conv[-1]["content"], "ids": ids + ans,
                                 "answers": [[len(ids), len(ids) + len(ans)]]})
                 index += 1
                 tokens += len(ans)
             answers_file.write_member(f, records)  # one complete member per batch
             bar.update(len(records))
             bar.set_postfix(answer_tok_per_s=f"{tokens / (time.monotonic() - start):.0f}", dropped=dropped)
-    seconds = time.monotonic() - start
-    return {"device": gen.device, "records": index, "new_answer_tokens": tokens, "dropped_queries": dropped,
-            "seconds": round(seconds, 1)}
+    return {"device": gen.device, "records": index, "new_answer_tokens": tokens, "dropped": dropped,
+            "seconds": round(time.monotonic() - start, 1)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def generate(target: Path, out: Path, n: int, *, batch: int = 256, seed: int = 0, temperature: float = 1.0,
+             top_p: float = 0.95, max_new_tokens: int = answers_file.DEFAULT_MAX_NEW, max_minutes: float | None = None,
+             device: str | None = None, report=print) -> dict:
+    """Append records [done, n) to `out`: for each batch, sample queries (seed + first index), drop unfinished,
+    repeated and excluded ones, answer the rest. Stops resumably after max_minutes."""
+    if n <= 0 or batch <= 0:
+        raise BadInputError("-n and --batch must be positive")
+    gen = SelfQueries(target, device)
+
+    def draw(index: int, want: int, salt: int) -> list[tuple[str, list[dict] | None]]:
+        return [(KIND, None if q is None else [{"role": "user", "content": q}])
+                for q in gen.queries(want, seed + index + salt, temperature, top_p)]
+
+    summary = append_answers(gen, out, n, batch, draw, desc="self queries", max_new_tokens=max_new_tokens,
+                             max_minutes=max_minutes, report=report,
+                             no_turn=f"{target} ended no user turn within {DEFAULT_QUERY_TOKENS} tokens, or all were "
+                                     "repeats")
+    summary["dropped_queries"] = summary.pop("dropped")
+    return summary
+
+
+def cli(description: str, temperature: float) -> argparse.ArgumentParser:
+    """The options every self-written pool's command takes (this module's and models.task_queries')."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--target", type=Path, default=Path("build/models/smollm2-135m-instruct"),
                    help="the target's HF directory")
     p.add_argument("-n", type=int, default=20000, help="records [0, n)")
     p.add_argument("--out", type=Path, required=True, help="gzip JSON-lines file (appended to; resumes)")
     p.add_argument("--batch", type=int, default=256, help="conversations per batch")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0, help="query sampling temperature")
-    p.add_argument("--top-p", type=float, default=0.95, help="query sampling nucleus")
+    p.add_argument("--temperature", type=float, default=temperature, help="user-turn sampling temperature")
+    p.add_argument("--top-p", type=float, default=0.95, help="user-turn sampling nucleus")
     p.add_argument("--max-new-tokens", type=int, default=answers_file.DEFAULT_MAX_NEW, help="answer length cap")
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
-    args = p.parse_args(argv)
+    return p
+
+
+def run_cli(args: argparse.Namespace, generate_with, **more) -> int:
+    """`generate_with(target, out, n, ...)` on the parsed options: its summary printed as JSON, or a typed error and
+    exit status 2, nothing written."""
     try:
         if not (args.target / "config.json").is_file():
             raise BadInputError(f"{args.target}: not a transformers model directory (no config.json)")
         if not 0 < args.top_p <= 1 or args.temperature <= 0:
             raise BadInputError("--temperature must be positive and --top-p in (0, 1]")
-        summary = generate(args.target, args.out, args.n, batch=args.batch, seed=args.seed,
-                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                           max_minutes=args.max_minutes)
+        summary = generate_with(args.target, args.out, args.n, batch=args.batch, seed=args.seed,
+                                temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                max_minutes=args.max_minutes, **more)
     except BadInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(cli(__doc__.splitlines()[0], 1.0).parse_args(argv), generate)
 
 
 if __name__ == "__main__":

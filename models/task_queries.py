@@ -22,17 +22,15 @@ ids are what is committed. Runs on CUDA when torch sees a GPU.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import re
 import sys
-import time
 from pathlib import Path
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.models import answers as answers_file
-from mirror_sd.models.self_queries import MARK, MIN_QUERY_TOKENS, SelfQueries, excluded_queries
+from mirror_sd.models import self_queries
+from mirror_sd.models.self_queries import MARK, MIN_QUERY_TOKENS, SelfQueries
 
 KINDS = ("qa", "translation", "summarisation", "math", "rag", "multi_turn")
 LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Dutch")
@@ -172,8 +170,6 @@ def generate(target: Path, out: Path, n: int, *, self_answers: Path, batch: int 
              max_minutes: float | None = None, device: str | None = None, report=print) -> dict:
     """Append records [done, n) to `out`, a batch at a time; prompts whose turn the target did not write usably are
     drawn again at the next indices (each index's kind is fixed: kind_of). Stops resumably after max_minutes."""
-    from tqdm import tqdm
-
     if n <= 0 or batch <= 0:
         raise BadInputError("-n and --batch must be positive")
     if not self_answers.is_file():
@@ -183,79 +179,28 @@ def generate(target: Path, out: Path, n: int, *, self_answers: Path, batch: int 
     if not exchanges:
         raise BadInputError(f"{self_answers}: no training record whose conversation a follow-up turn can continue")
     tasks = TaskQueries(gen, exchanges, temperature, top_p)
-    answers_file._truncate_partial(out)
-    existing = answers_file.read(out)
-    taken = excluded_queries() | {r.get("query", "") for r in existing}
-    index = max((r["index"] for r in existing), default=-1) + 1
-    out.parent.mkdir(parents=True, exist_ok=True)
-    start, tokens, dropped, attempt = time.monotonic(), 0, 0, 0
-    with out.open("ab") as f, tqdm(total=n, initial=min(index, n), desc="task queries", unit="prompt",
-                                   file=sys.stderr) as bar:
-        while index < n:
-            if max_minutes is not None and time.monotonic() - start > max_minutes * 60:
-                report(f"time budget reached at {index} of {n} prompts: run again to go on")
-                break
-            # more indices than records wanted: a share of turns is dropped; the kinds stay in turn either way
-            want = list(range(index, index + min(batch, n - index)))
-            convs = []
-            kinds = []
-            for i, planned in zip(want, tasks.turns(want, seed + index + 1_000_003 * attempt)):
-                if planned is None or planned[1].strip() in taken:
-                    continue
-                history, turn = planned
-                taken.add(turn.strip())
-                convs.append([*history, {"role": "user", "content": turn}])
-                kinds.append(kind_of(i))
-            dropped += len(want) - len(convs)
-            if not convs:
-                attempt += 1
-                if attempt == 20:
-                    raise BadInputError(f"{target}: no usable user turn in {attempt} batches in a row")
-                continue
-            attempt = 0
-            # records are numbered as they are kept: a record's kind is in the record, not in its index
-            prompt_ids = [gen.encode(gen.render(c)) for c in convs]
-            records = []
-            for kind, conv, ids, ans in zip(kinds, convs, prompt_ids, gen.answer(prompt_ids, max_new_tokens)):
-                records.append({"index": index, "kind": f"task-{kind}", "query": conv[-1]["content"],
-                                "ids": ids + ans, "answers": [[len(ids), len(ids) + len(ans)]]})
-                index += 1
-                tokens += len(ans)
-            answers_file.write_member(f, records)
-            bar.update(len(records))
-            bar.set_postfix(answer_tok_per_s=f"{tokens / (time.monotonic() - start):.0f}", dropped=dropped)
-    return {"device": gen.device, "records": index, "new_answer_tokens": tokens, "dropped_turns": dropped,
-            "seconds": round(time.monotonic() - start, 1)}
+
+    def draw(index: int, want: int, salt: int) -> list[tuple[str, list[dict] | None]]:
+        # a batch's indices fix its kinds (kind_of): every batch holds them all in turn; records are numbered as
+        # they are kept, so a record's kind is in the record, not in its index
+        indices = list(range(index, index + want))
+        return [(f"task-{kind_of(i)}", None if planned is None else [*planned[0], {"role": "user",
+                                                                                     "content": planned[1]}])
+                for i, planned in zip(indices, tasks.turns(indices, seed + index + salt))]
+
+    summary = self_queries.append_answers(gen, out, n, batch, draw, desc="task queries",
+                                          max_new_tokens=max_new_tokens, max_minutes=max_minutes, report=report,
+                                          no_turn=f"{target} wrote none its kind's rules keep")
+    summary["dropped_turns"] = summary.pop("dropped")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", type=Path, default=Path("build/models/smollm2-135m-instruct"),
-                   help="the target's HF directory")
-    p.add_argument("-n", type=int, default=20000, help="records [0, n)")
-    p.add_argument("--out", type=Path, required=True, help="gzip JSON-lines file (appended to; resumes)")
+    p = self_queries.cli(__doc__.splitlines()[0], TEMPERATURE)
     p.add_argument("--self-answers", type=Path, default=Path("models/data/answers-self.jsonl.gz"),
                    help="self-written answers (models.self_queries) whose first exchanges the follow-ups continue")
-    p.add_argument("--batch", type=int, default=256, help="conversations per batch")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=TEMPERATURE, help="user-turn sampling temperature")
-    p.add_argument("--top-p", type=float, default=0.95, help="user-turn sampling nucleus")
-    p.add_argument("--max-new-tokens", type=int, default=answers_file.DEFAULT_MAX_NEW, help="answer length cap")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
     args = p.parse_args(argv)
-    try:
-        if not (args.target / "config.json").is_file():
-            raise BadInputError(f"{args.target}: not a transformers model directory (no config.json)")
-        if not 0 < args.top_p <= 1 or args.temperature <= 0:
-            raise BadInputError("--temperature must be positive and --top-p in (0, 1]")
-        summary = generate(args.target, args.out, args.n, self_answers=args.self_answers, batch=args.batch,
-                           seed=args.seed, temperature=args.temperature, top_p=args.top_p,
-                           max_new_tokens=args.max_new_tokens, max_minutes=args.max_minutes)
-    except BadInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
-    return 0
+    return self_queries.run_cli(args, generate, self_answers=args.self_answers)
 
 
 if __name__ == "__main__":
