@@ -194,7 +194,8 @@ def _plan(args: argparse.Namespace) -> int:
     print("\n".join(iter_table(result.plans, args.rows)))
     print()
     swept = ", ".join(f"{t}: {v:.1f}" for t, v in m["tokens_per_second_by_draft_confidence_threshold"].items())
-    print(f"runtime (this bundle, exit layer {c.exit_layer}): gamma {c.gamma}, kappa {c.kappa}, branch budget "
+    print(f"runtime (this bundle, exit layer {c.exit_layer}): gamma {doc['runtime']['gamma']}, kappa {c.kappa}, "
+          f"branch budget "
           f"{doc['runtime']['branch_budget']}, threads {c.target_threads}+{c.draft_threads}, draft confidence "
           f"threshold {doc['runtime']['draft_confidence_threshold']} (measured tok/s by threshold: {swept})")
     if "tokens_per_second_by_draft_backend" in m:
@@ -204,6 +205,9 @@ def _plan(args: argparse.Namespace) -> int:
         budgets = ", ".join(f"{n}: {v:.1f}" for n, v in m["tokens_per_second_by_branch_budget"].items())
         kept = "with branch sets" if doc["runtime"]["branch_budget"] else "without branch sets (every draft step sd's)"
         print(f"  mirror {kept} (measured tok/s by branch budget: {budgets})")
+    if "tokens_per_second_by_gamma" in m:
+        gammas = ", ".join(f"{n}: {v:.1f}" for n, v in m["tokens_per_second_by_gamma"].items())
+        print(f"  gamma {doc['runtime']['gamma']} (the model's {c.gamma}; measured tok/s by gamma: {gammas})")
     print(f"  step {t.step_s * 1e3:.2f} ms = prefix {t.prefix_s * 1e3:.2f} + rendezvous {t.rendezvous_s * 1e3:.2f} "
           f"+ hit {t.hit_rate:.2f} x max(suffix {t.suffix_wall_s * 1e3:.2f}, branches {t.draft_wall_s * 1e3:.2f}) "
           f"+ miss x (suffix + rollout {t.draft_rollout_s * 1e3:.2f}); {t.tokens_per_step:.2f} tokens/step "
@@ -211,7 +215,7 @@ def _plan(args: argparse.Namespace) -> int:
     ratio = m["predicted_over_measured"]
     verdict = "" if ratio is None else f", predicted/measured {ratio:.2f}" + (
         "" if abs(ratio - 1) <= 0.15 else " [outside 15%]")
-    modelled = m.get("tokens_per_second_by_branch_budget", {}).get(str(c.branch_budget), m["tokens_per_second"])
+    modelled = m.get("modelled_setting_tokens_per_second", m["tokens_per_second"])
     print(f"  predicted {chosen.predicted_tokens_per_second:.1f} tok/s, measured {modelled:.1f} tok/s with its "
           f"branch sets (decode){verdict}; kept: {m['tokens_per_second']:.1f} tok/s "
           f"({m['end_to_end_tokens_per_second']:.1f} with prefill)")

@@ -404,16 +404,19 @@ def validate_profile(profile: Profile) -> None:
 # -- the plan document (plan_file.py reads it back) ------------------------------------------------------------
 def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, Any] | None = None,
                   table_rows: int = 20, draft_confidence_threshold: float = 0.0,
-                  draft_backend: str | None = None, branch_budget: int | None = None) -> dict[str, Any]:
+                  draft_backend: str | None = None, branch_budget: int | None = None,
+                  gamma: int | None = None) -> dict[str, Any]:
     """The JSON a plan is written as: the runtime defaults (best at the bundle's own exit layer, with the draft
-    confidence threshold and, where the draft runs on the CPU, the draft's runtime measured for it; branch_budget:
-    the budget measured faster, where it is not the model's), the export advice (best overall), the ranked table's
-    head, and the profile it came from."""
+    confidence threshold and, where the draft runs on the CPU, the draft's runtime measured for it; branch_budget
+    and gamma: the ones measured faster, where they are not the model's), the export advice (best overall), the
+    ranked table's head, and the profile it came from."""
     run, best = best_for_bundle(plans), plans[0]
     c = run.choice
     chosen = {f.name: getattr(c, f.name) for f in fields(RuntimeDefaults) if hasattr(c, f.name)}
     if branch_budget is not None:
         chosen["branch_budget"] = branch_budget
+    if gamma is not None:
+        chosen["gamma"] = gamma
     return {
         "format": PLAN_FORMAT, "version": PLAN_VERSION,
         "bundle": {"num_layers": profile.num_layers, "exit_layer": profile.exit_layer, "top_k": profile.top_k},

@@ -19,10 +19,10 @@ forward and branch hit rate for every measured (gamma, kappa, branch budget), fr
 mode on the calibration prompts (greedy mirror commits exactly sd's windows, so its acceptance is sd's), and the
 per-step time that is neither target nor draft (the rendezvous).
 Last, the chosen setting is measured at several draft confidence thresholds, and, where the draft runs on the CPU,
-with the draft on OpenVINO and on ONNX Runtime in turn, then with its branch budget and with none: the faster of
-each is what the plan keeps. (On a 2-core box, a streaming-draft forward beside the target took 1.7 ms on ONNX
-Runtime against 3.8-7.6 ms on OpenVINO's CPU plugin: its cost grows with a new input shape at every step and with
-caches the target's weights have evicted.)
+with the draft on OpenVINO and on ONNX Runtime in turn, then with its branch budget and with none, then at each
+gamma of the grid: the fastest of each is what the plan keeps. (On a 2-core box, a streaming-draft forward beside
+the target took 1.7 ms on ONNX Runtime against 3.8-7.6 ms on OpenVINO's CPU plugin: its cost grows with a new input
+shape at every step and with caches the target's weights have evicted.)
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ class ProfileOptions:
     compare_draft_backends: bool = True
     # measure the chosen setting with its branch budget and with none (every draft step sd's), keep the faster
     compare_no_branches: bool = True
+    # then measure it at each of `gammas`, keep the fastest
+    compare_gammas: bool = True
 
 
 def default_splits(cores: int | None = None) -> tuple[tuple[int, int], ...]:
@@ -525,12 +527,25 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         modelled = measured = runs[str(c.branch_budget)]
         if by_budget["0"] > by_budget[str(c.branch_budget)]:
             branch_budget, measured = 0, runs["0"]
+    # Gamma, last: the model ranks gammas by calibrated acceptance and timed steps, and on this machine its choice
+    # between them was within noise while one gamma measured faster than another (results/gamma-ab.json: mirror at
+    # gamma 4 over the plan's 2, 1.08x paired). Each gamma is measured as the kept setting, in turn, the fastest kept.
+    gamma, by_gamma = c.gamma, {}
+    if options.compare_gammas and len(options.gammas) > 1:
+        runs = _alternating({str(g): (pipe, dict(gamma=g)) for g in options.gammas}, prompts, options.max_new_tokens,
+                            mode="mirror", kappa=c.kappa, branch_budget=branch_budget,
+                            draft_confidence_threshold=threshold)
+        by_gamma = {name: decode_rate(stats) for name, stats in runs.items()}
+        report("  gamma: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in by_gamma.items()))
+        gamma = int(max(by_gamma, key=by_gamma.get))
+        measured = runs[str(gamma)]
     end_to_end = _ratio(measured, "new_tokens", "wall_s")
     tps, modelled_tps = decode_rate(measured), decode_rate(modelled)
     doc = planner.plan_document(profile, plans, {
         "tokens_per_second": tps, "end_to_end_tokens_per_second": end_to_end,
         # the model predicts the setting with its branch sets: checked against that, whichever was kept
         "predicted_over_measured": chosen.predicted_tokens_per_second / modelled_tps if modelled_tps > 0 else None,
+        "modelled_setting_tokens_per_second": modelled_tps,
         "prompts": len(prompts), "max_new_tokens": options.max_new_tokens,
         "mean_accepted_tokens": _ratio(measured, "new_tokens", "target_steps"),
         "acceptance_rate": _ratio(measured, "accepted_tokens", "proposed_tokens"),
@@ -538,7 +553,8 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         "tokens_per_second_by_draft_confidence_threshold": {str(t): decode_rate(v) for t, v in by_threshold.items()},
         **({"tokens_per_second_by_draft_backend": by_backend} if by_backend else {}),
         **({"tokens_per_second_by_branch_budget": by_budget} if by_budget else {}),
-    }, draft_confidence_threshold=threshold, draft_backend=draft_backend, branch_budget=branch_budget)
+        **({"tokens_per_second_by_gamma": by_gamma} if by_gamma else {}),
+    }, draft_confidence_threshold=threshold, draft_backend=draft_backend, branch_budget=branch_budget, gamma=gamma)
     doc["past_tokens"] = past_len
     # every calibration setting, predicted on the calibration split at the bundle's exit layer vs measured there
     t, d = splits[0]

@@ -235,9 +235,14 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     budgets = measured["tokens_per_second_by_branch_budget"]
     assert set(budgets) == {str(modelled_budget), "0"} and all(v > 0 for v in budgets.values())
     assert run["branch_budget"] in (modelled_budget, 0)
-    assert budgets[str(run["branch_budget"])] == max(budgets.values()) == measured["tokens_per_second"]
+    assert budgets[str(run["branch_budget"])] == max(budgets.values())
     assert measured["predicted_over_measured"] == pytest.approx(
         run["predicted_tokens_per_second"] / budgets[str(modelled_budget)])
+    assert measured["modelled_setting_tokens_per_second"] == budgets[str(modelled_budget)]
+    # then gamma: the kept setting measured at each of the plan's gammas, the fastest kept
+    by_gamma = measured["tokens_per_second_by_gamma"]
+    assert set(by_gamma) == {"2", "3"} and all(v > 0 for v in by_gamma.values())
+    assert by_gamma[str(run["gamma"])] == max(by_gamma.values()) == measured["tokens_per_second"]
     assert 1 <= doc["export"]["exit_layer"] <= 5 and doc["export"]["top_k"] == 4
     speeds = [row["predicted_tokens_per_second"] for row in doc["table"]]
     assert all(a >= b * (1 - 1e-9) for a, b in zip(speeds, speeds[1:]))
