@@ -7,7 +7,8 @@ python results/scripts/bench_answers.py build/bundles/smollm2-feature 10 96 buil
 
 With a fifth argument "held-out", the prompts are the held-out pool's (models/prompts.py, the kinds
 models.evaluate measures) past the first EVALUATED per kind that `models.evaluate --per-kind 3` reads, less any
-equal to one of those: a diagnostic set neither the benchmark nor the held-out evaluation measures (results/scripts/self_data_gpu.sh's ARM_B_TAPS).
+equal to one of those: a diagnostic set neither the benchmark nor the held-out evaluation measures
+(results/scripts/self_data_gpu.sh's ARM_B_TAPS).
 """
 import gzip
 import json

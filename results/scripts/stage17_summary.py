@@ -46,7 +46,8 @@ def task_file() -> dict:
             kinds[r["kind"]] += 1
             tokens[r["kind"]] += sum(end - start for start, end in r["answers"])
         out[name] = {"records": len(part), "answer_tokens": sum(tokens.values()),
-                     "records_by_kind": dict(sorted(kinds.items())), "answer_tokens_by_kind": dict(sorted(tokens.items()))}
+                     "records_by_kind": dict(sorted(kinds.items())),
+                     "answer_tokens_by_kind": dict(sorted(tokens.items()))}
     return out
 
 
