@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from mirror_sd.errors import MirrorSDError
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES
+from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
 
 if TYPE_CHECKING:
     from mirror_sd.partitions.planner import Plan
@@ -75,7 +76,8 @@ def _generate(args: argparse.Namespace) -> int:
                  gamma=args.gamma, kappa=args.kappa, branch_budget=args.branch_budget,
                  draft_confidence_threshold=args.draft_confidence_threshold,
                  adaptive_speculation=False if args.always_speculate else None,
-                 prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)
+                 prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+                 prompt_lookup_schedule=args.prompt_lookup_schedule)
     # what was not given keeps the pipeline's config: the built-in defaults, with the bundle plan's merged in
     options = {name: value for name, value in given.items() if value is not None}
     if options.get("branch_budget") == "auto":
@@ -195,9 +197,9 @@ def _plan(args: argparse.Namespace) -> int:
     print()
     swept = ", ".join(f"{t}: {v:.1f}" for t, v in m["tokens_per_second_by_draft_confidence_threshold"].items())
     print(f"runtime (this bundle, exit layer {c.exit_layer}): gamma {doc['runtime']['gamma']}, kappa {c.kappa}, "
-          f"branch budget "
-          f"{doc['runtime']['branch_budget']}, threads {c.target_threads}+{c.draft_threads}, draft confidence "
-          f"threshold {doc['runtime']['draft_confidence_threshold']} (measured tok/s by threshold: {swept})")
+          f"branch budget {doc['runtime']['branch_budget']}, threads "
+          f"{c.target_threads}+{doc['runtime']['draft_threads']}, draft confidence threshold "
+          f"{doc['runtime']['draft_confidence_threshold']} (measured tok/s by threshold: {swept})")
     if "tokens_per_second_by_draft_backend" in m:
         runtimes = ", ".join(f"{n}: {v:.1f}" for n, v in m["tokens_per_second_by_draft_backend"].items())
         print(f"  draft on {doc['runtime']['draft_backend']} (the draft runs on the CPU; measured tok/s: {runtimes})")
@@ -288,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
                    help="greedy sd/mirror: verify up to this many tokens copied from where the text's last tokens "
                         "occurred before, instead of a draft window (default 4; 0: off)")
+    g.add_argument("--prompt-lookup-schedule", choices=COPY_SCHEDULES, default=None,
+                   help="how the copied window's length moves: heuristic (default; +2 after a window accepted "
+                        "whole, -1 after one cut short, as transformers' num_assistant_tokens_schedule) or constant")
     g.add_argument("--always-speculate", action="store_true",
                    help="sd/mirror: speculate at every step (default: a step runs on the target alone where this "
                         "generation has measured that faster)")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mirror_sd.errors import BadInputError, check_int
+from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
 from mirror_sd.runtime.sampling import SamplingParams
 
 MODES = ("ar", "sd", "mirror")
@@ -40,7 +41,11 @@ class GenerationConfig:
     kappa: int | None = None  # early-exit candidates per position (None: the bundle's top_k, also the maximum)
     # branches per mirror step (None: adapts while the draft stays hidden; 0: none, every draft step is sd's)
     branch_budget: int | None = None
-    overlap: bool = True  # False: the draft runs on the main thread, the same schedule serially
+    # True: the draft runs on a thread of its own where it can work while the target does (mirror's branch sets, a
+    # token-only draft reading the prompt during the prefill) or on another device; sd's and budget-0 mirror's
+    # requests, each waited for at once, are served inline (Pipeline._threaded). False: the draft always runs on the
+    # main thread, the same schedule serially
+    overlap: bool = True
     draft_timeout_s: float = 10.0  # a draft answer later than this makes the step run on the target alone
     draft_streaming: str = "trust"  # STREAMING_MODES (or a bool)
     # a draft window ends after a token whose draft probability is below this (transformers' assisted generation
@@ -57,6 +62,10 @@ class GenerationConfig:
     # transformers' prompt_lookup_num_tokens and OpenVINO GenAI's prompt lookup do. 0: off.
     prompt_lookup_num_tokens: int = 4
     max_matching_ngram_size: int = 3
+    # how a copied window's length moves within a generation (runtime/prompt_lookup.py COPY_SCHEDULES): "constant"
+    # copies up to prompt_lookup_num_tokens every time; "heuristic" starts there and grows after a window the target
+    # accepted whole, shrinks after one it cut short, as transformers' num_assistant_tokens_schedule does
+    prompt_lookup_schedule: str = "heuristic"
     trace: bool = False  # True: stats.trace lists every phase as (phase, start_s, end_s)
 
     def __post_init__(self) -> None:
@@ -66,6 +75,9 @@ class GenerationConfig:
                           ("branch_budget", 0), ("prompt_lookup_num_tokens", 0), ("max_matching_ngram_size", 2)):
             if getattr(self, name) is not None or name not in ("kappa", "branch_budget"):  # those two may be None
                 check_int(name, getattr(self, name), low)
+        if self.prompt_lookup_schedule not in COPY_SCHEDULES:
+            raise BadInputError(f"unknown prompt_lookup_schedule {self.prompt_lookup_schedule!r}; known: "
+                                f"{', '.join(COPY_SCHEDULES)}", option="prompt_lookup_schedule")
         t = self.temperature
         if not _is_number(t) or not math.isfinite(t) or t < 0:
             raise BadInputError(f"temperature must be a finite number >= 0, got {t!r}", option="temperature")

@@ -256,10 +256,10 @@ class Pipeline:
     def _decode_alone(self, ids: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
         rec = Recorder(cfg.trace)
         sink = TextSink(self.codec, cfg.stop, self.manifest.tokenizer.eos_token_ids, cfg.max_new_tokens)
-        worker = self._start_worker(cfg, rec) if cfg.mode != "ar" else None
-        draft_forwards = self.draft.forwards
         # the draft reads the prompt during the prefill only where target and draft threads fit the cores together
         fits = self.target_threads + self.draft_threads <= len(os.sched_getaffinity(0))
+        worker = self._start_worker(cfg, rec, self._threaded(cfg, fits)) if cfg.mode != "ar" else None
+        draft_forwards = self.draft.forwards
         tokens = decode(self.target, worker, tuple(ids), cfg, rec, warm_with_prefill=fits,
                         gate_memory=self._gate_memory)
         start = time.perf_counter()
@@ -284,7 +284,20 @@ class Pipeline:
                            draft_engine=draft_engine)
         return GenerationResult(list(sink.ids), sink.text, stats, sink.finish_reason or "length")
 
-    def _start_worker(self, cfg: GenerationConfig, rec: Recorder) -> DraftWorker | None:
+    def _threaded(self, cfg: GenerationConfig, fits: bool) -> bool:
+        """Whether this generation's draft gets a thread of its own: where it can work while the target does (a
+        mirror step's branch set under the suffix, a token-only draft reading the prompt during the prefill) or runs
+        on another device (a thread's wait can time out on a stalled device; a CPU call returns). Elsewhere, in sd and
+        in mirror without branch sets, every request is waited for as soon as it is made, and handing it to a thread
+        and back cost more than it hid: served inline, mirror without branch sets ran 1.035x +- 0.014 (paired, 60
+        prompts x 2 rounds on two cores: results/turn-taking-ab.json)."""
+        if not cfg.overlap:
+            return False
+        beside = cfg.mode == "mirror" and cfg.branch_budget != 0  # None adapts from kappa: branch sets
+        prompt_alongside = fits and not self.manifest.draft.feature_taps
+        return beside or prompt_alongside or self.draft.device != "CPU"
+
+    def _start_worker(self, cfg: GenerationConfig, rec: Recorder, threaded: bool) -> DraftWorker | None:
         """This generation's draft worker (its own thread when overlapping), or None while an earlier generation's
         draft thread is still stalled in the draft engine: that generation runs on the target alone."""
         if self._worker is not None:
@@ -300,7 +313,7 @@ class Pipeline:
         else:
             drafter = Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming, recorder=rec,
                               confidence=cfg.draft_confidence_threshold)
-        self._worker = DraftWorker(drafter, threaded=cfg.overlap)
+        self._worker = DraftWorker(drafter, threaded=threaded)
         return self._worker
 
 

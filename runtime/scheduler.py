@@ -1,12 +1,12 @@
 """The scheduler: decoding loops for ar / sd / mirror, and the one place that starts a thread.
 
-Threads. The main thread owns the target and its cache. With overlap on, one draft thread owns the `Drafter` (the
-draft engine's caches); the two talk only through immutable messages (runtime/messages.py) and a ticketed answer
-box. With overlap off the same requests are served inline, in the same order, on the main thread: the schedule is
-identical, only serial. Every wait for the draft has a timeout; an exception or a timeout in the draft makes that
-step run on the target alone (counted in the stats as a fallback), and a draft still busy with a timed-out request
-is not asked again until it answers. Output never depends on the draft: it only decides how many tokens a step
-commits.
+Threads. The main thread owns the target and its cache. With a draft thread (overlap on, where the draft can work
+while the target does: Pipeline._threaded), that thread owns the `Drafter` (the draft engine's caches); the two talk
+only through immutable messages (runtime/messages.py) and a ticketed answer box. Without one the same requests are
+served inline, in the same order, on the main thread: the schedule is identical, only serial. Every wait for a
+draft thread has a timeout; an exception or a timeout in the draft makes that step run on the target alone (counted
+in the stats as a fallback), and a draft still busy with a timed-out request is not asked again until it answers.
+Output never depends on the draft: it only decides how many tokens a step commits.
 
 One Mirror-SD step, with C the committed tokens (the target's cache holds C[:-1]; C[-1] is pending) and w the
 window (gamma draft tokens continuing C):
@@ -50,7 +50,7 @@ from mirror_sd.runtime.messages import (
     Warmed,
     frozen,
 )
-from mirror_sd.runtime.prompt_lookup import lookup
+from mirror_sd.runtime.prompt_lookup import MAX_COPY, lookup, next_copy_length
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
 from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import PREFILL_CHUNK, Boundary, Target, TargetCache
@@ -396,6 +396,10 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     gate_key: tuple[str, int] | None = None
     # Greedy only: a copied window has no draft distribution for speculative sampling to correct.
     lookups = cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and cfg.params.greedy
+    # the next copied window's length (the schedule moves it); at a fixed step width (the GPU's) a longer window
+    # would run at another width, whose kernels may round a near-tie the other way: it stays within the width
+    copy_length = cfg.prompt_lookup_num_tokens
+    copy_ceiling = max(copy_length, MAX_COPY if not dec.target.step_width else dec.target.step_width - 1)
     # Where a window can be copied, a second gate picks between copying it and the step the first gate would take:
     # in a long prompt some earlier occurrence of the last tokens is nearly always there, and its continuation
     # mostly is not the text's (measured at 4,096 tokens of documentation: 11-15 copied windows in a 32-token
@@ -448,8 +452,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             if branching:
                 branch_pending = None  # a choice made at the last length is not charged to this one
                 branch_gate = SpeculationGate.resumed(_recalled(gate_memory, branch_gate_key(gate_key)))
-        copied = (lookup(ctx, cfg.max_matching_ngram_size, min(cfg.prompt_lookup_num_tokens, remaining - 1))
-                  if lookups else ())
+        copied = lookup(ctx, cfg.max_matching_ngram_size, min(copy_length, remaining - 1)) if lookups else ()
         copy_choice = bool(copied) and copy_gate is not None and draft_ready  # a choice the copy gate makes and times
         if copy_choice and not copy_gate.speculate():
             rec.counts.declined_copies += 1
@@ -458,6 +461,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             settle_branch_choice(0.0)
             started = time.perf_counter()
             new, window = dec.speculative_step(ctx, DraftWindow(len(ctx), copied, None, 0), copied=True)
+            copy_length = next_copy_length(copy_length, len(copied), len(new) - 1, cfg.prompt_lookup_schedule,
+                                           cfg.prompt_lookup_num_tokens, copy_ceiling)
             if copy_choice:
                 copy_gate.record(True, len(new), time.perf_counter() - started)
                 remember()

@@ -366,5 +366,6 @@ def _param_of(error: BadInputError, chat: bool) -> str | None:
               "draft_confidence_threshold": "mirror.draft_confidence_threshold", "mode": "mirror.mode",
               "adaptive_speculation": "mirror.adaptive_speculation",
               "prompt_lookup_num_tokens": "mirror.prompt_lookup_num_tokens",
+              "prompt_lookup_schedule": "mirror.prompt_lookup_schedule",
               "prompt": "messages" if chat else "prompt"}
     return fields.get(error.option, error.option)

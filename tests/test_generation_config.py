@@ -60,7 +60,8 @@ def test_pipeline_config_and_overrides(pipe):
     ({"draft_confidence_threshold": "high"}, "draft_confidence_threshold"),
     ({"adaptive_speculation": "no"}, "adaptive_speculation"),
     ({"prompt_lookup_num_tokens": -1}, "prompt_lookup_num_tokens"),
-    ({"max_matching_ngram_size": 1}, "max_matching_ngram_size")])
+    ({"max_matching_ngram_size": 1}, "max_matching_ngram_size"),
+    ({"prompt_lookup_schedule": "fast"}, "prompt_lookup_schedule")])
 def test_errors_name_the_option_at_fault(pipe, options, option):
     """The server maps `option` to the request field (serve/app.py), so each check must name its own option."""
     with pytest.raises(BadInputError) as caught:

@@ -14,6 +14,7 @@ from conftest import scripted_gate
 
 from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES, MAX_COPY
 from mirror_sd.runtime.reference import reference_generate
 
 PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
@@ -80,20 +81,23 @@ def test_gated_steps_keep_output_identical(pipelines, monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_copied_windows_keep_output_identical(pipelines, arch):
     """Prompt lookup: a prompt that repeats itself (and a tiny model's output, which repeats too) gives copied
-    windows; sd and mirror still equal ar, with and without the gate and overlap, at several window lengths."""
+    windows; sd and mirror still equal ar, with and without the gate and overlap, at several window lengths, whether
+    the windows keep their length or the heuristic schedule grows and shrinks them."""
     pipe = pipelines(arch)
     prompt = [5, 17, 33, 90, 12, 5, 17, 33, 90, 12, 5, 17]
     ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
-    for mode, n, overlap, gate in itertools.product(("sd", "mirror"), (1, 4, 8), (True, False), (True, False)):
+    for mode, n, overlap, gate, schedule in itertools.product(("sd", "mirror"), (1, 4, 8), (True, False),
+                                                              (True, False), COPY_SCHEDULES):
         out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=3, prompt_lookup_num_tokens=n,
-                            overlap=overlap, adaptive_speculation=gate)
-        assert out.token_ids == ar.token_ids, (mode, n, overlap, gate)
+                            overlap=overlap, adaptive_speculation=gate, prompt_lookup_schedule=schedule)
+        assert out.token_ids == ar.token_ids, (mode, n, overlap, gate, schedule)
         s = out.stats
         # with the gate, copying is a timed choice (runtime/gate.py): on a loaded machine every copy may be
         # declined, but each one found is either verified or declined
         found = s["lookup_steps"] + (s["declined_copies"] if gate else 0)
         assert found >= 1 and 0 <= s["lookup_accepted_tokens"] <= s["lookup_proposed_tokens"]
-        assert s["lookup_proposed_tokens"] <= min(n, NEW_TOKENS - 1) * s["lookup_steps"]
+        longest = n if schedule == "constant" else max(n, MAX_COPY)
+        assert s["lookup_proposed_tokens"] <= min(longest, NEW_TOKENS - 1) * s["lookup_steps"]
         assert s["proposed_tokens"] >= s["lookup_proposed_tokens"] and s["fallbacks"] == 0
     off = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, prompt_lookup_num_tokens=0)
     assert off.token_ids == ar.token_ids and off.stats["lookup_steps"] == 0

@@ -10,7 +10,7 @@ from mirror_sd.runtime.draft import plan_branches
 from mirror_sd.runtime.gate import GateState, SpeculationGate
 from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
 from mirror_sd.runtime.messages import ExitCandidates
-from mirror_sd.runtime.prompt_lookup import lookup
+from mirror_sd.runtime.prompt_lookup import lookup, next_copy_length
 from mirror_sd.runtime.sampling import SamplingParams, warp
 from mirror_sd.runtime.stats import overlap_seconds
 from mirror_sd.runtime.verify import greedy_accept, speculative_accept
@@ -291,3 +291,15 @@ def test_gate_memory_buckets_double_with_the_context():
 def test_prompt_lookup(context, max_ngram, max_tokens, want):
     assert lookup(context, max_ngram, max_tokens) == want
     assert lookup(np.asarray(context), max_ngram, max_tokens) == want
+
+
+@pytest.mark.parametrize("length, proposed, accepted, schedule, want", [
+    (4, 4, 4, "heuristic", 6),  # accepted whole: grows by 2
+    (6, 6, 2, "heuristic", 5),  # cut short: shrinks by 1
+    (1, 1, 0, "heuristic", 1),  # never below one token
+    (15, 15, 15, "heuristic", 16),  # never above the ceiling
+    (6, 3, 3, "heuristic", 6),  # a copy shorter than asked (the text's end) accepted whole says nothing more
+    (6, 6, 6, "constant", 4), (2, 2, 0, "constant", 4),  # constant: always the base
+])
+def test_copy_length_schedule(length, proposed, accepted, schedule, want):
+    assert next_copy_length(length, proposed, accepted, schedule, base=4, ceiling=16) == want
