@@ -198,7 +198,7 @@ def _plan(args: argparse.Namespace) -> int:
     swept = ", ".join(f"{t}: {v:.1f}" for t, v in m["tokens_per_second_by_draft_confidence_threshold"].items())
     print(f"runtime (this bundle, exit layer {c.exit_layer}): gamma {doc['runtime']['gamma']}, kappa {c.kappa}, "
           f"branch budget {doc['runtime']['branch_budget']}, threads "
-          f"{c.target_threads}+{doc['runtime']['draft_threads']}, draft confidence threshold "
+          f"{doc['runtime']['target_threads']}+{doc['runtime']['draft_threads']}, draft confidence threshold "
           f"{doc['runtime']['draft_confidence_threshold']} (measured tok/s by threshold: {swept})")
     if "tokens_per_second_by_draft_backend" in m:
         runtimes = ", ".join(f"{n}: {v:.1f}" for n, v in m["tokens_per_second_by_draft_backend"].items())

@@ -405,11 +405,11 @@ def validate_profile(profile: Profile) -> None:
 def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, Any] | None = None,
                   table_rows: int = 20, draft_confidence_threshold: float = 0.0,
                   draft_backend: str | None = None, branch_budget: int | None = None,
-                  gamma: int | None = None, draft_threads: int | None = None) -> dict[str, Any]:
+                  gamma: int | None = None, threads: tuple[int, int] | None = None) -> dict[str, Any]:
     """The JSON a plan is written as: the runtime defaults (best at the bundle's own exit layer, with the draft
     confidence threshold and, where the draft runs on the CPU, the draft's runtime measured for it; branch_budget
-    and gamma: the ones measured faster, where they are not the model's; draft_threads: the draft's, where it takes
-    turns with the target instead of running beside it), the export advice (best overall), the
+    and gamma: the ones measured faster, where they are not the model's; threads: (target, draft), where they take
+    turns instead of running side by side), the export advice (best overall), the
     ranked table's head, and the profile it came from."""
     run, best = best_for_bundle(plans), plans[0]
     c = run.choice
@@ -418,8 +418,8 @@ def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, An
         chosen["branch_budget"] = branch_budget
     if gamma is not None:
         chosen["gamma"] = gamma
-    if draft_threads is not None:
-        chosen["draft_threads"] = draft_threads
+    if threads is not None:
+        chosen["target_threads"], chosen["draft_threads"] = threads
     return {
         "format": PLAN_FORMAT, "version": PLAN_VERSION,
         "bundle": {"num_layers": profile.num_layers, "exit_layer": profile.exit_layer, "top_k": profile.top_k},

@@ -31,6 +31,11 @@ class OpenedGraph:
     output_names: tuple[str, ...]
 
 
+def on_cpu(device: str) -> bool:
+    """Whether a graph's `device` (OpenVINO's "CPU", ONNX Runtime's "CPUExecutionProvider") is the host CPU."""
+    return device in ("CPU", "CPUExecutionProvider")
+
+
 def ort_session(path: str | Path, providers: list[str] | None = None, threads: int = 1, spinning: bool | None = None):
     """An ORT InferenceSession on the first usable provider in `providers` (default CUDA then CPU).
 

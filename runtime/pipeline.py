@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError, check_int
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.plan_file import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
-from mirror_sd.runtime.backends import BACKENDS, default_openvino_device
+from mirror_sd.runtime.backends import BACKENDS, default_openvino_device, on_cpu
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import Drafter
 from mirror_sd.runtime.engines import DraftEngine, open_engine
@@ -295,7 +295,7 @@ class Pipeline:
             return False
         beside = cfg.mode == "mirror" and cfg.branch_budget != 0  # None adapts from kappa: branch sets
         prompt_alongside = fits and not self.manifest.draft.feature_taps
-        return beside or prompt_alongside or self.draft.device != "CPU"
+        return beside or prompt_alongside or not on_cpu(self.draft.device)
 
     def _start_worker(self, cfg: GenerationConfig, rec: Recorder, threaded: bool) -> DraftWorker | None:
         """This generation's draft worker (its own thread when overlapping), or None while an earlier generation's

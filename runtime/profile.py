@@ -40,6 +40,7 @@ import numpy as np
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions import planner
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
+from mirror_sd.runtime.backends import on_cpu
 from mirror_sd.runtime.draft import Drafter, plan_branches
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, empty_channel
@@ -76,8 +77,9 @@ class ProfileOptions:
     compare_no_branches: bool = True
     # then measure it at each of `gammas`, keep the fastest
     compare_gammas: bool = True
-    # where the kept setting has no branch sets and the draft runs on the CPU, give the draft the target's threads
-    turn_taking_draft_threads: bool = True
+    # where the kept setting has no branch sets and the draft runs on the CPU, give target and draft the threads of
+    # the split where the target's step ran fastest: they take turns
+    turn_taking_threads: bool = True
 
 
 def default_splits(cores: int | None = None) -> tuple[tuple[int, int], ...]:
@@ -529,17 +531,22 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         modelled = measured = runs[str(c.branch_budget)]
         if by_budget["0"] > by_budget[str(c.branch_budget)]:
             branch_budget, measured = 0, runs["0"]
-    # Draft threads: without branch sets the draft never runs beside the target (each step drafts, then verifies),
-    # so the cores the split kept free for it beside the target sit idle while it drafts alone. Given the target's
-    # threads it drafted faster: mirror at 2+2 over 2+1 on a 2-core machine, 1.048x +- 0.015 paired over 60
-    # prompts x 2 rounds (results/turn-taking-ab.json). The gammas are then measured on that split.
-    draft_threads = None
-    if (options.turn_taking_draft_threads and branch_budget == 0 and pipe.draft.device == "CPU"
-            and c.draft_threads < c.target_threads):
-        draft_threads = c.target_threads
-        pipe = load(c.target_threads, draft_threads, pipe.draft.backend)
-        pipe.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
-        report(f"  draft threads {draft_threads}: without branch sets the draft takes turns with the target")
+    # Threads, where the kept setting has no branch sets: the draft then never runs beside the target (each step
+    # drafts, then verifies), so the split the model chose for running them side by side no longer applies. The
+    # target gets the thread count of the profiled split where its verification step ran fastest, and the draft the
+    # same count: both take turns on the same cores. On a 2-core machine the draft at 2+2 ran 1.048x +- 0.015 its
+    # speed at 2+1 (paired, 60 prompts x 2 rounds: results/turn-taking-ab.json); a plan whose model chose 1+1 for
+    # its branch sets, then measured none faster, would otherwise leave the target at half its cores. The gammas
+    # are then measured on that split.
+    threads = None
+    if options.turn_taking_threads and branch_budget == 0 and on_cpu(pipe.draft.device):
+        window = c.gamma + 1
+        fastest = min(profile.splits, key=lambda sp: sp.target.prefix_s[window] + sp.target.suffix_s[window])
+        threads = (fastest.target_threads, fastest.target_threads)
+        if threads != (c.target_threads, c.draft_threads):
+            pipe = load(*threads, pipe.draft.backend)
+            pipe.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
+        report(f"  threads {threads[0]}+{threads[1]}: without branch sets the draft takes turns with the target")
     # Gamma, last: the model ranks gammas by calibrated acceptance and timed steps, and on this machine its choice
     # between them was within noise while one gamma measured faster than another (results/gamma-ab.json: mirror at
     # gamma 4 over the plan's 2, 1.08x paired). Each gamma is measured as the kept setting, in turn, the fastest kept.
@@ -568,7 +575,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         **({"tokens_per_second_by_branch_budget": by_budget} if by_budget else {}),
         **({"tokens_per_second_by_gamma": by_gamma} if by_gamma else {}),
     }, draft_confidence_threshold=threshold, draft_backend=draft_backend, branch_budget=branch_budget, gamma=gamma,
-        draft_threads=draft_threads)
+        threads=threads)
     doc["past_tokens"] = past_len
     # every calibration setting, predicted on the calibration split at the bundle's exit layer vs measured there
     t, d = splits[0]

@@ -40,7 +40,8 @@ from mirror_sd.runtime.backends import ort_session
 # 192/256/384/512 (512 prompt tokens 327 vs 342 ms, 2048 1859 vs 1893 ms, 4096 4583 vs 4944 ms).
 PREFILL_CHUNK = 256
 # Every target step on the CUDA execution provider runs this many rows (Target.step_width says why): a draft window
-# of up to 7 tokens, or a prompt-lookup window (4), plus the token before it. A longer window still runs, unpadded.
+# of up to 7 tokens, or a prompt-lookup window (4, grown by its schedule to 7 at most), plus the token before it. A
+# longer window still runs, unpadded.
 GPU_STEP_WIDTH = 8
 
 

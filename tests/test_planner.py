@@ -190,9 +190,9 @@ def test_plan_file_round_trip(tmp_path):
     assert "draft_backend" not in doc["runtime"] and defaults.draft_backend is None  # not measured: the manifest's
     chose = pl.plan_document(profile, plans, draft_backend="onnxruntime")
     assert pf.runtime_defaults(chose, 4, 8).draft_backend == "onnxruntime"
-    # a draft that takes turns with the target (no branch sets) is given the target's threads
-    turns = pl.plan_document(profile, plans, branch_budget=0, draft_threads=2)
-    assert (pf.runtime_defaults(turns, 4, 8).draft_threads, pf.runtime_defaults(turns, 4, 8).branch_budget) == (2, 0)
+    # target and draft that take turns (no branch sets) get the split the plan measured for that
+    turns = pf.runtime_defaults(pl.plan_document(profile, plans, branch_budget=0, threads=(2, 2)), 4, 8)
+    assert (turns.target_threads, turns.draft_threads, turns.branch_budget) == (2, 2, 0)
     with pytest.raises(BadInputError, match="draft_backend"):
         pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "draft_backend": "tensorrt"}}, 4, 8)
     with pytest.raises(BadInputError, match="draft_confidence_threshold"):

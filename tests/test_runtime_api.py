@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -223,6 +224,28 @@ def test_draft_stall_times_out_without_hanging(pipe):
     # The next call waits for the stalled thread (or runs on the target alone), never uses the engine twice.
     again = faulty.generate(PROMPT, mode="sd", max_new_tokens=30)
     assert again.token_ids == ar.token_ids
+
+
+def test_the_draft_gets_a_thread_only_where_it_can_work_beside_the_target(pipe):
+    """A draft thread for mirror's branch sets and for a token-only draft reading the prompt during the prefill;
+    sd and budget-0 mirror, whose every request is waited for at once, serve a CPU draft inline."""
+    from mirror_sd.runtime.backends import on_cpu
+
+    assert on_cpu("CPU") and on_cpu("CPUExecutionProvider") and not on_cpu("NPU")
+    assert on_cpu(pipe.draft.device) and not pipe.manifest.draft.feature_taps
+    want = {("sd", None, True): False, ("mirror", 0, True): False, ("mirror", None, True): True,
+            ("mirror", 2, True): True, ("mirror", 2, False): False}
+    for (mode, budget, overlap), threaded in want.items():
+        cfg = pipe.generation_config.updated(mode=mode, branch_budget=budget, overlap=overlap)
+        assert pipe._threaded(cfg, fits=False) == threaded, (mode, budget, overlap)
+        # the prompt read alongside the prefill is worth a thread where target and draft fit the cores together
+        assert pipe._threaded(cfg, fits=True) == overlap, (mode, budget, overlap)
+    ar = pipe.generate(PROMPT, mode="ar", max_new_tokens=12)
+    for mode, budget in (("sd", None), ("mirror", 0), ("mirror", 2)):
+        out = pipe.generate(PROMPT, mode=mode, max_new_tokens=12, branch_budget=budget)
+        fits = pipe.target_threads + pipe.draft_threads <= len(os.sched_getaffinity(0))
+        cfg = pipe.generation_config.updated(mode=mode, branch_budget=budget)
+        assert (pipe._worker._thread is not None) == pipe._threaded(cfg, fits) and out.token_ids == ar.token_ids
 
 
 def test_errors_are_typed(pipe, tmp_path):
