@@ -289,21 +289,24 @@ def retrain_feature_draft(report=print) -> None:
     # the self-written prompts: their answers are committed (sampled queries are not bit-reproducible across
     # devices); any missing ones are written here, on CUDA where torch sees a GPU
     self_queries.generate(TARGET_DIR, SELF_FILE, SELF_PROMPTS, report=report)
+    def continued(files, work, ranges, stage, streams_out, streams) -> None:
+        """A GPU-scale stage continued from the committed draft (from scratch: a checkpoint left in `work` is the
+        stage before's), then its stream heads on the same records."""
+        (work / "checkpoint.pt").unlink(missing_ok=True)
+        train_feature_draft.run(TARGET_DIR, files, work, FEATURE_WEIGHTS, max_minutes=None, report=report,
+                                init_from=FEATURE_WEIGHTS, prompt_ranges=ranges, **stage)
+        train_stream_heads.run(TARGET_DIR, FEATURE_WEIGHTS, files, streams_out, FEATURE_WEIGHTS, prompt_ranges=ranges,
+                               report=report, **streams)
+
     self_ranges = [(0, None)] * len(GPU_FILES) + [(0, SELF_TRAINED)]
     gpu_self_work = BUILD / "feature-draft-gpu-self"
-    (gpu_self_work / "checkpoint.pt").unlink(missing_ok=True)
-    train_feature_draft.run(TARGET_DIR, GPU_SELF_FILES, gpu_self_work, FEATURE_WEIGHTS, max_minutes=None,
-                            report=report, init_from=FEATURE_WEIGHTS, prompt_ranges=self_ranges, **FEATURE_GPU_SELF)
-    train_stream_heads.run(TARGET_DIR, FEATURE_WEIGHTS, GPU_SELF_FILES, BUILD / "feature-draft-streams-self",
-                           FEATURE_WEIGHTS, prompt_ranges=self_ranges, report=report, **FEATURE_STREAMS_SELF)
+    continued(GPU_SELF_FILES, gpu_self_work, self_ranges, FEATURE_GPU_SELF, BUILD / "feature-draft-streams-self",
+              FEATURE_STREAMS_SELF)
     stage15 = BUILD / "feature-draft-stage15"  # the exit adapter's last stage weighs this draft's misses
     shutil.rmtree(stage15, ignore_errors=True)
     shutil.copytree(FEATURE_WEIGHTS, stage15)
-    (gpu_self_work / "checkpoint.pt").unlink(missing_ok=True)
-    train_feature_draft.run(TARGET_DIR, GPU_SELF_FILES, gpu_self_work, FEATURE_WEIGHTS, max_minutes=None,
-                            report=report, init_from=FEATURE_WEIGHTS, **FEATURE_GPU_SELF_ALL)
-    train_stream_heads.run(TARGET_DIR, FEATURE_WEIGHTS, GPU_SELF_FILES, BUILD / "feature-draft-streams-self-all",
-                           FEATURE_WEIGHTS, report=report, **FEATURE_STREAMS_SELF)
+    continued(GPU_SELF_FILES, gpu_self_work, None, FEATURE_GPU_SELF_ALL, BUILD / "feature-draft-streams-self-all",
+              FEATURE_STREAMS_SELF)
     # the bundles' exit head at EXIT_LAYER, from the same answers: first on the broad pool's, then continued on the
     # broad, everyday and code answers together (EXIT_MIXED), then on all five files where the draft misses
     # (EXIT_HARD, EXIT_HARD_MORE: one teacher pass)
@@ -332,12 +335,8 @@ def retrain_feature_draft(report=print) -> None:
     # turns are committed like the self-written ones (sampled); any missing are written here
     task_queries.generate(TARGET_DIR, TASKS_FILE, TASKS_PROMPTS, self_answers=SELF_FILE, report=report)
     task_ranges = [(0, None)] * len(GPU_SELF_FILES) + [(0, TASKS_TRAINED)] * 2
-    gpu_tasks_work = BUILD / "feature-draft-gpu-tasks"
-    (gpu_tasks_work / "checkpoint.pt").unlink(missing_ok=True)
-    train_feature_draft.run(TARGET_DIR, GPU_TASKS_FILES, gpu_tasks_work, FEATURE_WEIGHTS, max_minutes=None,
-                            report=report, init_from=FEATURE_WEIGHTS, prompt_ranges=task_ranges, **FEATURE_GPU_TASKS)
-    train_stream_heads.run(TARGET_DIR, FEATURE_WEIGHTS, GPU_TASKS_FILES, BUILD / "feature-draft-streams-tasks",
-                           FEATURE_WEIGHTS, prompt_ranges=task_ranges, report=report, **FEATURE_STREAMS_TASKS)
+    continued(GPU_TASKS_FILES, BUILD / "feature-draft-gpu-tasks", task_ranges, FEATURE_GPU_TASKS,
+              BUILD / "feature-draft-streams-tasks", FEATURE_STREAMS_TASKS)
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:

@@ -35,7 +35,7 @@ from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.package_reader import OpenedPackage, is_package, open_package
-from mirror_sd.runtime.scheduler import DraftWorker, decode
+from mirror_sd.runtime.scheduler import DraftWorker, decode, reads_prompt_alongside
 from mirror_sd.runtime.stats import GenerationStats, Recorder
 from mirror_sd.runtime.target import Target, open_target
 from mirror_sd.runtime.text import TextCodec, TextSink
@@ -294,7 +294,7 @@ class Pipeline:
         if not cfg.overlap:
             return False
         beside = cfg.mode == "mirror" and cfg.branch_budget != 0  # None adapts from kappa: branch sets
-        prompt_alongside = fits and not self.manifest.draft.feature_taps
+        prompt_alongside = reads_prompt_alongside(fits, bool(self.manifest.draft.feature_taps))
         return beside or prompt_alongside or not on_cpu(self.draft.device)
 
     def _start_worker(self, cfg: GenerationConfig, rec: Recorder, threaded: bool) -> DraftWorker | None:

@@ -346,6 +346,12 @@ def _recalled(memory: dict[tuple[str, int], GateState] | None, key: tuple[str, i
     return memory[kind, found] if found == bucket else memory[kind, found].as_prior()
 
 
+def reads_prompt_alongside(warm_with_prefill: bool, feature_draft: bool) -> bool:
+    """Whether the draft reads the prompt while the target prefills it (`decode`'s warm_with_prefill says where that
+    pays); a feature draft reads the prompt with its taps, so only after the prefill has computed them."""
+    return warm_with_prefill and not feature_draft
+
+
 def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], cfg: GenerationConfig,
            rec: Recorder, warm_with_prefill: bool = True,
            gate_memory: dict[tuple[str, int], GateState] | None = None
@@ -381,8 +387,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     learned = _recalled(gate_memory, (cfg.mode, context_bucket(len(prompt) + 1))) if gated_mode else None
     warm = (worker is not None and len(prompt) <= draft_context
             and not (learned is not None and learned.prefers_alone()))
-    # a feature draft reads the prompt with its taps, so only after the prefill has computed them
-    alongside = warm_with_prefill and not isinstance(drafter, FeatureDrafter)
+    alongside = reads_prompt_alongside(warm_with_prefill, isinstance(drafter, FeatureDrafter))
     warmed = None  # the ticket of the draft's reading of the prompt
     if warm and alongside:
         warmed = worker.submit(Warm(tuple(prompt)))  # the draft reads the prompt while the target does
