@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from mirror_sd.errors import MirrorSDError
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES
+from mirror_sd.partitions.plan_file import CONFIDENCE_RULES
 from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
                  overlap=False if args.no_overlap else None,
                  gamma=args.gamma, kappa=args.kappa, branch_budget=args.branch_budget,
                  draft_confidence_threshold=args.draft_confidence_threshold,
+                 draft_confidence_rule=args.draft_confidence_rule,
                  adaptive_speculation=False if args.always_speculate else None,
                  prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                  prompt_lookup_schedule=args.prompt_lookup_schedule)
@@ -199,7 +201,8 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"runtime (this bundle, exit layer {c.exit_layer}): gamma {doc['runtime']['gamma']}, kappa {c.kappa}, "
           f"branch budget {doc['runtime']['branch_budget']}, threads "
           f"{doc['runtime']['target_threads']}+{doc['runtime']['draft_threads']}, draft confidence threshold "
-          f"{doc['runtime']['draft_confidence_threshold']} (measured tok/s by threshold: {swept})")
+          f"{doc['runtime']['draft_confidence_threshold']} on each {doc['runtime']['draft_confidence_rule']} "
+          f"(measured tok/s by threshold: {swept})")
     if "tokens_per_second_by_draft_backend" in m:
         runtimes = ", ".join(f"{n}: {v:.1f}" for n, v in m["tokens_per_second_by_draft_backend"].items())
         print(f"  draft on {doc['runtime']['draft_backend']} (the draft runs on the CPU; measured tok/s: {runtimes})")
@@ -287,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-confidence-threshold", type=float, default=None,
                    help="end a draft window after a token the draft gives a probability below this, in [0, 1) "
                         "(default: the built-in default; 0: every window runs to gamma)")
+    g.add_argument("--draft-confidence-rule", choices=CONFIDENCE_RULES, default=None,
+                   help="what the threshold is compared with: token (each token's draft probability, as "
+                        "transformers' assistant_confidence_threshold) or window (the draft's probability of the "
+                        "whole window so far) (default: the bundle's plan, else token)")
     g.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
                    help="greedy sd/mirror: verify up to this many tokens copied from where the text's last tokens "
                         "occurred before, instead of a draft window (default 4; 0: off)")

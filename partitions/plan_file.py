@@ -16,6 +16,8 @@ from typing import Any, Mapping
 from mirror_sd.errors import BadInputError, check_int
 from mirror_sd.partitions.spec import BACKENDS
 
+# what a draft confidence threshold is compared with (runtime/config.py GenerationConfig.draft_confidence_rule)
+CONFIDENCE_RULES = ("token", "window")
 PLAN_FILE = "plan.json"  # optional file in a bundle directory: the runtime's defaults come from it when present
 PLAN_FORMAT = "mirror-sd-plan"
 PLAN_VERSION = 1
@@ -35,6 +37,8 @@ class RuntimeDefaults:
     # the faster runtime for the draft where it runs on the CPU (no NPU), measured the same way; None: the
     # manifest's (a plan without it, or one made where the draft ran on another device)
     draft_backend: str | None = None
+    # what the threshold is compared with (CONFIDENCE_RULES), measured with it; a plan without it: "token"
+    draft_confidence_rule: str = "token"
 
     def budget_showing_branches(self) -> int | None:
         """Where the plan turned branch sets off (budget 0: measured slower on its machine), the budget the runs
@@ -83,8 +87,12 @@ def runtime_defaults(doc: Mapping[str, Any], exit_layer: int, top_k: int) -> Run
     backend = r.get("draft_backend")
     if backend is not None and backend not in BACKENDS:
         raise BadInputError(f"plan runtime.draft_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    rule = r.get("draft_confidence_rule", "token")
+    if rule not in CONFIDENCE_RULES:
+        raise BadInputError(f"plan runtime.draft_confidence_rule must be one of {', '.join(CONFIDENCE_RULES)}, "
+                            f"got {rule!r}")
     return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"], float(threshold),
-                           backend)
+                           backend, rule)
 
 
 def export_advice(doc: Mapping[str, Any]) -> ExportAdvice:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mirror_sd.errors import BadInputError, check_int
+from mirror_sd.partitions.plan_file import CONFIDENCE_RULES
 from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
 from mirror_sd.runtime.sampling import SamplingParams
 
@@ -26,6 +27,10 @@ MODES = ("ar", "sd", "mirror")
 # (greedy) the last ones taken as drafted. "verify" windows equal one-token-per-forward windows; "trust" windows
 # take fewer forwards. True means "trust", False "off".
 STREAMING_MODES = ("off", "verify", "trust")
+# What draft_confidence_threshold is compared with after each drafted token (partitions/plan_file.py
+# CONFIDENCE_RULES): that token's draft probability ("token", transformers' assistant_confidence_threshold), or the
+# draft's probability of the whole window so far, the product of its tokens' ("window": for a calibrated draft, the
+# chance the target accepts every token up to here)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class GenerationConfig:
     # a draft window ends after a token whose draft probability is below this (transformers' assisted generation
     # calls it assistant_confidence_threshold); 0: every window runs to gamma. Output never depends on it.
     draft_confidence_threshold: float = 0.0
+    draft_confidence_rule: str = "token"  # CONFIDENCE_RULES: what the threshold is compared with
     # greedy sd / mirror: before each step, speculate or run the target alone, whichever this generation has
     # measured faster (runtime/gate.py), and in mirror roll out a branch set under the suffix or not, likewise;
     # False: every step speculates (mirror's with a branch set, unless its budget is 0). Output never depends on
@@ -83,6 +89,9 @@ class GenerationConfig:
             raise BadInputError(f"temperature must be a finite number >= 0, got {t!r}", option="temperature")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise BadInputError(f"top_p must be in (0, 1], got {self.top_p!r}", option="top_p")
+        if self.draft_confidence_rule not in CONFIDENCE_RULES:
+            raise BadInputError(f"unknown draft_confidence_rule {self.draft_confidence_rule!r}; known: "
+                                f"{', '.join(CONFIDENCE_RULES)}", option="draft_confidence_rule")
         c = self.draft_confidence_threshold
         if not _is_number(c) or not 0 <= c < 1:
             raise BadInputError(f"draft_confidence_threshold must be in [0, 1), got {c!r}",

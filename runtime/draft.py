@@ -189,12 +189,13 @@ class DrafterBase:
                      prefix included) and `lane_kv(b)` (the KV of those past the lane prefix)."""
 
     def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None,
-                 confidence: float = 0.0) -> None:
+                 confidence: float = 0.0, confidence_rule: str = "token") -> None:
         """confidence: a window ends after a token whose draft probability is below it (0: windows always run to
-        gamma). A draft is well calibrated (results/smollm2-feature-draft-calibration.json): the target accepts a
-        token about as often as the draft's probability of it, so a window stops where further tokens would cost
-        more to draft and verify than they are likely to commit. Any window is verified as usual: the output never
-        depends on it."""
+        gamma); confidence_rule "window" (runtime/config.py CONFIDENCE_RULES): after the token where the product of
+        the window's probabilities so far falls below it. A draft is well calibrated
+        (results/smollm2-feature-draft-calibration.json): the target accepts a token about as often as the draft's
+        probability of it, so a window stops where further tokens would cost more to draft and verify than they are
+        likely to commit. Any window is verified as usual: the output never depends on it."""
         if engine.facts.output_vocab_size and engine.output_ids is None:
             raise ValueError("the draft predicts over a reduced vocabulary, but its engine has no output_ids "
                              "(open it with open_engine)")
@@ -202,7 +203,8 @@ class DrafterBase:
         self.vocab = DraftVocab(engine.facts.vocab_size, engine.output_ids)
         self.lane = engine.context_lane()
         self.rows = None  # kept until the next request: a branch hit continues its row
-        self.confidence = float(confidence)
+        self.confidence, self.confidence_rule = float(confidence), confidence_rule
+        self._window_p: list[float] = []  # per rollout row: the draft's probability of its window so far
         # a draft with an attention window never reads past it: of a longer prompt, only the last window is read
         self.prompt_window = min(PROMPT_WINDOW, engine.facts.attention_window or PROMPT_WINDOW)
 
@@ -234,9 +236,15 @@ class DrafterBase:
         """The generator a rollout continuing `length` tokens draws with (None: greedy)."""
         return None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, length)
 
-    def _confident(self, row: np.ndarray, token: int) -> bool:
-        """Whether a window may go on after `token`, chosen from logits `row` [Vd]."""
-        return self.confidence <= 0 or self.vocab.prob(row, token) >= self.confidence
+    def _confident(self, row: np.ndarray, token: int, b: int) -> bool:
+        """Whether rollout row b's window may go on after `token`, chosen from logits `row` [Vd] (its tokens are
+        checked in order; _roll starts each row's window at probability 1)."""
+        if self.confidence <= 0:
+            return True
+        p = self.vocab.prob(row, token)
+        if self.confidence_rule == "window":
+            p = self._window_p[b] = self._window_p[b] * p
+        return p >= self.confidence
 
     def _window(self, context_len: int, rows, b: int) -> DraftWindow:
         lg = None if self.params.greedy else frozen(self.vocab.full(np.stack(rows.logits[b])))
@@ -308,11 +316,11 @@ class DrafterBase:
 
 class Drafter(DrafterBase):
     def __init__(self, engine: DraftEngine, params: SamplingParams, streaming: bool | str = True,
-                 recorder: Recorder | None = None, confidence: float = 0.0) -> None:
+                 recorder: Recorder | None = None, confidence: float = 0.0, confidence_rule: str = "token") -> None:
         """streaming: runtime/config.py STREAMING_MODES; True is "trust", False is "off" (a streaming draft one
         token per forward, its proposals ignored: the same tokens as "verify"). Tokens taken as drafted ("trust")
         carry no probability: only main-stream choices can end a window early."""
-        super().__init__(engine, params, recorder, confidence)
+        super().__init__(engine, params, recorder, confidence, confidence_rule)
         mode = streaming_mode(streaming)
         has_streams = STREAM_IDS in engine.head_outputs
         self.streams = engine.facts.streams if mode != "off" and has_streams else 0
@@ -341,6 +349,7 @@ class Drafter(DrafterBase):
         """Continue every base by gamma tokens: row b reads lane slots [0, shared[b]) and feeds the rest of its base
         (>= 1 token). Stops incomplete when `cancelled` says so between forwards."""
         n, vocab, params = len(bases), self.vocab, self.params
+        self._window_p = [1.0] * n
         tokens: list[list[int]] = [[] for _ in range(n)]
         logits: list[list[np.ndarray]] = [[] for _ in range(n)]
         # per row: the tokens its caches lack, then the proposals to check
@@ -377,7 +386,7 @@ class Drafter(DrafterBase):
                 else:
                     logits[b].append(row)
                     token = vocab.choose(row, params, rngs[b])
-                return token, self._confident(row, token)
+                return token, self._confident(row, token, b)
 
             keep, produced = mask.copy(), 0
             for b in active:

@@ -112,7 +112,8 @@ class FeatureDrafter(DrafterBase):
     """Lane slot j holds input j + 1, fed with real taps."""
 
     def __init__(self, engine: DraftEngine, params: SamplingParams, recorder: Recorder | None = None,
-                 confidence: float = 0.0, store: FeatureStore | None = None, streaming: bool | str = True) -> None:
+                 confidence: float = 0.0, store: FeatureStore | None = None, streaming: bool | str = True,
+                 confidence_rule: str = "token") -> None:
         """store: the taps store of an earlier drafter on this engine, to write into (emptied first), instead of a new
         one. A pipeline passes it from one generation's drafter to the next: a new store's pages are mapped as the
         taps are first written, on the draft thread, and on this machine's VM writing a 4,096-token prompt's 28 MB of
@@ -125,7 +126,7 @@ class FeatureDrafter(DrafterBase):
         facts = engine.facts
         if not facts.feature_taps:
             raise ValueError("FeatureDrafter needs a feature draft (the manifest's draft.feature_taps)")
-        super().__init__(engine, params, recorder, confidence)
+        super().__init__(engine, params, recorder, confidence, confidence_rule)
         self.prompt_window = min(self.prompt_window, FEATURE_PROMPT_WINDOW)
         shape = (engine.lane_capacity + 1, len(facts.feature_taps), facts.hidden_size)
         if store is not None and (store.taps.shape != shape or store.taps.dtype != np.dtype(facts.dtype)):
@@ -174,6 +175,7 @@ class FeatureDrafter(DrafterBase):
         shared[b]+1 .. n_b-1 with real taps (one forward for all rows), then one drafted token per forward on its
         own hidden state. A row stops early after a token the draft is not confident of, and leaves the batch."""
         n, engine = len(bases), self.engine
+        self._window_p = [1.0] * n
         tokens: list[list[int]] = [[] for _ in range(n)]
         logits: list[list[np.ndarray]] = [[] for _ in range(n)]
         feeds = [base[1 + s:] for base, s in zip(bases, shared)]
@@ -205,7 +207,7 @@ class FeatureDrafter(DrafterBase):
                     token = self.vocab.choose(step_logits[i], self.params, rngs[b])
                 tokens[b].append(token)
                 room = gamma - len(tokens[b])
-                if room <= 0 or not self._confident(step_logits[i], token):
+                if room <= 0 or not self._confident(step_logits[i], token, b):
                     continue
                 if room <= self.streams:  # the stream heads' proposals fill the window: take them as drafted
                     tokens[b] += out[STREAM_IDS][i, -1, :room].astype(np.int64).tolist()

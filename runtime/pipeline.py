@@ -87,12 +87,13 @@ class Pipeline:
         # draft's own context (if shorter) steps run on the target alone
         self.context_limit = target.capacity
         # every generation's options: the built-in defaults with the plan's gamma, kappa, branch budget and draft
-        # confidence threshold
+        # confidence threshold and rule
         self.generation_config = GenerationConfig()
         if defaults:
             self.generation_config = dataclasses.replace(
                 self.generation_config, gamma=defaults.gamma, kappa=defaults.kappa,
-                branch_budget=defaults.branch_budget, draft_confidence_threshold=defaults.draft_confidence_threshold)
+                branch_budget=defaults.branch_budget, draft_confidence_threshold=defaults.draft_confidence_threshold,
+                draft_confidence_rule=defaults.draft_confidence_rule)
         self._worker: DraftWorker | None = None  # the last generation's draft worker, if its thread may still run
         self._feature_store: FeatureStore | None = None  # a feature draft's taps store, kept across generations
         # The engines are single-owner: generations from several threads run one at a time, each holding this
@@ -308,11 +309,12 @@ class Pipeline:
             # one taps store for every generation's drafter (FeatureDrafter: its pages stay mapped); only one drafter
             # at a time uses it, since a stalled earlier worker made this call return above
             drafter = FeatureDrafter(self.draft, cfg.params, recorder=rec, confidence=cfg.draft_confidence_threshold,
-                                     store=self._feature_store, streaming=cfg.draft_streaming)
+                                     store=self._feature_store, streaming=cfg.draft_streaming,
+                                     confidence_rule=cfg.draft_confidence_rule)
             self._feature_store = drafter.store
         else:
             drafter = Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming, recorder=rec,
-                              confidence=cfg.draft_confidence_threshold)
+                              confidence=cfg.draft_confidence_threshold, confidence_rule=cfg.draft_confidence_rule)
         self._worker = DraftWorker(drafter, threaded=threaded)
         return self._worker
 

@@ -18,7 +18,8 @@ Once, on the first split (greedy decoding: the numbers do not depend on timing):
 forward and branch hit rate for every measured (gamma, kappa, branch budget), from `Pipeline.generate` in mirror
 mode on the calibration prompts (greedy mirror commits exactly sd's windows, so its acceptance is sd's), and the
 per-step time that is neither target nor draft (the rendezvous).
-Last, the chosen setting is measured at several draft confidence thresholds, and, where the draft runs on the CPU,
+Last, the chosen setting is measured at several draft confidence thresholds on each token's probability and on the
+window's (GenerationConfig.draft_confidence_rule), and, where the draft runs on the CPU,
 with the draft on OpenVINO and on ONNX Runtime in turn, then with its branch budget and with none, then at each
 gamma of the grid: the fastest of each is what the plan keeps. (On a 2-core box, a streaming-draft forward beside
 the target took 1.7 ms on ONNX Runtime against 3.8-7.6 ms on OpenVINO's CPU plugin: its cost grows with a new input
@@ -69,8 +70,10 @@ class ProfileOptions:
     target_device: str | None = None
     draft_device: str | None = None
     coverage: dict[int, float] = field(default_factory=dict)  # optional exit layer -> top-k coverage
-    # draft confidence thresholds the chosen setting is measured at (the fastest is kept; 0: off)
+    # draft confidence thresholds the chosen setting is measured at (the fastest is kept; 0: off): on each token's
+    # probability, then on the window's so far (draft_confidence_rule "window"; () : not measured)
     confidence_thresholds: tuple[float, ...] = (0.0, 0.4, 0.6, 0.8)
+    window_confidence_thresholds: tuple[float, ...] = (0.3, 0.4, 0.5)
     # where the draft runs on the CPU: measure the chosen setting with the draft on each runtime, keep the faster
     compare_draft_backends: bool = True
     # measure the chosen setting with its branch budget and with none (every draft step sd's), keep the faster
@@ -494,15 +497,22 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     # The draft confidence threshold is outside the cost model: the chosen setting is measured at each threshold
     # and the fastest kept (a threshold shortens windows where the draft is unsure; output never changes). The
     # thresholds take turns prompt by prompt: measured one after another on a shared machine, the same setting ran
-    # at 44.9 tokens/s and, minutes later, at 55.3, more than the thresholds differed from each other.
-    runs = _alternating({str(t): (pipe, dict(draft_confidence_threshold=t)) for t in options.confidence_thresholds},
+    # at 44.9 tokens/s and, minutes later, at 55.3, more than the thresholds differed from each other. A threshold
+    # on the window's probability (its tokens' product) is measured beside those on each token's: scored offline on
+    # full windows it was the faster rule on both prompt sets, and in the runtime 1.023x +- 0.014 the plan's token
+    # rule (results/confidence-rule-ab.json).
+    settings = {str(t): ("token", t) for t in options.confidence_thresholds}
+    settings.update({f"window {t}": ("window", t) for t in options.window_confidence_thresholds})
+    runs = _alternating({name: (pipe, dict(draft_confidence_rule=rule, draft_confidence_threshold=t))
+                         for name, (rule, t) in settings.items()},
                         prompts, options.max_new_tokens, mode="mirror", gamma=c.gamma, kappa=c.kappa,
                         branch_budget=c.branch_budget)
-    by_threshold = {t: runs[str(t)] for t in options.confidence_thresholds}
-    for t, stats in by_threshold.items():
-        report(f"  draft confidence threshold {t}: {decode_rate(stats):.1f} tok/s")
-    threshold = max(by_threshold, key=lambda t: decode_rate(by_threshold[t]))
-    measured = by_threshold[threshold]
+    for name, stats in runs.items():
+        report(f"  draft confidence threshold {name}: {decode_rate(stats):.1f} tok/s")
+    kept = max(runs, key=lambda name: decode_rate(runs[name]))
+    rule, threshold = settings[kept]
+    measured, by_threshold = runs[kept], runs
+    confidence = dict(draft_confidence_rule=rule, draft_confidence_threshold=threshold)
     draft_backend, by_backend = None, {}
     if options.compare_draft_backends and options.draft_device is None and pipe.draft.device == "CPU" \
             and pipe.draft.backend == "openvino":
@@ -510,7 +520,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         other.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
         runs = _alternating({"openvino": (pipe, {}), "onnxruntime": (other, {})}, prompts, options.max_new_tokens,
                             mode="mirror", gamma=c.gamma, kappa=c.kappa, branch_budget=c.branch_budget,
-                            draft_confidence_threshold=threshold)
+                            **confidence)
         by_backend = {name: decode_rate(stats) for name, stats in runs.items()}
         report("  draft runtime on the CPU: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in by_backend.items()))
         draft_backend = max(by_backend, key=by_backend.get)
@@ -525,7 +535,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     if options.compare_no_branches and c.branch_budget:
         runs = _alternating({str(c.branch_budget): (pipe, dict(branch_budget=c.branch_budget)),
                              "0": (pipe, dict(branch_budget=0))}, prompts, options.max_new_tokens, mode="mirror",
-                            gamma=c.gamma, kappa=c.kappa, draft_confidence_threshold=threshold)
+                            gamma=c.gamma, kappa=c.kappa, **confidence)
         by_budget = {name: decode_rate(stats) for name, stats in runs.items()}
         report("  branch sets: " + ", ".join(f"budget {n} {v:.1f} tok/s" for n, v in by_budget.items()))
         modelled = measured = runs[str(c.branch_budget)]
@@ -553,8 +563,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     gamma, by_gamma = c.gamma, {}
     if options.compare_gammas and len(options.gammas) > 1:
         runs = _alternating({str(g): (pipe, dict(gamma=g)) for g in options.gammas}, prompts, options.max_new_tokens,
-                            mode="mirror", kappa=c.kappa, branch_budget=branch_budget,
-                            draft_confidence_threshold=threshold)
+                            mode="mirror", kappa=c.kappa, branch_budget=branch_budget, **confidence)
         by_gamma = {name: decode_rate(stats) for name, stats in runs.items()}
         report("  gamma: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in by_gamma.items()))
         gamma = int(max(by_gamma, key=by_gamma.get))
@@ -570,12 +579,12 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         "mean_accepted_tokens": _ratio(measured, "new_tokens", "target_steps"),
         "acceptance_rate": _ratio(measured, "accepted_tokens", "proposed_tokens"),
         "branch_hit_rate": _ratio(measured, "branch_hits", "branch_lookups"),
-        "tokens_per_second_by_draft_confidence_threshold": {str(t): decode_rate(v) for t, v in by_threshold.items()},
+        "tokens_per_second_by_draft_confidence_threshold": {n: decode_rate(v) for n, v in by_threshold.items()},
         **({"tokens_per_second_by_draft_backend": by_backend} if by_backend else {}),
         **({"tokens_per_second_by_branch_budget": by_budget} if by_budget else {}),
         **({"tokens_per_second_by_gamma": by_gamma} if by_gamma else {}),
     }, draft_confidence_threshold=threshold, draft_backend=draft_backend, branch_budget=branch_budget, gamma=gamma,
-        threads=threads)
+        threads=threads, draft_confidence_rule=rule)
     doc["past_tokens"] = past_len
     # every calibration setting, predicted on the calibration split at the bundle's exit layer vs measured there
     t, d = splits[0]

@@ -3,7 +3,8 @@
 No KV cache is kept between forwards: every forward runs the whole sequence from an empty cache, so none of the
 scheduler's cache trimming, branching or threading is involved. Greedy only. gamma 0 is plain target decoding;
 gamma > 0 is vanilla speculative decoding with the draft, which must give the same tokens. confidence > 0 ends a
-window after a token the draft gives a probability below it (GenerationConfig.draft_confidence_threshold).
+window after a token the draft gives a probability below it (GenerationConfig.draft_confidence_threshold), or, with
+rule "window", after the token where the product of the window's probabilities falls below it.
 
 A feature draft (runtime/feature_draft.py) reads the target's taps: every input of the committed sequence with
 the taps of the position before it, from a prefix run over the whole sequence; each drafted input with the
@@ -22,7 +23,8 @@ from mirror_sd.runtime.target import Target
 
 
 def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[int], max_new_tokens: int,
-                       gamma: int = 0, eos_token_ids: tuple[int, ...] = (), confidence: float = 0.0) -> list[int]:
+                       gamma: int = 0, eos_token_ids: tuple[int, ...] = (), confidence: float = 0.0,
+                       rule: str = "token") -> list[int]:
     """The new tokens (up to and including the first EOS) of greedy decoding of `prompt`."""
 
     def target_tokens(seq: list[int]) -> np.ndarray:
@@ -35,7 +37,7 @@ def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[i
     while len(new) < max_new_tokens and not (new and new[-1] in eos_token_ids):
         # 1. the draft proposes a window, one token at a time (never more than could be committed)
         size = min(gamma, max_new_tokens - len(new) - 1) if draft is not None else 0
-        window = reference_window(target, draft, seq, size, confidence)[0] if size else []
+        window = reference_window(target, draft, seq, size, confidence, rule)[0] if size else []
         # 2. the target scores the sequence with the window: its token after seq[-1], after window[0], ...
         choices = target_tokens(seq + window)[len(seq) - 1:]  # [len(window) + 1]
         # 3. accept the longest prefix of the window the target agrees with, then the target's own token
@@ -56,17 +58,22 @@ def _greedy(draft: DraftEngine, row: np.ndarray) -> tuple[int, float]:
     return token, probability(row, column)
 
 
-def reference_window(target: Target, draft: DraftEngine, seq: list[int], size: int, confidence: float = 0.0
-                     ) -> tuple[list[int], list[float]]:
+def reference_window(target: Target, draft: DraftEngine, seq: list[int], size: int, confidence: float = 0.0,
+                     rule: str = "token") -> tuple[list[int], list[float]]:
     """Up to `size` greedy draft tokens continuing seq, and the draft's probability of each; the window ends after a
-    token whose probability is below `confidence`."""
+    token whose probability (rule "window": the product of the window's so far) is below `confidence`."""
     if getattr(draft.facts, "feature_taps", ()):
-        return reference_feature_window(target, draft, seq, size, confidence)
-    return reference_token_window(draft, seq, size, confidence)
+        return reference_feature_window(target, draft, seq, size, confidence, rule=rule)
+    return reference_token_window(draft, seq, size, confidence, rule)
 
 
-def reference_token_window(draft: DraftEngine, seq: list[int], size: int, confidence: float = 0.0
-                           ) -> tuple[list[int], list[float]]:
+def _ends(probs: list[float], confidence: float, rule: str) -> bool:
+    """Whether a window whose tokens have probabilities `probs` ends after its last one."""
+    return float(np.prod(probs) if rule == "window" else probs[-1]) < confidence
+
+
+def reference_token_window(draft: DraftEngine, seq: list[int], size: int, confidence: float = 0.0,
+                           rule: str = "token") -> tuple[list[int], list[float]]:
     """A token draft's window (as reference_window), one token per forward over the whole sequence."""
     window: list[int] = []
     probs: list[float] = []
@@ -74,13 +81,14 @@ def reference_token_window(draft: DraftEngine, seq: list[int], size: int, confid
         token, p = _greedy(draft, draft.prefill(np.asarray([seq + window], np.int64))[LOGITS][0, -1])
         window.append(token)
         probs.append(p)
-        if p < confidence:
+        if _ends(probs, confidence, rule):
             break
     return window, probs
 
 
 def reference_feature_window(target: Target, draft: DraftEngine, seq: list[int], size: int,
-                             confidence: float = 0.0, trust_streams: bool = False) -> tuple[list[int], list[float]]:
+                             confidence: float = 0.0, trust_streams: bool = False, rule: str = "token"
+                             ) -> tuple[list[int], list[float]]:
     """A feature draft's window (as reference_window): inputs seq[1:] with real taps, then its own on
     surrogates. trust_streams: a draft with stream heads ends the window with their proposals once they fill it
     (streaming "trust"); those tokens have no probability (nan)."""
@@ -99,7 +107,7 @@ def reference_feature_window(target: Target, draft: DraftEngine, seq: list[int],
         token, p = _greedy(draft, out[LOGITS][0, -1])
         window.append(token)
         probs.append(p)
-        if p < confidence:
+        if _ends(probs, confidence, rule):
             break
         room = size - len(window)
         if trust_streams and 0 < room <= draft.facts.streams:

@@ -364,6 +364,7 @@ def _param_of(error: BadInputError, chat: bool) -> str | None:
     fields = {"max_new_tokens": "max_tokens", "gamma": "mirror.gamma", "kappa": "mirror.kappa",
               "branch_budget": "mirror.branch_budget", "draft_streaming": "mirror.draft_streaming",
               "draft_confidence_threshold": "mirror.draft_confidence_threshold", "mode": "mirror.mode",
+              "draft_confidence_rule": "mirror.draft_confidence_rule",
               "adaptive_speculation": "mirror.adaptive_speculation",
               "prompt_lookup_num_tokens": "mirror.prompt_lookup_num_tokens",
               "prompt_lookup_schedule": "mirror.prompt_lookup_schedule",

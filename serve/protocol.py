@@ -4,7 +4,7 @@ response objects, as plain data. Nothing here runs a model.
 Requests accept the fields this server honours and nothing else: a field it would silently ignore (logprobs, tools,
 n > 1, ...) is a 400 that names it, so a client never believes it got what it asked for. The project's own
 options ride in `mirror` (mode, gamma, kappa, branch_budget, draft_streaming, draft_confidence_threshold,
-adaptive_speculation, prompt_lookup_num_tokens, prompt_lookup_schedule).
+draft_confidence_rule, adaptive_speculation, prompt_lookup_num_tokens, prompt_lookup_schedule).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class MirrorOptions(_Strict):
     branch_budget: int | None = Field(default=None, ge=0)
     draft_streaming: Literal["off", "verify", "trust"] | None = None
     draft_confidence_threshold: float | None = Field(default=None, ge=0.0, lt=1.0)
+    draft_confidence_rule: Literal["token", "window"] | None = None
     adaptive_speculation: bool | None = None
     prompt_lookup_num_tokens: int | None = Field(default=None, ge=0)
     prompt_lookup_schedule: Literal["constant", "heuristic"] | None = None

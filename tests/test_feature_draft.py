@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 
 import numpy as np
@@ -526,8 +527,9 @@ def test_a_drafter_on_an_earlier_drafters_store_drafts_as_a_fresh_one(fed):
 
 
 def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does(fed):
-    """With a confidence threshold, rollouts and branch rows (which leave the batch as they end) are the
-    reference's windows with the same threshold, and sd/mirror stay exact."""
+    """With a confidence threshold (on each token's probability, or on the window's: "window"), rollouts and branch
+    rows (which leave the batch as they end) are the reference's windows with the same threshold, and sd/mirror stay
+    exact."""
     from mirror_sd.runtime.feature_draft import FeatureDrafter
     from mirror_sd.runtime.messages import ExitCandidates
     from mirror_sd.runtime.reference import reference_feature_window, reference_generate
@@ -537,12 +539,12 @@ def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does
     target = pipe.target
     lengths = set()
     for prompt in prompts:
-        for threshold in (0.3, 0.6, 0.9):
-            drafter = FeatureDrafter(pipe.draft, SamplingParams(), confidence=threshold)
+        for rule, threshold in (("token", 0.3), ("token", 0.6), ("token", 0.9), ("window", 0.3), ("window", 0.6)):
+            drafter = FeatureDrafter(pipe.draft, SamplingParams(), confidence=threshold, confidence_rule=rule)
             drafter.warm(tuple(prompt), (block(prompt, 0),))
             ctx = prompt + [int(target.prefill(prompt, target.empty_cache())[0].argmax())]
             window = drafter.rollout(tuple(ctx), 4, (block(ctx, len(prompt)),)).tokens
-            assert list(window) == reference_feature_window(target, pipe.draft, ctx, 4, threshold)[0]
+            assert list(window) == reference_feature_window(target, pipe.draft, ctx, 4, threshold, rule=rule)[0]
             lengths.add(len(window))
             # branches over the verification window [pending] + window, whose taps come with the request
             verified = ctx + list(window)
@@ -553,15 +555,16 @@ def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does
             for r, v in plan:
                 base = ctx + list(window[:r]) + [v]
                 got = branches.windows[(r, v)].tokens
-                want = reference_feature_window(target, pipe.draft, base, 4, threshold)[0]
+                want = reference_feature_window(target, pipe.draft, base, 4, threshold, rule=rule)[0]
                 assert list(got) == want, (r, v)
                 lengths.add(len(got))
         ar = pipe.generate(prompt, mode="ar", max_new_tokens=24)
         assert reference_generate(target, pipe.draft, prompt, 24, gamma=4, confidence=0.6) == ar.token_ids[:24]
-        for mode, overlap in (("sd", True), ("sd", False), ("mirror", True), ("mirror", False)):
+        for (mode, overlap), rule in itertools.product((("sd", True), ("sd", False), ("mirror", True),
+                                                         ("mirror", False)), ("token", "window")):
             out = pipe.generate(prompt, mode=mode, max_new_tokens=24, gamma=4, overlap=overlap,
-                                draft_confidence_threshold=0.6)
-            assert out.token_ids == ar.token_ids, f"{mode} overlap={overlap}"
+                                draft_confidence_threshold=0.6, draft_confidence_rule=rule)
+            assert out.token_ids == ar.token_ids, f"{mode} overlap={overlap} rule={rule}"
             assert out.stats["fallbacks"] == 0 and out.stats["draft_failures"] == 0
     assert len(lengths) > 2  # windows ended at several places
 

@@ -61,7 +61,8 @@ def test_pipeline_config_and_overrides(pipe):
     ({"adaptive_speculation": "no"}, "adaptive_speculation"),
     ({"prompt_lookup_num_tokens": -1}, "prompt_lookup_num_tokens"),
     ({"max_matching_ngram_size": 1}, "max_matching_ngram_size"),
-    ({"prompt_lookup_schedule": "fast"}, "prompt_lookup_schedule")])
+    ({"prompt_lookup_schedule": "fast"}, "prompt_lookup_schedule"),
+    ({"draft_confidence_rule": "sum"}, "draft_confidence_rule")])
 def test_errors_name_the_option_at_fault(pipe, options, option):
     """The server maps `option` to the request field (serve/app.py), so each check must name its own option."""
     with pytest.raises(BadInputError) as caught:

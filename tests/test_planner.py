@@ -187,6 +187,11 @@ def test_plan_file_round_trip(tmp_path):
     assert defaults == pf.RuntimeDefaults(run.gamma, run.kappa, run.branch_budget, 1, 1, 0.6)
     older = {**doc, "runtime": {k: v for k, v in doc["runtime"].items() if k != "draft_confidence_threshold"}}
     assert pf.runtime_defaults(older, 4, 8).draft_confidence_threshold == 0.0  # plans from before it: off
+    assert defaults.draft_confidence_rule == "token"
+    before_rules = {**doc, "runtime": {k: v for k, v in doc["runtime"].items() if k != "draft_confidence_rule"}}
+    assert pf.runtime_defaults(before_rules, 4, 8).draft_confidence_rule == "token"  # plans from before it
+    windowed = pl.plan_document(profile, plans, draft_confidence_threshold=0.3, draft_confidence_rule="window")
+    assert pf.runtime_defaults(windowed, 4, 8).draft_confidence_rule == "window"
     assert "draft_backend" not in doc["runtime"] and defaults.draft_backend is None  # not measured: the manifest's
     chose = pl.plan_document(profile, plans, draft_backend="onnxruntime")
     assert pf.runtime_defaults(chose, 4, 8).draft_backend == "onnxruntime"
@@ -197,6 +202,8 @@ def test_plan_file_round_trip(tmp_path):
         pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "draft_backend": "tensorrt"}}, 4, 8)
     with pytest.raises(BadInputError, match="draft_confidence_threshold"):
         pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "draft_confidence_threshold": 1.5}}, 4, 8)
+    with pytest.raises(BadInputError, match="draft_confidence_rule"):
+        pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "draft_confidence_rule": "sum"}}, 4, 8)
     assert pf.export_advice(read) == pf.ExportAdvice(plans[0].choice.exit_layer, plans[0].choice.kappa)
     assert read["export"]["needs_export"] and read["runtime"]["measured"]["tokens_per_second"] == 100.0
     with pytest.raises(BadInputError, match="made for exit layer 4"):
@@ -258,21 +265,26 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     # the runtime's defaults now come from the plan; explicit options still win
     from mirror_sd.runtime.pipeline import Pipeline
 
-    # the draft confidence threshold: the chosen setting measured at each, the fastest kept
+    # the draft confidence threshold: the chosen setting measured at each, on each token's probability and on the
+    # window's, the fastest kept with its rule
     swept = measured["tokens_per_second_by_draft_confidence_threshold"]
-    assert set(swept) == {"0.0", "0.4", "0.6", "0.8"} and all(v > 0 for v in swept.values())
-    assert swept[str(run["draft_confidence_threshold"])] == max(swept.values())
+    assert set(swept) == {"0.0", "0.4", "0.6", "0.8", "window 0.3", "window 0.4", "window 0.5"}
+    assert all(v > 0 for v in swept.values())
+    kept = str(run["draft_confidence_threshold"])
+    assert swept[kept if run["draft_confidence_rule"] == "token" else f"window {kept}"] == max(swept.values())
     # the draft runs on the CPU here: the chosen setting measured with it on each runtime, the faster kept
     runtimes = measured["tokens_per_second_by_draft_backend"]
     assert set(runtimes) == {"openvino", "onnxruntime"} and all(v > 0 for v in runtimes.values())
     assert runtimes[run["draft_backend"]] == max(runtimes.values())
     pipe = Pipeline.load(bundle)
     assert pipe.defaults == pf.RuntimeDefaults(run["gamma"], 4, run["branch_budget"], 1, 1,
-                                               run["draft_confidence_threshold"], run["draft_backend"])
+                                               run["draft_confidence_threshold"], run["draft_backend"],
+                                               run["draft_confidence_rule"])
     assert pipe.draft.backend == run["draft_backend"]
     for backend in ("openvino", "onnxruntime"):  # an explicit choice wins over the plan's
         assert Pipeline.load(bundle, draft_backend=backend).draft.backend == backend
     assert pipe.generation_config.draft_confidence_threshold == run["draft_confidence_threshold"]
+    assert pipe.generation_config.draft_confidence_rule == run["draft_confidence_rule"]
     stats = pipe.generate([5, 17, 33], max_new_tokens=6).stats
     assert (stats["gamma"], stats["kappa"], stats["branch_budget"]) == (run["gamma"], 4, run["branch_budget"])
     assert pipe.generate([5, 17, 33], max_new_tokens=6, gamma=1, kappa=2).stats["gamma"] == 1

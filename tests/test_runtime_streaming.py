@@ -171,42 +171,46 @@ def test_confirm_stops_at_the_first_mismatch(choices, proposals, room, new, stop
     assert asked == list(range(len(new)))  # choices (sampling draws) are made in order, only as far as used
 
 
-@pytest.mark.parametrize("streaming", ["off", "verify"])
-def test_confidence_threshold_ends_windows_as_the_reference_does(pipe, streaming):
+@pytest.mark.parametrize("streaming,rule", [("off", "token"), ("verify", "token"), ("verify", "window")])
+def test_confidence_threshold_ends_windows_as_the_reference_does(pipe, streaming, rule):
     """A window with a confidence threshold is the full window cut after its first token the draft gives a
-    probability below the threshold (the reference's probabilities: one forward per token); fresh rollouts,
-    rollouts continuing a kept lane, and branch rows alike."""
+    probability below the threshold (rule "window": where the product of the window's probabilities falls below
+    it; the reference's probabilities: one forward per token); fresh rollouts, rollouts continuing a kept lane, and
+    branch rows alike."""
     cut_at = []
     for ctx in random_contexts(4, seed=4):
         full = Drafter(pipe.draft, SamplingParams(), streaming=streaming).rollout(ctx, 6).tokens
         reference, probs = reference_token_window(pipe.draft, list(ctx), 6)  # one forward per token
         assert tuple(reference) == full
-        ranked = sorted(probs)
+        scores = list(np.cumprod(probs)) if rule == "window" else probs
+        ranked = sorted(scores)
         # thresholds between the probabilities (away from any of them: the cached forwards round differently), so
         # that windows end at varying places
         for threshold in [(a + b) / 2 for a, b in zip(ranked, ranked[1:]) if b - a > 1e-4]:
-            low = [j for j, p in enumerate(probs) if p < threshold]
+            low = [j for j, p in enumerate(scores) if p < threshold]
             want = full[:low[0] + 1] if low else full
-            drafter = Drafter(pipe.draft, SamplingParams(), streaming=streaming, confidence=threshold)
+            drafter = Drafter(pipe.draft, SamplingParams(), streaming=streaming, confidence=threshold,
+                              confidence_rule=rule)
             drafter.warm(ctx[:-1])
             got = drafter.rollout(ctx, 6)
             assert got.tokens == want
-            assert list(got.tokens) == reference_token_window(pipe.draft, list(ctx), 6, threshold)[0]
+            assert list(got.tokens) == reference_token_window(pipe.draft, list(ctx), 6, threshold, rule)[0]
             cut_at.append(len(want))
             # the lane goes on from what this rollout fed, as without a threshold
             nxt = ctx + got.tokens[:1] + (5,)
-            want_next = reference_token_window(pipe.draft, list(nxt), 6, threshold)[0]
+            want_next = reference_token_window(pipe.draft, list(nxt), 6, threshold, rule)[0]
             assert list(drafter.rollout(nxt, 6).tokens) == want_next
             # branch rows: each ends where a fresh rollout of its context ends
             window = full[:3]
             candidates = ExitCandidates(ctx, window, np.array([[3, 4]] * 4), np.log(np.full((4, 2), 0.5)))
             plan = ((0, 3), (1, 4), (3, 3))
-            fresh = Drafter(pipe.draft, SamplingParams(), streaming=streaming, confidence=threshold)
+            fresh = Drafter(pipe.draft, SamplingParams(), streaming=streaming, confidence=threshold,
+                            confidence_rule=rule)
             fresh.warm(ctx)
             branches = fresh.branches(candidates, plan, 6)
             for r, v in plan:
                 base = list(ctx) + list(window[:r]) + [v]
-                want_row = reference_token_window(pipe.draft, base, 6, threshold)[0]
+                want_row = reference_token_window(pipe.draft, base, 6, threshold, rule)[0]
                 assert list(branches.windows[(r, v)].tokens) == want_row
     assert len(set(cut_at)) > 1  # windows of several lengths
 
@@ -216,12 +220,18 @@ def test_confidence_threshold_keeps_sd_and_mirror_exact(pipe):
     ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
     assert reference_generate(pipe.target, pipe.draft, list(prompt), NEW_TOKENS, gamma=4, confidence=0.01) \
         == ar.token_ids
+    assert reference_generate(pipe.target, pipe.draft, list(prompt), NEW_TOKENS, gamma=4, confidence=0.01,
+                              rule="window") == ar.token_ids
     for mode, overlap, streaming, threshold in itertools.product(("sd", "mirror"), (True, False), ("trust", "off"),
                                                                  (0.005, 0.02, 0.99)):
         out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=4, overlap=overlap,
                             draft_streaming=streaming, draft_confidence_threshold=threshold,
                             prompt_lookup_num_tokens=0)  # every window from the draft
         assert out.token_ids == ar.token_ids, f"{mode} overlap={overlap} streaming={streaming} threshold={threshold}"
+        windowed = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, gamma=4, overlap=overlap,
+                                 draft_streaming=streaming, draft_confidence_threshold=threshold,
+                                 draft_confidence_rule="window", prompt_lookup_num_tokens=0)
+        assert windowed.token_ids == ar.token_ids, f"window rule: {mode} overlap={overlap} streaming={streaming}"
         assert out.stats["fallbacks"] == 0
         if mode == "sd" and threshold == 0.99:  # this random draft is never that sure: every window is one token
             assert out.stats["proposed_tokens"] == out.stats["fresh_rollouts"]

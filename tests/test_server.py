@@ -142,6 +142,8 @@ def test_stop_strings_and_seeds(pipe, client):
     ({"model": MODEL, "prompt": "hi", "mirror": {"kappa": 99}}, None, 400, "mirror.kappa", "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "mirror": {"draft_confidence_threshold": 1.5}}, None, 400,
      "mirror.draft_confidence_threshold", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "mirror": {"draft_confidence_rule": "sum"}}, None, 400,
+     "mirror.draft_confidence_rule", "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "mirror": {"adaptive_speculation": "maybe"}}, None, 400,
      "mirror.adaptive_speculation", "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "mirror": {"prompt_lookup_num_tokens": -1}}, None, 400,
