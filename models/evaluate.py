@@ -149,6 +149,7 @@ def evaluate(bundle: Path, n_per_kind: int, gamma: int, max_new_tokens: int, rep
                                      **{n: median(n, "tokens_per_second") for n in runs}},
         "mirror_draft_hidden_fraction": median("mirror", "draft_hidden_fraction"),
         "draft_confidence_threshold_planned": pipe.generation_config.draft_confidence_threshold,
+        "draft_confidence_rule_planned": pipe.generation_config.draft_confidence_rule,
         "mirror_branch_budget": branch_budget if branch_budget is not None else pipe.generation_config.branch_budget,
         "mirror_planned_branch_budget": runs["mirror_planned"].get("branch_budget",
                                                                    pipe.generation_config.branch_budget),
