@@ -569,6 +569,25 @@ def test_feature_drafter_confidence_threshold_ends_windows_as_the_reference_does
     assert len(lengths) > 2  # windows ended at several places
 
 
+def test_an_inline_feature_draft_reads_the_prompt_after_the_first_token(fed):
+    """A feature draft reads the prompt after the prefill (it needs the prefill's taps). Served inline (sd; mirror
+    without branch sets; overlap off) that reading would hold back the first token: the first token is out before
+    the draft has read anything, and the generation is still exact and speculates."""
+    pipe, _, prompts = fed
+    prompt = prompts[0]
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=16)
+    for mode, overlap in (("sd", True), ("mirror", False)):
+        stream = pipe.stream(prompt, mode=mode, max_new_tokens=16, overlap=overlap, adaptive_speculation=False,
+                             prompt_lookup_num_tokens=0)
+        chunks = iter(stream)
+        first = next(chunks)
+        worker = pipe._worker
+        assert not worker.threaded and worker.drafter.lane.length == 0, mode  # nothing read yet
+        rest = [c.token_id for c in chunks]
+        assert [first.token_id, *rest] == ar.token_ids, mode
+        assert stream.result.stats["proposed_tokens"] > 0 and stream.result.stats["fallbacks"] == 0, mode
+
+
 def test_feature_draft_packages_for_a_static_device(trained_feature_bundle, tmp_path, monkeypatch):
     """The static NPU package of a feature draft: the channel's inputs at fixed shapes, the static engine feeding
     them; outputs stay the target's and the package, with the bundle's own int8 weights, drafts what the bundle
