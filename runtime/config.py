@@ -27,10 +27,6 @@ MODES = ("ar", "sd", "mirror")
 # (greedy) the last ones taken as drafted. "verify" windows equal one-token-per-forward windows; "trust" windows
 # take fewer forwards. True means "trust", False "off".
 STREAMING_MODES = ("off", "verify", "trust")
-# What draft_confidence_threshold is compared with after each drafted token (partitions/plan_file.py
-# CONFIDENCE_RULES): that token's draft probability ("token", transformers' assistant_confidence_threshold), or the
-# draft's probability of the whole window so far, the product of its tokens' ("window": for a calibrated draft, the
-# chance the target accepts every token up to here)
 
 
 @dataclass(frozen=True)
@@ -56,7 +52,10 @@ class GenerationConfig:
     # a draft window ends after a token whose draft probability is below this (transformers' assisted generation
     # calls it assistant_confidence_threshold); 0: every window runs to gamma. Output never depends on it.
     draft_confidence_threshold: float = 0.0
-    draft_confidence_rule: str = "token"  # CONFIDENCE_RULES: what the threshold is compared with
+    # what the threshold is compared with after each drafted token (partitions/plan_file.py CONFIDENCE_RULES): that
+    # token's draft probability ("token", transformers' rule), or the draft's probability of the whole window so far,
+    # the product of its tokens' ("window": for a calibrated draft, the chance the target takes all of it)
+    draft_confidence_rule: str = "token"
     # greedy sd / mirror: before each step, speculate or run the target alone, whichever this generation has
     # measured faster (runtime/gate.py), and in mirror roll out a branch set under the suffix or not, likewise;
     # False: every step speculates (mirror's with a branch set, unless its budget is 0). Output never depends on
