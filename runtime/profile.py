@@ -503,15 +503,15 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     # rule (results/confidence-rule-ab.json).
     settings = {str(t): ("token", t) for t in options.confidence_thresholds}
     settings.update({f"window {t}": ("window", t) for t in options.window_confidence_thresholds})
-    runs = _alternating({name: (pipe, dict(draft_confidence_rule=rule, draft_confidence_threshold=t))
-                         for name, (rule, t) in settings.items()},
-                        prompts, options.max_new_tokens, mode="mirror", gamma=c.gamma, kappa=c.kappa,
-                        branch_budget=c.branch_budget)
-    for name, stats in runs.items():
+    by_threshold = _alternating({name: (pipe, dict(draft_confidence_rule=rule, draft_confidence_threshold=t))
+                                 for name, (rule, t) in settings.items()},
+                                prompts, options.max_new_tokens, mode="mirror", gamma=c.gamma, kappa=c.kappa,
+                                branch_budget=c.branch_budget)
+    for name, stats in by_threshold.items():
         report(f"  draft confidence threshold {name}: {decode_rate(stats):.1f} tok/s")
-    kept = max(runs, key=lambda name: decode_rate(runs[name]))
+    kept = max(by_threshold, key=lambda name: decode_rate(by_threshold[name]))
     rule, threshold = settings[kept]
-    measured, by_threshold = runs[kept], runs
+    measured = by_threshold[kept]
     confidence = dict(draft_confidence_rule=rule, draft_confidence_threshold=threshold)
     draft_backend, by_backend = None, {}
     if options.compare_draft_backends and options.draft_device is None and pipe.draft.device == "CPU" \

@@ -401,12 +401,12 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # would hold back the first token: it is asked for once that token is out (the feature bundle's first token
     # over ar's: sd 1.067 -> 1.006, mirror 1.074 -> 0.990; results/ttft-ab.json). On its thread it is asked for
     # before, so that it reads while the caller takes the token.
-    late_warm = warm and not alongside and not worker.threaded
-    if warm and not alongside and not late_warm:
+    after_prefill = warm and not alongside
+    if after_prefill and worker.threaded:
         warmed = worker.submit(Warm(tuple(prompt), dec.take_features()))
     dec.draft_seen = len(prompt) if warm else 0
     yield ctx[-1]
-    if late_warm:
+    if after_prefill and not worker.threaded:
         warmed = worker.submit(Warm(tuple(prompt), dec.take_features()))
     window: DraftWindow | None = None
     gate: SpeculationGate | None = None  # resumed in the loop from the memory of the context's bucket
