@@ -30,17 +30,17 @@ CALLS = [("carry the payload's first 62 MiB (the machine's start counted here)",
          ("more task-kind turns on the same warm machine, 2.9 min (the next stage's data)", 196.3, 786.0)]
 
 
-def git_json(path: str) -> dict:
-    return json.loads(subprocess.check_output(["git", "show", f"{BEFORE}:{path}"]))
+def git_json(path: str, before: str = BEFORE) -> dict:
+    return json.loads(subprocess.check_output(["git", "show", f"{before}:{path}"]))
 
 
-def task_file() -> dict:
+def task_file(trained: int = TRAINED) -> dict:
     sys.path.insert(0, ".")
     from mirror_sd.models import answers
 
     records = answers.read(TASKS)
     out = {}
-    for name, part in (("read_by_this_stage", records[:TRAINED]), ("next_stage", records[TRAINED:])):
+    for name, part in (("read_by_this_stage", records[:trained]), ("next_stage", records[trained:])):
         kinds, tokens = collections.Counter(), collections.Counter()
         for r in part:
             kinds[r["kind"]] += 1
@@ -49,6 +49,17 @@ def task_file() -> dict:
                      "records_by_kind": dict(sorted(kinds.items())),
                      "answer_tokens_by_kind": dict(sorted(tokens.items()))}
     return out
+
+
+def draft_stage(training: dict, before: dict, start: str, data: str, log: Path) -> dict:
+    """A GPU draft stage's summary: what it read and its in-run held-out figures before and after."""
+    keep = ("tokens_per_step", "acceptance", "walked_tokens_per_step")
+    return {"from": start, "lr": training["lr"], "batches": training["train"]["batches"],
+            "gpu_minutes": training["train"]["minutes"], "records": training["records"],
+            "answer_tokens": training["answer_tokens"], "data": data,
+            "in_run_held_out_first_600_records": {"before": {k: round(before["held_out"][k], 3) for k in keep},
+                                                  "after": {k: round(training["held_out"][k], 3) for k in keep}},
+            "log": str(log)}
 
 
 def main() -> None:
@@ -66,7 +77,6 @@ def main() -> None:
                        "per_kind_tokens_per_step_before_after": {
                            k: [round(before["summary"]["per_kind_mean_accepted_tokens"][k], 3), round(v, 3)]
                            for k, v in after["summary"]["per_kind_mean_accepted_tokens"].items()}}
-    keep = ("tokens_per_step", "acceptance", "walked_tokens_per_step")
     out = {
         "question": "user turns of the benchmark's task kinds (translation, summaries, passages with questions, word "
                     "problems, why/how questions, follow-ups), written by the target from openings given in "
@@ -82,16 +92,9 @@ def main() -> None:
                    "did not end, repeats and the held-out and benchmark prompts dropped; the fp32 target's greedy "
                    "answer, at most 160 tokens, 512 conversations per batch",
             "first_call": first, "second_call": second, "file": str(TASKS), **task_file()},
-        "draft_stage": {
-            "from": "the sixteenth stage", "lr": training["lr"], "batches": training["train"]["batches"],
-            "gpu_minutes": training["train"]["minutes"], "records": training["records"],
-            "answer_tokens": training["answer_tokens"],
-            "data": "every answers file once, the task answers' first call twice (read twice as often)",
-            "in_run_held_out_first_600_records": {
-                "before": {k: round(before_training["held_out"][k], 3) for k in keep},
-                "after": {k: round(training["held_out"][k], 3) for k in keep}},
-            "log": str(RUN / "run-draft.log"),
-        },
+        "draft_stage": draft_stage(training, before_training, "the sixteenth stage",
+                                   "every answers file once, the task answers' first call twice (read twice as "
+                                   "often)", RUN / "run-draft.log"),
         "stream_heads": {
             "batches": streams["train"]["batches"], "gpu_minutes": streams["train"]["minutes"],
             "stream_accuracy_before_after": [[round(a, 3) for a in before_streams["train"]["stream_accuracy"]],
