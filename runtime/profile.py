@@ -18,12 +18,12 @@ Once, on the first split (greedy decoding: the numbers do not depend on timing):
 forward and branch hit rate for every measured (gamma, kappa, branch budget), from `Pipeline.generate` in mirror
 mode on the calibration prompts (greedy mirror commits exactly sd's windows, so its acceptance is sd's), and the
 per-step time that is neither target nor draft (the rendezvous).
-Last, the chosen setting is measured at several draft confidence thresholds on each token's probability and on the
-window's (GenerationConfig.draft_confidence_rule), and, where the draft runs on the CPU,
-with the draft on OpenVINO and on ONNX Runtime in turn, then with its branch budget and with none, then at each
-gamma of the grid: the fastest of each is what the plan keeps. (On a 2-core box, a streaming-draft forward beside
-the target took 1.7 ms on ONNX Runtime against 3.8-7.6 ms on OpenVINO's CPU plugin: its cost grows with a new input
-shape at every step and with caches the target's weights have evicted.)
+Last, the chosen setting is measured with its branch budget and with none; then, at the kept budget and threads,
+at several draft confidence thresholds on each token's probability and on the window's
+(GenerationConfig.draft_confidence_rule), where the draft runs on the CPU with the draft on OpenVINO and on ONNX
+Runtime in turn, and at each gamma of the grid: the fastest of each is what the plan keeps. (On a 2-core box, a
+streaming-draft forward beside the target took 1.7 ms on ONNX Runtime against 3.8-7.6 ms on OpenVINO's CPU plugin:
+its cost grows with a new input shape at every step and with caches the target's weights have evicted.)
 """
 
 from __future__ import annotations
@@ -494,48 +494,17 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     report(f"measuring the chosen setting: gamma {c.gamma} kappa {c.kappa} budget {c.branch_budget} threads "
            f"{c.target_threads}+{c.draft_threads}")
     pipe = pipes[(c.target_threads, c.draft_threads)]
-    # The draft confidence threshold is outside the cost model: the chosen setting is measured at each threshold
-    # and the fastest kept (a threshold shortens windows where the draft is unsure; output never changes). The
-    # thresholds take turns prompt by prompt: measured one after another on a shared machine, the same setting ran
-    # at 44.9 tokens/s and, minutes later, at 55.3, more than the thresholds differed from each other. A threshold
-    # on the window's probability (its tokens' product) is measured beside those on each token's: scored offline on
-    # full windows it was the faster rule on both prompt sets, and in the runtime 1.023x +- 0.014 the plan's token
-    # rule (results/confidence-rule-ab.json).
-    settings = {str(t): ("token", t) for t in options.confidence_thresholds}
-    settings.update({f"window {t}": ("window", t) for t in options.window_confidence_thresholds})
-    by_threshold = _alternating({name: (pipe, dict(draft_confidence_rule=rule, draft_confidence_threshold=t))
-                                 for name, (rule, t) in settings.items()},
-                                prompts, options.max_new_tokens, mode="mirror", gamma=c.gamma, kappa=c.kappa,
-                                branch_budget=c.branch_budget)
-    for name, stats in by_threshold.items():
-        report(f"  draft confidence threshold {name}: {decode_rate(stats):.1f} tok/s")
-    kept = max(by_threshold, key=lambda name: decode_rate(by_threshold[name]))
-    rule, threshold = settings[kept]
-    measured = by_threshold[kept]
-    confidence = dict(draft_confidence_rule=rule, draft_confidence_threshold=threshold)
-    draft_backend, by_backend = None, {}
-    if options.compare_draft_backends and options.draft_device is None and pipe.draft.device == "CPU" \
-            and pipe.draft.backend == "openvino":
-        other = load(c.target_threads, c.draft_threads, "onnxruntime")
-        other.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
-        runs = _alternating({"openvino": (pipe, {}), "onnxruntime": (other, {})}, prompts, options.max_new_tokens,
-                            mode="mirror", gamma=c.gamma, kappa=c.kappa, branch_budget=c.branch_budget,
-                            **confidence)
-        by_backend = {name: decode_rate(stats) for name, stats in runs.items()}
-        report("  draft runtime on the CPU: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in by_backend.items()))
-        draft_backend = max(by_backend, key=by_backend.get)
-        measured = runs[draft_backend]
-        pipe = other if draft_backend == "onnxruntime" else pipe
-    # Branch sets, last: the cost model times the suffix beside a branch set, but not what the two threads do to
-    # the steps around it. On two shared cores a mirror step with a branch set ran 1.14x as long as sd's at the same
+    # Branch sets first: the cost model times the suffix beside a branch set, but not what the two threads do to the
+    # steps around it. On two shared cores a mirror step with a branch set ran 1.14x as long as sd's at the same
     # tokens per step (results/README.md, "Mirror's branch gate"). So the setting is measured with its budget and with
     # none (budget 0: every draft step sd's), prompt by prompt in turn, and the faster kept. The plan is the one
     # choice a sampled generation follows too: its gates are off (a timed choice would change a seed's text).
-    modelled, branch_budget, by_budget = measured, c.branch_budget, {}
+    measured = modelled = None
+    branch_budget, by_budget = c.branch_budget, {}
     if options.compare_no_branches and c.branch_budget:
         runs = _alternating({str(c.branch_budget): (pipe, dict(branch_budget=c.branch_budget)),
                              "0": (pipe, dict(branch_budget=0))}, prompts, options.max_new_tokens, mode="mirror",
-                            gamma=c.gamma, kappa=c.kappa, **confidence)
+                            gamma=c.gamma, kappa=c.kappa)
         by_budget = {name: decode_rate(stats) for name, stats in runs.items()}
         report("  branch sets: " + ", ".join(f"budget {n} {v:.1f} tok/s" for n, v in by_budget.items()))
         modelled = measured = runs[str(c.branch_budget)]
@@ -546,17 +515,53 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     # target gets the thread count of the profiled split where its verification step ran fastest, and the draft the
     # same count: both take turns on the same cores. On a 2-core machine the draft at 2+2 ran 1.048x +- 0.015 its
     # speed at 2+1 (paired, 60 prompts x 2 rounds: results/turn-taking-ab.json); a plan whose model chose 1+1 for
-    # its branch sets, then measured none faster, would otherwise leave the target at half its cores. The gammas
-    # are then measured on that split.
+    # its branch sets, then measured none faster, would otherwise leave the target at half its cores.
     threads = None
     if options.turn_taking_threads and branch_budget == 0 and on_cpu(pipe.draft.device):
         window = c.gamma + 1
         fastest = min(profile.splits, key=lambda sp: sp.target.prefix_s[window] + sp.target.suffix_s[window])
         threads = (fastest.target_threads, fastest.target_threads)
         if threads != (c.target_threads, c.draft_threads):
-            pipe = load(*threads, pipe.draft.backend)
+            pipe = load(*threads)
             pipe.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
         report(f"  threads {threads[0]}+{threads[1]}: without branch sets the draft takes turns with the target")
+    kept_threads = threads or (c.target_threads, c.draft_threads)
+    kept = dict(gamma=c.gamma, kappa=c.kappa, branch_budget=branch_budget)
+    # The rest is measured at the kept budget and threads: the plan before measured the thresholds and the draft's
+    # runtime at the model's setting (budget 2, threads 2+1), then kept budget 0 at 2+2, where they had never run; its
+    # token rule at 0.8 ran 0.976x the window rule at 0.4 there (paired, the benchmark's 60 prompts:
+    # results/confidence-rule-ab-stage18.json).
+    # The draft confidence threshold is outside the cost model: the setting is measured at each threshold and the
+    # fastest kept (a threshold shortens windows where the draft is unsure; output never changes). The thresholds
+    # take turns prompt by prompt: measured one after another on a shared machine, the same setting ran at 44.9
+    # tokens/s and, minutes later, at 55.3, more than the thresholds differed from each other. A threshold on the
+    # window's probability (its tokens' product) is measured beside those on each token's: scored offline on full
+    # windows it was the faster rule on both prompt sets, and in the runtime 1.023x +- 0.014 the plan's token rule
+    # (results/confidence-rule-ab.json).
+    settings = {str(t): ("token", t) for t in options.confidence_thresholds}
+    settings.update({f"window {t}": ("window", t) for t in options.window_confidence_thresholds})
+    by_threshold = _alternating({name: (pipe, dict(draft_confidence_rule=rule, draft_confidence_threshold=t))
+                                 for name, (rule, t) in settings.items()},
+                                prompts, options.max_new_tokens, mode="mirror", **kept)
+    for name, stats in by_threshold.items():
+        report(f"  draft confidence threshold {name}: {decode_rate(stats):.1f} tok/s")
+    fastest_threshold = max(by_threshold, key=lambda name: decode_rate(by_threshold[name]))
+    rule, threshold = settings[fastest_threshold]
+    measured = by_threshold[fastest_threshold]
+    modelled = modelled or measured  # where no budgets were compared: the kept setting, the model's budget
+    confidence = dict(draft_confidence_rule=rule, draft_confidence_threshold=threshold)
+    draft_backend, by_backend = None, {}
+    if options.compare_draft_backends and options.draft_device is None and pipe.draft.device == "CPU" \
+            and pipe.draft.backend == "openvino":
+        other = load(*kept_threads, "onnxruntime")
+        other.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
+        runs = _alternating({"openvino": (pipe, {}), "onnxruntime": (other, {})}, prompts, options.max_new_tokens,
+                            mode="mirror", **kept, **confidence)
+        by_backend = {name: decode_rate(stats) for name, stats in runs.items()}
+        report("  draft runtime on the CPU: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in by_backend.items()))
+        draft_backend = max(by_backend, key=by_backend.get)
+        measured = runs[draft_backend]
+        pipe = other if draft_backend == "onnxruntime" else pipe
     # Gamma, last: the model ranks gammas by calibrated acceptance and timed steps, and on this machine its choice
     # between them was within noise while one gamma measured faster than another (results/gamma-ab.json: mirror at
     # gamma 4 over the plan's 2, 1.08x paired). Each gamma is measured as the kept setting, in turn, the fastest kept.
@@ -580,6 +585,10 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         "acceptance_rate": _ratio(measured, "accepted_tokens", "proposed_tokens"),
         "branch_hit_rate": _ratio(measured, "branch_hits", "branch_lookups"),
         "tokens_per_second_by_draft_confidence_threshold": {n: decode_rate(v) for n, v in by_threshold.items()},
+        # the thresholds and the draft runtimes ran at the kept budget and threads (at the model's gamma)
+        "thresholds_and_draft_runtimes_measured_at": {"branch_budget": branch_budget,
+                                                      "target_threads": kept_threads[0],
+                                                      "draft_threads": kept_threads[1]},
         **({"tokens_per_second_by_draft_backend": by_backend} if by_backend else {}),
         **({"tokens_per_second_by_branch_budget": by_budget} if by_budget else {}),
         **({"tokens_per_second_by_gamma": by_gamma} if by_gamma else {}),

@@ -270,6 +270,10 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     swept = measured["tokens_per_second_by_draft_confidence_threshold"]
     assert set(swept) == {"0.0", "0.4", "0.6", "0.8", "window 0.3", "window 0.4", "window 0.5"}
     assert all(v > 0 for v in swept.values())
+    # ... at the budget and threads the plan keeps, not at the model's setting
+    assert measured["thresholds_and_draft_runtimes_measured_at"] == {
+        "branch_budget": run["branch_budget"], "target_threads": run["target_threads"],
+        "draft_threads": run["draft_threads"]}
     kept = str(run["draft_confidence_threshold"])
     assert swept[kept if run["draft_confidence_rule"] == "token" else f"window {kept}"] == max(swept.values())
     # the draft runs on the CPU here: the chosen setting measured with it on each runtime, the faster kept
