@@ -499,17 +499,16 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     # tokens per step (results/README.md, "Mirror's branch gate"). So the setting is measured with its budget and with
     # none (budget 0: every draft step sd's), prompt by prompt in turn, and the faster kept. The plan is the one
     # choice a sampled generation follows too: its gates are off (a timed choice would change a seed's text).
-    measured = modelled = None
-    branch_budget, by_budget = c.branch_budget, {}
+    modelled, branch_budget, by_budget = None, c.branch_budget, {}
     if options.compare_no_branches and c.branch_budget:
         runs = _alternating({str(c.branch_budget): (pipe, dict(branch_budget=c.branch_budget)),
                              "0": (pipe, dict(branch_budget=0))}, prompts, options.max_new_tokens, mode="mirror",
                             gamma=c.gamma, kappa=c.kappa)
         by_budget = {name: decode_rate(stats) for name, stats in runs.items()}
         report("  branch sets: " + ", ".join(f"budget {n} {v:.1f} tok/s" for n, v in by_budget.items()))
-        modelled = measured = runs[str(c.branch_budget)]
+        modelled = runs[str(c.branch_budget)]
         if by_budget["0"] > by_budget[str(c.branch_budget)]:
-            branch_budget, measured = 0, runs["0"]
+            branch_budget = 0
     # Threads, where the kept setting has no branch sets: the draft then never runs beside the target (each step
     # drafts, then verifies), so the split the model chose for running them side by side no longer applies. The
     # target gets the thread count of the profiled split where its verification step ran fastest, and the draft the
@@ -525,12 +524,14 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
             pipe = load(*threads)
             pipe.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
         report(f"  threads {threads[0]}+{threads[1]}: without branch sets the draft takes turns with the target")
-    kept_threads = threads or (c.target_threads, c.draft_threads)
     kept = dict(gamma=c.gamma, kappa=c.kappa, branch_budget=branch_budget)
+    # where the thresholds and the draft runtimes run: the pipeline's own thread counts, as the plan file records them
+    measured_at = {"branch_budget": branch_budget, "target_threads": pipe.target_threads,
+                   "draft_threads": pipe.draft_threads}
     # The rest is measured at the kept budget and threads: the plan before measured the thresholds and the draft's
-    # runtime at the model's setting (budget 2, threads 2+1), then kept budget 0 at 2+2, where they had never run; its
-    # token rule at 0.8 ran 0.976x the window rule at 0.4 there (paired, the benchmark's 60 prompts:
-    # results/confidence-rule-ab-stage18.json).
+    # runtime at the model's setting (budget 2, threads 2+1), then kept budget 0 at 2+2, where they had never run;
+    # there the window rule at 0.4 ran 1.024x +- 0.020 the token rule at 0.8 it had kept (paired, the benchmark's 60
+    # prompts: results/confidence-rule-ab-stage18.json).
     # The draft confidence threshold is outside the cost model: the setting is measured at each threshold and the
     # fastest kept (a threshold shortens windows where the draft is unsure; output never changes). The thresholds
     # take turns prompt by prompt: measured one after another on a shared machine, the same setting ran at 44.9
@@ -553,7 +554,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     draft_backend, by_backend = None, {}
     if options.compare_draft_backends and options.draft_device is None and pipe.draft.device == "CPU" \
             and pipe.draft.backend == "openvino":
-        other = load(*kept_threads, "onnxruntime")
+        other = load(pipe.target_threads, pipe.draft_threads, "onnxruntime")
         other.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
         runs = _alternating({"openvino": (pipe, {}), "onnxruntime": (other, {})}, prompts, options.max_new_tokens,
                             mode="mirror", **kept, **confidence)
@@ -586,9 +587,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         "branch_hit_rate": _ratio(measured, "branch_hits", "branch_lookups"),
         "tokens_per_second_by_draft_confidence_threshold": {n: decode_rate(v) for n, v in by_threshold.items()},
         # the thresholds and the draft runtimes ran at the kept budget and threads (at the model's gamma)
-        "thresholds_and_draft_runtimes_measured_at": {"branch_budget": branch_budget,
-                                                      "target_threads": kept_threads[0],
-                                                      "draft_threads": kept_threads[1]},
+        "thresholds_and_draft_runtimes_measured_at": measured_at,
         **({"tokens_per_second_by_draft_backend": by_backend} if by_backend else {}),
         **({"tokens_per_second_by_branch_budget": by_budget} if by_budget else {}),
         **({"tokens_per_second_by_gamma": by_gamma} if by_gamma else {}),
