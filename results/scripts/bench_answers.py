@@ -19,9 +19,20 @@ import time
 EVALUATED = 3
 
 
-def main(bundle: str, per_kind: int, new_tokens: int, out: str, which: str = "bench") -> None:
+def answer_record(pipe, n: int, messages: list[dict], kind: str, new_tokens: int):
+    """The n-th held-out record (models/answers.py format) of a prompt: the target's greedy answer to `messages`,
+    and the ar result it came from."""
     from mirror_sd.models.answers import HOLD_OUT
-    from mirror_sd.models.evaluate import KINDS, _prompts, bench_prompts, messages_of
+
+    ids = list(pipe.prompt_ids(messages))
+    ar = pipe.generate(messages, mode="ar", max_new_tokens=new_tokens)
+    answer = list(ar.token_ids)
+    return {"index": n * HOLD_OUT, "kind": kind, "ids": ids + answer,
+            "answers": [[len(ids), len(ids) + len(answer)]]}, ar
+
+
+def main(bundle: str, per_kind: int, new_tokens: int, out: str, which: str = "bench") -> None:
+    from mirror_sd.models.evaluate import _prompts, bench_prompts, messages_of
     from mirror_sd.runtime.pipeline import Pipeline
 
     pipe = Pipeline.load(bundle, huge_pages=False)
@@ -35,11 +46,8 @@ def main(bundle: str, per_kind: int, new_tokens: int, out: str, which: str = "be
     started = time.time()
     with gzip.open(out, "wt") as f:
         for n, prompt in enumerate(prompts):
-            messages = messages_of(pipe, prompt)
-            ids = list(pipe.prompt_ids(messages))
-            answer = list(pipe.generate(messages, mode="ar", max_new_tokens=new_tokens).token_ids)
-            f.write(json.dumps({"index": n * HOLD_OUT, "kind": prompt.kind, "ids": ids + answer,
-                                "answers": [[len(ids), len(ids) + len(answer)]]}) + "\n")
+            record, _ = answer_record(pipe, n, messages_of(pipe, prompt), prompt.kind, new_tokens)
+            f.write(json.dumps(record) + "\n")
             print(f"{n + 1}/{len(prompts)} {prompt.kind:<14} {time.time() - started:.0f} s", flush=True)
 
 

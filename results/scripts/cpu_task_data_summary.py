@@ -10,43 +10,59 @@ progress-bar state of each) and the static-cache A/B's output (results/cpu-task-
 import collections
 import gzip
 import json
-import platform
 import re
 from pathlib import Path
+
+from mirror_sd.bench.machine import describe_machine
 
 FILE = Path("models/data/answers-tasks.jsonl.gz")
 LOGS = Path("results/cpu-task-data")
 FIRST = 9040  # TASKS_PROMPTS in models/smollm2.py: what the eighteenth stage read
-# (first index, settings) of each run: a run was stopped and started again with the next setting
-RUNS = [(9040, "transformers' default (dynamic) KV cache, glibc malloc's defaults"),
-        (9087, "dynamic KV cache; MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 "
-               "MALLOC_TOP_PAD_=268435456 (the first run spent half its CPU time in the kernel; these took that "
-               "to ~0%, answer tokens/s stayed within batch-to-batch spread); the static-cache A/B ran beside it "
-               "from its 3rd minute"),
-        (9337, "a static KV cache (cache_implementation=\"static\" in models/self_queries.py's generate, for this "
-               "run only), the same malloc settings")]
+# each run's settings, in order: a run was stopped and started again with the next setting; each begins where the
+# one before ended (its log's last state)
+RUNS = ["transformers' default (dynamic) KV cache, glibc malloc's defaults",
+        "dynamic KV cache; MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 "
+        "MALLOC_TOP_PAD_=268435456 (the first run spent half its CPU time in the kernel; these took that to ~0%); "
+        "the static-cache A/B ran beside it from 01:56 UTC",
+        "a static KV cache (cache_implementation=\"static\" in models/self_queries.py's generate, for this run only), "
+        "the same malloc settings"]
+# run 2 began at 01:48:31 UTC (run 1's log last written), the A/B at 01:56:12 (its job's start): states of run 2 up
+# to this minute had the cores to themselves
+AB_FROM_MINUTE = 7.7
 COMMAND = ("python -m mirror_sd.models.task_queries --target build/models/smollm2-135m-instruct -n 1000000 "
            "--batch 64 --self-answers models/data/answers-self.jsonl.gz --max-minutes M "
            "--out models/data/answers-tasks.jsonl.gz")
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def last_progress(log: Path) -> dict:
-    """The last tqdm state of a run's log: records done and the elapsed minutes."""
-    text = log.read_text().replace("\r", "\n")
-    states = re.findall(r"(\d+)/\d+ \[(?:(\d+):)?(\d+):(\d+)<", text)
-    done, h, m, s = states[-1]
-    out = {"records_done": int(done), "minutes": round((int(h or 0) * 3600 + int(m) * 60 + int(s)) / 60, 1)}
+def progress(log: Path) -> dict:
+    """A run's progress-bar states (records done, elapsed minutes, answer tokens/s so far), its last state's
+    records and minutes, and its closing summary where it finished."""
+    text = log.read_text()
+    states = [{"records_done": int(done), "minutes": round((int(h or 0) * 3600 + int(m) * 60 + int(sec)) / 60, 1),
+               "answer_tokens_per_second": int(rate)}
+              for done, h, m, sec, rate in re.findall(r"(\d+)/\d+ \[(?:(\d+):)?(\d+):(\d+)<.*answer_tok_per_s=(\d+)",
+                                                      text)]
+    out = {"records_done": states[-1]["records_done"], "minutes": states[-1]["minutes"], "states": states}
     summary = [line for line in text.splitlines() if line.startswith("{")]
     if summary:
         out["summary"] = json.loads(summary[-1])
     return out
+
+
+def profile_shares(path: Path) -> dict:
+    """Of a py-spy raw profile (30 s of the generation, `py-spy record -f raw`), the share of samples whose innermost
+    frame is the KV cache's update and the attention kernel."""
+    own, total = collections.Counter(), 0
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            stack, count = line.rsplit(" ", 1)
+            frame = stack.split(";")[-1]
+            total += int(count)
+            if "Layer.update (transformers/cache_utils.py" in frame:
+                own["cache_update"] += int(count)
+            elif frame.startswith("sdpa_attention_forward"):
+                own["attention"] += int(count)
+    return {"samples": total, **{k: round(v / total, 3) for k, v in sorted(own.items())}}
 
 
 def main() -> None:
@@ -55,23 +71,31 @@ def main() -> None:
     new = [r for r in records if r["index"] >= FIRST]
     if [r["index"] for r in records] != list(range(len(records))):
         raise SystemExit(f"{FILE}: record indices are not 0..n-1")
-    bounds = [first for first, _ in RUNS] + [len(records)]
-    runs = []
-    for n, ((first, settings), end) in enumerate(zip(RUNS, bounds[1:]), 1):
-        part = [r for r in new if first <= r["index"] < end]
-        tokens = sum(b - a for r in part for a, b in r["answers"])
-        progress = last_progress(LOGS / f"run-{n}.log")
-        runs.append({"records": [first, end], "settings": settings, "answer_tokens": tokens, **progress,
-                     "answer_tokens_per_second": round(tokens / (progress["minutes"] * 60), 1)})
+    runs, first = [], FIRST
+    for n, settings in enumerate(RUNS, 1):
+        run = progress(LOGS / f"run-{n}.log")
+        end = run["records_done"]
+        tokens = sum(b - a for r in new if first <= r["index"] < end for a, b in r["answers"])
+        runs.append({"records": [first, end], "settings": settings, "answer_tokens": tokens, **run,
+                     "answer_tokens_per_second": round(tokens / (run["minutes"] * 60), 1)})
+        first = end
+    if first != len(records):
+        raise SystemExit(f"the runs' logs end at record {first}, the file at {len(records)}")
+    alone = [s["answer_tokens_per_second"] for s in runs[1]["states"] if s["minutes"] < AB_FROM_MINUTE]
+    for run in runs:  # the states are in the logs
+        del run["states"]
     by_kind = collections.Counter(r["kind"] for r in new)
     tokens_by_kind = collections.Counter()
     for r in new:
         tokens_by_kind[r["kind"]] += sum(b - a for a, b in r["answers"])
+    machine = describe_machine()
+    shares = {cache: profile_shares(LOGS / f"profile-{cache}-cache.txt.gz") for cache in ("dynamic", "static")}
     ab = [line.split() for line in (LOGS / "static-cache-ab.txt").read_text().splitlines() if line.strip()]
     doc = {
         "question": "with no GPU lent, can this CPU write the next GPU stage's task-kind turns, so that stage spends "
                     "its device minutes on training (stage 18 spent 145 of its 520 s writing 2,476 turns)?",
-        "device": f"{cpu_name()}, 2 cores; torch on the CPU, fp32 (the answers are the fp32 target's greedy ones)",
+        "device": f"{machine['cpu']}, {machine['cores_usable']} cores; torch on the CPU, fp32 (the answers are the "
+                  "fp32 target's greedy ones)",
         "command": COMMAND,
         "file": str(FILE),
         "records_before": FIRST,
@@ -87,10 +111,15 @@ def main() -> None:
             "note": "run beside the generation (both shared the 2 cores): the ratio, not the seconds, is the "
                     "figure; the same 3 chat conversations gave token-identical 60-token greedy answers with "
                     "either cache",
-            "in_the_generation": "no gain: the third run wrote 35.1 answer tokens/s against 40.4 and 34-36 in the "
-                                 "first two runs' uncontended batches (a profile of it had the cache's concatenation "
-                                 "gone and attention, which reads the whole static length at every step, up from "
-                                 "22% to 28% of the samples); the module keeps transformers' default cache",
+            "in_the_generation": f"no gain: the third run wrote {runs[2]['answer_tokens_per_second']} answer "
+                                 f"tokens/s against {runs[0]['answer_tokens_per_second']} in the first and "
+                                 f"{min(alone)}-{max(alone)} in the second's states before the A/B: the cache's "
+                                 "concatenation went, and attention, which reads the whole static length at every "
+                                 "step, took more of the time (profiles); the module keeps transformers' default "
+                                 "cache",
+            "profiles": {"files": "results/cpu-task-data/profile-{dynamic,static}-cache.txt.gz (py-spy record -f "
+                                  "raw, 30 s of the second and of the third run)",
+                         "share_of_samples": shares},
         },
         "next_gpu_stage": "QUERIES=tasks QUERY_MINUTES=0 NEW_REPEATS=2 DRAFT_MINUTES=5.5 STREAM_BATCHES=900 "
                           "EXIT_CONVERSATIONS=300 EXIT_SKIP=1500 results/scripts/self_data_gpu.sh: every task turn "

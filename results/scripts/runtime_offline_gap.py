@@ -5,10 +5,12 @@ than models.evaluate's runtime tokens per step. This measures both on the same a
 with full windows (no confidence cut, no gate, no prompt lookup), with the stream heads ("sd") and without
 ("sd_ns"). Run it on the committed bundle (int8 draft weights) and on one exported with --draft-weights float32.
 
-    python results/scripts/runtime_offline_gap.py build/bundles/smollm2-feature results/runtime-offline-gap/held-out-answers.jsonl.gz
+    PYTHONPATH=results/scripts python results/scripts/runtime_offline_gap.py build/bundles/smollm2-feature \\
+        results/runtime-offline-gap/held-out-answers.jsonl.gz
     python -m mirror_sd.models.train_feature_draft --target build/models/smollm2-135m-instruct \\
-        --compare models/weights/smollm2-feature-draft --answers results/runtime-offline-gap/held-out-answers.jsonl.gz \\
-        --work build/gap-work --eval-records 1000 --compare-out results/runtime-offline-gap/offline-compare.json
+        --compare models/weights/smollm2-feature-draft \\
+        --answers results/runtime-offline-gap/held-out-answers.jsonl.gz --work build/gap-work \\
+        --eval-records 1000 --compare-out results/runtime-offline-gap/offline-compare.json
 
 Writes the answers file and, beside it, OUT.rows.json (per prompt: kind, answer length, tokens per step of each
 run, whether its output equals ar's). results/runtime-offline-gap.json collects the figures.
@@ -17,7 +19,8 @@ import gzip
 import json
 import sys
 
-from mirror_sd.models.answers import HOLD_OUT
+from bench_answers import answer_record
+
 from mirror_sd.models.evaluate import _prompts, messages_of
 from mirror_sd.runtime.pipeline import Pipeline
 
@@ -32,12 +35,9 @@ def main(bundle: str, out: str) -> None:
     with gzip.open(out, "wt") as f:
         for n, prompt in enumerate(_prompts(3)):
             messages = messages_of(pipe, prompt)
-            ids = list(pipe.prompt_ids(messages))
-            ar = pipe.generate(messages, mode="ar", max_new_tokens=NEW_TOKENS)
-            answer = list(ar.token_ids)
-            f.write(json.dumps({"index": n * HOLD_OUT, "kind": prompt.kind, "ids": ids + answer,
-                                "answers": [[len(ids), len(ids) + len(answer)]]}) + "\n")
-            row = {"kind": prompt.kind, "n": len(answer)}
+            record, ar = answer_record(pipe, n, messages, prompt.kind, NEW_TOKENS)
+            f.write(json.dumps(record) + "\n")
+            row = {"kind": prompt.kind, "n": len(ar.token_ids)}
             for name, options in runs.items():
                 result = pipe.generate(messages, max_new_tokens=NEW_TOKENS, gamma=GAMMA, **options)
                 row[name] = result.stats["mean_accepted_tokens"]
