@@ -160,11 +160,12 @@ def _main_group(title: str, g: dict[str, Any]) -> list[str]:
     for method, s in g["summary"].items():
         o = s["overall"]
         rows.append([method, _f(o["tokens_per_s"], 1), _f(g["ratios_to_ar"][method]["overall"]), _ms(o["ttft_s"]),
-                     _f(o["mean_accepted_tokens"]), _f(o["acceptance_rate"]), _f(o["branch_hit_rate"]),
+                     _f(o["mean_accepted_tokens"]), _f(o["acceptance_rate"]),
+                     _f(o.get("conditional_acceptance_rate")), _f(o["branch_hit_rate"]),
                      _f(o["draft_hidden_fraction"]), str(o["runs"])])
     lines = [f"## {title}", "", f"{len(g['prompts'])} prompts, {g['max_new_tokens']} new tokens at most.", ""]
     lines += _table(["method", "tokens/s", "x ar", "TTFT ms", "mean accepted tokens/step", "acceptance",
-                     "branch hit rate", "draft hidden", "runs"], rows)
+                     "per-token acceptance", "branch hit rate", "draft hidden", "runs"], rows)
     lines += ["", "Tokens/s and (in brackets) the median per-prompt ratio to ar, per task kind:", ""]
     rows = []
     for method, s in g["summary"].items():

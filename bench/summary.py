@@ -10,8 +10,8 @@ import statistics
 from typing import Any, Iterable
 
 # Stats the runtime and (where they can) the baselines report; medians are taken over the runs that have them.
-STAT_KEYS = ("mean_accepted_tokens", "acceptance_rate", "branch_hit_rate", "draft_hidden_fraction",
-             "draft_tokens_per_forward", "fallbacks")
+STAT_KEYS = ("mean_accepted_tokens", "acceptance_rate", "conditional_acceptance_rate", "branch_hit_rate",
+             "draft_hidden_fraction", "draft_tokens_per_forward", "fallbacks")
 # Per-step profile: seconds per target step in each phase (runtime stats keys).
 PROFILE_PHASES = ("prefix_s", "suffix_s", "draft_s", "draft_wait_s")
 

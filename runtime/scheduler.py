@@ -299,6 +299,8 @@ class _Decoder:
         c.target_steps += 1
         c.proposed += len(w)
         c.accepted += verdict.accepted
+        rejected = verdict.accepted < len(w)  # the outcome a correction branch must have foreseen
+        c.rejected += rejected
         if copied:
             c.lookup_steps += 1
             c.lookup_proposed += len(w)
@@ -306,7 +308,6 @@ class _Decoder:
         # 4. the next window from a ready branch, if one was planned for this outcome
         next_window = None
         if ticket is not None:
-            rejected = verdict.accepted < len(w)  # the outcome a correction branch must have foreseen
             c.branch_lookups += 1
             c.rejected_lookups += rejected
             self._adapt_budget(ready_under_suffix)

@@ -29,6 +29,7 @@ class Counts:
     target_steps: int = 0  # target forward passes, the prefill included
     proposed: int = 0  # draft tokens the target verified
     accepted: int = 0  # of those, accepted
+    rejected: int = 0  # verification steps where the target rejected a window token (at most one per step)
     branch_lookups: int = 0  # mirror steps that asked for their next window from a branch set
     branch_hits: int = 0  # ... and found it there
     rejected_lookups: int = 0  # of those lookups, steps where the target rejected a window token
@@ -115,7 +116,9 @@ class Recorder:
             draft_s=draft_s,
             draft_hidden_fraction=hidden / draft_s if draft_s > 0 else 0.0,
             mode=mode, gamma=gamma, kappa=kappa, branch_budget=c.branch_budget, wall_s=wall_s,
-            proposed_tokens=c.proposed, accepted_tokens=c.accepted, branch_lookups=c.branch_lookups,
+            proposed_tokens=c.proposed, accepted_tokens=c.accepted, rejected_steps=c.rejected,
+            conditional_acceptance_rate=c.accepted / (c.accepted + c.rejected) if c.accepted + c.rejected else 0.0,
+            branch_lookups=c.branch_lookups,
             branch_hits=c.branch_hits,
             rejected_branch_hit_rate=c.rejected_hits / c.rejected_lookups if c.rejected_lookups else 0.0,
             fresh_rollouts=c.fresh_rollouts, draft_failures=failures,
@@ -158,6 +161,12 @@ class GenerationStats(Mapping):
     wall_s: float
     proposed_tokens: int
     accepted_tokens: int
+    rejected_steps: int  # verification steps whose window had a token the target rejected
+    # accepted / (accepted + rejected_steps): each draft token counted only when every token before it in its window
+    # was accepted (the tokens after a rejection are never examined). This is EAGLE's per-token acceptance alpha:
+    # at a constant alpha a gamma-token window commits (1 - alpha^(gamma+1)) / (1 - alpha) tokens per step.
+    # acceptance_rate (over every proposed token) is the stricter share that vLLM and OpenVINO GenAI print.
+    conditional_acceptance_rate: float
     branch_lookups: int
     branch_hits: int
     rejected_branch_hit_rate: float

@@ -361,7 +361,7 @@ def test_self_draft_is_accepted(pipelines, mode):
     # every step speculates: the gate would rightly give most steps to the target alone, as costly as its draft
     out = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=40, gamma=4, adaptive_speculation=False)
     assert out.token_ids == ar.token_ids
-    assert out.stats["acceptance_rate"] >= 0.95
+    assert out.stats["acceptance_rate"] >= 0.95 and out.stats["conditional_acceptance_rate"] >= 0.95
     assert out.stats["mean_accepted_tokens"] > 3.0
 
 
@@ -372,7 +372,7 @@ def test_random_draft_is_rejected_and_output_exact(pipelines, mode):
     ar = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=40)
     out = pipe.generate(PROMPTS[0], mode=mode, max_new_tokens=40, gamma=4)
     assert out.token_ids == ar.token_ids
-    assert out.stats["acceptance_rate"] <= 0.1
+    assert out.stats["acceptance_rate"] <= 0.1 and out.stats["conditional_acceptance_rate"] <= 0.2
     assert out.stats["mean_accepted_tokens"] < 1.2
 
 
@@ -391,3 +391,7 @@ def test_stats_keys_and_meaning(pipelines):
             assert stats["target_steps"] == 20 and stats["draft_s"] == 0.0
         else:
             assert stats["draft_tokens_per_forward"] == 1.0 and stats["draft_s"] > 0
+            # each rejection ends its window: the per-token acceptance counts the accepted and the one rejected
+            accepted, rejected = stats["accepted_tokens"], stats["rejected_steps"]
+            assert stats["conditional_acceptance_rate"] == pytest.approx(accepted / (accepted + rejected))
+            assert stats["conditional_acceptance_rate"] >= stats["acceptance_rate"]

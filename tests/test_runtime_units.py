@@ -12,7 +12,7 @@ from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
 from mirror_sd.runtime.messages import ExitCandidates
 from mirror_sd.runtime.prompt_lookup import lookup, next_copy_length
 from mirror_sd.runtime.sampling import SamplingParams, warp
-from mirror_sd.runtime.stats import overlap_seconds
+from mirror_sd.runtime.stats import Recorder, overlap_seconds
 from mirror_sd.runtime.verify import greedy_accept, speculative_accept
 
 
@@ -144,6 +144,23 @@ def test_own_past_extends_makes_holes_and_gives_rows():
 def test_overlap_seconds():
     assert overlap_seconds([(0, 2), (3, 5)], [(1, 4)]) == pytest.approx(2.0)
     assert overlap_seconds([(0, 1)], []) == 0.0
+
+
+def test_two_acceptances_count_different_tokens():
+    """acceptance_rate is over every proposed token; the per-token (conditional) one stops at each rejection."""
+    rec = Recorder()
+    # three gamma-4 windows: all accepted; accepted 2 then rejected; rejected at once (8 + 3 tokens committed)
+    for accepted in (4, 2, 0):
+        rec.counts.target_steps += 1
+        rec.counts.proposed += 4
+        rec.counts.accepted += accepted
+        rec.counts.rejected += accepted < 4
+    stats = rec.finish(mode="sd", gamma=4, kappa=1, new_tokens=9, ttft_s=0.0, wall_s=1.0, target_device="cpu",
+                       draft_device="cpu", draft_engine={})
+    assert stats.acceptance_rate == pytest.approx(6 / 12)
+    assert stats.rejected_steps == 2 and stats.conditional_acceptance_rate == pytest.approx(6 / 8)
+    # at a constant alpha a gamma-4 window commits (1 - alpha^5) / (1 - alpha) tokens: 0.7 -> 2.77, as issue 12 says
+    assert (1 - 0.7 ** 5) / (1 - 0.7) == pytest.approx(2.77, abs=0.01)
 
 
 def _run_gate(gate: SpeculationGate, steps: int, spec: tuple[int, float], alone: tuple[int, float]) -> list[bool]:
