@@ -25,7 +25,9 @@ RUNS = ["transformers' default (dynamic) KV cache, glibc malloc's defaults",
         "MALLOC_TOP_PAD_=268435456 (the first run spent half its CPU time in the kernel; these took that to ~0%); "
         "the static-cache A/B ran beside it from 01:56 UTC",
         "a static KV cache (cache_implementation=\"static\" in models/self_queries.py's generate, for this run only), "
-        "the same malloc settings"]
+        "the same malloc settings",
+        "a later session (2026-11-28 from 04:50 UTC, no GPU lent again): the dynamic KV cache and the second run's "
+        "malloc settings, nothing else running beside it"]
 # run 2 began at 01:48:31 UTC (run 1's log last written), the A/B at 01:56:12 (its job's start): states of run 2 up
 # to this minute had the cores to themselves
 AB_FROM_MINUTE = 7.7
