@@ -299,7 +299,7 @@ class _Decoder:
         c.target_steps += 1
         c.proposed += len(w)
         c.accepted += verdict.accepted
-        rejected = verdict.accepted < len(w)  # the outcome a correction branch must have foreseen
+        rejected = verdict.accepted < len(w)  # a window token was rejected: what a correction branch foresees
         c.rejected += rejected
         if copied:
             c.lookup_steps += 1
