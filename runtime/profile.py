@@ -475,6 +475,8 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     middle = sorted(budgets)[len(budgets) // 2]
     contention_at = (middle, budgets[middle][len(budgets[middle]) // 2])
     scenes = {g: draft_scene(first, past, g) for g in budgets}
+    # the timed branch sets are planned as the scheduler plans them; for its floor on window tokens outside the exit
+    # head's top kappa (their acceptance so far), the calibration's mean acceptance stands in
     accept_rate = statistics.mean(calibration.acceptance.values())
     profiles = []
     for split in splits:

@@ -189,6 +189,9 @@ class _Decoder:
         self.max_budget = (cfg.gamma + 1) * cfg.kappa
         self.counts.branch_budget = self.budget
         self.draft_seen = 0  # the committed tokens the draft's last request carried
+        # window tokens outside the exit head's top kappa that the target verified, and accepted: plan_branches'
+        # estimate of how often such a token is accepted
+        self.unranked_seen = self.unranked_accepted = 0
         self.catch_up_s = 0.0  # the last fresh window's wait for the draft to read skipped tokens
 
     def _target_rng(self, context_len: int) -> np.random.Generator | None:
@@ -275,7 +278,7 @@ class _Decoder:
         # 1. prefix on the verification window [pending] + w
         boundary = self._prefix([ctx[-1], *w], lambda: (*ctx, *w))
         # 2. mirror: the early-exit candidates go to the draft thread at once
-        ticket, plan = None, ()
+        ticket, plan, candidates = None, (), None
         if self.cfg.mode == "mirror" and not copied and not branches:
             self.counts.unbranched_steps += 1
             # the draft wrote this window from ctx (a fresh rollout, or a branch's row after a hit, whose slots move
@@ -286,7 +289,7 @@ class _Decoder:
             with self.rec.phase("prefix"):  # the exit head is part of the prefix phase (before the rendezvous)
                 topk_ids, topk_logprobs = self.target.exit_candidates(boundary, k)
             candidates = ExitCandidates(tuple(ctx), w, frozen(topk_ids[:, :k]), frozen(topk_logprobs[:, :k]))
-            plan = plan_branches(candidates, k, self.budget, self._accept_rate())
+            plan = plan_branches(candidates, k, self.budget, self._unranked_accept_rate())
             ticket = self.worker.submit(Branches(candidates, plan, self.cfg.gamma, self.take_features()))
             self.draft_seen = len(ctx)
         # 3. suffix (the draft works meanwhile), verify, trim the target cache to what was accepted
@@ -301,6 +304,8 @@ class _Decoder:
         c.accepted += verdict.accepted
         rejected = verdict.accepted < len(w)  # a window token was rejected: what a correction branch foresees
         c.rejected += rejected
+        if candidates is not None:
+            self._count_unranked(candidates, verdict.accepted)
         if copied:
             c.lookup_steps += 1
             c.lookup_proposed += len(w)
@@ -322,9 +327,16 @@ class _Decoder:
                 self.worker.cancel(ticket)
         return verdict.committed(w), next_window
 
-    def _accept_rate(self) -> float:
-        """Draft tokens accepted so far, smoothed toward 1/2 (the planner's prior for a window token)."""
-        return (self.counts.accepted + 1) / (self.counts.proposed + 2)
+    def _count_unranked(self, candidates: ExitCandidates, accepted: int) -> None:
+        """Count the verified window tokens (those up to the first rejected one) the exit head did not rank."""
+        for r in range(min(accepted + 1, len(candidates.window))):
+            if candidates.window[r] not in candidates.topk_ids[r]:
+                self.unranked_seen += 1
+                self.unranked_accepted += r < accepted
+
+    def _unranked_accept_rate(self) -> float:
+        """Window tokens outside the exit head's top kappa accepted so far, smoothed toward 1/2 (the prior)."""
+        return (self.unranked_accepted + 1) / (self.unranked_seen + 2)
 
     def _adapt_budget(self, ready_under_suffix: bool) -> None:
         """A given budget stays fixed. Otherwise it moves within [kappa, (gamma+1)*kappa]: up by kappa while

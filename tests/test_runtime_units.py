@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mirror_sd.runtime.draft import plan_branches
+from mirror_sd.runtime.draft import EXIT_ACCEPT_POWER, plan_branches
 from mirror_sd.runtime.gate import GateState, SpeculationGate
 from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
 from mirror_sd.runtime.messages import ExitCandidates
@@ -64,16 +64,30 @@ def test_warp_filters():
 def test_plan_branches_orders_by_exit_probability():
     # window (4, 5); exit top-2 rows for slot 0, slot 1 and the bonus position
     ids = np.array([[4, 7], [8, 5], [1, 2]])
-    lps = np.log(np.array([[0.6, 0.3], [0.7, 0.2], [0.5, 0.4]]))
+    lps = np.log(np.array([[0.4, 0.3], [0.7, 0.2], [0.5, 0.4]]))
     c = ExitCandidates((3,), (4, 5), ids, lps)
     plan = plan_branches(c, kappa=2, budget=10)
-    # (0,7): 0.3; (1,8): 0.6*0.7=.42; (2,1): 0.6*0.2*0.5=.06; (2,2): .048; (0,4) and (1,5) are acceptances
+    # a window token is taken as accepted with its exit probability's square root (EXIT_ACCEPT_POWER):
+    # (0,7): .3; (1,8): sqrt(.4)*.7 = .44; (2,1): sqrt(.4)*sqrt(.2)*.5 = .14; (2,2): .11; (0,4) and (1,5) are
+    # acceptances. With the probability itself (1,8) would be .28, below (0,7).
+    assert EXIT_ACCEPT_POWER == 0.5
     assert plan == ((1, 8), (0, 7), (2, 1), (2, 2))
+    # kappa 1: window token 5 is outside the top 1, bounded by the 1st probability there (.7)
     assert plan_branches(c, kappa=1, budget=10) == ((1, 8), (2, 1))
     assert plan_branches(c, kappa=2, budget=1) == ((1, 8),)
-    # a measured acceptance rate above the exit proxy raises deep outcomes
-    # (1,8): .99*.7; (2,1): .99*.99*.5 now above (0,7): .3
-    assert plan_branches(c, kappa=2, budget=2, accept_rate=0.99) == ((1, 8), (2, 1))
+
+
+def test_plan_branches_floors_tokens_the_exit_head_does_not_rank():
+    # a weak exit head: neither window token (4, 5) is among its top 2
+    ids = np.array([[7, 6], [8, 9], [1, 2]])
+    lps = np.log(np.array([[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]))
+    c = ExitCandidates((3,), (4, 5), ids, lps)
+    # bounded by the 2nd probability: each window token sqrt(.2) = .45, so deep outcomes rank low
+    assert plan_branches(c, kappa=2, budget=3) == ((0, 7), (0, 6), (1, 8))
+    # such tokens measured accepted 99% of the time: (0,7) .3, (1,8) .99*.3, (2,1) .99*.99*.3 come first
+    assert plan_branches(c, kappa=2, budget=3, unranked_accept=0.99) == ((0, 7), (1, 8), (2, 1))
+    # the floor never lowers a bound: at .1 the order is the one without it
+    assert plan_branches(c, kappa=2, budget=3, unranked_accept=0.1) == ((0, 7), (0, 6), (1, 8))
 
 
 def test_context_lane_truncates_by_length_and_writes_only_new_slots():
