@@ -175,6 +175,16 @@ EXIT_HARD_MORE = {**EXIT_HARD, "hard_weight": 8.0}
 # branch hits moved within noise (0.654 -> 0.656 held-out, 0.601 -> 0.625 on the benchmark's prompts).
 EXIT_GPU = {"conversations": 300, "skip": 1200, "held_out": 60, "steps": 4000, "batch": 1024, "lr": 1e-3,
             "minutes_per_layer": 600, "hard_weight": 8.0}
+# Then, on this machine's CPU after the eighteenth draft stage, continued on the task-kind turns (translation,
+# summarisation, QA, math, RAG: kinds no adapter stage had read; the file in four ranges, so that each gives its own
+# held-out figures), with the six other files beside them, past the first 1,500 conversations of each, the
+# eighteenth-stage draft's misses drawn up to 9x as often. Held-out top-4 at the draft's misses rose 1.4-3.7 points
+# on the task turns and moved within -2.2..+1.7 on the others; in mirror, rejected-step branch hits rose on the
+# held-out, benchmark and HumanEval prompts (results/branch-ranking.json). 26 minutes here (teacher pass 19).
+EXIT_TASKS = {"conversations": 180, "skip": 1500, "held_out": 40, "steps": 2400, "batch": 256, "lr": 1e-3,
+              "minutes_per_layer": 30, "hard_weight": 8.0}
+EXIT_TASKS_RECORDS = 13045  # the task answers file's records EXIT_TASKS read (the file may have grown since)
+EXIT_TASKS_RANGES = [(0, 3000), (3000, 6000), (6000, 9040), (9040, EXIT_TASKS_RECORDS)]
 # Stream heads on the committed feature draft, the draft itself frozen and the heads saved into its directory
 # (models/train_stream_heads.py; their summary in its streams.json): 2 streams over the 4,096 most frequent rows of
 # its head, each a 576-wide MLP fed the token before it, trained on the draft's hidden states at its first two
@@ -350,6 +360,16 @@ def retrain_feature_draft(report=print) -> None:
     task_all_ranges = [(0, None)] * len(GPU_SELF_FILES) + [(0, TASKS_PROMPTS)] * 2
     continued(GPU_TASKS_FILES, BUILD / "feature-draft-gpu-tasks-all", task_all_ranges, FEATURE_GPU_TASKS_ALL,
               BUILD / "feature-draft-streams-tasks-all", FEATURE_STREAMS_TASKS)
+    # the exit adapter once more, on the task turns and the six files before, weighing the last draft's misses
+    task_queries.generate(TARGET_DIR, TASKS_FILE, EXIT_TASKS_RECORDS, self_answers=SELF_FILE, report=report)
+    exit_files = [TASKS_FILE] * len(EXIT_TASKS_RANGES) + GPU_SELF_FILES
+    train_exit.train(TARGET_DIR, exit_files, BUILD / "exit-adapters-tasks", [EXIT_LAYER], init_from=ADAPTER_WEIGHTS,
+                     prompt_ranges=EXIT_TASKS_RANGES + [(0, None)] * len(GPU_SELF_FILES), hard_draft=FEATURE_WEIGHTS,
+                     teacher_cache=BUILD / "exit-adapters-tasks-teacher", report=report, **EXIT_TASKS)
+    adapter = BUILD / "exit-adapters-tasks" / f"layer-{EXIT_LAYER}"
+    shutil.rmtree(ADAPTER_WEIGHTS, ignore_errors=True)
+    shutil.copytree(adapter, ADAPTER_WEIGHTS)
+    shutil.copy(adapter.parent / "coverage.json", ADAPTER_WEIGHTS / "coverage.json")
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:

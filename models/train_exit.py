@@ -302,7 +302,11 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
         train_examples += examples[held + skip: held + skip + conversations]
         name = f"{path.name} {lo}:{'' if hi is None else hi}" if named_twice else path.name
         held_examples[name] = examples[:min(held, held_out)]
-    key = {"target": str(target_dir), "data": {str(f): list(r) for f, r in zip(files, ranges)}, "layers": layers,
+    # a file read in several prompt ranges is named once per range ("path lo:hi"), or the ranges would overwrite
+    # each other in a dict
+    data = {(f"{f} {lo}:{'' if hi is None else hi}" if named_twice else str(f)): [lo, hi]
+            for f, (lo, hi) in zip(files, ranges)}
+    key = {"target": str(target_dir), "data": data, "layers": layers,
            "conversations": conversations, "skip": skip, "held_out": held_out, "seed": seed,
            "hard_draft": _fingerprint(hard_draft) if hard_draft is not None else None}
     cached = _load_teacher(teacher_cache, key)
@@ -316,7 +320,7 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
     lens = LogitLens(model.model.norm, model.lm_head)
     ks = sorted({1, 4, top_k})
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
-               "data": {str(f): list(r) for f, r in zip(files, ranges)},
+               "data": data,
                "positions": {"train": len(train_data.top_ids),
                              "held_out": sum(len(t.top_ids) for t in tests.values())},
                "layers": {}}
