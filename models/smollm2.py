@@ -180,7 +180,7 @@ EXIT_GPU = {"conversations": 300, "skip": 1200, "held_out": 60, "steps": 4000, "
 # held-out figures), with the six other files beside them, past the first 1,500 conversations of each, the
 # eighteenth-stage draft's misses drawn up to 9x as often. Held-out top-4 at the draft's misses rose 1.4-3.7 points
 # on the task turns and moved within -2.2..+1.7 on the others; in mirror, rejected-step branch hits rose on the
-# held-out, benchmark and HumanEval prompts (results/branch-ranking.json). 26 minutes here (teacher pass 19).
+# held-out, benchmark and HumanEval prompts (results/README.md). 26 minutes here (teacher pass 19).
 EXIT_TASKS = {"conversations": 180, "skip": 1500, "held_out": 40, "steps": 2400, "batch": 256, "lr": 1e-3,
               "minutes_per_layer": 30, "hard_weight": 8.0}
 EXIT_TASKS_RECORDS = 13045  # the task answers file's records EXIT_TASKS read (the file may have grown since)
