@@ -27,7 +27,8 @@ RUNS = ["transformers' default (dynamic) KV cache, glibc malloc's defaults",
         "a static KV cache (cache_implementation=\"static\" in models/self_queries.py's generate, for this run only), "
         "the same malloc settings",
         "a later session (2026-11-28 from 04:50 UTC, no GPU lent again): the dynamic KV cache and the second run's "
-        "malloc settings, nothing else running beside it"]
+        "malloc settings, nothing else running beside it",
+        "a third session (2026-11-28 from 08:02 UTC, no GPU lent): the same settings, nothing else running beside it"]
 # run 2 began at 01:48:31 UTC (run 1's log last written), the A/B at 01:56:12 (its job's start): states of run 2 up
 # to this minute had the cores to themselves
 AB_FROM_MINUTE = 7.7
@@ -124,8 +125,9 @@ def main() -> None:
                          "share_of_samples": shares},
         },
         "next_gpu_stage": "QUERIES=tasks QUERY_MINUTES=0 NEW_REPEATS=2 DRAFT_MINUTES=5.5 STREAM_BATCHES=900 "
-                          "EXIT_CONVERSATIONS=300 EXIT_SKIP=1500 results/scripts/self_data_gpu.sh: every task turn "
-                          "listed twice, these unread by any draft",
+                          "EXIT_CONVERSATIONS=300 EXIT_SKIP=1700 results/scripts/self_data_gpu.sh: every task turn "
+                          "listed twice, these unread by any draft (EXIT_SKIP 1700: the CPU exit stage EXIT_TASKS "
+                          "read conversations 1,500-1,680 of each answers file)",
     }
     out = Path("results/cpu-task-data.json")
     out.write_text(json.dumps(doc, indent=1) + "\n")
