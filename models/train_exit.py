@@ -293,19 +293,18 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
         draft = FeatureDraft.load(hard_draft, model.get_input_embeddings().weight).to(device)
         if max(draft.config.taps) > model.config.num_hidden_layers:
             raise ValueError(f"{hard_draft} reads layer {max(draft.config.taps)}: not a draft of this target")
-    train_examples, held_examples = [], {}
+    train_examples, held_examples, data = [], {}, {}
     named_twice = len({f.name for f in files}) < len(files)  # two prompt ranges of one file: figures per range
     for path, (lo, hi) in zip(files, ranges):
         examples = _examples(path, tokenizer, hi, lo)
         random.Random(seed).shuffle(examples)
         held = min(max(10, len(examples) // 10), 300)  # a large answers file: 300 held-out conversations do
         train_examples += examples[held + skip: held + skip + conversations]
-        name = f"{path.name} {lo}:{'' if hi is None else hi}" if named_twice else path.name
-        held_examples[name] = examples[:min(held, held_out)]
-    # a file read in several prompt ranges is named once per range ("path lo:hi"), or the ranges would overwrite
-    # each other in a dict
-    data = {(f"{f} {lo}:{'' if hi is None else hi}" if named_twice else str(f)): [lo, hi]
-            for f, (lo, hi) in zip(files, ranges)}
+        # a file read in several prompt ranges is named once per range ("name lo:hi"), in the held-out figures and
+        # in the data the run read (a dict keyed by the path alone would keep the last range only)
+        span = f" {lo}:{'' if hi is None else hi}" if named_twice else ""
+        held_examples[path.name + span] = examples[:min(held, held_out)]
+        data[str(path) + span] = [lo, hi]
     key = {"target": str(target_dir), "data": data, "layers": layers,
            "conversations": conversations, "skip": skip, "held_out": held_out, "seed": seed,
            "hard_draft": _fingerprint(hard_draft) if hard_draft is not None else None}
