@@ -8,9 +8,12 @@
 #   2. the committed feature draft trains further on every answers file, the new one included (listed NEW_REPEATS
 #      times: read that many times as often), for DRAFT_MINUTES (features recomputed per batch, as
 #      results/scripts/feature_draft_gpu.sh's stages);
-#      Where ARM_B_TAPS is set (e.g. "8 16 24"), a second arm beside it on the same GPU continues the same draft
-#      on the same data re-tapped (train_feature_draft --taps: at GPU scale, what the CPU's 8-minute A/B in
-#      results/feature-draft-taps*-ab.json could not show); both are then measured offline on the answers files in
+#      Where ARM_B_FLAGS is set, a second arm beside it on the same GPU continues the same draft on the same data
+#      with those train_feature_draft flags: "--max-repeat 0.5" leaves out the training records whose answers
+#      mostly repeat earlier text (self-written turns repeat 2-10x more than the benchmark's prompts:
+#      results/feature-draft-cpu-tasks-ab.json); ARM_B_TAPS="8 16 24" is short for ARM_B_FLAGS="--taps 8 16 24"
+#      (re-tapped: at GPU scale, what the CPU's 8-minute A/B in results/feature-draft-taps*-ab.json could not
+#      show); both are then measured offline on the answers files in
 #      $DIAG (results/scripts/bench_answers.py: target answers to prompts no draft trains on), and the one with more
 #      tokens per step walked as sd steps goes on to stage 3;
 #   3. its stream heads, which read the draft's hidden states, train further on the changed draft
@@ -33,6 +36,7 @@ QUERY_MINUTES=${QUERY_MINUTES:-2.3}
 QUERIES=${QUERIES:-self}
 NEW_REPEATS=${NEW_REPEATS:-1}
 ARM_B_TAPS=${ARM_B_TAPS:-}
+ARM_B_FLAGS=${ARM_B_FLAGS:-${ARM_B_TAPS:+--taps $ARM_B_TAPS}}
 DIAG=${DIAG:-$HERE/diag}
 QUERY_BATCH=${QUERY_BATCH:-512}
 DRAFT_MINUTES=${DRAFT_MINUTES:-3.6}
@@ -108,12 +112,12 @@ by_file = json.load(open(sys.argv[1]))['by_file']
 runs = [next(iter(d.values())) for d in by_file.values()]
 print(round(sum(r['walked_tokens_per_step'] * r['bases'] for r in runs) / sum(r['bases'] for r in runs), 4))" "$1"
 }
-if [ -n "$ARM_B_TAPS" ]; then
+if [ -n "$ARM_B_FLAGS" ]; then
     # arm B beside D on the one GPU: the same data, batches and minutes, reading other taps; the arm that drafts the
     # diagnostic set better goes on (both logs and their scores go back in draft.log: $OUT holds 8 files at most)
     draft_arm D &
-    # shellcheck disable=SC2086  # the taps are words
-    draft_arm B --taps $ARM_B_TAPS &
+    # shellcheck disable=SC2086  # the flags are words
+    draft_arm B $ARM_B_FLAGS &
     wait
     for arm in D B; do
         [ -d "out-$arm" ] && python3 -m mirror_sd.models.train_feature_draft --target target --compare "out-$arm" \
@@ -122,12 +126,12 @@ if [ -n "$ARM_B_TAPS" ]; then
     done
     score_d=$( [ -f diag-D.json ] && walked diag-D.json || echo 0 )
     score_b=$( [ -f diag-B.json ] && walked diag-B.json || echo 0 )
-    stamp "diagnostic walked tokens per step: D $score_d, B (taps $ARM_B_TAPS) $score_b"
+    stamp "diagnostic walked tokens per step: D $score_d, B ($ARM_B_FLAGS) $score_b"
     if python3 -c "import sys; sys.exit(not float(sys.argv[2]) > float(sys.argv[1]))" "$score_d" "$score_b"; then
         stamp "arm B goes on"
         rm -rf out-D && mv out-B out-D
     fi
-    { echo "== arm B (taps $ARM_B_TAPS)"; cat "$OUT/draft-B.log"; echo "== diagnostic set"; cat "$WORK/compare.log" \
+    { echo "== arm B ($ARM_B_FLAGS)"; cat "$OUT/draft-B.log"; echo "== diagnostic set"; cat "$WORK/compare.log" \
         diag-*.json; } >> "$OUT/draft.log" 2>&1 && rm -f "$OUT/draft-B.log"
 else
     draft_arm D

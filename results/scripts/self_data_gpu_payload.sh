@@ -31,7 +31,7 @@ for part in "$STAGE"/payload.part*; do
 done
 last=$((i - 1))
 cp "$TMP/repo.tar.xz" results/scripts/self_data_gpu.sh "$STAGE/c$last/"
-# the diagnostic answers an ARM_B_TAPS run compares its arms on (results/scripts/bench_answers.py: the benchmark's prompts and held-out ones the evaluation does not read)
+# the diagnostic answers an ARM_B_FLAGS run compares its arms on (results/scripts/bench_answers.py: the benchmark's prompts and held-out ones the evaluation does not read)
 if ls "$DIAG_DIR"/*.jsonl.gz > /dev/null 2>&1; then
     mkdir -p "$STAGE/c$last/diag" && cp "$DIAG_DIR"/*.jsonl.gz "$STAGE/c$last/diag/"
 fi
