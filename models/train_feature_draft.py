@@ -88,7 +88,7 @@ def load_records(paths: list[Path], max_len: int, max_prompts: int | None = None
 def repeat_share(record: Record, n: int = 4) -> float:
     """The share of the record's answer tokens whose n-gram (the n tokens ending at it) occurs earlier in the same
     conversation, prompt included: text the target copies or repeats, which any draft predicts easily. The
-    target's self-written turns run 2-10x higher than the benchmark's hand-written prompts in QA, math and multi-turn
+    target's self-written turns run 1.8-10x higher than the benchmark's hand-written prompts in QA, math and multi-turn
     (results/feature-draft-cpu-tasks-ab.json). n tokens of at most 16 bits each pack into one int64 key."""
     ids = record.ids.astype(np.int64)
     if len(ids) < n or ids.max(initial=0) >= 1 << 16:

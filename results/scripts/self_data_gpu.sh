@@ -10,7 +10,7 @@
 #      results/scripts/feature_draft_gpu.sh's stages);
 #      Where ARM_B_FLAGS is set, a second arm beside it on the same GPU continues the same draft on the same data
 #      with those train_feature_draft flags: "--max-repeat 0.5" leaves out the training records whose answers
-#      mostly repeat earlier text (self-written turns repeat 2-10x more than the benchmark's prompts:
+#      mostly repeat earlier text (self-written turns repeat 1.8-10x more than the benchmark's prompts:
 #      results/feature-draft-cpu-tasks-ab.json); ARM_B_TAPS="8 16 24" is short for ARM_B_FLAGS="--taps 8 16 24"
 #      (re-tapped: at GPU scale, what the CPU's 8-minute A/B in results/feature-draft-taps*-ab.json could not
 #      show); both are then measured offline on the answers files in
