@@ -113,7 +113,7 @@ runs = [next(iter(d.values())) for d in by_file.values()]
 print(round(sum(r['walked_tokens_per_step'] * r['bases'] for r in runs) / sum(r['bases'] for r in runs), 4))" "$1"
 }
 if [ -n "$ARM_B_FLAGS" ]; then
-    # arm B beside D on the one GPU: the same data, batches and minutes, reading other taps; the arm that drafts the
+    # arm B beside D on the one GPU: the same data and minutes, with ARM_B_FLAGS; the arm that drafts the
     # diagnostic set better goes on (both logs and their scores go back in draft.log: $OUT holds 8 files at most)
     draft_arm D &
     # shellcheck disable=SC2086  # the flags are words
