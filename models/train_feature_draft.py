@@ -85,21 +85,45 @@ def load_records(paths: list[Path], max_len: int, max_prompts: int | None = None
     return out
 
 
-def repeat_share(record: Record, n: int = 4) -> float:
-    """The share of the record's answer tokens whose n-gram (the n tokens ending at it) occurs earlier in the same
-    conversation, prompt included: text the target copies or repeats, which any draft predicts easily. The
-    target's self-written turns run 1.8-10x higher than the benchmark's hand-written prompts in QA, math and multi-turn
-    (results/feature-draft-cpu-tasks-ab.json). n tokens of at most 16 bits each pack into one int64 key."""
-    ids = record.ids.astype(np.int64)
-    if len(ids) < n or ids.max(initial=0) >= 1 << 16:
-        return 0.0
+def _ngram_keys(ids: np.ndarray, n: int) -> np.ndarray | None:
+    """One int64 key per n-gram (the n tokens ending at position n-1, n, ...): n ids of at most 16 bits each."""
+    if len(ids) < n or ids.max(initial=0) >= 1 << 16 or n > 4:
+        return None
+    ids = ids.astype(np.int64)
     keys = np.zeros(len(ids) - n + 1, np.int64)
     for j in range(n):
         keys = (keys << 16) | ids[j: len(ids) - n + 1 + j]
-    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-    repeated = first[inverse] < np.arange(len(keys))
+    return keys
+
+
+def repeat_share(record: Record, n: int = 4) -> float:
+    """The share of the record's answer tokens whose n-gram (the n tokens ending at it) occurs earlier in the same
+    conversation, prompt included: text copied from the prompt (summaries, RAG) as well as text the answer repeats."""
+    keys = _ngram_keys(record.ids, n)
     answer = record.labels[n - 1:]
-    return float(repeated[answer].mean()) if answer.any() else 0.0
+    if keys is None or not answer.any():
+        return 0.0
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    return float((first[inverse] < np.arange(len(keys)))[answer].mean())
+
+
+def loop_share(record: Record, n: int = 4) -> float:
+    """The share of the record's answer tokens whose n-gram repeats one earlier in the answers and occurs in none of
+    the conversation's other text before it: the answer going round in a loop, not copying its prompt. The target's
+    self-written turns loop 1.3-8x more than its answers to the benchmark's hand-written prompts of the same kinds,
+    and loops draft easily (results/feature-draft-cpu-tasks-ab.json)."""
+    keys = _ngram_keys(record.ids, n)
+    answer = record.labels[n - 1:]
+    if keys is None or not answer.any():
+        return 0.0
+    _, inverse = np.unique(keys, return_inverse=True)
+    pos = np.arange(len(keys))
+    never = len(keys)
+    first_answer, first_other = np.full(inverse.max() + 1, never), np.full(inverse.max() + 1, never)
+    np.minimum.at(first_answer, inverse[answer], pos[answer])
+    np.minimum.at(first_other, inverse[~answer], pos[~answer])
+    looped = (first_answer[inverse] < pos) & ~(first_other[inverse] < pos)
+    return float(looped[answer].mean())
 
 
 def file_ranges(paths: list[Path], max_prompts: int | None,
@@ -636,15 +660,15 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
         init_from: Path | None = None, max_prompts: int | None = None,
         prompt_ranges: list[tuple[int, int | None]] | None = None, refresh_vocab: int = 0,
         refresh_drop: str = "least-used", soft_targets: int = 0, soft_weight: float = 0.5, extend_vocab: int = 0,
-        features: str = "auto", device: str | None = None, max_repeat: float | None = None,
+        features: str = "auto", device: str | None = None, max_loop: float | None = None,
         report=print) -> dict:
     """All stages; returns the summary (also written as training.json beside the weights at `out`). init_from: go on
     training a saved feature draft (its vocabulary is kept, and its taps unless `taps` names others; use a fresh
     `work` for its checkpoints). extend_vocab: with init_from, append the N most frequent answer tokens of the
     training records its vocabulary lacks (their head rows start as the target's LM head rows). features: "stored"
     (memory-mapped under `work`, the CPU way), "online" (recomputed per batch, OnlineFeatures) or "auto" (online on
-    CUDA). device: "cuda" where torch sees a GPU, else "cpu", unless named. max_repeat: train only on records whose
-    `repeat_share` is at most this (the held-out records stay all, so the figure compares with a run without it)."""
+    CUDA). device: "cuda" where torch sees a GPU, else "cpu", unless named. max_loop: train only on records whose
+    `loop_share` is at most this (the held-out records stay all, so the figure compares with a run without it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if features not in FEATURE_MODES:
@@ -658,11 +682,11 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     records = load_records(answers, max_len, max_prompts, prompt_ranges)
     train_set, held = split(records)
     dropped = 0
-    if max_repeat is not None:
-        kept = [r for r in train_set if repeat_share(r) <= max_repeat]
+    if max_loop is not None:
+        kept = [r for r in train_set if loop_share(r) <= max_loop]
         dropped = len(train_set) - len(kept)
-        report(f"{dropped} of {len(train_set)} training records repeat more than {max_repeat:.0%} of their answer "
-               "tokens' 4-grams: left out")
+        report(f"{dropped} of {len(train_set)} training records loop on more than {max_loop:.0%} of their answer "
+               "tokens: left out")
         train_set = kept
     records = train_set + held  # one order for the feature store: training records first
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -756,7 +780,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
                "soft_targets": soft_targets, "soft_weight": soft_weight if soft_targets else None,
                "vocab_extended": extend_vocab, "features": "online (recomputed per batch)" if online else "stored fp16",
                "tokens_per_batch": tokens_per_batch,
-               "max_repeat": max_repeat, "records_left_out_as_repetitive": dropped,
+               "max_loop": max_loop, "records_left_out_as_looping": dropped,
                "train": result,
                "held_out": metrics}
     if out is not None:
@@ -871,9 +895,10 @@ def main(argv: list[str] | None = None) -> int:
                              "draft's vocabulary lacks (head rows from the target's LM head)")
     parser.add_argument("--features", choices=FEATURE_MODES, default="auto",
                         help="the target's features stored under --work (CPU) or recomputed per batch (auto: on CUDA)")
-    parser.add_argument("--max-repeat", type=float, default=None, metavar="SHARE",
+    parser.add_argument("--max-loop", type=float, default=None, metavar="SHARE",
                         help="train only on records where at most this share of the answer tokens repeats a 4-gram "
-                             "seen earlier in the conversation (the held-out records stay all)")
+                             "of the answers before it that the rest of the conversation lacks (loop_share; the "
+                             "held-out records stay all)")
     parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="DRAFT",
                         help="train nothing: evaluate these saved drafts on the same held-out records of each "
                              "answers file (--eval-records per file) and write the figures to --compare-out")
@@ -887,8 +912,8 @@ def main(argv: list[str] | None = None) -> int:
         error = f"--extend-vocab {args.extend_vocab}: N >= 0"
     if not error and (args.soft_targets < 0 or not 0.0 <= args.soft_weight <= 1.0):
         error = f"--soft-targets {args.soft_targets} / --soft-weight {args.soft_weight}: K >= 0, weight in [0, 1]"
-    if not error and args.max_repeat is not None and not 0.0 <= args.max_repeat <= 1.0:
-        error = f"--max-repeat {args.max_repeat}: a share in [0, 1]"
+    if not error and args.max_loop is not None and not 0.0 <= args.max_loop <= 1.0:
+        error = f"--max-loop {args.max_loop}: a share in [0, 1]"
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -906,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
         budget_minutes=args.budget_minutes, eval_records=args.eval_records, init_from=args.init_from,
         max_prompts=args.max_prompts, prompt_ranges=args.prompt_range, refresh_vocab=args.refresh_vocab,
         refresh_drop=args.refresh_drop, soft_targets=args.soft_targets, soft_weight=args.soft_weight,
-        extend_vocab=args.extend_vocab, features=args.features, max_repeat=args.max_repeat)
+        extend_vocab=args.extend_vocab, features=args.features, max_loop=args.max_loop)
     return 0
 
 

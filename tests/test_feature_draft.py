@@ -726,21 +726,29 @@ def test_prompt_ranges_pick_records_per_answers_file(tmp_path):
         tfd.load_records([first], 64, ranges=[(0, None), (0, None)])
 
 
-def test_repeat_share_counts_answer_tokens_whose_4_gram_came_before():
-    """Hand-computed: the answer (positions 4-9) repeats the prompt's 1 2 3 4 once, at position 8: 1 of 6 answer
-    tokens; the prompt's own n-grams count as earlier text but not as answer tokens."""
+def test_repeat_and_loop_shares_count_answer_tokens_whose_4_gram_came_before():
+    """Hand-computed. The answer (positions 4-9) copies the prompt's 1 2 3 4 once, at position 8: a repeat (1 of 6
+    answer tokens) but no loop. The answer 9 8 7 6 9 8 7 6 9 after 1 2 3 loops on its last two tokens (the 4-grams
+    ending there came before in the answer and nowhere else); said first in the prompt, the same text is copied."""
     ids = np.array([1, 2, 3, 4, 9, 1, 2, 3, 4, 7])
     labels = np.arange(10) >= 4
     assert tfd.repeat_share(tfd.Record(0, ids, labels)) == pytest.approx(1 / 6)
+    assert tfd.loop_share(tfd.Record(0, ids, labels)) == 0.0
     assert tfd.repeat_share(tfd.Record(0, ids, np.arange(10) >= 9)) == 0.0  # 2 3 4 7 is new
-    assert tfd.repeat_share(tfd.Record(0, np.array([5, 5, 5, 5, 5, 5]), np.arange(6) >= 4)) == 1.0
-    assert tfd.repeat_share(tfd.Record(0, ids[:3], labels[:3])) == 0.0  # shorter than one n-gram
+    looping = np.array([1, 2, 3, 9, 8, 7, 6, 9, 8, 7, 6, 9])
+    answer = np.arange(12) >= 3
+    assert tfd.loop_share(tfd.Record(0, looping, answer)) == pytest.approx(2 / 9)
+    assert tfd.repeat_share(tfd.Record(0, looping, answer)) == pytest.approx(2 / 9)
+    copied = np.array([9, 8, 7, 6, 5, 4, 9, 8, 7, 6, 5])  # the answer (6-10) ends on the prompt's 9 8 7 6 5
+    assert tfd.loop_share(tfd.Record(0, copied, np.arange(11) >= 6)) == 0.0
+    assert tfd.repeat_share(tfd.Record(0, copied, np.arange(11) >= 6)) == pytest.approx(2 / 5)
+    assert tfd.loop_share(tfd.Record(0, ids[:3], labels[:3])) == 0.0  # shorter than one n-gram
 
 
-def test_max_repeat_leaves_repetitive_training_records_out_and_every_held_out_one_in(tmp_path, capsys):
+def test_max_loop_leaves_looping_training_records_out_and_every_held_out_one_in(tmp_path, capsys):
     target, target_dir, data = _target_with_answers(tmp_path, n=24)
     train, held = tfd.split(tfd.load_records([data], max_len=64))
-    shares = sorted(tfd.repeat_share(r) for r in train)
+    shares = sorted(tfd.loop_share(r) for r in train)
     limit = shares[len(shares) // 2]  # about half of them out
     expect = sum(s > limit for s in shares)
     assert 0 < expect < len(train)
@@ -748,13 +756,13 @@ def test_max_repeat_leaves_repetitive_training_records_out_and_every_held_out_on
               "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "max_minutes": None,
               "report": lambda _line: None}
     full = tfd.run(target_dir, [data], tmp_path / "work-all", None, **kwargs)
-    kept = tfd.run(target_dir, [data], tmp_path / "work-kept", None, max_repeat=limit, **kwargs)
-    assert full["records"] == len(train) and full["records_left_out_as_repetitive"] == 0
-    assert kept["records"] == len(train) - expect and kept["records_left_out_as_repetitive"] == expect
-    assert kept["max_repeat"] == limit and kept["held_out_records"] == full["held_out_records"] == len(held)
+    kept = tfd.run(target_dir, [data], tmp_path / "work-kept", None, max_loop=limit, **kwargs)
+    assert full["records"] == len(train) and full["records_left_out_as_looping"] == 0
+    assert kept["records"] == len(train) - expect and kept["records_left_out_as_looping"] == expect
+    assert kept["max_loop"] == limit and kept["held_out_records"] == full["held_out_records"] == len(held)
     assert kept["held_out"]["bases"] == full["held_out"]["bases"]
-    assert tfd.main(["--target", str(target_dir), "--answers", str(data), "--max-repeat", "1.5"]) == 2
-    assert "--max-repeat 1.5" in capsys.readouterr().err
+    assert tfd.main(["--target", str(target_dir), "--answers", str(data), "--max-loop", "1.5"]) == 2
+    assert "--max-loop 1.5" in capsys.readouterr().err
 
 
 def test_prompt_ranges_must_match_the_answers_files(tmp_path, capsys):

@@ -1,8 +1,10 @@
 """The committed feature draft's offline tokens per step by prompt kind, on the benchmark's prompts (gpu-diag's
 bench answers) against the task-kind turns the target wrote itself (held-out records of the CPU-written range): is
-the benchmark harder than the data the draft trains on, and in which kinds? Beside each: the share of the answer
-tokens whose 4-gram occurred earlier in the conversation (train_feature_draft.repeat_share, pooled over tokens). Reads the features that
-`train_feature_draft --compare` stored in WORK for the same three files (results/feature-draft-cpu-tasks-ab.json).
+the benchmark harder than the data the draft trains on, and in which kinds? Beside each, pooled over answer tokens:
+the share whose 4-gram occurred earlier in the conversation (train_feature_draft.repeat_share: copied or repeated)
+and the share that repeats the answers' own earlier text found nowhere else before it (loop_share). Reads the
+features that `train_feature_draft --compare` stored in WORK for the same three files
+(results/feature-draft-cpu-tasks-ab.json).
 
 usage: python results/scripts/draft_by_kind.py WORK OUT.json DRAFT [DRAFT ...]
 """
@@ -12,7 +14,7 @@ from pathlib import Path
 
 from mirror_sd.models import answers as answers_file
 from mirror_sd.models.feature_draft import FeatureDraft
-from mirror_sd.models.train_feature_draft import FeatureStore, evaluate, load_records, repeat_share, split
+from mirror_sd.models.train_feature_draft import FeatureStore, evaluate, load_records, loop_share, repeat_share, split
 
 TARGET = Path("build/models/smollm2-135m-instruct")
 FILES = [(Path("results/gpu-diag/held-out-answers.jsonl.gz"), (0, None)),
@@ -44,9 +46,11 @@ def main() -> None:
             for kind, idx in sorted(by_kind.items()):
                 m = evaluate(model, held, store, idx, gamma=4, device="cpu")
                 answer_tokens = [int(held[i].labels[3:].sum()) for i in idx]
+                total = max(sum(answer_tokens), 1)
                 repeated = sum(repeat_share(held[i]) * n for i, n in zip(idx, answer_tokens))
+                looped = sum(loop_share(held[i]) * n for i, n in zip(idx, answer_tokens))
                 row = {"records": len(idx), "bases": m["bases"], "answer_tokens": sum(answer_tokens),
-                       "repeat_share": round(repeated / max(sum(answer_tokens), 1), 3),
+                       "repeat_share": round(repeated / total, 3), "loop_share": round(looped / total, 3),
                        "tokens_per_step": round(m["tokens_per_step"], 3),
                        "walked_tokens_per_step": round(m["walked_tokens_per_step"], 3),
                        "alpha_per_step": [round(a, 3) for a in m["alpha_per_step"]]}

@@ -9,9 +9,9 @@
 #      times: read that many times as often), for DRAFT_MINUTES (features recomputed per batch, as
 #      results/scripts/feature_draft_gpu.sh's stages);
 #      Where ARM_B_FLAGS is set, a second arm beside it on the same GPU continues the same draft on the same data
-#      with those train_feature_draft flags: "--max-repeat 0.5" leaves out the training records whose answers
-#      mostly repeat earlier text (self-written turns repeat 1.8-10x more than the benchmark's prompts:
-#      results/feature-draft-cpu-tasks-ab.json); ARM_B_TAPS="8 16 24" is short for ARM_B_FLAGS="--taps 8 16 24"
+#      with those train_feature_draft flags: "--max-loop 0.4" leaves out the training records whose answers loop
+#      on more than 40% of their tokens (self-written turns loop 1.3-8x more than the answers to the benchmark's
+#      prompts: results/feature-draft-cpu-tasks-ab.json); ARM_B_TAPS="8 16 24" is short for ARM_B_FLAGS="--taps 8 16 24"
 #      (re-tapped: at GPU scale, what the CPU's 8-minute A/B in results/feature-draft-taps*-ab.json could not
 #      show); both are then measured offline on the answers files in
 #      $DIAG (results/scripts/bench_answers.py: target answers to prompts no draft trains on), and the one with more
