@@ -85,26 +85,28 @@ def load_records(paths: list[Path], max_len: int, max_prompts: int | None = None
     return out
 
 
-def _ngram_keys(ids: np.ndarray, n: int) -> np.ndarray | None:
-    """One int64 key per n-gram (the n tokens ending at position n-1, n, ...): n ids of at most 16 bits each."""
-    if len(ids) < n or ids.max(initial=0) >= 1 << 16 or n > 4:
-        return None
-    ids = ids.astype(np.int64)
-    keys = np.zeros(len(ids) - n + 1, np.int64)
-    for j in range(n):
-        keys = (keys << 16) | ids[j: len(ids) - n + 1 + j]
-    return keys
+def _ngram_groups(ids: np.ndarray, n: int) -> np.ndarray:
+    """One group number per n-gram (the n tokens ending at position n-1, n, ...): equal n-grams, equal numbers."""
+    windows = np.lib.stride_tricks.sliding_window_view(ids, n)
+    return np.unique(windows, axis=0, return_inverse=True)[1].reshape(-1)
+
+
+def _first_position(groups: np.ndarray, where: np.ndarray) -> np.ndarray:
+    """Per group, the first position where `where` holds (len(groups): nowhere)."""
+    first = np.full(groups.max() + 1, len(groups))
+    np.minimum.at(first, groups[where], np.flatnonzero(where))
+    return first
 
 
 def repeat_share(record: Record, n: int = 4) -> float:
     """The share of the record's answer tokens whose n-gram (the n tokens ending at it) occurs earlier in the same
     conversation, prompt included: text copied from the prompt (summaries, RAG) as well as text the answer repeats."""
-    keys = _ngram_keys(record.ids, n)
     answer = record.labels[n - 1:]
-    if keys is None or not answer.any():
+    if not answer.any():
         return 0.0
-    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-    return float((first[inverse] < np.arange(len(keys)))[answer].mean())
+    groups = _ngram_groups(record.ids, n)
+    earlier = _first_position(groups, np.ones(len(groups), bool))[groups] < np.arange(len(groups))
+    return float(earlier[answer].mean())
 
 
 def loop_share(record: Record, n: int = 4) -> float:
@@ -112,18 +114,14 @@ def loop_share(record: Record, n: int = 4) -> float:
     the conversation's other text before it: the answer going round in a loop, not copying its prompt. The target's
     self-written turns loop 1.3-8x more than its answers to the benchmark's hand-written prompts of the same kinds,
     and loops draft easily (results/feature-draft-cpu-tasks-ab.json)."""
-    keys = _ngram_keys(record.ids, n)
     answer = record.labels[n - 1:]
-    if keys is None or not answer.any():
+    if not answer.any():
         return 0.0
-    _, inverse = np.unique(keys, return_inverse=True)
-    pos = np.arange(len(keys))
-    never = len(keys)
-    first_answer, first_other = np.full(inverse.max() + 1, never), np.full(inverse.max() + 1, never)
-    np.minimum.at(first_answer, inverse[answer], pos[answer])
-    np.minimum.at(first_other, inverse[~answer], pos[~answer])
-    looped = (first_answer[inverse] < pos) & ~(first_other[inverse] < pos)
-    return float(looped[answer].mean())
+    groups = _ngram_groups(record.ids, n)
+    pos = np.arange(len(groups))
+    in_answer = _first_position(groups, answer)[groups] < pos
+    elsewhere = _first_position(groups, ~answer)[groups] < pos
+    return float((in_answer & ~elsewhere)[answer].mean())
 
 
 def file_ranges(paths: list[Path], max_prompts: int | None,

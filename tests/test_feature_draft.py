@@ -743,6 +743,9 @@ def test_repeat_and_loop_shares_count_answer_tokens_whose_4_gram_came_before():
     assert tfd.loop_share(tfd.Record(0, copied, np.arange(11) >= 6)) == 0.0
     assert tfd.repeat_share(tfd.Record(0, copied, np.arange(11) >= 6)) == pytest.approx(2 / 5)
     assert tfd.loop_share(tfd.Record(0, ids[:3], labels[:3])) == 0.0  # shorter than one n-gram
+    # token ids past 16 bits (a 128k vocabulary) count alike
+    assert tfd.loop_share(tfd.Record(0, looping + 100_000, answer)) == pytest.approx(2 / 9)
+    assert tfd.repeat_share(tfd.Record(0, ids + 100_000, labels)) == pytest.approx(1 / 6)
 
 
 def test_max_loop_leaves_looping_training_records_out_and_every_held_out_one_in(tmp_path, capsys):
