@@ -33,6 +33,7 @@ def main() -> None:
     for p, _ in FILES:
         kinds[str(p)] = {int(r["index"]): r["kind"].removeprefix("task-") for r in answers_file.read(p)}
     embedding = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).get_input_embeddings().weight
+    models = {d: FeatureDraft.load(d, embedding) for d in drafts}
     store = FeatureStore(work, held, [5, 10, 15], 576)
     assert store.done == len(held), "run train_feature_draft --compare on the same files into WORK first"
     result, first = {}, 0
@@ -41,8 +42,7 @@ def main() -> None:
         for j, r in enumerate(part):
             by_kind.setdefault(kinds[str(path)][r.index], []).append(first + j)
         first += len(part)
-        for d in drafts:
-            model = FeatureDraft.load(d, embedding)
+        for d, model in models.items():
             for kind, idx in sorted(by_kind.items()):
                 m = evaluate(model, held, store, idx, gamma=4, device="cpu")
                 answer_tokens = [int(held[i].labels[3:].sum()) for i in idx]
