@@ -35,69 +35,38 @@ SETTINGS = ((4, 4), (4, 8), (8, 8))  # (kappa, budget)
 
 
 def collect(bundle: str, which: str, per_kind: int, out: str) -> None:
-    from mirror_sd.runtime import scheduler
-    from mirror_sd import Pipeline
-    from mirror_sd.models import evaluate
+    from branch_ranking import collect as collect_steps  # the same directory
+
     from mirror_sd.runtime.feature_draft import FeatureDrafter
     from mirror_sd.runtime.sampling import probability
 
-    steps, pending, picks = [], {}, {}
-    plan_branches, verify = scheduler.plan_branches, scheduler.verify
-    roll, window, confident = FeatureDrafter._roll, FeatureDrafter._window, FeatureDrafter._confident
+    picks = {}  # (context length, window) -> the draft's [token, p(token), top-4 ids, top-4 p] per main-stream slot
+    roll, window = FeatureDrafter._roll, FeatureDrafter._window
 
     def recording_roll(self, bases, *args, **kwargs):
         self._picks = [[] for _ in bases]
         return roll(self, bases, *args, **kwargs)
 
-    def recording_confident(self, row, token, b):
+    def recording_confident(self, row, token, b):  # called once per main-stream choice; no confidence limit here
         cols = np.argsort(-row)[:4]
         ids = cols if self.vocab.ids is None else self.vocab.ids[cols]
         self._picks[b].append([token, round(self.vocab.prob(row, token), 5), ids.tolist(),
                                [round(probability(row, int(c)), 5) for c in cols]])
-        return confident(self, row, token, b)
+        return True
 
     def recording_window(self, context_len, rows, b):
         made = window(self, context_len, rows, b)
         picks[(context_len, made.tokens)] = self._picks[b]
         return made
 
-    def recording_plan(c, kappa, budget, accept_rate):
-        drafted = picks.get((len(c.context), tuple(c.window)))
-        pending["step"] = {"window": list(c.window), "ids": c.topk_ids.tolist(),
-                           "lps": np.round(c.topk_logprobs, 5).tolist(), "accept_rate": accept_rate,
-                           "draft": None if drafted is None else [p for i, p in enumerate(drafted)
-                                                                  if i < len(c.window) and p[0] == c.window[i]]}
-        return plan_branches(c, kappa, budget, accept_rate)
+    def annotate(c):
+        drafted = picks.get((len(c.context), tuple(c.window)))  # None: a window cut short at the token limit
+        return {"draft": None if drafted is None else [p for i, p in enumerate(drafted)
+                                                       if i < len(c.window) and p[0] == c.window[i]]}
 
-    def recording_verify(window, draft_logits, target_logits, params, rng):
-        verdict = verify(window, draft_logits, target_logits, params, rng)
-        step = pending.pop("step", None)
-        if step is not None:
-            steps.append({**step, "A": verdict.accepted, "token": verdict.token})
-        return verdict
-
-    scheduler.plan_branches, scheduler.verify = recording_plan, recording_verify
     FeatureDrafter._roll, FeatureDrafter._window = recording_roll, recording_window
     FeatureDrafter._confident = recording_confident
-    pipe = Pipeline.load(bundle)
-    if which == "bench":
-        prompts = evaluate.bench_prompts(per_kind)[0]
-    elif which == "humaneval":
-        prompts = evaluate.public_prompts("humaneval", len(evaluate.KINDS) * per_kind)
-    else:
-        prompts = evaluate._prompts(per_kind)
-    started = time.time()
-    for i, prompt in enumerate(prompts):
-        first = len(steps)
-        result = pipe.generate(evaluate.messages_of(pipe, prompt), mode="mirror", max_new_tokens=96, gamma=4,
-                               kappa=8, branch_budget=4, draft_confidence_threshold=0.0,
-                               adaptive_speculation=False, prompt_lookup_num_tokens=0)
-        for s in steps[first:]:
-            s["prompt"], s["kind"] = i, prompt.kind
-        print(f"{i + 1}/{len(prompts)} {prompt.kind}: rejected-step hits {result.stats['rejected_branch_hit_rate']:.2f}"
-              f" ({time.time() - started:.0f} s)", flush=True)
-    with open(out, "w") as f:
-        json.dump({"bundle": bundle, "set": which, "per_kind": per_kind, "steps": steps}, f)
+    collect_steps(bundle, which, per_kind, out, annotate)
 
 
 def slot_features(step, r, kappa, draft=False):

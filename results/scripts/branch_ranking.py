@@ -27,7 +27,8 @@ import numpy as np
 GAMMA, NEW, TOP = 4, 96, 8
 
 
-def collect(bundle: str, which: str, per_kind: int, out: str) -> None:
+def collect(bundle: str, which: str, per_kind: int, out: str, annotate=None) -> None:
+    """annotate(candidates) -> dict: more fields for each step's record (branch_outcome_model.py's collect)."""
     import mirror_sd.runtime.scheduler as scheduler
     from mirror_sd import Pipeline
     from mirror_sd.models import evaluate
@@ -37,7 +38,8 @@ def collect(bundle: str, which: str, per_kind: int, out: str) -> None:
 
     def recording_plan(c, kappa, budget, accept_rate):
         pending["step"] = {"window": list(c.window), "ids": c.topk_ids.tolist(),
-                           "lps": np.round(c.topk_logprobs, 5).tolist(), "accept_rate": accept_rate}
+                           "lps": np.round(c.topk_logprobs, 5).tolist(), "accept_rate": accept_rate,
+                           **(annotate(c) if annotate else {})}
         return plan_branches(c, kappa, budget, accept_rate)
 
     def recording_verify(window, draft_logits, target_logits, params, rng):
