@@ -42,15 +42,18 @@ def main() -> None:
         for j, r in enumerate(part):
             by_kind.setdefault(kinds[str(path)][r.index], []).append(first + j)
         first += len(part)
+        shares = {}  # per kind, what the text holds: the same for every draft
+        for kind, idx in by_kind.items():
+            answer_tokens = [int(held[i].labels[3:].sum()) for i in idx]
+            total = max(sum(answer_tokens), 1)
+            repeated = sum(repeat_share(held[i]) * n for i, n in zip(idx, answer_tokens))
+            looped = sum(loop_share(held[i]) * n for i, n in zip(idx, answer_tokens))
+            shares[kind] = {"answer_tokens": sum(answer_tokens), "repeat_share": round(repeated / total, 3),
+                            "loop_share": round(looped / total, 3)}
         for d, model in models.items():
             for kind, idx in sorted(by_kind.items()):
                 m = evaluate(model, held, store, idx, gamma=4, device="cpu")
-                answer_tokens = [int(held[i].labels[3:].sum()) for i in idx]
-                total = max(sum(answer_tokens), 1)
-                repeated = sum(repeat_share(held[i]) * n for i, n in zip(idx, answer_tokens))
-                looped = sum(loop_share(held[i]) * n for i, n in zip(idx, answer_tokens))
-                row = {"records": len(idx), "bases": m["bases"], "answer_tokens": sum(answer_tokens),
-                       "repeat_share": round(repeated / total, 3), "loop_share": round(looped / total, 3),
+                row = {"records": len(idx), "bases": m["bases"], **shares[kind],
                        "tokens_per_step": round(m["tokens_per_step"], 3),
                        "walked_tokens_per_step": round(m["walked_tokens_per_step"], 3),
                        "alpha_per_step": [round(a, 3) for a in m["alpha_per_step"]]}
