@@ -69,13 +69,19 @@ def collect(bundle: str, which: str, per_kind: int, out: str) -> None:
     collect_steps(bundle, which, per_kind, out, annotate)
 
 
+def window_logprob(step, r, kappa):
+    """The exit head's log-probability of window token r among its top kappa (the kappa-th one's where it is
+    outside), and whether it is inside."""
+    ids, lps = step["ids"][r][:kappa], step["lps"][r][:kappa]
+    w = step["window"][r]
+    return (lps[ids.index(w)], True) if w in ids else (lps[-1], False)
+
+
 def slot_features(step, r, kappa, draft=False):
     """Features of window token r as the runtime sees them with kappa candidates per slot; draft: also the draft's
     log-probability of it where its main stream chose it (0 and a flag where a stream head proposed it)."""
-    ids, lps = step["ids"][r][:kappa], step["lps"][r][:kappa]
-    w = step["window"][r]
-    inside = w in ids
-    lpw = lps[ids.index(w)] if inside else lps[-1]
+    lps = step["lps"][r][:kappa]
+    lpw, inside = window_logprob(step, r, kappa)
     x = [1.0, lpw, 0.0 if inside else 1.0, lps[0], float(r), lpw * (r > 0)]
     if draft:
         picked = step.get("draft") or []
@@ -114,10 +120,7 @@ def log_loss(w, x, y):
 
 def accept_prob(step, r, kappa, rule):
     if rule[0] == "power":
-        ids, lps = step["ids"][r][:kappa], step["lps"][r][:kappa]
-        w = step["window"][r]
-        lp = lps[ids.index(w)] if w in ids else lps[-1]
-        return math.exp(rule[1] * lp)
+        return math.exp(rule[1] * window_logprob(step, r, kappa)[0])
     x = np.array(slot_features(step, r, kappa, rule[1].size > 6))
     return float(1 / (1 + np.exp(-x @ rule[1])))
 
@@ -197,10 +200,10 @@ def main(out, fit_path, others):
                 row["logistic log loss with the draft"] = log_loss(wd, xod, yod)
                 row["ceiling with the draft's top 2 beside the exit's"] = float(np.mean(
                     [union_ceiling(s, kappa) for s in rejected]))
-            base = [(s["A"], s["token"]) in plan(s, kappa, budget, *rules["runtime: p ** 0.5, prefix * p(v)"])
-                    for s in rejected]
-            for name, rule in rules.items():
-                hits = [(s["A"], s["token"]) in plan(s, kappa, budget, *rule) for s in rejected]
+            hits_by_rule = {name: [(s["A"], s["token"]) in plan(s, kappa, budget, *rule) for s in rejected]
+                            for name, rule in rules.items()}
+            base = hits_by_rule["runtime: p ** 0.5, prefix * p(v)"]
+            for name, hits in hits_by_rule.items():
                 row[name] = {"hit_rate": float(np.mean(hits)),
                              "wins": sum(h and not b for b, h in zip(base, hits)),
                              "losses": sum(b and not h for b, h in zip(base, hits))}
@@ -234,7 +237,8 @@ def compare(out, coverage_path, pairs):
                      (y["A"], y["token"]) in plan(y, kappa, budget, *runtime_rule)) for x, y in matched]
             row[f"kappa {kappa}, budget {budget}"] = {
                 "before": float(np.mean([h[0] for h in hits])), "after": float(np.mean([h[1] for h in hits])),
-                "after_wins": sum(h[1] and not h[0] for h in hits), "after_losses": sum(h[0] and not h[1] for h in hits)}
+                "after_wins": sum(h[1] and not h[0] for h in hits),
+                "after_losses": sum(h[0] and not h[1] for h in hits)}
         doc["sets"][b_path] = row
         print(b_path, {k: v for k, v in row.items() if isinstance(v, dict)})
     with open(coverage_path) as f:
