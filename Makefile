@@ -32,12 +32,13 @@ MAX_CONTEXT ?=
 
 setup: $(STAMP)
 
-# torch comes first and pinned: `pip install torch==2.13.0` takes the CPU wheel on this machine's disk; a loose
-# requirement would pull a multi-GB CUDA build. The project pins the same version, so nothing more is fetched.
-$(STAMP): pyproject.toml
+# Everything (every extra) at the versions tested together (constraints.txt). torch comes first: `pip install
+# torch==2.13.0` takes the CPU wheel on this machine's disk, and the constraints pin the same version, so nothing
+# more is fetched; a loose requirement would pull a multi-GB CUDA build. `pip install .` alone is the runtime.
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,eval]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[all]"
 	@touch $@
 
 test: setup lint
@@ -60,7 +61,7 @@ models: setup
 	  $(if $(TARGET_DTYPE),--target-dtype $(TARGET_DTYPE))
 
 demo: models
-	$(PY) -m mirror_sd.models.demo
+	$(PY) -m mirror_sd.demo
 
 export: setup
 	@if [ -z "$(MODEL)" ] || [ -z "$(DRAFT)" ] || [ -z "$(OUT)" ]; then \

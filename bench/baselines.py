@@ -18,13 +18,13 @@ is written and rebuilt when its source's fingerprint (file sizes and modificatio
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from mirror_sd.bench.methods import Method
 from mirror_sd.bench.variants import Sources
 from mirror_sd.errors import BadInputError, MirrorSDError
+from mirror_sd.export.openvino_genai import fingerprint
 from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE, Manifest
 
 NAMES = ("hf-generate", "hf-assisted", "ov-genai-sd", "ov-genai-ar", "ov-genai-pld")
@@ -34,12 +34,6 @@ DEFAULT_GAMMA = 4  # the harness's default window; every speculative baseline pr
 
 class BaselineError(MirrorSDError):
     """A baseline cannot be prepared or opened (missing sources, failed conversion, a library refusing)."""
-
-
-def fingerprint(directory: Path) -> str:
-    """Cheap identity of a source directory: names, sizes and modification times of its files."""
-    items = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(directory).iterdir() if f.is_file())
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
 def check_sources(bundle: Path, manifest: Manifest, sources: Sources) -> None:
@@ -87,7 +81,7 @@ def plain_draft_dir(sources: Sources, cache: Path) -> Path:
 def genai_dir(model_dir: Path, cache: Path, what: str, weights: str = "float32") -> Path:
     """model_dir converted for OpenVINO GenAI (cached); weights "int8": its MatMul weights compressed to int8, as
     the bundle's own draft is (the speculative baseline drafts with the same weights as ours)."""
-    from mirror_sd.bench import ov_convert
+    from mirror_sd.export import openvino_genai as ov_convert
 
     key = fingerprint(model_dir) + ("" if weights == "float32" else f"-{weights}")
     return ov_convert.convert(model_dir, cache / f"ov-genai-{what}-{key}", fingerprint=key, weights=weights)

@@ -125,7 +125,7 @@ def _measure(pipe, prompts, ar, max_new_tokens, gamma, mode) -> dict[str, Any]:
 
 def default_prompts(n: int) -> list[list[dict[str, str]]]:
     """Held-out chat prompts (topics the draft never trained on), single-turn kinds only."""
-    from mirror_sd.models.prompts import build
+    from mirror_sd.models.training.prompts import build
 
     chosen = [p.messages for p in build(4 * n, held_out=True) if p.kind != "multi_turn"]
     return chosen[:n]

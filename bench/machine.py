@@ -9,6 +9,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from mirror_sd.runtime.backends import usable_cores
+
 PACKAGES = ("onnxruntime-gpu", "onnxruntime", "openvino", "openvino-genai", "transformers", "torch", "numpy",
             "optimum-intel", "nncf")
 
@@ -17,7 +19,7 @@ def describe_machine(repo: Path | None = None) -> dict[str, Any]:
     return {
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores_usable": usable_cores(),
         "ram_gib": _ram_gib(),
         "os": platform.platform(),
         "python": platform.python_version(),

@@ -93,7 +93,7 @@ def plain_model(streaming, calibration: list[list[int]]):
 
 def calibration_ids(tokenizer, n: int = 16) -> list[list[int]]:
     """Prompt ids of `n` held-out project prompts through the target's chat template (no generation needed)."""
-    from mirror_sd.models import prompts
+    from mirror_sd.models.training import prompts
 
     out = []
     for prompt in prompts.build(n, held_out=True):

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never a window (the benchmark runs headless)
 import matplotlib.pyplot as plt
 
-from mirror_sd.bench.prompts import KINDS
+from mirror_sd.models.benchmark_prompts import KINDS
 
 LANES = ("prefix", "suffix", "verify", "wait", "draft")  # timeline rows, top to bottom
 COLOURS = {"prefix": "tab:blue", "suffix": "tab:orange", "draft": "tab:green", "verify": "tab:purple",

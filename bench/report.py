@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mirror_sd.bench.prompts import KINDS
+from mirror_sd.models.benchmark_prompts import KINDS
 
 # What each method is (text, not figures): the report says what was compared with what.
 WHAT = {

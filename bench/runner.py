@@ -12,7 +12,6 @@ the median. Greedy groups check each method's tokens against ar's on the same pr
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,10 +25,11 @@ from mirror_sd.bench.context import ContextSize
 from mirror_sd.bench.machine import describe_machine
 from mirror_sd.bench.methods import BASELINE_METHODS, PROJECT_METHODS, Method, MethodResult
 from mirror_sd.bench.pipeline_methods import PipelineMethod
-from mirror_sd.bench.prompts import KINDS, PROMPTS, BenchPrompt, select
 from mirror_sd.bench.variants import CACHE, Sources, variant
 from mirror_sd.errors import BadInputError, MirrorSDError
+from mirror_sd.models.benchmark_prompts import KINDS, PROMPTS, BenchPrompt, select
 from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.runtime.backends import usable_cores
 from mirror_sd.runtime.pipeline import Pipeline
 
 ABLATIONS = {  # mirror with one mechanism off; the logit lens one also needs another bundle (see _ablations)
@@ -224,7 +224,7 @@ class Bench:
         main = self._load(self.bundle)
         ar_pipes = {1: main if main.target_threads == 1 else self._load(self.bundle, target_threads=1),
                     2: main if main.target_threads == 2 else self._load(self.bundle, target_threads=2)}
-        cores = len(os.sched_getaffinity(0))
+        cores = usable_cores()
         self._open_baselines(threads=cores, gamma=self.gamma(main))
         doc["threads"] = {"sd_mirror": {"target": main.target_threads, "draft": main.draft_threads,
                                         "draft_runtime": f"{main.draft.backend} {main.draft.device}",
@@ -435,7 +435,7 @@ class Bench:
             return None
         from mirror_sd.bench.context import run_context
 
-        genai = {len(os.sched_getaffinity(0)): m for m in self.baselines if m.name == "ov-genai-ar"}
+        genai = {usable_cores(): m for m in self.baselines if m.name == "ov-genai-ar"}
         if genai and 1 not in genai:  # its best thread count, as ar's: open it at one thread as well
             from mirror_sd.bench.baselines import open_baselines
 

@@ -89,7 +89,7 @@ def variant(sources: Sources | None, manifest: Manifest, bundle: Path, exit_laye
         exit_head = "logit_lens"  # no trained adapter for this layer
     if manifest.target.exit_layer == exit_layer and manifest.target.exit_head == exit_head:
         return Variant(exit_layer, exit_head, bundle)
-    from mirror_sd.bench.baselines import fingerprint  # (baselines imports this module)
+    from mirror_sd.export.openvino_genai import fingerprint
 
     # a variant of this draft: another draft (or the same one retrained) is exported anew, never read stale
     drafted = f"-{fingerprint(sources.draft)[:10]}" if sources is not None and sources.draft.is_dir() else ""

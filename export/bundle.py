@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 
-from mirror_sd import __version__
 from mirror_sd.errors import BadInputError, ExportError
 from mirror_sd.export import parity
 from mirror_sd.export.architectures import Architecture, architecture_of
@@ -34,8 +33,10 @@ from mirror_sd.export.onnx_export import draft_spec, exit_spec, export_segment
 from mirror_sd.export.segments import ExitTopK, LogitLens
 from mirror_sd.export.target_graphs import write_target_graph
 from mirror_sd.export.target_precision import MIN_TARGET_AGREEMENT, check_target_dtype, retype_target
+from mirror_sd.models.exit_adapter import CONFIG_NAME, ExitAdapter
 from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.partitions.manifest import Manifest, TargetFacts, TokenizerFacts
+from mirror_sd.version import __version__
 
 DEFAULT_TOP_K = 8
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -123,7 +124,6 @@ def check_options(opts: ExportOptions, target: LoadedModel, draft: Draft) -> tup
 
 
 def _adapter_config(path: str) -> dict:
-    from mirror_sd.models.exit_adapter import CONFIG_NAME
 
     config = Path(path).expanduser() / CONFIG_NAME
     try:
@@ -137,7 +137,6 @@ def _exit_head(opts: ExportOptions, target: LoadedModel) -> torch.nn.Module:
     lm_head = target.arch.lm_head(target.model)
     if opts.exit_adapter is None:
         return LogitLens(backbone.norm, lm_head)
-    from mirror_sd.models.exit_adapter import ExitAdapter
 
     try:
         return ExitAdapter.load(Path(opts.exit_adapter).expanduser(), backbone.norm, lm_head)

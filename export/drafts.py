@@ -23,7 +23,9 @@ from torch import nn
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.export.architectures import Architecture, architecture_of
-from mirror_sd.export.segments import SplitSegment, last_positions
+from mirror_sd.export.segments import SplitSegment, _split_attention, additive_mask, last_positions
+from mirror_sd.models.feature_draft import FeatureDraft
+from mirror_sd.models.streaming_draft import StreamingDraft
 from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE, LOGITS, STREAM_IDS, DraftFacts
 
 __all__ = ["Draft", "FeatureDraftSource", "HFDraft", "StreamingDraftSource", "load_draft"]
@@ -133,7 +135,6 @@ class _FeatureSegment(nn.Module):
 
     def forward(self, input_ids, position_ids, shared_mask, attention_mask, keep, features, surrogate, use_surrogate,
                 shared_k, shared_v, own_k, own_v):
-        from mirror_sd.export.segments import _split_attention, additive_mask
 
         d = self.draft
         g = torch.where(use_surrogate[..., None].bool(), surrogate, d.fused(features))
@@ -200,8 +201,6 @@ class FeatureDraftSource(Draft):
 def load_draft(source: str, load_hf, target=None) -> Draft:
     """A streaming or feature draft directory, or (through `load_hf`, which raises the export's typed errors) an HF
     model. A feature draft takes the target's embedding from `target` (a LoadedModel)."""
-    from mirror_sd.models.feature_draft import FeatureDraft
-    from mirror_sd.models.streaming_draft import StreamingDraft
 
     path = Path(source).expanduser()
     if path.is_dir() and FeatureDraft.is_feature_draft(path):

@@ -50,6 +50,8 @@ from mirror_sd.partitions.spec import (
     shared_value_name,
 )
 from mirror_sd.runtime.backends import OpenedGraph, open_onnxruntime, open_openvino
+from mirror_sd.runtime.portable import open_portable_target
+from mirror_sd.runtime.target import open_target
 
 ATOL, RTOL = PARITY_ATOL, PARITY_RTOL  # every float output: max |graph - torch| <= ATOL + RTOL * max |torch|
 # Token ids for the grid come from this text through the bundle's own tokenizer: real text keeps a real model
@@ -211,8 +213,6 @@ class _Results:
 
 def _check_target(bundle_dir: Path, manifest: Manifest, sample: Sample, target, exit_topk,
                   results: _Results) -> None:
-    from mirror_sd.runtime.portable import open_portable_target
-    from mirror_sd.runtime.target import open_target
 
     t = manifest.target
     for runtime in RUNTIMES:
@@ -395,7 +395,6 @@ def target_top1_agreement(bundle_dir: Path, manifest: Manifest, target, sample: 
     the target grid: the share of positions whose greedy token is the reference's, and the largest logit
     difference. For a target rewritten in float16 (export/target_precision.py), whose logits are no longer within
     the parity tolerance."""
-    from mirror_sd.runtime.target import open_target
 
     runtime = "onnxruntime-cpu"
     engine = open_target(bundle_dir, manifest, "cpu", threads=2)

@@ -1,12 +1,14 @@
 """Mirror Speculative Decoding: a target LLM on ONNX Runtime and a draft LLM on OpenVINO, run at the same time.
 
-Subpackages: ``mirror_sd.export`` (torch side, writes bundles), ``mirror_sd.partitions`` (the manifest, plain data),
-``mirror_sd.runtime`` (no torch: engines and decoding), ``mirror_sd.models`` (recipes for models).
+Subpackages: ``mirror_sd.runtime`` (no torch: engines and decoding), ``mirror_sd.partitions`` (the manifest and the
+plan, plain data), ``mirror_sd.serve`` (the OpenAI-compatible server), ``mirror_sd.package`` (NPU packages),
+``mirror_sd.export`` (torch side, writes bundles), ``mirror_sd.models`` (the drafts' architectures and the real
+pair's recipe; ``mirror_sd.models.training`` trains them), ``mirror_sd.bench`` (``make bench``, ``make soak``).
 """
 
 from mirror_sd.errors import MirrorSDError
+from mirror_sd.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["GenerationConfig", "MirrorSDError", "Pipeline", "__version__"]
 
 

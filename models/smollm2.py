@@ -5,7 +5,7 @@
    RETRAIN=1 (`--retrain`) they are trained again here, seeded: the target answers the training prompts
    (models/datagen.py), the streaming draft is distilled from those answers (models/train_draft.py), and the exit
    adapter from the target's own hidden states (models/train_exit.py); then the feature draft is trained on the
-   target's answers to the broad pool (the committed token ids in models/data/, models/answers.py; missing ones
+   target's answers to the broad pool (the committed token ids in models/training/data/, models/answers.py; missing ones
    are generated) with models/train_feature_draft.py;
 3. export: target split at the adapter's exit layer, the adapter as the early-exit head, and the streaming draft
    (build/bundles/smollm2) or, with `--draft feature` (`make models DRAFT_KIND=feature`), the feature draft
@@ -98,7 +98,7 @@ EVERYDAY_PROMPTS_12 = 16000
 FEATURE_LATEST_DATA = {**FEATURE_MIXED, "budget_minutes": 18}
 LATEST_DATA_REPLAY = [(0, 1200), (EVERYDAY_PROMPTS_11, EVERYDAY_PROMPTS_12), (600, 1200), (7000, 8000),
                       (1000, 1500)]  # dialogue, everyday, advice, broad, code
-# A thirteenth and a fourteenth on a GPU (results/feature-draft-gpu.json, results/scripts/feature_draft_gpu.sh): every
+# A thirteenth and a fourteenth on a GPU (results/feature-draft-gpu.json, lab/scripts/feature_draft_gpu.sh): every
 # committed answers file at once (45,030 training records, 5.9M answer tokens), 16,384-token batches, the target's
 # features recomputed per batch. The thirteenth extends the vocabulary by the 8,192 most frequent answer tokens it
 # lacked (held-out answer tokens covered 97.0% -> 99.4%) and runs 1,965 batches at lr 6e-4 (5.5 minutes on one H100,
@@ -112,7 +112,7 @@ GPU_PASS = 707  # batches in one pass over GPU_FILES' training records at 16,384
 FEATURE_GPU_ALL = {**FEATURE_CONTINUED, "epochs": 1965 / GPU_PASS, "lr": 6e-4, "tokens_per_batch": 16384,
                    "budget_minutes": None, "extend_vocab": 8192, "eval_records": 600}
 FEATURE_GPU_MORE = {**FEATURE_GPU_ALL, "epochs": 2567 / GPU_PASS, "lr": 3e-4, "extend_vocab": 0}
-# A fifteenth on a GPU (results/self-data-gpu.json, results/scripts/self_data_gpu.sh): the same files and the
+# A fifteenth on a GPU (results/self-data-gpu.json, lab/scripts/self_data_gpu.sh): the same files and the
 # answers to SELF_TRAINED prompts the target wrote itself (models/self_queries.py: Magpie), 2,472 batches at lr 3e-4
 # (3.6 minutes on one H100), then the stream heads continued on the changed draft (FEATURE_STREAMS_SELF, 1.2
 # minutes there). The self-written answers file holds more prompts than that stage read (SELF_PROMPTS, the same
@@ -125,14 +125,14 @@ FEATURE_GPU_SELF = {**FEATURE_GPU_MORE, "epochs": 2472 / GPU_SELF_PASS}
 FEATURE_STREAMS_SELF = {"streams": 2, "stream_vocab": 4096, "stream_width": 576, "depths": 2, "batches": 1200,
                         "lr": 1e-3, "tokens_per_batch": 8192, "max_len": 1024, "eval_records": 64,
                         "continue_streams": True}
-# A sixteenth on a GPU (results/stage16-gpu.json, results/scripts/self_data_gpu.sh with QUERY_MINUTES=0): the same
+# A sixteenth on a GPU (results/stage16-gpu.json, lab/scripts/self_data_gpu.sh with QUERY_MINUTES=0): the same
 # files with the self-written answers whole (SELF_PROMPTS: the 5,210 the fifteenth did not read included), 2,889
 # batches at lr 3e-4 (4.3 minutes on one H100), then the stream heads continued on it (FEATURE_STREAMS_SELF, 1.2
 # minutes). In-run held-out 3.127 -> 3.165 tokens per step; in the runtime within noise of the fifteenth (+0.015 /
 # +0.017 tokens per step held-out / on the benchmark's prompts, one paired standard error 0.029 / 0.021).
 GPU_ALL_SELF_PASS = 866  # batches in one pass over GPU_SELF_FILES' training records, the self-written ones all
 FEATURE_GPU_SELF_ALL = {**FEATURE_GPU_MORE, "epochs": 2889 / GPU_ALL_SELF_PASS}
-# A seventeenth on a GPU (results/task-data-gpu.json, results/scripts/self_data_gpu.sh with QUERIES=tasks
+# A seventeenth on a GPU (results/task-data-gpu.json, lab/scripts/self_data_gpu.sh with QUERIES=tasks
 # NEW_REPEATS=2): the target wrote user turns of the benchmark's task kinds from openings given in
 # models/task_queries.py and answered them (TASKS_TRAINED records, 2.4 minutes on one H200); the draft continued on
 # every answers file with those listed twice (read twice as often), 3,072 batches at lr 3e-4 (3.6 minutes there),
@@ -242,9 +242,8 @@ def bundle_dir(kind: str = "streaming", target_dtype: str = "float32") -> Path:
 
 def retrain_feature_draft(report=print) -> None:
     """The feature draft from the committed answers (any missing ones generated first, with OpenVINO GenAI)."""
-    from mirror_sd.bench.baselines import fingerprint
-    from mirror_sd.bench.ov_convert import convert
-    from mirror_sd.models import (
+    from mirror_sd.export.openvino_genai import convert, fingerprint
+    from mirror_sd.models.training import (
         answers,
         self_queries,
         task_queries,
@@ -373,7 +372,7 @@ def retrain_feature_draft(report=print) -> None:
 
 
 def retrain(prompts: int, broad_prompts: int, draft_minutes: float, broad_minutes: float, report=print) -> None:
-    from mirror_sd.models import datagen, train_draft, train_exit
+    from mirror_sd.models.training import datagen, train_draft, train_exit
 
     datagen.generate(TARGET_DIR, DATA_FILE, prompts)
     datagen.generate(TARGET_DIR, BROAD_FILE, broad_prompts, batch=64, pool="broad")

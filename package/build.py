@@ -19,7 +19,6 @@ from typing import Callable
 
 import numpy as np
 
-from mirror_sd import __version__
 from mirror_sd.errors import BadInputError, PackageError
 from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.package.compress import DEFAULT_GROUP_SIZE, compress_weights
@@ -48,6 +47,7 @@ from mirror_sd.partitions.package_format import (
 )
 from mirror_sd.partitions.plan_file import PLAN_FILE
 from mirror_sd.partitions.spec import KEEP, PartitionSpec, TensorSpec
+from mirror_sd.version import __version__
 
 DRAFT_DIR = "draft"
 # Defaults in the spirit of OpenVINO GenAI's NPU pipeline (MAX_PROMPT_LEN 1024), capped by the models' own limit.

@@ -9,6 +9,8 @@ tokens T, the lane at its full length L (rows read the slots their shared_mask m
 from __future__ import annotations
 
 from mirror_sd.errors import PackageError
+from mirror_sd.partitions.manifest import FEATURES, SURROGATE, USE_SURROGATE
+from mirror_sd.partitions.spec import KEEP
 
 
 def make_static(model, batch: int, tokens: int, kv_length: int, own_slots: int):
@@ -17,8 +19,6 @@ def make_static(model, batch: int, tokens: int, kv_length: int, own_slots: int):
     import numpy as np
     from openvino import opset13 as ops
 
-    from mirror_sd.partitions.manifest import FEATURES, SURROGATE, USE_SURROGATE
-    from mirror_sd.partitions.spec import KEEP
 
     for param in list(model.get_parameters()):
         if param.output(0).get_any_name() == KEEP:

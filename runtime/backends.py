@@ -7,6 +7,7 @@ No torch here.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,13 @@ class OpenedGraph:
     run: RunFn
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask where the OS keeps one (Linux), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def on_cpu(device: str) -> bool:

@@ -17,7 +17,6 @@ a plan made for another export of the bundle is refused.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError, check_int
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.plan_file import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
-from mirror_sd.runtime.backends import BACKENDS, default_openvino_device, on_cpu
+from mirror_sd.runtime.backends import BACKENDS, default_openvino_device, on_cpu, usable_cores
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import Drafter
 from mirror_sd.runtime.engines import DraftEngine, open_engine
@@ -258,7 +257,7 @@ class Pipeline:
         rec = Recorder(cfg.trace)
         sink = TextSink(self.codec, cfg.stop, self.manifest.tokenizer.eos_token_ids, cfg.max_new_tokens)
         # the draft reads the prompt during the prefill only where target and draft threads fit the cores together
-        fits = self.target_threads + self.draft_threads <= len(os.sched_getaffinity(0))
+        fits = self.target_threads + self.draft_threads <= usable_cores()
         worker = self._start_worker(cfg, rec, self._threaded(cfg, fits)) if cfg.mode != "ar" else None
         draft_forwards = self.draft.forwards
         tokens = decode(self.target, worker, tuple(ids), cfg, rec, warm_with_prefill=fits,

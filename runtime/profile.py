@@ -28,6 +28,7 @@ its cost grows with a new input shape at every step and with caches the target's
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -52,6 +53,8 @@ from mirror_sd.runtime.sampling import SamplingParams
 from mirror_sd.runtime.scheduler import background_loop
 from mirror_sd.runtime.stats import GenerationStats
 from mirror_sd.runtime.target import Target
+
+CALIBRATION_PROMPTS = Path(__file__).with_name("calibration_prompts.json")
 
 Report = Callable[[str], None]
 
@@ -96,24 +99,24 @@ def default_splits(cores: int | None = None) -> tuple[tuple[int, int], ...]:
 
 
 def calibration_prompts(pipe: Pipeline, n: int, max_new_tokens: int) -> list[list[int]]:
-    """`n` held-out prompts of the project's own prompt set (chat, code, translation, summarisation, QA, math, RAG;
-    chat template applied where the bundle has one) as token ids; a prompt longer than the context leaves room for
-    `max_new_tokens` by dropping its oldest tokens (only tiny test bundles have such a short context)."""
-    from mirror_sd.models.prompts import build  # plain Python, no torch
-
-    if n < 1:
-        raise BadInputError(f"--calibration must be >= 1, got {n}")
-    prompts = [p for p in build(2 * n + 8, seed=0, held_out=True) if p.kind != "multi_turn"][:n]
+    """The first `n` of the planner's calibration prompts (runtime/calibration_prompts.json: held-out chat, code,
+    translation, summarisation, QA, math and RAG prompts; chat template applied where the bundle has one) as token
+    ids; a prompt longer than the context leaves room for `max_new_tokens` by dropping its oldest tokens (only tiny
+    test bundles have such a short context)."""
+    stored = json.loads(CALIBRATION_PROMPTS.read_text())["prompts"]
+    if not 1 <= n <= len(stored):
+        raise BadInputError(f"--calibration must be in 1..{len(stored)}, got {n}")
+    prompts = [p["messages"] for p in stored[:n]]
     room = pipe.context_limit - max_new_tokens
     if room < 1:
         raise BadInputError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the context of "
                             f"{pipe.context_limit} tokens")
     out = []
-    for p in prompts:
+    for messages in prompts:
         if pipe.manifest.tokenizer.chat_template:
-            ids = pipe.prompt_ids(p.messages)
+            ids = pipe.prompt_ids(messages)
         else:
-            ids = pipe.prompt_ids("\n".join(m["content"] for m in p.messages))
+            ids = pipe.prompt_ids("\n".join(m["content"] for m in messages))
         out.append(ids[-room:])
     return out
 

@@ -63,7 +63,7 @@ from mirror_sd.runtime.verify import verify
 # 0.30 -> 0.15 s (mirror) at 4,096 prompt tokens, 0.24 -> 0.13 s and 0.23 -> 0.10 s at 2,048; decode over ar moved
 # within that run's noise. A draft that read 64 inputs drafts a little worse for the rest of that generation (full
 # windows: 1.43 against 1.53 tokens per step at 4,096 prompt tokens, 1.54 against 1.58 at 2,048;
-# results/scripts/prompt_window_acceptance.py).
+# lab/scripts/prompt_window_acceptance.py).
 TRY_PROMPT_WINDOW = 64
 
 Request = Union[Warm, Rollout, Branches]

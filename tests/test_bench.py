@@ -13,9 +13,9 @@ import pytest
 from mirror_sd.bench.methods import MethodResult
 from mirror_sd.bench.output import write_outputs
 from mirror_sd.bench.pipeline_methods import PipelineMethod
-from mirror_sd.bench.prompts import KINDS, PROMPTS, select
 from mirror_sd.bench.runner import ABLATIONS, Bench, BenchSize, run_bench
 from mirror_sd.bench.variants import Sources
+from mirror_sd.models.benchmark_prompts import KINDS, PROMPTS, select
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.stats import TRACE_PHASES
 
@@ -168,7 +168,7 @@ def test_trace_is_well_formed_and_off_by_default(bundle_factory):
 
 
 def test_prompt_set_kinds_turns_and_disjoint_from_training():
-    from mirror_sd.models.prompts import build
+    from mirror_sd.models.training.prompts import build
 
     assert [sum(p.kind == k for p in PROMPTS) for k in KINDS] == [10] * len(KINDS)
     for p in PROMPTS:

@@ -127,7 +127,7 @@ def test_ov_genai_conversion_and_speculative_decoding_equal_ar(tiny, pipe, promp
             m.close()
     assert time.perf_counter() - start < 120  # conversion included; far less here, the bound only flags a hang
 
-    from mirror_sd.bench.baselines import fingerprint
+    from mirror_sd.export.openvino_genai import fingerprint
 
     converted = cache / f"ov-genai-target-{fingerprint(sources.target)}"
     for name in ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml", "config.json",
@@ -187,7 +187,7 @@ def test_target_answers_at_scale_are_the_targets_greedy_tokens_and_resume(tiny, 
     import json
 
     from mirror_sd.bench.baselines import genai_dir
-    from mirror_sd.models import answers
+    from mirror_sd.models.training import answers
 
     bundle, sources, cache = tiny
     ov_dir = genai_dir(sources.target, cache, "target")

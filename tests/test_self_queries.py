@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from mirror_sd.models import answers, self_queries
-from mirror_sd.models import train_feature_draft as tfd
 from mirror_sd.models.tiny import make_model
+from mirror_sd.models.training import answers, self_queries
+from mirror_sd.models.training import train_feature_draft as tfd
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,8 @@ def test_records_are_the_targets_greedy_answers_and_a_run_resumes(target, tmp_pa
 
 
 def test_no_training_query_is_a_held_out_or_benchmark_prompt():
-    from mirror_sd.bench.prompts import PROMPTS
-    from mirror_sd.models.prompts import build
+    from mirror_sd.models.benchmark_prompts import PROMPTS
+    from mirror_sd.models.training.prompts import build
 
     excluded = self_queries.excluded_queries()
     assert PROMPTS[0].messages[0]["content"].strip() in excluded

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from mirror_sd.models import answers, self_queries, task_queries
 from mirror_sd.models.tiny import make_model
+from mirror_sd.models.training import answers, self_queries, task_queries
 
 
 @pytest.fixture(scope="module")
