@@ -131,23 +131,6 @@ def test_identity_check_flags_a_different_output(bundle_factory, tmp_path):
     assert "FAILURE" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_draft_calibration_counts_what_verification_sees(bundle_factory, tmp_path):
-    """bench/draft_calibration.py: a self-draft (the target as its own draft) is accepted on every window token, a
-    random draft mostly not; each window stops counting at its first rejection; the bins hold every token."""
-    from mirror_sd.bench.draft_calibration import table, window_records
-
-    prompt = [5, 17, 33, 9]
-    same = window_records(Pipeline.load(bundle_factory(self_draft=True)), prompt, 3, 12, 2)
-    assert same and all(accepted for _, _, accepted in same)
-    assert sorted({slot for slot, _, _ in same}) == [0, 1, 2]
-    other = window_records(Pipeline.load(bundle_factory()), prompt, 3, 12, 2)
-    for before, after in zip(other, other[1:]):  # a slot > 0 only follows an accepted token of its window
-        assert after[0] == 0 or (after[0] == before[0] + 1 and before[2])
-    rows = table(same + other)
-    assert sum(r["tokens"] for r in rows) == len(same) + len(other)
-    assert all(0 <= p <= 1 for _, p, _ in same + other)
-
-
 def test_trace_is_well_formed_and_off_by_default(bundle_factory):
     pipe = Pipeline.load(bundle_factory(streaming=True))
     prompt = list(PROMPTS[0].messages)
@@ -237,24 +220,6 @@ def test_context_length_benchmark(bundle_factory, tmp_path):
                    "context": doc})
     assert "## Context length" in text and f"{flat:.2f}" in text
     assert context_length({"context": doc}, tmp_path / "c.png").read_bytes()[:8] == PNG_MAGIC
-
-
-def test_attention_cost_measures_every_kernel_at_every_point(tmp_path):
-    """bench/attention_cost.py times the target's own attention kernel and the standard-op form on one grid point
-    per (past, rows), and writes what it printed."""
-    from mirror_sd.bench import attention_cost
-
-    out = tmp_path / "attention.json"
-    assert attention_cost.main(["--pasts", "8,40", "--rows", "1,3", "--repeats", "1", "--threads", "1",
-                                "--out", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    assert [r["past"] for r in doc["results"]] == [8, 40] and doc["threads"] == 1
-    for row in doc["results"]:
-        timed = {k for k in row if k.endswith("_ms")}
-        assert timed == {"read_ms", "gqa_T1_ms", "gqa_T3_ms", "matmul_T1_ms", "matmul_T3_ms"}
-        assert all(row[k] > 0 for k in timed) and row["kv_mb"] > 0
-    with pytest.raises(ValueError, match="does not fit"):
-        attention_cost.measure((8190,), (5,), 1, 1)
 
 
 def test_a_plan_without_branch_sets_still_shows_them_where_the_bench_measures_mirrors_mechanism(bundle_factory):
