@@ -50,10 +50,10 @@ def ort_session(path: str | Path, providers: list[str] | None = None, threads: i
     onnxruntime-gpu lists CUDA as available even without a GPU and falls back to CPU with only a log line, so the
     caller reads the provider from `session.get_providers()[0]`, never from what it asked for.
     Every session stops its threads spinning when its run ends (session.force_spinning_stop): the target is three
-    sessions, each with a pool of its own, and a pool left spinning after its run took the cores from the next
-    session's pool (measured: results/README.md, "Why the runtime is set up as it is"). spinning: whether threads
-    spin between kernels during a run (None: ORT's default, on; False hands the cores to whatever runs beside the
-    target - the draft - at a wake-up cost per kernel).
+    sessions, each with a pool of its own, and a pool left spinning after its run takes the cores from the next
+    session's pool (docs/design.md: Thread pools stop spinning). spinning: whether threads spin between kernels
+    during a run (None: ORT's default, on; False hands the cores to whatever runs beside the target - the draft - at
+    a wake-up cost per kernel).
     """
     import onnxruntime as ort
 

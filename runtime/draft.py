@@ -53,21 +53,20 @@ from mirror_sd.runtime.stats import Recorder
 
 PAD_ID = 0  # any id: padded slots are masked out
 # The most prompt tokens a draft reads. A longer prompt's head is held without KV and masked out of the draft's
-# attention (positions still count it): the draft reads the prompt after the target's prefill on a small machine,
-# ~0.17-0.2 s for 2,048 tokens at one thread, time every sd/mirror generation on a long prompt waits or shares its
-# cores with; a one- to four-layer draft predicts the next tokens from the recent text. Output never depends on it.
-# A draft with a shorter attention window (DraftFacts.attention_window) reads only that.
+# attention (positions still count it): on a small machine the draft reads the prompt after the target's prefill,
+# time every sd/mirror generation on a long prompt waits for or shares its cores with, and a one- to four-layer
+# draft predicts the next tokens from the recent text. Output never depends on it. A draft with a shorter attention
+# window (DraftFacts.attention_window) reads only that (docs/design.md: Draft prompt windows and the try window).
 PROMPT_WINDOW = 1024
 # "trust" is what streaming on means (runtime/config.py STREAMING_MODES): several times the tokens per forward of
-# "verify" at nearly its acceptance (results/smollm2-draft-eval.json); sampled windows fall back to "verify" by
-# themselves.
+# "verify" at nearly its acceptance (docs/design.md: Streaming drafts trust their proposals); sampled windows fall
+# back to "verify" by themselves.
 
 
 _NONE = np.zeros(0, np.int64)
 # A window token is accepted more often than the exit head's probability of it says: the draft chose it, so it is
-# already a likely token. Measured on the real pair in mirror (results/branch-ranking.json): at exit probability
-# 0.1-0.2 the target accepted 35-42% of them, at 0.2-0.3 54-59%, at 0.4-0.5 78-81%. The probability's square root
-# follows that (0.39, 0.50, 0.67); ranking outcomes by it held the correction on more rejected steps.
+# already a likely token. The probability's square root follows the measured acceptance, and ranking outcomes by it
+# held the correction on more rejected steps (docs/design.md: Branch ranking by the exit probability's square root).
 EXIT_ACCEPT_POWER = 0.5
 
 
@@ -201,10 +200,10 @@ class DrafterBase:
                  confidence: float = 0.0, confidence_rule: str = "token") -> None:
         """confidence: a window ends after a token whose draft probability is below it (0: windows always run to
         gamma); confidence_rule "window" (runtime/config.py CONFIDENCE_RULES): after the token where the product of
-        the window's probabilities so far falls below it. A draft is well calibrated
-        (results/smollm2-feature-draft-calibration.json): the target accepts a token about as often as the draft's
-        probability of it, so a window stops where further tokens would cost more to draft and verify than they are
-        likely to commit. Any window is verified as usual: the output never depends on it."""
+        the window's probabilities so far falls below it. A draft is well calibrated: the target accepts a token
+        about as often as the draft's probability of it, so a window stops where further tokens would cost more to
+        draft and verify than they are likely to commit (docs/design.md: Windows end where the draft is unsure). Any
+        window is verified as usual: the output never depends on it."""
         if engine.facts.output_vocab_size and engine.output_ids is None:
             raise ValueError("the draft predicts over a reduced vocabulary, but its engine has no output_ids "
                              "(open it with open_engine)")

@@ -44,10 +44,9 @@ from mirror_sd.runtime.sampling import SamplingParams
 from mirror_sd.runtime.stats import Recorder
 
 # The most prompt inputs a feature draft reads (a token draft reads up to runtime/draft.py PROMPT_WINDOW). Its inputs
-# carry the target's taps, which have attended to the whole prompt already; measured on the context benchmark's
-# prompts (sd, gamma 4, no gate, no lookup, 6 prompts x 48 tokens), tokens per step reading the last 1,024 / 256 /
-# 128 inputs: 1.44 / 1.47 / 1.41 at 512 prompt tokens, 1.45 / 1.55 / 1.59 at 2,048. Reading 256 takes about a quarter
-# of the time (34 ms in a generation here), time the first steps after a long prompt share their cores with.
+# carry the target's taps, which have attended to the whole prompt already, so reading fewer drafts as well, in less
+# of the time the first steps after a long prompt share their cores with (docs/design.md: Draft prompt windows and
+# the try window).
 FEATURE_PROMPT_WINDOW = 256
 
 
@@ -116,9 +115,8 @@ class FeatureDrafter(DrafterBase):
                  confidence_rule: str = "token") -> None:
         """store: the taps store of an earlier drafter on this engine, to write into (emptied first), instead of a new
         one. A pipeline passes it from one generation's drafter to the next: a new store's pages are mapped as the
-        taps are first written, on the draft thread, and on this machine's VM writing a 4,096-token prompt's 28 MB of
-        taps into a new store took 65-85 ms of that thread per generation (into a store written before: ~3 ms),
-        twice the forwards of reading the prompt.
+        taps are first written, on the draft thread, which at long prompts costs more than the forwards of reading
+        the prompt.
         streaming (runtime/config.py STREAMING_MODES), for a draft with stream heads: "trust" (True) takes their
         proposals as drafted once the room left in a row's window fits in them, in greedy windows; "verify" and
         "off" (False) draft one token per forward. A feature draft has no self-check: a fed proposal would need the

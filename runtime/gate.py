@@ -3,39 +3,33 @@ step of the target alone, by the rate (committed tokens per second) each has bee
 
 Why: a speculative step pays a draft and a wider verification for the tokens the draft gets accepted. Where the
 draft is rejected, or the context is long (verifying several rows costs ONNX Runtime's CPU attention far more than
-one row: results/README.md), that step commits ~1 token for more time than the target alone takes for the same
-token, and sd and mirror run slower than ar. The gate measures both kinds of step and takes the faster, trying the
-other kind now and then so that a change (the text becomes predictable, the context grows) is noticed: every
-`explore_every` steps, an interval that doubles (up to `max_explore_every`) each time a try confirms the choice and
-starts over when a try changes it. On two cores a speculative step that commits one token costs 1.5-2.5 target
-steps, so each try that confirms the target alone costs about a step.
+one row), that step commits ~1 token for more time than the target alone takes for the same token, and sd and
+mirror run slower than ar (docs/design.md: The speculation gate). The gate measures both kinds of step and takes the
+faster, trying the other kind now and then so that a change (the text becomes predictable, the context grows) is
+noticed: every `explore_every` steps, an interval that doubles (up to `max_explore_every`) each time a try confirms
+the choice and starts over when a try changes it. A try that confirms the target alone costs about a step.
 
 What it learned outlives a generation: a pipeline keeps the `GateState` of its last generation per mode and starts
 the next one from it (`SpeculationGate.resumed`), instead of paying for its first speculative steps again. The
-count of steps since the last try goes with it: tries stay `explore_every` steps apart across generations. (Counted
-per generation, a gate whose interval had grown past the generations' length never tried the slower kind again,
-whatever the next prompts were: a benchmark's 32-token generations then ran the target alone at every step.)
+count of steps since the last try goes with it, so tries stay `explore_every` steps apart across generations
+(counted per generation, an interval grown past the generations' length would never try the slower kind again).
 The memory is kept per bucket of context length as well (`context_bucket`: one per doubling past 256 tokens), and a
 generation whose context grows into the next bucket goes on with that bucket's gate (one not seen yet starts from
-the nearest shorter bucket's memory): what a speculative step costs against a step of the target alone depends on
-the context (a 5-token step over a 1-token step: 1.21x after 64 tokens, 1.73x after 4,096), and one memory for
-every length carried the choice made on short prompts into long ones.
+the nearest shorter bucket's memory, `GateState.as_prior`): what a wide step costs against a narrow one grows with
+the context, and one memory for every length would carry the choice made on short prompts into long ones.
+
 The scheduler keeps a second gate of this kind beside it (`copy_gate_key`): where a window can be copied from the
-text (prompt lookup), between verifying the copy and the step the first gate would take instead. Much of what kept
-sd at 0.7x ar after 4,096 prompt tokens was the copies, which no gate timed: in a long prompt some earlier occurrence
-of the last two or three tokens is nearly always there, its continuation mostly is not the text's, and each copy's
-5-row step costs 1.5 steps of the target alone there. And where the first gate's memory prefers the target alone
-(`GateState.prefers_alone`), the draft does not read the prompt: beside the first steps its reading slowed them 2-3x.
-(What is left there, where the draft is rarely accepted: the gates' tries, each a wide step at that length;
-results/README.md.)
+text (prompt lookup), between verifying the copy and the step the first gate would take instead; in a long prompt
+some earlier occurrence of the last tokens is nearly always there and its continuation mostly is not the text's
+(docs/design.md: The copy gate). Where the first gate's memory prefers the target alone (`GateState.prefers_alone`),
+the draft does not read the prompt: its reading would slow the first steps.
 In mirror a third gate of this kind (`branch_gate_key`) picks, for each step that verifies a draft window, between
 rolling out a branch set under the suffix and not: where target and draft share cores, the branch set's rollouts
 slow the prefix and suffix they run beside by more than the serial rollout they save, and the step without one is
-sd's (two cores, speculating at every step, the benchmark's 24 prompts twice: a mirror step 59.8 ms against sd's
-52.6 ms at the same 1.80 tokens per step; with the gate mirror ran 1.06 +- 0.02x as fast as with a branch set at
-every draft step, and 1.03 +- 0.02x sd; results/branch-gate.json). Where the draft has a device of its own, branch sets
-are the faster kind and the gate keeps them. A step's branch set pays off in the next step's window (ready, or a
-fresh rollout after a miss), so the scheduler times each choice as the step plus the fetching of the next window.
+sd's (docs/design.md: The branch gate, and branch budget 0 on shared cores). Where the draft has a device of its
+own, branch sets are the faster kind and the gate keeps them. A step's branch set pays off in the next step's window
+(ready, or a fresh rollout after a miss), so the scheduler times each choice as the step plus the fetching of the
+next window.
 Output never depends on it: both kinds of step commit the target's own greedy tokens. Greedy only: when sampling,
 the two kinds of step make their tokens from different random draws, and a choice made by the clock would make a
 seeded generation vary from run to run.
@@ -107,11 +101,8 @@ class GateState:
         """This state as the first guess for a longer context (a bucket the gate has no memory of yet): its rates
         kept, each weighing as one step, so that the first steps at the new length move them at once (weights 1/2,
         1/3, ... instead of the smoothing's 0.1), and the tries of the slower kind starting over. Carried over with
-        its step counts, a memory from shorter prompts, where copies and drafts paid, outweighed what the first ten
-        steps or so at the new length measured. Side by side after the context benchmark's shorter lengths
-        (results/gate-prior.json): at 4,096 prompt tokens sd verified 5 copied windows in 3 generations against
-        11 (mirror 6 against 19), each a wide step that commits ~1 token there; decode over ar 0.91x against 0.88x
-        (mirror 0.88x against 0.83x), within that protocol's noise."""
+        its step counts, a memory from shorter prompts, where copies and drafts paid, would outweigh what the first
+        steps at the new length measure (docs/design.md: The speculation gate)."""
         def prior(rate: tuple[float, float, int]) -> tuple[float, float, int]:
             return rate[0], rate[1], min(rate[2], 1)
 
@@ -130,12 +121,9 @@ class SpeculationGate:
 
     explore_every: int = 8
     max_explore_every: int = 64
-    # Weight of the newest step in the smoothed tokens and seconds. A speculative step commits 1 to gamma + 1 tokens
-    # (sd on the feature draft: 1.87 on average, 1 nearly half the time), so at 0.3 a few 1-token steps in a row
-    # pulled the smoothed rate under the target alone's, the gate took the target alone, and its tries, rarer and
-    # rarer, seldom won it back: side by side on the benchmark's 24 prompts (4 runs), sd ran 1.09-1.13x ar with the
-    # gate at 0.3, 1.15-1.32x at 0.1 and 1.19-1.30x speculating at every step (mirror 1.04-1.13x, 1.07-1.21x,
-    # 1.09-1.22x); at 2,048 and 4,096 prompt tokens 0.1 and 0.3 were alike (0.98-1.05x ar). results/gate-smoothing.json
+    # Weight of the newest step in the smoothed tokens and seconds. A speculative step commits 1 to gamma + 1 tokens,
+    # often 1, so a heavier weight lets a few 1-token steps in a row pull the rate under the target alone's, and the
+    # tries, rarer each time, seldom win it back (docs/design.md: The speculation gate).
     smoothing: float = 0.1
     _rates: dict[bool, _Rate] = field(default_factory=lambda: {True: _Rate(), False: _Rate()})
     _skipped_first: bool = False

@@ -8,9 +8,9 @@ weights (MatMul's prepacked copies included) in ordinary heap memory, which on a
 
 Only 2 MiB chunks that were fully resident after the load and not before it are collapsed: the weights, not memory
 the process had already (another pipeline's, the caller's), and not buffers allocated but never touched (the KV
-buffers: collapsing them would fault in the whole capacity). Measured on the 2-core box (results/huge-pages.json,
-SmolLM2 pair): target steps of 1 and 5 tokens 4-6% faster, ar decode 6%, prefill unchanged, for 0.9-2.3 s more at
-load (0.7-1.0 GiB moved). The collapse changes where pages sit, never what they hold: outputs are unchanged.
+buffers: collapsing them would fault in the whole capacity). It trades a little load time for faster steps
+(docs/design.md: Huge pages under the weights). The collapse changes where pages sit, never what they hold: outputs
+are unchanged.
 """
 
 from __future__ import annotations

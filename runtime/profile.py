@@ -21,9 +21,8 @@ per-step time that is neither target nor draft (the rendezvous).
 Last, the chosen setting is measured with its branch budget and with none; then, at the kept budget and threads,
 at several draft confidence thresholds on each token's probability and on the window's
 (GenerationConfig.draft_confidence_rule), where the draft runs on the CPU with the draft on OpenVINO and on ONNX
-Runtime in turn, and at each gamma of the grid: the fastest of each is what the plan keeps. (On a 2-core box, a
-streaming-draft forward beside the target took 1.7 ms on ONNX Runtime against 3.8-7.6 ms on OpenVINO's CPU plugin:
-its cost grows with a new input shape at every step and with caches the target's weights have evicted.)
+Runtime in turn, and at each gamma of the grid: the fastest of each is what the plan keeps (docs/design.md: The
+planner: a cost model, then measurements; The draft's runtime on a shared CPU).
 """
 
 from __future__ import annotations
@@ -91,8 +90,7 @@ class ProfileOptions:
 def default_splits(cores: int | None = None) -> tuple[tuple[int, int], ...]:
     """(target, draft) thread counts worth trying: powers of two with target + draft <= cores (1+1 on one core).
     Oversubscribed splits are left out: the cost model measures contention between the suffix and the branch set
-    only, and it over-predicted an oversubscribed split by far (results/README.md, smollm2-plan.log).
-    --splits still measures any split asked for."""
+    only, and over-predicts an oversubscribed split by far. --splits still measures any split asked for."""
     cores = max(1, cores or os.cpu_count() or 1)
     powers = [p for p in (1, 2, 4, 8, 16, 32) if p <= cores]
     return tuple((t, d) for t in powers for d in powers if t + d <= max(2, cores))
@@ -500,10 +498,10 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
            f"{c.target_threads}+{c.draft_threads}")
     pipe = pipes[(c.target_threads, c.draft_threads)]
     # Branch sets first: the cost model times the suffix beside a branch set, but not what the two threads do to the
-    # steps around it. On two shared cores a mirror step with a branch set ran 1.14x as long as sd's at the same
-    # tokens per step (results/README.md, "Mirror's branch gate"). So the setting is measured with its budget and with
-    # none (budget 0: every draft step sd's), prompt by prompt in turn, and the faster kept. The plan is the one
-    # choice a sampled generation follows too: its gates are off (a timed choice would change a seed's text).
+    # steps around it on shared cores (docs/design.md: The branch gate, and branch budget 0 on shared cores). So the
+    # setting is measured with its budget and with none (budget 0: every draft step sd's), prompt by prompt in turn,
+    # and the faster kept. The plan is the one choice a sampled generation follows too: its gates are off (a timed
+    # choice would change a seed's text).
     modelled, branch_budget, by_budget = None, c.branch_budget, {}
     if options.compare_no_branches and c.branch_budget:
         runs = _alternating({str(c.branch_budget): (pipe, dict(branch_budget=c.branch_budget)),
@@ -517,9 +515,9 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     # Threads, where the kept setting has no branch sets: the draft then never runs beside the target (each step
     # drafts, then verifies), so the split the model chose for running them side by side no longer applies. The
     # target gets the thread count of the profiled split where its verification step ran fastest, and the draft the
-    # same count: both take turns on the same cores. On a 2-core machine the draft at 2+2 ran 1.048x +- 0.015 its
-    # speed at 2+1 (paired, 60 prompts x 2 rounds: results/turn-taking-ab.json); a plan whose model chose 1+1 for
-    # its branch sets, then measured none faster, would otherwise leave the target at half its cores.
+    # same count: both take turns on the same cores (docs/design.md: Turn taking: the draft on the calling thread).
+    # A plan whose model chose 1+1 for its branch sets, then measured none faster, would otherwise leave the target
+    # at half its cores.
     threads = None
     if options.turn_taking_threads and branch_budget == 0 and on_cpu(pipe.draft.device):
         window = c.gamma + 1
@@ -533,17 +531,13 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     # where the thresholds and the draft runtimes run: the pipeline's own thread counts, as the plan file records them
     measured_at = {"branch_budget": branch_budget, "target_threads": pipe.target_threads,
                    "draft_threads": pipe.draft_threads}
-    # The rest is measured at the kept budget and threads: the plan before measured the thresholds and the draft's
-    # runtime at the model's setting (budget 2, threads 2+1), then kept budget 0 at 2+2, where they had never run;
-    # there the window rule at 0.4 ran 1.024x +- 0.020 the token rule at 0.8 it had kept (paired, the benchmark's 60
-    # prompts: results/confidence-rule-ab-stage18.json).
+    # The rest is measured at the kept budget and threads, where the runtime will run it: a threshold or a draft
+    # runtime chosen at another budget and split need not be the fastest at this one.
     # The draft confidence threshold is outside the cost model: the setting is measured at each threshold and the
     # fastest kept (a threshold shortens windows where the draft is unsure; output never changes). The thresholds
-    # take turns prompt by prompt: measured one after another on a shared machine, the same setting ran at 44.9
-    # tokens/s and, minutes later, at 55.3, more than the thresholds differed from each other. A threshold on the
-    # window's probability (its tokens' product) is measured beside those on each token's: scored offline on full
-    # windows it was the faster rule on both prompt sets, and in the runtime 1.023x +- 0.014 the plan's token rule
-    # (results/confidence-rule-ab.json).
+    # take turns prompt by prompt: on a shared machine one setting measured minutes apart differs by more than the
+    # thresholds differ from each other. Thresholds on the window's probability (its tokens' product) are measured
+    # beside those on each token's (docs/design.md: Windows end where the draft is unsure).
     settings = {str(t): ("token", t) for t in options.confidence_thresholds}
     settings.update({f"window {t}": ("window", t) for t in options.window_confidence_thresholds})
     by_threshold = _alternating({name: (pipe, dict(draft_confidence_rule=rule, draft_confidence_threshold=t))
@@ -568,9 +562,9 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         draft_backend = max(by_backend, key=by_backend.get)
         measured = runs[draft_backend]
         pipe = other if draft_backend == "onnxruntime" else pipe
-    # Gamma, last: the model ranks gammas by calibrated acceptance and timed steps, and on this machine its choice
-    # between them was within noise while one gamma measured faster than another (results/gamma-ab.json: mirror at
-    # gamma 4 over the plan's 2, 1.08x paired). Each gamma is measured as the kept setting, in turn, the fastest kept.
+    # Gamma, last: the model ranks gammas by calibrated acceptance and timed steps, and its choice between them can
+    # be within noise where one gamma measures faster than another. Each gamma is measured as the kept setting, in
+    # turn, the fastest kept.
     gamma, by_gamma = c.gamma, {}
     if options.compare_gammas and len(options.gammas) > 1:
         runs = _alternating({str(g): (pipe, dict(gamma=g)) for g in options.gammas}, prompts, options.max_new_tokens,

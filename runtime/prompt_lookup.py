@@ -47,10 +47,9 @@ def lookup(context: Sequence[int] | np.ndarray, max_ngram: int, max_tokens: int,
 # assistant: "constant" copies up to prompt_lookup_num_tokens every time; "heuristic" starts there, grows by 2 after
 # a copied window the target accepted whole and shrinks by 1 (to 1 at least) after one it cut short.
 COPY_SCHEDULES = ("constant", "heuristic")
-# The heuristic's ceiling on the CPU. A copied token costs about 1 ms of verification (4% of a target step of the
-# 135M target at 2 threads: prefix + suffix 28.3 ms at T=1, 31.3 ms at T=3, 41.0 ms at T=8), so a long window pays
-# only while the copy goes on being accepted; summaries and answers over a passage copy runs of 10-20 tokens.
-# Heuristic over constant, mirror on the benchmark's prompts: 1.027x +- 0.016 paired (results/turn-taking-ab.json).
+# The heuristic's ceiling on the CPU. Each copied token widens the verification a little, so a long window pays
+# only while the copy goes on being accepted; summaries and answers over a passage copy runs of 10-20 tokens
+# (docs/design.md: The copy gate, and copied windows that grow).
 MAX_COPY = 16
 
 

@@ -57,13 +57,8 @@ from mirror_sd.runtime.target import PREFILL_CHUNK, Boundary, Target, TargetCach
 from mirror_sd.runtime.verify import verify
 
 # The most prompt inputs the draft reads before a speculative try in a generation whose gate memory preferred the
-# target alone (the draft skipped the prompt then): a try there is a bet that rarely pays, and the feature draft's
-# usual 256 inputs were the main part of what sd and mirror waited for the draft at long prompts. Side by side
-# (results/try-window.json, 3 prompts per length): the draft wait over 3 generations went 0.49 -> 0.24 s (sd) and
-# 0.30 -> 0.15 s (mirror) at 4,096 prompt tokens, 0.24 -> 0.13 s and 0.23 -> 0.10 s at 2,048; decode over ar moved
-# within that run's noise. A draft that read 64 inputs drafts a little worse for the rest of that generation (full
-# windows: 1.43 against 1.53 tokens per step at 4,096 prompt tokens, 1.54 against 1.58 at 2,048;
-# lab/scripts/prompt_window_acceptance.py).
+# target alone (the draft skipped the prompt then): such a try rarely pays, so it waits for as little reading as
+# drafts passably (docs/design.md: Draft prompt windows and the try window).
 TRY_PROMPT_WINDOW = 64
 
 Request = Union[Warm, Rollout, Branches]
@@ -239,8 +234,7 @@ class _Decoder:
             # More committed tokens than one step commits went by without the draft (steps of the target alone,
             # copied windows): it reads them into its cache first, as it reads a prompt, rather than in the
             # rollout's row, whose length a static package bounds. Timed apart and left out of the gate's timing of
-            # this step: timed with it, the copy gate's alternative looked slow and copies were verified 10x as
-            # often at 4,096 tokens in one run (results/gate-catch-up.json).
+            # this step: charged to it, the copy gate's alternative looks slow (docs/design.md: The copy gate).
             # a draft that skipped the prompt (the gate preferred the target alone) reads only its last inputs
             window = TRY_PROMPT_WINDOW if self.draft_seen == 0 else 0
             started = time.perf_counter()
@@ -270,10 +264,9 @@ class _Decoder:
                          ) -> tuple[tuple[int, ...], DraftWindow | None]:
         """Verify `window` (continuing ctx); returns the committed tokens and, in mirror mode, the next window
         when a branch for the outcome was ready. copied: a prompt-lookup window, counted apart and verified without
-        a branch set: text that repeats itself mostly goes on repeating (the next step copies again), and on two
-        cores a branch set's rollouts slow the suffix they hide under (measured on the summarisation prompts: mirror
-        1.47x ar with branches on copied windows, 1.77x without). branches False: a mirror step without a branch set
-        either (the branch gate measured that faster: runtime/gate.py; or the budget is 0), sd's step."""
+        a branch set: text that repeats itself mostly goes on repeating (the next step copies again), and on shared
+        cores a branch set's rollouts slow the suffix they hide under. branches False: a mirror step without a branch
+        set either (the branch gate measured that faster: runtime/gate.py; or the budget is 0), sd's step."""
         w = window.tokens
         # 1. prefix on the verification window [pending] + w
         boundary = self._prefix([ctx[-1], *w], lambda: (*ctx, *w))
@@ -380,7 +373,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     stalled from an earlier call), and every step runs on the target alone (or verifies a copied window).
     warm_with_prefill: the draft reads the prompt while the target prefills it, which pays only where both fit the
     cores together: a multi-threaded prefill sharing its cores with the draft waits at every parallel section for a
-    preempted thread (measured: results/README.md, "Why the runtime is set up as it is"). Otherwise it reads the
+    preempted thread (docs/design.md: The draft reads the prompt after the first token). Otherwise it reads the
     prompt right after, before the first window.
     gate_memory: per mode and bucket of context length (runtime/gate.py context_bucket), what the speculation gate
     and the copy gate learned in the caller's last generation there; each gate starts from it (a bucket not seen
@@ -398,9 +391,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # drawn others, so a timed choice between them would make a seed's text vary from run to run.
     gated_mode = cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy
     # Where the gate learned that the target alone is faster at this length, the draft does not read the prompt
-    # now: beside the first steps it would slow them (1,024 inputs read at 4,096 tokens: ~0.4 s, the first dozen
-    # steps at 2-3x their time), for windows that are not wanted. A step the gate later tries speculatively reads
-    # what it needs first (fresh_window's catch-up).
+    # now: beside the first steps it would slow them, for windows that are not wanted. A step the gate later tries
+    # speculatively reads what it needs first (fresh_window's catch-up).
     learned = _recalled(gate_memory, (cfg.mode, context_bucket(len(prompt) + 1))) if gated_mode else None
     warm = (worker is not None and len(prompt) <= draft_context
             and not (learned is not None and learned.prefers_alone()))
@@ -411,8 +403,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     ctx.append(dec.prefill(tuple(prompt)))
     # A draft that reads the prompt after the prefill (a feature draft, which needs the prefill's taps, or one whose
     # threads do not fit the cores beside the target's) is served inline or on its thread. Inline, its reading
-    # would hold back the first token: it is asked for once that token is out (the feature bundle's first token
-    # over ar's: sd 1.067 -> 1.006, mirror 1.074 -> 0.990; results/ttft-ab.json). On its thread it is asked for
+    # would hold back the first token: it is asked for once that token is out. On its thread it is asked for
     # before, so that it reads while the caller takes the token.
     after_prefill = warm and not alongside
     if after_prefill and worker.threaded:
@@ -432,8 +423,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     copy_ceiling = max(copy_length, MAX_COPY if not dec.target.step_width else dec.target.step_width - 1)
     # Where a window can be copied, a second gate picks between copying it and the step the first gate would take:
     # in a long prompt some earlier occurrence of the last tokens is nearly always there, and its continuation
-    # mostly is not the text's (measured at 4,096 tokens of documentation: 11-15 copied windows in a 32-token
-    # generation, 1.1 tokens per step, each step 1.5x a step of the target alone: sd at 0.7x ar).
+    # mostly is not the text's (docs/design.md: The copy gate).
     copy_gate: SpeculationGate | None = None
     # Mirror: a third gate picks, for each step verifying a draft window, between a branch set under the suffix and
     # none. A branch set pays off in the next window, so a choice is timed as its step plus the fetching of the next
@@ -441,6 +431,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     branch_gate: SpeculationGate | None = None
     # budget 0 (a plan that measured branch sets slower on this machine, or the caller's choice): no mirror step
     # rolls one out, sampled ones included, and there is no branch gate; every draft step is sd's step
+    # (docs/design.md: The branch gate, and branch budget 0 on shared cores)
     branching = cfg.mode == "mirror" and dec.budget > 0
     branch_pending: tuple[bool, int, float] | None = None  # (branch set or not, tokens, seconds) of the last such step
 
@@ -460,7 +451,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             branch_pending = None
 
     # With the gate, steps run on the target alone until the draft has read the prompt, rather than waiting for it
-    # (a feature draft reads a 2,048-token prompt's taps after the prefill: 0.25 s, a dozen target steps).
+    # (a feature draft reads a long prompt's taps only after the prefill).
     draft_ready = not gated_mode or warmed is None
     while len(ctx) - len(prompt) < cfg.max_new_tokens:
         remaining = cfg.max_new_tokens - (len(ctx) - len(prompt))
