@@ -1,10 +1,11 @@
 """`make package`: a bundle -> a package for static-shape devices (NPU), as a directory or a .tar.
 
-The draft becomes static OpenVINO IR (package/static_graph.py) in three fixed shapes, its weights optionally
-compressed by NNCF (package/compress.py); the target graphs, tokenizer and draft vocabulary are the bundle's own
-files. Everything is checked before anything is written; the package is built in a staging directory beside OUT
-and moved into place (or archived to a temporary .tar renamed onto OUT) only when it validates, so a failure leaves
-nothing half-written. A non-empty OUT is refused unless `force`. No torch here.
+The draft becomes static OpenVINO IR (package/static_graph.py) in three fixed shapes (docs/design.md: Static shapes
+for NPU packages), its weights optionally compressed by NNCF (package/compress.py); the target graphs, tokenizer
+and draft vocabulary are the bundle's own files. Everything is checked before anything is written; the package is
+built in a staging directory beside OUT and moved into place (or archived to a temporary .tar renamed onto OUT)
+only when it validates, so a failure leaves nothing half-written. A non-empty OUT is refused unless `force`. No
+torch here.
 """
 
 from __future__ import annotations

@@ -90,8 +90,9 @@ class DraftFacts(ModelFacts):
     # has them before the suffix runs); () for a draft that reads token ids only.
     feature_taps: tuple[int, ...] = ()
     # The most recent tokens the draft attends to (0: its whole context): the length it was trained on, where
-    # drafting over a far longer context costs acceptance (results/README.md). The runtime masks older slots out of
-    # its attention and reads only the last attention_window tokens of a longer prompt; positions still count them.
+    # drafting over a far longer context costs acceptance (docs/design.md: Draft prompt windows and the try window).
+    # The runtime masks older slots out of its attention and reads only the last attention_window tokens of a longer
+    # prompt; positions still count them.
     attention_window: int = 0
     weight_format: str = "float32"  # one of DRAFT_WEIGHT_FORMATS
 
