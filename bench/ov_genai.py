@@ -1,7 +1,7 @@
 """OpenVINO GenAI baselines: "ov-genai-ar" (LLMPipeline, the target alone), "ov-genai-sd" (LLMPipeline with
 `draft_model=`: GenAI's speculative decoding, same target and the plain draft) and "ov-genai-pld" (LLMPipeline with
 `prompt_lookup=True`: prompt-lookup decoding, windows copied from n-gram matches in the prompt and the text so far,
-no draft model), on models converted by bench/ov_convert.py.
+no draft model), on models converted by export/openvino_genai.py.
 
 Both models get `threads` intra-op threads (INFERENCE_NUM_THREADS), the LATENCY hint, and fp32 compute and KV cache
 (the CPU plugin's default KV cache for GenAI's paged attention is u8). The prompt goes in as

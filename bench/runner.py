@@ -66,11 +66,8 @@ class BenchSize:
     context: ContextSize | None = None  # the context-length benchmark (bench/context.py); None: skip
 
 
-# Sizes from timings taken here (2 cores, quiet; seconds per generated token at 24 tokens, prefill included):
-# ar 0.063, sd 0.074, mirror 0.090, hf-generate 0.079, hf-assisted 0.129, ov-genai-sd 0.046, ov-genai-ar 0.038 -
-# one prompt through every method at 32 tokens is ~17 s. Quick took 4 min quiet (15 min while two other jobs ran);
-# full is estimated at ~25 min, plus ~2 minutes per variant bundle exported the first time (4 of them). Under
-# load everything takes 2-4x longer and the harness's printed estimate says so.
+# Sizes: quick is a smoke run of a few minutes on a quiet 2-core machine; full takes tens of minutes there, plus
+# about 2 minutes per variant bundle exported the first time. The harness prints its own estimate as it goes.
 QUICK = BenchSize("quick", per_kind=1, sampled_prompts=2, max_new_tokens=24, probe_prompts=2,
                   ablations=tuple(ABLATIONS), ablation_prompts=1, gammas=(2, 4), exit_layers=(8, 15, 20, 24),
                   sweep_prompts=1, export=False, compressed_prompts=2, context=CONTEXT_QUICK)

@@ -1,10 +1,9 @@
 """The draft graph's weight format: its MatMul weights as 8-bit blocks (ONNX Runtime's MatMulNBits), or fp32.
 
 Why: a draft forward reads every weight of the draft once for one or a few rows, so it costs what its weights take
-to read. Measured on the real feature draft here (ONNX Runtime CPU, 1 thread, one token): 1.01 ms a forward in
-fp32, 0.23 ms with int8 weights (0.20 ms with int4); the benchmark-prompt evaluation (results/README.md) commits the
-same tokens per step within noise. The target verifies every draft token, so the weight format changes how many
-tokens a step accepts, never the output; the target's own graphs stay fp32.
+to read: int8 blocks make it several times cheaper at the same tokens per step (docs/design.md: Draft weights in
+int8). The target verifies every draft token, so the weight format changes how many tokens a step accepts, never
+the output; the target's own graphs stay fp32.
 
 Every MatMul with a constant weight becomes MatMulNBits: symmetric 8-bit blocks of BLOCK_SIZE along the input axis,
 one fp32 scale per block, computed with int8 activations (accuracy level 4: ONNX Runtime's fastest CPU kernel for

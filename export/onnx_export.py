@@ -1,10 +1,10 @@
 """Export the draft (a SplitSegment) and the early-exit head (ExitTopK) to ONNX and describe them as PartitionSpecs.
 The target's prefix and suffix are written node by node instead (export/target_graphs.py).
 
-We use the TorchScript exporter (dynamo=False): on this project's models it takes about a second per graph against
-10-40 s for the dynamo exporter, both runtimes fuse its nodes anyway, and parity is checked after export. Sample
-inputs are B=2, T=3, an own past of 5 and a shared past of 4: tracing with T=1 bakes a grouped-query shortcut into
-the graph that fails at T>1.
+We use the TorchScript exporter (dynamo=False): on this project's models it is far faster than the dynamo
+exporter, both runtimes fuse its nodes anyway, and parity is checked after export (docs/design.md: The TorchScript
+exporter). Sample inputs are B=2, T=3, an own past of 5 and a shared past of 4: tracing with T=1 bakes a
+grouped-query shortcut into the graph that fails at T>1.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A `Segment` wraps layers [start, end) of a Hugging Face decoder. It takes its pa
 cache object cannot be an export input) and returns the new ("present") KV as plain tensors. The attention mask is
 built inside the graph from the 2-D padding mask as an explicit 4-D additive mask: with a past and
 `attention_mask=None`, sdpa silently crops keys. It returns past + new (the layout OpenVINO GenAI's stateful
-models want: bench/ov_convert.py).
+models want: export/openvino_genai.py).
 
 A `SplitSegment` is the draft's graph ("split-past", partitions/spec.py): its past comes as one shared row that
 every batch row reads up to its own shared_mask, plus each row's own short past, and only the new positions' KV

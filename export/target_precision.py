@@ -2,9 +2,9 @@
 
 Why: ONNX Runtime's CUDA GroupQueryAttention has float16 and bfloat16 kernels only. A float32 target under the
 CUDA execution provider gets its attention placed on the CPU with copies of every layer's whole KV buffer around it
-at every step: exactly the per-step cache copy the shared buffers exist to avoid, and on an H100 those copies broke
-the buffers' in-place writes (wrong tokens, results/cuda-ep.json; the runtime now refuses the pairing). In float16
-every node of the target has a CUDA kernel and the KV stays on the GPU.
+at every step: exactly the per-step cache copy the shared buffers exist to avoid, and those copies can break the
+buffers' in-place writes (wrong tokens; the runtime refuses the pairing; docs/design.md: The target on CUDA:
+float16, fixed-width steps). In float16 every node of the target has a CUDA kernel and the KV stays on the GPU.
 
 What changes: the weights, the activations, the KV buffers and the boundary tensor between prefix, suffix and exit
 head are float16; the logits and a feature draft's taps are cast to float32 in the graph, so the host reads what it
