@@ -6,9 +6,8 @@ another passage, so no method reuses a cached prompt (OpenVINO GenAI's LLMPipeli
 default; the runtime here does not).
 
 Per length, after one short warm-up run of every method on a prompt of that length (first runs at a new length
-allocate; WARMUP_TOKENS new tokens, so that sd and mirror run their draft there too: with 2, a window had no room and
-the draft's first forwards at that length, and its speculation gate's first tries there, fell in the first timed
-run), interleaved with the order rotating per repetition:
+allocate; WARMUP_TOKENS new tokens, enough for sd and mirror to run their draft and their gates' first tries there
+rather than in the first timed run), interleaved with the order rotating per repetition:
 - ar at 1 and at 2 target threads ("ar" is the faster at that length, as OpenVINO GenAI ar is its faster of 1 and 2);
 - sd at ar's best target threads overall (its draft and target never run together), mirror at the bundle plan's;
 - ar with the target on OpenVINO (runtime/portable.py), the CPU-only backend;
