@@ -49,7 +49,7 @@ def lookup(context: Sequence[int] | np.ndarray, max_ngram: int, max_tokens: int,
 COPY_SCHEDULES = ("constant", "heuristic")
 # The heuristic's ceiling on the CPU. Each copied token widens the verification a little, so a long window pays
 # only while the copy goes on being accepted; summaries and answers over a passage copy runs of 10-20 tokens
-# (docs/design.md: The copy gate, and copied windows that grow).
+# (docs/design.md: The copy gate).
 MAX_COPY = 16
 
 
