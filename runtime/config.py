@@ -1,24 +1,34 @@
-"""`GenerationConfig`: every option of one generation, each default written once, validated when it is made.
+"""Every option of a generation (`GenerationConfig`) and of a load (`LoadOptions`), each written once.
 
-A pipeline holds one (`Pipeline.generation_config`: these defaults, with the bundle plan's gamma, kappa and
-branch budget merged in). A call takes it, or a config of its own, and overrides by keyword:
+Each field is an `option(default, help, ...)`: its default, its help text, the values it takes (a `Range` or
+choices, checked when the object is made: a BadInputError naming the option), whether the command line has a flag
+for it, and the request field the server takes it from. The CLI (mirror_sd/cli.py) builds its flags from these
+fields and the server (serve/protocol.py) its request schema and error map, so adding an option is one field here.
+
+A pipeline holds one GenerationConfig (`Pipeline.generation_config`: these defaults, with the bundle plan's values
+of the `planned` options merged in). A call takes it, or a config of its own, and overrides by keyword:
 
     pipe.generate(prompt, max_new_tokens=32)                      # the pipeline's config, one field changed
     cfg = dataclasses.replace(pipe.generation_config, mode="sd")  # a config to reuse
     pipe.generate(prompt, cfg, temperature=0.7)
 
-The CLI, the benchmark and the planner build theirs the same way, so no default lives anywhere else.
+    Pipeline.load(bundle, LoadOptions(target_threads=2))          # or Pipeline.load(bundle, target_threads=2)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import types
+import typing
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Self
 
-from mirror_sd.errors import BadInputError, check_int
+from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import CONFIDENCE_RULES
+from mirror_sd.partitions.spec import BACKENDS
 from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
 from mirror_sd.runtime.sampling import SamplingParams
 
@@ -27,99 +37,152 @@ MODES = ("ar", "sd", "mirror")
 # (greedy) the last ones taken as drafted. "verify" windows equal one-token-per-forward windows; "trust" windows
 # take fewer forwards. True means "trust", False "off".
 STREAMING_MODES = ("off", "verify", "trust")
+BUILTIN_THREADS = 1  # per engine, where neither the caller nor the bundle's plan says
+MIRROR = "mirror."  # a wire name: the request's extension object, under the option's own name
 
 
 @dataclass(frozen=True)
-class GenerationConfig:
-    mode: str = "mirror"  # MODES: the target alone, vanilla speculative decoding, Mirror-SD
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # sampling top-k (0: off)
-    seed: int = 0
-    stop: tuple[str, ...] = ()  # strings that end the text (a single string is taken as one)
-    gamma: int = 4  # draft window length
-    kappa: int | None = None  # early-exit candidates per position (None: the bundle's top_k, also the maximum)
-    # branches per mirror step (None: adapts while the draft stays hidden; 0: none, every draft step is sd's)
-    branch_budget: int | None = None
-    # True: the draft runs on a thread of its own where it can work while the target does (mirror's branch sets, a
-    # token-only draft reading the prompt during the prefill) or on another device; sd's and budget-0 mirror's
-    # requests, each waited for at once, are served inline (Pipeline._threaded). False: the draft always runs on the
-    # main thread, the same schedule serially
-    overlap: bool = True
-    draft_timeout_s: float = 10.0  # a draft answer later than this makes the step run on the target alone
-    draft_streaming: str = "trust"  # STREAMING_MODES (or a bool)
-    # a draft window ends after a token whose draft probability is below this (transformers' assisted generation
-    # calls it assistant_confidence_threshold); 0: every window runs to gamma. Output never depends on it.
-    draft_confidence_threshold: float = 0.0
-    # what the threshold is compared with after each drafted token (partitions/plan_file.py CONFIDENCE_RULES): that
-    # token's draft probability ("token", transformers' rule), or the draft's probability of the whole window so far,
-    # the product of its tokens' ("window": for a calibrated draft, the chance the target takes all of it)
-    draft_confidence_rule: str = "token"
-    # greedy sd / mirror: before each step, speculate or run the target alone, whichever this generation has
-    # measured faster (runtime/gate.py), and in mirror roll out a branch set under the suffix or not, likewise;
-    # False: every step speculates (mirror's with a branch set, unless its budget is 0). Output never depends on
-    # it. Sampling always speculates: the choice is timed, and which steps speculate decides which random draws make
-    # the tokens.
-    adaptive_speculation: bool = True
-    # greedy sd / mirror: where the text's last few tokens (up to max_matching_ngram_size, at least 2) occurred
-    # before, verify the (up to) prompt_lookup_num_tokens that followed them instead of a draft window, as
-    # transformers' prompt_lookup_num_tokens and OpenVINO GenAI's prompt lookup do. 0: off.
-    prompt_lookup_num_tokens: int = 4
-    max_matching_ngram_size: int = 3
-    # how a copied window's length moves within a generation (runtime/prompt_lookup.py COPY_SCHEDULES): "constant"
-    # copies up to prompt_lookup_num_tokens every time; "heuristic" starts there and grows after a window the target
-    # accepted whole, shrinks after one it cut short, as transformers' num_assistant_tokens_schedule does
-    prompt_lookup_schedule: str = "heuristic"
-    trace: bool = False  # True: stats.trace lists every phase as (phase, start_s, end_s)
+class Range:
+    """The numbers from `low` to `high` (None: unbounded); an open end leaves its bound out."""
 
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise BadInputError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}", option="mode")
-        for name, low in (("max_new_tokens", 1), ("top_k", 0), ("seed", 0), ("gamma", 1), ("kappa", 1),
-                          ("branch_budget", 0), ("prompt_lookup_num_tokens", 0), ("max_matching_ngram_size", 2)):
-            if getattr(self, name) is not None or name not in ("kappa", "branch_budget"):  # those two may be None
-                check_int(name, getattr(self, name), low)
-        if self.prompt_lookup_schedule not in COPY_SCHEDULES:
-            raise BadInputError(f"unknown prompt_lookup_schedule {self.prompt_lookup_schedule!r}; known: "
-                                f"{', '.join(COPY_SCHEDULES)}", option="prompt_lookup_schedule")
-        t = self.temperature
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
-            raise BadInputError(f"temperature must be a finite number >= 0, got {t!r}", option="temperature")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise BadInputError(f"top_p must be in (0, 1], got {self.top_p!r}", option="top_p")
-        if self.draft_confidence_rule not in CONFIDENCE_RULES:
-            raise BadInputError(f"unknown draft_confidence_rule {self.draft_confidence_rule!r}; known: "
-                                f"{', '.join(CONFIDENCE_RULES)}", option="draft_confidence_rule")
-        c = self.draft_confidence_threshold
-        if not _is_number(c) or not 0 <= c < 1:
-            raise BadInputError(f"draft_confidence_threshold must be in [0, 1), got {c!r}",
-                                option="draft_confidence_threshold")
-        if not isinstance(self.adaptive_speculation, bool):
-            raise BadInputError(f"adaptive_speculation must be true or false, got {self.adaptive_speculation!r}",
-                                option="adaptive_speculation")
-        if not _is_number(self.draft_timeout_s) or not self.draft_timeout_s > 0:
-            raise BadInputError(f"draft_timeout_s must be > 0, got {self.draft_timeout_s!r}", option="draft_timeout_s")
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
-            raise BadInputError("stop must be a list of non-empty strings", option="stop")
-        # normalised once here: every reader sees a tuple of strings, a STREAMING_MODES name, floats and bools
-        for name, value in (("stop", tuple(stop)), ("draft_streaming", streaming_mode(self.draft_streaming)),
-                            ("temperature", float(t)), ("top_p", float(self.top_p)),
-                            ("draft_confidence_threshold", float(c)), ("overlap", bool(self.overlap)),
-                            ("draft_timeout_s", float(self.draft_timeout_s)), ("trace", bool(self.trace))):
-            object.__setattr__(self, name, value)
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, x: float) -> bool:
+        return ((self.low is None or (x > self.low if self.low_open else x >= self.low))
+                and (self.high is None or (x < self.high if self.high_open else x <= self.high)))
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high}"
+        return ""
+
+    def bounds(self) -> dict[str, float]:
+        """The range as pydantic's Field keywords (ge, gt, le, lt)."""
+        out = {}
+        if self.low is not None:
+            out["gt" if self.low_open else "ge"] = self.low
+        if self.high is not None:
+            out["lt" if self.high_open else "le"] = self.high
+        return out
+
+
+@dataclass(frozen=True)
+class Option:
+    """What one option is to every reader: the library's checks, the CLI's flag and the server's request field."""
+
+    help: str
+    range: Range | None = None  # a number's allowed values
+    choices: tuple[Any, ...] = ()  # a name's allowed values
+    none: str = ""  # what None means, where the option may be None (the help's words for that default)
+    none_word: str | None = None  # the command-line word for None ("auto"), where it has one
+    cli: bool = True  # False: API-only (no command-line flag)
+    # further flags, each setting the option to one value (a shorthand kept from older command lines)
+    switches: tuple[tuple[str, Any], ...] = ()
+    # the server's request field: OpenAI's own name where it has one, MIRROR for the extension object; None: the
+    # server does not take it
+    wire: str | None = None
+    wire_range: Range | None = None  # a narrower range on the wire (OpenAI's own bound)
+    planned: bool = False  # the bundle's plan.json gives its default where the bundle has one (Pipeline)
+    # another form the option takes, turned into its own before the checks (a bool for a streaming mode)
+    convert: Callable[[Any], Any] | None = None
+
+
+def option(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field that is an option: its default and its Option metadata."""
+    return dataclasses.field(default=default, metadata={"option": Option(help, **meta)})
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One option of an options class, resolved: its name, the kind its type annotation gives, its default and
+    its metadata."""
+
+    name: str
+    kind: type  # int, float, bool, str or tuple (of strings)
+    nullable: bool  # the annotation allows None
+    default: Any
+    option: Option
 
     @property
-    def params(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
+    def flag(self) -> str | None:
+        """The command-line flag (None: API-only)."""
+        return f"--{self.name.replace('_', '-')}" if self.option.cli else None
 
-    def updated(self, **overrides: Any) -> GenerationConfig:
+    @property
+    def wire_name(self) -> str | None:
+        """The request field the server takes it from, dotted ("max_tokens", "mirror.gamma"); None: not taken."""
+        wire = self.option.wire
+        return MIRROR + self.name if wire == MIRROR else wire
+
+    def check(self, value: Any) -> Any:
+        """`value` normalised (a float for a number, a tuple for strings); a BadInputError naming the option when
+        the option does not take it."""
+        o, name = self.option, self.name
+        if o.convert is not None:
+            value = o.convert(value)
+        if value is None and self.nullable:
+            return None
+        r = o.range or Range()
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise BadInputError(f"{name} must be true or false, got {value!r}", option=name)
+        elif self.kind is int:
+            if not isinstance(value, int) or isinstance(value, bool) or value not in r:
+                raise BadInputError(f"{name} must be an integer {r}".rstrip() + f", got {value!r}", option=name)
+        elif self.kind is float:
+            if not _is_number(value) or not math.isfinite(value) or value not in r:
+                what = str(r) if r.low is not None and r.high is not None else f"a finite number {r}".rstrip()
+                raise BadInputError(f"{name} must be {what}, got {value!r}", option=name)
+            value = float(value)
+        elif self.kind is tuple:
+            items = (value,) if isinstance(value, str) else value  # a single string is taken as one
+            if not isinstance(items, (tuple, list)) or not all(isinstance(s, str) and s for s in items):
+                raise BadInputError(f"{name} must be a list of non-empty strings", option=name)
+            value = tuple(items)
+        if o.choices and value not in o.choices:
+            raise BadInputError(f"unknown {name} {value!r}; known: {', '.join(map(str, o.choices))}", option=name)
+        return value
+
+
+@functools.cache
+def specs(cls: type) -> tuple[Spec, ...]:
+    """The options of `cls` (an Options dataclass), in field order."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if "option" not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name} is not an option(...): every field needs its help and range")
+        hint = hints[f.name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kinds = typing.get_args(hint) if union else (hint,)
+        kind = next(k for k in kinds if k is not type(None))
+        kind = typing.get_origin(kind) or kind  # tuple[str, ...]: tuple
+        out.append(Spec(f.name, str if kind is Path else kind, type(None) in kinds, f.default, f.metadata["option"]))
+    return tuple(out)
+
+
+class Options:
+    """The base of the options dataclasses: each field checked and normalised when the object is made."""
+
+    what: ClassVar[str] = "generation"  # the error message's word for these options
+
+    def __post_init__(self) -> None:
+        for spec in specs(type(self)):
+            object.__setattr__(self, spec.name, spec.check(getattr(self, spec.name)))
+
+    def updated(self, **overrides: Any) -> Self:
         """A copy with `overrides`; an unknown option is a BadInputError naming it."""
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        known = [s.name for s in specs(type(self))]
+        unknown = sorted(set(overrides) - set(known))
         if unknown:
-            raise BadInputError(f"unknown generation option(s) {', '.join(unknown)}; known: "
-                                f"{', '.join(f.name for f in dataclasses.fields(self))}")
+            raise BadInputError(f"unknown {self.what} option(s) {', '.join(unknown)}; known: {', '.join(known)}")
         return dataclasses.replace(self, **overrides) if overrides else self
 
 
@@ -131,6 +194,106 @@ def streaming_mode(value: bool | str) -> str:
         raise BadInputError(f"draft streaming must be one of {', '.join(STREAMING_MODES)}, not {value!r}",
                             option="draft_streaming")
     return value
+
+
+@dataclass(frozen=True)
+class GenerationConfig(Options):
+    """The options of one generation (`Pipeline.generate`)."""
+
+    mode: str = option("mirror", "ar (the target alone), sd (vanilla speculative decoding) or mirror (Mirror-SD)",
+                       choices=MODES, wire=MIRROR)
+    max_new_tokens: int = option(64, "new tokens at most", range=Range(1), wire="max_tokens")
+    temperature: float = option(0.0, "sampling temperature (0: greedy)", range=Range(0), wire="temperature",
+                                wire_range=Range(0, 2))
+    top_p: float = option(1.0, "nucleus sampling: draw from the likeliest tokens whose probabilities reach this",
+                          range=Range(0, 1, low_open=True), wire="top_p")
+    top_k: int = option(0, "sampling top-k (0: off)", range=Range(0))
+    seed: int = option(0, "the sampling seed", range=Range(0), wire="seed")
+    stop: tuple[str, ...] = option((), "a string that ends the text, which is cut before it (repeatable)",
+                                   wire="stop")
+    gamma: int = option(4, "draft window length", range=Range(1), wire=MIRROR, planned=True)
+    kappa: int | None = option(None, "early-exit candidates per position, at most the bundle's top_k",
+                               range=Range(1), none="the bundle's top_k", wire=MIRROR, planned=True)
+    branch_budget: int | None = option(
+        None, "branches per mirror step (0: none, every draft step is sd's; auto: adapts while the draft stays "
+        "hidden)", range=Range(0), none="auto", none_word="auto", wire=MIRROR, planned=True)
+    # even on, sd's and budget-0 mirror's draft requests, each waited for at once, are served inline
+    # (Pipeline._threaded)
+    overlap: bool = option(True, "run the draft on a thread of its own where it can work while the target does "
+                           "(mirror's branch sets, a token-only draft reading the prompt during the prefill) or on "
+                           "another device; off: the same schedule serially on the main thread")
+    draft_timeout_s: float = option(10.0, "seconds a draft answer may take; a later one makes the step run on the "
+                                    "target alone", range=Range(0, low_open=True))
+    draft_streaming: str = option(
+        "trust", "how a streaming draft uses its proposals: trust (greedy windows take their last proposals as "
+        "drafted: fewest forwards), verify (checked by its next forward) or off (one token per forward)",
+        choices=STREAMING_MODES, convert=streaming_mode, switches=(("--no-draft-streaming", "off"),), wire=MIRROR)
+    draft_confidence_threshold: float = option(
+        0.0, "end a draft window after a token whose confidence (see the rule) is below this (transformers' "
+        "assistant_confidence_threshold; 0: every window runs to gamma); output never depends on it",
+        range=Range(0, 1, high_open=True), wire=MIRROR, planned=True)
+    draft_confidence_rule: str = option(
+        "token", "what the threshold is compared with: token (each token's draft probability, transformers' rule) "
+        "or window (the draft's probability of the whole window so far: for a calibrated draft, the chance the "
+        "target takes all of it)", choices=CONFIDENCE_RULES, wire=MIRROR, planned=True)
+    # sampling always speculates: the choice is timed, and which steps speculate decides which random draws make
+    # the tokens
+    adaptive_speculation: bool = option(
+        True, "greedy sd/mirror: before each step, speculate or run the target alone, whichever this generation "
+        "has measured faster, and in mirror roll out a branch set or not, likewise (runtime/gate.py); off: every "
+        "step speculates; output never depends on it", switches=(("--always-speculate", False),), wire=MIRROR)
+    prompt_lookup_num_tokens: int = option(
+        4, "greedy sd/mirror: where the text's last few tokens occurred before, verify up to this many tokens that "
+        "followed them instead of a draft window (transformers' prompt lookup; 0: off)", range=Range(0),
+        wire=MIRROR)
+    max_matching_ngram_size: int = option(3, "prompt lookup: the most trailing tokens matched", range=Range(2))
+    prompt_lookup_schedule: str = option(
+        "heuristic", "how the copied window's length moves: heuristic (grows after a window accepted whole, "
+        "shrinks after one cut short, as transformers' num_assistant_tokens_schedule) or constant",
+        choices=COPY_SCHEDULES, wire=MIRROR)
+    trace: bool = option(False, "stats.trace lists every phase as (phase, start_s, end_s)", cli=False)
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
+
+
+@dataclass(frozen=True)
+class LoadOptions(Options):
+    """How `Pipeline.load` opens a bundle's engines (runtime/pipeline.py)."""
+
+    what: ClassVar[str] = "load"
+
+    target_backend: str = option(
+        "onnxruntime", "onnxruntime (KV buffers bound on the device, CUDA where present) or openvino (the same "
+        "graphs rewritten for OpenVINO, runtime/portable.py: for CPU-only machines)", choices=BACKENDS)
+    target_device: str | None = option(
+        None, "ONNX Runtime: cpu, cuda or a provider name; OpenVINO: a device string",
+        none="ONNX Runtime: CUDA for a float16 target where the session gets it, else CPU; OpenVINO: CPU")
+    target_threads: int | None = option(None, "target engine threads", range=Range(1),
+                                        none=f"the bundle's plan, else {BUILTIN_THREADS}")
+    target_spinning: bool | None = option(None, "whether ONNX Runtime's idle target threads spin",
+                                          none="ONNX Runtime's default", cli=False)
+    target_step_width: int | None = option(
+        None, "ONNX Runtime: pad every target step of fewer tokens to this many, so that the GPU's float16 kernels "
+        "give a position the same logits in any step (runtime/target.py)", range=Range(0),
+        none="8 on the CUDA execution provider, else 0 (off)")
+    draft_backend: str | None = option(None, "the draft's runtime", choices=BACKENDS,
+                                       none="the bundle plan's where the draft runs on the CPU, else openvino")
+    draft_device: str | None = option(
+        None, "a device of the draft's backend (one that is absent is refused, listing those available)",
+        none="NPU, else CPU; a package: its intended device where present, else CPU")
+    draft_threads: int | None = option(None, "draft engine threads", range=Range(1),
+                                       none=f"the bundle's plan, else {BUILTIN_THREADS}")
+    max_context: int | None = option(
+        None, "the target's KV buffers in positions; a generation that would not fit is refused before any "
+        "device work", range=Range(1), none="the target's own context, also the maximum")
+    cache_dir: str | Path | None = option(None, "OpenVINO's compile cache directory (CACHE_DIR)", none="none")
+    huge_pages: bool = option(
+        True, "move the memory the load makes resident (the weights) into transparent huge pages once the engines "
+        "are open (Linux; runtime/huge_pages.py): faster target steps for a longer load; what it did is "
+        "pipe.huge_pages")
+    use_plan: bool = option(True, "take defaults from the bundle's plan.json (off: ignore it)", cli=False)
 
 
 def _is_number(x: Any) -> bool:

@@ -10,24 +10,24 @@ longer than max_prompt, prompt + max_new_tokens beyond max_context, or a window 
 BadInputError.
 
 A bundle may hold a `plan.json` written by `mirror-sd plan` (partitions/planner.py). It is optional: when present,
-gamma, kappa, branch_budget and the thread counts default to its runtime section (explicit arguments still win);
-a plan made for another export of the bundle is refused.
+the thread counts and the generation options marked `planned` in runtime/config.py (gamma, kappa, branch_budget,
+the draft confidence threshold and rule) default to its runtime section (explicit arguments still win); a plan made
+for another export of the bundle is refused.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError, check_int
+from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.plan_file import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
-from mirror_sd.runtime.backends import BACKENDS, default_openvino_device, on_cpu, usable_cores
-from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.backends import default_openvino_device, on_cpu, usable_cores
+from mirror_sd.runtime.config import BUILTIN_THREADS, GenerationConfig, LoadOptions, specs
 from mirror_sd.runtime.draft import Drafter
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
@@ -41,7 +41,6 @@ from mirror_sd.runtime.text import TextCodec, TextSink
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 Streamer = Callable[[int, str], None]  # (token id, new text) for every committed token
-BUILTIN_THREADS = 1  # per engine, where neither the caller nor the bundle's plan says
 
 
 @dataclass(frozen=True)
@@ -85,14 +84,11 @@ class Pipeline:
         # the longest context a generation may reach: the target's KV buffers (at most its positions); past the
         # draft's own context (if shorter) steps run on the target alone
         self.context_limit = target.capacity
-        # every generation's options: the built-in defaults with the plan's gamma, kappa, branch budget and draft
-        # confidence threshold and rule
+        # every generation's options: the built-in defaults with the plan's values of the planned ones
         self.generation_config = GenerationConfig()
         if defaults:
-            self.generation_config = dataclasses.replace(
-                self.generation_config, gamma=defaults.gamma, kappa=defaults.kappa,
-                branch_budget=defaults.branch_budget, draft_confidence_threshold=defaults.draft_confidence_threshold,
-                draft_confidence_rule=defaults.draft_confidence_rule)
+            self.generation_config = self.generation_config.updated(
+                **{s.name: getattr(defaults, s.name) for s in specs(GenerationConfig) if s.option.planned})
         self._worker: DraftWorker | None = None  # the last generation's draft worker, if its thread may still run
         self._feature_store: FeatureStore | None = None  # a feature draft's taps store, kept across generations
         # The engines are single-owner: generations from several threads run one at a time, each holding this
@@ -104,64 +100,44 @@ class Pipeline:
         self._gate_memory: dict[tuple[str, int], GateState] = {}
 
     @classmethod
-    def load(cls, bundle: str | Path, *, target_device: str | None = None, draft_device: str | None = None,
-             target_threads: int | None = None, draft_threads: int | None = None, use_plan: bool = True,
-             cache_dir: str | Path | None = None, target_backend: str = "onnxruntime", draft_backend: str | None = None,
-             max_context: int | None = None, target_spinning: bool | None = None, huge_pages: bool = True,
-             target_step_width: int | None = None) -> Pipeline:
-        """bundle: a bundle directory, or a package (directory or .tar, checked before use).
-        target_backend: "onnxruntime" (the default: KV buffers bound on the device, CUDA where present) or
-        "openvino" (the same graphs rewritten for OpenVINO, runtime/portable.py: for CPU-only machines).
-        target_device: ONNX Runtime: None (CUDA, else CPU), "cpu", "cuda" or a provider name; OpenVINO: a device
-        string (default CPU). draft_backend: None (the bundle plan's where the draft runs on the CPU, else the
-        manifest's: OpenVINO), "openvino" or "onnxruntime".
-        draft_device: None (NPU, else CPU; a package: its intended device where present, else CPU) or a device
-        string of the draft's backend (absent: BadInputError listing the available ones).
-        Thread counts None: the bundle plan's, else 1 each. use_plan False ignores the bundle's plan.json.
-        max_context: the target's KV buffers in positions (default and maximum: the target's own context); a
-        generation that would not fit is refused before any device work.
-        target_spinning: whether ONNX Runtime's idle target threads spin (None: ORT's default).
-        target_step_width: ONNX Runtime: pad every target step of fewer tokens to this many (runtime/target.py
-        says why); None: 8 on the CUDA execution provider, else 0 (none).
-        cache_dir: OpenVINO's compile cache directory (CACHE_DIR).
-        huge_pages: move the memory this load makes resident (the weights) into transparent huge pages once the
-        engines are open (Linux; runtime/huge_pages.py): target steps 4-6% faster here, 0.9-2.3 s more to load. What
-        it did is `pipe.huge_pages`."""
-        for name, n in (("target_threads", target_threads), ("draft_threads", draft_threads),
-                        ("max_context", max_context)):
-            if n is not None:
-                check_int(name, n, 1)
-        if target_step_width is not None:
-            check_int("target_step_width", target_step_width, 0)
-        for name, value in (("target_backend", target_backend), ("draft_backend", draft_backend)):
-            if value is not None and value not in BACKENDS:
-                raise BadInputError(f"unknown {name} {value!r}; known: {', '.join(BACKENDS)}")
-        new_memory = NewMemory() if huge_pages else None
+    def load(cls, bundle: str | Path, options: LoadOptions | None = None, **overrides: Any) -> Pipeline:
+        """bundle: a bundle directory, or a package (directory or .tar, checked before use). `options` (default:
+        LoadOptions()), any of its fields overridden by keyword (runtime/config.py lists them with their help):
+
+            Pipeline.load("bundle/", target_threads=2, huge_pages=False)
+
+        Every option is checked before any file is read; an unknown keyword is a BadInputError naming it."""
+        if options is not None and not isinstance(options, LoadOptions):
+            raise BadInputError(f"options must be a LoadOptions, not {type(options).__name__}")
+        o = (options or LoadOptions()).updated(**overrides)
+        target_threads, draft_threads, draft_backend = o.target_threads, o.draft_threads, o.draft_backend
+        new_memory = NewMemory() if o.huge_pages else None
         package = open_package(bundle) if is_package(bundle) else None
         bundle = package.root if package else bundle
         manifest = Manifest.load(bundle)
-        defaults = _plan_defaults(bundle, manifest) if use_plan else None
+        defaults = _plan_defaults(bundle, manifest) if o.use_plan else None
         if target_threads is None:
             target_threads = defaults.target_threads if defaults else BUILTIN_THREADS
         if draft_threads is None:
             draft_threads = defaults.draft_threads if defaults else BUILTIN_THREADS
-        if draft_backend is None and draft_device is None and not package:
+        if draft_backend is None and o.draft_device is None and not package:
             draft_backend = _planned_draft_backend(defaults)
         codec = TextCodec(bundle, manifest)
-        if target_backend == "openvino":
+        if o.target_backend == "openvino":
             from mirror_sd.runtime.portable import open_portable_target
 
-            target = open_portable_target(bundle, manifest, target_device or "CPU", target_threads, max_context,
-                                          cache_dir)
+            target = open_portable_target(bundle, manifest, o.target_device or "CPU", target_threads, o.max_context,
+                                          o.cache_dir)
         else:
-            target = open_target(bundle, manifest, target_device, target_threads, max_context, target_spinning,
-                                 target_step_width)
+            target = open_target(bundle, manifest, o.target_device, target_threads, o.max_context, o.target_spinning,
+                                 o.target_step_width)
         if package:
             from mirror_sd.runtime.static_draft import open_static_draft
 
-            draft = open_static_draft(package.root, manifest, package.info, draft_device, draft_threads, cache_dir)
+            draft = open_static_draft(package.root, manifest, package.info, o.draft_device, draft_threads,
+                                      o.cache_dir)
         else:
-            draft = open_engine(bundle, manifest, "draft", draft_device, draft_threads, cache_dir, draft_backend)
+            draft = open_engine(bundle, manifest, "draft", o.draft_device, draft_threads, o.cache_dir, draft_backend)
         pipe = cls(manifest, target, draft, codec, defaults, target_threads, draft_threads, package)
         pipe.huge_pages = new_memory.collapse() if new_memory is not None else None
         return pipe
@@ -289,8 +265,7 @@ class Pipeline:
         mirror step's branch set under the suffix, a token-only draft reading the prompt during the prefill) or runs
         on another device (a thread's wait can time out on a stalled device; a CPU call returns). Elsewhere, in sd and
         in mirror without branch sets, every request is waited for as soon as it is made, and handing it to a thread
-        and back cost more than it hid: served inline, mirror without branch sets ran 1.035x +- 0.014 (paired, 60
-        prompts x 2 rounds on two cores: results/turn-taking-ab.json)."""
+        and back costs more than it hides."""
         if not cfg.overlap:
             return False
         beside = cfg.mode == "mirror" and cfg.branch_budget != 0  # None adapts from kappa: branch sets
