@@ -4,16 +4,96 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mirror_sd.errors import MirrorSDError
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES
-from mirror_sd.partitions.plan_file import CONFIDENCE_RULES
-from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
+from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, specs
 
 if TYPE_CHECKING:
     from mirror_sd.partitions.planner import Plan
+
+# The load options (runtime/config.py LoadOptions) each command takes from its command line; their flags, help and
+# defaults come from the options themselves.
+LOAD_FLAGS = {
+    "generate": ("target_backend", "draft_backend", "target_device", "target_step_width", "draft_device",
+                 "max_context", "target_threads", "draft_threads", "cache_dir", "huge_pages"),
+    "serve": ("target_threads", "draft_threads", "target_device", "draft_device", "max_context", "target_step_width"),
+    "plan": ("target_device", "draft_device"),
+}
+# one generation is not worth the longer load that huge pages take; the Python API and serve keep them on
+GENERATE_LOAD_DEFAULTS = {"huge_pages": False}
+# the generation options whose server-wide default `serve` takes (a request's own value wins)
+SERVE_GENERATION = ("mode", "max_new_tokens")
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type[Options], names: Collection[str] | None = None,
+                defaults: Mapping[str, Any] | None = None) -> None:
+    """A flag for each command-line option of `cls` (or of those in `names`), named, typed and explained by the
+    option's metadata (runtime/config.py). A flag not given stays out of the namespace, so that the option keeps
+    its default from elsewhere (the bundle's plan), unless this command sets one in `defaults`. `given` reads
+    them back."""
+    defaults = defaults or {}
+    known = {s.name for s in specs(cls) if s.flag}
+    if names is not None and set(names) - known:
+        raise ValueError(f"no command-line option {sorted(set(names) - known)} in {cls.__name__}")
+    for spec in specs(cls):
+        if spec.flag is None or (names is not None and spec.name not in names):
+            continue
+        default = defaults.get(spec.name, argparse.SUPPRESS)
+        kw: dict[str, Any] = {"dest": spec.name, "default": default,
+                              "help": _help(spec, spec.default if default is argparse.SUPPRESS else default)}
+        if spec.kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif spec.kind is tuple:
+            kw.update(action="append", metavar="TEXT")
+        else:
+            kw["type"] = _parser_of(spec)
+            if spec.option.choices:
+                kw["metavar"] = "{" + ",".join(map(str, spec.option.choices)) + "}"
+        parser.add_argument(spec.flag, **kw)
+        for flag, value in spec.option.switches:
+            same = (f"--{'' if value else 'no-'}{spec.flag[2:]}" if isinstance(value, bool)
+                    else f"{spec.flag} {value}")
+            parser.add_argument(flag, dest=spec.name, action="store_const", const=value, default=argparse.SUPPRESS,
+                                help=f"the same as {same}")
+
+
+def given(args: argparse.Namespace, cls: type[Options]) -> dict[str, Any]:
+    """The options of `cls` the command line set (add_options' flags), by name."""
+    return {s.name: getattr(args, s.name) for s in specs(cls) if hasattr(args, s.name)}
+
+
+def _help(spec: Spec, default: Any) -> str:
+    o = spec.option
+    if default is None:
+        words = o.none
+    elif isinstance(default, bool):
+        words = "on" if default else "off"
+    else:
+        words = "" if default == () else str(default)
+    if o.planned:
+        words = f"the bundle's plan, else {words}"
+    return (o.help + (f" (default: {words})" if words else "")).replace("%", "%%")
+
+
+def _parser_of(spec: Spec) -> Callable[[str], Any]:
+    """argparse's type for an option: its kind, or None where the option has a word for it ("auto")."""
+    word = spec.option.none_word
+    if word is None:
+        return spec.kind
+
+    def parse(text: str) -> Any:
+        if text == word:
+            return None
+        try:
+            return spec.kind(text)
+        except ValueError:
+            what = "an integer" if spec.kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what} or {word!r}, got {text!r}") from None
+    return parse
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -61,30 +141,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     from mirror_sd.runtime.pipeline import Pipeline
 
-    pipe = Pipeline.load(args.bundle, target_device=args.target_device, draft_device=args.draft_device,
-                         target_threads=args.target_threads, draft_threads=args.draft_threads,
-                         cache_dir=args.cache_dir, target_backend=args.target_backend,
-                         draft_backend=args.draft_backend, max_context=args.max_context,
-                         huge_pages=args.huge_pages, target_step_width=args.target_step_width)
+    pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
         prompt = [{"role": "user", "content": args.prompt}]
-    given = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()) or None,
-                 draft_streaming="off" if args.no_draft_streaming else args.draft_streaming,
-                 overlap=False if args.no_overlap else None,
-                 gamma=args.gamma, kappa=args.kappa, branch_budget=args.branch_budget,
-                 draft_confidence_threshold=args.draft_confidence_threshold,
-                 draft_confidence_rule=args.draft_confidence_rule,
-                 adaptive_speculation=False if args.always_speculate else None,
-                 prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
-                 prompt_lookup_schedule=args.prompt_lookup_schedule)
     # what was not given keeps the pipeline's config: the built-in defaults, with the bundle plan's merged in
-    options = {name: value for name, value in given.items() if value is not None}
-    if options.get("branch_budget") == "auto":
-        options["branch_budget"] = None
-    config = pipe.generation_config.updated(**options)
+    config = pipe.generation_config.updated(**given(args, GenerationConfig))
 
     def show(_token: int, text: str) -> None:
         sys.stdout.write(text)
@@ -113,11 +176,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise BadInputError(f"--port must be in 1..65535, got {args.port}")
     if not args.request_timeout > 0:
         raise BadInputError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    pipe = Pipeline.load(args.bundle, target_device=args.target_device, draft_device=args.draft_device,
-                         target_threads=args.target_threads, draft_threads=args.draft_threads,
-                         max_context=args.max_context, target_step_width=args.target_step_width)
-    given = {"mode": args.mode, "max_new_tokens": args.max_new_tokens}
-    pipe.generation_config = pipe.generation_config.updated(**{k: v for k, v in given.items() if v is not None})
+    pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
+    pipe.generation_config = pipe.generation_config.updated(**given(args, GenerationConfig))
     name = args.model_name or Path(args.bundle).resolve().name
     app = create_app(pipe, ServerSettings(name, args.max_queue, args.request_timeout))
     print(f"mirror-sd: serving {name!r} on http://{args.host}:{args.port}/v1 ({pipe.generation_config.mode}; "
@@ -146,15 +206,6 @@ def _splits(text: str) -> tuple[tuple[int, int], ...]:
     return pairs  # type: ignore[return-value]
 
 
-def _budget(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
-
-
 def iter_table(plans: list[Plan], rows: int) -> list[str]:
     """The head of the planner's ranked table (`mirror-sd plan`) as text lines."""
     lines = [f"{'rank':>4} {'l_e':>4} {'k':>3} {'gamma':>5} {'budget':>6} {'threads':>7} {'tok/s':>8} "
@@ -177,8 +228,7 @@ def _plan(args: argparse.Namespace) -> int:
     defaults = ProfileOptions()
     options = ProfileOptions(
         calibration=args.calibration, max_new_tokens=args.max_new_tokens, gammas=args.gammas or defaults.gammas,
-        kappas=args.kappas, splits=args.splits, repeats=args.repeats, target_device=args.target_device,
-        draft_device=args.draft_device)
+        kappas=args.kappas, splits=args.splits, repeats=args.repeats, **given(args, LoadOptions))
     report = (lambda _line: None) if args.json else (lambda line: print(line, file=sys.stderr))
     result = plan_bundle(args.bundle, options, report)
     doc = result.document
@@ -268,62 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 5,17,33")
     g.add_argument("--raw", action="store_true",
                    help="send --prompt as plain text (default: as a user turn of the bundle's chat template, if any)")
-    # generation options left out take runtime/config.py GenerationConfig's defaults (and the bundle plan's)
-    g.add_argument("--mode", default=None, help="ar (target only), sd (vanilla speculative) or mirror (default)")
-    g.add_argument("--max-new-tokens", type=int, default=None, help="default 64")
-    g.add_argument("--temperature", type=float, default=None, help="0 (default): greedy")
-    g.add_argument("--top-p", type=float, default=None, help="default 1.0")
-    g.add_argument("--top-k", type=int, default=None, help="sampling top-k (default 0: off)")
-    g.add_argument("--seed", type=int, default=None, help="default 0")
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--gamma", type=int, default=None, help="draft window length (default: the bundle's plan, else 4)")
-    g.add_argument("--kappa", type=int, default=None,
-                   help="early-exit candidates per position (default: the bundle's plan, else its top_k)")
-    g.add_argument("--branch-budget", type=_budget, default=None,
-                   help="branches per step, or auto (default: the bundle's plan, else auto: adaptive)")
-    g.add_argument("--no-overlap", action="store_true", help="run the draft serially on the main thread")
-    g.add_argument("--no-draft-streaming", action="store_true",
-                   help="run a streaming draft one token per forward (its stream proposals unused)")
-    g.add_argument("--draft-streaming", default=None,
-                   help="how a streaming draft uses its proposals: trust (default; greedy windows take their last "
-                        "proposals as drafted: fewest forwards), verify (checked by its next forward), off")
-    g.add_argument("--draft-confidence-threshold", type=float, default=None,
-                   help="end a draft window after a token the draft gives a probability below this, in [0, 1) "
-                        "(default: the built-in default; 0: every window runs to gamma)")
-    g.add_argument("--draft-confidence-rule", choices=CONFIDENCE_RULES, default=None,
-                   help="what the threshold is compared with: token (each token's draft probability, as "
-                        "transformers' assistant_confidence_threshold) or window (the draft's probability of the "
-                        "whole window so far) (default: the bundle's plan, else token)")
-    g.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
-                   help="greedy sd/mirror: verify up to this many tokens copied from where the text's last tokens "
-                        "occurred before, instead of a draft window (default 4; 0: off)")
-    g.add_argument("--prompt-lookup-schedule", choices=COPY_SCHEDULES, default=None,
-                   help="how the copied window's length moves: heuristic (default; +2 after a window accepted "
-                        "whole, -1 after one cut short, as transformers' num_assistant_tokens_schedule) or constant")
-    g.add_argument("--always-speculate", action="store_true",
-                   help="sd/mirror: speculate at every step (default: a step runs on the target alone where this "
-                        "generation has measured that faster)")
-    g.add_argument("--target-backend", default="onnxruntime",
-                   help="onnxruntime (default: KV buffers on the device, CUDA where present) or openvino (CPU-only "
-                        "machines: the same graphs rewritten for OpenVINO)")
-    g.add_argument("--draft-backend", default=None,
-                   help="openvino or onnxruntime (default: the bundle plan's where the draft runs on the CPU, "
-                        "else openvino)")
-    g.add_argument("--target-device", default=None,
-                   help="ONNX Runtime: cpu, cuda or a provider (default: CUDA for a float16 bundle, else CPU); "
-                        "OpenVINO: a device (CPU)")
-    g.add_argument("--target-step-width", type=int, default=None,
-                   help="pad every target step of fewer tokens to this many rows, so that the GPU's float16 kernels "
-                        "give a position the same logits in any step (default: 8 on CUDA, 0 (off) on the CPU)")
-    g.add_argument("--draft-device", default=None, help="OpenVINO device (default: NPU, else CPU)")
-    g.add_argument("--max-context", type=int, default=None,
-                   help="the target's KV buffers in tokens (default and maximum: the model's context)")
-    g.add_argument("--target-threads", type=int, default=None, help="default: the bundle's plan, else 1")
-    g.add_argument("--draft-threads", type=int, default=None, help="default: the bundle's plan, else 1")
-    g.add_argument("--cache-dir", default=None, help="OpenVINO compile cache directory for the draft")
-    g.add_argument("--huge-pages", action="store_true",
-                   help="move the loaded weights into huge pages (Linux): steps 4-6%% faster for 1-2.5 s more "
-                        "load, so off for one generation; the Python API and serve have it on")
+    add_options(g, GenerationConfig)
+    add_options(g, LoadOptions, LOAD_FLAGS["generate"], GENERATE_LOAD_DEFAULTS)
     g.add_argument("--json", action="store_true", help='print {"token_ids", "text", "stats"} as one JSON object')
     g.set_defaults(func=_generate)
 
@@ -356,8 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="target+draft thread counts to measure, e.g. 1+1,2+1 (default: powers of two that fit)")
     pl.add_argument("--repeats", type=int, default=7, help="timed calls per measurement (default 7)")
     pl.add_argument("--rows", type=int, default=10, help="rows of the ranked table to print (default 10)")
-    pl.add_argument("--target-device", default=None, help="as for generate")
-    pl.add_argument("--draft-device", default=None, help="as for generate")
+    add_options(pl, LoadOptions, LOAD_FLAGS["plan"])
     pl.add_argument("--out", default=None, help="write the plan as JSON to this file")
     pl.add_argument("--save", action="store_true",
                     help="also write it into the bundle as plan.json: the runtime's defaults then come from it")
@@ -369,19 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000, help="default 8000")
     sv.add_argument("--model-name", default=None, help="the model id clients name (default: the bundle's folder name)")
-    sv.add_argument("--mode", default=None, help="ar, sd or mirror (default: mirror); a request's mirror.mode wins")
-    sv.add_argument("--max-new-tokens", type=int, default=None,
-                    help="tokens a request gets when it does not say (default 64)")
     sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait behind the running one "
                     "(default 16); more get 429 with Retry-After")
     sv.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds a request may take, queueing included (default 600)")
-    sv.add_argument("--target-threads", type=int, default=None, help="as for generate")
-    sv.add_argument("--draft-threads", type=int, default=None, help="as for generate")
-    sv.add_argument("--target-device", default=None, help="as for generate")
-    sv.add_argument("--draft-device", default=None, help="as for generate")
-    sv.add_argument("--max-context", type=int, default=None, help="as for generate")
-    sv.add_argument("--target-step-width", type=int, default=None, help="as for generate")
+    add_options(sv, GenerationConfig, SERVE_GENERATION)  # the server's defaults: a request's own value wins
+    add_options(sv, LoadOptions, LOAD_FLAGS["serve"])
     sv.set_defaults(func=_serve)
 
     from mirror_sd.bench.cli import add_parser as add_bench_parser
