@@ -360,13 +360,8 @@ def _mirror_stats(outcome: _Outcome) -> dict[str, Any]:
 
 
 def _param_of(error: BadInputError, chat: bool) -> str | None:
-    """The request field of the generation option a pipeline error names."""
-    fields = {"max_new_tokens": "max_tokens", "gamma": "mirror.gamma", "kappa": "mirror.kappa",
-              "branch_budget": "mirror.branch_budget", "draft_streaming": "mirror.draft_streaming",
-              "draft_confidence_threshold": "mirror.draft_confidence_threshold", "mode": "mirror.mode",
-              "draft_confidence_rule": "mirror.draft_confidence_rule",
-              "adaptive_speculation": "mirror.adaptive_speculation",
-              "prompt_lookup_num_tokens": "mirror.prompt_lookup_num_tokens",
-              "prompt_lookup_schedule": "mirror.prompt_lookup_schedule",
-              "prompt": "messages" if chat else "prompt"}
-    return fields.get(error.option, error.option)
+    """The request field a pipeline error points at: the prompt's, or the wire name of the generation option it
+    names (runtime/config.py); an option the server does not take keeps its own name."""
+    if error.option == "prompt":
+        return "messages" if chat else "prompt"
+    return p.wire_names().get(error.option, error.option)

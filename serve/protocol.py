@@ -2,18 +2,23 @@
 response objects, as plain data. Nothing here runs a model.
 
 Requests accept the fields this server honours and nothing else: a field it would silently ignore (logprobs, tools,
-n > 1, ...) is a 400 that names it, so a client never believes it got what it asked for. The project's own
-options ride in `mirror` (mode, gamma, kappa, branch_budget, draft_streaming, draft_confidence_threshold,
-draft_confidence_rule, adaptive_speculation, prompt_lookup_num_tokens, prompt_lookup_schedule).
+n > 1, ...) is a 400 that names it, so a client never believes it got what it asked for.
+
+The generation options' fields are not written here: each option of runtime/config.py GenerationConfig with a wire
+name is a request field (`sampling_model`), typed and bounded by the option's metadata. OpenAI's own names
+(max_tokens, temperature, top_p, seed, stop) sit at the top of the request; the project's own options ride in the
+`mirror` object, under their own names.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from mirror_sd.runtime.config import MIRROR, GenerationConfig, Spec, specs
 
 MAX_STOP = 4  # as OpenAI: at most four stop strings
 
@@ -35,38 +40,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False)
 
 
-class MirrorOptions(_Strict):
-    """The project's extension: how the pipeline decodes (defaults: the server's)."""
-
-    mode: Literal["ar", "sd", "mirror"] | None = None
-    gamma: int | None = Field(default=None, ge=1)
-    kappa: int | None = Field(default=None, ge=1)
-    branch_budget: int | None = Field(default=None, ge=0)
-    draft_streaming: Literal["off", "verify", "trust"] | None = None
-    draft_confidence_threshold: float | None = Field(default=None, ge=0.0, lt=1.0)
-    draft_confidence_rule: Literal["token", "window"] | None = None
-    adaptive_speculation: bool | None = None
-    prompt_lookup_num_tokens: int | None = Field(default=None, ge=0)
-    prompt_lookup_schedule: Literal["constant", "heuristic"] | None = None
-
-
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
 class _Sampling(_Strict):
+    """What every request takes besides its prompt; `sampling_model` adds the generation options' fields."""
+
+    config: ClassVar[type[GenerationConfig]] = GenerationConfig  # the options the fields were made from
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0)
-    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
-    mirror: MirrorOptions | None = None
 
-    @field_validator("stop")
+    @field_validator("stop", check_fields=False)
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else list(v or [])
@@ -76,14 +63,56 @@ class _Sampling(_Strict):
 
     def generation_options(self) -> dict[str, Any]:
         """Pipeline.generate keywords for what the request set (the rest keeps the server's config)."""
-        out: dict[str, Any] = {"stop": tuple(self.stop or ())}
-        for ours, theirs in (("max_new_tokens", self.max_tokens), ("temperature", self.temperature),
-                             ("top_p", self.top_p), ("seed", self.seed)):
-            if theirs is not None:
-                out[ours] = theirs
-        if self.mirror is not None:
-            out.update(self.mirror.model_dump(exclude_none=True))
+        out = {}
+        for spec in specs(self.config):
+            if spec.wire_name is None:
+                continue
+            if spec.option.wire == MIRROR:
+                value = getattr(self.mirror, spec.name, None)
+            else:
+                value = getattr(self, spec.wire_name)
+            if value is not None:
+                out[spec.name] = value
         return out
+
+
+def wire_field(spec: Spec) -> tuple[Any, Any]:
+    """The request field of an option: optional, of the option's kind or choices, within its range (or the
+    wire's own, where narrower)."""
+    o = spec.option
+    if o.choices:
+        kind: Any = Literal[o.choices]
+    elif spec.kind is tuple:
+        kind = str | list[str]  # one string or several, as GenerationConfig takes them
+    else:
+        kind = spec.kind
+    bounds = o.wire_range or o.range
+    return kind | None, Field(default=None, description=o.help, **(bounds.bounds() if bounds else {}))
+
+
+def sampling_model(config: type[GenerationConfig] = GenerationConfig) -> type[_Sampling]:
+    """The request fields every endpoint shares, with one field for each option of `config` the server takes:
+    OpenAI's at the top, the project's in the `mirror` object."""
+    exposed = [s for s in specs(config) if s.wire_name is not None]
+    mirror = create_model("MirrorOptions", __base__=_Strict, __doc__="The project's extension: how the pipeline "
+                          "decodes (defaults: the server's).",
+                          **{s.name: wire_field(s) for s in exposed if s.option.wire == MIRROR})
+    top = {s.wire_name: wire_field(s) for s in exposed if s.option.wire != MIRROR}
+    model = create_model("Sampling", __base__=_Sampling, mirror=(mirror | None, None), **top)
+    model.config = config
+    return model
+
+
+def _spec(name: str) -> Spec:
+    return next(s for s in specs(GenerationConfig) if s.name == name)
+
+
+def wire_names(config: type[GenerationConfig] = GenerationConfig) -> dict[str, str]:
+    """Each option the server takes, by name, to its request field ("max_new_tokens": "max_tokens")."""
+    return {s.name: s.wire_name for s in specs(config) if s.wire_name is not None}
+
+
+Sampling = sampling_model()
 
 
 class ChatMessage(_Strict):
@@ -92,9 +121,9 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
+    max_completion_tokens: int | None = wire_field(_spec("max_new_tokens"))[1]  # the newer name of max_tokens
 
     def generation_options(self) -> dict[str, Any]:
         out = super().generation_options()
@@ -106,7 +135,7 @@ class ChatRequest(_Sampling):
         return [{"role": m.role, "content": m.content} for m in self.messages]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(Sampling):
     prompt: str | list[int]
     echo: Literal[False] = False
 
