@@ -31,7 +31,7 @@ from mirror_sd.export.draft_weights import (
 from mirror_sd.export.drafts import Draft, load_draft
 from mirror_sd.export.onnx_export import draft_spec, exit_spec, export_segment
 from mirror_sd.export.segments import ExitTopK, LogitLens
-from mirror_sd.export.target_graphs import write_target_graph
+from mirror_sd.export.target_graphs import check_attention, graph_facts, write_target_graph
 from mirror_sd.export.target_precision import MIN_TARGET_AGREEMENT, check_target_dtype, retype_target
 from mirror_sd.models.exit_adapter import CONFIG_NAME, ExitAdapter
 from mirror_sd.outputs import move_into_place, staging_dir
@@ -69,8 +69,9 @@ class LoadedModel:
     arch: Architecture
 
 
-def load_causal_lm(source: str, what: str) -> LoadedModel:
-    """Load `source` as an fp32 causal LM of a supported architecture, with clear errors for everything else."""
+def load_causal_lm(source: str, what: str, check: Callable[[Architecture], None] | None = None) -> LoadedModel:
+    """Load `source` as an fp32 causal LM of a supported architecture, with clear errors for everything else.
+    check: raises for an architecture the caller cannot use, before the weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -86,6 +87,8 @@ def load_causal_lm(source: str, what: str) -> LoadedModel:
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise BadInputError(f"{what} {source!r} is a {config.model_type!r} model, not a causal language model")
     arch = architecture_of(config)  # raises UnsupportedArchitectureError naming the supported ones
+    if check is not None:
+        check(arch)
     try:
         # eager attention: the exported mask is the explicit additive one, and parity is checked against this model
         model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, attn_implementation="eager")
@@ -192,7 +195,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     check_out_dir(out, opts.force)
     check_weight_format(opts.draft_weights)
     check_target_dtype(opts.target_dtype)
-    target = load_causal_lm(opts.model, "target")
+    target = load_causal_lm(opts.model, "target", lambda arch: check_attention(arch.facts(), opts.target_dtype))
     draft = load_draft(opts.draft, load_causal_lm, target)
     exit_layer, top_k = check_options(opts, target, draft)
     exit_head = _exit_head(opts, target)
@@ -221,7 +224,7 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: Ex
     t_model = target.model
     kind = exit_topk.exit_head.kind
     exit_vocab = 0 if exit_topk.vocab_ids is None else int(exit_topk.vocab_ids.numel())
-    t_facts = TargetFacts(**target.arch.facts(), exit_layer=exit_layer, top_k=top_k, exit_head=kind,
+    t_facts = TargetFacts(**graph_facts(target.arch.facts()), exit_layer=exit_layer, top_k=top_k, exit_head=kind,
                           exit_vocab_size=exit_vocab)
     # Rotary positions come from a formula, not a table: the draft reads any position the target does. (How well it
     # drafts far past the lengths it was trained on is its acceptance, never the output.)

@@ -21,6 +21,11 @@ checks), past holds exactly the valid positions and present is past + new.
 Supported: the Llama layout of every architecture export/architectures.py registers, with q/k/v biases (Qwen2),
 per-head q/k RMS norms before the rotary embedding (Qwen3), sliding-window layers (Mistral, Qwen2) and any rotary
 scaling transformers implements (cos/sin are taken from the model's own rotary module).
+
+Head sizes: GroupQueryAttention rotates only heads whose size is a multiple of ROTARY_HEAD_MULTIPLE. A model whose
+heads are not (24, say) gets them padded with zeros to the next multiple inside the graphs (_HeadLayout): the KV
+buffers hold the padded heads (the manifest's head_dim is the padded size, the partitions' extra the model's own),
+and the result is the model's exactly, since every padded value is zero and multiplies or adds only zeros.
 """
 
 from __future__ import annotations
@@ -58,6 +63,37 @@ OPSET = 17
 MS_DOMAIN = "com.microsoft"
 # ORT 1.31 reads ONNX IR version 10 at most; onnx 1.23 would write 11+ by default.
 IR_VERSION = 10
+# GroupQueryAttention refuses a rotary embedding on heads of any other size ("head_size shall be a multiple of 16")
+ROTARY_HEAD_MULTIPLE = 16
+# ONNX Runtime's CUDA GroupQueryAttention (a float16 target's): its largest head size (the memory-efficient kernel's;
+# flash attention stops at 256 and hands larger heads to it) and its most query heads (one thread each in a block)
+CUDA_MAX_HEAD_SIZE, CUDA_MAX_HEADS = 1024, 1024
+
+
+def kv_head_dim(head_dim: int) -> int:
+    """The head size the target graphs attend over and keep in their KV buffers: the model's own, rounded up to a
+    multiple of ROTARY_HEAD_MULTIPLE."""
+    return -(-head_dim // ROTARY_HEAD_MULTIPLE) * ROTARY_HEAD_MULTIPLE
+
+
+def graph_facts(model_facts: dict) -> dict:
+    """The model's facts as the target graphs see it: head_dim is the KV's head size (kv_head_dim)."""
+    return {**model_facts, "head_dim": kv_head_dim(model_facts["head_dim"])}
+
+
+def check_attention(model_facts: dict, dtype: str) -> None:
+    """ExportError, in one line, for an attention the target graphs cannot run: checked before any export work
+    (a kernel's own refusal would come at the first parity run, after every graph was written)."""
+    heads, kv_heads, head_dim = (model_facts[k] for k in ("num_attention_heads", "num_kv_heads", "head_dim"))
+    if heads % kv_heads:
+        raise ExportError(f"GroupQueryAttention needs the query heads ({heads}) to be a multiple of the KV heads "
+                          f"({kv_heads})")
+    if dtype == "float16" and kv_head_dim(head_dim) > CUDA_MAX_HEAD_SIZE:
+        raise ExportError(f"ONNX Runtime's CUDA attention takes heads of at most {CUDA_MAX_HEAD_SIZE} values, not "
+                          f"{kv_head_dim(head_dim)} (head size {head_dim}): export it with --target-dtype float32")
+    if dtype == "float16" and heads > CUDA_MAX_HEADS:
+        raise ExportError(f"ONNX Runtime's CUDA attention takes at most {CUDA_MAX_HEADS} query heads, not {heads}: "
+                          "export it with --target-dtype float32")
 
 
 def target_input_specs(role: Role, facts: ModelFacts, layers: range) -> tuple[TensorSpec, ...]:
@@ -118,7 +154,7 @@ class _Graph:
         else:
             self.node("Cast", [x], [output], to=TensorProto.FLOAT)
 
-    def rms_norm(self, x: str, weight: torch.Tensor, eps: float) -> str:
+    def rms_norm(self, x: str, weight: torch.Tensor | np.ndarray, eps: float) -> str:
         return self.node("SimplifiedLayerNormalization", [x, self.weight("norm", _np(weight))], axis=-1,
                          epsilon=float(eps))[0]
 
@@ -129,7 +165,8 @@ class _Graph:
                   [normed, "", "", total], domain=MS_DOMAIN, epsilon=float(eps))
         return normed, total
 
-    def linear(self, x: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> str:
+    def linear(self, x: str, weights: list[torch.Tensor | np.ndarray],
+               biases: list[torch.Tensor | np.ndarray | None] | None = None) -> str:
         """x @ concat(W_i)^T (+ biases): several projections of one input as one MatMul."""
         w = np.concatenate([_np(t) for t in weights], axis=0).T  # [in, sum(out)]
         y = self.node("MatMul", [x, self.weight("w", w)])[0]
@@ -140,22 +177,61 @@ class _Graph:
         return y
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).cpu().numpy()
+def _np(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    return t if isinstance(t, np.ndarray) else t.detach().to(torch.float32).cpu().numpy()
 
 
-def _rotary_caches(backbone, facts: ModelFacts) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, head_dim/2] from the model's own rotary module (its scaling included). transformers
-    returns both halves concatenated (rotate_half layout); GroupQueryAttention takes one half."""
+@dataclass(frozen=True)
+class _HeadLayout:
+    """Where each of a head's `size` values sits in the graphs' heads of `padded` values (padded >= size; the rest
+    are zeros). GroupQueryAttention's rotary pairs value i with i + padded/2, the model's rotate_half pairs i with
+    i + size/2: a query's or key's two halves go to [0, size/2) and [padded/2, padded/2 + size/2). A value vector
+    keeps its order."""
+
+    size: int
+    padded: int
+
+    def slots(self, heads: int, rotary: bool) -> np.ndarray:
+        """[heads * size]: the index in heads * padded of each value of each head."""
+        half = self.size // 2
+        within = np.arange(self.size)
+        if rotary:
+            within = np.where(within < half, within, within - half + self.padded // 2)
+        return (np.arange(heads)[:, None] * self.padded + within).reshape(-1)
+
+    def pad(self, w: np.ndarray, heads: int, rotary: bool, axis: int = 0) -> np.ndarray:
+        """w with its `axis` of heads * size values spread over heads * padded, zeros between."""
+        shape = list(w.shape)
+        shape[axis] = heads * self.padded
+        out = np.zeros(shape, w.dtype)
+        index = [slice(None)] * w.ndim
+        index[axis] = self.slots(heads, rotary)
+        out[tuple(index)] = w
+        return out
+
+
+def _rotary_caches(backbone, facts: ModelFacts, layout: _HeadLayout) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, padded/2] from the model's own rotary module (its scaling included). transformers
+    returns both halves concatenated (rotate_half layout); GroupQueryAttention takes one half. A padded head's extra
+    pairs get cos 1, sin 0 (they rotate zeros)."""
     positions = torch.arange(facts.max_position_embeddings)[None]
     dummy = torch.zeros(1, 1, facts.hidden_size)
     with torch.no_grad():
         cos, sin = backbone.rotary_emb(dummy, positions)
-    half = facts.head_dim // 2
+    half = layout.size // 2
     cos, sin = _np(cos[0]), _np(sin[0])
-    if cos.shape[-1] != facts.head_dim or not np.allclose(cos[:, :half], cos[:, half:]):
+    if cos.shape[-1] != layout.size or not np.allclose(cos[:, :half], cos[:, half:]):
         raise UnsupportedArchitectureError("only full, non-interleaved rotary embeddings are supported")
-    return cos[:, :half].copy(), sin[:, :half].copy()
+    extra = ((0, 0), (0, layout.padded // 2 - half))
+    return np.pad(cos[:, :half], extra, constant_values=1.0), np.pad(sin[:, :half], extra)
+
+
+def _head_layout(arch: Architecture, facts: ModelFacts) -> _HeadLayout:
+    size = arch.facts()["head_dim"]
+    if facts.head_dim != kv_head_dim(size):
+        raise ExportError(f"the target graphs keep heads of {kv_head_dim(size)} values for the model's {size}, "
+                          f"not the {facts.head_dim} its facts give")
+    return _HeadLayout(size, facts.head_dim)
 
 
 def _check_layer(layer, arch: Architecture) -> None:
@@ -176,9 +252,10 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         raise ExportError(f"the target graphs compute in one of {', '.join(TARGET_DTYPES)}, not {facts.dtype!r}")
     g = _Graph([], [], float_type=np.dtype(facts.dtype).type)
     heads, kv_heads, hd = facts.num_attention_heads, facts.num_kv_heads, facts.head_dim
+    layout = _head_layout(arch, facts)
     eps = float(config.rms_norm_eps)
     windows = arch.sliding_windows()
-    cos, sin = _rotary_caches(backbone, facts)
+    cos, sin = _rotary_caches(backbone, facts, layout)
     cos_name, sin_name = g.weight("cos_cache", cos), g.weight("sin_cache", sin)
 
     if role == "target_prefix":
@@ -191,16 +268,17 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         layer = backbone.layers[i]
         _check_layer(layer, arch)
         attn = layer.self_attn
-        qkv = g.linear(h, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
-                       [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        weights, biases = _qkv(attn, layout, heads, kv_heads)
+        qkv = g.linear(h, weights, biases)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head, before the rotary embedding
             sizes = g.weight("qkv_sizes", np.array([heads * hd, kv_heads * hd, kv_heads * hd], np.int64))
             q, k, v = g.node("Split", [qkv, sizes], 3, axis=-1)
-            q = _head_norm(g, q, attn.q_norm, heads, hd)
-            k = _head_norm(g, k, attn.k_norm, kv_heads, hd)
+            q = _head_norm(g, q, attn.q_norm, heads, layout)
+            k = _head_norm(g, k, attn.k_norm, kv_heads, layout)
         else:  # GroupQueryAttention takes q, k and v packed: no split (a copy per layer in prefill)
             q, k, v = qkv, "", ""
         window = windows[i]
+        # the model's own scale (1/sqrt of its head size): padding adds only zero terms to q.k
         attrs = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0,
                      scale=float(attn.scaling))
         if window is not None:
@@ -209,7 +287,7 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         a = g.node("GroupQueryAttention",
                    [q, k, v, past_key_name(i), past_value_name(i), SEQLENS, TOTAL_LENGTH, cos_name, sin_name],
                    [g.name("attn"), present_key_name(i), present_value_name(i)], domain=MS_DOMAIN, **attrs)[0]
-        o = g.linear(a, [attn.o_proj.weight], [attn.o_proj.bias])
+        o = g.linear(a, [layout.pad(_np(attn.o_proj.weight), heads, rotary=False, axis=1)], [attn.o_proj.bias])
         # the residual add and the next norm in one op (a decode step is ~13 ops a layer; each costs dispatch)
         h, x = g.skip_rms_norm(o, x, layer.post_attention_layernorm.weight, eps)
         # two MatMuls rather than one packed and a Split: the same weight bytes, no copy of the activations
@@ -245,11 +323,24 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
                              ir_version=IR_VERSION, producer_name="mirror-sd")
 
 
-def _head_norm(g: _Graph, x: str, norm, n_heads: int, hd: int) -> str:
-    """RMS norm over each head's head_dim values: [B,T,n*hd] -> [B,T,n,hd] -> norm -> [B,T,n*hd]."""
-    shaped = g.node("Reshape", [x, g.weight("shape", np.array([0, 0, n_heads, hd], np.int64))])[0]
-    normed = g.rms_norm(shaped, norm.weight, float(norm.variance_epsilon))
-    return g.node("Reshape", [normed, g.weight("shape", np.array([0, 0, n_heads * hd], np.int64))])[0]
+def _qkv(attn, layout: _HeadLayout, heads: int, kv_heads: int) -> tuple[list, list]:
+    """The q, k and v projections' weights and biases in the graphs' head layout (_HeadLayout)."""
+    weights, biases = [], []
+    for proj, n, rotary in ((attn.q_proj, heads, True), (attn.k_proj, kv_heads, True), (attn.v_proj, kv_heads, False)):
+        weights.append(layout.pad(_np(proj.weight), n, rotary))
+        biases.append(None if proj.bias is None else layout.pad(_np(proj.bias), n, rotary))
+    return weights, biases
+
+
+def _head_norm(g: _Graph, x: str, norm, n_heads: int, layout: _HeadLayout) -> str:
+    """RMS norm over each head's values: [B,T,n*P] -> [B,T,n,P] -> norm -> [B,T,n*P]. A padded head's zeros scale
+    its mean square by r = size/P; epsilon scaled by r and the weight by sqrt(r) give the model's norm exactly:
+    x w sqrt(r) / sqrt(r ms + r eps) = x w / sqrt(ms + eps). The padding stays zero."""
+    p, ratio = layout.padded, layout.size / layout.padded
+    weight = layout.pad(_np(norm.weight) * np.float32(np.sqrt(ratio)), 1, rotary=True)
+    shaped = g.node("Reshape", [x, g.weight("shape", np.array([0, 0, n_heads, p], np.int64))])[0]
+    normed = g.rms_norm(shaped, weight, float(norm.variance_epsilon) * ratio)
+    return g.node("Reshape", [normed, g.weight("shape", np.array([0, 0, n_heads * p], np.int64))])[0]
 
 
 def _value_info(t: TensorSpec):
@@ -276,6 +367,8 @@ def write_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
     else:
         onnx.save_model(proto, str(bundle_dir / file))
     layers = range(start, end)
+    size = arch.facts()["head_dim"]
+    padding = {"model_head_dim": size} if size != facts.head_dim else {}  # the KV's head_dim is padded
     return PartitionSpec(role, (start, end), file, target_input_specs(role, facts, layers),
                          target_output_specs(role, facts, layers, taps), "onnxruntime", "default",
-                         data_files=data_files, extra={"kv": "shared-buffer", **(extra or {})})
+                         data_files=data_files, extra={"kv": "shared-buffer", **padding, **(extra or {})})

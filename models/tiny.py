@@ -79,13 +79,15 @@ def make_model(out_dir: str | Path, architecture: str = "llama", num_layers: int
 
 
 def make_pair(root: str | Path, architecture: str = "llama", target_layers: int = 6, draft_layers: int = 2,
-              seed: int = 0, **config_overrides) -> tuple[Path, Path]:
+              seed: int = 0, tokenizer_dir: str | Path | None = None, **config_overrides) -> tuple[Path, Path]:
     """A target and a smaller draft of the same architecture sharing one tokenizer: (target_dir, draft_dir).
 
-    config_overrides (e.g. tie_word_embeddings=True, sliding_window=4) apply to both models.
+    tokenizer_dir: copy that directory's tokenizer instead of training one. config_overrides (e.g.
+    tie_word_embeddings=True, sliding_window=4) apply to both models.
     """
     root = Path(root)
-    target = make_model(root / "target", architecture, target_layers, seed=seed, **config_overrides)
+    target = make_model(root / "target", architecture, target_layers, seed=seed, tokenizer_dir=tokenizer_dir,
+                        **config_overrides)
     draft_sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
     draft = make_model(root / "draft", architecture, draft_layers, seed=seed + 1, tokenizer_dir=target,
                        **{**config_overrides, **draft_sizes})
