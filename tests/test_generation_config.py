@@ -1,16 +1,24 @@
-"""GenerationConfig (every default once, validated when made) and GenerationStats (typed, also a mapping)."""
+"""GenerationConfig (every default once, validated when made), GenerationStats (typed, also a mapping), and every
+option written once: the CLI's flags, the server's request fields and its error map made from the options' metadata."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+from dataclasses import dataclass
 
 import pytest
+from pydantic import ValidationError
 
 from mirror_sd import GenerationConfig
+from mirror_sd.cli import LOAD_FLAGS, add_options, build_parser, given
 from mirror_sd.errors import BadInputError
+from mirror_sd.runtime.config import MIRROR, LoadOptions, Range, Spec, option, specs
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.stats import GenerationStats
+from mirror_sd.serve.app import _param_of
+from mirror_sd.serve.protocol import ChatRequest, sampling_model, wire_names
 
 PROMPT = [5, 17, 33]
 
@@ -82,3 +90,159 @@ def test_stats_are_typed_and_read_as_a_mapping(pipe):
     assert d["new_tokens"] == 8 and d["mode"] == "mirror" and d["draft_graph"].startswith("dynamic-")
     assert d["draft_graph_forwards"] > 0 and "draft_engine" not in d and d["trace"]
     assert "trace" not in pipe.generate(PROMPT, max_new_tokens=2).stats
+
+
+# -- every option once: the CLI, the server and the error map are made from the options' metadata ----------------
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _samples(spec: Spec, bounds: Range | None = None) -> tuple[list, list]:
+    """Values the option takes and values it refuses, at the edges of its range (or `bounds`) and choices."""
+    o = spec.option
+    if o.choices:
+        return list(o.choices), ["no-such-choice"]
+    if spec.kind is bool:
+        return [True, False], ["maybe"]
+    if spec.kind is tuple:
+        return [["a"], ["a", "b"]], [[""]]
+    r, step = bounds or o.range or Range(), 1 if spec.kind is int else 0.25
+    inside, outside = [], []
+    if r.low is not None:
+        inside.append(r.low + step if r.low_open else r.low)
+        outside.append(r.low if r.low_open else r.low - step)
+    if r.high is not None:
+        inside.append(r.high - step if r.high_open else r.high)
+        outside.append(r.high if r.high_open else r.high + step)
+    return inside or [1], outside
+
+
+def _cli_options(argv: list[str]) -> dict:
+    """The generation options `mirror-sd generate` takes from `argv`."""
+    return given(build_parser().parse_args(["generate", "bundle", "--prompt", "x", *argv]), GenerationConfig)
+
+
+@pytest.mark.parametrize("spec", specs(GenerationConfig), ids=lambda s: s.name)
+def test_every_option_is_a_flag_of_generate_or_api_only(spec):
+    """Its flag carries the option's help, and takes or refuses exactly what the option's range and choices say."""
+    generate = _subcommand(build_parser(), "generate")
+    if spec.flag is None:
+        assert not spec.option.cli and f"--{spec.name.replace('_', '-')}" not in generate._option_string_actions
+        return
+    action = generate._option_string_actions[spec.flag]
+    assert action.dest == spec.name and action.help.startswith(spec.option.help.replace("%", "%%"))
+    assert _cli_options([]) == {}  # a flag not given leaves the pipeline's default alone
+    if spec.kind is bool:
+        assert _cli_options([spec.flag]) == {spec.name: True}
+        assert _cli_options([f"--no-{spec.flag[2:]}"]) == {spec.name: False}
+    else:
+        def argv(value) -> list[str]:  # a list: the flag repeated
+            return [a for v in (value if spec.kind is tuple else [value]) for a in (spec.flag, str(v))]
+
+        inside, outside = _samples(spec)
+        for value in inside:
+            assert getattr(GenerationConfig().updated(**_cli_options(argv(value))), spec.name) == spec.check(value)
+        for value in outside:
+            with pytest.raises(BadInputError) as caught:
+                GenerationConfig().updated(**_cli_options(argv(value)))
+            assert caught.value.option == spec.name
+    if spec.option.none_word:
+        assert _cli_options([spec.flag, spec.option.none_word]) == {spec.name: None}
+    for flag, value in spec.option.switches:
+        assert _cli_options([flag]) == {spec.name: value}
+
+
+@pytest.mark.parametrize("spec", specs(GenerationConfig), ids=lambda s: s.name)
+def test_the_request_schema_takes_what_the_option_takes(spec):
+    """A wire option: its in-range values reach the pipeline under the option's name, the others are refused at
+    the wire field (the server's 400 names it: tests/test_server.py); an option the server does not take is an
+    unknown field, at the top and in `mirror`."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    def request(wire: str, value) -> dict:
+        head, _, tail = wire.partition(".")
+        return {**base, head: {tail: value}} if tail else {**base, head: value}
+
+    if spec.wire_name is None:
+        for wire in (spec.name, f"mirror.{spec.name}"):
+            with pytest.raises(ValidationError) as caught:
+                ChatRequest.model_validate(request(wire, spec.default))
+            assert caught.value.errors()[0]["type"] == "extra_forbidden"
+        return
+    inside, outside = _samples(spec, spec.option.wire_range)
+    for value in [*inside, None] if spec.nullable else inside:
+        options = ChatRequest.model_validate(request(spec.wire_name, value)).generation_options()
+        assert options == ({} if value is None else {spec.name: value})
+        GenerationConfig().updated(**options)  # and the pipeline takes it too
+    for value in outside:
+        with pytest.raises(ValidationError) as caught:
+            ChatRequest.model_validate(request(spec.wire_name, value))
+        assert ".".join(map(str, caught.value.errors()[0]["loc"])).startswith(spec.wire_name)
+
+
+def test_errors_map_every_option_to_its_wire_name():
+    for chat in (True, False):
+        for spec in specs(GenerationConfig):
+            param = _param_of(BadInputError("bad", option=spec.name), chat)
+            assert param == (spec.wire_name or spec.name)
+        assert _param_of(BadInputError("bad", option="prompt"), chat) == ("messages" if chat else "prompt")
+    assert {s.name for s in specs(GenerationConfig) if s.wire_name} == set(wire_names())
+
+
+@dataclass(frozen=True)
+class _MoreOptions(GenerationConfig):
+    beams: int = option(1, "beams searched", range=Range(1, 8), wire=MIRROR)
+    presence_penalty: float = option(0.0, "OpenAI's presence penalty", range=Range(-2, 2), wire="presence_penalty")
+    secret: bool = option(False, "an API-only switch", cli=False)
+
+
+def test_a_new_option_appears_in_the_cli_and_the_server_with_no_other_edit():
+    with pytest.raises(BadInputError) as caught:
+        _MoreOptions(beams=9)
+    assert caught.value.option == "beams" and _MoreOptions().beams == 1
+    parser = argparse.ArgumentParser()
+    add_options(parser, _MoreOptions)
+    assert "beams searched (default: 1)" in parser.format_help() and "--secret" not in parser.format_help()
+    assert given(parser.parse_args(["--beams", "3", "--presence-penalty", "-1.5"]), _MoreOptions) == {
+        "beams": 3, "presence_penalty": -1.5}
+    model = sampling_model(_MoreOptions)
+    body = {"model": "m", "presence_penalty": 1.0, "mirror": {"beams": 4, "gamma": 2}}
+    assert model.model_validate(body).generation_options() == {"beams": 4, "presence_penalty": 1.0, "gamma": 2}
+    for bad, where in (({"mirror": {"beams": 9}}, ("mirror", "beams")),
+                       ({"presence_penalty": 3}, ("presence_penalty",)), ({"secret": True}, ("secret",))):
+        with pytest.raises(ValidationError) as caught:
+            model.model_validate({"model": "m", **bad})
+        assert caught.value.errors()[0]["loc"] == where
+    assert wire_names(_MoreOptions)["beams"] == "mirror.beams" and "secret" not in wire_names(_MoreOptions)
+
+
+def test_load_options_keywords_and_flags_agree(tmp_path):
+    parser = build_parser()
+    on_a_command = set()
+    for command, names in LOAD_FLAGS.items():
+        sub = _subcommand(parser, command)
+        for spec in specs(LoadOptions):
+            if spec.name in names:
+                action = sub._option_string_actions[spec.flag]
+                assert action.dest == spec.name and action.help.startswith(spec.option.help)
+                on_a_command.add(spec.name)
+            elif spec.flag is not None:
+                assert spec.flag not in sub._option_string_actions
+    assert on_a_command == {s.name for s in specs(LoadOptions) if s.flag}  # every flag is offered somewhere
+    # today's keywords of Pipeline.load (bench/, runtime/profile.py and the tests call it so) are its options
+    assert {"target_device", "draft_device", "target_threads", "draft_threads", "use_plan", "cache_dir",
+            "target_backend", "draft_backend", "max_context", "target_spinning", "huge_pages",
+            "target_step_width"} <= {s.name for s in specs(LoadOptions)}
+    argv = ["generate", "b", "--prompt", "x", "--target-threads", "2", "--draft-backend", "onnxruntime",
+            "--cache-dir", "c", "--target-step-width", "0"]
+    loaded = LoadOptions(**given(parser.parse_args(argv), LoadOptions))
+    assert loaded == LoadOptions(target_threads=2, draft_backend="onnxruntime", cache_dir="c", target_step_width=0,
+                                 huge_pages=False)  # one generation: no huge pages unless asked
+    assert given(parser.parse_args(["serve", "b"]), LoadOptions) == {}  # serve: the options' own defaults
+    # checked before any file is read: the bundle below does not exist
+    with pytest.raises(BadInputError, match="unknown load option.*beams"):
+        Pipeline.load(tmp_path / "none", beams=2)
+    with pytest.raises(BadInputError) as caught:
+        Pipeline.load(tmp_path / "none", LoadOptions(), target_threads=0)
+    assert caught.value.option == "target_threads"

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from mirror_sd.bench.soak import InProcessServer
+from mirror_sd.runtime.config import GenerationConfig, Spec, specs
 from mirror_sd.runtime.pipeline import Pipeline
 
 MODEL = "tiny"
@@ -156,6 +157,35 @@ def test_bad_requests_get_openai_errors(port, body, raw, status, param, code):
     assert err["message"] and err["type"] and err["param"] == param
     if code is not None:
         assert err["code"] == code
+
+
+def _out_of_range(spec: Spec) -> object:
+    """A value the option's wire field refuses: outside its range (the wire's own where narrower) or choices."""
+    o = spec.option
+    r = o.wire_range or o.range
+    if o.choices:
+        return "no-such-choice"
+    if spec.kind is bool:
+        return "maybe"
+    if spec.kind is tuple:
+        return [""]
+    return r.low if r.low_open else r.low - 1
+
+
+@pytest.mark.parametrize("spec", [s for s in specs(GenerationConfig) if s.wire_name], ids=lambda s: s.name)
+def test_an_option_out_of_range_is_a_400_naming_its_wire_field(port, spec):
+    head, _, tail = spec.wire_name.partition(".")
+    value = _out_of_range(spec)
+    body = {"model": MODEL, "prompt": "hi", head: {tail: value} if tail else value}
+    status, doc, _ = _post(port, "/v1/completions", body)
+    assert status == 400 and doc["error"]["param"] == spec.wire_name and doc["error"]["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize("field", ["beams", "top_k", "trace"])  # top_k and trace: options the server does not take
+def test_an_unknown_mirror_option_is_a_400_naming_it(port, field):
+    status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "mirror": {field: 1}})
+    assert status == 400 and doc["error"]["param"] == f"mirror.{field}"
+    assert doc["error"]["code"] == "unsupported_field"
 
 
 def test_openai_client_raises_typed_errors(client):
