@@ -303,8 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the early-exit head's vocabulary: the draft's own where it has a reduced one (default; the "
                         "head then reads those rows of the LM head only) or the full vocabulary")
     p.add_argument("--draft-weights", default="int8", choices=DRAFT_WEIGHT_FORMATS,
-                   help="the draft graph's MatMul weights: int8 (default: 8-bit blocks, a forward ~4x faster on CPU; "
-                        "the output is the target's either way) or float32")
+                   help="the draft graph's MatMul weights: int8 (default: 8-bit blocks, a forward several times faster "
+                        "on CPU; the output is the target's either way) or float32")
     p.add_argument("--target-dtype", default="float32", choices=TARGET_DTYPES,
                    help="what the target graphs compute in: float32 (default; CPU and OpenVINO) or float16 (the CUDA "
                         "execution provider, whose fused attention has no float32 kernel)")
