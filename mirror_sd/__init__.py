@@ -9,17 +9,18 @@ pair's recipe; ``mirror_sd.models.training`` trains them), ``mirror_sd.bench`` (
 from mirror_sd.errors import MirrorSDError
 from mirror_sd.version import __version__
 
-__all__ = ["GenerationConfig", "MirrorSDError", "Pipeline", "__version__"]
+__all__ = ["GenerationConfig", "LoadOptions", "MirrorSDError", "Pipeline", "__version__"]
 
 
 def __getattr__(name: str):
-    # Lazy: `import mirror_sd` stays light; the runtimes load only when the Pipeline is asked for.
+    # Lazy: `import mirror_sd.errors` (every module's first import) must not load ONNX Runtime and OpenVINO; the
+    # runtime loads when the API is asked for.
     if name == "Pipeline":
         from mirror_sd.runtime.pipeline import Pipeline
 
         return Pipeline
-    if name == "GenerationConfig":
-        from mirror_sd.runtime.config import GenerationConfig
+    if name in ("GenerationConfig", "LoadOptions"):
+        from mirror_sd.runtime import config
 
-        return GenerationConfig
+        return getattr(config, name)
     raise AttributeError(f"module 'mirror_sd' has no attribute {name!r}")
