@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -84,6 +85,15 @@ def _answers_file(path, target, n: int = 24):
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
+def _quiet(_line: str) -> None:
+    pass
+
+
+# a few seconds of training on a tiny target's answers
+TINY = tfd.FeatureDraftTraining(taps=(1, 2), vocab_size=300, max_len=64, epochs=3, steps=2, lr=3e-3,
+                                tokens_per_batch=256, noise=0.0, eval_records=10)
+
+
 def _target_with_answers(tmp_path, n: int = 24):
     """A tiny 3-layer target saved with a tokenizer, and its greedy answers to n random prompts."""
     from mirror_sd.models.tiny import make_tokenizer
@@ -105,12 +115,11 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     records = tfd.load_records([data], max_len=64)
     train, held = tfd.split(records)
     assert held and all(r.index % tfd.HOLD_OUT == 0 for r in held) and len(train) + len(held) == len(records)
-    kwargs = {"taps": [1, 2], "vocab_size": 300, "max_len": 64, "epochs": 30, "steps": 3, "lr": 3e-3,
-              "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "report": lambda _line: None}
+    config = replace(TINY, epochs=30, steps=3)
 
     # features are the residual stream after each tap layer, as the target computes it
     work = tmp_path / "work"
-    stopped = tfd.run(target_dir, [data], work, None, max_minutes=0.0, **kwargs)
+    stopped = tfd.run(target_dir, [data], work, None, config, max_minutes=0.0, report=_quiet)
     assert stopped["finished"] is False and (work / "checkpoint.pt").exists()
     store = tfd.FeatureStore(work, train + held, [1, 2], 64)
     assert store.done == len(records)
@@ -119,7 +128,9 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     np.testing.assert_allclose(store.get(0)[:, 1], hidden[2][0].numpy(), atol=2e-2, rtol=1e-2)
 
     out = tmp_path / "draft"
-    summary = tfd.run(target_dir, [data], work, out, max_minutes=None, **kwargs)
+    summary = tfd.run(target_dir, [data], work, out, config, report=_quiet)
+    written = json.loads((out / "training.json").read_text())["config"]  # the settings it was trained with
+    assert written["taps"] == [1, 2] and written["epochs"] == 30
     assert summary["train"]["finished"] and summary["train"]["batches"] > stopped["batches"]
     untrained = FeatureDraft(FeatureDraftConfig.for_target(target.config, json.loads(
         (work / "vocab.json").read_text())["ids"], [1, 2]))
@@ -132,19 +143,19 @@ def test_training_smoke_learns_the_targets_answers_and_resumes(tmp_path):
     assert loaded.config.taps == [1, 2] and (out / "training.json").exists()
 
     # training goes on from the saved draft (its vocabulary and taps), with checkpoints of its own
-    more = tfd.run(target_dir, [data], tmp_path / "work2", tmp_path / "draft2", init_from=out, refresh_vocab=4,
-                   max_minutes=None, **{**kwargs, "epochs": 2, "taps": None})
+    more = tfd.run(target_dir, [data], tmp_path / "work2", tmp_path / "draft2",
+                   replace(config, epochs=2, taps=None, refresh_vocab=4), init_from=out, report=_quiet)
     assert more["continued_from"] == str(out) and more["taps"] == [1, 2] and more["vocab_refreshed"] == 4
     assert more["held_out"]["tokens_per_step"] >= 1.0
     # or on other layers, as many as it reads (a deeper exit layer): its weights and vocabulary, the new taps
-    retapped = tfd.run(target_dir, [data], tmp_path / "work3", tmp_path / "draft3", init_from=out,
-                       max_minutes=None, **{**kwargs, "epochs": 1, "taps": [2, 3]})
+    retapped = tfd.run(target_dir, [data], tmp_path / "work3", tmp_path / "draft3",
+                       replace(config, epochs=1, taps=(2, 3)), init_from=out, report=_quiet)
     assert retapped["taps"] == [2, 3]
     draft3 = FeatureDraft.load(tmp_path / "draft3", target.get_input_embeddings().weight)
     assert draft3.config.taps == [2, 3] and draft3.config.vocab_ids == loaded.config.vocab_ids
     with pytest.raises(SystemExit, match="reads 2 taps"):
-        tfd.run(target_dir, [data], tmp_path / "work4", None, init_from=out, max_minutes=None,
-                **{**kwargs, "taps": [3]})
+        tfd.run(target_dir, [data], tmp_path / "work4", None, replace(config, taps=(3,)), init_from=out,
+                report=_quiet)
 
     # two saved drafts side by side on the same held-out records: the figure training reported for each
     side = tfd.compare(target_dir, [out, tmp_path / "draft2"], [data], tmp_path / "work5", max_len=64,
@@ -159,10 +170,8 @@ def test_soft_targets_are_the_targets_next_token_distribution_and_train(tmp_path
     (on greedy answers its top row is the answer's next token), probabilities summing to at most 1; a run with them
     trains and records them in its summary."""
     _, target_dir, data = _target_with_answers(tmp_path, n=12)
-    kwargs = {"taps": [1, 2], "vocab_size": 300, "max_len": 64, "epochs": 3, "steps": 2, "lr": 3e-3,
-              "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "report": lambda _line: None}
-    summary = tfd.run(target_dir, [data], tmp_path / "work", tmp_path / "draft", max_minutes=None, soft_targets=4,
-                      soft_weight=0.5, **kwargs)
+    summary = tfd.run(target_dir, [data], tmp_path / "work", tmp_path / "draft",
+                      replace(TINY, soft_targets=4, soft_weight=0.5), report=_quiet)
     assert summary["soft_targets"] == 4 and summary["train"]["finished"]
     assert summary["held_out"]["tokens_per_step"] >= 1.0
     records = tfd.load_records([data], max_len=64)
@@ -187,11 +196,10 @@ def test_online_features_are_the_stored_ones_and_train(tmp_path):
     features the stored path does, up to their fp16 storage, and a run with them trains and evaluates; the summary
     says which it used."""
     target, target_dir, data = _target_with_answers(tmp_path, n=12)
-    kwargs = {"taps": [1, 2], "vocab_size": 300, "max_len": 64, "epochs": 3, "steps": 2, "lr": 3e-3,
-              "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "max_minutes": None,
-              "report": lambda _line: None}
-    stored = tfd.run(target_dir, [data], tmp_path / "work", tmp_path / "stored", features="stored", **kwargs)
-    online = tfd.run(target_dir, [data], tmp_path / "work-online", tmp_path / "online", features="online", **kwargs)
+    stored = tfd.run(target_dir, [data], tmp_path / "work", tmp_path / "stored", replace(TINY, features="stored"),
+                     report=_quiet)
+    online = tfd.run(target_dir, [data], tmp_path / "work-online", tmp_path / "online",
+                     replace(TINY, features="online"), report=_quiet)
     assert online["features"].startswith("online") and stored["features"] == "stored fp16"
     assert not (tmp_path / "work-online" / "features.f16").exists()
     assert online["train"]["finished"] and online["held_out"]["tokens_per_step"] >= 1.0
@@ -205,7 +213,7 @@ def test_online_features_are_the_stored_ones_and_train(tmp_path):
         n = len((train + held)[i].ids)
         np.testing.assert_allclose(taps[0, :n].numpy(), store.get(i).astype(np.float32), atol=2e-2, rtol=1e-2)
     with pytest.raises(ValueError, match="one of"):
-        tfd.run(target_dir, [data], tmp_path / "bad", None, features="cached", **kwargs)
+        replace(TINY, features="cached")
 
 
 def test_an_extended_vocabulary_keeps_every_trained_row_and_adds_the_most_frequent_missing_tokens(tmp_path):
@@ -217,18 +225,16 @@ def test_an_extended_vocabulary_keeps_every_trained_row_and_adds_the_most_freque
     assert tfd.extended_vocab(old, [rec], 2) == old + [7, 9]
     assert tfd.extended_vocab(old, [rec], 10) == old + [7, 9, 3]  # no more than the data has
     _, target_dir, data = _target_with_answers(tmp_path, n=12)
-    kwargs = {"taps": [1, 2], "vocab_size": 300, "max_len": 64, "epochs": 1, "steps": 2, "lr": 3e-3,
-              "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "max_minutes": None,
-              "report": lambda _line: None}
+    config = replace(TINY, epochs=1)
     draft = _draft(target)
     draft.save(tmp_path / "start")
-    more = tfd.run(target_dir, [data], tmp_path / "work", tmp_path / "more", init_from=tmp_path / "start",
-                   extend_vocab=20, **{**kwargs, "taps": None})
+    more = tfd.run(target_dir, [data], tmp_path / "work", tmp_path / "more",
+                   replace(config, taps=None, extend_vocab=20), init_from=tmp_path / "start", report=_quiet)
     grown = FeatureDraft.load(tmp_path / "more", target.get_input_embeddings().weight)
     assert grown.config.vocab_ids[: len(old)] == old and len(old) < len(grown.config.vocab_ids) <= len(old) + 20
     assert more["vocab_size"] == len(grown.config.vocab_ids) and more["vocab_extended"] == 20
     with pytest.raises(SystemExit, match="need --init-from"):
-        tfd.run(target_dir, [data], tmp_path / "work2", None, extend_vocab=4, **kwargs)
+        tfd.run(target_dir, [data], tmp_path / "work2", None, replace(config, extend_vocab=4), report=_quiet)
 
 
 def test_the_walk_takes_the_steps_sd_takes():
@@ -254,17 +260,19 @@ def test_exit_adapter_trains_on_an_answers_file(tmp_path):
     record = json.loads(gzip.open(data, "rt").readline())
     start, end = record["answers"][0]
     assert (examples[0].weights == ANSWER_WEIGHT).nonzero()[0].tolist() == list(range(start, end))
-    results = train_exit.train(target_dir, data, tmp_path / "adapters", [1], conversations=50, rank=64, steps=60,
-                               batch=64, minutes_per_layer=1, report=lambda _line: None)
+    config = train_exit.ExitAdapterTraining(layers=(1,), conversations=50, rank=64, steps=60, batch=64,
+                                            minutes_per_layer=1)
+    results = train_exit.train(target_dir, data, tmp_path / "adapters", config, report=_quiet)
+    assert json.loads((tmp_path / "adapters" / "coverage.json").read_text())["config"]["layers"] == [1]
     row = results["layers"][1]
     assert row["adapter"][8] >= row["logit_lens"][8]
     assert ExitAdapter.is_exit_adapter(tmp_path / "adapters" / "layer-1")
 
     # continued on several answers files (here two prompt ranges of one), each with its own held-out conversations
     # and coverage; the adapter starts from the saved one, whose coverage is reported beside it
-    more = train_exit.train(target_dir, [data, data], tmp_path / "mixed", [1], conversations=20, rank=64, steps=30,
-                            batch=64, minutes_per_layer=1, prompt_ranges=[(0, 30), (30, None)],
-                            init_from=tmp_path / "adapters" / "layer-1", device="cpu", report=lambda _line: None)
+    more = train_exit.train(target_dir, [data, data], tmp_path / "mixed", replace(config, conversations=20, steps=30),
+                            prompt_ranges=[(0, 30), (30, None)], init_from=tmp_path / "adapters" / "layer-1",
+                            device="cpu", report=_quiet)
     assert more["device"].startswith("cpu (")  # where it ran, in its coverage.json (a GPU by its name)
     assert json.loads((tmp_path / "mixed" / "coverage.json").read_text())["device"] == more["device"]
     rows = more["layers"][1]
@@ -273,8 +281,8 @@ def test_exit_adapter_trains_on_an_answers_file(tmp_path):
     assert more["init_from"] == str(tmp_path / "adapters" / "layer-1")
     assert more["positions"]["train"] > 0
     with pytest.raises(ValueError, match="not 2"):
-        train_exit.train(target_dir, data, tmp_path / "bad", [2], conversations=5, rank=64, steps=1, batch=8,
-                         init_from=tmp_path / "adapters" / "layer-1", report=lambda _line: None)
+        train_exit.train(target_dir, data, tmp_path / "bad", replace(config, layers=(2,), conversations=5, steps=1),
+                         init_from=tmp_path / "adapters" / "layer-1", report=_quiet)
 
 
 def test_draft_misses_are_the_rollouts_misses_at_each_depth():
@@ -317,11 +325,12 @@ def test_exit_adapter_trains_on_the_positions_the_draft_misses(tmp_path):
     target, target_dir, data = _target_with_answers(tmp_path, n=40)
     draft = _draft(target)
     draft.save(tmp_path / "draft")
-    kwargs = {"conversations": 30, "rank": 64, "steps": 40, "batch": 64, "minutes_per_layer": 1,
-              "hard_draft": tmp_path / "draft", "held_out": 5, "teacher_cache": tmp_path / "teacher"}
+    config = train_exit.ExitAdapterTraining(layers=(1,), conversations=30, rank=64, steps=40, batch=64,
+                                            minutes_per_layer=1, held_out=5)
+    kwargs = {"hard_draft": tmp_path / "draft", "teacher_cache": tmp_path / "teacher"}
     lines: list[str] = []
-    results = train_exit.train(target_dir, data, tmp_path / "adapters", [1], hard_weight=3.0, report=lines.append,
-                               **kwargs)
+    results = train_exit.train(target_dir, data, tmp_path / "adapters", replace(config, hard_weight=3.0),
+                               report=lines.append, **kwargs)
     assert results["hard"]["weight"] == 3.0 and 0 < results["hard"]["train_mean_miss_share"] < 1
     missed = results["layers"][1]["draft_misses"]
     assert missed["positions"] > 0 and 0 <= missed["adapter"][4] <= 1
@@ -329,18 +338,17 @@ def test_exit_adapter_trains_on_the_positions_the_draft_misses(tmp_path):
 
     # the same inputs again (another weight): the teacher passes come from the cache, the figures are the same
     lines.clear()
-    again = train_exit.train(target_dir, data, tmp_path / "uniform", [1], hard_weight=0.0, report=lines.append,
-                             **kwargs)
+    again = train_exit.train(target_dir, data, tmp_path / "uniform", config, report=lines.append, **kwargs)
     assert any("teacher passes read from" in line for line in lines)
     assert again["hard"]["train_mean_miss_share"] == results["hard"]["train_mean_miss_share"]
     assert again["positions"] == results["positions"]
     lines.clear()
-    train_exit.train(target_dir, data, tmp_path / "fewer", [1], hard_weight=0.0, report=lines.append,
-                     **{**kwargs, "conversations": 20})  # other inputs: computed again
+    train_exit.train(target_dir, data, tmp_path / "fewer", replace(config, conversations=20), report=lines.append,
+                     **kwargs)  # other inputs: computed again
     assert not any("read from" in line for line in lines)
     with pytest.raises(ValueError, match="--hard-draft"):
-        train_exit.train(target_dir, data, tmp_path / "bad", [1], conversations=5, rank=64, steps=1, batch=8,
-                         hard_weight=1.0, report=lambda _line: None)
+        train_exit.train(target_dir, data, tmp_path / "bad", replace(config, conversations=5, steps=1, hard_weight=1.0),
+                         report=_quiet)
     assert train_exit.main(["--target", str(target_dir), "--data", str(data), "--out", str(tmp_path / "cli"),
                             "--hard-weight", "2"]) == 2
     assert not (tmp_path / "cli").exists()
@@ -426,9 +434,9 @@ def trained_feature_bundle(tmp_path_factory, pair_factory):
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     data = root / "answers.jsonl.gz"
     _answers_file(data, target, n=40)
-    tfd.run(target_dir, [data], root / "work", root / "draft", taps=[1, 3], vocab_size=384, max_len=64, epochs=80,
-            steps=3, lr=3e-3, tokens_per_batch=512, noise=0.0, max_minutes=None, eval_records=4,
-            report=lambda _line: None)
+    tfd.run(target_dir, [data], root / "work", root / "draft",
+            replace(TINY, taps=(1, 3), vocab_size=384, epochs=80, steps=3, tokens_per_batch=512, eval_records=4),
+            report=_quiet)
     export_bundle(ExportOptions(model=str(target_dir), draft=str(root / "draft"), out=root / "bundle", exit_layer=3,
                                 top_k=8), report=lambda _line: None)
     learnt = [r.ids[~r.labels].tolist() for r in tfd.split(tfd.load_records([data], 64))[0][:2]]
@@ -755,17 +763,15 @@ def test_max_loop_leaves_looping_training_records_out_and_every_held_out_one_in(
     limit = shares[len(shares) // 2]  # about half of them out
     expect = sum(s > limit for s in shares)
     assert 0 < expect < len(train)
-    kwargs = {"taps": [1, 2], "vocab_size": 300, "max_len": 64, "epochs": 1, "steps": 2, "lr": 3e-3,
-              "tokens_per_batch": 256, "noise": 0.0, "eval_records": 10, "max_minutes": None,
-              "report": lambda _line: None}
-    full = tfd.run(target_dir, [data], tmp_path / "work-all", None, **kwargs)
-    kept = tfd.run(target_dir, [data], tmp_path / "work-kept", None, max_loop=limit, **kwargs)
+    config = replace(TINY, epochs=1)
+    full = tfd.run(target_dir, [data], tmp_path / "work-all", None, config, report=_quiet)
+    kept = tfd.run(target_dir, [data], tmp_path / "work-kept", None, replace(config, max_loop=limit), report=_quiet)
     assert full["records"] == len(train) and full["records_left_out_as_looping"] == 0
     assert kept["records"] == len(train) - expect and kept["records_left_out_as_looping"] == expect
     assert kept["max_loop"] == limit and kept["held_out_records"] == full["held_out_records"] == len(held)
     assert kept["held_out"]["bases"] == full["held_out"]["bases"]
     assert tfd.main(["--target", str(target_dir), "--answers", str(data), "--max-loop", "1.5"]) == 2
-    assert "--max-loop 1.5" in capsys.readouterr().err
+    assert "max_loop 1.5" in capsys.readouterr().err
 
 
 def test_prompt_ranges_must_match_the_answers_files(tmp_path, capsys):
@@ -774,7 +780,7 @@ def test_prompt_ranges_must_match_the_answers_files(tmp_path, capsys):
     code = tfd.main(["--target", str(tmp_path), "--answers", str(data), "--prompt-range", "0:5", "5:"])
     assert code == 2 and "2 --prompt-range values for 1 answers files" in capsys.readouterr().err
     code = tfd.main(["--target", str(tmp_path), "--answers", str(data), "--soft-targets", "8", "--soft-weight", "2"])
-    assert code == 2 and "--soft-weight 2.0" in capsys.readouterr().err
+    assert code == 2 and "soft_weight 2.0" in capsys.readouterr().err
 
 
 def test_exit_adapter_training_refuses_bad_inputs_before_any_work(tmp_path, capsys):
@@ -861,9 +867,9 @@ def stream_feature_bundle(tmp_path_factory, trained_feature_bundle, pair_factory
     trained, prompts = trained_feature_bundle
     target_dir, _ = pair_factory("llama")
     draft_dir, data = trained.parent / "draft", trained.parent / "answers.jsonl.gz"
-    summary = tsh.run(target_dir, draft_dir, [data], root / "work", root / "draft", streams=2, stream_vocab=0,
-                      depths=2, batches=150, lr=5e-3, tokens_per_batch=512, max_len=64, eval_records=4,
-                      report=lambda _line: None)
+    config = tsh.StreamHeadsTraining(streams=2, stream_vocab=0, depths=2, batches=150, lr=5e-3, tokens_per_batch=512,
+                                     max_len=64, eval_records=4)
+    summary = tsh.run(target_dir, draft_dir, [data], root / "work", root / "draft", config, report=_quiet)
     export_bundle(ExportOptions(model=str(target_dir), draft=str(root / "draft"), out=root / "bundle", exit_layer=3,
                                 top_k=8), report=lambda _line: None)
     return root / "bundle", prompts, summary
@@ -905,9 +911,9 @@ def test_stream_heads_continue_from_the_drafts_own(stream_feature_bundle, traine
     bundle, _, summary = stream_feature_bundle
     target_dir, _ = pair_factory("llama")
     draft_dir, data = bundle.parent / "draft", trained_feature_bundle[0].parent / "answers.jsonl.gz"
-    args = dict(streams=2, stream_vocab=0, depths=1, batches=2, lr=0.0, tokens_per_batch=256, max_len=64,
-                eval_records=2, report=lambda _line: None)
-    done = tsh.run(target_dir, draft_dir, [data], tmp_path / "work", tmp_path / "out", continue_streams=True, **args)
+    config = tsh.StreamHeadsTraining(streams=2, stream_vocab=0, depths=1, batches=2, lr=0.0, tokens_per_batch=256,
+                                     max_len=64, eval_records=2, continue_streams=True)
+    done = tsh.run(target_dir, draft_dir, [data], tmp_path / "work", tmp_path / "out", config, report=_quiet)
     assert done["before"] == summary
 
     def heads(where):
@@ -926,13 +932,13 @@ def test_stream_head_training_stops_on_its_time_budget_and_resumes(trained_featu
 
     trained, _ = trained_feature_bundle
     target_dir, _ = pair_factory("llama")
-    args = dict(streams=1, stream_vocab=0, depths=1, batches=3, tokens_per_batch=256, max_len=64, eval_records=2,
-                report=lambda _line: None)
+    config = tsh.StreamHeadsTraining(streams=1, stream_vocab=0, depths=1, batches=3, tokens_per_batch=256,
+                                     max_len=64, eval_records=2)
     first = tsh.run(target_dir, trained.parent / "draft", [trained.parent / "answers.jsonl.gz"], tmp_path / "work",
-                    tmp_path / "out", max_minutes=0.0, **args)
+                    tmp_path / "out", config, max_minutes=0.0, report=_quiet)
     assert first == {"finished": False, "batches": 1, "of": 3} and not (tmp_path / "out").exists()
     done = tsh.run(target_dir, trained.parent / "draft", [trained.parent / "answers.jsonl.gz"], tmp_path / "work",
-                   tmp_path / "out", **args)
+                   tmp_path / "out", config, report=_quiet)
     assert done["train"]["finished"] and done["train"]["batches"] == 3
     assert torch.load(tmp_path / "work" / "checkpoint.pt")["done"] == 3
     assert json.loads((tmp_path / "out" / tsh.STREAMS_SUMMARY).read_text())["streams"] == 1

@@ -130,8 +130,9 @@ def test_draft_training_learns_and_exports(tmp_path, tiny_data, pair_factory):
     overrides = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                      intermediate_size=64, stream_rank=16)
     draft_dir = tmp_path / "draft"
-    train_draft.train(target, tiny_data, draft_dir, vocab_size=200, steps=60, max_minutes=2, seq_len=32, batch=8,
-                      config_overrides=overrides, report=_quiet)
+    config = train_draft.StreamingDraftTraining(vocab_size=200, steps=60, budget_minutes=2, seq_len=32, batch=8,
+                                                architecture=overrides)
+    train_draft.train(target, tiny_data, draft_dir, config, report=_quiet)
     draft = StreamingDraft.load(draft_dir)
     before = StreamingDraft(draft.config)
     train_draft.init_from_target(before, __import__("transformers").AutoModelForCausalLM.from_pretrained(
@@ -145,8 +146,10 @@ def test_draft_training_learns_and_exports(tmp_path, tiny_data, pair_factory):
     # continuing a saved draft on more data files keeps its architecture and vocabulary, starts from its weights
     # (its loss before any step is the saved draft's), and reports agreement on a held-out-topic file too
     more = tmp_path / "more"
-    metrics = train_draft.train(target, [tiny_data, tiny_data], more, vocab_size=50, steps=5, max_minutes=1,
-                                seq_len=32, batch=8, init_from=draft_dir, eval_file=tiny_data, report=_quiet)
+    metrics = train_draft.train(target, [tiny_data, tiny_data], more,
+                                train_draft.StreamingDraftTraining(vocab_size=50, steps=5, budget_minutes=1, seq_len=32,
+                                                                   batch=8),
+                                init_from=draft_dir, eval_file=tiny_data, report=_quiet)
     continued = StreamingDraft.load(more)
     assert continued.config == draft.config
     assert {"next_token_agreement", "held_out_topic_next_token_agreement"} <= set(metrics)
@@ -156,8 +159,9 @@ def test_draft_training_learns_and_exports(tmp_path, tiny_data, pair_factory):
 
 def test_exit_adapter_training_improves_coverage(tmp_path, tiny_data, pair_factory):
     target, _ = pair_factory("llama")
-    results = train_exit.train(target, tiny_data, tmp_path / "adapters", [3], conversations=14, rank=64,
-                               steps=150, batch=64, minutes_per_layer=1, report=_quiet)
+    config = train_exit.ExitAdapterTraining(layers=(3,), conversations=14, rank=64, steps=150, batch=64,
+                                            minutes_per_layer=1)
+    results = train_exit.train(target, tiny_data, tmp_path / "adapters", config, report=_quiet)
     row = results["layers"][3]
     # on its own training distribution a trained head must beat the untrained logit lens
     assert row["adapter"][8] >= row["logit_lens"][8]

@@ -17,7 +17,7 @@ from mirror_sd.bench.machine import describe_machine
 
 FILE = Path("models/training/data/answers-tasks.jsonl.gz")
 LOGS = Path("results/cpu-task-data")
-FIRST = 9040  # TASKS_PROMPTS in models/smollm2.py: what the eighteenth stage read
+FIRST = 9040  # TASKS_READ in models/training/recipe.py: what the eighteenth stage read
 # each run's settings, in order: a run was stopped and started again with the next setting; each begins where the
 # one before ended (its log's last state)
 RUNS = ["transformers' default (dynamic) KV cache, glibc malloc's defaults",

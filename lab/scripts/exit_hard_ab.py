@@ -1,4 +1,4 @@
-"""The exit adapter continued where the feature draft misses (EXIT_HARD in models/smollm2.py) against the same
+"""The exit adapter continued where the feature draft misses (EXIT_HARD in models/training/recipe.py) against the same
 continuation drawing every position alike, and both against the adapter they continue: results/exit-hard-ab.json.
 
 The arms read one teacher pass (train_exit --teacher-cache): 400 conversations of each answers file after the

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from mirror_sd.models.feature_draft import FeatureDraft, RMSNorm
-from mirror_sd.models.smollm2 import TASKS_TRAINED
 from mirror_sd.models.training import train_feature_draft as tfd
+from mirror_sd.models.training.recipe import TASKS_TRAINED
 
 TARGET = Path("build/models/smollm2-135m-instruct")
 DRAFT = Path("models/weights/smollm2-feature-draft")
@@ -127,9 +127,9 @@ def main(work: Path, epochs: float, out: Path) -> None:
         arm_work = work / name.split(":")[0]
         arm_work.mkdir(parents=True, exist_ok=True)
         before = {s: tfd.evaluate(draft, records, view, list(idx), gamma=4, device="cpu") for s, idx in sets.items()}
-        result = tfd.train(draft.train(), records, list(range(len(train_set))), view, arm_work, epochs=epochs,
-                           steps=STEPS, lr=LR, tokens_per_batch=TOKENS_PER_BATCH, noise=NOISE, device="cpu", seed=0,
-                           max_minutes=None)
+        config = tfd.FeatureDraftTraining(epochs=epochs, steps=STEPS, lr=LR, tokens_per_batch=TOKENS_PER_BATCH,
+                                          noise=NOISE, seed=0)
+        result = tfd.train(draft.train(), records, list(range(len(train_set))), view, arm_work, config, device="cpu")
         after = {s: tfd.evaluate(draft, records, view, list(idx), gamma=4, device="cpu") for s, idx in sets.items()}
         results[name] = {"taps": taps, "train": result, "before": before, "after": after}
         print(name, {s: (round(before[s]["tokens_per_step"], 3), round(after[s]["tokens_per_step"], 3),

@@ -21,8 +21,8 @@
 #   4. where EXIT_CONVERSATIONS > 0 (not in the first recorded run), beside stages 2-3 on the same GPU: the
 #      committed exit adapter continues on that many conversations of every answers file past the first EXIT_SKIP
 #      (the ones its stages read), drawing the positions the committed draft misses up to 9x as often (as
-#      EXIT_HARD_MORE in models/smollm2.py), EXIT_STEPS steps of EXIT_BATCH positions or EXIT_MINUTES. On the CPU,
-#      continued on the self-written answers alone it did not raise the runtime's branch hits
+#      EXIT_HARD_MORE in models/training/recipe.py), EXIT_STEPS steps of EXIT_BATCH positions or EXIT_MINUTES. On
+#      the CPU, continued on the self-written answers alone it did not raise the runtime's branch hits
 #      (results/exit-self-ab.json): all files at once, at GPU scale, is what is left to try.
 # Runs once every part of the payload (lab/scripts/self_data_gpu_payload.sh) lies in $PARTS, from the last
 # folder, which holds repo.tar.xz and this script. Writes logs, the answers file and the trained draft (tar parts of
@@ -71,7 +71,7 @@ if [ "$QUERY_MINUTES" != 0 ]; then
         tasks) extra=(--self-answers data/answers-self.jsonl.gz) ;;
         *) echo "QUERIES is self or tasks" >&2; exit 1 ;;
     esac
-    python3 -m mirror_sd.models.${QUERIES/tasks/task}_queries --target target -n 1000000 --batch "$QUERY_BATCH" \
+    python3 -m mirror_sd.models.training.${QUERIES/tasks/task}_queries --target target -n 1000000 --batch "$QUERY_BATCH" \
         "${extra[@]}" --max-minutes "$QUERY_MINUTES" --out "$OUT/answers-$QUERIES.jsonl.gz" > "$OUT/$QUERIES.log" 2>&1
     stamp "$QUERIES queries exit $?"
     cp "$OUT/answers-$QUERIES.jsonl.gz" data/ || exit 1

@@ -19,7 +19,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,27 @@ import torch
 from mirror_sd.models.streaming_draft import StreamingDraft, StreamingDraftConfig
 
 ANSWER_WEIGHT, PROMPT_WEIGHT, CODE_WEIGHT = 1.0, 0.2, 0.3
+
+
+@dataclass(frozen=True)
+class StreamingDraftTraining:
+    """How the streaming draft trains (`train`). The data files, the draft continued and the held-out file are
+    `train`'s arguments; the defaults are the command's."""
+
+    vocab_size: int = 8192  # a new draft's vocabulary: the most frequent target ids (a continued draft keeps its own)
+    steps: int = 600
+    budget_minutes: float = 20.0  # the schedule runs over whichever ends first, the steps or this time; then it stops
+    seq_len: int = 128  # tokens per training window, packed across conversations (the draft's attention window)
+    batch: int = 16  # windows per step
+    lr: float = 3e-3  # peak; warm-up over 30 steps, then cosine to 0
+    seed: int = 0  # the split, the batches and a new draft's initialisation
+    # StreamingDraftConfig fields other than its defaults, for a new draft (tests build a tiny one)
+    architecture: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch < 1 or self.seq_len < 2 or self.budget_minutes <= 0:
+            raise ValueError(f"steps {self.steps}, batch {self.batch}, seq_len {self.seq_len}, budget_minutes "
+                             f"{self.budget_minutes}: positive (seq_len at least 2)")
 
 
 @dataclass(frozen=True)
@@ -157,15 +178,16 @@ def evaluate(draft: StreamingDraft, examples: list[Example]) -> dict[str, float]
                for j, (h, n) in enumerate(zip(stream_hits, stream_total))}}
 
 
-def train(target_dir: Path, data_file: Path | Sequence[Path], out_dir: Path, *, vocab_size: int = 8192,
-          steps: int = 600, max_minutes: float = 20.0, seq_len: int = 128, batch: int = 16, lr: float = 3e-3,
-          seed: int = 0, config_overrides: dict | None = None, init_from: Path | None = None,
+def train(target_dir: Path, data_file: Path | Sequence[Path], out_dir: Path,
+          config: StreamingDraftTraining = StreamingDraftTraining(), *, init_from: Path | None = None,
           eval_file: Path | None = None, report=print) -> dict:
     """Distil a streaming draft; `init_from` continues a saved draft (its architecture and vocabulary) instead of
     starting fresh, `eval_file` (target answers to held-out-topic prompts) adds held_out_topic_* metrics."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    c = config
+    seed, seq_len, steps, lr = c.seed, c.seq_len, c.steps, c.lr
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -179,15 +201,15 @@ def train(target_dir: Path, data_file: Path | Sequence[Path], out_dir: Path, *, 
         vocab = list(draft.config.vocab_ids)
     else:
         special = sorted({tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens})
-        vocab = build_vocab(convs + code, vocab_size, special)
+        vocab = build_vocab(convs + code, c.vocab_size, special)
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
         tc = target.config
-        config = StreamingDraftConfig(target_vocab_size=tc.vocab_size, vocab_ids=vocab,
-                                      rope_theta=tc.rope_parameters["rope_theta"]
-                                      if getattr(tc, "rope_parameters", None) else getattr(tc, "rope_theta", 10000.0),
-                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                      attention_window=seq_len, **(config_overrides or {}))
-        draft = StreamingDraft(config)
+        shape = StreamingDraftConfig(target_vocab_size=tc.vocab_size, vocab_ids=vocab,
+                                     rope_theta=tc.rope_parameters["rope_theta"]
+                                     if getattr(tc, "rope_parameters", None) else getattr(tc, "rope_theta", 10000.0),
+                                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                     attention_window=seq_len, **c.architecture)
+        draft = StreamingDraft(shape)
         init_from_target(draft, target.get_input_embeddings().weight.detach())
         del target
     answer_tokens = sum(int((e.weights == ANSWER_WEIGHT).sum()) for e in convs)
@@ -197,8 +219,8 @@ def train(target_dir: Path, data_file: Path | Sequence[Path], out_dir: Path, *, 
            f"{len(convs)} conversations + {len(code)} code chunks")
 
     optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    data = batches(convs + code, seq_len, batch, rng)
-    start, budget = time.monotonic(), max_minutes * 60
+    data = batches(convs + code, seq_len, c.batch, rng)
+    start, budget = time.monotonic(), c.budget_minutes * 60
     deadline = start + budget
 
     def schedule(step: int) -> float:
@@ -232,26 +254,34 @@ def train(target_dir: Path, data_file: Path | Sequence[Path], out_dir: Path, *, 
     tokenizer.save_pretrained(out_dir)
     (out_dir / "training.json").write_text(json.dumps({"steps": step + 1, "seed": seed, "metrics": metrics,
                                                        "conversations": len(convs),
-                                                       "continued_from": str(init_from) if init_from else None},
+                                                       "continued_from": str(init_from) if init_from else None,
+                                                       "config": asdict(c)},
                                                       indent=1) + "\n")
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
+    d = StreamingDraftTraining()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True)
     parser.add_argument("--data", type=Path, required=True, nargs="+", help="one or more datagen files")
     parser.add_argument("--init-from", type=Path, default=None, help="continue training this saved draft")
     parser.add_argument("--eval", type=Path, default=None, help="target answers to held-out-topic prompts")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--max-minutes", type=float, default=20.0)
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--max-minutes", type=float, default=d.budget_minutes,
+                        help="the time budget: the schedule fits it, training stops there")
+    parser.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--seed", type=int, default=d.seed)
     args = parser.parse_args(argv)
+    try:
+        config = StreamingDraftTraining(vocab_size=args.vocab_size, steps=args.steps, budget_minutes=args.max_minutes,
+                                        lr=args.lr, seed=args.seed)
+    except ValueError as e:
+        parser.error(str(e))
     torch.set_num_threads(2)
-    train(args.target, args.data, args.out, vocab_size=args.vocab_size, steps=args.steps,
-          max_minutes=args.max_minutes, seed=args.seed, init_from=args.init_from, eval_file=args.eval)
+    train(args.target, args.data, args.out, config, init_from=args.init_from, eval_file=args.eval)
     return 0
 
 

@@ -8,8 +8,8 @@ top-32, renormalised). Coverage — how often the target's final greedy token is
 
 Mirror's branches need the exit head only where the draft is rejected: at the first slot of a window whose draft
 token the target does not take, the branch that wins is the one on the target's token there. Those slots are the
-hard ones (the exit head's top-4 held the target's token at 62-68% of them against 89% of all answer positions:
-results/branch-ceiling.json). With a feature draft given (`--hard-draft`), the teacher pass also runs that draft
+hard ones: the exit head holds the target's token there far less often than over all answer positions
+(docs/training.md). With a feature draft given (`--hard-draft`), the teacher pass also runs that draft
 over each conversation as training runs it (every position, its own features for up to gamma steps deep) and keeps,
 per position, the share of those depths at which the draft's token is not the target's; `--hard-weight W` then
 samples training positions in proportion to 1 + W x that share, and coverage is reported on the positions the draft
@@ -27,7 +27,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +43,33 @@ TEACHER_TOP = 32
 HARD_DEPTHS = 4  # the draft depths whose misses mark a position as hard: gamma 4's window slots
 
 
+@dataclass(frozen=True)
+class ExitAdapterTraining:
+    """How the exit adapters train (`train`). The data files and their prompt ranges, the adapter continued and the
+    draft whose misses are weighed are `train`'s arguments; the defaults are the command's."""
+
+    layers: tuple[int, ...] = (15, 20, 24)  # one adapter per exit layer (a continued adapter: its one layer)
+    conversations: int = 300  # training conversations per data file: a small pool is not drowned by a large one
+    skip: int = 0  # past the held-out ones, leave this many out first (a continued stage reads new ones)
+    held_out: int = 300  # held-out conversations per file measured on (at most the 300 the split sets apart)
+    rank: int = 512  # a new adapter's low-rank width (a continued one keeps its own)
+    steps: int = 400
+    batch: int = 256  # positions per step
+    lr: float = 2e-3  # peak; warm-up over 20 steps, then linear to 0
+    minutes_per_layer: float = 5.0  # training stops here even before `steps`
+    hard_weight: float = 0.0  # draw the positions the hard draft misses up to 1 + W times as often (needs one)
+    top_k: int = 8  # the widest top-k whose coverage is reported (the bundles' top_k)
+    seed: int = 0  # the split, the conversations drawn and the positions drawn
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("layers: give at least one exit layer")
+        if self.hard_weight < 0:
+            raise ValueError(f"hard_weight {self.hard_weight}: give a weight >= 0")
+        if self.batch < 1 or self.steps < 1:
+            raise ValueError(f"batch {self.batch} / steps {self.steps}: at least 1")
+
+
 @dataclass
 class TeacherData:
     hidden: dict[int, torch.Tensor]  # exit layer -> [N, H] hidden states at answer positions
@@ -56,7 +83,7 @@ class TeacherData:
 
 def _malloc_trim():
     """glibc's malloc_trim: returns freed heap memory to the system. A forward per conversation frees buffers of a
-    new size each time; without it the heap only grew (7.4 GiB after 400 conversations here, 24 GiB after 3,000)."""
+    new size each time; without it the heap only grows, to tens of GiB over a few thousand conversations."""
     import ctypes
 
     try:
@@ -207,16 +234,17 @@ def coverage(head, hidden: torch.Tensor, final_ids: torch.Tensor, ks=(1, 8), chu
     return {k: hits[k] / max(1, len(hidden)) for k in ks}
 
 
-def train_adapter(model, layer: int, data: TeacherData, *, rank: int, steps: int, batch: int, lr: float,
-                  max_seconds: float, seed: int, initial: ExitAdapter | None = None,
-                  hard_weight: float = 0.0) -> ExitAdapter:
-    """initial: an adapter to go on training (a copy; its rank wins over `rank`). hard_weight W: positions are
-    drawn in proportion to 1 + W x the share of draft depths that miss them (data.miss_share), else uniformly.
-    Trains on the model's device; positions are drawn on the CPU (the same draws on either device)."""
+def train_adapter(model, layer: int, data: TeacherData, config: ExitAdapterTraining,
+                  initial: ExitAdapter | None = None) -> ExitAdapter:
+    """initial: an adapter to go on training (a copy; its rank wins over config.rank). config.hard_weight W:
+    positions are drawn in proportion to 1 + W x the share of draft depths that miss them (data.miss_share), else
+    uniformly. Trains on the model's device; positions are drawn on the CPU (the same draws on either device)."""
     import copy
 
     from tqdm import tqdm
 
+    seed, rank, steps, batch, lr = config.seed, config.rank, config.steps, config.batch, config.lr
+    hard_weight, max_seconds = config.hard_weight, config.minutes_per_layer * 60
     torch.manual_seed(seed)
     if initial is not None:
         adapter = copy.deepcopy(initial)
@@ -252,35 +280,30 @@ def train_adapter(model, layer: int, data: TeacherData, *, rank: int, steps: int
     return adapter.eval()
 
 
-def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers: list[int], *,
-          conversations: int = 300, rank: int = 512, steps: int = 400, batch: int = 256, lr: float = 2e-3,
-          minutes_per_layer: float = 5.0, top_k: int = 8, seed: int = 0, max_prompts: int | None = None,
+def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path,
+          config: ExitAdapterTraining = ExitAdapterTraining(), *,
           prompt_ranges: list[tuple[int, int | None]] | None = None, init_from: Path | None = None,
-          hard_draft: Path | None = None, hard_weight: float = 0.0, held_out: int = 300, skip: int = 0,
-          teacher_cache: Path | None = None, device: str | None = None, report=print) -> dict:
-    """Train one adapter per layer in `layers`; saves each to out_dir/layer-<l>; returns the coverage table.
+          hard_draft: Path | None = None, teacher_cache: Path | None = None, device: str | None = None,
+          report=print) -> dict:
+    """Train one adapter per layer in config.layers; saves each to out_dir/layer-<l>; returns the coverage table.
 
     data_file: one data file or several (the answers of several prompt pools); each gives its own held-out
-    conversations and up to `conversations` training ones, so a small pool is not drowned by a large one.
-    prompt_ranges: per answers file, the prompt indices [lo, hi) to read (instead of max_prompts). init_from: a
-    saved adapter (one layer) to go on training instead of starting from the logit lens. hard_draft: a feature
-    draft whose misses the teacher pass records (coverage is then reported on the positions it misses too);
-    hard_weight: how much more often training draws the positions it misses (train_adapter). held_out: the
-    held-out conversations per file to measure on (at most the 300 the split sets apart); skip: training reads
-    the conversations after the first `skip` past the held-out ones (a continued stage reads ones the stage
-    before did not). teacher_cache: a directory that keeps the teacher passes (tens of minutes here) for the
-    next run with the same inputs, e.g. another hard_weight. device: "cuda" where torch sees a GPU, else "cpu",
-    unless named."""
+    conversations and up to config.conversations training ones. prompt_ranges: per answers file, the prompt indices
+    [lo, hi) to read (None: all). init_from: a saved adapter (one layer) to go on training instead of starting from
+    the logit lens. hard_draft: a feature draft whose misses the teacher pass records (coverage is then reported on
+    the positions it misses too; config.hard_weight draws them more often). teacher_cache: a directory that keeps
+    the teacher passes (the slow part on a CPU) for the next run with the same inputs, e.g. another hard_weight.
+    device: "cuda" where torch sees a GPU, else "cpu", unless named."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
+    c, layers = config, list(config.layers)
     files = [Path(data_file)] if isinstance(data_file, (str, Path)) else [Path(f) for f in data_file]
-    ranges = file_ranges(files, max_prompts, prompt_ranges)
+    ranges = file_ranges(files, None, prompt_ranges)
     if len(ranges) != len(files):
         raise ValueError(f"{len(ranges)} prompt ranges for {len(files)} data files")
     if init_from is not None and len(layers) != 1:
         raise ValueError("--init-from continues one adapter: give one layer")
-    if hard_weight > 0 and hard_draft is None:
+    if c.hard_weight > 0 and hard_draft is None:
         raise ValueError("--hard-weight needs the draft whose misses it weighs: give --hard-draft")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -297,16 +320,16 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
     named_twice = len({f.name for f in files}) < len(files)  # two prompt ranges of one file: figures per range
     for path, (lo, hi) in zip(files, ranges):
         examples = _examples(path, tokenizer, hi, lo)
-        random.Random(seed).shuffle(examples)
+        random.Random(c.seed).shuffle(examples)
         held = min(max(10, len(examples) // 10), 300)  # a large answers file: 300 held-out conversations do
-        train_examples += examples[held + skip: held + skip + conversations]
+        train_examples += examples[held + c.skip: held + c.skip + c.conversations]
         # a file read in several prompt ranges is named once per range ("name lo:hi"), in the held-out figures and
         # in the data the run read (a dict keyed by the path alone would keep the last range only)
         span = f" {lo}:{'' if hi is None else hi}" if named_twice else ""
-        held_examples[path.name + span] = examples[:min(held, held_out)]
+        held_examples[path.name + span] = examples[:min(held, c.held_out)]
         data[str(path) + span] = [lo, hi]
     key = {"target": str(target_dir), "data": data, "layers": layers,
-           "conversations": conversations, "skip": skip, "held_out": held_out, "seed": seed,
+           "conversations": c.conversations, "skip": c.skip, "held_out": c.held_out, "seed": c.seed,
            "hard_draft": _fingerprint(hard_draft) if hard_draft is not None else None}
     cached = _load_teacher(teacher_cache, key)
     if cached is None:
@@ -317,6 +340,7 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
         train_data, tests = cached
         report(f"teacher passes read from {teacher_cache}")
     lens = LogitLens(model.model.norm, model.lm_head)
+    top_k = c.top_k
     ks = sorted({1, 4, top_k})
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
                "data": data,
@@ -324,11 +348,12 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
                              "held_out": sum(len(t.top_ids) for t in tests.values())},
                "layers": {}}
     if draft is not None:
-        results["hard"] = {"draft": str(hard_draft), "weight": hard_weight, "depths": HARD_DEPTHS,
+        results["hard"] = {"draft": str(hard_draft), "weight": c.hard_weight, "depths": HARD_DEPTHS,
                            "train_first_miss_share": float(train_data.first_miss.float().mean()),
                            "train_mean_miss_share": float(train_data.miss_share.mean())}
-    if skip:
-        results["skip"] = skip
+    if c.skip:
+        results["skip"] = c.skip
+    results["config"] = asdict(c)
     for layer in layers:
         initial = None
         if init_from is not None:
@@ -336,9 +361,7 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
             if initial.config.exit_layer != layer:
                 raise ValueError(f"{init_from} is an adapter at layer {initial.config.exit_layer}, not {layer}")
             results["init_from"] = str(init_from)
-        adapter = train_adapter(model, layer, train_data, rank=rank, steps=steps, batch=batch, lr=lr,
-                                max_seconds=minutes_per_layer * 60, seed=seed, initial=initial,
-                                hard_weight=hard_weight)
+        adapter = train_adapter(model, layer, train_data, c, initial)
         adapter.save(out_dir / f"layer-{layer}")
         per_file: dict = {}
         for name, test in tests.items():
@@ -372,16 +395,19 @@ def train(target_dir: Path, data_file: Path | list[Path], out_dir: Path, layers:
 
 
 def main(argv: list[str] | None = None) -> int:
+    d = ExitAdapterTraining()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True)
     parser.add_argument("--data", type=Path, nargs="+", required=True,
                         help="the target's answers: answers files (*.jsonl.gz) or datagen files (*.jsonl)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--layers", default="15,20,24")
-    parser.add_argument("--conversations", type=int, default=300, help="training conversations per data file")
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--minutes-per-layer", type=float, default=5.0)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--layers", default=",".join(map(str, d.layers)))
+    parser.add_argument("--conversations", type=int, default=d.conversations,
+                        help="training conversations per data file")
+    parser.add_argument("--rank", type=int, default=d.rank, help="a new adapter's low-rank width")
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--minutes-per-layer", type=float, default=d.minutes_per_layer)
+    parser.add_argument("--lr", type=float, default=d.lr)
     parser.add_argument("--max-prompts", type=int, default=None,
                         help="an answers file's records of the first N prompts only (default: all)")
     parser.add_argument("--prompt-range", type=parse_range, nargs="+", default=None, metavar="LO:HI",
@@ -390,16 +416,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="a saved adapter to go on training (one layer) instead of starting from the logit lens")
     parser.add_argument("--hard-draft", type=Path, default=None,
                         help="a feature draft: record where it misses the target's token, report coverage there")
-    parser.add_argument("--hard-weight", type=float, default=0.0,
+    parser.add_argument("--hard-weight", type=float, default=d.hard_weight,
                         help="draw positions the draft misses this much more often (needs --hard-draft)")
-    parser.add_argument("--held-out", type=int, default=300, help="held-out conversations per data file to measure")
+    parser.add_argument("--held-out", type=int, default=d.held_out,
+                        help="held-out conversations per data file to measure")
     parser.add_argument("--teacher-cache", type=Path, default=None,
                         help="keep the teacher passes here for the next run with the same inputs")
-    parser.add_argument("--batch", type=int, default=256, help="positions per step")
+    parser.add_argument("--batch", type=int, default=d.batch, help="positions per step")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="where to run (default: cuda where torch sees a GPU, else cpu)")
-    parser.add_argument("--skip", type=int, default=0,
+    parser.add_argument("--skip", type=int, default=d.skip,
                         help="train on the conversations after the first SKIP past the held-out ones")
+    parser.add_argument("--seed", type=int, default=d.seed)
     args = parser.parse_args(argv)
     error = input_error([args.target, *args.data, *(p for p in (args.init_from, args.hard_draft) if p)],
                         args.prompt_range, args.data, "data files")
@@ -411,19 +439,25 @@ def main(argv: list[str] | None = None) -> int:
         error = "--device cuda: torch sees no GPU here"
     if not error and args.hard_weight > 0 and args.hard_draft is None:
         error = "--hard-weight needs --hard-draft (the draft whose misses it weighs)"
+    layers = tuple(int(x) for x in args.layers.split(","))
+    if not error and args.init_from and len(layers) != 1:
+        error = "--init-from continues one adapter: give one layer in --layers"
+    config = None
+    if not error:
+        try:
+            config = ExitAdapterTraining(
+                layers=layers, conversations=args.conversations, skip=args.skip, held_out=args.held_out,
+                rank=args.rank, steps=args.steps, batch=args.batch, lr=args.lr,
+                minutes_per_layer=args.minutes_per_layer, hard_weight=args.hard_weight, seed=args.seed)
+        except ValueError as e:
+            error = str(e)
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    layers = [int(x) for x in args.layers.split(",")]
-    if args.init_from and len(layers) != 1:
-        print("error: --init-from continues one adapter: give one layer in --layers", file=sys.stderr)
-        return 2
     torch.set_num_threads(2)
-    train(args.target, args.data, args.out, layers, conversations=args.conversations, steps=args.steps,
-          minutes_per_layer=args.minutes_per_layer, lr=args.lr, max_prompts=args.max_prompts,
-          prompt_ranges=args.prompt_range, init_from=args.init_from, hard_draft=args.hard_draft,
-          hard_weight=args.hard_weight, held_out=args.held_out, skip=args.skip, teacher_cache=args.teacher_cache,
-          batch=args.batch, device=args.device)
+    train(args.target, args.data, args.out, config,
+          prompt_ranges=args.prompt_range or file_ranges(args.data, args.max_prompts, None),
+          init_from=args.init_from, hard_draft=args.hard_draft, teacher_cache=args.teacher_cache, device=args.device)
     return 0
 
 

@@ -37,7 +37,7 @@ import sys
 import time
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +59,48 @@ DEFAULT_TAPS = (5, 10, 15)
 REFRESH_DROPS = ("least-used", "tail")  # which tokens a vocabulary refresh swaps out (refreshed_vocab)
 FEATURE_MODES = ("auto", "stored", "online")  # run(features=...)
 STEP_DECAY = 0.8  # loss weight of draft step k: STEP_DECAY ** k (later tokens matter only if earlier ones land)
+
+
+@dataclass(frozen=True)
+class FeatureDraftTraining:
+    """How one feature-draft stage trains (`run`). What it reads (answers files, prompt ranges), where it works and
+    the draft it continues are `run`'s arguments; the defaults are the command's."""
+
+    taps: tuple[int, ...] | None = None  # target layers the draft reads; None: DEFAULT_TAPS, or the continued draft's
+    vocab_size: int = 8192  # a new draft's output rows: the most frequent answer tokens (no other is ever proposed)
+    max_len: int = 768  # a longer conversation keeps its last max_len tokens (the answers are at the end)
+    epochs: float = 1.0  # passes over the training records; a fraction stops part-way through the last
+    steps: int = 4  # training-time-test depth: each position drafts this many tokens on its own features
+    lr: float = 1e-3  # peak; warm-up over 50 batches, then cosine to 5% over the plan (or the budget)
+    tokens_per_batch: int = 4096  # padded tokens per batch
+    noise: float = 0.05  # feature noise: past step 0 the draft reads its own hidden states, not the target's
+    budget_minutes: float | None = None  # train this long in all, the schedule fitted to it (None: the whole plan)
+    eval_records: int = 400  # held-out records the go/no-go figure is measured on
+    seed: int = 0  # batch order and a new draft's initialisation
+    refresh_vocab: int = 0  # continuing: swap N tokens for this data's N most frequent missing ones (new kinds of text)
+    refresh_drop: str = "least-used"  # which tokens a refresh swaps out (REFRESH_DROPS, refreshed_vocab)
+    extend_vocab: int = 0  # continuing: append this data's N most frequent missing tokens, every trained row kept
+    soft_targets: int = 0  # also distil the target's own top-K draft-vocabulary rows (0: its greedy tokens only)
+    soft_weight: float = 0.5  # with soft_targets: the soft loss's share
+    max_loop: float | None = None  # train only on records whose loop_share is at most this (held-out ones stay all)
+    # "stored": fp16 memory map under work (the CPU way); "online": recomputed per batch; "auto": online on CUDA
+    features: str = "auto"
+
+    def __post_init__(self) -> None:
+        checks = [(self.features in FEATURE_MODES, f"features {self.features!r}: one of {', '.join(FEATURE_MODES)}"),
+                  (self.refresh_drop in REFRESH_DROPS,
+                   f"refresh_drop {self.refresh_drop!r}: one of {', '.join(REFRESH_DROPS)}"),
+                  (self.refresh_vocab >= 0 and self.extend_vocab >= 0,
+                   f"refresh_vocab {self.refresh_vocab} / extend_vocab {self.extend_vocab}: N >= 0"),
+                  (self.soft_targets >= 0 and 0.0 <= self.soft_weight <= 1.0,
+                   f"soft_targets {self.soft_targets} / soft_weight {self.soft_weight}: K >= 0, weight in [0, 1]"),
+                  (self.max_loop is None or 0.0 <= self.max_loop <= 1.0,
+                   f"max_loop {self.max_loop}: a share in [0, 1]"),
+                  (self.epochs > 0 and self.steps >= 1 and self.tokens_per_batch >= 1,
+                   f"epochs {self.epochs}, steps {self.steps}, tokens_per_batch {self.tokens_per_batch}: positive")]
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -119,9 +161,8 @@ def repeat_share(record: Record, n: int = 4) -> float:
 
 def loop_share(record: Record, n: int = 4) -> float:
     """The share of the record's answer tokens whose n-gram repeats one earlier in the answers and occurs in none of
-    the conversation's other text before it: the answer going round in a loop, not copying its prompt. The target's
-    self-written turns loop 1.3-8x more than its answers to the benchmark's hand-written prompts of the same kinds,
-    and loops draft easily (results/feature-draft-cpu-tasks-ab.json)."""
+    the conversation's other text before it: the answer going round in a loop, not copying its prompt. Loops draft
+    easily, and the target's self-written turns loop more than users' prompts do (docs/training.md)."""
     answer = record.labels[n - 1:]
     if not answer.any():
         return 0.0
@@ -185,8 +226,8 @@ def refreshed_vocab(vocab: list[int], train: list[Record], n: int, keep: list[in
     lacks (new data in new kinds brings new tokens: translations, code). drop "least-used": the tokens dropped are
     the ones `train`'s answers use least, the later in `vocab` first among equals (its order is most frequent first
     in the data it was built on; tokens a refresh added sit at its end, so they go only where this data does not use
-    them either). drop "tail": the last n, whatever this data uses (how the committed fifth stage ran, on a
-    vocabulary no refresh had touched)."""
+    them either). drop "tail": the last n, whatever this data uses (right for a vocabulary no refresh has touched:
+    its tail is its rarest tokens)."""
     if drop not in REFRESH_DROPS:
         raise ValueError(f"drop {drop!r}: one of {', '.join(REFRESH_DROPS)}")
     counts = answer_counts(train)
@@ -266,8 +307,8 @@ class FeatureStore(_MappedStore):
 
 class OnlineFeatures:
     """The target's tap features computed batch by batch on the training device instead of stored: on a GPU the
-    target's layers up to the deepest tap cost less than reading them back (every committed answers file at once is
-    8.9M tokens, about 31 GB of fp16 features for three taps). Stands where a FeatureStore does in `_tensors`."""
+    target's layers up to the deepest tap cost less than reading them back, and every answers file at once would
+    need tens of GB of fp16 features. Stands where a FeatureStore does in `_tensors`."""
 
     def __init__(self, target, taps: list[int]) -> None:
         self.taps, self.width = list(taps), target.config.hidden_size
@@ -293,8 +334,8 @@ def _tap_model(target, taps: list[int]):
 
 class _OrtPrefix:
     """The target's layers [0, end) as the exported prefix graph (export/target_graphs.py, the one the runtime runs)
-    on ONNX Runtime, one record at a time: on CPU about four times torch's speed, and no padding. taps: it also
-    outputs the residual stream after these layers."""
+    on ONNX Runtime, one record at a time: on CPU faster than torch, and no padding. taps: it also outputs the
+    residual stream after these layers."""
 
     def __init__(self, target, end: int, taps: tuple[int, ...] = (), threads: int | None = None) -> None:
         import onnxruntime as ort
@@ -522,16 +563,16 @@ def save_checkpoint(path: Path, state: dict) -> None:
 
 
 def train(draft: FeatureDraft, records: list[Record], order: list[int], store: FeatureStore | OnlineFeatures,
-          work: Path, *, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float, device: str,
-          seed: int, max_minutes: float | None, budget_minutes: float | None = None, soft: SoftTargets | None = None,
-          soft_weight: float = 0.5, report=print) -> dict:
-    """max_minutes: stop after this long, resumably (a run spread over sessions). budget_minutes: the whole
-    training's length: the learning-rate schedule runs over whichever ends first, the plan or this budget (time
-    spent before a resume counts), and training ends there."""
+          work: Path, config: FeatureDraftTraining, *, device: str, max_minutes: float | None = None,
+          soft: SoftTargets | None = None, report=print) -> dict:
+    """The training records `order` in config.epochs passes. max_minutes: stop after this long, resumably (a run
+    spread over sessions). config.budget_minutes: the whole training's length: the learning-rate schedule runs over
+    whichever ends first, the plan or this budget (time spent before a resume counts), and training ends there."""
     from tqdm import tqdm
 
-    rng = random.Random(seed)
-    passes = [_batches(order, records, tokens_per_batch, rng) for _ in range(max(1, math.ceil(epochs)))]
+    epochs, lr, budget_minutes = config.epochs, config.lr, config.budget_minutes
+    rng = random.Random(config.seed)
+    passes = [_batches(order, records, config.tokens_per_batch, rng) for _ in range(max(1, math.ceil(epochs)))]
     plan = [b for p in passes for b in p][: max(1, round(epochs * len(passes[0])))]  # a fractional last pass
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -563,7 +604,8 @@ def train(draft: FeatureDraft, records: list[Record], order: list[int], store: F
             ids, labels, taps = _tensors(plan[b], records, store, device)
             soft_batch = _soft_tensors(plan[b], records, soft, device) if soft is not None else None
             with autocast:
-                loss, accs = ttt_loss(draft, taps, ids, labels, steps, noise, soft_batch, soft_weight)
+                loss, accs = ttt_loss(draft, taps, ids, labels, config.steps, config.noise, soft_batch,
+                                      config.soft_weight)
             accs_avg = optimizer_step(optimizer, params, loss, accs_avg, accs, bar)
             stop = max_minutes is not None and time.monotonic() - run_start > max_minutes * 60
             if time.monotonic() - last_save > 300 or b + 1 == len(plan) or stop:
@@ -653,38 +695,31 @@ def _walk(valid: list[bool], accepted: list[int]) -> tuple[int, int]:
     return steps, tokens
 
 
-def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, taps: list[int] | None, vocab_size: int,
-        max_len: int, epochs: float, steps: int, lr: float, tokens_per_batch: int, noise: float,
-        max_minutes: float | None, eval_records: int, budget_minutes: float | None = None, seed: int = 0,
-        init_from: Path | None = None, max_prompts: int | None = None,
-        prompt_ranges: list[tuple[int, int | None]] | None = None, refresh_vocab: int = 0,
-        refresh_drop: str = "least-used", soft_targets: int = 0, soft_weight: float = 0.5, extend_vocab: int = 0,
-        features: str = "auto", device: str | None = None, max_loop: float | None = None,
-        report=print) -> dict:
-    """All stages; returns the summary (also written as training.json beside the weights at `out`). init_from: go on
-    training a saved feature draft (its vocabulary is kept, and its taps unless `taps` names others; use a fresh
-    `work` for its checkpoints). extend_vocab: with init_from, append the N most frequent answer tokens of the
-    training records its vocabulary lacks (their head rows start as the target's LM head rows). features: "stored"
-    (memory-mapped under `work`, the CPU way), "online" (recomputed per batch, OnlineFeatures) or "auto" (online on
-    CUDA). device: "cuda" where torch sees a GPU, else "cpu", unless named. max_loop: train only on records whose
-    `loop_share` is at most this (the held-out records stay all, so the figure compares with a run without it)."""
+def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None,
+        config: FeatureDraftTraining = FeatureDraftTraining(), *,
+        prompt_ranges: list[tuple[int, int | None]] | None = None, init_from: Path | None = None,
+        max_minutes: float | None = None, device: str | None = None, report=print) -> dict:
+    """All stages; returns the summary (also written as training.json beside the weights at `out`). prompt_ranges:
+    per answers file, the prompt indices [lo, hi) to read (None: all). init_from: go on training a saved feature
+    draft (its vocabulary is kept, and its taps unless config.taps names others; use a fresh `work` for its
+    checkpoints, or remove the one a stage before left there). max_minutes: stop after this long, resumably. device:
+    "cuda" where torch sees a GPU, else "cpu", unless named."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if features not in FEATURE_MODES:
-        raise ValueError(f"features {features!r}: one of {', '.join(FEATURE_MODES)}")
-    torch.manual_seed(seed)
+    c = config
+    torch.manual_seed(c.seed)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    online = features == "online" or (features == "auto" and device == "cuda")
+    online = c.features == "online" or (c.features == "auto" and device == "cuda")
     if device == "cuda":  # the target's features in TF32, near its fp32 (the stored ones are fp16)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     t0 = time.monotonic()
-    records = load_records(answers, max_len, max_prompts, prompt_ranges)
+    records = load_records(answers, c.max_len, ranges=prompt_ranges)
     train_set, held = split(records)
     dropped = 0
-    if max_loop is not None:
-        kept = [r for r in train_set if loop_share(r) <= max_loop]
+    if c.max_loop is not None:
+        kept = [r for r in train_set if loop_share(r) <= c.max_loop]
         dropped = len(train_set) - len(kept)
-        report(f"{dropped} of {len(train_set)} training records loop on more than {max_loop:.0%} of their answer "
+        report(f"{dropped} of {len(train_set)} training records loop on more than {c.max_loop:.0%} of their answer "
                "tokens: left out")
         train_set = kept
     records = train_set + held  # one order for the feature store: training records first
@@ -698,7 +733,7 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     if init_from is not None:
         start_from = FeatureDraft.load(init_from, target.get_input_embeddings().weight)
         vocab, trained_on = list(start_from.config.vocab_ids), list(start_from.config.taps)
-        taps = list(taps or trained_on)
+        taps = list(c.taps or trained_on)
         if taps != trained_on:
             # other layers, as many: the same weights read them (the tap norms and the fuse layer relearn them), so
             # a draft for a deeper exit layer starts from the one trained for a shallower
@@ -706,15 +741,15 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
                 raise SystemExit(f"--taps {taps}: the draft continued from reads {len(trained_on)} taps")
             start_from.config.taps = taps
             report(f"continuing from {init_from} on taps {taps} (it was trained on {trained_on})")
-        if refresh_vocab:
+        if c.refresh_vocab:
             before = coverage(held, vocab)
-            vocab = refreshed_vocab(vocab, train_set, refresh_vocab, special, refresh_drop)
+            vocab = refreshed_vocab(vocab, train_set, c.refresh_vocab, special, c.refresh_drop)
             start_from = start_from.with_vocab(vocab, target.get_output_embeddings().weight)
-            report(f"vocabulary refreshed: {refresh_vocab} tokens swapped; held-out answer tokens covered "
+            report(f"vocabulary refreshed: {c.refresh_vocab} tokens swapped; held-out answer tokens covered "
                    f"{before:.1%} -> {coverage(held, vocab):.1%}")
-        if extend_vocab:
+        if c.extend_vocab:
             before = coverage(held, vocab)
-            vocab = extended_vocab(vocab, train_set, extend_vocab)
+            vocab = extended_vocab(vocab, train_set, c.extend_vocab)
             start_from = start_from.with_vocab(vocab, target.get_output_embeddings().weight)
             report(f"vocabulary extended to {len(vocab)} tokens; held-out answer tokens covered "
                    f"{before:.1%} -> {coverage(held, vocab):.1%}")
@@ -722,30 +757,30 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
         # directory reuses the file only when that is the size it asks for
         vocab_path.write_text(json.dumps({"size": len(vocab), "ids": vocab}))
     else:
-        if refresh_vocab or extend_vocab:
+        if c.refresh_vocab or c.extend_vocab:
             raise SystemExit("--refresh-vocab and --extend-vocab change a trained draft's vocabulary: they need "
                              "--init-from")
-        taps = list(taps or DEFAULT_TAPS)
-        if vocab_path.exists() and json.loads(vocab_path.read_text())["size"] == vocab_size:
+        taps = list(c.taps or DEFAULT_TAPS)
+        if vocab_path.exists() and json.loads(vocab_path.read_text())["size"] == c.vocab_size:
             vocab = json.loads(vocab_path.read_text())["ids"]
         else:
-            vocab = build_vocab(train_set, vocab_size, special)
-            vocab_path.write_text(json.dumps({"size": vocab_size, "ids": vocab}))
+            vocab = build_vocab(train_set, c.vocab_size, special)
+            vocab_path.write_text(json.dumps({"size": c.vocab_size, "ids": vocab}))
     if max(taps) > len(target.model.layers):
         raise SystemExit(f"tap {max(taps)} is deeper than the target's {len(target.model.layers)} layers")
     cover = {n: coverage(held, vocab[:n]) for n in sorted({2048, 4096, 8192, 16384, len(vocab)}) if n <= len(vocab)}
     answer_tokens = int(sum(r.labels.sum() for r in train_set))
     report(f"{len(train_set)} training records ({answer_tokens} answer tokens, "
            f"{sum(len(r.ids) for r in train_set)} in all), {len(held)} held out; held-out answer tokens covered "
-           "by the top-N vocabulary: " + ", ".join(f"{n}: {c:.1%}" for n, c in cover.items()))
+           "by the top-N vocabulary: " + ", ".join(f"{n}: {v:.1%}" for n, v in cover.items()))
 
     if not online:
         store = FeatureStore(work, records, taps, target.config.hidden_size)
         if store.done < len(records):
             extract_features(target, records, store, device, report=report)
-    if soft_targets > len(vocab):
-        raise SystemExit(f"--soft-targets {soft_targets}: more than the draft vocabulary's {len(vocab)} rows")
-    soft = SoftTargets(work, records, vocab, soft_targets) if soft_targets else None
+    if c.soft_targets > len(vocab):
+        raise SystemExit(f"--soft-targets {c.soft_targets}: more than the draft vocabulary's {len(vocab)} rows")
+    soft = SoftTargets(work, records, vocab, c.soft_targets) if c.soft_targets else None
     if soft is not None and soft.done < len(records):
         extract_soft_targets(target, records, soft, vocab)
     if online:  # after the soft targets: it cuts the target to its layers up to the deepest tap
@@ -757,13 +792,11 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
         draft.init_from_target(target)
     draft.to(device)
     del target  # online features keep only the layers up to the deepest tap (OnlineFeatures)
-    result = train(draft, records, list(range(len(train_set))), store, work, epochs=epochs, steps=steps, lr=lr,
-                   tokens_per_batch=tokens_per_batch, noise=noise, device=device, seed=seed,
-                   max_minutes=max_minutes, budget_minutes=budget_minutes, soft=soft, soft_weight=soft_weight,
-                   report=report)
+    result = train(draft, records, list(range(len(train_set))), store, work, c, device=device,
+                   max_minutes=max_minutes, soft=soft, report=report)
     if not result["finished"]:
         return result
-    held_idx = list(range(len(train_set), len(records)))[:eval_records]
+    held_idx = list(range(len(train_set), len(records)))[:c.eval_records]
     metrics = evaluate(draft, records, store, held_idx, gamma=4, device=device)
     report(f"held-out ({metrics['bases']} bases, gamma 4): {metrics['tokens_per_step']:.2f} tokens per target step "
            f"from every base, {metrics['walked_tokens_per_step']:.2f} walked as sd steps, per-token acceptance "
@@ -771,15 +804,17 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
     summary = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
                "minutes": round((time.monotonic() - t0) / 60, 1), "records": len(train_set),
                "answer_tokens": answer_tokens, "held_out_records": len(held), "vocab_size": len(vocab),
-               "vocab_coverage_held_out": cover, "taps": taps, "epochs": epochs, "steps": steps, "lr": lr,
-               "noise": noise, "continued_from": str(init_from) if init_from else None,
+               "vocab_coverage_held_out": cover, "taps": taps, "epochs": c.epochs, "steps": c.steps, "lr": c.lr,
+               "noise": c.noise, "continued_from": str(init_from) if init_from else None,
                "data": [{"file": str(path), "prompts": list(rng)} for path, rng in
-                        zip(answers, file_ranges(answers, max_prompts, prompt_ranges))],
-               "vocab_refreshed": refresh_vocab, "vocab_refresh_drop": refresh_drop if refresh_vocab else None,
-               "soft_targets": soft_targets, "soft_weight": soft_weight if soft_targets else None,
-               "vocab_extended": extend_vocab, "features": "online (recomputed per batch)" if online else "stored fp16",
-               "tokens_per_batch": tokens_per_batch,
-               "max_loop": max_loop, "records_left_out_as_looping": dropped,
+                        zip(answers, file_ranges(answers, None, prompt_ranges))],
+               "vocab_refreshed": c.refresh_vocab, "vocab_refresh_drop": c.refresh_drop if c.refresh_vocab else None,
+               "soft_targets": c.soft_targets, "soft_weight": c.soft_weight if c.soft_targets else None,
+               "vocab_extended": c.extend_vocab,
+               "features": "online (recomputed per batch)" if online else "stored fp16",
+               "tokens_per_batch": c.tokens_per_batch,
+               "max_loop": c.max_loop, "records_left_out_as_looping": dropped,
+               "config": asdict(c),
                "train": result,
                "held_out": metrics}
     if out is not None:
@@ -790,12 +825,10 @@ def run(target_dir: Path, answers: list[Path], work: Path, out: Path | None, *, 
 
 def average_drafts(drafts: list[Path], out: Path, weights: list[float]) -> Path:
     """A saved feature draft whose every tensor is the weighted mean of the same tensor of `drafts` (saved drafts of
-    one config: the same taps and vocabulary, as a stage continued without a vocabulary refresh leaves them). Halfway
-    between its start and its end, a stage that gained on its own data and lost elsewhere kept most of the gain and
-    none of the loss (weight averaging as in WiSE-FT; models/smollm2.py's eighth stage,
-    results/feature-draft-dialogue-ab.json)."""
+    one config: the same taps and vocabulary, as a stage continued without a vocabulary refresh leaves them). A stage
+    that gains on its own data and loses elsewhere can keep most of the gain and little of the loss halfway between
+    its start and its end (weight averaging, as WiSE-FT does)."""
     from safetensors.torch import load_file, save_file
-
 
     if len(drafts) != len(weights) or not drafts or abs(sum(weights) - 1.0) > 1e-6:
         raise ValueError(f"{len(drafts)} drafts and weights {weights}: one weight per draft, summing to 1")
@@ -853,6 +886,7 @@ def compare(target_dir: Path, drafts: list[Path], answers: list[Path], work: Pat
 
 
 def main(argv: list[str] | None = None) -> int:
+    d = FeatureDraftTraining()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True, help="the target (transformers directory)")
     parser.add_argument("--answers", type=Path, nargs="+", required=True, help="answers files (models/answers.py)")
@@ -860,39 +894,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="save the trained draft here")
     parser.add_argument("--taps", type=int, nargs="+", default=None,
                         help=f"target layers the draft reads (default {list(DEFAULT_TAPS)}, or --init-from's)")
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--max-len", type=int, default=768)
-    parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=4, help="training-time-test depth (drafted tokens)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--tokens-per-batch", type=int, default=4096)
-    parser.add_argument("--noise", type=float, default=0.05)
+    parser.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    parser.add_argument("--max-len", type=int, default=d.max_len)
+    parser.add_argument("--epochs", type=float, default=d.epochs)
+    parser.add_argument("--steps", type=int, default=d.steps, help="training-time-test depth (drafted tokens)")
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--tokens-per-batch", type=int, default=d.tokens_per_batch)
+    parser.add_argument("--noise", type=float, default=d.noise)
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this long")
-    parser.add_argument("--budget-minutes", type=float, default=None,
+    parser.add_argument("--budget-minutes", type=float, default=d.budget_minutes,
                         help="train this long in all (the schedule fits it), then save and evaluate")
-    parser.add_argument("--eval-records", type=int, default=400)
+    parser.add_argument("--eval-records", type=int, default=d.eval_records)
+    parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--init-from", type=Path, default=None, help="go on training this saved feature draft")
     parser.add_argument("--max-prompts", type=int, default=None,
                         help="train on the records of the first N prompts only (default: all)")
     parser.add_argument("--prompt-range", type=parse_range, nargs="+", default=None, metavar="LO:HI",
                         help="per answers file, the prompt indices to train on (instead of --max-prompts)")
-    parser.add_argument("--refresh-vocab", type=int, default=0, metavar="N",
+    parser.add_argument("--refresh-vocab", type=int, default=d.refresh_vocab, metavar="N",
                         help="with --init-from: the N most frequent answer tokens of this data that the draft's "
                              "vocabulary lacks replace N of its tokens (head rows from the target's LM head)")
-    parser.add_argument("--refresh-drop", choices=REFRESH_DROPS, default="least-used",
+    parser.add_argument("--refresh-drop", choices=REFRESH_DROPS, default=d.refresh_drop,
                         help="which tokens --refresh-vocab swaps out: the ones this data uses least, or the last N")
-    parser.add_argument("--soft-targets", type=int, default=0, metavar="K",
+    parser.add_argument("--soft-targets", type=int, default=d.soft_targets, metavar="K",
                         help="also distil the target's own next-token distribution, its top K draft-vocabulary "
                              "rows (a pass of the whole target; 0: hard targets only)")
-    parser.add_argument("--soft-weight", type=float, default=0.5,
+    parser.add_argument("--soft-weight", type=float, default=d.soft_weight,
                         help="with --soft-targets: the soft loss's share (the hard loss gets the rest)")
-    parser.add_argument("--extend-vocab", type=int, default=0, metavar="N",
+    parser.add_argument("--extend-vocab", type=int, default=d.extend_vocab, metavar="N",
                         help="with --init-from: append the N most frequent answer tokens of this data that the "
                              "draft's vocabulary lacks (head rows from the target's LM head)")
-    parser.add_argument("--features", choices=FEATURE_MODES, default="auto",
+    parser.add_argument("--features", choices=FEATURE_MODES, default=d.features,
                         help="the target's features stored under --work (CPU) or recomputed per batch (auto: on CUDA)")
-    parser.add_argument("--max-loop", type=float, default=None, metavar="SHARE",
+    parser.add_argument("--max-loop", type=float, default=d.max_loop, metavar="SHARE",
                         help="train only on records where at most this share of the answer tokens repeats a 4-gram "
                              "of the answers before it that the rest of the conversation lacks (loop_share; the "
                              "held-out records stay all)")
@@ -905,30 +940,31 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     error = input_error([args.target, *args.answers, *(args.compare or [])], args.prompt_range, args.answers,
                         "answers files")
-    if not error and args.extend_vocab < 0:
-        error = f"--extend-vocab {args.extend_vocab}: N >= 0"
-    if not error and (args.soft_targets < 0 or not 0.0 <= args.soft_weight <= 1.0):
-        error = f"--soft-targets {args.soft_targets} / --soft-weight {args.soft_weight}: K >= 0, weight in [0, 1]"
-    if not error and args.max_loop is not None and not 0.0 <= args.max_loop <= 1.0:
-        error = f"--max-loop {args.max_loop}: a share in [0, 1]"
+    config = None
+    if not error:
+        try:
+            config = FeatureDraftTraining(
+                taps=tuple(args.taps) if args.taps else None, vocab_size=args.vocab_size, max_len=args.max_len,
+                epochs=args.epochs, steps=args.steps, lr=args.lr, tokens_per_batch=args.tokens_per_batch,
+                noise=args.noise, budget_minutes=args.budget_minutes, eval_records=args.eval_records,
+                seed=args.seed, refresh_vocab=args.refresh_vocab, refresh_drop=args.refresh_drop,
+                extend_vocab=args.extend_vocab, soft_targets=args.soft_targets, soft_weight=args.soft_weight,
+                max_loop=args.max_loop, features=args.features)
+        except ValueError as e:
+            error = str(e)
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    ranges = args.prompt_range or file_ranges(args.answers, args.max_prompts, None)
     if args.compare:
         result = compare(args.target, args.compare, args.answers, args.work, max_len=args.max_len,
-                         eval_records=args.eval_records, prompt_ranges=args.prompt_range,
-                         max_prompts=args.max_prompts)
+                         eval_records=args.eval_records, prompt_ranges=ranges)
         if args.compare_out:
             args.compare_out.parent.mkdir(parents=True, exist_ok=True)
             args.compare_out.write_text(json.dumps(result, indent=1) + "\n")
         return 0
-    run(args.target, args.answers, args.work, args.out, taps=args.taps, vocab_size=args.vocab_size,
-        max_len=args.max_len, epochs=args.epochs, steps=args.steps, lr=args.lr,
-        tokens_per_batch=args.tokens_per_batch, noise=args.noise, max_minutes=args.max_minutes,
-        budget_minutes=args.budget_minutes, eval_records=args.eval_records, init_from=args.init_from,
-        max_prompts=args.max_prompts, prompt_ranges=args.prompt_range, refresh_vocab=args.refresh_vocab,
-        refresh_drop=args.refresh_drop, soft_targets=args.soft_targets, soft_weight=args.soft_weight,
-        extend_vocab=args.extend_vocab, features=args.features, max_loop=args.max_loop)
+    run(args.target, args.answers, args.work, args.out, config, prompt_ranges=ranges, init_from=args.init_from,
+        max_minutes=args.max_minutes)
     return 0
 
 

@@ -28,7 +28,7 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +43,32 @@ STREAMS_SUMMARY = "streams.json"  # the stream heads' training summary, beside t
 STREAM_DECAY = 0.8  # loss weight of stream j: STREAM_DECAY ** j (a later stream counts only if earlier ones land)
 
 
+@dataclass(frozen=True)
+class StreamHeadsTraining:
+    """How the stream heads train (`run`). The draft, the answers files and their prompt ranges are `run`'s
+    arguments; the defaults are the command's."""
+
+    streams: int = 2  # heads: tokens drafted per forward past the main one
+    stream_vocab: int = 4096  # the head rows the streams predict over, the most frequent first (0: all)
+    stream_width: int = 0  # a head's inner width (0: twice the draft's hidden size)
+    depths: int = 3  # the draft depths whose hidden states the streams are trained on (where a window may end)
+    batches: int = 2000
+    lr: float = 1e-3  # peak; warm-up over 30 batches, then cosine to 5%
+    tokens_per_batch: int = 4096  # padded tokens per batch
+    max_len: int = 1024  # a longer conversation keeps its last max_len tokens
+    eval_records: int = 64  # held-out records measured on
+    seed: int = 0  # batch order
+    continue_streams: bool = False  # train the heads the draft has further (same shape) instead of new ones
+
+    def __post_init__(self) -> None:
+        if self.streams < 1 or self.depths < 1 or self.batches < 1:
+            raise ValueError(f"streams {self.streams}, depths {self.depths}, batches {self.batches}: at least 1")
+
+
 class _OrtFeatures:
     """The target's tap features of a record, recomputed each time it is read by the exported prefix graph on ONNX
-    Runtime (on CPU about four times torch's speed, and nothing stored): stands where a FeatureStore does in
-    tfd._tensors. On CUDA tfd.OnlineFeatures stands there instead."""
+    Runtime (on CPU faster than torch, and nothing stored): stands where a FeatureStore does in tfd._tensors. On
+    CUDA tfd.OnlineFeatures stands there instead."""
 
     def __init__(self, target, taps: list[int], records: list[tfd.Record]) -> None:
         self.prefix = tfd._OrtPrefix(target, max(taps), tuple(taps))
@@ -143,17 +165,17 @@ def evaluate(draft: FeatureDraft, records: list[tfd.Record], indices: list[int],
     return out
 
 
-def train(draft: FeatureDraft, records: list[tfd.Record], order: list[int], features, device: str, work: Path, *,
-          batches: int, depths: int, lr: float, tokens_per_batch: int, seed: int, max_minutes: float | None,
-          report=print) -> dict:
-    """`batches` batches of the training records (passes over them as needed), AdamW on the stream heads only with a
-    warm-up and a cosine schedule; a checkpoint under `work` every few minutes, resumed from when run again."""
+def train(draft: FeatureDraft, records: list[tfd.Record], order: list[int], features, device: str, work: Path,
+          config: StreamHeadsTraining, *, max_minutes: float | None = None, report=print) -> dict:
+    """config.batches batches of the training records (passes over them as needed), AdamW on the stream heads only
+    with a warm-up and a cosine schedule; a checkpoint under `work` every few minutes, resumed from when run again."""
     from tqdm import tqdm
 
-    rng = random.Random(seed)
+    batches, lr = config.batches, config.lr
+    rng = random.Random(config.seed)
     plan: list[list[int]] = []
     while len(plan) < batches:
-        plan += tfd._batches(order, records, tokens_per_batch, rng)
+        plan += tfd._batches(order, records, config.tokens_per_batch, rng)
     plan = plan[:batches]
     params = list(draft.stream_heads.parameters())
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -174,7 +196,7 @@ def train(draft: FeatureDraft, records: list[tfd.Record], order: list[int], feat
                 cosine = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * b / len(plan)))
                 group["lr"] = lr * min(1.0, (b + 1) / 30) * cosine
             ids, labels, taps = tfd._tensors(plan[b], records, features, device)
-            loss, step_accs = stream_loss(draft, taps, ids, labels, depths)
+            loss, step_accs = stream_loss(draft, taps, ids, labels, config.depths)
             accs = tfd.optimizer_step(optimizer, params, loss, accs, step_accs, bar)
             stop = max_minutes is not None and time.monotonic() - run_start > max_minutes * 60
             if time.monotonic() - last_save > 300 or b + 1 == len(plan) or stop:
@@ -189,36 +211,38 @@ def train(draft: FeatureDraft, records: list[tfd.Record], order: list[int], feat
             "stream_accuracy": accs}
 
 
-def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out: Path | None, *, streams: int,
-        stream_vocab: int, stream_width: int = 0, depths: int = 3, batches: int, lr: float = 1e-3,
-        tokens_per_batch: int = 4096, max_len: int = 1024, prompt_ranges=None, eval_records: int = 64,
-        max_minutes: float | None = None, seed: int = 0, device: str | None = None, continue_streams: bool = False,
-        report=print) -> dict:
-    """Train `streams` stream heads for the feature draft at `draft_dir`; save the draft with them at `out` (which may
-    be `draft_dir`: its streams are replaced), the summary in its STREAMS_SUMMARY. Returns the summary.
-    continue_streams: train the heads the draft has further (they must have these streams, rows and width) instead
-    of new ones; the summary keeps the earlier training's under "before"."""
+def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out: Path | None,
+        config: StreamHeadsTraining = StreamHeadsTraining(), *,
+        prompt_ranges: list[tuple[int, int | None]] | None = None, max_minutes: float | None = None,
+        device: str | None = None, report=print) -> dict:
+    """Train config.streams stream heads for the feature draft at `draft_dir`; save the draft with them at `out`
+    (which may be `draft_dir`: its streams are replaced), the summary in its STREAMS_SUMMARY. Returns the summary.
+    prompt_ranges: per answers file, the prompt indices [lo, hi) to read (None: all). config.continue_streams: train
+    the heads the draft has further (they must have these streams, rows and width) instead of new ones; the summary
+    keeps the earlier training's under "before"."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
+    c = config
+    streams, stream_vocab, stream_width = c.streams, c.stream_vocab, c.stream_width
+    torch.manual_seed(c.seed)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.monotonic()
-    records = tfd.load_records(answers, max_len, ranges=prompt_ranges)
+    records = tfd.load_records(answers, c.max_len, ranges=prompt_ranges)
     train_set, held = tfd.split(records)
     records = train_set + held
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
     base = FeatureDraft.load(draft_dir, target.get_input_embeddings().weight)
-    c = base.config
-    if c.target_vocab_size != target.config.vocab_size or c.hidden_size != target.config.hidden_size:
+    have = base.config
+    if have.target_vocab_size != target.config.vocab_size or have.hidden_size != target.config.hidden_size:
         raise SystemExit(f"the feature draft at {draft_dir} was trained for another target")
     before = None
-    if continue_streams:
+    if c.continue_streams:
         def shape(cfg) -> tuple[int, int, int]:
             return cfg.streams, cfg.stream_rows, cfg.stream_width or 2 * cfg.hidden_size
 
-        wanted = replace(c, streams=streams, stream_vocab=stream_vocab, stream_width=stream_width)
-        if shape(c) != shape(wanted):
-            raise BadInputError(f"--continue-streams: the draft at {draft_dir} has streams, rows, width {shape(c)}, "
+        wanted = replace(have, streams=streams, stream_vocab=stream_vocab, stream_width=stream_width)
+        if shape(have) != shape(wanted):
+            raise BadInputError(f"--continue-streams: the draft at {draft_dir} has streams, rows, width {shape(have)}, "
                                 f"not the {shape(wanted)} asked for")
         summary_file = draft_dir / STREAMS_SUMMARY
         before = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
@@ -233,13 +257,12 @@ def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out:
     report(f"{len(train_set)} training records, {len(held)} held out; {streams} streams over the first "
            f"{draft.config.stream_rows} head rows, held-out answer tokens covered: "
            f"{tfd.coverage(held, draft.config.vocab_ids[: draft.config.stream_rows]):.1%}")
-    result = train(draft, records, list(range(len(train_set))), features, device, work, batches=batches,
-                   depths=depths, lr=lr, tokens_per_batch=tokens_per_batch, seed=seed, max_minutes=max_minutes,
+    result = train(draft, records, list(range(len(train_set))), features, device, work, c, max_minutes=max_minutes,
                    report=report)
     if not result["finished"]:
         return result
     draft.eval()
-    metrics = evaluate(draft, records, list(range(len(train_set), len(records)))[:eval_records], features, device,
+    metrics = evaluate(draft, records, list(range(len(train_set), len(records)))[:c.eval_records], features, device,
                        gamma=4)
     report(f"held-out ({metrics['bases']} bases, gamma 4): tokens per sd step {metrics['plain_tokens_per_step']:.2f} "
            f"one token per forward, {metrics['trust_tokens_per_step']:.2f} with the last {metrics['streams']} from the "
@@ -247,10 +270,10 @@ def run(target_dir: Path, draft_dir: Path, answers: list[Path], work: Path, out:
     summary = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
                "minutes": round((time.monotonic() - t0) / 60, 1), "draft": str(draft_dir), "streams": streams,
                "stream_vocab": draft.config.stream_rows, "stream_width": stream_width or 2 * draft.config.hidden_size,
-               "depths": depths, "lr": lr, "tokens_per_batch": tokens_per_batch, "records": len(train_set),
+               "depths": c.depths, "lr": c.lr, "tokens_per_batch": c.tokens_per_batch, "records": len(train_set),
                "data": [{"file": str(p), "prompts": list(r)} for p, r in
                         zip(answers, tfd.file_ranges(answers, None, prompt_ranges))],
-               "train": result, "held_out": metrics}
+               "config": asdict(c), "train": result, "held_out": metrics}
     if before is not None:
         summary["before"] = before
     if out is not None:
@@ -276,6 +299,7 @@ def _save(draft: FeatureDraft, draft_dir: Path, out: Path, summary: dict) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    d = StreamHeadsTraining()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, type=Path)
     p.add_argument("--draft", required=True, type=Path, help="a trained feature draft directory (kept frozen)")
@@ -284,17 +308,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="per answers file, the prompt indices LO:HI to read")
     p.add_argument("--work", required=True, type=Path)
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--streams", type=int, default=2)
-    p.add_argument("--stream-vocab", type=int, default=4096, help="head rows the streams predict over (0: all)")
-    p.add_argument("--stream-width", type=int, default=0, help="inner width of a stream head (0: twice the hidden)")
-    p.add_argument("--depths", type=int, default=3, help="draft depths whose hidden states the streams read")
-    p.add_argument("--batches", type=int, default=2000)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--tokens-per-batch", type=int, default=4096)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--eval-records", type=int, default=64)
+    p.add_argument("--streams", type=int, default=d.streams)
+    p.add_argument("--stream-vocab", type=int, default=d.stream_vocab,
+                   help="head rows the streams predict over (0: all)")
+    p.add_argument("--stream-width", type=int, default=d.stream_width,
+                   help="inner width of a stream head (0: twice the hidden)")
+    p.add_argument("--depths", type=int, default=d.depths, help="draft depths whose hidden states the streams read")
+    p.add_argument("--batches", type=int, default=d.batches)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--tokens-per-batch", type=int, default=d.tokens_per_batch)
+    p.add_argument("--max-len", type=int, default=d.max_len)
+    p.add_argument("--eval-records", type=int, default=d.eval_records)
     p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--continue-streams", action="store_true",
                    help="train the stream heads the draft has further instead of new ones (use another --seed for "
                         "another batch order)")
@@ -302,17 +328,21 @@ def main(argv: list[str] | None = None) -> int:
     problem = tfd.input_error([a.target, a.draft, *a.answers], a.prompt_range, a.answers, "answers files")
     if problem is None and not FeatureDraft.is_feature_draft(a.draft):
         problem = f"{a.draft} is not a feature draft (no feature_draft.json)"
-    if problem is None and (a.streams < 1 or a.depths < 1 or a.batches < 1):
-        problem = "--streams, --depths and --batches must be at least 1"
+    config = None
+    if problem is None:
+        try:
+            config = StreamHeadsTraining(
+                streams=a.streams, stream_vocab=a.stream_vocab, stream_width=a.stream_width, depths=a.depths,
+                batches=a.batches, lr=a.lr, tokens_per_batch=a.tokens_per_batch, max_len=a.max_len,
+                eval_records=a.eval_records, seed=a.seed, continue_streams=a.continue_streams)
+        except ValueError as e:
+            problem = str(e)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        summary = run(a.target, a.draft, a.answers, a.work, a.out, streams=a.streams, stream_vocab=a.stream_vocab,
-                      stream_width=a.stream_width, depths=a.depths, batches=a.batches, lr=a.lr,
-                      tokens_per_batch=a.tokens_per_batch, max_len=a.max_len, prompt_ranges=a.prompt_range,
-                      eval_records=a.eval_records, max_minutes=a.max_minutes, seed=a.seed,
-                      continue_streams=a.continue_streams)
+        summary = run(a.target, a.draft, a.answers, a.work, a.out, config, prompt_ranges=a.prompt_range,
+                      max_minutes=a.max_minutes)
     except BadInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
