@@ -1,9 +1,8 @@
 """The target's own greedy answers at scale, as token ids: OpenVINO GenAI continuous batching over many prompts.
 
-A draft is distilled from what the target says; the more conversations it sees, the better it generalises (the
-draft issue: thousands of answers were not enough). transformers `generate` gives ~64 tokens/s on the 2-core
-reference machine at batch 24; OpenVINO GenAI's ContinuousBatchingPipeline on the same fp32 target ~480 tokens/s at
-64 sequences in flight, so a million answer tokens take about 35 minutes here (minutes on a GPU box).
+A draft is distilled from what the target says; the more conversations it sees, the better it generalises, and
+thousands of answers are not enough. On a CPU OpenVINO GenAI's ContinuousBatchingPipeline answers several times
+faster than transformers `generate` on the same fp32 target (docs/training.md has the rates).
 
 Records go to a gzip JSON-lines file, one per prompt; each batch is appended as a complete gzip member, so the file
 can be read while a run goes on, and an interrupted run resumes where it stopped: a member cut short by the

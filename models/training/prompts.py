@@ -153,10 +153,9 @@ def build(n: int, seed: int = 0, held_out: bool = False) -> list[Prompt]:
 
 
 # -- the broad training pool ------------------------------------------------------------------------------------
-# The first draft learned the base pool's 80 topics well (63% next-token agreement on held-out conversations of
-# those topics) and generalised poorly to new ones (27%): what it lacked was breadth, not steps. The broad pool
-# adds several hundred topics, more phrasings and code tasks, weighted toward chat and code (what the acceptance
-# target is measured on). Held-out topics/tasks/prompts (above) and the benchmark's own prompts (bench/prompts.py)
+# A draft trained on the base pool's 80 topics learns them well and generalises poorly to new ones: what it lacks
+# is breadth, not steps. The broad pool adds several hundred topics, more phrasings and code tasks, weighted toward
+# chat and code. Held-out topics/tasks/prompts (above) and the benchmark's own prompts (bench/prompts.py)
 # stay out of it; tests/test_models.py checks both.
 BROAD_TOPICS = TOPICS + [
     "the Byzantine Empire", "ancient Greece", "the Vikings", "the Aztecs", "the Inca Empire", "the Ming dynasty",
@@ -348,10 +347,10 @@ def _distinct(n: int, make, exclude: set[str]) -> list[Prompt]:
 
 # -- the everyday pool: the task kinds the broad pool is thin in -------------------------------------------------
 # The broad pool cycles its kinds but skips repeats, and its translation, summarisation, QA and RAG prompts come from
-# short lists: of 20,000 broad prompts, 60 are translations and 266 summaries (pydoc passages, not everyday prose).
-# The feature draft then drafts worst exactly there (held-out tokens per step: translation 1.13, summarisation 1.44,
-# against 2.0 on multi-turn chat). This pool writes those kinds from prose the target wrote itself: paragraphs of its
-# own chat answers (training records only) become the passages, their sentences the text to translate.
+# short lists: a few hundred of its tens of thousands of prompts are translations or summaries (of pydoc passages,
+# not everyday prose), and a draft trained on it drafts worst exactly there (docs/training.md). This pool writes
+# those kinds from prose the target wrote itself: paragraphs of its own chat answers (training records only) become
+# the passages, their sentences the text to translate.
 EVERYDAY_KINDS = ("translation", "summarisation", "rag", "translation", "qa", "rag", "summarisation", "translation")
 EVERYDAY_LANGUAGES = LANGUAGES + ["Portuguese", "Dutch", "Swedish", "Polish"]
 SUMMARY_INSTRUCTIONS = [
@@ -428,11 +427,10 @@ def build_everyday(n: int, texts: list[str], seed: int = 0) -> list[Prompt]:
 
 
 # -- the code pool: code tasks from the standard library's own functions ------------------------------------------
-# Code is thin in every pool (the broad pool has ~400 distinct code prompts: 388 of its 20,000), and a draft trained
-# on prose loses it (the feature draft's fifth stage: HumanEval 1.72 -> 1.54 tokens per step). The standard
-# library documents thousands of functions: each public function with a one-line summary becomes a task, asked as a
-# stub to complete or as a function to write. (HumanEval, the public check, is not among them: it is not shipped
-# with Python.)
+# Code is thin in every pool (the broad pool has a few hundred distinct code prompts), and a draft trained on prose
+# loses it (docs/training.md). The standard library documents thousands of functions: each public function with a
+# one-line summary becomes a task, asked as a stub to complete or as a function to write. (HumanEval, the public
+# check, is not among them: it is not shipped with Python.)
 CODE_MODULES = (
     "string", "textwrap", "itertools", "functools", "math", "statistics", "os.path", "shutil", "json", "re",
     "collections", "heapq", "bisect", "random", "datetime", "calendar", "fractions", "decimal", "operator", "copy",
@@ -500,11 +498,11 @@ def build_code(n: int, seed: int = 0) -> list[Prompt]:
 
 # -- the advice pool: practical how-to chat, asked once and followed up -------------------------------------------
 # People ask a chat model how to do things: start a habit, fix something at home, care for a plant or a pet, plan a
-# trip, learn a skill. No other pool asks that (the broad pool's chat is "explain a topic"), and the feature draft
-# drafted the benchmark's multi-turn prompts, which are exactly such advice, worst of the kinds (1.37 tokens per
-# step). Subjects and problems are written here by hand; the benchmark's own subjects (a journal, houseplants, a
-# puppy, hiking, a slow laptop, breakfast, remembering names, sourdough, guitar or keyboard, groceries) and the
-# held-out topics stay out (ADVICE_EXCLUDED; tests/test_models.py checks it).
+# trip, learn a skill. No other pool asks that (the broad pool's chat is "explain a topic"), and the benchmark's
+# multi-turn prompts, which are exactly such advice, were the kind the feature draft drafted worst. Subjects and
+# problems are written here by hand; the benchmark's own subjects (a journal, houseplants, a puppy, hiking, a slow
+# laptop, breakfast, remembering names, sourdough, guitar or keyboard, groceries) and the held-out topics stay out
+# (ADVICE_EXCLUDED; tests/test_models.py checks it).
 ADVICE_EXCLUDED = ("journal", "houseplant", "puppy", "puppies", "hiking", "hike", "laptop", "breakfast", "name",
                    "sourdough", "guitar", "keyboard", "grocery", "groceries", "tea", "bicycle", "violin", "piano",
                    "origami", "chocolate", "umbrella", "train", "compass", "lighthouse", "firework", "windmill",
@@ -598,11 +596,10 @@ def build_advice(n: int, seed: int = 0) -> list[Prompt]:
 # -- the dialogue pool: follow-ups to a short earlier reply -------------------------------------------------------
 # The benchmark's multi-turn prompts carry an earlier assistant turn written by hand, two short sentences; every
 # multi-turn prompt of the other pools carries the target's own full first answer. The draft drafts the target's
-# answer to the follow-up far better after the latter: on the benchmark's ten multi-turn conversations, 2.24 tokens
-# per gamma-4 step with the target's own first answer, 1.93 with it cut to its first two sentences, 1.61 with the
-# hand-written reply (results/feature-draft-dialogue-ab.json). So this pool asks the advice pool's questions again,
-# with the target's first answer cut to its first one or two plain sentences as the earlier turn, and a follow-up:
-# the answer to the follow-up is what the target generates here.
+# answer to the follow-up far better after the latter, and better after that answer cut short than after a
+# hand-written reply (docs/training.md). So this pool asks the advice pool's questions again, with the target's first
+# answer cut to its first one or two plain sentences as the earlier turn, and a follow-up: the answer to the
+# follow-up is what the target generates here.
 DIALOGUE_FOLLOW_UPS = ADVICE_FOLLOW_UPS + [
     "How long does that usually take?", "Which of these would you try first?", "Does that work for beginners too?",
     "What if I have no time during the week?", "Is there anything I should buy first?", "How do I keep it up?",

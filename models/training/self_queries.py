@@ -1,8 +1,8 @@
 """Prompts the target writes itself (Magpie): user queries sampled from its own chat template, answered greedily.
 
 Every other pool (models/prompts.py) fills templates from short lists, so a draft trained on them learns the
-templates: on the benchmark's prompts, which it never saw, the feature draft commits 2.2 tokens per gamma-4 step
-against 2.8-3.5 on held-out records of its own pools (results/feature-draft-gpu.json). An instruction-tuned model
+templates: it drafts the benchmark's prompts, which it never saw, well below held-out records of its own pools
+(docs/training.md). An instruction-tuned model
 given its chat template up to the start of a user turn writes a user turn (Magpie, Xu et al. 2024): sampled, those
 queries are as varied as what the model was tuned on. Each is then answered the way every pool is: the target's
 greedy answer, fp32, to the conversation rendered by the same chat template.
@@ -53,8 +53,8 @@ class SelfQueries:
             raise BadInputError(f"{target}: its chat template does not render a user turn's text once")
         # the conversation up to where the user's text begins (the system turn the template adds included)
         self.pre_query = self.encode(rendered.split(MARK)[0])
-        # Not the tokenizer's eos_token_id alone: the GPU machine's transformers read the converted GGUF's as
-        # <|im_start|>, so a first run stopped one turn late (results/self-data-gpu.json).
+        # Not the tokenizer's eos_token_id alone: a transformers version may read the converted GGUF's as
+        # <|im_start|>, which stops a turn one turn late.
         self.eos = end_of_turn(self.tokenizer)
         self.stops = [self.eos] + [t for t in [self.tokenizer.eos_token_id] if t is not None and t != self.eos]
 

@@ -2,7 +2,7 @@
 
 models/self_queries.py lets the target write whole user turns; what it writes are mostly chat questions, while the
 benchmark (bench/prompts.py) and the held-out set ask for translations, summaries, answers from a passage, word
-problems, explanations and follow-ups, the kinds where the draft is accepted least (results/README.md). Here the
+problems, explanations and follow-ups, the kinds where the draft is accepted least (docs/training.md). Here the
 user turn starts with an opening of one of those kinds, written here ("Translate to Dutch:", "Summarize the
 following text in two sentences.", "Answer the question using only the passage. Passage:", "Why does"), and the
 target, sampled, writes the rest: the sentence to translate, the passage, the question. A passage that runs long is
@@ -61,7 +61,7 @@ MIN_PASSAGE_WORDS = 30
 FIRST_ANSWER_SENTENCES = 2
 FIRST_ANSWER_WORDS = 40
 # Below self_queries' 1.0: the turn's kind is set by its opening, and at 1.0 the 135M target's sentences and
-# passages drift into word salad within a line (a first sample of 24 turns on the CPU).
+# passages drift into word salad within a line.
 TEMPERATURE = 0.8
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s")
 
