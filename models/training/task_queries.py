@@ -1,21 +1,21 @@
 """User turns in the benchmark's task kinds, written by the target itself: Magpie steered by the turn's opening.
 
-models/self_queries.py lets the target write whole user turns; what it writes are mostly chat questions, while the
-benchmark (bench/prompts.py) and the held-out set ask for translations, summaries, answers from a passage, word
-problems, explanations and follow-ups, the kinds where the draft is accepted least (docs/training.md). Here the
-user turn starts with an opening of one of those kinds, written here ("Translate to Dutch:", "Summarize the
-following text in two sentences.", "Answer the question using only the passage. Passage:", "Why does"), and the
-target, sampled, writes the rest: the sentence to translate, the passage, the question. A passage that runs long is
-cut at its last full sentence; a passage without a question gets one written in a second pass. A follow-up turn
-continues a self-written conversation (answers-self.jsonl.gz's training records: its query and the target's first
-answer, cut to its first sentences, as the benchmark's earlier turns are short). Each conversation is then answered
-greedily by the fp32 target, as every pool is.
+models/training/self_queries.py lets the target write whole user turns; what it writes are mostly chat questions, while
+the benchmark (models/benchmark_prompts.py) and the held-out set ask for translations, summaries, answers from a
+passage, word problems, explanations and follow-ups, the kinds where the draft is accepted least (docs/training.md).
+Here the user turn starts with an opening of one of those kinds, written here ("Translate to Dutch:", "Summarize the
+following text in two sentences.", "Answer the question using only the passage. Passage:", "Why does"), and the target,
+sampled, writes the rest: the sentence to translate, the passage, the question. A passage that runs long is cut at its
+last full sentence; a passage without a question gets one written in a second pass. A follow-up turn continues a
+self-written conversation (answers-self.jsonl.gz's training records: its query and the target's first answer, cut to its
+first sentences, as the benchmark's earlier turns are short). Each conversation is then answered greedily by the fp32
+target, as every pool is.
 
     python -m mirror_sd.models.training.task_queries --target build/models/smollm2-135m-instruct -n 20000 \\
         --self-answers models/training/data/answers-self.jsonl.gz --out models/training/data/answers-tasks.jsonl.gz
 
-Records are models/answers.py's (kind "task-<kind>", one gzip member per batch, resumable; a follow-up's record has
-one answer span, its last turn's: the first answer is in answers-self already). No user turn is a held-out or
+Records are models/training/answers.py's (kind "task-<kind>", one gzip member per batch, resumable; a follow-up's
+record has one answer span, its last turn's: the first answer is in answers-self already). No user turn is a held-out or
 benchmark prompt (self_queries.excluded_queries). Sampled text is not bit-reproducible across devices: the token
 ids are what is committed. Runs on CUDA when torch sees a GPU.
 """

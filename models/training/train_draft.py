@@ -1,6 +1,6 @@
 """Train the streaming draft by distillation from the target, on two CPU cores.
 
-Data: the target's own greedy answers to the training prompts (models/datagen.py) — the tokens the draft must
+Data: the target's own greedy answers to the training prompts (models/training/datagen.py) — the tokens the draft must
 propose for the target to accept them — plus some Python standard-library source for code. Loss: the Speculative
 Streaming loss, CE(next) + sum_j alpha_j CE(t + 1 + j), weighted 1.0 on the target's answer tokens and lower on
 prompt text and library code (language in general, but not what the target would say).

@@ -1,6 +1,6 @@
 """Train the early-exit adapter (models/exit_adapter.py) by distillation from the target's final distribution.
 
-One teacher pass runs the target over the target's own answers (models/datagen.py) and keeps, for every answer
+One teacher pass runs the target over the target's own answers (models/training/datagen.py) and keeps, for every answer
 position, the hidden state after each candidate exit layer and the final distribution's top-32. An adapter per
 exit layer then learns to map the layer-l_e state to that distribution (soft cross-entropy on the teacher's
 top-32, renormalised). Coverage — how often the target's final greedy token is in the exit head's top-1 / top-k
@@ -160,8 +160,8 @@ def teacher_pass(model, examples, layers: list[int], draft=None, report=print) -
 
 
 def answer_examples(path: Path, max_prompts: int | None = None, min_prompt: int = 0) -> list[Example]:
-    """Examples from an answers file (models/answers.py: the committed token ids of the target's own answers, chat
-    template applied); the answer spans get ANSWER_WEIGHT. Only records of prompt index in [min_prompt,
+    """Examples from an answers file (models/training/answers.py: the committed token ids of the target's own answers,
+    chat template applied); the answer spans get ANSWER_WEIGHT. Only records of prompt index in [min_prompt,
     max_prompts)."""
     import numpy as np
 

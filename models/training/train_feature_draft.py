@@ -889,7 +889,8 @@ def main(argv: list[str] | None = None) -> int:
     d = FeatureDraftTraining()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True, help="the target (transformers directory)")
-    parser.add_argument("--answers", type=Path, nargs="+", required=True, help="answers files (models/answers.py)")
+    parser.add_argument("--answers", type=Path, nargs="+", required=True,
+                        help="answers files (models/training/answers.py)")
     parser.add_argument("--work", type=Path, default=Path("build/feature-draft"), help="features and checkpoints")
     parser.add_argument("--out", type=Path, default=None, help="save the trained draft here")
     parser.add_argument("--taps", type=int, nargs="+", default=None,
