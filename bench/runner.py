@@ -1,6 +1,6 @@
 """The benchmark: every method on the same prompt ids, interleaved, with ablations, sweeps and a traced timeline.
 
-    doc = run_bench(Path("build/bundles/smollm2"), QUICK)   # -> the bench.json document (plain data)
+    doc = run_bench(Path("build/bundles/smollm2-feature"), QUICK)   # -> the bench.json document (plain data)
 
 Order of work: load the pipelines, open the external baselines, warm every method up (and time ar at 1 and 2
 target threads to pick its best setting), then the groups. In a group every prompt runs every method once, the

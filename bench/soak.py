@@ -792,7 +792,7 @@ def _recorded(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mirror_sd.bench.soak", description=__doc__.splitlines()[0])
-    p.add_argument("bundle", type=Path, help="bundle directory (the real pair: build/bundles/smollm2)")
+    p.add_argument("bundle", type=Path, help="bundle directory (the real pair: build/bundles/smollm2-feature)")
     p.add_argument("--requests", type=int, default=500, help="load requests after the warm-up (default 500)")
     p.add_argument("--clients", type=int, default=8, help="concurrent client threads (default 8)")
     p.add_argument("--fault-generations", type=int, default=200,
@@ -814,7 +814,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.client_timeout > 0:
         raise BadInputError(f"--client-timeout must be > 0, got {args.client_timeout}")
     if not (args.bundle / "manifest.json").is_file():
-        raise BadInputError(f"{args.bundle} is not a bundle directory (make models builds build/bundles/smollm2)")
+        raise BadInputError(f"{args.bundle} is not a bundle directory (make models builds build/bundles/smollm2-feature)")
     return args
 
 

@@ -65,7 +65,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
 def state_digest(model_dir: str | Path) -> str:
     """sha256 over a saved model's tensors (name, then bytes, in name order): two machines' conversions of one GGUF
-    file hold the same target when their digests match (the GPU scripts under results/scripts compare them)."""
+    file hold the same target when their digests match (the GPU scripts under lab/scripts compare them)."""
     import hashlib
 
     from safetensors.numpy import load_file

