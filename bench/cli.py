@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"results/bench-{size.name}")
     methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()]) if args.methods else None
     if not Path(args.bundle).is_dir():
-        raise BadInputError(f"bundle {args.bundle} is not a directory (make models builds build/bundles/smollm2-feature)")
+        raise BadInputError(f"bundle {args.bundle} is not a directory (make models builds "
+                            "build/bundles/smollm2-feature)")
     check_out(out)  # refuse before any work, not after half an hour
     doc = run_bench(Path(args.bundle), size, methods, sources=Sources.real_pair(Path(args.bundle)),
                     progress=not args.no_progress)

@@ -814,7 +814,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.client_timeout > 0:
         raise BadInputError(f"--client-timeout must be > 0, got {args.client_timeout}")
     if not (args.bundle / "manifest.json").is_file():
-        raise BadInputError(f"{args.bundle} is not a bundle directory (make models builds build/bundles/smollm2-feature)")
+        raise BadInputError(f"{args.bundle} is not a bundle directory (make models builds "
+                            "build/bundles/smollm2-feature)")
     return args
 
 
