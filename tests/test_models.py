@@ -185,18 +185,18 @@ def test_committed_plan_is_installed_only_for_the_export_it_measured(bundle_fact
     monkeypatch.setattr(smollm2, "PLAN", plan)
 
     plan.write_text(json.dumps({**committed, "bundle": {**committed["bundle"], "exit_layer": 2, "top_k": 8}}))
-    smollm2._add_plan(bundle)
+    smollm2._add_plan(bundle, "streaming")
     assert not (bundle / PLAN_FILE).exists()
     Pipeline.load(bundle)  # built-in defaults
 
     runtime = {**committed["runtime"], "kappa": 4, "gamma": 3}
     plan.write_text(json.dumps({**committed, "bundle": {**committed["bundle"], "exit_layer": 3, "top_k": 8},
                                 "runtime": runtime}))
-    smollm2._add_plan(bundle)
+    smollm2._add_plan(bundle, "streaming")
     assert json.loads((bundle / PLAN_FILE).read_text())["runtime"]["gamma"] == 3
     assert Pipeline.load(bundle).generation_config.gamma == 3
     plan.write_text(json.dumps({**committed, "runtime": {**runtime, "gamma": 5}}))
-    smollm2._add_plan(bundle)  # one is there (a `make plan` made here): kept
+    smollm2._add_plan(bundle, "streaming")  # one is there (a `make plan` made here): kept
     assert json.loads((bundle / PLAN_FILE).read_text())["runtime"]["gamma"] == 3
 
 
