@@ -21,7 +21,7 @@ from mirror_sd.runtime.pipeline import GenerationResult, Pipeline
 
 BUILD = Path("build")
 TINY_PAIR, TINY_BUNDLE = BUILD / "pairs" / "tiny-llama", BUILD / "bundles" / "tiny"
-QUESTION = "Explain in three sentences why the sky is blue."
+QUESTION = "Give me three tips for staying focused while studying."
 MODES = ("ar", "sd", "mirror")
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", choices=smollm2.DRAFT_KINDS, default=smollm2.DEFAULT_DRAFT_KIND,
                         help=f"which committed draft the default pair gets (default {smollm2.DEFAULT_DRAFT_KIND})")
     parser.add_argument("--tiny", action="store_true", help="run a tiny random pair made locally")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
     args = parser.parse_args(argv)
     try:
         if args.bundle is None:
