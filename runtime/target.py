@@ -36,8 +36,8 @@ from mirror_sd.partitions.spec import (
 from mirror_sd.runtime.backends import ort_session
 
 # Prompt tokens per forward. It bounds the attention scratch (T x capacity per head), and a narrower chunk computes
-# less of the attention rectangle that the causal mask then discards: prefill at 2 threads measured 256 fastest of
-# 192/256/384/512 (512 prompt tokens 327 vs 342 ms, 2048 1859 vs 1893 ms, 4096 4583 vs 4944 ms).
+# less of the attention rectangle that the causal mask then discards, while each forward has a fixed cost: on the
+# reference CPU 256 was the fastest of 192-512 at every prompt length (docs/design.md: "Prefill in chunks of 256").
 PREFILL_CHUNK = 256
 # Every target step on the CUDA execution provider runs this many rows (Target.step_width says why): a draft window
 # of up to 7 tokens, or a prompt-lookup window (4, grown by its schedule to 7 at most), plus the token before it. A
