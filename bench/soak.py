@@ -560,7 +560,9 @@ def fault_phase(pipe, prompts: list[SoakPrompt], expected: list[Expected], gener
                 max_tokens: int, seed: int = 1, fail_rate: float = 0.03, stall_rate: float = 0.02,
                 stall_s: float = 0.35, draft_timeout_s: float = 0.2, timeout_s: float = 60.0) -> dict[str, Any]:
     """Generations through a draft that fails: all sd or mirror (the draft must run) and none streaming (only a
-    complete response carries its fallbacks, whose sum /metrics must equal)."""
+    complete response carries its fallbacks, whose sum /metrics must equal). One client at a time: the draft runs
+    for a request alone, while requests that share the engine's steps run there as the target alone."""
+    clients = 1
     faulty, draft = faulty_pipeline(pipe, seed, fail_rate, stall_rate, stall_s, draft_timeout_s)
     specs = request_plan(generations, len(prompts), seed, stream_share=0.0, modes=("mirror", "sd"), weights=(1, 1))
     tally = Tally()

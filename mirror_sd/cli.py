@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 LOAD_FLAGS = {
     "generate": ("target_backend", "draft_backend", "target_device", "target_step_width", "draft_device",
                  "max_context", "target_threads", "draft_threads", "cache_dir", "huge_pages"),
-    "serve": ("target_threads", "draft_threads", "target_device", "draft_device", "max_context", "target_step_width"),
+    "serve": ("target_threads", "draft_threads", "target_device", "draft_device", "max_context", "target_step_width",
+              "max_num_seqs", "kv_cache_gb"),
     "plan": ("target_device", "draft_device"),
 }
 # one generation is not worth the longer load that huge pages take; the Python API and serve keep them on
@@ -180,8 +181,10 @@ def _serve(args: argparse.Namespace) -> int:
     pipe.generation_config = pipe.generation_config.updated(**given(args, GenerationConfig))
     name = args.model_name or Path(args.bundle).resolve().name
     app = create_app(pipe, ServerSettings(name, args.max_queue, args.request_timeout))
+    engine = pipe.engine()
     print(f"mirror-sd: serving {name!r} on http://{args.host}:{args.port}/v1 ({pipe.generation_config.mode}; "
-          f"target {pipe.target.device}, draft {pipe.draft.device})", file=sys.stderr)
+          f"target {pipe.target.device}, draft {pipe.draft.device}; up to {engine.max_num_seqs} generations at "
+          f"once, each up to {pipe.context_limit} tokens)", file=sys.stderr)
     serve(app, args.host, args.port)  # SIGTERM: open generations stop at their next step, then exit 0
     return 0
 
@@ -364,8 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000, help="default 8000")
     sv.add_argument("--model-name", default=None, help="the model id clients name (default: the bundle's folder name)")
-    sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait behind the running one "
-                    "(default 16); more get 429 with Retry-After")
+    sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a free generation slot "
+                    "(--max-num-seqs) (default 16); more get 429 with Retry-After")
     sv.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds a request may take, queueing included (default 600)")
     add_options(sv, GenerationConfig, SERVE_GENERATION)  # the server's defaults: a request's own value wins

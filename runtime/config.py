@@ -294,6 +294,14 @@ class LoadOptions(Options):
         "are open (Linux; runtime/huge_pages.py): faster target steps for a longer load; what it did is "
         "pipe.huge_pages")
     use_plan: bool = option(True, "take defaults from the bundle's plan.json (off: ignore it)", cli=False)
+    max_num_seqs: int = option(
+        16, "generations the batching engine runs at once (the server's concurrent requests, Pipeline.generate of a "
+        "list); more wait for a free one", range=Range(1))
+    kv_cache_gb: float | None = option(
+        None, "the batching engine's KV memory in GiB: each running generation holds one slot of the target's "
+        "context (max_context positions), and what the budget holds caps max_num_seqs; free slots keep their "
+        "tokens as the prefix cache", range=Range(0, low_open=True),
+        none="max_num_seqs slots (on the CPU only the positions written take memory)")
 
 
 def _is_number(x: Any) -> bool:

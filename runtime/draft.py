@@ -46,7 +46,7 @@ import numpy as np
 from mirror_sd.partitions.manifest import LOGITS, STREAM_IDS
 from mirror_sd.runtime.config import streaming_mode
 from mirror_sd.runtime.engines import DraftEngine
-from mirror_sd.runtime.kv import LayerKV, OwnPast, positions
+from mirror_sd.runtime.kv import LayerKV, OwnPast, common_prefix, positions
 from mirror_sd.runtime.messages import BranchKey, BranchSet, DraftWindow, ExitCandidates, Features, frozen
 from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, probability, rng_for
 from mirror_sd.runtime.stats import Recorder
@@ -98,12 +98,6 @@ def plan_branches(c: ExitCandidates, kappa: int, budget: int, unranked_accept: f
                 prefix_lp += max(EXIT_ACCEPT_POWER * float(c.topk_logprobs[r, :kappa][-1]), floor)
     scored.sort(key=lambda s: -s[0])  # stable: ties keep (r, rank) order
     return tuple((r, v) for _, r, v in scored[:budget])
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 class DraftVocab:
@@ -263,16 +257,16 @@ class DrafterBase:
         so one is left to feed) and return its length. A row of the last branch set that shares more of them than
         the lane (a branch hit) moves into the lane first: the lane is cut to the row's prefix, the row's own slots
         follow."""
-        common = _common_prefix(self.lane.tokens, inputs)
+        common = common_prefix(self.lane.tokens, inputs)
         rows, self.rows = self.rows, None
         if rows is not None:
-            best = max(range(len(rows.tokens)), key=lambda b: _common_prefix(rows.held(self.lane.tokens, b), inputs))
+            best = max(range(len(rows.tokens)), key=lambda b: common_prefix(rows.held(self.lane.tokens, b), inputs))
             held = rows.held(self.lane.tokens, best)
-            if _common_prefix(held, inputs) > common:
+            if common_prefix(held, inputs) > common:
                 shared = int(rows.shared[best])
                 self.lane.truncate(shared)
                 self.lane.append(rows.lane_kv(best), held[shared:])
-                common = _common_prefix(self.lane.tokens, inputs)
+                common = common_prefix(self.lane.tokens, inputs)
         keep = min(common, inputs.size - 1) if keep_last else common
         self.lane.truncate(keep)
         return keep
@@ -311,7 +305,7 @@ class DrafterBase:
         self._take(self._inputs(verified), keep_last=False)  # a hit row joins the lane
         if not plan:
             return BranchSet.of({}, 0)
-        shared = np.array([min(_common_prefix(self.lane.tokens, self._inputs(b)), self._inputs(b).size - 1)
+        shared = np.array([min(common_prefix(self.lane.tokens, self._inputs(b)), self._inputs(b).size - 1)
                            for b in bases], np.int64)
         # Each row draws with the generator a fresh rollout of its context would use, so a branch's window is
         # the window a miss would have drawn (up to batch rounding of the draft's logits).

@@ -33,9 +33,9 @@ import numpy as np
 
 from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, STREAM_IDS, SURROGATE, USE_SURROGATE
 from mirror_sd.runtime.config import streaming_mode
-from mirror_sd.runtime.draft import PAD_ID, DrafterBase, _common_prefix
+from mirror_sd.runtime.draft import PAD_ID, DrafterBase
 from mirror_sd.runtime.engines import DraftEngine
-from mirror_sd.runtime.kv import LayerKV
+from mirror_sd.runtime.kv import LayerKV, common_prefix
 from mirror_sd.runtime.messages import (
     FeatureBlock,
     Features,
@@ -63,7 +63,9 @@ class FeatureGapError(RuntimeError):
 
 
 class FeatureStore:
-    """Taps [capacity, n_taps, H] of positions [0, length), each computed by the target on tokens[:p + 1]."""
+    """Taps [capacity, n_taps, H] of positions [0, length), each computed by the target on tokens[:p + 1]. The first
+    block an empty store takes may start past 0: a prompt whose head the batching engine's prefix cache held, of
+    which the draft reads only the last prompt_window inputs (their taps are sent); the head's taps are never read."""
 
     def __init__(self, capacity: int, n_taps: int, width: int, dtype: str) -> None:
         self.taps = np.zeros((capacity, n_taps, width), dtype)
@@ -77,7 +79,7 @@ class FeatureStore:
         seq = np.asarray(block.tokens, np.int64)
         valid = self.valid_for(seq)
         end = block.start + len(block.taps)
-        if block.start > valid:
+        if block.start > valid and self.length:
             raise FeatureGapError(f"taps from position {block.start} arrived, but only {valid} are known")
         if end > self.taps.shape[0] or end > seq.size:
             raise FeatureGapError(f"taps up to position {end} do not fit the store or their sequence")
@@ -86,7 +88,7 @@ class FeatureStore:
 
     def valid_for(self, seq: np.ndarray) -> int:
         """How many leading positions of `seq` have their taps here."""
-        return min(self.length, _common_prefix(self.tokens, seq))
+        return min(self.length, common_prefix(self.tokens, seq))
 
 
 @dataclass

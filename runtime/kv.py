@@ -132,3 +132,10 @@ def positions(shared: np.ndarray, own: OwnPast, new_mask: np.ndarray) -> np.ndar
     new tokens whose mask is 1 (a hole repeats its neighbour's position, never below 0)."""
     start = shared.astype(np.int64) + own.real()
     return np.maximum(start[:, None] + np.cumsum(new_mask, axis=1) - 1, 0).astype(np.int64)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two id arrays share."""
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n

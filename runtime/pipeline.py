@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -27,34 +26,23 @@ from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.plan_file import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
 from mirror_sd.runtime.backends import default_openvino_device, on_cpu, usable_cores
+from mirror_sd.runtime.batching import BatchEngine
 from mirror_sd.runtime.config import BUILTIN_THREADS, GenerationConfig, LoadOptions, specs
 from mirror_sd.runtime.draft import Drafter
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
+from mirror_sd.runtime.kv_slots import slots_for
 from mirror_sd.runtime.package_reader import OpenedPackage, is_package, open_package
+from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.scheduler import DraftWorker, decode, reads_prompt_alongside
-from mirror_sd.runtime.stats import GenerationStats, Recorder
-from mirror_sd.runtime.target import Target, open_target
+from mirror_sd.runtime.stats import Recorder
+from mirror_sd.runtime.target import KVView, Target, open_target
 from mirror_sd.runtime.text import TextCodec, TextSink
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 Streamer = Callable[[int, str], None]  # (token id, new text) for every committed token
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    token_ids: list[int]  # new tokens only; an EOS that ended generation is included
-    text: str  # their text, without special tokens, cut before a stop string
-    stats: GenerationStats  # typed; also reads as a mapping (stats["acceptance_rate"]), stats.as_dict() for JSON
-    finish_reason: str  # "eos", "stop" or "length"
-
-
-@dataclass(frozen=True)
-class Chunk:
-    token_id: int
-    text: str  # new text this token made safe to show (may be empty)
 
 
 class GenerationStream:
@@ -98,6 +86,9 @@ class Pipeline:
         # per mode and bucket of context length, what the speculation gate learned in the last generation there: the
         # next one starts from it (runtime/gate.py); touched only by the generating thread, under _busy
         self._gate_memory: dict[tuple[str, int], GateState] = {}
+        self.load_options = LoadOptions()  # what load was given (the batching engine reads its own from it)
+        self._engine: BatchEngine | None = None
+        self._engine_lock = threading.Lock()
 
     @classmethod
     def load(cls, bundle: str | Path, options: LoadOptions | None = None, **overrides: Any) -> Pipeline:
@@ -140,6 +131,7 @@ class Pipeline:
             draft = open_engine(bundle, manifest, "draft", o.draft_device, draft_threads, o.cache_dir, draft_backend)
         pipe = cls(manifest, target, draft, codec, defaults, target_threads, draft_threads, package)
         pipe.huge_pages = new_memory.collapse() if new_memory is not None else None
+        pipe.load_options = o
         return pipe
 
     # -- prompts -------------------------------------------------------------------------------------------
@@ -165,11 +157,21 @@ class Pipeline:
         return ids
 
     # -- generation ----------------------------------------------------------------------------------------
-    def generate(self, prompt: Prompt, config: GenerationConfig | None = None, *, streamer: Streamer | None = None,
-                 **overrides: Any) -> GenerationResult:
+    def generate(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None = None, *,
+                 streamer: Streamer | None = None, **overrides: Any) -> GenerationResult | list[GenerationResult]:
         """Generate from `prompt` with `config` (default: `self.generation_config`), any of its fields overridden
         by keyword (runtime/config.py lists them). `streamer(token_id, text)` gets every committed token as it is
-        committed."""
+        committed.
+
+        A list of prompts (strings, chat message lists or token id lists) runs them together on the batching
+        engine (`engine()`) and gives their results in the same order; each is its solo result, token for token
+        where greedy."""
+        if is_batch(prompt):
+            if streamer is not None:
+                raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
+                                    "requests engine().submit returns", option="streamer")
+            checked = [self.check(p, config, **overrides) for p in prompt]  # every one refused before any work
+            return [request.wait() for request in [self.engine().submit(ids, cfg) for ids, cfg in checked]]
         run = self._run(prompt, config, overrides)
         try:
             while True:
@@ -184,6 +186,23 @@ class Pipeline:
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides: Any) -> GenerationStream:
         """generate as an iterator of Chunks; its result is set once the iterator is exhausted."""
         return GenerationStream(self._run(prompt, config, overrides))
+
+    def engine(self) -> BatchEngine:
+        """The batching engine over this pipeline (runtime/engine.py): many generations at once, submitted from any
+        thread (runtime/batching.py). Started on first use with the load options' max_num_seqs and kv_cache_gb."""
+        with self._engine_lock:
+            if self._engine is None:
+                o = self.load_options
+                slots = slots_for(self.manifest, self.target.slots, o.max_num_seqs, o.kv_cache_gb)
+                self._engine = BatchEngine(self, slots)
+            return self._engine
+
+    def close(self) -> None:
+        """Stop the batching engine, if one runs (its requests end with EngineClosed)."""
+        with self._engine_lock:
+            if self._engine is not None:
+                self._engine.close()
+                self._engine = None
 
     def _run(self, prompt: Prompt, config: GenerationConfig | None, overrides: dict[str, Any]) -> Iterator[Chunk]:
         return self._decode(*self.check(prompt, config, **overrides))
@@ -219,25 +238,32 @@ class Pipeline:
         if cfg.mode != "ar" and cfg.gamma > b.max_gamma:
             raise BadInputError(f"gamma {cfg.gamma} exceeds this package's max_gamma {b.max_gamma}", option="gamma")
 
-    def _decode(self, ids: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
+    def _decode(self, ids: list[int], cfg: GenerationConfig, kv: dict[str, KVView] | None = None,
+                rec: Recorder | None = None, cached: int = 0) -> Iterator[Chunk]:
+        """One generation on the target's own KV buffers, or on `kv` (one of the batching engine's slots: the
+        engine's request running alone, recorded in the engine's `rec`; its first `cached` prompt tokens' KV is
+        there already)."""
         if self._owner == threading.get_ident():  # waiting for ourselves would never end
             raise BadInputError("this thread's earlier stream is still open: exhaust or close it first")
         with self._busy:
             self._owner = threading.get_ident()
+            if kv is not None:
+                self.target.use_kv(kv)
             try:
-                return (yield from self._decode_alone(ids, cfg))
+                return (yield from self._decode_alone(ids, cfg, rec or Recorder(cfg.trace), cached))
             finally:
+                if kv is not None:
+                    self.target.use_kv(None)
                 self._owner = None
 
-    def _decode_alone(self, ids: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
-        rec = Recorder(cfg.trace)
+    def _decode_alone(self, ids: list[int], cfg: GenerationConfig, rec: Recorder, cached: int = 0) -> Iterator[Chunk]:
         sink = TextSink(self.codec, cfg.stop, self.manifest.tokenizer.eos_token_ids, cfg.max_new_tokens)
         # the draft reads the prompt during the prefill only where target and draft threads fit the cores together
         fits = self.target_threads + self.draft_threads <= usable_cores()
         worker = self._start_worker(cfg, rec, self._threaded(cfg, fits)) if cfg.mode != "ar" else None
         draft_forwards = self.draft.forwards
         tokens = decode(self.target, worker, tuple(ids), cfg, rec, warm_with_prefill=fits,
-                        gate_memory=self._gate_memory)
+                        gate_memory=self._gate_memory, cached=cached)
         start = time.perf_counter()
         ttft = 0.0
         try:
@@ -310,3 +336,10 @@ def _plan_defaults(bundle: str | Path, manifest: Manifest) -> RuntimeDefaults | 
         return runtime_defaults(read_plan(path), manifest.target.exit_layer, manifest.target.top_k)
     except BadInputError as e:
         raise ManifestError(f"{PLAN_FILE}: {e}") from None
+
+
+def is_batch(prompt: object) -> bool:
+    """Whether `prompt` is a list of prompts: of strings, or of lists (each a chat or a token id list), not one chat
+    (a list of messages) or one token id list."""
+    return (isinstance(prompt, (list, tuple)) and bool(prompt)
+            and all(isinstance(p, str) or isinstance(p, (list, tuple)) for p in prompt))

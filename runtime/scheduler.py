@@ -210,13 +210,31 @@ class _Decoder:
         logits, self.cache = self._suffix(self._prefix(ids, sequence), 1)
         return logits[-1]
 
-    def prefill(self, prompt: tuple[int, ...]) -> int:
-        """Run the prompt through the target in chunks; the last position's logits give the first new token."""
-        for start in range(0, len(prompt), PREFILL_CHUNK):
+    def prefill(self, prompt: tuple[int, ...], cached: int = 0) -> int:
+        """Run the prompt through the target in chunks; the last position's logits give the first new token.
+        cached: the KV memory holds the first `cached` tokens already (the batching engine's prefix cache), so only
+        the rest runs; a feature draft's taps of the cached tokens it will read are computed again first."""
+        if cached:
+            self._retap(prompt, cached)
+            self.cache = self.target.adopt(cached)
+        for start in range(cached, len(prompt), PREFILL_CHUNK):
             end = min(start + PREFILL_CHUNK, len(prompt))
             logits = self._forward(prompt[start:end], lambda end=end: prompt[:end])
         self.counts.target_steps += 1
         return choose(logits, self.cfg.params, self._target_rng(len(prompt)))
+
+    def _retap(self, prompt: tuple[int, ...], cached: int) -> None:
+        """The taps of the cached positions a feature draft reads of this prompt (its last prompt_window inputs:
+        FeatureDrafter._read), from the prefix alone: it writes the prefix layers' KV of those positions again, with
+        the same values (a token's KV does not depend on how its prompt was chunked)."""
+        drafter = self.worker.drafter if self.worker is not None else None
+        if not isinstance(drafter, FeatureDrafter):
+            return
+        lo = max(0, len(prompt) - 1 - min(drafter.prompt_window, cached_prompt_window(len(prompt), cached)))
+        for start in range(lo, cached, PREFILL_CHUNK):
+            end = min(start + PREFILL_CHUNK, cached)
+            self.cache = self.target.adopt(start)
+            self._prefix(prompt[start:end], lambda end=end: prompt[:end])
 
     def target_step(self, ctx: list[int]) -> tuple[int, ...]:
         """One token from the target alone (ar, and the fallback when the draft is unavailable)."""
@@ -356,6 +374,12 @@ def _recalled(memory: dict[tuple[str, int], GateState] | None, key: tuple[str, i
     return memory[kind, found] if found == bucket else memory[kind, found].as_prior()
 
 
+def cached_prompt_window(prompt_len: int, cached: int) -> int:
+    """How many of a prompt's last inputs the draft reads (0: its own prompt window) where the prefix cache held its
+    first `cached` tokens: those that ran, and at least TRY_PROMPT_WINDOW."""
+    return max(TRY_PROMPT_WINDOW, prompt_len - cached) if cached else 0
+
+
 def reads_prompt_alongside(warm_with_prefill: bool, feature_draft: bool) -> bool:
     """Whether the draft reads the prompt while the target prefills it (`decode`'s warm_with_prefill says where that
     pays); a feature draft reads the prompt with its taps, so only after the prefill has computed them."""
@@ -364,8 +388,7 @@ def reads_prompt_alongside(warm_with_prefill: bool, feature_draft: bool) -> bool
 
 def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], cfg: GenerationConfig,
            rec: Recorder, warm_with_prefill: bool = True,
-           gate_memory: dict[tuple[str, int], GateState] | None = None
-           ) -> Iterator[int]:
+           gate_memory: dict[tuple[str, int], GateState] | None = None, cached: int = 0) -> Iterator[int]:
     """Yield the new tokens one at a time as they are committed. Stops after cfg.max_new_tokens; the caller
     stops earlier (EOS, stop strings) by closing the generator, and closes the worker.
 
@@ -375,6 +398,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     cores together: a multi-threaded prefill sharing its cores with the draft waits at every parallel section for a
     preempted thread (docs/design.md: The draft reads the prompt after the first token). Otherwise it reads the
     prompt right after, before the first window.
+    cached: the target's KV memory holds the prompt's first `cached` tokens already (the batching engine's prefix
+    cache, runtime/batching.py): the prefill runs the rest.
     gate_memory: per mode and bucket of context length (runtime/gate.py context_bucket), what the speculation gate
     and the copy gate learned in the caller's last generation there; each gate starts from it (a bucket not seen
     yet: from the nearest shorter one's), goes on with the next bucket's where the context grows into it, and leaves
@@ -398,20 +423,24 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             and not (learned is not None and learned.prefers_alone()))
     alongside = reads_prompt_alongside(warm_with_prefill, isinstance(drafter, FeatureDrafter))
     warmed = None  # the ticket of the draft's reading of the prompt
-    if warm and alongside:
-        warmed = worker.submit(Warm(tuple(prompt)))  # the draft reads the prompt while the target does
-    ctx.append(dec.prefill(tuple(prompt)))
+    if warm and alongside:  # the draft reads the prompt while the target does
+        warmed = worker.submit(Warm(tuple(prompt), window=cached_prompt_window(len(prompt), cached)))
+    ctx.append(dec.prefill(tuple(prompt), cached))
     # A draft that reads the prompt after the prefill (a feature draft, which needs the prefill's taps, or one whose
     # threads do not fit the cores beside the target's) is served inline or on its thread. Inline, its reading
     # would hold back the first token: it is asked for once that token is out. On its thread it is asked for
     # before, so that it reads while the caller takes the token.
     after_prefill = warm and not alongside
+    # of a prompt the prefix cache held, the draft reads the last inputs only, as a speculative try does
+    # (TRY_PROMPT_WINDOW): for a feature draft their taps are computed again, which costs a share of the prefill
+    # the cache spared
+    read_window = cached_prompt_window(len(prompt), cached)
     if after_prefill and worker.threaded:
-        warmed = worker.submit(Warm(tuple(prompt), dec.take_features()))
+        warmed = worker.submit(Warm(tuple(prompt), dec.take_features(), read_window))
     dec.draft_seen = len(prompt) if warm else 0
     yield ctx[-1]
     if after_prefill and not worker.threaded:
-        warmed = worker.submit(Warm(tuple(prompt), dec.take_features()))
+        warmed = worker.submit(Warm(tuple(prompt), dec.take_features(), read_window))
     window: DraftWindow | None = None
     gate: SpeculationGate | None = None  # resumed in the loop from the memory of the context's bucket
     gate_key: tuple[str, int] | None = None

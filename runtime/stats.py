@@ -94,7 +94,9 @@ class Recorder:
             self.draft_tokens += tokens
 
     def finish(self, *, mode: str, gamma: int, kappa: int, new_tokens: int, ttft_s: float, wall_s: float,
-               target_device: str, draft_device: str, draft_engine: dict[str, Any]) -> GenerationStats:
+               target_device: str, draft_device: str, draft_engine: dict[str, Any], queue_s: float = 0.0,
+               cached_prompt_tokens: int = 0, batched_steps: int = 0, mean_batch_size: float = 1.0
+               ) -> GenerationStats:
         c = self.counts
         with self._lock:
             draft = list(self.draft_intervals)
@@ -127,7 +129,9 @@ class Recorder:
             lookup_accepted_tokens=c.lookup_accepted, declined_copies=c.declined_copies,
             unbranched_steps=c.unbranched_steps,
             draft_wait_s=self.seconds["wait"], target_device=target_device, draft_device=draft_device,
-            draft_engine=dict(draft_engine), trace=self._timeline(draft) if self._trace is not None else None)
+            queue_s=queue_s, cached_prompt_tokens=cached_prompt_tokens, batched_steps=batched_steps,
+            mean_batch_size=mean_batch_size, draft_engine=dict(draft_engine),
+            trace=self._timeline(draft) if self._trace is not None else None)
 
     def _timeline(self, draft: list[Interval]) -> list[tuple[str, float, float]]:
         """The trace with the suffixes and the draft's forwards, ordered by start, in seconds since the first event."""
@@ -183,6 +187,11 @@ class GenerationStats(Mapping):
     draft_wait_s: float
     target_device: str
     draft_device: str
+    # the batching engine's (runtime/batching.py); a generation alone: 0, 0, 0, 1
+    queue_s: float = 0.0  # from submission to a free KV slot (TTFT includes it)
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held: never run
+    batched_steps: int = 0  # target steps run in a batch with the engine's other requests
+    mean_batch_size: float = 1.0  # requests in those steps, on average
     # which draft graph ran and how often (draft_graph, draft_graph_forwards; a package adds its static shapes)
     draft_engine: dict[str, Any] = field(default_factory=dict)
     trace: list[tuple[str, float, float]] | None = None  # generate(..., trace=True) only

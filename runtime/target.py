@@ -81,6 +81,16 @@ def ort_device(provider: str) -> tuple[str, int]:
     return ("cuda", 0) if provider == "CUDAExecutionProvider" else ("cpu", 0)
 
 
+@dataclass(frozen=True)
+class KVView:
+    """A KV tensor in memory the runtime does not own as an OrtValue: its device address, shape and dtype."""
+
+    address: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    device: tuple[str, int] = ("cpu", 0)
+
+
 class _Bound:
     """One session with its IOBinding; the KV buffers are bound once, per-step tensors at every run."""
 
@@ -92,10 +102,20 @@ class _Bound:
         self.taps = any(o.name == TAPS for o in spec.outputs)
         if self.taps:
             self.binding.bind_output(TAPS, "cpu")  # bound second: get_outputs()[1]
-        for i in spec.kv_layers:
+        self.bind_kv(buffers)
+
+    def bind_kv(self, buffers: dict[str, object]) -> None:
+        """Bind every layer's past input and present output to one buffer: an OrtValue, or a `KVView` (memory the
+        caller owns, such as one of the engine's KV slots)."""
+        for i in self.spec.kv_layers:
             for past, present in ((past_key_name(i), present_key_name(i)), (past_value_name(i), present_value_name(i))):
-                self.binding.bind_ortvalue_input(past, buffers[past])
-                self.binding.bind_ortvalue_output(present, buffers[past])
+                buffer = buffers[past]
+                if isinstance(buffer, KVView):
+                    self.binding.bind_input(past, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
+                    self.binding.bind_output(present, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
+                else:
+                    self.binding.bind_ortvalue_input(past, buffer)
+                    self.binding.bind_ortvalue_output(present, buffer)
 
     def run(self, inputs: dict[str, object], head_device: tuple[str, int]):
         """The head output (an OrtValue on head_device), and the taps [T, n, H] on the host where the graph has
@@ -164,6 +184,12 @@ class Target:
     # -- caches --------------------------------------------------------------------------------------------------
     def empty_cache(self) -> TargetCache:
         return TargetCache(0, self._writes)
+
+    def adopt(self, length: int) -> TargetCache:
+        """A cache of the first `length` positions of the KV memory as it is now: what another runner of the same
+        graphs (the batching engine's steps, runtime/batching.py) left there."""
+        self.check_room(length)
+        return TargetCache(length, self._writes)
 
     def check_room(self, length: int) -> None:
         if length > self.capacity:
@@ -251,6 +277,22 @@ class OrtTarget(Target):
         self._prefix = _Bound(sessions["target_prefix"], specs["target_prefix"], self.buffers)
         self._suffix = _Bound(sessions["target_suffix"], specs["target_suffix"], self.buffers)
         self._exit = sessions["target_exit"]
+
+    def use_kv(self, views: dict[str, KVView] | None) -> None:
+        """Run on other KV memory: `views` of [1, kv_heads, self.slots, head_dim] per KV tensor (one of the engine's
+        slots), or None for the target's own buffers. Every cache made before is stale afterwards."""
+        buffers = self.buffers if views is None else views
+        self._prefix.bind_kv(buffers)
+        self._suffix.bind_kv(buffers)
+        self._writes += 1
+        self._written_by[:] = self._writes
+
+    @property
+    def sessions(self) -> dict[str, tuple[object, PartitionSpec]]:
+        """The prefix's and the suffix's ONNX Runtime sessions and partitions (the engine's batched steps run them
+        too)."""
+        return {"target_prefix": (self._prefix.session, self._prefix.spec),
+                "target_suffix": (self._suffix.session, self._suffix.spec)}
 
     @staticmethod
     def _lengths(start: int, new: int) -> dict[str, np.ndarray]:

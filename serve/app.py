@@ -1,19 +1,20 @@
-"""`mirror-sd serve`: an OpenAI-compatible HTTP server over one Pipeline.
+"""`mirror-sd serve`: an OpenAI-compatible HTTP server over one Pipeline and its batching engine.
 
-One pipeline per process, one generation at a time: its engines are single-owner, so generations run on one
-worker thread, in arrival order. Requests beyond the one running wait in a bounded FIFO (`max_queue`); a full
-queue is a 429 with Retry-After. Every request has a deadline (`request_timeout_s`, queueing included): a request
-still queued at its deadline gets a 503; a generation still running at it stops at its next step and answers what
-it has (finish_reason "length"). A client that disconnects stops its generation at the next step, and the next
-request starts as soon as that step ends.
+Requests run on the pipeline's batching engine (runtime/batching.py): up to max_num_seqs generations share each
+target step, a request alone speculates (sd / mirror), and a prompt that starts with what a finished request held
+(the earlier turns of a chat) reuses that KV. Requests beyond the running ones wait in the engine's FIFO, at most
+`max_queue` of them; a full queue is a 429 with Retry-After. Every request has a deadline (`request_timeout_s`,
+queueing included): a request still queued at its deadline gets a 503; a generation still running at it stops at the
+engine's next step and answers what it has (finish_reason "length"). A client that disconnects stops its generation
+at the next step.
 
 Scale-out: requests are independent and a process owns its devices, so several processes (one per GPU/NPU, or per
 machine) sit behind any HTTP load balancer; each one's /health and /metrics describe it alone.
 
 Errors: a request the server cannot honour is a 4xx with an OpenAI-style body before any device work (malformed
 JSON, wrong types, unknown fields, an empty or oversize prompt, max_tokens out of range, an unknown model). A
-failure inside the target is a 500 for that request; the server keeps serving. A draft failure never fails a
-request: the step runs on the target alone and /metrics counts the fallback.
+failure inside the target is a 500 for the requests it touched; the server keeps serving. A draft failure never
+fails a request: the step runs on the target alone and /metrics counts the fallback.
 """
 
 from __future__ import annotations
@@ -23,10 +24,8 @@ import json
 import logging
 import signal
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +37,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mirror_sd.errors import BadInputError, ContextLimitError
+from mirror_sd.runtime.batching import BatchEngine, Finished
+from mirror_sd.runtime.batching import Request as EngineRequest
 from mirror_sd.runtime.config import GenerationConfig
-from mirror_sd.runtime.pipeline import GenerationResult, Pipeline
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.serve import protocol as p
 from mirror_sd.serve.metrics import Metrics
 
@@ -49,19 +51,18 @@ log = logging.getLogger("mirror_sd.serve")
 @dataclass(frozen=True)
 class ServerSettings:
     model_name: str  # what /v1/models lists and requests must name
-    max_queue: int = 16  # requests that may wait behind the running one
+    max_queue: int = 16  # requests that may wait behind the running ones
     request_timeout_s: float = 600.0  # a request's deadline, queueing included
     retry_after_s: int = 1  # the Retry-After a 429 carries
 
 
 @dataclass
 class _Job:
-    """One admitted request: its prompt ids, its generation options, and how to stop it early."""
+    """One admitted request: its prompt ids, its generation options and its deadline."""
 
     ids: list[int]
     config: GenerationConfig
     deadline: float  # time.monotonic()
-    cancel: threading.Event
 
 
 @dataclass(frozen=True)
@@ -72,76 +73,95 @@ class _Outcome:
     result: GenerationResult | None  # None when stopped early (its stats were not completed)
 
 
-class GenerationSlot:
-    """Runs generations one at a time on one thread, in arrival order, behind a bounded queue."""
+class Generations:
+    """The server's side of the engine: submits jobs, relays their chunks to the event loop, applies deadlines and
+    disconnects, and keeps the metrics."""
 
-    def __init__(self, settings: ServerSettings, metrics: Metrics) -> None:
-        self.settings, self.metrics = settings, metrics
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mirror-sd-generate")
-        self.lock = asyncio.Lock()  # FIFO: asyncio wakes its waiters in order
-        self.waiting = 0
-
-    async def run(self, job: _Job, work: Callable[[], Any]) -> Any:
-        """Run `work` on the generation thread once every earlier request is done; 429 when the queue is full,
-        503 when the deadline passes in the queue. If the caller is cancelled (client gone), the generation is told
-        to stop, and the slot is free again only when it has."""
-        self.check_room()
-        self.waiting += 1
-        self.metrics.queue_depth.set(self.waiting)
-        try:
-            await asyncio.wait_for(self.lock.acquire(), timeout=max(0.0, job.deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise p.ApiError(503, "the request timed out waiting in the queue", "server_busy",
-                             code="queue_timeout", headers={"Retry-After": str(self.settings.retry_after_s)}
-                             ) from None
-        finally:
-            self.waiting -= 1
-            self.metrics.queue_depth.set(self.waiting)
-        self.metrics.running.set(1)
-        future = asyncio.get_running_loop().run_in_executor(self.executor, work)
-        future.add_done_callback(self._release)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            job.cancel.set()  # the generation stops at its next step; _release frees the slot then
-            raise
+    def __init__(self, engine: BatchEngine, settings: ServerSettings, metrics: Metrics) -> None:
+        self.engine, self.settings, self.metrics = engine, settings, metrics
+        self.active: set[EngineRequest] = set()
 
     def check_room(self) -> None:
-        """429 when one generation runs and max_queue more wait (a stream checks before its 200 goes out)."""
-        if self.lock.locked() and self.waiting >= self.settings.max_queue:
-            raise p.ApiError(429, f"the server is busy: {self.waiting} requests are waiting; retry later",
+        """429 when every slot runs and max_queue requests wait (a stream checks before its 200 goes out)."""
+        e = self.engine
+        if e.running + e.waiting >= e.max_num_seqs + self.settings.max_queue:
+            raise p.ApiError(429, f"the server is busy: {e.waiting} requests are waiting; retry later",
                              "server_busy", code="queue_full",
                              headers={"Retry-After": str(self.settings.retry_after_s)})
 
-    def _release(self, _future) -> None:
-        self.metrics.running.set(0)
-        self.lock.release()
+    async def run(self, job: _Job, on_text: Callable[[str], None] | None = None) -> _Outcome:
+        """The job's generation; `on_text` gets its text as it comes. A 503 when its deadline passes while it waits
+        for a slot; past the deadline once running, or when the caller is cancelled (the client went away), the
+        engine stops it at its next step."""
+        self.check_room()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        request = self.engine.submit(job.ids, job.config, listener=lambda ev: loop.call_soon_threadsafe(
+            events.put_nowait, ev))
+        self.active.add(request)
+        self._gauges()
+        texts, ids = [], []
+        why = None  # why it was stopped early, if it was
+        try:
+            while True:
+                timeout = job.deadline - time.monotonic()
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=max(timeout, 0.0)) if why is None \
+                        else await events.get()
+                except asyncio.TimeoutError:
+                    why = "deadline"
+                    request.cancel()
+                    self.metrics.cancelled.labels("deadline").inc()
+                    if request.admitted is None:
+                        raise p.ApiError(503, "the request timed out waiting in the queue", "server_busy",
+                                         code="queue_timeout",
+                                         headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+                    continue
+                if isinstance(event, Chunk):
+                    texts.append(event.text)
+                    ids.append(event.token_id)
+                    if on_text is not None and event.text:
+                        on_text(event.text)
+                    continue
+                return self._finish(job, event, texts, ids)
+        except asyncio.CancelledError:
+            request.cancel()  # the client is gone: the engine stops it at its next step
+            raise
+        finally:
+            self.active.discard(request)
+            self._gauges()
 
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+    def _finish(self, job: _Job, event: Finished, texts: list[str], ids: list[int]) -> _Outcome:
+        if event.error is not None:
+            raise event.error
+        result = event.result
+        self.metrics.generation(result.stats, len(job.ids))
+        if result.finish_reason == "cancelled":  # stopped at its deadline or at shutdown: what it has
+            return _Outcome("".join(texts), ids, "length", None)
+        return _Outcome(result.text, result.token_ids, result.finish_reason, result)
+
+    def _gauges(self) -> None:
+        self.metrics.queue_depth.set(self.engine.waiting)
+        self.metrics.running.set(self.engine.running)
+
+    def stop(self) -> None:
+        """Stop what runs at its next step: it answers what it has (streams end with finish_reason and [DONE])."""
+        for request in list(self.active):
+            request.cancel()
 
 
 def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     metrics = Metrics()
-    slot: GenerationSlot | None = None
-    active: set[threading.Event] = set()  # the cancel flags of running generations (set all at shutdown)
-
-    def stop_generations() -> None:
-        """Stop what runs at its next step: it answers what it has (streams end with finish_reason and [DONE])."""
-        for flag in list(active):
-            flag.set()
+    gen = Generations(pipe.engine(), settings, metrics)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        nonlocal slot
-        slot = GenerationSlot(settings, metrics)
         yield
-        stop_generations()
-        slot.close()
+        gen.stop()
 
     app = FastAPI(title="mirror-sd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pipeline, app.state.metrics, app.state.settings = pipe, metrics, settings
-    app.state.stop_generations = stop_generations  # a server told to exit calls it at once (serve())
+    app.state.stop_generations = gen.stop  # a server told to exit calls it at once (serve())
 
     # -- errors in OpenAI's shape --------------------------------------------------------------------------
     @app.exception_handler(p.ApiError)
@@ -176,11 +196,13 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     # -- endpoints -------------------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": settings.model_name, "queue_depth": slot.waiting if slot else 0,
+        return {"status": "ok", "model": settings.model_name, "queue_depth": gen.engine.waiting,
+                "running": gen.engine.running, "max_num_seqs": gen.engine.max_num_seqs,
                 "target_device": pipe.target.device, "draft_device": pipe.draft.device}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        metrics.engine(gen.engine)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -211,20 +233,26 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                              code="context_length_exceeded") from None
         except BadInputError as e:
             raise p.ApiError(400, str(e), param=_param_of(e, chat), code="invalid_value") from None
-        return _Job(ids, config, time.monotonic() + settings.request_timeout_s, threading.Event())
+        return _Job(ids, config, time.monotonic() + settings.request_timeout_s)
 
     async def _complete(request: Request, body: p.ChatRequest | p.CompletionRequest, prompt: Any,
                         chat: bool) -> Any:
         job = _admit(body, prompt, chat)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            slot.check_room()
+            gen.check_room()
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(request, job, rid, body.model, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        watcher = asyncio.create_task(_watch_disconnect(request))
+        run = asyncio.create_task(gen.run(job))
         try:
-            outcome = await slot.run(job, lambda: _generate(job, None))
+            done, _ = await asyncio.wait({run, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if run not in done:  # the client went away: the generation stops at the engine's next step
+                metrics.cancelled.labels("disconnect").inc()
+                run.cancel()
+                raise p.ApiError(499, "the client closed the request", code="client_closed")
+            outcome = run.result()
         except p.ApiError:
             raise
         except Exception as e:  # the target failed: a 500 for this request, the server goes on
@@ -239,11 +267,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
     async def _stream(request: Request, job: _Job, rid: str, model: str, chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-
-        def emit(kind: str, value: Any) -> None:  # from the generation thread
-            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
         def chunk(text: str, reason: str | None, first: bool = False) -> str:
             if chat:
@@ -255,12 +279,13 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
         async def run() -> None:
             try:
-                emit("done", await slot.run(job, lambda: _generate(job, emit)))
+                events.put_nowait(("done", await gen.run(job, lambda text: events.put_nowait(("text", text)))))
             except p.ApiError as e:
-                emit("error", e)
+                events.put_nowait(("error", e))
             except Exception as e:  # the target failed: this request ends with an error event, the server goes on
                 log.exception("generation failed")
-                emit("error", p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
+                events.put_nowait(("error", p.ApiError(500, f"generation failed: {type(e).__name__}: {e}",
+                                                       "server_error")))
 
         task = asyncio.create_task(run())
         status = "200"
@@ -287,38 +312,9 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             yield "data: [DONE]\n\n"
         finally:
             if not task.done():  # the client went away mid-stream: stop the generation at its next step
-                job.cancel.set()
                 metrics.cancelled.labels("disconnect").inc()
                 task.cancel()
             metrics.requests.labels(request.url.path, status).inc()
-
-    def _generate(job: _Job, emit: Callable[[str, Any], None] | None) -> _Outcome:
-        """On the generation thread: run the pipeline, stop early on cancel or deadline, record the metrics."""
-        active.add(job.cancel)
-        stream = pipe.stream(job.ids, job.config)
-        texts, ids = [], []
-        try:
-            for c in stream:
-                texts.append(c.text)
-                ids.append(c.token_id)
-                if emit is not None and c.text:
-                    emit("text", c.text)
-                if job.cancel.is_set():
-                    break
-                if time.monotonic() > job.deadline:
-                    metrics.cancelled.labels("deadline").inc()
-                    break
-        finally:
-            stream.close()
-            active.discard(job.cancel)
-        result = stream.result
-        if result is not None:
-            metrics.generation(result.stats, len(job.ids))
-            missing = result.text[len("".join(texts)):]  # what a final flush still held back, if anything
-            if missing and emit is not None:
-                emit("text", missing)
-            return _Outcome(result.text, result.token_ids, result.finish_reason, result)
-        return _Outcome("".join(texts), ids, "length", None)
 
     return app
 
@@ -340,12 +336,9 @@ def serve(app: FastAPI, host: str, port: int) -> None:
     _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)).run()
 
 
-async def _watch_disconnect(request: Request, job: _Job) -> None:
-    """A non-streaming request whose client went away stops its generation at the next step."""
-    while not job.cancel.is_set():
-        if await request.is_disconnected():
-            job.cancel.set()
-            return
+async def _watch_disconnect(request: Request) -> None:
+    """Returns when a non-streaming request's client has gone away."""
+    while not await request.is_disconnected():
         await asyncio.sleep(0.1)
 
 

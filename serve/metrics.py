@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from mirror_sd.runtime.batching import BatchEngine
 from mirror_sd.runtime.stats import GenerationStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -14,9 +15,18 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("mirror_sd_requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=r)
-        self.queue_depth = Gauge("mirror_sd_queue_depth", "requests waiting for the pipeline", registry=r)
-        self.running = Gauge("mirror_sd_running", "generations running now (0 or 1)", registry=r)
-        self.ttft = Histogram("mirror_sd_ttft_seconds", "time to first token of a generation",
+        self.queue_depth = Gauge("mirror_sd_queue_depth", "requests waiting for a KV slot", registry=r)
+        self.running = Gauge("mirror_sd_running", "generations running now", registry=r)
+        self.max_num_seqs = Gauge("mirror_sd_max_num_seqs", "generations the batching engine runs at once",
+                                  registry=r)
+        self.batch_size = Gauge("mirror_sd_batch_size", "generations in the engine's last batched step", registry=r)
+        self.queue_time = Histogram("mirror_sd_queue_seconds", "time a request waited for a KV slot",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefix_hits = Counter("mirror_sd_prefix_cache_hits", "requests whose prompt head the prefix cache held",
+                                   registry=r)
+        self.prefix_tokens = Counter("mirror_sd_prefix_cache_tokens", "prompt tokens the prefix cache spared",
+                                     registry=r)
+        self.ttft = Histogram("mirror_sd_ttft_seconds", "time to first token of a generation, queueing included",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tokens_per_second = Histogram("mirror_sd_tokens_per_second", "tokens per second of a generation",
                                            buckets=(1, 5, 10, 20, 40, 60, 100, 200, 500), registry=r)
@@ -40,6 +50,10 @@ class Metrics:
 
     def generation(self, s: GenerationStats, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        self.queue_time.observe(s.queue_s)
+        if s.cached_prompt_tokens:
+            self.prefix_hits.inc()
+            self.prefix_tokens.inc(s.cached_prompt_tokens)
         self.generated_tokens.inc(s.new_tokens)
         self.ttft.observe(s.ttft_s)
         self.tokens_per_second.observe(s.tokens_per_second)
@@ -54,6 +68,13 @@ class Metrics:
             self.acceptance.set(s.acceptance_rate)
         if s.branch_lookups:
             self.branch_hit_rate.set(s.branch_hit_rate)
+
+    def engine(self, engine: BatchEngine) -> None:
+        """The batching engine's occupancy now (read at each scrape)."""
+        self.queue_depth.set(engine.waiting)
+        self.running.set(engine.running)
+        self.max_num_seqs.set(engine.max_num_seqs)
+        self.batch_size.set(engine.last_batch)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,8 +1,9 @@
 """The product's layers import downward only, and no import, at module level or inside a function, closes a cycle.
 
 Each module belongs to one layer; a layer may import the layers listed for it and nothing else. The test reads every
-module's syntax tree (nothing is imported), so an import hidden inside a function counts like one at the top.
-lab/ is not a package of the product: nothing may import it.
+module's syntax tree (nothing is imported), so an import hidden inside a function counts like one at the top; only
+what a type checker alone reads (`if TYPE_CHECKING:`) is left out. lab/ is not a package of the product: nothing
+may import it.
 """
 
 from __future__ import annotations
@@ -70,11 +71,21 @@ def modules() -> dict[str, Path]:
     return out
 
 
+def _nodes(tree: ast.AST):
+    """Every node, but those under `if TYPE_CHECKING:`: names for type checkers, never imported at run time."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in [child, *_nodes(child)])
+            continue
+        yield node
+        yield from _nodes(node)
+
+
 def imports(path: Path, module: str) -> list[tuple[str, int]]:
-    """(imported module, line) for every import in the file, relative ones resolved, at any depth."""
+    """(imported module, line) for every import in the file that runs, relative ones resolved, at any depth."""
     found = []
     is_package = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):

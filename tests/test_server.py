@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from mirror_sd.bench.soak import InProcessServer
-from mirror_sd.runtime.config import GenerationConfig, Spec, specs
+from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Spec, specs
 from mirror_sd.runtime.pipeline import Pipeline
 
 MODEL = "tiny"
@@ -195,29 +195,29 @@ def test_openai_client_raises_typed_errors(client):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
 
 
-def _hooked(pipe: Pipeline, before_suffix) -> Pipeline:
-    """Another pipeline over the same engines whose target calls `before_suffix()` before every suffix run."""
+def _hooked(pipe: Pipeline, before_step, max_num_seqs: int = 16) -> Pipeline:
+    """Another pipeline over the same engines whose batching engine (of max_num_seqs slots) calls `before_step()`
+    before every batched target step (requests in ar mode take only those)."""
     hooked = Pipeline(pipe.manifest, pipe.target, pipe.draft, pipe.codec)
+    hooked.load_options = LoadOptions(max_num_seqs=max_num_seqs)
+    batch = hooked.engine().batch
+    run = batch.run
 
-    class _Target:
-        def __getattr__(self, name):
-            return getattr(pipe.target, name)
+    def hooked_run(rows):
+        before_step()
+        return run(rows)
 
-        def run_suffix(self, *a, **k):
-            before_suffix()
-            return pipe.target.run_suffix(*a, **k)
-
-    hooked.target = _Target()
+    batch.run = hooked_run
     return hooked
 
 
-def _slow(pipe: Pipeline, seconds: float) -> Pipeline:
-    """Every target step takes `seconds` longer: a long generation."""
-    return _hooked(pipe, lambda: time.sleep(seconds))
+def _slow(pipe: Pipeline, seconds: float, max_num_seqs: int = 16) -> Pipeline:
+    """Every batched target step takes `seconds` longer: a long generation."""
+    return _hooked(pipe, lambda: time.sleep(seconds), max_num_seqs)
 
 
 def test_full_queue_is_429_and_a_disconnect_frees_the_slot(pipe):
-    slow = _slow(pipe, 0.05)
+    slow = _slow(pipe, 0.05, max_num_seqs=1)
     with serving(slow, max_queue=0) as port:
         # a long stream holds the only slot: the next request cannot even queue
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)

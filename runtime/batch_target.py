@@ -1,0 +1,94 @@
+"""Batched target steps: several sequences, each in its own KV slot (runtime/kv_slots.py), in one run of the prefix
+and the suffix graphs.
+
+The graphs take a batch already: GroupQueryAttention reads row b's first `seqlens_k[b] + 1 - T` positions and writes
+its T new ones in place, so rows at different lengths share a step. A run binds the rows of consecutive slots as one
+[B, kv_heads, positions, head_dim] view; rows with fewer new tokens than the widest are padded after their own, and
+the padding's keys land past the row's length, where the row's next step overwrites them. The pipeline's single
+generation and these steps run the same sessions (the target's weights are loaded once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mirror_sd.partitions.manifest import BOUNDARY
+from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH
+from mirror_sd.runtime.kv_slots import KVSlots
+from mirror_sd.runtime.target import OrtTarget, _Bound, ort_device
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's share of a step."""
+
+    slot: int
+    ids: tuple[int, ...]  # its new tokens
+    start: int  # positions its slot holds before them
+    logits_for: int = 1  # logits of its last this many tokens (0: none, a prompt chunk that is not the last)
+
+
+class BatchTarget:
+    """The target's prefix and suffix over rows of the engine's KV slots."""
+
+    def __init__(self, target: OrtTarget, slots: KVSlots) -> None:
+        if slots.positions != target.slots:
+            raise ValueError(f"KV slots of {slots.positions} positions do not fit a target of {target.slots}")
+        self.slots = slots
+        self._device = ort_device(target.device)
+        self._bound: dict[str, _Bound] = {}
+        for role, (session, spec) in target.sessions.items():
+            self._bound[role] = _Bound(session, spec, slots.views(0, 1))
+        self.forwards = 0  # runs of prefix + suffix
+        self.rows_run = 0  # rows those runs computed (padding rows of a run not counted)
+
+    def run(self, rows: list[Row]) -> list[np.ndarray | None]:
+        """Every row's step; per row (in the order given) the logits [logits_for, V] of its last tokens, or None
+        where it asked for none. Rows must hold distinct slots, and start + the widest row's tokens must fit their
+        slot."""
+        out: list[np.ndarray | None] = [None] * len(rows)
+        order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
+        for run in _consecutive(order, rows):
+            for i, logits in zip(run, self._run([rows[i] for i in run])):
+                out[i] = logits
+        return out
+
+    def _run(self, rows: list[Row]) -> list[np.ndarray | None]:
+        width = max(len(r.ids) for r in rows)
+        for r in rows:
+            if r.start + width > self.slots.positions:
+                raise ValueError(f"slot {r.slot}: {r.start} + {width} positions exceed its {self.slots.positions}")
+        ids = np.array([list(r.ids) + [r.ids[-1]] * (width - len(r.ids)) for r in rows], np.int64)
+        total = np.array([r.start + width for r in rows], np.int32)
+        lengths = {SEQLENS: total - 1, TOTAL_LENGTH: np.array(total.max(), np.int32)}
+        # the LM head runs on the last `keep` positions of every row: enough to reach each row's first wanted one
+        keep = max([width - len(r.ids) + r.logits_for for r in rows if r.logits_for] or [1])
+        views = self.slots.views(rows[0].slot, rows[-1].slot + 1)
+        prefix, suffix = self._bound["target_prefix"], self._bound["target_suffix"]
+        prefix.bind_kv(views)
+        suffix.bind_kv(views)
+        hidden, _taps = prefix.run({"input_ids": ids, **lengths}, self._device)
+        logits = suffix.run({BOUNDARY: hidden, KEEP: np.array([keep], np.int64), **lengths}, ("cpu", 0))[0].numpy()
+        self.forwards += 1
+        self.rows_run += len(rows)
+        out = []
+        for b, r in enumerate(rows):
+            end = keep - (width - len(r.ids))  # the row's last real token, within the kept positions
+            out.append(logits[b, end - r.logits_for:end] if r.logits_for else None)
+        return out
+
+
+def _consecutive(order: list[int], rows: list[Row]) -> list[list[int]]:
+    """Indices into rows, sorted by slot, split where the slots are not consecutive."""
+    runs: list[list[int]] = []
+    for i in order:
+        if runs and rows[i].slot == rows[runs[-1][-1]].slot + 1:
+            runs[-1].append(i)
+        else:
+            if runs and rows[i].slot == rows[runs[-1][-1]].slot:
+                raise ValueError(f"two rows in slot {rows[i].slot}")
+            runs.append([i])
+    return runs
+

@@ -1,0 +1,334 @@
+"""The batching engine: many generations at once on one pipeline, submitted from any thread, run by one thread.
+
+    engine = pipe.engine()                        # a BatchEngine, started on first use; one per pipeline
+    request = engine.submit(ids, config)          # checked here (BadInputError, ContextLimitError), then queued
+    for chunk in request:                         # Chunks as they are committed, from the engine's thread
+        ...
+    request.result                                # the GenerationResult, once the iteration ends
+    request.cancel()                              # stops it at the engine's next step (finish_reason "cancelled")
+
+Each running request owns one KV slot (runtime/kv_slots.py); requests beyond the free slots wait in arrival order.
+One step of the engine, in its thread:
+  1. admit waiting requests into free slots; a slot holding the start of a prompt (the prefix cache) spares that
+     much of its prefill;
+  2. a request running alone in sd or mirror mode runs the pipeline's own speculative decoder in its slot, one
+     committed token per step, exactly as `Pipeline.generate` would: speculation pays where the target's step is
+     cheap, at batch 1. Another request arriving stops that decoder after the token it gave last, and the request
+     goes on in the batch from there: its slot holds its context;
+  3. otherwise, one run over the prompt tokens still to prefill (all but each prompt's last, chunked so that the
+     running generations keep flowing), then one run of every generation's next token (a prompt's last token
+     among them): its logits, each request's own sampling (the same random stream per position as a generation
+     alone), stop strings, EOS and max_new_tokens;
+  4. finished and cancelled requests leave their slots, which keep their tokens' KV as a cached prefix.
+Greedy output is the request's solo output token for token: every row of a batched step is computed as it would be
+alone (tests/test_engine.py), and the speculative decoder is exact by construction.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.runtime.batch_target import BatchTarget, Row
+from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable
+from mirror_sd.runtime.result import Chunk, GenerationResult
+from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
+from mirror_sd.runtime.stats import Recorder
+from mirror_sd.runtime.target import PREFILL_CHUNK, OrtTarget, ort_device
+from mirror_sd.runtime.text import TextSink
+
+if TYPE_CHECKING:  # the pipeline makes its engine: a type only, never an import at run time
+    from mirror_sd.runtime.pipeline import Pipeline
+
+# Prompt tokens one prefill run takes at most, padding included (its rows are padded to the widest): the running
+# generations' next step waits for that run.
+PREFILL_BUDGET = PREFILL_CHUNK
+SPECULATIVE_MODES = ("sd", "mirror")
+
+
+class EngineClosed(RuntimeError):
+    """The engine stopped before the request finished."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request's last event: its result, or the error that ended it."""
+
+    result: GenerationResult | None
+    error: BaseException | None = None
+
+
+class Request:
+    """One submitted generation. Iterate it for its Chunks (blocking); `result` is set when the iteration ends.
+    `listener`, when given, is called with every event instead (a Chunk, then a Finished), from the engine's
+    thread: it must only hand the event on (an asyncio loop's call_soon_threadsafe)."""
+
+    def __init__(self, ids: list[int], config: GenerationConfig,
+                 listener: Callable[[object], None] | None = None) -> None:
+        self.ids, self.config = ids, config
+        self.submitted = time.perf_counter()
+        self.admitted: float | None = None  # when it got a KV slot (set by the engine's thread)
+        self.result: GenerationResult | None = None
+        self._listener = listener
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop at the engine's next step; the result then says finish_reason "cancelled"."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        while True:
+            event = self._events.get()
+            if isinstance(event, Finished):
+                if event.error is not None:
+                    raise event.error
+                self.result = event.result
+                return
+            yield event
+
+    def wait(self) -> GenerationResult:
+        """Block until the request finishes; its result."""
+        for _ in self:
+            pass
+        return self.result
+
+    def _emit(self, event: object) -> None:
+        (self._listener or self._events.put)(event)
+
+
+@dataclass
+class _Row:
+    """A running request, in the engine's thread only."""
+
+    request: Request
+    slot: Slot
+    context: list[int]  # the prompt, then every committed token
+    kv_len: int  # positions of the slot that hold the context's KV (the last committed token's is computed next)
+    sink: TextSink
+    rec: Recorder
+    cached: int  # prompt tokens the prefix cache held
+    admitted: float
+    first_token_s: float = 0.0  # from submission
+    solo: Iterator[Chunk] | None = None  # the pipeline's speculative decoder, while the request runs alone
+    solo_tokens: int = 0  # tokens the speculative decoder committed
+    batch_rows: list[int] = field(default_factory=list)  # rows of each batched step it took part in
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.kv_len < len(self.context) - 1
+
+
+class BatchEngine:
+    """Continuous batching over a pipeline's target (ONNX Runtime only), in a thread of its own."""
+
+    def __init__(self, pipe: Pipeline, max_num_seqs: int) -> None:
+        if not isinstance(pipe.target, OrtTarget):
+            raise BadInputError("the batching engine runs the target on ONNX Runtime only (target_backend "
+                                "onnxruntime)", option="target_backend")
+        self.pipe = pipe
+        self.kv = KVSlots(pipe.manifest, max_num_seqs, pipe.target.slots, ort_device(pipe.target.device))
+        self.table = SlotTable(max_num_seqs)
+        self.batch = BatchTarget(pipe.target, self.kv)
+        self._waiting: deque[Request] = deque()
+        self._rows: list[_Row] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        # what /metrics reads (the engine's thread writes them): rows of the last batched step and all steps so far
+        self.last_batch = 0
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="mirror-sd-engine", daemon=True)
+        self._thread.start()
+
+    # -- any thread ------------------------------------------------------------------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        return self.kv.count
+
+    def submit(self, ids: list[int], config: GenerationConfig,
+               listener: Callable[[object], None] | None = None) -> Request:
+        """Queue a generation of `config` from prompt `ids` (both checked: Pipeline.check)."""
+        request = Request(list(ids), config, listener)
+        with self._wake:
+            if self._stopping:
+                raise EngineClosed("the engine is stopped")
+            self._waiting.append(request)
+            self._wake.notify()
+        return request
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop: running and waiting requests end with EngineClosed."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # -- the engine's thread ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopping or self._waiting or self._rows):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+            try:
+                self._step()
+            except Exception as e:  # a target failure ends the requests it touched; the engine goes on
+                for row in list(self._rows):
+                    self._retire(row, error=e)
+        for row in list(self._rows):
+            self._retire(row, error=EngineClosed("the engine stopped"))
+        while self._waiting:
+            self._waiting.popleft()._emit(Finished(None, EngineClosed("the engine stopped")))
+
+    def _step(self) -> None:
+        self._admit()
+        for row in [r for r in self._rows if r.request.cancelled]:
+            self._retire(row, reason="cancelled")
+        if not self._rows:
+            return
+        self.steps += 1
+        alone = len(self._rows) == 1 and not self._waiting
+        solo = next((r for r in self._rows if r.solo is not None), None)
+        if solo is not None and not alone:
+            self._leave_solo(solo)
+        row = self._rows[0]
+        if alone and (row.solo is not None or self._may_go_solo(row)):
+            self._solo_step(row)
+            return
+        self._prefill_step()
+        self._decode_step()
+
+    def _admit(self) -> None:
+        while self._waiting and self.table.free():
+            with self._wake:
+                request = self._waiting.popleft()
+            slot, cached = self.table.take(request.ids)
+            request.admitted = time.perf_counter()
+            cfg = request.config
+            sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.manifest.tokenizer.eos_token_ids,
+                            cfg.max_new_tokens)
+            self._rows.append(_Row(request, slot, list(request.ids), cached, sink, Recorder(cfg.trace), cached,
+                                   time.perf_counter()))
+
+    # -- a request alone: the pipeline's speculative decoder in its slot ------------------------------------------
+    def _may_go_solo(self, row: _Row) -> bool:
+        """An sd or mirror request that has not started: its whole generation can be the pipeline's own (from what
+        the prefix cache holds of its prompt)."""
+        return (row.request.config.mode in SPECULATIVE_MODES and row.kv_len == row.cached
+                and len(row.context) == row.prompt_len)
+
+    def _solo_step(self, row: _Row) -> None:
+        if row.solo is None:
+            views = self.kv.views(row.slot.index, row.slot.index + 1)
+            row.solo = self.pipe._decode(row.request.ids, row.request.config, views, row.rec, row.cached)
+        try:
+            chunk = next(row.solo)
+        except StopIteration:  # the decoder ended at the same token the row's sink did; nothing more comes
+            row.solo = None
+            self._retire(row, reason=row.sink.finish_reason or "length")
+            return
+        row.solo_tokens += 1
+        self._commit(row, chunk.token_id)
+        row.kv_len = len(row.context) - 1  # the decoder's cache: every committed token but the last
+
+    def _leave_solo(self, row: _Row) -> None:
+        """Stop the request's speculative decoder after the token it gave last; the batch takes it from there."""
+        row.solo.close()
+        row.solo = None
+        row.kv_len = len(row.context) - 1
+
+    # -- batched steps --------------------------------------------------------------------------------------------
+    def _prefill_step(self) -> None:
+        """One run over prompt tokens still to prefill (all but each prompt's last), oldest requests first, as many
+        rows as fit PREFILL_BUDGET with each padded to the widest."""
+        rows, width = [], 0
+        for row in self._rows:
+            if not row.prefilling:
+                continue
+            take = min(len(row.context) - 1 - row.kv_len, PREFILL_BUDGET)
+            if rows and max(width, take) * (len(rows) + 1) > PREFILL_BUDGET:
+                break
+            rows.append((row, take))
+            width = max(width, take)
+        if not rows:
+            return
+        self.batch.run([Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0)
+                        for r, take in rows])
+        for r, take in rows:
+            r.kv_len += take
+
+    def _decode_step(self) -> None:
+        """Every row whose next input is one token: that token in, the next one out."""
+        rows = [r for r in self._rows if not r.prefilling and r.solo is None]
+        if not rows:
+            return
+        logits = self.batch.run([Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows])
+        self.last_batch = len(rows)
+        for row, out in zip(rows, logits):
+            params = row.request.config.params
+            position = len(row.context)
+            token = choose(out[-1], params, None if params.greedy else rng_for(params, TARGET_STREAM, position))
+            row.kv_len += 1
+            row.rec.counts.target_steps += 1
+            row.batch_rows.append(len(rows))
+            self._commit(row, token)
+
+    def _commit(self, row: _Row, token: int) -> None:
+        if not row.first_token_s:
+            row.first_token_s = time.perf_counter() - row.request.submitted
+        row.context.append(token)
+        text = row.sink.add(token)
+        row.request._emit(Chunk(token, text))
+        if row.sink.finish_reason:
+            self._retire(row, reason=row.sink.finish_reason)
+
+    def _retire(self, row: _Row, reason: str = "length", error: BaseException | None = None) -> None:
+        if row.solo is not None:
+            row.solo.close()
+            row.solo = None
+            row.kv_len = len(row.context) - 1
+        self._rows.remove(row)
+        self.table.leave(row.slot, row.context[:row.kv_len])
+        if error is not None:
+            row.request._emit(Finished(None, error))
+            return
+        row.request._emit(Finished(self._result(row, reason)))
+
+    def _result(self, row: _Row, reason: str) -> GenerationResult:
+        cfg = row.request.config
+        new = len(row.context) - row.prompt_len
+        wall = time.perf_counter() - row.admitted
+        # a batched step counts once per token it gives the row, the one that ends the prompt included, as the
+        # first step of a generation alone (its prefill) does
+        stats = row.rec.finish(
+            mode=cfg.mode, gamma=cfg.gamma if cfg.mode != "ar" else 0,
+            kappa=(cfg.kappa or 0) if cfg.mode == "mirror" else 0, new_tokens=new, ttft_s=row.first_token_s,
+            wall_s=wall, target_device=self.pipe.target.device, draft_device=self.pipe.draft.device,
+            draft_engine=self.pipe.draft.describe(),
+            queue_s=row.admitted - row.request.submitted, cached_prompt_tokens=row.cached,
+            batched_steps=len(row.batch_rows),
+            mean_batch_size=sum(row.batch_rows) / len(row.batch_rows) if row.batch_rows else 1.0)
+        return GenerationResult(row.context[row.prompt_len:], row.sink.text, stats, reason)

@@ -1,0 +1,140 @@
+"""The engine's KV memory: one slot per sequence, each as long as the target's own buffers, and what each slot holds.
+
+Every target KV tensor (past_key_values.{i}.key / .value) is one buffer [slots, kv_heads, positions, head_dim] on the
+target's device. A sequence owns one slot; positions [0, length) of its slot hold its context, as the target's own
+buffers do for a single generation, so a batched step binds the rows of consecutive slots as one [B, ...] view and
+GroupQueryAttention reads and writes each row at its own length (runtime/batch_target.py). Nothing is copied between
+slots.
+
+A slot a sequence leaves keeps its tokens' KV: it is the prefix cache. A new request whose prompt starts with the
+tokens a free slot holds takes that slot and runs only the rest of its prompt; a free slot with nothing worth
+keeping, or the least recently used cached one, serves the others. The cache is therefore bounded by the slots the
+memory budget gave, and evicted least-recently-used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.partitions.spec import past_key_name, past_value_name
+from mirror_sd.runtime.kv import common_prefix
+from mirror_sd.runtime.target import KVView
+
+# The shortest cached prefix worth a slot's reuse: below it, a fresh slot (and the cached one kept for a longer
+# match) is the better trade.
+MIN_CACHED_PREFIX = 16
+
+
+def kv_names(manifest: Manifest) -> list[str]:
+    """Every target KV tensor's past name, prefix and suffix layers."""
+    return [name for role in ("target_prefix", "target_suffix") for i in manifest.partition(role).kv_layers
+            for name in (past_key_name(i), past_value_name(i))]
+
+
+def slot_bytes(manifest: Manifest, positions: int) -> int:
+    """Bytes of KV one slot of `positions` positions takes."""
+    t = manifest.target
+    per_position = t.num_kv_heads * t.head_dim * np.dtype(t.dtype).itemsize
+    return len(kv_names(manifest)) * per_position * positions
+
+
+class KVSlots:
+    """`count` slots of `positions` positions for every target KV tensor, on the target's device."""
+
+    def __init__(self, manifest: Manifest, count: int, positions: int, device: tuple[str, int] = ("cpu", 0)) -> None:
+        t = manifest.target
+        self.count, self.positions, self.device = count, positions, device
+        self.dtype = np.dtype(t.dtype)
+        self.row_shape = (t.num_kv_heads, positions, t.head_dim)
+        self.row_bytes = int(np.prod(self.row_shape)) * self.dtype.itemsize
+        shape = (count, *self.row_shape)
+        self._memory: dict[str, object] = {}  # keeps each buffer alive; its address is all a step binds
+        self._address: dict[str, int] = {}
+        for name in kv_names(manifest):
+            if device[0] == "cpu":
+                # untouched pages cost nothing until a sequence writes them
+                array = np.empty(shape, self.dtype)
+                self._memory[name], self._address[name] = array, array.ctypes.data
+            else:
+                import onnxruntime as ort
+
+                value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype, *device)
+                self._memory[name], self._address[name] = value, value.data_ptr()
+
+    def views(self, lo: int, hi: int) -> dict[str, KVView]:
+        """Rows [lo, hi) of every KV tensor, as one [hi - lo, kv_heads, positions, head_dim] view each."""
+        if not 0 <= lo < hi <= self.count:
+            raise ValueError(f"slots [{lo}, {hi}) are not within the {self.count} slots")
+        shape = (hi - lo, *self.row_shape)
+        return {name: KVView(address + lo * self.row_bytes, shape, self.dtype, self.device)
+                for name, address in self._address.items()}
+
+
+@dataclass
+class Slot:
+    index: int
+    tokens: list[int]  # the tokens whose KV positions [0, len(tokens)) hold
+    busy: bool = False
+    used: int = 0  # the table's clock when it was last taken or left (least recently used first)
+
+
+class SlotTable:
+    """Which sequence owns each slot and what the free ones still hold. The engine's thread alone uses it."""
+
+    def __init__(self, count: int) -> None:
+        self.slots = [Slot(i, []) for i in range(count)]
+        self._clock = 0
+        self.cache_hits = 0  # requests that took a slot holding a prefix of their prompt
+        self.cached_tokens = 0  # prompt tokens those hits did not have to run
+
+    def free(self) -> int:
+        return sum(not s.busy for s in self.slots)
+
+    def take(self, prompt: list[int]) -> tuple[Slot, int]:
+        """A free slot for a sequence starting with `prompt`, and how many of its first tokens that slot's KV
+        already holds (at most len(prompt) - 1: the last prompt token must run to give the first new token's
+        logits). The free slot holding the longest such prefix wins; else an empty slot, else the least recently
+        used. ValueError when every slot is busy."""
+        free = [s for s in self.slots if not s.busy]
+        if not free:
+            raise ValueError("every KV slot is busy")
+        ids = np.asarray(prompt, np.int64)
+        best, best_len = None, 0
+        for slot in free:
+            n = min(common_prefix(np.asarray(slot.tokens, np.int64), ids), len(prompt) - 1)
+            if n >= MIN_CACHED_PREFIX and n > best_len:
+                best, best_len = slot, n
+        if best is None:
+            best = min(free, key=lambda s: (bool(s.tokens), s.used, s.index))
+        else:
+            self.cache_hits += 1
+            self.cached_tokens += best_len
+        best.busy, best.tokens = True, list(prompt[:best_len])
+        self._touch(best)
+        return best, best_len
+
+    def leave(self, slot: Slot, tokens: list[int]) -> None:
+        """The sequence is done: the slot is free and keeps `tokens` (those whose KV it holds) as a cached prefix."""
+        slot.busy, slot.tokens = False, list(tokens)
+        self._touch(slot)
+
+    def _touch(self, slot: Slot) -> None:
+        self._clock += 1
+        slot.used = self._clock
+
+
+def slots_for(manifest: Manifest, positions: int, max_num_seqs: int, kv_cache_gb: float | None) -> int:
+    """How many slots the budget holds: max_num_seqs, fewer where kv_cache_gb cannot hold that many; BadInputError
+    when it cannot hold one."""
+    each = slot_bytes(manifest, positions)
+    if kv_cache_gb is None:
+        return max_num_seqs
+    fits = int(kv_cache_gb * 2**30 // each)
+    if fits < 1:
+        raise BadInputError(f"kv_cache_gb {kv_cache_gb:g} cannot hold one sequence of {positions} positions "
+                            f"({each / 2**30:.2f} GiB): raise it, or lower max_context", option="kv_cache_gb")
+    return min(max_num_seqs, fits)

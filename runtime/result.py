@@ -1,0 +1,21 @@
+"""What a generation gives back: a Chunk per committed token while it runs, a GenerationResult at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mirror_sd.runtime.stats import GenerationStats
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]  # new tokens only; an EOS that ended generation is included
+    text: str  # their text, without special tokens, cut before a stop string
+    stats: GenerationStats  # typed; also reads as a mapping (stats["acceptance_rate"]), stats.as_dict() for JSON
+    finish_reason: str  # "eos", "stop", "length", or "cancelled" (a request the batching engine was told to stop)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_id: int
+    text: str  # new text this token made safe to show (may be empty)

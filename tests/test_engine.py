@@ -1,0 +1,166 @@
+"""The batching engine (runtime/batching.py): many generations at once, each one's tokens what it would get alone.
+
+Greedy outputs under batching equal the prompt's solo output for every architecture, whatever the arrival order,
+prompt lengths, modes and cancellations around them; sampled rows draw the same random stream per position as a
+generation of the target alone, so they equal it too (and are distributed as the target's tokens). The prefix cache
+spares a repeated prompt head without changing a token; the KV memory stays within its budget.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from conftest import ARCHITECTURES
+
+from mirror_sd.errors import BadInputError, ContextLimitError
+from mirror_sd.runtime.batching import EngineClosed
+from mirror_sd.runtime.kv_slots import MIN_CACHED_PREFIX, slot_bytes
+from mirror_sd.runtime.pipeline import Pipeline
+
+PROMPTS = ["Hello there, how are you?", "Name three colors of the rainbow please.", "A", "Write a haiku about the sea",
+           "What is two plus two? Answer with a number and explain it in detail, step by step.", "Why?"]
+
+
+@pytest.fixture(scope="module")
+def pipelines(bundle_factory):
+    """One pipeline per architecture, engine included (max 4 sequences: requests queue beyond that)."""
+    pipes = {arch: Pipeline.load(bundle_factory(arch), huge_pages=False, max_num_seqs=4) for arch in ARCHITECTURES}
+    yield pipes
+    for pipe in pipes.values():
+        pipe.close()
+
+
+def solo(pipe: Pipeline, prompt, **options) -> list[int]:
+    return pipe.generate(prompt, **{"mode": "ar", "max_new_tokens": 12, **options}).token_ids
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_batch_of_prompts_gives_each_its_solo_greedy_tokens(pipelines, arch):
+    pipe = pipelines[arch]
+    results = pipe.generate(PROMPTS, mode="ar", max_new_tokens=12)
+    assert [r.token_ids for r in results] == [solo(pipe, p) for p in PROMPTS]
+    assert max(r.stats.mean_batch_size for r in results) > 1  # they really shared steps
+    assert all(r.stats.new_tokens == len(r.token_ids) for r in results)
+
+
+def test_any_mix_of_arrivals_modes_lengths_and_cancellations_keeps_every_output(pipelines):
+    pipe = pipelines["llama"]
+    engine = pipe.engine()
+    modes = ["ar", "sd", "mirror", "mirror", "ar", "sd"]
+    lengths = [12, 5, 20, 9, 16, 3]
+    requests = []
+    for i, (prompt, mode, n) in enumerate(zip(PROMPTS, modes, lengths)):
+        requests.append(engine.submit(*pipe.check(prompt, mode=mode, max_new_tokens=n)))
+        if i % 2:
+            time.sleep(0.01)  # some join running steps, some arrive together
+    doomed = engine.submit(*pipe.check("This one is cancelled", mode="ar", max_new_tokens=400))
+    doomed.cancel()
+    for request, prompt, n in zip(requests, PROMPTS, lengths):
+        assert request.wait().token_ids == solo(pipe, prompt, max_new_tokens=n)
+    assert doomed.wait().finish_reason == "cancelled"
+
+
+def test_a_request_alone_speculates_and_hands_over_to_the_batch_when_another_arrives(pipelines):
+    pipe = pipelines["qwen3"]
+    engine = pipe.engine()
+    first = engine.submit(*pipe.check(PROMPTS[4], mode="mirror", max_new_tokens=60))
+    chunks = iter(first)
+    next(chunks)  # running alone now
+    second = engine.submit(*pipe.check(PROMPTS[0], mode="sd", max_new_tokens=10))
+    assert second.wait().token_ids == solo(pipe, PROMPTS[0], max_new_tokens=10)
+    for _ in chunks:
+        pass
+    result = first.result
+    assert result.token_ids == solo(pipe, PROMPTS[4], max_new_tokens=60)
+    assert 0 < result.stats.batched_steps < result.stats.new_tokens  # part alone, part in the batch
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_sampled_rows_draw_what_the_target_alone_draws(pipelines, mode):
+    """A sampled row in a batched step draws from the target's distribution with the random stream of its seed and
+    position, as the target alone does: equal tokens, so the same distribution (a lone sd request speculates, with
+    speculative sampling's own draws; here it is batched)."""
+    pipe = pipelines["mistral"]
+    options = dict(temperature=0.9, top_p=0.9, max_new_tokens=10)
+    results = pipe.generate(PROMPTS[:4], mode=mode, seed=7, **options)
+    assert [r.token_ids for r in results] == [solo(pipe, p, seed=7, **options) for p in PROMPTS[:4]]
+
+
+def test_the_prefix_cache_spares_a_repeated_prompt_head_and_changes_no_token(pipelines):
+    pipe = pipelines["qwen2"]
+    head = " ".join(["the quick brown fox"] * 12)
+    first = pipe.generate([head + " jumps"], mode="ar", max_new_tokens=8)[0]
+    second = pipe.generate([head + " sleeps soundly"], mode="ar", max_new_tokens=8)[0]
+    assert first.stats.cached_prompt_tokens == 0 or first.stats.cached_prompt_tokens >= MIN_CACHED_PREFIX
+    assert second.stats.cached_prompt_tokens >= len(pipe.prompt_ids(head)) - 2
+    assert second.token_ids == solo(pipe, head + " sleeps soundly", max_new_tokens=8)
+    # a speculative request takes the cached slot too and runs alone from there
+    third = pipe.engine().submit(*pipe.check(head + " sleeps soundly", mode="mirror", max_new_tokens=8)).wait()
+    assert third.stats.cached_prompt_tokens > 0 and third.stats.batched_steps == 0
+    assert third.token_ids == second.token_ids
+
+
+def test_requests_beyond_the_slots_wait_and_the_kv_memory_stays_within_its_budget(bundle_factory):
+    """64 requests at once on a budget of 3 slots: all finish, exact, never more than 3 running."""
+    bundle = bundle_factory()
+    pipe = Pipeline.load(bundle, huge_pages=False, max_num_seqs=64, max_context=96)
+    per_slot = slot_bytes(pipe.manifest, pipe.target.slots)
+    pipe_budget = Pipeline.load(bundle, huge_pages=False, max_num_seqs=64, max_context=96,
+                                kv_cache_gb=3.5 * per_slot / 2**30)
+    try:
+        engine = pipe_budget.engine()
+        assert engine.max_num_seqs == 3 and engine.kv.count * per_slot <= 3.5 * per_slot
+        prompts = [f"Request number {i} says hello" for i in range(64)]
+        seen = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                seen.append(engine.running)
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        results = pipe_budget.generate(prompts, mode="ar", max_new_tokens=6)
+        stop.set()
+        watcher.join()
+        assert max(seen) <= 3
+        assert [r.token_ids for r in results] == [solo(pipe, p, max_new_tokens=6) for p in prompts]
+        assert max(r.stats.queue_s for r in results) > 0  # the later ones waited for a slot
+    finally:
+        pipe.close()
+        pipe_budget.close()
+
+
+def test_what_cannot_fit_is_refused_before_any_work(bundle_factory):
+    bundle = bundle_factory()
+    pipe = Pipeline.load(bundle, huge_pages=False, max_context=64)
+    try:
+        with pytest.raises(ContextLimitError):
+            pipe.generate(["short", "x " * 200], mode="ar", max_new_tokens=8)
+        with pytest.raises(BadInputError, match="kv_cache_gb"):
+            Pipeline.load(bundle, huge_pages=False, kv_cache_gb=1e-9).engine()
+        with pytest.raises(BadInputError, match="streamer"):
+            pipe.generate(["a", "b"], streamer=lambda *_: None)
+    finally:
+        pipe.close()
+
+
+def test_the_openvino_target_backend_has_no_batching_engine(bundle_factory):
+    pipe = Pipeline.load(bundle_factory(), huge_pages=False, target_backend="openvino")
+    with pytest.raises(BadInputError, match="onnxruntime"):
+        pipe.engine()
+
+
+def test_a_closed_engine_ends_what_it_holds(bundle_factory):
+    pipe = Pipeline.load(bundle_factory(), huge_pages=False, max_num_seqs=1)
+    engine = pipe.engine()
+    running = engine.submit(*pipe.check("keep going", mode="ar", max_new_tokens=400))
+    next(iter(running))
+    waiting = engine.submit(*pipe.check("never starts", mode="ar", max_new_tokens=4))
+    pipe.close()
+    for request in (running, waiting):
+        with pytest.raises(EngineClosed):
+            request.wait()
