@@ -57,6 +57,9 @@ class BatchTarget:
 
     def _run(self, rows: list[Row]) -> list[np.ndarray | None]:
         width = max(len(r.ids) for r in rows)
+        if width > 1 and len(rows) > 1 and any(r.start for r in rows):
+            # GroupQueryAttention's CPU kernel: several rows of several tokens only without a past
+            raise ValueError("rows of several tokens after a past run one at a time")
         for r in rows:
             if r.start + width > self.slots.positions:
                 raise ValueError(f"slot {r.slot}: {r.start} + {width} positions exceed its {self.slots.positions}")

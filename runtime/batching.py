@@ -33,10 +33,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
+import numpy as np
+
 from mirror_sd.errors import BadInputError
 from mirror_sd.runtime.batch_target import BatchTarget, Row
 from mirror_sd.runtime.config import GenerationConfig
-from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable
+from mirror_sd.runtime.kv import common_prefix
+from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable, worth_reusing
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
 from mirror_sd.runtime.stats import Recorder
@@ -47,8 +50,12 @@ if TYPE_CHECKING:  # the pipeline makes its engine: a type only, never an import
     from mirror_sd.runtime.pipeline import Pipeline
 
 # Prompt tokens one prefill run takes at most, padding included (its rows are padded to the widest): the running
-# generations' next step waits for that run.
-PREFILL_BUDGET = PREFILL_CHUNK
+# generations' next step waits for that run, and rows prefill more tokens per second together than apart.
+PREFILL_BUDGET = 2 * PREFILL_CHUNK
+# A decode step's rows sit in slots with gaps where requests left: a gap of up to this many slots is run with
+# filler rows (the weights are read once), a wider one splits the step into two runs (docs/design.md: "Batched
+# steps over KV slots").
+MAX_FILLER_ROWS = 8
 SPECULATIVE_MODES = ("sd", "mirror")
 
 
@@ -262,30 +269,63 @@ class BatchEngine:
 
     # -- batched steps --------------------------------------------------------------------------------------------
     def _prefill_step(self) -> None:
-        """One run over prompt tokens still to prefill (all but each prompt's last), oldest requests first, as many
-        rows as fit PREFILL_BUDGET with each padded to the widest."""
-        rows, width = [], 0
+        """One run over prompt tokens still to prefill (all but each prompt's last), oldest requests first, within
+        PREFILL_BUDGET (rows padded to the widest). ONNX Runtime's attention takes several rows of several tokens
+        only where none has a past: prompts that start from nothing run together, a prompt that goes on from its
+        cached head or an earlier chunk runs alone."""
+        pending = []
         for row in self._rows:
-            if not row.prefilling:
-                continue
-            take = min(len(row.context) - 1 - row.kv_len, PREFILL_BUDGET)
-            if rows and max(width, take) * (len(rows) + 1) > PREFILL_BUDGET:
-                break
-            rows.append((row, take))
-            width = max(width, take)
-        if not rows:
+            if row.prefilling:
+                self._borrow(row)
+                if row.prefilling:
+                    pending.append(row)
+        if not pending:
             return
+        def share(row: _Row) -> int:
+            return min(len(row.context) - 1 - row.kv_len, PREFILL_BUDGET)
+
+        oldest = pending[0]
+        rows, width = [], 0
+        if oldest.kv_len:
+            rows = [(oldest, share(oldest))]
+        else:
+            for row in (r for r in pending if not r.kv_len):
+                take = share(row)
+                if rows and max(width, take) * (len(rows) + 1) > PREFILL_BUDGET:
+                    break
+                rows.append((row, take))
+                width = max(width, take)
         self.batch.run([Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0)
                         for r, take in rows])
         for r, take in rows:
             r.kv_len += take
+
+    def _borrow(self, row: _Row) -> None:
+        """Copy the longest head of the row's prompt that another slot holds past what the row has (a request
+        sharing its system prompt or earlier turns), where the KV lives in host memory; the prefill goes on from
+        there."""
+        if not self.kv.can_copy:
+            return
+        prompt = np.asarray(row.request.ids, np.int64)
+        held = [(r.slot, r.context[:r.kv_len]) for r in self._rows if r is not row]
+        held += [(s, s.tokens) for s in self.table.slots if not s.busy]
+        best, length = None, row.kv_len
+        for slot, tokens in held:
+            n = min(common_prefix(np.asarray(tokens, np.int64), prompt), len(prompt) - 1)
+            if n > length:
+                best, length = slot, n
+        if best is None or not worth_reusing(length - row.kv_len, len(prompt) - row.kv_len):
+            return
+        self.kv.copy(best.index, row.slot.index, row.kv_len, length)
+        row.kv_len = row.cached = length
 
     def _decode_step(self) -> None:
         """Every row whose next input is one token: that token in, the next one out."""
         rows = [r for r in self._rows if not r.prefilling and r.solo is None]
         if not rows:
             return
-        logits = self.batch.run([Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows])
+        inputs = [Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows]
+        logits = self.batch.run(inputs + self._fillers(inputs))
         self.last_batch = len(rows)
         for row, out in zip(rows, logits):
             params = row.request.config.params
@@ -295,6 +335,23 @@ class BatchEngine:
             row.rec.counts.target_steps += 1
             row.batch_rows.append(len(rows))
             self._commit(row, token)
+
+    def _fillers(self, rows: list[Row]) -> list[Row]:
+        """Rows for the slots in the gaps between `rows`' slots (one token each, logits unused), so that the step is
+        one run. A filler writes one position at its slot's valid length: past a running request's context or a
+        cached prefix, where nothing is read before it is written again."""
+        busy = {r.slot.index: r.kv_len for r in self._rows}
+        taken = sorted(r.slot for r in rows)
+        out = []
+        for lo, hi in zip(taken, taken[1:]):
+            if not 1 < hi - lo <= MAX_FILLER_ROWS + 1:
+                continue
+            for index in range(lo + 1, hi):
+                valid = busy.get(index, len(self.table.slots[index].tokens))
+                if valid + 1 > self.kv.positions:  # a full cached slot: split the step here instead
+                    break
+                out.append(Row(index, (0,), valid, 0))
+        return out
 
     def _commit(self, row: _Row, token: int) -> None:
         if not row.first_token_s:

@@ -9,7 +9,8 @@ slots.
 A slot a sequence leaves keeps its tokens' KV: it is the prefix cache. A new request whose prompt starts with the
 tokens a free slot holds takes that slot and runs only the rest of its prompt; a free slot with nothing worth
 keeping, or the least recently used cached one, serves the others. The cache is therefore bounded by the slots the
-memory budget gave, and evicted least-recently-used.
+memory budget gave, and evicted least-recently-used. In host memory a request may also copy the head of its prompt
+from any slot that holds it (another running request with the same system prompt, say) before prefilling the rest.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from mirror_sd.runtime.target import KVView
 # The shortest cached prefix worth a slot's reuse: below it, a fresh slot (and the cached one kept for a longer
 # match) is the better trade.
 MIN_CACHED_PREFIX = 16
+
+
+def worth_reusing(cached: int, prompt_len: int) -> bool:
+    """Whether starting from `cached` tokens of a prompt beats prefilling it from nothing: a prompt that goes on
+    from a past runs alone (runtime/batching.py), where fresh prompts share a run, so the head must be long against
+    what is left (a chat's earlier turns are; a shared system prompt before a long question is not)."""
+    return cached >= MIN_CACHED_PREFIX and cached >= 2 * (prompt_len - 1 - cached)
 
 
 def kv_names(manifest: Manifest) -> list[str]:
@@ -65,6 +73,19 @@ class KVSlots:
                 value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype, *device)
                 self._memory[name], self._address[name] = value, value.data_ptr()
 
+    @property
+    def can_copy(self) -> bool:
+        """Whether one slot's positions can be copied into another (host memory: the CPU execution provider)."""
+        return self.device[0] == "cpu"
+
+    def copy(self, source: int, dest: int, start: int, end: int) -> None:
+        """Positions [start, end) of slot `source` into slot `dest`, every KV tensor (a token's KV depends only on
+        the tokens up to it, so a sequence that starts with the same tokens has the same KV there)."""
+        if not self.can_copy:
+            raise NotImplementedError("KV slots on a device are not copied")
+        for array in self._memory.values():
+            array[dest, :, start:end] = array[source, :, start:end]
+
     def views(self, lo: int, hi: int) -> dict[str, KVView]:
         """Rows [lo, hi) of every KV tensor, as one [hi - lo, kv_heads, positions, head_dim] view each."""
         if not 0 <= lo < hi <= self.count:
@@ -88,8 +109,6 @@ class SlotTable:
     def __init__(self, count: int) -> None:
         self.slots = [Slot(i, []) for i in range(count)]
         self._clock = 0
-        self.cache_hits = 0  # requests that took a slot holding a prefix of their prompt
-        self.cached_tokens = 0  # prompt tokens those hits did not have to run
 
     def free(self) -> int:
         return sum(not s.busy for s in self.slots)
@@ -106,13 +125,10 @@ class SlotTable:
         best, best_len = None, 0
         for slot in free:
             n = min(common_prefix(np.asarray(slot.tokens, np.int64), ids), len(prompt) - 1)
-            if n >= MIN_CACHED_PREFIX and n > best_len:
+            if worth_reusing(n, len(prompt)) and n > best_len:
                 best, best_len = slot, n
         if best is None:
             best = min(free, key=lambda s: (bool(s.tokens), s.used, s.index))
-        else:
-            self.cache_hits += 1
-            self.cached_tokens += best_len
         best.busy, best.tokens = True, list(prompt[:best_len])
         self._touch(best)
         return best, best_len

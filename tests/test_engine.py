@@ -164,3 +164,15 @@ def test_a_closed_engine_ends_what_it_holds(bundle_factory):
     for request in (running, waiting):
         with pytest.raises(EngineClosed):
             request.wait()
+
+
+def test_requests_sharing_a_prompt_head_copy_its_kv_from_one_another(pipelines):
+    """A burst of requests with one long common head (a system prompt): the later ones copy it from the first's
+    slot instead of prefilling it, and every output is still its solo output."""
+    pipe = pipelines["llama"]
+    head = "You are a careful assistant. " * 8
+    prompts = [head + tail for tail in ("Say hi.", "Count to three.", "Name a fruit.", "Why is the sky blue?",
+                                        "Give me a word.", "Pick a color.")]
+    results = pipe.generate(prompts, mode="ar", max_new_tokens=6)
+    assert [r.token_ids for r in results] == [solo(pipe, p, max_new_tokens=6) for p in prompts]
+    assert sum(r.stats.cached_prompt_tokens > 0 for r in results) >= 2
