@@ -128,7 +128,6 @@ class _Row:
     admitted: float
     first_token_s: float = 0.0  # from submission
     solo: Iterator[Chunk] | None = None  # the pipeline's speculative decoder, while the request runs alone
-    solo_tokens: int = 0  # tokens the speculative decoder committed
     batch_rows: list[int] = field(default_factory=list)  # rows of each batched step it took part in
 
     @property
@@ -155,9 +154,7 @@ class BatchEngine:
         self._rows: list[_Row] = []
         self._wake = threading.Condition()
         self._stopping = False
-        # what /metrics reads (the engine's thread writes them): rows of the last batched step and all steps so far
-        self.last_batch = 0
-        self.steps = 0
+        self.last_batch = 0  # requests in the last batched step (/metrics reads it; the engine's thread writes it)
         self._thread = threading.Thread(target=self._loop, name="mirror-sd-engine", daemon=True)
         self._thread.start()
 
@@ -216,7 +213,6 @@ class BatchEngine:
             self._retire(row, reason="cancelled")
         if not self._rows:
             return
-        self.steps += 1
         alone = len(self._rows) == 1 and not self._waiting
         solo = next((r for r in self._rows if r.solo is not None), None)
         if solo is not None and not alone:
@@ -257,7 +253,6 @@ class BatchEngine:
             row.solo = None
             self._retire(row, reason=row.sink.finish_reason or "length")
             return
-        row.solo_tokens += 1
         self._commit(row, chunk.token_id)
         row.kv_len = len(row.context) - 1  # the decoder's cache: every committed token but the last
 
