@@ -1,9 +1,10 @@
-"""`mirror-sd bench BUNDLE [--quick] [--out DIR] [--methods ...]`: the arguments and the run (mirror_sd/cli.py
-only registers them)."""
+"""`mirror-sd bench BUNDLE [--quick] [--out DIR] [--methods ...] [--no-serving]`: the arguments and the run
+(mirror_sd/cli.py only registers them)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -19,6 +20,9 @@ def add_parser(sub) -> None:
     b.add_argument("--out", default=None, help="output directory (default: results/bench-quick or results/bench-full)")
     b.add_argument("--methods", default=None,
                    help=f"comma-separated subset of {','.join(PROJECT_METHODS + BASELINE_METHODS)} (ar always runs)")
+    b.add_argument("--no-serving", action="store_true",
+                   help="skip the serving section (`mirror-sd serve` under 1 to 64 concurrent clients beside OpenVINO "
+                        "GenAI's continuous batching, and a multi-turn chat's TTFT with and without the prefix cache)")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.set_defaults(func=run)
 
@@ -29,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     from mirror_sd.bench.variants import Sources
 
     size = QUICK if args.quick else FULL
+    if args.no_serving:
+        size = dataclasses.replace(size, serving=None)
     out = Path(args.out or f"results/bench-{size.name}")
     methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()]) if args.methods else None
     if not Path(args.bundle).is_dir():

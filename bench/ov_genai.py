@@ -12,11 +12,16 @@ rng_seed = seed.
 
 Clocks: total_s is the wall time of the generate call; ttft_s comes from GenAI's own perf metrics (get_ttft: from
 the start of generate to the first token, prefill included).
+
+GenAIServing is the serving benchmark's side of GenAI (bench/serving.py): its ContinuousBatchingPipeline, plain or
+speculative, with the same properties, driven by a closed loop of simulated clients.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +130,94 @@ def _speculative_stats(result, new_tokens: int) -> dict[str, Any]:
             stats["target_forwards"] = steps
             stats["mean_accepted_tokens"] = new_tokens / steps
     return stats
+
+
+@dataclass
+class GenAIReply:
+    """One request of a closed loop on GenAI's continuous batching, as its client would have seen it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    ttft_s: float | None = None  # submitted -> the end of the step that gave its first token
+    latency_s: float = 0.0  # submitted -> the end of the step that finished it
+    error: str | None = None
+
+
+class GenAIServing:
+    """OpenVINO GenAI's ContinuousBatchingPipeline on one converted target (its speculative form with `draft_dir`),
+    with _properties' fp32 compute and KV cache and `threads` threads, as the single-stream baselines.
+
+    closed_loop drives it as a server would: C clients, each submitting its next request the moment its last one
+    finishes, all on one pipeline whose step() runs every scheduled request together. The clients are simulated in
+    the loop that calls step() rather than run as threads: GenAI hands out tokens only at the end of a step, so a
+    thread polling its handle would see the same times, plus the GIL's jitter."""
+
+    def __init__(self, target_dir: Path, *, threads: int, eos_token_ids: list[int], max_num_seqs: int,
+                 draft_dir: Path | None = None, gamma: int = 4, prefix_caching: bool = False) -> None:
+        import openvino_genai as ov_genai
+
+        scheduler = ov_genai.SchedulerConfig()
+        scheduler.max_num_seqs = max_num_seqs
+        scheduler.enable_prefix_caching = prefix_caching
+        properties = _properties(threads)
+        if draft_dir is not None:
+            properties["draft_model"] = ov_genai.draft_model(str(draft_dir), "CPU", **_properties(threads))
+        self.pipe = ov_genai.ContinuousBatchingPipeline(str(target_dir), scheduler, "CPU", properties)
+        self.threads, self.eos, self.gamma = threads, list(eos_token_ids), gamma
+        self.speculative, self.prefix_caching = draft_dir is not None, prefix_caching
+        self._ids = itertools.count()
+
+    def _config(self, max_new_tokens: int):
+        import openvino_genai as ov_genai
+
+        cfg = ov_genai.GenerationConfig()
+        cfg.max_new_tokens = max_new_tokens
+        cfg.stop_token_ids = set(self.eos)
+        cfg.eos_token_id = self.eos[0]
+        cfg.do_sample = False
+        if self.speculative:
+            cfg.num_assistant_tokens = self.gamma
+        return cfg
+
+    def closed_loop(self, prompts: list[list[int]], clients: int, max_new_tokens: int
+                    ) -> tuple[list[GenAIReply], float]:
+        """Greedy generations of `prompts` from `clients` simulated clients; the replies in prompt order and the wall
+        time from the first submission to the last finish."""
+        import openvino as ov
+        import openvino_genai as ov_genai
+
+        running = ov_genai.GenerationStatus.RUNNING
+        replies = [GenAIReply() for _ in prompts]
+        waiting = iter(range(len(prompts)))
+        live: dict[int, tuple[Any, int, float]] = {}  # request id -> (handle, prompt index, submitted)
+
+        def submit(now: float) -> None:
+            i = next(waiting, None)
+            if i is not None:
+                rid = next(self._ids)
+                ids = ov.Tensor(np.array([prompts[i]], dtype=np.int64))
+                live[rid] = (self.pipe.add_request(rid, ids, self._config(max_new_tokens)), i, now)
+
+        start = time.perf_counter()
+        for _ in range(min(clients, len(prompts))):
+            submit(start)
+        while live:
+            self.pipe.step()
+            now = time.perf_counter()
+            for rid, (handle, i, submitted) in list(live.items()):
+                reply = replies[i]
+                if handle.can_read():
+                    for output in handle.read().values():
+                        reply.token_ids += [int(t) for t in output.generated_ids]
+                if reply.ttft_s is None and reply.token_ids:
+                    reply.ttft_s = now - submitted
+                status = handle.get_status()
+                if status != running:
+                    reply.latency_s = now - submitted
+                    if status != ov_genai.GenerationStatus.FINISHED:
+                        reply.error = f"GenAI ended the request with {status}"
+                    del live[rid]
+                    submit(now)
+        return replies, time.perf_counter() - start
+
+    def close(self) -> None:
+        self.pipe = None

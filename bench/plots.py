@@ -23,7 +23,7 @@ def write_plots(doc: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     made = [tokens_per_second(doc, out / "tokens_per_s.png"), speedup_vs_gamma(doc, out / "speedup_vs_gamma.png"),
             speedup_vs_exit_layer(doc, out / "speedup_vs_exit_layer.png"), timeline(doc, out / "timeline.png"),
-            context_length(doc, out / "context_length.png")]
+            context_length(doc, out / "context_length.png"), serving(doc, out / "serving.png")]
     return [p for p in made if p is not None]
 
 
@@ -147,4 +147,29 @@ def context_length(doc: dict[str, Any], path: Path) -> Path | None:
     decode.set_ylim(bottom=0)
     decode.legend(fontsize=8)
     fig.suptitle(f"context length ({c.get('new_tokens')} new tokens, greedy, medians)")
+    return _save(fig, path)
+
+
+def serving(doc: dict[str, Any], path: Path) -> Path | None:
+    """Aggregate tokens/s against concurrent clients: our server per mode, GenAI's continuous batching dashed."""
+    points = (doc.get("serving") or {}).get("points") or {}
+    series = {name: sorted((int(c), p["tokens_per_s"]) for c, p in pts.items() if p["tokens_per_s"])
+              for name, pts in points.items()}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (name, pts) in enumerate(series.items()):
+        ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", color=f"C{i}", label=name,
+                linestyle="--" if name.startswith("ov-") else "-")
+    clients = sorted({c for pts in series.values() for c, _ in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(clients, [str(c) for c in clients])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    settings = doc["serving"]["settings"]
+    ax.set_title(f"serving: greedy, {settings['max_tokens']} new tokens per request, closed-loop clients")
     return _save(fig, path)

@@ -66,6 +66,7 @@ def render(doc: dict[str, Any]) -> str:
                         extra=("exit_head", "exit head"))
     lines += _compressed(doc.get("compressed_draft"))
     lines += _context(doc.get("context"))
+    lines += _serving(doc.get("serving"))
     lines += ["## Plots", "", "![tokens/s per method and task](plots/tokens_per_s.png)", "",
               "![timeline of one mirror generation](plots/timeline.png)", ""]
     return "\n".join(lines) + "\n"
@@ -344,3 +345,93 @@ def _context(c: dict[str, Any] | None) -> list[str]:
     if c.get("not_run"):
         lines += [f"- not run: {m}: {why}" for m, why in c["not_run"].items()] + [""]
     return lines + ["![time to first token and decode speed against prompt length](plots/context_length.png)", ""]
+
+
+SERVING_WHAT = {  # the serving section's series (bench/serving.py)
+    "ar": "our server, every request `\"mirror\": {\"mode\": \"ar\"}`",
+    "sd": "our server, every request in sd mode (a request alone speculates; several share batched target steps)",
+    "mirror": "our server, every request in mirror mode (alone: Mirror-SD; several: batched target steps)",
+    "planned": "our server, requests without a mode: the server's default, from the bundle plan",
+    "ov-genai-cb": "OpenVINO GenAI's ContinuousBatchingPipeline, the same fp32 target and fp32 KV cache",
+    "ov-genai-cb-sd": "OpenVINO GenAI's ContinuousBatchingPipeline with its speculative decoding and the plain "
+                      "draft (as ov-genai-sd)",
+}
+
+
+def _serving(s: dict[str, Any] | None) -> list[str]:
+    if not s:
+        return []
+    lines = ["## Serving (concurrent clients)", ""]
+    if "points" not in s:
+        return lines + [f"Not run: {s.get('not_run', 'no result')}.", ""]
+    st, server = s["settings"], s["server"]
+    requests = ", ".join(f"{n} at {c}" for c, n in st["requests"].items())
+    lines += [f"`{' '.join(server['command'][:3])} ... --max-context {st['max_context']} --max-num-seqs "
+              f"{st['max_num_seqs']} --max-queue {st['max_queue']}` in its own process (ready after "
+              f"{server['startup_s']:.1f} s; target {server['target_device']}, draft {server['draft_device']}; "
+              f"{st['server_threads']['target']} target + {st['server_threads']['draft']} draft threads); clients are "
+              "threads of the benchmark speaking HTTP, each sending its next streaming chat request as soon as its "
+              f"last is answered (a closed loop), greedy, {st['max_tokens']} new tokens at most; requests per point: "
+              f"{requests}, over {st['distinct_prompts']} distinct prompts (the benchmark's own, then each under a "
+              "system message), the server's prefix cache flushed before every point. tokens/s = completion tokens "
+              "/ the point's wall time; latency = request sent -> last chunk; TTFT = request sent -> first text, "
+              "queueing included. The server's default mode (the planned series): "
+              f"{server.get('default_mode')}. GenAI: {st['genai_threads']} threads, prefix caching off, "
+              f"speculative window {st['genai_gamma']}; its clients are simulated in the loop that steps the "
+              "pipeline, in-process (no HTTP), and its times end with the step that gave the token.", ""]
+    lines += ["The issue's bars, from this run:", ""]
+    rows = [[t["what"], ("<= " if not t["higher_is_better"] else ">= ") + f"{t['target']:g}", _f(t["measured"]),
+             "met" if t["met"] else (f"not measured ({t['reason']})" if t["measured"] is None else "not met")]
+            for t in s["targets"]]
+    lines += _table(["bar", "wanted", "measured", "verdict"], rows) + [""]
+    genai = s["points"].get("ov-genai-cb", {})
+    for series, points in s["points"].items():
+        if not points:
+            continue
+        lines += [f"**{series}**: {SERVING_WHAT.get(series, series)}", ""]
+        rows = []
+        for clients, p in points.items():
+            base = (genai.get(clients) or {}).get("tokens_per_s")
+            rows.append([clients, str(p["requests"]), _f(p["tokens_per_s"], 1),
+                         _f(p["tokens_per_s"] / base if base and p["tokens_per_s"] else None),
+                         _f(p["latency_s"]["p50"]), _f(p["latency_s"]["p99"]), _ms(p["ttft_s"]["p50"]),
+                         _ms(p["ttft_s"]["p99"]), str(p["errors"])])
+        lines += _table(["clients", "requests", "tokens/s", "x GenAI CB", "p50 latency s", "p99 latency s",
+                         "p50 TTFT ms", "p99 TTFT ms", "errors"], rows) + [""]
+    ident = s["identity"]
+    if not ident["failures"]:
+        lines.append(f"Greedy identity: all {ident['checked']} answers of ours (every mode, every client count) equal "
+                     "their prompt's solo ar output from the library (text and token count).")
+    else:
+        lines.append(f"Greedy identity: **{len(ident['failures'])} of {ident['checked']} answers differ from their "
+                     "prompt's solo ar output (FAILURE)**:")
+        lines += [f"  - {f['method']} at {f['clients']} clients on {f['prompt']}: from character "
+                  f"{f['first_difference_char']} expected {f['expected']!r}, got {f['got']!r} (tokens "
+                  f"{f['expected_tokens']} / {f['got_tokens']})" for f in ident["failures"]]
+    if ident.get("genai_differ"):
+        lines.append("GenAI's outputs that differ from the same solo ar tokens (another runtime's kernels may flip a "
+                     "near-tie): " + ", ".join(f"{k} {v}" for k, v in ident["genai_differ"].items()) + ".")
+    lines += [""] + _multi_turn(s.get("multi_turn"))
+    if s.get("not_run"):
+        lines += [f"- not run: {m}: {why}" for m, why in s["not_run"].items()] + [""]
+    return lines + ["![aggregate tokens/s against concurrent clients](plots/serving.png)", ""]
+
+
+def _multi_turn(m: dict[str, Any] | None) -> list[str]:
+    if not m:
+        return []
+    rows = [[f"ours, {name}", *_turns(r)] for name, r in m["ours"].items()]
+    if m.get("genai"):
+        rows.append(["OpenVINO GenAI CB", *_turns(m["genai"])])
+    return [f"Multi-turn: a chat whose turn 1 is {', '.join(map(str, m['turn1_prompt_tokens']))} prompt tokens of "
+            "Python's documentation under a request to summarise it; turn 2 (turn 1, the answer and a follow-up: "
+            f"{', '.join(map(str, m['turn2_prompt_tokens']))} tokens) right after it, with the prefix cache, and "
+            "again after a flush of every KV slot (nothing cached; GenAI: on its pipeline without prefix caching). "
+            "Medians over the chats.", "",
+            *_table(["", "turn 1 TTFT ms", "turn 2 TTFT ms", "turn 2 without cache ms", "turn 2 / turn 1",
+                     "without cache / turn 1"], rows), ""]
+
+
+def _turns(r: dict[str, Any]) -> list[str]:
+    return [_ms(r["turn1_ttft_s"]), _ms(r["turn2_ttft_s"]), _ms(r["turn2_no_cache_ttft_s"]),
+            _f(r["turn2_over_turn1"], 3), _f(r["turn2_no_cache_over_turn1"])]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +25,9 @@ from mirror_sd.bench.context import ContextSize
 from mirror_sd.bench.machine import describe_machine
 from mirror_sd.bench.methods import BASELINE_METHODS, PROJECT_METHODS, Method, MethodResult
 from mirror_sd.bench.pipeline_methods import PipelineMethod
+from mirror_sd.bench.serving import FULL as SERVING_FULL
+from mirror_sd.bench.serving import QUICK as SERVING_QUICK
+from mirror_sd.bench.serving import ServingSize
 from mirror_sd.bench.variants import CACHE, Sources, variant
 from mirror_sd.errors import BadInputError, MirrorSDError
 from mirror_sd.models.benchmark_prompts import KINDS, PROMPTS, BenchPrompt, select
@@ -64,16 +67,19 @@ class BenchSize:
     export: bool  # export variant bundles that are not cached yet (about 2 minutes each)
     compressed_prompts: int = 0  # prompts for the compressed-draft acceptance (0: skip)
     context: ContextSize | None = None  # the context-length benchmark (bench/context.py); None: skip
+    serving: ServingSize | None = None  # the server under concurrent clients (bench/serving.py); None: skip
 
 
 # Sizes: quick is a smoke run of a few minutes on a quiet 2-core machine; full takes tens of minutes there, plus
 # about 2 minutes per variant bundle exported the first time. The harness prints its own estimate as it goes.
 QUICK = BenchSize("quick", per_kind=1, sampled_prompts=2, max_new_tokens=24, probe_prompts=2,
                   ablations=tuple(ABLATIONS), ablation_prompts=1, gammas=(2, 4), exit_layers=(8, 15, 20, 24),
-                  sweep_prompts=1, export=False, compressed_prompts=2, context=CONTEXT_QUICK)
+                  sweep_prompts=1, export=False, compressed_prompts=2, context=CONTEXT_QUICK,
+                  serving=SERVING_QUICK)
 FULL = BenchSize("full", per_kind=10, sampled_prompts=6, max_new_tokens=32, probe_prompts=4,
                  ablations=tuple(ABLATIONS), ablation_prompts=6, gammas=(1, 2, 3, 4, 6), exit_layers=(8, 15, 20, 24),
-                 sweep_prompts=4, export=True, compressed_prompts=6, context=CONTEXT_FULL)
+                 sweep_prompts=4, export=True, compressed_prompts=6, context=CONTEXT_FULL,
+                 serving=SERVING_FULL)
 SIZES = {"quick": QUICK, "full": FULL}
 
 # Targets of issues 5 and 12 (greedy, real pair, median over the prompt set):
@@ -276,8 +282,11 @@ class Bench:
         doc["timeline"] = self._timeline(main, groups.get("greedy"))
         doc["compressed_draft"] = self._compressed(main)
         doc["context"] = self._context(main, ar_pipes)
+        doc["serving"] = self._serving(main, groups.get("greedy"))
         doc["targets"] = targets(groups.get("greedy"))
         doc["failures"] = [dict(f, group=name) for name, g in groups.items() for f in g.get("identity_failures", [])]
+        doc["failures"] += [dict(f, group="serving")
+                            for f in ((doc["serving"] or {}).get("identity") or {}).get("failures", [])]
         doc["elapsed_s"] = time.perf_counter() - started
         return doc
 
@@ -444,6 +453,28 @@ class Bench:
         self.report(f"context lengths {self.size.context.lengths} ({self.size.context.repeats} prompts each)")
         return run_context(self.bundle, self.size.context, main, ar_pipes, genai, self.requested, self.report,
                            self.progress, self.cache, sd_pipe=self.sd_pipe)
+
+    def _serving(self, main: Pipeline, greedy: dict[str, Any] | None) -> dict[str, Any] | None:
+        """`mirror-sd serve` under concurrent clients beside GenAI's continuous batching (bench/serving.py). The
+        1-client bar compares with GenAI's fastest single-stream method of the greedy group."""
+        if self.size.serving is None:
+            return None
+        from mirror_sd.bench.serving import run_serving
+
+        single = {m: s["overall"]["tokens_per_s"] for m, s in (greedy or {}).get("summary", {}).items()
+                  if m.startswith("ov-genai")}
+        # GenAI's speculative continuous batching proposes the window its single-stream form was fastest at
+        gamma = next((m.gamma for m in self.baselines if m.name == "ov-genai-sd"), None)
+        size = self.size.serving
+        if not self.use_baselines or self.sources is None:
+            size = replace(size, genai=False)
+        try:
+            return run_serving(self.bundle, size, main, sources=self.sources, cache=self.cache,
+                               genai_threads=usable_cores(), genai_gamma=gamma, single_stream=single,
+                               report=self.report)
+        except (MirrorSDError, RuntimeError, OSError, ValueError) as e:  # the rest of the run's results stay
+            self.report(f"serving section failed: {_why(e)}")
+            return {"not_run": _why(e)}
 
     def close(self) -> None:
         for method in self.baselines:
