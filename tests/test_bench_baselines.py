@@ -212,3 +212,41 @@ def test_target_answers_at_scale_are_the_targets_greedy_tokens_and_resume(tiny, 
     with gzip.open(out, "rt") as f:
         assert len(f.read().splitlines()) == 8
     assert json.loads(json.dumps(records[0]))["kind"]
+
+
+def test_genai_continuous_batching_under_closed_loop_clients_equals_ar(tiny, pipe, prompts):
+    """The serving benchmark's GenAI side (bench/serving.py open_genai, bench/ov_genai.py GenAIServing): simulated
+    clients each submitting their next request when their last finishes, on one ContinuousBatchingPipeline (plain,
+    speculative with the plain draft, prefix caching): every greedy output is ar's, TTFT and latency are measured per
+    request; the serving points and the multi-turn chat on top of them."""
+    from mirror_sd.bench.serving import Expected, genai_multi_turn, genai_point, open_genai
+    from mirror_sd.partitions.manifest import Manifest
+
+    bundle, sources, cache = tiny
+    opened, not_run = open_genai(bundle, Manifest.load(bundle), sources, cache, threads=1, gamma=3,
+                                 report=lambda _line: None)
+    try:
+        assert not not_run and set(opened) == {"ov-genai-cb", "ov-genai-cb-sd", "ov-genai-cb-prefix-cache"}
+        assert opened["ov-genai-cb-sd"].speculative and opened["ov-genai-cb-prefix-cache"].prefix_caching
+        expected = [_ar(pipe, ids) for ids in prompts]
+        requests = prompts + prompts[:1]  # four requests from two clients: the fourth waits for a free client
+        for name, cb in opened.items():
+            replies, wall = cb.closed_loop(requests, 2, MAX_NEW)
+            assert [r.token_ids for r in replies] == expected + expected[:1], name
+            for r in replies:
+                assert r.error is None and 0 < r.ttft_s <= r.latency_s <= wall
+
+        refs = [Expected("", ids) for ids in expected]
+        point = genai_point(opened["ov-genai-cb"], prompts, list(PROMPTS), 2, MAX_NEW, refs, [0, 1, 2, 0])
+        assert point["requests"] == 4 and point["errors"] == 0
+        assert all(r["identical_to_solo_ar"] for r in point["runs"]) and point["runs"][3]["prompt"] == PROMPTS[0]
+        tokens = sum(len(expected[i]) for i in (0, 1, 2, 0))
+        assert point["completion_tokens"] == tokens and point["tokens_per_s"] == pytest.approx(tokens / point["wall_s"])
+        turn1, turn2 = prompts[2], prompts[2] + expected[2] + prompts[0]
+        chat = genai_multi_turn(opened["ov-genai-cb-prefix-cache"], opened["ov-genai-cb"], [(turn1, turn2)],
+                                prompts[1], MAX_NEW)
+        assert chat["turn2_over_turn1"] == pytest.approx(chat["turn2_ttft_s"] / chat["turn1_ttft_s"])
+        assert all(chat[k] > 0 for k in ("turn1_ttft_s", "turn2_ttft_s", "turn2_no_cache_ttft_s"))
+    finally:
+        for cb in opened.values():
+            cb.close()
