@@ -398,6 +398,14 @@ def _serving(s: dict[str, Any] | None) -> list[str]:
                          _ms(p["ttft_s"]["p99"]), str(p["errors"])])
         lines += _table(["clients", "requests", "tokens/s", "x GenAI CB", "p50 latency s", "p99 latency s",
                          "p50 TTFT ms", "p99 TTFT ms", "errors"], rows) + [""]
+    ours = [p for series, points in s["points"].items() if not series.startswith("ov-") for p in points.values()
+            if "prefix_cache" in p]
+    if ours:
+        hits, spared = (sum(p["prefix_cache"][k] for p in ours) for k in ("hits", "tokens"))
+        lines += [f"Prefix cache within our points (the flush before each leaves nothing from earlier ones): {hits:g} "
+                  f"requests found a head their prompts share cached, sparing {spared:g} of "
+                  f"{sum(p['prompt_tokens'] for p in ours)} prompt tokens; GenAI runs these points without prefix "
+                  "caching.", ""]
     ident = s["identity"]
     if not ident["failures"]:
         lines.append(f"Greedy identity: all {ident['checked']} answers of ours (every mode, every client count) equal "

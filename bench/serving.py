@@ -19,12 +19,14 @@ The series run in an order that rotates from one client count to the next (bench
 shared machine spreads over all of them).
 
 Prompts: the benchmark's own (models/benchmark_prompts.py), then each again under a one-line system message: twice
-as many distinct prompts, so that a point of 64 clients never has two requests with the same prompt running, or one
-still cached, at once. A point of R requests takes the first R of that list (cycling beyond it). Before every point
-of ours the server's prefix cache is flushed: `max_num_seqs` short distinct completions take every KV slot in turn
-(a free slot is taken least recently used first: runtime/kv_slots.py), so no point reuses a prompt an earlier point
-left in a slot, as GenAI's pipeline, prefix caching off, never does. GenAI gets the same prompts as token ids, rendered
-by the bundle's tokenizer and chat template, as the server renders them.
+as many distinct prompts, so that no point sends one prompt twice (the second would find the first in the prefix
+cache, or copy it from the slot still running it). A point of R requests takes the first R of that list, and a size
+asks for no more than there are. Before every point of ours the server's prefix cache is flushed: `max_num_seqs`
+short distinct completions take every KV slot in turn (a free slot is taken least recently used first:
+runtime/kv_slots.py), so no point reuses a prompt an earlier point left in a slot, as GenAI's pipeline, prefix caching
+off, never does. Within a point the server still shares what its prompts share (the chat template's default system
+prompt, for prompts short enough that so short a head is worth reusing); each point records what that spared. GenAI
+gets the same prompts as token ids, rendered by the bundle's tokenizer and chat template, as the server renders them.
 
 Greedy identity: every answer of ours, at every client count and mode, must be the prompt's solo `ar` output from
 the library (Pipeline.generate alone), text and token count alike (bench/soak.py's check: the server answers text).
@@ -93,7 +95,8 @@ T = TypeVar("T")
 class ServingSize:
     clients: tuple[int, ...]
     min_requests: int  # requests of a point at least (few clients: enough for a p50)
-    per_client: int  # requests each client sends at least (many clients: each is busy more than once)
+    per_client: int  # requests each client sends (many clients: each is busy more than once)...
+    max_requests: int  # ...up to this many in a point (the section's time; at most the distinct prompts)
     max_tokens: int  # max_tokens of every request
     max_context: int  # the server's --max-context: the multi-turn chat's turn 2 and its answer must fit
     multi_turn_tokens: int  # turn 1's prompt, about
@@ -101,14 +104,16 @@ class ServingSize:
     genai: bool = True  # run OpenVINO GenAI's side (off: ours alone)
 
     def requests(self, clients: int) -> int:
-        return max(self.min_requests, self.per_client * clients)
+        return min(self.max_requests, max(self.min_requests, self.per_client * clients))
 
 
-# quick: a couple of minutes on a quiet 2-core machine; full: some 10-15 minutes there
-QUICK = ServingSize(clients=(1, 4, 16), min_requests=4, per_client=1, max_tokens=32, max_context=2048,
-                    multi_turn_tokens=1000, multi_turn_repeats=1)
-FULL = ServingSize(clients=(1, 4, 16, 64), min_requests=8, per_client=2, max_tokens=64, max_context=3072,
-                   multi_turn_tokens=2000, multi_turn_repeats=2)
+# quick: a few minutes on a quiet 2-core machine; full: some 15 there (the solo references of its 96 prompts
+# included). Full's 64-client point sends 1.5 requests a client: the first wave, then a second one that the clients
+# finishing first start, so the point is not one batch that starts and ends together.
+QUICK = ServingSize(clients=(1, 4, 16), min_requests=4, per_client=1, max_requests=16, max_tokens=32,
+                    max_context=2048, multi_turn_tokens=800, multi_turn_repeats=1)
+FULL = ServingSize(clients=(1, 4, 16, 64), min_requests=8, per_client=2, max_requests=96, max_tokens=64,
+                   max_context=3072, multi_turn_tokens=2000, multi_turn_repeats=2)
 
 
 # -- prompts ------------------------------------------------------------------------------------------------------
@@ -129,9 +134,9 @@ def serving_prompts() -> list[ServingPrompt]:
     return plain + [ServingPrompt(f"{p.name}+system", (system, *p.messages)) for p in ordered]
 
 
-def point_prompts(size: ServingSize, clients: int, count: int) -> list[int]:
-    """Indices into serving_prompts() of a point's requests, in the order they are sent."""
-    return [i % count for i in range(size.requests(clients))]
+def point_prompts(size: ServingSize, clients: int) -> list[int]:
+    """Indices into serving_prompts() of a point's requests, in the order they are sent: the first ones, each once."""
+    return list(range(size.requests(clients)))
 
 
 def prompt_ids(codec: TextCodec, messages) -> list[int]:
@@ -340,7 +345,9 @@ def text_difference(got: str, want: str) -> int:
 # -- our side -----------------------------------------------------------------------------------------------------
 def ours_point(server: ServerProcess, prompts: list[ServingPrompt], indices: list[int], mode: str | None,
                clients: int, max_tokens: int, expected: list[Expected]) -> dict[str, Any]:
-    """One point of ours, the cache flushed first; every answer checked against its solo ar output."""
+    """One point of ours, the cache flushed first; every answer checked against its solo ar output. What the prefix
+    cache spared within the point is recorded: only heads its prompts share (the chat template's default system
+    prompt, where a prompt is short enough for so short a head to be worth reusing: runtime/kv_slots.py)."""
     flush(server.port, server.health()["max_num_seqs"])
     before = server.prefix_cache()
     replies, wall = closed_loop(lambda i: chat(server.port, prompts[indices[i]], mode, max_tokens), len(indices),
@@ -352,7 +359,7 @@ def ours_point(server: ServerProcess, prompts: list[ServingPrompt], indices: lis
         same = r.error is None and r.text == want.text and r.tokens == len(want.token_ids)
         runs.append({**asdict(r), "identical_to_solo_ar": same})
     point = summarise(clients, runs, wall)
-    point["prefix_cache_hits"] = after["hits"] - before["hits"]  # none expected: no prompt repeats in a point
+    point["prefix_cache"] = {k: after[k] - before[k] for k in after}
     return point
 
 
@@ -564,6 +571,9 @@ def run_serving(bundle: Path, size: ServingSize, pipe, *, sources=None, cache: P
     prompts = serving_prompts()
     used = min(len(prompts), max(size.requests(c) for c in size.clients))
     prompts = prompts[:used]
+    if used < max(size.requests(c) for c in size.clients):  # a point would repeat a prompt: the cache would serve it
+        raise ValueError(f"a point of {max(size.requests(c) for c in size.clients)} requests has only {used} "
+                         "distinct prompts")
     threads = genai_threads or pipe.target_threads
     gamma = genai_gamma or pipe.generation_config.gamma
     doc: dict[str, Any] = {"settings": {**asdict(size), "max_num_seqs": MAX_NUM_SEQS, "max_queue": MAX_QUEUE,
@@ -593,7 +603,7 @@ def run_serving(bundle: Path, size: ServingSize, pipe, *, sources=None, cache: P
                              **{k: health[k] for k in ("max_num_seqs", "target_device", "draft_device")}}
             doc["server"]["default_mode"] = _warm_up(server, max(size.clients), genai)
             for k, clients in enumerate(size.clients):
-                indices = point_prompts(size, clients, used)
+                indices = point_prompts(size, clients)
                 for name in series[k % len(series):] + series[:k % len(series)]:
                     report(f"serving: {name}, {clients} client(s), {len(indices)} requests")
                     if name in MODES:
@@ -601,6 +611,7 @@ def run_serving(bundle: Path, size: ServingSize, pipe, *, sources=None, cache: P
                         failures += identity_failures(name, point, by_name)
                     else:
                         point = genai_point(genai[name], ids, names, clients, size.max_tokens, expected, indices)
+                    point["prompt_tokens"] = sum(len(ids[i]) for i in indices)
                     points[name][str(clients)] = point
                     report(f"serving: {name} at {clients}: {point['tokens_per_s'] or 0:.1f} tokens/s, p50 latency "
                            f"{point['latency_s']['p50'] or 0:.2f} s, p50 TTFT {point['ttft_s']['p50'] or 0:.3f} s")

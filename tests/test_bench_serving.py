@@ -13,7 +13,7 @@ from mirror_sd.bench.serving import MODES, ServingSize, run_serving, serving_pro
 from mirror_sd.runtime.pipeline import Pipeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-TINY = ServingSize(clients=(1, 2), min_requests=2, per_client=2, max_tokens=4, max_context=512,
+TINY = ServingSize(clients=(1, 2), min_requests=2, per_client=2, max_requests=4, max_tokens=4, max_context=512,
                    multi_turn_tokens=150, multi_turn_repeats=1, genai=False)
 
 
@@ -42,7 +42,8 @@ def test_server_section_end_to_end(section):
             assert p["errors"] == 0 and p["requests"] == len(p["runs"]) == TINY.requests(int(clients))
             assert p["tokens_per_s"] == pytest.approx(p["completion_tokens"] / p["wall_s"])
             assert p["completion_tokens"] == sum(r["tokens"] for r in p["runs"])
-            assert p["prefix_cache_hits"] == 0  # flushed before the point, no prompt repeats within it
+            # flushed before the point, no prompt repeats within it (the tiny template's head is too short to share)
+            assert p["prefix_cache"] == {"hits": 0, "tokens": 0} and p["prompt_tokens"] > 0
             for r in p["runs"]:
                 assert 0 < r["ttft_s"] <= r["latency_s"] and 0 < r["tokens"] <= TINY.max_tokens
                 assert r["identical_to_solo_ar"]
@@ -65,7 +66,7 @@ def test_server_section_end_to_end(section):
 def _point(clients: int, tps: float, p50: float) -> dict:
     return {"clients": clients, "requests": 2, "errors": 0, "completion_tokens": 8, "wall_s": 8 / tps,
             "tokens_per_s": tps, "latency_s": {"p50": p50, "p99": p50 * 2}, "ttft_s": {"p50": 0.1, "p99": 0.2},
-            "runs": []}
+            "runs": [], "prompt_tokens": 100, "prefix_cache": {"hits": 1, "tokens": 20}}
 
 
 def test_bars_report_and_plot_from_a_synthetic_document(tmp_path):
@@ -104,9 +105,45 @@ def test_bars_report_and_plot_from_a_synthetic_document(tmp_path):
     section = text[text.index("## Serving"):]
     assert "| 16 | 2 | 84.0 | 1.20 | 0.80 | 1.60 | 100.0 | 200.0 | 0 |" in section  # x GenAI CB from the points
     assert "0.94" in section and "not met" in section and "7.00" in section
+    assert "6 requests found a head their prompts share cached, sparing 120 of 600 prompt tokens" in section
     assert "**1 of 4 answers differ" in section and "planned at 16 clients on qa-0" in section
     assert "| OpenVINO GenAI CB | 2500.0 | 500.0 | 2700.0 | 0.200 | 1.08 |" in section
     assert serving_plot(doc, tmp_path / "s.png").read_bytes()[:8] == PNG_MAGIC
     assert serving_plot({"serving": {"not_run": "x"}}, tmp_path / "none.png") is None
     assert "Not run: the server would not start." in render({**doc, "serving": {"not_run": "the server would "
                                                                                           "not start"}})
+
+
+def test_the_benchmark_runs_the_section_at_its_sizes(bundle_factory, monkeypatch):
+    """bench/runner.py: quick and full sizes carry the section (no point asks for more prompts than there are);
+    the runner hands it GenAI's single-stream figures from the greedy group and its own pipeline, turns GenAI's side
+    off with the baselines, and a failing section is recorded without losing the run."""
+    from mirror_sd.bench import serving
+    from mirror_sd.bench.runner import FULL, QUICK, Bench
+
+    assert QUICK.serving.clients == (1, 4, 16) and FULL.serving.clients == (1, 4, 16, 64)
+    for size in (QUICK.serving, FULL.serving):
+        assert max(size.requests(c) for c in size.clients) <= len(serving_prompts())
+    assert FULL.serving.requests(64) > 64  # the clients that finish first start a second wave
+
+    seen = {}
+
+    def fake(bundle, size, pipe, **kw):
+        seen.update(size=size, pipe=pipe, **kw)
+        return {"ok": True}
+
+    monkeypatch.setattr(serving, "run_serving", fake)
+    bench = Bench(bundle_factory(), QUICK, ["ar"], sources=None, progress=False, report=lambda _line: None,
+                  baselines=False)
+    greedy = {"summary": {"ar": {"overall": {"tokens_per_s": 30.0}},
+                          "ov-genai-ar": {"overall": {"tokens_per_s": 25.0}}}}
+    assert bench._serving("PIPE", greedy) == {"ok": True}
+    assert seen["pipe"] == "PIPE" and seen["single_stream"] == {"ov-genai-ar": 25.0}
+    assert seen["size"].genai is False and seen["size"].clients == QUICK.serving.clients
+
+    def broken(*_a, **_kw):
+        raise RuntimeError("the server on port 1 did not answer /health within 300 s")
+
+    monkeypatch.setattr(serving, "run_serving", broken)
+    assert bench._serving("PIPE", None) == {"not_run": "RuntimeError: the server on port 1 did not answer /health "
+                                                       "within 300 s"}
