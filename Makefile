@@ -20,7 +20,8 @@ RETRAIN ?=
 DRAFT_KIND ?= feature
 BUNDLE ?= build/bundles/smollm2$(if $(filter feature,$(DRAFT_KIND)),-feature)
 
-# bench options: QUICK=1 for the few-minutes size; METHODS=ar,sd,mirror,... a subset; OUT a results directory
+# bench options: QUICK=1 for the few-minutes size; METHODS=ar,sd,mirror,... a subset; OUT a results directory;
+# NO_SERVING=1 leaves out the serving section (concurrent clients through mirror-sd serve)
 QUICK ?=
 METHODS ?=
 
@@ -96,11 +97,12 @@ package: setup
 	  $(if $(FORCE),--force)
 
 # Benchmark BUNDLE (default: the real pair) against transformers and OpenVINO GenAI: results/bench-<quick|full>/
-# (bench.json, report.md, plots/). The full size takes about 30-40 minutes here, QUICK=1 a few.
+# (bench.json, report.md, plots/). The full size takes about 45-55 minutes here (its serving section ~15), QUICK=1 a
+# few.
 .PHONY: bench
 bench: models
 	$(VENV)/bin/mirror-sd bench "$(BUNDLE)" $(if $(QUICK),--quick) $(if $(OUT),--out "$(OUT)") \
-	  $(if $(METHODS),--methods "$(METHODS)")
+	  $(if $(METHODS),--methods "$(METHODS)") $(if $(NO_SERVING),--no-serving)
 
 # Soak test of the server over BUNDLE (default: the real pair): exactness and resources under concurrent load, a
 # draft that fails or stalls, SIGTERM mid-stream (bench/soak.py) -> results/soak/ (soak.json, README.md), or OUT.

@@ -57,6 +57,11 @@ PREFILL_BUDGET = 2 * PREFILL_CHUNK
 # steps over KV slots").
 MAX_FILLER_ROWS = 8
 SPECULATIVE_MODES = ("sd", "mirror")
+# A request alone speculates only where the engine has been running one request at a time of late (its recent mean
+# of requests per step below this): under many clients one is alone only for moments, and starting and stopping the
+# speculative decoder there costs more than it gains.
+SOLO_LOAD = 1.5
+LOAD_WEIGHT = 0.1  # of the latest step in that mean
 
 
 class EngineClosed(RuntimeError):
@@ -155,6 +160,7 @@ class BatchEngine:
         self._wake = threading.Condition()
         self._stopping = False
         self.last_batch = 0  # requests in the last batched step (/metrics reads it; the engine's thread writes it)
+        self._load = 1.0  # recent mean of requests per step (SOLO_LOAD)
         self._thread = threading.Thread(target=self._loop, name="mirror-sd-engine", daemon=True)
         self._thread.start()
 
@@ -194,6 +200,7 @@ class BatchEngine:
         while True:
             with self._wake:
                 while not (self._stopping or self._waiting or self._rows):
+                    self._load = 0.0  # idle: what arrives next comes alone
                     self._wake.wait()
                 if self._stopping:
                     break
@@ -213,6 +220,7 @@ class BatchEngine:
             self._retire(row, reason="cancelled")
         if not self._rows:
             return
+        self._load += LOAD_WEIGHT * (len(self._rows) + len(self._waiting) - self._load)
         alone = len(self._rows) == 1 and not self._waiting
         solo = next((r for r in self._rows if r.solo is not None), None)
         if solo is not None and not alone:
@@ -238,10 +246,10 @@ class BatchEngine:
 
     # -- a request alone: the pipeline's speculative decoder in its slot ------------------------------------------
     def _may_go_solo(self, row: _Row) -> bool:
-        """An sd or mirror request that has not started: its whole generation can be the pipeline's own (from what
-        the prefix cache holds of its prompt)."""
+        """An sd or mirror request that has not started, where requests have come one at a time: its whole
+        generation can be the pipeline's own (from what the prefix cache holds of its prompt)."""
         return (row.request.config.mode in SPECULATIVE_MODES and row.kv_len == row.cached
-                and len(row.context) == row.prompt_len)
+                and len(row.context) == row.prompt_len and self._load < SOLO_LOAD)
 
     def _solo_step(self, row: _Row) -> None:
         if row.solo is None:
@@ -276,8 +284,8 @@ class BatchEngine:
                     pending.append(row)
         if not pending:
             return
-        def share(row: _Row) -> int:
-            return min(len(row.context) - 1 - row.kv_len, PREFILL_BUDGET)
+        def share(row: _Row) -> int:  # a row's chunk: at most PREFILL_CHUNK (docs/design.md: Prefill in chunks)
+            return min(len(row.context) - 1 - row.kv_len, PREFILL_CHUNK)
 
         oldest = pending[0]
         rows, width = [], 0
