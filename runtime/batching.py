@@ -56,6 +56,9 @@ PREFILL_BUDGET = 2 * PREFILL_CHUNK
 # filler rows (the weights are read once), a wider one splits the step into two runs (docs/design.md: "Batched
 # steps over KV slots").
 MAX_FILLER_ROWS = 8
+# A fresh prompt joins an older one's prefill run where padding it to that row's width wastes at most this share of
+# its run (docs/design.md: "Several tokens per row only without a past").
+MAX_PADDING = 0.2
 SPECULATIVE_MODES = ("sd", "mirror")
 # A request alone speculates only where the engine has been running one request at a time of late (its recent mean
 # of requests per step below this): under many clients one is alone only for moments, and starting and stopping the
@@ -133,6 +136,7 @@ class _Row:
     admitted: float
     first_token_s: float = 0.0  # from submission
     solo: Iterator[Chunk] | None = None  # the pipeline's speculative decoder, while the request runs alone
+    looked_for_head: bool = False  # whether another slot's copy of its prompt's head was sought (once, before prefill)
     batch_rows: list[int] = field(default_factory=list)  # rows of each batched step it took part in
 
     @property
@@ -278,26 +282,29 @@ class BatchEngine:
         cached head or an earlier chunk runs alone."""
         pending = []
         for row in self._rows:
-            if row.prefilling:
+            if row.prefilling and not row.looked_for_head:
+                row.looked_for_head = True
                 self._borrow(row)
-                if row.prefilling:
-                    pending.append(row)
+            if row.prefilling:
+                pending.append(row)
         if not pending:
             return
+
         def share(row: _Row) -> int:  # a row's chunk: at most PREFILL_CHUNK (docs/design.md: Prefill in chunks)
             return min(len(row.context) - 1 - row.kv_len, PREFILL_CHUNK)
 
         oldest = pending[0]
-        rows, width = [], 0
-        if oldest.kv_len:
-            rows = [(oldest, share(oldest))]
-        else:
-            for row in (r for r in pending if not r.kv_len):
+        rows, width = [(oldest, share(oldest))], share(oldest)
+        if not oldest.kv_len:
+            # fresh prompts of about the oldest's width join it: a run pads every row to the widest, and padding
+            # costs what real tokens do
+            for row in pending[1:]:
                 take = share(row)
-                if rows and max(width, take) * (len(rows) + 1) > PREFILL_BUDGET:
+                if row.kv_len or take > width or take < width * (1 - MAX_PADDING):
+                    continue
+                if width * (len(rows) + 1) > PREFILL_BUDGET:
                     break
                 rows.append((row, take))
-                width = max(width, take)
         self.batch.run([Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0)
                         for r, take in rows])
         for r, take in rows:

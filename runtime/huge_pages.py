@@ -25,6 +25,7 @@ import numpy as np
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
 _MADV_COLLAPSE = 25
 
 
@@ -49,6 +50,17 @@ def _libc():
         return libc
     except (OSError, AttributeError):
         return None
+
+
+def small_pages(array: np.ndarray) -> None:
+    """Keep `array`'s memory in 4 KiB pages (best effort, Linux): for a buffer written a little at a time in many
+    places, such as KV slots of a whole context each, where a huge page would make its first write to any of 2 MiB
+    resident (and zeroed) at once."""
+    libc = _libc()
+    if libc is None or array.nbytes < HUGE_PAGE:
+        return
+    start = -(-array.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
+    libc.madvise(start, array.ctypes.data + array.nbytes - start, _MADV_NOHUGEPAGE)
 
 
 def _anonymous_ranges():

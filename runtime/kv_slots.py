@@ -22,6 +22,7 @@ import numpy as np
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.spec import past_key_name, past_value_name
+from mirror_sd.runtime.huge_pages import small_pages
 from mirror_sd.runtime.kv import common_prefix
 from mirror_sd.runtime.target import KVView
 
@@ -64,8 +65,9 @@ class KVSlots:
         self._address: dict[str, int] = {}
         for name in kv_names(manifest):
             if device[0] == "cpu":
-                # untouched pages cost nothing until a sequence writes them
+                # untouched pages cost nothing until a sequence writes them, one small page at a time
                 array = np.empty(shape, self.dtype)
+                small_pages(array)
                 self._memory[name], self._address[name] = array, array.ctypes.data
             else:
                 import onnxruntime as ort

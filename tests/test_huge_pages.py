@@ -3,6 +3,8 @@
 - Memory made resident after the snapshot is moved into huge pages (the kernel's own accounting says so), memory
   allocated but never touched is not (collapsing it would fault it all in), and memory resident before is left alone.
 - A pipeline loaded with it reports what it did and generates exactly what one loaded without it does.
+- A buffer kept in small pages (the engine's KV slots) makes resident only the pages written, where numpy's own
+  huge pages would make 2 MiB resident per write.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import sys
 
 import pytest
 
-from mirror_sd.runtime.huge_pages import HUGE_PAGE, NewMemory
+import numpy as np
+
+from mirror_sd.runtime.huge_pages import HUGE_PAGE, NewMemory, small_pages
 from mirror_sd.runtime.pipeline import Pipeline
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are collapsed on Linux only")
@@ -35,15 +39,20 @@ def _huge_kib(m: mmap.mmap) -> int:
     """AnonHugePages (KiB) of the kernel's mappings inside `m` (the collapse's madvise splits its huge-page range off
     into a mapping of its own)."""
     lo = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    hi = lo + len(m)
+    return _smaps_kib(lo, lo + len(m), "AnonHugePages:")
+
+
+def _smaps_kib(lo: int, hi: int, field: str, overlapping: bool = False) -> int:
+    """A /proc/self/smaps field (KiB) summed over the mappings inside [lo, hi) (`overlapping`: over those that
+    overlap it)."""
     total, inside = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
                 start, end = (int(x, 16) for x in head.split("-"))
-                inside = start >= lo and end <= hi
-            elif inside and line.startswith("AnonHugePages:"):
+                inside = start < hi and end > lo if overlapping else start >= lo and end <= hi
+            elif inside and line.startswith(field):
                 total += int(line.split()[1])
     return total
 
@@ -78,3 +87,13 @@ def test_pipeline_reports_its_collapse_and_generates_the_same(bundle_factory):
         a = plain.generate(prompt, mode=mode, max_new_tokens=12, temperature=0.0)
         b = huge.generate(prompt, mode=mode, max_new_tokens=12, temperature=0.0)
         assert a.token_ids == b.token_ids
+
+
+def test_small_pages_make_resident_only_what_is_written():
+    array = np.empty((SIZE // 4,), np.float32)  # numpy asks for huge pages on an array this large
+    small_pages(array)
+    array[:: HUGE_PAGE // 4] = 1.0  # one value per 2 MiB, as KV slots are written: a few positions in each
+    lo, hi = array.ctypes.data, array.ctypes.data + array.nbytes
+    assert _smaps_kib(lo, hi, "AnonHugePages:", overlapping=True) == 0
+    # a page per write, and the mapping's first and last pages (numpy's header, the kernel's rounding)
+    assert _smaps_kib(lo, hi, "Rss:", overlapping=True) <= (SIZE // HUGE_PAGE + 4) * mmap.PAGESIZE >> 10
