@@ -156,7 +156,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     result = pipe.generate(prompt, config, streamer=None if args.json else show)
     if args.json:
-        print(json.dumps({"token_ids": result.token_ids, "text": result.text, "stats": result.stats.as_dict()}))
+        doc = {"token_ids": result.token_ids, "text": result.text, "stats": result.stats.as_dict()}
+        if result.logprobs is not None:  # --logprobs K: each token's, with its K likeliest alternatives
+            doc["logprobs"] = [{"token_id": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                               for lp in result.logprobs]
+        print(json.dumps(doc))
     else:
         s = result.stats
         print()
@@ -323,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send --prompt as plain text (default: as a user turn of the bundle's chat template, if any)")
     add_options(g, GenerationConfig)
     add_options(g, LoadOptions, LOAD_FLAGS["generate"], GENERATE_LOAD_DEFAULTS)
-    g.add_argument("--json", action="store_true", help='print {"token_ids", "text", "stats"} as one JSON object')
+    g.add_argument("--json", action="store_true", help='print {"token_ids", "text", "stats"} (and "logprobs" with '
+                   '--logprobs) as one JSON object')
     g.set_defaults(func=_generate)
 
     pk = sub.add_parser("package", help="package a bundle for static-shape devices (NPU): static draft IR")

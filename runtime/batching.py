@@ -40,6 +40,7 @@ from mirror_sd.runtime.batch_target import BatchTarget, Row
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.kv import common_prefix
 from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable, worth_reusing
+from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
 from mirror_sd.runtime.stats import Recorder
@@ -138,6 +139,7 @@ class _Row:
     solo: Iterator[Chunk] | None = None  # the pipeline's speculative decoder, while the request runs alone
     looked_for_head: bool = False  # whether another slot's copy of its prompt's head was sought (once, before prefill)
     batch_rows: list[int] = field(default_factory=list)  # rows of each batched step it took part in
+    scores: list[TokenLogprob | None] = field(default_factory=list)  # each new token's logprob (config.logprobs)
 
     @property
     def prompt_len(self) -> int:
@@ -265,7 +267,7 @@ class BatchEngine:
             row.solo = None
             self._retire(row, reason=row.sink.finish_reason or "length")
             return
-        self._commit(row, chunk.token_id)
+        self._commit(row, chunk.token_id, chunk.logprob)
         row.kv_len = len(row.context) - 1  # the decoder's cache: every committed token but the last
 
     def _leave_solo(self, row: _Row) -> None:
@@ -338,13 +340,15 @@ class BatchEngine:
         logits = self.batch.run(inputs + self._fillers(inputs))
         self.last_batch = len(rows)
         for row, out in zip(rows, logits):
-            params = row.request.config.params
+            cfg = row.request.config
+            params = cfg.params
             position = len(row.context)
             token = choose(out[-1], params, None if params.greedy else rng_for(params, TARGET_STREAM, position))
             row.kv_len += 1
             row.rec.counts.target_steps += 1
             row.batch_rows.append(len(rows))
-            self._commit(row, token)
+            score = token_logprobs(out[-1:], (token,), cfg.logprobs)[0] if cfg.logprobs is not None else None
+            self._commit(row, token, score)
 
     def _fillers(self, rows: list[Row]) -> list[Row]:
         """Rows for the slots in the gaps between `rows`' slots (one token each, logits unused), so that the step is
@@ -363,12 +367,13 @@ class BatchEngine:
                 out.append(Row(index, (0,), valid, 0))
         return out
 
-    def _commit(self, row: _Row, token: int) -> None:
+    def _commit(self, row: _Row, token: int, score: TokenLogprob | None = None) -> None:
         if not row.first_token_s:
             row.first_token_s = time.perf_counter() - row.request.submitted
         row.context.append(token)
+        row.scores.append(score)
         text = row.sink.add(token)
-        row.request._emit(Chunk(token, text))
+        row.request._emit(Chunk(token, text, score))
         if row.sink.finish_reason:
             self._retire(row, reason=row.sink.finish_reason)
 
@@ -398,4 +403,5 @@ class BatchEngine:
             queue_s=row.admitted - row.request.submitted, cached_prompt_tokens=row.cached,
             batched_steps=len(row.batch_rows),
             mean_batch_size=sum(row.batch_rows) / len(row.batch_rows) if row.batch_rows else 1.0)
-        return GenerationResult(row.context[row.prompt_len:], row.sink.text, stats, reason)
+        return GenerationResult(row.context[row.prompt_len:], row.sink.text, stats, reason,
+                                tuple(row.scores) if cfg.logprobs is not None else None)

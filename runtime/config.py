@@ -29,6 +29,7 @@ from typing import Any, Callable, ClassVar, Self
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import CONFIDENCE_RULES
 from mirror_sd.partitions.spec import BACKENDS
+from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS
 from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
 from mirror_sd.runtime.sampling import SamplingParams
 
@@ -251,6 +252,12 @@ class GenerationConfig(Options):
         "heuristic", "how the copied window's length moves: heuristic (grows after a window accepted whole, "
         "shrinks after one cut short, as transformers' num_assistant_tokens_schedule) or constant",
         choices=COPY_SCHEDULES, wire=MIRROR)
+    # the completions endpoint's own field; chat takes it as OpenAI's logprobs: true + top_logprobs (serve/protocol.py)
+    logprobs: int | None = option(
+        None, "report each new token's log-probability under the target (the log-softmax of its raw logits at that "
+        "position, before temperature, top_k and top_p: the model's own distribution) with this many likeliest "
+        "alternatives (0: the chosen token's only); no extra forward, and output never depends on it",
+        range=Range(0, MAX_TOP_LOGPROBS), none="off", wire="logprobs")
     trace: bool = option(False, "stats.trace lists every phase as (phase, start_s, end_s)", cli=False)
 
     @property

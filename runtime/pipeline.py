@@ -266,11 +266,13 @@ class Pipeline:
                         gate_memory=self._gate_memory, cached=cached)
         start = time.perf_counter()
         ttft = 0.0
+        scores = []  # each committed token's logprob, where cfg.logprobs asks for them
         try:
-            for token in tokens:
+            for token, score in tokens:
                 ttft = ttft or time.perf_counter() - start
                 text = sink.add(token)
-                yield Chunk(token, text)
+                scores.append(score)
+                yield Chunk(token, text, score)
                 if sink.finish_reason:
                     break
         finally:
@@ -284,7 +286,8 @@ class Pipeline:
                            kappa=cfg.kappa if cfg.mode == "mirror" else 0, new_tokens=len(sink.ids), ttft_s=ttft,
                            wall_s=wall, target_device=self.target.device, draft_device=self.draft.device,
                            draft_engine=draft_engine)
-        return GenerationResult(list(sink.ids), sink.text, stats, sink.finish_reason or "length")
+        return GenerationResult(list(sink.ids), sink.text, stats, sink.finish_reason or "length",
+                                tuple(scores) if cfg.logprobs is not None else None)
 
     def _threaded(self, cfg: GenerationConfig, fits: bool) -> bool:
         """Whether this generation's draft gets a thread of its own: where it can work while the target does (a

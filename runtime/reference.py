@@ -5,6 +5,8 @@ scheduler's cache trimming, branching or threading is involved. Greedy only. gam
 gamma > 0 is vanilla speculative decoding with the draft, which must give the same tokens. confidence > 0 ends a
 window after a token the draft gives a probability below it (GenerationConfig.draft_confidence_threshold), or, with
 rule "window", after the token where the product of the window's probabilities falls below it.
+`reference_logprobs` gives the target's log-probabilities of a generation's tokens from one forward over the whole
+sequence: the oracle for the decoders' logprobs (runtime/logprobs.py).
 
 A feature draft (runtime/feature_draft.py) reads the target's taps: every input of the committed sequence with
 the taps of the position before it, from a prefix run over the whole sequence; each drafted input with the
@@ -18,6 +20,7 @@ import numpy as np
 from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, STREAM_IDS, SURROGATE, USE_SURROGATE
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import empty_channel
+from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.sampling import probability
 from mirror_sd.runtime.target import Target
 
@@ -49,6 +52,19 @@ def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[i
                 new.append(token)
         seq = list(prompt) + new
     return new
+
+
+def reference_logprobs(target: Target, prompt: list[int], new: list[int], k: int = 0) -> list[TokenLogprob]:
+    """Each of `new`'s tokens (a generation from `prompt`) with its log-probability under the target and the k
+    likeliest tokens at its position, from one forward over prompt + new[:-1] from an empty cache."""
+    logits, _ = target.forward(list(prompt) + list(new[:-1]), target.empty_cache())
+    z = logits[len(prompt) - 1:].astype(np.float64)  # [len(new), V]: row i chose new[i]
+    logp = z - (z.max(-1, keepdims=True) + np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+    out = []
+    for row, token in zip(logp, new):
+        order = np.argsort(-row, kind="stable")[:k]  # a full sort: slow and plain
+        out.append(TokenLogprob(int(token), float(row[token]), tuple((int(t), float(row[t])) for t in order)))
+    return out
 
 
 def _greedy(draft: DraftEngine, row: np.ndarray) -> tuple[int, float]:

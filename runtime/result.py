@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.stats import GenerationStats
 
 
@@ -13,9 +14,12 @@ class GenerationResult:
     text: str  # their text, without special tokens, cut before a stop string
     stats: GenerationStats  # typed; also reads as a mapping (stats["acceptance_rate"]), stats.as_dict() for JSON
     finish_reason: str  # "eos", "stop", "length", or "cancelled" (a request the batching engine was told to stop)
+    # one per token of token_ids where GenerationConfig.logprobs asked for them (runtime/logprobs.py), else None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Chunk:
     token_id: int
     text: str  # new text this token made safe to show (may be empty)
+    logprob: TokenLogprob | None = None  # where GenerationConfig.logprobs asked for it

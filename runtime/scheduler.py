@@ -38,6 +38,7 @@ from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import DrafterBase, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.gate import GateState, SpeculationGate, branch_gate_key, context_bucket, copy_gate_key
+from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
 from mirror_sd.runtime.messages import (
     Branches,
     BranchSet,
@@ -63,6 +64,7 @@ TRY_PROMPT_WINDOW = 64
 
 Request = Union[Warm, Rollout, Branches]
 Answer = Union[Warmed, DraftWindow, BranchSet, DraftFailed]
+Scores = tuple[Union[TokenLogprob, None], ...]  # per committed token, its logprob (None: not asked for)
 
 
 # -- the draft side of the thread boundary -------------------------------------------------------------------
@@ -192,6 +194,13 @@ class _Decoder:
     def _target_rng(self, context_len: int) -> np.random.Generator | None:
         return None if self.cfg.params.greedy else rng_for(self.cfg.params, TARGET_STREAM, context_len)
 
+    def _scores(self, logits: np.ndarray, tokens: tuple[int, ...]) -> Scores:
+        """The committed `tokens`' logprobs from the rows that chose them (logits [len(tokens), V]), where the
+        generation asked for them; else Nones, at no cost."""
+        if self.cfg.logprobs is None:
+            return (None,) * len(tokens)
+        return token_logprobs(logits, tokens, self.cfg.logprobs)
+
     def _prefix(self, ids, sequence: Callable[[], tuple[int, ...]]) -> Boundary:
         """The prefix on ids after the cache. `sequence()` gives every token through the last of ids (the taps'
         context); it is called only where a feature draft takes the taps, so other steps build no copy of it."""
@@ -210,8 +219,9 @@ class _Decoder:
         logits, self.cache = self._suffix(self._prefix(ids, sequence), 1)
         return logits[-1]
 
-    def prefill(self, prompt: tuple[int, ...], cached: int = 0) -> int:
-        """Run the prompt through the target in chunks; the last position's logits give the first new token.
+    def prefill(self, prompt: tuple[int, ...], cached: int = 0) -> tuple[int, Scores]:
+        """Run the prompt through the target in chunks; the last position's logits give the first new token (and
+        its logprob).
         cached: the KV memory holds the first `cached` tokens already (the batching engine's prefix cache), so only
         the rest runs; a feature draft's taps of the cached tokens it will read are computed again first."""
         if cached:
@@ -221,7 +231,8 @@ class _Decoder:
             end = min(start + PREFILL_CHUNK, len(prompt))
             logits = self._forward(prompt[start:end], lambda end=end: prompt[:end])
         self.counts.target_steps += 1
-        return choose(logits, self.cfg.params, self._target_rng(len(prompt)))
+        token = choose(logits, self.cfg.params, self._target_rng(len(prompt)))
+        return token, self._scores(logits[None], (token,))
 
     def _retap(self, prompt: tuple[int, ...], cached: int) -> None:
         """The taps of the cached positions a feature draft reads of this prompt (its last prompt_window inputs:
@@ -236,11 +247,12 @@ class _Decoder:
             self.cache = self.target.adopt(start)
             self._prefix(prompt[start:end], lambda end=end: prompt[:end])
 
-    def target_step(self, ctx: list[int]) -> tuple[int, ...]:
-        """One token from the target alone (ar, and the fallback when the draft is unavailable)."""
+    def target_step(self, ctx: list[int]) -> tuple[tuple[int, ...], Scores]:
+        """One token from the target alone (ar, and the fallback when the draft is unavailable), and its logprob."""
         logits = self._forward([ctx[-1]], lambda: tuple(ctx))
         self.counts.target_steps += 1
-        return (choose(logits, self.cfg.params, self._target_rng(len(ctx))),)
+        token = choose(logits, self.cfg.params, self._target_rng(len(ctx)))
+        return (token,), self._scores(logits[None], (token,))
 
     def fresh_window(self, ctx: list[int], gamma: int) -> DraftWindow | None:
         """A serial rollout; None (and a counted fallback) when the draft fails, stalls, or is still stalled."""
@@ -279,12 +291,13 @@ class _Decoder:
         return answer
 
     def speculative_step(self, ctx: list[int], window: DraftWindow, copied: bool = False, branches: bool = True
-                         ) -> tuple[tuple[int, ...], DraftWindow | None]:
-        """Verify `window` (continuing ctx); returns the committed tokens and, in mirror mode, the next window
-        when a branch for the outcome was ready. copied: a prompt-lookup window, counted apart and verified without
-        a branch set: text that repeats itself mostly goes on repeating (the next step copies again), and on shared
-        cores a branch set's rollouts slow the suffix they hide under. branches False: a mirror step without a branch
-        set either (the branch gate measured that faster: runtime/gate.py; or the budget is 0), sd's step."""
+                         ) -> tuple[tuple[int, ...], Scores, DraftWindow | None]:
+        """Verify `window` (continuing ctx); returns the committed tokens, their logprobs (from the verification
+        rows that chose them) and, in mirror mode, the next window when a branch for the outcome was ready. copied:
+        a prompt-lookup window, counted apart and verified without a branch set: text that repeats itself mostly goes
+        on repeating (the next step copies again), and on shared cores a branch set's rollouts slow the suffix they
+        hide under. branches False: a mirror step without a branch set either (the branch gate measured that faster:
+        runtime/gate.py; or the budget is 0), sd's step."""
         w = window.tokens
         # 1. prefix on the verification window [pending] + w
         boundary = self._prefix([ctx[-1], *w], lambda: (*ctx, *w))
@@ -336,7 +349,8 @@ class _Decoder:
                     c.rejected_hits += rejected
             else:
                 self.worker.cancel(ticket)
-        return verdict.committed(w), next_window
+        committed = verdict.committed(w)
+        return committed, self._scores(logits[:len(committed)], committed), next_window
 
     def _count_unranked(self, candidates: ExitCandidates, accepted: int) -> None:
         """Count the verified window tokens (those up to the first rejected one) the exit head did not rank."""
@@ -388,9 +402,11 @@ def reads_prompt_alongside(warm_with_prefill: bool, feature_draft: bool) -> bool
 
 def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], cfg: GenerationConfig,
            rec: Recorder, warm_with_prefill: bool = True,
-           gate_memory: dict[tuple[str, int], GateState] | None = None, cached: int = 0) -> Iterator[int]:
-    """Yield the new tokens one at a time as they are committed. Stops after cfg.max_new_tokens; the caller
-    stops earlier (EOS, stop strings) by closing the generator, and closes the worker.
+           gate_memory: dict[tuple[str, int], GateState] | None = None, cached: int = 0
+           ) -> Iterator[tuple[int, TokenLogprob | None]]:
+    """Yield the new tokens one at a time as they are committed, each with its logprob where cfg.logprobs asks
+    for them (else None). Stops after cfg.max_new_tokens; the caller stops earlier (EOS, stop strings) by closing
+    the generator, and closes the worker.
 
     cfg.kappa must be resolved (an int). worker None in sd/mirror mode: the draft is unavailable (e.g. still
     stalled from an earlier call), and every step runs on the target alone (or verifies a copied window).
@@ -425,7 +441,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     warmed = None  # the ticket of the draft's reading of the prompt
     if warm and alongside:  # the draft reads the prompt while the target does
         warmed = worker.submit(Warm(tuple(prompt), window=cached_prompt_window(len(prompt), cached)))
-    ctx.append(dec.prefill(tuple(prompt), cached))
+    first, first_score = dec.prefill(tuple(prompt), cached)
+    ctx.append(first)
     # A draft that reads the prompt after the prefill (a feature draft, which needs the prefill's taps, or one whose
     # threads do not fit the cores beside the target's) is served inline or on its thread. Inline, its reading
     # would hold back the first token: it is asked for once that token is out. On its thread it is asked for
@@ -438,7 +455,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     if after_prefill and worker.threaded:
         warmed = worker.submit(Warm(tuple(prompt), dec.take_features(), read_window))
     dec.draft_seen = len(prompt) if warm else 0
-    yield ctx[-1]
+    yield first, first_score[0]
     if after_prefill and not worker.threaded:
         warmed = worker.submit(Warm(tuple(prompt), dec.take_features(), read_window))
     window: DraftWindow | None = None
@@ -510,7 +527,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
         if copied:  # the text repeats itself: a window that costs no draft forward (and is not the first gate's)
             settle_branch_choice(0.0)
             started = time.perf_counter()
-            new, window = dec.speculative_step(ctx, DraftWindow(len(ctx), copied, None, 0), copied=True)
+            new, scores, window = dec.speculative_step(ctx, DraftWindow(len(ctx), copied, None, 0), copied=True)
             copy_length = next_copy_length(copy_length, len(copied), len(new) - 1, cfg.prompt_lookup_schedule,
                                            cfg.prompt_lookup_num_tokens, copy_ceiling)
             if copy_choice:
@@ -528,11 +545,11 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             fetched = time.perf_counter()
             settle_branch_choice(fetched - started - dec.catch_up_s if speculative else 0.0)
             if not speculative:
-                new, window = dec.target_step(ctx), None
+                (new, scores), window = dec.target_step(ctx), None
             else:
                 assert window.context_len == len(ctx), "a window must continue the committed tokens"
                 with_branches = branching and (branch_gate is None or branch_gate.speculate())
-                new, window = dec.speculative_step(ctx, window.head(gamma), branches=with_branches)
+                new, scores, window = dec.speculative_step(ctx, window.head(gamma), branches=with_branches)
                 if branch_gate is not None:
                     branch_pending = (with_branches, len(new), time.perf_counter() - fetched)
             took = time.perf_counter() - started - (dec.catch_up_s if speculative else 0.0)
@@ -542,9 +559,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
                 copy_gate.record(False, len(new), took)
             if gate is not None:
                 remember()
-        for token in new:
+        for token, score in zip(new, scores):
             ctx.append(token)
-            yield token
+            yield token, score
 
 
 @contextmanager

@@ -1,0 +1,132 @@
+"""Logprobs (GenerationConfig.logprobs, runtime/logprobs.py): every committed token's log-probability under the
+target, in ar, sd and mirror, streamed and batched, equals the log-softmax of the target's own logits at its position
+(one forward over the whole sequence: runtime/reference.py), and asking for them changes no token."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.reference import reference_logprobs
+
+PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
+NEW_TOKENS = 20
+TOLERANCE = 1e-4
+# the exactness tests' bundles (tests/test_runtime_exactness.py): four architectures, three exit layers
+BUNDLES = [("llama", 3, 8), ("qwen2", 3, 8), ("qwen3", 3, 8), ("mistral", 3, 8), ("llama", 1, 4), ("llama", 5, 1)]
+K = 5
+
+
+@pytest.fixture(scope="module")
+def pipelines(bundle_factory):
+    cache: dict[tuple, Pipeline] = {}
+
+    def get(arch: str = "llama", exit_layer: int = 3, top_k: int = 8) -> Pipeline:
+        key = (arch, exit_layer, top_k)
+        if key not in cache:
+            cache[key] = Pipeline.load(bundle_factory(arch, exit_layer=exit_layer, top_k=top_k), huge_pages=False,
+                                       max_num_seqs=4)
+        return cache[key]
+
+    yield get
+    for pipe in cache.values():
+        pipe.close()
+
+
+def assert_matches(pipe: Pipeline, prompt: list[int], token_ids: list[int], got: tuple[TokenLogprob, ...], k: int):
+    """`got` are the target's own logprobs of token_ids: the reference's within TOLERANCE, top lists sorted, the
+    chosen token among them where it ranks within k."""
+    want = reference_logprobs(pipe.target, prompt, token_ids, k)
+    assert [g.token for g in got] == token_ids
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g.logprob - w.logprob) < TOLERANCE, (i, g.logprob, w.logprob)
+        assert len(g.top) == k
+        values = [lp for _, lp in g.top]
+        assert values == sorted(values, reverse=True)
+        np.testing.assert_allclose(values, [lp for _, lp in w.top], atol=TOLERANCE)
+        # ids may trade places only where their logprobs tie within the tolerance
+        for (gid, glp), (wid, _) in zip(g.top, w.top):
+            assert gid == wid or abs(glp - dict(w.top).get(gid, -math.inf)) < TOLERANCE
+        if k and g.logprob >= values[-1] + TOLERANCE:
+            assert g.token in dict(g.top)
+
+
+@pytest.mark.parametrize("arch, exit_layer, top_k", BUNDLES, ids=[f"{a}-le{e}-k{k}" for a, e, k in BUNDLES])
+def test_logprobs_are_the_targets_own_and_change_no_token(pipelines, arch, exit_layer, top_k):
+    pipe = pipelines(arch, exit_layer, top_k)
+    for prompt in PROMPTS:
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+        assert ar.logprobs is None
+        for mode in ("ar", "sd", "mirror"):
+            # the default (gated, prompt-lookup) steps, and every step a draft window's verification
+            for gate in (True, False):
+                out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, logprobs=K,
+                                    adaptive_speculation=gate)
+                assert out.token_ids == ar.token_ids, (mode, gate)
+                assert_matches(pipe, prompt, out.token_ids, out.logprobs, K)
+                if mode != "ar" and not gate:
+                    assert out.stats["proposed_tokens"] > 0  # verification rows gave logprobs
+
+
+def test_zero_and_the_most_alternatives(pipelines):
+    pipe = pipelines()
+    prompt = PROMPTS[1]
+    for k in (0, MAX_TOP_LOGPROBS):
+        out = pipe.generate(prompt, mode="mirror", max_new_tokens=NEW_TOKENS, logprobs=k, adaptive_speculation=False)
+        assert_matches(pipe, prompt, out.token_ids, out.logprobs, k)
+
+
+def test_sampled_logprobs_are_the_raw_distributions(pipelines):
+    """Under sampling the reported figure is the model's distribution, before temperature, top_k and top_p."""
+    pipe = pipelines()
+    prompt = PROMPTS[0]
+    for mode in ("ar", "sd", "mirror"):
+        for options in ({"temperature": 1.3}, {"temperature": 0.7, "top_p": 0.8, "top_k": 20}):
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, seed=3, logprobs=K, **options)
+            plain = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, seed=3, **options)
+            assert out.token_ids == plain.token_ids, (mode, options)  # asking draws no random number
+            assert_matches(pipe, prompt, out.token_ids, out.logprobs, K)
+
+
+def test_streamed_chunks_carry_each_tokens_logprob(pipelines):
+    pipe = pipelines("qwen3")
+    prompt = PROMPTS[1]
+    for mode in ("ar", "sd", "mirror"):
+        stream = pipe.stream(prompt, mode=mode, max_new_tokens=NEW_TOKENS, logprobs=2)
+        chunks = list(stream)
+        assert tuple(c.logprob for c in chunks) == stream.result.logprobs
+        assert [c.token_id for c in chunks] == stream.result.token_ids
+        assert_matches(pipe, prompt, stream.result.token_ids, stream.result.logprobs, 2)
+    assert all(c.logprob is None for c in pipe.stream(prompt, mode="mirror", max_new_tokens=4))
+
+
+def test_batched_requests_give_their_solo_logprobs(pipelines):
+    """Requests sharing the engine's batched steps (and one alone first, on the speculative decoder) report the
+    logprobs their solo generations do."""
+    pipe = pipelines()
+    engine = pipe.engine()
+    prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10], [40, 41]]
+    modes = ["mirror", "sd", "ar", "mirror"]
+    first = engine.submit(*pipe.check(prompts[0], mode=modes[0], max_new_tokens=40, logprobs=K))
+    chunks = iter(first)
+    next(chunks)  # alone: its speculative decoder runs until the others arrive
+    others = [engine.submit(*pipe.check(p, mode=m, max_new_tokens=NEW_TOKENS, logprobs=K))
+              for p, m in zip(prompts[1:], modes[1:])]
+    results = [r.wait() for r in others]
+    for _ in chunks:
+        pass
+    results.insert(0, first.result)
+    assert max(r.stats.mean_batch_size for r in results) > 1  # they shared steps
+    for prompt, mode, got in zip(prompts, modes, results):
+        alone = pipe.generate(prompt, mode=mode, max_new_tokens=len(got.token_ids), logprobs=K)
+        assert got.token_ids == alone.token_ids
+        for g, a in zip(got.logprobs, alone.logprobs):
+            assert g.token == a.token and abs(g.logprob - a.logprob) < TOLERANCE
+            np.testing.assert_allclose([lp for _, lp in g.top], [lp for _, lp in a.top], atol=TOLERANCE)
+        assert_matches(pipe, prompt, got.token_ids, got.logprobs, K)
+    plain = pipe.generate([PROMPTS[0], PROMPTS[1]], mode="ar", max_new_tokens=4)
+    assert all(r.logprobs is None for r in plain)
