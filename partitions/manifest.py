@@ -52,6 +52,9 @@ DRAFT_WEIGHT_FORMATS = ("float32", "int8")
 # What the target's graphs compute in and keep their KV and boundary tensor in: float32, or float16 for the CUDA
 # execution provider (whose GroupQueryAttention has no float32 kernel). Logits and taps reach the host as float32.
 TARGET_DTYPES = ("float32", "float16")
+# How the target's prefix and suffix graphs store their MatMul weights (export/target_weights.py): as exported, or in
+# 8- or 4-bit blocks (MatMulNBits). Outputs are exact with respect to the target as deployed, whichever it is.
+TARGET_WEIGHT_FORMATS = ("float32", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class TargetFacts(ModelFacts):
     top_k: int = 8  # k: early-exit candidates per position
     exit_head: str = "logit_lens"  # which early-exit head target_exit carries
     exit_vocab_size: int = 0  # rows of the LM head target_exit runs (0: the whole vocabulary)
+    weight_format: str = "float32"  # one of TARGET_WEIGHT_FORMATS (the prefix's and suffix's MatMuls)
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,8 @@ class Manifest:
 
         if t.dtype not in TARGET_DTYPES:
             raise ManifestError(f"target dtype {t.dtype!r} is not one of {TARGET_DTYPES}")
+        if t.weight_format not in TARGET_WEIGHT_FORMATS:
+            raise ManifestError(f"target weight_format {t.weight_format!r} is not one of {TARGET_WEIGHT_FORMATS}")
         if out_of_dtype := [f"{p.role} {x.name}" for p in (prefix, suffix) for x in p.inputs + p.outputs
                             if x.name.startswith(("past_key_values.", "present.")) and x.dtype != t.dtype]:
             raise ManifestError(f"the target's KV must be its dtype {t.dtype}: {', '.join(out_of_dtype[:3])}")

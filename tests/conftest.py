@@ -58,16 +58,18 @@ def bundle_factory(tmp_path_factory, pair_factory):
     stay fp32, where every other draft here takes the export's default int8 weights);
     streaming=True a random streaming draft (reduced vocabulary, 3 stream heads: 4 tokens per forward at most);
     draft_weights: "int8" or "float32" (default: as said above);
-    target_dtype: what the target graphs compute in, "float32" (default) or "float16".
+    target_dtype: what the target graphs compute in, "float32" (default) or "float16";
+    target_weights: the target's MatMul weights, "float32" (default), "int8" or "int4".
     """
     from mirror_sd.export.bundle import ExportOptions, export_bundle
 
     cache: dict[tuple, Path] = {}
 
     def make(architecture: str = "llama", exit_layer: int = 3, top_k: int = 8, self_draft: bool = False,
-             streaming: bool = False, draft_weights: str | None = None, target_dtype: str = "float32") -> Path:
+             streaming: bool = False, draft_weights: str | None = None, target_dtype: str = "float32",
+             target_weights: str = "float32") -> Path:
         weights = draft_weights or ("float32" if self_draft else "int8")
-        key = (architecture, exit_layer, top_k, self_draft, streaming, weights, target_dtype)
+        key = (architecture, exit_layer, top_k, self_draft, streaming, weights, target_dtype, target_weights)
         if key not in cache:
             target, draft = pair_factory(architecture)
             if streaming:
@@ -77,7 +79,8 @@ def bundle_factory(tmp_path_factory, pair_factory):
             out = tmp_path_factory.mktemp("bundle") / "-".join(map(str, key))
             export_bundle(ExportOptions(model=str(target), draft=str(target if self_draft else draft), out=out,
                                         exit_layer=exit_layer, top_k=top_k,
-                                        draft_weights=weights, target_dtype=target_dtype),
+                                        draft_weights=weights, target_dtype=target_dtype,
+                                        target_weights=target_weights),
                           report=lambda _line: None)
             cache[key] = out
         return cache[key]

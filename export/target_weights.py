@@ -1,0 +1,75 @@
+"""The target's MatMul weights in 8- or 4-bit blocks (`make export ... TARGET_WEIGHTS=int8|int4`).
+
+Why: a decode step on a CPU reads every weight of the target once, so it costs about what the weights take to read:
+8-bit blocks are a quarter of float32's bytes, 4-bit an eighth (docs/design.md: Target weights in blocks).
+
+How, so that the export still proves itself: the torch target's Linear weights are first rounded onto the block grid
+(`on_block_grid`, the rounding ONNX Runtime's quantizer applies), the float32 graphs are exported from that model and
+checked by the ordinary parity grid against it (atol 1e-4, failing), and only then are the prefix's and the suffix's
+MatMuls compressed, every weight checked to come back exactly (export/weight_blocks.py). The embedding is a Gather
+(a row read per token) and the early-exit head is small: both stay float32, so the branch hit rate keeps the exit
+head's precision.
+
+What the user gets: sd and mirror verify against the compressed target, so their outputs equal its ar output token
+for token; how often it agrees with the float32 model is measured at export (`validation.target_weights`) and
+reported, not required. The int8 kernel computes with int8 activations (ONNX Runtime's accuracy level 4, its fast CPU
+path for 8-bit blocks); the int4 one in float32 (`ACCURACY_LEVELS`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.export.weight_blocks import BLOCK_SIZE, block_quantized, quantize_matmuls
+from mirror_sd.partitions.manifest import TARGET_WEIGHT_FORMATS, Manifest
+
+FLOAT32 = "float32"
+BITS = {"int8": 8, "int4": 4}
+# ONNX Runtime's MatMulNBits compute type per format: 4 = int8 activations (its only fast CPU kernel for 8-bit
+# blocks), 1 = float32 activations
+ACCURACY_LEVELS = {"int8": 4, "int4": 1}
+# Export fails where the compressed graphs' greedy token agrees with the same weights in float32 on fewer grid
+# positions than this: only a broken kernel gets there (int8 activations round logits a little; tiny random-weight
+# test models, whose logits are near ties, then agree on 80-90% of positions).
+MIN_KERNEL_AGREEMENT = 0.5
+
+
+def check_target_weights(value: str) -> str:
+    if value not in TARGET_WEIGHT_FORMATS:
+        raise BadInputError(f"target weights must be one of {', '.join(TARGET_WEIGHT_FORMATS)}, not {value!r}",
+                            option="target_weights")
+    return value
+
+
+def on_block_grid(model: torch.nn.Module, weights: str) -> torch.nn.Module:
+    """A copy of `model` whose every Linear weight is rounded onto `weights`' block grid. A Linear that shares its
+    weight with an embedding (a tied LM head) gets a parameter of its own: the embedding's rows stay float32."""
+    check_target_weights(weights)
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight = torch.nn.Parameter(block_quantized(module.weight, BITS[weights]),
+                                                   requires_grad=False)
+    return rounded
+
+
+def compress_target(bundle: Path, manifest: Manifest, weights: str) -> tuple[Manifest, int]:
+    """Rewrite the bundle's target prefix and suffix with `weights`' blocks (their weights must be on its grid);
+    returns the manifest that says so and how many MatMuls were compressed."""
+    check_target_weights(weights)
+    count = 0
+    for role in ("target_prefix", "target_suffix"):
+        spec = manifest.partition(role)
+        count += quantize_matmuls(bundle / spec.file, spec.data_files, BITS[weights], ACCURACY_LEVELS[weights],
+                                  lossless=True)
+    return replace(manifest, target=replace(manifest.target, weight_format=weights)), count
+
+
+__all__ = ["ACCURACY_LEVELS", "BITS", "BLOCK_SIZE", "FLOAT32", "MIN_KERNEL_AGREEMENT", "check_target_weights",
+           "compress_target", "on_block_grid"]

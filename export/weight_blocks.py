@@ -1,0 +1,116 @@
+"""MatMul weights as n-bit blocks: ONNX Runtime's MatMulNBits, for the draft's int8 weights and the target's int8 or
+int4 ones.
+
+Every MatMul with a constant weight [K, N] becomes MatMulNBits: symmetric blocks of BLOCK_SIZE along K, one float32
+scale per block. ONNX Runtime's quantizer maps each block's largest-magnitude weight w_max to -2^(bits-1), so the
+scale is w_max / -2^(bits-1), and rounds the rest to integers in [-2^(bits-1), 2^(bits-1) - 1]. `block_quantized`
+applies that rule to a torch weight: a model whose weights went through it is exported in float32, proved by the
+ordinary parity checks against itself, and then compressed without changing a single weight (`quantize_matmuls(...,
+lossless=True)` checks that, weight by weight). OpenVINO reads MatMulNBits as compressed weights, so the same file
+serves both runtimes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from mirror_sd.errors import ExportError
+
+BLOCK_SIZE = 32
+QUANTIZED_OP = "MatMulNBits"
+
+
+def block_quantized(weight: torch.Tensor, bits: int, block: int = BLOCK_SIZE) -> torch.Tensor:
+    """`weight` [out, in] (a Linear's: y = x W^T, so blocks run along `in`) rounded as ONNX Runtime's symmetric
+    MatMulNBits quantizer rounds it; float32 values, each an integer multiple of its block's scale."""
+    out_features, in_features = weight.shape
+    pad = -in_features % block  # the quantizer pads K with zeros to whole blocks
+    w = torch.nn.functional.pad(weight.detach().float(), (0, pad)).reshape(out_features, -1, block)
+    peak = w.gather(-1, w.abs().argmax(-1, keepdim=True))
+    scale = peak / -(2 ** (bits - 1))
+    q = torch.where(scale == 0, torch.zeros_like(w), torch.round(w / torch.where(scale == 0, 1.0, scale)))
+    q = q.clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    return (q * scale).reshape(out_features, -1)[:, :in_features].to(weight.dtype)
+
+
+def _unshare_constants(model: onnx.ModelProto) -> None:
+    """Give every Identity of an initializer its own copy of it, and drop the Identity. The exporter shares a constant
+    two MatMuls use through such a node (a feature draft's stream heads read the same rows of its head), and the
+    quantizer rewrites only MatMuls whose weight is an initializer: the other would read fp32 weights."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    kept = []
+    for node in model.graph.node:
+        if node.op_type == "Identity" and node.input[0] in initializers:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(initializers[node.input[0]])
+            copy.name = node.output[0]
+            model.graph.initializer.append(copy)
+        else:
+            kept.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+
+
+def _dequantized(node: onnx.NodeProto, initializers: dict[str, np.ndarray]) -> np.ndarray:
+    """A symmetric MatMulNBits node's weight [K, N] in float32."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    k, n, bits, block = attrs["K"], attrs["N"], attrs["bits"], attrs["block_size"]
+    packed = initializers[node.input[1]].reshape(n, -1)
+    if bits == 8:
+        q = packed.astype(np.int32)
+    elif bits == 4:  # two weights a byte, the first in the low nibble
+        q = np.stack([packed & 0x0F, packed >> 4], -1).reshape(n, -1).astype(np.int32)
+    else:
+        raise ExportError(f"{node.name}: {bits}-bit weights are not read back here")
+    q -= 2 ** (bits - 1)  # no zero points: symmetric blocks are stored offset by half the range
+    scales = initializers[node.input[2]].reshape(n, -1, 1)
+    return (q.reshape(n, -1, block) * scales).reshape(n, -1)[:, :k].T
+
+
+def quantize_matmuls(path: Path, data_files: tuple[str, ...], bits: int, accuracy_level: int,
+                     lossless: bool = False) -> int:
+    """Rewrite the ONNX file at `path` (and its external-data files `data_files`, beside it, if any) with `bits`-bit
+    block weights, computed at ONNX Runtime's `accuracy_level`; returns how many MatMuls were quantized.
+    `lossless`: every weight must come back exactly (weights already on the block grid, `block_quantized`), else
+    ExportError. Export runs this in its staging directory, so a failure leaves nothing behind."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # it logs every node it looks at
+    try:
+        model = onnx.load(str(path))
+        _unshare_constants(model)
+        before = {t.name: t for t in model.graph.initializer}
+        weights = {node.name: numpy_helper.to_array(before[node.input[1]]) for node in model.graph.node
+                   if node.op_type == "MatMul" and node.input[1] in before} if lossless else {}
+        quantizer = MatMulNBitsQuantizer(model, block_size=BLOCK_SIZE, is_symmetric=True, bits=bits,
+                                         accuracy_level=accuracy_level)
+        quantizer.process()
+    finally:
+        logger.setLevel(level)
+    model = quantizer.model.model
+    nodes = [node for node in model.graph.node if node.op_type == QUANTIZED_OP]
+    if not nodes:
+        raise ExportError(f"{path.name}: no MatMul with a constant weight to quantize")
+    if lossless:
+        after = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        for node in nodes:
+            original = weights[node.name.rsplit("_Q", 1)[0]]
+            worst = float(np.abs(_dequantized(node, after) - original).max())
+            if worst > 1e-6 * max(float(np.abs(original).max()), 1e-30):
+                raise ExportError(f"{path.name}: {node.name}'s {bits}-bit weights differ from the float32 graph's by "
+                                  f"{worst:.3g}: its weights were not on the block grid")
+    for name in data_files:  # the graph is in memory: written again below, in the same files
+        (path.parent / name).unlink()
+    if data_files:
+        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_files[0])
+    else:
+        onnx.save(model, str(path))
+    return len(nodes)

@@ -1,0 +1,90 @@
+"""The target's weights in 8- and 4-bit blocks (export/target_weights.py, export/weight_blocks.py).
+
+- The torch rounding onto the block grid is ONNX Runtime's quantizer's, weight for weight: compressing weights on the
+  grid changes none of them.
+- An int8 or int4 export proves its float32 graphs against the rounded torch model (parity, failing), compresses
+  every MatMul of the prefix and suffix and nothing of the exit head, and records how often it agrees with its float32
+  form and with the float32 model.
+- sd and mirror equal the compressed target's own ar output token for token, on every architecture (exactness is with
+  respect to the target as deployed).
+- A bad weight format is refused before any work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from mirror_sd.errors import BadInputError, ExportError
+from mirror_sd.export.bundle import ExportOptions, export_bundle
+from mirror_sd.export.target_weights import MIN_KERNEL_AGREEMENT
+from mirror_sd.export.weight_blocks import QUANTIZED_OP, block_quantized, quantize_matmuls
+from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.runtime.pipeline import Pipeline
+from tests.conftest import ARCHITECTURES
+
+
+def _ops(path) -> list[str]:
+    return [node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node]
+
+
+def _matmul_file(path, weight: np.ndarray) -> None:
+    k, n = weight.shape
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="MatMul_0")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+                              [numpy_helper.from_array(weight, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weights_on_the_block_grid_compress_without_change(tmp_path, bits):
+    rng = np.random.default_rng(bits)
+    linear = torch.from_numpy(rng.standard_normal((48, 80)).astype(np.float32))  # [out, in]; in not whole blocks
+    on_grid = block_quantized(linear, bits).numpy()
+    _matmul_file(tmp_path / "on.onnx", on_grid.T.copy())
+    assert quantize_matmuls(tmp_path / "on.onnx", (), bits, accuracy_level=1, lossless=True) == 1
+    assert QUANTIZED_OP in _ops(tmp_path / "on.onnx")
+    # weights off the grid are caught, not silently rounded
+    _matmul_file(tmp_path / "off.onnx", linear.numpy().T.copy())
+    with pytest.raises(ExportError, match="not on the block grid"):
+        quantize_matmuls(tmp_path / "off.onnx", (), bits, accuracy_level=1, lossless=True)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_compressed_target_is_proved_and_recorded(bundle_factory, weights):
+    bundle = bundle_factory("llama", target_weights=weights)
+    manifest = Manifest.load(bundle)
+    assert manifest.target.weight_format == weights
+    for role in ("target_prefix", "target_suffix"):
+        ops = _ops(bundle / manifest.partition(role).file)
+        assert QUANTIZED_OP in ops
+    assert QUANTIZED_OP not in _ops(bundle / manifest.partition("target_exit").file)
+    record = manifest.validation["target_weights"]
+    assert record["format"] == weights and record["matmuls"] > 0
+    assert record["top1_vs_same_weights_float32"] >= MIN_KERNEL_AGREEMENT
+    assert 0.0 <= record["top1_vs_float32_model"] <= 1.0
+    assert manifest.validation["passed"]  # the float32 graphs' parity against the rounded model
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_sd_and_mirror_equal_the_compressed_target(bundle_factory, arch, weights):
+    pipe = Pipeline.load(bundle_factory(arch, target_weights=weights))
+    for prompt in ([5, 17, 33, 2, 9, 41], [3, 3, 3, 3, 8, 8, 8, 8, 3, 3, 3]):
+        ar = pipe.generate(prompt, max_new_tokens=24, mode="ar", temperature=0.0).token_ids
+        for mode in ("sd", "mirror"):
+            assert pipe.generate(prompt, max_new_tokens=24, mode=mode, temperature=0.0).token_ids == ar, mode
+
+
+def test_bad_target_weights_are_refused(tmp_path, pair_factory):
+    target, draft = pair_factory("llama")
+    with pytest.raises(BadInputError, match="target weights"):
+        export_bundle(ExportOptions(str(target), str(draft), tmp_path / "out", target_weights="int3"))
+    with pytest.raises(BadInputError, match="float32 only"):
+        export_bundle(ExportOptions(str(target), str(draft), tmp_path / "out", target_weights="int8",
+                                    target_dtype="float16"))
+    assert not (tmp_path / "out").exists()
