@@ -216,16 +216,17 @@ def free_port() -> int:
 
 class InProcessServer:
     """serve/app.py over `pipe` on a free port, run by uvicorn on a thread of this process (so this process's RSS,
-    fds and threads are the server's)."""
+    fds and threads are the server's). `settings`: ServerSettings' other fields (an API key, CORS origins, ...)."""
 
     def __init__(self, pipe, max_queue: int = 16, request_timeout_s: float = 600.0,
-                 model_name: str = MODEL_NAME) -> None:
+                 model_name: str = MODEL_NAME, **settings: Any) -> None:
         import uvicorn
 
         from mirror_sd.serve.app import ServerSettings, create_app
 
         self.port = free_port()
-        app = create_app(pipe, ServerSettings(model_name, max_queue=max_queue, request_timeout_s=request_timeout_s))
+        app = create_app(pipe, ServerSettings(model_name, max_queue=max_queue, request_timeout_s=request_timeout_s,
+                                              **settings))
         self.server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="soak-uvicorn", daemon=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -26,17 +27,21 @@ LOAD_FLAGS = {
 }
 # one generation is not worth the longer load that huge pages take; the Python API and serve keep them on
 GENERATE_LOAD_DEFAULTS = {"huge_pages": False}
-# the generation options whose server-wide default `serve` takes (a request's own value wins)
+# the generation options whose server-wide default `serve` takes (a request's own value wins; serve/defaults.py)
 SERVE_GENERATION = ("mode", "max_new_tokens")
+# the defaults `serve` shows for them where not the library's: a request without max_tokens runs to the context's end
+SERVE_SHOWN = {"max_new_tokens": "what the prompt leaves of the context"}
+LOG_LEVELS = ("debug", "info", "warning", "error")
+API_KEY_ENV = "MIRROR_SD_API_KEY"  # `serve` reads its API key here when --api-key is not given (kept off `ps`)
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type[Options], names: Collection[str] | None = None,
-                defaults: Mapping[str, Any] | None = None) -> None:
+                defaults: Mapping[str, Any] | None = None, shown: Mapping[str, str] | None = None) -> None:
     """A flag for each command-line option of `cls` (or of those in `names`), named, typed and explained by the
     option's metadata (runtime/config.py). A flag not given stays out of the namespace, so that the option keeps
-    its default from elsewhere (the bundle's plan), unless this command sets one in `defaults`. `given` reads
-    them back."""
-    defaults = defaults or {}
+    its default from elsewhere (the bundle's plan), unless this command sets one in `defaults`; `shown` words the
+    default for the help where the command's own comes from elsewhere. `given` reads them back."""
+    defaults, shown = defaults or {}, shown or {}
     known = {s.name for s in specs(cls) if s.flag}
     if names is not None and set(names) - known:
         raise ValueError(f"no command-line option {sorted(set(names) - known)} in {cls.__name__}")
@@ -45,7 +50,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type[Options], names: Coll
             continue
         default = defaults.get(spec.name, argparse.SUPPRESS)
         kw: dict[str, Any] = {"dest": spec.name, "default": default,
-                              "help": _help(spec, spec.default if default is argparse.SUPPRESS else default)}
+                              "help": _help(spec, spec.default if default is argparse.SUPPRESS else default,
+                                            shown.get(spec.name))}
         if spec.kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif spec.kind is tuple:
@@ -67,9 +73,11 @@ def given(args: argparse.Namespace, cls: type[Options]) -> dict[str, Any]:
     return {s.name: getattr(args, s.name) for s in specs(cls) if hasattr(args, s.name)}
 
 
-def _help(spec: Spec, default: Any) -> str:
+def _help(spec: Spec, default: Any, shown: str | None = None) -> str:
     o = spec.option
-    if default is None:
+    if shown is not None:
+        words = shown
+    elif default is None:
         words = o.none
     elif isinstance(default, bool):
         words = "on" if default else "off"
@@ -172,25 +180,42 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def server_access(args: argparse.Namespace) -> tuple[str | None, tuple[str, ...]]:
+    """`serve`'s API key (--api-key, else $MIRROR_SD_API_KEY, else none) and CORS origins (--cors-origin, each
+    repeatable or a comma-separated list)."""
+    from mirror_sd.errors import BadInputError
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and not api_key.strip():
+        raise BadInputError("--api-key is empty")
+    return api_key, tuple(o.strip() for arg in args.cors_origin for o in arg.split(",") if o.strip())
+
+
 def _serve(args: argparse.Namespace) -> int:
     from mirror_sd.errors import BadInputError, check_int
     from mirror_sd.runtime.pipeline import Pipeline
     from mirror_sd.serve.app import ServerSettings, create_app, serve
+    from mirror_sd.serve.defaults import server_defaults
 
     check_int("--max-queue", args.max_queue, 0)
     if not 0 < args.port < 65536:
         raise BadInputError(f"--port must be in 1..65535, got {args.port}")
     if not args.request_timeout > 0:
         raise BadInputError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    api_key, origins = server_access(args)
     pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
-    pipe.generation_config = pipe.generation_config.updated(**given(args, GenerationConfig))
+    # the server's defaults for what a request leaves out: OpenAI's, the bundle's generation_config.json, the flags
+    defaults = server_defaults(pipe.package.root if pipe.package else Path(args.bundle), given(args, GenerationConfig))
     name = args.model_name or Path(args.bundle).resolve().name
-    app = create_app(pipe, ServerSettings(name, args.max_queue, args.request_timeout))
+    app = create_app(pipe, ServerSettings(name, args.max_queue, args.request_timeout, api_key=api_key,
+                                          cors_origins=origins, defaults=defaults))
     engine = pipe.engine()
-    print(f"mirror-sd: serving {name!r} on http://{args.host}:{args.port}/v1 ({pipe.generation_config.mode}; "
+    mode = defaults.get("mode", pipe.generation_config.mode)
+    print(f"mirror-sd: serving {name!r} on http://{args.host}:{args.port}/v1 ({mode}; "
           f"target {pipe.target.device}, draft {pipe.draft.device}; up to {engine.max_num_seqs} generations at "
-          f"once, each up to {pipe.context_limit} tokens)", file=sys.stderr)
-    serve(app, args.host, args.port)  # SIGTERM: open generations stop at their next step, then exit 0
+          f"once, each up to {pipe.context_limit} tokens; API key {'required' if api_key else 'not required'})",
+          file=sys.stderr)
+    serve(app, args.host, args.port, args.log_level)  # SIGTERM: open generations stop at their next step, exit 0
     return 0
 
 
@@ -381,7 +406,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "(--max-num-seqs) (default 16); more get 429 with Retry-After")
     sv.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds a request may take, queueing included (default 600)")
-    add_options(sv, GenerationConfig, SERVE_GENERATION)  # the server's defaults: a request's own value wins
+    sv.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every /v1 route (401 "
+                    f"otherwise; /health and /metrics stay open) (default: ${API_KEY_ENV} where set, else none)")
+    sv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                    help="a browser origin allowed to call the server, e.g. https://app.example.com or * for any "
+                         "(repeatable, or comma-separated; default: none, no CORS headers)")
+    sv.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                    help="the server's logging to stderr; info logs one line per request (default: info)")
+    add_options(sv, GenerationConfig, SERVE_GENERATION, shown=SERVE_SHOWN)  # a request's own value wins
     add_options(sv, LoadOptions, LOAD_FLAGS["serve"])
     sv.set_defaults(func=_serve)
 

@@ -11,6 +11,12 @@ at the next step.
 Scale-out: requests are independent and a process owns its devices, so several processes (one per GPU/NPU, or per
 machine) sit behind any HTTP load balancer; each one's /health and /metrics describe it alone.
 
+OpenAI's conventions: what a request leaves out gets OpenAI's defaults, not the library's (serve/defaults.py:
+temperature 1.0, max_tokens to the end of the context, a random seed returned in the `x-seed` header); fields that
+change nothing here are taken and logged as ignored at their neutral values only (serve/neutral.py); with an API
+key every /v1 route wants it (serve/auth.py). A stream that waits (queued, or between slow tokens) gets an SSE
+comment every `keepalive_s`, so that a proxy's idle timeout does not cut it.
+
 Errors: a request the server cannot honour is a 4xx with an OpenAI-style body before any device work (malformed
 JSON, wrong types, unknown fields, an empty or oversize prompt, max_tokens out of range, an unknown model). A
 failure inside the target is a 500 for the requests it touched; the server keeps serving. A draft failure never
@@ -25,14 +31,15 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -42,10 +49,16 @@ from mirror_sd.runtime.batching import Request as EngineRequest
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.result import Chunk, GenerationResult
+from mirror_sd.serve import defaults as d
 from mirror_sd.serve import protocol as p
-from mirror_sd.serve.metrics import Metrics
+from mirror_sd.serve.access_log import ARRIVAL, AccessLog
+from mirror_sd.serve.auth import require_key
+from mirror_sd.serve.metrics import Metrics, route_label
+from mirror_sd.serve.neutral import UNSUPPORTED, ignored
 
 log = logging.getLogger("mirror_sd.serve")
+
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment line: no event, only bytes on the wire
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,12 @@ class ServerSettings:
     max_queue: int = 16  # requests that may wait behind the running ones
     request_timeout_s: float = 600.0  # a request's deadline, queueing included
     retry_after_s: int = 1  # the Retry-After a 429 carries
+    api_key: str | None = None  # None: the /v1 routes are open (serve/auth.py)
+    cors_origins: tuple[str, ...] = ()  # origins a browser page may call from ("*": any); none: no CORS headers
+    keepalive_s: float = 10.0  # a waiting stream's SSE comment interval: below common proxy idle timeouts (60 s)
+    # generation options a request leaves out, by name (serve/defaults.py: OpenAI's unless the serve command or the
+    # bundle says otherwise)
+    defaults: Mapping[str, Any] = field(default_factory=d.server_defaults)
 
 
 @dataclass
@@ -62,6 +81,7 @@ class _Job:
 
     ids: list[int]
     config: GenerationConfig
+    arrival: float  # time.monotonic() when the request came in
     deadline: float  # time.monotonic()
 
 
@@ -101,6 +121,7 @@ class Generations:
         self.active.add(request)
         self._gauges()
         texts, ids = [], []
+        first_token = None  # time.monotonic() when it came
         why = None  # why it was stopped early, if it was
         try:
             while True:
@@ -118,12 +139,13 @@ class Generations:
                                          headers={"Retry-After": str(self.settings.retry_after_s)}) from None
                     continue
                 if isinstance(event, Chunk):
+                    first_token = first_token or time.monotonic()
                     texts.append(event.text)
                     ids.append(event.token_id)
                     if on_text is not None and event.text:
                         on_text(event.text)
                     continue
-                return self._finish(job, event, texts, ids)
+                return self._finish(job, event, texts, ids, first_token)
         except asyncio.CancelledError:
             request.cancel()  # the client is gone: the engine stops it at its next step
             raise
@@ -131,11 +153,13 @@ class Generations:
             self.active.discard(request)
             self._gauges()
 
-    def _finish(self, job: _Job, event: Finished, texts: list[str], ids: list[int]) -> _Outcome:
+    def _finish(self, job: _Job, event: Finished, texts: list[str], ids: list[int],
+                first_token: float | None) -> _Outcome:
         if event.error is not None:
             raise event.error
         result = event.result
         self.metrics.generation(result.stats, len(job.ids))
+        self.metrics.timings(job.arrival, first_token, time.monotonic(), len(ids))
         if result.finish_reason == "cancelled":  # stopped at its deadline or at shutdown: what it has
             return _Outcome("".join(texts), ids, "length", None)
         return _Outcome(result.text, result.token_ids, result.finish_reason, result)
@@ -159,14 +183,21 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         yield
         gen.stop()
 
-    app = FastAPI(title="mirror-sd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    auth = [Depends(require_key(settings.api_key))] if settings.api_key is not None else []
+    app = FastAPI(title="mirror-sd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=auth)
+    if settings.cors_origins:
+        # a browser page sends its key in the Authorization header, not a cookie: no credentials mode needed
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-seed"])
+    app.add_middleware(AccessLog)  # added last: outermost, so its duration and status are the client's
     app.state.pipeline, app.state.metrics, app.state.settings = pipe, metrics, settings
     app.state.stop_generations = gen.stop  # a server told to exit calls it at once (serve())
 
     # -- errors in OpenAI's shape --------------------------------------------------------------------------
     @app.exception_handler(p.ApiError)
     async def _api_error(request: Request, e: p.ApiError) -> JSONResponse:
-        metrics.requests.labels(request.url.path, str(e.status)).inc()
+        metrics.requests.labels(route_label(request.scope), str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -178,8 +209,9 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         elif first.get("type") == "extra_forbidden":
             err = p.ApiError(400, f"unsupported field {field!r}: this server does not implement it", param=field,
                              code="unsupported_field")
-        else:
-            err = p.ApiError(400, f"{field}: {first.get('msg')}", param=field, code="invalid_value")
+        else:  # unsupported_value: a value only a field's neutral ones are taken for (serve/neutral.py)
+            code = UNSUPPORTED if first.get("type") == UNSUPPORTED else "invalid_value"
+            err = p.ApiError(400, f"{field}: {first.get('msg')}", param=field, code=code)
         return await _api_error(request, err)
 
     @app.exception_handler(StarletteHTTPException)
@@ -205,10 +237,18 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         metrics.engine(gen.engine)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "mirror-sd"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "mirror-sd"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: an id may hold slashes ("Qwen/Qwen2.5-1.5B-Instruct")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != settings.model_name:
+            raise p.ApiError(404, f"the model {model_id!r} does not exist; this server has {settings.model_name!r}",
+                             param="model", code="model_not_found")
+        return card
 
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatRequest, request: Request) -> Any:
@@ -219,31 +259,42 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         return await _complete(request, body, body.prompt, chat=False)
 
     # -- one request -----------------------------------------------------------------------------------------
-    def _admit(body: p.ChatRequest | p.CompletionRequest, prompt: Any, chat: bool) -> _Job:
-        """Everything checkable before the queue (the pipeline's own checks): the model, the prompt, the options,
-        the context."""
+    noted: set[str] = set()  # the ignored fields logged at info level once
+
+    def _admit(request: Request, body: p.ChatRequest | p.CompletionRequest, prompt: Any, chat: bool) -> _Job:
+        """Everything checkable before the queue (the pipeline's own checks): the model, the prompt, the options
+        (the server's defaults where the request has none), the context."""
         if body.model != settings.model_name:
             raise p.ApiError(404, f"the model {body.model!r} does not exist; this server has "
                                   f"{settings.model_name!r}", param="model", code="model_not_found")
+        for name in ignored(body):
+            (log.debug if name in noted else log.info)("ignored %s: at the value given it changes nothing here",
+                                                         name)
+            noted.add(name)
+        ids: list[int] = []
         try:
-            ids, config = pipe.check(prompt, **body.generation_options())
+            ids = pipe.prompt_ids(prompt)
+            options = d.resolve(settings.defaults, body.generation_options(), _context_room(pipe, len(ids)))
+            ids, config = pipe.check(ids, **options)
         except ContextLimitError as e:
-            too_long = len(pipe.prompt_ids(prompt)) >= pipe.context_limit
+            too_long = len(ids) >= pipe.context_limit
             raise p.ApiError(400, str(e), param=("messages" if chat else "prompt") if too_long else "max_tokens",
                              code="context_length_exceeded") from None
         except BadInputError as e:
             raise p.ApiError(400, str(e), param=_param_of(e, chat), code="invalid_value") from None
-        return _Job(ids, config, time.monotonic() + settings.request_timeout_s)
+        arrival = getattr(request.state, ARRIVAL, time.monotonic())
+        return _Job(ids, config, arrival, time.monotonic() + settings.request_timeout_s)
 
     async def _complete(request: Request, body: p.ChatRequest | p.CompletionRequest, prompt: Any,
                         chat: bool) -> Any:
-        job = _admit(body, prompt, chat)
+        job = _admit(request, body, prompt, chat)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
+        seed = {"x-seed": str(job.config.seed)}  # the seed it ran with: the same request with it repeats the answer
         if body.stream:
             gen.check_room()
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(request, job, rid, body.model, chat, include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", **seed})
         watcher = asyncio.create_task(_watch_disconnect(request))
         run = asyncio.create_task(gen.run(job))
         try:
@@ -261,9 +312,9 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         finally:
             watcher.cancel()
         make = p.chat_response if chat else p.completion_response
-        metrics.requests.labels(request.url.path, "200").inc()
-        return make(rid, body.model, outcome.text, outcome.finish_reason, len(job.ids), len(outcome.token_ids),
-                    _mirror_stats(outcome))
+        metrics.requests.labels(route_label(request.scope), "200").inc()
+        return JSONResponse(make(rid, body.model, outcome.text, outcome.finish_reason, len(job.ids),
+                                 len(outcome.token_ids), _mirror_stats(outcome)), headers=seed)
 
     async def _stream(request: Request, job: _Job, rid: str, model: str, chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -289,10 +340,17 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
         task = asyncio.create_task(run())
         status = "200"
+        getter: asyncio.Task | None = None  # kept across keep-alives: cancelling a get could drop its event
         try:
             first = True
             while True:
-                kind, value = await events.get()
+                getter = getter or asyncio.ensure_future(events.get())
+                done, _ = await asyncio.wait({getter}, timeout=settings.keepalive_s)
+                if not done:  # queued, or a slow token: an SSE comment, which clients skip, keeps proxies waiting
+                    yield KEEPALIVE
+                    continue
+                kind, value = getter.result()
+                getter = None
                 if kind == "text":
                     yield chunk(value, None, first)
                     first = False
@@ -311,10 +369,12 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                     break
             yield "data: [DONE]\n\n"
         finally:
+            if getter is not None:
+                getter.cancel()
             if not task.done():  # the client went away mid-stream: stop the generation at its next step
                 metrics.cancelled.labels("disconnect").inc()
                 task.cancel()
-            metrics.requests.labels(request.url.path, status).inc()
+            metrics.requests.labels(route_label(request.scope), status).inc()
 
     return app
 
@@ -328,12 +388,19 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(app: FastAPI, host: str, port: int) -> None:
+def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
     """Run `app` until SIGINT or SIGTERM; then open generations stop at their next step and the process exits
-    with status 0 (uvicorn re-raises the signal it caught; the handler installed here makes that a clean exit)."""
+    with status 0 (uvicorn re-raises the signal it caught; the handler installed here makes that a clean exit).
+    `log_level` is the server's and uvicorn's, to stderr (info: a line per request, serve/access_log.py)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
-    _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)).run()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("mirror_sd").addHandler(handler)
+    logging.getLogger("mirror_sd").setLevel(log_level.upper())
+    # uvicorn's own access log is off: ours names the route and times the whole response
+    _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                           timeout_graceful_shutdown=3)).run()
 
 
 async def _watch_disconnect(request: Request) -> None:
@@ -350,6 +417,14 @@ def _mirror_stats(outcome: _Outcome) -> dict[str, Any]:
     return {"mode": s.mode, "tokens_per_second": s.tokens_per_second, "ttft_s": s.ttft_s,
             "acceptance_rate": s.acceptance_rate, "mean_accepted_tokens": s.mean_accepted_tokens,
             "branch_hit_rate": s.branch_hit_rate, "fallbacks": s.fallbacks}
+
+
+def _context_room(pipe: Pipeline, prompt_tokens: int) -> int:
+    """The new tokens a prompt leaves room for: the context limit, or a package's static bound where lower."""
+    limit = pipe.context_limit
+    if pipe.package is not None:
+        limit = min(limit, pipe.package.info.bounds.max_context)
+    return limit - prompt_tokens
 
 
 def _param_of(error: BadInputError, chat: bool) -> str | None:

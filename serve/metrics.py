@@ -1,6 +1,14 @@
-"""The server's Prometheus metrics, in a registry of its own (one per app: tests start several in one process)."""
+"""The server's Prometheus metrics, in a registry of its own (one per app: tests start several in one process).
+
+Labels take few values: a request is counted under its route's template ("/v1/models/{model_id:path}"), never its
+raw path, and every path no route matches under UNMATCHED, so that clients sending random paths cannot grow the
+number of series without bound.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -8,12 +16,21 @@ from mirror_sd.runtime.batching import BatchEngine
 from mirror_sd.runtime.stats import GenerationStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# from a fast GPU step (a few ms) to a slow CPU one under a full batch
+_TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+UNMATCHED = "unmatched"  # the endpoint label of a request no route matched
+
+
+def route_label(scope: Mapping[str, Any]) -> str:
+    """The template of the route that matched an ASGI request (FastAPI puts it in the scope), or UNMATCHED."""
+    return getattr(scope.get("route"), "path", UNMATCHED)
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("mirror_sd_requests", "HTTP requests answered, by endpoint and status",
+        self.requests = Counter("mirror_sd_requests", "HTTP requests answered, by endpoint (the route's template) "
+                                "and status",
                                 ["endpoint", "status"], registry=r)
         self.queue_depth = Gauge("mirror_sd_queue_depth", "requests waiting for a KV slot", registry=r)
         self.running = Gauge("mirror_sd_running", "generations running now", registry=r)
@@ -26,8 +43,13 @@ class Metrics:
                                    registry=r)
         self.prefix_tokens = Counter("mirror_sd_prefix_cache_tokens", "prompt tokens the prefix cache spared",
                                      registry=r)
-        self.ttft = Histogram("mirror_sd_ttft_seconds", "time to first token of a generation, queueing included",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("mirror_sd_ttft_seconds", "time from a request's arrival to its first token (queueing "
+                              "and prefill included)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("mirror_sd_request_latency_seconds", "time from a generation request's arrival to "
+                                 "its last token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.per_token = Histogram("mirror_sd_time_per_output_token_seconds", "time per output token after the "
+                                   "first of a generation ((last - first) / (tokens - 1))", buckets=_TOKEN_BUCKETS,
+                                   registry=r)
         self.tokens_per_second = Histogram("mirror_sd_tokens_per_second", "tokens per second of a generation",
                                            buckets=(1, 5, 10, 20, 40, 60, 100, 200, 500), registry=r)
         self.generated_tokens = Counter("mirror_sd_generated_tokens", "tokens generated", registry=r)
@@ -55,7 +77,6 @@ class Metrics:
             self.prefix_hits.inc()
             self.prefix_tokens.inc(s.cached_prompt_tokens)
         self.generated_tokens.inc(s.new_tokens)
-        self.ttft.observe(s.ttft_s)
         self.tokens_per_second.observe(s.tokens_per_second)
         self.proposed.inc(s.proposed_tokens)
         self.accepted.inc(s.accepted_tokens)
@@ -68,6 +89,15 @@ class Metrics:
             self.acceptance.set(s.acceptance_rate)
         if s.branch_lookups:
             self.branch_hit_rate.set(s.branch_hit_rate)
+
+    def timings(self, arrival: float, first_token: float | None, end: float, tokens: int) -> None:
+        """A finished generation's latencies as the client saw them (time.monotonic() readings; first_token None:
+        none came)."""
+        self.latency.observe(end - arrival)
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if tokens > 1:
+                self.per_token.observe((end - first_token) / (tokens - 1))
 
     def engine(self, engine: BatchEngine) -> None:
         """The batching engine's occupancy now (read at each scrape)."""

@@ -17,8 +17,10 @@ import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic_core import PydanticCustomError
 
 from mirror_sd.runtime.config import MIRROR, GenerationConfig, Spec, specs
+from mirror_sd.serve.neutral import CHAT, COMPLETION, UNSUPPORTED, fields_model
 
 MAX_STOP = 4  # as OpenAI: at most four stop strings
 
@@ -116,12 +118,35 @@ Sampling = sampling_model()
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "developer"]
     content: str
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        """Content given as parts ([{"type": "text", "text": ...}], as newer clients send it) is their text, joined
+        with newlines as vLLM joins them; a part of another kind (an image, audio) is refused: this model reads
+        text only."""
+        if not isinstance(v, list):
+            return v
+        texts = []
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise PydanticCustomError(UNSUPPORTED, "content part {i} is of type {kind}: only text parts "
+                                          '({"type": "text", "text": ...}) are supported', {"i": i, "kind": repr(kind)})
+            texts.append(part["text"])
+        return "\n".join(texts)
 
-class ChatRequest(Sampling):
+    @property
+    def template_role(self) -> str:
+        """The role the chat template gets: OpenAI's `developer` (its newer name for instructions from the
+        application) is a system turn, the only such role chat templates know."""
+        return "system" if self.role == "developer" else self.role
+
+
+class ChatRequest(Sampling, fields_model(CHAT)):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = wire_field(_spec("max_new_tokens"))[1]  # the newer name of max_tokens
 
@@ -132,10 +157,10 @@ class ChatRequest(Sampling):
         return out
 
     def prompt(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [{"role": m.template_role, "content": m.content} for m in self.messages]
 
 
-class CompletionRequest(Sampling):
+class CompletionRequest(Sampling, fields_model(COMPLETION)):
     prompt: str | list[int]
     echo: Literal[False] = False
 

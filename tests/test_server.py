@@ -105,7 +105,7 @@ def test_completions_text_and_ids_stream_and_usage(pipe, port, client):
     text_solo = pipe.generate("the cat", mode="ar", max_new_tokens=10)
     r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=10, temperature=0)
     assert r.choices[0].text == text_solo.text
-    events = _sse(port, "/v1/completions", {"model": MODEL, "prompt": "the cat", "max_tokens": 10,
+    events = _sse(port, "/v1/completions", {"model": MODEL, "prompt": "the cat", "max_tokens": 10, "temperature": 0,
                                             "stream_options": {"include_usage": True}})
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == text_solo.text
     assert events[-1]["usage"]["completion_tokens"] == len(text_solo.token_ids)
@@ -266,10 +266,10 @@ def test_target_failure_is_500_and_the_server_goes_on(pipe):
     broken = _hooked(pipe, third_fails)
     with serving(broken) as port:
         status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8,
-                                                         "mirror": {"mode": "ar"}})
+                                                         "temperature": 0, "mirror": {"mode": "ar"}})
         assert status == 500 and doc["error"]["type"] == "server_error" and "device lost" in doc["error"]["message"]
         status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8,
-                                                         "mirror": {"mode": "ar"}})
+                                                         "temperature": 0, "mirror": {"mode": "ar"}})
         assert status == 200
         assert doc["choices"][0]["text"] == pipe.generate("hi", mode="ar", max_new_tokens=8).text
 

@@ -1,0 +1,77 @@
+"""What a request gets for the generation options it leaves out: the server's defaults, which are OpenAI's.
+
+The library and `mirror-sd generate` decode greedily, 64 tokens, seed 0 (runtime/config.py GenerationConfig), the
+right defaults for reproducible runs. An OpenAI client expects otherwise: a request without `temperature` samples at
+1.0, one without `max_tokens` runs to the end of the context, and one without `seed` gets a different answer each
+time. The server applies these over the pipeline's config, in this order (later wins):
+
+1. OPENAI_DEFAULTS;
+2. the bundle's `generation_config.json` where there is one (the model's recommended sampling, as vLLM reads it:
+   temperature, top_p, top_k). `mirror-sd export` does not write one; a deployer may put the model's own there;
+3. the generation options given to `mirror-sd serve` (--mode, --max-new-tokens);
+4. the request's own fields.
+
+Then a request still without `max_new_tokens` gets what is left of the context after its prompt, and one without a
+seed a random one, which the response reports (header `x-seed`) so that the answer can be had again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.runtime.config import GenerationConfig
+
+log = logging.getLogger("mirror_sd.serve")
+
+OPENAI_DEFAULTS: Mapping[str, Any] = MappingProxyType({"temperature": 1.0})  # OpenAI's API samples by default
+GENERATION_CONFIG = "generation_config.json"
+# transformers' generation_config.json keys the server takes, by the GenerationConfig option each one sets
+FROM_HF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+SEED_BITS = 31  # random seeds stay below 2**31: exact as a JSON number in any client (JavaScript's included)
+
+
+def bundle_defaults(bundle: Path) -> dict[str, Any]:
+    """The sampling options of the bundle's generation_config.json ({} where it has none); a file that is not valid
+    JSON or holds a value the option does not take is a BadInputError naming the file."""
+    path = Path(bundle) / GENERATION_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInputError(f"{path}: not a readable JSON file: {e}") from None
+    if not isinstance(doc, dict):
+        raise BadInputError(f"{path}: expected a JSON object")
+    out = {option: doc[key] for key, option in FROM_HF.items() if doc.get(key) is not None}
+    if doc.get("repetition_penalty", 1.0) != 1.0:  # not implemented: the model's recommendation goes unheeded
+        log.warning("%s: repetition_penalty %s is not applied (not implemented)", path, doc["repetition_penalty"])
+    try:
+        GenerationConfig().updated(**out)
+    except BadInputError as e:
+        raise BadInputError(f"{path}: {e}") from None
+    return out
+
+
+def server_defaults(bundle: Path | None = None, given: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+    """The server's generation defaults by option name: OpenAI's, the bundle's, then `given` (the serve command's
+    options), checked as a GenerationConfig checks them."""
+    out = {**OPENAI_DEFAULTS, **(bundle_defaults(bundle) if bundle is not None else {}), **(given or {})}
+    GenerationConfig().updated(**out)  # a bad value is refused at start, naming the option
+    return MappingProxyType(out)
+
+
+def resolve(defaults: Mapping[str, Any], requested: Mapping[str, Any], room: int) -> dict[str, Any]:
+    """The options one request runs with, over the pipeline's config: `requested` over `defaults`, with the rest
+    of the context (`room` tokens, at least 1: a prompt that fills it is refused by the context check) and a random
+    seed where neither set them."""
+    out = {**defaults, **requested}
+    out.setdefault("max_new_tokens", max(room, 1))
+    out.setdefault("seed", secrets.randbits(SEED_BITS))
+    return out

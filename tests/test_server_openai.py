@@ -1,0 +1,292 @@
+"""The server as real OpenAI clients use it (serve/app.py, serve/neutral.py, serve/defaults.py, serve/auth.py): the
+official `openai` client and raw HTTP against the real server on a tiny bundle, with an API key and CORS on."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import re
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from mirror_sd.bench.soak import InProcessServer
+from mirror_sd.cli import build_parser, server_access
+from mirror_sd.errors import BadInputError
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.serve.defaults import GENERATION_CONFIG, bundle_defaults, server_defaults
+
+MODEL = "tiny"
+KEY = "test-key-123"
+ORIGIN = "https://app.example"
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def pipe(bundle_factory) -> Pipeline:
+    return Pipeline.load(bundle_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def port(pipe):
+    with InProcessServer(pipe, model_name=MODEL, api_key=KEY, cors_origins=(ORIGIN,)) as server:
+        yield server.port
+
+
+@pytest.fixture(scope="module")
+def client(port) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+
+
+def _http(port: int, method: str, path: str, body=None, headers: dict[str, str] | None = None
+          ) -> tuple[int, dict[str, str], str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request(method, path, None if body is None else json.dumps(body),
+                 {"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, text
+
+
+def _metrics(port: int) -> str:
+    return _http(port, "GET", "/metrics")[2]
+
+
+# -- OpenAI's conventions --------------------------------------------------------------------------------------
+def test_chat_and_stream_with_usage_equal_the_library(pipe, client):
+    solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=12)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == solo.text and r.usage.completion_tokens == len(solo.token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == solo.text
+    assert chunks[-1].usage.completion_tokens == len(solo.token_ids)
+
+
+def test_neutral_fields_are_taken_and_logged(pipe, client, caplog):
+    solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=8)
+    with caplog.at_level(logging.DEBUG, logger="mirror_sd.serve"):
+        r = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, user="user-42", presence_penalty=0,
+            frequency_penalty=0.0, logit_bias={}, metadata={"team": "a"}, store=False, parallel_tool_calls=False,
+            tool_choice="none", service_tier="auto", response_format={"type": "text"})
+    assert r.choices[0].message.content == solo.text
+    logged = " ".join(rec.getMessage() for rec in caplog.records if rec.name == "mirror_sd.serve")
+    for name in ("user", "presence_penalty", "logit_bias", "metadata", "store", "tool_choice"):
+        assert f"ignored {name}" in logged
+    r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=4, temperature=0, user="u",
+                                  presence_penalty=0, best_of=1, suffix="")
+    assert r.choices[0].text == pipe.generate("the cat", mode="ar", max_new_tokens=4).text
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("logit_bias", {"5": 10}), ("store", True),
+    ("tool_choice", "required"), ("response_format", {"type": "json_object"}), ("service_tier", "flex"),
+])
+def test_a_field_at_a_working_value_is_a_400_naming_it(client, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **{field: value})
+    assert e.value.param == field and e.value.code == "unsupported_value"
+    assert "not implemented" in e.value.message
+
+
+def test_completions_refuse_what_only_chat_takes_and_unknown_fields(port):
+    for field, value in (("store", False), ("best_of_three", 1)):
+        status, _, text = _http(port, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", field: value},
+                                {"Authorization": f"Bearer {KEY}"})
+        err = json.loads(text)["error"]
+        assert status == 400 and err["param"] == field and err["code"] == "unsupported_field"
+    status, _, text = _http(port, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2},
+                            {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "best_of"
+
+
+def test_text_content_parts_and_the_developer_role(pipe, client):
+    system = [{"role": "system", "content": "Be brief.\nBe kind."}, *MESSAGES]
+    solo = pipe.generate(system, mode="ar", max_new_tokens=10)
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."},
+                                               {"type": "text", "text": "Be kind."}]},
+             {"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
+    r = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == solo.text
+    assert r.usage.prompt_tokens == len(pipe.prompt_ids(system))
+    image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                          {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]
+    with pytest.raises(openai.BadRequestError, match="image_url") as e:
+        client.chat.completions.create(model=MODEL, messages=image, max_tokens=4)
+    assert e.value.param == "messages.0.content"
+
+
+def test_models_retrieve(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.code == "model_not_found"
+
+
+def test_max_tokens_left_out_runs_to_the_end_of_the_context(pipe, client):
+    r = client.completions.create(model=MODEL, prompt=[5, 17, 33], temperature=0)
+    room = pipe.context_limit - 3
+    solo = pipe.generate([5, 17, 33], mode="ar", max_new_tokens=room)
+    assert r.choices[0].text == solo.text and r.usage.completion_tokens == len(solo.token_ids)
+    # it ran to the context's end, or to an EOS before it
+    assert r.usage.completion_tokens == room or r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 64  # not the library's default
+
+
+def test_a_random_seed_is_returned_and_repeats_the_answer(pipe, client):
+    """No temperature and no seed: OpenAI's temperature 1.0 with a fresh seed, which x-seed reports."""
+    def sampled(**kw) -> tuple[int, str]:
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=12, **kw)
+        return int(raw.headers["x-seed"]), raw.parse().choices[0].message.content
+
+    runs = [sampled() for _ in range(4)]
+    assert len({seed for seed, _ in runs}) == 4 and len({text for _, text in runs}) > 1
+    for seed, text in runs[:2]:
+        assert sampled(seed=seed) == (seed, text)
+        assert pipe.generate(MESSAGES, max_new_tokens=12, temperature=1.0, seed=seed).text == text
+    assert sampled(seed=7, temperature=1.0) == sampled(seed=7)  # an explicit seed repeats exactly
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=4, seed=5,
+                                                           stream=True)
+    assert raw.headers["x-seed"] == "5"
+    list(raw.parse())
+
+
+def test_defaults_from_the_bundles_generation_config(pipe, tmp_path):
+    """A generation_config.json beside the bundle sets the server's sampling defaults (here greedy)."""
+    (tmp_path / GENERATION_CONFIG).write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "eos_token_id": 2}))
+    assert bundle_defaults(tmp_path) == {"temperature": 0.0, "top_p": 0.9}
+    assert dict(server_defaults(tmp_path, {"mode": "ar"})) == {"temperature": 0.0, "top_p": 0.9, "mode": "ar"}
+    with InProcessServer(pipe, model_name=MODEL, defaults=server_defaults(tmp_path)) as server:
+        status, _, text = _http(server.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "the cat",
+                                                                         "max_tokens": 8})
+    assert status == 200 and json.loads(text)["choices"][0]["text"] == pipe.generate("the cat", max_new_tokens=8).text
+    (tmp_path / GENERATION_CONFIG).write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(BadInputError, match=f"{GENERATION_CONFIG}.*temperature"):
+        bundle_defaults(tmp_path)
+    assert bundle_defaults(tmp_path / "elsewhere") == {}
+
+
+# -- operations --------------------------------------------------------------------------------------------------
+def test_the_api_key(port):
+    wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert e.value.code == "invalid_api_key" and e.value.type == "invalid_request_error"
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    for headers in ({}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):  # none, no scheme, another
+        status, got, text = _http(port, "POST", "/v1/chat/completions", {"bad": "body"}, headers)
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"  # before the body's 400
+        assert got["www-authenticate"] == "Bearer" and KEY not in text
+    assert _http(port, "GET", "/health")[0] == 200
+    assert 'mirror_sd_requests_total{endpoint="/v1/chat/completions",status="401"}' in _metrics(port)
+
+
+def test_cors_preflight_and_headers(port):
+    status, headers, _ = _http(port, "OPTIONS", "/v1/chat/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN  # the preflight carries no key
+    assert "authorization" in headers["access-control-allow-headers"].lower()
+    status, headers, _ = _http(port, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                               {"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"})
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    assert "x-seed" in headers["access-control-expose-headers"]
+    status, headers, _ = _http(port, "OPTIONS", "/v1/chat/completions", headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert status == 400 and "access-control-allow-origin" not in headers
+
+
+def test_access_log_one_line_per_request(client, caplog):
+    with caplog.at_level(logging.INFO, logger="mirror_sd.serve.access"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("nope")
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "mirror_sd.serve.access"]
+    assert len(lines) == 2
+    assert re.fullmatch(r"127\.0\.0\.1 POST /v1/chat/completions 200 [\d.]+ ms", lines[0])
+    assert re.fullmatch(r"127\.0\.0\.1 GET /v1/models/\{model_id:path\} 404 [\d.]+ ms", lines[1])
+
+
+def test_a_queued_stream_gets_keep_alive_comments(bundle_factory, pipe):
+    """One slot: a second stream waits behind a long first one, and hears SSE comments meanwhile; the openai client
+    skips them."""
+    one = Pipeline.load(bundle_factory("llama"), max_num_seqs=1)
+    long_body = {"model": MODEL, "prompt": [5, 17, 33], "temperature": 0, "stream": True, "mirror": {"mode": "ar"}}
+    try:
+        with InProcessServer(one, model_name=MODEL, keepalive_s=0.01) as server:
+            first = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            first.request("POST", "/v1/completions", json.dumps(long_body), {"Content-Type": "application/json"})
+            resp = first.getresponse()
+            assert resp.readline().startswith(b"data: ")  # the first holds the slot
+            second = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            second.request("POST", "/v1/completions", json.dumps({**long_body, "max_tokens": 4}),
+                           {"Content-Type": "application/json"})
+            lines = [line.decode().rstrip("\r\n") for line in second.getresponse().read().splitlines()]
+            events = [line for line in lines if line]
+            assert events[0] == ": keep-alive"  # while it waited, before its first token
+            assert events[-1] == "data: [DONE]" and sum(e.startswith("data: {") for e in events) >= 2
+            resp.read()
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model=MODEL, prompt=[5, 17, 33], max_tokens=6, temperature=0, stream=True))
+            assert text == pipe.generate([5, 17, 33], mode="ar", max_new_tokens=6).text
+    finally:
+        one.close()
+
+
+def test_metrics_series_stay_bounded_under_random_paths(port):
+    """10,000 requests to paths nobody routes (and to a routed template with random ids): the requests counter
+    keeps a handful of series, not one per path."""
+    def hammer(worker: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        for i in range(2500):
+            junk = uuid.uuid4().hex
+            path = (f"/{junk}", f"/v1/{junk}", f"/v1/models/{junk}", f"/v1/chat/{junk}?x={i}")[(worker + i) % 4]
+            conn.request("GET" if i % 3 else "POST", path, headers={"Authorization": f"Bearer {KEY}"})
+            conn.getresponse().read()
+        conn.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(hammer, range(4)))
+    series = [line for line in _metrics(port).splitlines() if line.startswith("mirror_sd_requests_total{")]
+    assert len(series) < 20, series
+    assert any('endpoint="unmatched",status="404"' in line for line in series)
+    assert any('endpoint="/v1/models/{model_id:path}",status="404"' in line for line in series)
+
+
+def test_latency_histograms(client, port):
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    text = _metrics(port)
+
+    def value(name: str) -> float:
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+    for name in ("mirror_sd_queue_seconds", "mirror_sd_ttft_seconds", "mirror_sd_request_latency_seconds",
+                 "mirror_sd_time_per_output_token_seconds"):
+        assert f'{name}_bucket{{le="+Inf"}}' in text and value(f"{name}_count") > 0
+    # TTFT runs from the request's arrival: it holds the queueing, and the whole request holds it
+    assert value("mirror_sd_ttft_seconds_sum") >= value("mirror_sd_queue_seconds_sum")
+    assert value("mirror_sd_request_latency_seconds_sum") >= value("mirror_sd_ttft_seconds_sum")
+
+
+def test_serve_flags(monkeypatch):
+    parse = build_parser().parse_args
+    args = parse(["serve", "b", "--cors-origin", "https://a.example, https://b.example", "--cors-origin", "*"])
+    monkeypatch.delenv("MIRROR_SD_API_KEY", raising=False)
+    assert server_access(args) == (None, ("https://a.example", "https://b.example", "*"))
+    monkeypatch.setenv("MIRROR_SD_API_KEY", "from-env")
+    assert server_access(args)[0] == "from-env"
+    assert server_access(parse(["serve", "b", "--api-key", "flag"]))[0] == "flag"  # the flag wins
+    with pytest.raises(BadInputError, match="empty"):
+        server_access(parse(["serve", "b", "--api-key", " "]))
+    assert parse(["serve", "b", "--log-level", "debug"]).log_level == "debug"
+    with pytest.raises(SystemExit):
+        parse(["serve", "b", "--log-level", "loud"])
+
