@@ -4,6 +4,9 @@ incremental detokenizer that streams text and finds stop strings.
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,28 @@ from mirror_sd.errors import BadInputError, ManifestError
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
 
 TOKENIZER_FILE = "tokenizer.json"
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a sentencepiece byte-fallback piece
+SPACE_PIECE = "\u2581"  # sentencepiece's word-start mark, a space in the text
+
+
+@functools.cache
+def byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's bytes_to_unicode) read backwards: each character of a piece to its byte."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    hidden = [b for b in range(256) if b not in shown]  # the rest are moved past 255, in order
+    return {**{chr(b): b for b in shown}, **{chr(256 + i): b for i, b in enumerate(hidden)}}
+
+
+def piece_bytes(piece: str, byte_level: bool) -> bytes:
+    """The bytes a vocabulary piece stands for: a byte-level BPE piece's characters each one byte; a sentencepiece
+    piece's text with its word-start mark a space, or its byte-fallback byte."""
+    if byte_level:
+        table = byte_level_table()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return piece.encode()  # not of the alphabet: an added token's own text
+    byte = BYTE_PIECE.fullmatch(piece)
+    return bytes([int(byte.group(1), 16)]) if byte else piece.replace(SPACE_PIECE, " ").encode()
 
 
 class TextCodec:
@@ -57,6 +82,25 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, alone (OpenAI's logprobs `bytes`; its `token` is them as UTF-8 with
+        replacement characters, since a token may hold part of a character): decoding a single token instead would
+        lose those bytes, and a sentencepiece decoder strips a leading space. A special token is its own text."""
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        return piece_bytes(self._token(token_id), self._byte_level)
+
+    @functools.cached_property
+    def _added(self) -> dict[int, str]:
+        return {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the vocabulary is byte-level BPE's (its decoder is or holds a ByteLevel one), else
+        sentencepiece's."""
+        decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+        return any(d.get("type") == "ByteLevel" for d in [decoder, *decoder.get("decoders", [])])
 
 
 class TextSink:

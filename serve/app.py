@@ -26,6 +26,7 @@ fails a request: the step runs on the target alone and /metrics counts the fallb
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -47,6 +48,7 @@ from mirror_sd.errors import BadInputError, ContextLimitError
 from mirror_sd.runtime.batching import BatchEngine, Finished
 from mirror_sd.runtime.batching import Request as EngineRequest
 from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.serve import defaults as d
@@ -101,18 +103,19 @@ class Generations:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.active: set[EngineRequest] = set()
 
-    def check_room(self) -> None:
-        """429 when every slot runs and max_queue requests wait (a stream checks before its 200 goes out)."""
+    def check_room(self, need: int = 1) -> None:
+        """429 when `need` more requests (a request's n choices) would not fit in the slots and max_queue places
+        behind them (a stream checks before its 200 goes out)."""
         e = self.engine
-        if e.running + e.waiting >= e.max_num_seqs + self.settings.max_queue:
+        if e.running + e.waiting + need > e.max_num_seqs + self.settings.max_queue:
             raise p.ApiError(429, f"the server is busy: {e.waiting} requests are waiting; retry later",
                              "server_busy", code="queue_full",
                              headers={"Retry-After": str(self.settings.retry_after_s)})
 
-    async def run(self, job: _Job, on_text: Callable[[str], None] | None = None) -> _Outcome:
-        """The job's generation; `on_text` gets its text as it comes. A 503 when its deadline passes while it waits
-        for a slot; past the deadline once running, or when the caller is cancelled (the client went away), the
-        engine stops it at its next step."""
+    async def run(self, job: _Job, on_chunk: Callable[[Chunk], None] | None = None) -> _Outcome:
+        """The job's generation; `on_chunk` gets its Chunks (text and logprob) as they come. A 503 when its deadline
+        passes while it waits for a slot; past the deadline once running, or when the caller is cancelled (the client
+        went away), the engine stops it at its next step."""
         self.check_room()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -142,8 +145,8 @@ class Generations:
                     first_token = first_token or time.monotonic()
                     texts.append(event.text)
                     ids.append(event.token_id)
-                    if on_text is not None and event.text:
-                        on_text(event.text)
+                    if on_chunk is not None:
+                        on_chunk(event)
                     continue
                 return self._finish(job, event, texts, ids, first_token)
         except asyncio.CancelledError:
@@ -288,22 +291,25 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     async def _complete(request: Request, body: p.ChatRequest | p.CompletionRequest, prompt: Any,
                         chat: bool) -> Any:
         job = _admit(request, body, prompt, chat)
+        jobs = _choices(job, body.n)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         seed = {"x-seed": str(job.config.seed)}  # the seed it ran with: the same request with it repeats the answer
+        gen.check_room(len(jobs))  # all the choices or none (a stream: before its 200 goes out)
         if body.stream:
-            gen.check_room()
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(request, job, rid, body.model, chat, include_usage),
+            return StreamingResponse(_stream(request, jobs, rid, body.model, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", **seed})
         watcher = asyncio.create_task(_watch_disconnect(request))
-        run = asyncio.create_task(gen.run(job))
+        scores: list[list[TokenLogprob]] = [[] for _ in jobs]  # each choice's tokens' logprobs, where asked for
+        # the choices' requests reach the engine together: they share its batched steps
+        runs = [asyncio.create_task(gen.run(j, lambda c, s=s: s.append(c.logprob))) for j, s in zip(jobs, scores)]
+        together = asyncio.gather(*runs)
         try:
-            done, _ = await asyncio.wait({run, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if run not in done:  # the client went away: the generation stops at the engine's next step
+            done, _ = await asyncio.wait({together, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if together not in done:  # the client went away: the generations stop at the engine's next step
                 metrics.cancelled.labels("disconnect").inc()
-                run.cancel()
                 raise p.ApiError(499, "the client closed the request", code="client_closed")
-            outcome = run.result()
+            outcomes = together.result()
         except p.ApiError:
             raise
         except Exception as e:  # the target failed: a 500 for this request, the server goes on
@@ -311,69 +317,90 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             raise p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
         finally:
             watcher.cancel()
-        make = p.chat_response if chat else p.completion_response
+            for run in runs:  # a choice that failed, or a client gone: the others stop at the engine's next step
+                run.cancel()
+        make, choice = (p.chat_response, p.chat_choice) if chat else (p.completion_response, p.completion_choice)
+        choices = [choice(i, o.text, o.finish_reason, _logprobs(chat, j, s, pipe.codec.token_bytes))
+                   for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
+        outcome = outcomes[0]  # the `mirror` stats are the first choice's decoding
         metrics.requests.labels(route_label(request.scope), "200").inc()
-        return JSONResponse(make(rid, body.model, outcome.text, outcome.finish_reason, len(job.ids),
-                                 len(outcome.token_ids), _mirror_stats(outcome)), headers=seed)
+        return JSONResponse(make(rid, body.model, choices, len(job.ids), sum(len(o.token_ids) for o in outcomes),
+                                 _mirror_stats(outcome)), headers=seed)
 
-    async def _stream(request: Request, job: _Job, rid: str, model: str, chat: bool,
+    async def _stream(request: Request, jobs: list[_Job], rid: str, model: str, chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
-        events: asyncio.Queue = asyncio.Queue()
+        """The choices' chunks as they come, each with its choice's index (n > 1: interleaved), and with the
+        logprobs of the tokens whose text it carries where asked for (a token whose text is held back, part of a
+        character or of a possible stop string, rides with the next chunk; the last chunk carries any left)."""
+        events: asyncio.Queue = asyncio.Queue()  # (kind, choice, value, logprobs)
+        offsets = [p.TextOffsets() for _ in jobs]  # each choice's text so far (completions' text_offset)
 
-        def chunk(text: str, reason: str | None, first: bool = False) -> str:
+        def chunk(index: int, text: str, reason: str | None, first: bool, scores: tuple[TokenLogprob, ...]) -> str:
+            logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
             if chat:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-                doc = p.chat_chunk(rid, model, delta, reason)
+                doc = p.chat_chunk(rid, model, delta, reason, index, logprobs)
             else:
-                doc = p.completion_chunk(rid, model, text, reason)
+                doc = p.completion_chunk(rid, model, text, reason, index, logprobs)
             return f"data: {json.dumps(doc)}\n\n"
 
-        async def run() -> None:
+        async def run(index: int) -> None:
+            pending: list[TokenLogprob] = []  # logprobs of tokens whose text has not gone out
+
+            def relay(c: Chunk) -> None:
+                if c.logprob is not None:
+                    pending.append(c.logprob)
+                if c.text:
+                    events.put_nowait(("text", index, c.text, tuple(pending)))
+                    pending.clear()
             try:
-                events.put_nowait(("done", await gen.run(job, lambda text: events.put_nowait(("text", text)))))
+                outcome = await gen.run(jobs[index], relay)
+                events.put_nowait(("done", index, outcome, tuple(pending)))
             except p.ApiError as e:
-                events.put_nowait(("error", e))
+                events.put_nowait(("error", index, e, ()))
             except Exception as e:  # the target failed: this request ends with an error event, the server goes on
                 log.exception("generation failed")
-                events.put_nowait(("error", p.ApiError(500, f"generation failed: {type(e).__name__}: {e}",
-                                                       "server_error")))
+                events.put_nowait(("error", index, p.ApiError(500, f"generation failed: {type(e).__name__}: {e}",
+                                                              "server_error"), ()))
 
-        task = asyncio.create_task(run())
+        tasks = [asyncio.create_task(run(i)) for i in range(len(jobs))]
+        outcomes: dict[int, _Outcome] = {}
         status = "200"
         getter: asyncio.Task | None = None  # kept across keep-alives: cancelling a get could drop its event
         try:
-            first = True
-            while True:
+            first = [True] * len(jobs)  # a choice's first chunk names the role
+            while len(outcomes) < len(jobs):
                 getter = getter or asyncio.ensure_future(events.get())
                 done, _ = await asyncio.wait({getter}, timeout=settings.keepalive_s)
                 if not done:  # queued, or a slow token: an SSE comment, which clients skip, keeps proxies waiting
                     yield KEEPALIVE
                     continue
-                kind, value = getter.result()
+                kind, index, value, scores = getter.result()
                 getter = None
                 if kind == "text":
-                    yield chunk(value, None, first)
-                    first = False
+                    yield chunk(index, value, None, first[index], scores)
+                    first[index] = False
                 elif kind == "error":
                     status = str(value.status)
                     yield f"data: {json.dumps(value.body())}\n\n"
                     break
                 else:
-                    outcome: _Outcome = value
-                    yield chunk("", outcome.finish_reason, first)
-                    if include_usage:
-                        doc = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                               "created": int(time.time()), "model": model, "choices": [],
-                               "usage": p.usage(len(job.ids), len(outcome.token_ids))}
-                        yield f"data: {json.dumps(doc)}\n\n"
-                    break
+                    outcomes[index] = value
+                    yield chunk(index, "", value.finish_reason, first[index], scores)
+            if include_usage and len(outcomes) == len(jobs):  # the prompt once, the completions of every choice
+                doc = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                       "created": int(time.time()), "model": model, "choices": [],
+                       "usage": p.usage(len(jobs[0].ids), sum(len(o.token_ids) for o in outcomes.values()))}
+                yield f"data: {json.dumps(doc)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             if getter is not None:
                 getter.cancel()
-            if not task.done():  # the client went away mid-stream: stop the generation at its next step
-                metrics.cancelled.labels("disconnect").inc()
-                task.cancel()
+            if not all(task.done() for task in tasks):  # the client went away mid-stream, or a choice failed: the
+                if status == "200":  # generations stop at the engine's next step
+                    metrics.cancelled.labels("disconnect").inc()
+                for task in tasks:
+                    task.cancel()
             metrics.requests.labels(route_label(request.scope), status).inc()
 
     return app
@@ -401,6 +428,23 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
     # uvicorn's own access log is off: ours names the route and times the whole response
     _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                            timeout_graceful_shutdown=3)).run()
+
+
+def _choices(job: _Job, n: int) -> list[_Job]:
+    """A request's n choices, each a generation of its own: sampled, choice i draws with the request's seed + i (each
+    its own draw, and the one seed repeats them all); greedy, all alike."""
+    cfg = job.config
+    return [dataclasses.replace(job, config=cfg if cfg.params.greedy else cfg.updated(seed=cfg.seed + i))
+            for i in range(n)]
+
+
+def _logprobs(chat: bool, job: _Job, scores: list[TokenLogprob] | tuple[TokenLogprob, ...], token_bytes: p.TokenBytes,
+              offsets: p.TextOffsets | None = None) -> dict[str, Any] | None:
+    """A choice's (or a chunk's: `offsets` its choice's so far) logprobs object in the endpoint's shape; None where the
+    request asked for none."""
+    if job.config.logprobs is None:
+        return None
+    return p.chat_logprobs(scores, token_bytes) if chat else p.completion_logprobs(scores, token_bytes, offsets)
 
 
 async def _watch_disconnect(request: Request) -> None:

@@ -1,8 +1,14 @@
 """The OpenAI wire format the server speaks: request models (validated, unknown fields refused), error bodies and
 response objects, as plain data. Nothing here runs a model.
 
-Requests accept the fields this server honours and nothing else: a field it would silently ignore (logprobs, tools,
-n > 1, ...) is a 400 that names it, so a client never believes it got what it asked for.
+Requests accept the fields this server honours and nothing else: a field it would silently ignore (tools, ...) is
+a 400 that names it, so a client never believes it got what it asked for.
+
+`logprobs` (chat: `logprobs: true` with `top_logprobs: k`; completions: `logprobs: k`) are the target's own
+log-probabilities of the tokens (runtime/logprobs.py: the log-softmax of its raw logits, before temperature), one
+entry per completion token, in OpenAI's shapes (`chat_logprobs`, `completion_logprobs`). `n` choices (at most MAX_N)
+are generations of their own, submitted together to the batching engine; sampled, choice i draws with the request's
+seed + i, so each is its own draw and the whole answer repeats with the seed; greedy choices are identical.
 
 The generation options' fields are not written here: each option of runtime/config.py GenerationConfig with a wire
 name is a request field (`sampling_model`), typed and bounded by the option's metadata. OpenAI's own names
@@ -12,17 +18,23 @@ name is a request field (`sampling_model`), typed and bounded by the option's me
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from pydantic_core import PydanticCustomError
 
 from mirror_sd.runtime.config import MIRROR, GenerationConfig, Spec, specs
+from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.serve.neutral import CHAT, COMPLETION, UNSUPPORTED, fields_model
 
 MAX_STOP = 4  # as OpenAI: at most four stop strings
+# choices one request may ask for: each takes a slot of the engine (or a place in its queue) as a request would
+MAX_N = 8
+TokenBytes = Callable[[int], bytes]  # a token id's bytes (runtime/text.py TextCodec.token_bytes)
 
 
 class ApiError(Exception):
@@ -53,7 +65,8 @@ class _Sampling(_Strict):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N, description="choices, each a generation of its own; sampled, choice i draws "
+                   "with seed + i")
 
     @field_validator("stop", check_fields=False)
     @classmethod
@@ -149,11 +162,19 @@ class ChatMessage(_Strict):
 class ChatRequest(Sampling, fields_model(CHAT)):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = wire_field(_spec("max_new_tokens"))[1]  # the newer name of max_tokens
+    # chat's shape of the logprobs option: a switch, and the alternatives in a field of their own
+    logprobs: bool | None = None
+    top_logprobs: int | None = wire_field(_spec("logprobs"))[1]
 
     def generation_options(self) -> dict[str, Any]:
         out = super().generation_options()
         if self.max_completion_tokens is not None:
             out["max_new_tokens"] = self.max_completion_tokens
+        out.pop("logprobs", None)  # the switch, not the option's count
+        if self.logprobs:
+            out["logprobs"] = self.top_logprobs or 0
+        elif self.top_logprobs is not None:  # as OpenAI: alternatives of no logprobs are an error, not nothing
+            raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
         return out
 
     def prompt(self) -> list[dict[str, str]]:
@@ -192,28 +213,90 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_response(rid: str, model: str, text: str, reason: str, prompt_tokens: int, completion_tokens: int,
+def _token(token_id: int, token_bytes: TokenBytes) -> dict[str, Any]:
+    """A token as OpenAI's logprobs name it: its text, and its bytes, from which a client rebuilds a character split
+    across tokens. A byte that is part of such a character reads as its escape ("\\xe2", as OpenAI writes them): a
+    replacement character would make every such token read alike (one key in a completions top_logprobs dict)."""
+    raw = token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="backslashreplace"), "bytes": list(raw)}
+
+
+def chat_logprobs(scores: Sequence[TokenLogprob], token_bytes: TokenBytes) -> dict[str, Any]:
+    """Chat's choices[].logprobs (and a chunk's): per token its text, bytes, logprob and top_logprobs."""
+    return {"content": [{**_token(s.token, token_bytes), "logprob": s.logprob,
+                         "top_logprobs": [{**_token(t, token_bytes), "logprob": lp} for t, lp in s.top]}
+                        for s in scores], "refusal": None}
+
+
+class TextOffsets:
+    """Where each token of a choice starts in its text, in characters (the legacy completions' text_offset): its bytes
+    decoded as they come, so that the tokens of a character split across them start where the character does."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0
+
+    def next(self, raw: bytes) -> int:
+        """The offset of the token whose bytes are `raw`, the tokens before it given."""
+        if not raw:
+            return self._chars
+        # its first byte settles where it starts: bytes held back before it come out first (a replacement character
+        # for each that proved no character's start), then the character it is part of, at once or once complete
+        out = self._decoder.decode(raw[:1])
+        held = bool(self._decoder.getstate()[0])  # the first byte waits for the rest of its character
+        start = self._chars + len(out) - (0 if held else 1)
+        self._chars += len(out) + len(self._decoder.decode(raw[1:]))
+        return start
+
+
+def completion_logprobs(scores: Sequence[TokenLogprob], token_bytes: TokenBytes,
+                        offsets: TextOffsets | None = None) -> dict[str, Any]:
+    """The legacy completions' choices[].logprobs (and a chunk's): tokens, token_logprobs, top_logprobs (the k
+    likeliest and the chosen token: up to k + 1, as OpenAI gives) and text_offset (from `offsets`, which a stream
+    keeps across its chunks; a fresh one: these are the choice's first tokens)."""
+    offsets = offsets or TextOffsets()
+    tokens, top, starts = [], [], []
+    for s in scores:
+        text = _token(s.token, token_bytes)["token"]
+        tokens.append(text)
+        top.append({**{_token(t, token_bytes)["token"]: lp for t, lp in s.top}, text: s.logprob})
+        starts.append(offsets.next(token_bytes(s.token)))
+    return {"tokens": tokens, "token_logprobs": [s.logprob for s in scores], "top_logprobs": top,
+            "text_offset": starts}
+
+
+def chat_choice(index: int, text: str, reason: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason(reason),
+            "logprobs": logprobs}
+
+
+def completion_choice(index: int, text: str, reason: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "finish_reason": finish_reason(reason), "logprobs": logprobs}
+
+
+def chat_response(rid: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
                   mirror_stats: dict[str, Any]) -> dict[str, Any]:
+    """completion_tokens: over every choice (the prompt counts once); mirror_stats: the first choice's decoding."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason(reason), "logprobs": None}],
-            "usage": usage(prompt_tokens, completion_tokens), "mirror": mirror_stats}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens), "mirror": mirror_stats}
 
 
-def completion_response(rid: str, model: str, text: str, reason: str, prompt_tokens: int, completion_tokens: int,
-                        mirror_stats: dict[str, Any]) -> dict[str, Any]:
+def completion_response(rid: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+                        completion_tokens: int, mirror_stats: dict[str, Any]) -> dict[str, Any]:
+    """As chat_response."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason(reason), "logprobs": None}],
-            "usage": usage(prompt_tokens, completion_tokens), "mirror": mirror_stats}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens), "mirror": mirror_stats}
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, str], reason: str | None) -> dict[str, Any]:
+def chat_chunk(rid: str, model: str, delta: dict[str, str], reason: str | None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": reason and finish_reason(reason),
-                         "logprobs": None}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": reason and finish_reason(reason),
+                         "logprobs": logprobs}]}
 
 
-def completion_chunk(rid: str, model: str, text: str, reason: str | None) -> dict[str, Any]:
+def completion_chunk(rid: str, model: str, text: str, reason: str | None, index: int = 0,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": reason and finish_reason(reason),
-                         "logprobs": None}]}
+            "choices": [{"index": index, "text": text, "finish_reason": reason and finish_reason(reason),
+                         "logprobs": logprobs}]}

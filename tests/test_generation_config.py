@@ -18,7 +18,7 @@ from mirror_sd.runtime.config import MIRROR, LoadOptions, Range, Spec, option, s
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.stats import GenerationStats
 from mirror_sd.serve.app import _param_of
-from mirror_sd.serve.protocol import ChatRequest, sampling_model, wire_names
+from mirror_sd.serve.protocol import ChatRequest, CompletionRequest, sampling_model, wire_names
 
 PROMPT = [5, 17, 33]
 
@@ -157,8 +157,12 @@ def test_every_option_is_a_flag_of_generate_or_api_only(spec):
 def test_the_request_schema_takes_what_the_option_takes(spec):
     """A wire option: its in-range values reach the pipeline under the option's name, the others are refused at
     the wire field (the server's 400 names it: tests/test_server.py); an option the server does not take is an
-    unknown field, at the top and in `mirror`."""
+    unknown field, at the top and in `mirror`. Chat takes logprobs in its own shape (logprobs: true with
+    top_logprobs: tests/test_server_logprobs.py): that option is checked on the completions request."""
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    request_model = ChatRequest
+    if spec.name == "logprobs":
+        base, request_model = {"model": "m", "prompt": "hi"}, CompletionRequest
 
     def request(wire: str, value) -> dict:
         head, _, tail = wire.partition(".")
@@ -172,12 +176,12 @@ def test_the_request_schema_takes_what_the_option_takes(spec):
         return
     inside, outside = _samples(spec, spec.option.wire_range)
     for value in [*inside, None] if spec.nullable else inside:
-        options = ChatRequest.model_validate(request(spec.wire_name, value)).generation_options()
+        options = request_model.model_validate(request(spec.wire_name, value)).generation_options()
         assert options == ({} if value is None else {spec.name: value})
         GenerationConfig().updated(**options)  # and the pipeline takes it too
     for value in outside:
         with pytest.raises(ValidationError) as caught:
-            ChatRequest.model_validate(request(spec.wire_name, value))
+            request_model.model_validate(request(spec.wire_name, value))
         assert ".".join(map(str, caught.value.errors()[0]["loc"])).startswith(spec.wire_name)
 
 

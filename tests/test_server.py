@@ -130,8 +130,13 @@ def test_stop_strings_and_seeds(pipe, client):
     (None, b"{not json", 400, None, "invalid_json"),
     (None, b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None, None),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, None, 400, "max_tokens", "invalid_value"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, None, 400, "logprobs", "unsupported_field"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, None, 400, "n", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, None, 400, "logprobs", "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, None,
+     400, "top_logprobs", "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, None, 400,
+     "top_logprobs", "invalid_value"),  # alternatives without logprobs: true, as OpenAI refuses them
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 9}, None, 400, "n", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, None, 400, "n", "invalid_value"),
     ({"model": MODEL, "prompt": ""}, None, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "messages": []}, None, 400, "messages", "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, None, 400, "max_tokens", "invalid_value"),
@@ -192,7 +197,7 @@ def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError, match="unsupported field"):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"beams": 2})
 
 
 def _hooked(pipe: Pipeline, before_step, max_num_seqs: int = 16) -> Pipeline:

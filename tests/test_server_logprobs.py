@@ -1,0 +1,169 @@
+"""logprobs / top_logprobs and n on the OpenAI-compatible server (serve/app.py), started for real over a tiny bundle
+and spoken to with the official `openai` client: the answers' logprobs are the library's (Pipeline.generate with
+logprobs, itself the target's own: tests/test_runtime_logprobs.py), token for token, streamed or not."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from mirror_sd.bench.soak import InProcessServer
+from mirror_sd.cli import main
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.serve.protocol import MAX_N
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "hello there"}]
+TOLERANCE = 1e-4
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def bundle(bundle_factory):
+    return bundle_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def pipe(bundle) -> Pipeline:
+    pipe = Pipeline.load(bundle, huge_pages=False, max_num_seqs=4)
+    yield pipe
+    pipe.close()
+
+
+@pytest.fixture(scope="module")
+def client(pipe) -> openai.OpenAI:
+    with InProcessServer(pipe, model_name=MODEL) as server:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+
+
+def piece(pipe: Pipeline, token_id: int) -> tuple[str, list[int]]:
+    raw = pipe.codec.token_bytes(token_id)
+    return raw.decode("utf-8", errors="backslashreplace"), list(raw)
+
+
+def assert_chat_logprobs(pipe: Pipeline, content, solo, k: int) -> None:
+    """A chat choice's logprobs.content against the library's generation `solo` (logprobs=k)."""
+    assert len(content) == len(solo.token_ids)
+    for entry, s in zip(content, solo.logprobs):
+        assert (entry.token, entry.bytes) == piece(pipe, s.token)
+        assert abs(entry.logprob - s.logprob) < TOLERANCE
+        assert [(t.token, t.bytes) for t in entry.top_logprobs] == [piece(pipe, t) for t, _ in s.top]
+        assert all(abs(t.logprob - lp) < TOLERANCE for t, (_, lp) in zip(entry.top_logprobs, s.top))
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and len(values) == k
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+def test_chat_logprobs_equal_the_librarys_streamed_or_not(pipe, client, mode):
+    solo = pipe.generate(MESSAGES, mode=mode, max_new_tokens=NEW, logprobs=3)
+    assert solo.token_ids == pipe.generate(MESSAGES, mode="ar", max_new_tokens=NEW).token_ids
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=NEW, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"mirror": {"mode": mode}})
+    assert r.choices[0].message.content == solo.text
+    assert_chat_logprobs(pipe, r.choices[0].logprobs.content, solo, 3)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=NEW, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True,
+                                            extra_body={"mirror": {"mode": mode}})
+    text, content = "", []
+    for c in stream:
+        text += c.choices[0].delta.content or ""
+        if c.choices[0].logprobs is not None:
+            content += c.choices[0].logprobs.content
+    assert text == solo.text
+    assert_chat_logprobs(pipe, content, solo, 3)
+    # logprobs: true alone is the chosen tokens' with no alternatives; none asked, none given
+    only = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=NEW, temperature=0,
+                                          logprobs=True)
+    assert [e.top_logprobs for e in only.choices[0].logprobs.content] == [[]] * len(solo.token_ids)
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=NEW, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions_logprobs_in_the_legacy_shape_streamed_or_not(pipe, client):
+    solo = pipe.generate("the cat", mode="mirror", max_new_tokens=NEW, logprobs=2)
+    r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=NEW, temperature=0, logprobs=2)
+    got = r.choices[0].logprobs
+    tokens = [piece(pipe, t)[0] for t in solo.token_ids]
+    assert r.choices[0].text == solo.text and got.tokens == tokens
+    assert all(abs(a - s.logprob) < TOLERANCE for a, s in zip(got.token_logprobs, solo.logprobs))
+    for top, s, token in zip(got.top_logprobs, solo.logprobs, tokens):
+        # the two likeliest and the chosen token, as OpenAI gives up to logprobs + 1
+        assert set(top) == {piece(pipe, t)[0] for t, _ in s.top} | {token}
+        assert abs(top[token] - s.logprob) < TOLERANCE
+    # each token starts where its text does (a byte of a split character, escaped, where the character does)
+    text = r.choices[0].text
+    assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
+    special = pipe.codec.tokenizer.get_added_tokens_decoder()
+    whole = [i for i, t in enumerate(tokens) if "\\x" not in t and solo.token_ids[i] not in special]
+    assert whole and all(text[got.text_offset[i]:].startswith(tokens[i]) for i in whole)
+    stream = client.completions.create(model=MODEL, prompt="the cat", max_tokens=NEW, temperature=0, logprobs=2,
+                                       stream=True)
+    text, streamed, offsets = "", [], []
+    for c in stream:
+        text += c.choices[0].text
+        if c.choices[0].logprobs is not None:
+            streamed += c.choices[0].logprobs.tokens
+            offsets += c.choices[0].logprobs.text_offset
+    assert text == solo.text and streamed == tokens and offsets == got.text_offset
+
+
+def test_n_greedy_choices_are_identical_and_usage_counts_the_prompt_once(pipe, client):
+    solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=NEW, logprobs=1)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=NEW, temperature=0, n=2,
+                                       logprobs=True, top_logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.message.content for c in r.choices] == [solo.text] * 2
+    for c in r.choices:
+        assert_chat_logprobs(pipe, c.logprobs.content, solo, 1)
+    assert r.usage.prompt_tokens == len(pipe.prompt_ids(MESSAGES))
+    assert r.usage.completion_tokens == 2 * len(solo.token_ids)
+
+
+def test_n_sampled_choices_draw_with_seed_plus_index_and_repeat(pipe, client):
+    def ask(**extra):
+        return client.completions.create(model=MODEL, prompt="the cat", max_tokens=NEW, temperature=1.0, seed=11,
+                                         n=3, **extra)
+
+    first, again = ask(), ask()
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices]  # the seed repeats every choice
+    # choices share batched steps, whose sampled rows draw the target-alone stream (tests/test_engine.py): ar's
+    assert texts == [pipe.generate("the cat", mode="ar", max_new_tokens=NEW, temperature=1.0, seed=11 + i).text
+                     for i in range(3)]
+    assert len(set(texts)) > 1  # each its own draw
+    # streamed: the choices' chunks interleave, each with its index
+    streamed = {i: "" for i in range(3)}
+    finished = set()
+    for c in ask(stream=True, stream_options={"include_usage": True}):
+        if c.usage is not None:
+            assert c.usage.completion_tokens == first.usage.completion_tokens
+            continue
+        choice = c.choices[0]
+        streamed[choice.index] += choice.text
+        if choice.finish_reason:
+            finished.add(choice.index)
+    assert [streamed[i] for i in range(3)] == texts and finished == {0, 1, 2}
+
+
+def test_n_above_the_limit_is_a_400_naming_n(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, n=MAX_N + 1)
+    assert caught.value.param == "n"
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0, n=MAX_N)
+    assert len(r.choices) == MAX_N and len({c.message.content for c in r.choices}) == 1
+
+
+def test_the_server_answers_what_mirror_sd_generate_prints(bundle, pipe, client, capsys):
+    """Greedy, with logprobs: the completions endpoint and `mirror-sd generate --logprobs --json`, token for token."""
+    assert main(["generate", str(bundle), "--prompt-ids", "5,17,33", "--max-new-tokens", str(NEW), "--logprobs", "2",
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    r = client.completions.create(model=MODEL, prompt=[5, 17, 33], max_tokens=NEW, temperature=0, logprobs=2)
+    got = r.choices[0].logprobs
+    assert got.tokens == [piece(pipe, t)[0] for t in printed["token_ids"]] and r.choices[0].text == printed["text"]
+    for served, cli in zip(got.token_logprobs, printed["logprobs"]):
+        assert abs(served - cli["logprob"]) < TOLERANCE
+    for top, cli in zip(got.top_logprobs, printed["logprobs"]):
+        assert all(abs(top[piece(pipe, t)[0]] - lp) < TOLERANCE for t, lp in cli["top"])
