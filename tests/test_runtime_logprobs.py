@@ -12,6 +12,7 @@ import pytest
 from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.reference import reference_logprobs
+from mirror_sd.runtime.text import piece_bytes
 
 PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
 NEW_TOKENS = 20
@@ -130,3 +131,20 @@ def test_batched_requests_give_their_solo_logprobs(pipelines):
         assert_matches(pipe, prompt, got.token_ids, got.logprobs, K)
     plain = pipe.generate([PROMPTS[0], PROMPTS[1]], mode="ar", max_new_tokens=4)
     assert all(r.logprobs is None for r in plain)
+
+
+def test_a_tokens_bytes_from_its_vocabulary_piece():
+    """OpenAI's logprobs `bytes`: what the token stands for, alone (runtime/text.py TextCodec.token_bytes)."""
+    assert piece_bytes("\u0120hello", True) == b" hello"  # byte-level BPE: Ġ is the space byte
+    assert piece_bytes("\u010a", True) == b"\n" and piece_bytes("\u00e2\u0124", True) == b"\xe2\x82"
+    assert piece_bytes("\u2581hello", False) == b" hello"  # sentencepiece: its word-start mark is a space
+    assert piece_bytes("<0xE2>", False) == b"\xe2"  # and a byte-fallback piece its byte
+
+
+def test_token_bytes_of_the_bundles_vocabulary_make_its_text(pipelines):
+    pipe = pipelines()
+    out = pipe.generate(PROMPTS[1], mode="ar", max_new_tokens=NEW_TOKENS)
+    special = pipe.codec.tokenizer.get_added_tokens_decoder()
+    raw = b"".join(pipe.codec.token_bytes(t) for t in out.token_ids if t not in special)
+    assert raw.decode("utf-8", errors="replace") == out.text
+    assert pipe.codec.token_bytes(next(iter(special))) == next(iter(special.values())).content.encode()

@@ -12,7 +12,7 @@ import pytest
 from mirror_sd.bench.soak import InProcessServer
 from mirror_sd.cli import main
 from mirror_sd.runtime.pipeline import Pipeline
-from mirror_sd.serve.protocol import MAX_N
+from mirror_sd.serve.protocol import MAX_N, TextOffsets
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -167,3 +167,13 @@ def test_the_server_answers_what_mirror_sd_generate_prints(bundle, pipe, client,
         assert abs(served - cli["logprob"]) < TOLERANCE
     for top, cli in zip(got.top_logprobs, printed["logprobs"]):
         assert all(abs(top[piece(pipe, t)[0]] - lp) < TOLERANCE for t, lp in cli["top"])
+
+
+@pytest.mark.parametrize("tokens, offsets", [
+    ([b"a", b"\xe2", b"\x82", b"\xac", b"b"], [0, 1, 1, 1, 2]),  # a character split across tokens: at its start
+    ([b"\xc2", b" _", b">"], [0, 1, 3]),  # a byte that starts no character: its replacement character's place
+    ([b"\xe2\x82", b"\xacx"], [0, 0]),
+])
+def test_text_offsets_count_the_characters_before_each_token(tokens, offsets):
+    counter = TextOffsets()
+    assert [counter.next(t) for t in tokens] == offsets
