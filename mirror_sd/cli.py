@@ -32,6 +32,9 @@ SERVE_GENERATION = ("mode", "max_new_tokens")
 # the defaults `serve` shows for them where not the library's: a request without max_tokens runs to the context's end
 SERVE_SHOWN = {"max_new_tokens": "what the prompt leaves of the context"}
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# `serve`'s flags that mean something only with --ray, by their argparse destination
+RAY_FLAGS = {"--replicas": "replicas", "--ray-address": "ray_address", "--num-cpus": "num_cpus",
+             "--num-gpus": "num_gpus"}
 API_KEY_ENV = "MIRROR_SD_API_KEY"  # `serve` reads its API key here when --api-key is not given (kept off `ps`)
 
 
@@ -203,6 +206,11 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.request_timeout > 0:
         raise BadInputError(f"--request-timeout must be > 0, got {args.request_timeout}")
     api_key, origins = server_access(args)
+    if args.ray:  # each replica loads the bundle in its own process (serve/ray_app.py); none is loaded here
+        return _serve_on_ray(args, api_key, origins)
+    ray_only = [flag for flag, dest in RAY_FLAGS.items() if getattr(args, dest) is not None]
+    if ray_only:
+        raise BadInputError(f"{', '.join(ray_only)}: only with --ray")
     pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
     # the server's defaults for what a request leaves out: OpenAI's, the bundle's generation_config.json, the flags
     defaults = server_defaults(pipe.package.root if pipe.package else Path(args.bundle), given(args, GenerationConfig))
@@ -216,6 +224,20 @@ def _serve(args: argparse.Namespace) -> int:
           f"once, each up to {pipe.context_limit} tokens; API key {'required' if api_key else 'not required'})",
           file=sys.stderr)
     serve(app, args.host, args.port, args.log_level)  # SIGTERM: open generations stop at their next step, exit 0
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, api_key: str | None, origins: tuple[str, ...]) -> int:
+    from mirror_sd.serve.ray_app import Placement, ReplicaSpec, run
+
+    settings = {"model_name": args.model_name or Path(args.bundle).resolve().name, "max_queue": args.max_queue,
+                "request_timeout_s": args.request_timeout, "api_key": api_key, "cors_origins": origins}
+    spec = ReplicaSpec(args.bundle, settings, LoadOptions().updated(**given(args, LoadOptions)),
+                       given(args, GenerationConfig), args.log_level)
+    placement = Placement(1 if args.replicas is None else args.replicas,
+                          1.0 if args.num_cpus is None else args.num_cpus, args.num_gpus or 0.0)
+    run(spec, placement, args.ray_address or "local", args.host, args.port,
+        report=lambda line: print(line, file=sys.stderr))  # SIGINT, SIGTERM: the application goes, then exit 0
     return 0
 
 
@@ -415,6 +437,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the server's logging to stderr; info logs one line per request (default: info)")
     add_options(sv, GenerationConfig, SERVE_GENERATION, shown=SERVE_SHOWN)  # a request's own value wins
     add_options(sv, LoadOptions, LOAD_FLAGS["serve"])
+    sv.add_argument("--ray", action="store_true",
+                    help="serve on Ray Serve: --replicas replicas, each loading the bundle in a process of its own, "
+                         "behind Ray's HTTP proxy on --host:--port (needs pip install 'mirror-sd[ray]')")
+    sv.add_argument("--replicas", type=int, default=None, help="with --ray: replicas to run (default 1)")
+    sv.add_argument("--ray-address", default=None,
+                    help="with --ray: local (default: a Ray instance of this command's own), auto (the cluster "
+                         "`ray start` runs on this machine) or a cluster's address, e.g. 10.0.0.5:6379")
+    sv.add_argument("--num-cpus", type=float, default=None,
+                    help="with --ray: the CPUs Ray reserves for each replica (default 1; its target + draft threads "
+                         "keep replicas off each other's cores)")
+    sv.add_argument("--num-gpus", type=float, default=None,
+                    help="with --ray: the GPUs for each replica (default 0; 1: a replica per GPU, with "
+                         "--target-device cuda)")
     sv.set_defaults(func=_serve)
 
     from mirror_sd.bench.cli import add_parser as add_bench_parser

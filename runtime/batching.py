@@ -194,6 +194,12 @@ class BatchEngine:
     def running(self) -> int:
         return len(self._rows)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine takes and runs requests: not closed, and its thread has not died (a health check
+        reads it: serve/ray_app.py)."""
+        return not self._stopping and self._thread.is_alive()
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop: running and waiting requests end with EngineClosed."""
         with self._wake:

@@ -8,8 +8,9 @@ queueing included): a request still queued at its deadline gets a 503; a generat
 engine's next step and answers what it has (finish_reason "length"). A client that disconnects stops its generation
 at the next step.
 
-Scale-out: requests are independent and a process owns its devices, so several processes (one per GPU/NPU, or per
-machine) sit behind any HTTP load balancer; each one's /health and /metrics describe it alone.
+Scale-out: a process owns one pipeline and its devices; serve/ray_app.py runs this same app as replicas on Ray Serve
+(`mirror-sd serve --ray`), one per GPU/NPU or machine, behind Ray's proxy (docs/scale-out.md). Each one's /health and
+/metrics describe it alone.
 
 OpenAI's conventions: what a request leaves out gets OpenAI's defaults, not the library's (serve/defaults.py:
 temperature 1.0, max_tokens to the end of the context, a random seed returned in the `x-seed` header); fields that
