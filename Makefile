@@ -106,10 +106,11 @@ bench: models
 	  $(if $(METHODS),--methods "$(METHODS)") $(if $(NO_SERVING),--no-serving)
 
 # Soak test of the server over BUNDLE (default: the real pair): exactness and resources under concurrent load, a
-# draft that fails or stalls, SIGTERM mid-stream (bench/soak.py) -> results/soak/ (soak.json, README.md), or OUT.
-# About 8-10 minutes here; exits non-zero when a bar fails.
+# draft that fails or stalls, SIGTERM mid-stream, two replicas on Ray Serve with one killed under load (bench/soak.py)
+# -> results/soak/ (soak.json, README.md), or OUT. About 8-10 minutes here, and the Ray phase's few more (NO_RAY=1
+# leaves it out); exits non-zero when a bar fails.
 soak: models
-	$(PY) -m mirror_sd.bench.soak "$(BUNDLE)" $(if $(OUT),--out "$(OUT)")
+	$(PY) -m mirror_sd.bench.soak "$(BUNDLE)" $(if $(OUT),--out "$(OUT)") $(if $(NO_RAY),--ray-requests 0)
 
 clean:
 	rm -rf build

@@ -1,9 +1,9 @@
 """Soak test of `mirror-sd serve`: does the server stay exact, answer everything and hold its resources under load?
 
     python -m mirror_sd.bench.soak BUNDLE [--requests 500] [--clients 8] [--fault-generations 200]
-                                          [--max-tokens 32] [--warmup N] [--out results/soak]
+                                          [--max-tokens 32] [--warmup N] [--ray-requests 200] [--out results/soak]
 
-Four measurements, each with a bar (results/soak/soak.json and README.md; exit 1 when a bar fails):
+Five measurements, each with a bar (results/soak/soak.json and README.md; exit 1 when a bar fails):
 
 1. Load. The real server (serve/app.py, in this process) answers --requests greedy requests from --clients
    concurrent client threads: chat and text completions, streaming and not, in the server's default mode and with
@@ -22,6 +22,11 @@ Four measurements, each with a bar (results/soak/soak.json and README.md; exit 1
    causes must be counted, in the responses' `mirror.fallbacks` and in /metrics alike.
 4. SIGTERM. `mirror-sd serve` as a subprocess, terminated while it streams a long answer: it must exit within 5 s
    (a deployment's stop waits no longer than that) with a clean exit status.
+5. Ray. The same server as RAY_REPLICAS replicas on Ray Serve (serve/ray_app.py, a local Ray instance), answering
+   --ray-requests greedy requests from --clients threads through Ray's proxy, one replica killed on the way (as a
+   crash would). Bars: no answer wrong, no request lost but those in flight on the killed replica (or sent to it
+   before Ray knew it had gone), the replicas all running again within RAY_RECOVERY_BAR_S, and the new one
+   answering requests after that.
 
 Progress goes to stderr; the summary to stdout.
 """
@@ -33,6 +38,7 @@ import ctypes
 import datetime
 import gc
 import http.client
+import importlib.util
 import json
 import os
 import random
@@ -68,6 +74,10 @@ STREAM_SHARE = 0.5
 SETTLE_STABLE_S = 0.5
 SETTLE_MAX_S = 8.0
 SIGTERM_PROMPT = "Write a long story about a dragon."
+REPLICA_HEADER = "x-mirror-sd-replica"  # serve/ray_app.py's: the Ray replica that answered
+# A replica Ray replaces is back within this (a fresh process loads the bundle: seconds for the tiny pair, more for
+# a real one on busy cores)
+RAY_RECOVERY_BAR_S = 60.0
 
 
 def log(line: str) -> None:
@@ -302,6 +312,8 @@ class Answer:
     latency_s: float = 0.0
     hung: bool = False  # the client timeout passed
     error: str | None = None
+    started: float = 0.0  # time.monotonic() when it was sent
+    replica: str | None = None  # the Ray replica that answered (REPLICA_HEADER), where one did
 
 
 def request_plan(n: int, prompts: int, seed: int, stream_share: float = STREAM_SHARE,
@@ -333,16 +345,20 @@ def request_body(p: SoakPrompt, spec: RequestSpec, max_tokens: int) -> dict[str,
     return body
 
 
-def send(port: int, p: SoakPrompt, spec: RequestSpec, max_tokens: int, timeout_s: float) -> Answer:
-    """One request on a connection of its own; never raises (a failure is recorded in the Answer)."""
-    answer = Answer(spec)
+def send(port: int, p: SoakPrompt, spec: RequestSpec, max_tokens: int, timeout_s: float,
+         answer: Answer | None = None) -> Answer:
+    """One request on a connection of its own; never raises (a failure is recorded in the Answer). `answer`: the
+    Answer to fill, which another thread may read while the request runs (its status and replica come with the
+    response's headers, before a stream's first token)."""
+    answer = answer or Answer(spec)
+    answer.started = time.monotonic()
     start = time.perf_counter()
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
     try:
         conn.request("POST", p.path, json.dumps(request_body(p, spec, max_tokens)),
                      {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        answer.status = resp.status
+        answer.status, answer.replica = resp.status, resp.getheader(REPLICA_HEADER)
         if resp.status != 200:
             answer.error = resp.read().decode(errors="replace")[:300]
         elif spec.stream:
@@ -654,6 +670,193 @@ def _terminate_mid_stream(proc: subprocess.Popen, port: int, prompt: SoakPrompt,
             "exit_code": proc.poll(), "max_tokens": max_tokens}
 
 
+# -- Ray Serve: replicas, one of them killed under load -----------------------------------------------------------
+RAY_REPLICAS = 2
+
+
+class RayServer:
+    """serve/ray_app.py's application over `bundle`: `replicas` replicas on a Ray instance this process starts (one
+    logical CPU a replica, no dashboard), Ray's proxy on a free port. `load`: the replicas' LoadOptions given (their
+    threads, ...)."""
+
+    def __init__(self, bundle: Path, replicas: int = RAY_REPLICAS, max_queue: int = 16,
+                 model_name: str = MODEL_NAME, **load: Any) -> None:
+        from mirror_sd.runtime.config import LoadOptions
+        from mirror_sd.serve.ray_app import APP_NAME, DEPLOYMENT_NAME, Placement, ReplicaSpec
+
+        self.replicas, self.port = replicas, free_port()
+        self.spec = ReplicaSpec(str(bundle), {"model_name": model_name, "max_queue": max_queue},
+                                LoadOptions().updated(**load))
+        self.placement = Placement(replicas, num_cpus=1.0)
+        # Serve names each replica's actor so (ray.serve._private.common.ReplicaID.to_full_id_str); its id is what
+        # REPLICA_HEADER carries
+        self.actor_prefix = f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#"
+
+    def __enter__(self) -> RayServer:
+        import ray
+        from ray import serve
+
+        from mirror_sd.serve.ray_app import APP_NAME, application, proxy_timeout_s
+
+        started = time.perf_counter()
+        ray.init(address="local", num_cpus=self.replicas, include_dashboard=False, logging_level="WARNING")
+        try:
+            serve.start(http_options={"host": HOST, "port": self.port,
+                                      "request_timeout_s": proxy_timeout_s(self.spec.settings_without_bundle())},
+                        logging_config={"log_level": "WARNING"})
+            serve.run(application(self.spec, self.placement), name=APP_NAME, route_prefix="/")
+            wait_healthy(self.port, 60.0)
+        except BaseException:
+            self.__exit__()
+            raise
+        self.start_s = time.perf_counter() - started
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+    def replica_ids(self) -> set[str]:
+        """The replicas whose actors are alive now."""
+        import ray
+
+        return {a["name"][len(self.actor_prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(self.actor_prefix)}
+
+    def running(self) -> int:
+        from mirror_sd.serve.ray_app import running_replicas
+
+        return running_replicas()
+
+    def kill(self, replica: str) -> None:
+        """Kill a replica's process, as a crash would: the actor does not come back by itself (no_restart); Serve's
+        controller replaces the replica."""
+        import ray
+
+        ray.kill(ray.get_actor(self.actor_prefix + replica, namespace="serve"), no_restart=True)
+
+    def wait_recovered(self, killed: str, killed_at: float, timeout_s: float) -> tuple[float | None, float | None]:
+        """(seconds from the kill until Ray knew the replica had gone, until `replicas` replicas ran again without
+        it); None: not within timeout_s."""
+        noticed = None
+        while time.monotonic() < killed_at + timeout_s:
+            ids, running = self.replica_ids(), self.running()
+            if noticed is None and (killed not in ids or running < self.replicas):
+                noticed = time.monotonic() - killed_at
+            if killed not in ids and len(ids) == self.replicas and running == self.replicas:
+                return noticed, time.monotonic() - killed_at
+            time.sleep(0.05)
+        return noticed, None
+
+
+def kill_under_load(server: RayServer, prompts: list[SoakPrompt], expected: list[Expected], requests: int,
+                    clients: int, max_tokens: int, timeout_s: float = 60.0, kill_after: int | None = None,
+                    after_recovery: int | None = None, seed: int = 3) -> dict[str, Any]:
+    """Greedy requests from `clients` threads through Ray's proxy: at least `requests`, and on until Ray runs its
+    replicas again. Once `kill_after` are answered (default a third), a replica is killed: one streaming an answer
+    at that moment (so that the kill cuts a request), else the one that answered last. Every answer is checked
+    against solo ar; every request lost is told by when it was sent: before the kill (in flight on the killed
+    replica, or on another, which must lose none), between the kill and the moment Ray knew (sent to it before the
+    proxies learnt of its death), or later (none may be). Then `after_recovery` more requests (default 10 a
+    replica), whose answering replicas show the new one serving."""
+    plan = request_plan(requests * 20, len(prompts), seed)  # more than enough: the load lasts until the recovery
+    kill_after = max(1, min(requests, requests // 3 if kill_after is None else kill_after))
+    before = server.replica_ids()
+    answers: list[Answer] = []
+    running: list[Answer] = []  # sent, not yet answered in full
+    lock, recovered = threading.Lock(), threading.Event()
+    taken = iter(range(len(plan)))
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(taken, None)
+                if i is None or (i >= requests and recovered.is_set()):
+                    return
+                answer = Answer(plan[i])
+                running.append(answer)
+            send(server.port, prompts[plan[i].prompt], plan[i], max_tokens, timeout_s, answer)
+            with lock:
+                running.remove(answer)
+                answers.append(answer)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, name=f"soak-client-{k}") for k in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        while len(answers) < kill_after and any(t.is_alive() for t in threads):
+            time.sleep(0.01)
+        # the victim: a replica streaming an answer now (its headers named it), so that the kill cuts a request;
+        # else the one that answered last
+        deadline = time.monotonic() + 10.0
+        while True:
+            with lock:
+                streaming = [a.replica for a in running if a.replica and a.status == 200]
+                named = [a for a in answers if a.replica]
+            if streaming or time.monotonic() > deadline or not any(t.is_alive() for t in threads):
+                break
+            time.sleep(0.005)
+        victim = (max(set(streaming), key=streaming.count) if streaming else
+                  max(named, key=lambda a: a.started + a.latency_s).replica if named else sorted(before)[0])
+        killed_at = time.monotonic()
+        server.kill(victim)
+        noticed, recovery = server.wait_recovered(victim, killed_at, RAY_RECOVERY_BAR_S * 2)
+    finally:
+        recovered.set()
+        for t in threads:
+            t.join()
+    new = sorted(server.replica_ids() - before)
+    after = run_clients(server.port, prompts, request_plan(after_recovery or 10 * server.replicas, len(prompts),
+                                                           seed + 1), clients, max_tokens, timeout_s)
+    tally = Tally()
+    tally.add(answers + after, expected)
+
+    def lost(a: Answer) -> bool:
+        return a.hung or a.status != 200 or a.error is not None
+
+    known_at = killed_at + (noticed or 0.0)
+    back_at = killed_at + (recovery or float("inf"))
+    gone = [a for a in answers + after if lost(a)]
+    on_others = [a for a in gone if a.replica not in (None, victim)]
+    in_flight = [a for a in gone if a.started <= killed_at and a not in on_others]
+    before_known = [a for a in gone if killed_at < a.started <= known_at and a not in on_others]
+    outage = [a for a in answers if known_at < a.started <= back_at]
+    return {**tally.summary(), "replicas": server.replicas, "clients": clients, "max_tokens": max_tokens,
+            "start_s": round(server.start_s, 1), "wall_s": round(time.perf_counter() - start, 1),
+            "killed": victim, "killed_after_answers": kill_after, "streams_on_it_at_kill": streaming.count(victim),
+            "in_flight_at_kill": sum(a.started <= killed_at < a.started + a.latency_s for a in answers),
+            "lost": len(gone), "lost_in_flight_at_kill": len(in_flight),
+            "lost_sent_before_ray_knew": len(before_known), "lost_on_other_replicas": len(on_others),
+            "lost_unexplained": len(gone) - len(in_flight) - len(before_known),
+            "ray_knew_after_s": None if noticed is None else round(noticed, 2),
+            "recovery_s": None if recovery is None else round(recovery, 2), "new_replicas": new,
+            "while_recovering": {"requests": len(outage), "ok": sum(not lost(a) for a in outage),
+                                 "by_replica": _by_replica(outage)},
+            "after_recovery": {"requests": len(after), "ok": sum(not lost(a) for a in after),
+                               "by_replica": _by_replica(after)}}
+
+
+def _by_replica(answers: list[Answer]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for a in answers:
+        if a.replica:
+            out[a.replica] = out.get(a.replica, 0) + 1
+    return out
+
+
+def ray_phase(bundle: Path, prompts: list[SoakPrompt], expected: list[Expected], requests: int, clients: int,
+              max_tokens: int, timeout_s: float = 60.0, **kill: Any) -> dict[str, Any]:
+    """RAY_REPLICAS replicas of `bundle` on Ray Serve, one killed under load (kill_under_load)."""
+    with RayServer(bundle) as server:
+        return kill_under_load(server, prompts, expected, requests, clients, max_tokens, timeout_s, **kill)
+
+
 # -- bars and output ----------------------------------------------------------------------------------------------
 def bars(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Every bar as {name, value, bar, passed} (a phase not run has none)."""
@@ -685,6 +888,17 @@ def bars(doc: dict[str, Any]) -> list[dict[str, Any]]:
         bar("SIGTERM exit code", term["exit_code"], " or ".join(map(str, CLEAN_EXIT_CODES)),
             term["exit_code"] in CLEAN_EXIT_CODES)
         bar("SIGTERM traceback in server log", term["traceback_in_log"], "False", not term["traceback_in_log"])
+    if (ray := doc.get("ray")) and "error" in ray:
+        bar("Ray phase", ray["error"], "no error", False)
+    elif ray:
+        bar("ray mismatches", ray["mismatches"], "0", ray["mismatches"] == 0)
+        bar("ray requests lost but those in flight on the killed replica", ray["lost_unexplained"], "0",
+            ray["lost_unexplained"] == 0)
+        bar("ray replicas running again after the kill (s)", ray["recovery_s"], f"< {RAY_RECOVERY_BAR_S:g}",
+            ray["recovery_s"] is not None and ray["recovery_s"] < RAY_RECOVERY_BAR_S)
+        answering = set(ray["after_recovery"]["by_replica"])
+        bar("ray replicas answering after recovery (the new one among them)", len(answering),
+            f"{ray['replicas']}", len(answering) == ray["replicas"] and bool(answering & set(ray["new_replicas"])))
     return out
 
 
@@ -732,15 +946,30 @@ def report(doc: dict[str, Any]) -> str:
                       f"({term['chunks_after_sigterm']} chunks after it, [DONE] "
                       f"{'sent' if term['stream_finished_with_done'] else 'not sent'}); the process exited after "
                       f"{term['exit_after_s']} s with status {term['exit_code']}."]
+    if (ray := doc.get("ray")) and "error" not in ray:
+        lines += ["", f"Ray Serve: {ray['replicas']} replicas behind Ray's proxy (started in {ray['start_s']} s), "
+                      f"{ray['requests']} greedy requests from {ray['clients']} clients; replica {ray['killed']} "
+                      f"killed after {ray['killed_after_answers']} answers, with {ray['in_flight_at_kill']} requests "
+                      f"in flight: {ray['lost']} lost ({ray['hangs']} of them unanswered until the client's "
+                      f"timeout; {ray['lost_in_flight_at_kill']} in flight on it, "
+                      f"{ray['lost_sent_before_ray_knew']} sent before Ray knew it had gone, "
+                      f"{ray['lost_unexplained']} otherwise), {ray['mismatches']} wrong. Ray knew after "
+                      f"{ray['ray_knew_after_s']} s and ran {ray['replicas']} replicas again after {ray['recovery_s']} "
+                      f"s; meanwhile {ray['while_recovering']['ok']} of {ray['while_recovering']['requests']} "
+                      f"requests were answered by {ray['while_recovering']['by_replica']}, and the "
+                      f"{ray['after_recovery']['requests']} requests after that by "
+                      f"{ray['after_recovery']['by_replica']} (new: {', '.join(ray['new_replicas']) or 'none'})."]
     return "\n".join(lines) + "\n"
 
 
 # -- the run ------------------------------------------------------------------------------------------------------
 def run_soak(bundle: Path, requests: int, clients: int, fault_generations: int, max_tokens: int, warmup: int,
              timeout_s: float = 60.0, prompts: list[SoakPrompt] | None = None, faults: dict[str, Any] | None = None,
-             sigterm: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every phase; the document soak.json holds. faults, sigterm: fault_phase's and sigterm_phase's keyword
-    arguments (None: their defaults; the SIGTERM's a long story of up to 1500 tokens)."""
+             sigterm: dict[str, Any] | None = None, ray_requests: int = 0,
+             ray: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every phase; the document soak.json holds. faults, sigterm, ray: fault_phase's, sigterm_phase's and
+    kill_under_load's keyword arguments (None: their defaults; the SIGTERM's a long story of up to 1500 tokens).
+    ray_requests: the Ray phase's requests (0: no Ray phase)."""
     from mirror_sd.bench.machine import describe_machine
     from mirror_sd.runtime.pipeline import Pipeline
 
@@ -750,7 +979,8 @@ def run_soak(bundle: Path, requests: int, clients: int, fault_generations: int, 
                            "machine": describe_machine(),
                            "arguments": {"bundle": str(bundle), "requests": requests, "clients": clients,
                                          "fault_generations": fault_generations, "max_tokens": max_tokens,
-                                         "warmup": warmup, "client_timeout_s": timeout_s, "prompts": len(prompts)},
+                                         "warmup": warmup, "client_timeout_s": timeout_s, "prompts": len(prompts),
+                                         "ray_requests": ray_requests},
                            "durations_s": {}}
 
     def timed(name: str, work: Callable[[], Any]) -> Any:
@@ -773,6 +1003,11 @@ def run_soak(bundle: Path, requests: int, clients: int, fault_generations: int, 
     log("SIGTERM mid-stream")
     sigterm = {"max_tokens": sigterm_tokens(pipe), **(sigterm or {})}
     doc["sigterm"] = timed("sigterm", lambda: _recorded(lambda: sigterm_phase(bundle, **sigterm)))
+    if ray_requests:
+        log(f"Ray: {RAY_REPLICAS} replicas, {ray_requests} requests from {clients} clients, one replica killed")
+        doc["ray"] = timed("ray", lambda: _recorded(lambda: ray_phase(bundle, prompts, expected, ray_requests,
+                                                                      clients, max_tokens, timeout_s,
+                                                                      **(ray or {}))))
     doc["durations_s"]["total"] = round(time.perf_counter() - started, 1)
     doc["bars"] = bars(doc)
     doc["passed"] = all(b["passed"] for b in doc["bars"])
@@ -805,12 +1040,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests before the resources' baseline (default: every prompt in every mode once, 160)")
     p.add_argument("--client-timeout", type=float, default=60.0,
                    help="seconds a client waits for a whole answer before counting a hang (default 60)")
+    p.add_argument("--ray-requests", type=int, default=200,
+                   help=f"requests to {RAY_REPLICAS} replicas on Ray Serve, one of them killed on the way (default "
+                        "200; 0 skips; needs pip install 'mirror-sd[ray]')")
     p.add_argument("--out", type=Path, default=Path("results/soak"), help="output directory (default results/soak)")
     args = p.parse_args(argv)
     check_int("--requests", args.requests, 1)
     check_int("--clients", args.clients, 1)
     check_int("--fault-generations", args.fault_generations, 0)
     check_int("--max-tokens", args.max_tokens, 1)
+    check_int("--ray-requests", args.ray_requests, 0)
+    if args.ray_requests and importlib.util.find_spec("ray") is None:  # said now, not after minutes of phases
+        raise BadInputError("--ray-requests needs Ray Serve: pip install 'mirror-sd[ray]' (or --ray-requests 0)")
     if args.warmup is None:
         args.warmup = len(default_prompts()) * len(MODES)
     check_int("--warmup", args.warmup, 1)
@@ -826,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         doc = run_soak(args.bundle, args.requests, args.clients, args.fault_generations, args.max_tokens,
-                       args.warmup, args.client_timeout)
+                       args.warmup, args.client_timeout, ray_requests=args.ray_requests)
     except MirrorSDError as e:
         print(f"mirror-sd: error: {e}", file=sys.stderr)
         return e.exit_code

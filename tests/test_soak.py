@@ -78,6 +78,7 @@ def test_outputs_and_bars(doc, tmp_path):
     (["--requests", "0"], "--requests must be an integer >= 1"),
     (["--warmup", "0"], "--warmup must be an integer >= 1"),
     (["--client-timeout", "0"], "--client-timeout must be > 0"),
+    (["--ray-requests", "-1"], "--ray-requests must be an integer >= 0"),
 ])
 def test_bad_arguments(bundle_factory, argv, words):
     with pytest.raises(BadInputError, match=words.replace("(", r"\(").replace(")", r"\)")):
