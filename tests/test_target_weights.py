@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import ARCHITECTURES
 from onnx import TensorProto, helper, numpy_helper
 
 from mirror_sd.errors import BadInputError, ExportError
@@ -24,7 +25,6 @@ from mirror_sd.export.target_weights import MIN_KERNEL_AGREEMENT
 from mirror_sd.export.weight_blocks import QUANTIZED_OP, block_quantized, quantize_matmuls
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.runtime.pipeline import Pipeline
-from tests.conftest import ARCHITECTURES
 
 
 def _ops(path) -> list[str]:
