@@ -13,9 +13,8 @@ import ctypes
 import mmap
 import sys
 
-import pytest
-
 import numpy as np
+import pytest
 
 from mirror_sd.runtime.huge_pages import HUGE_PAGE, NewMemory, small_pages
 from mirror_sd.runtime.pipeline import Pipeline
