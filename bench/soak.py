@@ -1,9 +1,10 @@
 """Soak test of `mirror-sd serve`: does the server stay exact, answer everything and hold its resources under load?
 
     python -m mirror_sd.bench.soak BUNDLE [--requests 500] [--clients 8] [--fault-generations 200]
-                                          [--max-tokens 32] [--warmup N] [--ray-requests 200] [--out results/soak]
+                                          [--max-tokens 32] [--warmup N] [--ray-requests 200]
+                                          [--openai-requests 100] [--out results/soak]
 
-Five measurements, each with a bar (results/soak/soak.json and README.md; exit 1 when a bar fails):
+Six measurements, each with a bar (results/soak/soak.json and README.md; exit 1 when a bar fails):
 
 1. Load. The real server (serve/app.py, in this process) answers --requests greedy requests from --clients
    concurrent client threads: chat and text completions, streaming and not, in the server's default mode and with
@@ -27,6 +28,13 @@ Five measurements, each with a bar (results/soak/soak.json and README.md; exit 1
    crash would). Bars: no answer wrong, no request lost but those in flight on the killed replica (or sent to it
    before Ray knew it had gone), the replicas all running again within RAY_RECOVERY_BAR_S, and the new one
    answering requests after that.
+6. OpenAI paths. A server with an API key answers, from --clients threads, --openai-requests requests that take the
+   paths OpenAI clients use: a wrong key (401, code invalid_api_key, the engine never reached), fields that change
+   nothing at their neutral values (user, zero penalties, an empty logit_bias, chat's store false: taken, the answer
+   exact),
+   a penalty it does not implement (400 naming the field), logprobs with top_logprobs in every mode (the tokens
+   exact, each logprob the library's own within LOGPROB_TOLERANCE), and n = 2 (both choices exact, usage counting
+   the prompt once). Bars: every answer as expected.
 
 Progress goes to stderr; the summary to stdout.
 """
@@ -78,6 +86,9 @@ REPLICA_HEADER = "x-mirror-sd-replica"  # serve/ray_app.py's: the Ray replica th
 # A replica Ray replaces is back within this (a fresh process loads the bundle: seconds for the tiny pair, more for
 # a real one on busy cores)
 RAY_RECOVERY_BAR_S = 60.0
+SOAK_API_KEY = "sk-soak"
+LOGPROB_TOLERANCE = 1e-4
+OPENAI_KINDS = ("wrong_key", "neutral_fields", "unsupported_penalty", "logprobs", "n2")
 
 
 def log(line: str) -> None:
@@ -857,6 +868,97 @@ def ray_phase(bundle: Path, prompts: list[SoakPrompt], expected: list[Expected],
         return kill_under_load(server, prompts, expected, requests, clients, max_tokens, timeout_s, **kill)
 
 
+# -- OpenAI clients' paths ------------------------------------------------------------------------------------------
+def _post(port: int, path: str, body: dict[str, Any], key: str, timeout_s: float) -> tuple[int | None, Any]:
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+    try:
+        conn.request("POST", path, json.dumps(body),
+                     {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+
+
+def _openai_check(kind: str, p: SoakPrompt, expected: Expected, reference: list[tuple[int, float]], mode: str,
+                  port: int, max_tokens: int, timeout_s: float) -> str | None:
+    """One request of `kind` on prompt `p`; None where the answer is what it must be, else what was wrong."""
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0.0,
+                            "mirror": {"mode": mode}}
+    body["messages" if p.endpoint == "chat" else "prompt"] = p.prompt
+    key = SOAK_API_KEY
+    if kind == "wrong_key":
+        key = "sk-wrong"
+    elif kind == "neutral_fields":
+        body.update(user="soak-user", presence_penalty=0, frequency_penalty=0, logit_bias={})
+        if p.endpoint == "chat":  # Chat Completions' field only
+            body["store"] = False
+    elif kind == "unsupported_penalty":
+        body["presence_penalty"] = 0.5
+    elif kind == "logprobs":
+        body.update({"logprobs": True, "top_logprobs": 3} if p.endpoint == "chat" else {"logprobs": 3})
+    elif kind == "n2":
+        body["n"] = 2
+    status, doc = _post(port, p.path, body, key, timeout_s)
+    if kind == "wrong_key":
+        code = doc.get("error", {}).get("code") if isinstance(doc, dict) else None
+        return None if status == 401 and code == "invalid_api_key" else f"{status} {str(doc)[:200]}"
+    if kind == "unsupported_penalty":
+        param = doc.get("error", {}).get("param") if isinstance(doc, dict) else None
+        return None if status == 400 and param == "presence_penalty" else f"{status} {str(doc)[:200]}"
+    if status != 200:
+        return f"{status} {str(doc)[:200]}"
+    texts = [c["message"]["content"] if "message" in c else c["text"] for c in doc["choices"]]
+    if any(t != expected.text for t in texts):
+        return "text differs from the solo ar answer"
+    if doc["usage"]["completion_tokens"] != expected.tokens * len(texts):
+        return f"usage counts {doc['usage']['completion_tokens']} tokens for {len(texts)} x {expected.tokens}"
+    if kind == "n2" and len(texts) != 2:
+        return f"{len(texts)} choices for n = 2"
+    if kind == "logprobs":
+        lp = doc["choices"][0]["logprobs"]
+        got = [t["logprob"] for t in lp["content"]] if p.endpoint == "chat" else lp["token_logprobs"]
+        want = [v for _, v in reference]
+        if len(got) != len(want) or any(abs(a - b) > LOGPROB_TOLERANCE for a, b in zip(got, want)):
+            return "logprobs differ from the library's"
+    return None
+
+
+def openai_phase(pipe, prompts: list[SoakPrompt], expected: list[Expected], requests: int, clients: int,
+                 max_tokens: int, timeout_s: float = 60.0, seed: int = 3) -> dict[str, Any]:
+    """`requests` requests of OPENAI_KINDS (in turn, on seeded prompts and modes) to a server with an API key."""
+    references = []
+    for p in prompts:  # the library's own logprobs of each prompt's greedy answer, alone
+        r = pipe.generate(p.prompt, mode="ar", max_new_tokens=max_tokens, temperature=0.0, logprobs=0)
+        references.append([(t.token, t.logprob) for t in r.logprobs])
+    rng = random.Random(seed)
+    plan = [(OPENAI_KINDS[i % len(OPENAI_KINDS)], rng.randrange(len(prompts)), rng.choice(("ar", "sd", "mirror")))
+            for i in range(requests)]
+    with InProcessServer(pipe, api_key=SOAK_API_KEY) as server:
+        before = request_counts(http_get(server.port, "/metrics")[1])
+
+        def one(item: tuple[str, int, str]) -> tuple[str, str | None]:
+            kind, i, mode = item
+            return kind, _openai_check(kind, prompts[i], expected[i], references[i], mode, server.port, max_tokens,
+                                       timeout_s)
+
+        with ThreadPoolExecutor(max_workers=clients, thread_name_prefix="soak-openai") as pool:
+            results = list(pool.map(one, plan))
+        after = request_counts(http_get(server.port, "/metrics")[1])
+    by_kind = {k: {"requests": 0, "wrong": 0} for k in OPENAI_KINDS}
+    examples = []
+    for kind, problem in results:
+        by_kind[kind]["requests"] += 1
+        if problem is not None:
+            by_kind[kind]["wrong"] += 1
+            if len(examples) < 5:
+                examples.append({"kind": kind, "problem": problem})
+    return {"requests": requests, "wrong": sum(k["wrong"] for k in by_kind.values()), "by_kind": by_kind,
+            "examples": examples, "metrics_requests_delta": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
+
+
 # -- bars and output ----------------------------------------------------------------------------------------------
 def bars(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Every bar as {name, value, bar, passed} (a phase not run has none)."""
@@ -888,6 +990,11 @@ def bars(doc: dict[str, Any]) -> list[dict[str, Any]]:
         bar("SIGTERM exit code", term["exit_code"], " or ".join(map(str, CLEAN_EXIT_CODES)),
             term["exit_code"] in CLEAN_EXIT_CODES)
         bar("SIGTERM traceback in server log", term["traceback_in_log"], "False", not term["traceback_in_log"])
+    if (api := doc.get("openai")) and "error" in api:
+        bar("OpenAI paths phase", api["error"], "no error", False)
+    elif api:
+        for kind, k in api["by_kind"].items():
+            bar(f"openai {kind}: answers not as expected", k["wrong"], "0", k["wrong"] == 0 and k["requests"] > 0)
     if (ray := doc.get("ray")) and "error" in ray:
         bar("Ray phase", ray["error"], "no error", False)
     elif ray:
@@ -959,6 +1066,9 @@ def report(doc: dict[str, Any]) -> str:
                       f"requests were answered by {ray['while_recovering']['by_replica']}, and the "
                       f"{ray['after_recovery']['requests']} requests after that by "
                       f"{ray['after_recovery']['by_replica']} (new: {', '.join(ray['new_replicas']) or 'none'})."]
+    if (api := doc.get("openai")) and "error" not in api:
+        kinds = ", ".join(f"{k} {v['requests'] - v['wrong']}/{v['requests']}" for k, v in api["by_kind"].items())
+        lines += ["", f"OpenAI paths: {api['requests']} requests to a server with an API key, as expected: {kinds}."]
     return "\n".join(lines) + "\n"
 
 
@@ -966,10 +1076,10 @@ def report(doc: dict[str, Any]) -> str:
 def run_soak(bundle: Path, requests: int, clients: int, fault_generations: int, max_tokens: int, warmup: int,
              timeout_s: float = 60.0, prompts: list[SoakPrompt] | None = None, faults: dict[str, Any] | None = None,
              sigterm: dict[str, Any] | None = None, ray_requests: int = 0,
-             ray: dict[str, Any] | None = None) -> dict[str, Any]:
+             ray: dict[str, Any] | None = None, openai_requests: int = 0) -> dict[str, Any]:
     """Every phase; the document soak.json holds. faults, sigterm, ray: fault_phase's, sigterm_phase's and
     kill_under_load's keyword arguments (None: their defaults; the SIGTERM's a long story of up to 1500 tokens).
-    ray_requests: the Ray phase's requests (0: no Ray phase)."""
+    ray_requests: the Ray phase's requests (0: no Ray phase); openai_requests: the OpenAI paths phase's (0: none)."""
     from mirror_sd.bench.machine import describe_machine
     from mirror_sd.runtime.pipeline import Pipeline
 
@@ -980,7 +1090,7 @@ def run_soak(bundle: Path, requests: int, clients: int, fault_generations: int, 
                            "arguments": {"bundle": str(bundle), "requests": requests, "clients": clients,
                                          "fault_generations": fault_generations, "max_tokens": max_tokens,
                                          "warmup": warmup, "client_timeout_s": timeout_s, "prompts": len(prompts),
-                                         "ray_requests": ray_requests},
+                                         "ray_requests": ray_requests, "openai_requests": openai_requests},
                            "durations_s": {}}
 
     def timed(name: str, work: Callable[[], Any]) -> Any:
@@ -1000,6 +1110,11 @@ def run_soak(bundle: Path, requests: int, clients: int, fault_generations: int, 
         log(f"faults: {fault_generations} generations through a failing draft")
         doc["faults"] = timed("faults", lambda: fault_phase(pipe, prompts, expected, fault_generations, clients,
                                                             max_tokens, timeout_s=timeout_s, **(faults or {})))
+    if openai_requests:
+        log(f"OpenAI paths: {openai_requests} requests from {clients} clients to a server with an API key")
+        doc["openai"] = timed("openai", lambda: _recorded(lambda: openai_phase(pipe, prompts, expected,
+                                                                              openai_requests, clients, max_tokens,
+                                                                              timeout_s)))
     log("SIGTERM mid-stream")
     sigterm = {"max_tokens": sigterm_tokens(pipe), **(sigterm or {})}
     doc["sigterm"] = timed("sigterm", lambda: _recorded(lambda: sigterm_phase(bundle, **sigterm)))
@@ -1043,6 +1158,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ray-requests", type=int, default=200,
                    help=f"requests to {RAY_REPLICAS} replicas on Ray Serve, one of them killed on the way (default "
                         "200; 0 skips; needs pip install 'mirror-sd[ray]')")
+    p.add_argument("--openai-requests", type=int, default=100,
+                   help="requests on OpenAI clients' paths: a wrong key, neutral fields, an unsupported penalty, "
+                        "logprobs, n = 2 (default 100; 0 skips)")
     p.add_argument("--out", type=Path, default=Path("results/soak"), help="output directory (default results/soak)")
     args = p.parse_args(argv)
     check_int("--requests", args.requests, 1)
@@ -1050,6 +1168,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     check_int("--fault-generations", args.fault_generations, 0)
     check_int("--max-tokens", args.max_tokens, 1)
     check_int("--ray-requests", args.ray_requests, 0)
+    check_int("--openai-requests", args.openai_requests, 0)
     if args.ray_requests and importlib.util.find_spec("ray") is None:  # said now, not after minutes of phases
         raise BadInputError("--ray-requests needs Ray Serve: pip install 'mirror-sd[ray]' (or --ray-requests 0)")
     if args.warmup is None:
@@ -1067,7 +1186,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         doc = run_soak(args.bundle, args.requests, args.clients, args.fault_generations, args.max_tokens,
-                       args.warmup, args.client_timeout, ray_requests=args.ray_requests)
+                       args.warmup, args.client_timeout, ray_requests=args.ray_requests,
+                       openai_requests=args.openai_requests)
     except MirrorSDError as e:
         print(f"mirror-sd: error: {e}", file=sys.stderr)
         return e.exit_code

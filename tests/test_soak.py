@@ -32,7 +32,8 @@ def _tiny_prompts() -> list[SoakPrompt]:
 def doc(bundle_factory):
     # A high fault rate: a tiny generation has few draft forwards, and every generation should meet a fault.
     return run_soak(bundle_factory("llama"), requests=40, clients=4, fault_generations=20, max_tokens=16, warmup=10,
-                    timeout_s=60.0, prompts=_tiny_prompts(), faults=dict(fail_rate=0.1, stall_rate=0.05))
+                    timeout_s=60.0, prompts=_tiny_prompts(), faults=dict(fail_rate=0.1, stall_rate=0.05),
+                    openai_requests=20)
 
 
 def test_load_is_exact_and_leaks_nothing(doc):
@@ -66,6 +67,14 @@ def test_sigterm_mid_stream_exits_promptly(doc):
     assert not term["traceback_in_log"], term["log_tail"]
 
 
+def test_openai_paths_answer_as_expected(doc):
+    api = doc["openai"]
+    assert api["wrong"] == 0, api["examples"]
+    assert all(k["requests"] == 4 for k in api["by_kind"].values())  # 20 requests, five kinds in turn
+    # the wrong keys were refused before any generation: a 401 each in /metrics
+    assert sum(v for k, v in api["metrics_requests_delta"].items() if k.endswith(" 401")) == 4
+
+
 def test_outputs_and_bars(doc, tmp_path):
     names = {b["name"] for b in doc["bars"]}
     assert {"load mismatches", "faults /metrics fallbacks", "SIGTERM mid-stream: exit after (s)"} <= names
@@ -79,6 +88,7 @@ def test_outputs_and_bars(doc, tmp_path):
     (["--warmup", "0"], "--warmup must be an integer >= 1"),
     (["--client-timeout", "0"], "--client-timeout must be > 0"),
     (["--ray-requests", "-1"], "--ray-requests must be an integer >= 0"),
+    (["--openai-requests", "-1"], "--openai-requests must be an integer >= 0"),
 ])
 def test_bad_arguments(bundle_factory, argv, words):
     with pytest.raises(BadInputError, match=words.replace("(", r"\(").replace(")", r"\)")):
