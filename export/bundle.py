@@ -289,9 +289,7 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: Ex
             agreement = parity.draft_top1_agreement(bundle, manifest, t_model, draft.reference, feature_draft, sample)
             report("draft weights: greedy token agrees with the fp32 reference on "
                    + ", ".join(f"{rate:.0%} of positions in {runtime}" for runtime, rate in agreement.items()))
-            if min(agreement.values()) < MIN_TOP1_AGREEMENT:
-                raise ExportError(f"the int8 draft agrees with its fp32 reference on only {min(agreement.values()):.0%}"
-                                  f" of greedy tokens (at least {MIN_TOP1_AGREEMENT:.0%} expected)")
+            _require_agreement("the int8 draft", "its fp32 reference", min(agreement.values()), MIN_TOP1_AGREEMENT)
             manifest = replace(manifest, validation={
                 **manifest.validation, "draft_weights": {"format": INT8, "matmuls": count, "block_size": BLOCK_SIZE,
                                                          "top1_agreement": agreement}})
@@ -302,32 +300,42 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: Ex
             agreement = parity.target_top1_agreement(bundle, manifest, t_model, sample)
             report(f"{target_dtype} target: greedy token agrees with the float32 reference on "
                    f"{agreement['top1']:.0%} of positions (logits within {agreement['max_abs_logits_diff']:.3g})")
-            if agreement["top1"] < MIN_TARGET_AGREEMENT:
-                raise ExportError(f"the {target_dtype} target agrees with its float32 reference on only "
-                                  f"{agreement['top1']:.0%} of greedy tokens (at least {MIN_TARGET_AGREEMENT:.0%} "
-                                  "expected)")
+            _require_agreement(f"the {target_dtype} target", "its float32 reference", agreement["top1"],
+                               MIN_TARGET_AGREEMENT)
             manifest = replace(manifest, validation={**manifest.validation,
                                                      "target_dtype": {"dtype": target_dtype, **agreement}})
     if target_weights != FLOAT32:
-        manifest, count = compress_target(bundle, manifest, target_weights)
-        report(f"target weights: {count} MatMuls as {target_weights} blocks of {TARGET_BLOCK_SIZE}, each weight as "
-               "exported")
-        if sample is not None:
-            # the kernel's rounding against the same weights in float32, then the model as it was
-            kernel = parity.target_top1_agreement(bundle, manifest, t_model, sample)
-            versus = parity.target_top1_agreement(bundle, manifest, float32_target, sample)
-            report(f"{target_weights} target: greedy token agrees with its float32 form on {kernel['top1']:.0%} of "
-                   f"positions, with the float32 model on {versus['top1']:.0%}")
-            if kernel["top1"] < MIN_KERNEL_AGREEMENT:
-                raise ExportError(f"the {target_weights} target agrees with the same weights in float32 on only "
-                                  f"{kernel['top1']:.0%} of greedy tokens (at least {MIN_KERNEL_AGREEMENT:.0%} "
-                                  "expected)")
-            manifest = replace(manifest, validation={**manifest.validation, "target_weights": {
-                "format": target_weights, "matmuls": count, "block_size": TARGET_BLOCK_SIZE,
-                "top1_vs_same_weights_float32": kernel["top1"],
-                "max_abs_logits_diff_vs_same_weights_float32": kernel["max_abs_logits_diff"],
-                "top1_vs_float32_model": versus["top1"],
-                "max_abs_logits_diff_vs_float32_model": versus["max_abs_logits_diff"]}})
+        manifest = _compress_target(bundle, manifest, target_weights, t_model, float32_target, sample, report)
     manifest.validate(bundle)
     manifest.save(bundle)
     return manifest
+
+
+def _compress_target(bundle: Path, manifest: Manifest, weights: str, model: torch.nn.Module,
+                     float32_model: torch.nn.Module, sample, report: Callable[[str], None]) -> Manifest:
+    """The target prefix's and suffix's weights stored as `weights` blocks (`model`'s weights, already on their
+    grid), and how often the result agrees with the same weights in float32 (the kernel's rounding) and with the
+    float32 model (what the compression costs), recorded in the manifest."""
+    manifest, count = compress_target(bundle, manifest, weights)
+    report(f"target weights: {count} MatMuls as {weights} blocks of {TARGET_BLOCK_SIZE}, each weight as exported")
+    if sample is None:
+        return manifest
+    kernel = parity.target_top1_agreement(bundle, manifest, model, sample)
+    versus = parity.target_top1_agreement(bundle, manifest, float32_model, sample)
+    report(f"{weights} target: greedy token agrees with its float32 form on {kernel['top1']:.0%} of positions, with "
+           f"the float32 model on {versus['top1']:.0%}")
+    _require_agreement(f"the {weights} target", "the same weights in float32", kernel["top1"], MIN_KERNEL_AGREEMENT)
+    return replace(manifest, validation={**manifest.validation, "target_weights": {
+        "format": weights, "matmuls": count, "block_size": TARGET_BLOCK_SIZE,
+        "top1_vs_same_weights_float32": kernel["top1"],
+        "max_abs_logits_diff_vs_same_weights_float32": kernel["max_abs_logits_diff"],
+        "top1_vs_float32_model": versus["top1"],
+        "max_abs_logits_diff_vs_float32_model": versus["max_abs_logits_diff"]}})
+
+
+def _require_agreement(what: str, reference: str, rate: float, floor: float) -> None:
+    """ExportError where `what`'s greedy token agrees with `reference`'s on fewer positions than `floor`: below it a
+    rewrite or a compression is broken, not merely rounded."""
+    if rate < floor:
+        raise ExportError(f"{what} agrees with {reference} on only {rate:.0%} of greedy tokens (at least {floor:.0%} "
+                          "expected)")
