@@ -136,7 +136,8 @@ def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "", w
     """Convert the HF causal LM in `model_dir` (fp32, with its tokenizer files) to a GenAI model directory
     `out_dir`. Reused when `out_dir` carries a marker with the same `fingerprint`; built in a sibling temporary
     directory and moved into place, so a failure leaves nothing half-written. weights "int8": MatMul weights
-    compressed to int8 (NNCF, symmetric per channel), for a draft; "float32": unchanged."""
+    compressed to int8 (NNCF, symmetric per channel), for a draft or a target beside an int8 one; "int4": to
+    symmetric int4 groups; "float32": unchanged."""
     import openvino as ov
     from transformers import AutoModelForCausalLM
 
@@ -154,10 +155,10 @@ def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "", w
         ov_model, kv_in, kv_out = _convert_graph(model)
         _fuse_cache_reorder(ov_model, kv_in)
         _make_stateful(ov_model, kv_in, kv_out)
-        if weights == "int8":
+        if weights in ("int8", "int4"):  # NNCF's symmetric modes (int4 in groups, as the NPU packages take it)
             from mirror_sd.package.compress import compress_weights
 
-            ov_model = compress_weights(ov_model, "int8_sym")
+            ov_model = compress_weights(ov_model, f"{weights}_sym")
         ov.save_model(ov_model, tmp / MODEL_XML, compress_to_fp16=False)
         _write_tokenizer(src, tmp)
     except (RuntimeError, ValueError) as e:  # conversion failures surface from OpenVINO as RuntimeError

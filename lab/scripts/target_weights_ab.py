@@ -117,12 +117,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--genai-target", default=None, help="the target converted for GenAI: adds GenAI at its "
                                                                    "defaults and at f32 to --speed")
+    parser.add_argument("--genai-weights", default="", help="comma list of int8, int4: GenAI on the target converted "
+                                                             "with those NNCF weights too, at its defaults and f32")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     pipes = {Path(b).name: Pipeline.load(b, target_threads=args.threads) for b in args.bundles}
     if args.genai_target and args.speed:
         pipes["ov-genai-defaults"] = GenAI(args.genai_target, args.threads, defaults=True)
         pipes["ov-genai-f32"] = GenAI(args.genai_target, args.threads, defaults=False)
+    for weights in filter(None, args.genai_weights.split(",")):
+        from mirror_sd.bench.baselines import CACHE, Sources, genai_dir
+
+        converted = str(genai_dir(Sources.real_pair(Path(args.bundles[0])).target, CACHE, "target", weights))
+        pipes[f"ov-genai-{weights}-defaults"] = GenAI(converted, args.threads, defaults=True)
+        pipes[f"ov-genai-{weights}-f32"] = GenAI(converted, args.threads, defaults=False)
     report = {"what": __doc__.splitlines()[0], "machine": describe_machine(), "bundles": args.bundles,
               "created": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.agreement:
