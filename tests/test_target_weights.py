@@ -7,10 +7,14 @@
   form and with the float32 model.
 - sd and mirror equal the compressed target's own ar output token for token, on every architecture (exactness is with
   respect to the target as deployed).
+- An NPU package of such a bundle and the server take it (the same tokens).
 - A bad weight format is refused before any work.
 """
 
 from __future__ import annotations
+
+import json
+import urllib.request
 
 import numpy as np
 import onnx
@@ -19,10 +23,12 @@ import torch
 from conftest import ARCHITECTURES
 from onnx import TensorProto, helper, numpy_helper
 
+from mirror_sd.bench.soak import InProcessServer, http_get
 from mirror_sd.errors import BadInputError, ExportError
 from mirror_sd.export.bundle import ExportOptions, export_bundle
 from mirror_sd.export.target_weights import MIN_KERNEL_AGREEMENT
 from mirror_sd.export.weight_blocks import QUANTIZED_OP, block_quantized, quantize_matmuls
+from mirror_sd.package.build import PackageOptions, build_package
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.runtime.pipeline import Pipeline
 
@@ -88,3 +94,22 @@ def test_bad_target_weights_are_refused(tmp_path, pair_factory):
         export_bundle(ExportOptions(str(target), str(draft), tmp_path / "out", target_weights="int8",
                                     target_dtype="float16"))
     assert not (tmp_path / "out").exists()
+
+
+def test_an_npu_package_and_the_server_take_a_compressed_target(bundle_factory, tmp_path):
+    bundle = bundle_factory("llama", target_weights="int8")
+    prompt = [5, 17, 33, 40, 2]
+    want = Pipeline.load(bundle).generate(prompt, mode="ar", max_new_tokens=16, temperature=0.0)
+    out = tmp_path / "package"
+    build_package(PackageOptions(bundle=bundle, out=out), report=lambda _line: None)
+    packaged = Pipeline.load(out)
+    for mode in ("ar", "mirror"):
+        assert packaged.generate(prompt, mode=mode, max_new_tokens=16, temperature=0.0).token_ids == want.token_ids
+    with InProcessServer(Pipeline.load(bundle)) as server:
+        body = json.dumps({"model": "soak", "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+                           "mirror": {"mode": "sd"}}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            assert json.loads(resp.read())["choices"][0]["text"] == want.text
+        assert http_get(server.port, "/health")[0] == 200
