@@ -21,8 +21,8 @@ import torch
 from onnx import numpy_helper
 
 from mirror_sd.errors import ExportError
+from mirror_sd.partitions.manifest import WEIGHT_BLOCK_SIZE as BLOCK_SIZE
 
-BLOCK_SIZE = 32
 QUANTIZED_OP = "MatMulNBits"
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions import planner
-from mirror_sd.partitions.manifest import Manifest, resolve_inside
+from mirror_sd.partitions.manifest import Manifest, resolve_inside, weight_bytes
 from mirror_sd.runtime.backends import on_cpu
 from mirror_sd.runtime.draft import Drafter, plan_branches
 from mirror_sd.runtime.engines import DraftEngine
@@ -137,7 +137,8 @@ def head_ratios(bundle: str | Path, manifest: Manifest) -> tuple[float, float]:
     """(exit head, suffix head) in units of one decoder layer, from the graphs' weight bytes.
 
     A decode step streams every weight once, so cost follows bytes. The suffix holds its N - l_e layers plus the
-    final norm and LM head (V x H + H values, known from the manifest): that gives one layer's bytes w. The exit head
+    final norm and LM head (V x H + H values, known from the manifest, the head's V x H in the target's weight
+    format): that gives one layer's bytes w. The exit head
     (the lens's LM head, or a trained adapter plus it) is a graph of its own, run in mirror mode only: its bytes / w.
     """
     t = manifest.target
@@ -148,7 +149,7 @@ def head_ratios(bundle: str | Path, manifest: Manifest) -> tuple[float, float]:
         root = Path(bundle).resolve()
         return sum(resolve_inside(root, f).stat().st_size for f in (spec.file, *spec.data_files))
 
-    lm_head = (t.vocab_size * t.hidden_size + t.hidden_size) * itemsize
+    lm_head = t.vocab_size * t.hidden_size * weight_bytes(t.weight_format, itemsize) + t.hidden_size * itemsize
     layer = (size("target_suffix") - lm_head) / (t.num_layers - t.exit_layer)
     if layer <= 0:
         raise BadInputError("cannot derive a layer's weight bytes from the suffix graph")

@@ -31,6 +31,7 @@ from mirror_sd.export.weight_blocks import QUANTIZED_OP, block_quantized, quanti
 from mirror_sd.package.build import PackageOptions, build_package
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.profile import head_ratios
 
 
 def _ops(path) -> list[str]:
@@ -113,3 +114,13 @@ def test_an_npu_package_and_the_server_take_a_compressed_target(bundle_factory, 
         with urllib.request.urlopen(request, timeout=60) as resp:
             assert json.loads(resp.read())["choices"][0]["text"] == want.text
         assert http_get(server.port, "/health")[0] == 200
+
+
+def test_the_planners_cost_model_reads_a_compressed_target(bundle_factory):
+    # head_ratios derives a layer's bytes from the suffix file less the LM head's, in the target's weight format
+    ratios = {w: head_ratios(b, Manifest.load(b)) for w, b in
+              ((w, bundle_factory("llama", target_weights=w)) for w in ("float32", "int8", "int4"))}
+    for exit_head, lm_head in ratios.values():
+        assert exit_head > 0 and lm_head > 0
+    # the float32 exit head weighs more against a layer as the layers shrink
+    assert ratios["float32"][0] < ratios["int8"][0] < ratios["int4"][0]
