@@ -39,6 +39,8 @@ ANSWERS = REPO / "models" / "training" / "data"  # the committed answers files t
 # threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
 FEATURE_PLAN = WEIGHTS / "smollm2-feature-plan.json"
+# measured with the target's weights in int8 blocks (a cheaper target step: another gamma and thread split)
+FEATURE_INT8_PLAN = WEIGHTS / "smollm2-feature-int8-plan.json"
 BUILD = Path("build")
 TARGET_DIR = BUILD / "models" / "smollm2-135m-instruct"
 BUNDLE_DIR = BUILD / "bundles" / "smollm2"
@@ -149,15 +151,17 @@ def _bundled_vocab(bundle: Path) -> list[int] | None:
 
 
 def _add_plan(bundle: Path, kind: str) -> Path:
-    """The committed plan of the bundle's draft as its plan.json, unless the bundle already has one (a `make plan`
-    made here) or the runtime would refuse the plan for this bundle (measured at another exit layer or top_k; the
-    bundle then runs on the built-in defaults until `make plan`)."""
+    """The committed plan of the bundle's draft and target weights as its plan.json, unless there is none for them,
+    the bundle already has one (a `make plan` made here) or the runtime would refuse the plan for this bundle
+    (measured at another exit layer or top_k; the bundle then runs on the built-in defaults until `make plan`)."""
 
     dest = bundle / PLAN_FILE
-    plan = FEATURE_PLAN if kind == "feature" else PLAN
     target = Manifest.load(bundle).target
-    if not plan.is_file() or dest.exists() or target.weight_format != "float32":
-        return bundle  # the committed plans measured the float32 target: a cheaper target step changes the plan
+    # a plan measured one target's step cost: another weight format without a plan of its own runs on the defaults
+    plan = {("feature", "float32"): FEATURE_PLAN, ("streaming", "float32"): PLAN,
+            ("feature", "int8"): FEATURE_INT8_PLAN}.get((kind, target.weight_format))
+    if plan is None or not plan.is_file() or dest.exists():
+        return bundle
     try:
         runtime_defaults(read_plan(plan), target.exit_layer, target.top_k)  # the runtime's own check of a plan
     except BadInputError:
@@ -183,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                              "directory then ends in -float16)")
     parser.add_argument("--target-weights", choices=TARGET_WEIGHT_FORMATS, default="float32",
                         help="the target's MatMul weights: int8 or int4 blocks (the bundle's directory then ends in "
-                             "-int8 / -int4; it runs on the built-in defaults until `make plan`)")
+                             "-int8 / -int4; the feature draft's int8 bundle takes a committed plan of its own, the "
+                             "others run on the built-in defaults until `make plan`)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
