@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from mirror_sd.errors import MirrorSDError
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES, TARGET_WEIGHT_FORMATS
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, specs
+from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION
 
 if TYPE_CHECKING:
     from mirror_sd.partitions.planner import Plan
@@ -27,15 +28,11 @@ LOAD_FLAGS = {
 }
 # one generation is not worth the longer load that huge pages take; the Python API and serve keep them on
 GENERATE_LOAD_DEFAULTS = {"huge_pages": False}
-# the generation options whose server-wide default `serve` takes (a request's own value wins; serve/defaults.py)
-SERVE_GENERATION = ("mode", "max_new_tokens")
 # the defaults `serve` shows for them where not the library's: a request without max_tokens runs to the context's end
 SERVE_SHOWN = {"max_new_tokens": "what the prompt leaves of the context"}
-LOG_LEVELS = ("debug", "info", "warning", "error")
 # `serve`'s flags that mean something only with --ray, by their argparse destination
 RAY_FLAGS = {"--replicas": "replicas", "--ray-address": "ray_address", "--num-cpus": "num_cpus",
              "--num-gpus": "num_gpus"}
-API_KEY_ENV = "MIRROR_SD_API_KEY"  # `serve` reads its API key here when --api-key is not given (kept off `ps`)
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type[Options], names: Collection[str] | None = None,
@@ -196,9 +193,7 @@ def server_access(args: argparse.Namespace) -> tuple[str | None, tuple[str, ...]
 
 def _serve(args: argparse.Namespace) -> int:
     from mirror_sd.errors import BadInputError, check_int
-    from mirror_sd.runtime.pipeline import Pipeline
-    from mirror_sd.serve.app import ServerSettings, create_app, serve
-    from mirror_sd.serve.defaults import server_defaults
+    from mirror_sd.serve.app import create_app, open_server, serve
 
     check_int("--max-queue", args.max_queue, 0)
     if not 0 < args.port < 65536:
@@ -211,14 +206,12 @@ def _serve(args: argparse.Namespace) -> int:
     ray_only = [flag for flag, dest in RAY_FLAGS.items() if getattr(args, dest) is not None]
     if ray_only:
         raise BadInputError(f"{', '.join(ray_only)}: only with --ray")
-    pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
-    # the server's defaults for what a request leaves out: OpenAI's, the bundle's generation_config.json, the flags
-    defaults = server_defaults(pipe.package.root if pipe.package else Path(args.bundle), given(args, GenerationConfig))
-    name = args.model_name or Path(args.bundle).resolve().name
-    app = create_app(pipe, ServerSettings(name, args.max_queue, args.request_timeout, api_key=api_key,
-                                          cors_origins=origins, defaults=defaults))
+    pipe, settings = open_server(args.bundle, LoadOptions().updated(**given(args, LoadOptions)),
+                                 _server_settings(args, api_key, origins), given(args, GenerationConfig))
+    name = settings.model_name
+    app = create_app(pipe, settings)
     engine = pipe.engine()
-    mode = defaults.get("mode", pipe.generation_config.mode)
+    mode = settings.defaults.get("mode", pipe.generation_config.mode)
     print(f"mirror-sd: serving {name!r} on http://{args.host}:{args.port}/v1 ({mode}; "
           f"target {pipe.target.device}, draft {pipe.draft.device}; up to {engine.max_num_seqs} generations at "
           f"once, each up to {pipe.context_limit} tokens; API key {'required' if api_key else 'not required'})",
@@ -230,15 +223,19 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_on_ray(args: argparse.Namespace, api_key: str | None, origins: tuple[str, ...]) -> int:
     from mirror_sd.serve.ray_app import Placement, ReplicaSpec, run
 
-    settings = {"model_name": args.model_name or Path(args.bundle).resolve().name, "max_queue": args.max_queue,
-                "request_timeout_s": args.request_timeout, "api_key": api_key, "cors_origins": origins}
-    spec = ReplicaSpec(args.bundle, settings, LoadOptions().updated(**given(args, LoadOptions)),
-                       given(args, GenerationConfig), args.log_level)
+    spec = ReplicaSpec(args.bundle, _server_settings(args, api_key, origins),
+                       LoadOptions().updated(**given(args, LoadOptions)), given(args, GenerationConfig), args.log_level)
     placement = Placement(1 if args.replicas is None else args.replicas,
                           1.0 if args.num_cpus is None else args.num_cpus, args.num_gpus or 0.0)
     run(spec, placement, args.ray_address or "local", args.host, args.port,
         report=lambda line: print(line, file=sys.stderr))  # SIGINT, SIGTERM: the application goes, then exit 0
     return 0
+
+
+def _server_settings(args: argparse.Namespace, api_key: str | None, origins: tuple[str, ...]) -> dict[str, Any]:
+    """ServerSettings' fields from `serve`'s flags, but the defaults, which come with the bundle (open_server)."""
+    return {"model_name": args.model_name or Path(args.bundle).resolve().name, "max_queue": args.max_queue,
+            "request_timeout_s": args.request_timeout, "api_key": api_key, "cors_origins": origins}
 
 
 def _int_list(text: str) -> tuple[int, ...]:

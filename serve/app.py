@@ -36,6 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -48,7 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mirror_sd.errors import BadInputError, ContextLimitError
 from mirror_sd.runtime.batching import BatchEngine, Finished
 from mirror_sd.runtime.batching import Request as EngineRequest
-from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.config import GenerationConfig, LoadOptions
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.result import Chunk, GenerationResult
@@ -414,6 +415,16 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         self.config.app.state.stop_generations()
         super().handle_exit(sig, frame)
+
+
+def open_server(bundle: str | Path, load: LoadOptions, settings: Mapping[str, Any],
+                generation: Mapping[str, Any]) -> tuple[Pipeline, ServerSettings]:
+    """The pipeline of `bundle` and the server's settings: `settings` (ServerSettings' fields but the defaults),
+    and the defaults for what a request leaves out, from OpenAI's, the bundle's generation_config.json and the serve
+    command's `generation` options (serve/defaults.py). `mirror-sd serve` and every Ray replica open theirs here."""
+    pipe = Pipeline.load(bundle, load)
+    root = pipe.package.root if pipe.package else Path(bundle)
+    return pipe, ServerSettings(**settings, defaults=d.server_defaults(root, generation))
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:

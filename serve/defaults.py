@@ -35,6 +35,12 @@ GENERATION_CONFIG = "generation_config.json"
 # transformers' generation_config.json keys the server takes, by the GenerationConfig option each one sets
 FROM_HF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
 SEED_BITS = 31  # random seeds stay below 2**31: exact as a JSON number in any client (JavaScript's included)
+# The serve command's settings that `mirror-sd serve` (mirror_sd/cli.py) and Ray's builder (serve/ray_app.py) both
+# read: the generation options whose server-wide default it takes (3. above), where its API key comes from when not
+# given (the environment keeps it off `ps`), and its log levels.
+SERVE_GENERATION = ("mode", "max_new_tokens")
+API_KEY_ENV = "MIRROR_SD_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def bundle_defaults(bundle: Path) -> dict[str, Any]:

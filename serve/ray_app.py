@@ -37,18 +37,13 @@ from typing import Any
 from mirror_sd.errors import BadInputError, MirrorSDError, check_int
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Spec, specs
 from mirror_sd.runtime.pipeline import Pipeline
-from mirror_sd.serve.app import ServerSettings, create_app
-from mirror_sd.serve.defaults import server_defaults
+from mirror_sd.serve.app import ServerSettings, create_app, open_server
+from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, server_defaults
 
 APP_NAME = "mirror-sd"  # the Serve application `mirror-sd serve --ray` runs (serve run names its own)
 DEPLOYMENT_NAME = "MirrorSD"
 REPLICA_HEADER = "x-mirror-sd-replica"  # every response names the replica that answered it
 INSTALL_HINT = "pip install 'mirror-sd[ray]'"
-API_KEY_ENV = "MIRROR_SD_API_KEY"  # where the builder reads the API key, as `mirror-sd serve` does (mirror_sd/cli.py)
-LOG_LEVELS = ("debug", "info", "warning", "error")  # `mirror-sd serve --log-level`'s
-# The server-wide generation defaults a deployment takes, as `mirror-sd serve` does (mirror_sd/cli.py
-# SERVE_GENERATION): a request's own value wins.
-GENERATION_DEFAULTS = ("mode", "max_new_tokens")
 # A health check only reads whether the engine's thread runs; every few seconds costs nothing and notices a dead
 # engine soon. A replica process that dies is noticed at once, without a health check.
 HEALTH_CHECK_PERIOD_S = 5.0
@@ -72,7 +67,7 @@ class ReplicaSpec:
     # loaded and `generation`
     settings: Mapping[str, Any]
     load: LoadOptions = field(default_factory=LoadOptions)
-    generation: Mapping[str, Any] = field(default_factory=dict)  # the serve command's GENERATION_DEFAULTS given
+    generation: Mapping[str, Any] = field(default_factory=dict)  # the serve command's SERVE_GENERATION given
     log_level: str = "warning"  # the replica's logging (its stderr reaches the driver and Ray's log files)
 
     def __post_init__(self) -> None:
@@ -89,9 +84,7 @@ class ReplicaSpec:
 
     def server(self) -> tuple[Pipeline, ServerSettings]:
         """The pipeline and the settings `mirror-sd serve` would make of the same command (mirror_sd/cli.py)."""
-        pipe = Pipeline.load(self.bundle, self.load)
-        root = pipe.package.root if pipe.package else Path(self.bundle)
-        return pipe, ServerSettings(**self.settings, defaults=server_defaults(root, self.generation))
+        return open_server(self.bundle, self.load, self.settings, self.generation)
 
 
 @dataclass(frozen=True)
@@ -300,7 +293,7 @@ def parse_build_args(args: Mapping[str, Any], api_key: str | None = None) -> tup
     if "bundle" not in args:
         raise BadInputError("the builder needs bundle=PATH (a bundle directory or a package)", option="bundle")
     load_specs = {s.name: s for s in specs(LoadOptions) if s.flag}
-    gen_specs = {s.name: s for s in specs(GenerationConfig) if s.name in GENERATION_DEFAULTS}
+    gen_specs = {s.name: s for s in specs(GenerationConfig) if s.name in SERVE_GENERATION}
     own = {"bundle", "replicas", "num_cpus", "num_gpus", "resources", "model_name", "max_queue", "request_timeout",
            "cors_origins", "log_level"}
     unknown = sorted(set(args) - own - set(load_specs) - set(gen_specs))
@@ -308,9 +301,9 @@ def parse_build_args(args: Mapping[str, Any], api_key: str | None = None) -> tup
         raise BadInputError(f"unknown builder argument(s) {', '.join(unknown)}; known: "
                             f"{', '.join(sorted(own | set(load_specs) | set(gen_specs)))}")
     bundle = str(args["bundle"])
-    max_queue = _number(args, "max_queue", int, 16)
+    max_queue = _number(args, "max_queue", int, ServerSettings.max_queue)
     check_int("max_queue", max_queue, 0)
-    timeout = _number(args, "request_timeout", float, 600.0)
+    timeout = _number(args, "request_timeout", float, ServerSettings.request_timeout_s)
     if not timeout > 0:
         raise BadInputError(f"request_timeout must be > 0, got {timeout}", option="request_timeout")
     origins = args.get("cors_origins") or ()
