@@ -26,10 +26,10 @@ import torch
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.export.weight_blocks import BLOCK_SIZE, block_quantized, quantize_matmuls
-from mirror_sd.partitions.manifest import TARGET_WEIGHT_FORMATS, Manifest
+from mirror_sd.partitions.manifest import TARGET_WEIGHT_FORMATS, WEIGHT_BITS, Manifest
 
 FLOAT32 = "float32"
-BITS = {"int8": 8, "int4": 4}
+BITS = WEIGHT_BITS
 # ONNX Runtime's MatMulNBits compute type per format: 4 = int8 activations (its only fast CPU kernel for 8-bit
 # blocks), 1 = float32 activations
 ACCURACY_LEVELS = {"int8": 4, "int4": 1}

@@ -55,13 +55,15 @@ TARGET_DTYPES = ("float32", "float16")
 # How the target's prefix and suffix graphs store their MatMul weights (export/target_weights.py): as exported, or in
 # 8- or 4-bit blocks (MatMulNBits). Outputs are exact with respect to the target as deployed, whichever it is.
 TARGET_WEIGHT_FORMATS = ("float32", "int8", "int4")
-# Weights per block of a compressed MatMul (one float32 scale each), the draft's int8 and the target's int8 / int4.
+# Weights per block of a compressed MatMul (one float32 scale each), the draft's int8 and the target's int8 / int4,
+# and the bits of each compressed format's weights.
 WEIGHT_BLOCK_SIZE = 32
+WEIGHT_BITS = {"int8": 8, "int4": 4}
 
 
 def weight_bytes(weight_format: str, float_itemsize: int) -> float:
     """Bytes a graph stores per MatMul weight in `weight_format` (its scales included)."""
-    bits = {"int8": 8, "int4": 4}.get(weight_format)
+    bits = WEIGHT_BITS.get(weight_format)
     return float_itemsize if bits is None else bits / 8 + 4 / WEIGHT_BLOCK_SIZE
 
 
