@@ -168,14 +168,15 @@ def default_prompts() -> list[SoakPrompt]:
 class Expected:
     text: str
     tokens: int
+    logprobs: tuple[float, ...]  # the library's logprob of each token (the OpenAI-paths phase checks the server's)
 
 
 def solo_outputs(pipe, prompts: list[SoakPrompt], max_tokens: int) -> list[Expected]:
     """Each prompt's greedy `ar` answer from the library, alone: the reference every server answer must equal."""
     out = []
     for p in prompts:
-        r = pipe.generate(p.prompt, mode="ar", max_new_tokens=max_tokens, temperature=0.0)
-        out.append(Expected(r.text, len(r.token_ids)))
+        r = pipe.generate(p.prompt, mode="ar", max_new_tokens=max_tokens, temperature=0.0, logprobs=0)
+        out.append(Expected(r.text, len(r.token_ids), tuple(t.logprob for t in r.logprobs)))
     return out
 
 
@@ -882,8 +883,8 @@ def _post(port: int, path: str, body: dict[str, Any], key: str, timeout_s: float
         conn.close()
 
 
-def _openai_check(kind: str, p: SoakPrompt, expected: Expected, reference: list[tuple[int, float]], mode: str,
-                  port: int, max_tokens: int, timeout_s: float) -> str | None:
+def _openai_check(kind: str, p: SoakPrompt, expected: Expected, mode: str, port: int, max_tokens: int,
+                  timeout_s: float) -> str | None:
     """One request of `kind` on prompt `p`; None where the answer is what it must be, else what was wrong."""
     body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0.0,
                             "mirror": {"mode": mode}}
@@ -920,7 +921,7 @@ def _openai_check(kind: str, p: SoakPrompt, expected: Expected, reference: list[
     if kind == "logprobs":
         lp = doc["choices"][0]["logprobs"]
         got = [t["logprob"] for t in lp["content"]] if p.endpoint == "chat" else lp["token_logprobs"]
-        want = [v for _, v in reference]
+        want = expected.logprobs
         if len(got) != len(want) or any(abs(a - b) > LOGPROB_TOLERANCE for a, b in zip(got, want)):
             return "logprobs differ from the library's"
     return None
@@ -929,10 +930,6 @@ def _openai_check(kind: str, p: SoakPrompt, expected: Expected, reference: list[
 def openai_phase(pipe, prompts: list[SoakPrompt], expected: list[Expected], requests: int, clients: int,
                  max_tokens: int, timeout_s: float = 60.0, seed: int = 3) -> dict[str, Any]:
     """`requests` requests of OPENAI_KINDS (in turn, on seeded prompts and modes) to a server with an API key."""
-    references = []
-    for p in prompts:  # the library's own logprobs of each prompt's greedy answer, alone
-        r = pipe.generate(p.prompt, mode="ar", max_new_tokens=max_tokens, temperature=0.0, logprobs=0)
-        references.append([(t.token, t.logprob) for t in r.logprobs])
     rng = random.Random(seed)
     plan = [(OPENAI_KINDS[i % len(OPENAI_KINDS)], rng.randrange(len(prompts)), rng.choice(("ar", "sd", "mirror")))
             for i in range(requests)]
@@ -941,8 +938,7 @@ def openai_phase(pipe, prompts: list[SoakPrompt], expected: list[Expected], requ
 
         def one(item: tuple[str, int, str]) -> tuple[str, str | None]:
             kind, i, mode = item
-            return kind, _openai_check(kind, prompts[i], expected[i], references[i], mode, server.port, max_tokens,
-                                       timeout_s)
+            return kind, _openai_check(kind, prompts[i], expected[i], mode, server.port, max_tokens, timeout_s)
 
         with ThreadPoolExecutor(max_workers=clients, thread_name_prefix="soak-openai") as pool:
             results = list(pool.map(one, plan))
