@@ -195,8 +195,6 @@ def test_serve_ray_command_serves_and_stops_on_sigterm(bundle, pipe):
     print(f"mirror-sd serve --ray: stopped {stopped_s:.1f} s after SIGTERM")
 
 
-# Two replicas on a local Ray instance, shared by the tests below (make test runs them: about a minute together; the
-# command line's start-to-SIGTERM test above is the slow one)
 @pytest.fixture(scope="module")
 def ray_server(bundle):
     with RayServer(bundle, **THREADS) as server:
@@ -211,6 +209,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 def test_replicas_answer_as_the_single_server_and_the_library(ray_server, pipe):
     answered_by = set()
     with InProcessServer(pipe) as single:
@@ -235,6 +234,7 @@ def test_replicas_answer_as_the_single_server_and_the_library(ray_server, pipe):
     assert len(answered_by) == 2, answered_by
 
 
+@pytest.mark.slow
 def test_errors_health_and_metrics_are_the_single_servers(ray_server, pipe):
     bad = [({"model": "nope", "prompt": "hi", "max_tokens": 4}, None),
            ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, "logit_bias_x": 1}, None),
@@ -258,6 +258,7 @@ def test_errors_health_and_metrics_are_the_single_servers(ray_server, pipe):
     conn.close()
 
 
+@pytest.mark.slow
 def test_a_killed_replica_loses_only_its_requests_and_comes_back(ray_server, pipe):
     """Clients keep sending while one replica is killed (as a crash would): every answer is exact, the requests
     lost were in flight on the killed replica (or sent to it before Ray knew it had gone), the other replica
