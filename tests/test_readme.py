@@ -40,7 +40,7 @@ def run(lang: str, body: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_the_readme_has_runnable_examples_and_stays_short():
-    assert len(README.splitlines()) <= 315  # a page to act on (300, and the Ray Serve scale-out's commands)
+    assert len(README.splitlines()) <= 300  # a page to act on
     assert {lang for lang, _ in blocks(False)} == {"bash", "python"} and blocks(True)
 
 
