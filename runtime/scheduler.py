@@ -20,8 +20,10 @@ window (gamma draft tokens continuing C):
      next step starts with a fresh rollout (serial, like sd).
 
 Two kinds of greedy step need no draft: where the text's last tokens occurred before, a window copied from what
-followed them (runtime/prompt_lookup.py), verified as in sd; and a step of the target alone, where the speculation
-gate (runtime/gate.py) has measured that faster than speculating, or while the draft is still reading the prompt.
+followed them (prompt lookup), verified as in sd; and a step of the target alone, where the speculation gate has
+measured that faster than speculating, or while the draft is still reading the prompt. `decode`'s loop is
+choose -> propose -> verify -> commit: the gates that choose are one policy (runtime/speculation_policy.py), the
+draft and prompt lookup are proposers behind one protocol (runtime/proposers.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import DrafterBase, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
-from mirror_sd.runtime.gate import GateState, SpeculationGate, branch_gate_key, context_bucket, copy_gate_key
+from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
 from mirror_sd.runtime.messages import (
     Branches,
@@ -51,8 +53,9 @@ from mirror_sd.runtime.messages import (
     Warmed,
     frozen,
 )
-from mirror_sd.runtime.prompt_lookup import MAX_COPY, lookup, next_copy_length
+from mirror_sd.runtime.proposers import DraftModel, PromptLookup
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
+from mirror_sd.runtime.speculation_policy import COPY, DRAFT, SpeculationPolicy
 from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import PREFILL_CHUNK, Boundary, Target, TargetCache
 from mirror_sd.runtime.verify import verify
@@ -376,18 +379,6 @@ class _Decoder:
         self.counts.branch_budget = self.budget
 
 
-def _recalled(memory: dict[tuple[str, int], GateState] | None, key: tuple[str, int]) -> GateState | None:
-    """What a gate learned under `key` (kind, bucket); for a bucket not seen yet, what it learned in the nearest
-    shorter one, as a prior (GateState.as_prior): the longer the context, the more a wide step costs against a
-    narrow one, so a choice made on shorter contexts is the better first guess than none, and the first steps at the
-    new length correct it."""
-    kind, bucket = key
-    found = next((b for b in range(bucket, -1, -1) if (kind, b) in (memory or {})), None)
-    if found is None:
-        return None
-    return memory[kind, found] if found == bucket else memory[kind, found].as_prior()
-
-
 def cached_prompt_window(prompt_len: int, cached: int) -> int:
     """How many of a prompt's last inputs the draft reads (0: its own prompt window) where the prefix cache held its
     first `cached` tokens: those that ran, and at least TRY_PROMPT_WINDOW."""
@@ -408,6 +399,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     for them (else None). Stops after cfg.max_new_tokens; the caller stops earlier (EOS, stop strings) by closing
     the generator, and closes the worker.
 
+    Each step: the policy chooses its kind (runtime/speculation_policy.py) -> a proposer gives the window (prompt
+    lookup or the draft, runtime/proposers.py) -> the target verifies it, or steps alone -> the tokens are committed.
+
     cfg.kappa must be resolved (an int). worker None in sd/mirror mode: the draft is unavailable (e.g. still
     stalled from an earlier call), and every step runs on the target alone (or verifies a copied window).
     warm_with_prefill: the draft reads the prompt while the target prefills it, which pays only where both fit the
@@ -416,10 +410,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     prompt right after, before the first window.
     cached: the target's KV memory holds the prompt's first `cached` tokens already (the batching engine's prefix
     cache, runtime/batching.py): the prefill runs the rest.
-    gate_memory: per mode and bucket of context length (runtime/gate.py context_bucket), what the speculation gate
-    and the copy gate learned in the caller's last generation there; each gate starts from it (a bucket not seen
-    yet: from the nearest shorter one's), goes on with the next bucket's where the context grows into it, and leaves
-    its own in each (the caller runs one generation at a time).
+    gate_memory: per mode and bucket of context length (runtime/gate.py context_bucket), what the gates learned in
+    the caller's last generation there (runtime/speculation_policy.py).
     """
     if cfg.mode == "ar":
         worker = None
@@ -428,15 +420,18 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # Past the draft's context (its manifest facts) every step runs on the target alone, counted in the stats.
     draft_context = drafter.engine.facts.max_position_embeddings if drafter is not None else 0
     ctx = list(prompt)
-    # Greedy only: when sampling, a step of the target alone draws its token where a speculative step would have
-    # drawn others, so a timed choice between them would make a seed's text vary from run to run.
-    gated_mode = cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy
+    # Greedy only: a copied window has no draft distribution for speculative sampling to correct.
+    lookups = cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and cfg.params.greedy
+    # budget 0 (a plan that measured branch sets slower on this machine, or the caller's choice): no mirror step
+    # rolls one out, sampled ones included, and there is no branch gate; every draft step is sd's step
+    # (docs/design.md: The branch gate, and branch budget 0 on shared cores)
+    policy = SpeculationPolicy(cfg, rec.counts, gate_memory, lookups, branching=cfg.mode == "mirror" and dec.budget > 0)
+    copies = PromptLookup(cfg, dec.target.step_width) if lookups else None
+    drafts = DraftModel(dec)
     # Where the gate learned that the target alone is faster at this length, the draft does not read the prompt
     # now: beside the first steps it would slow them, for windows that are not wanted. A step the gate later tries
     # speculatively reads what it needs first (fresh_window's catch-up).
-    learned = _recalled(gate_memory, (cfg.mode, context_bucket(len(prompt) + 1))) if gated_mode else None
-    warm = (worker is not None and len(prompt) <= draft_context
-            and not (learned is not None and learned.prefers_alone()))
+    warm = worker is not None and len(prompt) <= draft_context and not policy.prefers_alone(len(prompt) + 1)
     alongside = reads_prompt_alongside(warm_with_prefill, isinstance(drafter, FeatureDrafter))
     warmed = None  # the ticket of the draft's reading of the prompt
     if warm and alongside:  # the draft reads the prompt while the target does
@@ -458,107 +453,41 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     yield first, first_score[0]
     if after_prefill and not worker.threaded:
         warmed = worker.submit(Warm(tuple(prompt), dec.take_features(), read_window))
-    window: DraftWindow | None = None
-    gate: SpeculationGate | None = None  # resumed in the loop from the memory of the context's bucket
-    gate_key: tuple[str, int] | None = None
-    # Greedy only: a copied window has no draft distribution for speculative sampling to correct.
-    lookups = cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and cfg.params.greedy
-    # the next copied window's length (the schedule moves it); at a fixed step width (the GPU's) a longer window
-    # would run at another width, whose kernels may round a near-tie the other way: it stays within the width
-    copy_length = cfg.prompt_lookup_num_tokens
-    copy_ceiling = max(copy_length, MAX_COPY if not dec.target.step_width else dec.target.step_width - 1)
-    # Where a window can be copied, a second gate picks between copying it and the step the first gate would take:
-    # in a long prompt some earlier occurrence of the last tokens is nearly always there, and its continuation
-    # mostly is not the text's (docs/design.md: The copy gate).
-    copy_gate: SpeculationGate | None = None
-    # Mirror: a third gate picks, for each step verifying a draft window, between a branch set under the suffix and
-    # none. A branch set pays off in the next window, so a choice is timed as its step plus the fetching of the next
-    # window (nothing when a branch had it ready, a fresh rollout otherwise), and recorded once that is known.
-    branch_gate: SpeculationGate | None = None
-    # budget 0 (a plan that measured branch sets slower on this machine, or the caller's choice): no mirror step
-    # rolls one out, sampled ones included, and there is no branch gate; every draft step is sd's step
-    # (docs/design.md: The branch gate, and branch budget 0 on shared cores)
-    branching = cfg.mode == "mirror" and dec.budget > 0
-    branch_pending: tuple[bool, int, float] | None = None  # (branch set or not, tokens, seconds) of the last such step
-
-    def remember() -> None:
-        if gate_memory is not None:
-            gate_memory[gate_key] = gate.state()
-            for key, g in ((copy_gate_key(gate_key), copy_gate), (branch_gate_key(gate_key), branch_gate)):
-                if g is not None:
-                    gate_memory[key] = g.state()
-
-    def settle_branch_choice(fetch_s: float) -> None:
-        """Record the last branch choice with the seconds the next window took to fetch (0: no draft window)."""
-        nonlocal branch_pending
-        if branch_pending is not None:
-            with_branches, tokens, seconds = branch_pending
-            branch_gate.record(with_branches, tokens, seconds + fetch_s)
-            branch_pending = None
-
-    # With the gate, steps run on the target alone until the draft has read the prompt, rather than waiting for it
+    # With the gates, steps run on the target alone until the draft has read the prompt, rather than waiting for it
     # (a feature draft reads a long prompt's taps only after the prefill).
-    draft_ready = not gated_mode or warmed is None
+    draft_ready = not policy.gated or warmed is None
     while len(ctx) - len(prompt) < cfg.max_new_tokens:
         remaining = cfg.max_new_tokens - (len(ctx) - len(prompt))
         # windows shrink at the end so that no step verifies tokens it could not commit
         gamma = min(cfg.gamma, remaining - 1)
         if cfg.mode != "ar" and gamma > 0 and len(ctx) + gamma > draft_context:
             rec.counts.draft_context_steps += 1
-            gamma, window = 0, None
-        if not draft_ready:
-            draft_ready = worker.poll(warmed) is not None
-        bucket = context_bucket(len(ctx))
-        if gated_mode and (gate_key is None or bucket != gate_key[1]):  # the first step, or the next bucket
-            if gate is not None:
-                remember()
-            gate_key = (cfg.mode, bucket)
-            gate = SpeculationGate.resumed(_recalled(gate_memory, gate_key))
-            if lookups:
-                copy_gate = SpeculationGate.resumed(_recalled(gate_memory, copy_gate_key(gate_key)))
-            if branching:
-                branch_pending = None  # a choice made at the last length is not charged to this one
-                branch_gate = SpeculationGate.resumed(_recalled(gate_memory, branch_gate_key(gate_key)))
-        copied = lookup(ctx, cfg.max_matching_ngram_size, min(copy_length, remaining - 1)) if lookups else ()
-        copy_choice = bool(copied) and copy_gate is not None and draft_ready  # a choice the copy gate makes and times
-        if copy_choice and not copy_gate.speculate():
-            rec.counts.declined_copies += 1
-            copied = ()
-        if copied:  # the text repeats itself: a window that costs no draft forward (and is not the first gate's)
-            settle_branch_choice(0.0)
-            started = time.perf_counter()
-            new, scores, window = dec.speculative_step(ctx, DraftWindow(len(ctx), copied, None, 0), copied=True)
-            copy_length = next_copy_length(copy_length, len(copied), len(new) - 1, cfg.prompt_lookup_schedule,
-                                           cfg.prompt_lookup_num_tokens, copy_ceiling)
-            if copy_choice:
-                copy_gate.record(True, len(new), time.perf_counter() - started)
-                remember()
+            gamma = 0
+        draft_ready = draft_ready or worker.poll(warmed) is not None
+        # 1. choose
+        copied = copies.propose(ctx, remaining - 1) if copies is not None else None
+        step = policy.choose(len(ctx), copied is not None, cfg.mode != "ar" and gamma > 0, draft_ready)
+        # 2. propose
+        started, dec.catch_up_s = time.perf_counter(), 0.0
+        window = copied if step.kind == COPY else drafts.propose(ctx, gamma) if step.kind == DRAFT else None
+        fetched = time.perf_counter()
+        drafted = step.kind == DRAFT and window is not None  # else a failed draft: the step runs on the target alone
+        catch_up = dec.catch_up_s if drafted else 0.0  # the draft reading tokens it skipped: timed apart
+        policy.fetched(fetched - started - catch_up if drafted else 0.0)
+        # 3. verify (or the target alone)
+        branches, next_window = False, None
+        if window is None:
+            new, scores = dec.target_step(ctx)
         else:
-            gated = cfg.mode != "ar" and gamma > 0 and gate is not None and not (draft_ready and gate.speculate())
-            if gated:
-                rec.counts.gated_steps += 1
-                window = None  # a branch window is dropped: the next speculative step starts a fresh rollout
-            started, dec.catch_up_s = time.perf_counter(), 0.0
-            if cfg.mode != "ar" and gamma > 0 and window is None and not gated:
-                window = dec.fresh_window(ctx, gamma)
-            speculative = not (cfg.mode == "ar" or gamma == 0 or window is None)
-            fetched = time.perf_counter()
-            settle_branch_choice(fetched - started - dec.catch_up_s if speculative else 0.0)
-            if not speculative:
-                (new, scores), window = dec.target_step(ctx), None
-            else:
-                assert window.context_len == len(ctx), "a window must continue the committed tokens"
-                with_branches = branching and (branch_gate is None or branch_gate.speculate())
-                new, scores, window = dec.speculative_step(ctx, window.head(gamma), branches=with_branches)
-                if branch_gate is not None:
-                    branch_pending = (with_branches, len(new), time.perf_counter() - fetched)
-            took = time.perf_counter() - started - (dec.catch_up_s if speculative else 0.0)
-            if gate is not None and gamma > 0 and draft_ready:  # a step beside the draft's reading shares its cores
-                gate.record(speculative, len(new), took)
-            if copy_choice:  # the step taken instead of a copy
-                copy_gate.record(False, len(new), took)
-            if gate is not None:
-                remember()
+            branches = step.kind == DRAFT and policy.branches()
+            new, scores, next_window = dec.speculative_step(ctx, window, copied=step.kind == COPY, branches=branches)
+        # 4. commit: the proposers hear what was accepted, the policy how long it took
+        proposed = len(window.tokens) if window is not None else 0
+        if copies is not None:
+            copies.accepted(proposed if step.kind == COPY else 0, len(new) - 1)
+        drafts.accepted(proposed if step.kind == DRAFT else 0, len(new) - 1, next_window)
+        took = time.perf_counter() - started - catch_up
+        policy.record(step, window is not None, len(new), took, branches, time.perf_counter() - fetched)
         for token, score in zip(new, scores):
             ctx.append(token)
             yield token, score

@@ -18,8 +18,8 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 def scripted_gate(speculate_when):
     """A speculation gate whose n-th choice (n from 1) is speculate_when(n), not the clock's: tests of the steps it
-    gives to the target alone then run the same every time. Patch it over mirror_sd.runtime.scheduler's
-    SpeculationGate."""
+    gives to the target alone then run the same every time. Patch it over
+    mirror_sd.runtime.speculation_policy's SpeculationGate."""
     from mirror_sd.runtime.gate import SpeculationGate
 
     class Scripted(SpeculationGate):

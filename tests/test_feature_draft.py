@@ -13,7 +13,7 @@ import torch
 from conftest import scripted_gate
 
 import mirror_sd.runtime.draft as draft_module
-import mirror_sd.runtime.scheduler as scheduler
+import mirror_sd.runtime.speculation_policy as speculation_policy
 from mirror_sd.models.feature_draft import FeatureDraft, FeatureDraftConfig
 from mirror_sd.models.training import train_feature_draft as tfd
 
@@ -633,7 +633,8 @@ def test_feature_draft_packages_for_a_static_device(trained_feature_bundle, tmp_
     monkeypatch.setattr(draft_module, "PROMPT_WINDOW", 1024)
     # runs of steps on the target alone: the draft reads what it missed into its cache before the next rollout,
     # so no row outgrows the static graphs (overlap off: the draft reads the prompt before the first step)
-    monkeypatch.setattr(scheduler, "SpeculationGate", scripted_gate(lambda n: n % 16 >= 12))  # 11 alone, then 4
+    # 11 steps alone, then 4
+    monkeypatch.setattr(speculation_policy, "SpeculationGate", scripted_gate(lambda n: n % 16 >= 12))
     for prompt in prompts[:2]:
         ar = dynamic.generate(prompt, mode="ar", max_new_tokens=24)
         for mode in ("sd", "mirror"):

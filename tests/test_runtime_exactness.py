@@ -58,10 +58,10 @@ def test_sd_and_mirror_equal_ar(pipelines, arch, exit_layer, top_k):
 def test_gated_steps_keep_output_identical(pipelines, monkeypatch):
     """Steps the gate gives to the target alone (dropping a ready branch window in mirror) change nothing in the
     output; the stats count them and the speculative steps after them start fresh rollouts."""
-    import mirror_sd.runtime.scheduler as scheduler
+    import mirror_sd.runtime.speculation_policy as speculation_policy
 
     # speculate on two steps, then give one to the target alone
-    monkeypatch.setattr(scheduler, "SpeculationGate", scripted_gate(lambda n: n % 3 != 0))
+    monkeypatch.setattr(speculation_policy, "SpeculationGate", scripted_gate(lambda n: n % 3 != 0))
     pipe = pipelines("llama")
     for prompt in PROMPTS:
         ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
@@ -162,17 +162,17 @@ def test_a_try_after_a_skipped_prompt_reads_only_its_tail(pipelines, arch, monke
 
 def _record_gate_resumes(monkeypatch) -> list:
     """From now on, the state every speculation gate the scheduler makes is resumed from, in order."""
-    import mirror_sd.runtime.scheduler as scheduler
+    import mirror_sd.runtime.speculation_policy as speculation_policy
 
     resumed_from = []
 
-    class Spy(scheduler.SpeculationGate):
+    class Spy(speculation_policy.SpeculationGate):
         @classmethod
         def resumed(cls, state):
             resumed_from.append(state)
             return super().resumed(state)
 
-    monkeypatch.setattr(scheduler, "SpeculationGate", Spy)
+    monkeypatch.setattr(speculation_policy, "SpeculationGate", Spy)
     return resumed_from
 
 

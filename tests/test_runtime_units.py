@@ -288,7 +288,7 @@ def test_gate_state_says_which_kind_was_faster():
 
 def test_a_gate_on_a_bucket_not_seen_yet_starts_from_the_nearest_shorter_ones_memory():
     """A bucket's own memory as it was; a longer bucket's first gate from the nearest shorter one's, as a prior."""
-    from mirror_sd.runtime.scheduler import _recalled
+    from mirror_sd.runtime.speculation_policy import recalled as _recalled
 
     short, middle = GateState((1.0, 0.01, 2), (1.0, 0.02, 2), 8), GateState((1.0, 0.03, 2), (1.0, 0.02, 2), 16)
     memory = {("sd", 0): short, ("sd", 2): middle, ("mirror copy", 1): middle}

@@ -24,11 +24,11 @@ import sys
 import time
 
 from mirror_sd.bench.context import WARMUP_TOKENS, context_prompts
-from mirror_sd.runtime import scheduler
+from mirror_sd.runtime import scheduler, speculation_policy
 from mirror_sd.runtime.pipeline import Pipeline
 
 NEW = 32
-recalled_now, fresh_window = scheduler._recalled, scheduler._Decoder.fresh_window
+recalled_now, fresh_window = speculation_policy.recalled, scheduler._Decoder.fresh_window
 try_window = getattr(scheduler, "TRY_PROMPT_WINDOW", 0)  # 0: read the drafter's whole prompt window
 
 
@@ -45,7 +45,7 @@ def charged_fresh_window(self, ctx, gamma):
     return window
 
 
-# arm -> (mode, scheduler._recalled, scheduler._Decoder.fresh_window, scheduler.TRY_PROMPT_WINDOW)
+# arm -> (mode, speculation_policy.recalled, scheduler._Decoder.fresh_window, scheduler.TRY_PROMPT_WINDOW)
 ARMS = {"prior": {"ar": ("ar", recalled_now, fresh_window, try_window),
                   "sd-carried": ("sd", recalled_carried, fresh_window, try_window),
                   "sd-prior": ("sd", recalled_now, fresh_window, try_window),
@@ -71,7 +71,7 @@ memories = {name: {} for name in arms}
 
 
 def run(name, ids, n):
-    mode, scheduler._recalled, scheduler._Decoder.fresh_window, scheduler.TRY_PROMPT_WINDOW = arms[name]
+    mode, speculation_policy.recalled, scheduler._Decoder.fresh_window, scheduler.TRY_PROMPT_WINDOW = arms[name]
     pipe._gate_memory = memories[name]
     start = time.perf_counter()
     r = pipe.generate(ids, mode=mode, max_new_tokens=n, temperature=0.0)

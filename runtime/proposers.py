@@ -1,0 +1,65 @@
+"""The proposers of draft windows behind one protocol: the draft model, and prompt lookup (a window copied from the
+text). The scheduler's loop asks one for a window, the target verifies it, and the proposer hears what was accepted.
+
+A window is a `DraftWindow` (runtime/messages.py) continuing the committed tokens; its logits are the draft's
+distribution where speculative sampling needs one (None for a copy: prompt lookup is greedy only).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.messages import DraftWindow
+from mirror_sd.runtime.prompt_lookup import MAX_COPY, lookup, next_copy_length
+
+if TYPE_CHECKING:  # the scheduler's decoder: a type only
+    from mirror_sd.runtime.scheduler import _Decoder
+
+
+class Proposer(Protocol):
+    def propose(self, ctx: list[int], length: int) -> DraftWindow | None:
+        """A window of at most `length` tokens continuing `ctx`; None where there is none."""
+
+    def accepted(self, proposed: int, accepted: int, next_window: DraftWindow | None = None) -> None:
+        """The target accepted `accepted` of the `proposed` tokens of this proposer's last window (0, 0: the step
+        verified no window of this proposer's); next_window: a window a mirror branch had ready for that outcome."""
+
+
+class PromptLookup:
+    """Windows copied from what followed the latest earlier occurrence of the text's last tokens
+    (runtime/prompt_lookup.py), their length moved by the configured schedule."""
+
+    def __init__(self, cfg: GenerationConfig, step_width: int) -> None:
+        self.cfg = cfg
+        self.length = cfg.prompt_lookup_num_tokens
+        # at a fixed step width (the GPU's) a longer window would run at another width, whose kernels may round a
+        # near-tie the other way: it stays within the width
+        self.ceiling = max(self.length, MAX_COPY if not step_width else step_width - 1)
+
+    def propose(self, ctx: list[int], length: int) -> DraftWindow | None:
+        copied = lookup(ctx, self.cfg.max_matching_ngram_size, min(self.length, length))
+        return DraftWindow(len(ctx), copied, None, 0) if copied else None
+
+    def accepted(self, proposed: int, accepted: int, next_window: DraftWindow | None = None) -> None:
+        if proposed:
+            self.length = next_copy_length(self.length, proposed, accepted, self.cfg.prompt_lookup_schedule,
+                                           self.cfg.prompt_lookup_num_tokens, self.ceiling)
+
+
+class DraftModel:
+    """The draft model's windows: the window a mirror branch had ready for the last step's outcome where there is
+    one, else a fresh rollout on the draft's thread (`_Decoder.fresh_window`: None where the draft fails or stalls)."""
+
+    def __init__(self, decoder: _Decoder) -> None:
+        self.decoder = decoder
+        self.ready: DraftWindow | None = None  # a branch's window for the outcome of the last step
+
+    def propose(self, ctx: list[int], length: int) -> DraftWindow | None:
+        if self.ready is not None:
+            assert self.ready.context_len == len(ctx), "a window must continue the committed tokens"
+            return self.ready.head(length)
+        return self.decoder.fresh_window(ctx, length)
+
+    def accepted(self, proposed: int, accepted: int, next_window: DraftWindow | None = None) -> None:
+        self.ready = next_window  # any other step (the target alone, a copy) leaves no branch window to continue
