@@ -248,7 +248,7 @@ class OpenVINOTarget(Target):
         return out[BOUNDARY], (out[TAPS][0] if TAPS in out else None)
 
     def _run_suffix(self, boundary: Boundary, logits_for: int) -> np.ndarray:
-        out = self._run("target_suffix", (BOUNDARY, boundary.hidden), boundary.start, boundary.tokens,
+        out = self._run("target_suffix", (BOUNDARY, boundary.hidden), boundary.start, boundary.positions,
                         {KEEP: np.array([logits_for], np.int64)})
         return out["logits"]
 
