@@ -37,6 +37,9 @@ class BatchTarget:
         if slots.positions != target.slots:
             raise ValueError(f"KV slots of {slots.positions} positions do not fit a target of {target.slots}")
         self.slots = slots
+        # a run of one row is padded to the target's step width as its own steps are (Target.step_width: the int8
+        # kernels compute a one-row run otherwise); runs of several rows are at least two rows already
+        self.step_width = target.step_width
         self._device = ort_device(target.device)
         self._bound: dict[str, _Bound] = {}
         for role, (session, spec) in target.sessions.items():
@@ -57,6 +60,8 @@ class BatchTarget:
 
     def _run(self, rows: list[Row]) -> list[np.ndarray | None]:
         width = max(len(r.ids) for r in rows)
+        if len(rows) == 1:  # the padding stops at the slot's end, as Target.run_prefix's at the buffers' end
+            width = max(width, min(self.step_width, self.slots.positions - rows[0].start))
         if width > 1 and len(rows) > 1 and any(r.start for r in rows):
             # GroupQueryAttention's CPU kernel: several rows of several tokens only without a past
             raise ValueError("rows of several tokens after a past run one at a time")

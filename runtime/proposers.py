@@ -30,12 +30,12 @@ class PromptLookup:
     """Windows copied from what followed the latest earlier occurrence of the text's last tokens
     (runtime/prompt_lookup.py), their length moved by the configured schedule."""
 
-    def __init__(self, cfg: GenerationConfig, step_width: int) -> None:
+    def __init__(self, cfg: GenerationConfig, window_ceiling: int | None = None) -> None:
         self.cfg = cfg
         self.length = cfg.prompt_lookup_num_tokens
         # at a fixed step width (the GPU's) a longer window would run at another width, whose kernels may round a
-        # near-tie the other way: it stays within the width
-        self.ceiling = max(self.length, MAX_COPY if not step_width else step_width - 1)
+        # near-tie the other way: it stays within the width (Target.window_ceiling)
+        self.ceiling = max(self.length, MAX_COPY if window_ceiling is None else window_ceiling)
 
     def propose(self, ctx: list[int], length: int) -> DraftWindow | None:
         copied = lookup(ctx, self.cfg.max_matching_ngram_size, min(self.length, length))

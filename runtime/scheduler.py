@@ -426,7 +426,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # rolls one out, sampled ones included, and there is no branch gate; every draft step is sd's step
     # (docs/design.md: The branch gate, and branch budget 0 on shared cores)
     policy = SpeculationPolicy(cfg, rec.counts, gate_memory, lookups, branching=cfg.mode == "mirror" and dec.budget > 0)
-    copies = PromptLookup(cfg, dec.target.step_width) if lookups else None
+    copies = PromptLookup(cfg, dec.target.window_ceiling) if lookups else None
     drafts = DraftModel(dec)
     # Where the gate learned that the target alone is faster at this length, the draft does not read the prompt
     # now: beside the first steps it would slow them, for windows that are not wanted. A step the gate later tries

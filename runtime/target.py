@@ -43,6 +43,11 @@ PREFILL_CHUNK = 256
 # of up to 7 tokens, or a prompt-lookup window (4, grown by its schedule to 7 at most), plus the token before it. A
 # longer window still runs, unpadded.
 GPU_STEP_WIDTH = 8
+# Every target step of an int8 target on the CPU runs at least this many rows: ONNX Runtime's MatMulNBits computes a
+# one-row step on another path than a step of two rows or more, whose int8 activations round otherwise (a position's
+# logits up to 0.6 apart on SmolLM2), while steps of two rows and more agree bit for bit at any width and offset
+# (docs/design.md: An int8 target steps two rows at least).
+INT8_STEP_WIDTH = 2
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,11 @@ class Target:
         # verification step can differ in the last bits from the same position's in a 1-token step, and a greedy
         # near-tie then flips (measured: results/cuda-ep.json). At one width every step runs the same kernels and
         # each row is computed alone, so ar, sd and mirror see the same logits. On a GPU the extra rows are nearly
-        # free (a 5-token step costs about a 1-token one); 0 (the CPU's default) pads nothing.
+        # free (a 5-token step costs about a 1-token one). On the CPU an int8 target's one-row steps are padded to
+        # two (INT8_STEP_WIDTH); 0 (the CPU's default otherwise) pads nothing.
         self.step_width = step_width
+        # the widest window that keeps a step at step_width rows (None: any width computes a position alike)
+        self.window_ceiling: int | None = None
         # the padding's keys are written past the context; the buffers hold them, up to the model's rotary table
         self.slots = min(self.capacity + step_width, max(limit, self.capacity))
         self.top_k = facts.top_k
@@ -266,9 +274,12 @@ class OrtTarget(Target):
             raise BadInputError("a float32 target cannot run on the CUDA execution provider (its fused attention "
                                 "has float16 kernels only): export the bundle with --target-dtype float16, or run "
                                 "the target on the CPU", option="target_device")
+        on_gpu = self.device == "CUDAExecutionProvider"
         if step_width is None:  # fixed-width steps where the kernels choose by width: the GPU's float16 ones
-            step_width = GPU_STEP_WIDTH if self.device == "CUDAExecutionProvider" else 0
+            step_width = GPU_STEP_WIDTH if on_gpu else INT8_STEP_WIDTH if facts.weight_format == "int8" else 0
         super().__init__(manifest, capacity, step_width)
+        # float16 kernels (the GPU's) may round a position otherwise at every width: a window stays within the step's
+        self.window_ceiling = step_width - 1 if facts.dtype == "float16" and step_width else None
         self._device = ort_device(self.device)
         shape = [1, facts.num_kv_heads, self.slots, facts.head_dim]
         self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(facts.dtype), *self._device)

@@ -48,7 +48,8 @@ def test_a_branch_choice_is_timed_with_the_fetch_of_the_next_window():
     assert rates(memory[branch_gate_key(("mirror", 0))]) == rates(SPECULATION_PAYS)
     p.choose(104, can_copy=False, can_draft=True, draft_ready=True)
     p.fetched(0.03)  # a fresh rollout after a branch miss
-    assert rates(memory[branch_gate_key(("mirror", 0))]) == rates(SPECULATION_PAYS)  # recorded in the gate, remembered after
+    # recorded in the gate, remembered after the step
+    assert rates(memory[branch_gate_key(("mirror", 0))]) == rates(SPECULATION_PAYS)
     p.record(step, False, 1, 0.05)
     assert rates(memory[branch_gate_key(("mirror", 0))]) == told(SPECULATION_PAYS, (True, 4, 0.08 + 0.03))
     assert rates(memory[("mirror", 0)]) == told(SPECULATION_PAYS, (True, 4, 0.12), (False, 1, 0.05))
@@ -107,7 +108,7 @@ def test_without_the_gates_every_step_that_can_speculate_does(greedy):
 def test_prompt_lookup_grows_its_window_while_copies_are_accepted_whole_and_stays_within_the_step_width():
     cfg = GenerationConfig(mode="sd", temperature=0.0, prompt_lookup_num_tokens=4)
     ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3]
-    copies = PromptLookup(cfg, step_width=0)
+    copies = PromptLookup(cfg)
     window = copies.propose(ctx, 100)
     assert window.tokens == (4, 5, 6, 7) and window.context_len == len(ctx) and window.logits is None
     copies.accepted(4, 4)
@@ -118,7 +119,7 @@ def test_prompt_lookup_grows_its_window_while_copies_are_accepted_whole_and_stay
     copies.accepted(0, 0)  # a step that verified no copy
     assert copies.length == 5
     assert copies.propose([1, 2, 3, 9], 100) is None
-    narrow = PromptLookup(cfg, step_width=6)
+    narrow = PromptLookup(cfg, window_ceiling=5)
     for _ in range(4):
         narrow.accepted(narrow.length, narrow.length)
     assert narrow.length == 5  # a copy of 5 and its pending token fill one 6-wide step

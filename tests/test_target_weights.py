@@ -7,6 +7,9 @@
   form and with the float32 model.
 - sd and mirror equal the compressed target's own ar output token for token, on every architecture (exactness is with
   respect to the target as deployed).
+- An int8 target gives a position the same logits bit for bit in a 1-token step and in any row of a window, alone
+  and in the batching engine: its one-row steps are padded to two rows (ONNX Runtime's int8 kernel computes one row
+  otherwise).
 - An NPU package of such a bundle and the server take it (the same tokens).
 - A bad weight format is refused before any work.
 """
@@ -32,6 +35,7 @@ from mirror_sd.package.build import PackageOptions, build_package
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.profile import head_ratios
+from mirror_sd.runtime.target import INT8_STEP_WIDTH
 
 
 def _ops(path) -> list[str]:
@@ -85,6 +89,39 @@ def test_sd_and_mirror_equal_the_compressed_target(bundle_factory, arch, weights
         ar = pipe.generate(prompt, max_new_tokens=24, mode="ar", temperature=0.0).token_ids
         for mode in ("sd", "mirror"):
             assert pipe.generate(prompt, max_new_tokens=24, mode=mode, temperature=0.0).token_ids == ar, mode
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_an_int8_target_gives_a_position_the_same_logits_in_every_step(bundle_factory, arch):
+    bundle = bundle_factory(arch, target_weights="int8")
+    prompt, window = [5, 17, 33, 2, 9, 41], [7, 8, 9, 10, 11]
+
+    def steps_and_window(pipe):
+        target = pipe.target
+        _, cache = target.prefill(prompt, target.empty_cache())
+        wide, _ = target.forward(window, cache)
+        one = []
+        for token in window:  # the same positions, a 1-token step each
+            logits, cache = target.forward([token], cache)
+            one.append(logits[0])
+        return np.stack(one), wide
+
+    pipe = Pipeline.load(bundle)
+    assert pipe.target.step_width == INT8_STEP_WIDTH
+    one, wide = steps_and_window(pipe)
+    assert np.array_equal(one, wide)
+    # unpadded, the kernel's one-row path rounds otherwise: what the padding is for
+    one, wide = steps_and_window(Pipeline.load(bundle, target_step_width=0))
+    assert not np.array_equal(one, wide)
+    # the batching engine pads a lone row as well: a request alone there is the generation alone, bit for bit;
+    # beside another request its rows' attention runs another kernel path (one token each), which rounds otherwise
+    settings = {"mode": "ar", "max_new_tokens": 12, "temperature": 0.0, "logprobs": 0}
+    solo = pipe.generate(prompt, **settings)
+    alone = pipe.generate([prompt], **settings)[0]
+    assert [t.logprob for t in alone.logprobs] == [t.logprob for t in solo.logprobs]
+    batched = pipe.generate([prompt, [3, 3, 8, 8, 3]], **settings)[0]
+    assert batched.token_ids == solo.token_ids
+    assert np.allclose([t.logprob for t in batched.logprobs], [t.logprob for t in solo.logprobs], atol=1e-4)
 
 
 def test_bad_target_weights_are_refused(tmp_path, pair_factory):
