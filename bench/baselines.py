@@ -88,8 +88,11 @@ def genai_dir(model_dir: Path, cache: Path, what: str, weights: str = "float32")
 
 
 def open_baselines(bundle: Path, *, names: list[str] | None = None, threads: int = 1, gamma: int = DEFAULT_GAMMA,
-                   sources: Sources | None = None, cache: Path = CACHE) -> list[Method]:
+                   sources: Sources | None = None, cache: Path = CACHE, genai_defaults: bool = False,
+                   genai_weights: str = "float32") -> list[Method]:
     """Open the named baselines (all of NAMES by default) for `bundle`, converting what they need on first use.
+    genai_defaults: GenAI at its own defaults (bench/ov_genai.py), not pinned to f32; genai_weights: GenAI's target
+    with its MatMul weights compressed by NNCF (int8, int4).
 
     Raises BadInputError for an unknown name or a bad option, BaselineError when a baseline cannot be prepared or
     opened (the ones opened before it are closed again)."""
@@ -110,7 +113,8 @@ def open_baselines(bundle: Path, *, names: list[str] | None = None, threads: int
     try:
         for name in names:
             opened.append(_open(name, sources, cache, threads=threads, gamma=gamma, eos=eos, pad=pad,
-                                draft_weights=manifest.draft.weight_format))
+                                draft_weights=manifest.draft.weight_format, genai_defaults=genai_defaults,
+                                genai_weights=genai_weights))
     except MirrorSDError:
         _close_all(opened)
         raise
@@ -121,7 +125,7 @@ def open_baselines(bundle: Path, *, names: list[str] | None = None, threads: int
 
 
 def _open(name: str, sources: Sources, cache: Path, *, threads: int, gamma: int, eos: list[int], pad: int,
-          draft_weights: str = "float32") -> Method:
+          draft_weights: str = "float32", genai_defaults: bool = False, genai_weights: str = "float32") -> Method:
     if name.startswith("hf-"):
         from mirror_sd.bench.hf_baselines import HFMethod
 
@@ -130,11 +134,11 @@ def _open(name: str, sources: Sources, cache: Path, *, threads: int, gamma: int,
                         assistant_dir=assistant, gamma=gamma)
     from mirror_sd.bench.ov_genai import GenAIMethod
 
-    target = genai_dir(sources.target, cache, "target")
+    target = genai_dir(sources.target, cache, "target", genai_weights)
     draft = (genai_dir(plain_draft_dir(sources, cache), cache, "draft", draft_weights) if name == "ov-genai-sd"
              else None)
     return GenAIMethod(name, target, threads=threads, eos_token_ids=eos, draft_dir=draft, gamma=gamma,
-                       prompt_lookup=name == "ov-genai-pld")
+                       prompt_lookup=name == "ov-genai-pld", defaults=genai_defaults)
 
 
 def _close_all(methods: list[Method]) -> None:

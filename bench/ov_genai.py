@@ -32,16 +32,21 @@ from mirror_sd.bench.methods import MethodResult
 PLD_NGRAM = 3  # prompt lookup's longest n-gram matched (GenAI's sample uses 3)
 
 
-def _properties(threads: int) -> dict[str, Any]:
-    # fp32 everywhere, as the target the others run: the CPU plugin otherwise stores GenAI's paged KV cache as
-    # u8 (its default for PagedAttention), which flipped greedy tokens on a tiny test model
-    return {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32",
-            "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+def _properties(threads: int, defaults: bool = False) -> dict[str, Any]:
+    """fp32 everywhere, as the target the others run: the CPU plugin otherwise stores GenAI's paged KV cache as u8
+    (its default for PagedAttention), which flipped greedy tokens on a tiny test model. defaults: GenAI as a user
+    gets it (threads and the hint only; on a CPU with AMX, bf16 compute and a u8 KV cache)."""
+    given = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
+    if defaults:
+        return given
+    return {**given, "INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
+            "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 
 
 class GenAIMethod:
     def __init__(self, name: str, target_dir: Path, *, threads: int, eos_token_ids: list[int],
-                 draft_dir: Path | None = None, gamma: int = 4, prompt_lookup: bool = False) -> None:
+                 draft_dir: Path | None = None, gamma: int = 4, prompt_lookup: bool = False,
+                 defaults: bool = False) -> None:
         import openvino_genai as ov_genai
 
         if draft_dir is not None and prompt_lookup:
@@ -49,10 +54,10 @@ class GenAIMethod:
         self.name, self.threads, self.gamma, self.eos = name, threads, gamma, list(eos_token_ids)
         extra: dict[str, Any] = {}
         if draft_dir is not None:
-            extra["draft_model"] = ov_genai.draft_model(str(draft_dir), "CPU", **_properties(threads))
+            extra["draft_model"] = ov_genai.draft_model(str(draft_dir), "CPU", **_properties(threads, defaults))
         if prompt_lookup:
             extra["prompt_lookup"] = True
-        self.pipe = ov_genai.LLMPipeline(str(target_dir), "CPU", **extra, **_properties(threads))
+        self.pipe = ov_genai.LLMPipeline(str(target_dir), "CPU", **extra, **_properties(threads, defaults))
         self.prompt_lookup = prompt_lookup
         self.speculative = draft_dir is not None
         if self.speculative:

@@ -66,6 +66,7 @@ def render(doc: dict[str, Any]) -> str:
                         extra=("exit_head", "exit head"))
     lines += _compressed(doc.get("compressed_draft"))
     lines += _context(doc.get("context"))
+    lines += _precision(doc.get("precision"))
     lines += _serving(doc.get("serving"))
     lines += ["## Plots", "", "![tokens/s per method and task](plots/tokens_per_s.png)", "",
               "![timeline of one mirror generation](plots/timeline.png)", ""]
@@ -345,6 +346,50 @@ def _context(c: dict[str, Any] | None) -> list[str]:
     if c.get("not_run"):
         lines += [f"- not run: {m}: {why}" for m, why in c["not_run"].items()] + [""]
     return lines + ["![time to first token and decode speed against prompt length](plots/context_length.png)", ""]
+
+
+def _precision(p: dict[str, Any] | None) -> list[str]:
+    if not p or not p.get("speed"):
+        return []
+    lengths = list(p["speed"])
+    arms = list(dict.fromkeys(a for n in lengths for a in p["speed"][n]))
+
+    def cell(n: str, arm: str, key: str, scale: float = 1.0, digits: int = 1) -> str:
+        row = p["speed"][n].get(arm)
+        return "–" if not row or row.get(key) is None else f"{row[key] * scale:.{digits}f}"
+
+    lines = ["## Precision (the target's weight formats beside OpenVINO GenAI at its defaults)", "",
+             f"Ours: {', '.join(f'{f} ({b})' for f, b in p['bundles'].items())}. OpenVINO GenAI: {p['genai']}, on "
+             "the float32 target and on the target with NNCF int8 / int4 weights. ar at "
+             f"{p['threads']} threads each, {p['new_tokens']} new tokens, {p['repeats']} prompt(s) per length of "
+             "real text, greedy; medians.", ""]
+    lines += ["TTFT (ms):", ""] + _table(["arm", *lengths], [[a, *(cell(n, a, "ttft_s", 1e3, 0) for n in lengths)]
+                                                            for a in arms]) + [""]
+    lines += ["Decode tokens/s:", ""] + _table(["arm", *lengths], [[a, *(cell(n, a, "decode_tokens_per_s")
+                                                                          for n in lengths)] for a in arms]) + [""]
+    prompts = p["prompts"]
+    lines += [f"The benchmark's prompts ({prompts['prompts']}, whole call, prefill included), median tokens/s:", ""]
+    lines += _table(["method", "tokens/s"], [[m, _f(v, 1)] for m, v in prompts["tokens_per_s"].items()]) + [""]
+    rows = [[f, _f(a["top1_per_position"], 3), f"{a['greedy_answers_differ']} of {a['answers']}",
+             _f(a["median_first_divergence"], 0)] for f, a in p["agreement"].items()]
+    lines += ["Agreement with float32 (top-1 per position on float32's greedy answers):", ""]
+    lines += _table(["format", "top-1", "greedy answers that differ", "median first divergence"], rows) + [""]
+    failures = prompts.get("failures", [])
+    lines.append("Each format's planned mode against its own ar: " + (
+        "token-identical on every prompt." if not failures else
+        "**differs: " + ", ".join(f"{f['format']} on {f['prompt']} at token {f['first_difference']}"
+                                  for f in failures) + "**"))
+    recommended = p.get("recommended")
+    if recommended:
+        lines += ["", f"Recommended on this machine: **{recommended['format']}** ({recommended['why']}; top-1 "
+                      f"agreement with float32 {_f(recommended['top1_vs_float32'], 3)})."]
+    lines += ["", "Issue 57's bars, from this run:", ""]
+    rows = [[t["what"], ("<= " if not t["higher_is_better"] else ">= ") + f"{t['target']:g}", _f(t["measured"]),
+             "met" if t["met"] else ("not measured" if t["measured"] is None else "not met")] for t in p["targets"]]
+    lines += _table(["bar", "wanted", "measured", "verdict"], rows) + [""]
+    if p.get("not_run"):
+        lines += [f"- not run: {m}: {why}" for m, why in p["not_run"].items()] + [""]
+    return lines
 
 
 SERVING_WHAT = {  # the serving section's series (bench/serving.py)

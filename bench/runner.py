@@ -25,6 +25,9 @@ from mirror_sd.bench.context import ContextSize
 from mirror_sd.bench.machine import describe_machine
 from mirror_sd.bench.methods import BASELINE_METHODS, PROJECT_METHODS, Method, MethodResult
 from mirror_sd.bench.pipeline_methods import PipelineMethod
+from mirror_sd.bench.precision import FULL as PRECISION_FULL
+from mirror_sd.bench.precision import QUICK as PRECISION_QUICK
+from mirror_sd.bench.precision import PrecisionSize
 from mirror_sd.bench.serving import FULL as SERVING_FULL
 from mirror_sd.bench.serving import QUICK as SERVING_QUICK
 from mirror_sd.bench.serving import ServingSize
@@ -68,6 +71,7 @@ class BenchSize:
     compressed_prompts: int = 0  # prompts for the compressed-draft acceptance (0: skip)
     context: ContextSize | None = None  # the context-length benchmark (bench/context.py); None: skip
     serving: ServingSize | None = None  # the server under concurrent clients (bench/serving.py); None: skip
+    precision: PrecisionSize | None = None  # the target's weight formats beside GenAI (bench/precision.py)
 
 
 # Sizes: quick is a smoke run of a few minutes on a quiet 2-core machine; full takes tens of minutes there, plus
@@ -75,11 +79,11 @@ class BenchSize:
 QUICK = BenchSize("quick", per_kind=1, sampled_prompts=2, max_new_tokens=24, probe_prompts=2,
                   ablations=tuple(ABLATIONS), ablation_prompts=1, gammas=(2, 4), exit_layers=(8, 15, 20, 24),
                   sweep_prompts=1, export=False, compressed_prompts=2, context=CONTEXT_QUICK,
-                  serving=SERVING_QUICK)
+                  serving=SERVING_QUICK, precision=PRECISION_QUICK)
 FULL = BenchSize("full", per_kind=10, sampled_prompts=6, max_new_tokens=32, probe_prompts=4,
                  ablations=tuple(ABLATIONS), ablation_prompts=6, gammas=(1, 2, 3, 4, 6), exit_layers=(8, 15, 20, 24),
                  sweep_prompts=4, export=True, compressed_prompts=6, context=CONTEXT_FULL,
-                 serving=SERVING_FULL)
+                 serving=SERVING_FULL, precision=PRECISION_FULL)
 SIZES = {"quick": QUICK, "full": FULL}
 
 # Targets of issues 5 and 12 (greedy, real pair, median over the prompt set):
@@ -282,11 +286,14 @@ class Bench:
         doc["timeline"] = self._timeline(main, groups.get("greedy"))
         doc["compressed_draft"] = self._compressed(main)
         doc["context"] = self._context(main, ar_pipes)
+        doc["precision"] = self._precision(main)
         doc["serving"] = self._serving(main, groups.get("greedy"))
         doc["targets"] = targets(groups.get("greedy"))
         doc["failures"] = [dict(f, group=name) for name, g in groups.items() for f in g.get("identity_failures", [])]
         doc["failures"] += [dict(f, group="serving")
                             for f in ((doc["serving"] or {}).get("identity") or {}).get("failures", [])]
+        doc["failures"] += [dict(f, group="precision")
+                            for f in ((doc["precision"] or {}).get("prompts") or {}).get("failures", [])]
         doc["elapsed_s"] = time.perf_counter() - started
         return doc
 
@@ -453,6 +460,46 @@ class Bench:
         self.report(f"context lengths {self.size.context.lengths} ({self.size.context.repeats} prompts each)")
         return run_context(self.bundle, self.size.context, main, ar_pipes, genai, self.requested, self.report,
                            self.progress, self.cache, sd_pipe=self.sd_pipe)
+
+    def _precision(self, main: Pipeline) -> dict[str, Any] | None:
+        """The target in each weight format beside OpenVINO GenAI at its defaults (bench/precision.py)."""
+        if self.size.precision is None:
+            return None
+        from mirror_sd.bench.baselines import open_baselines
+        from mirror_sd.bench.precision import run_precision, sibling_bundles
+
+        bundles, not_run = sibling_bundles(self.bundle)
+        threads = usable_cores()
+        # GenAI's speculative methods propose the windows the greedy group's probe found fastest
+        windows = {m.name: m.gamma for m in self.baselines if m.name in ("ov-genai-pld", "ov-genai-sd")}
+        by_format: dict[str, Method] = {}
+        methods: dict[str, Method] = {}
+        opened: list[Method] = []
+        wanted = [(f"ov-genai {fmt}", "ov-genai-ar", fmt) for fmt in bundles]
+        wanted += [(name, name, "float32") for name in ("ov-genai-pld", "ov-genai-sd")]
+        if not (self.use_baselines and self.sources is not None):
+            not_run.update({label: "baselines switched off" for label, _, _ in wanted})
+            wanted = []
+        try:
+            for label, name, weights in wanted:
+                try:
+                    method = open_baselines(self.bundle, names=[name], threads=threads,
+                                            gamma=windows.get(name, self.gamma(main)), sources=self.sources,
+                                            cache=self.cache, genai_defaults=True, genai_weights=weights)[0]
+                except Exception as e:  # reported, the section runs without it
+                    not_run[label] = _why(e)
+                    continue
+                opened.append(method)
+                if name == "ov-genai-ar":
+                    by_format[weights] = method
+                if name != "ov-genai-ar" or weights == "float32":  # the methods compared run the float32 target
+                    methods[name] = method
+            self.report(f"precision: formats {', '.join(bundles)}, {threads} threads")
+            return run_precision(bundles, self.size.precision, by_format, methods, threads=threads,
+                                 report=self.report, not_run=not_run, progress=self.progress)
+        finally:
+            for method in opened:
+                method.close()
 
     def _serving(self, main: Pipeline, greedy: dict[str, Any] | None) -> dict[str, Any] | None:
         """`mirror-sd serve` under concurrent clients beside GenAI's continuous batching (bench/serving.py). The

@@ -21,7 +21,7 @@ from mirror_sd.models.benchmark_prompts import select
 from mirror_sd.runtime.pipeline import Pipeline
 
 
-def genai_defaults(threads: int) -> dict:
+def genai_defaults(threads: int, *_unused) -> dict:
     return {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
 
 
