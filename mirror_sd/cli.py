@@ -326,6 +326,10 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"  predicted {chosen.predicted_tokens_per_second:.1f} tok/s, measured {modelled:.1f} tok/s with its "
           f"branch sets (decode){verdict}; kept: {m['tokens_per_second']:.1f} tok/s "
           f"({m['end_to_end_tokens_per_second']:.1f} with prefill)")
+    if "end_to_end_tokens_per_second_by_mode" in m:
+        modes = ", ".join(f"{n}: {v:.1f}" for n, v in m["end_to_end_tokens_per_second_by_mode"].items())
+        print(f"  mode {doc['runtime']['mode']} for generations that name none (measured tok/s as generations run, "
+              f"prefill included: {modes})")
     if best.needs_export:
         print(f"export advice: exit layer {best.choice.exit_layer}, top_k {best.choice.kappa} predicts "
               f"{best.predicted_tokens_per_second:.1f} tok/s (needs a new export: mirror-sd export ... --plan FILE)")

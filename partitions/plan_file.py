@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from mirror_sd.errors import BadInputError, check_int
 from mirror_sd.partitions.spec import BACKENDS
 
+MODES = ("ar", "sd", "mirror")  # how a generation decodes (runtime/config.py GenerationConfig.mode); a plan picks one
 # what a draft confidence threshold is compared with (runtime/config.py GenerationConfig.draft_confidence_rule)
 CONFIDENCE_RULES = ("token", "window")
 PLAN_FILE = "plan.json"  # optional file in a bundle directory: the runtime's defaults come from it when present
@@ -39,6 +40,9 @@ class RuntimeDefaults:
     draft_backend: str | None = None
     # what the threshold is compared with (CONFIDENCE_RULES), measured with it; a plan without it: "token"
     draft_confidence_rule: str = "token"
+    # the mode a generation that names none runs: "ar" where the target alone at all the cores measured faster than
+    # speculating on this machine (runtime/profile.py); a plan without it: "mirror"
+    mode: str = "mirror"
 
     def budget_showing_branches(self) -> int | None:
         """Where the plan turned branch sets off (budget 0: measured slower on its machine), the budget the runs
@@ -91,8 +95,11 @@ def runtime_defaults(doc: Mapping[str, Any], exit_layer: int, top_k: int) -> Run
     if rule not in CONFIDENCE_RULES:
         raise BadInputError(f"plan runtime.draft_confidence_rule must be one of {', '.join(CONFIDENCE_RULES)}, "
                             f"got {rule!r}")
+    mode = r.get("mode", "mirror")
+    if mode not in MODES:
+        raise BadInputError(f"plan runtime.mode must be one of {', '.join(MODES)}, got {mode!r}")
     return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"], float(threshold),
-                           backend, rule)
+                           backend, rule, mode)
 
 
 def export_advice(doc: Mapping[str, Any]) -> ExportAdvice:

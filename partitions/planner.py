@@ -406,12 +406,13 @@ def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, An
                   table_rows: int = 20, draft_confidence_threshold: float = 0.0,
                   draft_backend: str | None = None, branch_budget: int | None = None,
                   gamma: int | None = None, threads: tuple[int, int] | None = None,
-                  draft_confidence_rule: str = "token") -> dict[str, Any]:
+                  draft_confidence_rule: str = "token", mode: str = "mirror") -> dict[str, Any]:
     """The JSON a plan is written as: the runtime defaults (best at the bundle's own exit layer, with the draft
     confidence threshold and its rule and, where the draft runs on the CPU, the draft's runtime measured for it;
     branch_budget and gamma: the ones measured faster, where they are not the model's; threads: (target, draft),
-    where they take turns instead of running side by side), the export advice (best overall), the
-    ranked table's head, and the profile it came from."""
+    where they take turns instead of running side by side, or the target's alone where mode is "ar": the target
+    alone measured faster), the export advice (best overall), the ranked table's head, and the profile it came
+    from."""
     run, best = best_for_bundle(plans), plans[0]
     c = run.choice
     chosen = {f.name: getattr(c, f.name) for f in fields(RuntimeDefaults) if hasattr(c, f.name)}
@@ -425,7 +426,7 @@ def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, An
         "format": PLAN_FORMAT, "version": PLAN_VERSION,
         "bundle": {"num_layers": profile.num_layers, "exit_layer": profile.exit_layer, "top_k": profile.top_k},
         "runtime": {**chosen, "draft_confidence_threshold": draft_confidence_threshold,  # what the runtime reads
-                    "draft_confidence_rule": draft_confidence_rule,
+                    "draft_confidence_rule": draft_confidence_rule, "mode": mode,
                     **({"draft_backend": draft_backend} if draft_backend else {}),
                     "predicted_tokens_per_second": run.predicted_tokens_per_second,
                     **({"measured": dict(measured)} if measured else {})},

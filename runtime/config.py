@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Self
 
 from mirror_sd.errors import BadInputError
-from mirror_sd.partitions.plan_file import CONFIDENCE_RULES
+from mirror_sd.partitions.plan_file import CONFIDENCE_RULES, MODES
 from mirror_sd.partitions.spec import BACKENDS
 from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS
 from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
 from mirror_sd.runtime.sampling import SamplingParams
 
-MODES = ("ar", "sd", "mirror")
 # How a streaming draft uses its proposals (runtime/draft.py): not at all, self-checked by the next forward, or
 # (greedy) the last ones taken as drafted. "verify" windows equal one-token-per-forward windows; "trust" windows
 # take fewer forwards. True means "trust", False "off".
@@ -202,7 +201,7 @@ class GenerationConfig(Options):
     """The options of one generation (`Pipeline.generate`)."""
 
     mode: str = option("mirror", "ar (the target alone), sd (vanilla speculative decoding) or mirror (Mirror-SD)",
-                       choices=MODES, wire=MIRROR)
+                       choices=MODES, wire=MIRROR, planned=True)
     max_new_tokens: int = option(64, "new tokens at most", range=Range(1), wire="max_tokens")
     temperature: float = option(0.0, "sampling temperature (0: greedy)", range=Range(0), wire="temperature",
                                 wire_range=Range(0, 2))

@@ -41,7 +41,8 @@ import numpy as np
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions import planner
 from mirror_sd.partitions.manifest import Manifest, resolve_inside, weight_bytes
-from mirror_sd.runtime.backends import on_cpu
+from mirror_sd.runtime.backends import on_cpu, usable_cores
+from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import Drafter, plan_branches
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, empty_channel
@@ -85,6 +86,9 @@ class ProfileOptions:
     # where the kept setting has no branch sets and the draft runs on the CPU, give target and draft the threads of
     # the split where the target's step ran fastest: they take turns
     turn_taking_threads: bool = True
+    # last, the kept setting as generations run it (gates and prompt lookup on) against the target alone at all the
+    # cores, prefill included: the plan's mode is the faster
+    compare_ar: bool = True
 
 
 def default_splits(cores: int | None = None) -> tuple[tuple[int, int], ...]:
@@ -574,6 +578,27 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         report("  gamma: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in by_gamma.items()))
         gamma = int(max(by_gamma, key=by_gamma.get))
         measured = runs[str(gamma)]
+    # Speculation at all, last: the kept setting as a generation runs it (its gates and prompt lookup on, so that a
+    # step the target alone does faster is the target's) against the target alone at every core, prompt by prompt in
+    # turn, prefill included. The split a speculative setting needs leaves the target fewer threads, for its
+    # prefill too; where the target alone is faster over the whole call, a generation that names no mode runs ar
+    # (docs/design.md: The plan picks ar where speculation does not pay).
+    mode, by_mode = "mirror", {}
+    if options.compare_ar:
+        cores = max(usable_cores(), pipe.target_threads)
+        alone = pipes.get((cores, pipe.draft_threads)) or load(cores, pipe.draft_threads)
+        alone.generate(prompts[0], mode="ar", max_new_tokens=4)  # warm-up
+        runtime = GenerationConfig()
+        as_run = dict(mode="mirror", gamma=gamma, kappa=c.kappa, branch_budget=branch_budget, **confidence,
+                      adaptive_speculation=runtime.adaptive_speculation,
+                      prompt_lookup_num_tokens=runtime.prompt_lookup_num_tokens)
+        runs = _alternating({"mirror": (pipe, as_run), "ar": (alone, dict(mode="ar"))}, prompts,
+                            options.max_new_tokens)
+        by_mode = {name: _ratio(stats, "new_tokens", "wall_s") for name, stats in runs.items()}
+        report("  as generations run (prefill included): " + ", ".join(
+            f"{n} {v:.1f} tok/s" for n, v in by_mode.items()) + f" (ar at {cores} target threads)")
+        if by_mode["ar"] > by_mode["mirror"]:
+            mode, threads = "ar", (alone.target_threads, alone.draft_threads)
     end_to_end = _ratio(measured, "new_tokens", "wall_s")
     tps, modelled_tps = decode_rate(measured), decode_rate(modelled)
     doc = planner.plan_document(profile, plans, {
@@ -591,8 +616,9 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         **({"tokens_per_second_by_draft_backend": by_backend} if by_backend else {}),
         **({"tokens_per_second_by_branch_budget": by_budget} if by_budget else {}),
         **({"tokens_per_second_by_gamma": by_gamma} if by_gamma else {}),
+        **({"end_to_end_tokens_per_second_by_mode": by_mode} if by_mode else {}),
     }, draft_confidence_threshold=threshold, draft_backend=draft_backend, branch_budget=branch_budget, gamma=gamma,
-        threads=threads, draft_confidence_rule=rule)
+        threads=threads, draft_confidence_rule=rule, mode=mode)
     doc["past_tokens"] = past_len
     # every calibration setting, predicted on the calibration split at the bundle's exit layer vs measured there
     t, d = splits[0]

@@ -14,6 +14,7 @@ from mirror_sd.cli import iter_table, main
 from mirror_sd.errors import BadInputError, ManifestError, MirrorSDError
 from mirror_sd.partitions import plan_file as pf
 from mirror_sd.partitions import planner as pl
+from mirror_sd.runtime.backends import usable_cores
 
 MS = 1e-3
 
@@ -238,7 +239,13 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     run, measured = doc["runtime"], doc["runtime"]["measured"]
     modelled_budget = doc["best_for_bundle"]["choice"]["branch_budget"]
     assert run["gamma"] in (2, 3) and run["kappa"] == 4 and modelled_budget >= 1
-    assert (run["target_threads"], run["draft_threads"]) == (1, 1)
+    # last, the kept setting as generations run it against the target alone at every core: the faster is the mode,
+    # and ar takes the cores
+    by_mode = measured["end_to_end_tokens_per_second_by_mode"]
+    assert set(by_mode) == {"mirror", "ar"} and all(v > 0 for v in by_mode.values())
+    assert run["mode"] == max(by_mode, key=by_mode.get)
+    threads = (1, 1) if run["mode"] == "mirror" else (usable_cores(), 1)
+    assert (run["target_threads"], run["draft_threads"]) == threads
     assert run["predicted_tokens_per_second"] > 0 and measured["tokens_per_second"] > 0
     # branch sets: the chosen setting measured with the model's budget and with none, the faster kept; the model is
     # checked against the setting it predicted
@@ -272,8 +279,7 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     assert all(v > 0 for v in swept.values())
     # ... at the budget and threads the plan keeps, not at the model's setting
     assert measured["thresholds_and_draft_runtimes_measured_at"] == {
-        "branch_budget": run["branch_budget"], "target_threads": run["target_threads"],
-        "draft_threads": run["draft_threads"]}
+        "branch_budget": run["branch_budget"], "target_threads": 1, "draft_threads": 1}
     kept = str(run["draft_confidence_threshold"])
     assert swept[kept if run["draft_confidence_rule"] == "token" else f"window {kept}"] == max(swept.values())
     # the draft runs on the CPU here: the chosen setting measured with it on each runtime, the faster kept
@@ -281,18 +287,20 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     assert set(runtimes) == {"openvino", "onnxruntime"} and all(v > 0 for v in runtimes.values())
     assert runtimes[run["draft_backend"]] == max(runtimes.values())
     pipe = Pipeline.load(bundle)
-    assert pipe.defaults == pf.RuntimeDefaults(run["gamma"], 4, run["branch_budget"], 1, 1,
+    assert pipe.defaults == pf.RuntimeDefaults(run["gamma"], 4, run["branch_budget"], *threads,
                                                run["draft_confidence_threshold"], run["draft_backend"],
-                                               run["draft_confidence_rule"])
+                                               run["draft_confidence_rule"], run["mode"])
     assert pipe.draft.backend == run["draft_backend"]
     for backend in ("openvino", "onnxruntime"):  # an explicit choice wins over the plan's
         assert Pipeline.load(bundle, draft_backend=backend).draft.backend == backend
     assert pipe.generation_config.draft_confidence_threshold == run["draft_confidence_threshold"]
     assert pipe.generation_config.draft_confidence_rule == run["draft_confidence_rule"]
-    stats = pipe.generate([5, 17, 33], max_new_tokens=6).stats
+    assert pipe.generate([5, 17, 33], max_new_tokens=6).stats["mode"] == run["mode"]  # a generation naming none
+    stats = pipe.generate([5, 17, 33], max_new_tokens=6, mode="mirror").stats
     assert (stats["gamma"], stats["kappa"], stats["branch_budget"]) == (run["gamma"], 4, run["branch_budget"])
-    assert pipe.generate([5, 17, 33], max_new_tokens=6, gamma=1, kappa=2).stats["gamma"] == 1
-    assert main(["generate", str(bundle), "--prompt-ids", "5,17,33", "--max-new-tokens", "6", "--json"]) == 0
+    assert pipe.generate([5, 17, 33], max_new_tokens=6, mode="mirror", gamma=1, kappa=2).stats["gamma"] == 1
+    assert main(["generate", str(bundle), "--prompt-ids", "5,17,33", "--max-new-tokens", "6", "--mode", "mirror",
+                 "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["gamma"] == run["gamma"]
     assert Pipeline.load(bundle, use_plan=False).defaults is None
 
@@ -301,6 +309,16 @@ def test_cli_plan_text_output(bundle, capsys):
     assert main(["plan", str(bundle), *PLAN_ARGS, "--gammas", "2", "--rows", "3"]) == 0
     out = capsys.readouterr().out
     assert "rank" in out and "predicted" in out and "measured" in out and "export advice" in out
+    assert "for generations that name none" in out
+
+
+def test_a_plans_mode_is_checked_and_an_older_plan_runs_mirror():
+    doc = {"bundle": {"exit_layer": 3, "top_k": 8},
+           "runtime": {"gamma": 2, "kappa": 4, "branch_budget": 4, "target_threads": 2, "draft_threads": 1}}
+    assert pf.runtime_defaults(doc, 3, 8).mode == "mirror"
+    assert pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "mode": "ar"}}, 3, 8).mode == "ar"
+    with pytest.raises(BadInputError, match="plan runtime.mode must be one of ar, sd, mirror"):
+        pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "mode": "fast"}}, 3, 8)
 
 
 def test_stale_or_broken_plan_in_a_bundle_is_refused(bundle, tmp_path):
