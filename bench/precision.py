@@ -57,12 +57,13 @@ TARGETS = (
 class PrecisionSize:
     lengths: tuple[int, ...]  # prompt tokens of the ar speed comparison
     repeats: int  # prompts per length
-    per_kind: int  # benchmark prompts per task kind (planned mode, exactness, agreement)
+    per_kind: int  # benchmark prompts per task kind, timed (planned mode, exactness)
+    agreement_per_kind: int  # benchmark prompts per task kind for the agreement with float32 (untimed)
     new_tokens: int
 
 
-QUICK = PrecisionSize((64, 512), repeats=1, per_kind=1, new_tokens=16)
-FULL = PrecisionSize((64, 512, 2048), repeats=3, per_kind=2, new_tokens=64)
+QUICK = PrecisionSize((64, 512), repeats=1, per_kind=1, agreement_per_kind=1, new_tokens=16)
+FULL = PrecisionSize((64, 512, 2048), repeats=3, per_kind=2, agreement_per_kind=10, new_tokens=64)
 
 
 def sibling_bundles(bundle: Path) -> tuple[dict[str, Path], dict[str, str]]:
@@ -98,8 +99,8 @@ def run_precision(bundles: dict[str, Path], size: PrecisionSize, genai_by_format
                            "lengths": list(size.lengths), "repeats": size.repeats, "new_tokens": size.new_tokens,
                            "genai": "LLMPipeline at its defaults (INFERENCE_NUM_THREADS and the LATENCY hint only)"}
     doc["speed"] = _speed(pipes, genai_by_format, size, not_run, report, progress)
-    doc["prompts"], answers = _prompts(pipes, planned, genai_methods, size, not_run, report)
-    doc["agreement"] = _agreement(pipes, answers) if "float32" in pipes else {}
+    doc["prompts"] = _prompts(pipes, planned, genai_methods, size, not_run, report)
+    doc["agreement"] = _agreement(pipes, size) if "float32" in pipes else {}
     doc["recommended"] = _recommended(doc)
     doc["not_run"] = not_run
     doc["targets"] = precision_targets(doc)
@@ -143,8 +144,7 @@ def _speed(pipes: dict[str, Pipeline], genai: dict[str, Method], size: Precision
 
 
 def _prompts(pipes: dict[str, Pipeline], planned: dict[str, Pipeline], genai: dict[str, Method],
-             size: PrecisionSize, not_run: dict[str, str], report: Callable[[str], None]
-             ) -> tuple[dict[str, Any], dict[str, tuple[list[int], dict[str, list]]]]:
+             size: PrecisionSize, not_run: dict[str, str], report: Callable[[str], None]) -> dict[str, Any]:
     """Every format's ar and planned mode and GenAI's methods on the benchmark prompts, the order rotating."""
     calls: dict[str, Callable[[list[int]], MethodResult]] = {}
     for fmt, pipe in pipes.items():
@@ -155,10 +155,10 @@ def _prompts(pipes: dict[str, Pipeline], planned: dict[str, Pipeline], genai: di
     calls.update({name: method.generate for name, method in genai.items()})
     rows: dict[str, list[float]] = {name: [] for name in calls}
     failures: list[dict[str, Any]] = []
-    answers: dict[str, tuple[list[int], dict[str, list]]] = {}
     main = next(iter(pipes.values()))
     names = list(calls)
-    for i, prompt in enumerate(select(size.per_kind)):
+    prompts = select(size.per_kind)
+    for i, prompt in enumerate(prompts):
         ids = main.prompt_ids(list(prompt.messages))
         tokens: dict[str, list[int]] = {}
         k = i % len(names)
@@ -174,33 +174,33 @@ def _prompts(pipes: dict[str, Pipeline], planned: dict[str, Pipeline], genai: di
             if ar is not None and planned is not None and planned != ar:
                 failures.append({"format": fmt, "prompt": prompt.name, "method": "planned",
                                  "first_difference": _first_difference(ar, planned)})
-        answers[prompt.name] = (ids, {fmt: tokens.get(f"ar {fmt}") for fmt in pipes})
     summary = {name: statistics.median(v) for name, v in rows.items() if v}
-    return {"tokens_per_s": summary, "prompts": len(answers), "failures": failures}, answers
+    return {"tokens_per_s": summary, "prompts": len(prompts), "failures": failures}
 
 
-def _agreement(pipes: dict[str, Pipeline], answers: dict[str, tuple[list[int], dict[str, list]]]) -> dict[str, Any]:
-    """Each format's top-1 per position on float32's greedy answers, and how its own greedy answers differ."""
-    out = {}
-    for fmt, pipe in pipes.items():
-        same = positions = differ = 0
-        firsts = []
-        for ids, by_format in answers.values():
-            reference_answer, own = by_format.get("float32"), by_format.get(fmt)
-            if not reference_answer or own is None:
-                continue
-            seq = ids + reference_answer
-            mine = _teacher_forced_top1(pipe, seq[:-1], len(ids) - 1)
-            reference = _teacher_forced_top1(pipes["float32"], seq[:-1], len(ids) - 1)
-            same += int((mine == reference).sum())
-            positions += len(reference)
+def _agreement(pipes: dict[str, Pipeline], size: PrecisionSize) -> dict[str, Any]:
+    """Each format's top-1 per position on float32's greedy answers (teacher-forced), and how its own greedy
+    answers differ from float32's, on the benchmark's prompts (untimed)."""
+    tally = {fmt: {"same": 0, "positions": 0, "firsts": []} for fmt in pipes}
+    prompts = select(size.agreement_per_kind)
+    for prompt in prompts:
+        ids = pipes["float32"].prompt_ids(list(prompt.messages))
+        reference_answer = pipes["float32"].generate(ids, mode="ar", max_new_tokens=size.new_tokens).token_ids
+        if len(reference_answer) < 2:
+            continue
+        seq = ids + list(reference_answer)
+        reference = _teacher_forced_top1(pipes["float32"], seq[:-1], len(ids) - 1)
+        for fmt, pipe in pipes.items():
+            t = tally[fmt]
+            t["same"] += int((_teacher_forced_top1(pipe, seq[:-1], len(ids) - 1) == reference).sum())
+            t["positions"] += len(reference)
+            own = pipe.generate(ids, mode="ar", max_new_tokens=size.new_tokens).token_ids
             if own != reference_answer:
-                differ += 1
-                firsts.append(_first_difference(reference_answer, own))
-        out[fmt] = {"top1_per_position": same / positions if positions else None, "positions": positions,
-                    "greedy_answers_differ": differ, "answers": len(answers),
-                    "median_first_divergence": statistics.median(firsts) if firsts else None}
-    return out
+                t["firsts"].append(_first_difference(list(reference_answer), list(own)))
+    return {fmt: {"top1_per_position": t["same"] / t["positions"] if t["positions"] else None,
+                  "positions": t["positions"], "greedy_answers_differ": len(t["firsts"]), "answers": len(prompts),
+                  "median_first_divergence": statistics.median(t["firsts"]) if t["firsts"] else None}
+            for fmt, t in tally.items()}
 
 
 def _teacher_forced_top1(pipe: Pipeline, ids: list[int], start: int) -> np.ndarray:

@@ -18,7 +18,7 @@ from mirror_sd.bench.precision import (
 )
 from mirror_sd.bench.report import _precision
 
-SIZE = PrecisionSize(lengths=(80, 160), repeats=1, per_kind=1, new_tokens=6)
+SIZE = PrecisionSize(lengths=(80, 160), repeats=1, per_kind=1, agreement_per_kind=1, new_tokens=6)
 
 
 @pytest.fixture(scope="module")
