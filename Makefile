@@ -98,10 +98,13 @@ package: setup
 	  $(if $(FORCE),--force)
 
 # Benchmark BUNDLE (default: the real pair) against transformers and OpenVINO GenAI: results/bench-<quick|full>/
-# (bench.json, report.md, plots/). The full size takes about 45-55 minutes here (its serving section ~15), QUICK=1 a
-# few.
+# (bench.json, report.md, plots/). The full size takes about 60-75 minutes here (its serving section ~15, its
+# precision section ~17), QUICK=1 a few. The precision section compares BUNDLE with its TARGET_WEIGHTS siblings
+# (BUNDLE-int8, BUNDLE-int4): for the real pair they are built first.
 .PHONY: bench
 bench: models
+	$(if $(filter build/bundles/smollm2%,$(BUNDLE)),$(MAKE) models TARGET_WEIGHTS=int8 && \
+	  $(MAKE) models TARGET_WEIGHTS=int4)
 	$(VENV)/bin/mirror-sd bench "$(BUNDLE)" $(if $(QUICK),--quick) $(if $(OUT),--out "$(OUT)") \
 	  $(if $(METHODS),--methods "$(METHODS)") $(if $(NO_SERVING),--no-serving)
 
