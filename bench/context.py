@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from mirror_sd.bench.methods import Method, MethodResult
 from mirror_sd.bench.pipeline_methods import PipelineMethod
+from mirror_sd.bench.summary import decode_rate, median, verdicts
 from mirror_sd.runtime.pipeline import Pipeline
 
 NEW_TOKENS = 32
@@ -85,13 +86,7 @@ def context_prompts(pipe: Pipeline, length: int, count: int, text: list[int] | N
 
 
 def _decode_rate(r: MethodResult) -> float | None:
-    span = r.total_s - r.ttft_s
-    return (len(r.token_ids) - 1) / span if len(r.token_ids) > 1 and span > 0 else None
-
-
-def _median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+    return decode_rate(r.token_ids, r.ttft_s, r.total_s)
 
 
 def _best(rows: dict[str, dict[str, Any]], names: list[str]) -> tuple[str | None, dict[str, Any] | None]:
@@ -213,10 +208,10 @@ def _length_doc(runs: dict[str, list[MethodResult]], prompts: list[list[int]]) -
     for name, results in runs.items():
         if not results:
             continue
-        rows[name] = {"ttft_s": _median(r.ttft_s for r in results),
-                      "decode_tokens_per_s": _median(_decode_rate(r) for r in results),
+        rows[name] = {"ttft_s": median(r.ttft_s for r in results),
+                      "decode_tokens_per_s": median(_decode_rate(r) for r in results),
                       "new_tokens": [len(r.token_ids) for r in results],
-                      "mean_accepted_tokens": _median(r.stats.get("mean_accepted_tokens") for r in results),
+                      "mean_accepted_tokens": median(r.stats.get("mean_accepted_tokens") for r in results),
                       "draft_context_steps": sum(r.stats.get("draft_context_steps", 0) for r in results)}
     ar_name, ar = _best(rows, ["ar@1t", "ar@2t"])
     genai_name, genai = _best(rows, ["ov-genai-ar@1t", "ov-genai-ar@2t"])
@@ -262,10 +257,4 @@ def context_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         measured[f"flat_{mode}"] = (_ratio(get(longest, mode, "decode_tokens_per_s"),
                                            get(short, mode, "decode_tokens_per_s"))
                                     if longest != short else None)
-    out = []
-    for key, what, target, higher in TARGETS:
-        value = measured.get(key)
-        met = value is not None and (value >= target if higher else value <= target)
-        out.append({"key": key, "what": what, "target": target, "measured": value, "met": met,
-                    "higher_is_better": higher})
-    return out
+    return verdicts(TARGETS, measured)

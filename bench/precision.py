@@ -29,6 +29,7 @@ import numpy as np
 from mirror_sd.bench.context import WARMUP_TOKENS, context_prompts
 from mirror_sd.bench.methods import Method, MethodResult
 from mirror_sd.bench.pipeline_methods import PipelineMethod
+from mirror_sd.bench.summary import decode_rate, median, verdicts
 from mirror_sd.errors import MirrorSDError
 from mirror_sd.models.benchmark_prompts import select
 from mirror_sd.partitions import Manifest
@@ -133,8 +134,9 @@ def _speed(pipes: dict[str, Pipeline], genai: dict[str, Method], size: Precision
                         if result is not None:
                             runs[name].append(result)
                     bar.update()
-            out[str(length)] = {name: {"ttft_s": _median(r.ttft_s for r in rs),
-                                       "decode_tokens_per_s": _median(_decode_rate(r) for r in rs)}
+            out[str(length)] = {name: {"ttft_s": median(r.ttft_s for r in rs),
+                                       "decode_tokens_per_s": median(decode_rate(r.token_ids, r.ttft_s, r.total_s)
+                                                                     for r in rs)}
                                 for name, rs in runs.items() if rs}
             report(f"precision {length} tokens: " + ", ".join(
                 f"{n} {v['decode_tokens_per_s'] or 0:.1f} tok/s" for n, v in out[str(length)].items()))
@@ -256,13 +258,7 @@ def precision_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         **{f"{fmt}_decode_{n}": same_width(fmt, n) for fmt in ("int8", "int4") for n in (64, 2048)},
         "int8_top1": doc["agreement"].get("int8", {}).get("top1_per_position"),
     }
-    out = []
-    for key, what, target, higher in TARGETS:
-        value = measured.get(key)
-        met = value is not None and (value >= target if higher else value <= target)
-        out.append({"key": key, "what": what, "target": target, "measured": value, "met": met,
-                    "higher_is_better": higher})
-    return out
+    return verdicts(TARGETS, measured)
 
 
 def _generate(name: str, generate: Callable[..., MethodResult], ids: list[int], new_tokens: int,
@@ -274,16 +270,6 @@ def _generate(name: str, generate: Callable[..., MethodResult], ids: list[int], 
         not_run[name] = f"{type(e).__name__}: {e}"
         report(f"precision: {name} failed: {not_run[name]}")
         return None
-
-
-def _decode_rate(r: MethodResult) -> float | None:
-    span = r.total_s - r.ttft_s
-    return (len(r.token_ids) - 1) / span if len(r.token_ids) > 1 and span > 0 else None
-
-
-def _median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

@@ -21,6 +21,25 @@ def median(values: Iterable[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def decode_rate(token_ids: list[int], ttft_s: float, total_s: float) -> float | None:
+    """Tokens/s after the first token: (new tokens - 1) / (total - TTFT); None where that is not defined."""
+    span = total_s - ttft_s
+    return (len(token_ids) - 1) / span if len(token_ids) > 1 and span > 0 else None
+
+
+def verdicts(targets: Iterable[tuple[str, str, float, bool]], measured: dict[str, float | None]
+             ) -> list[dict[str, Any]]:
+    """Each bar (key, what, target, higher is better) with its measured value (None: not measured) and whether it
+    was met."""
+    out = []
+    for key, what, target, higher in targets:
+        value = measured.get(key)
+        met = value is not None and (value >= target if higher else value <= target)
+        out.append({"key": key, "what": what, "target": target, "measured": value, "met": met,
+                    "higher_is_better": higher})
+    return out
+
+
 def summarise(runs: list[dict[str, Any]], methods: list[str], kinds: list[str]) -> dict[str, Any]:
     """{method: {"overall": figures, "per_kind": {kind: figures}}}, figures being medians over prompts."""
     out: dict[str, Any] = {}
