@@ -39,8 +39,9 @@ ANSWERS = REPO / "models" / "training" / "data"  # the committed answers files t
 # threads) come from it. Another machine re-plans with `make plan`, which overwrites it.
 PLAN = WEIGHTS / "smollm2-plan.json"
 FEATURE_PLAN = WEIGHTS / "smollm2-feature-plan.json"
-# measured with the target's weights in int8 blocks (a cheaper target step: another gamma and thread split)
+# measured with the target's weights in int8 / int4 blocks (a cheaper target step: another mode, gamma and threads)
 FEATURE_INT8_PLAN = WEIGHTS / "smollm2-feature-int8-plan.json"
+FEATURE_INT4_PLAN = WEIGHTS / "smollm2-feature-int4-plan.json"
 BUILD = Path("build")
 TARGET_DIR = BUILD / "models" / "smollm2-135m-instruct"
 BUNDLE_DIR = BUILD / "bundles" / "smollm2"
@@ -159,7 +160,8 @@ def _add_plan(bundle: Path, kind: str) -> Path:
     target = Manifest.load(bundle).target
     # a plan measured one target's step cost: another weight format without a plan of its own runs on the defaults
     plan = {("feature", "float32"): FEATURE_PLAN, ("streaming", "float32"): PLAN,
-            ("feature", "int8"): FEATURE_INT8_PLAN}.get((kind, target.weight_format))
+            ("feature", "int8"): FEATURE_INT8_PLAN, ("feature", "int4"): FEATURE_INT4_PLAN}.get(
+        (kind, target.weight_format))
     if plan is None or not plan.is_file() or dest.exists():
         return bundle
     try:
@@ -187,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                              "directory then ends in -float16)")
     parser.add_argument("--target-weights", choices=TARGET_WEIGHT_FORMATS, default="float32",
                         help="the target's MatMul weights: int8 or int4 blocks (the bundle's directory then ends in "
-                             "-int8 / -int4; the feature draft's int8 bundle takes a committed plan of its own, the "
-                             "others run on the built-in defaults until `make plan`)")
+                             "-int8 / -int4; the feature draft's int8 and int4 bundles take committed plans of their "
+                             "own, the others run on the built-in defaults until `make plan`)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
