@@ -93,9 +93,11 @@ def run_precision(bundles: dict[str, Path], size: PrecisionSize, genai_by_format
     per weight format of its target (the speed comparison); genai_methods: its single-stream methods at its defaults
     on the float32 target (the planned-mode comparison)."""
     not_run = dict(not_run or {})
-    # ar at `threads` target threads, as GenAI's arms; the planned mode with its plan's own split of the cores
+    # ar at `threads` target threads, as GenAI's arms; the planned mode with its plan's own split of the cores (the
+    # same pipeline where the plan gives the target those threads)
     pipes = {fmt: Pipeline.load(path, target_threads=threads) for fmt, path in bundles.items()}
-    planned = {fmt: Pipeline.load(path) for fmt, path in bundles.items()}
+    planned = {fmt: pipe if pipe.defaults is not None and pipe.defaults.target_threads == threads
+               else Pipeline.load(bundles[fmt]) for fmt, pipe in pipes.items()}
     doc: dict[str, Any] = {"bundles": {f: str(p) for f, p in bundles.items()}, "threads": threads,
                            "lengths": list(size.lengths), "repeats": size.repeats, "new_tokens": size.new_tokens,
                            "genai": "LLMPipeline at its defaults (INFERENCE_NUM_THREADS and the LATENCY hint only)"}

@@ -339,12 +339,7 @@ def _context(c: dict[str, Any] | None) -> list[str]:
     differ = [f"{m} at {n}" for n in lengths for m, same in c["per_length"][n]["identical_to_ar"].items() if not same]
     lines.append("Greedy outputs: " + ("all token-identical to ar's." if not differ else
                                        "**differ from ar: " + ", ".join(differ) + "**"))
-    lines += ["", "Issue 11's bars, from this run:", ""]
-    rows = [[t["what"], ("<= " if not t["higher_is_better"] else ">= ") + f"{t['target']:g}", _f(t["measured"]),
-             "met" if t["met"] else ("not measured" if t["measured"] is None else "not met")] for t in c["targets"]]
-    lines += _table(["bar", "wanted", "measured", "verdict"], rows) + [""]
-    if c.get("not_run"):
-        lines += [f"- not run: {m}: {why}" for m, why in c["not_run"].items()] + [""]
+    lines += _bars("Issue 11's bars, from this run:", c)
     return lines + ["![time to first token and decode speed against prompt length](plots/context_length.png)", ""]
 
 
@@ -383,12 +378,17 @@ def _precision(p: dict[str, Any] | None) -> list[str]:
     if recommended:
         lines += ["", f"Recommended on this machine: **{recommended['format']}** ({recommended['why']}; top-1 "
                       f"agreement with float32 {_f(recommended['top1_vs_float32'], 3)})."]
-    lines += ["", "Issue 57's bars, from this run:", ""]
+    return lines + _bars("Issue 57's bars, from this run:", p)
+
+
+def _bars(title: str, section: dict[str, Any]) -> list[str]:
+    """A section's bars (bench/summary.py verdicts) as a table under `title`, then what did not run."""
     rows = [[t["what"], ("<= " if not t["higher_is_better"] else ">= ") + f"{t['target']:g}", _f(t["measured"]),
-             "met" if t["met"] else ("not measured" if t["measured"] is None else "not met")] for t in p["targets"]]
-    lines += _table(["bar", "wanted", "measured", "verdict"], rows) + [""]
-    if p.get("not_run"):
-        lines += [f"- not run: {m}: {why}" for m, why in p["not_run"].items()] + [""]
+             "met" if t["met"] else ("not measured" if t["measured"] is None else "not met")]
+            for t in section["targets"]]
+    lines = ["", title, ""] + _table(["bar", "wanted", "measured", "verdict"], rows) + [""]
+    if section.get("not_run"):
+        lines += [f"- not run: {m}: {why}" for m, why in section["not_run"].items()] + [""]
     return lines
 
 

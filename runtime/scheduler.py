@@ -53,7 +53,7 @@ from mirror_sd.runtime.messages import (
     Warmed,
     frozen,
 )
-from mirror_sd.runtime.proposers import DraftModel, PromptLookup
+from mirror_sd.runtime.proposers import DraftModel, PromptLookup, Proposer
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
 from mirror_sd.runtime.speculation_policy import COPY, DRAFT, SpeculationPolicy
 from mirror_sd.runtime.stats import Recorder
@@ -426,8 +426,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # rolls one out, sampled ones included, and there is no branch gate; every draft step is sd's step
     # (docs/design.md: The branch gate, and branch budget 0 on shared cores)
     policy = SpeculationPolicy(cfg, rec.counts, gate_memory, lookups, branching=cfg.mode == "mirror" and dec.budget > 0)
-    copies = PromptLookup(cfg, dec.target.window_ceiling) if lookups else None
-    drafts = DraftModel(dec)
+    copies: Proposer | None = PromptLookup(cfg, dec.target.window_ceiling) if lookups else None
+    drafts: Proposer = DraftModel(dec)
     # Where the gate learned that the target alone is faster at this length, the draft does not read the prompt
     # now: beside the first steps it would slow them, for windows that are not wanted. A step the gate later tries
     # speculatively reads what it needs first (fresh_window's catch-up).
