@@ -251,8 +251,7 @@ class BatchEngine:
             slot, cached = self.table.take(request.ids)
             request.admitted = time.perf_counter()
             cfg = request.config
-            sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.manifest.tokenizer.eos_token_ids,
-                            cfg.max_new_tokens)
+            sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens)
             self._rows.append(_Row(request, slot, list(request.ids), cached, sink, Recorder(cfg.trace), cached,
                                    time.perf_counter()))
 

@@ -211,6 +211,9 @@ class GenerationConfig(Options):
     seed: int = option(0, "the sampling seed", range=Range(0), wire="seed")
     stop: tuple[str, ...] = option((), "a string that ends the text, which is cut before it (repeatable)",
                                    wire="stop")
+    # fixed-length generations (load tests, benchmarks), as vLLM's and OpenVINO GenAI's ignore_eos
+    ignore_eos: bool = option(False, "go on past an end-of-sequence token, to max_new_tokens or a stop string",
+                              wire=MIRROR)
     gamma: int = option(4, "draft window length", range=Range(1), wire=MIRROR, planned=True)
     kappa: int | None = option(None, "early-exit candidates per position, at most the bundle's top_k",
                                range=Range(1), none="the bundle's top_k", wire=MIRROR, planned=True)

@@ -256,8 +256,12 @@ class Pipeline:
                     self.target.use_kv(None)
                 self._owner = None
 
+    def eos_token_ids(self, cfg: GenerationConfig) -> tuple[int, ...]:
+        """The tokens that end a generation under `cfg`: the tokenizer's EOS tokens, none with ignore_eos."""
+        return () if cfg.ignore_eos else tuple(self.manifest.tokenizer.eos_token_ids)
+
     def _decode_alone(self, ids: list[int], cfg: GenerationConfig, rec: Recorder, cached: int = 0) -> Iterator[Chunk]:
-        sink = TextSink(self.codec, cfg.stop, self.manifest.tokenizer.eos_token_ids, cfg.max_new_tokens)
+        sink = TextSink(self.codec, cfg.stop, self.eos_token_ids(cfg), cfg.max_new_tokens)
         # the draft reads the prompt during the prefill only where target and draft threads fit the cores together
         fits = self.target_threads + self.draft_threads <= usable_cores()
         worker = self._start_worker(cfg, rec, self._threaded(cfg, fits)) if cfg.mode != "ar" else None

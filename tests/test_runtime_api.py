@@ -69,6 +69,13 @@ def test_stops_at_eos_stop_string_and_length(pipe):
     for mode in ("ar", "mirror"):
         out = eos_pipe.generate(PROMPT, mode=mode, max_new_tokens=30)
         assert out.finish_reason == "eos" and out.token_ids == full.token_ids[:full.token_ids.index(eos) + 1]
+    # ignore_eos goes on past it to max_new_tokens: alone and in the batching engine
+    for mode in ("ar", "sd", "mirror"):
+        out = eos_pipe.generate(PROMPT, mode=mode, max_new_tokens=30, ignore_eos=True)
+        assert out.finish_reason == "length" and out.token_ids == full.token_ids
+    outs = eos_pipe.generate([PROMPT, PROMPT[:-1]], mode="ar", max_new_tokens=30, ignore_eos=True)
+    assert outs[0].finish_reason == "length" and outs[0].token_ids == full.token_ids
+    assert len(outs[1].token_ids) == 30
 
 
 def test_sampling_is_seeded(pipe):

@@ -227,7 +227,8 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_slot(pipe):
         # a long stream holds the only slot: the next request cannot even queue
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/v1/chat/completions", json.dumps(
-            {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True, "mirror": {"mode": "ar"}}),
+            {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True,
+             "mirror": {"mode": "ar", "ignore_eos": True}}),
             {"Content-Type": "application/json"})
         r = conn.getresponse()
         assert r.status == 200 and r.readline().startswith(b"data: ")
@@ -255,7 +256,8 @@ def test_deadline_cuts_a_generation(pipe):
     with serving(_slow(pipe, 0.05), request_timeout_s=0.5) as port:
         start = time.monotonic()
         status, doc, _ = _post(port, "/v1/chat/completions",
-                               {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "mirror": {"mode": "ar"}})
+                               {"model": MODEL, "messages": MESSAGES, "max_tokens": 400,
+                                "mirror": {"mode": "ar", "ignore_eos": True}})
         assert status == 200 and doc["choices"][0]["finish_reason"] == "length"
         assert 0 < doc["usage"]["completion_tokens"] < 400 and time.monotonic() - start < 3
 
