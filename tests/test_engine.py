@@ -55,7 +55,7 @@ def test_any_mix_of_arrivals_modes_lengths_and_cancellations_keeps_every_output(
         requests.append(engine.submit(*pipe.check(prompt, mode=mode, max_new_tokens=n)))
         if i % 2:
             time.sleep(0.01)  # some join running steps, some arrive together
-    doomed = engine.submit(*pipe.check("This one is cancelled", mode="ar", max_new_tokens=400))
+    doomed = engine.submit(*pipe.check("This one is cancelled", mode="ar", max_new_tokens=400, ignore_eos=True))
     doomed.cancel()
     for request, prompt, n in zip(requests, PROMPTS, lengths):
         assert request.wait().token_ids == solo(pipe, prompt, max_new_tokens=n)
@@ -157,7 +157,7 @@ def test_the_openvino_target_backend_has_no_batching_engine(bundle_factory):
 def test_a_closed_engine_ends_what_it_holds(bundle_factory):
     pipe = Pipeline.load(bundle_factory(), huge_pages=False, max_num_seqs=1)
     engine = pipe.engine()
-    running = engine.submit(*pipe.check("keep going", mode="ar", max_new_tokens=400))
+    running = engine.submit(*pipe.check("keep going", mode="ar", max_new_tokens=400, ignore_eos=True))
     next(iter(running))
     waiting = engine.submit(*pipe.check("never starts", mode="ar", max_new_tokens=4))
     pipe.close()
