@@ -227,6 +227,7 @@ class BatchEngine:
             self._waiting.popleft()._emit(Finished(None, EngineClosed("the engine stopped")))
 
     def _step(self) -> None:
+        self._compact()
         self._admit()
         for row in [r for r in self._rows if r.request.cancelled]:
             self._retire(row, reason="cancelled")
@@ -254,6 +255,7 @@ class BatchEngine:
             sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens)
             self._rows.append(_Row(request, slot, list(request.ids), cached, sink, Recorder(cfg.trace), cached,
                                    time.perf_counter()))
+            self._pack(len(self._rows) - 1, slot)
 
     # -- a request alone: the pipeline's speculative decoder in its slot ------------------------------------------
     def _may_go_solo(self, row: _Row) -> bool:
@@ -371,6 +373,24 @@ class BatchEngine:
                     break
                 out.append(Row(index, (0,), valid, 0))
         return out
+
+    def _compact(self) -> None:
+        """Move running rows down into the slots that rows which finished left below them. Between steps only: a
+        row's KV is then its first kv_len positions (a step writes the position its commit then counts)."""
+        for index, row in enumerate(sorted(self._rows, key=lambda r: r.slot.index)):
+            if row.solo is None:  # a speculative decoder holds its slot's address (it runs alone: in slot 0)
+                self._pack(index, row.slot)
+
+    def _pack(self, index: int, slot: Slot) -> None:
+        """Keep the running rows in the lowest slots (runtime/kv_slots.py): `slot` trades places with the slot at
+        `index`, contents and all, where the KV lives in host memory (elsewhere filler rows bridge the gaps)."""
+        other = self.table.slots[index]
+        if other is slot or not self.kv.can_copy:
+            return
+        held = {r.slot.index: r.kv_len for r in self._rows}
+        length = max(held.get(s.index, len(s.tokens)) for s in (slot, other))
+        self.kv.swap(slot.index, other.index, length)
+        self.table.swap(slot, other)
 
     def _commit(self, row: _Row, token: int, score: TokenLogprob | None = None) -> None:
         if not row.first_token_s:

@@ -3,8 +3,11 @@
 Every target KV tensor (past_key_values.{i}.key / .value) is one buffer [slots, kv_heads, positions, head_dim] on the
 target's device. A sequence owns one slot; positions [0, length) of its slot hold its context, as the target's own
 buffers do for a single generation, so a batched step binds the rows of consecutive slots as one [B, ...] view and
-GroupQueryAttention reads and writes each row at its own length (runtime/batch_target.py). Nothing is copied between
-slots.
+GroupQueryAttention reads and writes each row at its own length (runtime/batch_target.py). A step does not copy KV.
+
+In host memory the running sequences hold the lowest slots, so that their step is one run with no filler rows: a
+sequence that takes a slot above them, or leaves one below the last of them, trades places with the slot in the way
+(`KVSlots.swap`, `SlotTable.swap`: both slots keep what they hold, a cached prefix included; runtime/batching.py).
 
 A slot a sequence leaves keeps its tokens' KV: it is the prefix cache. A new request whose prompt starts with the
 tokens a free slot holds takes that slot and runs only the rest of its prompt; a free slot with nothing worth
@@ -88,6 +91,15 @@ class KVSlots:
         for array in self._memory.values():
             array[dest, :, start:end] = array[source, :, start:end]
 
+    def swap(self, a: int, b: int, length: int) -> None:
+        """Exchange positions [0, length) of slots `a` and `b`, every KV tensor (host memory only)."""
+        if not self.can_copy:
+            raise NotImplementedError("KV slots on a device are not swapped")
+        for array in self._memory.values():
+            held = array[a, :, :length].copy()
+            array[a, :, :length] = array[b, :, :length]
+            array[b, :, :length] = held
+
     def views(self, lo: int, hi: int) -> dict[str, KVView]:
         """Rows [lo, hi) of every KV tensor, as one [hi - lo, kv_heads, positions, head_dim] view each."""
         if not 0 <= lo < hi <= self.count:
@@ -139,6 +151,11 @@ class SlotTable:
         """The sequence is done: the slot is free and keeps `tokens` (those whose KV it holds) as a cached prefix."""
         slot.busy, slot.tokens = False, list(tokens)
         self._touch(slot)
+
+    def swap(self, a: Slot, b: Slot) -> None:
+        """`a` and `b` trade places (their contents were exchanged: KVSlots.swap); each keeps what it holds."""
+        a.index, b.index = b.index, a.index
+        self.slots[a.index], self.slots[b.index] = a, b
 
     def _touch(self, slot: Slot) -> None:
         self._clock += 1

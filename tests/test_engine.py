@@ -176,3 +176,33 @@ def test_requests_sharing_a_prompt_head_copy_its_kv_from_one_another(pipelines):
     results = pipe.generate(prompts, mode="ar", max_new_tokens=6)
     assert [r.token_ids for r in results] == [solo(pipe, p, max_new_tokens=6) for p in prompts]
     assert sum(r.stats.cached_prompt_tokens > 0 for r in results) >= 2
+
+
+def test_running_requests_keep_the_lowest_slots_and_steps_run_no_free_slot(bundle_factory):
+    """Requests finishing between others and arriving later: the running ones move down into the slots left below
+    them (their KV with them), so no step runs a row for a free slot, and every output is still its solo one."""
+    pipe = Pipeline.load(bundle_factory(), huge_pages=False, max_num_seqs=6)
+    try:
+        engine = pipe.engine()
+        batch, run = engine.batch, engine.batch.run
+        free_rows = []
+
+        def watched(rows):
+            busy = {s.index for s in engine.table.slots if s.busy}
+            free_rows.extend(r.slot for r in rows if r.slot not in busy)
+            return run(rows)
+
+        batch.run = watched
+        first = [("Hello there, how are you?", 20), ("A", 2), ("Name three colors please.", 20), ("Why?", 3),
+                 ("Write a haiku about the sea", 20)]
+        later = [("What is two plus two?", 8), ("Count to five", 8)]
+        requests = [engine.submit(*pipe.check(p, mode="ar", max_new_tokens=n, ignore_eos=True)) for p, n in first]
+        requests[1].wait()
+        requests[3].wait()
+        requests += [engine.submit(*pipe.check(p, mode="ar", max_new_tokens=n, ignore_eos=True)) for p, n in later]
+        outputs = [(r.result or r.wait()).token_ids for r in requests]
+        assert free_rows == []
+        assert outputs == [solo(pipe, p, max_new_tokens=n, ignore_eos=True) for p, n in first + later]
+        assert sorted(s.index for s in engine.table.slots) == list(range(6))
+    finally:
+        pipe.close()

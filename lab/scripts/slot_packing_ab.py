@@ -1,0 +1,91 @@
+"""Running requests kept in the lowest KV slots (BatchEngine._compact / _pack) against filler rows bridging the gaps
+(the engine before): the benchmark's serving prompts through the engine directly (no HTTP), closed loop, greedy ar,
+64 new tokens, alternating arms in one process.
+
+    .venv/bin/python lab/scripts/slot_packing_ab.py build/bundles/smollm2-feature --out results/slot-packing.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from mirror_sd.bench import serving
+from mirror_sd.bench.machine import describe_machine
+from mirror_sd.runtime.batching import BatchEngine
+from mirror_sd.runtime.pipeline import Pipeline
+
+PACK = BatchEngine._pack
+
+
+def point(pipe: Pipeline, clients: int, packed: bool, flush_tag: str) -> dict:
+    BatchEngine._pack = PACK if packed else (lambda self, index, slot: None)
+    engine = pipe.engine()
+    prompts = serving.serving_prompts()
+    indices = serving.point_prompts(serving.FULL, clients)
+    # every slot's cached prompt replaced, as the benchmark's flush does
+    serving.closed_loop(lambda i: engine.submit(*pipe.check(f"{i} flush {flush_tag}", mode="ar",
+                                                              max_new_tokens=1)).wait(), engine.max_num_seqs, 8)
+    counts = {"decode_rows": 0, "decode_runs": 0, "decode_s": 0.0, "prefill_s": 0.0}
+    run = engine.batch.run
+
+    def counted(rows):
+        start = time.perf_counter()
+        out = run(rows)
+        kind = "decode" if max(len(r.ids) for r in rows) == 1 else "prefill"
+        counts[f"{kind}_s"] += time.perf_counter() - start
+        if kind == "decode":
+            counts["decode_rows"] += len(rows)
+            counts["decode_runs"] += 1
+        return out
+
+    engine.batch.run = counted
+    try:
+        results, wall = serving.closed_loop(lambda i: engine.submit(*pipe.check(
+            list(prompts[indices[i]].messages), mode="ar", max_new_tokens=serving.FULL.max_tokens)).wait(),
+            len(indices), clients)
+    finally:
+        engine.batch.run = run
+    tokens = sum(len(r.token_ids) for r in results)
+    return {"clients": clients, "packed": packed, "requests": len(indices), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "token_ids": [r.token_ids for r in results], **counts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("bundle")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    pipe = Pipeline.load(Path(args.bundle), max_num_seqs=serving.MAX_NUM_SEQS, max_context=serving.FULL.max_context)
+    runs = []
+    for clients in (16, 64):
+        for r in range(args.rounds):
+            for packed in ((False, True) if r % 2 == 0 else (True, False)):
+                runs.append(point(pipe, clients, packed, f"{clients}-{r}-{packed}"))
+                print(json.dumps({k: v for k, v in runs[-1].items() if k != "token_ids"}), flush=True)
+    pipe.close()
+    summary = {}
+    for clients in (16, 64):
+        arms = {p: [x for x in runs if x["clients"] == clients and x["packed"] == p] for p in (False, True)}
+        same = all(x["token_ids"] == arms[False][0]["token_ids"] for x in arms[True] + arms[False])
+        summary[str(clients)] = {
+            "tokens_per_s_median": {("packed" if p else "fillers"): statistics.median(x["tokens_per_s"] for x in a)
+                                    for p, a in arms.items()},
+            "decode_rows_median": {("packed" if p else "fillers"): statistics.median(x["decode_rows"] for x in a)
+                                   for p, a in arms.items()},
+            "decode_s_median": {("packed" if p else "fillers"): statistics.median(x["decode_s"] for x in a)
+                                for p, a in arms.items()},
+            "every_output_identical_across_arms": same}
+    doc = {"question": "does keeping the running requests in the lowest KV slots (swapping slot contents as they come "
+                       "and go) beat filler rows bridging the gaps?",
+           "bundle": args.bundle, "machine": describe_machine(), "summary": summary,
+           "runs": [{k: v for k, v in x.items() if k != "token_ids"} for x in runs]}
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
