@@ -10,7 +10,8 @@
 Each running request owns one KV slot (runtime/kv_slots.py); requests beyond the free slots wait in arrival order.
 One step of the engine, in its thread:
   1. admit waiting requests into free slots; a slot holding the start of a prompt (the prefix cache) spares that
-     much of its prefill;
+     much of its prefill. In host memory the running requests keep the lowest slots (a slot trades places, KV and
+     all, with the one in the way: `_compact`, `_pack`), so that a step is one run of running rows;
   2. a request running alone in sd or mirror mode runs the pipeline's own speculative decoder in its slot, one
      committed token per step, exactly as `Pipeline.generate` would: speculation pays where the target's step is
      cheap, at batch 1. Another request arriving stops that decoder after the token it gave last, and the request
