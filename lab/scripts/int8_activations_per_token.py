@@ -39,7 +39,10 @@ def kind_of(k: int, n: int) -> str:
     return {960: "qkv", 49152: "head"}.get(n) or ("down" if k == 1536 else ("o" if n == 576 else "gateup"))
 
 
-def rewrite(path_in: Path, path_out: Path, kinds: tuple[str, ...], weights_only: bool) -> int:
+def rewrite(path_in: Path, path_out: Path, kinds: tuple[str, ...], weights_only: bool,
+            smooth: dict[str, np.ndarray] | None = None) -> int:
+    """smooth: {MatMul name: s [K]}: the activations divided by s, the weights' rows multiplied by it (SmoothQuant's
+    migration of activation outliers into the weights, exact in real arithmetic) before both are quantized."""
     m = onnx.load(str(path_in))
     inits = {t.name: t for t in m.graph.initializer}
     nodes, dropped, count = [], set(), 0
@@ -52,6 +55,14 @@ def rewrite(path_in: Path, path_out: Path, kinds: tuple[str, ...], weights_only:
             nodes.append(n)
             continue
         count += 1
+        x = n.input[0]
+        p = n.name + "_q8"
+        if smooth is not None and n.name in smooth:
+            w = w * smooth[n.name][:, None]
+            m.graph.initializer.append(numpy_helper.from_array((1.0 / smooth[n.name]).astype(np.float32),
+                                                               p + "_inv_s"))
+            nodes.append(helper.make_node("Mul", [x, p + "_inv_s"], [p + "_xsm"]))
+            x = p + "_xsm"
         scale = np.abs(w).max(0) / 127.0
         scale[scale == 0] = 1.0
         q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
@@ -59,7 +70,6 @@ def rewrite(path_in: Path, path_out: Path, kinds: tuple[str, ...], weights_only:
             inits[n.input[1]].CopyFrom(numpy_helper.from_array(q.astype(np.float32) * scale, n.input[1]))
             nodes.append(n)
             continue
-        p = n.name + "_q8"
         dropped.add(n.input[1])
         m.graph.initializer.extend([
             numpy_helper.from_array(q, p + "_w"), numpy_helper.from_array(scale.astype(np.float32), p + "_ws"),
@@ -67,7 +77,6 @@ def rewrite(path_in: Path, path_out: Path, kinds: tuple[str, ...], weights_only:
             numpy_helper.from_array(np.array([1e-30], np.float32), p + "_eps"),
             numpy_helper.from_array(np.array(128.0, np.float32), p + "_128"),
             numpy_helper.from_array(np.array(128, np.uint8), p + "_zp")])
-        x = n.input[0]
         nodes += [
             helper.make_node("Abs", [x], [p + "_abs"]),
             helper.make_node("ReduceMax", [p + "_abs"], [p + "_amax"], keepdims=1, axes=[-1]),
@@ -90,7 +99,8 @@ def rewrite(path_in: Path, path_out: Path, kinds: tuple[str, ...], weights_only:
     return count
 
 
-def variant(bundle: Path, out: Path, kinds: tuple[str, ...], weights_only: bool = False) -> Path:
+def variant(bundle: Path, out: Path, kinds: tuple[str, ...], weights_only: bool = False,
+            smooth: dict[str, np.ndarray] | None = None) -> Path:
     """A copy of `bundle` (other files hard-linked, no plan) with its target MatMuls of `kinds` rewritten."""
     if out.exists():
         shutil.rmtree(out)
@@ -99,8 +109,64 @@ def variant(bundle: Path, out: Path, kinds: tuple[str, ...], weights_only: bool 
         if f.name not in ("target_prefix.onnx", "target_suffix.onnx", "plan.json"):
             os.link(f, out / f.name)
     for name in ("target_prefix.onnx", "target_suffix.onnx"):
-        rewrite(bundle / name, out / name, kinds, weights_only)
+        rewrite(bundle / name, out / name, kinds, weights_only, smooth)
     return out
+
+
+def activation_peaks(bundle: Path, texts: list[str], pipe: Pipeline) -> dict[str, np.ndarray]:
+    """{MatMul name: the largest |activation| per input channel} over `texts`, each prefilled from nothing through the
+    target's prefix and suffix graphs, run standalone with every MatMul input as an extra output."""
+    import onnxruntime as ort
+
+    def session(name: str):
+        m = onnx.load(str(bundle / name))
+        inits = {t.name for t in m.graph.initializer}
+        taps = {n.input[0]: n.name for n in m.graph.node if n.op_type == "MatMul" and n.input[1] in inits}
+        for tensor in taps:
+            m.graph.output.append(helper.make_tensor_value_info(tensor, TensorProto.FLOAT, None))
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 2
+        return ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"]), taps
+
+    peaks: dict[str, np.ndarray] = {}
+    t = pipe.manifest.target
+    for text in texts:
+        ids = np.array([pipe.codec.encode(text, special=False)[:256]], np.int64)
+        length = ids.shape[1]
+        lengths = {"seqlens_k": np.array([length - 1], np.int32),
+                   "total_sequence_length": np.array(length, np.int32)}
+        hidden = None
+        for name in ("target_prefix.onnx", "target_suffix.onnx"):
+            sess, taps = session(name)
+            feed = dict(lengths)
+            for i in sess.get_inputs():
+                if i.name.startswith("past_key_values"):
+                    feed[i.name] = np.zeros((1, t.num_kv_heads, length, t.head_dim), np.float32)
+            if hidden is None:
+                feed["input_ids"] = ids
+            else:
+                feed["hidden_states"] = hidden
+                feed["num_logits_to_keep"] = np.array([1], np.int64)
+            names = [o.name for o in sess.get_outputs()]
+            out = dict(zip(names, sess.run(names, feed)))
+            hidden = out.get("hidden_states", hidden)
+            for tensor, node in taps.items():
+                peak = np.abs(out[tensor]).reshape(-1, out[tensor].shape[-1]).max(0)
+                peaks[node] = np.maximum(peaks.get(node, 0), peak)
+    return peaks
+
+
+def smoothing(bundle: Path, peaks: dict[str, np.ndarray], alpha: float) -> dict[str, np.ndarray]:
+    """SmoothQuant's factors per MatMul: s_k = peak_x_k^alpha / peak_w_k^(1 - alpha)."""
+    factors = {}
+    for name in ("target_prefix.onnx", "target_suffix.onnx"):
+        m = onnx.load(str(bundle / name))
+        inits = {t.name: t for t in m.graph.initializer}
+        for n in m.graph.node:
+            if n.name in peaks and n.input[1] in inits:
+                w = np.abs(numpy_helper.to_array(inits[n.input[1]])).max(1)
+                factors[n.name] = np.clip(peaks[n.name] ** alpha / np.maximum(w, 1e-8) ** (1 - alpha), 1e-3, 1e3)
+    return factors
 
 
 def step_times(bundle: Path, threads: int, rounds: int = 3) -> dict[str, float]:
@@ -129,14 +195,45 @@ def step_times(bundle: Path, threads: int, rounds: int = 3) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def calibration_texts(count: int = 8) -> list[str]:
+    """Paragraphs of the project's design records: English technical prose that no benchmark prompt holds."""
+    text = Path("docs/design.md").read_text()
+    paragraphs = [p for p in text.split("\n\n") if len(p) > 600]
+    return paragraphs[:count]
+
+
+def smoothed(bundle: Path, work: Path, alphas: list[float], per_kind: int) -> dict:
+    """SmoothQuant's migration before the per-row quantization, at each alpha: agreement with float32."""
+    pipe = Pipeline.load(bundle, target_threads=2)
+    peaks = activation_peaks(bundle, calibration_texts(), pipe)
+    pipes = {"float32": pipe}
+    for alpha in alphas:
+        path = variant(bundle, work / f"smooth-{alpha}", KINDS, smooth=smoothing(bundle, peaks, alpha))
+        pipes[f"smooth_{alpha}"] = Pipeline.load(path, target_threads=2, use_plan=False)
+    size = PrecisionSize((64,), repeats=1, per_kind=1, agreement_per_kind=per_kind, new_tokens=64)
+    agreement = _agreement(pipes, size)
+    for p in pipes.values():
+        p.close()
+    return {"calibration": "the first 8 paragraphs over 600 characters of docs/design.md, 256 tokens each at most",
+            "alphas": alphas, "agreement": agreement}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("bundle")
     parser.add_argument("--out", required=True)
     parser.add_argument("--work", default="build/bundles/int8-activations")
     parser.add_argument("--per-kind", type=int, default=2, help="benchmark prompts per task kind for the agreement")
+    parser.add_argument("--smooth", type=float, nargs="*", help="only the smoothed variants at these alphas, added "
+                        "to --out's document")
     args = parser.parse_args()
     bundle, work = Path(args.bundle), Path(args.work)
+    if args.smooth:
+        doc = json.loads(Path(args.out).read_text())
+        doc["smoothed"] = smoothed(bundle, work, args.smooth, args.per_kind)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps(doc["smoothed"]["agreement"], indent=1))
+        return
     variants = {"all": variant(bundle, work / "all", KINDS)}
     variants.update({f"only_{k}": variant(bundle, work / f"only-{k}", (k,)) for k in KINDS if k != "head"})
     variants["weights_only_all"] = variant(bundle, work / "weights-only", KINDS, weights_only=True)
