@@ -121,7 +121,10 @@ def activation_peaks(bundle: Path, texts: list[str], pipe: Pipeline) -> dict[str
     def session(name: str):
         m = onnx.load(str(bundle / name))
         inits = {t.name for t in m.graph.initializer}
-        taps = {n.input[0]: n.name for n in m.graph.node if n.op_type == "MatMul" and n.input[1] in inits}
+        taps: dict[str, list[str]] = {}  # tensor -> the MatMuls reading it (gate and up read the same)
+        for n in m.graph.node:
+            if n.op_type == "MatMul" and n.input[1] in inits:
+                taps.setdefault(n.input[0], []).append(n.name)
         for tensor in taps:
             m.graph.output.append(helper.make_tensor_value_info(tensor, TensorProto.FLOAT, None))
         opts = ort.SessionOptions()
@@ -130,14 +133,14 @@ def activation_peaks(bundle: Path, texts: list[str], pipe: Pipeline) -> dict[str
 
     peaks: dict[str, np.ndarray] = {}
     t = pipe.manifest.target
+    sessions = [session(name) for name in ("target_prefix.onnx", "target_suffix.onnx")]
     for text in texts:
         ids = np.array([pipe.codec.encode(text, special=False)[:256]], np.int64)
         length = ids.shape[1]
         lengths = {"seqlens_k": np.array([length - 1], np.int32),
                    "total_sequence_length": np.array(length, np.int32)}
         hidden = None
-        for name in ("target_prefix.onnx", "target_suffix.onnx"):
-            sess, taps = session(name)
+        for sess, taps in sessions:
             feed = dict(lengths)
             for i in sess.get_inputs():
                 if i.name.startswith("past_key_values"):
@@ -150,9 +153,10 @@ def activation_peaks(bundle: Path, texts: list[str], pipe: Pipeline) -> dict[str
             names = [o.name for o in sess.get_outputs()]
             out = dict(zip(names, sess.run(names, feed)))
             hidden = out.get("hidden_states", hidden)
-            for tensor, node in taps.items():
+            for tensor, nodes in taps.items():
                 peak = np.abs(out[tensor]).reshape(-1, out[tensor].shape[-1]).max(0)
-                peaks[node] = np.maximum(peaks.get(node, 0), peak)
+                for node in nodes:
+                    peaks[node] = np.maximum(peaks.get(node, 0), peak)
     return peaks
 
 
