@@ -376,11 +376,18 @@ class BatchEngine:
         return out
 
     def _compact(self) -> None:
-        """Move running rows down into the slots that rows which finished left below them. Between steps only: a
+        """Move the running rows above the lowest len(rows) slots into the slots that finished rows left below
+        them, the highest row into the lowest gap: one move per gap (a run's rows need not be in any order, and
+        shifting every row above a gap down by one moved each row's KV again and again). Between steps only: a
         row's KV is then its first kv_len positions (a step writes the position its commit then counts)."""
-        for index, row in enumerate(sorted(self._rows, key=lambda r: r.slot.index)):
-            if row.solo is None:  # a speculative decoder holds its slot's address (it runs alone: in slot 0)
-                self._pack(index, row.slot)
+        count = len(self._rows)
+        held = {r.slot.index for r in self._rows}
+        gaps = [i for i in range(count) if i not in held]
+        # a speculative decoder holds its slot's address (it runs alone: in slot 0), so it is never moved
+        above = sorted((r for r in self._rows if r.slot.index >= count and r.solo is None),
+                       key=lambda r: r.slot.index, reverse=True)
+        for index, row in zip(gaps, above):
+            self._pack(index, row.slot)
 
     def _pack(self, index: int, slot: Slot) -> None:
         """Keep the running rows in the lowest slots (runtime/kv_slots.py): `slot` trades places with the slot at

@@ -206,3 +206,30 @@ def test_running_requests_keep_the_lowest_slots_and_steps_run_no_free_slot(bundl
         assert sorted(s.index for s in engine.table.slots) == list(range(6))
     finally:
         pipe.close()
+
+
+def test_a_row_leaving_below_others_costs_one_kv_move(bundle_factory):
+    """The first of five running requests finishes: the highest running row takes its slot (one KV move), rather
+    than every row above the gap moving down by one (four); each later departure moves one row at most; the outputs
+    are still the solo ones."""
+    pipe = Pipeline.load(bundle_factory(), huge_pages=False, max_num_seqs=6)
+    try:
+        engine = pipe.engine()
+        swap, moves = engine.kv.swap, []
+
+        def counted(a, b, length):
+            moves.append((a, b))
+            swap(a, b, length)
+
+        engine.kv.swap = counted
+        prompts = [("A", 2), ("Hello there, how are you?", 16), ("Name three colors please.", 16), ("Why?", 16),
+                   ("Write a haiku about the sea", 16)]
+        with engine._wake:  # all five arrive before the engine's next step: they take slots 0-4 in order
+            requests = [engine.submit(*pipe.check(p, mode="ar", max_new_tokens=n, ignore_eos=True))
+                        for p, n in prompts]
+        outputs = [r.wait().token_ids for r in requests]
+        assert moves[0] == (4, 0)
+        assert len(moves) <= len(prompts) - 1  # the last to leave has no row above it
+        assert outputs == [solo(pipe, p, max_new_tokens=n, ignore_eos=True) for p, n in prompts]
+    finally:
+        pipe.close()
