@@ -16,7 +16,9 @@ from typing import Any, Mapping
 from mirror_sd.errors import BadInputError, check_int
 from mirror_sd.partitions.spec import BACKENDS
 
-MODES = ("ar", "sd", "mirror")  # how a generation decodes (runtime/config.py GenerationConfig.mode); a plan picks one
+# how a generation decodes (runtime/config.py GenerationConfig.mode); a plan picks one
+MODES = ("ar", "lookup", "sd", "mirror")
+DRAFT_MODES = ("sd", "mirror")  # the modes that run the draft model (lookup copies its windows from the text)
 # what a draft confidence threshold is compared with (runtime/config.py GenerationConfig.draft_confidence_rule)
 CONFIDENCE_RULES = ("token", "window")
 PLAN_FILE = "plan.json"  # optional file in a bundle directory: the runtime's defaults come from it when present

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from mirror_sd.errors import BadInputError
+from mirror_sd.partitions.plan_file import DRAFT_MODES
 from mirror_sd.runtime.batch_target import BatchTarget, Row
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.kv import common_prefix
@@ -61,7 +62,7 @@ MAX_FILLER_ROWS = 8
 # A fresh prompt joins an older one's prefill run where padding it to that row's width wastes at most this share of
 # its run (docs/design.md: "Several tokens per row only without a past").
 MAX_PADDING = 0.2
-SPECULATIVE_MODES = ("sd", "mirror")
+SPECULATIVE_MODES = ("lookup", "sd", "mirror")
 # A request alone speculates only where the engine has been running one request at a time of late (its recent mean
 # of requests per step below this): under many clients one is alone only for moments, and starting and stopping the
 # speculative decoder there costs more than it gains.
@@ -429,7 +430,7 @@ class BatchEngine:
         # a batched step counts once per token it gives the row, the one that ends the prompt included, as the
         # first step of a generation alone (its prefill) does
         stats = row.rec.finish(
-            mode=cfg.mode, gamma=cfg.gamma if cfg.mode != "ar" else 0,
+            mode=cfg.mode, gamma=cfg.gamma if cfg.mode in DRAFT_MODES else 0,
             kappa=(cfg.kappa or 0) if cfg.mode == "mirror" else 0, new_tokens=new, ttft_s=row.first_token_s,
             wall_s=wall, target_device=self.pipe.target.device, draft_device=self.pipe.draft.device,
             draft_engine=self.pipe.draft.describe(),

@@ -200,8 +200,9 @@ def streaming_mode(value: bool | str) -> str:
 class GenerationConfig(Options):
     """The options of one generation (`Pipeline.generate`)."""
 
-    mode: str = option("mirror", "ar (the target alone), sd (vanilla speculative decoding) or mirror (Mirror-SD)",
-                       choices=MODES, wire=MIRROR, planned=True)
+    mode: str = option("mirror", "ar (the target alone), lookup (prompt lookup decoding: windows copied from the "
+                       "text, verified by the target; no draft model), sd (vanilla speculative decoding) or mirror "
+                       "(Mirror-SD)", choices=MODES, wire=MIRROR, planned=True)
     max_new_tokens: int = option(64, "new tokens at most", range=Range(1), wire="max_tokens")
     temperature: float = option(0.0, "sampling temperature (0: greedy)", range=Range(0), wire="temperature",
                                 wire_range=Range(0, 2))
@@ -246,8 +247,8 @@ class GenerationConfig(Options):
         "has measured faster, and in mirror roll out a branch set or not, likewise (runtime/gate.py); off: every "
         "step speculates; output never depends on it", switches=(("--always-speculate", False),), wire=MIRROR)
     prompt_lookup_num_tokens: int = option(
-        4, "greedy sd/mirror: where the text's last few tokens occurred before, verify up to this many tokens that "
-        "followed them instead of a draft window (transformers' prompt lookup; 0: off)", range=Range(0),
+        4, "greedy lookup/sd/mirror: where the text's last few tokens occurred before, verify up to this many "
+        "tokens that followed them instead of a draft window (transformers' prompt lookup; 0: off)", range=Range(0),
         wire=MIRROR)
     max_matching_ngram_size: int = option(3, "prompt lookup: the most trailing tokens matched", range=Range(2))
     prompt_lookup_schedule: str = option(

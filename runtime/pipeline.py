@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
-from mirror_sd.partitions.plan_file import PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
+from mirror_sd.partitions.plan_file import DRAFT_MODES, PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
 from mirror_sd.runtime.backends import default_openvino_device, on_cpu, usable_cores
 from mirror_sd.runtime.batching import BatchEngine
 from mirror_sd.runtime.config import BUILTIN_THREADS, GenerationConfig, LoadOptions, specs
@@ -235,7 +235,7 @@ class Pipeline:
         if prompt_len + cfg.max_new_tokens > b.max_context:
             raise BadInputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds this "
                                 f"package's MAX_CONTEXT of {b.max_context} tokens", option="max_new_tokens")
-        if cfg.mode != "ar" and cfg.gamma > b.max_gamma:
+        if cfg.mode in DRAFT_MODES and cfg.gamma > b.max_gamma:
             raise BadInputError(f"gamma {cfg.gamma} exceeds this package's max_gamma {b.max_gamma}", option="gamma")
 
     def _decode(self, ids: list[int], cfg: GenerationConfig, kv: dict[str, KVView] | None = None,
@@ -264,7 +264,7 @@ class Pipeline:
         sink = TextSink(self.codec, cfg.stop, self.eos_token_ids(cfg), cfg.max_new_tokens)
         # the draft reads the prompt during the prefill only where target and draft threads fit the cores together
         fits = self.target_threads + self.draft_threads <= usable_cores()
-        worker = self._start_worker(cfg, rec, self._threaded(cfg, fits)) if cfg.mode != "ar" else None
+        worker = self._start_worker(cfg, rec, self._threaded(cfg, fits)) if cfg.mode in DRAFT_MODES else None
         draft_forwards = self.draft.forwards
         tokens = decode(self.target, worker, tuple(ids), cfg, rec, warm_with_prefill=fits,
                         gate_memory=self._gate_memory, cached=cached)
@@ -286,7 +286,7 @@ class Pipeline:
         wall = time.perf_counter() - start
         # which draft graph ran, and how often: a package's stats show its static IR at work
         draft_engine = {**self.draft.describe(), "draft_graph_forwards": self.draft.forwards - draft_forwards}
-        stats = rec.finish(mode=cfg.mode, gamma=cfg.gamma if cfg.mode != "ar" else 0,
+        stats = rec.finish(mode=cfg.mode, gamma=cfg.gamma if cfg.mode in DRAFT_MODES else 0,
                            kappa=cfg.kappa if cfg.mode == "mirror" else 0, new_tokens=len(sink.ids), ttft_s=ttft,
                            wall_s=wall, target_device=self.target.device, draft_device=self.draft.device,
                            draft_engine=draft_engine)

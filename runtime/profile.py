@@ -579,10 +579,11 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         gamma = int(max(by_gamma, key=by_gamma.get))
         measured = runs[str(gamma)]
     # Speculation at all, last: the kept setting as a generation runs it (its gates and prompt lookup on, so that a
-    # step the target alone does faster is the target's) against the target alone at every core, prompt by prompt in
-    # turn, prefill included. The split a speculative setting needs leaves the target fewer threads, for its
-    # prefill too; where the target alone is faster over the whole call, a generation that names no mode runs ar
-    # (docs/design.md: The plan picks ar where speculation does not pay).
+    # step the target alone does faster is the target's) against the target alone at every core, with and without
+    # prompt lookup, prompt by prompt in turn, prefill included. The split a speculative setting needs leaves the
+    # target fewer threads, for its prefill too; where the target alone (ar, or lookup: no draft model) is faster
+    # over the whole call, a generation that names no mode runs that (docs/design.md: The plan picks ar or lookup
+    # where the draft does not pay).
     mode, by_mode = "mirror", {}
     if options.compare_ar:
         cores = max(usable_cores(), pipe.target_threads)
@@ -592,13 +593,16 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         as_run = dict(mode="mirror", gamma=gamma, kappa=c.kappa, branch_budget=branch_budget, **confidence,
                       adaptive_speculation=runtime.adaptive_speculation,
                       prompt_lookup_num_tokens=runtime.prompt_lookup_num_tokens)
-        runs = _alternating({"mirror": (pipe, as_run), "ar": (alone, dict(mode="ar"))}, prompts,
-                            options.max_new_tokens)
+        lookup = dict(mode="lookup", adaptive_speculation=runtime.adaptive_speculation,
+                      prompt_lookup_num_tokens=runtime.prompt_lookup_num_tokens)
+        runs = _alternating({"mirror": (pipe, as_run), "ar": (alone, dict(mode="ar")), "lookup": (alone, lookup)},
+                            prompts, options.max_new_tokens)
         by_mode = {name: _ratio(stats, "new_tokens", "wall_s") for name, stats in runs.items()}
         report("  as generations run (prefill included): " + ", ".join(
-            f"{n} {v:.1f} tok/s" for n, v in by_mode.items()) + f" (ar at {cores} target threads)")
-        if by_mode["ar"] > by_mode["mirror"]:
-            mode, threads = "ar", (alone.target_threads, alone.draft_threads)
+            f"{n} {v:.1f} tok/s" for n, v in by_mode.items()) + f" (ar and lookup at {cores} target threads)")
+        mode = max(by_mode, key=by_mode.get)
+        if mode != "mirror":
+            threads = (alone.target_threads, alone.draft_threads)
     end_to_end = _ratio(measured, "new_tokens", "wall_s")
     tps, modelled_tps = decode_rate(measured), decode_rate(modelled)
     doc = planner.plan_document(profile, plans, {

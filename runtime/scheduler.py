@@ -36,6 +36,7 @@ from typing import Callable, Iterator, Union
 
 import numpy as np
 
+from mirror_sd.partitions.plan_file import DRAFT_MODES
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import DrafterBase, plan_branches
 from mirror_sd.runtime.feature_draft import FeatureDrafter
@@ -413,7 +414,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     gate_memory: per mode and bucket of context length (runtime/gate.py context_bucket), what the gates learned in
     the caller's last generation there (runtime/speculation_policy.py).
     """
-    if cfg.mode == "ar":
+    if cfg.mode not in DRAFT_MODES:  # ar, and lookup: its windows come from the text
         worker = None
     drafter = worker.drafter if worker is not None else None
     dec = _Decoder(target, worker, cfg, rec)
@@ -460,13 +461,14 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
         remaining = cfg.max_new_tokens - (len(ctx) - len(prompt))
         # windows shrink at the end so that no step verifies tokens it could not commit
         gamma = min(cfg.gamma, remaining - 1)
-        if cfg.mode != "ar" and gamma > 0 and len(ctx) + gamma > draft_context:
+        drafting = cfg.mode in DRAFT_MODES and gamma > 0
+        if drafting and len(ctx) + gamma > draft_context:
             rec.counts.draft_context_steps += 1
-            gamma = 0
+            gamma, drafting = 0, False
         draft_ready = draft_ready or worker.poll(warmed) is not None
         # 1. choose
         copied = copies.propose(ctx, remaining - 1) if copies is not None else None
-        step = policy.choose(len(ctx), copied is not None, cfg.mode != "ar" and gamma > 0, draft_ready)
+        step = policy.choose(len(ctx), copied is not None, drafting, draft_ready)
         # 2. propose
         started, dec.catch_up_s = time.perf_counter(), 0.0
         window = copied if step.kind == COPY else drafts.propose(ctx, gamma) if step.kind == DRAFT else None

@@ -48,7 +48,7 @@ def test_a_batch_of_prompts_gives_each_its_solo_greedy_tokens(pipelines, arch):
 def test_any_mix_of_arrivals_modes_lengths_and_cancellations_keeps_every_output(pipelines):
     pipe = pipelines["llama"]
     engine = pipe.engine()
-    modes = ["ar", "sd", "mirror", "mirror", "ar", "sd"]
+    modes = ["ar", "sd", "mirror", "lookup", "ar", "sd"]
     lengths = [12, 5, 20, 9, 16, 3]
     requests = []
     for i, (prompt, mode, n) in enumerate(zip(PROMPTS, modes, lengths)):
@@ -62,10 +62,11 @@ def test_any_mix_of_arrivals_modes_lengths_and_cancellations_keeps_every_output(
     assert doomed.wait().finish_reason == "cancelled"
 
 
-def test_a_request_alone_speculates_and_hands_over_to_the_batch_when_another_arrives(pipelines):
+@pytest.mark.parametrize("mode", ["mirror", "lookup"])
+def test_a_request_alone_speculates_and_hands_over_to_the_batch_when_another_arrives(pipelines, mode):
     pipe = pipelines["qwen3"]
     engine = pipe.engine()
-    first = engine.submit(*pipe.check(PROMPTS[4], mode="mirror", max_new_tokens=60))
+    first = engine.submit(*pipe.check(PROMPTS[4], mode=mode, max_new_tokens=60))
     chunks = iter(first)
     next(chunks)  # running alone now
     second = engine.submit(*pipe.check(PROMPTS[0], mode="sd", max_new_tokens=10))

@@ -239,10 +239,10 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     run, measured = doc["runtime"], doc["runtime"]["measured"]
     modelled_budget = doc["best_for_bundle"]["choice"]["branch_budget"]
     assert run["gamma"] in (2, 3) and run["kappa"] == 4 and modelled_budget >= 1
-    # last, the kept setting as generations run it against the target alone at every core: the faster is the mode,
-    # and ar takes the cores
+    # last, the kept setting as generations run it against the target alone at every core, with and without prompt
+    # lookup: the fastest is the mode, and ar or lookup takes the cores
     by_mode = measured["end_to_end_tokens_per_second_by_mode"]
-    assert set(by_mode) == {"mirror", "ar"} and all(v > 0 for v in by_mode.values())
+    assert set(by_mode) == {"mirror", "ar", "lookup"} and all(v > 0 for v in by_mode.values())
     assert run["mode"] == max(by_mode, key=by_mode.get)
     threads = (1, 1) if run["mode"] == "mirror" else (usable_cores(), 1)
     assert (run["target_threads"], run["draft_threads"]) == threads
@@ -317,7 +317,7 @@ def test_a_plans_mode_is_checked_and_an_older_plan_runs_mirror():
            "runtime": {"gamma": 2, "kappa": 4, "branch_budget": 4, "target_threads": 2, "draft_threads": 1}}
     assert pf.runtime_defaults(doc, 3, 8).mode == "mirror"
     assert pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "mode": "ar"}}, 3, 8).mode == "ar"
-    with pytest.raises(BadInputError, match="plan runtime.mode must be one of ar, sd, mirror"):
+    with pytest.raises(BadInputError, match="plan runtime.mode must be one of ar, lookup, sd, mirror"):
         pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "mode": "fast"}}, 3, 8)
 
 

@@ -105,6 +105,30 @@ def test_copied_windows_keep_output_identical(pipelines, arch):
     assert sampled.stats["lookup_steps"] == 0  # greedy only
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_lookup_mode_equals_ar_and_never_runs_the_draft(pipelines, arch):
+    """mode lookup (prompt lookup decoding, no draft model): copied windows verified by the target, every other step
+    the target's alone; the output is ar's, greedy with and without the gate and sampled, and the draft never runs."""
+    pipe = pipelines(arch)
+    for prompt in ([5, 17, 33, 90, 12, 5, 17, 33, 90, 12, 5, 17], *PROMPTS):
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+        for gate, n in itertools.product((True, False), (2, 4)):
+            forwards = pipe.draft.forwards
+            out = pipe.generate(prompt, mode="lookup", max_new_tokens=NEW_TOKENS, adaptive_speculation=gate,
+                                prompt_lookup_num_tokens=n)
+            assert out.token_ids == ar.token_ids, (prompt, gate, n)
+            s = out.stats
+            assert pipe.draft.forwards == forwards and s["draft_s"] == 0 and s["gamma"] == 0
+            assert s["proposed_tokens"] == s["lookup_proposed_tokens"] and s["fallbacks"] == 0
+            # without the gate every copy found is verified; the tiny llama and qwen3 continue the repeating prompt
+            # with text found in it (as in test_copied_windows_keep_output_identical)
+            if not gate and prompt[:5] == prompt[5:10] and arch in ("llama", "qwen3"):
+                assert s["lookup_steps"] >= 1 and s["mean_accepted_tokens"] > 1.0
+        sampled = dict(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=3)
+        assert (pipe.generate(prompt, mode="lookup", **sampled).token_ids
+                == pipe.generate(prompt, mode="ar", **sampled).token_ids)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_draft_reading_only_the_prompts_tail_keeps_output_identical(pipelines, arch, monkeypatch):
     """A prompt longer than the draft's prompt window: the draft holds its head without KV and reads the rest; sd and

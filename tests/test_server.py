@@ -83,7 +83,7 @@ def test_models_health_metrics(port, client):
         assert name in text
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+@pytest.mark.parametrize("mode", ["ar", "lookup", "sd", "mirror"])
 def test_chat_equals_the_library_and_streams_the_same_text(pipe, port, client, mode):
     solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=12)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
