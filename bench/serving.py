@@ -16,7 +16,10 @@ with none ("planned": the server's default, which the bundle plan sets), and Ope
 ContinuousBatchingPipeline ("ov-genai-cb"; "ov-genai-cb-sd": the same with GenAI's speculative decoding and the plain
 draft bench/ov_genai.py's ov-genai-sd uses), on the same fp32 target with fp32 KV cache and the same thread count.
 The series run in an order that rotates from one client count to the next (bench/runner.py's reason: drift on a
-shared machine spreads over all of them).
+shared machine spreads over all of them). The full size runs every point twice, the second round in the reverse
+order, and reports the two pooled (tokens/s over their summed wall time, percentiles over every request; each
+round's tokens/s kept): one run of a point moves by 10% or more on this machine, and planned and ar, which take the
+same batched steps from 16 clients up, read apart by as much.
 
 Prompts: the benchmark's own (models/benchmark_prompts.py), then each again under a one-line system message: twice
 as many distinct prompts, so that no point sends one prompt twice (the second would find the first in the prefix
@@ -102,6 +105,7 @@ class ServingSize:
     multi_turn_tokens: int  # turn 1's prompt, about
     multi_turn_repeats: int  # chats (another passage each), medians over them
     genai: bool = True  # run OpenVINO GenAI's side (off: ours alone)
+    rounds: int = 1  # every point this many times, pooled (pooled_point): one run moves by 10% or more here
 
     def requests(self, clients: int) -> int:
         return min(self.max_requests, max(self.min_requests, self.per_client * clients))
@@ -113,7 +117,7 @@ class ServingSize:
 QUICK = ServingSize(clients=(1, 4, 16), min_requests=4, per_client=1, max_requests=16, max_tokens=32,
                     max_context=2048, multi_turn_tokens=800, multi_turn_repeats=1)
 FULL = ServingSize(clients=(1, 4, 16, 64), min_requests=8, per_client=2, max_requests=96, max_tokens=64,
-                   max_context=3072, multi_turn_tokens=2000, multi_turn_repeats=2)
+                   max_context=3072, multi_turn_tokens=2000, multi_turn_repeats=2, rounds=2)
 
 
 # -- prompts ------------------------------------------------------------------------------------------------------
@@ -307,6 +311,18 @@ def closed_loop(work: Callable[[int], T], count: int, clients: int) -> tuple[lis
 
 
 # -- figures ------------------------------------------------------------------------------------------------------
+def pooled_point(clients: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A point's rounds as one: tokens/s over their summed wall time, percentiles over every request; each round's
+    tokens/s kept, and the prefix cache's counts (our points) summed."""
+    if len(rounds) == 1:
+        return rounds[0]
+    point = summarise(clients, [r for p in rounds for r in p["runs"]], sum(p["wall_s"] for p in rounds))
+    point["tokens_per_s_by_round"] = [p["tokens_per_s"] for p in rounds]
+    if all("prefix_cache" in p for p in rounds):
+        point["prefix_cache"] = {k: sum(p["prefix_cache"][k] for p in rounds) for k in rounds[0]["prefix_cache"]}
+    return point
+
+
 def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
@@ -604,17 +620,25 @@ def run_serving(bundle: Path, size: ServingSize, pipe, *, sources=None, cache: P
             doc["server"]["default_mode"] = _warm_up(server, max(size.clients), genai)
             for k, clients in enumerate(size.clients):
                 indices = point_prompts(size, clients)
-                for name in series[k % len(series):] + series[:k % len(series)]:
-                    report(f"serving: {name}, {clients} client(s), {len(indices)} requests")
-                    if name in MODES:
-                        point = ours_point(server, prompts, indices, MODES[name], clients, size.max_tokens, expected)
-                        failures += identity_failures(name, point, by_name)
-                    else:
-                        point = genai_point(genai[name], ids, names, clients, size.max_tokens, expected, indices)
+                order = series[k % len(series):] + series[:k % len(series)]
+                rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in series}
+                for r in range(size.rounds):  # the order reversed every other round: drift meets every series
+                    for name in (order if r % 2 == 0 else order[::-1]):
+                        report(f"serving: {name}, {clients} client(s), {len(indices)} requests, round {r + 1}")
+                        if name in MODES:
+                            point = ours_point(server, prompts, indices, MODES[name], clients, size.max_tokens,
+                                               expected)
+                            failures += identity_failures(name, point, by_name)
+                        else:
+                            point = genai_point(genai[name], ids, names, clients, size.max_tokens, expected, indices)
+                        rounds[name].append(point)
+                        report(f"serving: {name} at {clients}: {point['tokens_per_s'] or 0:.1f} tokens/s, p50 "
+                               f"latency {point['latency_s']['p50'] or 0:.2f} s, p50 TTFT "
+                               f"{point['ttft_s']['p50'] or 0:.3f} s")
+                for name in series:
+                    point = pooled_point(clients, rounds[name])
                     point["prompt_tokens"] = sum(len(ids[i]) for i in indices)
                     points[name][str(clients)] = point
-                    report(f"serving: {name} at {clients}: {point['tokens_per_s'] or 0:.1f} tokens/s, p50 latency "
-                           f"{point['latency_s']['p50'] or 0:.2f} s, p50 TTFT {point['ttft_s']['p50'] or 0:.3f} s")
             doc["multi_turn"] = _multi_turn(server, size, codec, genai, report, doc["not_run"])
             doc["server"]["log_tail"] = server.log_tail()
     finally:

@@ -9,7 +9,7 @@ import pytest
 
 from mirror_sd.bench.plots import serving as serving_plot
 from mirror_sd.bench.report import render
-from mirror_sd.bench.serving import MODES, ServingSize, run_serving, serving_prompts, targets
+from mirror_sd.bench.serving import MODES, ServingSize, pooled_point, run_serving, serving_prompts, targets
 from mirror_sd.runtime.pipeline import Pipeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -67,6 +67,21 @@ def _point(clients: int, tps: float, p50: float) -> dict:
     return {"clients": clients, "requests": 2, "errors": 0, "completion_tokens": 8, "wall_s": 8 / tps,
             "tokens_per_s": tps, "latency_s": {"p50": p50, "p99": p50 * 2}, "ttft_s": {"p50": 0.1, "p99": 0.2},
             "runs": [], "prompt_tokens": 100, "prefix_cache": {"hits": 1, "tokens": 20}}
+
+
+def test_rounds_of_a_point_are_pooled():
+    """Two rounds of a point: tokens/s over the summed wall time (not the mean of the rates), percentiles over
+    every request, each round's rate kept, the prefix cache's counts summed; one round is left as it is."""
+    def run(latency: float) -> dict:
+        return {"tokens": 4, "latency_s": latency, "ttft_s": latency / 4, "error": None}
+
+    first = {**_point(4, 8.0, 1.0), "wall_s": 1.0, "runs": [run(1.0), run(2.0)]}
+    second = {**_point(4, 2.0, 3.0), "wall_s": 4.0, "runs": [run(3.0), run(4.0)]}
+    pooled = pooled_point(4, [first, second])
+    assert pooled["tokens_per_s"] == pytest.approx(16 / 5.0) and pooled["tokens_per_s_by_round"] == [8.0, 2.0]
+    assert pooled["requests"] == 4 and pooled["latency_s"]["p50"] == pytest.approx(2.5)
+    assert pooled["prefix_cache"] == {"hits": 2, "tokens": 40}
+    assert pooled_point(4, [first]) is first
 
 
 def test_bars_report_and_plot_from_a_synthetic_document(tmp_path):
