@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA execution provider figures (results/cuda-ep.json; lab/scripts/cuda_ep.py says what is measured).
 # Runs on the GPU machine once every part of the payload lies in $PARTS (payload.part*, carried one per call: what
-# one call carries is at most 64 MiB), from the last folder, which holds repo.tar.xz and this script and cuda_ep.py.
+# one call carries is at most 64 MiB), from the last folder, which holds repo.tar.xz, this script, cuda_ep.py and
+# cuda_graph_probe.py (PROBE_ONLY=1: the exports and the CUDA graph probe only).
 # The payload, built on the CPU machine by lab/scripts/cuda_ep_payload.sh:
 #   site.tar.xz  onnxruntime-gpu 1.31.1 (CUDA 13; its TensorRT provider left out), openvino 2026.4.1 (CPU plugin and
 #                the ONNX / IR frontends only), openvino-telemetry, gguf: cp312 wheels unpacked, for PYTHONPATH;
@@ -45,6 +46,11 @@ for dtype in float16 float32; do  # side by side: 16 cores
         > "$OUT/export-$dtype.log" 2>&1 &
 done
 wait
+# CUDA graphs on the target's decode step, first (a minute): lab/scripts/cuda_graph_probe.py says what it measures
+timeout 300 python3 "$HERE/cuda_graph_probe.py" --bundle bundle-float16 --out "$OUT/cuda-graph-probe.json" \
+    > "$OUT/cuda-graph-probe.log" 2>&1
+echo "exit $?" >> "$OUT/cuda-graph-probe.log"
+[ "${PROBE_ONLY:-0}" = 1 ] && exit 0
 python3 "$HERE/cuda_ep.py" "${ARGS[@]}" --out "$OUT/cuda-ep.json" --minutes "$MINUTES" "$@" \
     > "$OUT/cuda-ep.log" 2>&1
 echo "exit $?" >> "$OUT/cuda-ep.log"

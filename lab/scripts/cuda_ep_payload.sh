@@ -39,5 +39,6 @@ for part in "$STAGE"/payload.part*; do
     mkdir -p "$STAGE/c$i" && mv "$part" "$STAGE/c$i/"
     i=$((i + 1))
 done
-mkdir -p "$STAGE/c$i" && cp "$TMP/repo.tar.xz" lab/scripts/cuda_ep.sh lab/scripts/cuda_ep.py "$STAGE/c$i/"
+mkdir -p "$STAGE/c$i" && cp "$TMP/repo.tar.xz" lab/scripts/cuda_ep.sh lab/scripts/cuda_ep.py \
+    lab/scripts/cuda_graph_probe.py "$STAGE/c$i/"
 du -sh "$STAGE"/c*
