@@ -1,4 +1,4 @@
-"""The scheduler: decoding loops for ar / sd / mirror, and the one place that starts a thread.
+"""The scheduler: decoding loops for ar / lookup / sd / mirror, and the one place that starts a thread.
 
 Threads. The main thread owns the target and its cache. With a draft thread (overlap on, where the draft can work
 while the target does: Pipeline._threaded), that thread owns the `Drafter` (the draft engine's caches); the two talk
@@ -21,9 +21,10 @@ window (gamma draft tokens continuing C):
 
 Two kinds of greedy step need no draft: where the text's last tokens occurred before, a window copied from what
 followed them (prompt lookup), verified as in sd; and a step of the target alone, where the speculation gate has
-measured that faster than speculating, or while the draft is still reading the prompt. `decode`'s loop is
-choose -> propose -> verify -> commit: the gates that choose are one policy (runtime/speculation_policy.py), the
-draft and prompt lookup are proposers behind one protocol (runtime/proposers.py).
+measured that faster than speculating, or while the draft is still reading the prompt; mode lookup takes only
+these two (no draft worker at all). `decode`'s loop is choose -> propose -> verify -> commit: the gates that choose
+are one policy (runtime/speculation_policy.py), the draft and prompt lookup are proposers behind one protocol
+(runtime/proposers.py).
 """
 
 from __future__ import annotations
