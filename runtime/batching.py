@@ -68,6 +68,8 @@ SPECULATIVE_MODES = ("lookup", "sd", "mirror")
 # speculative decoder there costs more than it gains.
 SOLO_LOAD = 1.5
 LOAD_WEIGHT = 0.1  # of the latest step in that mean
+# Before a request starts alone, the engine waits this long for another one (BatchEngine._arrival_within).
+SOLO_WAIT_S = 0.01
 
 
 class EngineClosed(RuntimeError):
@@ -241,6 +243,8 @@ class BatchEngine:
         if solo is not None and not alone:
             self._leave_solo(solo)
         row = self._rows[0]
+        if alone and row.solo is None and self._may_go_solo(row) and self._arrival_within(SOLO_WAIT_S):
+            return  # the next step admits it: the two start together
         if alone and (row.solo is not None or self._may_go_solo(row)):
             self._solo_step(row)
             return
@@ -260,6 +264,13 @@ class BatchEngine:
             self._pack(len(self._rows) - 1, slot)
 
     # -- a request alone: the pipeline's speculative decoder in its slot ------------------------------------------
+    def _arrival_within(self, seconds: float) -> bool:
+        """Whether another request is submitted within `seconds` (waiting for it): clients that start together
+        arrive a few milliseconds apart, and the first of them would otherwise start alone, its speculative decoder
+        prefilling its prompt and its draft reading it while the others wait for their slots."""
+        with self._wake:
+            return self._wake.wait_for(lambda: bool(self._waiting) or self._stopping, timeout=seconds)
+
     def _may_go_solo(self, row: _Row) -> bool:
         """An sd or mirror request that has not started, where requests have come one at a time: its whole
         generation can be the pipeline's own (from what the prefix cache holds of its prompt)."""

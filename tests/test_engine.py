@@ -78,6 +78,27 @@ def test_a_request_alone_speculates_and_hands_over_to_the_batch_when_another_arr
     assert 0 < result.stats.batched_steps < result.stats.new_tokens  # part alone, part in the batch
 
 
+def test_requests_arriving_together_start_together_none_alone(bundle_factory, monkeypatch):
+    """The first of two requests a moment apart does not start alone (its speculative decoder would prefill its
+    prompt while the second waits): the engine waits SOLO_WAIT_S for another arrival first (widened here so that the
+    test does not hang on the machine's timing). Both run every step batched, with their solo outputs."""
+    import mirror_sd.runtime.batching as batching
+
+    monkeypatch.setattr(batching, "SOLO_WAIT_S", 0.5)
+    pipe = Pipeline.load(bundle_factory("qwen3"), huge_pages=False)
+    try:
+        engine = pipe.engine()
+        first = engine.submit(*pipe.check(PROMPTS[4], mode="mirror", max_new_tokens=12, ignore_eos=True))
+        time.sleep(0.05)
+        second = engine.submit(*pipe.check(PROMPTS[0], mode="mirror", max_new_tokens=12, ignore_eos=True))
+        for request, prompt in ((first, PROMPTS[4]), (second, PROMPTS[0])):
+            result = request.wait()
+            assert result.token_ids == solo(pipe, prompt, max_new_tokens=12, ignore_eos=True)
+            assert result.stats.batched_steps == result.stats.new_tokens  # never alone
+    finally:
+        pipe.close()
+
+
 @pytest.mark.parametrize("mode", ["ar", "sd"])
 def test_sampled_rows_draw_what_the_target_alone_draws(pipelines, mode):
     """A sampled row in a batched step draws from the target's distribution with the random stream of its seed and
