@@ -13,6 +13,8 @@ import statistics
 import time
 from pathlib import Path
 
+from slot_packing_ab import alternate, flush, serving_point  # the same engine A/B harness (this folder)
+
 from mirror_sd.bench import serving
 from mirror_sd.bench.machine import describe_machine
 from mirror_sd.runtime.batching import BatchEngine
@@ -31,10 +33,7 @@ def shift_down(self) -> None:
 def point(pipe: Pipeline, clients: int, one_per_gap: bool, flush_tag: str) -> dict:
     BatchEngine._compact = ONE_PER_GAP if one_per_gap else shift_down
     engine = pipe.engine()
-    prompts = serving.serving_prompts()
-    indices = serving.point_prompts(serving.FULL, clients)
-    serving.closed_loop(lambda i: engine.submit(*pipe.check(f"{i} flush {flush_tag}", mode="ar",
-                                                              max_new_tokens=1)).wait(), engine.max_num_seqs, 8)
+    flush(pipe, flush_tag)
     counts = {"moves": 0, "moves_s": 0.0}
     swap = engine.kv.swap
 
@@ -46,14 +45,10 @@ def point(pipe: Pipeline, clients: int, one_per_gap: bool, flush_tag: str) -> di
 
     engine.kv.swap = counted
     try:
-        results, wall = serving.closed_loop(lambda i: engine.submit(*pipe.check(
-            list(prompts[indices[i]].messages), mode="ar", max_new_tokens=serving.FULL.max_tokens)).wait(),
-            len(indices), clients)
+        figures = serving_point(pipe, clients)
     finally:
         engine.kv.swap = swap
-    tokens = sum(len(r.token_ids) for r in results)
-    return {"clients": clients, "one_per_gap": one_per_gap, "requests": len(indices), "tokens": tokens,
-            "wall_s": wall, "tokens_per_s": tokens / wall, "token_ids": [r.token_ids for r in results], **counts}
+    return {"clients": clients, "one_per_gap": one_per_gap, **figures, **counts}
 
 
 def main() -> None:
@@ -63,19 +58,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     pipe = Pipeline.load(Path(args.bundle), max_num_seqs=serving.MAX_NUM_SEQS, max_context=serving.FULL.max_context)
-    runs = []
-    for clients in (16, 64):
-        for r in range(args.rounds):
-            for arm in ((False, True) if r % 2 == 0 else (True, False)):
-                runs.append(point(pipe, clients, arm, f"{clients}-{r}-{arm}"))
-                print(json.dumps({k: v for k, v in runs[-1].items() if k != "token_ids"}), flush=True)
+    runs = alternate(pipe, point, args.rounds)
     pipe.close()
     names = {False: "shift_down", True: "one_per_gap"}
     summary = {}
     for clients in (16, 64):
         arms = {a: [x for x in runs if x["clients"] == clients and x["one_per_gap"] == a] for a in (False, True)}
         first = arms[False][0]["token_ids"]
-        def median(key: str) -> dict:
+
+        def median(key: str, arms: dict = arms) -> dict:
             return {names[a]: statistics.median(x[key] for x in xs) for a, xs in arms.items()}
 
         summary[str(clients)] = {

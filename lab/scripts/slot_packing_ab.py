@@ -21,14 +21,42 @@ from mirror_sd.runtime.pipeline import Pipeline
 PACK = BatchEngine._pack
 
 
-def point(pipe: Pipeline, clients: int, packed: bool, flush_tag: str) -> dict:
-    BatchEngine._pack = PACK if packed else (lambda self, index, slot: None)
+def flush(pipe: Pipeline, tag: str) -> None:
+    """Every slot's cached prompt replaced, as the benchmark's flush does."""
+    engine = pipe.engine()
+    serving.closed_loop(lambda i: engine.submit(*pipe.check(f"{i} flush {tag}", mode="ar",
+                                                              max_new_tokens=1)).wait(), engine.max_num_seqs, 8)
+
+
+def serving_point(pipe: Pipeline, clients: int) -> dict:
+    """The serving section's point of `clients` clients through the engine, greedy ar: its figures and outputs."""
     engine = pipe.engine()
     prompts = serving.serving_prompts()
     indices = serving.point_prompts(serving.FULL, clients)
-    # every slot's cached prompt replaced, as the benchmark's flush does
-    serving.closed_loop(lambda i: engine.submit(*pipe.check(f"{i} flush {flush_tag}", mode="ar",
-                                                              max_new_tokens=1)).wait(), engine.max_num_seqs, 8)
+    results, wall = serving.closed_loop(lambda i: engine.submit(*pipe.check(
+        list(prompts[indices[i]].messages), mode="ar", max_new_tokens=serving.FULL.max_tokens)).wait(),
+        len(indices), clients)
+    tokens = sum(len(r.token_ids) for r in results)
+    return {"requests": len(indices), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "token_ids": [r.token_ids for r in results]}
+
+
+def alternate(pipe: Pipeline, point, rounds: int) -> list[dict]:
+    """point(pipe, clients, arm, tag) for arms False and True at 16 and 64 clients, the order of the two reversed
+    every other round; each run printed as it ends."""
+    runs = []
+    for clients in (16, 64):
+        for r in range(rounds):
+            for arm in ((False, True) if r % 2 == 0 else (True, False)):
+                runs.append(point(pipe, clients, arm, f"{clients}-{r}-{arm}"))
+                print(json.dumps({k: v for k, v in runs[-1].items() if k != "token_ids"}), flush=True)
+    return runs
+
+
+def point(pipe: Pipeline, clients: int, packed: bool, flush_tag: str) -> dict:
+    BatchEngine._pack = PACK if packed else (lambda self, index, slot: None)
+    engine = pipe.engine()
+    flush(pipe, flush_tag)
     counts = {"decode_rows": 0, "decode_runs": 0, "decode_s": 0.0, "prefill_s": 0.0}
     run = engine.batch.run
 
@@ -44,14 +72,10 @@ def point(pipe: Pipeline, clients: int, packed: bool, flush_tag: str) -> dict:
 
     engine.batch.run = counted
     try:
-        results, wall = serving.closed_loop(lambda i: engine.submit(*pipe.check(
-            list(prompts[indices[i]].messages), mode="ar", max_new_tokens=serving.FULL.max_tokens)).wait(),
-            len(indices), clients)
+        figures = serving_point(pipe, clients)
     finally:
         engine.batch.run = run
-    tokens = sum(len(r.token_ids) for r in results)
-    return {"clients": clients, "packed": packed, "requests": len(indices), "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall, "token_ids": [r.token_ids for r in results], **counts}
+    return {"clients": clients, "packed": packed, **figures, **counts}
 
 
 def main() -> None:
@@ -61,12 +85,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     pipe = Pipeline.load(Path(args.bundle), max_num_seqs=serving.MAX_NUM_SEQS, max_context=serving.FULL.max_context)
-    runs = []
-    for clients in (16, 64):
-        for r in range(args.rounds):
-            for packed in ((False, True) if r % 2 == 0 else (True, False)):
-                runs.append(point(pipe, clients, packed, f"{clients}-{r}-{packed}"))
-                print(json.dumps({k: v for k, v in runs[-1].items() if k != "token_ids"}), flush=True)
+    runs = alternate(pipe, point, args.rounds)
     pipe.close()
     summary = {}
     for clients in (16, 64):
