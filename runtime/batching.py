@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from mirror_sd.errors import BadInputError
-from mirror_sd.partitions.plan_file import DRAFT_MODES
+from mirror_sd.partitions.plan_file import DRAFT_MODES, MODES
 from mirror_sd.runtime.batch_target import BatchTarget, Row
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.kv import common_prefix
@@ -62,7 +62,7 @@ MAX_FILLER_ROWS = 8
 # A fresh prompt joins an older one's prefill run where padding it to that row's width wastes at most this share of
 # its run (docs/design.md: "Several tokens per row only without a past").
 MAX_PADDING = 0.2
-SPECULATIVE_MODES = ("lookup", "sd", "mirror")
+SPECULATIVE_MODES = tuple(m for m in MODES if m != "ar")  # every mode but the target alone
 # A request alone speculates only where the engine has been running one request at a time of late (its recent mean
 # of requests per step below this): under many clients one is alone only for moments, and starting and stopping the
 # speculative decoder there costs more than it gains.
@@ -243,9 +243,9 @@ class BatchEngine:
         if solo is not None and not alone:
             self._leave_solo(solo)
         row = self._rows[0]
-        if alone and row.solo is None and self._may_go_solo(row) and self._arrival_within(SOLO_WAIT_S):
-            return  # the next step admits it: the two start together
         if alone and (row.solo is not None or self._may_go_solo(row)):
+            if row.solo is None and self._arrival_within(SOLO_WAIT_S):
+                return  # the next step admits it: the two start together
             self._solo_step(row)
             return
         self._prefill_step()

@@ -590,13 +590,11 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         alone = pipes.get((cores, pipe.draft_threads)) or load(cores, pipe.draft_threads)
         alone.generate(prompts[0], mode="ar", max_new_tokens=4)  # warm-up
         runtime = GenerationConfig()
-        as_run = dict(mode="mirror", gamma=gamma, kappa=c.kappa, branch_budget=branch_budget, **confidence,
-                      adaptive_speculation=runtime.adaptive_speculation,
-                      prompt_lookup_num_tokens=runtime.prompt_lookup_num_tokens)
-        lookup = dict(mode="lookup", adaptive_speculation=runtime.adaptive_speculation,
-                      prompt_lookup_num_tokens=runtime.prompt_lookup_num_tokens)
-        runs = _alternating({"mirror": (pipe, as_run), "ar": (alone, dict(mode="ar")), "lookup": (alone, lookup)},
-                            prompts, options.max_new_tokens)
+        gates = dict(adaptive_speculation=runtime.adaptive_speculation,
+                     prompt_lookup_num_tokens=runtime.prompt_lookup_num_tokens)  # as a generation runs them
+        as_run = dict(mode="mirror", gamma=gamma, kappa=c.kappa, branch_budget=branch_budget, **confidence, **gates)
+        runs = _alternating({"mirror": (pipe, as_run), "ar": (alone, dict(mode="ar")),
+                             "lookup": (alone, dict(mode="lookup", **gates))}, prompts, options.max_new_tokens)
         by_mode = {name: _ratio(stats, "new_tokens", "wall_s") for name, stats in runs.items()}
         report("  as generations run (prefill included): " + ", ".join(
             f"{n} {v:.1f} tok/s" for n, v in by_mode.items()) + f" (ar and lookup at {cores} target threads)")
