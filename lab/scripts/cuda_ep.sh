@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA execution provider figures (results/cuda-ep.json; lab/scripts/cuda_ep.py says what is measured).
 # Runs on the GPU machine once every part of the payload lies in $PARTS (payload.part*, carried one per call: what
-# one call carries is at most 64 MiB), from the last folder, which holds repo.tar.xz, this script, cuda_ep.py and
-# cuda_graph_probe.py (PROBE_ONLY=1: the exports and the CUDA graph probe only).
+# one call carries is at most 64 MiB), from the last folder, which holds repo.tar.xz, this script, cuda_ep.py,
+# cuda_graph_probe.py and gpu_serving.py (PROBE_ONLY=1: the exports and the CUDA graph probe only).
 # The payload, built on the CPU machine by lab/scripts/cuda_ep_payload.sh:
 #   site.tar.xz  onnxruntime-gpu 1.31.1 (CUDA 13; its TensorRT provider left out), openvino 2026.4.1 (CPU plugin and
 #                the ONNX / IR frontends only), openvino-telemetry, gguf: cp312 wheels unpacked, for PYTHONPATH;
@@ -51,6 +51,14 @@ timeout 300 python3 "$HERE/cuda_graph_probe.py" --bundle bundle-float16 --out "$
     > "$OUT/cuda-graph-probe.log" 2>&1
 echo "exit $?" >> "$OUT/cuda-graph-probe.log"
 [ "${PROBE_ONLY:-0}" = 1 ] && exit 0
+# many clients at once: the batching engine on CUDA beside transformers' batched generate (gpu_serving.py says what
+# it measures; SERVING=0 leaves it out, SERVING_ONLY=1 stops after it)
+if [ "${SERVING:-1}" = 1 ]; then
+    timeout 420 python3 "$HERE/gpu_serving.py" --bundle bundle-float16 --hf target --minutes 5 \
+        --out "$OUT/gpu-serving.json" > "$OUT/gpu-serving.log" 2>&1
+    echo "exit $?" >> "$OUT/gpu-serving.log"
+fi
+[ "${SERVING_ONLY:-0}" = 1 ] && exit 0
 python3 "$HERE/cuda_ep.py" "${ARGS[@]}" --out "$OUT/cuda-ep.json" --minutes "$MINUTES" "$@" \
     > "$OUT/cuda-ep.log" 2>&1
 echo "exit $?" >> "$OUT/cuda-ep.log"

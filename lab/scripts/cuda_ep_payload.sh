@@ -40,5 +40,5 @@ for part in "$STAGE"/payload.part*; do
     i=$((i + 1))
 done
 mkdir -p "$STAGE/c$i" && cp "$TMP/repo.tar.xz" lab/scripts/cuda_ep.sh lab/scripts/cuda_ep.py \
-    lab/scripts/cuda_graph_probe.py "$STAGE/c$i/"
+    lab/scripts/cuda_graph_probe.py lab/scripts/gpu_serving.py "$STAGE/c$i/"
 du -sh "$STAGE"/c*
