@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.plan_file import DRAFT_MODES, PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
+from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.backends import default_openvino_device, on_cpu, usable_cores
 from mirror_sd.runtime.batching import BatchEngine
 from mirror_sd.runtime.config import BUILTIN_THREADS, GenerationConfig, LoadOptions, specs
@@ -196,6 +197,13 @@ class Pipeline:
                 slots = slots_for(self.manifest, self.target.slots, o.max_num_seqs, o.kv_cache_gb)
                 self._engine = BatchEngine(self, slots)
             return self._engine
+
+    def generate_async(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides: Any
+                       ) -> AsyncRequest:
+        """`prompt` on the batching engine, for asyncio code: `async for` the request for its Chunks, or `await
+        request.wait()` for the result (runtime/async_requests.py). Checked here, as generate checks; submitted when
+        first awaited."""
+        return AsyncRequest(self.engine(), *self.check(prompt, config, **overrides))
 
     def close(self) -> None:
         """Stop the batching engine, if one runs (its requests end with EngineClosed)."""

@@ -47,8 +47,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mirror_sd.errors import BadInputError, ContextLimitError
+from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.batching import BatchEngine, Finished
-from mirror_sd.runtime.batching import Request as EngineRequest
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.pipeline import Pipeline
@@ -103,7 +103,7 @@ class Generations:
 
     def __init__(self, engine: BatchEngine, settings: ServerSettings, metrics: Metrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
-        self.active: set[EngineRequest] = set()
+        self.active: set[AsyncRequest] = set()
 
     def check_room(self, need: int = 1) -> None:
         """429 when `need` more requests (a request's n choices) would not fit in the slots and max_queue places
@@ -119,10 +119,7 @@ class Generations:
         passes while it waits for a slot; past the deadline once running, or when the caller is cancelled (the client
         went away), the engine stops it at its next step."""
         self.check_room()
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        request = self.engine.submit(job.ids, job.config, listener=lambda ev: loop.call_soon_threadsafe(
-            events.put_nowait, ev))
+        request = AsyncRequest(self.engine, job.ids, job.config)
         self.active.add(request)
         self._gauges()
         texts, ids = [], []
@@ -132,13 +129,13 @@ class Generations:
             while True:
                 timeout = job.deadline - time.monotonic()
                 try:
-                    event = await asyncio.wait_for(events.get(), timeout=max(timeout, 0.0)) if why is None \
-                        else await events.get()
+                    event = await asyncio.wait_for(request.next_event(), timeout=max(timeout, 0.0)) \
+                        if why is None else await request.next_event()
                 except asyncio.TimeoutError:
                     why = "deadline"
                     request.cancel()
                     self.metrics.cancelled.labels("deadline").inc()
-                    if request.admitted is None:
+                    if not request.admitted:
                         raise p.ApiError(503, "the request timed out waiting in the queue", "server_busy",
                                          code="queue_timeout",
                                          headers={"Retry-After": str(self.settings.retry_after_s)}) from None

@@ -3,11 +3,13 @@
 Greedy outputs under batching equal the prompt's solo output for every architecture, whatever the arrival order,
 prompt lengths, modes and cancellations around them; sampled rows draw the same random stream per position as a
 generation of the target alone, so they equal it too (and are distributed as the target's tokens). The prefix cache
-spares a repeated prompt head without changing a token; the KV memory stays within its budget.
+spares a repeated prompt head without changing a token; the KV memory stays within its budget. asyncio code gets
+the same generations as async iterators, and one that stops reading stops its generation.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -15,7 +17,7 @@ import pytest
 from conftest import ARCHITECTURES
 
 from mirror_sd.errors import BadInputError, ContextLimitError
-from mirror_sd.runtime.batching import EngineClosed
+from mirror_sd.runtime.batching import EngineClosed, Finished
 from mirror_sd.runtime.kv_slots import MIN_CACHED_PREFIX, slot_bytes
 from mirror_sd.runtime.pipeline import Pipeline
 
@@ -255,3 +257,55 @@ def test_a_row_leaving_below_others_costs_one_kv_move(bundle_factory):
         assert outputs == [solo(pipe, p, max_new_tokens=n, ignore_eos=True) for p, n in prompts]
     finally:
         pipe.close()
+
+
+def test_asyncio_code_gets_each_generation_as_an_async_iterator(pipelines):
+    pipe = pipelines["llama"]
+
+    async def collect(prompt, mode: str) -> tuple[str, list[int]]:
+        request = pipe.generate_async(prompt, mode=mode, max_new_tokens=12)
+        text = "".join([chunk.text async for chunk in request])
+        assert request.result.text == text
+        return text, request.result.token_ids
+
+    async def main() -> list[tuple[str, list[int]]]:
+        return await asyncio.gather(*(collect(p, m) for p, m in zip(PROMPTS, ["ar", "sd", "mirror", "lookup"])))
+
+    got = asyncio.run(main())
+    assert [ids for _, ids in got] == [solo(pipe, p) for p in PROMPTS[:4]]
+    with pytest.raises(BadInputError, match="max_new_tokens"):  # checked before anything is submitted
+        asyncio.run(pipe.generate_async("x", max_new_tokens=0).wait())
+
+
+def test_asyncio_code_that_stops_reading_stops_its_generation(pipelines):
+    pipe = pipelines["llama"]
+
+    async def finish_reason(request) -> str:
+        """What the engine said last of a request nobody iterates any more."""
+        while not isinstance(event := await asyncio.wait_for(request.next_event(), 30), Finished):
+            pass
+        return event.result.finish_reason
+
+    async def leave_early() -> str:
+        request = pipe.generate_async("keep going", mode="ar", max_new_tokens=400, ignore_eos=True)
+        async for _ in request:
+            break  # the loop's exit closes the iterator: the engine stops the request
+        return await finish_reason(request)
+
+    async def cancel_the_task() -> str:
+        request = pipe.generate_async("keep going too", mode="ar", max_new_tokens=400, ignore_eos=True)
+        started = asyncio.Event()
+
+        async def read() -> None:
+            async for _ in request:
+                started.set()
+
+        task = asyncio.create_task(read())
+        await started.wait()
+        task.cancel()  # a client gone: its task is cancelled mid-iteration
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await finish_reason(request)
+
+    assert asyncio.run(leave_early()) == "cancelled"
+    assert asyncio.run(cancel_the_task()) == "cancelled"
