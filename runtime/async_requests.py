@@ -15,14 +15,11 @@ at the engine's next step, as `cancel()` does.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
-from mirror_sd.runtime.batching import Finished, Request
+from mirror_sd.runtime.batching import BatchEngine, Finished, Request
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.result import Chunk, GenerationResult
-
-if TYPE_CHECKING:
-    from mirror_sd.runtime.batching import BatchEngine
 
 
 class AsyncRequest:
