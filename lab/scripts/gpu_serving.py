@@ -279,31 +279,23 @@ def main() -> int:
                    "token_ids": {str(i): t for i, t in expected.items()}}
     log("solo", len(wanted), "requests in", round(doc["solo"]["seconds"], 1), "s")
     save()
-    sections = args.sections.split(",")
-    try:
-        if "engine" in sections:
-            engine_points(pipe, ids, expected, clients_list, args.max_tokens, args.requests, deadline, doc, save)
-    except Exception:
-        doc["errors"].append(f"engine: {traceback.format_exc()}")
-        log(doc["errors"][-1])
-    save()
-    try:
-        if "transformers" in sections:
-            eos = list(pipe.manifest.tokenizer.eos_token_ids)
-            transformers_points(args.hf, args.device, ids, expected, eos, clients_list, args.max_tokens,
-                                args.requests, deadline, doc, save)
-    except Exception:
-        doc["errors"].append(f"transformers: {traceback.format_exc()}")
-        log(doc["errors"][-1])
-    save()
-    try:
-        if "transformers_single" in sections:
-            transformers_single(pipe, args.hf, args.device, [int(x) for x in args.lengths.split(",")], args.prompts,
-                                args.max_tokens, args.compile, args.assistant, args.gamma, deadline, doc, save)
-    except Exception:
-        doc["errors"].append(f"transformers_single: {traceback.format_exc()}")
-        log(doc["errors"][-1])
-    save()
+    eos = list(pipe.manifest.tokenizer.eos_token_ids)
+    runs = {
+        "engine": lambda: engine_points(pipe, ids, expected, clients_list, args.max_tokens, args.requests, deadline,
+                                        doc, save),
+        "transformers": lambda: transformers_points(args.hf, args.device, ids, expected, eos, clients_list,
+                                                    args.max_tokens, args.requests, deadline, doc, save),
+        "transformers_single": lambda: transformers_single(
+            pipe, args.hf, args.device, [int(x) for x in args.lengths.split(",")], args.prompts, args.max_tokens,
+            args.compile, args.assistant, args.gamma, deadline, doc, save),
+    }
+    for name in args.sections.split(","):
+        try:  # a section that fails is recorded; the next one still runs
+            runs[name]()
+        except Exception:
+            doc["errors"].append(f"{name}: {traceback.format_exc()}")
+            log(doc["errors"][-1])
+        save()
     return 0
 
 
