@@ -33,15 +33,15 @@ class AsyncRequest:
         self._cancelled = False
         self.result: GenerationResult | None = None
 
-    def _submitted(self) -> Request:
-        """The engine's request, submitted on the first call (in the running loop, which then gets its events)."""
+    def submit(self) -> None:
+        """Hand the request to the engine now, from the running loop (which then gets its events); the first await
+        does it otherwise. A caller that checked the engine's room submits at once, before another task runs."""
         if self._request is None:
             loop = asyncio.get_running_loop()
             self._request = self._engine.submit(self._ids, self._config, listener=lambda event: (
                 loop.call_soon_threadsafe(self._events.put_nowait, event)))
             if self._cancelled:
                 self._request.cancel()
-        return self._request
 
     @property
     def admitted(self) -> bool:
@@ -56,7 +56,7 @@ class AsyncRequest:
 
     async def next_event(self) -> Chunk | Finished:
         """The next event as the engine sent it: a Chunk, then one Finished (for callers that time each wait)."""
-        self._submitted()
+        self.submit()
         return await self._events.get()
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:

@@ -120,6 +120,7 @@ class Generations:
         went away), the engine stops it at its next step."""
         self.check_room()
         request = AsyncRequest(self.engine, job.ids, job.config)
+        request.submit()  # now: the room was checked for it, and the gauges count it
         self.active.add(request)
         self._gauges()
         texts, ids = [], []
