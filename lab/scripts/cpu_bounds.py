@@ -148,6 +148,8 @@ def _is_step(run: dict, nodes: list[dict]) -> bool:
 
 
 def prefill_16_clients(bundle: Path, genai_dir: Path | None) -> dict:
+    from slot_packing_ab import flush  # the benchmark's flush, run on the engine (this folder)
+
     from mirror_sd.bench import serving
     from mirror_sd.runtime.batch_target import Row
     from mirror_sd.runtime.pipeline import Pipeline
@@ -164,10 +166,6 @@ def prefill_16_clients(bundle: Path, genai_dir: Path | None) -> dict:
         for k in range(0, len(by_length), size):
             batch.run([Row(j, tuple(x), 0, 0) for j, x in enumerate(by_length[k:k + size])])
 
-    def flush(tag: str) -> None:  # every slot's cached prompt replaced: the point's prompts start from nothing
-        serving.closed_loop(lambda i: engine.submit(*pipe.check(f"{i} flush {tag}", mode="ar",
-                                                                  max_new_tokens=1)).wait(), engine.max_num_seqs, 8)
-
     def engine_point() -> None:
         serving.closed_loop(lambda i: engine.submit(*pipe.check(list(prompts[indices[i]].messages), mode="ar",
                                                                   max_new_tokens=1)).wait(), len(indices), 16)
@@ -177,8 +175,8 @@ def prefill_16_clients(bundle: Path, genai_dir: Path | None) -> dict:
     times: dict[str, list[float]] = collections.defaultdict(list)
     for r in range(3):
         for name, f in arms.items():
-            if name == "engine_s":
-                flush(str(r))
+            if name == "engine_s":  # every slot's cached prompt replaced: the point's prompts start from nothing
+                flush(pipe, str(r))
             start = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - start)

@@ -45,10 +45,6 @@ def requests_for(clients: int, count: int | None) -> list[int]:
     return indices[:count] if count else indices
 
 
-def solo(pipe, ids: list[list[int]], max_tokens: int) -> list[list[int]]:
-    return [pipe.generate(x, mode="ar", max_new_tokens=max_tokens, temperature=0.0).token_ids for x in ids]
-
-
 def margin(pipe, prompt: list[int], answer: list[int], at: int) -> float:
     """The solo target's top-2 logit gap at the answer's position `at` (how near a tie the tokens split)."""
     import numpy as np
@@ -273,8 +269,8 @@ def main() -> int:
     wanted = sorted({i for c in clients_list for i in requests_for(c, args.requests)})
     ids = {i: serving.prompt_ids(pipe.codec, prompts[i].messages) for i in wanted}
     start = time.perf_counter()
-    tokens = solo(pipe, [ids[i] for i in wanted], args.max_tokens)
-    expected = dict(zip(wanted, tokens))
+    references = serving.solo_references(pipe, [prompts[i] for i in wanted], args.max_tokens)
+    expected = {i: e.token_ids for i, e in zip(wanted, references)}
     doc["solo"] = {"requests": len(wanted), "seconds": time.perf_counter() - start,
                    "token_ids": {str(i): t for i, t in expected.items()}}
     log("solo", len(wanted), "requests in", round(doc["solo"]["seconds"], 1), "s")
