@@ -44,8 +44,10 @@ def on_cpu(device: str) -> bool:
     return device in ("CPU", "CPUExecutionProvider")
 
 
-def ort_session(path: str | Path, providers: list[str] | None = None, threads: int = 1, spinning: bool | None = None):
-    """An ORT InferenceSession on the first usable provider in `providers` (default CUDA then CPU).
+def ort_session(path: str | Path | bytes, providers: list[str] | None = None, threads: int = 1,
+                spinning: bool | None = None, data_folder: Path | None = None):
+    """An ORT InferenceSession on the first usable provider in `providers` (default CUDA then CPU), of the graph at
+    `path` or of a serialized graph (bytes; its external weights, if any, in `data_folder`).
 
     onnxruntime-gpu lists CUDA as available even without a GPU and falls back to CPU with only a log line, so the
     caller reads the provider from `session.get_providers()[0]`, never from what it asked for.
@@ -73,7 +75,10 @@ def ort_session(path: str | Path, providers: list[str] | None = None, threads: i
         # A CUDA build without a usable GPU logs its failed provider load on the default logger; the fallback is
         # detected and reported by the caller instead.
         ort.set_default_logger_severity(4)
-    session = ort.InferenceSession(str(path), sess_options=opts, providers=usable)
+    if data_folder is not None:
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(data_folder))
+    source = path if isinstance(path, bytes) else str(path)
+    session = ort.InferenceSession(source, sess_options=opts, providers=usable)
     if session.get_providers()[0] != providers[0]:
         log.info("ONNX Runtime asked for %s, runs on %s", providers[0], session.get_providers()[0])
     return session

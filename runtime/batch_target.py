@@ -6,6 +6,10 @@ its T new ones in place, so rows at different lengths share a step. A run binds 
 [B, kv_heads, positions, head_dim] view; rows with fewer new tokens than the widest are padded after their own, and
 the padding's keys land past the row's length, where the row's next step overwrites them. The pipeline's single
 generation and these steps run the same sessions (the target's weights are loaded once).
+
+`run_windows` runs a step in which rows have windows of several tokens after a past, which the graphs above refuse
+at batch > 1 (GroupQueryAttention's CPU kernel): on the window graphs (runtime/window_graphs.py), whose attention
+runs per row over that row's own slot, bound per row.
 """
 
 from __future__ import annotations
@@ -15,9 +19,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from mirror_sd.partitions.manifest import BOUNDARY
-from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH
+from mirror_sd.partitions.spec import (
+    KEEP,
+    SEQLENS,
+    TOTAL_LENGTH,
+    PartitionSpec,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
+)
 from mirror_sd.runtime.kv_slots import KVSlots
 from mirror_sd.runtime.target import OrtTarget, _Bound, ort_device
+from mirror_sd.runtime.window_graphs import ROW_TOKENS, row_name
 
 
 @dataclass(frozen=True)
@@ -33,7 +47,8 @@ class Row:
 class BatchTarget:
     """The target's prefix and suffix over rows of the engine's KV slots."""
 
-    def __init__(self, target: OrtTarget, slots: KVSlots) -> None:
+    def __init__(self, target: OrtTarget, slots: KVSlots, window_rows: int = 0) -> None:
+        """window_rows: rows of a `run_windows` step (0: none; the window graphs load the weights again)."""
         if slots.positions != target.slots:
             raise ValueError(f"KV slots of {slots.positions} positions do not fit a target of {target.slots}")
         self.slots = slots
@@ -44,6 +59,10 @@ class BatchTarget:
         self._bound: dict[str, _Bound] = {}
         for role, (session, spec) in target.sessions.items():
             self._bound[role] = _Bound(session, spec, slots.views(0, 1))
+        self.window_rows = window_rows if window_rows > 1 else 0
+        self._windows = {role: _RowBound(session, spec, self.window_rows)
+                         for role, (session, spec) in target.window_sessions(self.window_rows).items()
+                         } if self.window_rows else {}
         self.forwards = 0  # runs of prefix + suffix
         self.rows_run = 0  # rows those runs computed (padding rows of a run not counted)
 
@@ -86,6 +105,69 @@ class BatchTarget:
             end = keep - (width - len(r.ids))  # the row's last real token, within the kept positions
             out.append(logits[b, end - r.logits_for:end] if r.logits_for else None)
         return out
+
+
+    def run_windows(self, rows: list[Row]) -> list[np.ndarray | None]:
+        """One run of exactly `window_rows` rows in distinct slots, each row's tokens after its own past (any
+        number, at least one); per row the logits [logits_for, V] of its last tokens, or None. Rows asking for no
+        logits go first in the packed sequence, so that the LM head skips them."""
+        if len(rows) != self.window_rows:
+            raise ValueError(f"a window step runs {self.window_rows} rows, not {len(rows)}")
+        if len({r.slot for r in rows}) != len(rows):
+            raise ValueError("two rows of a window step in one slot")
+        for r in rows:
+            if not r.ids or r.start + len(r.ids) > self.slots.positions:
+                raise ValueError(f"slot {r.slot}: {r.start} + {len(r.ids)} positions exceed its {self.slots.positions}")
+        order = sorted(range(len(rows)), key=lambda i: rows[i].logits_for > 0)
+        packed = [rows[i] for i in order]
+        counts = np.array([len(r.ids) for r in packed], np.int64)
+        ids = np.array([[t for r in packed for t in r.ids]], np.int64)
+        total = np.array([r.start + len(r.ids) for r in packed], np.int32)
+        lengths = {SEQLENS: total - 1, TOTAL_LENGTH: np.array(total.max(), np.int32), ROW_TOKENS: counts}
+        wanted = [i for i, r in enumerate(packed) if r.logits_for]
+        keep = int(counts[wanted[0]:].sum()) if wanted else 1
+        prefix, suffix = self._windows["target_prefix"], self._windows["target_suffix"]
+        for bound in (prefix, suffix):
+            bound.bind_rows([r.slot for r in packed], self.slots)
+        hidden, _taps = prefix.run({"input_ids": ids, **lengths}, self._device)
+        logits = suffix.run({BOUNDARY: hidden, KEEP: np.array([keep], np.int64), **lengths}, ("cpu", 0))[0].numpy()[0]
+        self.forwards += 1
+        self.rows_run += len(wanted)
+        out: list[np.ndarray | None] = [None] * len(rows)
+        end = ids.shape[1]
+        for i in reversed(range(len(packed))):  # the kept positions are the last `keep`, row by row from the end
+            r = packed[i]
+            if r.logits_for:
+                stop = keep - (ids.shape[1] - end)
+                out[order[i]] = logits[stop - r.logits_for:stop]
+            end -= len(r.ids)
+        return out
+
+
+class _RowBound(_Bound):
+    """A window graph's session: each row's KV inputs and outputs bound to that row's slot, rebound only where the
+    slot at a row changed since the last run."""
+
+    def __init__(self, session, spec: PartitionSpec, rows: int) -> None:
+        self.rows = [-1] * rows  # the slot each row is bound to
+        super().__init__(session, spec, {})
+
+    def bind_kv(self, buffers: dict[str, object]) -> None:  # per row instead: bind_rows
+        pass
+
+    def bind_rows(self, slots: list[int], kv: KVSlots) -> None:
+        for r, slot in enumerate(slots):
+            if self.rows[r] == slot:
+                continue
+            views = kv.views(slot, slot + 1)
+            for i in self.spec.kv_layers:
+                for past, present in ((past_key_name(i), present_key_name(i)),
+                                      (past_value_name(i), present_value_name(i))):
+                    view = views[past]
+                    args = (*view.device, view.dtype, view.shape, view.address)
+                    self.binding.bind_input(row_name(past, r), *args)
+                    self.binding.bind_output(row_name(present, r), *args)
+            self.rows[r] = slot
 
 
 def _consecutive(order: list[int], rows: list[Row]) -> list[list[int]]:

@@ -19,7 +19,9 @@ One step of the engine, in its thread:
   3. otherwise, one run over the prompt tokens still to prefill (all but each prompt's last, chunked so that the
      running generations keep flowing), then one run of every generation's next token (a prompt's last token
      among them): its logits, each request's own sampling (the same random stream per position as a generation
-     alone), stop strings, EOS and max_new_tokens;
+     alone), stop strings, EOS and max_new_tokens. Up to `window_rows` greedy speculative requests (lookup, sd,
+     mirror) verify a window copied from their own text (prompt lookup) in that run, each row as many tokens as it
+     has (`_window_step`), where a gate per batch size measured such steps faster than plain ones;
   4. finished and cancelled requests leave their slots, which keep their tokens' KV as a cached prefix.
 Greedy output is the request's solo output token for token: every row of a batched step is computed as it would be
 alone (tests/test_engine.py), and the speculative decoder is exact by construction.
@@ -40,14 +42,17 @@ from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import DRAFT_MODES, MODES
 from mirror_sd.runtime.batch_target import BatchTarget, Row
 from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.gate import SpeculationGate
 from mirror_sd.runtime.kv import common_prefix
 from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable, worth_reusing
 from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
+from mirror_sd.runtime.proposers import PromptLookup
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
 from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import PREFILL_CHUNK, OrtTarget, ort_device
 from mirror_sd.runtime.text import TextSink
+from mirror_sd.runtime.verify import greedy_accept
 
 if TYPE_CHECKING:  # the pipeline makes its engine: a type only, never an import at run time
     from mirror_sd.runtime.pipeline import Pipeline
@@ -144,6 +149,7 @@ class _Row:
     looked_for_head: bool = False  # whether another slot's copy of its prompt's head was sought (once, before prefill)
     batch_rows: list[int] = field(default_factory=list)  # rows of each batched step it took part in
     scores: list[TokenLogprob | None] = field(default_factory=list)  # each new token's logprob (config.logprobs)
+    copies: PromptLookup | None = None  # windows copied from its text, where it speculates greedily
 
     @property
     def prompt_len(self) -> int:
@@ -157,14 +163,19 @@ class _Row:
 class BatchEngine:
     """Continuous batching over a pipeline's target (ONNX Runtime only), in a thread of its own."""
 
-    def __init__(self, pipe: Pipeline, max_num_seqs: int) -> None:
+    def __init__(self, pipe: Pipeline, max_num_seqs: int, window_rows: int = 0) -> None:
+        """window_rows: rows of a step verifying copied windows (`_window_step`; LoadOptions.window_rows), at most
+        max_num_seqs; 0 or 1: none."""
         if not isinstance(pipe.target, OrtTarget):
             raise BadInputError("the batching engine runs the target on ONNX Runtime only (target_backend "
                                 "onnxruntime)", option="target_backend")
         self.pipe = pipe
         self.kv = KVSlots(pipe.manifest, max_num_seqs, pipe.target.slots, ort_device(pipe.target.device))
         self.table = SlotTable(max_num_seqs)
-        self.batch = BatchTarget(pipe.target, self.kv)
+        # windows at batch > 1 on the CPU only: a GPU's float16 kernels round by step width (Target.step_width)
+        on_cpu = pipe.target.device == "CPUExecutionProvider"
+        self.batch = BatchTarget(pipe.target, self.kv, min(window_rows, max_num_seqs) if on_cpu else 0)
+        self._window_gates: dict[int, SpeculationGate] = {}  # per count of rows: window steps against plain ones
         self._waiting: deque[Request] = deque()
         self._rows: list[_Row] = []
         self._wake = threading.Condition()
@@ -259,8 +270,11 @@ class BatchEngine:
             request.admitted = time.perf_counter()
             cfg = request.config
             sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens)
+            copies = None
+            if cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and cfg.params.greedy and self.batch.window_rows:
+                copies = PromptLookup(cfg, self.pipe.target.window_ceiling)
             self._rows.append(_Row(request, slot, list(request.ids), cached, sink, Recorder(cfg.trace), cached,
-                                   time.perf_counter()))
+                                   time.perf_counter(), copies=copies))
             self._pack(len(self._rows) - 1, slot)
 
     # -- a request alone: the pipeline's speculative decoder in its slot ------------------------------------------
@@ -352,23 +366,105 @@ class BatchEngine:
         row.kv_len = row.cached = length
 
     def _decode_step(self) -> None:
-        """Every row whose next input is one token: that token in, the next one out."""
+        """Every row whose next input is one token: that token in, the next one out; or, where rows have windows
+        copied from their texts and the gate for this many rows prefers it, a window step."""
         rows = [r for r in self._rows if not r.prefilling and r.solo is None]
         if not rows:
             return
+        self.last_batch = len(rows)
+        gate = self._window_gates.setdefault(len(rows), SpeculationGate()) if len(rows) <= self.batch.window_rows \
+            else None
+        windows = self._windows(rows) if gate is not None else []
+        started = time.perf_counter()
+        spares = self._spares(rows) if any(windows) else None
+        if spares is not None and gate.speculate():
+            committed = self._window_step(rows, windows, spares)
+            gate.record(True, committed, time.perf_counter() - started)
+            return
         inputs = [Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows]
         logits = self.batch.run(inputs + self._fillers(inputs))
-        self.last_batch = len(rows)
         for row, out in zip(rows, logits):
-            cfg = row.request.config
-            params = cfg.params
-            position = len(row.context)
-            token = choose(out[-1], params, None if params.greedy else rng_for(params, TARGET_STREAM, position))
             row.kv_len += 1
-            row.rec.counts.target_steps += 1
-            row.batch_rows.append(len(rows))
-            score = token_logprobs(out[-1:], (token,), cfg.logprobs)[0] if cfg.logprobs is not None else None
-            self._commit(row, token, score)
+            self._count_step(row, len(rows))
+            self._commit_chosen(row, out[-1:])
+        if gate is not None:
+            gate.record(False, len(rows), time.perf_counter() - started)
+
+    def _windows(self, rows: list[_Row]) -> list[tuple[int, ...]]:
+        """Each row's window copied from its text (prompt lookup; () where it has none), within its slot and what
+        it may still commit."""
+        out = []
+        for row in rows:
+            window = None
+            if row.copies is not None:
+                room = min(row.request.config.max_new_tokens - (len(row.context) - row.prompt_len),
+                           self.kv.positions - row.kv_len) - 1
+                window = row.copies.propose(row.context, room) if room > 0 else None
+            out.append(window.tokens if window is not None else ())
+        return out
+
+    def _window_step(self, rows: list[_Row], windows: list[tuple[int, ...]], spares: list[Row]) -> int:
+        """Every row's last token and its window in one run (BatchTarget.run_windows), spare slots taking a token
+        each where fewer rows run than the step has (`_spares`); each row commits the target's tokens up to its first
+        disagreement with its window (runtime/verify.py), as a generation alone verifies a copied window. The
+        tokens committed."""
+        inputs = [Row(r.slot.index, (r.context[-1], *w), r.kv_len, 1 + len(w)) for r, w in zip(rows, windows)]
+        logits = self.batch.run_windows(inputs + spares)
+        committed = 0
+        for row, window, out in zip(rows, windows, logits):
+            self._count_step(row, len(rows))
+            c = row.rec.counts
+            if not window:  # a row without a window: its one token, as in a plain step
+                row.kv_len += 1
+                self._commit_chosen(row, out[:1])
+                committed += 1
+                continue
+            verdict = greedy_accept(window, out)
+            c.lookup_steps += 1
+            c.proposed += len(window)
+            c.lookup_proposed += len(window)
+            c.accepted += verdict.accepted
+            c.lookup_accepted += verdict.accepted
+            c.rejected += verdict.accepted < len(window)
+            row.copies.accepted(len(window), verdict.accepted)
+            for j, token in enumerate(verdict.committed(window)):
+                row.kv_len = len(row.context)  # the KV of every token before this one is the row's now
+                self._commit(row, token, self._score(row, out[j:j + 1], token))
+                committed += 1
+                if row not in self._rows:  # finished (EOS, a stop string, max_new_tokens): the rest is dropped
+                    break
+        return committed
+
+    def _spares(self, rows: list[_Row]) -> list[Row] | None:
+        """A token each for slots outside the step, so that a window step has its rows (logits unused): written at
+        the slot's valid length, as a filler row's (past a prefilling request's KV, or a cached prefix), where
+        nothing is read before it is written again. None where too few slots have room for one."""
+        valid = {r.slot.index: r.kv_len for r in self._rows}
+        stepping = {r.slot.index for r in rows}
+        out = []
+        for slot in self.table.slots:
+            length = valid.get(slot.index, len(slot.tokens))
+            if len(out) < self.batch.window_rows - len(rows) and slot.index not in stepping \
+                    and length < self.kv.positions:
+                out.append(Row(slot.index, (0,), length, 0))
+        return out if len(out) == self.batch.window_rows - len(rows) else None
+
+    def _count_step(self, row: _Row, batch: int) -> None:
+        row.rec.counts.target_steps += 1
+        row.batch_rows.append(batch)
+
+    @staticmethod
+    def _score(row: _Row, logits: np.ndarray, token: int) -> TokenLogprob | None:
+        """The logprob of `token`, from the target's `logits` [1, V] at its position (config.logprobs)."""
+        n = row.request.config.logprobs
+        return None if n is None else token_logprobs(logits, (token,), n)[0]
+
+    def _commit_chosen(self, row: _Row, logits: np.ndarray) -> None:
+        """Commit the row's own choice from the target's logits [1, V] at its next position (its own random stream
+        there when sampling, as a generation alone draws)."""
+        params, position = row.request.config.params, len(row.context)
+        token = choose(logits[0], params, None if params.greedy else rng_for(params, TARGET_STREAM, position))
+        self._commit(row, token, self._score(row, logits, token))
 
     def _fillers(self, rows: list[Row]) -> list[Row]:
         """Rows for the slots in the gaps between `rows`' slots (one token each, logits unused), so that the step is

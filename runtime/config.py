@@ -312,6 +312,11 @@ class LoadOptions(Options):
         "context (max_context positions), and what the budget holds caps max_num_seqs; free slots keep their "
         "tokens as the prefix cache", range=Range(0, low_open=True),
         none="max_num_seqs slots (on the CPU only the positions written take memory)")
+    window_rows: int = option(
+        4, "the batching engine on the CPU: up to this many greedy lookup/sd/mirror requests verify windows copied "
+        "from their texts in one step (prompt lookup at batch > 1, where it measures faster than plain steps); the "
+        "target's weights are loaded a second time for it, about their size again in memory (0 or 1: off)",
+        range=Range(0))
 
 
 def _is_number(x: Any) -> bool:

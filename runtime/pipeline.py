@@ -195,7 +195,7 @@ class Pipeline:
             if self._engine is None:
                 o = self.load_options
                 slots = slots_for(self.manifest, self.target.slots, o.max_num_seqs, o.kv_cache_gb)
-                self._engine = BatchEngine(self, slots)
+                self._engine = BatchEngine(self, slots, o.window_rows)
             return self._engine
 
     def generate_async(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides: Any

@@ -264,8 +264,9 @@ class OrtTarget(Target):
         self.threads = threads
         facts = manifest.target
         specs = {role: manifest.partition(role) for role in ("target_prefix", "target_suffix", "target_exit")}
-        sessions = {role: ort_session(resolve_inside(bundle, spec.file), providers, threads, spinning)
-                    for role, spec in specs.items()}
+        self._paths = {role: resolve_inside(bundle, spec.file) for role, spec in specs.items()}
+        self._session_args = (providers, threads, spinning)
+        sessions = {role: ort_session(self._paths[role], providers, threads, spinning) for role in specs}
         self.providers = sessions["target_prefix"].get_providers()
         self.device = self.providers[0]
         if self.device == "CUDAExecutionProvider" and facts.dtype == "float32":
@@ -304,6 +305,21 @@ class OrtTarget(Target):
         too)."""
         return {"target_prefix": (self._prefix.session, self._prefix.spec),
                 "target_suffix": (self._suffix.session, self._suffix.spec)}
+
+    def window_sessions(self, rows: int) -> dict[str, tuple[object, PartitionSpec]]:
+        """Sessions of the prefix and the suffix rewritten so that each of `rows` rows verifies a window after its
+        own past in one run (runtime/window_graphs.py), on this target's providers and threads; the weights are
+        loaded again."""
+        import onnx
+
+        from mirror_sd.runtime.window_graphs import per_row_attention
+
+        out = {}
+        for role, (_session, spec) in self.sessions.items():
+            path = self._paths[role]
+            graph = per_row_attention(onnx.load(str(path), load_external_data=False), rows)
+            out[role] = (ort_session(graph.SerializeToString(), *self._session_args, data_folder=path.parent), spec)
+        return out
 
     @staticmethod
     def _lengths(start: int, new: int) -> dict[str, np.ndarray]:

@@ -14,9 +14,10 @@ import threading
 import time
 
 import pytest
-from conftest import ARCHITECTURES
+from conftest import ARCHITECTURES, scripted_gate
 
 from mirror_sd.errors import BadInputError, ContextLimitError
+from mirror_sd.runtime.batch_target import Row
 from mirror_sd.runtime.batching import EngineClosed, Finished
 from mirror_sd.runtime.kv_slots import MIN_CACHED_PREFIX, slot_bytes
 from mirror_sd.runtime.pipeline import Pipeline
@@ -96,7 +97,106 @@ def test_requests_arriving_together_start_together_none_alone(bundle_factory, mo
         for request, prompt in ((first, PROMPTS[4]), (second, PROMPTS[0])):
             result = request.wait()
             assert result.token_ids == solo(pipe, prompt, max_new_tokens=12, ignore_eos=True)
-            assert result.stats.batched_steps == result.stats.new_tokens  # never alone
+            assert result.stats.batched_steps == result.stats.target_steps  # never alone
+    finally:
+        pipe.close()
+
+
+def oracle_lookup(expected: dict[tuple[int, ...], list[int]]):
+    """A PromptLookup whose windows continue a request with its known solo output, every third one with its last
+    token wrong: windows accepted whole, cut short and (one token long) rejected, whatever a tiny random model's
+    text repeats. Patch it over mirror_sd.runtime.batching's PromptLookup."""
+    from mirror_sd.runtime.messages import DraftWindow
+
+    class Oracle:
+        def __init__(self, cfg, ceiling=None) -> None:
+            self.calls, self.seen = 0, []
+
+        def propose(self, ctx, length):
+            prompt = next(p for p in expected if tuple(ctx[:len(p)]) == p)
+            done = len(ctx) - len(prompt)
+            window = list(expected[prompt][done:done + min(length, 1 + done % 4)])
+            self.calls += 1
+            if window and self.calls % 3 == 0:
+                window[-1] = (window[-1] + 1) % 50
+            return DraftWindow(len(ctx), tuple(window), None, 0) if window else None
+
+        def accepted(self, proposed, accepted, next_window=None) -> None:
+            self.seen.append((proposed, accepted))
+
+    return Oracle
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rows_verify_their_windows_in_one_step_and_keep_their_solo_outputs(pipelines, arch, monkeypatch):
+    """Greedy speculative rows verify their windows (copied from their texts: prompt lookup) together in one run of
+    the window graphs, every step here (a scripted gate), beside an ar row and a sampled one: each output is the one
+    it gets alone, windows accepted whole, cut short or rejected, and each logprob too (to the last bits)."""
+    import mirror_sd.runtime.batching as batching
+
+    pipe = pipelines[arch]
+    asks = [(PROMPTS[4], {"mode": "lookup", "logprobs": 2}), (PROMPTS[1], {"mode": "sd"}),
+            (PROMPTS[3], {"mode": "ar"}), (PROMPTS[0], {"mode": "mirror", "temperature": 0.8, "seed": 7})]
+    alone = [pipe.generate(p, **{"max_new_tokens": 24, "ignore_eos": True, **o, "mode": "ar"}) for p, o in asks]
+    expected = {tuple(pipe.check(p)[0]): a.token_ids for (p, _), a in zip(asks, alone)}
+    monkeypatch.setattr(batching, "SpeculationGate", scripted_gate(lambda n: True))
+    monkeypatch.setattr(batching, "PromptLookup", oracle_lookup(expected))
+    engine = pipe.engine()
+    engine._window_gates.clear()
+    runs = engine.batch.forwards
+    with engine._wake:  # all four arrive before the engine's next step: none starts alone
+        requests = [engine.submit(*pipe.check(p, max_new_tokens=24, ignore_eos=True, **o)) for p, o in asks]
+    results = [r.wait() for r in requests]
+    for result, solo_result in zip(results, alone):
+        assert result.token_ids == solo_result.token_ids
+        assert result.stats.batched_steps == result.stats.target_steps  # never alone
+    for got, want in zip(results[0].logprobs, alone[0].logprobs):  # a wider step may round the last bits otherwise
+        assert got.token == want.token and [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert abs(got.logprob - want.logprob) < 1e-4
+    for result in results[:2]:
+        s = result.stats
+        assert 0 < s.lookup_accepted_tokens < s.lookup_proposed_tokens  # whole windows and cut ones
+        assert s.target_steps < s.new_tokens  # several tokens per step
+    assert results[2].stats.lookup_steps == results[3].stats.lookup_steps == 0  # ar and sampled rows: no window
+    assert engine.batch.forwards - runs < sum(r.stats.new_tokens for r in results)
+
+
+def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines):
+    """BatchTarget.run_windows: rows of several tokens after different pasts, in any slot order, a spare row among
+    them: each row's logits are the bits of that row run alone, and the spare's are not returned."""
+    pipe = pipelines["llama"]
+    batch = pipe.engine().batch
+    assert batch.window_rows == 4
+    prompt = pipe.check(PROMPTS[4])[0][:9]
+    rows = [Row(3, tuple(prompt[:3]), 0, 3), Row(0, (5,), 0, 0), Row(1, tuple(prompt[:2]), 0, 1),
+            Row(2, tuple(prompt), 0, 9)]
+    together = batch.run_windows(rows)
+    assert together[1] is None
+    for row, logits in zip(rows, together):
+        if row.logits_for:
+            alone = batch.run([row])[0]
+            assert logits.shape == alone.shape == (row.logits_for, pipe.manifest.target.vocab_size)
+            assert (logits == alone).all()
+    with pytest.raises(ValueError, match="runs 4 rows"):
+        batch.run_windows(rows[:3])
+
+
+def test_window_rows_off_loads_no_second_target_and_steps_plainly(bundle_factory, monkeypatch):
+    """window_rows 0: the engine opens no window graphs, speculative rows take plain batched steps, outputs solo."""
+    import mirror_sd.runtime.batching as batching
+
+    monkeypatch.setattr(batching, "SpeculationGate", scripted_gate(lambda n: True))
+    pipe = Pipeline.load(bundle_factory(), huge_pages=False, max_num_seqs=4, window_rows=0)
+    try:
+        engine = pipe.engine()
+        assert engine.batch.window_rows == 0 and not engine.batch._windows
+        with engine._wake:
+            requests = [engine.submit(*pipe.check(p, mode="lookup", max_new_tokens=12, ignore_eos=True))
+                        for p in PROMPTS[:3]]
+        for request, prompt in zip(requests, PROMPTS):
+            result = request.wait()
+            assert result.token_ids == solo(pipe, prompt, ignore_eos=True)
+            assert result.stats.lookup_steps == 0 and result.stats.batched_steps == result.stats.new_tokens
     finally:
         pipe.close()
 
