@@ -106,7 +106,6 @@ class BatchTarget:
             out.append(logits[b, end - r.logits_for:end] if r.logits_for else None)
         return out
 
-
     def run_windows(self, rows: list[Row]) -> list[np.ndarray | None]:
         """One run of exactly `window_rows` rows in distinct slots, each row's tokens after its own past (any
         number, at least one); per row the logits [logits_for, V] of its last tokens, or None. Rows asking for no
