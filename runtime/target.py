@@ -310,16 +310,18 @@ class OrtTarget(Target):
         """Sessions of the prefix and the suffix rewritten so that each of `rows` rows verifies a window after its
         own past in one run (runtime/window_graphs.py), on this target's providers and threads; the weights are
         loaded again."""
-        import onnx
-
         from mirror_sd.runtime.window_graphs import per_row_attention
 
-        out = {}
-        for role, (_session, spec) in self.sessions.items():
-            path = self._paths[role]
-            graph = per_row_attention(onnx.load(str(path), load_external_data=False), rows)
-            out[role] = (ort_session(graph.SerializeToString(), *self._session_args, data_folder=path.parent), spec)
-        return out
+        return {role: (self._rewritten(role, lambda graph: per_row_attention(graph, rows)), spec)
+                for role, (_session, spec) in self.sessions.items()}
+
+    def _rewritten(self, role: str, rewrite):
+        """A session of the partition `role` whose graph `rewrite` (ModelProto -> ModelProto) changed at load."""
+        import onnx
+
+        path = self._paths[role]
+        graph = rewrite(onnx.load(str(path), load_external_data=False))
+        return ort_session(graph.SerializeToString(), *self._session_args, data_folder=path.parent)
 
     @staticmethod
     def _lengths(start: int, new: int) -> dict[str, np.ndarray]:
