@@ -56,6 +56,11 @@ class Metrics:
         self.prompt_tokens = Counter("mirror_sd_prompt_tokens", "prompt tokens read", registry=r)
         self.proposed = Counter("mirror_sd_draft_tokens_proposed", "draft tokens the target verified", registry=r)
         self.accepted = Counter("mirror_sd_draft_tokens_accepted", "draft tokens the target accepted", registry=r)
+        self.copied = Counter("mirror_sd_copied_tokens_proposed", "tokens of windows copied from the text (prompt "
+                              "lookup, alone or in batched steps) the target verified; in the draft tokens too",
+                              registry=r)
+        self.copied_accepted = Counter("mirror_sd_copied_tokens_accepted", "of those, the tokens the target "
+                                       "accepted", registry=r)
         self.branch_lookups = Counter("mirror_sd_branch_lookups", "mirror steps that looked for a ready branch",
                                       registry=r)
         self.branch_hits = Counter("mirror_sd_branch_hits", "mirror steps whose next window was ready", registry=r)
@@ -80,6 +85,8 @@ class Metrics:
         self.tokens_per_second.observe(s.tokens_per_second)
         self.proposed.inc(s.proposed_tokens)
         self.accepted.inc(s.accepted_tokens)
+        self.copied.inc(s.lookup_proposed_tokens)
+        self.copied_accepted.inc(s.lookup_accepted_tokens)
         self.branch_lookups.inc(s.branch_lookups)
         self.branch_hits.inc(s.branch_hits)
         self.fallbacks.inc(s.fallbacks)

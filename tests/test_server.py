@@ -79,7 +79,7 @@ def test_models_health_metrics(port, client):
     text = conn.getresponse().read().decode()
     for name in ("mirror_sd_requests_total", "mirror_sd_queue_depth", "mirror_sd_ttft_seconds",
                  "mirror_sd_tokens_per_second", "mirror_sd_draft_fallbacks_total", "mirror_sd_branch_hits_total",
-                 "mirror_sd_draft_tokens_accepted_total"):
+                 "mirror_sd_draft_tokens_accepted_total", "mirror_sd_copied_tokens_accepted_total"):
         assert name in text
 
 
