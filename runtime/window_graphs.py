@@ -6,13 +6,14 @@ be 1 when sequence_length > 1 and past context is given", 1.31), so a batch of w
 exported graphs. Here every row's tokens are packed along one sequence, [1, N] with N the rows' tokens together:
 each layer's MatMuls, norms and MLP run once over all N, as they would over a batch, and only the attention is split,
 one GroupQueryAttention per row on that row's [1, n_r] share, its own KV slot bound as its past and present. A row's
-result is the same bits as that row's window run alone (tests/test_engine.py): attention is the only place rows mix,
-and there each row attends alone.
+result is the same bits as that row's tokens run alone in a step of their own (tests/test_engine.py): attention is the
+only place rows mix, and there each row attends alone.
 
 Graph I/O beside the exported graphs' (export/target_graphs.py): input_ids [1, N] (the prefix) or hidden_states
 [1, N, H] (the suffix), row_tokens [R] int64 (n_r, each >= 1, summing to N), seqlens_k [R] (per row, as there),
 total_sequence_length, and per row r past_key_values.{i}.key.row{r} / present.{i}.key.row{r} [1, kv_heads, C,
-head_dim] (likewise .value). The suffix's num_logits_to_keep is then N: a window needs every position's logits.
+head_dim] (likewise .value). The suffix's num_logits_to_keep keeps the last positions, as there: the rows that want
+logits go last (BatchTarget.run_windows).
 """
 
 from __future__ import annotations
