@@ -19,16 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mirror_sd.partitions.manifest import BOUNDARY
-from mirror_sd.partitions.spec import (
-    KEEP,
-    SEQLENS,
-    TOTAL_LENGTH,
-    PartitionSpec,
-    past_key_name,
-    past_value_name,
-    present_key_name,
-    present_value_name,
-)
+from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH, PartitionSpec
 from mirror_sd.runtime.kv_slots import KVSlots
 from mirror_sd.runtime.target import OrtTarget, _Bound, ort_device
 from mirror_sd.runtime.window_graphs import ROW_TOKENS, row_name
@@ -148,25 +139,14 @@ class _RowBound(_Bound):
     slot at a row changed since the last run."""
 
     def __init__(self, session, spec: PartitionSpec, rows: int) -> None:
+        super().__init__(session, spec, None)
         self.rows = [-1] * rows  # the slot each row is bound to
-        super().__init__(session, spec, {})
-
-    def bind_kv(self, buffers: dict[str, object]) -> None:  # per row instead: bind_rows
-        pass
 
     def bind_rows(self, slots: list[int], kv: KVSlots) -> None:
         for r, slot in enumerate(slots):
-            if self.rows[r] == slot:
-                continue
-            views = kv.views(slot, slot + 1)
-            for i in self.spec.kv_layers:
-                for past, present in ((past_key_name(i), present_key_name(i)),
-                                      (past_value_name(i), present_value_name(i))):
-                    view = views[past]
-                    args = (*view.device, view.dtype, view.shape, view.address)
-                    self.binding.bind_input(row_name(past, r), *args)
-                    self.binding.bind_output(row_name(present, r), *args)
-            self.rows[r] = slot
+            if self.rows[r] != slot:
+                self.bind_kv(kv.views(slot, slot + 1), lambda name, r=r: row_name(name, r))
+                self.rows[r] = slot
 
 
 def _consecutive(order: list[int], rows: list[Row]) -> list[list[int]]:

@@ -413,19 +413,13 @@ class BatchEngine:
         committed = 0
         for row, window, out in zip(rows, windows, logits):
             self._count_step(row, len(rows))
-            c = row.rec.counts
             if not window:  # a row without a window: its one token, as in a plain step
                 row.kv_len += 1
                 self._commit_chosen(row, out[:1])
                 committed += 1
                 continue
             verdict = greedy_accept(window, out)
-            c.lookup_steps += 1
-            c.proposed += len(window)
-            c.lookup_proposed += len(window)
-            c.accepted += verdict.accepted
-            c.lookup_accepted += verdict.accepted
-            c.rejected += verdict.accepted < len(window)
+            row.rec.counts.verified(len(window), verdict.accepted, copied=True)
             row.copies.accepted(len(window), verdict.accepted)
             for j, token in enumerate(verdict.committed(window)):
                 row.kv_len = len(row.context)  # the KV of every token before this one is the row's now

@@ -329,16 +329,10 @@ class _Decoder:
         self.cache = cache.trim(len(ctx) + verdict.accepted)
         c = self.counts
         c.target_steps += 1
-        c.proposed += len(w)
-        c.accepted += verdict.accepted
-        rejected = verdict.accepted < len(w)  # a window token was rejected: what a correction branch foresees
-        c.rejected += rejected
+        # a window token was rejected: what a correction branch foresees
+        rejected = c.verified(len(w), verdict.accepted, copied)
         if candidates is not None:
             self._count_unranked(candidates, verdict.accepted)
-        if copied:
-            c.lookup_steps += 1
-            c.lookup_proposed += len(w)
-            c.lookup_accepted += verdict.accepted
         # 4. the next window from a ready branch, if one was planned for this outcome
         next_window = None
         if ticket is not None:

@@ -47,6 +47,19 @@ class Counts:
     unbranched_steps: int = 0  # mirror steps verifying a draft window without a branch set (branch gate, or budget 0)
     draft_timeouts: int = 0  # draft answers that did not come within the timeout
 
+    def verified(self, proposed: int, accepted: int, copied: bool) -> bool:
+        """A window of `proposed` tokens verified, `accepted` of them taken (copied: a prompt-lookup window);
+        whether the target rejected one of its tokens."""
+        self.proposed += proposed
+        self.accepted += accepted
+        rejected = accepted < proposed
+        self.rejected += rejected
+        if copied:
+            self.lookup_steps += 1
+            self.lookup_proposed += proposed
+            self.lookup_accepted += accepted
+        return rejected
+
 
 class Recorder:
     """The clocks and counts of one generation. trace: also keep every phase as (phase, start, end)."""

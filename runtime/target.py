@@ -16,6 +16,7 @@ another history's keys.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +100,8 @@ class KVView:
 class _Bound:
     """One session with its IOBinding; the KV buffers are bound once, per-step tensors at every run."""
 
-    def __init__(self, session, spec: PartitionSpec, buffers: dict[str, object]) -> None:
+    def __init__(self, session, spec: PartitionSpec, buffers: dict[str, object] | None) -> None:
+        """buffers None: the KV is bound later (bind_kv)."""
         self.session, self.spec = session, spec
         self.binding = session.io_binding()
         self.head = spec.outputs[0].name
@@ -107,14 +109,17 @@ class _Bound:
         self.taps = any(o.name == TAPS for o in spec.outputs)
         if self.taps:
             self.binding.bind_output(TAPS, "cpu")  # bound second: get_outputs()[1]
-        self.bind_kv(buffers)
+        if buffers is not None:
+            self.bind_kv(buffers)
 
-    def bind_kv(self, buffers: dict[str, object]) -> None:
+    def bind_kv(self, buffers: dict[str, object], rename: Callable[[str], str] = str) -> None:
         """Bind every layer's past input and present output to one buffer: an OrtValue, or a `KVView` (memory the
-        caller owns, such as one of the engine's KV slots)."""
+        caller owns, such as one of the engine's KV slots). rename: the graph's names for the past and present of
+        `buffers`' names (a window graph's row: runtime/window_graphs.py row_name)."""
         for i in self.spec.kv_layers:
             for past, present in ((past_key_name(i), present_key_name(i)), (past_value_name(i), present_value_name(i))):
                 buffer = buffers[past]
+                past, present = rename(past), rename(present)
                 if isinstance(buffer, KVView):
                     self.binding.bind_input(past, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
                     self.binding.bind_output(present, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
