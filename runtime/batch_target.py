@@ -15,6 +15,7 @@ runs per row over that row's own slot, bound per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,6 +34,13 @@ class Row:
     ids: tuple[int, ...]  # its new tokens
     start: int  # positions its slot holds before them
     logits_for: int = 1  # logits of its last this many tokens (0: none, a prompt chunk that is not the last)
+
+
+class RowOut(NamedTuple):
+    """What a step gives one row."""
+
+    logits: np.ndarray | None  # [logits_for, V] of its last tokens; None where it asked for none
+    taps: np.ndarray | None  # a feature draft's channel [len(ids), n_taps, H] at its tokens; None without one
 
 
 class BatchTarget:
@@ -57,18 +65,17 @@ class BatchTarget:
         self.forwards = 0  # runs of prefix + suffix
         self.rows_run = 0  # rows those runs computed (padding rows of a run not counted)
 
-    def run(self, rows: list[Row]) -> list[np.ndarray | None]:
-        """Every row's step; per row (in the order given) the logits [logits_for, V] of its last tokens, or None
-        where it asked for none. Rows must hold distinct slots, and start + the widest row's tokens must fit their
-        slot."""
-        out: list[np.ndarray | None] = [None] * len(rows)
+    def run(self, rows: list[Row]) -> list[RowOut]:
+        """Every row's step; per row (in the order given) its logits and taps. Rows must hold distinct slots, and
+        start + the widest row's tokens must fit their slot."""
+        out: list[RowOut] = [RowOut(None, None)] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
         for run in _consecutive(order, rows):
-            for i, logits in zip(run, self._run([rows[i] for i in run])):
-                out[i] = logits
+            for i, row_out in zip(run, self._run([rows[i] for i in run])):
+                out[i] = row_out
         return out
 
-    def _run(self, rows: list[Row]) -> list[np.ndarray | None]:
+    def _run(self, rows: list[Row]) -> list[RowOut]:
         width = max(len(r.ids) for r in rows)
         if len(rows) == 1:  # the padding stops at the slot's end, as Target.run_prefix's at the buffers' end
             width = max(width, min(self.step_width, self.slots.positions - rows[0].start))
@@ -87,20 +94,21 @@ class BatchTarget:
         prefix, suffix = self._bound["target_prefix"], self._bound["target_suffix"]
         prefix.bind_kv(views)
         suffix.bind_kv(views)
-        hidden, _taps = prefix.run({"input_ids": ids, **lengths}, self._device)
+        hidden, taps = prefix.run({"input_ids": ids, **lengths}, self._device)
         logits = suffix.run({BOUNDARY: hidden, KEEP: np.array([keep], np.int64), **lengths}, ("cpu", 0))[0].numpy()
         self.forwards += 1
         self.rows_run += len(rows)
         out = []
         for b, r in enumerate(rows):
             end = keep - (width - len(r.ids))  # the row's last real token, within the kept positions
-            out.append(logits[b, end - r.logits_for:end] if r.logits_for else None)
+            out.append(RowOut(logits[b, end - r.logits_for:end] if r.logits_for else None,
+                              None if taps is None else taps[b, :len(r.ids)]))
         return out
 
-    def run_windows(self, rows: list[Row]) -> list[np.ndarray | None]:
+    def run_windows(self, rows: list[Row]) -> list[RowOut]:
         """One run of exactly `window_rows` rows in distinct slots, each row's tokens after its own past (any
-        number, at least one); per row the logits [logits_for, V] of its last tokens, or None. Rows asking for no
-        logits go first in the packed sequence, so that the LM head skips them."""
+        number, at least one); per row (in the order given) its logits and taps. Rows asking for no logits go first
+        in the packed sequence, so that the LM head skips them."""
         if len(rows) != self.window_rows:
             raise ValueError(f"a window step runs {self.window_rows} rows, not {len(rows)}")
         if len({r.slot for r in rows}) != len(rows):
@@ -119,17 +127,17 @@ class BatchTarget:
         prefix, suffix = self._windows["target_prefix"], self._windows["target_suffix"]
         for bound in (prefix, suffix):
             bound.bind_rows([r.slot for r in packed], self.slots)
-        hidden, _taps = prefix.run({"input_ids": ids, **lengths}, self._device)
+        hidden, taps = prefix.run({"input_ids": ids, **lengths}, self._device)
         logits = suffix.run({BOUNDARY: hidden, KEEP: np.array([keep], np.int64), **lengths}, ("cpu", 0))[0].numpy()[0]
         self.forwards += 1
         self.rows_run += len(wanted)
-        out: list[np.ndarray | None] = [None] * len(rows)
+        out: list[RowOut] = [RowOut(None, None)] * len(rows)
         end = ids.shape[1]
         for i in reversed(range(len(packed))):  # the kept positions are the last `keep`, row by row from the end
             r = packed[i]
-            if r.logits_for:
-                stop = keep - (ids.shape[1] - end)
-                out[order[i]] = logits[stop - r.logits_for:stop]
+            stop = keep - (ids.shape[1] - end)
+            out[order[i]] = RowOut(logits[stop - r.logits_for:stop] if r.logits_for else None,
+                                   None if taps is None else taps[0, end - len(r.ids):end])
             end -= len(r.ids)
         return out
 

@@ -20,8 +20,10 @@ One step of the engine, in its thread:
      running generations keep flowing), then one run of every generation's next token (a prompt's last token
      among them): its logits, each request's own sampling (the same random stream per position as a generation
      alone), stop strings, EOS and max_new_tokens. Up to `window_rows` greedy speculative requests (lookup, sd,
-     mirror) verify a window copied from their own text (prompt lookup) in that run, each row as many tokens as it
-     has (`_window_step`), where a gate per batch size measured such steps faster than plain ones;
+     mirror) verify a window in that run, each row as many tokens as it has (`_window_step`), where a gate per batch
+     size measured such steps faster than plain ones: a window copied from the request's own text (prompt lookup),
+     else, for sd and mirror, one from a draft of the request's own (runtime/row_drafts.py), drafted on this thread
+     before the step;
   4. finished and cancelled requests leave their slots, which keep their tokens' KV as a cached prefix.
 Greedy output is the request's solo output token for token: every row of a batched step is computed as it would be
 alone (tests/test_engine.py), and the speculative decoder is exact by construction.
@@ -46,8 +48,9 @@ from mirror_sd.runtime.gate import SpeculationGate
 from mirror_sd.runtime.kv import common_prefix
 from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable, worth_reusing
 from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
-from mirror_sd.runtime.proposers import PromptLookup
+from mirror_sd.runtime.proposers import PromptLookup, Proposer
 from mirror_sd.runtime.result import Chunk, GenerationResult
+from mirror_sd.runtime.row_drafts import RowDraft
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
 from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import PREFILL_CHUNK, OrtTarget, ort_device
@@ -150,6 +153,7 @@ class _Row:
     batch_rows: list[int] = field(default_factory=list)  # rows of each batched step it took part in
     scores: list[TokenLogprob | None] = field(default_factory=list)  # each new token's logprob (config.logprobs)
     copies: PromptLookup | None = None  # windows copied from its text, where it speculates greedily
+    drafts: RowDraft | None = None  # windows from the draft model, where it runs greedy sd or mirror
 
     @property
     def prompt_len(self) -> int:
@@ -270,12 +274,21 @@ class BatchEngine:
             request.admitted = time.perf_counter()
             cfg = request.config
             sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens)
-            copies = None
-            if cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and cfg.params.greedy and self.batch.window_rows:
+            rec = Recorder(cfg.trace)
+            windows = cfg.params.greedy and self.batch.window_rows > 0
+            copies = drafts = None
+            if windows and cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0:
                 copies = PromptLookup(cfg, self.pipe.target.window_ceiling)
-            self._rows.append(_Row(request, slot, list(request.ids), cached, sink, Recorder(cfg.trace), cached,
-                                   time.perf_counter(), copies=copies))
+            if windows and cfg.mode in DRAFT_MODES:
+                drafts = self._row_draft(cfg, rec)
+            self._rows.append(_Row(request, slot, list(request.ids), cached, sink, rec, cached,
+                                   time.perf_counter(), copies=copies, drafts=drafts))
             self._pack(len(self._rows) - 1, slot)
+
+    def _row_draft(self, cfg: GenerationConfig, rec: Recorder) -> RowDraft:
+        draft = self.pipe.manifest.draft
+        shape = (len(draft.feature_taps), draft.hidden_size) if draft.feature_taps else None
+        return RowDraft(lambda: self.pipe.drafter(cfg, rec), cfg.gamma, shape, draft.dtype)
 
     # -- a request alone: the pipeline's speculative decoder in its slot ------------------------------------------
     def _arrival_within(self, seconds: float) -> bool:
@@ -341,9 +354,12 @@ class BatchEngine:
                 if width * (len(rows) + 1) > PREFILL_BUDGET:
                     break
                 rows.append((row, take))
-        self.batch.run([Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0)
-                        for r, take in rows])
-        for r, take in rows:
+        outs = self.batch.run([Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0)
+                               for r, take in rows])
+        drafting = len(self._rows) <= self.batch.window_rows
+        for (r, take), out in zip(rows, outs):
+            if drafting and r.drafts is not None:
+                r.drafts.ran(r.kv_len, out.taps)
             r.kv_len += take
 
     def _borrow(self, row: _Row) -> None:
@@ -367,60 +383,91 @@ class BatchEngine:
 
     def _decode_step(self) -> None:
         """Every row whose next input is one token: that token in, the next one out; or, where rows have windows
-        copied from their texts and the gate for this many rows prefers it, a window step."""
+        (copied from their texts, or from the draft) and the gate for this many rows prefers it, a window step."""
         rows = [r for r in self._rows if not r.prefilling and r.solo is None]
         if not rows:
             return
         self.last_batch = len(rows)
         gate = self._window_gates.setdefault(len(rows), SpeculationGate()) if len(rows) <= self.batch.window_rows \
             else None
-        windows = self._windows(rows) if gate is not None else []
         started = time.perf_counter()
-        spares = self._spares(rows) if any(windows) else None
+        copied = self._copied(rows) if gate is not None else []
+        drafting = gate is not None and any(r.drafts is not None for r in rows) and self.pipe.draft_free()
+        spares = self._spares(rows) if any(w for w, _ in copied) or drafting else None
         if spares is not None and gate.speculate():
+            windows, catch_up = self._drafted(rows, copied) if drafting else (copied, 0.0)
             committed = self._window_step(rows, windows, spares)
-            gate.record(True, committed, time.perf_counter() - started)
+            # the drafts' reading of tokens committed without them is timed apart, as a generation alone's is
+            gate.record(True, committed, time.perf_counter() - started - catch_up)
             return
         inputs = [Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows]
-        logits = self.batch.run(inputs + self._fillers(inputs))
-        for row, out in zip(rows, logits):
+        outs = self.batch.run(inputs + self._fillers(inputs))
+        for row, out in zip(rows, outs):
+            if gate is not None and row.drafts is not None:  # more rows than a window step takes: no drafting soon
+                row.drafts.ran(row.kv_len, out.taps)
             row.kv_len += 1
             self._count_step(row, len(rows))
-            self._commit_chosen(row, out[-1:])
+            self._commit_chosen(row, out.logits[-1:])
         if gate is not None:
             gate.record(False, len(rows), time.perf_counter() - started)
 
-    def _windows(self, rows: list[_Row]) -> list[tuple[int, ...]]:
-        """Each row's window copied from its text (prompt lookup; () where it has none), within its slot and what
-        it may still commit."""
-        out = []
+    def _room(self, row: _Row) -> int:
+        """The most window tokens the row can take: within its slot and what it may still commit."""
+        return min(row.request.config.max_new_tokens - (len(row.context) - row.prompt_len),
+                   self.kv.positions - row.kv_len) - 1
+
+    def _copied(self, rows: list[_Row]) -> list[tuple[tuple[int, ...], Proposer | None]]:
+        """Each row's window copied from its text (prompt lookup), with its proposer; ((), None) where it has none."""
+        out: list[tuple[tuple[int, ...], Proposer | None]] = []
         for row in rows:
-            window = None
-            if row.copies is not None:
-                room = min(row.request.config.max_new_tokens - (len(row.context) - row.prompt_len),
-                           self.kv.positions - row.kv_len) - 1
-                window = row.copies.propose(row.context, room) if room > 0 else None
-            out.append(window.tokens if window is not None else ())
+            room = self._room(row)
+            window = row.copies.propose(row.context, room) if row.copies is not None and room > 0 else None
+            out.append((window.tokens, row.copies) if window is not None else ((), None))
         return out
 
-    def _window_step(self, rows: list[_Row], windows: list[tuple[int, ...]], spares: list[Row]) -> int:
+    def _drafted(self, rows: list[_Row], copied: list[tuple[tuple[int, ...], Proposer | None]]
+                 ) -> tuple[list[tuple[tuple[int, ...], Proposer | None]], float]:
+        """`copied`, with a window from its draft for each row that has no copy, and the seconds the drafts spent
+        reading tokens committed without them. A row whose draft fails goes on with copies only."""
+        out, catch_up = [], 0.0
+        for row, (window, source) in zip(rows, copied):
+            room = self._room(row)
+            if not window and row.drafts is not None and room > 0:
+                try:
+                    drafted = row.drafts.propose(row.context, room)
+                except Exception:  # noqa: BLE001 - any draft failure: the row's windows come from its text only
+                    row.rec.draft_failed()
+                    row.rec.counts.fallbacks += 1
+                    row.drafts = None
+                    drafted = None
+                if drafted is not None and drafted.tokens:
+                    row.rec.counts.fresh_rollouts += 1
+                    catch_up += row.drafts.catch_up_s
+                    window, source = drafted.tokens, row.drafts
+            out.append((window, source))
+        return out, catch_up
+
+    def _window_step(self, rows: list[_Row], windows: list[tuple[tuple[int, ...], Proposer | None]],
+                     spares: list[Row]) -> int:
         """Every row's last token and its window in one run (BatchTarget.run_windows), spare slots taking a token
         each where fewer rows run than the step has (`_spares`); each row commits the target's tokens up to its first
-        disagreement with its window (runtime/verify.py), as a generation alone verifies a copied window. The
-        tokens committed."""
-        inputs = [Row(r.slot.index, (r.context[-1], *w), r.kv_len, 1 + len(w)) for r, w in zip(rows, windows)]
-        logits = self.batch.run_windows(inputs + spares)
+        disagreement with its window (runtime/verify.py), as a generation alone verifies a window. The tokens
+        committed."""
+        inputs = [Row(r.slot.index, (r.context[-1], *w), r.kv_len, 1 + len(w)) for r, (w, _) in zip(rows, windows)]
+        outs = self.batch.run_windows(inputs + spares)
         committed = 0
-        for row, window, out in zip(rows, windows, logits):
+        for row, (window, source), (out, taps) in zip(rows, windows, outs):
             self._count_step(row, len(rows))
+            if row.drafts is not None:
+                row.drafts.ran(row.kv_len, taps)
             if not window:  # a row without a window: its one token, as in a plain step
                 row.kv_len += 1
                 self._commit_chosen(row, out[:1])
                 committed += 1
                 continue
             verdict = greedy_accept(window, out)
-            row.rec.counts.verified(len(window), verdict.accepted, copied=True)
-            row.copies.accepted(len(window), verdict.accepted)
+            row.rec.counts.verified(len(window), verdict.accepted, copied=source is row.copies)
+            source.accepted(len(window), verdict.accepted)
             for j, token in enumerate(verdict.committed(window)):
                 row.kv_len = len(row.context)  # the KV of every token before this one is the row's now
                 self._commit(row, token, self._score(row, out[j:j + 1], token))

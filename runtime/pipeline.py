@@ -29,7 +29,7 @@ from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.backends import default_openvino_device, on_cpu, usable_cores
 from mirror_sd.runtime.batching import BatchEngine
 from mirror_sd.runtime.config import BUILTIN_THREADS, GenerationConfig, LoadOptions, specs
-from mirror_sd.runtime.draft import Drafter
+from mirror_sd.runtime.draft import Drafter, DrafterBase
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
@@ -320,18 +320,27 @@ class Pipeline:
             if not self._worker.join(cfg.draft_timeout_s):
                 return None
             self._worker = None
-        if self.manifest.draft.feature_taps:
-            # one taps store for every generation's drafter (FeatureDrafter: its pages stay mapped); only one drafter
-            # at a time uses it, since a stalled earlier worker made this call return above
-            drafter = FeatureDrafter(self.draft, cfg.params, recorder=rec, confidence=cfg.draft_confidence_threshold,
-                                     store=self._feature_store, streaming=cfg.draft_streaming,
-                                     confidence_rule=cfg.draft_confidence_rule)
+        # one taps store for every generation's drafter (FeatureDrafter: its pages stay mapped); only one drafter
+        # at a time uses it, since a stalled earlier worker made this call return above
+        drafter = self.drafter(cfg, rec, self._feature_store)
+        if isinstance(drafter, FeatureDrafter):
             self._feature_store = drafter.store
-        else:
-            drafter = Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming, recorder=rec,
-                              confidence=cfg.draft_confidence_threshold, confidence_rule=cfg.draft_confidence_rule)
         self._worker = DraftWorker(drafter, threaded=threaded)
         return self._worker
+
+    def drafter(self, cfg: GenerationConfig, rec: Recorder, store: FeatureStore | None = None) -> DrafterBase:
+        """A drafter of one sequence under `cfg` on the draft engine, recording into `rec` (a feature draft's writing
+        its taps into `store` where one is given)."""
+        if self.manifest.draft.feature_taps:
+            return FeatureDrafter(self.draft, cfg.params, recorder=rec, confidence=cfg.draft_confidence_threshold,
+                                  store=store, streaming=cfg.draft_streaming, confidence_rule=cfg.draft_confidence_rule)
+        return Drafter(self.draft, cfg.params, streaming=cfg.draft_streaming, recorder=rec,
+                       confidence=cfg.draft_confidence_threshold, confidence_rule=cfg.draft_confidence_rule)
+
+    def draft_free(self) -> bool:
+        """Whether no generation's draft thread is still in the draft engine (one stalled there keeps it until it
+        lets go): the batching engine's rows draft on its thread only then."""
+        return self._worker is None or self._worker.join(0)
 
 
 def _planned_draft_backend(defaults: RuntimeDefaults | None) -> str | None:

@@ -128,7 +128,7 @@ class _Bound:
                     self.binding.bind_ortvalue_output(present, buffer)
 
     def run(self, inputs: dict[str, object], head_device: tuple[str, int]):
-        """The head output (an OrtValue on head_device), and the taps [T, n, H] on the host where the graph has
+        """The head output (an OrtValue on head_device), and the taps [B, T, n, H] on the host where the graph has
         them (else None)."""
         b = self.binding
         for name, value in inputs.items():
@@ -141,7 +141,7 @@ class _Bound:
             b.bind_output(TAPS, "cpu")
         self.session.run_with_iobinding(b)
         outputs = b.get_outputs()
-        return outputs[0], (outputs[1].numpy()[0] if self.taps else None)
+        return outputs[0], (outputs[1].numpy() if self.taps else None)
 
 
 class Target:
@@ -334,7 +334,8 @@ class OrtTarget(Target):
         return {SEQLENS: np.array([total - 1], np.int32), TOTAL_LENGTH: np.array(total, np.int32)}
 
     def _run_prefix(self, ids: np.ndarray, start: int) -> tuple[object, np.ndarray | None]:
-        return self._prefix.run({"input_ids": ids, **self._lengths(start, ids.shape[1])}, self._device)
+        hidden, taps = self._prefix.run({"input_ids": ids, **self._lengths(start, ids.shape[1])}, self._device)
+        return hidden, None if taps is None else taps[0]
 
     def _run_suffix(self, boundary: Boundary, logits_for: int) -> np.ndarray:
         inputs = {BOUNDARY: boundary.hidden, KEEP: np.array([logits_for], np.int64),

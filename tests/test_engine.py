@@ -161,6 +161,46 @@ def test_rows_verify_their_windows_in_one_step_and_keep_their_solo_outputs(pipel
     assert engine.batch.forwards - runs < sum(r.stats.new_tokens for r in results)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rows_verify_windows_of_their_own_drafts_in_one_step_and_keep_their_solo_outputs(pipelines, arch,
+                                                                                         monkeypatch):
+    """With nothing to copy (prompt lookup off), greedy sd and mirror rows draft their windows, each with a drafter
+    of its own on the draft engine, and verify them together (a scripted gate: every step here): outputs solo."""
+    import mirror_sd.runtime.batching as batching
+
+    pipe = pipelines[arch]
+    monkeypatch.setattr(batching, "SpeculationGate", scripted_gate(lambda n: True))
+    engine = pipe.engine()
+    engine._window_gates.clear()
+    options = {"max_new_tokens": 16, "ignore_eos": True, "prompt_lookup_num_tokens": 0, "gamma": 3}
+    asks = [(PROMPTS[0], "sd"), (PROMPTS[1], "mirror"), (PROMPTS[3], "sd")]
+    with engine._wake:  # all arrive before the engine's next step: none starts alone
+        requests = [engine.submit(*pipe.check(p, mode=m, **options)) for p, m in asks]
+    for request, (prompt, _) in zip(requests, asks):
+        result = request.wait()
+        assert result.token_ids == solo(pipe, prompt, **options)
+        s = result.stats
+        assert s.batched_steps == s.target_steps and s["fresh_rollouts"] > 0 and s["draft_failures"] == 0
+        assert s["lookup_steps"] == 0 and s["proposed_tokens"] > 0
+
+
+def test_a_draft_that_agrees_with_the_target_commits_its_windows_whole_at_batch_2(bundle_factory, monkeypatch):
+    """The target as its own draft: rows verifying their drafts' windows commit gamma + 1 tokens a step."""
+    import mirror_sd.runtime.batching as batching
+
+    monkeypatch.setattr(batching, "SpeculationGate", scripted_gate(lambda n: True))
+    pipe = Pipeline.load(bundle_factory(self_draft=True), huge_pages=False, max_num_seqs=2)
+    try:
+        options = {"max_new_tokens": 17, "ignore_eos": True, "prompt_lookup_num_tokens": 0, "gamma": 3,
+                   "draft_confidence_threshold": 0.0}
+        results = pipe.generate(PROMPTS[:2], mode="sd", **options)
+        for result, prompt in zip(results, PROMPTS[:2]):
+            assert result.token_ids == solo(pipe, prompt, **options)
+            assert result.stats["acceptance_rate"] == 1.0 and result.stats.target_steps <= 6
+    finally:
+        pipe.close()
+
+
 def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines):
     """BatchTarget.run_windows: rows of several tokens after different pasts, in any slot order, a spare row among
     them: each row's logits are the bits of that row run alone, and the spare's are not returned."""
@@ -171,10 +211,11 @@ def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines):
     rows = [Row(3, tuple(prompt[:3]), 0, 3), Row(0, (5,), 0, 0), Row(1, tuple(prompt[:2]), 0, 1),
             Row(2, tuple(prompt), 0, 9)]
     together = batch.run_windows(rows)
-    assert together[1] is None
-    for row, logits in zip(rows, together):
+    assert together[1].logits is None
+    for row, (logits, taps) in zip(rows, together):
+        assert taps is None  # a draft reading token ids only: the prefix gives no taps
         if row.logits_for:
-            alone = batch.run([row])[0]
+            alone = batch.run([row])[0].logits
             assert logits.shape == alone.shape == (row.logits_for, pipe.manifest.target.vocab_size)
             assert (logits == alone).all()
     with pytest.raises(ValueError, match="runs 4 rows"):

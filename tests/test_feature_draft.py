@@ -1039,3 +1039,86 @@ def test_gpu_training_modules_import_without_export_or_runtime_packages():
             + "".join(f"import {m}\n" for m in modules))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def _drafting_engine(bundle, monkeypatch, speculate_when):
+    """A pipeline on `bundle` whose batching engine's window steps follow speculate_when(n) (a scripted gate), and
+    the windows its rows' drafts proposed, as (row draft, context, window, the lane's first position with KV)."""
+    import mirror_sd.runtime.batching as batching
+    import mirror_sd.runtime.row_drafts as row_drafts
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    monkeypatch.setattr(batching, "SpeculationGate", scripted_gate(speculate_when))
+    proposed = []
+    propose = row_drafts.RowDraft.propose
+
+    def recorded(self, ctx, length):
+        window = propose(self, ctx, length)
+        if window is not None:
+            proposed.append((self, list(ctx), list(window.tokens), self.drafter.lane.start))
+        return window
+
+    monkeypatch.setattr(row_drafts.RowDraft, "propose", recorded)
+    return Pipeline.load(bundle, huge_pages=False, max_num_seqs=4), proposed
+
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_batched_rows_draft_their_own_windows_as_the_reference_and_keep_their_solo_outputs(
+        trained_feature_bundle, monkeypatch, mode):
+    """At batch > 1 each greedy sd / mirror row drafts its windows with a feature drafter of its own, fed the taps
+    its batched target steps computed (prefill chunks, plain steps, window steps): its windows are the reference's
+    from-scratch windows of those contexts (up to near-ties), the rows verify them in one step, and every output is
+    its solo one."""
+    from mirror_sd.runtime.reference import reference_feature_window
+
+    bundle, prompts = trained_feature_bundle
+    pipe, proposed = _drafting_engine(bundle, monkeypatch, lambda n: n % 3 != 0)  # plain steps between windows
+    try:
+        options = {"max_new_tokens": 24, "ignore_eos": True, "gamma": 3, "draft_confidence_threshold": 0.0,
+                   "prompt_lookup_num_tokens": 0, "draft_streaming": "off"}
+        alone = [pipe.generate(p, mode="ar", **options).token_ids for p in prompts]
+        results = pipe.generate(prompts, mode=mode, **options)
+        assert [r.token_ids for r in results] == alone
+        for r in results:
+            assert r.stats.batched_steps == r.stats.target_steps  # never alone
+            assert r.stats["fresh_rollouts"] > 0 and r.stats["lookup_steps"] == 0 and r.stats["draft_failures"] == 0
+        assert max(r.stats["acceptance_rate"] for r in results) > 0.5  # the learnt prompts' windows are accepted
+        assert sum(r.stats.target_steps for r in results) < sum(len(r.token_ids) for r in results)
+        assert len(proposed) >= 10
+        assert all(start == 0 for *_, start in proposed)  # short prompts: the drafters read all of them
+        # the taps come from batched steps (prefill chunks, one-token and window steps), whose float32 rounding
+        # differs in the last bits from the reference's one prefix run over the whole sequence: a near-tie in the
+        # draft's logits may go the other way, rarely
+        same = [window == reference_feature_window(pipe.target, pipe.draft, ctx, len(window))[0]
+                for _, ctx, window, _ in proposed]
+        assert sum(same) >= 0.75 * len(same)
+    finally:
+        pipe.close()
+
+
+def test_a_batched_draft_that_fell_behind_starts_over_from_the_taps_its_row_kept(trained_feature_bundle, monkeypatch):
+    """Rows keep the taps of their last TAPS_KEPT positions only (small here): a draft that missed more than that
+    (steps without windows) starts over from what is kept, reading only those inputs, and drafts on. Outputs stay
+    solo."""
+    import mirror_sd.runtime.row_drafts as row_drafts
+
+    monkeypatch.setattr(row_drafts, "TAPS_KEPT", 6)
+    bundle, prompts = trained_feature_bundle
+    pipe, proposed = _drafting_engine(bundle, monkeypatch, lambda n: n % 12 < 3)  # 9 plain steps between bursts
+    try:
+        options = {"max_new_tokens": 40, "ignore_eos": True, "gamma": 3, "prompt_lookup_num_tokens": 0}
+        alone = [pipe.generate(p, mode="ar", **options).token_ids for p in prompts]
+        results = pipe.generate(prompts, mode="sd", **options)
+        assert [r.token_ids for r in results] == alone
+        assert all(r.stats["fresh_rollouts"] >= 3 and r.stats["draft_failures"] == 0 for r in results)
+        # after a gap the drafters started over: the context's head without KV, the inputs of the kept taps read
+        # (up to 2 x TAPS_KEPT held between two moves of the buffer)
+        last: dict[int, int] = {}
+        restarts = []
+        for row, ctx, _, start in proposed:
+            if start != last.setdefault(id(row), 0):
+                restarts.append(len(ctx) - 1 - start)
+            last[id(row)] = start
+        assert len(restarts) >= 3 and all(read <= 12 for read in restarts)
+    finally:
+        pipe.close()

@@ -53,6 +53,8 @@ def point(pipe: Pipeline, clients: int, mode: str, tag: str, kinds: tuple[str, .
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, **counts,
             "accepted_copied_tokens": sum(r.stats.lookup_accepted_tokens for r in results),
             "proposed_copied_tokens": sum(r.stats.lookup_proposed_tokens for r in results),
+            "accepted_tokens": sum(r.stats["accepted_tokens"] for r in results),
+            "proposed_tokens": sum(r.stats["proposed_tokens"] for r in results),
             "token_ids": [r.token_ids for r in results]}
 
 
