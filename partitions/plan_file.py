@@ -22,6 +22,7 @@ DRAFT_MODES = ("sd", "mirror")  # the modes that run the draft model (lookup cop
 # what a draft confidence threshold is compared with (runtime/config.py GenerationConfig.draft_confidence_rule)
 CONFIDENCE_RULES = ("token", "window")
 PLAN_FILE = "plan.json"  # optional file in a bundle directory: the runtime's defaults come from it when present
+StepRate = tuple[float, float, int]  # a kind of step as measured: tokens per step, seconds per step, steps
 PLAN_FORMAT = "mirror-sd-plan"
 PLAN_VERSION = 1
 
@@ -45,6 +46,10 @@ class RuntimeDefaults:
     # the mode a generation that names none runs: "ar" where the target alone at all the cores measured faster than
     # speculating on this machine (runtime/profile.py); a plan without it: "mirror"
     mode: str = "mirror"
+    # the batching engine's steps measured per count of rows (1 .. its window rows: one row is left in the batch
+    # when the others finish): (rows, window steps, plain steps), each kind as (tokens per step, seconds per step,
+    # steps measured); its gate per count of rows starts from them (runtime/batching.py). A plan without it: ()
+    batch_windows: tuple[tuple[int, StepRate, StepRate], ...] = ()
 
     def budget_showing_branches(self) -> int | None:
         """Where the plan turned branch sets off (budget 0: measured slower on its machine), the budget the runs
@@ -101,7 +106,30 @@ def runtime_defaults(doc: Mapping[str, Any], exit_layer: int, top_k: int) -> Run
     if mode not in MODES:
         raise BadInputError(f"plan runtime.mode must be one of {', '.join(MODES)}, got {mode!r}")
     return RuntimeDefaults(r["gamma"], r["kappa"], budget, r["target_threads"], r["draft_threads"], float(threshold),
-                           backend, rule, mode)
+                           backend, rule, mode, _batch_windows(r.get("batch_windows", {})))
+
+
+def _batch_windows(doc: object) -> tuple[tuple[int, StepRate, StepRate], ...]:
+    """plan runtime.batch_windows: {"<rows>": {"windows": [tokens, seconds, steps], "plain": [...]}, ...}."""
+    where = "plan runtime.batch_windows"
+    if not isinstance(doc, dict):
+        raise BadInputError(f"{where} must be an object of row counts, got {doc!r}")
+    out = []
+    for rows, kinds in sorted(doc.items(), key=lambda item: str(item[0])):
+        if not (isinstance(rows, str) and rows.isdigit() and int(rows) >= 1):
+            raise BadInputError(f"{where} keys must be row counts of 1 or more, got {rows!r}")
+        if not isinstance(kinds, dict) or set(kinds) != {"windows", "plain"}:
+            raise BadInputError(f"{where}.{rows} must have exactly 'windows' and 'plain', got {kinds!r}")
+        rates = []
+        for kind in ("windows", "plain"):
+            rate = kinds[kind]
+            if not (isinstance(rate, list) and len(rate) == 3 and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in rate)
+                    and isinstance(rate[2], int)):
+                raise BadInputError(f"{where}.{rows}.{kind} must be [tokens, seconds, steps] >= 0, got {rate!r}")
+            rates.append((float(rate[0]), float(rate[1]), rate[2]))
+        out.append((int(rows), rates[0], rates[1]))
+    return tuple(sorted(out))
 
 
 def export_advice(doc: Mapping[str, Any]) -> ExportAdvice:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from mirror_sd.errors import BadInputError, check_int
-from mirror_sd.partitions.plan_file import PLAN_FORMAT, PLAN_VERSION, RuntimeDefaults
+from mirror_sd.partitions.plan_file import PLAN_FORMAT, PLAN_VERSION, RuntimeDefaults, StepRate
 from mirror_sd.partitions.spec import to_json
 
 
@@ -406,16 +406,17 @@ def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, An
                   table_rows: int = 20, draft_confidence_threshold: float = 0.0,
                   draft_backend: str | None = None, branch_budget: int | None = None,
                   gamma: int | None = None, threads: tuple[int, int] | None = None,
-                  draft_confidence_rule: str = "token", mode: str = "mirror") -> dict[str, Any]:
+                  draft_confidence_rule: str = "token", mode: str = "mirror",
+                  batch_windows: Mapping[int, tuple[StepRate, StepRate]] | None = None) -> dict[str, Any]:
     """The JSON a plan is written as: the runtime defaults (best at the bundle's own exit layer, with the draft
     confidence threshold and its rule and, where the draft runs on the CPU, the draft's runtime measured for it;
     branch_budget and gamma: the ones measured faster, where they are not the model's; threads: (target, draft),
     where they take turns instead of running side by side, or the target's alone where mode is "ar": the target
-    alone measured faster), the export advice (best overall), the ranked table's head, and the profile it came
-    from."""
+    alone measured faster), the batching engine's window and plain steps per count of rows (batch_windows), the
+    export advice (best overall), the ranked table's head, and the profile it came from."""
     run, best = best_for_bundle(plans), plans[0]
     c = run.choice
-    chosen = {f.name: getattr(c, f.name) for f in fields(RuntimeDefaults) if hasattr(c, f.name)}
+    chosen: dict[str, Any] = {f.name: getattr(c, f.name) for f in fields(RuntimeDefaults) if hasattr(c, f.name)}
     if branch_budget is not None:
         chosen["branch_budget"] = branch_budget
     if gamma is not None:
@@ -428,6 +429,9 @@ def plan_document(profile: Profile, plans: list[Plan], measured: Mapping[str, An
         "runtime": {**chosen, "draft_confidence_threshold": draft_confidence_threshold,  # what the runtime reads
                     "draft_confidence_rule": draft_confidence_rule, "mode": mode,
                     **({"draft_backend": draft_backend} if draft_backend else {}),
+                    **({"batch_windows": {str(rows): {"windows": list(windows), "plain": list(plain)}
+                                          for rows, (windows, plain) in sorted(batch_windows.items())}}
+                       if batch_windows else {}),
                     "predicted_tokens_per_second": run.predicted_tokens_per_second,
                     **({"measured": dict(measured)} if measured else {})},
         "export": {"exit_layer": best.choice.exit_layer, "top_k": best.choice.kappa,

@@ -44,7 +44,7 @@ from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import DRAFT_MODES, MODES
 from mirror_sd.runtime.batch_target import BatchTarget, Row
 from mirror_sd.runtime.config import GenerationConfig
-from mirror_sd.runtime.gate import SpeculationGate
+from mirror_sd.runtime.gate import GateState, SpeculationGate
 from mirror_sd.runtime.kv import common_prefix
 from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable, worth_reusing
 from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
@@ -180,6 +180,10 @@ class BatchEngine:
         on_cpu = pipe.target.device == "CPUExecutionProvider"
         self.batch = BatchTarget(pipe.target, self.kv, min(window_rows, max_num_seqs) if on_cpu else 0)
         self._window_gates: dict[int, SpeculationGate] = {}  # per count of rows: window steps against plain ones
+        # what the bundle's plan measured of them (`mirror-sd plan`): each gate's first guess
+        planned = pipe.defaults.batch_windows if pipe.defaults is not None else ()
+        self._planned_gates = {rows: GateState(windows, plain, SpeculationGate.explore_every).as_prior()
+                               for rows, windows, plain in planned}
         self._waiting: deque[Request] = deque()
         self._rows: list[_Row] = []
         self._wake = threading.Condition()
@@ -388,12 +392,12 @@ class BatchEngine:
         if not rows:
             return
         self.last_batch = len(rows)
-        gate = self._window_gates.setdefault(len(rows), SpeculationGate()) if len(rows) <= self.batch.window_rows \
-            else None
+        gate = self._gate(len(rows)) if len(rows) <= self.batch.window_rows else None
         started = time.perf_counter()
         copied = self._copied(rows) if gate is not None else []
         drafting = gate is not None and any(r.drafts is not None for r in rows) and self.pipe.draft_free()
-        spares = self._spares(rows) if any(w for w, _ in copied) or drafting else None
+        # one row left verifies on the exported graphs, as a generation alone does: no spare rows
+        spares = (self._spares(rows) if len(rows) > 1 else []) if any(w for w, _ in copied) or drafting else None
         if spares is not None and gate.speculate():
             windows, catch_up = self._drafted(rows, copied) if drafting else (copied, 0.0)
             committed = self._window_step(rows, windows, spares)
@@ -410,6 +414,19 @@ class BatchEngine:
             self._commit_chosen(row, out.logits[-1:])
         if gate is not None:
             gate.record(False, len(rows), time.perf_counter() - started)
+
+    def _gate(self, rows: int) -> SpeculationGate:
+        """The gate between window steps and plain ones of this many rows, made at the first such step from what the
+        plan measured (a fresh gate where it measured nothing)."""
+        gate = self._window_gates.get(rows)
+        if gate is None:
+            gate = self._window_gates[rows] = SpeculationGate.resumed(self._planned_gates.get(rows))
+        return gate
+
+    def window_gates(self) -> dict[int, GateState]:
+        """What each count of rows' gate has measured so far (the planner writes it to plan.json); read it while
+        the engine is idle."""
+        return {rows: gate.state() for rows, gate in sorted(self._window_gates.items())}
 
     def _room(self, row: _Row) -> int:
         """The most window tokens the row can take: within its slot and what it may still commit."""
@@ -435,7 +452,7 @@ class BatchEngine:
             if not window and row.drafts is not None and room > 0:
                 try:
                     drafted = row.drafts.propose(row.context, room)
-                except Exception:  # noqa: BLE001 - any draft failure: the row's windows come from its text only
+                except Exception:  # any draft failure: the row's windows come from its text from here on
                     row.rec.draft_failed()
                     row.rec.counts.fallbacks += 1
                     row.drafts = None
@@ -449,12 +466,12 @@ class BatchEngine:
 
     def _window_step(self, rows: list[_Row], windows: list[tuple[tuple[int, ...], Proposer | None]],
                      spares: list[Row]) -> int:
-        """Every row's last token and its window in one run (BatchTarget.run_windows), spare slots taking a token
-        each where fewer rows run than the step has (`_spares`); each row commits the target's tokens up to its first
-        disagreement with its window (runtime/verify.py), as a generation alone verifies a window. The tokens
-        committed."""
+        """Every row's last token and its window in one run (BatchTarget.run_windows; one row alone: BatchTarget.run),
+        spare slots taking a token each where fewer rows run than the step has (`_spares`); each row commits the
+        target's tokens up to its first disagreement with its window (runtime/verify.py), as a generation alone
+        verifies a window. The tokens committed."""
         inputs = [Row(r.slot.index, (r.context[-1], *w), r.kv_len, 1 + len(w)) for r, (w, _) in zip(rows, windows)]
-        outs = self.batch.run_windows(inputs + spares)
+        outs = self.batch.run_windows(inputs + spares) if len(rows) > 1 else self.batch.run(inputs)
         committed = 0
         for row, (window, source), (out, taps) in zip(rows, windows, outs):
             self._count_step(row, len(rows))

@@ -89,6 +89,9 @@ class ProfileOptions:
     # last, the kept setting as generations run it (gates and prompt lookup on) against the target alone at all the
     # cores, prefill included: the plan's mode is the faster
     compare_ar: bool = True
+    # then the batching engine: the prompts B at a time for every B from 2 to its window rows, in mirror, its window
+    # steps and plain steps measured per count of rows (plan batch_windows)
+    time_batches: bool = True
 
 
 def default_splits(cores: int | None = None) -> tuple[tuple[int, int], ...]:
@@ -394,6 +397,22 @@ def _alternating(arms: dict[str, tuple[Pipeline, dict[str, Any]]], prompts: list
     return runs
 
 
+def time_batches(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, **options: Any
+                 ) -> dict[int, tuple[planner.StepRate, planner.StepRate]]:
+    """The batching engine's window steps and plain steps per count of rows, (tokens, seconds, steps) each, as its
+    gates measured them while it ran the prompts B at a time (cycling through them) for every B from 2 to its
+    window rows, each B as many times as there are prompts (fewer rows run as the batch drains: down to one). {}
+    where the engine takes no window steps."""
+    engine = pipe.engine()
+    most = engine.batch.window_rows
+    for rows in range(2, most + 1):
+        for i in range(len(prompts)):
+            pipe.generate([prompts[(i + j) % len(prompts)] for j in range(rows)], max_new_tokens=max_new_tokens,
+                          ignore_eos=True, **options)
+    return {rows: (state.speculative, state.alone) for rows, state in engine.window_gates().items()
+            if rows <= most and state.speculative[2] and state.alone[2]}
+
+
 def _ratio(stats: list[GenerationStats], num: str, den: str) -> float:
     """sum(num) / sum(den) over several generations (0 where den sums to 0)."""
     d = sum(getattr(s, den) for s in stats)
@@ -584,15 +603,15 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     # target fewer threads, for its prefill too; where the target alone (ar, or lookup: no draft model) is faster
     # over the whole call, a generation that names no mode runs that (docs/design.md: The plan picks ar or lookup
     # where the draft does not pay).
-    mode, by_mode = "mirror", {}
+    mode, by_mode, alone = "mirror", {}, pipe
+    runtime = GenerationConfig()
+    gates = dict(adaptive_speculation=runtime.adaptive_speculation,
+                 prompt_lookup_num_tokens=runtime.prompt_lookup_num_tokens)  # as a generation runs them
+    as_run = dict(mode="mirror", gamma=gamma, kappa=c.kappa, branch_budget=branch_budget, **confidence, **gates)
     if options.compare_ar:
         cores = max(usable_cores(), pipe.target_threads)
         alone = pipes.get((cores, pipe.draft_threads)) or load(cores, pipe.draft_threads)
         alone.generate(prompts[0], mode="ar", max_new_tokens=4)  # warm-up
-        runtime = GenerationConfig()
-        gates = dict(adaptive_speculation=runtime.adaptive_speculation,
-                     prompt_lookup_num_tokens=runtime.prompt_lookup_num_tokens)  # as a generation runs them
-        as_run = dict(mode="mirror", gamma=gamma, kappa=c.kappa, branch_budget=branch_budget, **confidence, **gates)
         runs = _alternating({"mirror": (pipe, as_run), "ar": (alone, dict(mode="ar")),
                              "lookup": (alone, dict(mode="lookup", **gates))}, prompts, options.max_new_tokens)
         by_mode = {name: _ratio(stats, "new_tokens", "wall_s") for name, stats in runs.items()}
@@ -601,6 +620,17 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         mode = max(by_mode, key=by_mode.get)
         if mode != "mirror":
             threads = (alone.target_threads, alone.draft_threads)
+    # The batching engine last, on the pipeline a generation of the plan's mode runs on: what its window steps and
+    # plain steps cost per count of rows, its gates' first guess on this machine (docs/design.md: Draft windows at
+    # batch > 1). Measured in mirror as generations run it (a copied window where there is one, else the draft's),
+    # whatever the plan's mode: the gates serve every mode's windows, and in text that does not repeat only the
+    # draft proposes any.
+    batch_windows: dict[int, tuple[planner.StepRate, planner.StepRate]] = {}
+    if options.time_batches:
+        batch_windows = time_batches(alone if mode != "mirror" else pipe, prompts, options.max_new_tokens, **as_run)
+        report("  batched: " + (", ".join(
+            f"{rows} rows window steps {w[0] / w[1]:.1f} / plain {p[0] / p[1]:.1f} tokens/s"
+            for rows, (w, p) in batch_windows.items()) or "no window steps measured"))
     end_to_end = _ratio(measured, "new_tokens", "wall_s")
     tps, modelled_tps = decode_rate(measured), decode_rate(modelled)
     doc = planner.plan_document(profile, plans, {
@@ -620,7 +650,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         **({"tokens_per_second_by_gamma": by_gamma} if by_gamma else {}),
         **({"end_to_end_tokens_per_second_by_mode": by_mode} if by_mode else {}),
     }, draft_confidence_threshold=threshold, draft_backend=draft_backend, branch_budget=branch_budget, gamma=gamma,
-        threads=threads, draft_confidence_rule=rule, mode=mode)
+        threads=threads, draft_confidence_rule=rule, mode=mode, batch_windows=batch_windows)
     doc["past_tokens"] = past_len
     # every calibration setting, predicted on the calibration split at the bundle's exit layer vs measured there
     t, d = splits[0]

@@ -165,23 +165,32 @@ def test_rows_verify_their_windows_in_one_step_and_keep_their_solo_outputs(pipel
 def test_rows_verify_windows_of_their_own_drafts_in_one_step_and_keep_their_solo_outputs(pipelines, arch,
                                                                                          monkeypatch):
     """With nothing to copy (prompt lookup off), greedy sd and mirror rows draft their windows, each with a drafter
-    of its own on the draft engine, and verify them together (a scripted gate: every step here): outputs solo."""
+    of its own on the draft engine, and verify them together (a scripted gate: every step here), the last row left
+    on the exported graphs: outputs solo."""
     import mirror_sd.runtime.batching as batching
 
     pipe = pipelines[arch]
     monkeypatch.setattr(batching, "SpeculationGate", scripted_gate(lambda n: True))
     engine = pipe.engine()
     engine._window_gates.clear()
-    options = {"max_new_tokens": 16, "ignore_eos": True, "prompt_lookup_num_tokens": 0, "gamma": 3}
-    asks = [(PROMPTS[0], "sd"), (PROMPTS[1], "mirror"), (PROMPTS[3], "sd")]
+    options = {"ignore_eos": True, "prompt_lookup_num_tokens": 0, "gamma": 3}
+    asks = [(PROMPTS[0], "sd", 8), (PROMPTS[1], "mirror", 12), (PROMPTS[3], "sd", 20)]  # the last ends alone
+    run, alone = engine.batch.run, []
+
+    def watched(rows):
+        alone.extend(r for r in rows if r.start and len(r.ids) > 1)  # a window after a past: one row's step
+        return run(rows)
+
+    monkeypatch.setattr(engine.batch, "run", watched)
     with engine._wake:  # all arrive before the engine's next step: none starts alone
-        requests = [engine.submit(*pipe.check(p, mode=m, **options)) for p, m in asks]
-    for request, (prompt, _) in zip(requests, asks):
+        requests = [engine.submit(*pipe.check(p, mode=m, max_new_tokens=n, **options)) for p, m, n in asks]
+    for request, (prompt, _, n) in zip(requests, asks):
         result = request.wait()
-        assert result.token_ids == solo(pipe, prompt, **options)
+        assert result.token_ids == solo(pipe, prompt, max_new_tokens=n, **options)
         s = result.stats
         assert s.batched_steps == s.target_steps and s["fresh_rollouts"] > 0 and s["draft_failures"] == 0
         assert s["lookup_steps"] == 0 and s["proposed_tokens"] > 0
+    assert alone and all(r.logits_for == len(r.ids) for r in alone)
 
 
 def test_a_draft_that_agrees_with_the_target_commits_its_windows_whole_at_batch_2(bundle_factory, monkeypatch):
@@ -199,6 +208,32 @@ def test_a_draft_that_agrees_with_the_target_commits_its_windows_whole_at_batch_
             assert result.stats["acceptance_rate"] == 1.0 and result.stats.target_steps <= 6
     finally:
         pipe.close()
+
+
+def test_a_plans_measured_steps_per_count_of_rows_are_its_window_gates_first_guess(pipelines):
+    """plan.json's batch_windows (what `mirror-sd plan` measured of the engine's window and plain steps per count of
+    rows) seed the gate of each count: three rows whose plan measured plain steps faster take plain steps from the
+    first, where a fresh gate's first choice is a window step."""
+    from mirror_sd.partitions.plan_file import RuntimeDefaults
+    from mirror_sd.runtime.config import LoadOptions
+
+    base = pipelines["llama"]
+    prompts = [[5, 17, 33, 40], [6, 18, 34, 41], [7, 19, 35, 42]]  # one length: they prefill and step together
+    options = {"mode": "sd", "max_new_tokens": 6, "ignore_eos": True, "prompt_lookup_num_tokens": 0, "gamma": 2}
+    slow_windows, fast_plain = (1.0, 1.0, 5), (3.0, 0.01, 5)
+    planned = RuntimeDefaults(2, 4, 0, 1, 1, batch_windows=((3, slow_windows, fast_plain),))
+    proposed = {}
+    for name, defaults in (("planned", planned), ("fresh", None)):
+        pipe = Pipeline(base.manifest, base.target, base.draft, base.codec, defaults)
+        pipe.load_options = LoadOptions(max_num_seqs=4)
+        try:
+            results = pipe.generate(prompts, **options)
+            assert [r.token_ids for r in results] == [solo(base, p, **options) for p in prompts]
+            proposed[name] = sum(r.stats["proposed_tokens"] for r in results)
+            assert set(pipe.engine().window_gates()) == {3}
+        finally:
+            pipe.close()
+    assert proposed["planned"] == 0 and proposed["fresh"] > 0
 
 
 def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines):

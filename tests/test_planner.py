@@ -205,6 +205,18 @@ def test_plan_file_round_trip(tmp_path):
         pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "draft_confidence_threshold": 1.5}}, 4, 8)
     with pytest.raises(BadInputError, match="draft_confidence_rule"):
         pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "draft_confidence_rule": "sum"}}, 4, 8)
+    # the batching engine's steps per count of rows: read back as measured, checked, absent from older plans
+    batched = pl.plan_document(profile, plans, batch_windows={4: ((2.5, 0.05, 9), (4.0, 0.04, 3)),
+                                                              2: ((1.5, 0.03, 12), (2.0, 0.03, 2))})
+    assert batched["runtime"]["batch_windows"]["2"] == {"windows": [1.5, 0.03, 12], "plain": [2.0, 0.03, 2]}
+    assert pf.runtime_defaults(json.loads(json.dumps(batched)), 4, 8).batch_windows == (
+        (2, (1.5, 0.03, 12), (2.0, 0.03, 2)), (4, (2.5, 0.05, 9), (4.0, 0.04, 3)))
+    assert defaults.batch_windows == ()
+    for bad in ({"0": {"windows": [1, 1, 1], "plain": [1, 1, 1]}}, {"2": {"windows": [1, 1, 1]}},
+                {"2": {"windows": [1, -1, 1], "plain": [1, 1, 1]}}, {"2": {"windows": [1, 1, 1.5], "plain": [1, 1, 1]}},
+                [1, 2]):
+        with pytest.raises(BadInputError, match="batch_windows"):
+            pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "batch_windows": bad}}, 4, 8)
     assert pf.export_advice(read) == pf.ExportAdvice(plans[0].choice.exit_layer, plans[0].choice.kappa)
     assert read["export"]["needs_export"] and read["runtime"]["measured"]["tokens_per_second"] == 100.0
     with pytest.raises(BadInputError, match="made for exit layer 4"):
@@ -260,6 +272,11 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     by_gamma = measured["tokens_per_second_by_gamma"]
     assert set(by_gamma) == {"2", "3"} and all(v > 0 for v in by_gamma.values())
     assert by_gamma[str(run["gamma"])] == max(by_gamma.values()) == measured["tokens_per_second"]
+    # the batching engine in mirror: window and plain steps at up to 4 rows
+    batched = run["batch_windows"]
+    assert set(batched) <= {"1", "2", "3", "4"} and "2" in batched
+    assert all(kinds["windows"][2] > 0 and kinds["plain"][2] > 0 and kinds["plain"][1] > 0
+               for kinds in batched.values())
     assert 1 <= doc["export"]["exit_layer"] <= 5 and doc["export"]["top_k"] == 4
     speeds = [row["predicted_tokens_per_second"] for row in doc["table"]]
     assert all(a >= b * (1 - 1e-9) for a, b in zip(speeds, speeds[1:]))
@@ -289,7 +306,9 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     pipe = Pipeline.load(bundle)
     assert pipe.defaults == pf.RuntimeDefaults(run["gamma"], 4, run["branch_budget"], *threads,
                                                run["draft_confidence_threshold"], run["draft_backend"],
-                                               run["draft_confidence_rule"], run["mode"])
+                                               run["draft_confidence_rule"], run["mode"],
+                                               pf.runtime_defaults(doc, 3, 8).batch_windows)
+    assert len(pipe.defaults.batch_windows) == len(batched)
     assert pipe.draft.backend == run["draft_backend"]
     for backend in ("openvino", "onnxruntime"):  # an explicit choice wins over the plan's
         assert Pipeline.load(bundle, draft_backend=backend).draft.backend == backend
