@@ -521,35 +521,46 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     report(f"measuring the chosen setting: gamma {c.gamma} kappa {c.kappa} budget {c.branch_budget} threads "
            f"{c.target_threads}+{c.draft_threads}")
     pipe = pipes[(c.target_threads, c.draft_threads)]
+    # Threads without branch sets: the draft then never runs beside the target (each step drafts, then verifies), so
+    # the split the model chose for running them side by side does not apply. The target gets the thread count of
+    # the profiled split where its verification step ran fastest, and the draft the same count: both take turns on
+    # the same cores (docs/design.md: Turn taking: the draft on the calling thread). Where that is the most threads
+    # profiled, every core: splits leave a core to the draft, so on two cores only 1+1 is profiled, and a setting
+    # without branch sets measured at 1+1 would leave the target half the cores.
+    turns = (c.target_threads, c.draft_threads)
+    if options.turn_taking_threads and on_cpu(pipe.draft.device):
+        window = c.gamma + 1
+        fastest = min(profile.splits, key=lambda sp: sp.target.prefix_s[window] + sp.target.suffix_s[window])
+        most = max(sp.target_threads for sp in profile.splits)
+        t = max(most, usable_cores()) if fastest.target_threads == most else fastest.target_threads
+        turns = (t, t)
+
+    def taking_turns() -> Pipeline:
+        if turns not in pipes:
+            pipes[turns] = load(*turns)
+            pipes[turns].generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
+        return pipes[turns]
+
     # Branch sets first: the cost model times the suffix beside a branch set, but not what the two threads do to the
     # steps around it on shared cores (docs/design.md: The branch gate, and branch budget 0 on shared cores). So the
-    # setting is measured with its budget and with none (budget 0: every draft step sd's), prompt by prompt in turn,
-    # and the faster kept. The plan is the one choice a sampled generation follows too: its gates are off (a timed
-    # choice would change a seed's text).
+    # setting is measured with its budget at its split and with none (budget 0: every draft step sd's) taking
+    # turns, prompt by prompt in turn, and the faster kept. The plan is the one choice a sampled generation follows
+    # too: its gates are off (a timed choice would change a seed's text).
     modelled, branch_budget, by_budget = None, c.branch_budget, {}
     if options.compare_no_branches and c.branch_budget:
         runs = _alternating({str(c.branch_budget): (pipe, dict(branch_budget=c.branch_budget)),
-                             "0": (pipe, dict(branch_budget=0))}, prompts, options.max_new_tokens, mode="mirror",
-                            gamma=c.gamma, kappa=c.kappa)
+                             "0": (taking_turns(), dict(branch_budget=0))}, prompts, options.max_new_tokens,
+                            mode="mirror", gamma=c.gamma, kappa=c.kappa)
         by_budget = {name: decode_rate(stats) for name, stats in runs.items()}
-        report("  branch sets: " + ", ".join(f"budget {n} {v:.1f} tok/s" for n, v in by_budget.items()))
+        report("  branch sets: " + ", ".join(f"budget {n} {v:.1f} tok/s" for n, v in by_budget.items())
+               + f" (budget 0 at {turns[0]}+{turns[1]} threads)")
         modelled = runs[str(c.branch_budget)]
         if by_budget["0"] > by_budget[str(c.branch_budget)]:
             branch_budget = 0
-    # Threads, where the kept setting has no branch sets: the draft then never runs beside the target (each step
-    # drafts, then verifies), so the split the model chose for running them side by side no longer applies. The
-    # target gets the thread count of the profiled split where its verification step ran fastest, and the draft the
-    # same count: both take turns on the same cores (docs/design.md: Turn taking: the draft on the calling thread).
-    # A plan whose model chose 1+1 for its branch sets, then measured none faster, would otherwise leave the target
-    # at half its cores.
     threads = None
-    if options.turn_taking_threads and branch_budget == 0 and on_cpu(pipe.draft.device):
-        window = c.gamma + 1
-        fastest = min(profile.splits, key=lambda sp: sp.target.prefix_s[window] + sp.target.suffix_s[window])
-        threads = (fastest.target_threads, fastest.target_threads)
-        if threads != (c.target_threads, c.draft_threads):
-            pipe = load(*threads)
-            pipe.generate(prompts[0], mode="mirror", max_new_tokens=4)  # warm-up
+    if branch_budget == 0 and turns != (c.target_threads, c.draft_threads):
+        threads = turns
+        pipe = taking_turns()
         report(f"  threads {threads[0]}+{threads[1]}: without branch sets the draft takes turns with the target")
     kept = dict(gamma=c.gamma, kappa=c.kappa, branch_budget=branch_budget)
     # where the thresholds and the draft runtimes run: the pipeline's own thread counts, as the plan file records them
@@ -646,7 +657,8 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         # the thresholds and the draft runtimes ran at the kept budget and threads (at the model's gamma)
         "thresholds_and_draft_runtimes_measured_at": measured_at,
         **({"tokens_per_second_by_draft_backend": by_backend} if by_backend else {}),
-        **({"tokens_per_second_by_branch_budget": by_budget} if by_budget else {}),
+        **({"tokens_per_second_by_branch_budget": by_budget,
+            "no_branch_sets_measured_at_threads": list(turns)} if by_budget else {}),
         **({"tokens_per_second_by_gamma": by_gamma} if by_gamma else {}),
         **({"end_to_end_tokens_per_second_by_mode": by_mode} if by_mode else {}),
     }, draft_confidence_threshold=threshold, draft_backend=draft_backend, branch_budget=branch_budget, gamma=gamma,

@@ -256,13 +256,16 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     by_mode = measured["end_to_end_tokens_per_second_by_mode"]
     assert set(by_mode) == {"mirror", "ar", "lookup"} and all(v > 0 for v in by_mode.values())
     assert run["mode"] == max(by_mode, key=by_mode.get)
-    threads = (1, 1) if run["mode"] == "mirror" else (usable_cores(), 1)
+    # (1+1, the one split profiled, keeps branch sets; without them target and draft take turns at every core)
+    turns = (usable_cores(),) * 2 if run["branch_budget"] == 0 else (1, 1)
+    threads = turns if run["mode"] == "mirror" else (usable_cores(), turns[1])
     assert (run["target_threads"], run["draft_threads"]) == threads
     assert run["predicted_tokens_per_second"] > 0 and measured["tokens_per_second"] > 0
     # branch sets: the chosen setting measured with the model's budget and with none, the faster kept; the model is
     # checked against the setting it predicted
     budgets = measured["tokens_per_second_by_branch_budget"]
     assert set(budgets) == {str(modelled_budget), "0"} and all(v > 0 for v in budgets.values())
+    assert measured["no_branch_sets_measured_at_threads"] == [usable_cores()] * 2  # taking turns at every core
     assert run["branch_budget"] in (modelled_budget, 0)
     assert budgets[str(run["branch_budget"])] == max(budgets.values())
     assert measured["predicted_over_measured"] == pytest.approx(
@@ -296,7 +299,7 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
     assert all(v > 0 for v in swept.values())
     # ... at the budget and threads the plan keeps, not at the model's setting
     assert measured["thresholds_and_draft_runtimes_measured_at"] == {
-        "branch_budget": run["branch_budget"], "target_threads": 1, "draft_threads": 1}
+        "branch_budget": run["branch_budget"], "target_threads": turns[0], "draft_threads": turns[1]}
     kept = str(run["draft_confidence_threshold"])
     assert swept[kept if run["draft_confidence_rule"] == "token" else f"window {kept}"] == max(swept.values())
     # the draft runs on the CPU here: the chosen setting measured with it on each runtime, the faster kept

@@ -12,12 +12,10 @@ Each arm's windows run where the engine's gate per batch size measured window st
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 from pathlib import Path
 
-from batched_windows_ab import point
+from batched_windows_ab import arguments, point, summarise
 
 from mirror_sd.bench import serving
 from mirror_sd.bench.machine import describe_machine
@@ -28,11 +26,7 @@ ARMS = {"ar": "ar", "lookup": "lookup", "mirror-copies": "mirror", "mirror": "mi
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("bundle")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--clients", default="2,4")
+    parser = arguments()
     parser.add_argument("--kinds", default="all", help="comma-separated task kinds (all: every prompt)")
     args = parser.parse_args()
     kinds = tuple(k for k in args.kinds.split(",") if k != "all")
@@ -54,17 +48,9 @@ def main() -> None:
     batching.BatchEngine._row_draft = row_draft
     window_rows = pipe.engine().batch.window_rows
     pipe.close()
-    summary = {}
-    for clients in sorted({x["clients"] for x in runs}):
-        arms = {a: [x for x in runs if x["clients"] == clients and x["arm"] == a] for a in ARMS}
-        reference = arms["ar"][0]["token_ids"]
-        median = {a: statistics.median(x["tokens_per_s"] for x in xs) for a, xs in arms.items()}
-        summary[f"{clients} clients"] = {
-            "tokens_per_s_median": median,
-            "over_ar": {a: median[a] / median["ar"] for a in ARMS},
-            "window_steps_median": {a: statistics.median(x["window_steps"] for x in xs) for a, xs in arms.items()},
-            "outputs_differing_from_ar": sum(t != ref for xs in arms.values() for x in xs
-                                             for t, ref in zip(x["token_ids"], reference))}
+    summary = {f"{clients} clients": summarise({a: [x for x in runs if x["clients"] == clients and x["arm"] == a]
+                                                for a in ARMS})
+               for clients in sorted({x["clients"] for x in runs})}
     doc = {"question": "do greedy mirror rows at batch > 1 gain from windows of their own drafts, beside windows "
                        "copied from their texts, and does every output stay the ar one?",
            "bundle": args.bundle, "kinds": sorted(kinds) or ["all"], "window_rows": window_rows,

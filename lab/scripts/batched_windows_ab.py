@@ -58,12 +58,29 @@ def point(pipe: Pipeline, clients: int, mode: str, tag: str, kinds: tuple[str, .
             "token_ids": [r.token_ids for r in results]}
 
 
-def main() -> None:
+def summarise(arms: dict[str, list[dict]]) -> dict:
+    """One series' arms (name -> its runs, "ar" among them): median tokens/s and window steps, the ratio to ar, and
+    how many outputs differ from the first ar run's."""
+    reference = arms["ar"][0]["token_ids"]
+    median = {a: statistics.median(x["tokens_per_s"] for x in xs) for a, xs in arms.items()}
+    return {"tokens_per_s_median": median, "over_ar": {a: median[a] / median["ar"] for a in arms},
+            "window_steps_median": {a: statistics.median(x["window_steps"] for x in xs) for a, xs in arms.items()},
+            "outputs_differing_from_ar": sum(t != ref for xs in arms.values() for x in xs
+                                             for t, ref in zip(x["token_ids"], reference))}
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The bundle, --out, --rounds and --clients: what the batched A/B scripts share."""
     parser = argparse.ArgumentParser()
     parser.add_argument("bundle")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", default="2,4")
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     parser.add_argument("--kinds", default="all;summarisation,rag",
                         help="';'-separated sets of comma-separated task kinds, each a series of points (all: every "
                              "prompt)")
@@ -82,14 +99,7 @@ def main() -> None:
     summary = {}
     for series in sorted({(tuple(x["kinds"]), x["clients"]) for x in runs}):
         arms = {m: [x for x in runs if (tuple(x["kinds"]), x["clients"]) == series and x["mode"] == m] for m in MODES}
-        reference = arms["ar"][0]["token_ids"]
-        median = {m: statistics.median(x["tokens_per_s"] for x in a) for m, a in arms.items()}
-        summary[f"{'+'.join(series[0])} @ {series[1]} clients"] = {
-            "tokens_per_s_median": median,
-            "over_ar": {m: median[m] / median["ar"] for m in MODES},
-            "window_steps_median": {m: statistics.median(x["window_steps"] for x in a) for m, a in arms.items()},
-            "outputs_differing_from_ar": sum(t != ref for a in arms.values() for x in a
-                                             for t, ref in zip(x["token_ids"], reference))}
+        summary[f"{'+'.join(series[0])} @ {series[1]} clients"] = summarise(arms)
     doc = {"question": "do rows verifying windows copied from their texts in one step (up to window_rows rows) beat "
                        "plain batched steps, and does every output stay the ar one?",
            "bundle": args.bundle, "window_rows": window_rows, "machine": describe_machine(),
