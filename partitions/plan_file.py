@@ -115,7 +115,7 @@ def _batch_windows(doc: object) -> tuple[tuple[int, StepRate, StepRate], ...]:
     if not isinstance(doc, dict):
         raise BadInputError(f"{where} must be an object of row counts, got {doc!r}")
     out = []
-    for rows, kinds in sorted(doc.items(), key=lambda item: str(item[0])):
+    for rows, kinds in doc.items():
         if not (isinstance(rows, str) and rows.isdigit() and int(rows) >= 1):
             raise BadInputError(f"{where} keys must be row counts of 1 or more, got {rows!r}")
         if not isinstance(kinds, dict) or set(kinds) != {"windows", "plain"}:
