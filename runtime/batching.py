@@ -448,10 +448,9 @@ class BatchEngine:
         reading tokens committed without them. A row whose draft fails goes on with copies only."""
         out, catch_up = [], 0.0
         for row, (window, source) in zip(rows, copied):
-            room = self._room(row)
-            if not window and row.drafts is not None and room > 0:
-                try:
-                    drafted = row.drafts.propose(row.context, room)
+            if not window and row.drafts is not None:
+                try:  # no room left for a window: None
+                    drafted = row.drafts.propose(row.context, self._room(row))
                 except Exception:  # any draft failure: the row's windows come from its text from here on
                     row.rec.draft_failed()
                     row.rec.counts.fallbacks += 1
