@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from mirror_sd.runtime.draft import DrafterBase
+from mirror_sd.runtime.draft import DrafterBase, reads_first
 from mirror_sd.runtime.feature_draft import FEATURE_PROMPT_WINDOW
 from mirror_sd.runtime.messages import DraftWindow, FeatureBlock, frozen
 
@@ -86,7 +86,7 @@ class RowDraft:
                 features = (FeatureBlock(tuple(ctx[:end]), self.sent, frozen(held)),)
                 self.sent = end
             window = end - 1 - self._first
-        if self.seen == 0 or len(ctx) - self.seen > self.gamma + 1:
+        if self.seen == 0 or reads_first(len(ctx), self.seen, self.gamma):
             # tokens committed without the draft (a prompt, steps without windows) are read first, as a prompt
             self.drafter.warm(tuple(ctx[:-1]), features, window if self.seen == 0 else 0)
             features = ()

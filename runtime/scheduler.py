@@ -39,7 +39,7 @@ import numpy as np
 
 from mirror_sd.partitions.plan_file import DRAFT_MODES
 from mirror_sd.runtime.config import GenerationConfig
-from mirror_sd.runtime.draft import DrafterBase, plan_branches
+from mirror_sd.runtime.draft import DrafterBase, plan_branches, reads_first
 from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
@@ -265,12 +265,10 @@ class _Decoder:
             self.counts.fallbacks += 1
             return None
         self.catch_up_s = 0.0
-        if len(ctx) - self.draft_seen > self.cfg.gamma + 1:
-            # More committed tokens than one step commits went by without the draft (steps of the target alone,
-            # copied windows): it reads them into its cache first, as it reads a prompt, rather than in the
-            # rollout's row, whose length a static package bounds. Timed apart and left out of the gate's timing of
-            # this step: charged to it, the copy gate's alternative looks slow (docs/design.md: The copy gate).
-            # a draft that skipped the prompt (the gate preferred the target alone) reads only its last inputs
+        if reads_first(len(ctx), self.draft_seen, self.cfg.gamma):
+            # Timed apart and left out of the gate's timing of this step: charged to it, the copy gate's alternative
+            # looks slow (docs/design.md: The copy gate). A draft that skipped the prompt (the gate preferred the
+            # target alone) reads only its last inputs.
             window = TRY_PROMPT_WINDOW if self.draft_seen == 0 else 0
             started = time.perf_counter()
             self._wait(self.worker.submit(Warm(tuple(ctx[:-1]), self.take_features(), window)))
