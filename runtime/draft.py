@@ -64,6 +64,10 @@ PROMPT_WINDOW = 1024
 
 
 _NONE = np.zeros(0, np.int64)
+# A window token is accepted more often than the exit head's probability of it says: the draft chose it, so it is
+# already a likely token. The probability's square root follows the measured acceptance, and ranking outcomes by it
+# held the correction on more rejected steps (docs/design.md: Branch ranking by the exit probability's square root).
+EXIT_ACCEPT_POWER = 0.5
 
 
 def reads_first(committed: int, seen: int, gamma: int) -> bool:
@@ -71,11 +75,6 @@ def reads_first(committed: int, seen: int, gamma: int) -> bool:
     rollout, as it reads a prompt: more went by than one step commits (steps of the target alone, copied windows),
     and the rollout's row, whose length a static package bounds, would not hold them."""
     return committed - seen > gamma + 1
-
-# A window token is accepted more often than the exit head's probability of it says: the draft chose it, so it is
-# already a likely token. The probability's square root follows the measured acceptance, and ranking outcomes by it
-# held the correction on more rejected steps (docs/design.md: Branch ranking by the exit probability's square root).
-EXIT_ACCEPT_POWER = 0.5
 
 
 def plan_branches(c: ExitCandidates, kappa: int, budget: int, unranked_accept: float = 0.0
