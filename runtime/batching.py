@@ -456,9 +456,10 @@ class BatchEngine:
                     row.rec.counts.fallbacks += 1
                     row.drafts = None
                     drafted = None
+                else:  # a catch-up is timed apart whether or not a window came of it
+                    catch_up += row.drafts.catch_up_s
                 if drafted is not None and drafted.tokens:
                     row.rec.counts.fresh_rollouts += 1
-                    catch_up += row.drafts.catch_up_s
                     window, source = drafted.tokens, row.drafts
             out.append((window, source))
         return out, catch_up

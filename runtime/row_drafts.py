@@ -66,6 +66,7 @@ class RowDraft:
     def propose(self, ctx: list[int], length: int) -> DraftWindow | None:
         """A window of at most `length` (and gamma) tokens continuing `ctx`; None where the taps it needs are not
         held. The drafter first reads what it lacks of ctx (timed apart: `catch_up_s`)."""
+        self.catch_up_s = 0.0
         gamma = min(self.gamma, length)
         end = len(ctx) - 1  # positions 0 .. end - 1 ran; the last token is the next input
         if gamma < 1:

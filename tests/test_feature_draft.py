@@ -1122,3 +1122,25 @@ def test_a_batched_draft_that_fell_behind_starts_over_from_the_taps_its_row_kept
         assert len(restarts) >= 3 and all(read <= 12 for read in restarts)
     finally:
         pipe.close()
+
+
+def test_a_row_draft_reports_only_the_catch_up_of_its_last_window(trained_feature_bundle):
+    """`RowDraft.catch_up_s` (what the engine's gate leaves out of a window step's time) is the last call's: a first
+    window that read the prompt has some, a later call that drafts nothing (the taps of its latest positions were
+    never handed over) has none, rather than the earlier call's."""
+    from mirror_sd.runtime.pipeline import Pipeline
+    from mirror_sd.runtime.row_drafts import RowDraft
+    from mirror_sd.runtime.stats import Recorder
+
+    bundle, prompts = trained_feature_bundle
+    pipe = Pipeline.load(bundle, huge_pages=False)
+    try:
+        cfg, draft = pipe.generation_config.updated(mode="sd"), pipe.manifest.draft
+        row = RowDraft(lambda: pipe.drafter(cfg, Recorder()), 3, (len(draft.feature_taps), draft.hidden_size),
+                       draft.dtype)
+        ids = list(prompts[0])
+        row.ran(0, pipe.target.run_prefix(ids, pipe.target.empty_cache()).taps)
+        assert row.propose([*ids, 1], 3) is not None and row.catch_up_s > 0
+        assert row.propose([*ids, 1, 2, 3], 3) is None and row.catch_up_s == 0.0
+    finally:
+        pipe.close()
