@@ -22,8 +22,7 @@ from onnx import numpy_helper
 
 from mirror_sd.errors import ExportError
 from mirror_sd.partitions.manifest import WEIGHT_BLOCK_SIZE as BLOCK_SIZE
-
-QUANTIZED_OP = "MatMulNBits"
+from mirror_sd.runtime.prompt_graphs import QUANTIZED_OP, dequantized
 
 
 def block_quantized(weight: torch.Tensor, bits: int, block: int = BLOCK_SIZE) -> torch.Tensor:
@@ -57,22 +56,6 @@ def _unshare_constants(model: onnx.ModelProto) -> None:
     model.graph.node.extend(kept)
 
 
-def _dequantized(node: onnx.NodeProto, initializers: dict[str, np.ndarray]) -> np.ndarray:
-    """A symmetric MatMulNBits node's weight [K, N] in float32."""
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    k, n, bits, block = attrs["K"], attrs["N"], attrs["bits"], attrs["block_size"]
-    packed = initializers[node.input[1]].reshape(n, -1)
-    if bits == 8:
-        q = packed.astype(np.int32)
-    elif bits == 4:  # two weights a byte, the first in the low nibble
-        q = np.stack([packed & 0x0F, packed >> 4], -1).reshape(n, -1).astype(np.int32)
-    else:
-        raise ExportError(f"{node.name}: {bits}-bit weights are not read back here")
-    q -= 2 ** (bits - 1)  # no zero points: symmetric blocks are stored offset by half the range
-    scales = initializers[node.input[2]].reshape(n, -1, 1)
-    return (q.reshape(n, -1, block) * scales).reshape(n, -1)[:, :k].T
-
-
 def quantize_matmuls(path: Path, data_files: tuple[str, ...], bits: int, accuracy_level: int,
                      lossless: bool = False) -> int:
     """Rewrite the ONNX file at `path` (and its external-data files `data_files`, beside it, if any) with `bits`-bit
@@ -103,7 +86,7 @@ def quantize_matmuls(path: Path, data_files: tuple[str, ...], bits: int, accurac
         after = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
         for node in nodes:
             original = weights[node.name.rsplit("_Q", 1)[0]]
-            worst = float(np.abs(_dequantized(node, after) - original).max())
+            worst = float(np.abs(dequantized(node, after) - original).max())
             if worst > 1e-6 * max(float(np.abs(original).max()), 1e-30):
                 raise ExportError(f"{path.name}: {node.name}'s {bits}-bit weights differ from the float32 graph's by "
                                   f"{worst:.3g}: its weights were not on the block grid")

@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 # The load options (runtime/config.py LoadOptions) each command takes from its command line; their flags, help and
 # defaults come from the options themselves.
 LOAD_FLAGS = {
-    "generate": ("target_backend", "draft_backend", "target_device", "target_step_width", "draft_device",
-                 "max_context", "target_threads", "draft_threads", "cache_dir", "huge_pages"),
+    "generate": ("target_backend", "draft_backend", "target_device", "target_step_width", "prefill_precision",
+                 "draft_device", "max_context", "target_threads", "draft_threads", "cache_dir", "huge_pages"),
     "serve": ("target_threads", "draft_threads", "target_device", "draft_device", "max_context", "target_step_width",
-              "max_num_seqs", "kv_cache_gb", "window_rows"),
+              "prefill_precision", "max_num_seqs", "kv_cache_gb", "window_rows"),
     "plan": ("target_device", "draft_device"),
 }
 # one generation is not worth the longer load that huge pages take; the Python API and serve keep them on

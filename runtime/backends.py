@@ -111,18 +111,20 @@ def default_openvino_device() -> str:
 
 
 def open_openvino(path: str | Path, device: str | None = None, threads: int = 1,
-                  cache_dir: str | Path | None = None, weights: str | Path | None = None) -> OpenedGraph:
-    """An OpenVINO compiled model on `device` (default NPU where present, else CPU), latency hint, fp32 on CPU.
+                  cache_dir: str | Path | None = None, weights: str | Path | None = None,
+                  precision: str = "f32") -> OpenedGraph:
+    """An OpenVINO compiled model on `device` (default NPU where present, else CPU), latency hint, on a CPU
+    computing at `precision` (INFERENCE_PRECISION_HINT: f32, or bf16 for the prompt graphs, runtime/prompt_graphs.py).
     weights: an IR's .bin when it is not named after the .xml (a package shares one .bin between graphs)."""
     import openvino as ov
 
     core = ov.Core()
     model = core.read_model(str(path), str(weights)) if weights else core.read_model(str(path))
-    return _compile_openvino(core, model, device, threads, cache_dir)
+    return _compile_openvino(core, model, device, threads, cache_dir, precision)
 
 
 def open_openvino_model(proto, device: str | None = None, threads: int = 1,
-                        cache_dir: str | Path | None = None) -> OpenedGraph:
+                        cache_dir: str | Path | None = None, precision: str = "f32") -> OpenedGraph:
     """An in-memory ONNX model (an onnx.ModelProto, e.g. one rewritten at load time) compiled as `open_openvino`
     does. Past protobuf's 2 GiB it goes through a temporary directory with its weights in an external file."""
     import tempfile
@@ -138,18 +140,19 @@ def open_openvino_model(proto, device: str | None = None, threads: int = 1,
             path = Path(tmp) / "model.onnx"
             onnx.save_model(proto, str(path), save_as_external_data=True, location="model.onnx.data")
             model = core.read_model(str(path))
-            return _compile_openvino(core, model, device, threads, cache_dir)
-    return _compile_openvino(core, model, device, threads, cache_dir)
+            return _compile_openvino(core, model, device, threads, cache_dir, precision)
+    return _compile_openvino(core, model, device, threads, cache_dir, precision)
 
 
-def _compile_openvino(core, model, device: str | None, threads: int, cache_dir: str | Path | None) -> OpenedGraph:
+def _compile_openvino(core, model, device: str | None, threads: int, cache_dir: str | Path | None,
+                      precision: str = "f32") -> OpenedGraph:
     device = device or default_openvino_device()
     if device.split(":")[0].split(".")[0] not in core.available_devices and device not in core.available_devices:
         raise BadInputError(f"OpenVINO device {device!r} is not available; available: {core.available_devices}")
     config: dict[str, object] = {"PERFORMANCE_HINT": "LATENCY"}
     if device.startswith("CPU"):
         # fp32 keeps the draft bit-comparable with the export's parity checks (CPUs with AMX default to bf16).
-        config.update({"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"})
+        config.update({"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": precision})
     if cache_dir:
         core.set_property({"CACHE_DIR": str(cache_dir)})
     # Names are read before compiling: compilation merges tensors, and a compiled output's "any name" can then be

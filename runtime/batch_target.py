@@ -54,6 +54,7 @@ class BatchTarget:
         # a run of one row is padded to the target's step width as its own steps are (Target.step_width: the int8
         # kernels compute a one-row run otherwise); runs of several rows are at least two rows already
         self.step_width = target.step_width
+        self.prompt_graphs = target.prompt_graphs  # prompts prefilled on OpenVINO in bf16, or None
         self._device = ort_device(target.device)
         self._bound: dict[str, _Bound] = {}
         for role, (session, spec) in target.sessions.items():
@@ -104,6 +105,17 @@ class BatchTarget:
             out.append(RowOut(logits[b, end - r.logits_for:end] if r.logits_for else None,
                               None if taps is None else taps[b, :len(r.ids)]))
         return out
+
+    def run_prompt(self, row: Row) -> RowOut:
+        """Prompt tokens of one row on the target's prompt graphs (runtime/prompt_graphs.py), writing their KV into
+        its slot: their taps (no logits: the prompt's last token runs on the target's own steps)."""
+        graphs = self.prompt_graphs
+        kv = self.slots.host(row.slot)
+        hidden, taps = graphs.prefix(np.asarray([row.ids], np.int64), row.start, kv)
+        graphs.suffix(hidden, row.start, kv)
+        self.forwards += 1
+        self.rows_run += 1
+        return RowOut(None, taps)
 
     def run_windows(self, rows: list[Row]) -> list[RowOut]:
         """One run of exactly `window_rows` rows in distinct slots, each row's tokens after its own past (any

@@ -53,7 +53,7 @@ from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.row_drafts import RowDraft
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
 from mirror_sd.runtime.stats import Recorder
-from mirror_sd.runtime.target import PREFILL_CHUNK, OrtTarget, ort_device
+from mirror_sd.runtime.target import PREFILL_CHUNK, OrtTarget, ort_device, prompt_chunk_end
 from mirror_sd.runtime.text import TextSink
 from mirror_sd.runtime.verify import greedy_accept
 
@@ -175,7 +175,7 @@ class BatchEngine:
                                 "onnxruntime)", option="target_backend")
         self.pipe = pipe
         self.kv = KVSlots(pipe.manifest, max_num_seqs, pipe.target.slots, ort_device(pipe.target.device))
-        self.table = SlotTable(max_num_seqs)
+        self.table = SlotTable(max_num_seqs, pipe.target.reuse_grid)
         # windows at batch > 1 on the CPU only: a GPU's float16 kernels round by step width (Target.step_width)
         on_cpu = pipe.target.device == "CPUExecutionProvider"
         self.batch = BatchTarget(pipe.target, self.kv, min(window_rows, max_num_seqs) if on_cpu else 0)
@@ -332,7 +332,7 @@ class BatchEngine:
         """One run over prompt tokens still to prefill (all but each prompt's last), oldest requests first, within
         PREFILL_BUDGET (rows padded to the widest). ONNX Runtime's attention takes several rows of several tokens
         only where none has a past: prompts that start from nothing run together, a prompt that goes on from its
-        cached head or an earlier chunk runs alone."""
+        cached head or an earlier chunk runs alone; the prompt graphs take one row at a time."""
         pending = []
         for row in self._rows:
             if row.prefilling and not row.looked_for_head:
@@ -342,6 +342,28 @@ class BatchEngine:
                 pending.append(row)
         if not pending:
             return
+
+        oldest = pending[0]
+        if self.pipe.target.prompt_graphs is not None:
+            # on the prompt graphs (OpenVINO in bf16) one row at a time, in their own chunks: any chunking computes a
+            # position alike there
+            take = prompt_chunk_end(oldest.kv_len, len(oldest.context) - 1) - oldest.kv_len
+            rows = [(oldest, take)]
+            outs = [self.batch.run_prompt(Row(oldest.slot.index, tuple(oldest.context[oldest.kv_len:][:take]),
+                                              oldest.kv_len, 0))]
+        else:
+            rows = self._prefill_rows(pending)
+            outs = self.batch.run([Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0)
+                                   for r, take in rows])
+        drafting = len(self._rows) <= self.batch.window_rows
+        for (r, take), out in zip(rows, outs):
+            if drafting and r.drafts is not None:
+                r.drafts.ran(r.kv_len, out.taps)
+            r.kv_len += take
+
+    @staticmethod
+    def _prefill_rows(pending: list[_Row]) -> list[tuple[_Row, int]]:
+        """The rows of one prefill run on the target's graphs, and their tokens."""
 
         def share(row: _Row) -> int:  # a row's chunk: at most PREFILL_CHUNK (docs/design.md: Prefill in chunks)
             return min(len(row.context) - 1 - row.kv_len, PREFILL_CHUNK)
@@ -358,13 +380,14 @@ class BatchEngine:
                 if width * (len(rows) + 1) > PREFILL_BUDGET:
                     break
                 rows.append((row, take))
-        outs = self.batch.run([Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0)
-                               for r, take in rows])
-        drafting = len(self._rows) <= self.batch.window_rows
-        for (r, take), out in zip(rows, outs):
-            if drafting and r.drafts is not None:
-                r.drafts.ran(r.kv_len, out.taps)
-            r.kv_len += take
+        return rows
+
+    def _reusable(self, row: _Row) -> int:
+        """The row's positions a later prompt may reuse: all it holds, or with prompt graphs only those they
+        prefilled (the same tokens inside a later prompt are prefilled there, not on the target's steps)."""
+        if self.pipe.target.prompt_graphs is None:
+            return row.kv_len
+        return min(row.kv_len, self.pipe.target.prompt_split(row.prompt_len))
 
     def _borrow(self, row: _Row) -> None:
         """Copy the longest head of the row's prompt that another slot holds past what the row has (a request
@@ -373,11 +396,12 @@ class BatchEngine:
         if not self.kv.can_copy:
             return
         prompt = np.asarray(row.request.ids, np.int64)
-        held = [(r.slot, r.context[:r.kv_len]) for r in self._rows if r is not row]
+        held = [(r.slot, r.context[:self._reusable(r)]) for r in self._rows if r is not row]
         held += [(s, s.tokens) for s in self.table.slots if not s.busy]
         best, length = None, row.kv_len
         for slot, tokens in held:
             n = min(common_prefix(np.asarray(tokens, np.int64), prompt), len(prompt) - 1)
+            n -= n % self.table.grid
             if n > length:
                 best, length = slot, n
         if best is None or not worth_reusing(length - row.kv_len, len(prompt) - row.kv_len):
@@ -582,7 +606,7 @@ class BatchEngine:
             row.solo = None
             row.kv_len = len(row.context) - 1
         self._rows.remove(row)
-        self.table.leave(row.slot, row.context[:row.kv_len])
+        self.table.leave(row.slot, row.context[:self._reusable(row)])
         if error is not None:
             row.request._emit(Finished(None, error))
             return

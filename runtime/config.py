@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar, Self
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import CONFIDENCE_RULES, MODES
-from mirror_sd.partitions.spec import BACKENDS
+from mirror_sd.partitions.spec import BACKENDS, PREFILL_PRECISIONS
 from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS
 from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
 from mirror_sd.runtime.sampling import SamplingParams
@@ -280,6 +280,10 @@ class LoadOptions(Options):
     target_device: str | None = option(
         None, "ONNX Runtime: cpu, cuda or a provider name; OpenVINO: a device string",
         none="ONNX Runtime: CUDA for a float16 target where the session gets it, else CPU; OpenVINO: CPU")
+    prefill_precision: str = option(
+        "target", "target (every prompt token on the target as deployed) or bf16 (all but a prompt's last token "
+        "prefilled on OpenVINO in bf16, on CPUs with AMX or AVX512-BF16: a shorter prefill, the rest on the target; "
+        "runtime/prompt_graphs.py)", choices=PREFILL_PRECISIONS)
     target_threads: int | None = option(None, "target engine threads", range=Range(1),
                                         none=f"the bundle's plan, else {BUILTIN_THREADS}")
     target_spinning: bool | None = option(None, "whether ONNX Runtime's idle target threads spin",

@@ -100,6 +100,12 @@ class KVSlots:
             array[a, :, :length] = array[b, :, :length]
             array[b, :, :length] = held
 
+    def host(self, slot: int) -> dict[str, np.ndarray]:
+        """One slot of every KV tensor as a [1, kv_heads, positions, head_dim] array in host memory (no copy)."""
+        if not self.can_copy:
+            raise NotImplementedError("KV slots on a device have no host arrays")
+        return {name: array[slot:slot + 1] for name, array in self._memory.items()}
+
     def views(self, lo: int, hi: int) -> dict[str, KVView]:
         """Rows [lo, hi) of every KV tensor, as one [hi - lo, kv_heads, positions, head_dim] view each."""
         if not 0 <= lo < hi <= self.count:
@@ -120,8 +126,10 @@ class Slot:
 class SlotTable:
     """Which sequence owns each slot and what the free ones still hold. The engine's thread alone uses it."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, grid: int = 1) -> None:
+        """grid: a prefix is reused in multiples of this many positions (Target.reuse_grid)."""
         self.slots = [Slot(i, []) for i in range(count)]
+        self.grid = grid
         self._clock = 0
 
     def free(self) -> int:
@@ -130,8 +138,8 @@ class SlotTable:
     def take(self, prompt: list[int]) -> tuple[Slot, int]:
         """A free slot for a sequence starting with `prompt`, and how many of its first tokens that slot's KV
         already holds (at most len(prompt) - 1: the last prompt token must run to give the first new token's
-        logits). The free slot holding the longest such prefix wins; else an empty slot, else the least recently
-        used. ValueError when every slot is busy."""
+        logits; a multiple of `grid`). The free slot holding the longest such prefix wins; else an empty slot,
+        else the least recently used. ValueError when every slot is busy."""
         free = [s for s in self.slots if not s.busy]
         if not free:
             raise ValueError("every KV slot is busy")
@@ -139,6 +147,7 @@ class SlotTable:
         best, best_len = None, 0
         for slot in free:
             n = min(common_prefix(np.asarray(slot.tokens, np.int64), ids), len(prompt) - 1)
+            n -= n % self.grid
             if worth_reusing(n, len(prompt)) and n > best_len:
                 best, best_len = slot, n
         if best is None:

@@ -260,6 +260,9 @@ class OpenVINOTarget(Target):
     def boundary_array(self, boundary: Boundary) -> np.ndarray:
         return boundary.hidden
 
+    def host_kv(self) -> dict[str, np.ndarray]:
+        return self.buffers
+
 
 def open_portable_target(bundle: str | Path, manifest: Manifest, device: str | None = None, threads: int = 1,
                          capacity: int | None = None, cache_dir: str | Path | None = None) -> OpenVINOTarget:

@@ -59,7 +59,7 @@ from mirror_sd.runtime.proposers import DraftModel, PromptLookup, Proposer
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
 from mirror_sd.runtime.speculation_policy import COPY, DRAFT, SpeculationPolicy
 from mirror_sd.runtime.stats import Recorder
-from mirror_sd.runtime.target import PREFILL_CHUNK, Boundary, Target, TargetCache
+from mirror_sd.runtime.target import Boundary, Target, TargetCache, prefill_chunks
 from mirror_sd.runtime.verify import verify
 
 # The most prompt inputs the draft reads before a speculative try in a generation whose gate memory preferred the
@@ -206,11 +206,11 @@ class _Decoder:
             return (None,) * len(tokens)
         return token_logprobs(logits, tokens, self.cfg.logprobs)
 
-    def _prefix(self, ids, sequence: Callable[[], tuple[int, ...]]) -> Boundary:
+    def _prefix(self, ids, sequence: Callable[[], tuple[int, ...]], prompt: bool = False) -> Boundary:
         """The prefix on ids after the cache. `sequence()` gives every token through the last of ids (the taps'
         context); it is called only where a feature draft takes the taps, so other steps build no copy of it."""
         with self.rec.phase("prefix"):
-            out = self.target.run_prefix(ids, self.cache)
+            out = self.target.run_prefix(ids, self.cache, prompt)
         if out.taps is not None and self.worker is not None:
             self.features.append(FeatureBlock(sequence(), self.cache.length, frozen(out.taps)))
         return out
@@ -219,9 +219,10 @@ class _Decoder:
         with self.rec.phase("suffix"):
             return self.target.run_suffix(boundary, logits_for)
 
-    def _forward(self, ids, sequence: Callable[[], tuple[int, ...]]) -> np.ndarray:
-        """Prefix then suffix on ids, the LM head on the last position only; the cache takes all of ids."""
-        logits, self.cache = self._suffix(self._prefix(ids, sequence), 1)
+    def _forward(self, ids, sequence: Callable[[], tuple[int, ...]], prompt: bool = False) -> np.ndarray:
+        """Prefix then suffix on ids (prompt: prompt tokens for the prompt graphs, Target.prompt_split), the LM head
+        on the last position only; the cache takes all of ids."""
+        logits, self.cache = self._suffix(self._prefix(ids, sequence, prompt), 1)
         return logits[-1]
 
     def prefill(self, prompt: tuple[int, ...], cached: int = 0) -> tuple[int, Scores]:
@@ -232,9 +233,8 @@ class _Decoder:
         if cached:
             self._retap(prompt, cached)
             self.cache = self.target.adopt(cached)
-        for start in range(cached, len(prompt), PREFILL_CHUNK):
-            end = min(start + PREFILL_CHUNK, len(prompt))
-            logits = self._forward(prompt[start:end], lambda end=end: prompt[:end])
+        for start, end, on_prompt_graphs in prefill_chunks(cached, len(prompt), self.target.prompt_split(len(prompt))):
+            logits = self._forward(prompt[start:end], lambda end=end: prompt[:end], on_prompt_graphs)
         self.counts.target_steps += 1
         token = choose(logits, self.cfg.params, self._target_rng(len(prompt)))
         return token, self._scores(logits[None], (token,))
@@ -247,10 +247,12 @@ class _Decoder:
         if not isinstance(drafter, FeatureDrafter):
             return
         lo = max(0, len(prompt) - 1 - min(drafter.prompt_window, cached_prompt_window(len(prompt), cached)))
-        for start in range(lo, cached, PREFILL_CHUNK):
-            end = min(start + PREFILL_CHUNK, cached)
+        # positions the prompt graphs wrote they write again in the same chunks (their grid), so with the same bits
+        lo -= lo % self.target.reuse_grid
+        split = self.target.prompt_split(len(prompt))
+        for start, end, on_prompt_graphs in prefill_chunks(lo, cached, split):
             self.cache = self.target.adopt(start)
-            self._prefix(prompt[start:end], lambda end=end: prompt[:end])
+            self._prefix(prompt[start:end], lambda end=end: prompt[:end], on_prompt_graphs)
 
     def target_step(self, ctx: list[int]) -> tuple[tuple[int, ...], Scores]:
         """One token from the target alone (ar, and the fallback when the draft is unavailable), and its logprob."""

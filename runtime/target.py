@@ -16,9 +16,11 @@ another history's keys.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,10 +38,19 @@ from mirror_sd.partitions.spec import (
 )
 from mirror_sd.runtime.backends import ort_session
 
+if TYPE_CHECKING:
+    from mirror_sd.runtime.prompt_graphs import PromptGraphs
+
 # Prompt tokens per forward. It bounds the attention scratch (T x capacity per head), and a narrower chunk computes
 # less of the attention rectangle that the causal mask then discards, while each forward has a fixed cost: on the
 # reference CPU 256 was the fastest of 192-512 at every prompt length (docs/design.md: "Prefill in chunks of 256").
 PREFILL_CHUNK = 256
+# Prompt tokens per forward of the prompt graphs (OpenVINO in bf16, runtime/prompt_graphs.py), on a grid from
+# position 0: OpenVINO computes a row alike in any forward except the last rows of some widths (its matmuls' row
+# tails), so every prompt runs its positions in the same chunks and a prefix is reused in whole chunks only. Each
+# forward there also copies the past in and out: 512 ran 2,048 prompt tokens as fast as one forward of all of them,
+# 256 1.25x slower (docs/design.md: "Prompts prefilled in bf16").
+PROMPT_GRAPH_CHUNK = 512
 # Every target step on the CUDA execution provider runs this many rows (Target.step_width says why): a draft window
 # of up to 7 tokens, or a prompt-lookup window (4, grown by its schedule to 7 at most), plus the token before it. A
 # longer window still runs, unpadded.
@@ -76,6 +87,8 @@ class Boundary:
     # draft reads it); None when the draft reads token ids only
     taps: np.ndarray | None = None
     width: int = 0  # positions the device tensor holds: the tokens and the padding of a fixed-width step (0: tokens)
+    prompt: bool = False  # computed by the prompt graphs (hidden then a host array): their suffix takes it
+
 
     @property
     def positions(self) -> int:
@@ -85,6 +98,12 @@ class Boundary:
 def ort_device(provider: str) -> tuple[str, int]:
     """Where an execution provider's tensors live, as OrtValue device (type, id)."""
     return ("cuda", 0) if provider == "CUDAExecutionProvider" else ("cpu", 0)
+
+
+def host_array(address: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Host memory at `address` as an array (no copy): KV memory that ONNX Runtime reads through its address."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer((ctypes.c_char * size).from_address(address), dtype).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -175,6 +194,24 @@ class Target:
         self._writes = 0
         self._written_by = np.zeros(self.slots, np.int64)  # the write that last touched each position
         self.forwards = 0  # prefix + suffix pairs run
+        # prompts prefilled on OpenVINO in bf16 (runtime/prompt_graphs.py), all but their last token; None: here
+        self.prompt_graphs: PromptGraphs | None = None
+
+    @property
+    def reuse_grid(self) -> int:
+        """A prefix of the KV memory is reused (the batching engine's prefix cache) in multiples of this many
+        positions: the prompt graphs' chunks, else any."""
+        return PROMPT_GRAPH_CHUNK if self.prompt_graphs is not None else 1
+
+    def prompt_split(self, prompt_len: int) -> int:
+        """How many of a prompt's first tokens the prompt graphs prefill: all but the last where there are some
+        (the first new token then comes from the target's own step), else none."""
+        return prompt_len - 1 if self.prompt_graphs is not None else 0
+
+    def host_kv(self) -> dict[str, np.ndarray]:
+        """The KV memory the target runs on now, per KV tensor an array [1, kv_heads, slots, head_dim] on the host
+        (the prompt graphs write there)."""
+        raise NotImplementedError
 
     # -- what a backend implements ---------------------------------------------------------------------------
     def _run_prefix(self, ids: np.ndarray, start: int) -> tuple[object, np.ndarray | None]:
@@ -219,12 +256,17 @@ class Target:
         return self._writes
 
     # -- runs ----------------------------------------------------------------------------------------------------
-    def run_prefix(self, ids, cache: TargetCache) -> Boundary:
+    def run_prefix(self, ids, cache: TargetCache, prompt: bool = False) -> Boundary:
         """Layers [0, l_e) on `ids` after `cache`: writes their KV at [length, length + T) (and a fixed-width step's
-        padding after them, which the next step overwrites)."""
+        padding after them, which the next step overwrites). prompt: prompt tokens the prompt graphs prefill (see
+        prompt_split); run_suffix then takes the boundary to them as well."""
         ids = list(ids)
         tokens = len(ids)
         self._check(cache, tokens)
+        if prompt and self.prompt_graphs is not None:  # any width computes a position alike there: no padding
+            hidden, taps = self.prompt_graphs.prefix(np.asarray([ids], np.int64), cache.length, self.host_kv())
+            self._write(cache.length, cache.length + tokens)
+            return Boundary(hidden, cache.length, tokens, taps, prompt=True)
         width = min(self.step_width, self.slots - cache.length)  # the padding stops at the buffers' end
         if tokens < width:
             ids += [ids[-1]] * (width - tokens)  # any id: the padding's rows and keys are never read
@@ -236,7 +278,11 @@ class Target:
         """Layers [l_e, N) + head on the boundary: [n, V] logits of its last n = logits_for (default all) tokens,
         and the cache extended by its tokens."""
         n = boundary.tokens if logits_for is None else logits_for
-        if boundary.positions == boundary.tokens:
+        if boundary.prompt:
+            if n != 1:
+                raise ValueError("the prompt graphs give the last position's logits only")
+            logits = self.prompt_graphs.suffix(boundary.hidden, boundary.start, self.host_kv())[0]
+        elif boundary.positions == boundary.tokens:
             logits = self._run_suffix(boundary, n)[0]
         else:  # the head on every row, as at any width: a row's logits must not depend on how many are kept
             logits = self._run_suffix(boundary, boundary.positions)[0][boundary.tokens - n:boundary.tokens]
@@ -245,18 +291,38 @@ class Target:
         self.forwards += 1
         return logits, TargetCache(end, stamp)
 
-    def forward(self, ids, cache: TargetCache, logits_for: int | None = None) -> tuple[np.ndarray, TargetCache]:
+    def forward(self, ids, cache: TargetCache, logits_for: int | None = None, prompt: bool = False
+                ) -> tuple[np.ndarray, TargetCache]:
         """Prefix then suffix: [n, V] logits (default: every position of ids) and the extended cache."""
-        return self.run_suffix(self.run_prefix(ids, cache), logits_for)
+        return self.run_suffix(self.run_prefix(ids, cache, prompt), logits_for)
 
     def prefill(self, ids, cache: TargetCache, chunk: int = PREFILL_CHUNK) -> tuple[np.ndarray, TargetCache]:
-        """A prompt in chunks of `chunk` tokens: the last position's logits [V] and the extended cache."""
+        """A prompt in chunks of `chunk` tokens (its first prompt_split on the prompt graphs): the last position's
+        logits [V] and the extended cache."""
         ids = list(ids)
         self.check_room(cache.length + len(ids))
         logits = None
-        for start in range(0, len(ids), chunk):
-            logits, cache = self.forward(ids[start:start + chunk], cache, logits_for=1)
+        for lo, hi, prompt in prefill_chunks(cache.length, len(ids), self.prompt_split(len(ids)), chunk):
+            logits, cache = self.forward(ids[lo:hi], cache, logits_for=1, prompt=prompt)
         return logits[-1], cache
+
+
+def prompt_chunk_end(start: int, split: int) -> int:
+    """Where the prompt graphs' forward from `start` ends: at the next point of the PROMPT_GRAPH_CHUNK grid, or at
+    `split`."""
+    return min((start // PROMPT_GRAPH_CHUNK + 1) * PROMPT_GRAPH_CHUNK, split)
+
+
+def prefill_chunks(start: int, end: int, split: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int, bool]]:
+    """A prefill of positions [start, end) as forwards (lo, hi, on the prompt graphs): up to `split` on the prompt
+    graphs along their grid (prompt_chunk_end; `start` on it), then chunks of `chunk` on the target's own (split 0:
+    every chunk on the target's own, as without prompt graphs)."""
+    split = min(max(split, start), end)
+    chunks, lo = [], start
+    while lo < split:
+        chunks.append((lo, prompt_chunk_end(lo, split), True))
+        lo = chunks[-1][1]
+    return chunks + [(lo, min(lo + chunk, end), False) for lo in range(split, end, chunk)]
 
 
 class OrtTarget(Target):
@@ -294,6 +360,9 @@ class OrtTarget(Target):
         self._prefix = _Bound(sessions["target_prefix"], specs["target_prefix"], self.buffers)
         self._suffix = _Bound(sessions["target_suffix"], specs["target_suffix"], self.buffers)
         self._exit = sessions["target_exit"]
+        self._kv: dict[str, object] = self.buffers  # the KV memory bound now (use_kv)
+        self.kv_dtype = np.dtype(facts.dtype)
+        self._host_kv: dict[str, np.ndarray] | None = None
 
     def use_kv(self, views: dict[str, KVView] | None) -> None:
         """Run on other KV memory: `views` of [1, kv_heads, self.slots, head_dim] per KV tensor (one of the engine's
@@ -301,8 +370,18 @@ class OrtTarget(Target):
         buffers = self.buffers if views is None else views
         self._prefix.bind_kv(buffers)
         self._suffix.bind_kv(buffers)
+        self._kv, self._host_kv = buffers, None
         self._writes += 1
         self._written_by[:] = self._writes
+
+    def host_kv(self) -> dict[str, np.ndarray]:
+        if self._device[0] != "cpu":
+            raise BadInputError("the prompt graphs write KV in host memory: run the target on the CPU",
+                                option="prefill_precision")
+        if self._host_kv is None:
+            self._host_kv = {name: host_array(b.address, b.shape, b.dtype) if isinstance(b, KVView) else
+                             host_array(b.data_ptr(), tuple(b.shape()), self.kv_dtype) for name, b in self._kv.items()}
+        return self._host_kv
 
     @property
     def sessions(self) -> dict[str, tuple[object, PartitionSpec]]:

@@ -27,7 +27,7 @@ _compile = backends._compile_openvino
 
 def at_precision(precision: str):
     """_compile_openvino with its CPU precision hint replaced (the product pins f32)."""
-    def compile_openvino(core, model, device, threads, cache_dir):
+    def compile_openvino(core, model, device, threads, cache_dir, _precision="f32"):
         original = core.compile_model
 
         def compile_model(model, device, config):

@@ -1,0 +1,148 @@
+"""A prompt's KV computed on OpenVINO in bf16: the target's own prefix and suffix graphs, for a shorter prefill.
+
+A prefill is bound by arithmetic, and ONNX Runtime's CPU provider multiplies in float32 only. OpenVINO reads the same
+graphs (GroupQueryAttention included) and computes them in bf16 where the CPU has bf16 arithmetic (AMX,
+AVX512-BF16), as OpenVINO GenAI does there by default. With `prefill_precision="bf16"` (LoadOptions) every prompt
+token but the last is prefilled here, into the target's KV memory; the prompt's last token and every generated one
+run on the target as deployed (float32, int8 or int4 on ONNX Runtime), so the first new token comes from the target's
+own step. What keeps the output exact:
+- OpenVINO computes a position the same at any chunking of the prompt (each row of its attention and matmuls is
+  computed alone: tests/test_prompt_graphs.py), so sd, mirror and lookup equal ar (they share the prompt's KV), and
+  the batching engine's chunked prefills equal a generation alone;
+- the engine's prefix cache reuses only positions prefilled here (runtime/batching.py): an earlier answer's KV came
+  from the target's steps, where the same text inside a later prompt is prefilled here.
+The target as deployed is then the pair: the prompt's KV in bf16, the rest in the target's precision (its agreement
+with float32 is measured, docs/design.md "Prompts prefilled in bf16").
+
+An int8 or int4 target's MatMulNBits weights are expanded to float32 here, the same values: OpenVINO's own
+compressed-weight path was slower and computed one- and two-row chunks otherwise than wider ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from mirror_sd.errors import BadInputError, ManifestError
+from mirror_sd.partitions.manifest import BOUNDARY, TAPS, Manifest, resolve_inside
+from mirror_sd.partitions.spec import (
+    KEEP,
+    SEQLENS,
+    TOTAL_LENGTH,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
+)
+from mirror_sd.runtime.backends import open_openvino, open_openvino_model
+
+QUANTIZED_OP = "MatMulNBits"
+
+
+def dequantized(node: onnx.NodeProto, initializers: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A symmetric MatMulNBits node's weight [K, N] in float32 (export/weight_blocks.py writes them)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    k, n, bits, block = attrs["K"], attrs["N"], attrs["bits"], attrs["block_size"]
+    packed = initializers[node.input[1]].reshape(n, -1)
+    if bits == 8:
+        q = packed.astype(np.int32)
+    elif bits == 4:  # two weights a byte, the first in the low nibble
+        q = np.stack([packed & 0x0F, packed >> 4], -1).reshape(n, -1).astype(np.int32)
+    else:
+        raise ManifestError(f"{node.name}: {bits}-bit weights are not read back here")
+    q -= 2 ** (bits - 1)  # no zero points: symmetric blocks are stored offset by half the range
+    scales = initializers[node.input[2]].reshape(n, -1, 1)
+    return (q.reshape(n, -1, block) * scales).reshape(n, -1)[:, :k].T
+
+
+def expanded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every MatMulNBits replaced by a MatMul over the float32 weight it holds (in place)."""
+    graph = model.graph
+    index = {t.name: i for i, t in enumerate(graph.initializer)}
+    nodes, dropped = [], set()
+    for node in graph.node:
+        if node.op_type != QUANTIZED_OP:
+            nodes.append(node)
+            continue
+        if len([name for name in node.input if name]) != 3:
+            raise ManifestError(f"{node.name}: a MatMulNBits with zero points, a bias or g_idx is not expanded here")
+        weight = dequantized(node, {name: numpy_helper.to_array(graph.initializer[index[name]])
+                                    for name in node.input[1:3]})
+        name = f"{node.name}_expanded_weight"
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight, np.float32), name))
+        nodes.append(helper.make_node("MatMul", [node.input[0], name], list(node.output), name=node.name))
+        dropped.update(node.input[1:3])
+    still_read = {name for node in nodes for name in node.input}
+    kept = [t for t in graph.initializer if t.name not in dropped or t.name in still_read]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return model
+
+
+def has_bf16() -> bool:
+    """Whether OpenVINO's CPU plugin computes bf16 natively here (AMX or AVX512-BF16)."""
+    import openvino as ov
+
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+class PromptGraphs:
+    """The target's prefix and suffix on OpenVINO's CPU plugin in bf16, writing into KV memory on the host."""
+
+    def __init__(self, bundle: str | Path, manifest: Manifest, threads: int = 1,
+                 cache_dir: str | Path | None = None) -> None:
+        facts = manifest.target
+        if facts.dtype != "float32":
+            raise BadInputError(f"prompts prefilled in bf16 need a float32 target; this bundle's is {facts.dtype} "
+                                "(for ONNX Runtime's CUDA execution provider)", option="prefill_precision")
+        if not has_bf16():
+            raise BadInputError("this CPU has no bf16 arithmetic (AMX or AVX512-BF16) for OpenVINO: leave "
+                                "prefill_precision at 'target'", option="prefill_precision")
+        self._graphs = {}
+        for role in ("target_prefix", "target_suffix"):
+            spec = manifest.partition(role)
+            path = resolve_inside(Path(bundle), spec.file)
+            if facts.weight_format == "float32":
+                graph = open_openvino(path, "CPU", threads, cache_dir, precision="bf16")
+            else:
+                graph = open_openvino_model(expanded(onnx.load(str(path))), "CPU", threads, cache_dir,
+                                            precision="bf16")
+            self._graphs[role] = (graph, spec.kv_layers)
+        self.logits_name = manifest.partition("target_suffix").outputs[0].name
+        self.forwards = 0
+
+    def prefix(self, ids: np.ndarray, start: int, kv: Mapping[str, np.ndarray]
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+        """ids [1, T] after `start` positions of `kv` (per KV tensor name, an array [1, kv_heads, >= start + T,
+        head_dim] on the host): writes the prefix layers' KV of the T positions; returns the boundary hidden state
+        [1, T, H] and the feature taps [T, n, H] (None without a feature draft)."""
+        out = self._run("target_prefix", {"input_ids": ids}, start, ids.shape[1], kv)
+        taps = out.get(TAPS)
+        return np.array(out[BOUNDARY]), None if taps is None else np.array(taps[0])
+
+    def suffix(self, hidden: np.ndarray, start: int, kv: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The suffix layers on the prefix's hidden state, writing their KV: the last position's logits [1, 1, V]."""
+        out = self._run("target_suffix", {BOUNDARY: hidden, KEEP: np.array([1], np.int64)}, start, hidden.shape[1],
+                        kv)
+        self.forwards += 1
+        return np.array(out[self.logits_name])
+
+    def _run(self, role: str, feed: dict[str, np.ndarray], start: int, new: int, kv: Mapping[str, np.ndarray]
+             ) -> dict[str, np.ndarray]:
+        graph, layers = self._graphs[role]
+        total = start + new
+        feed.update({SEQLENS: np.array([total - 1], np.int32), TOTAL_LENGTH: np.array(total, np.int32)})
+        for i in layers:  # the past as its own tensors: OpenVINO returns past + new, not written in place
+            for name in (past_key_name(i), past_value_name(i)):
+                feed[name] = kv[name][:, :, :start]
+        out = graph.run(feed)
+        for i in layers:
+            for past, present in ((past_key_name(i), present_key_name(i)), (past_value_name(i), present_value_name(i))):
+                kv[past][:, :, start:total] = out[present][:, :, start:total]
+        return out

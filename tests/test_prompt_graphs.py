@@ -1,0 +1,186 @@
+"""Prompts prefilled on OpenVINO in bf16 (runtime/prompt_graphs.py, LoadOptions.prefill_precision="bf16").
+
+- a prompt's positions are prefilled along one grid of chunks from position 0 (here 32 wide, to cross it in tiny
+  prompts), so two prompts sharing a head get the same bits in its whole chunks, on every architecture: what the
+  prefix cache reuses; OpenVINO would compute the last rows of some chunk widths otherwise;
+- the prompt's KV really is OpenVINO's bf16 (not the float32 target's), and the first new token comes from the
+  target's own step;
+- sd, mirror and lookup equal ar token for token on every architecture (they share the prompt's KV), for float32
+  and int8 targets;
+- under batching every greedy output equals its solo output, prefix cache included: a later prompt reuses only the
+  positions the prompt graphs prefilled;
+- a bundle or machine the option cannot serve is refused with the option named.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import ARCHITECTURES
+
+import mirror_sd.runtime.target as target_module
+from mirror_sd.errors import BadInputError
+from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.partitions.spec import past_key_name
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.prompt_graphs import PromptGraphs, expanded, has_bf16
+
+pytestmark = pytest.mark.skipif(not has_bf16(), reason="this CPU has no bf16 arithmetic for OpenVINO")
+
+PROMPTS = ["Hello there, how are you?", "Name three colors of the rainbow please.", "A", "Write a haiku about the sea",
+           "What is two plus two? Answer with a number and explain it in detail, step by step.", "Why?"]
+LONG = " ".join(["the quick brown fox jumps"] * 6)  # about 150 tokens here: several chunks of the grid
+
+
+GRID = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_grid():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(target_module, "PROMPT_GRAPH_CHUNK", GRID)
+        yield
+
+
+@pytest.fixture(scope="module")
+def pipelines(bundle_factory):
+    pipes = {arch: Pipeline.load(bundle_factory(arch), huge_pages=False, max_num_seqs=4, prefill_precision="bf16")
+             for arch in ARCHITECTURES}
+    yield pipes
+    for pipe in pipes.values():
+        pipe.close()
+
+
+def _kv(manifest: Manifest, positions: int) -> dict[str, np.ndarray]:
+    t = manifest.target
+    layers = [i for role in ("target_prefix", "target_suffix") for i in manifest.partition(role).kv_layers]
+    return {name: np.zeros((1, t.num_kv_heads, positions, t.head_dim), np.float32)
+            for i in layers for name in (past_key_name(i), past_key_name(i).replace(".key", ".value"))}
+
+
+def _prefill(graphs: PromptGraphs, manifest: Manifest, ids: list[int], cuts: list[int] | None = None):
+    """ids prefilled in forwards ending at `cuts` (default: the grid's points)."""
+    kv = _kv(manifest, len(ids))
+    cuts = list(range(GRID, len(ids), GRID)) if cuts is None else cuts
+    bounds = [0, *cuts, len(ids)]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        hidden, taps = graphs.prefix(np.asarray([ids[lo:hi]], np.int64), lo, kv)
+        logits = graphs.suffix(hidden, lo, kv)
+    return logits, kv
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prompts_sharing_a_head_get_the_same_bits_in_its_whole_chunks(bundle_factory, arch):
+    bundle = bundle_factory(arch)
+    manifest = Manifest.load(bundle)
+    graphs = PromptGraphs(bundle, manifest)
+    rng = np.random.default_rng(0)
+    head = list(rng.integers(5, 200, 100))
+    _, kv = _prefill(graphs, manifest, head + list(rng.integers(5, 200, 50)))
+    for tail in (7, 28, 90):  # the head's last chunk, and the prompt's end, fall elsewhere each time
+        _, other = _prefill(graphs, manifest, head + list(rng.integers(5, 200, tail)))
+        shared = len(head) - len(head) % GRID
+        assert all(np.array_equal(other[name][:, :, :shared], kv[name][:, :, :shared]) for name in kv), tail
+
+
+def test_the_prompt_kv_is_openvinos_bf16_and_the_first_token_the_targets_own(bundle_factory, pipelines):
+    bundle = bundle_factory("llama")
+    pipe = pipelines["llama"]
+    ids = pipe.prompt_ids(LONG)
+    alone = Pipeline.load(bundle, huge_pages=False)
+    alone.generate(ids, mode="ar", max_new_tokens=1)
+    pipe.generate(ids, mode="ar", max_new_tokens=1)
+    name = past_key_name(0)
+    ours, theirs = pipe.target.host_kv()[name][0, :, :len(ids) - 1], alone.target.host_kv()[name][0, :, :len(ids) - 1]
+    assert not np.array_equal(ours, theirs) and np.allclose(ours, theirs, atol=0.1)  # bf16 rounding, nothing more
+    manifest = Manifest.load(bundle)
+    _, kv = _prefill(PromptGraphs(bundle, manifest), manifest, ids[:-1])
+    assert np.array_equal(kv[name][0], ours)
+    # the prompt's last position is the target's step: the same bits as a target-only step after the same KV
+    assert np.array_equal(pipe.target.host_kv()[name][0, :, len(ids) - 1], alone_step(bundle, kv, ids)[0, :, -1])
+    alone.close()
+
+
+def alone_step(bundle, kv: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+    """The float32 target's step on the prompt's last token after `kv`: the first KV tensor it leaves."""
+    pipe = Pipeline.load(bundle, huge_pages=False)
+    target = pipe.target
+    host = target.host_kv()
+    for name, array in kv.items():
+        host[name][:, :, :array.shape[2]] = array
+    target.forward([ids[-1]], target.adopt(len(ids) - 1))
+    out = host[past_key_name(0)][:, :, :len(ids)].copy()
+    pipe.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_sd_mirror_and_lookup_equal_ar_with_the_prompt_in_bf16(pipelines, arch):
+    pipe = pipelines[arch]
+    for prompt in (PROMPTS[1], PROMPTS[4], LONG):
+        outputs = {mode: pipe.generate(prompt, mode=mode, max_new_tokens=16, temperature=0.0).token_ids
+                   for mode in ("ar", "sd", "mirror", "lookup")}
+        assert all(tokens == outputs["ar"] for tokens in outputs.values()), (prompt, outputs)
+
+
+def test_an_int8_target_prefills_from_its_own_weights_and_stays_exact(bundle_factory):
+    bundle = bundle_factory("qwen2", target_weights="int8")
+    pipe = Pipeline.load(bundle, huge_pages=False, prefill_precision="bf16")
+    for prompt in (PROMPTS[4], LONG):
+        outputs = {mode: pipe.generate(prompt, mode=mode, max_new_tokens=16).token_ids
+                   for mode in ("ar", "sd", "mirror")}
+        assert outputs["sd"] == outputs["ar"] and outputs["mirror"] == outputs["ar"]
+    pipe.close()
+
+
+def test_an_expanded_int8_graph_holds_the_weights_its_blocks_do(bundle_factory):
+    import onnx
+    import onnxruntime as ort
+
+    bundle = bundle_factory("qwen2", target_weights="int8")
+    path = bundle / Manifest.load(bundle).partition("target_suffix").file
+    blocks = onnx.load(str(path))
+    assert any(n.op_type == "MatMulNBits" for n in blocks.graph.node)
+    plain = expanded(onnx.load(str(path)))
+    assert not any(n.op_type == "MatMulNBits" for n in plain.graph.node)
+    # float32 activations against the blocks' int8 ones: close, not equal (ONNX Runtime's accuracy level 4)
+    feeds = {}
+    session = ort.InferenceSession(plain.SerializeToString(), providers=["CPUExecutionProvider"])
+    reference = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    for i in session.get_inputs():
+        shape = [1 if d in ("batch",) or not isinstance(d, int) else d for d in i.shape]
+        if "key_values" in i.name:
+            shape = [1, shape[1], 6, shape[3]]
+        feeds[i.name] = (rng.standard_normal(shape).astype(np.float32) if "float" in i.type else
+                         np.array([5], np.int32) if i.name == "seqlens_k" else
+                         np.array(6, np.int32) if i.name == "total_sequence_length" else np.array([1], np.int64))
+    a, b = session.run(None, feeds)[0], reference.run(None, feeds)[0]
+    assert np.allclose(a, b, atol=0.05 * np.abs(b).max())
+
+
+def test_under_batching_every_output_is_its_solo_output_prefix_cache_included(pipelines):
+    pipe = pipelines["mistral"]
+    results = pipe.generate([LONG + " " + p for p in PROMPTS], mode="ar", max_new_tokens=10)
+    assert [r.token_ids for r in results] == [
+        pipe.generate(LONG + " " + p, mode="ar", max_new_tokens=10).token_ids for p in PROMPTS]
+    assert any(r.stats.cached_prompt_tokens > 0 for r in results)
+    # a second turn: the first turn's prompt is reused, not its answer (the target's steps computed that)
+    first = pipe.generate([LONG], mode="ar", max_new_tokens=8)[0]
+    turn = LONG + pipe.codec.decode(first.token_ids) + " and then?"
+    second = pipe.generate([turn], mode="ar", max_new_tokens=8)[0]
+    assert 0 < second.stats.cached_prompt_tokens <= len(pipe.prompt_ids(LONG)) - 1
+    assert second.stats.cached_prompt_tokens % GRID == 0
+    assert second.token_ids == pipe.generate(turn, mode="ar", max_new_tokens=8).token_ids
+    mixed = pipe.generate([turn, PROMPTS[0], PROMPTS[4]], mode="mirror", max_new_tokens=8)
+    assert [r.token_ids for r in mixed] == [pipe.generate(p, mode="ar", max_new_tokens=8).token_ids
+                                            for p in (turn, PROMPTS[0], PROMPTS[4])]
+
+
+def test_what_the_option_cannot_serve_is_refused_naming_it(bundle_factory):
+    with pytest.raises(BadInputError) as err:
+        Pipeline.load(bundle_factory("llama", target_dtype="float16"), huge_pages=False, prefill_precision="bf16")
+    assert err.value.option == "prefill_precision"
+    with pytest.raises(BadInputError) as err:
+        Pipeline.load(bundle_factory("llama"), huge_pages=False, prefill_precision="fp8")
+    assert err.value.option == "prefill_precision"
