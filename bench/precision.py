@@ -2,7 +2,9 @@
 gets it, and the format to recommend on this machine.
 
 Ours: the bundle (float32) and its `TARGET_WEIGHTS` siblings, `<bundle>-int8` and `<bundle>-int4` (`make models
-TARGET_WEIGHTS=int8` builds them; a missing one is reported as not run). GenAI: LLMPipeline at its defaults (on a
+TARGET_WEIGHTS=int8` builds them; a missing one is reported as not run), and on a CPU with bf16 arithmetic the
+float32 and int8 targets with their prompts prefilled in bf16 (`prefill_precision="bf16"`, runtime/prompt_graphs.py:
+arms "<format> bf16-prefill"). GenAI: LLMPipeline at its defaults (on a
 CPU with AMX: bf16 compute and a u8 KV cache), on the float32 target and on the target with NNCF int8 / int4
 weights (export/openvino_genai.py).
 - speed: ar TTFT and decode tokens/s at each prompt length (real text, a fresh passage per repetition: the context
@@ -34,16 +36,20 @@ from mirror_sd.errors import MirrorSDError
 from mirror_sd.models.benchmark_prompts import select
 from mirror_sd.partitions import Manifest
 from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.prompt_graphs import has_bf16
+from mirror_sd.runtime.target import prefill_chunks
 
 FORMATS = ("float32", "int8", "int4")
+BF16_PREFILL = "bf16-prefill"  # an arm's suffix: that format with prefill_precision="bf16"
+BF16_PREFILL_FORMATS = ("float32", "int8")  # the formats run with it too (int4's agreement is too low to recommend)
 RECOMMEND_MIN_TOP1 = 0.95  # the least top-1 agreement with float32 a recommended format keeps
 GENAI_METHODS = ("ov-genai-ar", "ov-genai-pld", "ov-genai-sd")  # its single-stream methods, at its defaults
 # Issue 57's bars, ratios of medians measured here: (key, what, target, higher is better)
 TARGETS = (
-    ("ttft_512", "our best format's ar TTFT over GenAI's at its defaults, 512 prompt tokens", 1.0, False),
-    ("ttft_2048", "our best format's ar TTFT over GenAI's at its defaults, 2,048 prompt tokens", 1.0, False),
-    ("decode_64", "our best format's ar decode over GenAI's at its defaults, 64 prompt tokens", 1.0, True),
-    ("decode_2048", "our best format's ar decode over GenAI's at its defaults, 2,048 prompt tokens", 1.0, True),
+    ("ttft_512", "our best arm's ar TTFT over GenAI's at its defaults, 512 prompt tokens", 1.0, False),
+    ("ttft_2048", "our best arm's ar TTFT over GenAI's at its defaults, 2,048 prompt tokens", 1.0, False),
+    ("decode_64", "our best arm's ar decode over GenAI's at its defaults, 64 prompt tokens", 1.0, True),
+    ("decode_2048", "our best arm's ar decode over GenAI's at its defaults, 2,048 prompt tokens", 1.0, True),
     ("planned", "the recommended format's planned mode over GenAI's fastest method at its defaults (prompts, whole "
                 "call)", 1.3, True),
     ("int8_decode_64", "int8 ar decode over GenAI with int8 weights, 64 prompt tokens", 1.0, True),
@@ -95,9 +101,14 @@ def run_precision(bundles: dict[str, Path], size: PrecisionSize, genai_by_format
     not_run = dict(not_run or {})
     # ar at `threads` target threads, as GenAI's arms; the planned mode with its plan's own split of the cores (the
     # same pipeline where the plan gives the target those threads)
-    pipes = {fmt: Pipeline.load(path, target_threads=threads) for fmt, path in bundles.items()}
-    planned = {fmt: pipe if pipe.defaults is not None and pipe.defaults.target_threads == threads
-               else Pipeline.load(bundles[fmt]) for fmt, pipe in pipes.items()}
+    arms = {fmt: (path, "target") for fmt, path in bundles.items()}
+    if has_bf16():
+        arms.update({f"{fmt} {BF16_PREFILL}": (bundles[fmt], "bf16") for fmt in BF16_PREFILL_FORMATS
+                     if fmt in bundles})
+    pipes = {arm: Pipeline.load(path, target_threads=threads, prefill_precision=prefill)
+             for arm, (path, prefill) in arms.items()}
+    planned = {arm: pipe if pipe.defaults is not None and pipe.defaults.target_threads == threads
+               else Pipeline.load(arms[arm][0], prefill_precision=arms[arm][1]) for arm, pipe in pipes.items()}
     doc: dict[str, Any] = {"bundles": {f: str(p) for f, p in bundles.items()}, "threads": threads,
                            "lengths": list(size.lengths), "repeats": size.repeats, "new_tokens": size.new_tokens,
                            "genai": "LLMPipeline at its defaults (INFERENCE_NUM_THREADS and the LATENCY hint only)"}
@@ -208,7 +219,13 @@ def _agreement(pipes: dict[str, Pipeline], size: PrecisionSize) -> dict[str, Any
 
 
 def _teacher_forced_top1(pipe: Pipeline, ids: list[int], start: int) -> np.ndarray:
-    logits, _ = pipe.target.forward(ids, pipe.target.empty_cache(), logits_for=len(ids) - start)
+    """The target's greedy token at positions [start, len(ids)) of `ids` given every token before: the prompt (up to
+    start + 1) as a generation prefills it, the rest in one forward."""
+    target = pipe.target
+    cache = target.empty_cache()
+    for lo, hi, on_prompt_graphs in prefill_chunks(0, start, target.prompt_split(start + 1)):
+        _, cache = target.forward(ids[lo:hi], cache, logits_for=1, prompt=on_prompt_graphs)
+    logits, _ = target.forward(ids[start:], cache, logits_for=len(ids) - start)
     logits = np.asarray(logits)
     return logits.reshape(-1, logits.shape[-1]).argmax(-1)
 
@@ -241,8 +258,8 @@ def precision_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
     def best(length: int, key: str, higher: bool) -> float | None:
         genai = get(length, "ov-genai float32", key)
-        ratios = [get(length, f"ar {fmt}", key) / genai for fmt in FORMATS
-                  if genai and get(length, f"ar {fmt}", key) is not None]
+        ours = [arm for arm in speed.get(str(length), {}) if arm.startswith("ar ")]
+        ratios = [get(length, arm, key) / genai for arm in ours if genai and get(length, arm, key) is not None]
         return (max if higher else min)(ratios) if ratios else None
 
     def same_width(fmt: str, length: int) -> float | None:

@@ -1,5 +1,6 @@
-"""The benchmark's precision section on tiny bundles (float32 and its int8 / int4 siblings): every arm measured, each
-format's planned mode checked against its own ar, agreement with float32, the recommendation and the bars, and the
+"""The benchmark's precision section on tiny bundles (float32 and its int8 / int4 siblings, and float32 and int8 with
+their prompts prefilled in bf16 where the CPU has bf16): every arm measured, each arm's planned mode checked against
+its own ar, agreement with float32, the recommendation and the bars, and the
 report's section. GenAI's arms are off here (they need the real pair's conversions); their bars read unmeasured."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import shutil
 import pytest
 
 from mirror_sd.bench.precision import (
+    BF16_PREFILL,
+    BF16_PREFILL_FORMATS,
     FORMATS,
     RECOMMEND_MIN_TOP1,
     TARGETS,
@@ -17,6 +20,7 @@ from mirror_sd.bench.precision import (
     sibling_bundles,
 )
 from mirror_sd.bench.report import _precision
+from mirror_sd.runtime.prompt_graphs import has_bf16
 
 SIZE = PrecisionSize(lengths=(80, 160), repeats=1, per_kind=1, agreement_per_kind=1, new_tokens=6)
 
@@ -47,18 +51,19 @@ def test_the_section_measures_every_format_and_checks_each_against_its_own_ar(si
     bundles, _ = sibling_bundles(siblings)
     lines: list[str] = []
     doc = run_precision(bundles, SIZE, {}, {}, threads=1, report=lines.append, progress=False)
+    arms = list(FORMATS) + ([f"{fmt} {BF16_PREFILL}" for fmt in BF16_PREFILL_FORMATS] if has_bf16() else [])
     for length in ("80", "160"):
-        for fmt in FORMATS:
-            row = doc["speed"][length][f"ar {fmt}"]
+        for arm in arms:
+            row = doc["speed"][length][f"ar {arm}"]
             assert row["ttft_s"] > 0 and row["decode_tokens_per_s"] > 0
     rates = doc["prompts"]["tokens_per_s"]
-    assert {f"{kind} {fmt}" for kind in ("ar", "planned") for fmt in FORMATS} == set(rates)
+    assert {f"{kind} {arm}" for kind in ("ar", "planned") for arm in arms} == set(rates)
     assert all(v > 0 for v in rates.values())
     assert doc["prompts"]["failures"] == []  # every format's planned output is its own ar's
     agreement = doc["agreement"]
     assert agreement["float32"]["top1_per_position"] == 1.0 and agreement["float32"]["greedy_answers_differ"] == 0
-    assert all(0.0 <= agreement[f]["top1_per_position"] <= 1.0 and agreement[f]["positions"] > 0 for f in FORMATS)
-    kept = [f for f in FORMATS if agreement[f]["top1_per_position"] >= RECOMMEND_MIN_TOP1]
+    assert all(0.0 <= agreement[a]["top1_per_position"] <= 1.0 and agreement[a]["positions"] > 0 for a in arms)
+    kept = [a for a in arms if agreement[a]["top1_per_position"] >= RECOMMEND_MIN_TOP1]
     assert doc["recommended"]["format"] == max(kept, key=lambda f: rates[f"planned {f}"])
     bars = {t["key"]: t for t in doc["targets"]}
     assert list(bars) == [key for key, *_ in TARGETS]
