@@ -345,12 +345,12 @@ class BatchEngine:
 
         oldest = pending[0]
         if self.pipe.target.prompt_graphs is not None:
-            # on the prompt graphs (OpenVINO in bf16) one row at a time, in their own chunks: any chunking computes a
-            # position alike there
-            take = prompt_chunk_end(oldest.kv_len, len(oldest.context) - 1) - oldest.kv_len
+            # on the prompt graphs (OpenVINO in bf16) one row at a time, along their grid: a position runs in the
+            # same chunk as in a generation alone (Target.prefill)
+            start = oldest.kv_len
+            take = prompt_chunk_end(start, len(oldest.context) - 1) - start
             rows = [(oldest, take)]
-            outs = [self.batch.run_prompt(Row(oldest.slot.index, tuple(oldest.context[oldest.kv_len:][:take]),
-                                              oldest.kv_len, 0))]
+            outs = [self.batch.run_prompt(Row(oldest.slot.index, tuple(oldest.context[start:start + take]), start, 0))]
         else:
             rows = self._prefill_rows(pending)
             outs = self.batch.run([Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0)

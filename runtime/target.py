@@ -89,7 +89,6 @@ class Boundary:
     width: int = 0  # positions the device tensor holds: the tokens and the padding of a fixed-width step (0: tokens)
     prompt: bool = False  # computed by the prompt graphs (hidden then a host array): their suffix takes it
 
-
     @property
     def positions(self) -> int:
         return self.width or self.tokens
@@ -263,7 +262,7 @@ class Target:
         ids = list(ids)
         tokens = len(ids)
         self._check(cache, tokens)
-        if prompt and self.prompt_graphs is not None:  # any width computes a position alike there: no padding
+        if prompt and self.prompt_graphs is not None:  # no padding: the prompt graphs run any width alike
             hidden, taps = self.prompt_graphs.prefix(np.asarray([ids], np.int64), cache.length, self.host_kv())
             self._write(cache.length, cache.length + tokens)
             return Boundary(hidden, cache.length, tokens, taps, prompt=True)
@@ -297,13 +296,13 @@ class Target:
         return self.run_suffix(self.run_prefix(ids, cache, prompt), logits_for)
 
     def prefill(self, ids, cache: TargetCache, chunk: int = PREFILL_CHUNK) -> tuple[np.ndarray, TargetCache]:
-        """A prompt in chunks of `chunk` tokens (its first prompt_split on the prompt graphs): the last position's
-        logits [V] and the extended cache."""
+        """A prompt (the cache's tokens, then ids) in chunks of `chunk` tokens, its first prompt_split on the prompt
+        graphs: the last position's logits [V] and the extended cache."""
         ids = list(ids)
         self.check_room(cache.length + len(ids))
-        logits = None
-        for lo, hi, prompt in prefill_chunks(cache.length, len(ids), self.prompt_split(len(ids)), chunk):
-            logits, cache = self.forward(ids[lo:hi], cache, logits_for=1, prompt=prompt)
+        logits, base, end = None, cache.length, cache.length + len(ids)
+        for lo, hi, prompt in prefill_chunks(base, end, self.prompt_split(end), chunk):
+            logits, cache = self.forward(ids[lo - base:hi - base], cache, logits_for=1, prompt=prompt)
         return logits[-1], cache
 
 

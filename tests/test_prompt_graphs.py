@@ -184,3 +184,35 @@ def test_what_the_option_cannot_serve_is_refused_naming_it(bundle_factory):
     with pytest.raises(BadInputError) as err:
         Pipeline.load(bundle_factory("llama"), huge_pages=False, prefill_precision="fp8")
     assert err.value.option == "prefill_precision"
+
+
+def test_the_server_takes_the_option_and_its_concurrent_answers_are_the_pipelines(bundle_factory, pipelines):
+    import json
+    import threading
+    import urllib.request
+
+    from mirror_sd.bench.soak import InProcessServer
+    from mirror_sd.cli import build_parser, given
+    from mirror_sd.runtime.config import LoadOptions
+
+    args = build_parser().parse_args(["serve", str(bundle_factory("qwen3")), "--prefill-precision", "bf16"])
+    assert given(args, LoadOptions)["prefill_precision"] == "bf16"
+    pipe = pipelines["qwen3"]
+    prompts = [LONG + " " + p for p in PROMPTS[:4]]
+    want = [pipe.generate(p, mode="ar", max_new_tokens=8).text for p in prompts]
+    got: dict[int, str] = {}
+    with InProcessServer(pipe) as server:
+        def ask(i: int) -> None:
+            body = json.dumps({"model": "soak", "prompt": prompts[i], "max_tokens": 8, "temperature": 0.0,
+                               "mirror": {"mode": "ar"}}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                got[i] = json.loads(resp.read())["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [got[i] for i in range(len(prompts))] == want
