@@ -41,6 +41,7 @@ from mirror_sd.partitions.spec import (
 from mirror_sd.runtime.backends import open_openvino, open_openvino_model
 
 QUANTIZED_OP = "MatMulNBits"
+WARM_UP_TOKENS = 16  # the forward PromptGraphs runs at load
 
 
 def dequantized(node: onnx.NodeProto, initializers: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -115,6 +116,12 @@ class PromptGraphs:
                                             precision="bf16")
             self._graphs[role] = (graph, spec.kv_layers)
         self.logits_name = manifest.partition("target_suffix").outputs[0].name
+        self.forwards = 0
+        # OpenVINO builds its kernels at the first forward: once here, not in the first request's TTFT (2x there)
+        warm = {name: np.zeros((1, facts.num_kv_heads, WARM_UP_TOKENS, facts.head_dim), np.float32)
+                for role in self._graphs for i in self._graphs[role][1]
+                for name in (past_key_name(i), past_value_name(i))}
+        self.suffix(self.prefix(np.zeros((1, WARM_UP_TOKENS), np.int64), 0, warm)[0], 0, warm)
         self.forwards = 0
 
     def prefix(self, ids: np.ndarray, start: int, kv: Mapping[str, np.ndarray]
