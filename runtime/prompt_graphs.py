@@ -6,11 +6,12 @@ AVX512-BF16), as OpenVINO GenAI does there by default. With `prefill_precision="
 token but the last is prefilled here, into the target's KV memory; the prompt's last token and every generated one
 run on the target as deployed (float32, int8 or int4 on ONNX Runtime), so the first new token comes from the target's
 own step. What keeps the output exact:
-- OpenVINO computes a position the same at any chunking of the prompt (each row of its attention and matmuls is
-  computed alone: tests/test_prompt_graphs.py), so sd, mirror and lookup equal ar (they share the prompt's KV), and
-  the batching engine's chunked prefills equal a generation alone;
-- the engine's prefix cache reuses only positions prefilled here (runtime/batching.py): an earlier answer's KV came
-  from the target's steps, where the same text inside a later prompt is prefilled here.
+- sd, mirror and lookup share the prompt's KV, so they equal ar;
+- OpenVINO computes a row alike in any forward but the last rows of some widths, so every prompt is prefilled on one
+  grid of chunks from position 0 (PROMPT_GRAPH_CHUNK, runtime/target.py): the batching engine's prefills then equal
+  a generation alone (tests/test_prompt_graphs.py);
+- the engine's prefix cache reuses only positions prefilled here, in whole chunks of the grid (runtime/batching.py):
+  an earlier answer's KV came from the target's steps, where the same text inside a later prompt is prefilled here.
 The target as deployed is then the pair: the prompt's KV in bf16, the rest in the target's precision (its agreement
 with float32 is measured, docs/design.md "Prompts prefilled in bf16").
 
