@@ -332,7 +332,7 @@ class BatchEngine:
         """One run over prompt tokens still to prefill (all but each prompt's last), oldest requests first, within
         PREFILL_BUDGET (rows padded to the widest). ONNX Runtime's attention takes several rows of several tokens
         only where none has a past: prompts that start from nothing run together, a prompt that goes on from its
-        cached head or an earlier chunk runs alone; the prompt graphs take one row at a time."""
+        cached head or an earlier chunk runs alone; the prompt graphs run rows one after another."""
         pending = []
         for row in self._rows:
             if row.prefilling and not row.looked_for_head:
@@ -343,14 +343,18 @@ class BatchEngine:
         if not pending:
             return
 
-        oldest = pending[0]
         if self.pipe.target.prompt_graphs is not None:
-            # on the prompt graphs (OpenVINO in bf16) one row at a time, along their grid: a position runs in the
-            # same chunk as in a generation alone (Target.prefill)
-            start = oldest.kv_len
-            take = prompt_chunk_end(start, len(oldest.context) - 1) - start
-            rows = [(oldest, take)]
-            outs = [self.batch.run_prompt(Row(oldest.slot.index, tuple(oldest.context[start:start + take]), start, 0))]
+            # on the prompt graphs (OpenVINO in bf16) one row after another, each along their grid (a position runs
+            # in the same chunk as in a generation alone: Target.prefill), within PREFILL_BUDGET tokens
+            rows, budget = [], PREFILL_BUDGET
+            for row in pending:
+                take = prompt_chunk_end(row.kv_len, len(row.context) - 1) - row.kv_len
+                if rows and take > budget:
+                    break
+                rows.append((row, take))
+                budget -= take
+            outs = [self.batch.run_prompt(Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0))
+                    for r, take in rows]
         else:
             rows = self._prefill_rows(pending)
             outs = self.batch.run([Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0)
