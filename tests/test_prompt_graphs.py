@@ -21,7 +21,7 @@ from conftest import ARCHITECTURES
 import mirror_sd.runtime.target as target_module
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.manifest import Manifest
-from mirror_sd.partitions.spec import past_key_name
+from mirror_sd.partitions.spec import past_key_name, past_value_name
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.prompt_graphs import PromptGraphs, expanded, has_bf16
 
@@ -30,8 +30,6 @@ pytestmark = pytest.mark.skipif(not has_bf16(), reason="this CPU has no bf16 ari
 PROMPTS = ["Hello there, how are you?", "Name three colors of the rainbow please.", "A", "Write a haiku about the sea",
            "What is two plus two? Answer with a number and explain it in detail, step by step.", "Why?"]
 LONG = " ".join(["the quick brown fox jumps"] * 6)  # about 150 tokens here: several chunks of the grid
-
-
 GRID = 32
 
 
@@ -55,16 +53,15 @@ def _kv(manifest: Manifest, positions: int) -> dict[str, np.ndarray]:
     t = manifest.target
     layers = [i for role in ("target_prefix", "target_suffix") for i in manifest.partition(role).kv_layers]
     return {name: np.zeros((1, t.num_kv_heads, positions, t.head_dim), np.float32)
-            for i in layers for name in (past_key_name(i), past_key_name(i).replace(".key", ".value"))}
+            for i in layers for name in (past_key_name(i), past_value_name(i))}
 
 
-def _prefill(graphs: PromptGraphs, manifest: Manifest, ids: list[int], cuts: list[int] | None = None):
-    """ids prefilled in forwards ending at `cuts` (default: the grid's points)."""
+def _prefill(graphs: PromptGraphs, manifest: Manifest, ids: list[int]):
+    """ids prefilled in forwards along the grid: the last position's logits and the KV."""
     kv = _kv(manifest, len(ids))
-    cuts = list(range(GRID, len(ids), GRID)) if cuts is None else cuts
-    bounds = [0, *cuts, len(ids)]
+    bounds = [0, *range(GRID, len(ids), GRID), len(ids)]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        hidden, taps = graphs.prefix(np.asarray([ids[lo:hi]], np.int64), lo, kv)
+        hidden, _ = graphs.prefix(np.asarray([ids[lo:hi]], np.int64), lo, kv)
         logits = graphs.suffix(hidden, lo, kv)
     return logits, kv
 
