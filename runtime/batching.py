@@ -45,7 +45,6 @@ from mirror_sd.partitions.plan_file import DRAFT_MODES, MODES
 from mirror_sd.runtime.batch_target import BatchTarget, Row
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.gate import GateState, SpeculationGate
-from mirror_sd.runtime.kv import common_prefix
 from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable, worth_reusing
 from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
 from mirror_sd.runtime.proposers import PromptLookup, Proposer
@@ -343,27 +342,29 @@ class BatchEngine:
         if not pending:
             return
 
-        if self.pipe.target.prompt_graphs is not None:
-            # on the prompt graphs (OpenVINO in bf16) one row after another, each along their grid (a position runs
-            # in the same chunk as in a generation alone: Target.prefill), within PREFILL_BUDGET tokens
-            rows, budget = [], PREFILL_BUDGET
-            for row in pending:
-                take = prompt_chunk_end(row.kv_len, len(row.context) - 1) - row.kv_len
-                if rows and take > budget:
-                    break
-                rows.append((row, take))
-                budget -= take
-            outs = [self.batch.run_prompt(Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0))
-                    for r, take in rows]
-        else:
-            rows = self._prefill_rows(pending)
-            outs = self.batch.run([Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0)
-                                   for r, take in rows])
+        on_prompt_graphs = self.pipe.target.prompt_graphs is not None
+        rows = self._prompt_graph_rows(pending) if on_prompt_graphs else self._prefill_rows(pending)
+        runs = [Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0) for r, take in rows]
+        outs = [self.batch.run_prompt(run) for run in runs] if on_prompt_graphs else self.batch.run(runs)
         drafting = len(self._rows) <= self.batch.window_rows
         for (r, take), out in zip(rows, outs):
             if drafting and r.drafts is not None:
                 r.drafts.ran(r.kv_len, out.taps)
             r.kv_len += take
+
+    @staticmethod
+    def _prompt_graph_rows(pending: list[_Row]) -> list[tuple[_Row, int]]:
+        """The rows the prompt graphs (OpenVINO in bf16) prefill in one step, one after another, and their tokens:
+        each its next chunk of their grid (a position runs in the same chunk as in a generation alone:
+        Target.prefill), within PREFILL_BUDGET tokens."""
+        rows, budget = [], PREFILL_BUDGET
+        for row in pending:
+            take = prompt_chunk_end(row.kv_len, len(row.context) - 1) - row.kv_len
+            if rows and take > budget:
+                break
+            rows.append((row, take))
+            budget -= take
+        return rows
 
     @staticmethod
     def _prefill_rows(pending: list[_Row]) -> list[tuple[_Row, int]]:
@@ -404,8 +405,7 @@ class BatchEngine:
         held += [(s, s.tokens) for s in self.table.slots if not s.busy]
         best, length = None, row.kv_len
         for slot, tokens in held:
-            n = min(common_prefix(np.asarray(tokens, np.int64), prompt), len(prompt) - 1)
-            n -= n % self.table.grid
+            n = self.table.reusable(tokens, prompt)
             if n > length:
                 best, length = slot, n
         if best is None or not worth_reusing(length - row.kv_len, len(prompt) - row.kv_len):

@@ -146,8 +146,7 @@ class SlotTable:
         ids = np.asarray(prompt, np.int64)
         best, best_len = None, 0
         for slot in free:
-            n = min(common_prefix(np.asarray(slot.tokens, np.int64), ids), len(prompt) - 1)
-            n -= n % self.grid
+            n = self.reusable(slot.tokens, ids)
             if worth_reusing(n, len(prompt)) and n > best_len:
                 best, best_len = slot, n
         if best is None:
@@ -155,6 +154,12 @@ class SlotTable:
         best.busy, best.tokens = True, list(prompt[:best_len])
         self._touch(best)
         return best, best_len
+
+    def reusable(self, held: list[int], prompt: np.ndarray) -> int:
+        """How many first tokens of `prompt` (int64 ids) a slot holding `held` spares: their common head, at most
+        len(prompt) - 1 (the last prompt token runs to give the first new token's logits), in multiples of `grid`."""
+        n = min(common_prefix(np.asarray(held, np.int64), prompt), len(prompt) - 1)
+        return n - n % self.grid
 
     def leave(self, slot: Slot, tokens: list[int]) -> None:
         """The sequence is done: the slot is free and keeps `tokens` (those whose KV it holds) as a cached prefix."""
