@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mirror_sd.runtime.backends import usable_cores
+from mirror_sd.runtime.machine import cpu_model
 
 PACKAGES = ("onnxruntime-gpu", "onnxruntime", "openvino", "openvino-genai", "transformers", "torch", "numpy",
             "optimum-intel", "nncf")
@@ -17,7 +18,7 @@ PACKAGES = ("onnxruntime-gpu", "onnxruntime", "openvino", "openvino-genai", "tra
 
 def describe_machine(repo: Path | None = None) -> dict[str, Any]:
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "cores_usable": usable_cores(),
         "ram_gib": _ram_gib(),
@@ -27,16 +28,6 @@ def describe_machine(repo: Path | None = None) -> dict[str, Any]:
         "versions": {name: version for name in PACKAGES if (version := _version(name))},
         "git": _git(repo or Path(__file__).resolve().parents[1]),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _ram_gib() -> float | None:

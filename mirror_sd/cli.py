@@ -152,6 +152,8 @@ def _generate(args: argparse.Namespace) -> int:
     from mirror_sd.runtime.pipeline import Pipeline
 
     pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
+    if pipe.plan_note:
+        print(f"note: {pipe.plan_note}", file=sys.stderr)
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template

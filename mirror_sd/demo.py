@@ -60,6 +60,8 @@ def run(bundle: Path, max_new_tokens: int) -> int:
     pipe = Pipeline.load(bundle)
     print(f"bundle {bundle}: target on ONNX Runtime {pipe.target.device}, draft on {pipe.draft.backend} "
           f"{pipe.draft.device} (threads {pipe.target_threads} + {pipe.draft_threads})")
+    if pipe.plan_note:
+        print(f"note: {pipe.plan_note}")
     prompt = [{"role": "user", "content": QUESTION}]
     for mode in MODES:  # first calls allocate: one short generation each keeps that out of the figures
         pipe.generate(prompt, mode=mode, max_new_tokens=8)

@@ -137,3 +137,18 @@ def export_advice(doc: Mapping[str, Any]) -> ExportAdvice:
     check_int("plan export.exit_layer", e.get("exit_layer"), 1)
     check_int("plan export.top_k", e.get("top_k"), 1)
     return ExportAdvice(e["exit_layer"], e["top_k"])
+
+
+def plan_machine(doc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The machine the plan was measured on ({"cpu", "cores", optionally "isa"}: runtime/machine.py writes it), or
+    None for a plan that does not say; BadInputError if the section is malformed."""
+    m = doc.get("machine")
+    if m is None:
+        return None
+    if not (isinstance(m, dict) and isinstance(m.get("cpu"), str) and m["cpu"]):
+        raise BadInputError(f"plan machine must be an object with a non-empty 'cpu', got {m!r}")
+    check_int("plan machine.cores", m.get("cores"), 1)
+    isa = m.get("isa")
+    if isa is not None and not (isinstance(isa, list) and all(isinstance(f, str) for f in isa)):
+        raise BadInputError(f"plan machine.isa must be a list of CPU feature names, got {isa!r}")
+    return {"cpu": m["cpu"], "cores": m["cores"], **({"isa": list(isa)} if isa is not None else {})}

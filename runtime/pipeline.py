@@ -24,7 +24,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
-from mirror_sd.partitions.plan_file import DRAFT_MODES, PLAN_FILE, RuntimeDefaults, read_plan, runtime_defaults
+from mirror_sd.partitions.plan_file import (
+    DRAFT_MODES,
+    PLAN_FILE,
+    RuntimeDefaults,
+    plan_machine,
+    read_plan,
+    runtime_defaults,
+)
 from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.backends import default_openvino_device, on_cpu, usable_cores
 from mirror_sd.runtime.batching import BatchEngine
@@ -35,6 +42,7 @@ from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.kv_slots import slots_for
+from mirror_sd.runtime.machine import plan_note
 from mirror_sd.runtime.package_reader import OpenedPackage, is_package, open_package
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.scheduler import DraftWorker, decode, reads_prompt_alongside
@@ -69,6 +77,9 @@ class Pipeline:
         self.package = package  # a package's bounds; holds an extracted .tar's directory alive
         self.huge_pages: HugePageReport | None = None  # what load's huge-page collapse did (None: not asked)
         self.defaults = defaults  # the bundle plan's runtime section, if it has one
+        # why the plan's settings may not be the fastest here (measured on another machine), for the entry points to
+        # show: None where there is no plan, it does not say, or it is this machine's (runtime/machine.py)
+        self.plan_note: str | None = None
         self.target_threads, self.draft_threads = target_threads, draft_threads
         # the longest context a generation may reach: the target's KV buffers (at most its positions); past the
         # draft's own context (if shorter) steps run on the target alone
@@ -107,7 +118,7 @@ class Pipeline:
         package = open_package(bundle) if is_package(bundle) else None
         bundle = package.root if package else bundle
         manifest = Manifest.load(bundle)
-        defaults = _plan_defaults(bundle, manifest) if o.use_plan else None
+        defaults, planned_on = _plan_defaults(bundle, manifest) if o.use_plan else (None, None)
         if target_threads is None:
             target_threads = defaults.target_threads if defaults else BUILTIN_THREADS
         if draft_threads is None:
@@ -138,6 +149,7 @@ class Pipeline:
         pipe = cls(manifest, target, draft, codec, defaults, target_threads, draft_threads, package)
         pipe.huge_pages = new_memory.collapse() if new_memory is not None else None
         pipe.load_options = o
+        pipe.plan_note = plan_note(planned_on)
         return pipe
 
     # -- prompts -------------------------------------------------------------------------------------------
@@ -356,13 +368,15 @@ def _planned_draft_backend(defaults: RuntimeDefaults | None) -> str | None:
     return defaults.draft_backend if default_openvino_device() == "CPU" else None
 
 
-def _plan_defaults(bundle: str | Path, manifest: Manifest) -> RuntimeDefaults | None:
-    """The runtime section of the bundle's optional plan.json; ManifestError if it is there but unusable."""
+def _plan_defaults(bundle: str | Path, manifest: Manifest) -> tuple[RuntimeDefaults | None, dict[str, Any] | None]:
+    """The runtime section of the bundle's optional plan.json and the machine it was measured on (None where it
+    does not say); ManifestError if it is there but unusable."""
     path = Path(bundle) / PLAN_FILE
     if not path.is_file():
-        return None
+        return None, None
     try:
-        return runtime_defaults(read_plan(path), manifest.target.exit_layer, manifest.target.top_k)
+        doc = read_plan(path)
+        return runtime_defaults(doc, manifest.target.exit_layer, manifest.target.top_k), plan_machine(doc)
     except BadInputError as e:
         raise ManifestError(f"{PLAN_FILE}: {e}") from None
 

@@ -47,6 +47,7 @@ from mirror_sd.runtime.draft import Drafter, plan_branches
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, empty_channel
 from mirror_sd.runtime.kv import positions
+from mirror_sd.runtime.machine import this_machine
 from mirror_sd.runtime.messages import ExitCandidates, FeatureBlock, frozen
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.sampling import SamplingParams
@@ -672,4 +673,5 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
              profile, planner.Candidate(manifest.target.exit_layer, k, g, b, t, d)).predicted_tokens_per_second}
         for (g, k, b), speed in sorted(grid_speeds.items())]
     doc["devices"] = {"target": first.target.device, "draft": first.draft.device}
+    doc["machine"] = this_machine()  # its timings hold here (runtime/machine.py): a pipeline elsewhere says so
     return PlanResult(profile, plans, chosen, tps, end_to_end, doc)

@@ -233,7 +233,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": settings.model_name, "queue_depth": gen.engine.waiting,
                 "running": gen.engine.running, "max_num_seqs": gen.engine.max_num_seqs,
-                "target_device": pipe.target.device, "draft_device": pipe.draft.device}
+                "target_device": pipe.target.device, "draft_device": pipe.draft.device,
+                "plan_note": pipe.plan_note}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -435,6 +436,8 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("mirror_sd").addHandler(handler)
     logging.getLogger("mirror_sd").setLevel(log_level.upper())
+    if app.state.pipeline.plan_note:
+        log.warning("%s", app.state.pipeline.plan_note)
     # uvicorn's own access log is off: ours names the route and times the whole response
     _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                            timeout_graceful_shutdown=3)).run()

@@ -15,6 +15,7 @@ from mirror_sd.errors import BadInputError, ManifestError, MirrorSDError
 from mirror_sd.partitions import plan_file as pf
 from mirror_sd.partitions import planner as pl
 from mirror_sd.runtime.backends import usable_cores
+from mirror_sd.runtime.machine import this_machine
 
 MS = 1e-3
 
@@ -313,6 +314,7 @@ def test_cli_plan_json_and_runtime_defaults(bundle, tmp_path, capsys):
                                                pf.runtime_defaults(doc, 3, 8).batch_windows)
     assert len(pipe.defaults.batch_windows) == len(batched)
     assert pipe.draft.backend == run["draft_backend"]
+    assert doc["machine"] == this_machine() and pipe.plan_note is None  # measured here: nothing to say
     for backend in ("openvino", "onnxruntime"):  # an explicit choice wins over the plan's
         assert Pipeline.load(bundle, draft_backend=backend).draft.backend == backend
     assert pipe.generation_config.draft_confidence_threshold == run["draft_confidence_threshold"]
@@ -341,6 +343,43 @@ def test_a_plans_mode_is_checked_and_an_older_plan_runs_mirror():
     assert pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "mode": "ar"}}, 3, 8).mode == "ar"
     with pytest.raises(BadInputError, match="plan runtime.mode must be one of ar, lookup, sd, mirror"):
         pf.runtime_defaults({**doc, "runtime": {**doc["runtime"], "mode": "fast"}}, 3, 8)
+
+
+def test_a_plan_measured_on_another_machine_is_kept_and_said(bundle, tmp_path, capsys):
+    """A plan's settings are one machine's timings: loaded on another CPU (or core count, or CPU features) the
+    pipeline keeps them and says so, naming both machines and the command that measures them here."""
+    from mirror_sd.runtime.machine import plan_note
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    here = this_machine()
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy, ignore=shutil.ignore_patterns(pf.PLAN_FILE))
+    doc = {"format": pf.PLAN_FORMAT, "version": pf.PLAN_VERSION, "bundle": {"exit_layer": 3, "top_k": 8},
+           "runtime": {"gamma": 3, "kappa": 4, "branch_budget": 4, "target_threads": 1, "draft_threads": 1},
+           "export": {"exit_layer": 3, "top_k": 4}}
+    (copy / pf.PLAN_FILE).write_text(json.dumps(doc))
+    assert Pipeline.load(copy).plan_note is None  # a plan that does not say where it was measured
+    elsewhere = {"cpu": "Some Other CPU", "cores": here["cores"] + 6, "isa": ["avx2", "amx_bf16"]}
+    (copy / pf.PLAN_FILE).write_text(json.dumps({**doc, "machine": elsewhere}))
+    pipe = Pipeline.load(copy)
+    assert pipe.defaults.gamma == 3  # kept
+    note = pipe.plan_note
+    assert "Some Other CPU" in note and here["cpu"] in note and f"{here['cores'] + 6} cores" in note
+    assert "mirror-sd plan BUNDLE --save" in note
+    assert main(["generate", str(copy), "--prompt-ids", "5,17,33", "--max-new-tokens", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["token_ids"] and f"note: {note}" in out.err
+    # the same model and cores differ in CPU features only where both plans list them
+    assert plan_note({**here, "isa": ["avx2"]}, {**here, "isa": ["avx2", "avx512f"]})
+    assert plan_note({"cpu": here["cpu"], "cores": here["cores"]}, {**here, "isa": ["avx2"]}) is None
+    assert plan_note(dict(here), here) is None
+    for bad, why in (({"cores": 2}, "non-empty 'cpu'"), ({"cpu": "x", "cores": 0}, "machine.cores"),
+                     ({"cpu": "x", "cores": 2, "isa": "avx2"}, "machine.isa")):
+        with pytest.raises(BadInputError, match=why):
+            pf.plan_machine({**doc, "machine": bad})
+        (copy / pf.PLAN_FILE).write_text(json.dumps({**doc, "machine": bad}))
+        with pytest.raises(ManifestError, match=why):
+            Pipeline.load(copy)
 
 
 def test_stale_or_broken_plan_in_a_bundle_is_refused(bundle, tmp_path):

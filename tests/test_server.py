@@ -75,6 +75,7 @@ def test_models_health_metrics(port, client):
     conn.request("GET", "/health")
     health = json.loads(conn.getresponse().read())
     assert health["status"] == "ok" and health["model"] == MODEL
+    assert health["plan_note"] is None  # the bundle has no plan measured elsewhere (runtime/machine.py)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     for name in ("mirror_sd_requests_total", "mirror_sd_queue_depth", "mirror_sd_ttft_seconds",
