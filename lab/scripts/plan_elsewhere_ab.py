@@ -2,13 +2,14 @@
 rotating order: how much a bundle planned on one CPU loses on another (docs/design.md "A plan names its machine").
 
 The committed plan is the bundle's plan.json; the plan measured here comes from `mirror-sd plan BUNDLE --out F`. Each
-arm is a pipeline over the same bundle files (symbolic links) with its own plan.json; generations name no mode, so
+arm is a pipeline over the same bundle files (hard links) with its own plan.json; generations name no mode, so
 each runs its plan's, and every output must equal ar's (the target alone at every core, a third arm).
 
 python lab/scripts/plan_elsewhere_ab.py BUNDLE HERE_PLAN PER_KIND ROUNDS OUT   e.g. build/bundles/smollm2-feature
     /tmp/plan-here.json 3 2 results/plan-elsewhere.json
 """
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -28,16 +29,16 @@ STATS = ("mode", "gamma", "target_steps", "mean_accepted_tokens", "wall_s", "ttf
 
 def with_plan(bundle: Path, plan: Path, where: Path) -> Path:
     where.mkdir()
-    for f in bundle.iterdir():
+    for f in bundle.iterdir():  # hard links: a bundle refuses paths that lead outside it (symbolic links do)
         if f.name != PLAN_FILE:
-            (where / f.name).symlink_to(f.resolve())
+            os.link(f, where / f.name)
     shutil.copyfile(plan, where / PLAN_FILE)
     return where
 
 
 def main(bundle: str, here_plan: str, per_kind: int, rounds: int, out: str) -> None:
     bundle = Path(bundle)
-    tmp = Path(tempfile.mkdtemp())
+    tmp = Path(tempfile.mkdtemp(dir=bundle.parent))  # on the bundle's file system, for the hard links
     plans = {"committed plan": bundle / PLAN_FILE, "plan measured here": Path(here_plan)}
     pipes = {name: Pipeline.load(with_plan(bundle, plan, tmp / str(i))) for i, (name, plan) in enumerate(plans.items())}
     pipes["ar"] = pipes["committed plan"]
@@ -60,6 +61,7 @@ def main(bundle: str, here_plan: str, per_kind: int, rounds: int, out: str) -> N
                          "equal_to_ar": sum(r["token_ids"] == ar[r["prompt"]]["token_ids"] for r in mine),
                          "generations": len(mine)}
         print(name, summary[name], flush=True)
+    shutil.rmtree(tmp)
     write_results(out, "the committed plan (another machine's) against one measured here, whole calls", str(bundle),
                   rows, summary, this_machine=this_machine(), plans=runtime, new_tokens=NEW)
 
