@@ -40,7 +40,7 @@ def this_machine() -> dict[str, Any]:
 
 
 def describe(machine: Mapping[str, Any]) -> str:
-    """"AMD EPYC, 2 cores, avx2": a machine as this_machine() records it, for people."""
+    """A machine as this_machine() records it, for people: 'AMD EPYC, 2 cores, avx2'."""
     isa = f", {' '.join(machine['isa']) or 'no AVX2'}" if "isa" in machine else ""
     return f"{machine['cpu']}, {machine['cores']} core{'s' if machine['cores'] != 1 else ''}{isa}"
 
