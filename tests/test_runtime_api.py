@@ -19,6 +19,7 @@ from mirror_sd.partitions.package_format import PACKAGE_FILE, PackageInfo
 from mirror_sd.partitions.plan_file import PLAN_FILE, read_plan
 from mirror_sd.runtime.engines import GraphEngine
 from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.prompt_graphs import has_bf16
 
 PROMPT = [5, 17, 33]
 
@@ -126,6 +127,19 @@ def test_bad_devices(bundle):
         Pipeline.load(bundle, target_device="tpu")
     with pytest.raises(BadInputError, match="OpenVINO device"):
         Pipeline.load(bundle, draft_device="FPGA")
+
+
+@pytest.mark.skipif(has_bf16(), reason="this CPU has bf16 arithmetic: tests/test_prompt_graphs.py runs the option")
+def test_bf16_prompts_are_refused_on_a_cpu_without_bf16(bundle, capsys):
+    """On a CPU without bf16 arithmetic (AVX2 only) `prefill_precision="bf16"` is a BadInputError naming the option,
+    and `generate --prefill-precision bf16` one line and exit 2, before any generation."""
+    with pytest.raises(BadInputError, match="no bf16 arithmetic") as err:
+        Pipeline.load(bundle, huge_pages=False, prefill_precision="bf16")
+    assert err.value.option == "prefill_precision"
+    assert main(["generate", str(bundle), "--prompt-ids", "5,17", "--prefill-precision", "bf16"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("mirror-sd: error:") and out.err.count("\n") == 1
+    assert "prefill_precision" in out.err and "Traceback" not in out.err
 
 
 def _broken_copy(bundle: Path, tmp_path: Path, edit) -> Path:
