@@ -19,23 +19,20 @@ from mirror_sd.runtime.backends import usable_cores
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
-def cpu_model() -> str:
-    """The CPU's model name as the OS tells it."""
-    for line in _cpuinfo().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name as the OS tells it (cpuinfo: /proc/cpuinfo's text, if already read)."""
+    model = _field(_cpuinfo() if cpuinfo is None else cpuinfo, "model name")
+    return model.strip() if model is not None else platform.processor() or platform.machine()
 
 
 def this_machine() -> dict[str, Any]:
     """What plan.json records of the machine: {"cpu": model name, "cores": usable cores, "isa": [ISA_FLAGS it
     has]} ("isa" only where the OS lists the CPU's flags)."""
-    doc: dict[str, Any] = {"cpu": cpu_model(), "cores": usable_cores()}
-    for line in _cpuinfo().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            doc["isa"] = [f for f in ISA_FLAGS if f in flags]
-            break
+    cpuinfo = _cpuinfo()
+    doc: dict[str, Any] = {"cpu": cpu_model(cpuinfo), "cores": usable_cores()}
+    flags = _field(cpuinfo, "flags")
+    if flags is not None:
+        doc["isa"] = [f for f in ISA_FLAGS if f in flags.split()]
     return doc
 
 
@@ -59,6 +56,14 @@ def plan_note(planned: Mapping[str, Any] | None, here: Mapping[str, Any] | None 
     return (f"the bundle's plan.json was measured on another machine ({describe(planned)}; this one: "
             f"{describe(here)}): its settings may not be the fastest here; `mirror-sd plan BUNDLE --save` measures "
             "them on this one")
+
+
+def _field(cpuinfo: str, name: str) -> str | None:
+    """The value of the first `name : value` line of /proc/cpuinfo's text, if there is one."""
+    for line in cpuinfo.splitlines():
+        if line.startswith(name):
+            return line.split(":", 1)[1]
+    return None
 
 
 def _cpuinfo() -> str:
