@@ -1,6 +1,6 @@
 """Shared by the side-by-side scripts here (branch_gate_ab.py, branch_budget_zero_ab.py, gate_cost_ab.py): arms of
 one pipeline run on the same prompts in an order that rotates from prompt to prompt and round to round, and the
-results file with its provenance."""
+results file with its provenance, and each arm's ratios to ar."""
 import json
 import os
 import platform
@@ -25,6 +25,15 @@ def rotating_runs(prompts, names, rounds, generate, new_tokens, stats_keys, **fi
                              "stats": {key: r.stats[key] for key in stats_keys}})
         print(f"round {rep + 1}/{rounds}: {time.time() - started:.0f} s", flush=True)
     return rows
+
+
+def against_ar(rows, names):
+    """Per arm: (name, its rows, each row's tokens/s over ar's on the same prompt and round, ar's row of each)."""
+    ar = {r["prompt"]: r for r in rows if r["arm"] == "ar"}
+    for name in names:
+        mine = [r for r in rows if r["arm"] == name]
+        yield name, mine, [r["tokens_per_s"] / ar[r["prompt"]]["tokens_per_s"] for r in mine], \
+            [ar[r["prompt"]] for r in mine]
 
 
 def write_results(out, what, bundle, rows, arms, **facts):

@@ -8,7 +8,7 @@ python lab/scripts/gamma_ab.py PER_KIND ROUNDS GAMMAS OUT      e.g. 4 2 2,4 resu
 import statistics
 import sys
 
-from ab_rotation import rotating_runs, write_results
+from ab_rotation import against_ar, rotating_runs, write_results
 
 from mirror_sd.models.benchmark_prompts import select
 from mirror_sd.runtime.pipeline import Pipeline
@@ -29,16 +29,13 @@ def main(per_kind: int, rounds: int, gammas: list[int], out: str) -> None:
         return pipe.generate(list(prompt.messages), max_new_tokens=n, temperature=0.0, **arms[name])
 
     rows = rotating_runs(select(per_kind), list(arms), rounds, generate, NEW, STATS)
-    ar = {r["prompt"]: r for r in rows if r["arm"] == "ar"}
     summary = {}
-    for name in arms:
-        mine = [r for r in rows if r["arm"] == name]
-        ratios = [r["tokens_per_s"] / ar[r["prompt"]]["tokens_per_s"] for r in mine]
+    for name, mine, ratios, ars in against_ar(rows, arms):
         summary[name] = {"over_ar_median": statistics.median(ratios), "over_ar_mean": statistics.mean(ratios),
                          "over_ar_sem": statistics.stdev(ratios) / len(ratios) ** 0.5,
                          "tokens_per_step": sum(len(r["token_ids"]) for r in mine)
                          / sum(r["stats"]["target_steps"] for r in mine),
-                         "identical_to_ar": all(r["token_ids"] == ar[r["prompt"]]["token_ids"] for r in mine)}
+                         "identical_to_ar": all(r["token_ids"] == a["token_ids"] for r, a in zip(mine, ars))}
     write_results(out, __doc__.split("\n\n")[0], BUNDLE, rows, summary, plan_gamma=pipe.defaults.gamma,
                   gammas=gammas, prompts=len(select(per_kind)), rounds=rounds, new_tokens=NEW)
     for name, a in summary.items():

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ab_rotation import rotating_runs, write_results
+from ab_rotation import against_ar, rotating_runs, write_results
 
 from mirror_sd.models.benchmark_prompts import select
 from mirror_sd.partitions.plan_file import PLAN_FILE
@@ -38,30 +38,30 @@ def with_plan(bundle: Path, plan: Path, where: Path) -> Path:
 
 def main(bundle: str, here_plan: str, per_kind: int, rounds: int, out: str) -> None:
     bundle = Path(bundle)
-    tmp = Path(tempfile.mkdtemp(dir=bundle.parent))  # on the bundle's file system, for the hard links
     plans = {"committed plan": bundle / PLAN_FILE, "plan measured here": Path(here_plan)}
-    pipes = {name: Pipeline.load(with_plan(bundle, plan, tmp / str(i))) for i, (name, plan) in enumerate(plans.items())}
-    pipes["ar"] = pipes["committed plan"]
     runtime = {name: json.loads(plan.read_text())["runtime"] for name, plan in plans.items()}
-    for name, pipe in pipes.items():
-        print(f"{name}: {pipe.plan_note or 'measured here'}", flush=True)
+    tmp = Path(tempfile.mkdtemp(dir=bundle.parent))  # on the bundle's file system, for the hard links
+    try:
+        pipes = {name: Pipeline.load(with_plan(bundle, plan, tmp / str(i)))
+                 for i, (name, plan) in enumerate(plans.items())}
+        for name, pipe in pipes.items():
+            print(f"{name}: {pipe.plan_note or 'measured here'}", flush=True)
+        pipes["ar"] = pipes["committed plan"]
 
-    def generate(name, i, prompt, n):
-        extra = {"mode": "ar"} if name == "ar" else {}  # else each plan's own mode
-        return pipes[name].generate(list(prompt.messages), max_new_tokens=n, temperature=0.0, **extra)
+        def generate(name, i, prompt, n):
+            extra = {"mode": "ar"} if name == "ar" else {}  # else each plan's own mode
+            return pipes[name].generate(list(prompt.messages), max_new_tokens=n, temperature=0.0, **extra)
 
-    rows = rotating_runs(select(per_kind), list(pipes), rounds, generate, NEW, STATS)
-    ar = {r["prompt"]: r for r in rows if r["arm"] == "ar"}
+        rows = rotating_runs(select(per_kind), list(pipes), rounds, generate, NEW, STATS)
+    finally:  # the linked copies never outlive the run, whatever stopped it
+        shutil.rmtree(tmp)
     summary = {}
-    for name in pipes:
-        mine = [r for r in rows if r["arm"] == name]
-        ratios = [r["tokens_per_s"] / ar[r["prompt"]]["tokens_per_s"] for r in mine]
+    for name, mine, ratios, ars in against_ar(rows, pipes):
         summary[name] = {"tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in mine),
                          "over_ar_median": statistics.median(ratios),
-                         "equal_to_ar": sum(r["token_ids"] == ar[r["prompt"]]["token_ids"] for r in mine),
+                         "equal_to_ar": sum(r["token_ids"] == a["token_ids"] for r, a in zip(mine, ars)),
                          "generations": len(mine)}
         print(name, summary[name], flush=True)
-    shutil.rmtree(tmp)
     write_results(out, "the committed plan (another machine's) against one measured here, whole calls", str(bundle),
                   rows, summary, this_machine=this_machine(), plans=runtime, new_tokens=NEW)
 
