@@ -6,19 +6,20 @@ Why: a decode step on a CPU reads every weight of the target once, so it costs a
 How, so that the export still proves itself: the torch target's Linear weights are first rounded onto the block grid
 (`on_block_grid`, the rounding ONNX Runtime's quantizer applies), the float32 graphs are exported from that model and
 checked by the ordinary parity grid against it (atol 1e-4, failing), and only then are the prefix's and the suffix's
-MatMuls compressed, every weight checked to come back exactly (export/weight_blocks.py). The embedding is a Gather
-(a row read per token) and the early-exit head is small: both stay float32, so the branch hit rate keeps the exit
-head's precision.
+MatMuls compressed, every weight checked to come back exactly (export/weight_blocks.py). The LM head is never below
+8 bits (`lm_head_bits`: an int4 target's is int8, as NNCF's int4 keeps it). The embedding is a Gather (a row read per
+token) and the early-exit head is small: both stay float32, so the branch hit rate keeps the exit head's precision.
 
 What the user gets: sd and mirror verify against the compressed target, so their outputs equal its ar output token
 for token; how often it agrees with the float32 model is measured at export (`validation.target_weights`) and
-reported, not required. The int8 kernel computes with int8 activations (ONNX Runtime's accuracy level 4, its fast CPU
-path for 8-bit blocks); the int4 one in float32 (`ACCURACY_LEVELS`).
+reported, not required. Both kernels compute with int8 activations (ONNX Runtime's accuracy level 4, its fast CPU path
+for 8- and 4-bit blocks; `ACCURACY_LEVELS`), recorded in the manifest (`matmul_activations`) for the runtime.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,13 +27,15 @@ import torch
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.export.weight_blocks import BLOCK_SIZE, block_quantized, quantize_matmuls
-from mirror_sd.partitions.manifest import TARGET_WEIGHT_FORMATS, WEIGHT_BITS, Manifest
+from mirror_sd.partitions.manifest import TARGET_WEIGHT_FORMATS, WEIGHT_BITS, Manifest, lm_head_bits
 
 FLOAT32 = "float32"
 BITS = WEIGHT_BITS
-# ONNX Runtime's MatMulNBits compute type per format: 4 = int8 activations (its only fast CPU kernel for 8-bit
-# blocks), 1 = float32 activations
-ACCURACY_LEVELS = {"int8": 4, "int4": 1}
+# ONNX Runtime's MatMulNBits compute type per format: 4 = int8 activations, its fast CPU kernels for 8- and 4-bit
+# blocks (float32 activations ran an 8-bit decode step 10x slower, a 4-bit one 2-3x: docs/design.md, Target weights
+# in blocks)
+ACCURACY_LEVELS = {"int8": 4, "int4": 4}
+INT8_ACTIVATIONS_LEVEL = 4
 # Export fails where the compressed graphs' greedy token agrees with the same weights in float32 on fewer grid
 # positions than this: only a broken kernel gets there (int8 activations round logits a little; tiny random-weight
 # test models, whose logits are near ties, then agree on 80-90% of positions).
@@ -46,16 +49,19 @@ def check_target_weights(value: str) -> str:
     return value
 
 
-def on_block_grid(model: torch.nn.Module, weights: str) -> torch.nn.Module:
-    """A copy of `model` whose every Linear weight is rounded onto `weights`' block grid. A Linear that shares its
-    weight with an embedding (a tied LM head) gets a parameter of its own: the embedding's rows stay float32."""
+def on_block_grid(model: torch.nn.Module, weights: str,
+                  lm_head: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
+    """A copy of `model` whose every Linear weight is rounded onto `weights`' block grid, its LM head (`lm_head` of
+    the model) onto lm_head_bits'. A Linear that shares its weight with an embedding (a tied LM head) gets a parameter
+    of its own: the embedding's rows stay float32."""
     check_target_weights(weights)
     rounded = copy.deepcopy(model)
+    head = lm_head(rounded)
     with torch.no_grad():
         for module in rounded.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight = torch.nn.Parameter(block_quantized(module.weight, BITS[weights]),
-                                                   requires_grad=False)
+                bits = lm_head_bits(weights) if module is head else BITS[weights]
+                module.weight = torch.nn.Parameter(block_quantized(module.weight, bits), requires_grad=False)
     return rounded
 
 
@@ -67,9 +73,15 @@ def compress_target(bundle: Path, manifest: Manifest, weights: str) -> tuple[Man
     for role in ("target_prefix", "target_suffix"):
         spec = manifest.partition(role)
         count += quantize_matmuls(bundle / spec.file, spec.data_files, BITS[weights], ACCURACY_LEVELS[weights],
-                                  lossless=True)
-    return replace(manifest, target=replace(manifest.target, weight_format=weights)), count
+                                  lossless=True, bits_by_width={manifest.target.vocab_size: lm_head_bits(weights)})
+    return replace(manifest, target=replace(manifest.target, weight_format=weights,
+                                            matmul_activations=matmul_activations(weights))), count
 
 
-__all__ = ["ACCURACY_LEVELS", "BITS", "BLOCK_SIZE", "FLOAT32", "MIN_KERNEL_AGREEMENT", "check_target_weights",
-           "compress_target", "on_block_grid"]
+def matmul_activations(weights: str) -> str:
+    """What a target exported with `weights` multiplies its MatMuls' activations in (the manifest's field)."""
+    return "int8" if ACCURACY_LEVELS.get(weights) == INT8_ACTIVATIONS_LEVEL else "float32"
+
+
+__all__ = ["ACCURACY_LEVELS", "BITS", "BLOCK_SIZE", "FLOAT32", "INT8_ACTIVATIONS_LEVEL", "MIN_KERNEL_AGREEMENT",
+           "check_target_weights", "compress_target", "matmul_activations", "on_block_grid"]

@@ -57,9 +57,10 @@ def _unshare_constants(model: onnx.ModelProto) -> None:
 
 
 def quantize_matmuls(path: Path, data_files: tuple[str, ...], bits: int, accuracy_level: int,
-                     lossless: bool = False) -> int:
+                     lossless: bool = False, bits_by_width: dict[int, int | None] | None = None) -> int:
     """Rewrite the ONNX file at `path` (and its external-data files `data_files`, beside it, if any) with `bits`-bit
     block weights, computed at ONNX Runtime's `accuracy_level`; returns how many MatMuls were quantized.
+    bits_by_width: other bits for the MatMuls of these output widths (the target's LM head: its vocabulary).
     `lossless`: every weight must come back exactly (weights already on the block grid, `block_quantized`), else
     ExportError. Export runs this in its staging directory, so a failure leaves nothing behind."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -70,15 +71,18 @@ def quantize_matmuls(path: Path, data_files: tuple[str, ...], bits: int, accurac
     try:
         model = onnx.load(str(path))
         _unshare_constants(model)
-        before = {t.name: t for t in model.graph.initializer}
-        weights = {node.name: numpy_helper.to_array(before[node.input[1]]) for node in model.graph.node
-                   if node.op_type == "MatMul" and node.input[1] in before} if lossless else {}
-        quantizer = MatMulNBitsQuantizer(model, block_size=BLOCK_SIZE, is_symmetric=True, bits=bits,
-                                         accuracy_level=accuracy_level)
-        quantizer.process()
+        before = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        weights = {node.name: before[node.input[1]] for node in model.graph.node
+                   if node.op_type == "MatMul" and node.input[1] in before}
+        node_bits = {name: (bits_by_width or {}).get(w.shape[-1], bits) for name, w in weights.items()}
+        for b in sorted({b for b in node_bits.values() if b is not None}):
+            quantizer = MatMulNBitsQuantizer(model, block_size=BLOCK_SIZE, is_symmetric=True, bits=b,
+                                             accuracy_level=accuracy_level,
+                                             nodes_to_exclude=[n for n, nb in node_bits.items() if nb != b])
+            quantizer.process()
+            model = quantizer.model.model
     finally:
         logger.setLevel(level)
-    model = quantizer.model.model
     nodes = [node for node in model.graph.node if node.op_type == QUANTIZED_OP]
     if not nodes:
         raise ExportError(f"{path.name}: no MatMul with a constant weight to quantize")
@@ -88,8 +92,9 @@ def quantize_matmuls(path: Path, data_files: tuple[str, ...], bits: int, accurac
             original = weights[node.name.rsplit("_Q", 1)[0]]
             worst = float(np.abs(dequantized(node, after) - original).max())
             if worst > 1e-6 * max(float(np.abs(original).max()), 1e-30):
-                raise ExportError(f"{path.name}: {node.name}'s {bits}-bit weights differ from the float32 graph's by "
-                                  f"{worst:.3g}: its weights were not on the block grid")
+                raise ExportError(f"{path.name}: {node.name}'s {node_bits[node.name.rsplit('_Q', 1)[0]]}-bit weights "
+                                  f"differ from the float32 graph's by {worst:.3g}: its weights were not on the block "
+                                  "grid")
     for name in data_files:  # the graph is in memory: written again below, in the same files
         (path.parent / name).unlink()
     if data_files:

@@ -22,6 +22,7 @@ from pathlib import Path
 from mirror_sd.errors import BadInputError, MirrorSDError
 from mirror_sd.export.bundle import ExportOptions, export_bundle
 from mirror_sd.export.draft_weights import DEFAULT_WEIGHT_FORMAT
+from mirror_sd.export.target_weights import matmul_activations
 from mirror_sd.models.gguf import convert_gguf, fetch_smollm2_gguf
 from mirror_sd.models.training import recipe
 from mirror_sd.models.training.recipe import PairPaths
@@ -100,11 +101,13 @@ def build_bundle(force: bool = False, report=print, kind: str = DEFAULT_DRAFT_KI
             manifest = Manifest.load(out)
             if (_bundled_vocab(out) == _draft_vocab(draft) and _marker(out) == _weights_digest(draft, adapter)
                     and manifest.draft.weight_format == DEFAULT_WEIGHT_FORMAT
-                    and manifest.target.dtype == target_dtype and manifest.target.weight_format == target_weights):
+                    and manifest.target.dtype == target_dtype and manifest.target.weight_format == target_weights
+                    and manifest.target.matmul_activations == matmul_activations(target_weights)):
                 report(f"bundle {out} is ready")
                 return _add_plan(out, kind)
-            report(f"bundle {out} holds another draft, exit adapter, draft weight format or target dtype than {draft}, "
-                   f"{adapter}, {DEFAULT_WEIGHT_FORMAT}, {target_dtype}: exporting it again")
+            report(f"bundle {out} holds another draft, exit adapter, draft weight format, target dtype or target "
+                   f"kernel than {draft}, {adapter}, {DEFAULT_WEIGHT_FORMAT}, {target_dtype}, {target_weights}: "
+                   "exporting it again")
         except MirrorSDError:
             pass
 

@@ -59,12 +59,23 @@ TARGET_WEIGHT_FORMATS = ("float32", "int8", "int4")
 # and the bits of each compressed format's weights.
 WEIGHT_BLOCK_SIZE = 32
 WEIGHT_BITS = {"int8": 8, "int4": 4}
+MATMUL_ACTIVATIONS = ("float32", "int8")
 
 
-def weight_bytes(weight_format: str, float_itemsize: int) -> float:
-    """Bytes a graph stores per MatMul weight in `weight_format` (its scales included)."""
-    bits = WEIGHT_BITS.get(weight_format)
+# The target's LM head is never stored below 8 bits (an int4 target keeps it in int8 blocks, as NNCF's and optimum's
+# int4 modes keep the output layer in int8): it is a fifth of a small model's weights and picks every token.
+LM_HEAD_MIN_BITS = 8
+
+
+def weight_bytes(bits: int | None, float_itemsize: int) -> float:
+    """Bytes a graph stores per MatMul weight in blocks of `bits` (their scales included; None: uncompressed)."""
     return float_itemsize if bits is None else bits / 8 + 4 / WEIGHT_BLOCK_SIZE
+
+
+def lm_head_bits(weight_format: str) -> int | None:
+    """Bits of a target LM head's blocks in `weight_format` (None: not compressed)."""
+    bits = WEIGHT_BITS.get(weight_format)
+    return None if bits is None else max(bits, LM_HEAD_MIN_BITS)
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,14 @@ class TargetFacts(ModelFacts):
     exit_head: str = "logit_lens"  # which early-exit head target_exit carries
     exit_vocab_size: int = 0  # rows of the LM head target_exit runs (0: the whole vocabulary)
     weight_format: str = "float32"  # one of TARGET_WEIGHT_FORMATS (the prefix's and suffix's MatMuls)
+    # What the compressed MatMuls multiply their activations in: "int8" (ONNX Runtime's accuracy level 4, whose
+    # one-row step rounds otherwise than a row of a wider step: runtime/target.py pads such steps) or "float32".
+    # Bundles from before the field: int8 targets computed in int8, int4 ones in float32.
+    matmul_activations: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.matmul_activations:
+            object.__setattr__(self, "matmul_activations", "int8" if self.weight_format == "int8" else "float32")
 
 
 @dataclass(frozen=True)
@@ -253,6 +272,10 @@ class Manifest:
             raise ManifestError(f"target dtype {t.dtype!r} is not one of {TARGET_DTYPES}")
         if t.weight_format not in TARGET_WEIGHT_FORMATS:
             raise ManifestError(f"target weight_format {t.weight_format!r} is not one of {TARGET_WEIGHT_FORMATS}")
+        if t.matmul_activations not in MATMUL_ACTIVATIONS or (t.matmul_activations == "int8"
+                                                               and t.weight_format not in WEIGHT_BITS):
+            raise ManifestError(f"target matmul_activations {t.matmul_activations!r} must be one of "
+                                f"{MATMUL_ACTIVATIONS}, and int8 only for compressed weights")
         if out_of_dtype := [f"{p.role} {x.name}" for p in (prefix, suffix) for x in p.inputs + p.outputs
                             if x.name.startswith(("past_key_values.", "present.")) and x.dtype != t.dtype]:
             raise ManifestError(f"the target's KV must be its dtype {t.dtype}: {', '.join(out_of_dtype[:3])}")

@@ -91,6 +91,8 @@ class BatchTarget:
         lengths = {SEQLENS: total - 1, TOTAL_LENGTH: np.array(total.max(), np.int32)}
         # the LM head runs on the last `keep` positions of every row: enough to reach each row's first wanted one
         keep = max([width - len(r.ids) + r.logits_for for r in rows if r.logits_for] or [1])
+        if len(rows) == 1:  # and on step_width rows at least, as Target.run_suffix's
+            keep = min(max(keep, self.step_width), width)
         views = self.slots.views(rows[0].slot, rows[-1].slot + 1)
         prefix, suffix = self._bound["target_prefix"], self._bound["target_suffix"]
         prefix.bind_kv(views)
@@ -135,7 +137,7 @@ class BatchTarget:
         total = np.array([r.start + len(r.ids) for r in packed], np.int32)
         lengths = {SEQLENS: total - 1, TOTAL_LENGTH: np.array(total.max(), np.int32), ROW_TOKENS: counts}
         wanted = [i for i, r in enumerate(packed) if r.logits_for]
-        keep = int(counts[wanted[0]:].sum()) if wanted else 1
+        keep = min(max(int(counts[wanted[0]:].sum()) if wanted else 1, self.step_width), ids.shape[1])
         prefix, suffix = self._windows["target_prefix"], self._windows["target_suffix"]
         for bound in (prefix, suffix):
             bound.bind_rows([r.slot for r in packed], self.slots)

@@ -40,7 +40,7 @@ import numpy as np
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions import planner
-from mirror_sd.partitions.manifest import Manifest, resolve_inside, weight_bytes
+from mirror_sd.partitions.manifest import Manifest, lm_head_bits, resolve_inside, weight_bytes
 from mirror_sd.runtime.backends import on_cpu, usable_cores
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import Drafter, plan_branches
@@ -157,7 +157,8 @@ def head_ratios(bundle: str | Path, manifest: Manifest) -> tuple[float, float]:
         root = Path(bundle).resolve()
         return sum(resolve_inside(root, f).stat().st_size for f in (spec.file, *spec.data_files))
 
-    lm_head = t.vocab_size * t.hidden_size * weight_bytes(t.weight_format, itemsize) + t.hidden_size * itemsize
+    lm_head = t.vocab_size * t.hidden_size * weight_bytes(lm_head_bits(t.weight_format), itemsize) \
+        + t.hidden_size * itemsize
     layer = (size("target_suffix") - lm_head) / (t.num_layers - t.exit_layer)
     if layer <= 0:
         raise BadInputError("cannot derive a layer's weight bytes from the suffix graph")

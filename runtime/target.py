@@ -55,10 +55,10 @@ PROMPT_GRAPH_CHUNK = 512
 # of up to 7 tokens, or a prompt-lookup window (4, grown by its schedule to 7 at most), plus the token before it. A
 # longer window still runs, unpadded.
 GPU_STEP_WIDTH = 8
-# Every target step of an int8 target on the CPU runs at least this many rows: ONNX Runtime's MatMulNBits computes a
-# one-row step on another path than a step of two rows or more, whose int8 activations round otherwise (a position's
-# logits up to 0.6 apart on SmolLM2), while steps of two rows and more agree bit for bit at any width and offset
-# (docs/design.md: An int8 target steps two rows at least).
+# Every target step of a target whose MatMuls take int8 activations (the int8 and int4 ones) on the CPU runs at least
+# this many rows: ONNX Runtime's MatMulNBits computes a one-row step on another path than a step of two rows or more,
+# whose int8 activations round otherwise (a position's logits up to 0.6 apart on SmolLM2), while steps of two rows
+# and more agree bit for bit at any width and offset (docs/design.md: A compressed target steps two rows at least).
 INT8_STEP_WIDTH = 2
 
 
@@ -182,8 +182,8 @@ class Target:
         # verification step can differ in the last bits from the same position's in a 1-token step, and a greedy
         # near-tie then flips (measured: results/cuda-ep.json). At one width every step runs the same kernels and
         # each row is computed alone, so ar, sd and mirror see the same logits. On a GPU the extra rows are nearly
-        # free (a 5-token step costs about a 1-token one). On the CPU an int8 target's one-row steps are padded to
-        # two (INT8_STEP_WIDTH); 0 (the CPU's default otherwise) pads nothing.
+        # free (a 5-token step costs about a 1-token one). On the CPU a target with int8 activations (int8, int4) pads
+        # one-row steps to two (INT8_STEP_WIDTH); 0 (the CPU's default otherwise) pads nothing.
         self.step_width = step_width
         # the widest window that keeps a step at step_width rows (None: any width computes a position alike)
         self.window_ceiling: int | None = None
@@ -282,7 +282,10 @@ class Target:
                 raise ValueError("the prompt graphs give the last position's logits only")
             logits = self.prompt_graphs.suffix(boundary.hidden, boundary.start, self.host_kv())[0]
         elif boundary.positions == boundary.tokens:
-            logits = self._run_suffix(boundary, n)[0]
+            # the LM head runs on step_width rows at least, as the step's other MatMuls do: a prompt chunk's last
+            # position then gets the logits it gets in any step (its one-row path rounds otherwise)
+            keep = min(max(n, self.step_width), boundary.positions)
+            logits = self._run_suffix(boundary, keep)[0][keep - n:]
         else:  # the head on every row, as at any width: a row's logits must not depend on how many are kept
             logits = self._run_suffix(boundary, boundary.positions)[0][boundary.tokens - n:boundary.tokens]
         end = boundary.start + boundary.tokens
@@ -347,7 +350,7 @@ class OrtTarget(Target):
                                 "the target on the CPU", option="target_device")
         on_gpu = self.device == "CUDAExecutionProvider"
         if step_width is None:  # fixed-width steps where the kernels choose by width: the GPU's float16 ones
-            step_width = GPU_STEP_WIDTH if on_gpu else INT8_STEP_WIDTH if facts.weight_format == "int8" else 0
+            step_width = GPU_STEP_WIDTH if on_gpu else INT8_STEP_WIDTH if facts.matmul_activations == "int8" else 0
         super().__init__(manifest, capacity, step_width)
         # float16 kernels (the GPU's) may round a position otherwise at every width: a window stays within the step's
         self.window_ceiling = step_width - 1 if facts.dtype == "float16" and step_width else None

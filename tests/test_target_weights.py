@@ -3,13 +3,14 @@
 - The torch rounding onto the block grid is ONNX Runtime's quantizer's, weight for weight: compressing weights on the
   grid changes none of them.
 - An int8 or int4 export proves its float32 graphs against the rounded torch model (parity, failing), compresses
-  every MatMul of the prefix and suffix and nothing of the exit head, and records how often it agrees with its float32
-  form and with the float32 model.
+  every MatMul of the prefix and suffix (the LM head in 8 bits at least) and nothing of the exit head, and records how
+  often it agrees with its float32 form and with the float32 model.
 - sd and mirror equal the compressed target's own ar output token for token, on every architecture (exactness is with
   respect to the target as deployed).
-- An int8 target gives a position the same logits bit for bit in a 1-token step and in any row of a window, alone
-  and in the batching engine: its one-row steps are padded to two rows (ONNX Runtime's int8 kernel computes one row
-  otherwise).
+- An int8 or int4 target (int8 activations) gives a position the same logits bit for bit in a 1-token step and in
+  any row of a window, alone and in the batching engine: its one-row steps are padded to two rows (ONNX Runtime's
+  int8-activation kernels compute one row otherwise). A bundle from before `matmul_activations` keeps its format's
+  old kernel: int8 activations for int8, float32 for int4.
 - An NPU package of such a bundle and the server take it (the same tokens).
 - A bad weight format is refused before any work.
 """
@@ -27,12 +28,12 @@ from conftest import ARCHITECTURES
 from onnx import TensorProto, helper, numpy_helper
 
 from mirror_sd.bench.soak import InProcessServer, http_get
-from mirror_sd.errors import BadInputError, ExportError
+from mirror_sd.errors import BadInputError, ExportError, ManifestError
 from mirror_sd.export.bundle import ExportOptions, export_bundle
 from mirror_sd.export.target_weights import MIN_KERNEL_AGREEMENT
 from mirror_sd.export.weight_blocks import QUANTIZED_OP, block_quantized, quantize_matmuls
 from mirror_sd.package.build import PackageOptions, build_package
-from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.partitions.manifest import WEIGHT_BITS, Manifest
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.profile import head_ratios
 from mirror_sd.runtime.target import INT8_STEP_WIDTH
@@ -70,9 +71,14 @@ def test_a_compressed_target_is_proved_and_recorded(bundle_factory, weights):
     bundle = bundle_factory("llama", target_weights=weights)
     manifest = Manifest.load(bundle)
     assert manifest.target.weight_format == weights
+    bits = {}  # per compressed MatMul: (is it the LM head, its bits)
     for role in ("target_prefix", "target_suffix"):
-        ops = _ops(bundle / manifest.partition(role).file)
-        assert QUANTIZED_OP in ops
+        for node in onnx.load(str(bundle / manifest.partition(role).file), load_external_data=False).graph.node:
+            if node.op_type == QUANTIZED_OP:
+                attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+                bits[node.name] = (attrs["N"] == manifest.target.vocab_size, attrs["bits"])
+    # every MatMul in the format's bits but the LM head, which is never below 8 (NNCF's int4 keeps it in int8 too)
+    assert sorted(set(bits.values())) == sorted({(False, WEIGHT_BITS[weights]), (True, 8)})
     assert QUANTIZED_OP not in _ops(bundle / manifest.partition("target_exit").file)
     record = manifest.validation["target_weights"]
     assert record["format"] == weights and record["matmuls"] > 0
@@ -92,8 +98,10 @@ def test_sd_and_mirror_equal_the_compressed_target(bundle_factory, arch, weights
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_an_int8_target_gives_a_position_the_same_logits_in_every_step(bundle_factory, arch):
-    bundle = bundle_factory(arch, target_weights="int8")
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_compressed_target_gives_a_position_the_same_logits_in_every_step(bundle_factory, arch, weights):
+    bundle = bundle_factory(arch, target_weights=weights)
+    assert Manifest.load(bundle).target.matmul_activations == "int8"
     prompt, window = [5, 17, 33, 2, 9, 41], [7, 8, 9, 10, 11]
 
     def steps_and_window(pipe):
@@ -114,14 +122,27 @@ def test_an_int8_target_gives_a_position_the_same_logits_in_every_step(bundle_fa
     one, wide = steps_and_window(Pipeline.load(bundle, target_step_width=0))
     assert not np.array_equal(one, wide)
     # the batching engine pads a lone row as well: a request alone there is the generation alone, bit for bit;
-    # beside another request its rows' attention runs another kernel path (one token each), which rounds otherwise
+    # beside another request its rows' attention runs another kernel path (one token each), which rounds otherwise,
+    # and the next MatMul's int8 activations can round that difference up to a step of their grid (docs/design.md:
+    # "Not solved: rows of a batched step")
     settings = {"mode": "ar", "max_new_tokens": 12, "temperature": 0.0, "logprobs": 0}
     solo = pipe.generate(prompt, **settings)
     alone = pipe.generate([prompt], **settings)[0]
     assert [t.logprob for t in alone.logprobs] == [t.logprob for t in solo.logprobs]
     batched = pipe.generate([prompt, [3, 3, 8, 8, 3]], **settings)[0]
     assert batched.token_ids == solo.token_ids
-    assert np.allclose([t.logprob for t in batched.logprobs], [t.logprob for t in solo.logprobs], atol=1e-4)
+    assert np.allclose([t.logprob for t in batched.logprobs], [t.logprob for t in solo.logprobs], atol=0.05)
+
+
+def test_a_manifest_without_matmul_activations_keeps_its_formats_old_kernel(bundle_factory):
+    raw = Manifest.load(bundle_factory("llama", target_weights="int4")).to_dict()
+    for weights, activations in (("int8", "int8"), ("int4", "float32"), ("float32", "float32")):
+        raw["target"] = {**raw["target"], "weight_format": weights}
+        raw["target"].pop("matmul_activations", None)
+        assert Manifest.from_dict(raw).target.matmul_activations == activations
+    raw["target"].update(weight_format="float32", matmul_activations="int8")
+    with pytest.raises(ManifestError, match="matmul_activations"):
+        Manifest.from_dict(raw).validate()
 
 
 def test_bad_target_weights_are_refused(tmp_path, pair_factory):

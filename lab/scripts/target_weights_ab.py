@@ -133,8 +133,8 @@ def main() -> None:
         pipes[f"ov-genai-{weights}-f32"] = GenAI(converted, args.threads, defaults=False)
     report = {"what": __doc__.splitlines()[0], "machine": describe_machine(), "bundles": args.bundles,
               "created": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if args.agreement:
-        report["agreement"] = agreement(pipes, args.new_tokens)
+    if args.agreement:  # the project's bundles only
+        report["agreement"] = agreement({n: p for n, p in pipes.items() if isinstance(p, Pipeline)}, args.new_tokens)
     if args.speed:
         report["speed"] = speed(pipes, [int(x) for x in args.lengths.split(",")], args.new_tokens, args.repeats)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
