@@ -41,13 +41,6 @@ class PromptLookup:
         copied = lookup(ctx, self.cfg.max_matching_ngram_size, min(self.length, length))
         return DraftWindow(len(ctx), copied, None, 0) if copied else None
 
-    def spare(self, ctx: list[int], rows: int) -> DraftWindow | None:
-        """A guess for the `rows` spare rows of a step the target runs alone padded (Target.step_width): what
-        followed the text's last tokens before, down to its last token alone. Those rows are computed anyway, so a
-        guess costs nothing, and a 1-token match, too weak to pay for a wider step, is worth trying there."""
-        guess = lookup(ctx, self.cfg.max_matching_ngram_size, rows, min_ngram=1) if rows > 0 else ()
-        return DraftWindow(len(ctx), guess, None, 0) if guess else None
-
     def accepted(self, proposed: int, accepted: int, next_window: DraftWindow | None = None) -> None:
         if proposed:
             self.length = next_copy_length(self.length, proposed, accepted, self.cfg.prompt_lookup_schedule,

@@ -422,10 +422,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # rolls one out, sampled ones included, and there is no branch gate; every draft step is sd's step
     # (docs/design.md: The branch gate, and branch budget 0 on shared cores)
     policy = SpeculationPolicy(cfg, rec.counts, gate_memory, lookups, branching=cfg.mode == "mirror" and dec.budget > 0)
-    copies: PromptLookup | None = PromptLookup(cfg, dec.target.window_ceiling) if lookups else None
-    # rows a target step alone computes beyond its token anyway (one where int8 activations pad it to two, seven on
-    # the GPU's fixed-width steps): the text's guess for the next tokens goes there for free
-    spare_rows = max(dec.target.step_width - 1, 0)
+    copies: Proposer | None = PromptLookup(cfg, dec.target.window_ceiling) if lookups else None
     drafts: Proposer = DraftModel(dec)
     # Where the gate learned that the target alone is faster at this length, the draft does not read the prompt
     # now: beside the first steps it would slow them, for windows that are not wanted. A step the gate later tries
@@ -474,12 +471,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
         drafted = step.kind == DRAFT and window is not None  # else a failed draft: the step runs on the target alone
         catch_up = dec.catch_up_s if drafted else 0.0  # the draft reading tokens it skipped: timed apart
         policy.fetched(fetched - started - catch_up if drafted else 0.0)
-        # 3. verify (or the target alone, its padded step's spare rows verifying a guess from the text)
+        # 3. verify (or the target alone)
         branches, next_window = False, None
-        spare = copies.spare(ctx, min(spare_rows, remaining - 1)) if window is None and copies is not None else None
-        if spare is not None:
-            new, scores, _ = dec.speculative_step(ctx, spare, copied=True, branches=False)
-        elif window is None:
+        if window is None:
             new, scores = dec.target_step(ctx)
         else:
             branches = step.kind == DRAFT and policy.branches()

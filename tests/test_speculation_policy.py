@@ -125,16 +125,6 @@ def test_prompt_lookup_grows_its_window_while_copies_are_accepted_whole_and_stay
     assert narrow.length == 5  # a copy of 5 and its pending token fill one 6-wide step
 
 
-def test_a_padded_steps_spare_rows_take_a_guess_down_to_a_one_token_match():
-    copies = PromptLookup(GenerationConfig(mode="lookup", temperature=0.0))
-    ctx = [5, 9, 7, 2, 9]  # no 2-gram repeats, so no copied window; the last token alone was followed by 7
-    assert copies.propose(ctx, 4) is None
-    guess = copies.spare(ctx, 1)
-    assert guess.tokens == (7,) and guess.context_len == len(ctx) and guess.logits is None
-    assert copies.spare([1, 2, 3, 4, 5, 1, 2], 7).tokens == (3, 4, 5, 1, 2)  # the longest match first, up to rows
-    assert copies.spare(ctx, 0) is None and copies.spare([1, 2, 3], 1) is None  # no spare row; nothing repeats
-
-
 def test_the_draft_continues_a_ready_branch_window_and_drops_it_after_any_other_step():
     class Decoder:  # the scheduler's decoder, as far as DraftModel uses it: a fresh rollout on the draft's thread
         def fresh_window(self, ctx, gamma):
