@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from tempfile import TemporaryDirectory
 from typing import Any, Callable
 
 import numpy as np
@@ -33,6 +36,7 @@ from mirror_sd.bench.methods import Method, MethodResult
 from mirror_sd.bench.pipeline_methods import PipelineMethod
 from mirror_sd.bench.summary import decode_rate, median, verdicts
 from mirror_sd.errors import MirrorSDError
+from mirror_sd.export.target_weights import float32_activations_copy
 from mirror_sd.models.benchmark_prompts import select
 from mirror_sd.partitions import Manifest
 from mirror_sd.runtime.pipeline import Pipeline
@@ -114,7 +118,8 @@ def run_precision(bundles: dict[str, Path], size: PrecisionSize, genai_by_format
                            "genai": "LLMPipeline at its defaults (INFERENCE_NUM_THREADS and the LATENCY hint only)"}
     doc["speed"] = _speed(pipes, genai_by_format, size, not_run, report, progress)
     doc["prompts"] = _prompts(pipes, planned, genai_methods, size, not_run, report)
-    doc["agreement"] = _agreement(pipes, size) if "float32" in pipes else {}
+    with _float32_activations(bundles, threads) as kernels:
+        doc["agreement"] = _agreement(pipes, size, kernels) if "float32" in pipes else {}
     doc["recommended"] = _recommended(doc)
     doc["not_run"] = not_run
     doc["targets"] = precision_targets(doc)
@@ -193,10 +198,26 @@ def _prompts(pipes: dict[str, Pipeline], planned: dict[str, Pipeline], genai: di
     return {"tokens_per_s": summary, "prompts": len(prompts), "failures": failures}
 
 
-def _agreement(pipes: dict[str, Pipeline], size: PrecisionSize) -> dict[str, Any]:
+@contextmanager
+def _float32_activations(bundles: dict[str, Path], threads: int) -> Iterator[dict[str, Pipeline]]:
+    """Per compressed format whose kernel takes int8 activations, its weights with float32 activations
+    (export/target_weights.py float32_activations_copy, in a directory removed afterwards): what the agreement
+    would be without the kernel's rounding of activations."""
+    with ExitStack() as stack:
+        pipes = {}
+        for fmt, path in bundles.items():
+            if Manifest.load(path).target.matmul_activations == "int8":
+                scratch = Path(stack.enter_context(TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-")))
+                pipes[fmt] = Pipeline.load(float32_activations_copy(path, scratch / "bundle"), target_threads=threads)
+        yield pipes
+
+
+def _agreement(pipes: dict[str, Pipeline], size: PrecisionSize, kernels: dict[str, Pipeline]) -> dict[str, Any]:
     """Each format's top-1 per position on float32's greedy answers (teacher-forced), and how its own greedy
-    answers differ from float32's, on the benchmark's prompts (untimed)."""
-    tally = {fmt: {"same": 0, "positions": 0, "firsts": []} for fmt in pipes}
+    answers differ from float32's, on the benchmark's prompts (untimed); for a format whose kernel rounds
+    activations to int8, the top-1 of its weights with float32 activations (`kernels`) too (teacher-forced only:
+    those steps are slow)."""
+    tally = {fmt: {"same": 0, "positions": 0, "firsts": [], "same_f32_activations": 0} for fmt in pipes}
     prompts = select(size.agreement_per_kind)
     for prompt in prompts:
         ids = pipes["float32"].prompt_ids(list(prompt.messages))
@@ -209,10 +230,19 @@ def _agreement(pipes: dict[str, Pipeline], size: PrecisionSize) -> dict[str, Any
             t = tally[fmt]
             t["same"] += int((_teacher_forced_top1(pipe, seq[:-1], len(ids) - 1) == reference).sum())
             t["positions"] += len(reference)
+            if fmt in kernels:
+                t["same_f32_activations"] += int(
+                    (_teacher_forced_top1(kernels[fmt], seq[:-1], len(ids) - 1) == reference).sum())
             own = pipe.generate(ids, mode="ar", max_new_tokens=size.new_tokens).token_ids
             if own != reference_answer:
                 t["firsts"].append(_first_difference(list(reference_answer), list(own)))
-    return {fmt: {"top1_per_position": t["same"] / t["positions"] if t["positions"] else None,
+
+    def share(t: dict[str, Any], key: str) -> float | None:
+        return t[key] / t["positions"] if t["positions"] else None
+
+    return {fmt: {"top1_per_position": share(t, "same"),
+                  # the same weights with float32 activations (None: the kernel takes float32 ones already)
+                  "top1_float32_activations": share(t, "same_f32_activations") if fmt in kernels else None,
                   "positions": t["positions"], "greedy_answers_differ": len(t["firsts"]), "answers": len(prompts),
                   "median_first_divergence": statistics.median(t["firsts"]) if t["firsts"] else None}
             for fmt, t in tally.items()}

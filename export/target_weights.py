@@ -19,6 +19,7 @@ for 8- and 4-bit blocks; `ACCURACY_LEVELS`), recorded in the manifest (`matmul_a
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -26,8 +27,14 @@ from pathlib import Path
 import torch
 
 from mirror_sd.errors import BadInputError
-from mirror_sd.export.weight_blocks import BLOCK_SIZE, block_quantized, quantize_matmuls
-from mirror_sd.partitions.manifest import TARGET_WEIGHT_FORMATS, WEIGHT_BITS, Manifest, lm_head_bits
+from mirror_sd.export.weight_blocks import BLOCK_SIZE, at_accuracy_level, block_quantized, quantize_matmuls
+from mirror_sd.partitions.manifest import (
+    MANIFEST_NAME,
+    TARGET_WEIGHT_FORMATS,
+    WEIGHT_BITS,
+    Manifest,
+    lm_head_bits,
+)
 
 FLOAT32 = "float32"
 BITS = WEIGHT_BITS
@@ -35,7 +42,7 @@ BITS = WEIGHT_BITS
 # blocks (float32 activations ran an 8-bit decode step 10x slower, a 4-bit one 2-3x: docs/design.md, Target weights
 # in blocks)
 ACCURACY_LEVELS = {"int8": 4, "int4": 4}
-INT8_ACTIVATIONS_LEVEL = 4
+INT8_ACTIVATIONS_LEVEL, FLOAT32_ACTIVATIONS_LEVEL = 4, 1
 # Export fails where the compressed graphs' greedy token agrees with the same weights in float32 on fewer grid
 # positions than this: only a broken kernel gets there (int8 activations round logits a little; tiny random-weight
 # test models, whose logits are near ties, then agree on 80-90% of positions).
@@ -78,10 +85,31 @@ def compress_target(bundle: Path, manifest: Manifest, weights: str) -> tuple[Man
                                             matmul_activations=matmul_activations(weights))), count
 
 
+def float32_activations_copy(bundle: Path, out: Path) -> Path:
+    """A copy at `out` (hard links: the same filesystem as `bundle`) of a compressed-target bundle whose MatMulNBits
+    take float32 activations: the same weights in float32 arithmetic, which tells what the kernel's int8 activations
+    cost in agreement with float32 (bench/precision.py). Its decode steps are far slower (an 8-bit one 10x): a
+    measurement, not a format to deploy."""
+    manifest = Manifest.load(bundle)
+    if manifest.target.matmul_activations != "int8":
+        raise BadInputError(f"{bundle}: its target's MatMuls take {manifest.target.matmul_activations} activations "
+                            "already", option="bundle")
+    out.mkdir(parents=True)
+    for f in Path(bundle).iterdir():
+        if f.is_file():
+            os.link(f, out / f.name)
+    for role in ("target_prefix", "target_suffix"):
+        at_accuracy_level(out / manifest.partition(role).file, FLOAT32_ACTIVATIONS_LEVEL)
+    (out / MANIFEST_NAME).unlink()  # a link to the bundle's own
+    replace(manifest, target=replace(manifest.target, matmul_activations="float32")).save(out)
+    return out
+
+
 def matmul_activations(weights: str) -> str:
     """What a target exported with `weights` multiplies its MatMuls' activations in (the manifest's field)."""
     return "int8" if ACCURACY_LEVELS.get(weights) == INT8_ACTIVATIONS_LEVEL else "float32"
 
 
-__all__ = ["ACCURACY_LEVELS", "BITS", "BLOCK_SIZE", "FLOAT32", "INT8_ACTIVATIONS_LEVEL", "MIN_KERNEL_AGREEMENT",
-           "check_target_weights", "compress_target", "matmul_activations", "on_block_grid"]
+__all__ = ["ACCURACY_LEVELS", "BITS", "BLOCK_SIZE", "FLOAT32", "FLOAT32_ACTIVATIONS_LEVEL", "INT8_ACTIVATIONS_LEVEL",
+           "MIN_KERNEL_AGREEMENT", "check_target_weights", "compress_target", "float32_activations_copy",
+           "matmul_activations", "on_block_grid"]

@@ -56,6 +56,21 @@ def _unshare_constants(model: onnx.ModelProto) -> None:
     model.graph.node.extend(kept)
 
 
+def at_accuracy_level(path: Path, level: int) -> int:
+    """Rewrite the graph file at `path` (its external data untouched) with every MatMulNBits at ONNX Runtime's
+    accuracy `level`, into a new file (`path` may be a hard link to another bundle's); returns how many."""
+    model = onnx.load(str(path), load_external_data=False)
+    count = 0
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if node.op_type == QUANTIZED_OP and attr.name == "accuracy_level":
+                attr.i, count = level, count + 1
+    partial = path.with_name(path.name + ".partial")
+    onnx.save(model, str(partial))
+    partial.replace(path)
+    return count
+
+
 def quantize_matmuls(path: Path, data_files: tuple[str, ...], bits: int, accuracy_level: int,
                      lossless: bool = False, bits_by_width: dict[int, int | None] | None = None) -> int:
     """Rewrite the ONNX file at `path` (and its external-data files `data_files`, beside it, if any) with `bits`-bit

@@ -1,7 +1,8 @@
 """The benchmark's precision section on tiny bundles (float32 and its int8 / int4 siblings, and float32 and int8 with
 their prompts prefilled in bf16 where the CPU has bf16): every arm measured, each arm's planned mode checked against
-its own ar, agreement with float32, the recommendation and the bars, and the
-report's section. GenAI's arms are off here (they need the real pair's conversions); their bars read unmeasured."""
+its own ar, agreement with float32 (and of the compressed formats' weights with float32 activations), the
+recommendation and the bars, and the report's section. GenAI's arms are off here (they need the real pair's
+conversions); their bars read unmeasured."""
 
 from __future__ import annotations
 
@@ -63,6 +64,10 @@ def test_the_section_measures_every_format_and_checks_each_against_its_own_ar(si
     agreement = doc["agreement"]
     assert agreement["float32"]["top1_per_position"] == 1.0 and agreement["float32"]["greedy_answers_differ"] == 0
     assert all(0.0 <= agreement[a]["top1_per_position"] <= 1.0 and agreement[a]["positions"] > 0 for a in arms)
+    # the compressed formats' weights again with float32 activations: their kernels' share of the difference
+    assert [a for a in arms if agreement[a]["top1_float32_activations"] is not None] == ["int8", "int4"]
+    assert all(0.0 <= agreement[a]["top1_float32_activations"] <= 1.0 for a in ("int8", "int4"))
+    assert not [p for p in siblings.parent.iterdir() if p.name.startswith(".")]  # their copies are gone
     kept = [a for a in arms if agreement[a]["top1_per_position"] >= RECOMMEND_MIN_TOP1]
     assert doc["recommended"]["format"] == max(kept, key=lambda f: rates[f"planned {f}"])
     bars = {t["key"]: t for t in doc["targets"]}
@@ -71,3 +76,4 @@ def test_the_section_measures_every_format_and_checks_each_against_its_own_ar(si
     assert bars["int8_top1"]["measured"] == agreement["int8"]["top1_per_position"]
     text = "\n".join(_precision(doc))
     assert "## Precision" in text and "Recommended on this machine" in text and "token-identical" in text
+    assert "int8 keeps float32's token at" in text and "float32 activations at" in text

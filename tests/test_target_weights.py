@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 from mirror_sd.bench.soak import InProcessServer, http_get
 from mirror_sd.errors import BadInputError, ExportError, ManifestError
 from mirror_sd.export.bundle import ExportOptions, export_bundle
-from mirror_sd.export.target_weights import MIN_KERNEL_AGREEMENT
+from mirror_sd.export.target_weights import MIN_KERNEL_AGREEMENT, float32_activations_copy
 from mirror_sd.export.weight_blocks import QUANTIZED_OP, block_quantized, quantize_matmuls
 from mirror_sd.package.build import PackageOptions, build_package
 from mirror_sd.partitions.manifest import WEIGHT_BITS, Manifest
@@ -143,6 +143,23 @@ def test_a_manifest_without_matmul_activations_keeps_its_formats_old_kernel(bund
     raw["target"].update(weight_format="float32", matmul_activations="int8")
     with pytest.raises(ManifestError, match="matmul_activations"):
         Manifest.from_dict(raw).validate()
+
+
+def test_a_float32_activations_copy_changes_the_kernel_only_and_leaves_the_bundle_as_it_was(bundle_factory, tmp_path):
+    bundle = bundle_factory("llama", target_weights="int8")
+
+    def levels(root):
+        manifest = Manifest.load(root)
+        return {helper.get_attribute_value(a) for role in ("target_prefix", "target_suffix")
+                for node in onnx.load(str(root / manifest.partition(role).file), load_external_data=False).graph.node
+                if node.op_type == QUANTIZED_OP for a in node.attribute if a.name == "accuracy_level"}
+
+    copy = float32_activations_copy(bundle, tmp_path / "copy")
+    assert Manifest.load(copy).target.matmul_activations == "float32" and levels(copy) == {1}
+    assert Manifest.load(bundle).target.matmul_activations == "int8" and levels(bundle) == {4}
+    assert Pipeline.load(copy).target.step_width == 0  # one-row steps are one row again
+    with pytest.raises(BadInputError, match="float32 activations already"):
+        float32_activations_copy(copy, tmp_path / "again")
 
 
 def test_bad_target_weights_are_refused(tmp_path, pair_factory):
