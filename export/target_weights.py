@@ -39,7 +39,7 @@ from mirror_sd.partitions.manifest import (
 FLOAT32 = "float32"
 BITS = WEIGHT_BITS
 # ONNX Runtime's MatMulNBits compute type per format: 4 = int8 activations, its fast CPU kernels for 8- and 4-bit
-# blocks (float32 activations ran an 8-bit decode step 10x slower, a 4-bit one 2-3x: docs/design.md, Target weights
+# blocks (with float32 activations an 8-bit decode ran 10x slower, a 4-bit one 1.7x: docs/design.md, Target weights
 # in blocks)
 ACCURACY_LEVELS = {"int8": 4, "int4": 4}
 INT8_ACTIVATIONS_LEVEL, FLOAT32_ACTIVATIONS_LEVEL = 4, 1
