@@ -86,10 +86,12 @@ def quantize_matmuls(path: Path, data_files: tuple[str, ...], bits: int, accurac
     try:
         model = onnx.load(str(path))
         _unshare_constants(model)
-        before = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-        weights = {node.name: before[node.input[1]] for node in model.graph.node
-                   if node.op_type == "MatMul" and node.input[1] in before}
-        node_bits = {name: (bits_by_width or {}).get(w.shape[-1], bits) for name, w in weights.items()}
+        before = {t.name: t for t in model.graph.initializer}
+        constant = {node.name: before[node.input[1]] for node in model.graph.node
+                    if node.op_type == "MatMul" and node.input[1] in before}
+        # the weights as numbers only where they are checked: a large model's would double its memory here
+        weights = {name: numpy_helper.to_array(t) for name, t in constant.items()} if lossless else {}
+        node_bits = {name: (bits_by_width or {}).get(t.dims[-1], bits) for name, t in constant.items()}
         for b in sorted({b for b in node_bits.values() if b is not None}):
             quantizer = MatMulNBitsQuantizer(model, block_size=BLOCK_SIZE, is_symmetric=True, bits=b,
                                              accuracy_level=accuracy_level,

@@ -22,7 +22,7 @@ import numpy as np
 from mirror_sd.partitions.manifest import BOUNDARY
 from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH, PartitionSpec
 from mirror_sd.runtime.kv_slots import KVSlots
-from mirror_sd.runtime.target import OrtTarget, _Bound, ort_device
+from mirror_sd.runtime.target import OrtTarget, _Bound, head_rows, ort_device
 from mirror_sd.runtime.window_graphs import ROW_TOKENS, row_name
 
 
@@ -91,8 +91,8 @@ class BatchTarget:
         lengths = {SEQLENS: total - 1, TOTAL_LENGTH: np.array(total.max(), np.int32)}
         # the LM head runs on the last `keep` positions of every row: enough to reach each row's first wanted one
         keep = max([width - len(r.ids) + r.logits_for for r in rows if r.logits_for] or [1])
-        if len(rows) == 1:  # and on step_width rows at least, as Target.run_suffix's
-            keep = min(max(keep, self.step_width), width)
+        if len(rows) == 1:  # a lone row's head on step_width rows at least, as a Target's
+            keep = head_rows(keep, self.step_width, width)
         views = self.slots.views(rows[0].slot, rows[-1].slot + 1)
         prefix, suffix = self._bound["target_prefix"], self._bound["target_suffix"]
         prefix.bind_kv(views)
@@ -137,7 +137,7 @@ class BatchTarget:
         total = np.array([r.start + len(r.ids) for r in packed], np.int32)
         lengths = {SEQLENS: total - 1, TOTAL_LENGTH: np.array(total.max(), np.int32), ROW_TOKENS: counts}
         wanted = [i for i, r in enumerate(packed) if r.logits_for]
-        keep = min(max(int(counts[wanted[0]:].sum()) if wanted else 1, self.step_width), ids.shape[1])
+        keep = head_rows(int(counts[wanted[0]:].sum()) if wanted else 1, self.step_width, ids.shape[1])
         prefix, suffix = self._windows["target_prefix"], self._windows["target_suffix"]
         for bound in (prefix, suffix):
             bound.bind_rows([r.slot for r in packed], self.slots)

@@ -62,6 +62,13 @@ GPU_STEP_WIDTH = 8
 INT8_STEP_WIDTH = 2
 
 
+def head_rows(wanted: int, step_width: int, rows: int) -> int:
+    """Rows of a run of `rows` positions the LM head takes to give the last `wanted`: step_width at least, as the
+    step's other MatMuls take, so that a prompt chunk's last position gets the logits it gets in any step (the
+    head's one-row path rounds otherwise: INT8_STEP_WIDTH)."""
+    return min(max(wanted, step_width), rows)
+
+
 @dataclass(frozen=True)
 class TargetCache:
     """Positions [0, length) of the target's KV buffers hold the context; `stamp` is the buffers' write count when
@@ -282,9 +289,7 @@ class Target:
                 raise ValueError("the prompt graphs give the last position's logits only")
             logits = self.prompt_graphs.suffix(boundary.hidden, boundary.start, self.host_kv())[0]
         elif boundary.positions == boundary.tokens:
-            # the LM head runs on step_width rows at least, as the step's other MatMuls do: a prompt chunk's last
-            # position then gets the logits it gets in any step (its one-row path rounds otherwise)
-            keep = min(max(n, self.step_width), boundary.positions)
+            keep = head_rows(n, self.step_width, boundary.positions)
             logits = self._run_suffix(boundary, keep)[0][keep - n:]
         else:  # the head on every row, as at any width: a row's logits must not depend on how many are kept
             logits = self._run_suffix(boundary, boundary.positions)[0][boundary.tokens - n:boundary.tokens]
