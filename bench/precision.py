@@ -2,9 +2,10 @@
 gets it, and the format to recommend on this machine.
 
 Ours: the bundle (float32) and its `TARGET_WEIGHTS` siblings, `<bundle>-int8` and `<bundle>-int4` (`make models
-TARGET_WEIGHTS=int8` builds them; a missing one is reported as not run), and on a CPU with bf16 arithmetic the
-float32 and int8 targets with their prompts prefilled in bf16 (`prefill_precision="bf16"`, runtime/prompt_graphs.py:
-arms "<format> bf16-prefill"). GenAI: LLMPipeline at its defaults (on a
+TARGET_WEIGHTS=int8` builds them; a missing one is reported as not run), and some formats with their prompts
+prefilled apart (runtime/prompt_graphs.py, arms "<format> <precision>-prefill"): on a CPU with bf16 arithmetic the
+float32 and int8 targets with prompts in bf16, elsewhere the int8 and int4 targets with prompts on their weights in
+float32 (their int8 activations prefill slower there). GenAI: LLMPipeline at its defaults (on a
 CPU with AMX: bf16 compute and a u8 KV cache), on the float32 target and on the target with NNCF int8 / int4
 weights (export/openvino_genai.py).
 - speed: ar TTFT and decode tokens/s at each prompt length (real text, a fresh passage per repetition: the context
@@ -44,8 +45,10 @@ from mirror_sd.runtime.prompt_graphs import has_bf16
 from mirror_sd.runtime.target import prefill_chunks
 
 FORMATS = ("float32", "int8", "int4")
-BF16_PREFILL = "bf16-prefill"  # an arm's suffix: that format with prefill_precision="bf16"
-BF16_PREFILL_FORMATS = ("float32", "int8")  # the formats run with it too (int4's agreement is too low to recommend)
+# the formats run with their prompts prefilled at each precision too (an arm "<format> <precision>-prefill"):
+# bf16 prompts where the CPU has bf16 arithmetic (int4's agreement is too low to recommend), else float32 prompts for
+# the formats whose MatMuls take int8 activations
+PROMPT_ARMS = {"bf16": ("float32", "int8"), "float32": ("int8", "int4")}
 RECOMMEND_MIN_TOP1 = 0.95  # the least top-1 agreement with float32 a recommended format keeps
 GENAI_METHODS = ("ov-genai-ar", "ov-genai-pld", "ov-genai-sd")  # its single-stream methods, at its defaults
 # Issue 57's bars, ratios of medians measured here: (key, what, target, higher is better)
@@ -106,9 +109,8 @@ def run_precision(bundles: dict[str, Path], size: PrecisionSize, genai_by_format
     # ar at `threads` target threads, as GenAI's arms; the planned mode with its plan's own split of the cores (the
     # same pipeline where the plan gives the target those threads)
     arms = {fmt: (path, "target") for fmt, path in bundles.items()}
-    if has_bf16():
-        arms.update({f"{fmt} {BF16_PREFILL}": (bundles[fmt], "bf16") for fmt in BF16_PREFILL_FORMATS
-                     if fmt in bundles})
+    prompts = prompt_precision()
+    arms.update({prefill_arm(fmt, prompts): (bundles[fmt], prompts) for fmt in PROMPT_ARMS[prompts] if fmt in bundles})
     pipes = {arm: Pipeline.load(path, target_threads=threads, prefill_precision=prefill)
              for arm, (path, prefill) in arms.items()}
     planned = {arm: pipe if pipe.defaults is not None and pipe.defaults.target_threads == threads
@@ -124,6 +126,15 @@ def run_precision(bundles: dict[str, Path], size: PrecisionSize, genai_by_format
     doc["not_run"] = not_run
     doc["targets"] = precision_targets(doc)
     return doc
+
+
+def prompt_precision() -> str:
+    """The precision this machine's arms prefill prompts at apart from the target: bf16 where the CPU has it."""
+    return "bf16" if has_bf16() else "float32"
+
+
+def prefill_arm(fmt: str, prompts: str) -> str:
+    return f"{fmt} {prompts}-prefill"
 
 
 def _speed(pipes: dict[str, Pipeline], genai: dict[str, Method], size: PrecisionSize, not_run: dict[str, str],
@@ -325,4 +336,5 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-__all__ = ["FORMATS", "FULL", "QUICK", "PrecisionSize", "precision_targets", "run_precision", "sibling_bundles"]
+__all__ = ["FORMATS", "FULL", "PROMPT_ARMS", "QUICK", "PrecisionSize", "prefill_arm", "precision_targets",
+           "prompt_precision", "run_precision", "sibling_bundles"]

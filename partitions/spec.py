@@ -11,8 +11,9 @@ Role = Literal["target_prefix", "target_suffix", "target_exit", "draft"]
 ROLES: tuple[Role, ...] = ("target_prefix", "target_suffix", "target_exit", "draft")
 DTYPES = ("float32", "float16", "int64", "int32", "bool")
 BACKENDS = ("onnxruntime", "openvino")  # the runtimes a partition can run on (runtime/backends.py opens them)
-# where a prompt is prefilled: on the target's own graphs, or on OpenVINO in bf16 (runtime/prompt_graphs.py)
-PREFILL_PRECISIONS = ("target", "bf16")
+# where a prompt is prefilled: on the target's own graphs, on OpenVINO in bf16, or (an int8 or int4 target) on its
+# weights expanded to float32 (runtime/prompt_graphs.py)
+PREFILL_PRECISIONS = ("target", "bf16", "float32")
 
 # Symbolic axis names shared by every graph. KV tensors are [batch, kv_heads, seq, head_dim].
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"

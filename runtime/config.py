@@ -281,9 +281,10 @@ class LoadOptions(Options):
         None, "ONNX Runtime: cpu, cuda or a provider name; OpenVINO: a device string",
         none="ONNX Runtime: CUDA for a float16 target where the session gets it, else CPU; OpenVINO: CPU")
     prefill_precision: str = option(
-        "target", "target (every prompt token on the target as deployed) or bf16 (all but a prompt's last token "
-        "prefilled on OpenVINO in bf16, on CPUs with AMX or AVX512-BF16: a shorter prefill, the rest on the target; "
-        "runtime/prompt_graphs.py)", choices=PREFILL_PRECISIONS)
+        "target", "target (every prompt token on the target as deployed), bf16 (all but a prompt's last token "
+        "prefilled on OpenVINO in bf16, on CPUs with AMX or AVX512-BF16) or float32 (an int8 or int4 target: all but "
+        "a prompt's last token on its weights expanded to float32, held beside its blocks; for CPUs without VNNI or "
+        "AMX): a shorter prefill, the rest on the target (runtime/prompt_graphs.py)", choices=PREFILL_PRECISIONS)
     target_threads: int | None = option(None, "target engine threads", range=Range(1),
                                         none=f"the bundle's plan, else {BUILTIN_THREADS}")
     target_spinning: bool | None = option(None, "whether ONNX Runtime's idle target threads spin",

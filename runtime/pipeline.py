@@ -134,11 +134,11 @@ class Pipeline:
         else:
             target = open_target(bundle, manifest, o.target_device, target_threads, o.max_context, o.target_spinning,
                                  o.target_step_width)
-        if o.prefill_precision == "bf16":
+        if o.prefill_precision != "target":
             from mirror_sd.runtime.prompt_graphs import PromptGraphs
 
             target.host_kv()  # the prompt graphs write the KV in host memory: a target on a GPU is refused here
-            target.prompt_graphs = PromptGraphs(bundle, manifest, target_threads, o.cache_dir)
+            target.prompt_graphs = PromptGraphs(bundle, manifest, target_threads, o.cache_dir, o.prefill_precision)
         if package:
             from mirror_sd.runtime.static_draft import open_static_draft
 

@@ -1,22 +1,28 @@
-"""A prompt's KV computed on OpenVINO in bf16: the target's own prefix and suffix graphs, for a shorter prefill.
+"""A prompt's KV computed on faster graphs than the target's own steps: the target's prefix and suffix graphs in bf16
+on OpenVINO, or a compressed target's graphs with its weights expanded to float32 on ONNX Runtime.
 
-A prefill is bound by arithmetic, and ONNX Runtime's CPU provider multiplies in float32 only. OpenVINO reads the same
-graphs (GroupQueryAttention included) and computes them in bf16 where the CPU has bf16 arithmetic (AMX,
-AVX512-BF16), as OpenVINO GenAI does there by default. With `prefill_precision="bf16"` (LoadOptions) every prompt
-token but the last is prefilled here, into the target's KV memory; the prompt's last token and every generated one
-run on the target as deployed (float32, int8 or int4 on ONNX Runtime), so the first new token comes from the target's
-own step. What keeps the output exact:
+A prefill is bound by arithmetic. ONNX Runtime's CPU provider multiplies in float32 only, where OpenVINO reads the
+same graphs (GroupQueryAttention included) and computes them in bf16 on CPUs with bf16 arithmetic (AMX,
+AVX512-BF16), as OpenVINO GenAI does there by default: `prefill_precision="bf16"`. A target with int8 or int4 weights
+multiplies int8 activations (MatMulNBits at accuracy level 4), which on a CPU without VNNI or AMX prefills slower than
+float32 MatMuls over the same weights: `prefill_precision="float32"` runs its graphs with every MatMulNBits expanded
+to a float32 MatMul holding the same values (the weights are then held twice: blocks for the steps, float32 here).
+Either way (LoadOptions) every prompt token but the last is prefilled here, into the target's KV memory; the prompt's
+last token and every generated one run on the target as deployed (float32, int8 or int4 on ONNX Runtime), so the
+first new token comes from the target's own step. What keeps the output exact:
 - sd, mirror and lookup share the prompt's KV, so they equal ar;
-- OpenVINO computes a row alike in any forward but the last rows of some widths, so every prompt is prefilled on one
-  grid of chunks from position 0 (PROMPT_GRAPH_CHUNK, runtime/target.py): the batching engine's prefills then equal
-  a generation alone (tests/test_prompt_graphs.py);
+- every prompt is prefilled on one grid of chunks from position 0 (PROMPT_GRAPH_CHUNK, runtime/target.py), so a
+  position runs in the same chunk in any generation: OpenVINO computes the last rows of some chunk widths otherwise,
+  and ONNX Runtime a one-row chunk; the batching engine's prefills then equal a generation alone
+  (tests/test_prompt_graphs.py);
 - the engine's prefix cache reuses only positions prefilled here, in whole chunks of the grid (runtime/batching.py):
   an earlier answer's KV came from the target's steps, where the same text inside a later prompt is prefilled here.
-The target as deployed is then the pair: the prompt's KV in bf16, the rest in the target's precision (its agreement
-with float32 is measured, docs/design.md "Prompts prefilled in bf16").
+The target as deployed is then the pair: the prompt's KV at the prompt precision, the rest in the target's own (its
+agreement with float32 is measured, docs/design.md "Prompts prefilled in bf16" and "Compressed targets' prompts in
+float32").
 
-An int8 or int4 target's MatMulNBits weights are expanded to float32 here, the same values: OpenVINO's own
-compressed-weight path was slower and computed one- and two-row chunks otherwise than wider ones.
+On OpenVINO an int8 or int4 target's MatMulNBits weights are expanded to float32 as well, the same values: OpenVINO's
+own compressed-weight path was slower and computed one- and two-row chunks otherwise than wider ones.
 """
 
 from __future__ import annotations
@@ -39,9 +45,12 @@ from mirror_sd.partitions.spec import (
     present_key_name,
     present_value_name,
 )
-from mirror_sd.runtime.backends import open_openvino, open_openvino_model
+from mirror_sd.runtime.backends import open_openvino, open_openvino_model, ort_session
+from mirror_sd.runtime.target import KVView, _Bound
 
 QUANTIZED_OP = "MatMulNBits"
+PROMPT_PRECISIONS = ("bf16", "float32")  # LoadOptions.prefill_precision's values other than "target"
+PROTOBUF_LIMIT = 1_900_000_000  # bytes: a serialized graph past it does not load from memory
 WARM_UP_TOKENS = 16  # the forward PromptGraphs runs at load
 
 
@@ -95,33 +104,44 @@ def has_bf16() -> bool:
 
 
 class PromptGraphs:
-    """The target's prefix and suffix on OpenVINO's CPU plugin in bf16, writing into KV memory on the host."""
+    """The target's prefix and suffix at a prompt precision ("bf16": OpenVINO's CPU plugin; "float32": ONNX Runtime
+    over a compressed target's weights expanded), writing into KV memory on the host."""
 
     def __init__(self, bundle: str | Path, manifest: Manifest, threads: int = 1,
-                 cache_dir: str | Path | None = None) -> None:
+                 cache_dir: str | Path | None = None, precision: str = "bf16") -> None:
         facts = manifest.target
+        if precision not in PROMPT_PRECISIONS:
+            raise BadInputError(f"no prompt graphs in {precision!r}: {' or '.join(PROMPT_PRECISIONS)}",
+                                option="prefill_precision")
         if facts.dtype != "float32":
-            raise BadInputError(f"prompts prefilled in bf16 need a float32 target; this bundle's is {facts.dtype} "
+            raise BadInputError(f"prompts prefilled apart need a float32 target; this bundle's is {facts.dtype} "
                                 "(for ONNX Runtime's CUDA execution provider)", option="prefill_precision")
-        if not has_bf16():
+        if precision == "bf16" and not has_bf16():
             raise BadInputError("this CPU has no bf16 arithmetic (AMX or AVX512-BF16) for OpenVINO: leave "
                                 "prefill_precision at 'target'", option="prefill_precision")
-        self._graphs = {}
+        if precision == "float32" and facts.weight_format == "float32":
+            raise BadInputError("this target computes its prompts in float32 already: prefill_precision 'float32' is "
+                                "for int8 and int4 targets", option="prefill_precision")
+        self.precision = precision
+        self._graphs: dict[str, tuple[_OpenVINOGraph | _OrtGraph, tuple[int, ...]]] = {}
         for role in ("target_prefix", "target_suffix"):
             spec = manifest.partition(role)
             path = resolve_inside(Path(bundle), spec.file)
-            if facts.weight_format == "float32":
-                graph = open_openvino(path, "CPU", threads, cache_dir, precision="bf16")
+            if precision == "float32":
+                graph = _OrtGraph(expanded(onnx.load(str(path))), spec, threads)
+            elif facts.weight_format == "float32":
+                graph = _OpenVINOGraph(open_openvino(path, "CPU", threads, cache_dir, precision="bf16"),
+                                       spec.kv_layers)
             else:
-                graph = open_openvino_model(expanded(onnx.load(str(path))), "CPU", threads, cache_dir,
-                                            precision="bf16")
-            self._graphs[role] = (graph, spec.kv_layers)
+                graph = _OpenVINOGraph(open_openvino_model(expanded(onnx.load(str(path))), "CPU", threads, cache_dir,
+                                                           precision="bf16"), spec.kv_layers)
+            self._graphs[role] = (graph, tuple(spec.kv_layers))
         self.logits_name = manifest.partition("target_suffix").outputs[0].name
         self.forwards = 0
-        # OpenVINO builds its kernels at the first forward: once here, not in the first request's TTFT (2x there)
-        warm = {name: np.zeros((1, facts.num_kv_heads, WARM_UP_TOKENS, facts.head_dim), np.float32)
-                for role in self._graphs for i in self._graphs[role][1]
-                for name in (past_key_name(i), past_value_name(i))}
+        # a backend builds its kernels and buffers at the first forward: once here, not in the first request's TTFT
+        # (2x there on OpenVINO)
+        warm = {past: np.zeros((1, facts.num_kv_heads, WARM_UP_TOKENS, facts.head_dim), np.float32)
+                for _, layers in self._graphs.values() for past, _ in kv_names(layers)}
         self.suffix(self.prefix(np.zeros((1, WARM_UP_TOKENS), np.int64), 0, warm)[0], 0, warm)
         self.forwards = 0
 
@@ -146,11 +166,52 @@ class PromptGraphs:
         graph, layers = self._graphs[role]
         total = start + new
         feed.update({SEQLENS: np.array([total - 1], np.int32), TOTAL_LENGTH: np.array(total, np.int32)})
-        for i in layers:  # the past as its own tensors: OpenVINO returns past + new, not written in place
-            for name in (past_key_name(i), past_value_name(i)):
-                feed[name] = kv[name][:, :, :start]
-        out = graph.run(feed)
-        for i in layers:
-            for past, present in ((past_key_name(i), present_key_name(i)), (past_value_name(i), present_value_name(i))):
-                kv[past][:, :, start:total] = out[present][:, :, start:total]
+        return graph.run(feed, start, total, {past: kv[past] for past, _ in kv_names(layers)})
+
+
+class _OpenVINOGraph:
+    """A graph on OpenVINO: the past goes in as its own tensors and comes back with the new positions after it."""
+
+    def __init__(self, graph, layers: tuple[int, ...]) -> None:
+        self.graph = graph
+        self.present = dict(kv_names(layers))
+
+    def run(self, feed: dict[str, np.ndarray], start: int, total: int, kv: Mapping[str, np.ndarray]
+            ) -> dict[str, np.ndarray]:
+        for name in kv:  # the past as its own tensors: OpenVINO returns past + new, not written in place
+            feed[name] = kv[name][:, :, :start]
+        out = self.graph.run(feed)
+        for past in kv:
+            kv[past][:, :, start:total] = out[self.present[past]][:, :, start:total]
         return out
+
+
+class _OrtGraph:
+    """A graph on ONNX Runtime's CPU provider, its past and present bound to the host KV memory itself (written in
+    place, as the target's own steps write theirs)."""
+
+    def __init__(self, model: onnx.ModelProto, spec, threads: int) -> None:
+        if model.ByteSize() >= PROTOBUF_LIMIT:
+            raise BadInputError(f"{spec.file}: its weights in float32 pass protobuf's 2 GiB; prefill_precision "
+                                "'float32' takes smaller targets", option="prefill_precision")
+        self.bound = _Bound(ort_session(model.SerializeToString(), ["CPUExecutionProvider"], threads), spec, None)
+        self.head = spec.outputs[0].name
+
+    def run(self, feed: dict[str, np.ndarray], start: int, total: int, kv: Mapping[str, np.ndarray]
+            ) -> dict[str, np.ndarray]:
+        self.bound.bind_kv({name: _view(array) for name, array in kv.items()})
+        head, taps = self.bound.run(feed, ("cpu", 0))
+        return {self.head: head.numpy(), **({} if taps is None else {TAPS: taps})}
+
+
+def _view(array: np.ndarray) -> KVView:
+    """Host KV memory [1, kv_heads, positions, head_dim] as a view ONNX Runtime binds by address."""
+    if not array.flags.c_contiguous or array.dtype != np.float32:
+        raise ValueError("the prompt graphs write KV memory that is float32 and contiguous")
+    return KVView(array.ctypes.data, array.shape, array.dtype)
+
+
+def kv_names(layers: tuple[int, ...]) -> list[tuple[str, str]]:
+    """Each KV input of `layers` with the output it comes back as."""
+    return [pair for i in layers for pair in ((past_key_name(i), present_key_name(i)),
+                                              (past_value_name(i), present_value_name(i)))]

@@ -1,8 +1,8 @@
-"""The benchmark's precision section on tiny bundles (float32 and its int8 / int4 siblings, and float32 and int8 with
-their prompts prefilled in bf16 where the CPU has bf16): every arm measured, each arm's planned mode checked against
-its own ar, agreement with float32 (and of the compressed formats' weights with float32 activations), the
-recommendation and the bars, and the report's section. GenAI's arms are off here (they need the real pair's
-conversions); their bars read unmeasured."""
+"""The benchmark's precision section on tiny bundles (float32 and its int8 / int4 siblings, and some of them with their
+prompts prefilled apart: float32 and int8 in bf16 where the CPU has bf16, else int8 and int4 in float32): every arm
+measured, each arm's planned mode checked against its own ar, agreement with float32 (and of the compressed formats'
+weights with float32 activations), the recommendation and the bars, and the report's section. GenAI's arms are off
+here (they need the real pair's conversions); their bars read unmeasured."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import shutil
 import pytest
 
 from mirror_sd.bench.precision import (
-    BF16_PREFILL,
-    BF16_PREFILL_FORMATS,
     FORMATS,
+    PROMPT_ARMS,
     RECOMMEND_MIN_TOP1,
     TARGETS,
     PrecisionSize,
+    prefill_arm,
+    prompt_precision,
     run_precision,
     sibling_bundles,
 )
 from mirror_sd.bench.report import _precision
-from mirror_sd.runtime.prompt_graphs import has_bf16
 
 SIZE = PrecisionSize(lengths=(80, 160), repeats=1, per_kind=1, agreement_per_kind=1, new_tokens=6)
 
@@ -52,7 +52,8 @@ def test_the_section_measures_every_format_and_checks_each_against_its_own_ar(si
     bundles, _ = sibling_bundles(siblings)
     lines: list[str] = []
     doc = run_precision(bundles, SIZE, {}, {}, threads=1, report=lines.append, progress=False)
-    arms = list(FORMATS) + ([f"{fmt} {BF16_PREFILL}" for fmt in BF16_PREFILL_FORMATS] if has_bf16() else [])
+    prompts = prompt_precision()
+    arms = list(FORMATS) + [prefill_arm(fmt, prompts) for fmt in PROMPT_ARMS[prompts]]
     for length in ("80", "160"):
         for arm in arms:
             row = doc["speed"][length][f"ar {arm}"]

@@ -1,12 +1,14 @@
-"""Prompts prefilled on OpenVINO in bf16 (runtime/prompt_graphs.py, LoadOptions.prefill_precision="bf16").
+"""Prompts prefilled apart from the target's own steps (runtime/prompt_graphs.py, LoadOptions.prefill_precision):
+on OpenVINO in bf16 (float32 targets; CPUs with bf16 arithmetic only), and on a compressed target's weights expanded
+to float32 on ONNX Runtime (int8 and int4 targets, any CPU). For each:
 
 - a prompt's positions are prefilled along one grid of chunks from position 0 (here 32 wide, to cross it in tiny
   prompts), so two prompts sharing a head get the same bits in its whole chunks, on every architecture: what the
   prefix cache reuses; OpenVINO would compute the last rows of some chunk widths otherwise;
-- the prompt's KV really is OpenVINO's bf16 (not the float32 target's), and the first new token comes from the
+- the prompt's KV really is the prompt graphs' (not the target's own), and the first new token comes from the
   target's own step;
-- sd, mirror and lookup equal ar token for token on every architecture (they share the prompt's KV), for float32
-  and int8 targets;
+- sd, mirror and lookup equal ar token for token on every architecture (they share the prompt's KV), for float32,
+  int8 and int4 targets;
 - under batching every greedy output equals its solo output, prefix cache included: a later prompt reuses only the
   positions the prompt graphs prefilled;
 - a bundle or machine the option cannot serve is refused with the option named.
@@ -25,7 +27,15 @@ from mirror_sd.partitions.spec import past_key_name, past_value_name
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.prompt_graphs import PromptGraphs, expanded, has_bf16
 
-pytestmark = pytest.mark.skipif(not has_bf16(), reason="this CPU has no bf16 arithmetic for OpenVINO")
+NO_BF16 = pytest.mark.skipif(not has_bf16(), reason="this CPU has no bf16 arithmetic for OpenVINO")
+# the target's weights under each prompt precision, per architecture: bf16 prompts go with float32 targets, float32
+# prompts with compressed ones (both formats over the architectures)
+WEIGHTS = {"bf16": dict.fromkeys(ARCHITECTURES, "float32"),
+           "float32": {"llama": "int8", "qwen2": "int4", "qwen3": "int8", "mistral": "int4"}}
+PRECISIONS = [pytest.param("bf16", marks=NO_BF16), "float32"]
+# how far a prompt's KV from the prompt graphs may lie from the target's own: bf16's rounding, or the target's int8
+# activations' (float32 prompts)
+KV_TOLERANCE = 0.1
 
 PROMPTS = ["Hello there, how are you?", "Name three colors of the rainbow please.", "A", "Write a haiku about the sea",
            "What is two plus two? Answer with a number and explain it in detail, step by step.", "Why?"]
@@ -40,10 +50,20 @@ def small_grid():
         yield
 
 
+@pytest.fixture(scope="module", params=PRECISIONS)
+def precision(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def pipelines(bundle_factory):
-    pipes = {arch: Pipeline.load(bundle_factory(arch), huge_pages=False, max_num_seqs=4, prefill_precision="bf16")
-             for arch in ARCHITECTURES}
+def bundles(bundle_factory, precision):
+    return {arch: bundle_factory(arch, target_weights=WEIGHTS[precision][arch]) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="module")
+def pipelines(bundles, precision):
+    pipes = {arch: Pipeline.load(bundle, huge_pages=False, max_num_seqs=4, prefill_precision=precision)
+             for arch, bundle in bundles.items()}
     yield pipes
     for pipe in pipes.values():
         pipe.close()
@@ -67,10 +87,10 @@ def _prefill(graphs: PromptGraphs, manifest: Manifest, ids: list[int]):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_prompts_sharing_a_head_get_the_same_bits_in_its_whole_chunks(bundle_factory, arch):
-    bundle = bundle_factory(arch)
+def test_prompts_sharing_a_head_get_the_same_bits_in_its_whole_chunks(bundles, precision, arch):
+    bundle = bundles[arch]
     manifest = Manifest.load(bundle)
-    graphs = PromptGraphs(bundle, manifest)
+    graphs = PromptGraphs(bundle, manifest, precision=precision)
     rng = np.random.default_rng(0)
     head = list(rng.integers(5, 200, 100))
     _, kv = _prefill(graphs, manifest, head + list(rng.integers(5, 200, 50)))
@@ -80,8 +100,8 @@ def test_prompts_sharing_a_head_get_the_same_bits_in_its_whole_chunks(bundle_fac
         assert all(np.array_equal(other[name][:, :, :shared], kv[name][:, :, :shared]) for name in kv), tail
 
 
-def test_the_prompt_kv_is_openvinos_bf16_and_the_first_token_the_targets_own(bundle_factory, pipelines):
-    bundle = bundle_factory("llama")
+def test_the_prompt_kv_is_the_prompt_graphs_and_the_first_token_the_targets_own(bundles, pipelines, precision):
+    bundle = bundles["llama"]
     pipe = pipelines["llama"]
     ids = pipe.prompt_ids(LONG)
     alone = Pipeline.load(bundle, huge_pages=False)
@@ -89,12 +109,12 @@ def test_the_prompt_kv_is_openvinos_bf16_and_the_first_token_the_targets_own(bun
     pipe.generate(ids, mode="ar", max_new_tokens=1)
     name = past_key_name(0)
     ours, theirs = pipe.target.host_kv()[name][0, :, :len(ids) - 1], alone.target.host_kv()[name][0, :, :len(ids) - 1]
-    assert not np.array_equal(ours, theirs) and np.allclose(ours, theirs, atol=0.1)  # bf16 rounding, nothing more
+    assert not np.array_equal(ours, theirs) and np.allclose(ours, theirs, atol=KV_TOLERANCE)
     manifest = Manifest.load(bundle)
-    _, kv = _prefill(PromptGraphs(bundle, manifest), manifest, ids[:-1])
+    _, kv = _prefill(PromptGraphs(bundle, manifest, precision=precision), manifest, ids[:-1])
     assert np.array_equal(kv[name][0], ours)
-    # the prompt's last position is the target's step: the same bits as the float32 target's own step on the prompt's
-    # last token after the same KV
+    # the prompt's last position is the target's step: the same bits as the target's own step on the prompt's last
+    # token after the same KV
     target, host = alone.target, alone.target.host_kv()
     for kv_name, array in kv.items():
         host[kv_name][:, :, :array.shape[2]] = array
@@ -104,7 +124,7 @@ def test_the_prompt_kv_is_openvinos_bf16_and_the_first_token_the_targets_own(bun
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_sd_mirror_and_lookup_equal_ar_with_the_prompt_in_bf16(pipelines, arch):
+def test_sd_mirror_and_lookup_equal_ar_with_the_prompt_apart(pipelines, arch):
     pipe = pipelines[arch]
     for prompt in (PROMPTS[1], PROMPTS[4], LONG):
         outputs = {mode: pipe.generate(prompt, mode=mode, max_new_tokens=16, temperature=0.0).token_ids
@@ -112,7 +132,8 @@ def test_sd_mirror_and_lookup_equal_ar_with_the_prompt_in_bf16(pipelines, arch):
         assert all(tokens == outputs["ar"] for tokens in outputs.values()), (prompt, outputs)
 
 
-def test_an_int8_target_prefills_from_its_own_weights_and_stays_exact(bundle_factory):
+@NO_BF16
+def test_an_int8_target_prefills_from_its_own_weights_in_bf16_and_stays_exact(bundle_factory):
     bundle = bundle_factory("qwen2", target_weights="int8")
     pipe = Pipeline.load(bundle, huge_pages=False, prefill_precision="bf16")
     for prompt in (PROMPTS[4], LONG):
@@ -166,16 +187,18 @@ def test_under_batching_every_output_is_its_solo_output_prefix_cache_included(pi
                                             for p in (turn, PROMPTS[0], PROMPTS[4])]
 
 
-def test_what_the_option_cannot_serve_is_refused_naming_it(bundle_factory):
+@pytest.mark.parametrize(("weights", "dtype", "precision"), [
+    ("float32", "float16", "bf16"), ("float32", "float32", "fp8"),
+    ("float32", "float32", "float32"),  # float32 prompts are for compressed targets: this one is float32 already
+])
+def test_what_the_option_cannot_serve_is_refused_naming_it(bundle_factory, weights, dtype, precision):
     with pytest.raises(BadInputError) as err:
-        Pipeline.load(bundle_factory("llama", target_dtype="float16"), huge_pages=False, prefill_precision="bf16")
-    assert err.value.option == "prefill_precision"
-    with pytest.raises(BadInputError) as err:
-        Pipeline.load(bundle_factory("llama"), huge_pages=False, prefill_precision="fp8")
+        Pipeline.load(bundle_factory("llama", target_dtype=dtype, target_weights=weights), huge_pages=False,
+                      prefill_precision=precision)
     assert err.value.option == "prefill_precision"
 
 
-def test_the_server_takes_the_option_and_its_concurrent_answers_are_the_pipelines(bundle_factory, pipelines):
+def test_the_server_takes_the_option_and_its_concurrent_answers_are_the_pipelines(bundles, pipelines, precision):
     import json
     import threading
     import urllib.request
@@ -184,8 +207,8 @@ def test_the_server_takes_the_option_and_its_concurrent_answers_are_the_pipeline
     from mirror_sd.cli import build_parser, given
     from mirror_sd.runtime.config import LoadOptions
 
-    args = build_parser().parse_args(["serve", str(bundle_factory("qwen3")), "--prefill-precision", "bf16"])
-    assert given(args, LoadOptions)["prefill_precision"] == "bf16"
+    args = build_parser().parse_args(["serve", str(bundles["qwen3"]), "--prefill-precision", precision])
+    assert given(args, LoadOptions)["prefill_precision"] == precision
     pipe = pipelines["qwen3"]
     prompts = [LONG + " " + p for p in PROMPTS[:4]]
     want = [pipe.generate(p, mode="ar", max_new_tokens=8).text for p in prompts]
