@@ -122,7 +122,6 @@ class PromptGraphs:
         if precision == "float32" and facts.weight_format == "float32":
             raise BadInputError("this target computes its prompts in float32 already: prefill_precision 'float32' is "
                                 "for int8 and int4 targets", option="prefill_precision")
-        self.precision = precision
         self._graphs: dict[str, tuple[_OpenVINOGraph | _OrtGraph, tuple[int, ...]]] = {}
         for role in ("target_prefix", "target_suffix"):
             spec = manifest.partition(role)
