@@ -40,13 +40,10 @@ from mirror_sd.partitions.spec import (
     KEEP,
     SEQLENS,
     TOTAL_LENGTH,
-    past_key_name,
-    past_value_name,
-    present_key_name,
-    present_value_name,
 )
 from mirror_sd.runtime.backends import open_openvino, open_openvino_model, ort_session
-from mirror_sd.runtime.target import KVView, _Bound
+from mirror_sd.runtime.kv_slots import kv_names
+from mirror_sd.runtime.target import KVView, _Bound, kv_pairs
 
 QUANTIZED_OP = "MatMulNBits"
 PROMPT_PRECISIONS = ("bf16", "float32")  # LoadOptions.prefill_precision's values other than "target"
@@ -139,8 +136,8 @@ class PromptGraphs:
         self.forwards = 0
         # a backend builds its kernels and buffers at the first forward: once here, not in the first request's TTFT
         # (2x there on OpenVINO)
-        warm = {past: np.zeros((1, facts.num_kv_heads, WARM_UP_TOKENS, facts.head_dim), np.float32)
-                for _, layers in self._graphs.values() for past, _ in kv_names(layers)}
+        warm = {name: np.zeros((1, facts.num_kv_heads, WARM_UP_TOKENS, facts.head_dim), np.float32)
+                for name in kv_names(manifest)}
         self.suffix(self.prefix(np.zeros((1, WARM_UP_TOKENS), np.int64), 0, warm)[0], 0, warm)
         self.forwards = 0
 
@@ -165,7 +162,7 @@ class PromptGraphs:
         graph, layers = self._graphs[role]
         total = start + new
         feed.update({SEQLENS: np.array([total - 1], np.int32), TOTAL_LENGTH: np.array(total, np.int32)})
-        return graph.run(feed, start, total, {past: kv[past] for past, _ in kv_names(layers)})
+        return graph.run(feed, start, total, {past: kv[past] for past, _ in kv_pairs(layers)})
 
 
 class _OpenVINOGraph:
@@ -173,7 +170,7 @@ class _OpenVINOGraph:
 
     def __init__(self, graph, layers: tuple[int, ...]) -> None:
         self.graph = graph
-        self.present = dict(kv_names(layers))
+        self.present = dict(kv_pairs(layers))
 
     def run(self, feed: dict[str, np.ndarray], start: int, total: int, kv: Mapping[str, np.ndarray]
             ) -> dict[str, np.ndarray]:
@@ -209,8 +206,3 @@ def _view(array: np.ndarray) -> KVView:
         raise ValueError("the prompt graphs write KV memory that is float32 and contiguous")
     return KVView(array.ctypes.data, array.shape, array.dtype)
 
-
-def kv_names(layers: tuple[int, ...]) -> list[tuple[str, str]]:
-    """Each KV input of `layers` with the output it comes back as."""
-    return [pair for i in layers for pair in ((past_key_name(i), present_key_name(i)),
-                                              (past_value_name(i), present_value_name(i)))]

@@ -62,6 +62,12 @@ GPU_STEP_WIDTH = 8
 INT8_STEP_WIDTH = 2
 
 
+def kv_pairs(layers) -> list[tuple[str, str]]:
+    """Each KV input of `layers` with the output it comes back as (past and present: one buffer on the target)."""
+    return [pair for i in layers for pair in ((past_key_name(i), present_key_name(i)),
+                                              (past_value_name(i), present_value_name(i)))]
+
+
 def head_rows(wanted: int, step_width: int, rows: int) -> int:
     """Rows of a run of `rows` positions the LM head takes to give the last `wanted`: step_width at least, as the
     step's other MatMuls take, so that a prompt chunk's last position gets the logits it gets in any step (the
@@ -141,16 +147,15 @@ class _Bound:
         """Bind every layer's past input and present output to one buffer: an OrtValue, or a `KVView` (memory the
         caller owns, such as one of the engine's KV slots). rename: the graph's names for the past and present of
         `buffers`' names (a window graph's row: runtime/window_graphs.py row_name)."""
-        for i in self.spec.kv_layers:
-            for past, present in ((past_key_name(i), present_key_name(i)), (past_value_name(i), present_value_name(i))):
-                buffer = buffers[past]
-                past, present = rename(past), rename(present)
-                if isinstance(buffer, KVView):
-                    self.binding.bind_input(past, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
-                    self.binding.bind_output(present, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
-                else:
-                    self.binding.bind_ortvalue_input(past, buffer)
-                    self.binding.bind_ortvalue_output(present, buffer)
+        for past, present in kv_pairs(self.spec.kv_layers):
+            buffer = buffers[past]
+            past, present = rename(past), rename(present)
+            if isinstance(buffer, KVView):
+                self.binding.bind_input(past, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
+                self.binding.bind_output(present, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
+            else:
+                self.binding.bind_ortvalue_input(past, buffer)
+                self.binding.bind_ortvalue_output(present, buffer)
 
     def run(self, inputs: dict[str, object], head_device: tuple[str, int]):
         """The head output (an OrtValue on head_device), and the taps [B, T, n, H] on the host where the graph has
