@@ -19,16 +19,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from mirror_sd.export.weight_blocks import at_accuracy_level
+
 GRAPHS = ("target_prefix.onnx", "target_suffix.onnx")
-
-
-def set_level(model: onnx.ModelProto, level: int) -> int:
-    count = 0
-    for node in model.graph.node:
-        for a in node.attribute:
-            if node.op_type == "MatMulNBits" and a.name == "accuracy_level":
-                a.i, count = level, count + 1
-    return count
 
 
 def rows_in_graph(model: onnx.ModelProto) -> None:
@@ -82,13 +75,13 @@ def main() -> None:
     manifest["target"]["matmul_activations"] = "int8" if args.level == 4 else "float32"  # what the runtime pads by
     (out / "manifest.json").unlink()
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    for name in GRAPHS:
-        model = onnx.load(str(out / name))
-        print(name, set_level(model, args.level), "MatMulNBits")
+    for name in GRAPHS:  # each a new file: the source bundle keeps its own (hard links)
+        print(name, at_accuracy_level(out / name, args.level), "MatMulNBits")
         if args.rows_in_graph:
+            model = onnx.load(str(out / name), load_external_data=False)
             rows_in_graph(model)
-        (out / name).unlink()  # a hard link: the source bundle keeps its file
-        onnx.save(model, str(out / name))
+            (out / name).unlink()
+            onnx.save(model, str(out / name))
 
 
 if __name__ == "__main__":
