@@ -36,7 +36,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -51,7 +51,7 @@ from mirror_sd.runtime.proposers import PromptLookup, Proposer
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.row_drafts import RowDraft
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
-from mirror_sd.runtime.stats import Recorder
+from mirror_sd.runtime.stats import GenerationStats, Recorder
 from mirror_sd.runtime.target import PREFILL_CHUNK, OrtTarget, ort_device, prompt_chunk_end
 from mirror_sd.runtime.text import TextSink
 from mirror_sd.runtime.verify import greedy_accept
@@ -81,6 +81,11 @@ SOLO_WAIT_S = 0.01
 
 class EngineClosed(RuntimeError):
     """The engine stopped before the request finished."""
+
+
+class PipelineBusy(RuntimeError):
+    """A library call holds the pipeline: the engine's request that would run alone steps in the batch instead of
+    waiting for it (Pipeline._decode on an engine slot never waits)."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,10 @@ class Request:
         return self.result
 
     def _emit(self, event: object) -> None:
-        (self._listener or self._events.put)(event)
+        try:
+            (self._listener or self._events.put)(event)
+        except Exception:  # its listener's event loop has closed: nobody reads it, and the engine goes on
+            self._cancelled.set()
 
 
 @dataclass
@@ -202,7 +210,7 @@ class BatchEngine:
         """Queue a generation of `config` from prompt `ids` (both checked: Pipeline.check)."""
         request = Request(list(ids), config, listener)
         with self._wake:
-            if self._stopping:
+            if not self.alive:
                 raise EngineClosed("the engine is stopped")
             self._waiting.append(request)
             self._wake.notify()
@@ -210,7 +218,9 @@ class BatchEngine:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Requests waiting for a slot; one cancelled there no longer counts (it leaves at the engine's next step)."""
+        with self._wake:
+            return sum(not r.cancelled for r in self._waiting)
 
     @property
     def running(self) -> int:
@@ -249,6 +259,7 @@ class BatchEngine:
             self._waiting.popleft()._emit(Finished(None, EngineClosed("the engine stopped")))
 
     def _step(self) -> None:
+        self._drop_cancelled()
         self._compact()
         self._admit()
         for row in [r for r in self._rows if r.request.cancelled]:
@@ -268,6 +279,20 @@ class BatchEngine:
             return
         self._prefill_step()
         self._decode_step()
+
+    def _drop_cancelled(self) -> None:
+        """Requests cancelled while they waited for a slot (a client gone, a deadline passed) leave the queue now,
+        finished with nothing: they would otherwise hold their place until a slot freed."""
+        with self._wake:
+            gone = [r for r in self._waiting if r.cancelled]
+            if gone:
+                self._waiting = deque(r for r in self._waiting if not r.cancelled)
+        for request in gone:
+            cfg = request.config
+            stats = self._stats(cfg, Recorder(cfg.trace), new_tokens=0, ttft_s=0.0, wall_s=0.0,
+                                queue_s=time.perf_counter() - request.submitted)
+            request._emit(Finished(GenerationResult([], "", stats, "cancelled",
+                                                    () if cfg.logprobs is not None else None)))
 
     def _admit(self) -> None:
         while self._waiting and self.table.free():
@@ -302,10 +327,11 @@ class BatchEngine:
             return self._wake.wait_for(lambda: bool(self._waiting) or self._stopping, timeout=seconds)
 
     def _may_go_solo(self, row: _Row) -> bool:
-        """An sd or mirror request that has not started, where requests have come one at a time: its whole
-        generation can be the pipeline's own (from what the prefix cache holds of its prompt)."""
+        """An sd or mirror request that has not started, where requests have come one at a time and no library call
+        holds the pipeline: its whole generation can be the pipeline's own (from what the prefix cache holds of its
+        prompt)."""
         return (row.request.config.mode in SPECULATIVE_MODES and row.kv_len == row.cached
-                and len(row.context) == row.prompt_len and self._load < SOLO_LOAD)
+                and len(row.context) == row.prompt_len and self._load < SOLO_LOAD and not self.pipe.busy)
 
     def _solo_step(self, row: _Row) -> None:
         if row.solo is None:
@@ -316,6 +342,9 @@ class BatchEngine:
         except StopIteration:  # the decoder ended at the same token the row's sink did; nothing more comes
             row.solo = None
             self._retire(row, reason=row.sink.finish_reason or "length")
+            return
+        except PipelineBusy:  # a library call took the pipeline first: the row steps in the batch instead
+            row.solo = None
             return
         self._commit(row, chunk.token_id, chunk.logprob)
         row.kv_len = len(row.context) - 1  # the decoder's cache: every committed token but the last
@@ -577,7 +606,7 @@ class BatchEngine:
         count = len(self._rows)
         held = {r.slot.index for r in self._rows}
         gaps = [i for i in range(count) if i not in held]
-        # a speculative decoder holds its slot's address (it runs alone: in slot 0), so it is never moved
+        # a speculative decoder holds its slot's address, so it is never moved (_pack)
         above = sorted((r for r in self._rows if r.slot.index >= count and r.solo is None),
                        key=lambda r: r.slot.index, reverse=True)
         for index, row in zip(gaps, above):
@@ -587,7 +616,8 @@ class BatchEngine:
         """Keep the running rows in the lowest slots (runtime/kv_slots.py): `slot` trades places with the slot at
         `index`, contents and all, where the KV lives in host memory (elsewhere filler rows bridge the gaps)."""
         other = self.table.slots[index]
-        if other is slot or not self.kv.can_copy:
+        solo = {r.slot.index for r in self._rows if r.solo is not None}  # its decoder holds its slot's address
+        if other is slot or not self.kv.can_copy or {slot.index, index} & solo:
             return
         held = {r.slot.index: r.kv_len for r in self._rows}
         length = max(held.get(s.index, len(s.tokens)) for s in (slot, other))
@@ -611,10 +641,14 @@ class BatchEngine:
             row.kv_len = len(row.context) - 1
         self._rows.remove(row)
         self.table.leave(row.slot, row.context[:self._reusable(row)])
-        if error is not None:
-            row.request._emit(Finished(None, error))
-            return
-        row.request._emit(Finished(self._result(row, reason)))
+        if error is None:
+            try:
+                event = Finished(self._result(row, reason))
+            except Exception as e:  # the request ends all the same, with what went wrong
+                event = Finished(None, e)
+        else:
+            event = Finished(None, error)
+        row.request._emit(event)
 
     def _result(self, row: _Row, reason: str) -> GenerationResult:
         cfg = row.request.config
@@ -622,13 +656,15 @@ class BatchEngine:
         wall = time.perf_counter() - row.admitted
         # a batched step counts once per token it gives the row, the one that ends the prompt included, as the
         # first step of a generation alone (its prefill) does
-        stats = row.rec.finish(
-            mode=cfg.mode, gamma=cfg.gamma if cfg.mode in DRAFT_MODES else 0,
-            kappa=(cfg.kappa or 0) if cfg.mode == "mirror" else 0, new_tokens=new, ttft_s=row.first_token_s,
-            wall_s=wall, target_device=self.pipe.target.device, draft_device=self.pipe.draft.device,
-            draft_engine=self.pipe.draft.describe(),
-            queue_s=row.admitted - row.request.submitted, cached_prompt_tokens=row.cached,
-            batched_steps=len(row.batch_rows),
-            mean_batch_size=sum(row.batch_rows) / len(row.batch_rows) if row.batch_rows else 1.0)
+        stats = self._stats(cfg, row.rec, new_tokens=new, ttft_s=row.first_token_s, wall_s=wall,
+                            queue_s=row.admitted - row.request.submitted, cached_prompt_tokens=row.cached,
+                            batched_steps=len(row.batch_rows),
+                            mean_batch_size=sum(row.batch_rows) / len(row.batch_rows) if row.batch_rows else 1.0)
         return GenerationResult(row.context[row.prompt_len:], row.sink.text, stats, reason,
                                 tuple(row.scores) if cfg.logprobs is not None else None)
+
+    def _stats(self, cfg: GenerationConfig, rec: Recorder, **counts: Any) -> GenerationStats:
+        return rec.finish(mode=cfg.mode, gamma=cfg.gamma if cfg.mode in DRAFT_MODES else 0,
+                          kappa=(cfg.kappa or 0) if cfg.mode == "mirror" else 0,
+                          target_device=self.pipe.target.device, draft_device=self.pipe.draft.device,
+                          draft_engine=self.pipe.draft.describe(), **counts)

@@ -34,7 +34,7 @@ from mirror_sd.partitions.plan_file import (
 )
 from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.backends import default_openvino_device, on_cpu, usable_cores
-from mirror_sd.runtime.batching import BatchEngine
+from mirror_sd.runtime.batching import BatchEngine, PipelineBusy
 from mirror_sd.runtime.config import BUILTIN_THREADS, GenerationConfig, LoadOptions, specs
 from mirror_sd.runtime.draft import Drafter, DrafterBase
 from mirror_sd.runtime.engines import DraftEngine, open_engine
@@ -270,7 +270,11 @@ class Pipeline:
         there already)."""
         if self._owner == threading.get_ident():  # waiting for ourselves would never end
             raise BadInputError("this thread's earlier stream is still open: exhaust or close it first")
-        with self._busy:
+        # the engine's thread never waits for a library call (it would stall every request, or wait for a thread
+        # that waits for the engine): its request steps in the batch instead
+        if not self._busy.acquire(blocking=kv is None):
+            raise PipelineBusy("a library call is generating on this pipeline")
+        try:
             self._owner = threading.get_ident()
             if kv is not None:
                 self.target.use_kv(kv)
@@ -280,6 +284,13 @@ class Pipeline:
                 if kv is not None:
                     self.target.use_kv(None)
                 self._owner = None
+        finally:
+            self._busy.release()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a generation holds the pipeline (a library call, or the engine's request alone)."""
+        return self._busy.locked()
 
     def eos_token_ids(self, cfg: GenerationConfig) -> tuple[int, ...]:
         """The tokens that end a generation under `cfg`: the tokenizer's EOS tokens, none with ignore_eos."""

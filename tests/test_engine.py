@@ -366,6 +366,65 @@ def test_a_closed_engine_ends_what_it_holds(bundle_factory):
             request.wait()
 
 
+def test_a_request_cancelled_while_waiting_leaves_the_queue_at_once(bundle_factory):
+    """A client gone before its request got a slot: the request stops counting as waiting (a server's queue has
+    room again) and finishes with nothing, while the request holding the one slot runs on."""
+    pipe = Pipeline.load(bundle_factory(), huge_pages=False, max_num_seqs=1, max_context=512)
+    engine = pipe.engine()
+    try:
+        running = engine.submit(*pipe.check("keep going", mode="ar", max_new_tokens=400, ignore_eos=True))
+        tokens = iter(running)
+        next(tokens)
+        waiting = engine.submit(*pipe.check("never starts", mode="ar", max_new_tokens=4, logprobs=2))
+        assert engine.waiting == 1
+        waiting.cancel()
+        assert engine.waiting == 0
+        result = waiting.wait()
+        assert (result.finish_reason, result.token_ids, result.text, result.logprobs) == ("cancelled", [], "", ())
+        assert result.stats.new_tokens == 0 and result.stats.queue_s > 0
+        assert engine.running == 1 and next(tokens) is not None  # the first one still runs
+        running.cancel()
+        assert running.wait().finish_reason == "cancelled"
+    finally:
+        pipe.close()
+
+
+def test_a_listener_that_fails_cancels_its_own_request_only(pipelines):
+    """An asyncio consumer whose event loop has closed (its listener raises): that request stops, the others run
+    on exact, and the engine stays up for the next ones."""
+    pipe = pipelines["llama"]
+    engine = pipe.engine()
+
+    def closed_loop(event: object) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    gone = [engine.submit(*pipe.check("nobody reads this", mode="ar", max_new_tokens=40, ignore_eos=True),
+                          listener=closed_loop) for _ in range(2)]
+    kept = engine.submit(*pipe.check(PROMPTS[0], mode="ar", max_new_tokens=12))
+    assert kept.wait().token_ids == solo(pipe, PROMPTS[0], max_new_tokens=12)
+    assert all(r.cancelled for r in gone) and engine.alive
+    later = engine.submit(*pipe.check(PROMPTS[1], mode="sd", max_new_tokens=8))
+    assert later.wait().token_ids == solo(pipe, PROMPTS[1], max_new_tokens=8)
+
+
+def test_a_request_alone_never_waits_for_a_library_call_holding_the_pipeline(pipelines):
+    """A stream open on this thread holds the pipeline: an sd request submitted to the engine, which would run
+    alone on the pipeline's speculative decoder, steps in the batch instead (the same tokens) rather than waiting
+    for the stream, which here would never end."""
+    pipe = pipelines["llama"]
+    want = solo(pipe, PROMPTS[2], max_new_tokens=10)
+    stream = pipe.stream(PROMPTS[3], mode="ar", max_new_tokens=30)
+    chunks = iter(stream)
+    try:
+        next(chunks)
+        assert pipe.busy
+        got = pipe.generate([PROMPTS[2]], mode="sd", max_new_tokens=10)  # through the engine: a list
+        assert got[0].token_ids == want and got[0].stats.batched_steps > 0
+    finally:
+        stream.close()
+    assert not pipe.busy
+
+
 def test_requests_sharing_a_prompt_head_copy_its_kv_from_one_another(pipelines):
     """A burst of requests with one long common head (a system prompt): the later ones copy it from the first's
     slot instead of prefilling it, and every output is still its solo output."""
