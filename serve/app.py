@@ -115,12 +115,12 @@ class Generations:
                              headers={"Retry-After": str(self.settings.retry_after_s)})
 
     async def run(self, job: _Job, on_chunk: Callable[[Chunk], None] | None = None) -> _Outcome:
-        """The job's generation; `on_chunk` gets its Chunks (text and logprob) as they come. A 503 when its deadline
-        passes while it waits for a slot; past the deadline once running, or when the caller is cancelled (the client
-        went away), the engine stops it at its next step."""
-        self.check_room()
+        """The job's generation, whose room the caller checked (`check_room`, for all of a request's choices before
+        anything of it went out: a stream's 200 is never followed by a 429); `on_chunk` gets its Chunks (text and
+        logprob) as they come. A 503 when its deadline passes while it waits for a slot; past the deadline once
+        running, or when the caller is cancelled (the client went away), the engine stops it at its next step."""
         request = AsyncRequest(self.engine, job.ids, job.config)
-        request.submit()  # now: the room was checked for it, and the gauges count it
+        request.submit()  # now: the gauges count it
         self.active.add(request)
         self._gauges()
         texts, ids = [], []
@@ -230,11 +230,13 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
     # -- endpoints -------------------------------------------------------------------------------------------
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": settings.model_name, "queue_depth": gen.engine.waiting,
-                "running": gen.engine.running, "max_num_seqs": gen.engine.max_num_seqs,
-                "target_device": pipe.target.device, "draft_device": pipe.draft.device,
-                "plan_note": pipe.plan_note}
+    async def health() -> JSONResponse:
+        alive = gen.engine.alive  # a 503 once the engine has stopped: a load balancer or orchestrator replaces us
+        return JSONResponse({"status": "ok" if alive else "engine stopped", "model": settings.model_name,
+                             "queue_depth": gen.engine.waiting, "running": gen.engine.running,
+                             "max_num_seqs": gen.engine.max_num_seqs, "target_device": pipe.target.device,
+                             "draft_device": pipe.draft.device, "plan_note": pipe.plan_note},
+                            status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -256,18 +258,19 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatRequest, request: Request) -> Any:
-        return await _complete(request, body, body.prompt(), chat=True)
+        return await _complete(request, body, [body.prompt()], chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
-        return await _complete(request, body, body.prompt, chat=False)
+        return await _complete(request, body, body.prompts(), chat=False)
 
     # -- one request -----------------------------------------------------------------------------------------
     noted: set[str] = set()  # the ignored fields logged at info level once
 
-    def _admit(request: Request, body: p.ChatRequest | p.CompletionRequest, prompt: Any, chat: bool) -> _Job:
+    def _admit(request: Request, body: p.ChatRequest | p.CompletionRequest, prompt: Any, chat: bool,
+               requested: dict[str, Any]) -> _Job:
         """Everything checkable before the queue (the pipeline's own checks): the model, the prompt, the options
-        (the server's defaults where the request has none), the context."""
+        (`requested`, and the server's defaults where the request has none), the context."""
         if body.model != settings.model_name:
             raise p.ApiError(404, f"the model {body.model!r} does not exist; this server has "
                                   f"{settings.model_name!r}", param="model", code="model_not_found")
@@ -278,7 +281,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         ids: list[int] = []
         try:
             ids = pipe.prompt_ids(prompt)
-            options = d.resolve(settings.defaults, body.generation_options(), _context_room(pipe, len(ids)))
+            options = d.resolve(settings.defaults, requested, _context_room(pipe, len(ids)),
+                                None if chat else d.COMPLETION_MAX_TOKENS)
             ids, config = pipe.check(ids, **options)
         except ContextLimitError as e:
             too_long = len(ids) >= pipe.context_limit
@@ -289,22 +293,28 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         arrival = getattr(request.state, ARRIVAL, time.monotonic())
         return _Job(ids, config, arrival, time.monotonic() + settings.request_timeout_s)
 
-    async def _complete(request: Request, body: p.ChatRequest | p.CompletionRequest, prompt: Any,
+    async def _complete(request: Request, body: p.ChatRequest | p.CompletionRequest, prompts: list[Any],
                         chat: bool) -> Any:
-        job = _admit(request, body, prompt, chat)
-        jobs = _choices(job, body.n)
+        requested, jobs, prompt_tokens = body.generation_options(), [], 0
+        for prompt in prompts:  # prompt i's choices at indices i * n .. i * n + n - 1
+            job = _admit(request, body, prompt, chat, requested)
+            requested = {**requested, "seed": job.config.seed}  # one seed for all the prompts: x-seed repeats them
+            jobs += _choices(job, body.n)
+            prompt_tokens += len(job.ids)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         seed = {"x-seed": str(job.config.seed)}  # the seed it ran with: the same request with it repeats the answer
         gen.check_room(len(jobs))  # all the choices or none (a stream: before its 200 goes out)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(request, jobs, rid, body.model, chat, include_usage),
+            return StreamingResponse(_stream(request, jobs, rid, body.model, chat, include_usage, prompt_tokens),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", **seed})
         watcher = asyncio.create_task(_watch_disconnect(request))
         scores: list[list[TokenLogprob]] = [[] for _ in jobs]  # each choice's tokens' logprobs, where asked for
         # the choices' requests reach the engine together: they share its batched steps
         runs = [asyncio.create_task(gen.run(j, lambda c, s=s: s.append(c.logprob))) for j, s in zip(jobs, scores)]
         together = asyncio.gather(*runs)
+        # read whatever ends it (a client gone cancels it): asyncio logs an error for an exception never retrieved
+        together.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             done, _ = await asyncio.wait({together, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if together not in done:  # the client went away: the generations stop at the engine's next step
@@ -325,24 +335,25 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                    for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
         outcome = outcomes[0]  # the `mirror` stats are the first choice's decoding
         metrics.requests.labels(route_label(request.scope), "200").inc()
-        return JSONResponse(make(rid, body.model, choices, len(job.ids), sum(len(o.token_ids) for o in outcomes),
+        return JSONResponse(make(rid, body.model, choices, prompt_tokens, sum(len(o.token_ids) for o in outcomes),
                                  _mirror_stats(outcome)), headers=seed)
 
-    async def _stream(request: Request, jobs: list[_Job], rid: str, model: str, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(request: Request, jobs: list[_Job], rid: str, model: str, chat: bool, include_usage: bool,
+                      prompt_tokens: int) -> AsyncIterator[str]:
         """The choices' chunks as they come, each with its choice's index (n > 1: interleaved), and with the
         logprobs of the tokens whose text it carries where asked for (a token whose text is held back, part of a
         character or of a possible stop string, rides with the next chunk; the last chunk carries any left)."""
         events: asyncio.Queue = asyncio.Queue()  # (kind, choice, value, logprobs)
         offsets = [p.TextOffsets() for _ in jobs]  # each choice's text so far (completions' text_offset)
+        created = int(time.time())
 
         def chunk(index: int, text: str, reason: str | None, first: bool, scores: tuple[TokenLogprob, ...]) -> str:
             logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
             if chat:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-                doc = p.chat_chunk(rid, model, delta, reason, index, logprobs)
+                doc = p.chat_chunk(rid, created, model, delta, reason, index, logprobs)
             else:
-                doc = p.completion_chunk(rid, model, text, reason, index, logprobs)
+                doc = p.completion_chunk(rid, created, model, text, reason, index, logprobs)
             return f"data: {json.dumps(doc)}\n\n"
 
         async def run(index: int) -> None:
@@ -388,10 +399,10 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                 else:
                     outcomes[index] = value
                     yield chunk(index, "", value.finish_reason, first[index], scores)
-            if include_usage and len(outcomes) == len(jobs):  # the prompt once, the completions of every choice
+            if include_usage and len(outcomes) == len(jobs):  # each prompt once, the completions of every choice
                 doc = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                       "created": int(time.time()), "model": model, "choices": [],
-                       "usage": p.usage(len(jobs[0].ids), sum(len(o.token_ids) for o in outcomes.values()))}
+                       "created": created, "model": model, "choices": [],
+                       "usage": p.usage(prompt_tokens, sum(len(o.token_ids) for o in outcomes.values()))}
                 yield f"data: {json.dumps(doc)}\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -2,8 +2,9 @@
 
 The library and `mirror-sd generate` decode greedily, 64 tokens, seed 0 (runtime/config.py GenerationConfig), the
 right defaults for reproducible runs. An OpenAI client expects otherwise: a request without `temperature` samples at
-1.0, one without `max_tokens` runs to the end of the context, and one without `seed` gets a different answer each
-time. The server applies these over the pipeline's config, in this order (later wins):
+1.0, a chat request without `max_tokens` runs to the end of the context (a text completion's stops after
+COMPLETION_MAX_TOKENS, as OpenAI's and vLLM's do), and one without `seed` gets a different answer each time. The
+server applies these over the pipeline's config, in this order (later wins):
 
 1. OPENAI_DEFAULTS;
 2. the bundle's `generation_config.json` where there is one (the model's recommended sampling, as vLLM reads it:
@@ -11,8 +12,9 @@ time. The server applies these over the pipeline's config, in this order (later 
 3. the generation options given to `mirror-sd serve` (--mode, --max-new-tokens);
 4. the request's own fields.
 
-Then a request still without `max_new_tokens` gets what is left of the context after its prompt, and one without a
-seed a random one, which the response reports (header `x-seed`) so that the answer can be had again.
+Then a request still without `max_new_tokens` gets what is left of the context after its prompt (a text completion
+COMPLETION_MAX_TOKENS at most), and one without a seed a random one, which the response reports (header `x-seed`) so
+that the answer can be had again.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mirror_sd.runtime.config import GenerationConfig
 log = logging.getLogger("mirror_sd.serve")
 
 OPENAI_DEFAULTS: Mapping[str, Any] = MappingProxyType({"temperature": 1.0})  # OpenAI's API samples by default
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's legacy default, and vLLM's
 GENERATION_CONFIG = "generation_config.json"
 # transformers' generation_config.json keys the server takes, by the GenerationConfig option each one sets
 FROM_HF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
@@ -73,11 +76,12 @@ def server_defaults(bundle: Path | None = None, given: Mapping[str, Any] | None 
     return MappingProxyType(out)
 
 
-def resolve(defaults: Mapping[str, Any], requested: Mapping[str, Any], room: int) -> dict[str, Any]:
+def resolve(defaults: Mapping[str, Any], requested: Mapping[str, Any], room: int,
+            most: int | None = None) -> dict[str, Any]:
     """The options one request runs with, over the pipeline's config: `requested` over `defaults`, with the rest
-    of the context (`room` tokens, at least 1: a prompt that fills it is refused by the context check) and a random
-    seed where neither set them."""
+    of the context (`room` tokens, `most` at most, at least 1: a prompt that fills it is refused by the context
+    check) and a random seed where neither set them."""
     out = {**defaults, **requested}
-    out.setdefault("max_new_tokens", max(room, 1))
+    out.setdefault("max_new_tokens", max(min(room, most or room), 1))
     out.setdefault("seed", secrets.randbits(SEED_BITS))
     return out

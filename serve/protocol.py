@@ -8,7 +8,9 @@ a 400 that names it, so a client never believes it got what it asked for.
 log-probabilities of the tokens (runtime/logprobs.py: the log-softmax of its raw logits, before temperature), one
 entry per completion token, in OpenAI's shapes (`chat_logprobs`, `completion_logprobs`). `n` choices (at most MAX_N)
 are generations of their own, submitted together to the batching engine; sampled, choice i draws with the request's
-seed + i, so each is its own draw and the whole answer repeats with the seed; greedy choices are identical.
+seed + i, so each is its own draw and the whole answer repeats with the seed; greedy choices are identical. A
+completion's `prompt` may be several (a list of strings or of token-id lists, at most MAX_PROMPTS): each gets its n
+choices, prompt i's choice j at index i * n + j, as OpenAI and vLLM number them.
 
 The generation options' fields are not written here: each option of runtime/config.py GenerationConfig with a wire
 name is a request field (`sampling_model`), typed and bounded by the option's metadata. OpenAI's own names
@@ -24,7 +26,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, create_model, field_validator
 from pydantic_core import PydanticCustomError
 
 from mirror_sd.runtime.config import MIRROR, GenerationConfig, Spec, specs
@@ -34,6 +36,7 @@ from mirror_sd.serve.neutral import CHAT, COMPLETION, UNSUPPORTED, fields_model
 MAX_STOP = 4  # as OpenAI: at most four stop strings
 # choices one request may ask for: each takes a slot of the engine (or a place in its queue) as a request would
 MAX_N = 8
+MAX_PROMPTS = 16  # prompts one completion request may batch: each of their choices takes a slot as well
 TokenBytes = Callable[[int], bytes]  # a token id's bytes (runtime/text.py TextCodec.token_bytes)
 
 
@@ -67,6 +70,13 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N, description="choices, each a generation of its own; sampled, choice i draws "
                    "with seed + i")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streaming(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):  # as OpenAI and vLLM: an error, not an option unheeded
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
 
     @field_validator("stop", check_fields=False)
     @classmethod
@@ -182,20 +192,45 @@ class ChatRequest(Sampling, fields_model(CHAT)):
 
 
 class CompletionRequest(Sampling, fields_model(COMPLETION)):
-    prompt: str | list[int]
+    # strict: a list of digit strings is several prompts, never token ids
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     echo: Literal[False] = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str) or ids(v) or (isinstance(v, list) and (all(isinstance(x, str) for x in v)
+                                                                       or all(ids(x) for x in v))):
+            return v
+        raise ValueError("the prompt must be a string, a list of token ids, or a list of either (several prompts)")
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[int]) -> str | list[int]:
-        if not v:
+    def _prompts(cls, v: Any) -> Any:
+        several = isinstance(v, list) and bool(v) and not isinstance(v[0], int)
+        prompts = v if several else [v]
+        if not v or not all(prompts):
             raise ValueError("the prompt is empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one string or token-id list, or each of several."""
+        several = isinstance(self.prompt, list) and not isinstance(self.prompt[0], int)
+        return list(self.prompt) if several else [self.prompt]
+
+
+# the members of a union field pydantic names in an error's location ("stop.list[str]"): not request fields
+_UNION_MEMBERS = ("str", "int", "float", "bool")
 
 
 def field_name(loc: tuple[Any, ...]) -> str:
     """A pydantic error location as the request field it names ("messages.0.role", "mirror.gamma")."""
-    parts = [str(p) for p in loc if p not in ("body",)]
+    parts = [str(p) for p in loc if p != "body" and p not in _UNION_MEMBERS and "[" not in str(p)]
     return ".".join(parts) or "body"
 
 
@@ -276,7 +311,8 @@ def completion_choice(index: int, text: str, reason: str, logprobs: dict[str, An
 
 def chat_response(rid: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
                   mirror_stats: dict[str, Any]) -> dict[str, Any]:
-    """completion_tokens: over every choice (the prompt counts once); mirror_stats: the first choice's decoding."""
+    """prompt_tokens: each prompt once; completion_tokens: over every choice; mirror_stats: the first choice's
+    decoding."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens), "mirror": mirror_stats}
 
@@ -288,15 +324,17 @@ def completion_response(rid: str, model: str, choices: list[dict[str, Any]], pro
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens), "mirror": mirror_stats}
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, str], reason: str | None, index: int = 0,
+def chat_chunk(rid: str, created: int, model: str, delta: dict[str, str], reason: str | None, index: int = 0,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+    """created: the stream's (every chunk of a stream carries the same)."""
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": index, "delta": delta, "finish_reason": reason and finish_reason(reason),
                          "logprobs": logprobs}]}
 
 
-def completion_chunk(rid: str, model: str, text: str, reason: str | None, index: int = 0,
+def completion_chunk(rid: str, created: int, model: str, text: str, reason: str | None, index: int = 0,
                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+    """As chat_chunk."""
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": index, "text": text, "finish_reason": reason and finish_reason(reason),
                          "logprobs": logprobs}]}

@@ -16,6 +16,7 @@ import pytest
 from mirror_sd.bench.soak import InProcessServer
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Spec, specs
 from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.serve.protocol import MAX_PROMPTS
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -112,6 +113,26 @@ def test_completions_text_and_ids_stream_and_usage(pipe, port, client):
     assert events[-1]["usage"]["completion_tokens"] == len(text_solo.token_ids)
 
 
+def test_several_prompts_in_one_completion_request(pipe, port, client):
+    """A list of strings, or of token-id lists, is several prompts (never digit strings read as ids): prompt i's
+    choice j at index i * n + j, each prompt counted once in usage."""
+    prompts = ["the cat", "12", "7"]
+    solo = [pipe.generate(x, mode="ar", max_new_tokens=6) for x in prompts]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [x.text for x in solo for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(pipe.prompt_ids(x)) for x in prompts)
+    assert r.usage.completion_tokens == 2 * sum(len(x.token_ids) for x in solo)
+    ids = [[5, 17, 33], [5, 17]]
+    events = _sse(port, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0,
+                                            "stream_options": {"include_usage": True}})
+    texts = ["", ""]
+    for e in events[:-1]:
+        texts[e["choices"][0]["index"]] += e["choices"][0]["text"]
+    assert texts == [pipe.generate(x, mode="ar", max_new_tokens=6).text for x in ids]
+    assert events[-1]["usage"]["prompt_tokens"] == 5 and len({e["created"] for e in events}) == 1
+
+
 def test_stop_strings_and_seeds(pipe, client):
     full = pipe.generate(MESSAGES, mode="ar", max_new_tokens=16)
     cut = full.text[len(full.text) // 2:][:2]
@@ -144,6 +165,12 @@ def test_stop_strings_and_seeds(pipe, client):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 100000}, None, 400, "max_tokens", "context_length_exceeded"),
     ({"model": MODEL, "prompt": [5] * 600, "max_tokens": 1}, None, 400, "prompt", "context_length_exceeded"),
     ({"model": MODEL, "prompt": [5, 99999]}, None, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": ["12", 7]}, None, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": ["hi"] * (MAX_PROMPTS + 1)}, None, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": ["hi", ""]}, None, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "stop": 5}, None, 400, "stop", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, None, 400, "stream_options",
+     "invalid_value"),
     ({"model": "gpt-4", "prompt": "hi"}, None, 404, "model", "model_not_found"),
     ({"model": MODEL, "prompt": "hi", "mirror": {"gamma": 0}}, None, 400, "mirror.gamma", "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "mirror": {"kappa": 99}}, None, 400, "mirror.kappa", "invalid_value"),
@@ -251,6 +278,40 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_slot(pipe):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         conn.request("GET", "/metrics")
         assert 'mirror_sd_cancelled_total{why="disconnect"} 1.0' in conn.getresponse().read().decode()
+
+
+def test_a_queued_request_whose_client_left_frees_its_place(pipe):
+    """A stream waiting behind the only slot, its client gone: its place in the queue is free again at once, not
+    when the slot frees."""
+    slow = _slow(pipe, 0.05, max_num_seqs=1)
+
+    def stream(max_tokens: int) -> http.client.HTTPConnection:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "stream": True,
+             "mirror": {"mode": "ar", "ignore_eos": True}}), {"Content-Type": "application/json"})
+        return conn
+
+    with serving(slow, max_queue=1) as port:
+        running = stream(400)
+        r = running.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: ")
+        queued = stream(4)
+        assert queued.getresponse().status == 200  # queued: its 200 and keep-alives, no token yet
+        status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert status == 429 and doc["error"]["code"] == "queue_full"
+        queued.sock.shutdown(socket.SHUT_RDWR)
+        queued.close()
+        start = time.monotonic()
+        while True:  # the next request queues in its place (it would wait ~20 s for the slot: a stream, closed)
+            again = stream(2)
+            status = again.getresponse().status
+            again.close()
+            if status == 200 or time.monotonic() - start > 5:
+                break
+            time.sleep(0.05)
+        assert status == 200 and time.monotonic() - start < 2.0
+        running.close()
 
 
 def test_deadline_cuts_a_generation(pipe):

@@ -129,14 +129,20 @@ def test_models_retrieve(client):
     assert e.value.code == "model_not_found"
 
 
-def test_max_tokens_left_out_runs_to_the_end_of_the_context(pipe, client):
-    r = client.completions.create(model=MODEL, prompt=[5, 17, 33], temperature=0)
-    room = pipe.context_limit - 3
-    solo = pipe.generate([5, 17, 33], mode="ar", max_new_tokens=room)
-    assert r.choices[0].text == solo.text and r.usage.completion_tokens == len(solo.token_ids)
+def test_max_tokens_left_out_a_chat_runs_to_the_end_of_the_context_a_completion_16_tokens(pipe, client):
+    """OpenAI's defaults, and vLLM's: chat to the context's end, a text completion (the legacy endpoint) 16 tokens."""
+    messages = [{"role": "user", "content": "5 17 33"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+    ids = pipe.prompt_ids(messages)
+    room = pipe.context_limit - len(ids)
+    solo = pipe.generate(ids, mode="ar", max_new_tokens=room)
+    assert r.choices[0].message.content == solo.text and r.usage.completion_tokens == len(solo.token_ids)
     # it ran to the context's end, or to an EOS before it
     assert r.usage.completion_tokens == room or r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens > 64  # not the library's default
+    r = client.completions.create(model=MODEL, prompt=[5, 17, 33], temperature=0)
+    assert r.choices[0].text == pipe.generate([5, 17, 33], mode="ar", max_new_tokens=16).text
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16, "length")
 
 
 def test_a_random_seed_is_returned_and_repeats_the_answer(pipe, client):
