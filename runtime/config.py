@@ -227,7 +227,7 @@ class GenerationConfig(Options):
                            "(mirror's branch sets, a token-only draft reading the prompt during the prefill) or on "
                            "another device; off: the same schedule serially on the main thread")
     draft_timeout_s: float = option(10.0, "seconds a draft answer may take; a later one makes the step run on the "
-                                    "target alone", range=Range(0, low_open=True))
+                                    "target alone", range=Range(0, 3600, low_open=True))
     draft_streaming: str = option(
         "trust", "how a streaming draft uses its proposals: trust (greedy windows take their last proposals as "
         "drafted: fewest forwards), verify (checked by its next forward) or off (one token per forward)",

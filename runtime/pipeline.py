@@ -366,9 +366,10 @@ class Pipeline:
                        confidence=cfg.draft_confidence_threshold, confidence_rule=cfg.draft_confidence_rule)
 
     def draft_free(self) -> bool:
-        """Whether no generation's draft thread is still in the draft engine (one stalled there keeps it until it
-        lets go): the batching engine's rows draft on its thread only then."""
-        return self._worker is None or self._worker.join(0)
+        """Whether no library call is generating (its draft may run on the caller's thread) and no generation's draft
+        thread is still in the draft engine (one stalled there keeps it until it lets go): the batching engine's rows
+        draft on its thread only then."""
+        return not self.busy and (self._worker is None or self._worker.join(0))
 
 
 def _planned_draft_backend(defaults: RuntimeDefaults | None) -> str | None:

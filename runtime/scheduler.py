@@ -275,6 +275,9 @@ class _Decoder:
             started = time.perf_counter()
             self._wait(self.worker.submit(Warm(tuple(ctx[:-1]), self.take_features(), window)))
             self.catch_up_s = time.perf_counter() - started
+            if not self.worker.responsive:  # the reading timed out: a rollout would only wait behind it
+                self.counts.fallbacks += 1
+                return None
         self.draft_seen = len(ctx)
         answer = self._wait(self.worker.submit(Rollout(tuple(ctx), gamma, self.take_features())))
         if not isinstance(answer, DraftWindow):

@@ -125,11 +125,11 @@ class TextSink:
         if token in self.eos:
             self.finish_reason = "eos"
             return self.flush()
-        for s in self.stop:
-            at = self.text.find(s, max(0, self.shown - len(s)))
-            if at >= 0:
-                self.text, self.finish_reason = self.text[:at], "stop"
-                return self.flush()
+        # the earliest stop string in the text, whichever is listed first
+        found = [at for s in self.stop if (at := self.text.find(s, max(0, self.shown - len(s)))) >= 0]
+        if found:
+            self.text, self.finish_reason = self.text[:min(found)], "stop"
+            return self.flush()
         if len(self.ids) >= self.max_tokens:
             self.finish_reason = "length"
             return self.flush()

@@ -408,21 +408,21 @@ def test_a_listener_that_fails_cancels_its_own_request_only(pipelines):
 
 
 def test_a_request_alone_never_waits_for_a_library_call_holding_the_pipeline(pipelines):
-    """A stream open on this thread holds the pipeline: an sd request submitted to the engine, which would run
-    alone on the pipeline's speculative decoder, steps in the batch instead (the same tokens) rather than waiting
-    for the stream, which here would never end."""
+    """A stream open on this thread holds the pipeline (its draft may run on this thread): an sd request submitted to
+    the engine, which would run alone on the pipeline's speculative decoder, steps in the batch instead (the same
+    tokens) rather than waiting for the stream, which here would never end."""
     pipe = pipelines["llama"]
     want = solo(pipe, PROMPTS[2], max_new_tokens=10)
     stream = pipe.stream(PROMPTS[3], mode="ar", max_new_tokens=30)
     chunks = iter(stream)
     try:
         next(chunks)
-        assert pipe.busy
+        assert pipe.busy and not pipe.draft_free()  # the engine's rows do not draft beside it either
         got = pipe.generate([PROMPTS[2]], mode="sd", max_new_tokens=10)  # through the engine: a list
         assert got[0].token_ids == want and got[0].stats.batched_steps > 0
     finally:
         stream.close()
-    assert not pipe.busy
+    assert not pipe.busy and pipe.draft_free()
 
 
 def test_requests_sharing_a_prompt_head_copy_its_kv_from_one_another(pipelines):

@@ -61,6 +61,10 @@ def test_stops_at_eos_stop_string_and_length(pipe):
         out = pipe.generate(PROMPT, mode=mode, max_new_tokens=30, stop=[stop])
         assert out.finish_reason == "stop" and stop not in out.text and full.text.startswith(out.text)
         assert out.token_ids == full.token_ids[:len(out.token_ids)]
+    # Several stop strings: the text ends before the earliest in it, whichever is listed first
+    early = full.text[len(full.text) // 4:][:3]
+    out = pipe.generate(PROMPT, mode="sd", max_new_tokens=30, stop=[stop, early])
+    assert full.text.find(early) < full.text.find(stop) and out.text == full.text[:full.text.find(early)]
     # EOS: make the target's 5th token the EOS id of a copy of the pipeline
     eos = full.token_ids[4]
     manifest = pipe.manifest.__class__(**{**pipe.manifest.__dict__,
