@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from mirror_sd.errors import BadInputError, ExportError
+from mirror_sd.errors import BadInputError, ExportError, first_line
 from mirror_sd.export import parity
 from mirror_sd.export.architectures import Architecture, architecture_of
 from mirror_sd.export.draft_weights import (
@@ -42,8 +42,8 @@ from mirror_sd.export.target_weights import (
     on_block_grid,
 )
 from mirror_sd.models.exit_adapter import CONFIG_NAME, ExitAdapter
-from mirror_sd.outputs import move_into_place, staging_dir
-from mirror_sd.partitions.manifest import Manifest, TargetFacts, TokenizerFacts
+from mirror_sd.outputs import check_out, move_into_place, staging_dir
+from mirror_sd.partitions.manifest import MANIFEST_NAME, Manifest, TargetFacts, TokenizerFacts
 from mirror_sd.version import __version__
 
 DEFAULT_TOP_K = 8
@@ -94,7 +94,7 @@ def load_causal_lm(source: str, what: str, check: Callable[[Architecture], None]
         config = AutoConfig.from_pretrained(location)
     except (OSError, ValueError) as e:
         hint = "" if local.exists() else " (not a local directory, and not loadable as a hub id)"
-        raise BadInputError(f"{what} {source!r} is not a Hugging Face model{hint}: {_first_line(e)}") from None
+        raise BadInputError(f"{what} {source!r} is not a Hugging Face model{hint}: {first_line(e)}") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise BadInputError(f"{what} {source!r} is a {config.model_type!r} model, not a causal language model")
     arch = architecture_of(config)  # raises UnsupportedArchitectureError naming the supported ones
@@ -104,12 +104,9 @@ def load_causal_lm(source: str, what: str, check: Callable[[Architecture], None]
         # eager attention: the exported mask is the explicit additive one, and parity is checked against this model
         model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, attn_implementation="eager")
     except (OSError, ValueError, RuntimeError) as e:
-        raise BadInputError(f"cannot load {what} {source!r}: {_first_line(e)}") from None
+        raise BadInputError(f"cannot load {what} {source!r}: {first_line(e)}") from None
     return LoadedModel(source, model.eval(), arch)
 
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def check_options(opts: ExportOptions, target: LoadedModel, draft: Draft) -> tuple[int, int]:
@@ -141,9 +138,12 @@ def _adapter_config(path: str) -> dict:
 
     config = Path(path).expanduser() / CONFIG_NAME
     try:
-        return json.loads(config.read_text())
+        doc = json.loads(config.read_text())
     except (OSError, ValueError) as e:
-        raise BadInputError(f"exit adapter {path!r} is not readable ({CONFIG_NAME}): {_first_line(e)}") from None
+        raise BadInputError(f"exit adapter {path!r} is not readable ({CONFIG_NAME}): {first_line(e)}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("exit_layer"), int):
+        raise BadInputError(f"exit adapter {path!r}: its {CONFIG_NAME} names no exit_layer")
+    return doc
 
 
 def _exit_head(opts: ExportOptions, target: LoadedModel) -> torch.nn.Module:
@@ -154,15 +154,10 @@ def _exit_head(opts: ExportOptions, target: LoadedModel) -> torch.nn.Module:
 
     try:
         return ExitAdapter.load(Path(opts.exit_adapter).expanduser(), backbone.norm, lm_head)
-    except (OSError, ValueError, TypeError, RuntimeError) as e:
-        raise BadInputError(f"cannot load exit adapter {opts.exit_adapter!r}: {_first_line(e)}") from None
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise BadInputError(f"cannot load exit adapter {opts.exit_adapter!r}: {first_line(e)}") from None
 
 
-def check_out_dir(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise BadInputError(f"OUT {str(out)!r} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise BadInputError(f"OUT {str(out)!r} exists and is not empty (use --force to replace it)")
 
 
 def _tokenizer_facts(source: str, model, bundle: Path, draft_source: str) -> TokenizerFacts:
@@ -171,7 +166,7 @@ def _tokenizer_facts(source: str, model, bundle: Path, draft_source: str) -> Tok
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
-        raise BadInputError(f"target {source!r} has no usable tokenizer: {_first_line(e)}") from None
+        raise BadInputError(f"target {source!r} has no usable tokenizer: {first_line(e)}") from None
     _check_draft_tokenizer(tokenizer, draft_source)
     before = set(os.listdir(bundle))
     tokenizer.save_pretrained(bundle)
@@ -203,7 +198,8 @@ def _check_draft_tokenizer(target_tokenizer, draft_source: str) -> None:
 def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) -> Manifest:
     """Write a validated bundle to `opts.out`; returns its manifest."""
     out = Path(opts.out).expanduser()
-    check_out_dir(out, opts.force)
+    inputs = [s for s in (opts.model, opts.draft, opts.exit_adapter) if s]
+    check_out(out, opts.force, MANIFEST_NAME, "bundle", inputs)
     check_weight_format(opts.draft_weights)
     check_target_dtype(opts.target_dtype)
     check_target_weights(opts.target_weights)

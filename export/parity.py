@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from mirror_sd.errors import ExportError, ParityError
+from mirror_sd.errors import ExportError, ParityError, first_line
 from mirror_sd.partitions.manifest import (
     DRAFT_HIDDEN,
     EXIT_IDS,
@@ -150,14 +150,14 @@ def sample_tokens(bundle_dir: Path, manifest: Manifest) -> Sample:
     try:
         tokenizer = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
     except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-        raise ExportError(f"the bundle's tokenizer.json cannot be read by the tokenizers library: {_one_line(e)}") \
+        raise ExportError(f"the bundle's tokenizer.json cannot be read by the tokenizers library: {first_line(e)}") \
             from None
     vocab = manifest.target.vocab_size
     special = _special_ids(tokenizer, manifest)
     try:
         encoded = [i for i in tokenizer.encode(SAMPLE_TEXT).ids if 0 <= i < vocab]
     except Exception as e:  # a tokenizer that cannot encode plain text: the vocabulary ids below still check the graphs
-        encoded, failure = [], f" (encoding failed: {_one_line(e)})"
+        encoded, failure = [], f" (encoding failed: {first_line(e)})"
     else:
         failure = ""
     ordinary = sum(i not in special for i in encoded)
@@ -190,9 +190,6 @@ def _special_ids(tokenizer, manifest: Manifest) -> set[int]:
         ids.add(tokenizer.token_to_id(unk))
     return ids
 
-
-def _one_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 class _Results:

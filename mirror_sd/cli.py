@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mirror_sd.errors import MirrorSDError
+from mirror_sd.errors import BadInputError, MirrorSDError
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES, TARGET_WEIGHT_FORMATS
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, specs
 from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION
@@ -276,6 +276,8 @@ def iter_table(plans: list[Plan], rows: int) -> list[str]:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
+    from mirror_sd.outputs import write_whole
+    from mirror_sd.partitions.package_format import PACKAGE_FILE
     from mirror_sd.partitions.plan_file import PLAN_FILE
     from mirror_sd.runtime.profile import ProfileOptions, plan_bundle
 
@@ -283,6 +285,9 @@ def _plan(args: argparse.Namespace) -> int:
     options = ProfileOptions(
         calibration=args.calibration, max_new_tokens=args.max_new_tokens, gammas=args.gammas or defaults.gammas,
         kappas=args.kappas, splits=args.splits, repeats=args.repeats, **given(args, LoadOptions))
+    if args.save and (Path(args.bundle) / PACKAGE_FILE).is_file():  # before the measuring, not after
+        raise BadInputError("--save writes a bundle's plan.json; a package's files are checked against its digests: "
+                            "plan its bundle with --save and package that again", option="save")
     report = (lambda _line: None) if args.json else (lambda line: print(line, file=sys.stderr))
     result = plan_bundle(args.bundle, options, report)
     doc = result.document
@@ -290,7 +295,7 @@ def _plan(args: argparse.Namespace) -> int:
     outs += [Path(args.bundle) / PLAN_FILE] if args.save else []
     for out in outs:
         try:
-            out.write_text(json.dumps(doc, indent=2) + "\n")
+            write_whole(out, json.dumps(doc, indent=2) + "\n")
         except OSError as e:
             raise MirrorSDError(f"cannot write {out}: {e}") from None
     if args.json:
@@ -370,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's MatMul weights: float32 (default), or int8 / int4 blocks (a decode step reads "
                         "a quarter / an eighth of the bytes; sd and mirror stay exact against the target so "
                         "compressed, and the export records how often it agrees with the float32 model)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--force", action="store_true", help="replace an earlier bundle at --out")
     p.set_defaults(func=_export)
 
     g = sub.add_parser("generate", help="generate text from a bundle (ar, sd or mirror decoding)")
@@ -401,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--tokens-per-forward", type=int, default=None,
                     help="new tokens per draft forward (default: the draft's own, 1 + streams)")
     pk.add_argument("--prefill-chunk", type=int, default=32, help="prompt tokens per prefill forward (default 32)")
-    pk.add_argument("--force", action="store_true", help="replace an existing --out")
+    pk.add_argument("--force", action="store_true", help="replace an earlier package at --out")
     pk.set_defaults(func=_package)
 
     pl = sub.add_parser("plan", help="measure a bundle and pick exit layer, k, gamma, branch budget and threads")

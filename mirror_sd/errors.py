@@ -51,3 +51,8 @@ def check_int(name: str, value: object, low: int) -> None:
     count is a mistake, never a 1."""
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise BadInputError(f"{name} must be an integer >= {low}, got {value!r}", option=name)
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line (a library's own may run to a page), or its type's name."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -6,7 +6,44 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+
+from mirror_sd.errors import BadInputError
+
+
+def check_out(out: Path, force: bool, marker: str, what: str, inputs: Iterable[str | Path] = ()) -> None:
+    """Refuse, before any work, an OUT that would fail only after it or whose replacing would lose what the user
+    gave: no name to rename to ("." or ".."), something other than a directory, a directory with files in it (with
+    `force`: anything but an earlier `what`, a directory holding `marker`), one that is or holds an input, or a
+    place where no directory can be made."""
+    if out.name in ("", ".", ".."):
+        raise BadInputError(f"OUT {str(out)!r} must name a directory to create or replace")
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"OUT {str(out)!r} exists and is not a directory")
+    check_apart(out, what, inputs)
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise BadInputError(f"OUT {str(out)!r} exists and is not empty (use --force to replace it)")
+        if not (out / marker).is_file():
+            raise BadInputError(f"OUT {str(out)!r} holds files that are not a {what}: --force replaces an earlier "
+                                f"{what} only")
+
+
+def check_apart(out: Path, what: str, inputs: Iterable[str | Path]) -> None:
+    """Refuse an OUT that is or holds one of `inputs`, or whose nearest existing folder is not writable."""
+    resolved = out.resolve()
+    for given in inputs:
+        path = Path(given).expanduser().resolve()
+        if path == resolved or resolved in path.parents:
+            raise BadInputError(f"OUT {str(out)!r} holds an input ({path}): write the {what} elsewhere")
+    ancestor = resolved.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    try:  # what the output's staging directory will need there (os.access says yes to root anywhere)
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=ancestor))
+    except OSError:
+        raise BadInputError(f"cannot create OUT {str(out)!r}: {ancestor} is not a writable directory") from None
 
 
 def staging_dir(out: Path) -> Path:
@@ -34,3 +71,14 @@ def move_into_place(staging: Path, out: Path) -> None:
         (aside / out.name).rename(out)
         raise
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write `path` whole or not at all, as a new file: a hard link to the one it replaces (a package's copy of its
+    bundle's plan.json) keeps the old contents."""
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        partial.write_text(text)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)

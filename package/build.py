@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from mirror_sd.errors import BadInputError, PackageError
-from mirror_sd.outputs import move_into_place, staging_dir
+from mirror_sd.outputs import check_apart, check_out, move_into_place, staging_dir
 from mirror_sd.package.compress import DEFAULT_GROUP_SIZE, compress_weights
 from mirror_sd.package.static_graph import make_static
 from mirror_sd.partitions.manifest import (
@@ -91,6 +91,8 @@ def package_weights(manifest: Manifest, asked: str | None) -> str:
 def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -> PackageInfo:
     """Write a validated package to `opts.out`; returns its description."""
     bundle = Path(opts.bundle).expanduser()
+    if (bundle / PACKAGE_FILE).is_file():
+        raise BadInputError(f"{str(bundle)!r} is a package already: package its bundle")
     manifest = Manifest.load(bundle)  # ManifestError: not a bundle
     weights = package_weights(manifest, opts.weights)
     device = opts.device.upper()
@@ -98,7 +100,7 @@ def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -
         raise BadInputError(f"unknown device {opts.device!r}; a package targets one of {', '.join(DEVICES)}")
     bounds = _bounds(opts, manifest)
     out = Path(opts.out).expanduser()
-    _check_out(out, opts.force)
+    _check_out(out, opts.force, bundle)
 
     staging = staging_dir(out)
     try:
@@ -135,17 +137,17 @@ def _bounds(opts: PackageOptions, manifest: Manifest) -> StaticBounds:
     return bounds
 
 
-def _check_out(out: Path, force: bool) -> None:
+def _check_out(out: Path, force: bool, bundle: Path) -> None:
     if out.suffix == ".tar":
         if out.exists() and not out.is_file():
             raise BadInputError(f"OUT {str(out)!r} exists and is not a file")
         if out.exists() and not force:
             raise BadInputError(f"OUT {str(out)!r} exists (use --force to replace it)")
+        check_apart(out, "package", [bundle])
         return
     if out.exists() and not out.is_dir():
         raise BadInputError(f"OUT {str(out)!r} exists and is not a directory (a .tar name makes an archive)")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise BadInputError(f"OUT {str(out)!r} exists and is not empty (use --force to replace it)")
+    check_out(out, force, PACKAGE_FILE, "package", [bundle])
 
 
 def _write_package(root: Path, bundle: Path, manifest: Manifest, bounds: StaticBounds, weights: str,

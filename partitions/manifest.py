@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from mirror_sd.errors import ManifestError
+from mirror_sd.errors import ManifestError, first_line
 from mirror_sd.partitions.spec import (
     KV_INTERFACES,
     ROLES,
@@ -222,8 +222,11 @@ class Manifest:
             raw = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ManifestError(f"cannot read {path}: {e}") from None
-        manifest = cls.from_dict(raw)
-        manifest.validate(bundle)
+        try:
+            manifest = cls.from_dict(raw)
+            manifest.validate(bundle)
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # a field of the wrong type
+            raise ManifestError(f"{path}: malformed: {first_line(e)}") from None
         return manifest
 
     # -- validation ------------------------------------------------------------------------------------------

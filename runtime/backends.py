@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from mirror_sd.errors import BadInputError
+from mirror_sd.errors import BadInputError, ManifestError, first_line
 from mirror_sd.partitions.spec import BACKENDS
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,12 @@ def ort_session(path: str | Path | bytes, providers: list[str] | None = None, th
     if data_folder is not None:
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(data_folder))
     source = path if isinstance(path, bytes) else str(path)
-    session = ort.InferenceSession(source, sess_options=opts, providers=usable)
+    try:
+        session = ort.InferenceSession(source, sess_options=opts, providers=usable)
+    except Exception as e:  # a truncated or damaged graph file: named, no traceback
+        if isinstance(path, bytes):
+            raise
+        raise ManifestError(f"{path}: ONNX Runtime cannot load this graph: {first_line(e)}") from None
     if session.get_providers()[0] != providers[0]:
         log.info("ONNX Runtime asked for %s, runs on %s", providers[0], session.get_providers()[0])
     return session
@@ -119,7 +124,10 @@ def open_openvino(path: str | Path, device: str | None = None, threads: int = 1,
     import openvino as ov
 
     core = ov.Core()
-    model = core.read_model(str(path), str(weights)) if weights else core.read_model(str(path))
+    try:
+        model = core.read_model(str(path), str(weights)) if weights else core.read_model(str(path))
+    except RuntimeError as e:  # a truncated or damaged graph file: named, no traceback
+        raise ManifestError(f"{path}: OpenVINO cannot read this graph: {first_line(e)}") from None
     return _compile_openvino(core, model, device, threads, cache_dir, precision)
 
 

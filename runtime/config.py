@@ -38,6 +38,7 @@ from mirror_sd.runtime.sampling import SamplingParams
 # take fewer forwards. True means "trust", False "off".
 STREAMING_MODES = ("off", "verify", "trust")
 BUILTIN_THREADS = 1  # per engine, where neither the caller nor the bundle's plan says
+MAX_THREADS = 256  # per engine: far past any core count, short of a pool that takes minutes to start
 MIRROR = "mirror."  # a wire name: the request's extension object, under the option's own name
 
 
@@ -285,7 +286,7 @@ class LoadOptions(Options):
         "prefilled on OpenVINO in bf16, on CPUs with AMX or AVX512-BF16) or float32 (an int8 or int4 target: all but "
         "a prompt's last token on its weights expanded to float32, held beside its blocks; for CPUs without VNNI or "
         "AMX): a shorter prefill, the rest on the target (runtime/prompt_graphs.py)", choices=PREFILL_PRECISIONS)
-    target_threads: int | None = option(None, "target engine threads", range=Range(1),
+    target_threads: int | None = option(None, "target engine threads", range=Range(1, MAX_THREADS),
                                         none=f"the bundle's plan, else {BUILTIN_THREADS}")
     target_spinning: bool | None = option(None, "whether ONNX Runtime's idle target threads spin",
                                           none="ONNX Runtime's default", cli=False)
@@ -299,7 +300,7 @@ class LoadOptions(Options):
     draft_device: str | None = option(
         None, "a device of the draft's backend (one that is absent is refused, listing those available)",
         none="NPU, else CPU; a package: its intended device where present, else CPU")
-    draft_threads: int | None = option(None, "draft engine threads", range=Range(1),
+    draft_threads: int | None = option(None, "draft engine threads", range=Range(1, MAX_THREADS),
                                        none=f"the bundle's plan, else {BUILTIN_THREADS}")
     max_context: int | None = option(
         None, "the target's KV buffers in positions; a generation that would not fit is refused before any "

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mirror_sd.errors import PackageError
+from mirror_sd.errors import PackageError, first_line
 from mirror_sd.partitions.package_format import PACKAGE_FILE, PackageInfo, check_member_name
 
 
@@ -81,4 +81,4 @@ def _extract_checked(tar_path: Path, dest: Path) -> None:
                     shutil.copyfileobj(src, f, 1 << 20)
     except (tarfile.TarError, OSError, EOFError) as e:
         raise PackageError(f"cannot read package {str(tar_path)!r} (not a package directory or .tar): "
-                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                           f"{first_line(e)}") from None

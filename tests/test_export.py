@@ -181,20 +181,28 @@ def _unsupported_model(root: Path) -> Path:
     return path
 
 
-def test_non_empty_out_is_refused_and_kept_unless_forced(tmp_path, capsys, pair_factory):
+def test_non_empty_out_is_refused_and_kept_and_force_replaces_only_a_bundle(tmp_path, capsys, pair_factory):
     target, draft = pair_factory("llama")
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("mine")
     code, err = _export_cli(capsys, target, draft, out)
     assert code == 2 and "not empty" in err and "--force" in err
+    code, err = _export_cli(capsys, target, draft, out, "--force")  # the user's files, not an earlier bundle
+    assert code == 2 and "not a bundle" in err
     assert (out / "precious.txt").read_text() == "mine"
+    for bad, message in ((Path(target), "holds an input"), (Path("."), "must name a directory"),
+                         (Path("/proc/nope/bundle"), "not a writable directory")):
+        code, err = _export_cli(capsys, target, draft, bad, "--force")
+        assert code == 2 and message in err, err
 
-    code, _ = _export_cli(capsys, target, draft, out, "--force")
-    assert code == 0
-    assert not (out / "precious.txt").exists()
-    Manifest.load(out)
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    bundle = tmp_path / "bundle"
+    assert _export_cli(capsys, target, draft, bundle)[0] == 0
+    (bundle / "stale.txt").write_text("from an older export")
+    code, _ = _export_cli(capsys, target, draft, bundle, "--force")  # an earlier bundle: replaced whole
+    assert code == 0 and not (bundle / "stale.txt").exists()
+    Manifest.load(bundle)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out.", ".bundle."))]
 
 
 def test_failed_parity_leaves_no_half_written_bundle(tmp_path, pair_factory, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from mirror_sd.errors import BadInputError, PackageError
+from mirror_sd.outputs import write_whole
 from mirror_sd.package.build import PackageOptions, build_package
 from mirror_sd.partitions.package_format import PACKAGE_FILE, PackageInfo
 from mirror_sd.runtime.engines import open_engine
@@ -230,7 +232,29 @@ def test_build_refusals_leave_nothing_behind(built, tmp_path):
         build_package(PackageOptions(bundle=bundle, out=built["small"]), **QUIET)
     with pytest.raises(BadInputError, match="exists"):
         build_package(PackageOptions(bundle=bundle, out=built["tar"]), **QUIET)
+    with pytest.raises(BadInputError, match="is a package already"):
+        build_package(PackageOptions(bundle=built["small"], out=tmp_path / "out"), **QUIET)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(BadInputError, match="not a package"):  # --force replaces an earlier package only
+        build_package(PackageOptions(bundle=bundle, out=mine, force=True), **QUIET)
+    assert (mine / "notes.txt").read_text() == "mine"
+    with pytest.raises(BadInputError, match="holds an input"):
+        build_package(PackageOptions(bundle=bundle, out=bundle, force=True), **QUIET)
+    shutil.rmtree(mine)
     assert list(tmp_path.iterdir()) == []  # no OUT, no staging directory
+
+
+def test_a_saved_plan_is_a_new_file_and_a_package_linked_to_the_old_keeps_it(tmp_path):
+    """`mirror-sd plan --save` writes plan.json whole, as a new file: a package whose build hard-linked the bundle's
+    (it links the files it takes unchanged) keeps its own, which its digests cover."""
+    bundle_plan, package_plan = tmp_path / "plan.json", tmp_path / "package-plan.json"
+    bundle_plan.write_text("old")
+    os.link(bundle_plan, package_plan)
+    write_whole(bundle_plan, "new")
+    assert (bundle_plan.read_text(), package_plan.read_text()) == ("new", "old")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["package-plan.json", "plan.json"]
 
 
 # -- CLI -------------------------------------------------------------------------------------------------------
@@ -261,7 +285,18 @@ def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
     small = str(built["small"])
     garbage = tmp_path / "garbage.tar"
     garbage.write_text("not an archive")
+    truncated = _copy(built["streaming"], tmp_path / "truncated")
+    graph = truncated / "target_prefix.onnx"
+    graph.write_bytes(graph.read_bytes()[:graph.stat().st_size // 2])
+    typed = _copy(built["streaming"], tmp_path / "typed")
+    doc = json.loads((typed / "manifest.json").read_text())
+    doc["target"]["num_layers"] = str(doc["target"]["num_layers"])
+    (typed / "manifest.json").write_text(json.dumps(doc))
     cases = [
+        (["generate", str(truncated), "--prompt-ids", "5"], "cannot load this graph"),
+        (["generate", str(typed), "--prompt-ids", "5"], "malformed"),
+        (["package", small, "--out", str(tmp_path / "x")], "is a package already"),
+        (["plan", small, "--save"], "--save writes a bundle's plan.json"),
         (["generate", str(garbage), "--prompt-ids", "5"], "cannot read package"),
         (["generate", small, "--prompt-ids", ",".join(["5"] * 9)], "MAX_PROMPT"),
         (["generate", small, "--prompt-ids", "5,6", "--max-new-tokens", "39"], "MAX_CONTEXT"),
