@@ -14,14 +14,12 @@ gates starting from the bundle plan's (as the server's do), arms rotated in one 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
-from batched_windows_ab import arguments
-from slot_packing_ab import flush
+from batched_windows_ab import arguments, by_clients
+from slot_packing_ab import flush, write_results
 
 from mirror_sd.bench import serving
-from mirror_sd.bench.machine import describe_machine
 from mirror_sd.runtime.gate import SpeculationGate
 from mirror_sd.runtime.pipeline import Pipeline
 
@@ -96,21 +94,8 @@ def main() -> None:
                 runs.append(run)
                 print(json.dumps({k: v for k, v in run.items() if k != "token_ids"}), flush=True)
     pipe.close()
-    summary = {}
-    for clients in sorted({x["clients"] for x in runs}):
-        arms = {a: [x for x in runs if x["clients"] == clients and x["arm"] == a] for a in ARMS}
-        reference = arms["ar"][0]["token_ids"]
-        median = {a: statistics.median(x["tokens_per_s"] for x in xs) for a, xs in arms.items()}
-        summary[f"{clients} clients"] = {
-            "tokens_per_s_median": median, "over_ar": {a: round(median[a] / median["ar"], 3) for a in ARMS},
-            "window_steps_median": {a: statistics.median(x["window_steps"] for x in xs) for a, xs in arms.items()},
-            "outputs_differing_from_ar": sum(ids != ref for xs in arms.values() for x in xs
-                                             for ids, ref in zip(x["token_ids"], reference))}
-    doc = {"question": "does charging the batching engine's gate with the rows' draft catch-up keep mirror at batch "
-                       "> 1 from running slower than ar?",
-           "bundle": args.bundle, "machine": describe_machine(), "summary": summary,
-           "runs": [{k: v for k, v in x.items() if k != "token_ids"} for x in runs]}
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(args.out, "does charging the batching engine's gate with the rows' draft catch-up keep mirror at "
+                  "batch > 1 from running slower than ar?", args.bundle, by_clients(runs, ARMS), runs)
 
 
 if __name__ == "__main__":

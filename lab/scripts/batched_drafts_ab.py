@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from batched_windows_ab import arguments, point, summarise
+from batched_windows_ab import arguments, by_clients, point
+from slot_packing_ab import write_results
 
 from mirror_sd.bench import serving
-from mirror_sd.bench.machine import describe_machine
 from mirror_sd.runtime import batching
 from mirror_sd.runtime.pipeline import Pipeline
 
@@ -48,15 +48,9 @@ def main() -> None:
     batching.BatchEngine._row_draft = row_draft
     window_rows = pipe.engine().batch.window_rows
     pipe.close()
-    summary = {f"{clients} clients": summarise({a: [x for x in runs if x["clients"] == clients and x["arm"] == a]
-                                                for a in ARMS})
-               for clients in sorted({x["clients"] for x in runs})}
-    doc = {"question": "do greedy mirror rows at batch > 1 gain from windows of their own drafts, beside windows "
-                       "copied from their texts, and does every output stay the ar one?",
-           "bundle": args.bundle, "kinds": sorted(kinds) or ["all"], "window_rows": window_rows,
-           "machine": describe_machine(), "summary": summary,
-           "runs": [{k: v for k, v in x.items() if k != "token_ids"} for x in runs]}
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(args.out, "do greedy mirror rows at batch > 1 gain from windows of their own drafts, beside windows "
+                  "copied from their texts, and does every output stay the ar one?", args.bundle,
+                  by_clients(runs, tuple(ARMS)), runs, kinds=sorted(kinds) or ["all"], window_rows=window_rows)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,9 @@ import statistics
 import time
 from pathlib import Path
 
-from slot_packing_ab import flush
+from slot_packing_ab import flush, write_results
 
 from mirror_sd.bench import serving
-from mirror_sd.bench.machine import describe_machine
 from mirror_sd.runtime.pipeline import Pipeline
 
 MODES = ("ar", "lookup", "mirror")
@@ -69,6 +68,13 @@ def summarise(arms: dict[str, list[dict]]) -> dict:
                                              for t, ref in zip(x["token_ids"], reference))}
 
 
+def by_clients(runs: list[dict], arms: tuple[str, ...]) -> dict:
+    """`summarise` of each count of clients' runs, by arm (a run's "arm")."""
+    return {f"{clients} clients": summarise({a: [x for x in runs if x["clients"] == clients and x["arm"] == a]
+                                             for a in arms})
+            for clients in sorted({x["clients"] for x in runs})}
+
+
 def arguments() -> argparse.ArgumentParser:
     """The bundle, --out, --rounds and --clients: what the batched A/B scripts share."""
     parser = argparse.ArgumentParser()
@@ -100,12 +106,9 @@ def main() -> None:
     for series in sorted({(tuple(x["kinds"]), x["clients"]) for x in runs}):
         arms = {m: [x for x in runs if (tuple(x["kinds"]), x["clients"]) == series and x["mode"] == m] for m in MODES}
         summary[f"{'+'.join(series[0])} @ {series[1]} clients"] = summarise(arms)
-    doc = {"question": "do rows verifying windows copied from their texts in one step (up to window_rows rows) beat "
-                       "plain batched steps, and does every output stay the ar one?",
-           "bundle": args.bundle, "window_rows": window_rows, "machine": describe_machine(),
-           "summary": summary,
-           "runs": [{k: v for k, v in x.items() if k != "token_ids"} for x in runs]}
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(args.out, "do rows verifying windows copied from their texts in one step (up to window_rows rows) "
+                  "beat plain batched steps, and does every output stay the ar one?", args.bundle, summary, runs,
+                  window_rows=window_rows)
 
 
 if __name__ == "__main__":

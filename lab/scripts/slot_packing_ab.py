@@ -21,6 +21,14 @@ from mirror_sd.runtime.pipeline import Pipeline
 PACK = BatchEngine._pack
 
 
+def write_results(out: str, question: str, bundle: str, summary: dict, runs: list[dict], **facts) -> None:
+    """A batched A/B's results file: its question, bundle and other facts, the machine, the summary and every run
+    (their token ids left out)."""
+    doc = {"question": question, "bundle": bundle, **facts, "machine": describe_machine(), "summary": summary,
+           "runs": [{k: v for k, v in x.items() if k != "token_ids"} for x in runs]}
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def flush(pipe: Pipeline, tag: str) -> None:
     """Every slot's cached prompt replaced, as the benchmark's flush does."""
     engine = pipe.engine()
@@ -99,11 +107,8 @@ def main() -> None:
             "decode_s_median": {("packed" if p else "fillers"): statistics.median(x["decode_s"] for x in a)
                                 for p, a in arms.items()},
             "every_output_identical_across_arms": same}
-    doc = {"question": "does keeping the running requests in the lowest KV slots (swapping slot contents as they come "
-                       "and go) beat filler rows bridging the gaps?",
-           "bundle": args.bundle, "machine": describe_machine(), "summary": summary,
-           "runs": [{k: v for k, v in x.items() if k != "token_ids"} for x in runs]}
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(args.out, "does keeping the running requests in the lowest KV slots (swapping slot contents as they "
+                  "come and go) beat filler rows bridging the gaps?", args.bundle, summary, runs)
 
 
 if __name__ == "__main__":
