@@ -255,8 +255,10 @@ class BatchEngine:
                     self._retire(row, error=e)
         for row in list(self._rows):
             self._retire(row, error=EngineClosed("the engine stopped"))
-        while self._waiting:
-            self._waiting.popleft()._emit(Finished(None, EngineClosed("the engine stopped")))
+        with self._wake:  # `waiting` reads the queue from other threads
+            left, self._waiting = list(self._waiting), deque()
+        for request in left:
+            request._emit(Finished(None, EngineClosed("the engine stopped")))
 
     def _step(self) -> None:
         self._drop_cancelled()

@@ -128,11 +128,15 @@ class Generations:
         why = None  # why it was stopped early, if it was
         try:
             while True:
-                timeout = job.deadline - time.monotonic()
                 try:
-                    event = await asyncio.wait_for(request.next_event(), timeout=max(timeout, 0.0)) \
-                        if why is None else await request.next_event()
-                except asyncio.TimeoutError:
+                    if why is None:
+                        # not wait_for: on Python 3.11 it returns a result that came as the caller was cancelled,
+                        # and a client gone would leave its generation running
+                        async with asyncio.timeout(max(job.deadline - time.monotonic(), 0.0)):
+                            event = await request.next_event()
+                    else:
+                        event = await request.next_event()
+                except TimeoutError:
                     why = "deadline"
                     request.cancel()
                     self.metrics.cancelled.labels("deadline").inc()
