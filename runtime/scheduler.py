@@ -430,7 +430,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # Where the gate learned that the target alone is faster at this length, the draft does not read the prompt
     # now: beside the first steps it would slow them, for windows that are not wanted. A step the gate later tries
     # speculatively reads what it needs first (fresh_window's catch-up).
-    warm = worker is not None and len(prompt) <= draft_context and not policy.prefers_alone(len(prompt) + 1)
+    # nor where the prefill's token is the only one asked for (its reading would only hold up the next generation)
+    warm = (worker is not None and len(prompt) <= draft_context and not policy.prefers_alone(len(prompt) + 1)
+            and cfg.max_new_tokens > 1)
     alongside = reads_prompt_alongside(warm_with_prefill, isinstance(drafter, FeatureDrafter))
     warmed = None  # the ticket of the draft's reading of the prompt
     if warm and alongside:  # the draft reads the prompt while the target does

@@ -52,6 +52,16 @@ def test_prompt_forms_and_streaming(pipe):
     assert [c.token_id for c in stream] == result.token_ids and stream.result.token_ids == result.token_ids
 
 
+def test_a_one_token_generation_leaves_the_draft_alone(pipe):
+    """The prefill gives the only token asked for: the draft does not read the prompt (a reading nobody uses, which
+    the next generation would wait for)."""
+    want = pipe.generate(PROMPT, mode="ar", max_new_tokens=1).token_ids
+    for mode in ("sd", "mirror"):
+        forwards = pipe.draft.forwards
+        assert pipe.generate(PROMPT, mode=mode, max_new_tokens=1).token_ids == want
+        assert pipe.draft.forwards == forwards
+
+
 def test_stops_at_eos_stop_string_and_length(pipe):
     full = pipe.generate(PROMPT, mode="ar", max_new_tokens=30)
     assert full.finish_reason == "length" and len(full.token_ids) == 30
