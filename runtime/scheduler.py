@@ -296,7 +296,15 @@ class _Decoder:
             answer = self.worker.wait(ticket, self.cfg.draft_timeout_s)
         if answer is None:
             self.counts.draft_timeouts += 1
+        self.forget_if_failed(answer)
         return answer
+
+    def forget_if_failed(self, answer: Answer | None) -> None:
+        """A failed request reset the drafter's caches (_serve): its next window reads the context first, as after
+        a prompt, instead of feeding all of it in one request (a package's static graphs take a prompt chunk at a
+        time, and refused that on every later step)."""
+        if isinstance(answer, DraftFailed):
+            self.draft_seen = 0
 
     def speculative_step(self, ctx: list[int], window: DraftWindow, copied: bool = False, branches: bool = True
                          ) -> tuple[tuple[int, ...], Scores, DraftWindow | None]:
@@ -465,7 +473,10 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
         if drafting and len(ctx) + gamma > draft_context:
             rec.counts.draft_context_steps += 1
             gamma, drafting = 0, False
-        draft_ready = draft_ready or worker.poll(warmed) is not None
+        if not draft_ready and warmed is not None:
+            answer = worker.poll(warmed)
+            dec.forget_if_failed(answer)
+            draft_ready = answer is not None
         # 1. choose
         copied = copies.propose(ctx, remaining - 1) if copies is not None else None
         step = policy.choose(len(ctx), copied is not None, drafting, draft_ready)

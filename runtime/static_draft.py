@@ -132,9 +132,10 @@ class StaticDraftEngine(DraftEngine):
             parts = []
             for start in range(0, width, graph.tokens):
                 cols = slice(start, min(start + graph.tokens, width))
-                if group_own.slots + (cols.stop - cols.start) > graph.own_slots:
+                # the graph takes the row's own past (own_slots) and the chunk's tokens in inputs of their own
+                if group_own.slots > graph.own_slots:
                     group_own = _compacted(group_own)
-                    if group_own.slots + (cols.stop - cols.start) > graph.own_slots:
+                    if group_own.slots > graph.own_slots:
                         raise PackageError(f"a draft row holds {group_own.slots} own tokens; the package's static "
                                            f"graphs take {graph.own_slots}: its bounds were exceeded")
                 part = None if channel is None else {k: v[rows, cols] for k, v in channel.items()}

@@ -246,6 +246,39 @@ def test_build_refusals_leave_nothing_behind(built, tmp_path):
     assert list(tmp_path.iterdir()) == []  # no OUT, no staging directory
 
 
+def test_a_prompt_chunk_wider_than_the_rows_own_past_still_drafts(built, tmp_path):
+    """The static graphs take a row's own past and a chunk's tokens in inputs of their own: a package whose prompt
+    chunk is wider than its own past (a small max_gamma) reads a long prompt and drafts, exact, as its bundle."""
+    pkg = _build(built["streaming"], tmp_path / "narrow", weights="fp32", max_gamma=1, max_prompt=48, max_context=64)
+    info = PackageInfo.load(pkg)
+    assert info.bounds.prefill_chunk > info.bounds.own_slots
+    prompt = [5 + (7 * i) % 90 for i in range(info.bounds.prefill_chunk + 8)]
+    want = Pipeline.load(built["streaming"]).generate(prompt, mode="ar", max_new_tokens=12).token_ids
+    out = Pipeline.load(pkg).generate(prompt, mode="sd", max_new_tokens=12, gamma=1)
+    assert out.token_ids == want
+    assert out.stats["draft_failures"] == 0 and out.stats["draft_graph_forwards"] > 0
+
+
+def test_a_static_draft_drafts_again_after_a_failure(built):
+    """A draft failure resets the drafter's caches: its next window reads the context a prompt chunk at a time, as
+    after a prompt, rather than all of it in one request, which the static graphs refused on every later step."""
+    pipe = Pipeline.load(built["streaming_fp16"])
+    prompt = [5 + (7 * i) % 90 for i in range(90)]
+    want = Pipeline.load(built["streaming"]).generate(prompt, mode="ar", max_new_tokens=30).token_ids
+    run, calls = pipe.draft.run, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected draft failure")
+        return run(*args, **kwargs)
+
+    pipe.draft.run = fails_once
+    out = pipe.generate(prompt, mode="sd", max_new_tokens=30, adaptive_speculation=False, overlap=False)
+    assert out.token_ids == want
+    assert out.stats["draft_failures"] == 1 and out.stats["fresh_rollouts"] >= 3
+
+
 def test_a_saved_plan_is_a_new_file_and_a_package_linked_to_the_old_keeps_it(tmp_path):
     """`mirror-sd plan --save` writes plan.json whole, as a new file: a package whose build hard-linked the bundle's
     (it links the files it takes unchanged) keeps its own, which its digests cover."""
