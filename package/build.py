@@ -224,7 +224,9 @@ def _static_spec(spec: PartitionSpec, graph: DraftGraph, bounds: StaticBounds, d
 
 def _check_static_draft(root: Path, bundle: Path, draft_file: str, graph: DraftGraph, bounds: StaticBounds,
                         weights: str, report: Callable[[str], None]) -> None:
-    """Run the static prefill graph and the bundle's dynamic draft on the same tokens (OpenVINO CPU): with fp32
+    """Run the static prefill graph and the bundle's dynamic draft on the same tokens (OpenVINO CPU), after an empty
+    context and after a context lane filled near its end (where the static graph's padded slots sit between the
+    lane and the new tokens: a sliding window that measures by slot index sees another context there): with fp32
     weights the logits must agree within the export's tolerance; compressed weights are reported, not judged."""
     import openvino as ov
 
@@ -257,16 +259,37 @@ def _check_static_draft(root: Path, bundle: Path, draft_file: str, graph: DraftG
         feed_d.update(channel)
         feed_s.update(channel)
     feed_d[KEEP] = np.array([n], np.int64)  # the dynamic graph's heads on every token, as the static graph's
-    want = np.array(dynamic(feed_d)[dynamic.output("logits")])
-    got = np.array(static(feed_s)[static.output("logits")])
-    diff = float(np.abs(got - want).max())
-    agree = float((got.argmax(-1) == want.argmax(-1)).mean())
-    if not np.isfinite(got).all():
-        raise PackageError("the static draft graph gives non-finite logits")
-    if weights == "fp32" and diff > PARITY_ATOL + PARITY_RTOL * float(np.abs(want).max()):
-        raise PackageError(f"the static draft graph differs from the bundle's draft by {diff:.2e} (fp32 weights)")
-    report(f"draft check: static {weights} vs bundle fp32 on {n} tokens: max |logit diff| {diff:.2e}, "
-           f"argmax agreement {agree:.2f}")
+    first = dynamic(feed_d)
+    runs = [(np.array(first[dynamic.output("logits")]), np.array(static(feed_s)[static.output("logits")]))]
+    # the lane filled with the context a prompt of kv_length - n tokens leaves, then the same n tokens after it
+    m = bounds.kv_length - n
+    if m > 0 and not taps:
+        lane = dict(feed_d, input_ids=(np.arange(m, dtype=np.int64)[None] * 5 + 1) % 200,
+                    position_ids=np.arange(m, dtype=np.int64)[None], attention_mask=np.ones((1, m), np.int64),
+                    **{KEEP: np.array([1], np.int64)})
+        out = dynamic(lane)
+        after_d = dict(feed_d, position_ids=np.arange(m, m + n, dtype=np.int64)[None],
+                       shared_mask=np.ones((1, m), np.int64))
+        after_s = dict(feed_s, position_ids=after_d["position_ids"],
+                       shared_mask=np.concatenate([np.ones((1, m), np.int64), np.zeros((1, n), np.int64)], 1))
+        for port in dynamic.inputs:
+            name = port.get_any_name()
+            if name.startswith("shared_key_values."):  # shared_key_values.{i}.key <- present.{i}.key
+                kv = np.array(out[dynamic.output(name.replace("shared_key_values.", "present."))])
+                after_d[name] = kv
+                after_s[name] = np.concatenate([kv, np.zeros(kv.shape[:2] + (n,) + kv.shape[3:], kv.dtype)], 2)
+        runs.append((np.array(dynamic(after_d)[dynamic.output("logits")]),
+                     np.array(static(after_s)[static.output("logits")])))
+    for (want, got), where in zip(runs, ("an empty context", f"{m} tokens of context")):
+        diff = float(np.abs(got - want).max())
+        agree = float((got.argmax(-1) == want.argmax(-1)).mean())
+        if not np.isfinite(got).all():
+            raise PackageError("the static draft graph gives non-finite logits")
+        if weights == "fp32" and diff > PARITY_ATOL + PARITY_RTOL * float(np.abs(want).max()):
+            raise PackageError(f"the static draft graph differs from the bundle's draft by {diff:.2e} after {where} "
+                               "(fp32 weights; a sliding window shorter than the package's context is not supported)")
+        report(f"draft check: static {weights} vs bundle fp32 on {n} tokens after {where}: max |logit diff| "
+               f"{diff:.2e}, argmax agreement {agree:.2f}")
 
 
 def manifest_taps(bundle: Path) -> int:

@@ -279,6 +279,23 @@ def test_a_static_draft_drafts_again_after_a_failure(built):
     assert out.stats["draft_failures"] == 1 and out.stats["fresh_rollouts"] >= 3
 
 
+def test_a_draft_whose_sliding_window_the_static_graphs_would_misplace_is_refused(tmp_path):
+    """The static graphs hold the context lane and a padded own past before the new tokens: a sliding window that
+    measures by slot index would see another context than the bundle's draft (it drafted nothing useful). The build
+    compares the two after a filled lane and refuses, leaving nothing behind."""
+    from mirror_sd.export.bundle import ExportOptions, export_bundle
+    from mirror_sd.models.tiny import make_pair
+
+    target, _ = make_pair(tmp_path / "pair", "mistral", sliding_window=4)
+    bundle = tmp_path / "bundle"
+    export_bundle(ExportOptions(model=str(target), draft=str(target), out=str(bundle), exit_layer=3,
+                                draft_weights="float32"), report=lambda *_: None)
+    with pytest.raises(PackageError, match="sliding window"):
+        build_package(PackageOptions(bundle=bundle, out=tmp_path / "out", weights="fp32", max_prompt=64,
+                                     max_context=128), **QUIET)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "pair"]
+
+
 def test_a_saved_plan_is_a_new_file_and_a_package_linked_to_the_old_keeps_it(tmp_path):
     """`mirror-sd plan --save` writes plan.json whole, as a new file: a package whose build hard-linked the bundle's
     (it links the files it takes unchanged) keeps its own, which its digests cover."""
