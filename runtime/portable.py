@@ -29,13 +29,11 @@ from mirror_sd.partitions.spec import (
     TOTAL_LENGTH,
     past_key_name,
     past_value_name,
-    present_key_name,
-    present_value_name,
     shared_key_name,
     shared_value_name,
 )
 from mirror_sd.runtime.backends import open_openvino, open_openvino_model
-from mirror_sd.runtime.target import Boundary, Target
+from mirror_sd.runtime.target import Boundary, Target, kv_pairs
 
 POSITIONS = "position_ids"
 _NEG = float(np.finfo(np.float32).min)
@@ -237,9 +235,8 @@ class OpenVINOTarget(Target):
                 feed[shared] = self.buffers[past][:, :, :start]
         feed.update(extra or {})
         out = self._graphs[role].run(feed)
-        for i in self._layers[role]:  # the new positions' KV into the buffers
-            self.buffers[past_key_name(i)][:, :, start:start + new] = out[present_key_name(i)]
-            self.buffers[past_value_name(i)][:, :, start:start + new] = out[present_value_name(i)]
+        for past, present in kv_pairs(self._layers[role]):  # the new positions' KV into the buffers
+            self.buffers[past][:, :, start:start + new] = out[present]
         # the request reuses its output memory on the next call: keep copies of the head outputs
         return {name: np.array(a) for name, a in out.items() if not name.startswith("present.")}
 

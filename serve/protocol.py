@@ -210,8 +210,7 @@ class CompletionRequest(Sampling, fields_model(COMPLETION)):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v: Any) -> Any:
-        several = isinstance(v, list) and bool(v) and not isinstance(v[0], int)
-        prompts = v if several else [v]
+        prompts = _split(v)
         if not v or not all(prompts):
             raise ValueError("the prompt is empty")
         if len(prompts) > MAX_PROMPTS:
@@ -220,8 +219,13 @@ class CompletionRequest(Sampling, fields_model(COMPLETION)):
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string or token-id list, or each of several."""
-        several = isinstance(self.prompt, list) and not isinstance(self.prompt[0], int)
-        return list(self.prompt) if several else [self.prompt]
+        return _split(self.prompt)
+
+
+def _split(prompt: str | list) -> list[str | list[int]]:
+    """A `prompt` field's prompts: several where it is a list of strings or of id lists, else the one."""
+    several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    return list(prompt) if several else [prompt]
 
 
 # the members of a union field pydantic names in an error's location ("stop.list[str]"): not request fields
