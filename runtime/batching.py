@@ -36,7 +36,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -51,7 +51,7 @@ from mirror_sd.runtime.proposers import PromptLookup, Proposer
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.row_drafts import RowDraft
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
-from mirror_sd.runtime.stats import GenerationStats, Recorder
+from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import PREFILL_CHUNK, OrtTarget, ort_device, prompt_chunk_end
 from mirror_sd.runtime.text import TextSink
 from mirror_sd.runtime.verify import greedy_accept
@@ -291,7 +291,7 @@ class BatchEngine:
                 self._waiting = deque(r for r in self._waiting if not r.cancelled)
         for request in gone:
             cfg = request.config
-            stats = self._stats(cfg, Recorder(cfg.trace), new_tokens=0, ttft_s=0.0, wall_s=0.0,
+            stats = self.pipe.finish_stats(cfg, Recorder(cfg.trace), new_tokens=0, ttft_s=0.0, wall_s=0.0,
                                 queue_s=time.perf_counter() - request.submitted)
             request._emit(Finished(GenerationResult([], "", stats, "cancelled",
                                                     () if cfg.logprobs is not None else None)))
@@ -658,15 +658,10 @@ class BatchEngine:
         wall = time.perf_counter() - row.admitted
         # a batched step counts once per token it gives the row, the one that ends the prompt included, as the
         # first step of a generation alone (its prefill) does
-        stats = self._stats(cfg, row.rec, new_tokens=new, ttft_s=row.first_token_s, wall_s=wall,
+        stats = self.pipe.finish_stats(cfg, row.rec, new_tokens=new, ttft_s=row.first_token_s, wall_s=wall,
                             queue_s=row.admitted - row.request.submitted, cached_prompt_tokens=row.cached,
                             batched_steps=len(row.batch_rows),
                             mean_batch_size=sum(row.batch_rows) / len(row.batch_rows) if row.batch_rows else 1.0)
         return GenerationResult(row.context[row.prompt_len:], row.sink.text, stats, reason,
                                 tuple(row.scores) if cfg.logprobs is not None else None)
 
-    def _stats(self, cfg: GenerationConfig, rec: Recorder, **counts: Any) -> GenerationStats:
-        return rec.finish(mode=cfg.mode, gamma=cfg.gamma if cfg.mode in DRAFT_MODES else 0,
-                          kappa=(cfg.kappa or 0) if cfg.mode == "mirror" else 0,
-                          target_device=self.pipe.target.device, draft_device=self.pipe.draft.device,
-                          draft_engine=self.pipe.draft.describe(), **counts)

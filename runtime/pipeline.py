@@ -46,7 +46,7 @@ from mirror_sd.runtime.machine import plan_note
 from mirror_sd.runtime.package_reader import OpenedPackage, is_package, open_package
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.scheduler import DraftWorker, decode, reads_prompt_alongside
-from mirror_sd.runtime.stats import Recorder
+from mirror_sd.runtime.stats import GenerationStats, Recorder
 from mirror_sd.runtime.target import KVView, Target, open_target
 from mirror_sd.runtime.text import TextCodec, TextSink
 
@@ -322,12 +322,18 @@ class Pipeline:
         wall = time.perf_counter() - start
         # which draft graph ran, and how often: a package's stats show its static IR at work
         draft_engine = {**self.draft.describe(), "draft_graph_forwards": self.draft.forwards - draft_forwards}
-        stats = rec.finish(mode=cfg.mode, gamma=cfg.gamma if cfg.mode in DRAFT_MODES else 0,
-                           kappa=cfg.kappa if cfg.mode == "mirror" else 0, new_tokens=len(sink.ids), ttft_s=ttft,
-                           wall_s=wall, target_device=self.target.device, draft_device=self.draft.device,
-                           draft_engine=draft_engine)
+        stats = self.finish_stats(cfg, rec, draft_engine, new_tokens=len(sink.ids), ttft_s=ttft, wall_s=wall)
         return GenerationResult(list(sink.ids), sink.text, stats, sink.finish_reason or "length",
                                 tuple(scores) if cfg.logprobs is not None else None)
+
+    def finish_stats(self, cfg: GenerationConfig, rec: Recorder, draft_engine: dict[str, Any] | None = None,
+                     **counts: Any) -> GenerationStats:
+        """A generation's stats from its recorder, with the settings and devices it ran on (draft_engine: the
+        draft's description, by default without its forward count)."""
+        return rec.finish(mode=cfg.mode, gamma=cfg.gamma if cfg.mode in DRAFT_MODES else 0,
+                          kappa=(cfg.kappa or 0) if cfg.mode == "mirror" else 0, target_device=self.target.device,
+                          draft_device=self.draft.device, draft_engine=draft_engine or self.draft.describe(),
+                          **counts)
 
     def _threaded(self, cfg: GenerationConfig, fits: bool) -> bool:
         """Whether this generation's draft gets a thread of its own: where it can work while the target does (a
