@@ -219,7 +219,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     float32_target = None
     if opts.target_weights != FLOAT32:  # the graphs are exported, and proved, from the weights as compressed
         float32_target = target.model
-        target = replace(target, model=on_block_grid(target.model, opts.target_weights, target.arch.lm_head))
+        target = replace(target, model=on_block_grid(target.model, opts.target_weights, target.arch))
 
     staging = staging_dir(out)
     try:

@@ -234,6 +234,18 @@ def _head_layout(arch: Architecture, facts: ModelFacts) -> _HeadLayout:
     return _HeadLayout(size, facts.head_dim)
 
 
+def padded_inputs(model, arch: Architecture) -> dict[torch.nn.Module, tuple[np.ndarray, int]]:
+    """Each Linear of the target whose input axis the graphs pad (the attention output projections, where heads are
+    padded): the index of each of its inputs in the graphs' axis, and that axis's width. Its weights are rounded onto
+    a block grid in that layout (export/target_weights.py), since the graph's blocks run along it."""
+    size = arch.facts()["head_dim"]
+    layout, heads = _HeadLayout(size, kv_head_dim(size)), arch.facts()["num_attention_heads"]
+    if layout.padded == size:
+        return {}
+    slots = layout.slots(heads, rotary=False)
+    return {layer.self_attn.o_proj: (slots, heads * layout.padded) for layer in arch.backbone(model).layers}
+
+
 def _check_layer(layer, arch: Architecture) -> None:
     act = getattr(layer.mlp, "act_fn", None)
     if type(act).__name__ not in ("SiLU", "SiLUActivation"):

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from mirror_sd.errors import BadInputError
+from mirror_sd.export.architectures import Architecture
+from mirror_sd.export.target_graphs import padded_inputs
 from mirror_sd.export.weight_blocks import BLOCK_SIZE, at_accuracy_level, block_quantized, quantize_matmuls
 from mirror_sd.partitions.manifest import (
     MANIFEST_NAME,
@@ -56,19 +57,28 @@ def check_target_weights(value: str) -> str:
     return value
 
 
-def on_block_grid(model: torch.nn.Module, weights: str,
-                  lm_head: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
-    """A copy of `model` whose every Linear weight is rounded onto `weights`' block grid, its LM head (`lm_head` of
-    the model) onto lm_head_bits'. A Linear that shares its weight with an embedding (a tied LM head) gets a parameter
-    of its own: the embedding's rows stay float32."""
+def on_block_grid(model: torch.nn.Module, weights: str, arch: Architecture) -> torch.nn.Module:
+    """A copy of `model` whose every Linear weight is rounded onto `weights`' block grid, its LM head onto
+    lm_head_bits', each along its input axis as the target graphs lay it out (padded heads: `padded_inputs`). A
+    Linear that shares its weight with an embedding (a tied LM head) gets a parameter of its own: the embedding's rows
+    stay float32."""
     check_target_weights(weights)
     rounded = copy.deepcopy(model)
-    head = lm_head(rounded)
+    head = arch.lm_head(rounded)
+    padded = padded_inputs(rounded, arch)
     with torch.no_grad():
         for module in rounded.modules():
             if isinstance(module, torch.nn.Linear):
                 bits = lm_head_bits(weights) if module is head else BITS[weights]
-                module.weight = torch.nn.Parameter(block_quantized(module.weight, bits), requires_grad=False)
+                w = module.weight
+                if module in padded:  # rounded with the zeros the graph puts between its inputs
+                    slots, width = padded[module]
+                    spread = w.new_zeros(w.shape[0], width)
+                    spread[:, slots] = w
+                    w = block_quantized(spread, bits)[:, slots]
+                else:
+                    w = block_quantized(w, bits)
+                module.weight = torch.nn.Parameter(w, requires_grad=False)
     return rounded
 
 

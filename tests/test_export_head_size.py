@@ -64,6 +64,20 @@ def test_padded_heads_pass_parity_and_keep_greedy_exact(head24_bundle, arch):
             assert out.stats["fallbacks"] == 0
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_padded_heads_take_compressed_target_weights(tmp_path, pair_factory, weights):
+    """The output projection's blocks run along the graph's padded heads: its weights are rounded in that layout, so
+    the compressed graphs still hold the weights parity proved (the export refused such a model before)."""
+    target, draft = make_pair(tmp_path, "llama", target_layers=2, draft_layers=1, tokenizer_dir=pair_factory()[0],
+                              head_dim=HEAD_DIM)
+    manifest = export_bundle(ExportOptions(model=str(target), draft=str(draft), out=tmp_path / "bundle", exit_layer=1,
+                                           target_weights=weights), report=lambda _line: None)
+    assert manifest.target.weight_format == weights and manifest.validation["passed"] is True
+    pipe = Pipeline.load(tmp_path / "bundle")
+    want = pipe.generate(PROMPT, mode="ar", max_new_tokens=NEW_TOKENS).token_ids
+    assert pipe.generate(PROMPT, mode="sd", max_new_tokens=NEW_TOKENS, gamma=3).token_ids == want
+
+
 @pytest.mark.parametrize("config, extra, message", [
     (dict(hidden_size=48, num_attention_heads=3), (), "query heads (3) to be a multiple of the KV heads (2)"),
     (dict(head_dim=1040), ("--target-dtype", "float16"), "heads of at most 1024 values, not 1040"),

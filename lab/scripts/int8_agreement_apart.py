@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mirror_sd.bench.machine import describe_machine
+from mirror_sd.export.architectures import architecture_of
 from mirror_sd.export.target_weights import on_block_grid
 from mirror_sd.models.benchmark_prompts import PROMPTS
 from mirror_sd.models.smollm2 import TARGET_DIR
@@ -49,7 +50,7 @@ def main() -> None:
     base = Pipeline.load(args.float32_bundle)
     int8 = Pipeline.load(args.int8_bundle)
     model = AutoModelForCausalLM.from_pretrained(TARGET_DIR, torch_dtype=torch.float32).eval()
-    rounded = on_block_grid(model, "int8").eval()
+    rounded = on_block_grid(model, "int8", architecture_of(model.config)).eval()
     head_float = copy.deepcopy(rounded)
     head_float.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
     arms = {"torch float32": lambda ids, s: torch_top1(model, ids, s),
