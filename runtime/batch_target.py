@@ -51,9 +51,13 @@ class BatchTarget:
         if slots.positions != target.slots:
             raise ValueError(f"KV slots of {slots.positions} positions do not fit a target of {target.slots}")
         self.slots = slots
-        # a run of one row is padded to the target's step width as its own steps are (Target.step_width: the int8
-        # kernels compute a one-row run otherwise); runs of several rows are at least two rows already
+        # a run of one row is padded to the target's step width as its own steps are (Target.step_width)
         self.step_width = target.step_width
+        # On the CPU (a target with int8 activations) every row of a run is too: its attention's P.V runs on another
+        # kernel for one query row than for two or more, which rounds otherwise, and int8 activations turn that into
+        # logits apart (docs/design.md: A compressed target steps two rows at least). A GPU's batched rows stay one
+        # token: their float16 rounding apart from a lone step's is reported where it flips a token, not prevented.
+        self.pads_rows = self.step_width > 1 and target.device == "CPUExecutionProvider"
         self.prompt_graphs = target.prompt_graphs  # prompts prefilled on OpenVINO in bf16, or None
         self._device = ort_device(target.device)
         self._bound: dict[str, _Bound] = {}
@@ -66,9 +70,12 @@ class BatchTarget:
         self.forwards = 0  # runs of prefix + suffix
         self.rows_run = 0  # rows those runs computed (padding rows of a run not counted)
 
-    def run(self, rows: list[Row]) -> list[RowOut]:
+    def run(self, rows: list[Row], spares: list[Row] = ()) -> list[RowOut]:
         """Every row's step; per row (in the order given) its logits and taps. Rows must hold distinct slots, and
-        start + the widest row's tokens must fit their slot."""
+        start + the widest row's tokens must fit their slot. spares: rows of one token for slots outside the step
+        (logits unused), which a step of a padded target's rows after a past runs beside them (`_run_padded`)."""
+        if self.pads_rows and len(rows) > 1 and any(r.start for r in rows):
+            return self._run_padded(rows, spares)
         out: list[RowOut] = [RowOut(None, None)] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
         for run in _consecutive(order, rows):
@@ -80,6 +87,8 @@ class BatchTarget:
         width = max(len(r.ids) for r in rows)
         if len(rows) == 1:  # the padding stops at the slot's end, as Target.run_prefix's at the buffers' end
             width = max(width, min(self.step_width, self.slots.positions - rows[0].start))
+        elif self.pads_rows and not any(r.start for r in rows):  # prompts' first tokens: each row as alone
+            width = max(width, self.step_width)
         if width > 1 and len(rows) > 1 and any(r.start for r in rows):
             # GroupQueryAttention's CPU kernel: several rows of several tokens only without a past
             raise ValueError("rows of several tokens after a past run one at a time")
@@ -119,10 +128,44 @@ class BatchTarget:
         self.rows_run += 1
         return RowOut(None, taps)
 
-    def run_windows(self, rows: list[Row]) -> list[RowOut]:
-        """One run of exactly `window_rows` rows in distinct slots, each row's tokens after its own past (any
-        number, at least one); per row (in the order given) its logits and taps. Rows asking for no logits go first
-        in the packed sequence, so that the LM head skips them."""
+    def _run_padded(self, rows: list[Row], spares: list[Row]) -> list[RowOut]:
+        """Rows after a past, each padded to the step width as it would be alone: in runs of window_rows rows on the
+        window graphs (ONNX Runtime's attention refuses rows of several tokens after a past at batch > 1), a run
+        short of rows taking `spares`; rows left over without enough spares run one at a time."""
+        out: list[RowOut] = [RowOut(None, None)] * len(rows)
+        n = self.window_rows
+        for lo in range(0, len(rows), max(n, 1)):
+            group = list(range(lo, min(lo + n, len(rows))))
+            if n > 1 and len(group) + len(spares) >= n:
+                outs = self.run_windows([rows[i] for i in group], spares[:n - len(group)])
+            else:
+                outs = [self._run([rows[i]])[0] for i in group]
+            for i, row_out in zip(group, outs):
+                out[i] = row_out
+        return out
+
+    def _padded(self, row: Row) -> Row:
+        """A padded target's row of fewer tokens than the step width, padded to it (within its slot) as a lone row
+        is; the logits it asks for stay its own tokens' (the padding's are the last positions)."""
+        pad = min(self.step_width, self.slots.positions - row.start) - len(row.ids)
+        if pad <= 0:
+            return row
+        return Row(row.slot, row.ids + (row.ids[-1],) * pad, row.start, row.logits_for and row.logits_for + pad)
+
+    def run_windows(self, rows: list[Row], spares: list[Row] = ()) -> list[RowOut]:
+        """One run of exactly `window_rows` rows (`rows`, then `spares`: a token each for slots outside the step,
+        logits unused) in distinct slots, each row's tokens after its own past (any number, at least one); per row
+        of `rows` (in the order given) its logits and taps. A padded target's rows are padded (`_padded`), each then
+        computed as it is alone."""
+        if not self.pads_rows:
+            return self.run_windows_as_given(list(rows) + list(spares))[:len(rows)]
+        outs = self.run_windows_as_given([self._padded(r) for r in rows] + list(spares))
+        return [RowOut(None if o.logits is None else o.logits[:r.logits_for],
+                       None if o.taps is None else o.taps[:len(r.ids)]) for r, o in zip(rows, outs)]
+
+    def run_windows_as_given(self, rows: list[Row]) -> list[RowOut]:
+        """run_windows of rows as given (spares among them), none padded. Rows asking for no logits go first in the
+        packed sequence, so that the LM head skips them."""
         if len(rows) != self.window_rows:
             raise ValueError(f"a window step runs {self.window_rows} rows, not {len(rows)}")
         if len({r.slot for r in rows}) != len(rows):

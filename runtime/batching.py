@@ -1,7 +1,7 @@
 """The batching engine: many generations at once on one pipeline, submitted from any thread, run by one thread.
 
     engine = pipe.engine()                        # a BatchEngine, started on first use; one per pipeline
-    request = engine.submit(ids, config)          # checked here (BadInputError, ContextLimitError), then queued
+    request = engine.submit(ids, config)          # checked here (Pipeline.check), then queued
     for chunk in request:                         # Chunks as they are committed, from the engine's thread
         ...
     request.result                                # the GenerationResult, once the iteration ends
@@ -110,6 +110,7 @@ class Request:
         self._listener = listener
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
+        self._finished: Finished | None = None  # the last event, once read: iterating or waiting again gives it
 
     def cancel(self) -> None:
         """Stop at the engine's next step; the result then says finish_reason "cancelled"."""
@@ -121,8 +122,9 @@ class Request:
 
     def __iter__(self) -> Iterator[Chunk]:
         while True:
-            event = self._events.get()
+            event = self._finished or self._events.get()
             if isinstance(event, Finished):
+                self._finished = event
                 if event.error is not None:
                     raise event.error
                 self.result = event.result
@@ -207,8 +209,10 @@ class BatchEngine:
 
     def submit(self, ids: list[int], config: GenerationConfig,
                listener: Callable[[object], None] | None = None) -> Request:
-        """Queue a generation of `config` from prompt `ids` (both checked: Pipeline.check)."""
-        request = Request(list(ids), config, listener)
+        """Queue a generation of `config` from prompt `ids`, both checked first (Pipeline.check: BadInputError,
+        ContextLimitError): a request the engine could not run would fail inside a step, beside other requests."""
+        ids, config = self.pipe.check(list(ids), config)
+        request = Request(ids, config, listener)
         with self._wake:
             if not self.alive:
                 raise EngineClosed("the engine is stopped")
@@ -292,7 +296,7 @@ class BatchEngine:
         for request in gone:
             cfg = request.config
             stats = self.pipe.finish_stats(cfg, Recorder(cfg.trace), new_tokens=0, ttft_s=0.0, wall_s=0.0,
-                                queue_s=time.perf_counter() - request.submitted)
+                                           queue_s=time.perf_counter() - request.submitted)
             request._emit(Finished(GenerationResult([], "", stats, "cancelled",
                                                     () if cfg.logprobs is not None else None)))
 
@@ -303,14 +307,19 @@ class BatchEngine:
             slot, cached = self.table.take(request.ids)
             request.admitted = time.perf_counter()
             cfg = request.config
-            sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens)
-            rec = Recorder(cfg.trace)
-            windows = cfg.params.greedy and self.batch.window_rows > 0
-            copies = drafts = None
-            if windows and cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0:
-                copies = PromptLookup(cfg, self.pipe.target.window_ceiling)
-            if windows and cfg.mode in DRAFT_MODES:
-                drafts = self._row_draft(cfg, rec)
+            try:
+                sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens)
+                rec = Recorder(cfg.trace)
+                windows = cfg.params.greedy and self.batch.window_rows > 0
+                copies = drafts = None
+                if windows and cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0:
+                    copies = PromptLookup(cfg, self.pipe.target.window_ceiling)
+                if windows and cfg.mode in DRAFT_MODES:
+                    drafts = self._row_draft(cfg, rec)
+            except Exception as e:  # this request ends with it; its slot is free again, its KV untouched
+                self.table.leave(slot, slot.tokens)  # the prefix it held
+                request._emit(Finished(None, e))
+                continue
             self._rows.append(_Row(request, slot, list(request.ids), cached, sink, rec, cached,
                                    time.perf_counter(), copies=copies, drafts=drafts))
             self._pack(len(self._rows) - 1, slot)
@@ -464,7 +473,10 @@ class BatchEngine:
             gate.record(True, committed, time.perf_counter() - started - catch_up)
             return
         inputs = [Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows]
-        outs = self.batch.run(inputs + self._fillers(inputs))
+        if self.batch.pads_rows:  # rows run on the window graphs, in any slots: spares, not fillers
+            outs = self.batch.run(inputs, self._spares(rows) or [])
+        else:
+            outs = self.batch.run(inputs + self._fillers(inputs))
         for row, out in zip(rows, outs):
             if gate is not None and row.drafts is not None:  # more rows than a window step takes: no drafting soon
                 row.drafts.ran(row.kv_len, out.taps)
@@ -530,7 +542,7 @@ class BatchEngine:
         target's tokens up to its first disagreement with its window (runtime/verify.py), as a generation alone
         verifies a window. The tokens committed."""
         inputs = [Row(r.slot.index, (r.context[-1], *w), r.kv_len, 1 + len(w)) for r, (w, _) in zip(rows, windows)]
-        outs = self.batch.run_windows(inputs + spares) if len(rows) > 1 else self.batch.run(inputs)
+        outs = self.batch.run_windows(inputs, spares) if len(rows) > 1 else self.batch.run(inputs)
         committed = 0
         for row, (window, source), (out, taps) in zip(rows, windows, outs):
             self._count_step(row, len(rows))
@@ -555,16 +567,17 @@ class BatchEngine:
     def _spares(self, rows: list[_Row]) -> list[Row] | None:
         """A token each for slots outside the step, so that a window step has its rows (logits unused): written at
         the slot's valid length, as a filler row's (past a prefilling request's KV, or a cached prefix), where
-        nothing is read before it is written again. None where too few slots have room for one."""
+        nothing is read before it is written again. The step's rows in runs of window_rows (a padded target's plain
+        step: BatchTarget.run), as many as the last run lacks; None where too few slots have room for one."""
         valid = {r.slot.index: r.kv_len for r in self._rows}
         stepping = {r.slot.index for r in rows}
+        wanted = -len(rows) % self.batch.window_rows if self.batch.window_rows else 0
         out = []
         for slot in self.table.slots:
             length = valid.get(slot.index, len(slot.tokens))
-            if len(out) < self.batch.window_rows - len(rows) and slot.index not in stepping \
-                    and length < self.kv.positions:
+            if len(out) < wanted and slot.index not in stepping and length < self.kv.positions:
                 out.append(Row(slot.index, (0,), length, 0))
-        return out if len(out) == self.batch.window_rows - len(rows) else None
+        return out if len(out) == wanted else None
 
     def _count_step(self, row: _Row, batch: int) -> None:
         row.rec.counts.target_steps += 1
@@ -642,7 +655,9 @@ class BatchEngine:
             row.solo = None
             row.kv_len = len(row.context) - 1
         self._rows.remove(row)
-        self.table.leave(row.slot, row.context[:self._reusable(row)])
+        # after a failure the slot's KV may hold anything (a decoder running alone fails part way through its
+        # prefill): no later prompt reuses it
+        self.table.leave(row.slot, row.context[:self._reusable(row)] if error is None else [])
         if error is None:
             try:
                 event = Finished(self._result(row, reason))
@@ -658,10 +673,11 @@ class BatchEngine:
         wall = time.perf_counter() - row.admitted
         # a batched step counts once per token it gives the row, the one that ends the prompt included, as the
         # first step of a generation alone (its prefill) does
+        steps = row.batch_rows
+        mean_batch = sum(steps) / len(steps) if steps else 1.0
         stats = self.pipe.finish_stats(cfg, row.rec, new_tokens=new, ttft_s=row.first_token_s, wall_s=wall,
-                            queue_s=row.admitted - row.request.submitted, cached_prompt_tokens=row.cached,
-                            batched_steps=len(row.batch_rows),
-                            mean_batch_size=sum(row.batch_rows) / len(row.batch_rows) if row.batch_rows else 1.0)
+                                       queue_s=row.admitted - row.request.submitted, cached_prompt_tokens=row.cached,
+                                       batched_steps=len(steps), mean_batch_size=mean_batch)
         return GenerationResult(row.context[row.prompt_len:], row.sink.text, stats, reason,
                                 tuple(row.scores) if cfg.logprobs is not None else None)
 

@@ -259,6 +259,40 @@ def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines):
         batch.run_windows(rows[:3])
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_compressed_targets_rows_get_their_solo_tokens_in_plain_and_window_steps(bundle_factory, weights,
+                                                                                    monkeypatch):
+    """A target with int8 activations steps two rows at least alone (Target.step_width): batched, each of its rows
+    is padded so too, on the window graphs (runs of 4 rows; rows left over without free slots to fill a run step
+    alone), and every output equals its solo one; then rows verifying windows (a scripted gate, every step) too."""
+    import mirror_sd.runtime.batching as batching
+
+    pipe = Pipeline.load(bundle_factory(target_weights=weights), huge_pages=False, max_num_seqs=6)
+    try:
+        assert pipe.target.step_width == 2 and pipe.engine().batch.pads_rows
+        batch, padded = pipe.engine().batch, []
+        run = batch.run_windows_as_given
+        monkeypatch.setattr(batch, "run_windows_as_given", lambda rows: padded.append(len(rows)) or run(rows))
+        results = pipe.generate(PROMPTS, mode="ar", max_new_tokens=12, ignore_eos=True)  # plain steps only
+        assert [r.token_ids for r in results] == [solo(pipe, p, ignore_eos=True) for p in PROMPTS]
+        assert max(r.stats.mean_batch_size for r in results) > 1 and padded
+
+        asks = [(PROMPTS[4], {"mode": "lookup"}), (PROMPTS[1], {"mode": "sd"}), (PROMPTS[3], {"mode": "ar"})]
+        alone = [pipe.generate(p, **{"max_new_tokens": 16, "ignore_eos": True, **o, "mode": "ar"}) for p, o in asks]
+        monkeypatch.setattr(batching, "SpeculationGate", scripted_gate(lambda n: True))
+        monkeypatch.setattr(batching, "PromptLookup", oracle_lookup(
+            {tuple(pipe.check(p)[0]): a.token_ids for (p, _), a in zip(asks, alone)}))
+        engine = pipe.engine()
+        engine._window_gates.clear()
+        with engine._wake:  # all arrive before the engine's next step: none starts alone
+            requests = [engine.submit(*pipe.check(p, max_new_tokens=16, ignore_eos=True, **o)) for p, o in asks]
+        results = [r.wait() for r in requests]
+        assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+        assert results[0].stats.lookup_accepted_tokens > 0
+    finally:
+        pipe.close()
+
+
 def test_window_rows_off_loads_no_second_target_and_steps_plainly(bundle_factory, monkeypatch):
     """window_rows 0: the engine opens no window graphs, speculative rows take plain batched steps, outputs solo."""
     import mirror_sd.runtime.batching as batching
@@ -366,6 +400,45 @@ def test_a_closed_engine_ends_what_it_holds(bundle_factory):
     for request in (running, waiting):
         with pytest.raises(EngineClosed):
             request.wait()
+
+
+def test_submit_refuses_what_the_engine_could_not_run_and_a_finished_request_answers_again(pipelines):
+    """engine.submit checks as Pipeline.check does, so that a request that cannot run never fails inside a step
+    beside others; a request iterated or waited for once gives its result again."""
+    pipe = pipelines["llama"]
+    engine = pipe.engine()
+    cfg = pipe.generation_config.updated(mode="ar", max_new_tokens=4)
+    with pytest.raises(ContextLimitError):
+        engine.submit([5] * pipe.context_limit, cfg)
+    with pytest.raises(BadInputError, match="empty"):
+        engine.submit([], cfg)
+    with pytest.raises(BadInputError, match="GenerationConfig"):
+        engine.submit([5, 6, 7], {"mode": "ar"})
+    request = engine.submit(*pipe.check("Hello there", mode="ar", max_new_tokens=5))
+    chunks = list(request)
+    assert len(chunks) == 5 and request.wait() is request.result and list(request) == []
+
+
+def test_a_generation_that_fails_leaves_no_prefix_for_a_later_prompt(pipelines, monkeypatch):
+    """A request running alone whose target run fails part way through its prefill: its slot's KV is not what its
+    prompt says, so the same prompt next runs its whole prefill, and gets its solo tokens."""
+    pipe = pipelines["llama"]
+    prompt = "You are a careful assistant who answers briefly. " * 3 + "Say hi."
+    want = solo(pipe, prompt, ignore_eos=True)
+    engine = pipe.engine()
+    real, calls = pipe.target._run_prefix, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the device failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipe.target, "_run_prefix", fails_once)
+    with pytest.raises(RuntimeError, match="the device failed"):
+        engine.submit(*pipe.check(prompt, mode="sd", max_new_tokens=12, ignore_eos=True)).wait()
+    again = engine.submit(*pipe.check(prompt, mode="ar", max_new_tokens=12, ignore_eos=True)).wait()
+    assert again.stats.cached_prompt_tokens == 0 and again.token_ids == want
 
 
 def test_a_request_cancelled_while_waiting_leaves_the_queue_at_once(bundle_factory):
