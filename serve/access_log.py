@@ -1,4 +1,5 @@
-"""One log line per HTTP request (method, route, status, duration) and the request's arrival time.
+"""One log line and one count (/metrics) per HTTP request (method, route, status, duration), and the request's
+arrival time.
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware, which would run the endpoint in a task of its
 own and so change how a streamed response learns that its client went away. The line is written when the response
@@ -17,11 +18,15 @@ from mirror_sd.serve.metrics import route_label
 log = logging.getLogger("mirror_sd.serve.access")
 
 ARRIVAL = "arrival"  # request.state.arrival: time.monotonic() when the request came in (TTFT is measured from it)
+STREAM_STATUS = "stream_status"  # request.state.stream_status: the status a stream's error event carried
 
 
 class AccessLog:
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    """metrics: counts every request answered (its `requests`), by route and status; a stream that ends on an error
+    event after its 200 started is counted with that error's status (scope["state"][STREAM_STATUS])."""
+
+    def __init__(self, app: Any, metrics: Any = None) -> None:
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -43,3 +48,6 @@ class AccessLog:
             client = scope.get("client") or ("-", 0)
             log.info("%s %s %s %d %.1f ms", client[0], scope["method"], route_label(scope), status,
                      (time.monotonic() - start) * 1000)
+            if self.metrics is not None:
+                answered = scope["state"].get(STREAM_STATUS, status)
+                self.metrics.requests.labels(route_label(scope), str(answered)).inc()

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,9 +55,9 @@ from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.serve import defaults as d
 from mirror_sd.serve import protocol as p
-from mirror_sd.serve.access_log import ARRIVAL, AccessLog
-from mirror_sd.serve.auth import require_key
-from mirror_sd.serve.metrics import Metrics, route_label
+from mirror_sd.serve.access_log import ARRIVAL, STREAM_STATUS, AccessLog
+from mirror_sd.serve.auth import ApiKey
+from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
 
 log = logging.getLogger("mirror_sd.serve")
@@ -190,21 +190,20 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         yield
         gen.stop()
 
-    auth = [Depends(require_key(settings.api_key))] if settings.api_key is not None else []
-    app = FastAPI(title="mirror-sd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=auth)
+    app = FastAPI(title="mirror-sd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if settings.api_key is not None:  # inside CORS's: a browser's preflight carries no key
+        app.add_middleware(ApiKey, key=settings.api_key, routes=app.router.routes)
     if settings.cors_origins:
         # a browser page sends its key in the Authorization header, not a cookie: no credentials mode needed
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-seed"])
-    app.add_middleware(AccessLog)  # added last: outermost, so its duration and status are the client's
+    app.add_middleware(AccessLog, metrics=metrics)  # added last: outermost, so its duration and status are the client's
     app.state.pipeline, app.state.metrics, app.state.settings = pipe, metrics, settings
     app.state.stop_generations = gen.stop  # a server told to exit calls it at once (serve())
 
     # -- errors in OpenAI's shape --------------------------------------------------------------------------
     @app.exception_handler(p.ApiError)
     async def _api_error(request: Request, e: p.ApiError) -> JSONResponse:
-        metrics.requests.labels(route_label(request.scope), str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -338,7 +337,6 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         choices = [choice(i, o.text, o.finish_reason, _logprobs(chat, j, s, pipe.codec.token_bytes))
                    for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
         outcome = outcomes[0]  # the `mirror` stats are the first choice's decoding
-        metrics.requests.labels(route_label(request.scope), "200").inc()
         return JSONResponse(make(rid, body.model, choices, prompt_tokens, sum(len(o.token_ids) for o in outcomes),
                                  _mirror_stats(outcome)), headers=seed)
 
@@ -417,7 +415,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                     metrics.cancelled.labels("disconnect").inc()
                 for task in tasks:
                     task.cancel()
-            metrics.requests.labels(route_label(request.scope), status).inc()
+            request.scope["state"][STREAM_STATUS] = status  # what AccessLog counts
 
     return app
 

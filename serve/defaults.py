@@ -12,8 +12,8 @@ server applies these over the pipeline's config, in this order (later wins):
 3. the generation options given to `mirror-sd serve` (--mode, --max-new-tokens);
 4. the request's own fields.
 
-Then a request still without `max_new_tokens` gets what is left of the context after its prompt (a text completion
-COMPLETION_MAX_TOKENS at most), and one without a seed a random one, which the response reports (header `x-seed`) so
+A request without `max_new_tokens` gets the serve command's, else (a text completion) COMPLETION_MAX_TOKENS, else
+what is left of the context after its prompt, and never more than is left; one without a seed a random one, which the response reports (header `x-seed`) so
 that the answer can be had again.
 """
 
@@ -78,10 +78,12 @@ def server_defaults(bundle: Path | None = None, given: Mapping[str, Any] | None 
 
 def resolve(defaults: Mapping[str, Any], requested: Mapping[str, Any], room: int,
             most: int | None = None) -> dict[str, Any]:
-    """The options one request runs with, over the pipeline's config: `requested` over `defaults`, with the rest
-    of the context (`room` tokens, `most` at most, at least 1: a prompt that fills it is refused by the context
-    check) and a random seed where neither set them."""
+    """The options one request runs with, over the pipeline's config: `requested` over `defaults`, and a random seed
+    where neither set one. A request without max_new_tokens gets the server's (`defaults`), else `most`, else all
+    there is, within the rest of the context (`room` tokens; at least 1: a prompt that fills it is refused by the
+    context check), as vLLM caps it: a default is no reason to refuse a request."""
     out = {**defaults, **requested}
-    out.setdefault("max_new_tokens", max(min(room, most or room), 1))
+    if "max_new_tokens" not in requested:
+        out["max_new_tokens"] = max(min(room, defaults.get("max_new_tokens") or most or room), 1)
     out.setdefault("seed", secrets.randbits(SEED_BITS))
     return out

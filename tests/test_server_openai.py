@@ -178,6 +178,16 @@ def test_defaults_from_the_bundles_generation_config(pipe, tmp_path):
     assert bundle_defaults(tmp_path / "elsewhere") == {}
 
 
+def test_a_default_max_tokens_never_exceeds_what_the_prompt_leaves():
+    from mirror_sd.serve.defaults import resolve
+
+    assert resolve({"max_new_tokens": 500}, {}, room=20)["max_new_tokens"] == 20  # the server's, capped
+    assert resolve({"max_new_tokens": 8}, {}, room=20)["max_new_tokens"] == 8
+    assert resolve({}, {}, room=20, most=16)["max_new_tokens"] == 16  # a text completion's
+    assert resolve({}, {}, room=20)["max_new_tokens"] == 20 and resolve({}, {}, room=0)["max_new_tokens"] == 1
+    assert resolve({"max_new_tokens": 500}, {"max_new_tokens": 30}, room=20)["max_new_tokens"] == 30  # refused later
+
+
 # -- operations --------------------------------------------------------------------------------------------------
 def test_the_api_key(port):
     wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
@@ -191,7 +201,28 @@ def test_the_api_key(port):
         assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"  # before the body's 400
         assert got["www-authenticate"] == "Bearer" and KEY not in text
     assert _http(port, "GET", "/health")[0] == 200
-    assert 'mirror_sd_requests_total{endpoint="/v1/chat/completions",status="401"}' in _metrics(port)
+    assert _http(port, "GET", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+    counted = _metrics(port)
+    for endpoint, status in (("/v1/chat/completions", 401), ("/health", 200), ("/v1/models", 200)):
+        assert f'mirror_sd_requests_total{{endpoint="{endpoint}",status="{status}"}}' in counted
+
+
+def test_the_api_key_under_a_route_prefix():
+    """Mounted under a prefix (Ray Serve's route_prefix: the ASGI root_path), a route still wants the key; the
+    open paths stay open."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from mirror_sd.serve.auth import ApiKey
+
+    app = Starlette(routes=[Route(path, lambda _request: PlainTextResponse("ok")) for path in ("/v1/models", "/health")])
+    app.add_middleware(ApiKey, key=KEY, routes=app.router.routes)
+    client = TestClient(app, root_path="/api")
+    assert client.get("/api/v1/models").status_code == 401
+    assert client.get("/api/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert client.get("/api/health").status_code == 200
 
 
 def test_cors_preflight_and_headers(port):
