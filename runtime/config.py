@@ -322,7 +322,8 @@ class LoadOptions(Options):
     window_rows: int = option(
         4, "the batching engine on the CPU: up to this many greedy lookup/sd/mirror requests verify windows copied "
         "from their texts in one step (prompt lookup at batch > 1, where it measures faster than plain steps); the "
-        "target's weights are loaded a second time for it, about their size again in memory (0 or 1: off)",
+        "target's weights are loaded a second time for it, about their size again in memory (0 or 1: off; an int8 "
+        "or int4 target's batched rows then step one at a time)",
         range=Range(0))
 
 
