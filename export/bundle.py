@@ -28,7 +28,7 @@ from mirror_sd.export.draft_weights import (
     check_weight_format,
     quantize_draft,
 )
-from mirror_sd.export.drafts import Draft, load_draft
+from mirror_sd.export.drafts import UNREADABLE, Draft, load_draft
 from mirror_sd.export.onnx_export import draft_spec, exit_spec, export_segment
 from mirror_sd.export.segments import ExitTopK, LogitLens
 from mirror_sd.export.target_graphs import check_attention, graph_facts, write_target_graph
@@ -103,7 +103,7 @@ def load_causal_lm(source: str, what: str, check: Callable[[Architecture], None]
     try:
         # eager attention: the exported mask is the explicit additive one, and parity is checked against this model
         model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, attn_implementation="eager")
-    except (OSError, ValueError, RuntimeError) as e:
+    except UNREADABLE as e:
         raise BadInputError(f"cannot load {what} {source!r}: {first_line(e)}") from None
     return LoadedModel(source, model.eval(), arch)
 
@@ -154,13 +154,15 @@ def _exit_head(opts: ExportOptions, target: LoadedModel) -> torch.nn.Module:
 
     try:
         return ExitAdapter.load(Path(opts.exit_adapter).expanduser(), backbone.norm, lm_head)
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+    except UNREADABLE as e:
         raise BadInputError(f"cannot load exit adapter {opts.exit_adapter!r}: {first_line(e)}") from None
 
 
 
 
-def _tokenizer_facts(source: str, model, bundle: Path, draft_source: str) -> TokenizerFacts:
+def load_tokenizer(source: str, draft_source: str):
+    """The target's tokenizer, checked against the draft's (before any graph is written: a model that will be refused
+    for it costs no export)."""
     from transformers import AutoTokenizer
 
     try:
@@ -168,6 +170,11 @@ def _tokenizer_facts(source: str, model, bundle: Path, draft_source: str) -> Tok
     except (OSError, ValueError) as e:
         raise BadInputError(f"target {source!r} has no usable tokenizer: {first_line(e)}") from None
     _check_draft_tokenizer(tokenizer, draft_source)
+    return tokenizer
+
+
+def _tokenizer_facts(tokenizer, model, bundle: Path) -> TokenizerFacts:
+    """Save the tokenizer into the bundle; what the manifest says of it."""
     before = set(os.listdir(bundle))
     tokenizer.save_pretrained(bundle)
     files = tuple(sorted(set(os.listdir(bundle)) - before))
@@ -209,6 +216,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     target = load_causal_lm(opts.model, "target", lambda arch: check_attention(arch.facts(), opts.target_dtype))
     draft = load_draft(opts.draft, load_causal_lm, target)
     exit_layer, top_k = check_options(opts, target, draft)
+    tokenizer = load_tokenizer(target.source, draft.source)
     exit_head = _exit_head(opts, target)
     if opts.exit_vocab not in ("draft", "full"):
         raise BadInputError(f"exit vocabulary must be 'draft' or 'full', not {opts.exit_vocab!r}")
@@ -223,7 +231,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
 
     staging = staging_dir(out)
     try:
-        manifest = _write_bundle(staging, target, draft, exit_topk, exit_layer, top_k, opts.validate, report,
+        manifest = _write_bundle(staging, target, draft, tokenizer, exit_topk, exit_layer, top_k, opts.validate, report,
                                  opts.draft_weights, opts.target_dtype, opts.target_weights, float32_target)
         move_into_place(staging, out)
     except BaseException:
@@ -233,7 +241,7 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     return manifest
 
 
-def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: ExitTopK, exit_layer: int,
+def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, tokenizer, exit_topk: ExitTopK, exit_layer: int,
                   top_k: int, validate: bool, report: Callable[[str], None],
                   draft_weights: str = DEFAULT_WEIGHT_FORMAT, target_dtype: str = "float32",
                   target_weights: str = FLOAT32, float32_target: torch.nn.Module | None = None) -> Manifest:
@@ -262,8 +270,8 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, exit_topk: Ex
     specs.append(export_segment(segment, draft_spec(segment, d_facts, "draft.onnx"), d_facts, bundle))
     draft.write_files(bundle)
 
-    tokenizer = _tokenizer_facts(target.source, t_model, bundle, draft.source)
-    manifest = Manifest(target=t_facts, draft=d_facts, partitions=tuple(specs), tokenizer=tokenizer,
+    manifest = Manifest(target=t_facts, draft=d_facts, partitions=tuple(specs),
+                        tokenizer=_tokenizer_facts(tokenizer, t_model, bundle),
                         producer=f"mirror-sd {__version__}")
     manifest.validate(bundle)
     feature_draft = draft.model if d_facts.feature_taps else None

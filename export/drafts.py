@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from mirror_sd.errors import BadInputError
@@ -198,6 +199,11 @@ class FeatureDraftSource(Draft):
         return list(self.model.config.vocab_ids)
 
 
+# What reading a model's files raises where they are not what they say (a truncated or corrupt weights file, an
+# interrupted download: safetensors' own error is none of Python's)
+UNREADABLE = (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError)
+
+
 def load_draft(source: str, load_hf, target=None) -> Draft:
     """A streaming or feature draft directory, or (through `load_hf`, which raises the export's typed errors) an HF
     model. A feature draft takes the target's embedding from `target` (a LoadedModel)."""
@@ -208,7 +214,7 @@ def load_draft(source: str, load_hf, target=None) -> Draft:
             raise BadInputError(f"feature draft {source!r} needs its target")
         try:
             model = FeatureDraft.load(path, target.model.get_input_embeddings().weight)
-        except (OSError, ValueError, TypeError, RuntimeError) as e:
+        except UNREADABLE as e:
             raise BadInputError(f"cannot load feature draft {source!r}: {type(e).__name__}: {e}") from None
         if model.config.target_vocab_size != target.model.config.vocab_size or \
                 model.config.hidden_size != target.model.config.hidden_size:
@@ -217,7 +223,7 @@ def load_draft(source: str, load_hf, target=None) -> Draft:
     if path.is_dir() and StreamingDraft.is_streaming_draft(path):
         try:
             model = StreamingDraft.load(path)
-        except (OSError, ValueError, TypeError, RuntimeError) as e:  # unreadable config or weights that do not fit
+        except UNREADABLE as e:  # unreadable config or weights that do not fit
             raise BadInputError(f"cannot load streaming draft {source!r}: {type(e).__name__}: {e}") from None
         return StreamingDraftSource(source, model, architecture_of(model.lm.config))
     loaded = load_hf(source, "draft")

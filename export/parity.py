@@ -102,6 +102,8 @@ def _compare(graph: np.ndarray, ref: torch.Tensor) -> tuple[float, float]:
     """(max abs diff, that diff / its allowance ATOL + RTOL * max |ref|)."""
     ref = ref.numpy()
     diff = float(np.abs(graph - ref).max())
+    if not np.isfinite(diff):  # a NaN or inf anywhere fails, whatever the checks it is combined with (max drops NaN)
+        return float("inf"), float("inf")
     allowance = ATOL + RTOL * float(np.abs(ref).max())
     return diff, diff / allowance if allowance > 0 else (0.0 if diff == 0 else float("inf"))
 

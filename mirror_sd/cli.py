@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -195,7 +197,7 @@ def server_access(args: argparse.Namespace) -> tuple[str | None, tuple[str, ...]
 
 def _serve(args: argparse.Namespace) -> int:
     from mirror_sd.errors import BadInputError, check_int
-    from mirror_sd.serve.app import create_app, open_server, serve
+    from mirror_sd.serve.app import create_app, listen, open_server, serve
 
     check_int("--max-queue", args.max_queue, 0)
     if not 0 < args.port < 65536:
@@ -208,6 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
     ray_only = [flag for flag, dest in RAY_FLAGS.items() if getattr(args, dest) is not None]
     if ray_only:
         raise BadInputError(f"{', '.join(ray_only)}: only with --ray")
+    sock = listen(args.host, args.port)
     pipe, settings = open_server(args.bundle, LoadOptions().updated(**given(args, LoadOptions)),
                                  _server_settings(args, api_key, origins), given(args, GenerationConfig))
     name = settings.model_name
@@ -218,7 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
           f"target {pipe.target.device}, draft {pipe.draft.device}; up to {engine.max_num_seqs} generations at "
           f"once, each up to {pipe.context_limit} tokens; API key {'required' if api_key else 'not required'})",
           file=sys.stderr)
-    serve(app, args.host, args.port, args.log_level)  # SIGTERM: open generations stop at their next step, exit 0
+    serve(app, sock, args.log_level)  # SIGTERM: open generations stop at their next step, exit 0
     return 0
 
 
@@ -466,8 +469,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(*_: object) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM (a job's timeout, `kill`, systemd) unwinds as Ctrl-C does, so that nothing half-written is left (an
+    # export's or a package's staging folder); `serve` installs handlers of its own
+    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         return args.func(args)
     except MirrorSDError as e:
@@ -476,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mirror-sd: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

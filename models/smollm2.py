@@ -168,7 +168,7 @@ def _add_plan(bundle: Path, kind: str) -> Path:
     if plan is None or not plan.is_file() or dest.exists():
         return bundle
     try:
-        runtime_defaults(read_plan(plan), target.exit_layer, target.top_k)  # the runtime's own check of a plan
+        runtime_defaults(read_plan(plan), target.exit_layer, target.top_k, target.num_layers)  # the runtime's check
     except BadInputError:
         return bundle
     partial = dest.with_name(PLAN_FILE + ".partial")

@@ -394,7 +394,8 @@ def _plan_defaults(bundle: str | Path, manifest: Manifest) -> tuple[RuntimeDefau
         return None, None
     try:
         doc = read_plan(path)
-        return runtime_defaults(doc, manifest.target.exit_layer, manifest.target.top_k), plan_machine(doc)
+        t = manifest.target
+        return runtime_defaults(doc, t.exit_layer, t.top_k, t.num_layers), plan_machine(doc)
     except BadInputError as e:
         raise ManifestError(f"{PLAN_FILE}: {e}") from None
 

@@ -105,6 +105,14 @@ def test_parity_catches_a_corrupted_graph(tmp_path, bundle_factory, pair_factory
                             report=_quiet)
 
 
+def test_parity_fails_a_nan_in_any_order():
+    """A NaN in a graph's output is an infinite difference: combined by max with finite ones, it is not dropped."""
+    import torch
+
+    diff, score = parity._compare(np.array([0.0, np.nan], np.float32), torch.tensor([0.0, 1.0]))
+    assert diff == score == float("inf") and max(0.3, score) == float("inf")
+
+
 def test_large_weights_go_to_one_external_data_file(tmp_path, pair_factory, monkeypatch):
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
     target, draft = pair_factory("llama")
@@ -152,6 +160,8 @@ def odd_models(tmp_path_factory, pair_factory):
     ("topk_low", "TOPK 0 is outside"),
     ("topk_high", "TOPK 385 is outside"),
     ("unsupported", "not supported; supported: llama, mistral, qwen2, qwen3"),
+    ("truncated_model", "cannot load target"),
+    ("truncated_draft", "cannot load draft"),
 ])
 def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_factory, odd_models, case, message):
     target, draft = pair_factory("llama")
@@ -163,12 +173,37 @@ def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_
             "exit_high": (target, draft, ("--exit-layer", "6")),
             "topk_low": (target, draft, ("--top-k", "0")),
             "topk_high": (target, draft, ("--top-k", "385")),
-            "unsupported": (_unsupported_model(tmp_path), draft, ())}[case]
+            "unsupported": (_unsupported_model(tmp_path), draft, ()),
+            "truncated_model": (_truncated(target, tmp_path / "t"), draft, ()),
+            "truncated_draft": (target, _truncated(draft, tmp_path / "d"), ())}[case]
     out = tmp_path / "out"
     code, err = _export_cli(capsys, args[0], args[1], out, *args[2])
     assert code == 2
     assert err.startswith("mirror-sd: error:") and message in err, err
     assert "Traceback" not in err
+    _assert_nothing_left(tmp_path, out)
+
+
+def _truncated(model: Path, copy: Path) -> Path:
+    """A copy of `model` whose weights file is cut short (an interrupted download)."""
+    shutil.copytree(model, copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    return copy
+
+
+def test_an_export_terminated_midway_leaves_nothing(tmp_path, pair_factory):
+    """SIGTERM (a job's timeout, `kill`) while the graphs are written: the staging folder goes, as with Ctrl-C."""
+    import signal
+
+    target, draft = pair_factory("llama")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "mirror_sd.cli", "export", "--model", str(target), "--draft",
+                             str(draft), "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("exporting")  # the staging folder is being written
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
     _assert_nothing_left(tmp_path, out)
 
 

@@ -222,6 +222,9 @@ def test_plan_file_round_trip(tmp_path):
     assert read["export"]["needs_export"] and read["runtime"]["measured"]["tokens_per_second"] == 100.0
     with pytest.raises(BadInputError, match="made for exit layer 4"):
         pf.runtime_defaults(read, 3, 8)
+    assert pf.runtime_defaults(read, 4, 8, read["bundle"]["num_layers"]).gamma == defaults.gamma
+    with pytest.raises(BadInputError, match="layers"):  # another model's plan, at the same exit layer and top_k
+        pf.runtime_defaults(read, 4, 8, read["bundle"]["num_layers"] + 24)
     path.write_text(json.dumps({**doc, "runtime": {**doc["runtime"], "kappa": 99}}))
     with pytest.raises(BadInputError, match="kappa"):
         pf.runtime_defaults(pf.read_plan(path), 4, 8)
