@@ -562,7 +562,8 @@ def load_phase(pipe, prompts: list[SoakPrompt], expected: list[Expected], reques
     return {**tally.summary(), "clients": clients, "max_tokens": max_tokens, "warmup_requests": len(warm),
             "wall_s": round(wall, 1), "requests_per_s": round(tally.requests / wall, 3),
             "modes": _mode_counts(specs), "streaming": sum(s.stream for s in specs),
-            "metrics_requests": request_counts(text),
+            # the generations' (the server counts its /health and /metrics answers as well)
+            "metrics_requests": {k: v for k, v in request_counts(text).items() if k.startswith("/v1/")},
             "resources": {"samples": samples,
                           "rss_growth_pct": growth_pct(end["rss_kib"], base["rss_kib"]),
                           # a leak keeps rising to the end; a one-time warm-up (caches, the allocator's heap) has

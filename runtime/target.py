@@ -62,6 +62,16 @@ GPU_STEP_WIDTH = 8
 INT8_STEP_WIDTH = 2
 
 
+def kv_positions(manifest: Manifest, capacity: int | None, step_width: int) -> tuple[int, int]:
+    """A target's context (`capacity`, the max_context option, within the model's) and the positions its KV buffers
+    hold: the padding's keys are written past the context, up to the model's rotary table."""
+    limit = manifest.target.max_position_embeddings or capacity or 0
+    context = min(capacity or limit, limit)
+    if context < 1:
+        raise ManifestError("the target has no maximum context (max_position_embeddings) and no capacity was given")
+    return context, min(context + step_width, max(limit, context))
+
+
 def kv_pairs(layers) -> list[tuple[str, str]]:
     """Each KV input of `layers` with the output it comes back as (past and present: one buffer on the target)."""
     return [pair for i in layers for pair in ((past_key_name(i), present_key_name(i)),
@@ -183,10 +193,7 @@ class Target:
 
     def __init__(self, manifest: Manifest, capacity: int | None, step_width: int = 0) -> None:
         facts = manifest.target
-        limit = facts.max_position_embeddings or capacity or 0
-        self.capacity = min(capacity or limit, limit)
-        if self.capacity < 1:
-            raise ManifestError("the target has no maximum context (max_position_embeddings) and no capacity was given")
+        self.capacity, self.slots = kv_positions(manifest, capacity, step_width)
         if step_width < 0:
             raise ValueError(f"step width must be >= 0, not {step_width}")
         # Fixed-width steps: every forward of fewer than `step_width` tokens is padded to it. Why: float16 kernels on
@@ -199,8 +206,6 @@ class Target:
         self.step_width = step_width
         # the widest window that keeps a step at step_width rows (None: any width computes a position alike)
         self.window_ceiling: int | None = None
-        # the padding's keys are written past the context; the buffers hold them, up to the model's rotary table
-        self.slots = min(self.capacity + step_width, max(limit, self.capacity))
         self.top_k = facts.top_k
         self._writes = 0
         self._written_by = np.zeros(self.slots, np.int64)  # the write that last touched each position

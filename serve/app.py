@@ -31,6 +31,7 @@ import dataclasses
 import json
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -152,6 +153,11 @@ class Generations:
                     if on_chunk is not None:
                         on_chunk(event)
                     continue
+                if not request.admitted and event.result is not None and event.result.finish_reason == "cancelled":
+                    # stopped before it started (the server shuts down): a retry elsewhere gets the answer
+                    raise p.ApiError(503, "the server is shutting down; the request was not started: retry it",
+                                     "server_busy", code="shutting_down",
+                                     headers={"Retry-After": str(self.settings.retry_after_s)})
                 return self._finish(job, event, texts, ids, first_token)
         except asyncio.CancelledError:
             request.cancel()  # the client is gone: the engine stops it at its next step
@@ -176,7 +182,8 @@ class Generations:
         self.metrics.running.set(self.engine.running)
 
     def stop(self) -> None:
-        """Stop what runs at its next step: it answers what it has (streams end with finish_reason and [DONE])."""
+        """Stop what runs at its next step: it answers what it has (streams end with finish_reason and [DONE]); what
+        waits for a slot gets a 503 (`run`)."""
         for request in list(self.active):
             request.cancel()
 
@@ -439,7 +446,21 @@ def open_server(bundle: str | Path, load: LoadOptions, settings: Mapping[str, An
     return pipe, ServerSettings(**settings, defaults=d.server_defaults(root, generation))
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, made before the bundle loads: a port in use, or a host that does not resolve,
+    is refused at once (BadInputError) rather than after the load, in uvicorn's log."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart finds it free
+        sock.bind(address)
+    except OSError as e:  # socket.gaierror included
+        raise BadInputError(f"cannot listen on {host}:{port}: {e.strerror or e}", option="port") from None
+    return sock
+
+
+def serve(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
     """Run `app` until SIGINT or SIGTERM; then open generations stop at their next step and the process exits
     with status 0 (uvicorn re-raises the signal it caught; the handler installed here makes that a clean exit).
     `log_level` is the server's and uvicorn's, to stderr (info: a line per request, serve/access_log.py)."""
@@ -452,8 +473,7 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
     if app.state.pipeline.plan_note:
         log.warning("%s", app.state.pipeline.plan_note)
     # uvicorn's own access log is off: ours names the route and times the whole response
-    _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                           timeout_graceful_shutdown=3)).run()
+    _Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=3)).run([sock])
 
 
 def _choices(job: _Job, n: int) -> list[_Job]:

@@ -13,8 +13,8 @@ server applies these over the pipeline's config, in this order (later wins):
 4. the request's own fields.
 
 A request without `max_new_tokens` gets the serve command's, else (a text completion) COMPLETION_MAX_TOKENS, else
-what is left of the context after its prompt, and never more than is left; one without a seed a random one, which the response reports (header `x-seed`) so
-that the answer can be had again.
+what is left of the context after its prompt, and never more than is left; one without a seed a random one, which
+the response reports (header `x-seed`) so that the answer can be had again.
 """
 
 from __future__ import annotations

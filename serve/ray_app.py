@@ -7,10 +7,11 @@ devices it names, and serves the single-process server's own FastAPI app (serve/
 that answered, which every response names in its `x-mirror-sd-replica` header.
 
 Routing: Ray's HTTP proxy (one per node) sends each request to the less loaded of two replicas drawn at random (Ray
-Serve's power-of-two-choices router, on the requests each replica has in flight). A replica takes at most
-max_num_seqs + max_queue requests at once (`max_ongoing_requests`): what its engine runs plus its FIFO, the bound a
-single server keeps before it answers 429. Beyond that a proxy holds up to max_queue requests until a replica has room
-(`max_queued_requests`), then answers 429 with Retry-After, as a full single server does.
+Serve's power-of-two-choices router, on the requests each replica has in flight). A replica takes at most its slots
+(max_num_seqs, or what kv_cache_gb holds) + max_queue requests at once (`max_ongoing_requests`): what its engine runs
+plus its FIFO, the bound a single server keeps before it answers 429 (a request of n choices counts once here, n times
+there). Beyond that a proxy holds up to max_queue requests until a replica has room (`max_queued_requests`), then
+answers 429 with Retry-After, as a full single server does.
 
 Failure: Ray replaces a replica whose actor dies (its process crashed or was killed) or whose health check fails
 (`check_health`: the batching engine's thread has stopped). Requests in flight on it fail (the proxy answers 500, or
@@ -35,9 +36,13 @@ from types import ModuleType
 from typing import Any
 
 from mirror_sd.errors import BadInputError, MirrorSDError, check_int
+from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Spec, specs
+from mirror_sd.runtime.kv_slots import slots_for
+from mirror_sd.runtime.package_reader import is_package
 from mirror_sd.runtime.pipeline import Pipeline
-from mirror_sd.serve.app import ServerSettings, create_app, open_server
+from mirror_sd.runtime.target import GPU_STEP_WIDTH, kv_positions
+from mirror_sd.serve.app import ServerSettings, create_app, listen, open_server
 from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, server_defaults
 
 APP_NAME = "mirror-sd"  # the Serve application `mirror-sd serve --ray` runs (serve run names its own)
@@ -188,6 +193,18 @@ def _serve() -> ModuleType:
     return serve
 
 
+def replica_slots(spec: ReplicaSpec) -> int:
+    """The generations a replica's engine runs at once: max_num_seqs, fewer where kv_cache_gb holds fewer KV slots
+    (each counted at the widest a target's buffers get, GPU_STEP_WIDTH's padding: never more than the replica has).
+    A package's replicas are left at max_num_seqs."""
+    load = spec.load
+    if load.kv_cache_gb is None or is_package(spec.bundle):
+        return load.max_num_seqs
+    manifest = Manifest.load(spec.bundle)
+    positions = kv_positions(manifest, load.max_context, GPU_STEP_WIDTH)[1]
+    return slots_for(manifest, positions, load.max_num_seqs, load.kv_cache_gb)
+
+
 def application(spec: ReplicaSpec, placement: Placement) -> Any:
     """The Serve application (`serve.run` takes it): `placement.replicas` replicas of `spec`."""
     serve = _serve()
@@ -195,7 +212,7 @@ def application(spec: ReplicaSpec, placement: Placement) -> Any:
     deployment = serve.deployment(
         serve.ingress()(Replica), name=DEPLOYMENT_NAME, num_replicas=placement.replicas,
         ray_actor_options=placement.actor_options(),
-        max_ongoing_requests=spec.load.max_num_seqs + settings.max_queue,
+        max_ongoing_requests=replica_slots(spec) + settings.max_queue,
         # Ray takes -1 (no limit) or a positive count: max_queue 0 (none wait at a replica) still lets one wait at
         # each proxy
         max_queued_requests=max(settings.max_queue, 1),
@@ -234,6 +251,8 @@ def run(spec: ReplicaSpec, placement: Placement, address: str, host: str, port: 
     (a deployment Ray cannot place waits for resources for ever) stops it as well."""
     ray, serve = _ray(), _serve()
     _check_bundle(spec.bundle)
+    if address == "local":  # this command's own proxy binds host:port: a port in use is refused before Ray starts
+        listen(host, port).close()
     settings = spec.settings_without_bundle()
     try:
         ray.init(address=address, logging_level="WARNING")
@@ -367,7 +386,9 @@ def _option(spec: Spec, value: Any) -> Any:
 
 
 def _check_bundle(bundle: str) -> None:
-    """A missing bundle is this command's error, not a replica's that Ray retries: checked where the application is
-    built (on a cluster, every node running a replica needs the same path)."""
+    """A missing or unreadable bundle is this command's error, not a replica's that Ray retries: checked where the
+    application is built (on a cluster, every node running a replica needs the same path)."""
     if not Path(bundle).exists():
         raise BadInputError(f"no bundle or package at {bundle}", option="bundle")
+    if not is_package(bundle):
+        Manifest.load(bundle)  # ManifestError: not a bundle, or a broken one

@@ -34,7 +34,8 @@ from mirror_sd.bench.soak import (
     solo_outputs,
 )
 from mirror_sd.cli import main
-from mirror_sd.errors import BadInputError
+from mirror_sd.errors import BadInputError, ManifestError
+from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.serve import ray_app
 from mirror_sd.serve.ray_app import INSTALL_HINT, build, parse_build_args
@@ -138,6 +139,18 @@ def test_serve_run_takes_the_builder(bundle):
 def test_builder_refuses_a_missing_bundle(tmp_path):
     with pytest.raises(BadInputError, match="no bundle or package at"):
         build({"bundle": str(tmp_path / "absent")})
+    with pytest.raises(ManifestError):  # a folder that is no bundle: refused here, not by replicas Ray retries
+        build({"bundle": str(tmp_path)})
+
+
+def test_a_replica_takes_what_its_kv_budget_holds(bundle):
+    """kv_cache_gb holding fewer slots than max_num_seqs: Ray sends a replica no more than those and its queue."""
+    from mirror_sd.runtime.kv_slots import slot_bytes
+
+    budget = 2.5 * slot_bytes(Manifest.load(bundle), 512 + 8) / 2**30
+    app = build({"bundle": str(bundle), "max_num_seqs": "8", "max_queue": "3", "kv_cache_gb": str(budget),
+                 "max_context": "512"})
+    assert app._bound_deployment._deployment_config.max_ongoing_requests == 2 + 3
 
 
 def test_ray_flags_need_ray(bundle, capsys):

@@ -314,6 +314,34 @@ def test_a_queued_request_whose_client_left_frees_its_place(pipe):
         running.close()
 
 
+def test_at_shutdown_a_running_stream_ends_with_its_text_and_a_queued_request_gets_a_503(pipe):
+    """The server told to exit (SIGTERM: app.state.stop_generations): a stream that runs ends with what it has and
+    [DONE]; a request waiting for the slot, never started, is a 503 a client or load balancer retries elsewhere,
+    not an empty 200."""
+    slow = _slow(pipe, 0.05, max_num_seqs=1)
+    with InProcessServer(slow, model_name=MODEL, max_queue=2) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True,
+             "mirror": {"mode": "ar", "ignore_eos": True}}), {"Content-Type": "application/json"})
+        running = conn.getresponse()
+        assert running.status == 200 and running.readline().startswith(b"data: ")
+        queued: list = []
+        waiter = threading.Thread(target=lambda: queued.append(_post(server.port, "/v1/completions", {
+            "model": MODEL, "prompt": "hi", "max_tokens": 4})))
+        waiter.start()
+        while slow.engine().waiting < 1:
+            time.sleep(0.01)
+        server.server.config.app.state.stop_generations()
+        waiter.join(30)
+        status, doc, headers = queued[0]
+        assert status == 503 and doc["error"]["code"] == "shutting_down" and int(headers["retry-after"]) >= 1
+        events = [json.loads(line[6:]) for line in running.read().decode().splitlines()
+                  if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        conn.close()
+
+
 def test_deadline_cuts_a_generation(pipe):
     with serving(_slow(pipe, 0.05), request_timeout_s=0.5) as port:
         start = time.monotonic()

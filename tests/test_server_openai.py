@@ -217,12 +217,23 @@ def test_the_api_key_under_a_route_prefix():
 
     from mirror_sd.serve.auth import ApiKey
 
-    app = Starlette(routes=[Route(path, lambda _request: PlainTextResponse("ok")) for path in ("/v1/models", "/health")])
+    app = Starlette(routes=[Route(path, lambda _: PlainTextResponse("ok")) for path in ("/v1/models", "/health")])
     app.add_middleware(ApiKey, key=KEY, routes=app.router.routes)
     client = TestClient(app, root_path="/api")
     assert client.get("/api/v1/models").status_code == 401
     assert client.get("/api/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     assert client.get("/api/health").status_code == 200
+
+
+def test_a_port_in_use_is_refused_before_the_bundle_loads(port, bundle_factory, capsys, monkeypatch):
+    from mirror_sd.cli import main
+
+    loads = []
+    monkeypatch.setattr(Pipeline, "load", lambda *args, **kwargs: loads.append(args))
+    assert main(["serve", str(bundle_factory("llama")), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mirror-sd: error: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1
+    assert loads == []
 
 
 def test_cors_preflight_and_headers(port):
