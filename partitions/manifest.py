@@ -260,6 +260,8 @@ class Manifest:
             raise ManifestError(f"draft partition layers {list(draft.layers)} != [0, {dr.num_layers})")
         if draft.tokens_per_forward != dr.tokens_per_forward or dr.tokens_per_forward != 1 + dr.streams:
             raise ManifestError("draft tokens_per_forward is inconsistent (it must be 1 + streams)")
+        if dr.dtype not in TARGET_DTYPES:  # its KV buffers and activations are made in it
+            raise ManifestError(f"draft dtype {dr.dtype!r} is not one of {TARGET_DTYPES}")
         if dr.weight_format not in DRAFT_WEIGHT_FORMATS:
             raise ManifestError(f"draft weight_format {dr.weight_format!r} is not one of {DRAFT_WEIGHT_FORMATS}")
         if dr.streams and draft.output(STREAM_IDS).shape[-1] != dr.streams:

@@ -102,9 +102,12 @@ def _mutations():
     def fractional_window(d):
         d["draft"]["attention_window"] = 2.5
 
+    def draft_dtype(d):
+        d["draft"]["dtype"] = "bogus"
+
     return [gap, overlap, short_of_n, boundary, vocab, exit_layer, version, missing_role, unknown_role, kv_names,
             kv_interface, exit_with_layers, old_version, top_k, outside_dotdot, outside_absolute, missing_file,
-            bad_dtype, missing_field, no_eos, negative_window, fractional_window]
+            bad_dtype, missing_field, no_eos, negative_window, fractional_window, draft_dtype]
 
 
 @pytest.mark.parametrize("mutate", _mutations(), ids=lambda f: f.__name__)
