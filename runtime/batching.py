@@ -179,7 +179,7 @@ class BatchEngine:
     def __init__(self, pipe: Pipeline, max_num_seqs: int, window_rows: int = 0) -> None:
         """window_rows: rows of a step verifying copied windows (`_window_step`; LoadOptions.window_rows), at most
         max_num_seqs; 0 or 1: none."""
-        if not isinstance(pipe.target, OrtTarget):
+        if not BatchEngine.runs_on(pipe):
             raise BadInputError("the batching engine runs the target on ONNX Runtime only (target_backend "
                                 "onnxruntime)", option="target_backend")
         self.pipe = pipe
@@ -201,6 +201,11 @@ class BatchEngine:
         self._load = 1.0  # recent mean of requests per step (SOLO_LOAD)
         self._thread = threading.Thread(target=self._loop, name="mirror-sd-engine", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def runs_on(pipe: Pipeline) -> bool:
+        """Whether a batching engine runs over the pipeline's target (ONNX Runtime's graphs only)."""
+        return isinstance(pipe.target, OrtTarget)
 
     # -- any thread ------------------------------------------------------------------------------------------
     @property
@@ -308,7 +313,8 @@ class BatchEngine:
             request.admitted = time.perf_counter()
             cfg = request.config
             try:
-                sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens)
+                sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens,
+                                request.ids)
                 rec = Recorder(cfg.trace)
                 windows = cfg.params.greedy and self.batch.window_rows > 0
                 copies = drafts = None
@@ -655,6 +661,8 @@ class BatchEngine:
             row.solo = None
             row.kv_len = len(row.context) - 1
         self._rows.remove(row)
+        if reason == "cancelled":  # its text is what its chunks gave, without a tail held back from them
+            row.sink.cut()
         # after a failure the slot's KV may hold anything (a decoder running alone fails part way through its
         # prefill): no later prompt reuses it
         self.table.leave(row.slot, row.context[:self._reusable(row)] if error is None else [])

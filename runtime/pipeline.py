@@ -182,14 +182,22 @@ class Pipeline:
         committed.
 
         A list of prompts (strings, chat message lists or token id lists) runs them together on the batching
-        engine (`engine()`) and gives their results in the same order; each is its solo result, token for token
-        where greedy."""
+        engine (`engine()`; on a target without one, the OpenVINO backend's, one after another) and gives their
+        results in the same order; each is its solo result, token for token where greedy."""
         if is_batch(prompt):
             if streamer is not None:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
                                     "requests engine().submit returns", option="streamer")
             checked = [self.check(p, config, **overrides) for p in prompt]  # every one refused before any work
-            return [request.wait() for request in [self.engine().submit(ids, cfg) for ids, cfg in checked]]
+            if not BatchEngine.runs_on(self):
+                return [self.generate(ids, cfg) for ids, cfg in checked]
+            requests = [self.engine().submit(ids, cfg) for ids, cfg in checked]
+            try:
+                return [request.wait() for request in requests]
+            except BaseException:  # one failed, or the caller was interrupted: the others stop too
+                for request in requests:
+                    request.cancel()
+                raise
         run = self._run(prompt, config, overrides)
         try:
             while True:
@@ -297,7 +305,7 @@ class Pipeline:
         return () if cfg.ignore_eos else tuple(self.manifest.tokenizer.eos_token_ids)
 
     def _decode_alone(self, ids: list[int], cfg: GenerationConfig, rec: Recorder, cached: int = 0) -> Iterator[Chunk]:
-        sink = TextSink(self.codec, cfg.stop, self.eos_token_ids(cfg), cfg.max_new_tokens)
+        sink = TextSink(self.codec, cfg.stop, self.eos_token_ids(cfg), cfg.max_new_tokens, ids)
         # the draft reads the prompt during the prefill only where target and draft threads fit the cores together
         fits = self.target_threads + self.draft_threads <= usable_cores()
         worker = self._start_worker(cfg, rec, self._threaded(cfg, fits)) if cfg.mode in DRAFT_MODES else None

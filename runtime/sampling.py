@@ -32,11 +32,13 @@ def rng_for(params: SamplingParams, stream: int, position: int) -> np.random.Gen
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Probabilities (float64, [..., V]) after temperature, top_k then top_p. Not for greedy."""
-    z = logits.astype(np.float64) / params.temperature
+    z = logits.astype(np.float64)
+    # the largest is 0 before the division: a tiny temperature then gives -inf (probability 0), never inf - inf
+    with np.errstate(over="ignore"):
+        z = (z - z.max(axis=-1, keepdims=True)) / params.temperature
     if params.top_k and params.top_k < z.shape[-1]:
         kth = np.sort(z, axis=-1)[..., -params.top_k][..., None]
         z = np.where(z < kth, -np.inf, z)
-    z = z - z.max(axis=-1, keepdims=True)
     probs = np.exp(z)
     probs /= probs.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:

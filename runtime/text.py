@@ -103,25 +103,47 @@ class TextCodec:
         return any(d.get("type") == "ByteLevel" for d in [decoder, *decoder.get("decoders", [])])
 
 
+# The prompt's last tokens a generation's text is decoded after (as vLLM does): a sentencepiece decoder strips the
+# space a text's first word starts with, which is part of the answer when the answer goes on from a prompt
+PROMPT_CONTEXT = 5
+
+
 class TextSink:
     """Collects committed tokens; says what text is safe to show and whether generation is finished.
 
-    Text is held back while it ends in an incomplete UTF-8 character or in a possible start of a stop string.
-    A stop string ends generation: the text stops before it; token_ids keep the token that completed it.
+    Text is decoded incrementally, each token's with the few tokens before it (so that a token costs the same at any
+    length, and a first word keeps its space): held back while it ends in an incomplete UTF-8 character, and shown
+    but a tail that could be the start of a stop string. A stop string ends generation: the text stops before it;
+    token_ids keep the token that completed it.
     """
 
     def __init__(self, codec: TextCodec, stop: tuple[str, ...], eos_token_ids: tuple[int, ...],
-                 max_tokens: int) -> None:
+                 max_tokens: int, prompt_ids: list[int] | tuple[int, ...] = ()) -> None:
         self.codec, self.stop, self.eos, self.max_tokens = codec, stop, set(eos_token_ids), max_tokens
         self.ids: list[int] = []
         self.text = ""
         self.shown = 0  # characters of self.text already given out
         self.finish_reason: str | None = None
+        # ids decoded together: those before `_read` stand for text already in self.text
+        self._window = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._read = len(self._window)
+
+    def _decode_new(self, final: bool) -> str:
+        """The text of the ids after `_read`, decoded after those before it; empty while it ends in an incomplete
+        character (unless `final`: the replacement character then stands for it)."""
+        before = self.codec.decode(self._window[:self._read])
+        after = self.codec.decode(self._window)
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        del self._window[:self._read]  # what comes next is decoded after these only
+        self._read = len(self._window)
+        return after[len(before):]
 
     def add(self, token: int) -> str:
         """Commit one token; returns the new text to show (possibly empty)."""
         self.ids.append(token)
-        self.text = self.codec.decode(self.ids)
+        self._window.append(token)
+        self.text += self._decode_new(final=token in self.eos or len(self.ids) >= self.max_tokens)
         if token in self.eos:
             self.finish_reason = "eos"
             return self.flush()
@@ -133,13 +155,17 @@ class TextSink:
         if len(self.ids) >= self.max_tokens:
             self.finish_reason = "length"
             return self.flush()
-        safe = len(self.text.rstrip("\ufffd"))
-        head = self.text[:safe]
-        hold = max((n for s in self.stop for n in range(1, min(len(s), safe + 1)) if head.endswith(s[:n])), default=0)
+        safe = len(self.text)
+        hold = max((n for s in self.stop for n in range(1, min(len(s), safe + 1)) if self.text.endswith(s[:n])),
+                   default=0)
         return self._show(max(safe - hold, self.shown))  # hold back a tail that could grow into a stop string
 
     def flush(self) -> str:
         return self._show(len(self.text))
+
+    def cut(self) -> None:
+        """The generation was stopped from outside (cancelled): its text is what was shown, not a held-back tail."""
+        self.text = self.text[:self.shown]
 
     def _show(self, upto: int) -> str:
         delta, self.shown = self.text[self.shown:upto], upto

@@ -93,6 +93,61 @@ def test_stops_at_eos_stop_string_and_length(pipe):
     assert len(outs[1].token_ids) == 30
 
 
+def _sentencepiece_codec(tmp_path):
+    """A Llama-2-style tokenizer (sentencepiece pieces, byte fallback, a decoder that strips a text's first space)."""
+    import types
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    from mirror_sd.runtime.text import TextCodec
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    corpus = ["the object is a decoder of the text", "a text is decoded by the decoder"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=40, special_tokens=["<unk>", "<s>", "</s>"],
+                                                        show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    facts = types.SimpleNamespace(files=("tokenizer.json",), eos_token_ids=(2,), bos_token_id=1, chat_template=None)
+    return TextCodec(tmp_path, types.SimpleNamespace(tokenizer=facts))
+
+
+def test_text_keeps_its_first_space_and_streams_what_it_returns(tmp_path, pipe):
+    """A generation's text is decoded after the prompt's last tokens: a sentencepiece decoder keeps the space its
+    first word starts with (prompt text + answer text is the whole text). The deltas add up to the text, a token at
+    a time whatever the length; a cancelled generation's text is what it showed, without a tail held back."""
+    from mirror_sd.runtime.text import TextSink
+
+    codec = _sentencepiece_codec(tmp_path)
+    ids = codec.encode("the object is a decoder of the text", special=False)
+    k = next(i for i in range(3, len(ids)) if codec.tokenizer.id_to_token(ids[i]).startswith("\u2581"))
+    sink = TextSink(codec, (), (2,), 100, ids[:k])
+    streamed = "".join(sink.add(t) for t in ids[k:]) + sink.flush()
+    assert codec.decode(ids[:k]) + sink.text == "the object is a decoder of the text" and streamed == sink.text
+    assert sink.text.startswith(" ")
+
+    long = pipe.generate(PROMPT, mode="ar", max_new_tokens=60, ignore_eos=True)
+    sink = TextSink(pipe.codec, (), (), 60, pipe.check(PROMPT)[0])
+    assert "".join(sink.add(t) for t in long.token_ids) == sink.text == long.text
+    engine = pipe.engine()
+    request = engine.submit(*pipe.check(PROMPT, mode="ar", max_new_tokens=400, ignore_eos=True, stop=["\ufffdz"]))
+    chunks = []
+    for chunk in request:
+        chunks.append(chunk.text)
+        if len(chunks) == 30:
+            request.cancel()
+    assert request.result.finish_reason == "cancelled" and request.result.text == "".join(chunks)
+
+
+def test_a_list_of_prompts_runs_one_after_another_where_no_engine_batches(bundle_factory):
+    """The OpenVINO target backend has no batching engine: a list of prompts still gives each its result."""
+    pipe = Pipeline.load(bundle_factory(), huge_pages=False, target_backend="openvino")
+    prompts = [PROMPT, PROMPT[:-1]]
+    assert [r.token_ids for r in pipe.generate(prompts, mode="ar", max_new_tokens=6)] == [
+        pipe.generate(p, mode="ar", max_new_tokens=6).token_ids for p in prompts]
+
+
 def test_sampling_is_seeded(pipe):
     """The seed decides the draws: the same seed repeats them, other seeds give other tokens, and a sampled output
     is not the greedy one. Several seeds, each fixed, so the test is deterministic and no single coincidence (two

@@ -247,6 +247,7 @@ def test_warp_gives_zero_probability_to_minus_inf():
     assert np.allclose(warp(logits, SamplingParams(1.0, top_k=4)), [0, 0.6, 0, 0.3, 0.1])
     assert np.allclose(warp(logits, SamplingParams(1.0, top_k=2)), [0, 2 / 3, 0, 1 / 3, 0])
     assert np.allclose(warp(logits, SamplingParams(0.5, top_p=0.5)), [0, 1, 0, 0, 0])
+    assert np.array_equal(warp(logits, SamplingParams(1e-320)), [0, 1, 0, 0, 0])  # a tiny temperature: its argmax
 
 
 def test_accepted_proposals_give_several_tokens_per_forward(repeating):
