@@ -173,6 +173,15 @@ def load_tokenizer(source: str, draft_source: str):
     return tokenizer
 
 
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """The tokens that end a generation: the model's generation config's and the tokenizer's EOS."""
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
 def _tokenizer_facts(tokenizer, model, bundle: Path) -> TokenizerFacts:
     """Save the tokenizer into the bundle; what the manifest says of it."""
     before = set(os.listdir(bundle))
@@ -180,11 +189,7 @@ def _tokenizer_facts(tokenizer, model, bundle: Path) -> TokenizerFacts:
     files = tuple(sorted(set(os.listdir(bundle)) - before))
     if "tokenizer.json" not in files:
         raise ExportError("the target's tokenizer could not be saved as tokenizer.json (a fast tokenizer is needed)")
-    eos = model.generation_config.eos_token_id if model.generation_config else None
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        eos_ids.add(tokenizer.eos_token_id)
-    return TokenizerFacts(files=files, eos_token_ids=tuple(sorted(eos_ids)), bos_token_id=tokenizer.bos_token_id,
+    return TokenizerFacts(files=files, eos_token_ids=eos_ids(model, tokenizer), bos_token_id=tokenizer.bos_token_id,
                           pad_token_id=tokenizer.pad_token_id, chat_template=tokenizer.chat_template)
 
 
@@ -217,6 +222,9 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     draft = load_draft(opts.draft, load_causal_lm, target)
     exit_layer, top_k = check_options(opts, target, draft)
     tokenizer = load_tokenizer(target.source, draft.source)
+    if not eos_ids(target.model, tokenizer):  # the manifest would refuse it, after the whole export
+        raise BadInputError(f"target {target.source!r} names no EOS token (generation_config.json or the tokenizer's "
+                            "eos_token): a generation could never end on its own")
     exit_head = _exit_head(opts, target)
     if opts.exit_vocab not in ("draft", "full"):
         raise BadInputError(f"exit vocabulary must be 'draft' or 'full', not {opts.exit_vocab!r}")

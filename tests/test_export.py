@@ -162,6 +162,7 @@ def odd_models(tmp_path_factory, pair_factory):
     ("unsupported", "not supported; supported: llama, mistral, qwen2, qwen3"),
     ("truncated_model", "cannot load target"),
     ("truncated_draft", "cannot load draft"),
+    ("no_eos", "names no EOS token"),
 ])
 def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_factory, odd_models, case, message):
     target, draft = pair_factory("llama")
@@ -175,13 +176,25 @@ def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_
             "topk_high": (target, draft, ("--top-k", "385")),
             "unsupported": (_unsupported_model(tmp_path), draft, ()),
             "truncated_model": (_truncated(target, tmp_path / "t"), draft, ()),
-            "truncated_draft": (target, _truncated(draft, tmp_path / "d"), ())}[case]
+            "truncated_draft": (target, _truncated(draft, tmp_path / "d"), ()),
+            "no_eos": (_without_eos(target, tmp_path / "e"), draft, ())}[case]
     out = tmp_path / "out"
     code, err = _export_cli(capsys, args[0], args[1], out, *args[2])
     assert code == 2
     assert err.startswith("mirror-sd: error:") and message in err, err
     assert "Traceback" not in err
     _assert_nothing_left(tmp_path, out)
+
+
+def _without_eos(model: Path, copy: Path) -> Path:
+    """A copy of `model` whose configs and tokenizer name no EOS token."""
+    shutil.copytree(model, copy)
+    for name, key in (("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id"),
+                      ("tokenizer_config.json", "eos_token")):
+        doc = json.loads((copy / name).read_text())
+        doc[key] = None
+        (copy / name).write_text(json.dumps(doc))
+    return copy
 
 
 def _truncated(model: Path, copy: Path) -> Path:
