@@ -220,11 +220,12 @@ def _length_doc(runs: dict[str, list[MethodResult]], prompts: list[list[int]]) -
     if genai is not None:
         rows["ov-genai-ar"] = {**genai, "from": genai_name}
     # greedy identity: every method's tokens against ar's (ar@2t when both ran) on the same prompt
+    # (None: not compared, where either side has no run of some prompt)
     reference = runs.get(ar_name or "", [])
-    differing = {name: [i for i, (a, b) in enumerate(zip(reference, results)) if a.token_ids != b.token_ids]
+    identical = {name: (None if not reference or len(results) != len(reference) else
+                        all(a.token_ids == b.token_ids for a, b in zip(reference, results)))
                  for name, results in runs.items() if name.startswith(("ar", "sd", "mirror"))}
-    return {"prompt_tokens": len(prompts[0]), "methods": rows,
-            "identical_to_ar": {n: not d for n, d in differing.items()}}
+    return {"prompt_tokens": len(prompts[0]), "methods": rows, "identical_to_ar": identical}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

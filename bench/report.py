@@ -9,14 +9,15 @@ from mirror_sd.models.benchmark_prompts import KINDS
 # What each method is (text, not figures): the report says what was compared with what.
 WHAT = {
     "ar": "the project's target alone (ONNX Runtime, prefix + suffix graphs), at its best target thread count",
-    "sd": "the project's vanilla speculative decoding: the bundle's draft (its runtime: Machine and settings) then "
-          "the target, serially",
+    "sd": "the project's speculative decoding: windows from the bundle's draft (its runtime: Machine and settings), "
+          "or copied from the text (prompt lookup), verified by the target serially, under the speculation gate",
     "mirror": "the project's Mirror-SD: early-exit candidates, branch rollouts on the draft thread under the suffix",
     "hf-generate": "transformers generate, the fp32 target alone (PyTorch)",
-    "hf-assisted": "transformers assisted generation (assistant_model=) with the draft in its plain form: the same "
-                   "4 layers and weights over the full vocabulary, one token per forward, stream heads dropped",
+    "hf-assisted": "transformers assisted generation (assistant_model=) with the baseline draft (below) in its plain "
+                   "form: over the full vocabulary, one token per forward, stream heads dropped",
     "ov-genai-ar": "OpenVINO GenAI LLMPipeline, the same fp32 target converted to OpenVINO IR",
-    "ov-genai-sd": "OpenVINO GenAI speculative decoding, the same target and the plain-form draft as OpenVINO IR",
+    "ov-genai-sd": "OpenVINO GenAI speculative decoding, the same target and the baseline draft's plain form as "
+                   "OpenVINO IR",
     "ov-genai-pld": "OpenVINO GenAI prompt-lookup decoding (n-grams of the prompt as the draft), the same target",
     "ar-openvino": "the project's target alone on OpenVINO (its graphs rewritten without GroupQueryAttention, "
                    "runtime/portable.py): the CPU-only backend",
@@ -154,6 +155,12 @@ def _compared(doc: dict[str, Any], greedy: dict[str, Any] | None) -> list[str]:
     lines = ["## What is compared", ""]
     for method in greedy["methods"]:
         lines.append(f"- **{method}**: {WHAT.get(method, 'an external method')}")
+    base = doc.get("baseline_draft")
+    if base and any(m in greedy["methods"] for m in ("hf-assisted", "ov-genai-sd")):
+        lines.append(f"- The baseline draft: {base['path']}, " + (
+            "the bundle's own draft." if base["the_bundles_draft"] else
+            f"not the bundle's ({base['bundle_draft']}, which has no plain form): a draft of its own weights, so "
+            "these rows compare methods with different drafts."))
     return lines + [""]
 
 
@@ -336,9 +343,12 @@ def _context(c: dict[str, Any] | None) -> list[str]:
               "suffix sessions) against one graph of both:", ""]
     lines += _table(["prompt tokens", "1-token step", "5-token step", "5 / 1", "unsplit 1-token", "split / unsplit",
                      "split / unsplit (5)"], rows) + [""]
-    differ = [f"{m} at {n}" for n in lengths for m, same in c["per_length"][n]["identical_to_ar"].items() if not same]
+    verdicts = [(f"{m} at {n}", same) for n in lengths for m, same in c["per_length"][n]["identical_to_ar"].items()]
+    differ = [what for what, same in verdicts if same is False]
+    unchecked = [what for what, same in verdicts if same is None]
     lines.append("Greedy outputs: " + ("all token-identical to ar's." if not differ else
-                                       "**differ from ar: " + ", ".join(differ) + "**"))
+                                       "**differ from ar: " + ", ".join(differ) + "**")
+                 + (f" Not compared (runs missing): {', '.join(unchecked)}." if unchecked else ""))
     lines += _bars("Issue 11's bars, from this run:", c)
     return lines + ["![time to first token and decode speed against prompt length](plots/context_length.png)", ""]
 
@@ -375,9 +385,13 @@ def _precision(p: dict[str, Any] | None) -> list[str]:
                      "median first divergence"], rows) + [""]
     for fmt, a in p["agreement"].items():  # issue 57 asks why, where int8 keeps less than its bar
         if a.get("top1_float32_activations") is not None:
+            kernel = a["top1_float32_activations"] - a["top1_per_position"]  # what int8 activations cost
+            weights = 1.0 - a["top1_float32_activations"]  # what the rounded weights cost
+            why = ("the kernel's int8 activations, the path its fast decode takes" if kernel > weights else
+                   "its weights' rounding")
             lines += [f"{fmt} keeps float32's token at {_f(a['top1_per_position'], 3)} of positions, its weights with "
-                      f"float32 activations at {_f(a['top1_float32_activations'], 3)}: the rest is the kernel's int8 "
-                      "activations, the path its fast decode takes.", ""]
+                      f"float32 activations at {_f(a['top1_float32_activations'], 3)}: most of the difference is "
+                      f"{why}.", ""]
     failures = prompts.get("failures", [])
     lines.append("Each format's planned mode against its own ar: " + (
         "token-identical on every prompt." if not failures else
@@ -425,8 +439,9 @@ def _serving(s: dict[str, Any] | None) -> list[str]:
               f"{server['startup_s']:.1f} s; target {server['target_device']}, draft {server['draft_device']}; "
               f"{st['server_threads']['target']} target + {st['server_threads']['draft']} draft threads); clients are "
               "threads of the benchmark speaking HTTP, each sending its next streaming chat request as soon as its "
-              f"last is answered (a closed loop), greedy, {st['max_tokens']} new tokens at most; requests per point: "
-              f"{requests}, over {st['distinct_prompts']} distinct prompts (the benchmark's own, then each under a "
+              f"last is answered (a closed loop), greedy, {st['max_tokens']} new tokens at most; requests per point "
+              f"and round: {requests} ({st.get('rounds', 1)} round(s) pooled), over {st['distinct_prompts']} "
+              "distinct prompts (the benchmark's own, then each under a "
               "system message), the server's prefix cache flushed before every point. tokens/s = completion tokens "
               "/ the point's wall time; latency = request sent -> last chunk; TTFT = request sent -> first text, "
               "queueing included. The server's default mode (the planned series): "

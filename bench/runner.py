@@ -35,6 +35,7 @@ from mirror_sd.bench.variants import CACHE, Sources, variant
 from mirror_sd.errors import BadInputError, MirrorSDError
 from mirror_sd.models.benchmark_prompts import KINDS, PROMPTS, BenchPrompt, select
 from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.partitions.spec import BACKENDS
 from mirror_sd.runtime.backends import usable_cores
 from mirror_sd.runtime.pipeline import Pipeline
 
@@ -139,8 +140,8 @@ class Bench:
         self.variant_notes: dict[str, Any] = {}  # the variant bundles asked for: path or why not available
 
     # -- set-up --------------------------------------------------------------------------------------------
-    def _load(self, bundle: Path, **threads: int | None) -> Pipeline:
-        return Pipeline.load(bundle, **threads)
+    def _load(self, bundle: Path, **options: Any) -> Pipeline:
+        return Pipeline.load(bundle, **options)
 
     def _open_baselines(self, threads: int, gamma: int) -> None:
         wanted = [m for m in self.requested if m in BASELINE_METHODS]
@@ -267,6 +268,10 @@ class Bench:
             project["sd"] = PipelineMethod("sd", self.sd_pipe, "sd")
         doc["threads"]["sd"] = {"target": self.sd_pipe.target_threads, "draft": self.sd_pipe.draft_threads}
         doc["baseline_windows"] = self._probe_windows(main)
+        if self.sources is not None:  # what hf-assisted and ov-genai-sd draft with (a feature draft has no plain form)
+            draft = self.sources.baseline_draft or self.sources.draft
+            doc["baseline_draft"] = {"path": str(draft), "the_bundles_draft": draft == self.sources.draft,
+                                     "bundle_draft": str(self.sources.draft)}
 
         methods: list[Method] = [ar, *(m for m in [*(project[n] for n in ("sd", "mirror") if n in self.requested),
                                                    *self.baselines] if m.name not in self.not_run)]
@@ -354,15 +359,20 @@ class Bench:
         return found
 
     def _variant_pipe(self, path: Path, main: Pipeline) -> Pipeline:
+        """A variant bundle's pipeline on the main one's threads and draft runtime (the plan's choice): only the
+        bundle differs."""
         if path == self.bundle:
             return main
-        return self._load(path, target_threads=main.target_threads, draft_threads=main.draft_threads)
+        backend = main.draft.backend if main.draft.backend in BACKENDS else None  # a package's static draft: none
+        return self._load(path, target_threads=main.target_threads, draft_threads=main.draft_threads,
+                          draft_backend=backend)
 
     def _same_defaults(self, main: Pipeline) -> dict[str, Any]:
         """A variant bundle has no plan.json: give it the main bundle's plan choices, so only the bundle differs."""
         d = main.defaults
         return {} if d is None else dict(gamma=d.gamma, kappa=d.kappa, branch_budget=d.branch_budget,
-                                         draft_confidence_threshold=d.draft_confidence_threshold)
+                                         draft_confidence_threshold=d.draft_confidence_threshold,
+                                         draft_confidence_rule=d.draft_confidence_rule)
 
     @staticmethod
     def _branch_sets(main: Pipeline) -> dict[str, Any]:

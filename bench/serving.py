@@ -60,6 +60,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 from mirror_sd.bench.soak import HOST, free_port, http_get, metric, sse_events, wait_healthy
+from mirror_sd.errors import first_line
 from mirror_sd.models.benchmark_prompts import KINDS, PROMPTS, BenchPrompt
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.runtime.text import TextCodec
@@ -630,15 +631,25 @@ def run_serving(bundle: Path, size: ServingSize, pipe, *, sources=None, cache: P
                             point = ours_point(server, prompts, indices, MODES[name], clients, size.max_tokens,
                                                expected)
                             failures += identity_failures(name, point, by_name)
+                        elif name in doc["not_run"]:  # failed at an earlier point: its other points are not run
+                            continue
                         else:
-                            point = genai_point(genai[name], ids, names, clients, size.max_tokens, expected, indices)
+                            try:
+                                point = genai_point(genai[name], ids, names, clients, size.max_tokens, expected,
+                                                    indices)
+                            except Exception as e:  # GenAI's failure ends its series only, never the section
+                                doc["not_run"][name] = f"{type(e).__name__} at {clients} clients: {first_line(e)}"
+                                report(f"serving: {name} failed: {doc['not_run'][name]}")
+                                continue
                         rounds[name].append(point)
                         report(f"serving: {name} at {clients}: {point['tokens_per_s'] or 0:.1f} tokens/s, p50 "
                                f"latency {point['latency_s']['p50'] or 0:.2f} s, p50 TTFT "
                                f"{point['ttft_s']['p50'] or 0:.3f} s")
                 for name in series:
+                    if not rounds[name]:
+                        continue
                     point = pooled_point(clients, rounds[name])
-                    point["prompt_tokens"] = sum(len(ids[i]) for i in indices)
+                    point["prompt_tokens"] = len(rounds[name]) * sum(len(ids[i]) for i in indices)  # every round's
                     points[name][str(clients)] = point
             doc["multi_turn"] = _multi_turn(server, size, codec, genai, report, doc["not_run"])
             doc["server"]["log_tail"] = server.log_tail()
@@ -646,7 +657,8 @@ def run_serving(bundle: Path, size: ServingSize, pipe, *, sources=None, cache: P
         for cb in genai.values():
             cb.close()
     doc["points"] = points
-    checked = sum(len(p["runs"]) for s in MODES for p in points[s].values())
+    # answers that came back (an errored request has nothing to compare; the tables count its error)
+    checked = sum(r["error"] is None for s in MODES for p in points[s].values() for r in p["runs"])
     doc["identity"] = {"checked": checked, "failures": failures,
                        "genai_differ": {s: sum(not r["identical_to_solo_ar"] for p in points[s].values()
                                                for r in p["runs"] if r["error"] is None)
