@@ -31,6 +31,7 @@ class AsyncRequest:
         self._events: asyncio.Queue = asyncio.Queue()
         self._request: Request | None = None
         self._cancelled = False
+        self._finished: Finished | None = None  # the last event, once read: iterating or waiting again gives it
         self.result: GenerationResult | None = None
 
     def submit(self) -> None:
@@ -63,9 +64,9 @@ class AsyncRequest:
         finished = False
         try:
             while True:
-                event = await self.next_event()
+                event = self._finished or await self.next_event()
                 if isinstance(event, Finished):
-                    finished = True
+                    finished, self._finished = True, event
                     if event.error is not None:
                         raise event.error
                     self.result = event.result

@@ -39,6 +39,9 @@ from mirror_sd.runtime.sampling import SamplingParams
 STREAMING_MODES = ("off", "verify", "trust")
 BUILTIN_THREADS = 1  # per engine, where neither the caller nor the bundle's plan says
 MAX_THREADS = 256  # per engine: far past any core count, short of a pool that takes minutes to start
+# draft, copied and branch windows: far past any that pays (plans choose 3-8), short of one request's rollout taking
+# the draft engine, and memory, for seconds (a server's clients share them)
+MAX_WINDOW = 64
 MIRROR = "mirror."  # a wire name: the request's extension object, under the option's own name
 
 
@@ -216,12 +219,12 @@ class GenerationConfig(Options):
     # fixed-length generations (load tests, benchmarks), as vLLM's and OpenVINO GenAI's ignore_eos
     ignore_eos: bool = option(False, "go on past an end-of-sequence token, to max_new_tokens or a stop string",
                               wire=MIRROR)
-    gamma: int = option(4, "draft window length", range=Range(1), wire=MIRROR, planned=True)
+    gamma: int = option(4, "draft window length", range=Range(1, MAX_WINDOW), wire=MIRROR, planned=True)
     kappa: int | None = option(None, "early-exit candidates per position, at most the bundle's top_k",
                                range=Range(1), none="the bundle's top_k", wire=MIRROR, planned=True)
     branch_budget: int | None = option(
         None, "branches per mirror step (0: none, every draft step is sd's; auto: adapts while the draft stays "
-        "hidden)", range=Range(0), none="auto", none_word="auto", wire=MIRROR, planned=True)
+        "hidden)", range=Range(0, MAX_WINDOW), none="auto", none_word="auto", wire=MIRROR, planned=True)
     # even on, sd's and budget-0 mirror's draft requests, each waited for at once, are served inline
     # (Pipeline._threaded)
     overlap: bool = option(True, "run the draft on a thread of its own where it can work while the target does "
@@ -249,9 +252,10 @@ class GenerationConfig(Options):
         "step speculates; output never depends on it", switches=(("--always-speculate", False),), wire=MIRROR)
     prompt_lookup_num_tokens: int = option(
         4, "greedy lookup/sd/mirror: where the text's last few tokens occurred before, verify up to this many "
-        "tokens that followed them instead of a draft window (transformers' prompt lookup; 0: off)", range=Range(0),
-        wire=MIRROR)
-    max_matching_ngram_size: int = option(3, "prompt lookup: the most trailing tokens matched", range=Range(2))
+        "tokens that followed them instead of a draft window (transformers' prompt lookup; 0: off)",
+        range=Range(0, MAX_WINDOW), wire=MIRROR)
+    max_matching_ngram_size: int = option(3, "prompt lookup: the most trailing tokens matched",
+                                          range=Range(2, MAX_WINDOW))
     prompt_lookup_schedule: str = option(
         "heuristic", "how the copied window's length moves: heuristic (grows after a window accepted whole, "
         "shrinks after one cut short, as transformers' num_assistant_tokens_schedule) or constant",

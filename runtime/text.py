@@ -55,6 +55,11 @@ class TextCodec:
         return (self.tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
 
     def encode(self, text: str, special: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # valid JSON can carry half of a surrogate pair: no character at all
+            raise BadInputError(f"the text is not valid Unicode: {e.reason} at character {e.start}",
+                                option="prompt") from None
         return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:

@@ -45,6 +45,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mirror_sd.errors import BadInputError, ContextLimitError
@@ -108,22 +109,41 @@ class Generations:
 
     def check_room(self, need: int = 1) -> None:
         """429 when `need` more requests (a request's n choices) would not fit in the slots and max_queue places
-        behind them (a stream checks before its 200 goes out)."""
+        behind them (a stream checks before its 200 goes out); 400 when they never could. The caller starts them
+        (`start`) before it awaits anything: a burst of requests then sees each other's."""
         e = self.engine
+        if need > e.max_num_seqs + self.settings.max_queue:
+            raise p.ApiError(400, f"the request asks for {need} generations (n times its prompts); this server holds "
+                                  f"{e.max_num_seqs + self.settings.max_queue} at once", param="n",
+                             code="invalid_value")
         if e.running + e.waiting + need > e.max_num_seqs + self.settings.max_queue:
             raise p.ApiError(429, f"the server is busy: {e.waiting} requests are waiting; retry later",
                              "server_busy", code="queue_full",
                              headers={"Retry-After": str(self.settings.retry_after_s)})
 
-    async def run(self, job: _Job, on_chunk: Callable[[Chunk], None] | None = None) -> _Outcome:
-        """The job's generation, whose room the caller checked (`check_room`, for all of a request's choices before
-        anything of it went out: a stream's 200 is never followed by a 429); `on_chunk` gets its Chunks (text and
-        logprob) as they come. A 503 when its deadline passes while it waits for a slot; past the deadline once
-        running, or when the caller is cancelled (the client went away), the engine stops it at its next step."""
+    def start(self, job: _Job) -> AsyncRequest:
+        """Submit the job to the engine now, its room checked (`check_room`): the gauges and the next check count
+        it. Whoever starts it ends it: `run`, or `abandon` where run never got to it."""
         request = AsyncRequest(self.engine, job.ids, job.config)
-        request.submit()  # now: the gauges count it
+        request.submit()
         self.active.add(request)
         self._gauges()
+        return request
+
+    def abandon(self, requests: list[AsyncRequest]) -> None:
+        """Stop requests whose answers nobody will read (a client gone before they ran); finished ones are left."""
+        for request in requests:
+            request.cancel()
+            self.active.discard(request)
+        self._gauges()
+
+    async def run(self, job: _Job, request: AsyncRequest, on_chunk: Callable[[Chunk], None] | None = None
+                  ) -> _Outcome:
+        """The job's generation (`request`, started for it), whose room the caller checked for all of a request's
+        choices before anything of it went out: a stream's 200 is never followed by a 429; `on_chunk` gets its
+        Chunks (text and logprob) as they come. A 503 when its deadline passes while it waits for a slot; past the
+        deadline once running, or when the caller is cancelled (the client went away), the engine stops it at its
+        next step."""
         texts, ids = [], []
         first_token = None  # time.monotonic() when it came
         why = None  # why it was stopped early, if it was
@@ -314,14 +334,20 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         seed = {"x-seed": str(job.config.seed)}  # the seed it ran with: the same request with it repeats the answer
         gen.check_room(len(jobs))  # all the choices or none (a stream: before its 200 goes out)
+        started = [gen.start(j) for j in jobs]  # before any await: the room just checked is theirs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(request, jobs, rid, body.model, chat, include_usage, prompt_tokens),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", **seed})
+            # the background task runs once the response ends, even where its body never started (a client gone
+            # at once): the generations stop then
+            return StreamingResponse(_stream(request, jobs, started, rid, body.model, chat, include_usage,
+                                             prompt_tokens), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **seed},
+                                     background=BackgroundTask(_abandon, started))
         watcher = asyncio.create_task(_watch_disconnect(request))
         scores: list[list[TokenLogprob]] = [[] for _ in jobs]  # each choice's tokens' logprobs, where asked for
         # the choices' requests reach the engine together: they share its batched steps
-        runs = [asyncio.create_task(gen.run(j, lambda c, s=s: s.append(c.logprob))) for j, s in zip(jobs, scores)]
+        runs = [asyncio.create_task(gen.run(j, r, lambda c, s=s: s.append(c.logprob)))
+                for j, r, s in zip(jobs, started, scores)]
         together = asyncio.gather(*runs)
         # read whatever ends it (a client gone cancels it): asyncio logs an error for an exception never retrieved
         together.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -340,6 +366,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             watcher.cancel()
             for run in runs:  # a choice that failed, or a client gone: the others stop at the engine's next step
                 run.cancel()
+            gen.abandon(started)  # those whose run never started
         make, choice = (p.chat_response, p.chat_choice) if chat else (p.completion_response, p.completion_choice)
         choices = [choice(i, o.text, o.finish_reason, _logprobs(chat, j, s, pipe.codec.token_bytes))
                    for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
@@ -347,8 +374,12 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         return JSONResponse(make(rid, body.model, choices, prompt_tokens, sum(len(o.token_ids) for o in outcomes),
                                  _mirror_stats(outcome)), headers=seed)
 
-    async def _stream(request: Request, jobs: list[_Job], rid: str, model: str, chat: bool, include_usage: bool,
-                      prompt_tokens: int) -> AsyncIterator[str]:
+    async def _abandon(requests: list[AsyncRequest]) -> None:
+        """gen.abandon on the event loop (a plain function's background task would run on a worker thread)."""
+        gen.abandon(requests)
+
+    async def _stream(request: Request, jobs: list[_Job], started: list[AsyncRequest], rid: str, model: str,
+                      chat: bool, include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
         """The choices' chunks as they come, each with its choice's index (n > 1: interleaved), and with the
         logprobs of the tokens whose text it carries where asked for (a token whose text is held back, part of a
         character or of a possible stop string, rides with the next chunk; the last chunk carries any left)."""
@@ -375,7 +406,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                     events.put_nowait(("text", index, c.text, tuple(pending)))
                     pending.clear()
             try:
-                outcome = await gen.run(jobs[index], relay)
+                outcome = await gen.run(jobs[index], started[index], relay)
                 events.put_nowait(("done", index, outcome, tuple(pending)))
             except p.ApiError as e:
                 events.put_nowait(("error", index, e, ()))

@@ -71,6 +71,12 @@ class _Sampling(_Strict):
     n: int = Field(1, ge=1, le=MAX_N, description="choices, each a generation of its own; sampled, choice i draws "
                    "with seed + i")
 
+    @field_validator("stream", "n", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        """null, which OpenAI's API allows for these, is the field's default (as vLLM reads it)."""
+        return cls.model_fields[info.field_name].default if v is None else v
+
     @field_validator("stream_options")
     @classmethod
     def _only_streaming(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
@@ -144,6 +150,21 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
     content: str
     name: str | None = None
+    # what an answer replayed as a message carries beside its text (the openai client's model_dump()), taken at
+    # their empty values: this server neither calls tools nor refuses
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+    tool_calls: list[Any] | None = None
+    annotations: list[Any] | None = None
+
+    @field_validator("tool_calls", "annotations")
+    @classmethod
+    def _empty(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if v:
+            raise PydanticCustomError(UNSUPPORTED, "{field} are not supported: this server does not call tools",
+                                      {"field": info.field_name})
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -194,7 +215,7 @@ class ChatRequest(Sampling, fields_model(CHAT)):
 class CompletionRequest(Sampling, fields_model(COMPLETION)):
     # strict: a list of digit strings is several prompts, never token ids
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    echo: Literal[False] = False
+    echo: Literal[False] | None = False  # null: false, as OpenAI's API allows
 
     @field_validator("prompt", mode="before")
     @classmethod

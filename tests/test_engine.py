@@ -576,6 +576,7 @@ def test_asyncio_code_gets_each_generation_as_an_async_iterator(pipelines):
         request = pipe.generate_async(prompt, mode=mode, max_new_tokens=12)
         text = "".join([chunk.text async for chunk in request])
         assert request.result.text == text
+        assert await request.wait() is request.result  # waiting after the loop gives the result again
         return text, request.result.token_ids
 
     async def main() -> list[tuple[str, list[int]]]:

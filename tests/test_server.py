@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import openai
@@ -340,6 +341,38 @@ def test_at_shutdown_a_running_stream_ends_with_its_text_and_a_queued_request_ge
                   if line.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         conn.close()
+
+
+def test_openai_nulls_and_replayed_answers_are_taken_and_what_cannot_run_is_a_400(port):
+    """What OpenAI's API allows is taken: null for n / stream / echo, an earlier answer replayed as a message with its
+    empty tool fields (the openai client's model_dump()). A request that could never fit, half a surrogate pair, or
+    a window past MAX_WINDOW is a 400 at once, never a 429 to retry or a 500."""
+    ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for field in ("n", "stream", "echo"):
+        assert _post(port, "/v1/completions", {**ok, field: None})[0] == 200, field
+    answer = {"role": "assistant", "content": "Hello!", "refusal": None, "tool_calls": None, "function_call": None,
+              "audio": None, "annotations": []}
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [*MESSAGES, answer, {"role": "user", "content": "again"}]}
+    assert _post(port, "/v1/chat/completions", chat)[0] == 200
+    chat["messages"][1] = {**answer, "tool_calls": [{"id": "1", "type": "function"}]}
+    status, doc, _ = _post(port, "/v1/chat/completions", chat)
+    assert status == 400 and "tool" in doc["error"]["message"]
+    status, doc, _ = _post(port, "/v1/completions", {**ok, "prompt": ["a", "b", "c"], "n": 8})  # 24 > 16 + 4
+    assert status == 400 and doc["error"]["param"] == "n"
+    status, doc, _ = _post(port, "/v1/completions", None, raw=b'{"model": "tiny", "prompt": "hi \\ud83d"}')
+    assert status == 400 and "Unicode" in doc["error"]["message"]
+    status, doc, _ = _post(port, "/v1/completions", {**ok, "mirror": {"gamma": 1000}})
+    assert status == 400 and "gamma" in doc["error"]["message"]
+
+
+def test_a_burst_of_requests_keeps_to_the_queue_bound(pipe):
+    """Requests arriving together each see the others' room: beyond the slot and the queue, 429s at once."""
+    slow = _slow(pipe, 0.05, max_num_seqs=1)
+    with serving(slow, max_queue=1) as port:
+        with ThreadPoolExecutor(12) as pool:
+            statuses = list(pool.map(lambda _: _post(port, "/v1/completions", {
+                "model": MODEL, "prompt": "hi", "max_tokens": 4, "mirror": {"mode": "ar"}})[0], range(12)))
+    assert statuses.count(200) <= 2 and statuses.count(429) >= 10, statuses
 
 
 def test_deadline_cuts_a_generation(pipe):
