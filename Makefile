@@ -19,6 +19,8 @@ EXIT_ADAPTER ?=
 RETRAIN ?=
 DRAFT_KIND ?= feature
 BUNDLE ?= build/bundles/smollm2$(if $(filter feature,$(DRAFT_KIND)),-feature)
+# non-empty where BUNDLE is the built-in pair's
+SMOLLM2 = $(filter build/bundles/smollm2%,$(BUNDLE))
 
 # bench options: QUICK=1 for the few-minutes size; METHODS=ar,sd,mirror,... a subset; OUT a results directory;
 # NO_SERVING=1 leaves out the serving section (concurrent clients through mirror-sd serve)
@@ -80,8 +82,9 @@ export: setup
 # Serve BUNDLE (default: the real pair) over an OpenAI-compatible HTTP API on HOST:PORT (default 127.0.0.1:8000).
 HOST ?= 127.0.0.1
 PORT ?= 8000
-serve: models
-	$(VENV)/bin/mirror-sd serve "$(BUNDLE)" --host "$(HOST)" --port "$(PORT)" --model-name smollm2
+# (the built-in pair is built first and served as "smollm2"; another BUNDLE under its folder's name)
+serve: $(if $(SMOLLM2),models,setup)
+	$(VENV)/bin/mirror-sd serve "$(BUNDLE)" --host "$(HOST)" --port "$(PORT)" $(if $(SMOLLM2),--model-name smollm2)
 
 # Measure BUNDLE and save the chosen exit layer / k / gamma / branch budget / threads as its plan.json.
 plan: setup
@@ -103,7 +106,7 @@ package: setup
 # (BUNDLE-int8, BUNDLE-int4): for the real pair they are built first.
 .PHONY: bench
 bench: models
-	$(if $(filter build/bundles/smollm2%,$(BUNDLE)),$(MAKE) models TARGET_WEIGHTS=int8 && \
+	$(if $(SMOLLM2),$(MAKE) models TARGET_WEIGHTS=int8 && \
 	  $(MAKE) models TARGET_WEIGHTS=int4)
 	$(VENV)/bin/mirror-sd bench "$(BUNDLE)" $(if $(QUICK),--quick) $(if $(OUT),--out "$(OUT)") \
 	  $(if $(METHODS),--methods "$(METHODS)") $(if $(NO_SERVING),--no-serving)

@@ -14,7 +14,7 @@ from typing import Any
 from mirror_sd.bench.plots import write_plots
 from mirror_sd.bench.report import render
 from mirror_sd.errors import BadInputError
-from mirror_sd.outputs import move_into_place, staging_dir
+from mirror_sd.outputs import check_apart, move_into_place, staging_dir
 
 RESULT_FILE = "bench.json"
 
@@ -23,6 +23,7 @@ def check_out(out: Path) -> None:
     """OUT may be missing, empty, or an earlier benchmark result (replaced); anything else is refused."""
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / RESULT_FILE).is_file())):
         raise BadInputError(f"--out {out} exists and is not an earlier benchmark result; choose another directory")
+    check_apart(out, "benchmark result", ())  # a folder that cannot be made is refused before an hour's run
 
 
 def write_outputs(doc: dict[str, Any], out: Path) -> list[Path]:

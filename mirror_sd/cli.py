@@ -107,6 +107,20 @@ def _parser_of(spec: Spec) -> Callable[[str], Any]:
     return parse
 
 
+def _check_plan_depth(plan: dict, model: str) -> None:
+    """A plan measured on a model of other depth advises exit layers of that model's, not this one's."""
+    from transformers import AutoConfig
+
+    try:
+        layers = getattr(AutoConfig.from_pretrained(model), "num_hidden_layers", None)
+    except (OSError, ValueError):  # the export itself says what is wrong with the model
+        return
+    planned = plan["bundle"].get("num_layers")
+    if layers is not None and planned is not None and planned != layers:
+        raise BadInputError(f"the plan was measured on a target of {planned} layers, this model has {layers}: "
+                            "plan a bundle of this model", option="plan")
+
+
 def _export(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
@@ -116,7 +130,9 @@ def _export(args: argparse.Namespace) -> int:
     if args.plan is not None:  # the plan's advice fills what was not given (an exit adapter sets its own layer)
         from mirror_sd.partitions.plan_file import export_advice, read_plan
 
-        advice = export_advice(read_plan(args.plan))
+        plan = read_plan(args.plan)
+        _check_plan_depth(plan, args.model)
+        advice = export_advice(plan)
         if exit_layer is None and args.exit_adapter is None:
             exit_layer = advice.exit_layer
         top_k = advice.top_k if top_k is None else top_k
@@ -279,23 +295,27 @@ def iter_table(plans: list[Plan], rows: int) -> list[str]:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from mirror_sd.outputs import write_whole
-    from mirror_sd.partitions.package_format import PACKAGE_FILE
+    from mirror_sd.outputs import check_apart, write_whole
     from mirror_sd.partitions.plan_file import PLAN_FILE
+    from mirror_sd.runtime.package_reader import is_package
     from mirror_sd.runtime.profile import ProfileOptions, plan_bundle
 
     defaults = ProfileOptions()
     options = ProfileOptions(
         calibration=args.calibration, max_new_tokens=args.max_new_tokens, gammas=args.gammas or defaults.gammas,
         kappas=args.kappas, splits=args.splits, repeats=args.repeats, **given(args, LoadOptions))
-    if args.save and (Path(args.bundle) / PACKAGE_FILE).is_file():  # before the measuring, not after
+    if args.save and is_package(args.bundle):  # before the measuring, not after
         raise BadInputError("--save writes a bundle's plan.json; a package's files are checked against its digests: "
                             "plan its bundle with --save and package that again", option="save")
+    outs = [Path(args.out)] if args.out else []
+    outs += [Path(args.bundle) / PLAN_FILE] if args.save else []
+    for out in outs:  # where the plan cannot be written, it is not measured
+        if out.is_dir():
+            raise BadInputError(f"{out} is a directory: name the plan file to write", option="out")
+        check_apart(out, "plan", [args.bundle] if not args.save else [])
     report = (lambda _line: None) if args.json else (lambda line: print(line, file=sys.stderr))
     result = plan_bundle(args.bundle, options, report)
     doc = result.document
-    outs = [Path(args.out)] if args.out else []
-    outs += [Path(args.bundle) / PLAN_FILE] if args.save else []
     for out in outs:
         try:
             write_whole(out, json.dumps(doc, indent=2) + "\n")

@@ -76,6 +76,7 @@ def move_into_place(staging: Path, out: Path) -> None:
 def write_whole(path: Path, text: str) -> None:
     """Write `path` whole or not at all, as a new file: a hard link to the one it replaces (a package's copy of its
     bundle's plan.json) keeps the old contents."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
         partial.write_text(text)

@@ -46,7 +46,7 @@ from mirror_sd.partitions.package_format import (
     normalize_weights,
     sha256_of,
 )
-from mirror_sd.partitions.plan_file import PLAN_FILE
+from mirror_sd.partitions.plan_file import PLAN_FILE, read_plan
 from mirror_sd.partitions.spec import KEEP, PartitionSpec, TensorSpec
 from mirror_sd.version import __version__
 
@@ -99,6 +99,7 @@ def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -
     if device not in DEVICES:
         raise BadInputError(f"unknown device {opts.device!r}; a package targets one of {', '.join(DEVICES)}")
     bounds = _bounds(opts, manifest)
+    _check_planned_gamma(bundle, bounds)
     out = Path(opts.out).expanduser()
     _check_out(out, opts.force, bundle)
 
@@ -135,6 +136,17 @@ def _bounds(opts: PackageOptions, manifest: Manifest) -> StaticBounds:
     if opts.prefill_chunk < tpf:
         raise BadInputError(f"prefill chunk {opts.prefill_chunk} is below the tokens per forward {tpf}")
     return bounds
+
+
+def _check_planned_gamma(bundle: Path, bounds: StaticBounds) -> None:
+    """The package keeps the bundle's plan.json, whose gamma every generation takes by default: a smaller
+    max_gamma would refuse them all."""
+    if not (bundle / PLAN_FILE).is_file():
+        return
+    gamma = read_plan(bundle / PLAN_FILE)["runtime"].get("gamma")
+    if isinstance(gamma, int) and gamma > bounds.max_gamma:
+        raise BadInputError(f"the bundle's plan.json runs gamma {gamma}, past --max-gamma {bounds.max_gamma}: raise "
+                            "it to that, or plan the bundle for smaller windows", option="max_gamma")
 
 
 def _check_out(out: Path, force: bool, bundle: Path) -> None:

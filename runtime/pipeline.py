@@ -119,12 +119,19 @@ class Pipeline:
         bundle = package.root if package else bundle
         manifest = Manifest.load(bundle)
         defaults, planned_on = _plan_defaults(bundle, manifest) if o.use_plan else (None, None)
+        # a plan's thread counts, measured on its machine, within this one's cores (given ones are taken as given)
         if target_threads is None:
-            target_threads = defaults.target_threads if defaults else BUILTIN_THREADS
+            target_threads = min(defaults.target_threads, usable_cores()) if defaults else BUILTIN_THREADS
         if draft_threads is None:
-            draft_threads = defaults.draft_threads if defaults else BUILTIN_THREADS
-        if draft_backend is None and o.draft_device is None and not package:
-            draft_backend = _planned_draft_backend(defaults)
+            draft_threads = min(defaults.draft_threads, usable_cores()) if defaults else BUILTIN_THREADS
+        if draft_backend is None and not package:
+            draft_backend = _planned_draft_backend(defaults, o.draft_device)
+        if o.cache_dir is not None:  # OpenVINO's own error for it is a traceback
+            try:
+                Path(o.cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise BadInputError(f"cannot use cache_dir {str(o.cache_dir)!r}: {e.strerror or e}",
+                                    option="cache_dir") from None
         codec = TextCodec(bundle, manifest)
         if o.target_backend == "openvino":
             from mirror_sd.runtime.portable import open_portable_target
@@ -386,12 +393,13 @@ class Pipeline:
         return not self.busy and (self._worker is None or self._worker.join(0))
 
 
-def _planned_draft_backend(defaults: RuntimeDefaults | None) -> str | None:
-    """The plan's draft runtime, which it measured on the CPU, where the draft will run on the CPU too: with an
-    NPU present the draft goes there on OpenVINO, the placement this pipeline is for."""
+def _planned_draft_backend(defaults: RuntimeDefaults | None, device: str | None) -> str | None:
+    """The plan's draft runtime, which it measured on the CPU, where the draft will run on the CPU too (`device`, or
+    by default where there is no NPU: with one the draft goes there on OpenVINO, the placement this pipeline is
+    for)."""
     if defaults is None or defaults.draft_backend is None:
         return None
-    return defaults.draft_backend if default_openvino_device() == "CPU" else None
+    return defaults.draft_backend if (device or default_openvino_device()).upper() == "CPU" else None
 
 
 def _plan_defaults(bundle: str | Path, manifest: Manifest) -> tuple[RuntimeDefaults | None, dict[str, Any] | None]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -99,7 +98,7 @@ def default_splits(cores: int | None = None) -> tuple[tuple[int, int], ...]:
     """(target, draft) thread counts worth trying: powers of two with target + draft <= cores (1+1 on one core).
     Oversubscribed splits are left out: the cost model measures contention between the suffix and the branch set
     only, and over-predicts an oversubscribed split by far. --splits still measures any split asked for."""
-    cores = max(1, cores or os.cpu_count() or 1)
+    cores = max(1, cores or usable_cores())
     powers = [p for p in (1, 2, 4, 8, 16, 32) if p <= cores]
     return tuple((t, d) for t in powers for d in powers if t + d <= max(2, cores))
 
@@ -496,7 +495,7 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
     windows = tuple(sorted({g + 1 for g in options.gammas}))
     past_len = max(1, min(past_len, first.context_limit - max(windows) - max(options.rows) - 8))
     past = _past_ids(prompts, past_len, manifest.target.vocab_size)
-    head = head_ratios(bundle, manifest)
+    head = head_ratios(first.package.root if first.package else bundle, manifest)  # a .tar package: its folder
     first_widths = tuple(sorted({2, *(math.ceil((g + 1) / 2) + 1 for g in options.gammas)}))
     budgets = {g: tuple(sorted({b for gg, _, b in settings if gg == g})) for g in {g for g, _, _ in settings}}
     middle = sorted(budgets)[len(budgets) // 2]

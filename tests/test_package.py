@@ -338,6 +338,12 @@ def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
     truncated = _copy(built["streaming"], tmp_path / "truncated")
     graph = truncated / "target_prefix.onnx"
     graph.write_bytes(graph.read_bytes()[:graph.stat().st_size // 2])
+    planned = _copy(built["streaming"], tmp_path / "planned")
+    manifest = json.loads((planned / "manifest.json").read_text())["target"]
+    write_whole(planned / "plan.json", json.dumps({
+        "format": "mirror-sd-plan", "version": 1, "export": {},
+        "bundle": {"exit_layer": manifest["exit_layer"], "top_k": manifest["top_k"]},
+        "runtime": {"gamma": 6, "kappa": 1, "target_threads": 1, "draft_threads": 1}}))
     typed = _copy(built["streaming"], tmp_path / "typed")
     doc = json.loads((typed / "manifest.json").read_text())
     doc["target"]["num_layers"] = str(doc["target"]["num_layers"])
@@ -354,6 +360,9 @@ def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
         (["generate", str(future), "--prompt-ids", "5"], "format_version"),
         (["generate", small, "--prompt-ids", "5", "--draft-device", "NPU.7"], "available"),
         (["package", str(built["streaming"]), "--out", str(tmp_path / "x"), "--weights", "int3"], "unknown weights"),
+        (["package", str(planned), "--out", str(tmp_path / "x"), "--max-gamma", "2"], "plan.json runs gamma 6"),
+        (["plan", str(built["tar"]), "--save"], "--save writes a bundle's plan.json"),
+        (["generate", small, "--prompt-ids", "5", "--cache-dir", "/proc/no-such/cache"], "cannot use cache_dir"),
     ]
     for argv, message in cases:
         done = _cli(*argv)

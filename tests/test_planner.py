@@ -366,6 +366,11 @@ def test_a_plan_measured_on_another_machine_is_kept_and_said(bundle, tmp_path, c
     (copy / pf.PLAN_FILE).write_text(json.dumps({**doc, "machine": elsewhere}))
     pipe = Pipeline.load(copy)
     assert pipe.defaults.gamma == 3  # kept
+    many = {**doc["runtime"], "target_threads": 64, "draft_threads": 64}  # a bigger machine's thread counts
+    (copy / pf.PLAN_FILE).write_text(json.dumps({**doc, "runtime": many, "machine": elsewhere}))
+    assert (Pipeline.load(copy).target_threads, Pipeline.load(copy).draft_threads) == (usable_cores(),) * 2
+    assert Pipeline.load(copy, target_threads=3).target_threads == 3  # one given is taken as given
+    (copy / pf.PLAN_FILE).write_text(json.dumps({**doc, "machine": elsewhere}))
     note = pipe.plan_note
     assert "Some Other CPU" in note and here["cpu"] in note and f"{here['cores'] + 6} cores" in note
     assert "mirror-sd plan BUNDLE --save" in note
@@ -383,6 +388,19 @@ def test_a_plan_measured_on_another_machine_is_kept_and_said(bundle, tmp_path, c
         (copy / pf.PLAN_FILE).write_text(json.dumps({**doc, "machine": bad}))
         with pytest.raises(ManifestError, match=why):
             Pipeline.load(copy)
+
+
+def test_plan_refuses_where_it_cannot_write_before_measuring(bundle, tmp_path, capsys, monkeypatch):
+    import mirror_sd.runtime.profile as profile
+
+    measured = []
+    monkeypatch.setattr(profile, "plan_bundle", lambda *args, **kwargs: measured.append(args))
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    for out in (tmp_path, blocked / "plan.json"):  # a folder, and a path under a file
+        assert main(["plan", str(bundle), *PLAN_ARGS, "--out", str(out)]) == 2
+        assert capsys.readouterr().err.startswith("mirror-sd: error:")
+    assert measured == []
 
 
 def test_stale_or_broken_plan_in_a_bundle_is_refused(bundle, tmp_path):
