@@ -230,8 +230,10 @@ class GenerationConfig(Options):
     overlap: bool = option(True, "run the draft on a thread of its own where it can work while the target does "
                            "(mirror's branch sets, a token-only draft reading the prompt during the prefill) or on "
                            "another device; off: the same schedule serially on the main thread")
-    draft_timeout_s: float = option(10.0, "seconds a draft answer may take; a later one makes the step run on the "
-                                    "target alone", range=Range(0, 3600, low_open=True))
+    draft_timeout_s: float = option(10.0, "seconds a draft answer on the draft's own thread may take (overlap, where "
+                                    "it runs beside the target or on another device); a later one makes the step run "
+                                    "on the target alone. A draft served inline is waited for",
+                                    range=Range(0, 3600, low_open=True))
     draft_streaming: str = option(
         "trust", "how a streaming draft uses its proposals: trust (greedy windows take their last proposals as "
         "drafted: fewest forwards), verify (checked by its next forward) or off (one token per forward)",

@@ -306,14 +306,15 @@ class _Decoder:
         if isinstance(answer, DraftFailed):
             self.draft_seen = 0
 
-    def speculative_step(self, ctx: list[int], window: DraftWindow, copied: bool = False, branches: bool = True
-                         ) -> tuple[tuple[int, ...], Scores, DraftWindow | None]:
+    def speculative_step(self, ctx: list[int], window: DraftWindow, copied: bool = False, branches: bool = True,
+                         branch_gamma: int | None = None) -> tuple[tuple[int, ...], Scores, DraftWindow | None]:
         """Verify `window` (continuing ctx); returns the committed tokens, their logprobs (from the verification
         rows that chose them) and, in mirror mode, the next window when a branch for the outcome was ready. copied:
         a prompt-lookup window, counted apart and verified without a branch set: text that repeats itself mostly goes
         on repeating (the next step copies again), and on shared cores a branch set's rollouts slow the suffix they
         hide under. branches False: a mirror step without a branch set either (the branch gate measured that faster:
-        runtime/gate.py; or the budget is 0), sd's step."""
+        runtime/gate.py; or the budget is 0), sd's step. branch_gamma: the branch rows' windows (default gamma; less
+        near the end, where no later window could use more)."""
         w = window.tokens
         # 1. prefix on the verification window [pending] + w
         boundary = self._prefix([ctx[-1], *w], lambda: (*ctx, *w))
@@ -330,7 +331,8 @@ class _Decoder:
                 topk_ids, topk_logprobs = self.target.exit_candidates(boundary, k)
             candidates = ExitCandidates(tuple(ctx), w, frozen(topk_ids[:, :k]), frozen(topk_logprobs[:, :k]))
             plan = plan_branches(candidates, k, self.budget, self._unranked_accept_rate())
-            ticket = self.worker.submit(Branches(candidates, plan, self.cfg.gamma, self.take_features()))
+            ticket = self.worker.submit(Branches(candidates, plan, branch_gamma or self.cfg.gamma,
+                                                 self.take_features()))
             self.draft_seen = len(ctx)
         # 3. suffix (the draft works meanwhile), verify, trim the target cache to what was accepted
         logits, cache = self._suffix(boundary)
@@ -438,9 +440,10 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # Where the gate learned that the target alone is faster at this length, the draft does not read the prompt
     # now: beside the first steps it would slow them, for windows that are not wanted. A step the gate later tries
     # speculatively reads what it needs first (fresh_window's catch-up).
-    # nor where the prefill's token is the only one asked for (its reading would only hold up the next generation)
+    # nor where at most two tokens are asked for: the prefill gives the first, a step of the target alone the second
+    # (no window fits before it), and the reading would only hold up the next generation
     warm = (worker is not None and len(prompt) <= draft_context and not policy.prefers_alone(len(prompt) + 1)
-            and cfg.max_new_tokens > 1)
+            and cfg.max_new_tokens > 2)
     alongside = reads_prompt_alongside(warm_with_prefill, isinstance(drafter, FeatureDrafter))
     warmed = None  # the ticket of the draft's reading of the prompt
     if warm and alongside:  # the draft reads the prompt while the target does
@@ -492,8 +495,11 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
         if window is None:
             new, scores = dec.target_step(ctx)
         else:
-            branches = step.kind == DRAFT and policy.branches()
-            new, scores, next_window = dec.speculative_step(ctx, window, copied=step.kind == COPY, branches=branches)
+            # the next window, after this step's tokens (one at least), has remaining - 2 tokens of room at most
+            branch_gamma = min(cfg.gamma, remaining - 2)
+            branches = step.kind == DRAFT and branch_gamma >= 1 and policy.branches()
+            new, scores, next_window = dec.speculative_step(ctx, window, copied=step.kind == COPY, branches=branches,
+                                                            branch_gamma=branch_gamma)
         # 4. commit: the proposers hear what was accepted, the policy how long it took
         proposed = len(window.tokens) if window is not None else 0
         if copies is not None:

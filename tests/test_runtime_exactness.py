@@ -389,6 +389,24 @@ def test_self_draft_is_accepted(pipelines, mode):
     assert out.stats["mean_accepted_tokens"] > 3.0
 
 
+def test_branch_sets_near_the_end_roll_out_only_what_a_later_window_can_use(pipelines, monkeypatch):
+    """A branch set's rows are windows after this step's tokens (one at least): within the generation's end, never
+    gamma tokens past it."""
+    from mirror_sd.runtime.messages import Branches
+    from mirror_sd.runtime.scheduler import DraftWorker
+
+    pipe = pipelines("llama", self_draft=True)
+    asked, submit = [], DraftWorker.submit
+    monkeypatch.setattr(DraftWorker, "submit", lambda self, request: (asked.append(request) if isinstance(
+        request, Branches) else None) or submit(self, request))
+    prompt, new = PROMPTS[0], 12
+    out = pipe.generate(prompt, mode="mirror", max_new_tokens=new, gamma=8, adaptive_speculation=False)
+    assert out.token_ids == pipe.generate(prompt, mode="ar", max_new_tokens=new).token_ids and asked
+    for request in asked:
+        left = len(prompt) + new - len(request.candidates.context)  # tokens still to come before this step
+        assert 1 <= request.gamma <= left - 2
+
+
 @pytest.mark.parametrize("mode", ["sd", "mirror"])
 def test_random_draft_is_rejected_and_output_exact(pipelines, mode):
     """The fixture's draft is an unrelated random model: (almost) never accepted, output still exact."""
