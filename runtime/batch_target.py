@@ -133,8 +133,8 @@ class BatchTarget:
         window graphs (ONNX Runtime's attention refuses rows of several tokens after a past at batch > 1), a run
         short of rows taking `spares`; rows left over without enough spares run one at a time."""
         out: list[RowOut] = [RowOut(None, None)] * len(rows)
-        n = self.window_rows
-        for lo in range(0, len(rows), max(n, 1)):
+        n = self.window_rows or 1  # no window graphs (window_rows 0): every row alone
+        for lo in range(0, len(rows), n):
             group = list(range(lo, min(lo + n, len(rows))))
             if n > 1 and len(group) + len(spares) >= n:
                 outs = self.run_windows([rows[i] for i in group], spares[:n - len(group)])

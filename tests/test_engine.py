@@ -291,6 +291,12 @@ def test_a_compressed_targets_rows_get_their_solo_tokens_in_plain_and_window_ste
         assert results[0].stats.lookup_accepted_tokens > 0
     finally:
         pipe.close()
+    pipe = Pipeline.load(bundle_factory(target_weights=weights), huge_pages=False, max_num_seqs=3, window_rows=0)
+    try:  # without window graphs each row steps alone, padded
+        results = pipe.generate(PROMPTS[:3], mode="ar", max_new_tokens=8, ignore_eos=True)
+        assert [r.token_ids for r in results] == [solo(pipe, p, max_new_tokens=8, ignore_eos=True) for p in PROMPTS[:3]]
+    finally:
+        pipe.close()
 
 
 def test_window_rows_off_loads_no_second_target_and_steps_plainly(bundle_factory, monkeypatch):

@@ -184,14 +184,14 @@ def test_committed_plan_is_installed_only_for_the_export_it_measured(bundle_fact
     plan = tmp_path / "plan.json"
     monkeypatch.setattr(smollm2, "PLAN", plan)
 
-    plan.write_text(json.dumps({**committed, "bundle": {**committed["bundle"], "exit_layer": 2, "top_k": 8}}))
+    tiny = {**committed["bundle"], "num_layers": 6}  # the committed plan as if measured on this bundle's model
+    plan.write_text(json.dumps({**committed, "bundle": {**tiny, "exit_layer": 2, "top_k": 8}}))
     smollm2._add_plan(bundle, "streaming")
     assert not (bundle / PLAN_FILE).exists()
     Pipeline.load(bundle)  # built-in defaults
 
     runtime = {**committed["runtime"], "kappa": 4, "gamma": 3}
-    plan.write_text(json.dumps({**committed, "bundle": {**committed["bundle"], "exit_layer": 3, "top_k": 8},
-                                "runtime": runtime}))
+    plan.write_text(json.dumps({**committed, "bundle": {**tiny, "exit_layer": 3, "top_k": 8}, "runtime": runtime}))
     smollm2._add_plan(bundle, "streaming")
     assert json.loads((bundle / PLAN_FILE).read_text())["runtime"]["gamma"] == 3
     assert Pipeline.load(bundle).generation_config.gamma == 3

@@ -290,11 +290,11 @@ def test_a_branch_gate_that_measured_branch_sets_slower_runs_mirror_steps_withou
                                                                          "draft_timeouts", "lookup_steps")}
         if without:  # every draft window verified without a branch set, each fetched by a fresh rollout
             assert s["branch_lookups"] == 0 and s["fresh_rollouts"] == s["unbranched_steps"]
-        else:
-            assert s["unbranched_steps"] == 0
+        else:  # a branch set at every draft step but one two tokens before the end, where no later window fits
+            assert s["unbranched_steps"] <= 1
         assert set(pipe._gate_memory) >= {("mirror", 0), ("mirror branches", 0)}
     always = pipe.generate(prompt, **options, adaptive_speculation=False)
-    assert always.token_ids == ar.token_ids and always.stats["unbranched_steps"] == 0
+    assert always.token_ids == ar.token_ids and always.stats["unbranched_steps"] <= 1
     pipe._gate_memory.clear()
     sd = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, overlap=overlap)
     assert sd.stats["unbranched_steps"] == 0 and not any("branches" in kind for kind, _ in pipe._gate_memory)
