@@ -37,12 +37,14 @@ MAX_CONTEXT ?=
 
 setup: $(STAMP)
 
-# Everything (every extra) at the versions tested together (constraints.txt). torch comes first: `pip install
-# torch==2.13.0` takes the CPU wheel on this machine's disk, and the constraints pin the same version, so nothing
-# more is fetched; a loose requirement would pull a multi-GB CUDA build. `pip install .` alone is the runtime.
+# Everything (every extra) at the versions tested together (constraints.txt). torch comes first, pinned, so that the
+# constraints' torch is already there: on the reference machines pip finds its CPU wheel locally; from PyPI on x86_64
+# Linux the same pin is the CUDA build (GBs with its nvidia wheels), and TORCH_INDEX="--index-url
+# https://download.pytorch.org/whl/cpu" takes the CPU one instead. `pip install .` alone is the runtime (no torch).
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 $(TORCH_INDEX)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[all]"
 	@touch $@
 
@@ -105,7 +107,7 @@ package: setup
 # precision section ~17), QUICK=1 a few. The precision section compares BUNDLE with its TARGET_WEIGHTS siblings
 # (BUNDLE-int8, BUNDLE-int4): for the real pair they are built first.
 .PHONY: bench
-bench: models
+bench: $(if $(SMOLLM2),models,setup)
 	$(if $(SMOLLM2),$(MAKE) models TARGET_WEIGHTS=int8 && \
 	  $(MAKE) models TARGET_WEIGHTS=int4)
 	$(VENV)/bin/mirror-sd bench "$(BUNDLE)" $(if $(QUICK),--quick) $(if $(OUT),--out "$(OUT)") \
@@ -115,7 +117,7 @@ bench: models
 # draft that fails or stalls, SIGTERM mid-stream, two replicas on Ray Serve with one killed under load (bench/soak.py)
 # -> results/soak/ (soak.json, README.md), or OUT. About 8-10 minutes here, and the Ray phase's few more (NO_RAY=1
 # leaves it out); exits non-zero when a bar fails.
-soak: models
+soak: $(if $(SMOLLM2),models,setup)
 	$(PY) -m mirror_sd.bench.soak "$(BUNDLE)" $(if $(OUT),--out "$(OUT)") $(if $(NO_RAY),--ray-requests 0)
 
 clean:

@@ -13,7 +13,7 @@ Six measurements, each with a bar (results/soak/soak.json and README.md; exit 1 
    that interleaves requests must not let one leak into another. Counted: mismatches, non-200s, latency.
 2. Leaks. The process's RSS, open file descriptors and threads after a warm-up (every prompt in every mode once:
    each shape the load sends has run, so the allocator and the runtimes have grown to the load's working size; a
-   shorter one measures that growth, not a leak: results/soak/long-1500) and after every later round of requests,
+   shorter one measures that growth, not a leak: lab/results/soak-long-1500) and after every later round of requests,
    with the clients gone and the server idle: a per-request leak of a socket, a draft thread or a buffer shows as a
    count that keeps rising. Bars: RSS growth <= 5 %, fds and threads back to their warm-up values.
    Two more readings tell a leak from a warm-up that outlasts the warm-up requests (no bar on them): the growth
@@ -341,7 +341,7 @@ def request_plan(n: int, prompts: int, seed: int, stream_share: float = STREAM_S
 def warmup_plan(n: int, prompts: int, modes: tuple = MODES) -> list[RequestSpec]:
     """n warm-up requests walking every (prompt, mode) pair in turn, streaming every other one: after one pass every
     shape the load will send has run, so the allocator's heap and the runtimes' caches have grown to what the load
-    needs (a 1,500-request run, results/soak/long-1500, shows RSS levels off once the set has been met)."""
+    needs (a 1,500-request run, lab/results/soak-long-1500, shows RSS levels off once the set has been met)."""
     pairs = [(i, m) for m in modes for i in range(prompts)]
     return [RequestSpec(-1 - k, pairs[k % len(pairs)][0], k % 2 == 0, pairs[k % len(pairs)][1]) for k in range(n)]
 

