@@ -296,8 +296,8 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from mirror_sd.outputs import check_apart, write_whole
+    from mirror_sd.partitions.package_format import is_package
     from mirror_sd.partitions.plan_file import PLAN_FILE
-    from mirror_sd.runtime.package_reader import is_package
     from mirror_sd.runtime.profile import ProfileOptions, plan_bundle
 
     defaults = ProfileOptions()

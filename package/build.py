@@ -26,6 +26,7 @@ from mirror_sd.package.compress import DEFAULT_GROUP_SIZE, compress_weights
 from mirror_sd.package.static_graph import make_static
 from mirror_sd.partitions.manifest import (
     FEATURES,
+    GENERATION_CONFIG,
     PARITY_ATOL,
     PARITY_RTOL,
     SURROGATE,
@@ -43,10 +44,11 @@ from mirror_sd.partitions.package_format import (
     PackageInfo,
     StaticBounds,
     graph_sha256,
+    is_package,
     normalize_weights,
     sha256_of,
 )
-from mirror_sd.partitions.plan_file import PLAN_FILE, read_plan
+from mirror_sd.partitions.plan_file import PLAN_FILE
 from mirror_sd.partitions.spec import KEEP, PartitionSpec, TensorSpec
 from mirror_sd.version import __version__
 
@@ -91,7 +93,7 @@ def package_weights(manifest: Manifest, asked: str | None) -> str:
 def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -> PackageInfo:
     """Write a validated package to `opts.out`; returns its description."""
     bundle = Path(opts.bundle).expanduser()
-    if (bundle / PACKAGE_FILE).is_file():
+    if is_package(bundle):
         raise BadInputError(f"{str(bundle)!r} is a package already: package its bundle")
     manifest = Manifest.load(bundle)  # ManifestError: not a bundle
     weights = package_weights(manifest, opts.weights)
@@ -99,7 +101,6 @@ def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -
     if device not in DEVICES:
         raise BadInputError(f"unknown device {opts.device!r}; a package targets one of {', '.join(DEVICES)}")
     bounds = _bounds(opts, manifest)
-    _check_planned_gamma(bundle, bounds)
     out = Path(opts.out).expanduser()
     _check_out(out, opts.force, bundle)
 
@@ -138,15 +139,13 @@ def _bounds(opts: PackageOptions, manifest: Manifest) -> StaticBounds:
     return bounds
 
 
-def _check_planned_gamma(bundle: Path, bounds: StaticBounds) -> None:
-    """The package keeps the bundle's plan.json, whose gamma every generation takes by default: a smaller
-    max_gamma would refuse them all."""
-    if not (bundle / PLAN_FILE).is_file():
-        return
-    gamma = read_plan(bundle / PLAN_FILE)["runtime"].get("gamma")
-    if isinstance(gamma, int) and gamma > bounds.max_gamma:
-        raise BadInputError(f"the bundle's plan.json runs gamma {gamma}, past --max-gamma {bounds.max_gamma}: raise "
-                            "it to that, or plan the bundle for smaller windows", option="max_gamma")
+def _is_package_archive(path: Path) -> bool:
+    """Whether `path` is a tar archive holding a package.json (what `_archive` writes)."""
+    try:
+        with tarfile.open(path) as tar:
+            return any(Path(name).name == PACKAGE_FILE for name in tar.getnames())
+    except (tarfile.TarError, OSError):
+        return False
 
 
 def _check_out(out: Path, force: bool, bundle: Path) -> None:
@@ -155,6 +154,8 @@ def _check_out(out: Path, force: bool, bundle: Path) -> None:
             raise BadInputError(f"OUT {str(out)!r} exists and is not a file")
         if out.exists() and not force:
             raise BadInputError(f"OUT {str(out)!r} exists (use --force to replace it)")
+        if out.exists() and not _is_package_archive(out):
+            raise BadInputError(f"OUT {str(out)!r} is not a package archive: --force replaces an earlier package only")
         check_apart(out, "package", [bundle])
         return
     if out.exists() and not out.is_dir():
@@ -169,7 +170,7 @@ def _write_package(root: Path, bundle: Path, manifest: Manifest, bounds: StaticB
     copied = [f for p in manifest.partitions if p is not draft_spec for f in (p.file, *p.data_files)]
     copied += list(manifest.tokenizer.files)
     copied += [manifest.draft.output_vocab_file] if manifest.draft.output_vocab_file else []
-    copied += [PLAN_FILE] if (bundle / PLAN_FILE).is_file() else []
+    copied += [f for f in (PLAN_FILE, GENERATION_CONFIG) if (bundle / f).is_file()]
     for rel in copied:
         _link_or_copy(resolve_inside(bundle.resolve(), rel), root / rel)
 

@@ -12,7 +12,7 @@ import contextlib
 import io
 import logging
 
-from mirror_sd.errors import PackageError
+from mirror_sd.errors import PackageError, first_line
 
 DEFAULT_GROUP_SIZE = 64  # divides the hidden sizes of every draft here (64, 256); NPUs take 64 or 128
 
@@ -41,5 +41,5 @@ def compress_weights(model, weights: str, group_size: int = DEFAULT_GROUP_SIZE):
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             return nncf.compress_weights(model, **options)
     except Exception as e:  # NNCF raises its own and plain errors for shapes it cannot group
-        raise PackageError(f"NNCF could not compress the draft to {weights}"
-                           f"{f' (group size {group_size})' if weights == 'int4_sym' else ''}: {e}") from None
+        grouped = f" (group size {group_size})" if weights == "int4_sym" else ""
+        raise PackageError(f"NNCF could not compress the draft to {weights}{grouped}: {first_line(e)}") from None

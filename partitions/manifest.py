@@ -28,6 +28,9 @@ from mirror_sd.partitions.spec import (
 # own (target_exit), the draft takes a split past. A version-1 bundle is refused with a pointer to `make export`.
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
+# optional in a bundle (and kept in its package): the model's recommended sampling, which the server's defaults take
+# (serve/defaults.py), as vLLM reads it
+GENERATION_CONFIG = "generation_config.json"
 BOUNDARY = "hidden_states"  # the tensor that crosses from target_prefix to target_suffix
 EXIT_IDS, EXIT_LOGPROBS = "exit_topk_ids", "exit_topk_logprobs"
 LOGITS = "logits"

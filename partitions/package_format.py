@@ -204,3 +204,10 @@ def verify_files(root: Path, files: dict[str, str]) -> None:
     extra = sorted(present - set(files) - {PACKAGE_FILE})
     if extra:
         raise PackageError(f"package holds files it does not list in {PACKAGE_FILE}: {', '.join(extra[:5])}")
+
+
+def is_package(path: str | Path) -> bool:
+    """A directory with package.json, or any file (a bundle is always a directory; a file that is no .tar is
+    then refused as an unreadable package)."""
+    p = Path(path)
+    return (p.is_dir() and (p / PACKAGE_FILE).is_file()) or p.is_file()

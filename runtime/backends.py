@@ -131,6 +131,17 @@ def open_openvino(path: str | Path, device: str | None = None, threads: int = 1,
     return _compile_openvino(core, model, device, threads, cache_dir, precision)
 
 
+# bytes: a serialized graph past it does not load from memory (protobuf's 2 GiB, with room for the graph itself)
+PROTOBUF_LIMIT = 1_900_000_000
+
+
+def proto_bytes(proto) -> int:
+    """About what serializing an ONNX model takes: its initializers' bytes (protobuf's own ByteSize raises past
+    2 GiB instead of answering)."""
+    return sum(len(t.raw_data) + 8 * (len(t.float_data) + len(t.int64_data) + len(t.double_data) + len(t.int32_data))
+               for t in proto.graph.initializer)
+
+
 def open_openvino_model(proto, device: str | None = None, threads: int = 1,
                         cache_dir: str | Path | None = None, precision: str = "f32") -> OpenedGraph:
     """An in-memory ONNX model (an onnx.ModelProto, e.g. one rewritten at load time) compiled as `open_openvino`
@@ -141,12 +152,14 @@ def open_openvino_model(proto, device: str | None = None, threads: int = 1,
     import openvino as ov
 
     core = ov.Core()
-    if proto.ByteSize() < 1_900_000_000:
+    if proto_bytes(proto) < PROTOBUF_LIMIT:
         model = core.read_model(proto.SerializeToString())
     else:
         with tempfile.TemporaryDirectory(prefix="mirror-sd-ov-") as tmp:
             path = Path(tmp) / "model.onnx"
-            onnx.save_model(proto, str(path), save_as_external_data=True, location="model.onnx.data")
+            saved = onnx.ModelProto()
+            saved.CopyFrom(proto)  # saving with external data rewrites the proto's tensors: the caller's stays whole
+            onnx.save_model(saved, str(path), save_as_external_data=True, location="model.onnx.data")
             model = core.read_model(str(path))
             return _compile_openvino(core, model, device, threads, cache_dir, precision)
     return _compile_openvino(core, model, device, threads, cache_dir, precision)
@@ -192,6 +205,11 @@ def open_graph(path: str | Path, backend: str, device: str | None = None, thread
 def _ort_provider(device: str) -> str:
     names = {"cuda": "CUDAExecutionProvider", "gpu": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
     if device.endswith("ExecutionProvider"):
+        import onnxruntime as ort
+
+        available = ort.get_available_providers()
+        if device not in available:  # a session would drop it and run on the CPU without a word
+            raise BadInputError(f"ONNX Runtime has no {device} here; available: {', '.join(available)}")
         return device
     if device.lower() not in names:
         raise BadInputError(f"unknown ONNX Runtime device {device!r}; use cpu, cuda or an execution provider name")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mirror_sd.errors import PackageError, first_line
-from mirror_sd.partitions.package_format import PACKAGE_FILE, PackageInfo, check_member_name
+from mirror_sd.partitions.package_format import PackageInfo, check_member_name
 
 
 @dataclass
@@ -27,13 +27,6 @@ class OpenedPackage:
     def close(self) -> None:
         if self._extracted is not None:
             self._extracted.cleanup()
-
-
-def is_package(path: str | Path) -> bool:
-    """A directory with package.json, or any file (a bundle is always a directory; a file that is no .tar is
-    then refused as an unreadable package)."""
-    p = Path(path)
-    return (p.is_dir() and (p / PACKAGE_FILE).is_file()) or p.is_file()
 
 
 def open_package(path: str | Path) -> OpenedPackage:

@@ -17,6 +17,7 @@ for another export of the bundle is refused.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.partitions.package_format import is_package
 from mirror_sd.partitions.plan_file import (
     DRAFT_MODES,
     PLAN_FILE,
@@ -43,7 +45,7 @@ from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.kv_slots import slots_for
 from mirror_sd.runtime.machine import plan_note
-from mirror_sd.runtime.package_reader import OpenedPackage, is_package, open_package
+from mirror_sd.runtime.package_reader import OpenedPackage, open_package
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.scheduler import DraftWorker, decode, reads_prompt_alongside
 from mirror_sd.runtime.stats import GenerationStats, Recorder
@@ -89,6 +91,9 @@ class Pipeline:
         if defaults:
             self.generation_config = self.generation_config.updated(
                 **{s.name: getattr(defaults, s.name) for s in specs(GenerationConfig) if s.option.planned})
+        if package is not None:  # a package's static windows: its default gamma (the plan's, or built-in) fits them
+            bound = package.info.bounds.max_gamma
+            self.generation_config = self.generation_config.updated(gamma=min(self.generation_config.gamma, bound))
         self._worker: DraftWorker | None = None  # the last generation's draft worker, if its thread may still run
         self._feature_store: FeatureStore | None = None  # a feature draft's taps store, kept across generations
         # The engines are single-owner: generations from several threads run one at a time, each holding this
@@ -124,20 +129,26 @@ class Pipeline:
             target_threads = min(defaults.target_threads, usable_cores()) if defaults else BUILTIN_THREADS
         if draft_threads is None:
             draft_threads = min(defaults.draft_threads, usable_cores()) if defaults else BUILTIN_THREADS
+        if package and draft_backend not in (None, "openvino"):
+            raise BadInputError(f"a package's draft is a static OpenVINO graph: draft_backend {draft_backend} cannot "
+                                "run it", option="draft_backend")
         if draft_backend is None and not package:
             draft_backend = _planned_draft_backend(defaults, o.draft_device)
-        if o.cache_dir is not None:  # OpenVINO's own error for it is a traceback
+        if o.cache_dir is not None and not isinstance(o.cache_dir, (str, os.PathLike)):
+            raise BadInputError(f"cache_dir must be a path, not {o.cache_dir!r}", option="cache_dir")
+        cache_dir = Path(o.cache_dir).expanduser() if o.cache_dir is not None else None  # OpenVINO takes "~" as is
+        if cache_dir is not None:  # OpenVINO's own error for it is a traceback
             try:
-                Path(o.cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
+                cache_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise BadInputError(f"cannot use cache_dir {str(o.cache_dir)!r}: {e.strerror or e}",
+                raise BadInputError(f"cannot use cache_dir {str(cache_dir)!r}: {e.strerror or e}",
                                     option="cache_dir") from None
         codec = TextCodec(bundle, manifest)
         if o.target_backend == "openvino":
             from mirror_sd.runtime.portable import open_portable_target
 
             target = open_portable_target(bundle, manifest, o.target_device or "CPU", target_threads, o.max_context,
-                                          o.cache_dir)
+                                          cache_dir)
         else:
             target = open_target(bundle, manifest, o.target_device, target_threads, o.max_context, o.target_spinning,
                                  o.target_step_width)
@@ -145,14 +156,14 @@ class Pipeline:
             from mirror_sd.runtime.prompt_graphs import PromptGraphs
 
             target.host_kv()  # the prompt graphs write the KV in host memory: a target on a GPU is refused here
-            target.prompt_graphs = PromptGraphs(bundle, manifest, target_threads, o.cache_dir, o.prefill_precision)
+            target.prompt_graphs = PromptGraphs(bundle, manifest, target_threads, cache_dir, o.prefill_precision)
         if package:
             from mirror_sd.runtime.static_draft import open_static_draft
 
             draft = open_static_draft(package.root, manifest, package.info, o.draft_device, draft_threads,
-                                      o.cache_dir)
+                                      cache_dir)
         else:
-            draft = open_engine(bundle, manifest, "draft", o.draft_device, draft_threads, o.cache_dir, draft_backend)
+            draft = open_engine(bundle, manifest, "draft", o.draft_device, draft_threads, cache_dir, draft_backend)
         pipe = cls(manifest, target, draft, codec, defaults, target_threads, draft_threads, package)
         pipe.huge_pages = new_memory.collapse() if new_memory is not None else None
         pipe.load_options = o
@@ -269,12 +280,12 @@ class Pipeline:
     def _check_bounds(self, prompt_len: int, cfg: GenerationConfig) -> None:
         """A package's static shapes admit so much and no more: refused here, before any device work."""
         b = self.package.info.bounds
-        if prompt_len > b.max_prompt:
-            raise BadInputError(f"the prompt has {prompt_len} tokens; this package takes at most {b.max_prompt} "
-                                f"(MAX_PROMPT)", option="prompt")
+        if prompt_len > b.max_prompt:  # context errors, as a bundle's (a server's context_length_exceeded)
+            raise ContextLimitError(f"the prompt has {prompt_len} tokens; this package takes at most {b.max_prompt} "
+                                    f"(MAX_PROMPT)")
         if prompt_len + cfg.max_new_tokens > b.max_context:
-            raise BadInputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds this "
-                                f"package's MAX_CONTEXT of {b.max_context} tokens", option="max_new_tokens")
+            raise ContextLimitError(f"prompt ({prompt_len} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds "
+                                    f"this package's MAX_CONTEXT of {b.max_context} tokens")
         if cfg.mode in DRAFT_MODES and cfg.gamma > b.max_gamma:
             raise BadInputError(f"gamma {cfg.gamma} exceeds this package's max_gamma {b.max_gamma}", option="gamma")
 

@@ -177,7 +177,9 @@ def portable_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of a shared-buffer target graph with every GroupQueryAttention rewritten (see the module docstring).
     Inputs: the graph's first input, position_ids [B,T], shared_key_values.{i}.* [1,kv,P,hd] (and for the suffix
     num_logits_to_keep); outputs: the graph's head and present.{i}.* [B,kv,T,hd]."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # in memory: a serialized copy cannot pass protobuf's 2 GiB
+    model = copy
     graph = model.graph
     rewriter = _Rewriter(graph)
     for node in graph.node:

@@ -41,13 +41,12 @@ from mirror_sd.partitions.spec import (
     SEQLENS,
     TOTAL_LENGTH,
 )
-from mirror_sd.runtime.backends import open_openvino, open_openvino_model, ort_session
+from mirror_sd.runtime.backends import PROTOBUF_LIMIT, open_openvino, open_openvino_model, ort_session, proto_bytes
 from mirror_sd.runtime.kv_slots import kv_names
 from mirror_sd.runtime.target import KVView, _Bound, kv_pairs
 
 QUANTIZED_OP = "MatMulNBits"
 PROMPT_PRECISIONS = ("bf16", "float32")  # LoadOptions.prefill_precision's values other than "target"
-PROTOBUF_LIMIT = 1_900_000_000  # bytes: a serialized graph past it does not load from memory
 WARM_UP_TOKENS = 16  # the forward PromptGraphs runs at load
 
 
@@ -187,7 +186,7 @@ class _OrtGraph:
     place, as the target's own steps write theirs)."""
 
     def __init__(self, model: onnx.ModelProto, spec, threads: int) -> None:
-        if model.ByteSize() >= PROTOBUF_LIMIT:
+        if proto_bytes(model) >= PROTOBUF_LIMIT:
             raise BadInputError(f"{spec.file}: its weights in float32 pass protobuf's 2 GiB; prefill_precision "
                                 "'float32' takes smaller targets", option="prefill_precision")
         self.bound = _Bound(ort_session(model.SerializeToString(), ["CPUExecutionProvider"], threads), spec, None)

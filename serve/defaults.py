@@ -28,13 +28,13 @@ from types import MappingProxyType
 from typing import Any
 
 from mirror_sd.errors import BadInputError
+from mirror_sd.partitions.manifest import GENERATION_CONFIG
 from mirror_sd.runtime.config import GenerationConfig
 
 log = logging.getLogger("mirror_sd.serve")
 
 OPENAI_DEFAULTS: Mapping[str, Any] = MappingProxyType({"temperature": 1.0})  # OpenAI's API samples by default
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's legacy default, and vLLM's
-GENERATION_CONFIG = "generation_config.json"
 # transformers' generation_config.json keys the server takes, by the GenerationConfig option each one sets
 FROM_HF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
 SEED_BITS = 31  # random seeds stay below 2**31: exact as a JSON number in any client (JavaScript's included)

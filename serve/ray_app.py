@@ -37,9 +37,9 @@ from typing import Any
 
 from mirror_sd.errors import BadInputError, MirrorSDError, check_int
 from mirror_sd.partitions.manifest import Manifest
+from mirror_sd.partitions.package_format import is_package
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Spec, specs
 from mirror_sd.runtime.kv_slots import slots_for
-from mirror_sd.runtime.package_reader import is_package
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.target import GPU_STEP_WIDTH, kv_positions
 from mirror_sd.serve.app import ServerSettings, create_app, listen, open_server

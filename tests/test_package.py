@@ -344,6 +344,9 @@ def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
         "format": "mirror-sd-plan", "version": 1, "export": {},
         "bundle": {"exit_layer": manifest["exit_layer"], "top_k": manifest["top_k"]},
         "runtime": {"gamma": 6, "kappa": 1, "target_threads": 1, "draft_threads": 1}}))
+    backup = tmp_path / "backup.tar"  # a user's archive, not a package
+    with tarfile.open(backup, "w") as tar:
+        tar.add(__file__, arcname="notes.txt")
     typed = _copy(built["streaming"], tmp_path / "typed")
     doc = json.loads((typed / "manifest.json").read_text())
     doc["target"]["num_layers"] = str(doc["target"]["num_layers"])
@@ -360,8 +363,9 @@ def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
         (["generate", str(future), "--prompt-ids", "5"], "format_version"),
         (["generate", small, "--prompt-ids", "5", "--draft-device", "NPU.7"], "available"),
         (["package", str(built["streaming"]), "--out", str(tmp_path / "x"), "--weights", "int3"], "unknown weights"),
-        (["package", str(planned), "--out", str(tmp_path / "x"), "--max-gamma", "2"], "plan.json runs gamma 6"),
         (["plan", str(built["tar"]), "--save"], "--save writes a bundle's plan.json"),
+        (["package", str(built["tar"]), "--out", str(tmp_path / "x")], "is a package already"),
+        (["package", str(built["streaming"]), "--out", str(backup), "--force"], "not a package archive"),
         (["generate", small, "--prompt-ids", "5", "--cache-dir", "/proc/no-such/cache"], "cannot use cache_dir"),
     ]
     for argv, message in cases:
@@ -370,6 +374,15 @@ def test_cli_bad_inputs_exit_2_without_traceback(built, tmp_path):
         assert done.stderr.startswith("mirror-sd: error:") and message in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
     assert not (tmp_path / "x").exists()
+    # a package whose windows are narrower than the plan's (or the built-in) gamma runs them at its max_gamma; the
+    # bundle's generation_config.json (the server's sampling defaults) goes with it
+    from mirror_sd.serve.defaults import bundle_defaults
+
+    (planned / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
+    assert _cli("package", str(planned), "--out", str(tmp_path / "narrow"), "--max-gamma", "2").returncode == 0
+    pipe = Pipeline.load(tmp_path / "narrow")
+    assert pipe.generation_config.gamma == 2 and pipe.generate([5, 6, 7], mode="sd", max_new_tokens=4).token_ids
+    assert bundle_defaults(tmp_path / "narrow") == {"temperature": 0.3}
 
 
 def test_benchmark_package_cache_rebuilds_a_stale_package(bundle_factory, tmp_path):

@@ -194,6 +194,10 @@ def test_bad_prompts(pipe, prompt, match):
 def test_bad_devices(bundle):
     with pytest.raises(BadInputError, match="ONNX Runtime device"):
         Pipeline.load(bundle, target_device="tpu")
+    with pytest.raises(BadInputError, match="has no CudaExecutionProvider"):  # a session would run it on the CPU
+        Pipeline.load(bundle, target_device="CudaExecutionProvider")
+    with pytest.raises(BadInputError, match="cache_dir must be a path"):
+        Pipeline.load(bundle, cache_dir=123)
     with pytest.raises(BadInputError, match="OpenVINO device"):
         Pipeline.load(bundle, draft_device="FPGA")
 

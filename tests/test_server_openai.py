@@ -16,8 +16,9 @@ import pytest
 from mirror_sd.bench.soak import InProcessServer
 from mirror_sd.cli import build_parser, server_access
 from mirror_sd.errors import BadInputError
+from mirror_sd.partitions.manifest import GENERATION_CONFIG
 from mirror_sd.runtime.pipeline import Pipeline
-from mirror_sd.serve.defaults import GENERATION_CONFIG, bundle_defaults, server_defaults
+from mirror_sd.serve.defaults import bundle_defaults, server_defaults
 
 MODEL = "tiny"
 KEY = "test-key-123"
