@@ -267,7 +267,8 @@ def test_a_queued_stream_gets_keep_alive_comments(bundle_factory, pipe):
     """One slot: a second stream waits behind a long first one, and hears SSE comments meanwhile; the openai client
     skips them."""
     one = Pipeline.load(bundle_factory("llama"), max_num_seqs=1)
-    long_body = {"model": MODEL, "prompt": [5, 17, 33], "temperature": 0, "stream": True, "mirror": {"mode": "ar"}}
+    long_body = {"model": MODEL, "prompt": [5, 17, 33], "temperature": 0, "stream": True, "max_tokens": 300,
+                 "mirror": {"mode": "ar", "ignore_eos": True}}  # long enough to hold the slot while the second asks
     try:
         with InProcessServer(one, model_name=MODEL, keepalive_s=0.01) as server:
             first = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
