@@ -111,14 +111,14 @@ def _check_plan_depth(plan: dict, model: str) -> None:
     """A plan measured on a model of other depth advises exit layers of that model's, not this one's."""
     from transformers import AutoConfig
 
+    from mirror_sd.partitions.plan_file import check_depth
+
     try:
         layers = getattr(AutoConfig.from_pretrained(model), "num_hidden_layers", None)
     except (OSError, ValueError):  # the export itself says what is wrong with the model
         return
-    planned = plan["bundle"].get("num_layers")
-    if layers is not None and planned is not None and planned != layers:
-        raise BadInputError(f"the plan was measured on a target of {planned} layers, this model has {layers}: "
-                            "plan a bundle of this model", option="plan")
+    if layers is not None:
+        check_depth(plan, layers, option="plan")
 
 
 def _export(args: argparse.Namespace) -> int:

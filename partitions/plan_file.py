@@ -78,15 +78,23 @@ def read_plan(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+def check_depth(doc: Mapping[str, Any], num_layers: int, option: str | None = None) -> None:
+    """Refuse a plan measured on a target of another depth (another model): its settings, exit layers among them,
+    are that model's. A plan that does not say its depth is taken."""
+    planned = doc["bundle"].get("num_layers")
+    if planned is not None and planned != num_layers:
+        raise BadInputError(f"the plan was made for a target of {planned} layers, this one has {num_layers}: run "
+                            "`mirror-sd plan` on a bundle of this model", option=option)
+
+
 def runtime_defaults(doc: Mapping[str, Any], exit_layer: int, top_k: int,
                      num_layers: int | None = None) -> RuntimeDefaults:
     """The runtime section of a plan made for a bundle with this exit layer and top_k (and this many target layers,
     where given); BadInputError if the plan was made for another export (its settings were measured on other graphs)
     or a value is out of range."""
     b, r = doc["bundle"], doc["runtime"]
-    if num_layers is not None and b.get("num_layers", num_layers) != num_layers:
-        raise BadInputError(f"the plan was made for a target of {b.get('num_layers')} layers, the bundle's has "
-                            f"{num_layers}: run `mirror-sd plan` on this bundle again")
+    if num_layers is not None:
+        check_depth(doc, num_layers)
     if b.get("exit_layer") != exit_layer or b.get("top_k") != top_k:
         raise BadInputError(f"the plan was made for exit layer {b.get('exit_layer')} / top_k {b.get('top_k')}, the "
                             f"bundle has {exit_layer} / {top_k}: run `mirror-sd plan` on this bundle again")

@@ -21,6 +21,7 @@ import numpy as np
 
 from mirror_sd.partitions.manifest import BOUNDARY
 from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH, PartitionSpec
+from mirror_sd.runtime.backends import on_cpu
 from mirror_sd.runtime.kv_slots import KVSlots
 from mirror_sd.runtime.target import OrtTarget, _Bound, head_rows, ort_device
 from mirror_sd.runtime.window_graphs import ROW_TOKENS, row_name
@@ -57,7 +58,7 @@ class BatchTarget:
         # kernel for one query row than for two or more, which rounds otherwise, and int8 activations turn that into
         # logits apart (docs/design.md: A compressed target steps two rows at least). A GPU's batched rows stay one
         # token: their float16 rounding apart from a lone step's is reported where it flips a token, not prevented.
-        self.pads_rows = self.step_width > 1 and target.device == "CPUExecutionProvider"
+        self.pads_rows = self.step_width > 1 and on_cpu(target.device)
         self.prompt_graphs = target.prompt_graphs  # prompts prefilled on OpenVINO in bf16, or None
         self._device = ort_device(target.device)
         self._bound: dict[str, _Bound] = {}

@@ -42,6 +42,7 @@ import numpy as np
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import DRAFT_MODES, MODES
+from mirror_sd.runtime.backends import on_cpu
 from mirror_sd.runtime.batch_target import BatchTarget, Row
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.gate import GateState, SpeculationGate
@@ -186,8 +187,8 @@ class BatchEngine:
         self.kv = KVSlots(pipe.manifest, max_num_seqs, pipe.target.slots, ort_device(pipe.target.device))
         self.table = SlotTable(max_num_seqs, pipe.target.reuse_grid)
         # windows at batch > 1 on the CPU only: a GPU's float16 kernels round by step width (Target.step_width)
-        on_cpu = pipe.target.device == "CPUExecutionProvider"
-        self.batch = BatchTarget(pipe.target, self.kv, min(window_rows, max_num_seqs) if on_cpu else 0)
+        self.batch = BatchTarget(pipe.target, self.kv,
+                                 min(window_rows, max_num_seqs) if on_cpu(pipe.target.device) else 0)
         self._window_gates: dict[int, SpeculationGate] = {}  # per count of rows: window steps against plain ones
         # what the bundle's plan measured of them (`mirror-sd plan`): each gate's first guess
         planned = pipe.defaults.batch_windows if pipe.defaults is not None else ()

@@ -34,6 +34,20 @@ def scripted_gate(speculate_when):
     return Scripted
 
 
+def fails_on(call: int, fn, message: str):
+    """`fn`, except that its call-th call (from 1) raises RuntimeError(message) instead: a device or draft that fails
+    once, part way through a generation."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError(message)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
 @pytest.fixture(scope="session")
 def pair_factory(tmp_path_factory):
     """pair_factory(arch) -> (target_dir, draft_dir): a tiny 6-layer target and 2-layer draft sharing a tokenizer."""

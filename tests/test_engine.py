@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from conftest import ARCHITECTURES, scripted_gate
+from conftest import ARCHITECTURES, fails_on, scripted_gate
 
 from mirror_sd.errors import BadInputError, ContextLimitError
 from mirror_sd.runtime.batch_target import Row
@@ -432,15 +432,7 @@ def test_a_generation_that_fails_leaves_no_prefix_for_a_later_prompt(pipelines, 
     prompt = "You are a careful assistant who answers briefly. " * 3 + "Say hi."
     want = solo(pipe, prompt, ignore_eos=True)
     engine = pipe.engine()
-    real, calls = pipe.target._run_prefix, []
-
-    def fails_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("the device failed")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pipe.target, "_run_prefix", fails_once)
+    monkeypatch.setattr(pipe.target, "_run_prefix", fails_on(1, pipe.target._run_prefix, "the device failed"))
     with pytest.raises(RuntimeError, match="the device failed"):
         engine.submit(*pipe.check(prompt, mode="sd", max_new_tokens=12, ignore_eos=True)).wait()
     again = engine.submit(*pipe.check(prompt, mode="ar", max_new_tokens=12, ignore_eos=True)).wait()

@@ -163,6 +163,7 @@ def odd_models(tmp_path_factory, pair_factory):
     ("truncated_model", "cannot load target"),
     ("truncated_draft", "cannot load draft"),
     ("no_eos", "names no EOS token"),
+    ("plan_depth", "a target of 30 layers"),
 ])
 def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_factory, odd_models, case, message):
     target, draft = pair_factory("llama")
@@ -177,13 +178,22 @@ def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_
             "unsupported": (_unsupported_model(tmp_path), draft, ()),
             "truncated_model": (_truncated(target, tmp_path / "t"), draft, ()),
             "truncated_draft": (target, _truncated(draft, tmp_path / "d"), ()),
-            "no_eos": (_without_eos(target, tmp_path / "e"), draft, ())}[case]
+            "no_eos": (_without_eos(target, tmp_path / "e"), draft, ()),
+            "plan_depth": (target, draft, ("--plan", str(_plan_of_depth(30, tmp_path / "plan.json"))))}[case]
     out = tmp_path / "out"
     code, err = _export_cli(capsys, args[0], args[1], out, *args[2])
     assert code == 2
     assert err.startswith("mirror-sd: error:") and message in err, err
     assert "Traceback" not in err
     _assert_nothing_left(tmp_path, out)
+
+
+def _plan_of_depth(layers: int, path: Path) -> Path:
+    """A plan measured on a target of `layers` layers, whose advice is in range for the tiny ones."""
+    path.write_text(json.dumps({"format": "mirror-sd-plan", "version": 1, "runtime": {},
+                                "bundle": {"num_layers": layers, "exit_layer": 3, "top_k": 4},
+                                "export": {"exit_layer": 3, "top_k": 4}}))
+    return path
 
 
 def _without_eos(model: Path, copy: Path) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import fails_on
 
 from mirror_sd.errors import BadInputError, PackageError
 from mirror_sd.outputs import write_whole
@@ -265,15 +266,7 @@ def test_a_static_draft_drafts_again_after_a_failure(built):
     pipe = Pipeline.load(built["streaming_fp16"])
     prompt = [5 + (7 * i) % 90 for i in range(90)]
     want = Pipeline.load(built["streaming"]).generate(prompt, mode="ar", max_new_tokens=30).token_ids
-    run, calls = pipe.draft.run, []
-
-    def fails_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise RuntimeError("injected draft failure")
-        return run(*args, **kwargs)
-
-    pipe.draft.run = fails_once
+    pipe.draft.run = fails_on(4, pipe.draft.run, "injected draft failure")
     out = pipe.generate(prompt, mode="sd", max_new_tokens=30, adaptive_speculation=False, overlap=False)
     assert out.token_ids == want
     assert out.stats["draft_failures"] == 1 and out.stats["fresh_rollouts"] >= 3
