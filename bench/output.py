@@ -7,14 +7,13 @@ failed write never leaves a half-written result (an older result in OUT stays un
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from mirror_sd.bench.plots import write_plots
 from mirror_sd.bench.report import render
 from mirror_sd.errors import BadInputError
-from mirror_sd.outputs import check_apart, move_into_place, staging_dir
+from mirror_sd.outputs import check_apart, staged
 
 RESULT_FILE = "bench.json"
 
@@ -28,15 +27,10 @@ def check_out(out: Path) -> None:
 
 def write_outputs(doc: dict[str, Any], out: Path) -> list[Path]:
     check_out(out)
-    staging = staging_dir(out)
-    try:
+    with staged(out) as staging:
         (staging / RESULT_FILE).write_text(json.dumps(doc, indent=1, default=_plain) + "\n")
         (staging / "report.md").write_text(render(doc))
         write_plots(doc, staging / "plots")
-        move_into_place(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return sorted(p for p in out.rglob("*") if p.is_file())
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mirror_sd.outputs import move_into_place, staging_dir
+from mirror_sd.outputs import staged
 from mirror_sd.partitions.manifest import BOUNDARY, LOGITS, Manifest, resolve_inside
 from mirror_sd.partitions.package_format import graph_sha256
 from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH
@@ -51,9 +51,8 @@ def merged(bundle: Path, manifest: Manifest, cache: Path) -> Path:
     graph = onnx.helper.make_graph(list(prefix.graph.node) + list(suffix.graph.node), "target_unsplit", inputs,
                                    outputs, list(prefix.graph.initializer) + list(suffix.graph.initializer))
     model = onnx.helper.make_model(graph, opset_imports=prefix.opset_import, ir_version=prefix.ir_version)
-    staging = staging_dir(out)
-    onnx.save_model(model, str(staging / FILE), save_as_external_data=True, location=FILE + ".data")
-    move_into_place(staging, out)
+    with staged(out) as staging:
+        onnx.save_model(model, str(staging / FILE), save_as_external_data=True, location=FILE + ".data")
     return out / FILE
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -42,7 +41,7 @@ from mirror_sd.export.target_weights import (
     on_block_grid,
 )
 from mirror_sd.models.exit_adapter import CONFIG_NAME, ExitAdapter
-from mirror_sd.outputs import check_out, move_into_place, staging_dir
+from mirror_sd.outputs import check_out, staged
 from mirror_sd.partitions.manifest import MANIFEST_NAME, Manifest, TargetFacts, TokenizerFacts
 from mirror_sd.version import __version__
 
@@ -237,14 +236,9 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
         float32_target = target.model
         target = replace(target, model=on_block_grid(target.model, opts.target_weights, target.arch))
 
-    staging = staging_dir(out)
-    try:
+    with staged(out) as staging:
         manifest = _write_bundle(staging, target, draft, tokenizer, exit_topk, exit_layer, top_k, opts.validate, report,
                                  opts.draft_weights, opts.target_dtype, opts.target_weights, float32_target)
-        move_into_place(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     report(f"bundle written to {out}")
     return manifest
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mirror_sd.errors import BadInputError, MirrorSDError
+from mirror_sd.errors import BadInputError, MirrorSDError, check_int
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES, TARGET_WEIGHT_FORMATS
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, specs
 from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION
@@ -300,6 +300,7 @@ def _plan(args: argparse.Namespace) -> int:
     from mirror_sd.partitions.plan_file import PLAN_FILE
     from mirror_sd.runtime.profile import ProfileOptions, plan_bundle
 
+    check_int("rows", args.rows, 1)
     defaults = ProfileOptions()
     options = ProfileOptions(
         calibration=args.calibration, max_new_tokens=args.max_new_tokens, gammas=args.gammas or defaults.gammas,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from mirror_sd.errors import BadInputError
@@ -46,7 +47,29 @@ def check_apart(out: Path, what: str, inputs: Iterable[str | Path]) -> None:
         raise BadInputError(f"cannot create OUT {str(out)!r}: {ancestor} is not a writable directory") from None
 
 
-def staging_dir(out: Path) -> Path:
+@contextmanager
+def staged(out: Path, place: Callable[[Path, Path], None] | None = None) -> Iterator[Path]:
+    """A fresh, empty directory beside `out` to write into; when the block ends it is put in place by `place`
+    (default: `move_into_place`) and removed. On any failure, from the block or from `place`, nothing is left: not
+    the staging directory, nor the folders above `out` that were made for it."""
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # deepest first
+    staging = _staging_dir(out)
+    try:
+        yield staging
+        (place or move_into_place)(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # something else was written there meanwhile
+                break
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging_dir(out: Path) -> Path:
     """A fresh, empty directory beside `out` (same filesystem, so the final rename is atomic) with ordinary
     permissions: mkdtemp makes it private, and what is moved into place should not be."""
     out.parent.mkdir(parents=True, exist_ok=True)

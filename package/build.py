@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from mirror_sd.errors import BadInputError, PackageError
-from mirror_sd.outputs import check_apart, check_out, move_into_place, staging_dir
+from mirror_sd.outputs import check_apart, check_out, staged
 from mirror_sd.package.compress import DEFAULT_GROUP_SIZE, compress_weights
 from mirror_sd.package.static_graph import make_static
 from mirror_sd.partitions.manifest import (
@@ -99,20 +99,17 @@ def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -
     weights = package_weights(manifest, opts.weights)
     device = opts.device.upper()
     if device not in DEVICES:
-        raise BadInputError(f"unknown device {opts.device!r}; a package targets one of {', '.join(DEVICES)}")
+        raise BadInputError(f"unknown device {opts.device!r}; a package targets one of {', '.join(DEVICES)}",
+                            option="device")
+    if weights == "int4_sym" and opts.group_size < 1 and opts.group_size != -1:
+        raise BadInputError(f"group size must be >= 1 (or -1: per channel), got {opts.group_size}",
+                            option="group_size")
     bounds = _bounds(opts, manifest)
     out = Path(opts.out).expanduser()
     _check_out(out, opts.force, bundle)
 
-    staging = staging_dir(out)
-    try:
+    with staged(out, _archive if out.suffix == ".tar" else None) as staging:
         info = _write_package(staging, bundle, manifest, bounds, weights, opts.group_size, device, report)
-        if out.suffix == ".tar":
-            _archive(staging, out)
-        else:
-            move_into_place(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     report(f"package written to {out} ({weights} draft, {_describe(bounds)})")
     return info
 

@@ -30,8 +30,6 @@ def compress_weights(model, weights: str, group_size: int = DEFAULT_GROUP_SIZE):
     elif weights == "int8_asym":
         options = dict(mode=nncf.CompressWeightsMode.INT8_ASYM)
     elif weights == "int4_sym":
-        if group_size < 1 and group_size != -1:
-            raise PackageError(f"group size must be >= 1 (or -1: per channel), got {group_size}")
         options = dict(mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group_size, ratio=1.0,
                        backup_mode=BackupMode.INT8_SYM)
     else:

@@ -475,7 +475,9 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         raise BadInputError(f"max_new_tokens must be >= 2, got {options.max_new_tokens}")
     for t, d in splits:
         if t < 1 or d < 1:
-            raise BadInputError(f"thread counts must be >= 1, got {t}+{d}")
+            raise BadInputError(f"thread counts must be >= 1, got {t}+{d}", option="splits")
+    if len(set(splits)) < len(splits):
+        raise BadInputError(f"a split is listed twice: {', '.join(f'{t}+{d}' for t, d in splits)}", option="splits")
     load = lambda t, d, backend=None: Pipeline.load(  # noqa: E731 - a one-line factory
         bundle, target_device=options.target_device, draft_device=options.draft_device, target_threads=t,
         draft_threads=d, draft_backend=backend, use_plan=False)

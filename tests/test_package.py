@@ -244,7 +244,11 @@ def test_build_refusals_leave_nothing_behind(built, tmp_path):
     with pytest.raises(BadInputError, match="holds an input"):
         build_package(PackageOptions(bundle=bundle, out=bundle, force=True), **QUIET)
     shutil.rmtree(mine)
-    assert list(tmp_path.iterdir()) == []  # no OUT, no staging directory
+    for options, option in ((dict(weights="int4", group_size=0), "group_size"), (dict(device="TPU"), "device")):
+        with pytest.raises(BadInputError) as err:  # before any NNCF work, naming the option
+            build_package(PackageOptions(bundle=bundle, out=tmp_path / "new" / "out", **options), **QUIET)
+        assert err.value.option == option
+    assert list(tmp_path.iterdir()) == []  # no OUT, no staging directory, no folder made for them
 
 
 def test_a_prompt_chunk_wider_than_the_rows_own_past_still_drafts(built, tmp_path):

@@ -421,7 +421,8 @@ def test_stale_or_broken_plan_in_a_bundle_is_refused(bundle, tmp_path):
 
 def test_cli_plan_bad_input_is_one_line(bundle, tmp_path, capsys):
     for argv in (["plan", str(bundle) + "-missing"], ["plan", str(bundle), "--kappas", "99", *PLAN_ARGS[:4]],
-                 ["plan", str(bundle), "--calibration", "0"]):
+                 ["plan", str(bundle), "--calibration", "0"], ["plan", str(bundle), "--rows", "-3"],
+                 ["plan", str(bundle), *PLAN_ARGS[:8], "--splits", "1+1,1+1"]):
         assert main(argv) != 0
         err = capsys.readouterr().err
         assert err.startswith("mirror-sd: error:") and err.count("\n") == 1 and "Traceback" not in err

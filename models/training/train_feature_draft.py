@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 import zlib
@@ -45,7 +44,7 @@ import torch
 
 from mirror_sd.models.feature_draft import CONFIG_NAME, WEIGHTS_NAME, FeatureDraft, FeatureDraftConfig
 from mirror_sd.models.training import answers as answers_file
-from mirror_sd.outputs import move_into_place, staging_dir
+from mirror_sd.outputs import staged
 from mirror_sd.partitions.manifest import BOUNDARY, TAPS
 from mirror_sd.partitions.spec import (
     SEQLENS,
@@ -838,14 +837,9 @@ def average_drafts(drafts: list[Path], out: Path, weights: list[float]) -> Path:
     states = [load_file(str(Path(d) / WEIGHTS_NAME)) for d in drafts]
     mean = {k: sum(w * st[k].float() for w, st in zip(weights, states)).to(states[0][k].dtype).contiguous()
             for k in states[0]}
-    staging = staging_dir(Path(out))
-    try:
+    with staged(Path(out)) as staging:  # `out` may be one of `drafts`: it is replaced only at the end
         save_file(mean, str(staging / WEIGHTS_NAME))
         (staging / CONFIG_NAME).write_text(json.dumps(configs[0]) + "\n")
-        move_into_place(staging, Path(out))  # `out` may be one of `drafts`: it is replaced only now
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return Path(out)
 
 
