@@ -51,7 +51,7 @@ from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
 from mirror_sd.runtime.proposers import PromptLookup, Proposer
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.row_drafts import RowDraft
-from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
+from mirror_sd.runtime.sampling import TARGET_STREAM, choose, penalize, rng_for
 from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import PREFILL_CHUNK, OrtTarget, ort_device, prompt_chunk_end
 from mirror_sd.runtime.text import TextSink
@@ -560,7 +560,8 @@ class BatchEngine:
                 self._commit_chosen(row, out[:1])
                 committed += 1
                 continue
-            verdict = greedy_accept(window, out)
+            verdict = greedy_accept(window, penalize(out, row.request.config.params, row.context, row.prompt_len,
+                                                     window))
             row.rec.counts.verified(len(window), verdict.accepted, copied=source is row.copies)
             source.accepted(len(window), verdict.accepted)
             for j, token in enumerate(verdict.committed(window)):
@@ -600,7 +601,8 @@ class BatchEngine:
         """Commit the row's own choice from the target's logits [1, V] at its next position (its own random stream
         there when sampling, as a generation alone draws)."""
         params, position = row.request.config.params, len(row.context)
-        token = choose(logits[0], params, None if params.greedy else rng_for(params, TARGET_STREAM, position))
+        token = choose(penalize(logits, params, row.context, row.prompt_len)[0], params,
+                       None if params.greedy else rng_for(params, TARGET_STREAM, position))
         self._commit(row, token, self._score(row, logits, token))
 
     def _fillers(self, rows: list[Row]) -> list[Row]:

@@ -212,7 +212,18 @@ class GenerationConfig(Options):
                                 wire_range=Range(0, 2))
     top_p: float = option(1.0, "nucleus sampling: draw from the likeliest tokens whose probabilities reach this",
                           range=Range(0, 1, low_open=True), wire="top_p")
-    top_k: int = option(0, "sampling top-k (0: off)", range=Range(0))
+    top_k: int = option(0, "sampling top-k (0: off)", range=Range(0), wire="top_k")
+    # penalties change the target's distribution, greedy included: sd and mirror equal ar with the same ones
+    # (runtime/sampling.py penalize)
+    repetition_penalty: float = option(
+        1.0, "divide the logit of every token the prompt or the text holds by this (multiply where it is negative): "
+        "above 1 repeats less (transformers' and vLLM's repetition_penalty; 1: off)", range=Range(0, low_open=True),
+        wire="repetition_penalty", wire_range=Range(0, 2, low_open=True))
+    presence_penalty: float = option(0.0, "subtract this from the logit of every token the generated text holds "
+                                     "(OpenAI's presence_penalty)", range=Range(-2, 2), wire="presence_penalty")
+    frequency_penalty: float = option(0.0, "subtract this times its count in the generated text from each token's "
+                                      "logit (OpenAI's frequency_penalty)", range=Range(-2, 2),
+                                      wire="frequency_penalty")
     seed: int = option(0, "the sampling seed", range=Range(0), wire="seed")
     stop: tuple[str, ...] = option((), "a string that ends the text, which is cut before it (repeatable)",
                                    wire="stop")
@@ -272,7 +283,8 @@ class GenerationConfig(Options):
 
     @property
     def params(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty,
+                              self.presence_penalty, self.frequency_penalty)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """A slow, single-threaded reference generator: the second oracle for the fast decoders.
 
 No KV cache is kept between forwards: every forward runs the whole sequence from an empty cache, so none of the
-scheduler's cache trimming, branching or threading is involved. Greedy only. gamma 0 is plain target decoding;
+scheduler's cache trimming, branching or threading is involved. Greedy only, with a generation's penalties where
+`params` gives some (runtime/sampling.py penalize). gamma 0 is plain target decoding;
 gamma > 0 is vanilla speculative decoding with the draft, which must give the same tokens. confidence > 0 ends a
 window after a token the draft gives a probability below it (GenerationConfig.draft_confidence_threshold), or, with
 rule "window", after the token where the product of the window's probabilities falls below it.
@@ -21,19 +22,22 @@ from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, STREAM
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import empty_channel
 from mirror_sd.runtime.logprobs import TokenLogprob
-from mirror_sd.runtime.sampling import probability
+from mirror_sd.runtime.sampling import SamplingParams, penalize, probability
 from mirror_sd.runtime.target import Target
 
 
 def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[int], max_new_tokens: int,
                        gamma: int = 0, eos_token_ids: tuple[int, ...] = (), confidence: float = 0.0,
-                       rule: str = "token") -> list[int]:
+                       rule: str = "token", params: SamplingParams | None = None) -> list[int]:
     """The new tokens (up to and including the first EOS) of greedy decoding of `prompt`."""
+    params = params or SamplingParams()
+    if not params.greedy:
+        raise ValueError("the reference generator is greedy only")
 
-    def target_tokens(seq: list[int]) -> np.ndarray:
-        """The target's greedy next token after every position of seq: [len(seq)]."""
-        logits, _ = target.forward(seq, target.empty_cache())
-        return np.argmax(logits, axis=-1)
+    def target_tokens(seq: list[int], window: list[int]) -> np.ndarray:
+        """The target's greedy token after seq and after each of window's tokens: [len(window) + 1]."""
+        logits, _ = target.forward(seq + window, target.empty_cache())
+        return np.argmax(penalize(logits[len(seq) - 1:], params, seq, len(prompt), window), axis=-1)
 
     seq = list(prompt)
     new: list[int] = []
@@ -42,7 +46,7 @@ def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[i
         size = min(gamma, max_new_tokens - len(new) - 1) if draft is not None else 0
         window = reference_window(target, draft, seq, size, confidence, rule)[0] if size else []
         # 2. the target scores the sequence with the window: its token after seq[-1], after window[0], ...
-        choices = target_tokens(seq + window)[len(seq) - 1:]  # [len(window) + 1]
+        choices = target_tokens(seq, window)  # [len(window) + 1]
         # 3. accept the longest prefix of the window the target agrees with, then the target's own token
         accepted = 0
         while accepted < len(window) and window[accepted] == choices[accepted]:

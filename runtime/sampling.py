@@ -1,11 +1,21 @@
-"""Turning logits into a token: greedy, or a sample from the warped distribution (temperature, top_k, top_p).
+"""Turning logits into a token: greedy, or a sample from the warped distribution (temperature, top_k, top_p),
+after the penalties on tokens the text already holds.
 
 Pure functions. Randomness comes from explicit numpy Generators keyed by (seed, stream, position), so a decoder
 that draws the window for the same context from a branch or from a fresh rollout draws the same numbers.
+
+Penalties (`penalize`) are part of the target's distribution: a position's penalised logits depend on the tokens
+before it only, so a verification row is penalised for the window tokens before it, exactly as the step that would
+have produced that position alone, and sd and mirror still equal ar. They follow vLLM: the repetition penalty
+(transformers' CTRL rule: a positive logit divided by it, a negative one multiplied) on every token of the prompt and
+the text so far, then OpenAI's frequency and presence penalties on the generated tokens' counts. The draft's own
+proposals are not penalised: its windows are checked against the penalised target like any others.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,10 +29,42 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # 0: no top-k filter
     seed: int = 0
+    repetition_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int,
+             window: Sequence[int] = ()) -> np.ndarray:
+    """The target's `logits` [n, V] with the penalties: row i is the position after context + window[:i]
+    (context: the prompt's `prompt_len` tokens, then the generated ones). `logits` itself where none applies."""
+    if not params.penalized:
+        return logits
+    out = np.array(logits, dtype=np.float32)
+    prompt = set(context[:prompt_len]) if params.repetition_penalty != 1.0 else set()
+    generated = Counter(context[prompt_len:])
+    for i, row in enumerate(out):
+        if i:
+            generated[window[i - 1]] += 1
+        if params.repetition_penalty != 1.0:
+            ids = np.fromiter(prompt | generated.keys(), np.int64)
+            if ids.size:
+                seen = row[ids]
+                row[ids] = np.where(seen > 0, seen / np.float32(params.repetition_penalty),
+                                    seen * np.float32(params.repetition_penalty))
+        if generated and (params.frequency_penalty or params.presence_penalty):
+            ids = np.fromiter(generated.keys(), np.int64, len(generated))
+            counts = np.fromiter(generated.values(), np.float32, len(generated))
+            row[ids] -= np.float32(params.frequency_penalty) * counts + np.float32(params.presence_penalty)
+    return out
 
 
 def rng_for(params: SamplingParams, stream: int, position: int) -> np.random.Generator:

@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -56,7 +56,7 @@ from mirror_sd.runtime.messages import (
     frozen,
 )
 from mirror_sd.runtime.proposers import DraftModel, PromptLookup, Proposer
-from mirror_sd.runtime.sampling import TARGET_STREAM, choose, rng_for
+from mirror_sd.runtime.sampling import TARGET_STREAM, choose, penalize, rng_for
 from mirror_sd.runtime.speculation_policy import COPY, DRAFT, SpeculationPolicy
 from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import Boundary, Target, TargetCache, prefill_chunks
@@ -195,6 +195,11 @@ class _Decoder:
         # estimate of how often such a token is accepted
         self.unranked_seen = self.unranked_accepted = 0
         self.catch_up_s = 0.0  # the last fresh window's wait for the draft to read skipped tokens
+        self.prompt_len = 0  # set by prefill: where the generated tokens start (the penalties count those)
+
+    def _penalized(self, logits: np.ndarray, ctx: Sequence[int], window: Sequence[int] = ()) -> np.ndarray:
+        """The target's logits [n, V] after ctx + window[:i] with the generation's penalties (runtime/sampling.py)."""
+        return penalize(logits, self.cfg.params, ctx, self.prompt_len, window)
 
     def _target_rng(self, context_len: int) -> np.random.Generator | None:
         return None if self.cfg.params.greedy else rng_for(self.cfg.params, TARGET_STREAM, context_len)
@@ -233,10 +238,11 @@ class _Decoder:
         if cached:
             self._retap(prompt, cached)
             self.cache = self.target.adopt(cached)
+        self.prompt_len = len(prompt)
         for start, end, on_prompt_graphs in prefill_chunks(cached, len(prompt), self.target.prompt_split(len(prompt))):
             logits = self._forward(prompt[start:end], lambda end=end: prompt[:end], on_prompt_graphs)
         self.counts.target_steps += 1
-        token = choose(logits, self.cfg.params, self._target_rng(len(prompt)))
+        token = choose(self._penalized(logits[None], prompt)[0], self.cfg.params, self._target_rng(len(prompt)))
         return token, self._scores(logits[None], (token,))
 
     def _retap(self, prompt: tuple[int, ...], cached: int) -> None:
@@ -258,7 +264,7 @@ class _Decoder:
         """One token from the target alone (ar, and the fallback when the draft is unavailable), and its logprob."""
         logits = self._forward([ctx[-1]], lambda: tuple(ctx))
         self.counts.target_steps += 1
-        token = choose(logits, self.cfg.params, self._target_rng(len(ctx)))
+        token = choose(self._penalized(logits[None], ctx)[0], self.cfg.params, self._target_rng(len(ctx)))
         return (token,), self._scores(logits[None], (token,))
 
     def fresh_window(self, ctx: list[int], gamma: int) -> DraftWindow | None:
@@ -338,7 +344,8 @@ class _Decoder:
         logits, cache = self._suffix(boundary)
         ready_under_suffix = ticket is not None and self.worker.poll(ticket) is not None
         with self.rec.phase("verify"):
-            verdict = verify(w, window.logits, logits, self.cfg.params, self._target_rng(len(ctx)))
+            verdict = verify(w, window.logits, self._penalized(logits, ctx, w), self.cfg.params,
+                             self._target_rng(len(ctx)))
         self.cache = cache.trim(len(ctx) + verdict.accepted)
         c = self.counts
         c.target_steps += 1

@@ -73,20 +73,38 @@ def test_neutral_fields_are_taken_and_logged(pipe, client, caplog):
     solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=8)
     with caplog.at_level(logging.DEBUG, logger="mirror_sd.serve"):
         r = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, user="user-42", presence_penalty=0,
-            frequency_penalty=0.0, logit_bias={}, metadata={"team": "a"}, store=False, parallel_tool_calls=False,
+            model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, user="user-42", logit_bias={},
+            metadata={"team": "a"}, store=False, parallel_tool_calls=False,
             tool_choice="none", service_tier="auto", response_format={"type": "text"})
     assert r.choices[0].message.content == solo.text
     logged = " ".join(rec.getMessage() for rec in caplog.records if rec.name == "mirror_sd.serve")
-    for name in ("user", "presence_penalty", "logit_bias", "metadata", "store", "tool_choice"):
+    for name in ("user", "logit_bias", "metadata", "store", "tool_choice"):
         assert f"ignored {name}" in logged
     r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=4, temperature=0, user="u",
-                                  presence_penalty=0, best_of=1, suffix="")
+                                  best_of=1, suffix="")
     assert r.choices[0].text == pipe.generate("the cat", mode="ar", max_new_tokens=4).text
 
 
+def test_penalties_are_the_librarys(pipe, client):
+    """OpenAI's presence and frequency penalties and vLLM's repetition_penalty, as the library applies them; out of
+    OpenAI's range a 400 naming the field."""
+    penalties = dict(presence_penalty=1.2, frequency_penalty=0.5)
+    solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=24, repetition_penalty=1.3, **penalties)
+    assert solo.token_ids != pipe.generate(MESSAGES, mode="ar", max_new_tokens=24).token_ids
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
+                                       extra_body={"repetition_penalty": 1.3}, **penalties)
+    assert r.choices[0].message.content == solo.text
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                       presence_penalty=None, frequency_penalty=0)  # null: the default
+    assert r.choices[0].message.content == pipe.generate(MESSAGES, mode="ar", max_new_tokens=4).text
+    for field, value in (("presence_penalty", 2.5), ("repetition_penalty", 0), ("repetition_penalty", 2.5)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={field: value})
+        assert e.value.param == field
+
+
 @pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("logit_bias", {"5": 10}), ("store", True),
+    ("logit_bias", {"5": 10}), ("store", True),
     ("tool_choice", "required"), ("response_format", {"type": "json_object"}), ("service_tier", "flex"),
 ])
 def test_a_field_at_a_working_value_is_a_400_naming_it(client, field, value):

@@ -1,0 +1,139 @@
+"""Repetition, presence and frequency penalties (GenerationConfig; runtime/sampling.py penalize): the target's
+distribution as transformers and OpenAI define them, and sd, mirror and lookup still equal ar token for token with
+them, alone and in the batching engine, on every architecture."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.reference import reference_generate
+from mirror_sd.runtime.sampling import SamplingParams, penalize
+
+PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
+NEW_TOKENS = 24
+PENALTIES = (dict(repetition_penalty=1.3), dict(presence_penalty=1.5, frequency_penalty=0.7),
+             dict(repetition_penalty=0.8, frequency_penalty=-0.5))
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def test_penalties_are_transformers_and_openais():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(1, 50)).astype(np.float32) * 4
+    context, prompt_len = [3, 7, 7, 11, 3, 20, 20, 20, 5], 4  # generated: 3, 20 x3, 5
+    rep = penalize(logits, SamplingParams(repetition_penalty=1.7), context, prompt_len)
+    want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([context]), torch.tensor(logits))
+    np.testing.assert_array_equal(rep, want.numpy())
+    pf = penalize(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), context, prompt_len)
+    counts = np.bincount(context[prompt_len:], minlength=50)
+    np.testing.assert_allclose(pf, logits - 0.25 * counts - 0.5 * (counts > 0), rtol=1e-6)
+    assert pf[0, 7] == logits[0, 7] and pf[0, 11] == logits[0, 11]  # prompt tokens: the repetition penalty's only
+    assert penalize(logits, SamplingParams(), context, prompt_len) is logits  # none: untouched, no copy
+
+
+def test_a_verification_row_is_penalised_as_the_step_that_would_give_it():
+    """Row i of a window's logits after context + window[:i], bit for bit as one row alone there."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(4, 40)).astype(np.float32)
+    context, window = [1, 2, 3, 9, 9], (9, 4, 2)
+    params = SamplingParams(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.6)
+    rows = penalize(logits, params, context, 3, window)
+    for i in range(4):
+        alone = penalize(logits[i:i + 1], params, [*context, *window[:i]], 3)
+        np.testing.assert_array_equal(rows[i], alone[0])
+
+
+def test_penalties_are_options_with_openais_ranges():
+    with pytest.raises(BadInputError, match="repetition_penalty"):
+        GenerationConfig(repetition_penalty=0.0)
+    with pytest.raises(BadInputError, match="presence_penalty"):
+        GenerationConfig(presence_penalty=2.5)
+    params = GenerationConfig(frequency_penalty=-2.0, repetition_penalty=1.1).params
+    assert (params.frequency_penalty, params.repetition_penalty, params.penalized) == (-2.0, 1.1, True)
+    assert not GenerationConfig().params.penalized
+
+
+@pytest.fixture(scope="module")
+def pipelines(bundle_factory):
+    cache: dict[str, Pipeline] = {}
+
+    def get(arch: str = "llama") -> Pipeline:
+        if arch not in cache:
+            cache[arch] = Pipeline.load(bundle_factory(arch), huge_pages=False, max_num_seqs=4)
+        return cache[arch]
+
+    yield get
+    for pipe in cache.values():
+        pipe.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_mode_equals_ar_with_penalties(pipelines, arch):
+    pipe = pipelines(arch)
+    changed = 0
+    for prompt in PROMPTS:
+        plain = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+        for penalties in PENALTIES:
+            ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True, **penalties)
+            want = reference_generate(pipe.target, None, prompt, NEW_TOKENS,
+                                      params=GenerationConfig(**penalties).params)
+            assert ar.token_ids == want, penalties
+            changed += ar.token_ids != plain
+            for mode in ("lookup", "sd", "mirror"):
+                for gate in (True, False):  # the default steps, and every step verifying a window
+                    out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                        adaptive_speculation=gate, **penalties)
+                    assert out.token_ids == ar.token_ids, (mode, gate, penalties)
+                    if mode != "lookup" and not gate:
+                        assert out.stats["proposed_tokens"] > 0
+    assert changed >= len(PROMPTS)  # the penalties did change the text
+
+
+def test_reference_generator_with_the_draft_takes_the_penalties(pipelines):
+    pipe = pipelines()
+    params = GenerationConfig(**PENALTIES[1]).params
+    for prompt in PROMPTS:
+        ar = reference_generate(pipe.target, None, prompt, NEW_TOKENS, params=params)
+        assert reference_generate(pipe.target, pipe.draft, prompt, NEW_TOKENS, gamma=3, params=params) == ar
+
+
+def test_batched_rows_with_their_own_penalties_give_their_solo_outputs(pipelines):
+    pipe = pipelines()
+    engine = pipe.engine()
+    prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10], [40, 41]]
+    # a sampled row in a batched step draws as a generation alone draws (its seed, its position)
+    runs = [("mirror", PENALTIES[0]), ("sd", PENALTIES[1]), ("ar", dict(temperature=0.9, seed=3, **PENALTIES[1])),
+            ("lookup", PENALTIES[2])]
+    first = engine.submit(*pipe.check(prompts[0], mode=runs[0][0], max_new_tokens=40, ignore_eos=True, **runs[0][1]))
+    chunks = iter(first)
+    next(chunks)  # alone: its speculative decoder runs until the others arrive
+    others = [engine.submit(*pipe.check(p, mode=m, max_new_tokens=NEW_TOKENS, ignore_eos=True, **pen))
+              for p, (m, pen) in zip(prompts[1:], runs[1:])]
+    results = [r.wait() for r in others]
+    for _ in chunks:
+        pass
+    results.insert(0, first.result)
+    assert max(r.stats.mean_batch_size for r in results) > 1  # they shared steps
+    for prompt, (mode, penalties), got in zip(prompts, runs, results):
+        alone = pipe.generate(prompt, mode="ar", max_new_tokens=len(got.token_ids), ignore_eos=True, **penalties)
+        assert got.token_ids == alone.token_ids, (mode, penalties)
+
+
+def test_sampled_steps_verify_against_the_penalised_target(pipelines):
+    """Speculative sampling's path (runtime/verify.py speculative_accept) with the penalties: at a temperature this
+    low every warped distribution is one token, so a sampled sd or mirror generation is the penalised greedy one;
+    its windows come from a draft that does not know the penalties, and are corrected by the residual."""
+    pipe = pipelines()
+    for prompt in PROMPTS:
+        for penalties in PENALTIES:
+            ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True, **penalties)
+            for mode in ("sd", "mirror"):
+                out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                    temperature=1e-4, **penalties)
+                assert out.token_ids == ar.token_ids, (mode, penalties)
+                assert out.stats["proposed_tokens"] > 0
