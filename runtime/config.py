@@ -190,6 +190,10 @@ class Options:
         return dataclasses.replace(self, **overrides) if overrides else self
 
 
+def _top_k(value: Any) -> Any:
+    return 0 if value == -1 and not isinstance(value, bool) else value
+
+
 def streaming_mode(value: bool | str) -> str:
     """A STREAMING_MODES name from a name or a bool (True: "trust", False: "off")."""
     if isinstance(value, bool):
@@ -212,7 +216,8 @@ class GenerationConfig(Options):
                                 wire_range=Range(0, 2))
     top_p: float = option(1.0, "nucleus sampling: draw from the likeliest tokens whose probabilities reach this",
                           range=Range(0, 1, low_open=True), wire="top_p")
-    top_k: int = option(0, "sampling top-k (0: off)", range=Range(0), wire="top_k")
+    # -1 is off as well: vLLM's older word for it, which its clients still send
+    top_k: int = option(0, "sampling top-k (0 or -1: off)", range=Range(-1), wire="top_k", convert=_top_k)
     # penalties change the target's distribution, greedy included: sd and mirror equal ar with the same ones
     # (runtime/sampling.py penalize)
     repetition_penalty: float = option(

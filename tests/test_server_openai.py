@@ -95,9 +95,11 @@ def test_penalties_are_the_librarys(pipe, client):
                                        extra_body={"repetition_penalty": 1.3}, **penalties)
     assert r.choices[0].message.content == solo.text
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
-                                       presence_penalty=None, frequency_penalty=0)  # null: the default
+                                       presence_penalty=None, frequency_penalty=0,  # null: the default
+                                       extra_body={"top_k": -1})  # vLLM's older "off"
     assert r.choices[0].message.content == pipe.generate(MESSAGES, mode="ar", max_new_tokens=4).text
-    for field, value in (("presence_penalty", 2.5), ("repetition_penalty", 0), ("repetition_penalty", 2.5)):
+    for field, value in (("presence_penalty", 2.5), ("repetition_penalty", 0), ("repetition_penalty", 2.5),
+                         ("top_k", -2)):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={field: value})
         assert e.value.param == field
