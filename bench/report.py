@@ -153,9 +153,10 @@ def _compared(doc: dict[str, Any], greedy: dict[str, Any] | None) -> list[str]:
     if not greedy:
         return []
     lines = ["## What is compared", ""]
+    base = doc.get("baseline_draft")  # not recorded by runs before it was
     for method in greedy["methods"]:
-        lines.append(f"- **{method}**: {WHAT.get(method, 'an external method')}")
-    base = doc.get("baseline_draft")
+        what = WHAT.get(method, "an external method")
+        lines.append(f"- **{method}**: {what if base else what.replace(' (below)', '')}")
     if base and any(m in greedy["methods"] for m in ("hf-assisted", "ov-genai-sd")):
         lines.append(f"- The baseline draft: {base['path']}, " + (
             "the bundle's own draft." if base["the_bundles_draft"] else
