@@ -218,6 +218,8 @@ class GenerationConfig(Options):
                           range=Range(0, 1, low_open=True), wire="top_p")
     # -1 is off as well: vLLM's older word for it, which its clients still send
     top_k: int = option(0, "sampling top-k (0 or -1: off)", range=Range(-1), wire="top_k", convert=_top_k)
+    min_p: float = option(0.0, "sampling: drop every token less likely than this times the likeliest (vLLM's and "
+                          "transformers' min_p; 0: off)", range=Range(0, 1), wire="min_p")
     # penalties change the target's distribution, greedy included: sd and mirror equal ar with the same ones
     # (runtime/sampling.py penalize)
     repetition_penalty: float = option(
@@ -289,7 +291,7 @@ class GenerationConfig(Options):
     @property
     def params(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty,
-                              self.presence_penalty, self.frequency_penalty)
+                              self.presence_penalty, self.frequency_penalty, self.min_p)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Turning logits into a token: greedy, or a sample from the warped distribution (temperature, top_k, top_p),
+"""Turning logits into a token: greedy, or a sample from the warped distribution (temperature, min_p, top_k, top_p),
 after the penalties on tokens the text already holds.
 
 Pure functions. Randomness comes from explicit numpy Generators keyed by (seed, stream, position), so a decoder
@@ -32,6 +32,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0  # 0: off
 
     @property
     def greedy(self) -> bool:
@@ -73,11 +74,13 @@ def rng_for(params: SamplingParams, stream: int, position: int) -> np.random.Gen
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Probabilities (float64, [..., V]) after temperature, top_k then top_p. Not for greedy."""
+    """Probabilities (float64, [..., V]) after temperature, min_p, top_k then top_p (vLLM's order). Not for greedy."""
     z = logits.astype(np.float64)
     # the largest is 0 before the division: a tiny temperature then gives -inf (probability 0), never inf - inf
     with np.errstate(over="ignore"):
         z = (z - z.max(axis=-1, keepdims=True)) / params.temperature
+    if params.min_p > 0:  # the likeliest token's z is 0: keep those at least min_p times as likely
+        z = np.where(z < np.log(params.min_p), -np.inf, z)
     if params.top_k and params.top_k < z.shape[-1]:
         kth = np.sort(z, axis=-1)[..., -params.top_k][..., None]
         z = np.where(z < kth, -np.inf, z)

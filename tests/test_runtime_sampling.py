@@ -23,13 +23,13 @@ PARAMS = SamplingParams(temperature=0.3)  # peaked enough that the joint has few
 SAMPLES = 500
 
 
-def exact_joint(pipe: Pipeline) -> dict[tuple[int, int], float]:
+def exact_joint(pipe: Pipeline, params: SamplingParams = PARAMS) -> dict[tuple[int, int], float]:
     logits, _ = pipe.target.forward(PROMPT, pipe.target.empty_cache())
-    p1 = warp(logits[-1], PARAMS)
+    p1 = warp(logits[-1], params)
     joint = {}
     for t1 in np.flatnonzero(p1 > 1e-6):
         nxt, _ = pipe.target.forward([*PROMPT, int(t1)], pipe.target.empty_cache())
-        p2 = warp(nxt[-1], PARAMS)
+        p2 = warp(nxt[-1], params)
         for t2 in np.flatnonzero(p1[t1] * p2 > 1e-9):
             joint[(int(t1), int(t2))] = float(p1[t1] * p2[t2])
     return joint
@@ -52,15 +52,17 @@ def assert_follows(counts: Counter, joint: dict) -> None:
     assert not set(counts) - set(joint), "a token pair of probability ~0 was produced"
 
 
-@pytest.mark.parametrize("self_draft, mode", [(False, "sd"), (False, "mirror"), (True, "mirror")])
-def test_sampling_follows_target_distribution(bundle_factory, self_draft, mode):
+@pytest.mark.parametrize("self_draft, mode, params", [
+    (False, "sd", PARAMS), (False, "mirror", PARAMS), (True, "mirror", PARAMS),
+    (False, "sd", SamplingParams(temperature=0.6, min_p=0.05))])  # min_p warps draft and target alike
+def test_sampling_follows_target_distribution(bundle_factory, self_draft, mode, params):
     pipe = Pipeline.load(bundle_factory("llama", self_draft=self_draft))
-    joint = exact_joint(pipe)
+    joint = exact_joint(pipe, params)
     counts: Counter = Counter()
     accepted = 0
     for seed in range(SAMPLES):
-        out = pipe.generate(PROMPT, mode=mode, max_new_tokens=3, gamma=1, temperature=PARAMS.temperature, seed=seed,
-                            overlap=False)
+        out = pipe.generate(PROMPT, mode=mode, max_new_tokens=3, gamma=1, temperature=params.temperature, seed=seed,
+                            overlap=False, min_p=params.min_p, ignore_eos=True)  # the joint goes on past an EOS
         counts[tuple(out.token_ids[:2])] += 1
         accepted += out.stats["accepted_tokens"]
     assert_follows(counts, joint)

@@ -361,3 +361,17 @@ def test_trust_mode_through_the_api_and_cli(pipe, bundle_factory, capsys):
     # an unknown mode: the runtime's one list of modes answers, exit 2, one line
     assert main(["generate", bundle, "--prompt-ids", "5,17,33", "--draft-streaming", "always"]) == 2
     assert "off, verify, trust" in capsys.readouterr().err
+
+
+def test_min_p_keeps_what_transformers_keeps_after_the_temperature():
+    import torch
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
+
+    logits = np.random.default_rng(4).normal(size=(3, 64)) * 3
+    for min_p, temperature in ((0.05, 1.0), (0.3, 0.7), (0.9, 1.5)):
+        scores = TemperatureLogitsWarper(temperature)(None, torch.tensor(logits))
+        kept = torch.isfinite(MinPLogitsWarper(min_p)(None, scores)).numpy()
+        probs = warp(logits, SamplingParams(temperature, min_p=min_p))
+        assert np.array_equal(probs > 0, kept), (min_p, temperature)
+    assert np.array_equal(warp(logits, SamplingParams(1.0, min_p=1.0)) > 0,
+                          logits == logits.max(axis=-1, keepdims=True))  # 1: the likeliest token only
