@@ -58,6 +58,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type[Options], names: Coll
             kw["action"] = argparse.BooleanOptionalAction
         elif spec.kind is tuple:
             kw.update(action="append", metavar="TEXT")
+        elif spec.kind is dict:
+            kw.update(action="append", metavar="ID:NUMBER", type=_token_number)
         else:
             kw["type"] = _parser_of(spec)
             if spec.option.choices:
@@ -105,6 +107,15 @@ def _parser_of(spec: Spec) -> Callable[[str], Any]:
             what = "an integer" if spec.kind is int else "a number"
             raise argparse.ArgumentTypeError(f"expected {what} or {word!r}, got {text!r}") from None
     return parse
+
+
+def _token_number(text: str) -> tuple[int, float]:
+    """argparse's type for one entry of a token map option (--logit-bias 5:-100)."""
+    token, _, number = text.partition(":")
+    try:
+        return int(token), float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID:NUMBER such as 5:-100, got {text!r}") from None
 
 
 def _check_plan_depth(plan: dict, model: str) -> None:

@@ -43,6 +43,7 @@ MAX_THREADS = 256  # per engine: far past any core count, short of a pool that t
 # the draft engine, and memory, for seconds (a server's clients share them)
 MAX_WINDOW = 64
 MIRROR = "mirror."  # a wire name: the request's extension object, under the option's own name
+MAX_LOGIT_BIAS = 300  # tokens one generation may bias, as OpenAI's API allows
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class Spec:
     its metadata."""
 
     name: str
-    kind: type  # int, float, bool, str or tuple (of strings)
+    kind: type  # int, float, bool, str, tuple (of strings) or dict (token id -> number, held as sorted pairs)
     nullable: bool  # the annotation allows None
     default: Any
     option: Option
@@ -150,6 +151,8 @@ class Spec:
             if not isinstance(items, (tuple, list)) or not all(isinstance(s, str) and s for s in items):
                 raise BadInputError(f"{name} must be a list of non-empty strings", option=name)
             value = tuple(items)
+        elif self.kind is dict:
+            value = _token_numbers(name, value, r)
         if o.choices and value not in o.choices:
             raise BadInputError(f"unknown {name} {value!r}; known: {', '.join(map(str, o.choices))}", option=name)
         return value
@@ -167,6 +170,9 @@ def specs(cls: type) -> tuple[Spec, ...]:
         union = typing.get_origin(hint) in (typing.Union, types.UnionType)
         kinds = typing.get_args(hint) if union else (hint,)
         kind = next(k for k in kinds if k is not type(None))
+        args = typing.get_args(kind)
+        if typing.get_origin(kind) is tuple and args and typing.get_origin(args[0]) is tuple:
+            kind = dict  # tuple[tuple[int, float], ...]: a map from token ids, held hashable
         kind = typing.get_origin(kind) or kind  # tuple[str, ...]: tuple
         out.append(Spec(f.name, str if kind is Path else kind, type(None) in kinds, f.default, f.metadata["option"]))
     return tuple(out)
@@ -188,6 +194,30 @@ class Options:
         if unknown:
             raise BadInputError(f"unknown {self.what} option(s) {', '.join(unknown)}; known: {', '.join(known)}")
         return dataclasses.replace(self, **overrides) if overrides else self
+
+
+def _token_numbers(name: str, value: Any, r: Range) -> tuple[tuple[int, float], ...]:
+    """A map from token ids to numbers within `r` (a Mapping, its keys ints or their decimal strings as JSON has
+    them, or (id, number) pairs) as sorted pairs; a BadInputError naming the option otherwise."""
+    pairs = list(value.items()) if isinstance(value, typing.Mapping) else value
+    bad = BadInputError(f"{name} must map token ids to numbers {r}".rstrip() + f", got {value!r}", option=name)
+    if not isinstance(pairs, (list, tuple)):
+        raise bad
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise bad
+        token, number = pair
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0 or token in out:
+            raise bad
+        if not _is_number(number) or not math.isfinite(number) or number not in r:
+            raise bad
+        out[token] = float(number)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise BadInputError(f"{name} takes at most {MAX_LOGIT_BIAS} tokens, got {len(out)}", option=name)
+    return tuple(sorted(out.items()))
 
 
 def _top_k(value: Any) -> Any:
@@ -218,6 +248,10 @@ class GenerationConfig(Options):
                           range=Range(0, 1, low_open=True), wire="top_p")
     # -1 is off as well: vLLM's older word for it, which its clients still send
     top_k: int = option(0, "sampling top-k (0 or -1: off)", range=Range(-1), wire="top_k", convert=_top_k)
+    # OpenAI's: a bias the target's logits take before the penalties (vLLM's order), in every mode
+    logit_bias: tuple[tuple[int, float], ...] = option(
+        (), "add this to a token's logit, e.g. -100 to ban it, 5:10 to favour token 5 (repeatable as ID:BIAS; "
+        "OpenAI's logit_bias)", range=Range(-100, 100), wire="logit_bias")
     min_p: float = option(0.0, "sampling: drop every token less likely than this times the likeliest (vLLM's and "
                           "transformers' min_p; 0: off)", range=Range(0, 1), wire="min_p")
     # penalties change the target's distribution, greedy included: sd and mirror equal ar with the same ones
@@ -291,7 +325,7 @@ class GenerationConfig(Options):
     @property
     def params(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty,
-                              self.presence_penalty, self.frequency_penalty, self.min_p)
+                              self.presence_penalty, self.frequency_penalty, self.min_p, self.logit_bias)
 
 
 @dataclass(frozen=True)

@@ -269,6 +269,10 @@ class Pipeline:
         if cfg.kappa is not None and cfg.kappa > k_max:
             raise BadInputError(f"kappa {cfg.kappa} exceeds the bundle's early-exit top_k {k_max}", option="kappa")
         cfg = cfg.updated(kappa=cfg.kappa or k_max)
+        vocab = self.manifest.target.vocab_size
+        if cfg.logit_bias and cfg.logit_bias[-1][0] >= vocab:
+            raise BadInputError(f"logit_bias token {cfg.logit_bias[-1][0]} is past the vocabulary ({vocab} tokens)",
+                                option="logit_bias")
         ids = self.prompt_ids(prompt)
         if self.package:
             self._check_bounds(len(ids), cfg)

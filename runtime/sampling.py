@@ -1,15 +1,16 @@
 """Turning logits into a token: greedy, or a sample from the warped distribution (temperature, min_p, top_k, top_p),
-after the penalties on tokens the text already holds.
+after the logit bias and the penalties on tokens the text already holds.
 
 Pure functions. Randomness comes from explicit numpy Generators keyed by (seed, stream, position), so a decoder
 that draws the window for the same context from a branch or from a fresh rollout draws the same numbers.
 
-Penalties (`penalize`) are part of the target's distribution: a position's penalised logits depend on the tokens
-before it only, so a verification row is penalised for the window tokens before it, exactly as the step that would
-have produced that position alone, and sd and mirror still equal ar. They follow vLLM: the repetition penalty
-(transformers' CTRL rule: a positive logit divided by it, a negative one multiplied) on every token of the prompt and
-the text so far, then OpenAI's frequency and presence penalties on the generated tokens' counts. The draft's own
-proposals are not penalised: its windows are checked against the penalised target like any others.
+The bias and penalties (`penalize`) are part of the target's distribution: a position's penalised logits depend on
+the tokens before it only, so a verification row is penalised for the window tokens before it, exactly as the step
+that would have produced that position alone, and sd and mirror still equal ar. vLLM's order: OpenAI's logit bias,
+the repetition penalty (transformers' CTRL rule: a positive logit divided by it, a negative one multiplied) on every
+token of the prompt and the text so far, then OpenAI's frequency and presence penalties on the generated tokens'
+counts. The draft's own proposals are not penalised: its windows are checked against the penalised target like any
+others.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0  # 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted
 
     @property
     def greedy(self) -> bool:
@@ -40,16 +42,21 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
 
 def penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int,
              window: Sequence[int] = ()) -> np.ndarray:
-    """The target's `logits` [n, V] with the penalties: row i is the position after context + window[:i]
-    (context: the prompt's `prompt_len` tokens, then the generated ones). `logits` itself where none applies."""
+    """The target's `logits` [n, V] with the logit bias and the penalties: row i is the position after context +
+    window[:i] (context: the prompt's `prompt_len` tokens, then the generated ones). `logits` itself where none
+    applies."""
     if not params.penalized:
         return logits
     out = np.array(logits, dtype=np.float32)
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        out[:, list(ids)] += np.asarray(bias, np.float32)
     prompt = set(context[:prompt_len]) if params.repetition_penalty != 1.0 else set()
     generated = Counter(context[prompt_len:])
     for i, row in enumerate(out):

@@ -1,8 +1,8 @@
 """OpenAI request fields the server accepts only at values that change nothing here.
 
 Real clients send fields this server has no use for: the openai SDK's users set `user`, some tools send
-`store: false`, an empty `logit_bias` or `tool_choice: "none"`. Refusing those would break the clients; silently
-ignoring a *working* value (a logit bias) would make a client believe it got what it asked for. So each
+`store: false` or `tool_choice: "none"`. Refusing those would break the clients; silently ignoring a *working* value
+(`store: true`) would make a client believe it got what it asked for. So each
 field here is taken at its neutral values (the ones that leave the output as it is: the field's default, or an
 identifier the server has no use for), logged by the server as ignored, and refused at any other value with a 400
 naming the field (code "unsupported_value"). A field in neither this table nor the request models stays refused
@@ -41,7 +41,6 @@ FIELDS: dict[str, Neutral] = {
     "prompt_cache_key": Neutral(str, _anything, "any key (the prefix cache here needs none)", (CHAT,)),
     "metadata": Neutral(dict[str, str], _anything, "any tags", (CHAT,)),
     # sampling and output controls, at their defaults
-    "logit_bias": Neutral(dict[str, float], lambda v: not v, "{} (no bias)"),
     "best_of": Neutral(int, lambda v: v == 1, "1", (COMPLETION,)),
     "suffix": Neutral(str, lambda v: not v, '"" (no text after the completion)', (COMPLETION,)),
     "response_format": Neutral(dict[str, Any], lambda v: v == {"type": "text"}, '{"type": "text"}', (CHAT,)),

@@ -24,9 +24,19 @@ import codecs
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, create_model, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from mirror_sd.runtime.config import MIRROR, GenerationConfig, Spec, specs
@@ -115,6 +125,8 @@ def wire_field(spec: Spec) -> tuple[Any, Any]:
         kind: Any = Literal[o.choices]
     elif spec.kind is tuple:
         kind = str | list[str]  # one string or several, as GenerationConfig takes them
+    elif spec.kind is dict:  # JSON's keys are strings: the option's own check reads them as token ids
+        return Annotated[dict[str, float], AfterValidator(spec.check)] | None, Field(default=None, description=o.help)
     else:
         kind = spec.kind
     bounds = o.wire_range or o.range

@@ -107,6 +107,9 @@ def _samples(spec: Spec, bounds: Range | None = None) -> tuple[list, list]:
         return [True, False], ["maybe"]
     if spec.kind is tuple:
         return [["a"], ["a", "b"]], [[""]]
+    if spec.kind is dict:  # token id -> number, as (id, number) pairs
+        r = o.range or Range()
+        return [[(5, r.low)], [(0, 1.0), (7, r.high)]], [[(5, r.low - 1)], [(5, 1.0), (5, 2.0)], [(-1, 1.0)]]
     r, step = bounds or o.range or Range(), 1 if spec.kind is int else 0.25
     inside, outside = [], []
     if r.low is not None:
@@ -138,6 +141,8 @@ def test_every_option_is_a_flag_of_generate_or_api_only(spec):
         assert _cli_options([f"--no-{spec.flag[2:]}"]) == {spec.name: False}
     else:
         def argv(value) -> list[str]:  # a list: the flag repeated
+            if spec.kind is dict:
+                return [f"{spec.flag}={k}:{v}" for k, v in value]
             return [a for v in (value if spec.kind is tuple else [value]) for a in (spec.flag, str(v))]
 
         inside, outside = _samples(spec)
@@ -175,10 +180,16 @@ def test_the_request_schema_takes_what_the_option_takes(spec):
             assert caught.value.errors()[0]["type"] == "extra_forbidden"
         return
     inside, outside = _samples(spec, spec.option.wire_range)
+    if spec.kind is dict:  # a JSON object of token ids: its keys strings
+        inside, outside = ([{str(k): v for k, v in pairs} for pairs in values
+                            if len({k for k, _ in pairs}) == len(pairs)]  # a JSON object cannot repeat a key
+                           for values in (inside, outside))
+        outside += [{"x": 1.0}]
     for value in [*inside, None] if spec.nullable else inside:
         options = request_model.model_validate(request(spec.wire_name, value)).generation_options()
-        assert options == ({} if value is None else {spec.name: value})
-        GenerationConfig().updated(**options)  # and the pipeline takes it too
+        assert set(options) == (set() if value is None else {spec.name})
+        if value is not None:  # and the pipeline takes it, as the option takes the value
+            assert getattr(GenerationConfig().updated(**options), spec.name) == spec.check(value)
     for value in outside:
         with pytest.raises(ValidationError) as caught:
             request_model.model_validate(request(spec.wire_name, value))

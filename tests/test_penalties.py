@@ -137,3 +137,25 @@ def test_sampled_steps_verify_against_the_penalised_target(pipelines):
                                     temperature=1e-4, **penalties)
                 assert out.token_ids == ar.token_ids, (mode, penalties)
                 assert out.stats["proposed_tokens"] > 0
+
+
+def test_a_logit_bias_bans_and_favours_tokens_in_every_mode(pipelines):
+    """OpenAI's logit_bias on the target's logits: a token at -100 never comes, and sd, mirror and lookup equal ar
+    with the same bias, alone and with penalties; a token past the vocabulary is refused before any work."""
+    pipe = pipelines()
+    for prompt in PROMPTS:
+        plain = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+        banned = sorted(set(plain))[:3]
+        bias = {**{t: -100.0 for t in banned}, 7: 4.0}
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True, logit_bias=bias)
+        assert not set(ar.token_ids) & set(banned) and ar.token_ids != plain
+        for mode in ("lookup", "sd", "mirror"):
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, ignore_eos=True, logit_bias=bias,
+                                adaptive_speculation=False)
+            assert out.token_ids == ar.token_ids, mode
+        both = dict(logit_bias=bias, **PENALTIES[1])
+        assert (pipe.generate(prompt, mode="mirror", max_new_tokens=NEW_TOKENS, ignore_eos=True, **both).token_ids
+                == pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True, **both).token_ids)
+    with pytest.raises(BadInputError, match="past the vocabulary") as err:
+        pipe.check(PROMPTS[0], logit_bias={pipe.manifest.target.vocab_size: 1.0})
+    assert err.value.option == "logit_bias"

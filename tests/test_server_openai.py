@@ -73,12 +73,12 @@ def test_neutral_fields_are_taken_and_logged(pipe, client, caplog):
     solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=8)
     with caplog.at_level(logging.DEBUG, logger="mirror_sd.serve"):
         r = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, user="user-42", logit_bias={},
+            model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, user="user-42",
             metadata={"team": "a"}, store=False, parallel_tool_calls=False,
             tool_choice="none", service_tier="auto", response_format={"type": "text"})
     assert r.choices[0].message.content == solo.text
     logged = " ".join(rec.getMessage() for rec in caplog.records if rec.name == "mirror_sd.serve")
-    for name in ("user", "logit_bias", "metadata", "store", "tool_choice"):
+    for name in ("user", "metadata", "store", "tool_choice"):
         assert f"ignored {name}" in logged
     r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=4, temperature=0, user="u",
                                   best_of=1, suffix="")
@@ -98,15 +98,25 @@ def test_penalties_are_the_librarys(pipe, client):
                                        presence_penalty=None, frequency_penalty=0,  # null: the default
                                        extra_body={"top_k": -1})  # vLLM's older "off"
     assert r.choices[0].message.content == pipe.generate(MESSAGES, mode="ar", max_new_tokens=4).text
+    # OpenAI's logit_bias: a token banned, another favoured, as the library does it
+    first = solo.token_ids[0]
+    bias = {first: -100, first + 1: 5}
+    want = pipe.generate(MESSAGES, mode="ar", max_new_tokens=6, logit_bias=bias)
+    assert want.token_ids[0] != first
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                       logit_bias={str(k): v for k, v in bias.items()})
+    assert r.choices[0].message.content == want.text
+    vocab = pipe.manifest.target.vocab_size
     for field, value in (("presence_penalty", 2.5), ("repetition_penalty", 0), ("repetition_penalty", 2.5),
-                         ("top_k", -2)):
+                         ("top_k", -2), ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}),
+                         ("logit_bias", {str(vocab): 1})):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={field: value})
         assert e.value.param == field
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"5": 10}), ("store", True),
+    ("store", True),
     ("tool_choice", "required"), ("response_format", {"type": "json_object"}), ("service_tier", "flex"),
 ])
 def test_a_field_at_a_working_value_is_a_400_naming_it(client, field, value):
