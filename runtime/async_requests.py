@@ -56,20 +56,26 @@ class AsyncRequest:
             self._request.cancel()
 
     async def next_event(self) -> Chunk | Finished:
-        """The next event as the engine sent it: a Chunk, then one Finished (for callers that time each wait)."""
+        """The next event as the engine sent it: a Chunk, then one Finished (for callers that time each wait), which
+        every later call, iteration or wait gives again."""
+        if self._finished is not None:
+            return self._finished
         self.submit()
-        return await self._events.get()
+        event = await self._events.get()
+        if isinstance(event, Finished):
+            self._finished = event
+            self.result = event.result if event.error is None else None
+        return event
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         finished = False
         try:
             while True:
-                event = self._finished or await self.next_event()
+                event = await self.next_event()
                 if isinstance(event, Finished):
-                    finished, self._finished = True, event
+                    finished = True
                     if event.error is not None:
                         raise event.error
-                    self.result = event.result
                     return
                 yield event
         finally:

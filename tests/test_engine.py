@@ -616,5 +616,15 @@ def test_asyncio_code_that_stops_reading_stops_its_generation(pipelines):
             await task
         return await finish_reason(request)
 
+    async def read_events_then_wait() -> str:
+        """next_event's Finished is the request's end for wait() and the next calls too (they waited forever)."""
+        request = pipe.generate_async("Hello there", mode="ar", max_new_tokens=5)
+        reason = await finish_reason(request)
+        assert request.result is not None and request.result.finish_reason == reason
+        assert await asyncio.wait_for(request.wait(), 5) is request.result
+        assert isinstance(await asyncio.wait_for(request.next_event(), 5), Finished)
+        return reason
+
     assert asyncio.run(leave_early()) == "cancelled"
     assert asyncio.run(cancel_the_task()) == "cancelled"
+    assert asyncio.run(read_events_then_wait()) == "length"
