@@ -173,12 +173,12 @@ def load_tokenizer(source: str, draft_source: str):
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:
-    """The tokens that end a generation: the model's generation config's and the tokenizer's EOS."""
+    """The tokens that end a generation: the model's generation config's and the tokenizer's EOS, the tokenizer's
+    first (a chat template's `eos_token` is it: runtime/text.py)."""
     eos = model.generation_config.eos_token_id if model.generation_config else None
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
+    own = tokenizer.eos_token_id
+    return (own,) * (own is not None) + tuple(sorted(ids - {own}))
 
 
 def _tokenizer_facts(tokenizer, model, bundle: Path) -> TokenizerFacts:

@@ -4,6 +4,7 @@ incremental detokenizer that streams text and finds stop strings.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import re
@@ -70,13 +71,22 @@ class TextCodec:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise BadInputError(f"chat message {i} must be a dict with string 'role' and 'content'")
         from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise BadInputError(f"chat template: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+                   sort_keys: bool = False) -> str:  # not jinja's own, which escapes HTML characters
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        # the environment transformers renders templates in (and vLLM through it): the same text for the same messages
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+        # the tokenizer's own EOS: export lists it first (bundles from before may list the generation config's)
         eos = self.facts.eos_token_ids[0] if self.facts.eos_token_ids else None
         try:
             return env.from_string(self.facts.chat_template).render(

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,6 @@ def test_stops_at_eos_stop_string_and_length(pipe):
 
 def _sentencepiece_codec(tmp_path):
     """A Llama-2-style tokenizer (sentencepiece pieces, byte fallback, a decoder that strips a text's first space)."""
-    import types
-
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
     from mirror_sd.runtime.text import TextCodec
@@ -365,3 +364,30 @@ def test_errors_are_typed(pipe, tmp_path):
             call()
         assert isinstance(err.value, kind) and words in str(err.value), repr(err.value)
         assert err.value.exit_code == 2
+
+
+def test_chat_templates_render_as_transformers_renders_them(pair_factory):
+    """transformers' environment (and vLLM's through it): loop controls, strftime_now, a tojson that leaves < and '
+    as they are, and the tokenizer's own EOS as `eos_token` (export lists it first)."""
+    from transformers import AutoTokenizer
+
+    from mirror_sd.export.bundle import eos_ids
+    from mirror_sd.runtime.text import TextCodec
+
+    target, _ = pair_factory("llama")
+    hf = AutoTokenizer.from_pretrained(target)
+    im_end, text_end = hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")
+    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[text_end, im_end]))
+    eos = eos_ids(model, hf)
+    assert eos[0] == im_end == hf.eos_token_id and set(eos) == {im_end, text_end}
+    messages = [{"role": "user", "content": "Is 1 < 2 & 'x'?"}, {"role": "assistant", "content": "yes"}]
+    for template in ("{% for m in messages %}{{ m.content }}{% break %}{% endfor %}",
+                     "{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}{{ m.content }}{% endfor %}",
+                     "Today: {{ strftime_now('%d %b %Y') }} {{ messages[0].content }}",
+                     "{{ messages | tojson }} {{ messages[0] | tojson(indent=2) }}",
+                     "{% for m in messages %}{{ m.content + eos_token }}{% endfor %}<|im_start|>assistant\n"):
+        facts = types.SimpleNamespace(files=("tokenizer.json",), eos_token_ids=eos, bos_token_id=text_end,
+                                      chat_template=template)
+        ours = TextCodec(target, types.SimpleNamespace(tokenizer=facts)).render_chat(messages)
+        assert ours == hf.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                              add_generation_prompt=True), template
