@@ -310,7 +310,8 @@ class BatchEngine:
         while self._waiting and self.table.free():
             with self._wake:
                 request = self._waiting.popleft()
-            slot, cached = self.table.take(request.ids)
+            # a head another slot holds is copied before the prefill (_borrow)
+            slot, cached = self.table.take(request.ids, copies=self.kv.can_copy)
             request.admitted = time.perf_counter()
             cfg = request.config
             try:
@@ -327,9 +328,13 @@ class BatchEngine:
                 self.table.leave(slot, slot.tokens)  # the prefix it held
                 request._emit(Finished(None, e))
                 continue
-            self._rows.append(_Row(request, slot, list(request.ids), cached, sink, rec, cached,
-                                   time.perf_counter(), copies=copies, drafts=drafts))
+            row = _Row(request, slot, list(request.ids), cached, sink, rec, cached, time.perf_counter(),
+                       copies=copies, drafts=drafts)
+            self._rows.append(row)
             self._pack(len(self._rows) - 1, slot)
+            if self.kv.can_copy:  # now, so that a request that runs alone from here starts from the head too
+                row.looked_for_head = True
+                self._borrow(row)
 
     def _row_draft(self, cfg: GenerationConfig, rec: Recorder) -> RowDraft:
         draft = self.pipe.manifest.draft

@@ -135,11 +135,14 @@ class SlotTable:
     def free(self) -> int:
         return sum(not s.busy for s in self.slots)
 
-    def take(self, prompt: list[int]) -> tuple[Slot, int]:
+    def take(self, prompt: list[int], copies: bool = False) -> tuple[Slot, int]:
         """A free slot for a sequence starting with `prompt`, and how many of its first tokens that slot's KV
         already holds (at most len(prompt) - 1: the last prompt token must run to give the first new token's
         logits; a multiple of `grid`). The free slot holding the longest such prefix wins; else an empty slot,
-        else the least recently used. ValueError when every slot is busy."""
+        else the least recently used. ValueError when every slot is busy.
+        copies: the caller copies a cached head between slots (KVSlots.copy, host memory): where the winner holds a
+        sequence that goes on otherwise than `prompt` (another chat after a shared system prompt), an empty slot is
+        taken instead, with nothing held, so that the other sequence's next turn still finds all of it."""
         free = [s for s in self.slots if not s.busy]
         if not free:
             raise ValueError("every KV slot is busy")
@@ -151,6 +154,10 @@ class SlotTable:
                 best, best_len = slot, n
         if best is None:
             best = min(free, key=lambda s: (bool(s.tokens), s.used, s.index))
+        elif copies and common_prefix(np.asarray(best.tokens, np.int64), ids) < len(best.tokens):
+            empty = [s for s in free if not s.tokens]
+            if empty:
+                best, best_len = empty[0], 0
         best.busy, best.tokens = True, list(prompt[:best_len])
         self._touch(best)
         return best, best_len

@@ -628,3 +628,28 @@ def test_asyncio_code_that_stops_reading_stops_its_generation(pipelines):
     assert asyncio.run(leave_early()) == "cancelled"
     assert asyncio.run(cancel_the_task()) == "cancelled"
     assert asyncio.run(read_events_then_wait()) == "length"
+
+
+def test_a_chat_sharing_only_the_system_prompt_keeps_the_other_chats_turns(bundle_factory, pipelines):
+    """Two chats after one system prompt, one at a time: the second copies the shared head into an empty slot
+    instead of writing over the first chat's, whose next turn then finds its whole history cached."""
+    solos = pipelines["llama"]
+    pipe = Pipeline.load(bundle_factory(), huge_pages=False, max_num_seqs=4)  # empty slots
+    engine = pipe.engine()
+    system = pipe.prompt_ids("You are a careful assistant who answers briefly and well. " * 4)
+    one, two, three = (pipe.prompt_ids(t) for t in ("Tell me about the sea.", "Name three colors.", "And the moon?"))
+
+    def run(ids: list[int]):
+        return engine.submit(*pipe.check(ids, mode="ar", max_new_tokens=12, ignore_eos=True)).wait()
+
+    try:
+        first = run(system + one)
+        second = run(system + two)
+        assert second.stats.cached_prompt_tokens >= len(system) - engine.table.grid
+        history = system + one + first.token_ids
+        turn = run(history + three)
+        assert turn.stats.cached_prompt_tokens >= len(history) - engine.table.grid
+        assert turn.token_ids == solo(solos, history + three, max_new_tokens=12, ignore_eos=True)
+        assert second.token_ids == solo(solos, system + two, max_new_tokens=12, ignore_eos=True)
+    finally:
+        pipe.close()
