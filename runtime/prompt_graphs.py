@@ -27,6 +27,7 @@ own compressed-weight path was slower and computed one- and two-row chunks other
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -119,6 +120,9 @@ class PromptGraphs:
             raise BadInputError("this target computes its prompts in float32 already: prefill_precision 'float32' is "
                                 "for int8 and int4 targets", option="prefill_precision")
         self._graphs: dict[str, tuple[_OpenVINOGraph | _OrtGraph, tuple[int, ...]]] = {}
+        # one binding (or infer request) per graph, and both the batching engine's thread and a library call on
+        # another thread prefill here: one run at a time, its outputs copied before the next
+        self._lock = threading.Lock()
         for role in ("target_prefix", "target_suffix"):
             spec = manifest.partition(role)
             path = resolve_inside(Path(bundle), spec.file)
@@ -147,21 +151,23 @@ class PromptGraphs:
         [1, T, H] and the feature taps [T, n, H] (None without a feature draft)."""
         out = self._run("target_prefix", {"input_ids": ids}, start, ids.shape[1], kv)
         taps = out.get(TAPS)
-        return np.array(out[BOUNDARY]), None if taps is None else np.array(taps[0])
+        return out[BOUNDARY], None if taps is None else taps[0]
 
     def suffix(self, hidden: np.ndarray, start: int, kv: Mapping[str, np.ndarray]) -> np.ndarray:
         """The suffix layers on the prefix's hidden state, writing their KV: the last position's logits [1, 1, V]."""
         out = self._run("target_suffix", {BOUNDARY: hidden, KEEP: np.array([1], np.int64)}, start, hidden.shape[1],
                         kv)
         self.forwards += 1
-        return np.array(out[self.logits_name])
+        return out[self.logits_name]
 
     def _run(self, role: str, feed: dict[str, np.ndarray], start: int, new: int, kv: Mapping[str, np.ndarray]
              ) -> dict[str, np.ndarray]:
         graph, layers = self._graphs[role]
         total = start + new
         feed.update({SEQLENS: np.array([total - 1], np.int32), TOTAL_LENGTH: np.array(total, np.int32)})
-        return graph.run(feed, start, total, {past: kv[past] for past, _ in kv_pairs(layers)})
+        with self._lock:
+            out = graph.run(feed, start, total, {past: kv[past] for past, _ in kv_pairs(layers)})
+            return {name: np.array(out[name]) for name in (BOUNDARY, TAPS, self.logits_name) if name in out}
 
 
 class _OpenVINOGraph:

@@ -187,6 +187,21 @@ def test_under_batching_every_output_is_its_solo_output_prefix_cache_included(pi
                                             for p in (turn, PROMPTS[0], PROMPTS[4])]
 
 
+def test_library_calls_beside_the_engine_share_the_prompt_graphs_safely(pipelines):
+    """The engine's thread and a library call on another thread both prefill on the prompt graphs (one binding
+    each graph): each run waits for the other, and every answer is its solo one (they crashed, or wrote each
+    other's KV, when they ran at once)."""
+    pipe = pipelines["llama"]
+    engine = pipe.engine()
+    prompts = [LONG + " " + p for p in PROMPTS]
+    want = {p: pipe.generate(p, mode="ar", max_new_tokens=10, ignore_eos=True).token_ids for p in prompts}
+    requests = [(p, engine.submit(*pipe.check(p, mode=m, max_new_tokens=10, ignore_eos=True)))
+                for p in prompts for m in ("ar", "lookup")]
+    beside = [pipe.generate(p, mode="ar", max_new_tokens=10, ignore_eos=True).token_ids for p in prompts]
+    assert beside == [want[p] for p in prompts]
+    assert all(r.wait().token_ids == want[p] for p, r in requests)
+
+
 @pytest.mark.parametrize(("weights", "dtype", "precision"), [
     ("float32", "float16", "bf16"), ("float32", "float32", "fp8"),
     ("float32", "float32", "float32"),  # float32 prompts are for compressed targets: this one is float32 already
