@@ -15,7 +15,6 @@ others.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,29 +49,45 @@ def penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int],
              window: Sequence[int] = ()) -> np.ndarray:
     """The target's `logits` [n, V] with the logit bias and the penalties: row i is the position after context +
     window[:i] (context: the prompt's `prompt_len` tokens, then the generated ones). `logits` itself where none
-    applies."""
+    applies. Every row takes the context's penalties at once; a row after window tokens then has those tokens'
+    entries computed again from its biased logits with their counts there: each entry is the same float32 arithmetic
+    a row alone after the same tokens gets, so a verification row equals the step it stands for bit for bit."""
     if not params.penalized:
         return logits
     out = np.array(logits, dtype=np.float32)
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias)
         out[:, list(ids)] += np.asarray(bias, np.float32)
-    prompt = set(context[:prompt_len]) if params.repetition_penalty != 1.0 else set()
-    generated = Counter(context[prompt_len:])
-    for i, row in enumerate(out):
-        if i:
-            generated[window[i - 1]] += 1
-        if params.repetition_penalty != 1.0:
-            ids = np.fromiter(prompt | generated.keys(), np.int64)
-            if ids.size:
-                seen = row[ids]
-                row[ids] = np.where(seen > 0, seen / np.float32(params.repetition_penalty),
-                                    seen * np.float32(params.repetition_penalty))
-        if generated and (params.frequency_penalty or params.presence_penalty):
-            ids = np.fromiter(generated.keys(), np.int64, len(generated))
-            counts = np.fromiter(generated.values(), np.float32, len(generated))
-            row[ids] -= np.float32(params.frequency_penalty) * counts + np.float32(params.presence_penalty)
+    if params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty:
+        return out
+    biased = out.copy() if len(window) and out.shape[0] > 1 else out
+    ctx = np.asarray(context, np.int64)
+    counted, counts = np.unique(ctx[prompt_len:], return_counts=True)
+    seen = np.unique(ctx) if params.repetition_penalty != 1.0 else counted  # the ids whose entries change
+    every = np.zeros(seen.size, np.float32)
+    every[np.searchsorted(seen, counted)] = counts
+    out[:, seen] = _penalized(out[:, seen], every, params)
+    for i in range(1, min(out.shape[0], len(window) + 1)):
+        tokens, extra = np.unique(np.asarray(window[:i], np.int64), return_counts=True)
+        before = np.zeros(tokens.size, np.int64)  # each one's count in the context's generated tokens
+        if counted.size:
+            at = np.searchsorted(counted, tokens).clip(max=counted.size - 1)
+            hit = counted[at] == tokens
+            before[hit] = counts[at[hit]]
+        out[i, tokens] = _penalized(biased[i, tokens], (before + extra).astype(np.float32), params)
     return out
+
+
+def _penalized(x: np.ndarray, counts: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Entries `x` (float32) of tokens the text holds, each generated `counts` times (0: in the prompt only):
+    repetition first (transformers' division), then frequency and presence on the generated ones."""
+    if params.repetition_penalty != 1.0:
+        rp = np.float32(params.repetition_penalty)
+        x = np.where(x > 0, x / rp, x * rp)
+    if params.frequency_penalty or params.presence_penalty:
+        x = np.where(counts > 0, x - (np.float32(params.frequency_penalty) * counts + np.float32(
+            params.presence_penalty)), x)
+    return x
 
 
 def rng_for(params: SamplingParams, stream: int, position: int) -> np.random.Generator:

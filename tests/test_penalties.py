@@ -48,6 +48,40 @@ def test_a_verification_row_is_penalised_as_the_step_that_would_give_it():
         np.testing.assert_array_equal(rows[i], alone[0])
 
 
+def _plain_penalize(logits, params, context, prompt_len, window):
+    """The penalties written out row by row, over Python sets and counts: the oracle for penalize's arrays."""
+    from collections import Counter
+
+    out = np.array(logits, dtype=np.float32)
+    for token, bias in params.logit_bias:
+        out[:, token] += np.float32(bias)
+    for i, row in enumerate(out):
+        text = [*context, *window[:i]]
+        generated = Counter(text[prompt_len:])
+        for token in set(text) if params.repetition_penalty != 1.0 else ():
+            rp = np.float32(params.repetition_penalty)
+            row[token] = row[token] / rp if row[token] > 0 else row[token] * rp
+        for token, count in generated.items():
+            row[token] -= np.float32(params.frequency_penalty) * np.float32(count) + np.float32(params.presence_penalty)
+    return out
+
+
+def test_penalize_equals_the_plain_rule_bit_for_bit():
+    rng = np.random.default_rng(2)
+    for trial in range(200):
+        vocab, n = int(rng.integers(5, 60)), int(rng.integers(1, 7))
+        logits = (rng.normal(size=(n, vocab)) * 3).astype(np.float32)
+        prompt_len = int(rng.integers(0, 12))
+        context = rng.integers(0, vocab, prompt_len + int(rng.integers(0, 12))).tolist()
+        window = rng.integers(0, vocab, n - 1).tolist()
+        params = SamplingParams(repetition_penalty=float(rng.choice([1.0, 0.7, 1.3])),
+                                presence_penalty=float(rng.choice([0.0, -0.4, 1.1])),
+                                frequency_penalty=float(rng.choice([0.0, 0.35, -1.2])),
+                                logit_bias=((1, 2.5), (3, -100.0)) if trial % 3 == 0 else ())
+        np.testing.assert_array_equal(penalize(logits, params, context, prompt_len, window),
+                                      _plain_penalize(logits, params, context, prompt_len, window))
+
+
 def test_penalties_are_options_with_openais_ranges():
     with pytest.raises(BadInputError, match="repetition_penalty"):
         GenerationConfig(repetition_penalty=0.0)
