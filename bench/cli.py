@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     size = QUICK if args.quick else FULL
     if args.no_serving:
         size = dataclasses.replace(size, serving=None)
-    out = Path(args.out or f"results/bench-{size.name}")
+    out = Path(args.out or f"results/bench-{size.name}").expanduser()
     methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()]) if args.methods else None
     if not Path(args.bundle).is_dir():
         raise BadInputError(f"bundle {args.bundle} is not a directory (make models builds "

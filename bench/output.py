@@ -13,13 +13,14 @@ from typing import Any
 from mirror_sd.bench.plots import write_plots
 from mirror_sd.bench.report import render
 from mirror_sd.errors import BadInputError
-from mirror_sd.outputs import check_apart, staged
+from mirror_sd.outputs import check_apart, check_name, staged
 
 RESULT_FILE = "bench.json"
 
 
 def check_out(out: Path) -> None:
     """OUT may be missing, empty, or an earlier benchmark result (replaced); anything else is refused."""
+    check_name(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / RESULT_FILE).is_file())):
         raise BadInputError(f"--out {out} exists and is not an earlier benchmark result; choose another directory")
     check_apart(out, "benchmark result", ())  # a folder that cannot be made is refused before an hour's run

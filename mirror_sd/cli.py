@@ -319,12 +319,17 @@ def _plan(args: argparse.Namespace) -> int:
     if args.save and is_package(args.bundle):  # before the measuring, not after
         raise BadInputError("--save writes a bundle's plan.json; a package's files are checked against its digests: "
                             "plan its bundle with --save and package that again", option="save")
-    outs = [Path(args.out)] if args.out else []
+    outs = [Path(args.out).expanduser()] if args.out else []
     outs += [Path(args.bundle) / PLAN_FILE] if args.save else []
+    bundle = Path(args.bundle).expanduser().resolve()
     for out in outs:  # where the plan cannot be written, it is not measured
         if out.is_dir():
             raise BadInputError(f"{out} is a directory: name the plan file to write", option="out")
         check_apart(out, "plan", [args.bundle] if not args.save else [])
+        inside = bundle in out.resolve().parents
+        if inside and (is_package(bundle) or out.resolve() != bundle / PLAN_FILE):  # its files are the bundle's
+            raise BadInputError(f"--out {out} is inside {args.bundle}: write the plan elsewhere, or into a bundle "
+                                f"as {PLAN_FILE} with --save", option="out")
     report = (lambda _line: None) if args.json else (lambda line: print(line, file=sys.stderr))
     result = plan_bundle(args.bundle, options, report)
     doc = result.document

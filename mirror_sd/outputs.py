@@ -18,8 +18,7 @@ def check_out(out: Path, force: bool, marker: str, what: str, inputs: Iterable[s
     gave: no name to rename to ("." or ".."), something other than a directory, a directory with files in it (with
     `force`: anything but an earlier `what`, a directory holding `marker`), one that is or holds an input, or a
     place where no directory can be made."""
-    if out.name in ("", ".", ".."):
-        raise BadInputError(f"OUT {str(out)!r} must name a directory to create or replace")
+    check_name(out)
     if out.exists() and not out.is_dir():
         raise BadInputError(f"OUT {str(out)!r} exists and is not a directory")
     check_apart(out, what, inputs)
@@ -31,8 +30,17 @@ def check_out(out: Path, force: bool, marker: str, what: str, inputs: Iterable[s
                                 f"{what} only")
 
 
+def check_name(out: Path) -> None:
+    """Refuse an OUT with no name to rename to ("." or ".."): it is written beside its place, then moved in."""
+    if out.name in ("", ".", ".."):
+        raise BadInputError(f"OUT {str(out)!r} must name a directory to create or replace")
+
+
 def check_apart(out: Path, what: str, inputs: Iterable[str | Path]) -> None:
-    """Refuse an OUT that is or holds one of `inputs`, or whose nearest existing folder is not writable."""
+    """Refuse an OUT that is or holds one of `inputs`, that is a symbolic link (replacing it would replace the link,
+    not what it points to), or whose nearest existing folder is not writable."""
+    if out.is_symlink():
+        raise BadInputError(f"OUT {str(out)!r} is a symbolic link: give the path it points to ({out.resolve()})")
     resolved = out.resolve()
     for given in inputs:
         path = Path(given).expanduser().resolve()
@@ -87,7 +95,11 @@ def move_into_place(staging: Path, out: Path) -> None:
         staging.rename(out)
         return
     aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    out.rename(aside / out.name)
+    try:
+        out.rename(aside / out.name)
+    except OSError:
+        aside.rmdir()
+        raise
     try:
         staging.rename(out)
     except OSError:

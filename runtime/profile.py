@@ -41,7 +41,7 @@ from mirror_sd.errors import BadInputError
 from mirror_sd.partitions import planner
 from mirror_sd.partitions.manifest import Manifest, lm_head_bits, resolve_inside, weight_bytes
 from mirror_sd.runtime.backends import on_cpu, usable_cores
-from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.config import MAX_WINDOW, GenerationConfig
 from mirror_sd.runtime.draft import Drafter, plan_branches
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, empty_channel
@@ -372,8 +372,6 @@ def grid(top_k: int, options: ProfileOptions) -> list[tuple[int, int, int]]:
     bad = [k for k in kappas if not 1 <= k <= top_k]
     if bad:
         raise BadInputError(f"kappas {bad} are outside [1, {top_k}] (the bundle's top_k)")
-    if not options.gammas or any(not isinstance(g, int) or g < 1 for g in options.gammas):
-        raise BadInputError(f"gammas must be integers >= 1, got {options.gammas}")
     return [(g, k, b) for g in sorted(set(options.gammas)) for k in sorted(set(kappas))
             for b in _budgets(k, g, options.budget_multiples)]
 
@@ -473,6 +471,8 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
         raise BadInputError(f"repeats must be >= 1, got {options.repeats}")
     if options.max_new_tokens < 2:
         raise BadInputError(f"max_new_tokens must be >= 2, got {options.max_new_tokens}")
+    if not options.gammas or any(not isinstance(g, int) or not 1 <= g <= MAX_WINDOW for g in options.gammas):
+        raise BadInputError(f"gammas must be integers in [1, {MAX_WINDOW}], got {options.gammas}", option="gammas")
     for t, d in splits:
         if t < 1 or d < 1:
             raise BadInputError(f"thread counts must be >= 1, got {t}+{d}", option="splits")

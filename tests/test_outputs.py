@@ -1,5 +1,7 @@
 """Outputs written whole or not at all (mirror_sd/outputs.py): what a failure leaves behind."""
 
+from pathlib import Path
+
 import pytest
 
 from mirror_sd.outputs import staged
@@ -34,3 +36,36 @@ def test_a_failure_putting_it_in_place_cleans_up_too_but_keeps_what_others_wrote
         with staged(out, place) as staging:
             (staging / "f.txt").write_text("x")
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["theirs.txt"]
+
+
+def test_a_symbolic_link_or_a_nameless_out_is_refused_before_any_work(tmp_path):
+    from mirror_sd.bench.output import check_out as check_bench_out
+    from mirror_sd.errors import BadInputError
+    from mirror_sd.outputs import check_out
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for out in (tmp_path / "link", tmp_path / "dangling"):
+        with pytest.raises(BadInputError, match="symbolic link"):
+            check_out(out, True, "manifest.json", "bundle")
+        with pytest.raises(BadInputError, match="symbolic link"):
+            check_bench_out(out)
+    for out in (Path("."), Path(".."), tmp_path / "target" / ".."):  # ("a/." is "a" to pathlib)
+        with pytest.raises(BadInputError, match="must name a directory"):
+            check_bench_out(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "link", "target"]
+
+
+def test_an_out_that_cannot_be_moved_aside_leaves_no_folder_beside_it(tmp_path, monkeypatch):
+    from mirror_sd.outputs import move_into_place
+
+    out, staging = tmp_path / "out", tmp_path / "staging"
+    out.mkdir()
+    staging.mkdir()
+    real = Path.rename
+    monkeypatch.setattr(Path, "rename", lambda self, to: (_ for _ in ()).throw(OSError("busy")) if self == out
+                        else real(self, to))
+    with pytest.raises(OSError, match="busy"):
+        move_into_place(staging, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "staging"]

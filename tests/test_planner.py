@@ -397,10 +397,19 @@ def test_plan_refuses_where_it_cannot_write_before_measuring(bundle, tmp_path, c
     monkeypatch.setattr(profile, "plan_bundle", lambda *args, **kwargs: measured.append(args))
     blocked = tmp_path / "file"
     blocked.write_text("")
-    for out in (tmp_path, blocked / "plan.json"):  # a folder, and a path under a file
+    (tmp_path / "link.json").symlink_to(tmp_path / "elsewhere.json")
+    manifest = (bundle / "manifest.json").read_text()
+    # a folder, a path under a file, a file of the bundle itself, a symbolic link
+    for out in (tmp_path, blocked / "plan.json", bundle / "manifest.json", bundle / "notes.json",
+                tmp_path / "link.json"):
         assert main(["plan", str(bundle), *PLAN_ARGS, "--out", str(out)]) == 2
         assert capsys.readouterr().err.startswith("mirror-sd: error:")
-    assert measured == []
+    assert measured == [] and (bundle / "manifest.json").read_text() == manifest
+    monkeypatch.undo()
+    loads = []
+    monkeypatch.setattr(profile.Pipeline, "load", lambda *args, **kwargs: loads.append(args))
+    assert main(["plan", str(bundle), *PLAN_ARGS, "--gammas", "100"]) == 2  # the runtime's windows stop at 64
+    assert "gammas" in capsys.readouterr().err and loads == []  # before the bundle loads
 
 
 def test_stale_or_broken_plan_in_a_bundle_is_refused(bundle, tmp_path):
