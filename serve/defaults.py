@@ -8,7 +8,7 @@ server applies these over the pipeline's config, in this order (later wins):
 
 1. OPENAI_DEFAULTS;
 2. the bundle's `generation_config.json` where there is one (the model's recommended sampling, as vLLM reads it:
-   temperature, top_p, top_k, repetition_penalty). `mirror-sd export` does not write one; a deployer may put the
+   temperature, top_p, top_k, min_p, repetition_penalty). `mirror-sd export` does not write one; a deployer may put the
    model's own there;
 3. the generation options given to `mirror-sd serve` (--mode, --max-new-tokens);
 4. the request's own fields.
@@ -37,7 +37,7 @@ log = logging.getLogger("mirror_sd.serve")
 OPENAI_DEFAULTS: Mapping[str, Any] = MappingProxyType({"temperature": 1.0})  # OpenAI's API samples by default
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's legacy default, and vLLM's
 # transformers' generation_config.json keys the server takes, by the GenerationConfig option each one sets
-FROM_HF = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "repetition_penalty": "repetition_penalty"}
+FROM_HF = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 SEED_BITS = 31  # random seeds stay below 2**31: exact as a JSON number in any client (JavaScript's included)
 # The serve command's settings that `mirror-sd serve` (mirror_sd/cli.py) and Ray's builder (serve/ray_app.py) both
 # read: the generation options whose server-wide default it takes (3. above), where its API key comes from when not

@@ -196,6 +196,9 @@ def test_a_random_seed_is_returned_and_repeats_the_answer(pipe, client):
 
 def test_defaults_from_the_bundles_generation_config(pipe, tmp_path):
     """A generation_config.json beside the bundle sets the server's sampling defaults (here greedy)."""
+    (tmp_path / GENERATION_CONFIG).write_text(json.dumps({"temperature": 0.7, "top_p": 0.9, "min_p": 0.05,
+                                                          "repetition_penalty": 1.1, "eos_token_id": 2}))
+    assert bundle_defaults(tmp_path) == {"temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1}
     (tmp_path / GENERATION_CONFIG).write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "eos_token_id": 2}))
     assert bundle_defaults(tmp_path) == {"temperature": 0.0, "top_p": 0.9}
     assert dict(server_defaults(tmp_path, {"mode": "ar"})) == {"temperature": 0.0, "top_p": 0.9, "mode": "ar"}
