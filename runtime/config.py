@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import types
 import typing
 from dataclasses import dataclass
@@ -208,10 +209,14 @@ def _token_numbers(name: str, value: Any, r: Range) -> tuple[tuple[int, float], 
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise bad
         token, number = pair
-        if isinstance(token, str) and token.isdigit():
+        if isinstance(token, str) and token.isascii() and token.isdecimal():
             token = int(token)
-        if not isinstance(token, int) or isinstance(token, bool) or token < 0 or token in out:
+        elif isinstance(token, numbers.Integral) and not isinstance(token, bool):
+            token = int(token)  # a numpy integer too
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
             raise bad
+        if token in out:
+            raise BadInputError(f"{name} gives token {token} twice", option=name)
         if not _is_number(number) or not math.isfinite(number) or number not in r:
             raise bad
         out[token] = float(number)

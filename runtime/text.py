@@ -15,6 +15,7 @@ from mirror_sd.errors import BadInputError, ManifestError
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # the special tokens a chat template names
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a sentencepiece byte-fallback piece
 SPACE_PIECE = "\u2581"  # sentencepiece's word-start mark, a space in the text
 
@@ -51,6 +52,7 @@ class TextCodec:
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise ManifestError(f"cannot read {TOKENIZER_FILE}: {e}") from None
         self.facts = manifest.tokenizer
+        self._root = Path(bundle).resolve()
 
     def _token(self, token_id: int | None) -> str:
         return (self.tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
@@ -71,8 +73,17 @@ class TextCodec:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise BadInputError(f"chat message {i} must be a dict with string 'role' and 'content'")
         from jinja2 import TemplateError
-        from jinja2.ext import loopcontrols
+        from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class Generation(Extension):
+            """{% generation %}...{% endgeneration %} (TRL's mark of the assistant's tokens): its body, as is."""
+
+            tags = {"generation"}
+
+            def parse(self, parser):
+                next(parser.stream)
+                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
         def raise_exception(message: str) -> None:
             raise BadInputError(f"chat template: {message}")
@@ -82,18 +93,36 @@ class TextCodec:
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
         # the environment transformers renders templates in (and vLLM through it): the same text for the same messages
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols, Generation])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
-        # the tokenizer's own EOS: export lists it first (bundles from before may list the generation config's)
-        eos = self.facts.eos_token_ids[0] if self.facts.eos_token_ids else None
         try:
             return env.from_string(self.facts.chat_template).render(
-                messages=messages, add_generation_prompt=True,
-                bos_token=self._token(self.facts.bos_token_id), eos_token=self._token(eos))
+                messages=messages, add_generation_prompt=True, **self._template_tokens)
         except TemplateError as e:
             raise BadInputError(f"the bundle's chat template failed to render: {e}") from None
+
+    @functools.cached_property
+    def _template_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, unk_token and pad_token as transformers gives them to a chat template: the
+        tokenizer's own (its tokenizer_config.json), else from the manifest's ids (the tokenizer's EOS is the
+        first of its EOS ids: export lists it first)."""
+        eos = self.facts.eos_token_ids[0] if self.facts.eos_token_ids else None
+        out = {"bos_token": self._token(self.facts.bos_token_id), "eos_token": self._token(eos),
+               "unk_token": "", "pad_token": self._token(self.facts.pad_token_id)}
+        if TOKENIZER_CONFIG in self.facts.files:
+            try:
+                doc = json.loads(resolve_inside(self._root, TOKENIZER_CONFIG).read_text())
+            except (OSError, ValueError, ManifestError):  # the template then has the manifest's
+                doc = {}
+            for name in out:
+                value = doc.get(name) if isinstance(doc, dict) else None
+                value = value.get("content") if isinstance(value, dict) else value  # an AddedToken's form
+                if isinstance(value, str):
+                    out[name] = value
+        return out
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -366,9 +366,9 @@ def test_errors_are_typed(pipe, tmp_path):
         assert err.value.exit_code == 2
 
 
-def test_chat_templates_render_as_transformers_renders_them(pair_factory):
-    """transformers' environment (and vLLM's through it): loop controls, strftime_now, a tojson that leaves < and '
-    as they are, and the tokenizer's own EOS as `eos_token` (export lists it first)."""
+def test_chat_templates_render_as_transformers_renders_them(pair_factory, tmp_path):
+    """transformers' environment (and vLLM's through it): loop controls, TRL's generation blocks, strftime_now, a
+    tojson that leaves < and ' as they are, and the tokenizer's own special tokens (export lists its EOS first)."""
     from transformers import AutoTokenizer
 
     from mirror_sd.export.bundle import eos_ids
@@ -381,13 +381,17 @@ def test_chat_templates_render_as_transformers_renders_them(pair_factory):
     eos = eos_ids(model, hf)
     assert eos[0] == im_end == hf.eos_token_id and set(eos) == {im_end, text_end}
     messages = [{"role": "user", "content": "Is 1 < 2 & 'x'?"}, {"role": "assistant", "content": "yes"}]
+    saved = tmp_path / "tokenizer"
+    hf.save_pretrained(saved)  # tokenizer_config.json: the special tokens by name, as transformers reads them
     for template in ("{% for m in messages %}{{ m.content }}{% break %}{% endfor %}",
+                     "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+                     "[{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ unk_token }}]",
                      "{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}{{ m.content }}{% endfor %}",
                      "Today: {{ strftime_now('%d %b %Y') }} {{ messages[0].content }}",
                      "{{ messages | tojson }} {{ messages[0] | tojson(indent=2) }}",
                      "{% for m in messages %}{{ m.content + eos_token }}{% endfor %}<|im_start|>assistant\n"):
-        facts = types.SimpleNamespace(files=("tokenizer.json",), eos_token_ids=eos, bos_token_id=text_end,
-                                      chat_template=template)
-        ours = TextCodec(target, types.SimpleNamespace(tokenizer=facts)).render_chat(messages)
+        facts = types.SimpleNamespace(files=("tokenizer.json", "tokenizer_config.json"), eos_token_ids=eos,
+                                      bos_token_id=text_end, pad_token_id=None, chat_template=template)
+        ours = TextCodec(saved, types.SimpleNamespace(tokenizer=facts)).render_chat(messages)
         assert ours == hf.apply_chat_template(messages, chat_template=template, tokenize=False,
                                               add_generation_prompt=True), template
