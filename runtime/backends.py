@@ -17,6 +17,8 @@ import numpy as np
 from mirror_sd.errors import BadInputError, ManifestError, first_line
 from mirror_sd.partitions.spec import BACKENDS
 
+DEVICE = "device"  # the option of a device error here; the pipeline names whose (Pipeline.load: for_device)
+
 log = logging.getLogger(__name__)
 
 Feed = dict[str, np.ndarray]
@@ -169,7 +171,8 @@ def _compile_openvino(core, model, device: str | None, threads: int, cache_dir: 
                       precision: str = "f32") -> OpenedGraph:
     device = device or default_openvino_device()
     if device.split(":")[0].split(".")[0] not in core.available_devices and device not in core.available_devices:
-        raise BadInputError(f"OpenVINO device {device!r} is not available; available: {core.available_devices}")
+        raise BadInputError(f"OpenVINO device {device!r} is not available; available: {core.available_devices}",
+                            option=DEVICE)
     config: dict[str, object] = {"PERFORMANCE_HINT": "LATENCY"}
     if device.startswith("CPU"):
         # fp32 keeps the draft bit-comparable with the export's parity checks (CPUs with AMX default to bf16).
@@ -209,8 +212,10 @@ def _ort_provider(device: str) -> str:
 
         available = ort.get_available_providers()
         if device not in available:  # a session would drop it and run on the CPU without a word
-            raise BadInputError(f"ONNX Runtime has no {device} here; available: {', '.join(available)}")
+            raise BadInputError(f"ONNX Runtime has no {device} here; available: {', '.join(available)}",
+                                option=DEVICE)
         return device
     if device.lower() not in names:
-        raise BadInputError(f"unknown ONNX Runtime device {device!r}; use cpu, cuda or an execution provider name")
+        raise BadInputError(f"unknown ONNX Runtime device {device!r}; use cpu, cuda or an execution provider name",
+                            option=DEVICE)
     return names[device.lower()]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -35,7 +36,7 @@ from mirror_sd.partitions.plan_file import (
     runtime_defaults,
 )
 from mirror_sd.runtime.async_requests import AsyncRequest
-from mirror_sd.runtime.backends import default_openvino_device, on_cpu, usable_cores
+from mirror_sd.runtime.backends import DEVICE, default_openvino_device, on_cpu, usable_cores
 from mirror_sd.runtime.batching import BatchEngine, PipelineBusy
 from mirror_sd.runtime.config import BUILTIN_THREADS, GenerationConfig, LoadOptions, specs
 from mirror_sd.runtime.draft import Drafter, DrafterBase
@@ -69,6 +70,17 @@ class GenerationStream:
 
     def close(self) -> None:
         self._run.close()
+
+
+@contextmanager
+def for_device(option: str) -> Iterator[None]:
+    """A device the backends refuse, named as the option that asked for it (target_device or draft_device)."""
+    try:
+        yield
+    except BadInputError as e:
+        if e.option != DEVICE:
+            raise
+        raise BadInputError(f"{option}: {e}", option=option) from None
 
 
 class Pipeline:
@@ -144,31 +156,39 @@ class Pipeline:
                 raise BadInputError(f"cannot use cache_dir {str(cache_dir)!r}: {e.strerror or e}",
                                     option="cache_dir") from None
         codec = TextCodec(bundle, manifest)
-        if o.target_backend == "openvino":
-            from mirror_sd.runtime.portable import open_portable_target
-
-            target = open_portable_target(bundle, manifest, o.target_device or "CPU", target_threads, o.max_context,
-                                          cache_dir)
-        else:
-            target = open_target(bundle, manifest, o.target_device, target_threads, o.max_context, o.target_spinning,
-                                 o.target_step_width)
-        if o.prefill_precision != "target":
-            from mirror_sd.runtime.prompt_graphs import PromptGraphs
-
-            target.host_kv()  # the prompt graphs write the KV in host memory: a target on a GPU is refused here
-            target.prompt_graphs = PromptGraphs(bundle, manifest, target_threads, cache_dir, o.prefill_precision)
+        with for_device("target_device"):
+            target = cls._open_target(bundle, manifest, o, target_threads, cache_dir)
         if package:
             from mirror_sd.runtime.static_draft import open_static_draft
 
-            draft = open_static_draft(package.root, manifest, package.info, o.draft_device, draft_threads,
-                                      cache_dir)
+            with for_device("draft_device"):
+                draft = open_static_draft(package.root, manifest, package.info, o.draft_device, draft_threads,
+                                          cache_dir)
         else:
-            draft = open_engine(bundle, manifest, "draft", o.draft_device, draft_threads, cache_dir, draft_backend)
+            with for_device("draft_device"):
+                draft = open_engine(bundle, manifest, "draft", o.draft_device, draft_threads, cache_dir, draft_backend)
         pipe = cls(manifest, target, draft, codec, defaults, target_threads, draft_threads, package)
         pipe.huge_pages = new_memory.collapse() if new_memory is not None else None
         pipe.load_options = o
         pipe.plan_note = plan_note(planned_on)
         return pipe
+
+    @staticmethod
+    def _open_target(bundle: Path, manifest: Manifest, o: LoadOptions, threads: int, cache_dir: Path | None):
+        if o.target_backend == "openvino":
+            from mirror_sd.runtime.portable import open_portable_target
+
+            target = open_portable_target(bundle, manifest, o.target_device or "CPU", threads, o.max_context,
+                                          cache_dir)
+        else:
+            target = open_target(bundle, manifest, o.target_device, threads, o.max_context, o.target_spinning,
+                                 o.target_step_width)
+        if o.prefill_precision != "target":
+            from mirror_sd.runtime.prompt_graphs import PromptGraphs
+
+            target.host_kv()  # the prompt graphs write the KV in host memory: a target on a GPU is refused here
+            target.prompt_graphs = PromptGraphs(bundle, manifest, threads, cache_dir, o.prefill_precision)
+        return target
 
     # -- prompts -------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt: Prompt) -> list[int]:

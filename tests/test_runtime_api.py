@@ -191,14 +191,18 @@ def test_bad_prompts(pipe, prompt, match):
 
 
 def test_bad_devices(bundle):
-    with pytest.raises(BadInputError, match="ONNX Runtime device"):
+    """Each named as the option that asked for it (the server and CLI show which)."""
+    with pytest.raises(BadInputError, match="target_device: unknown ONNX Runtime device") as err:
         Pipeline.load(bundle, target_device="tpu")
+    assert err.value.option == "target_device"
     with pytest.raises(BadInputError, match="has no CudaExecutionProvider"):  # a session would run it on the CPU
         Pipeline.load(bundle, target_device="CudaExecutionProvider")
     with pytest.raises(BadInputError, match="cache_dir must be a path"):
         Pipeline.load(bundle, cache_dir=123)
-    with pytest.raises(BadInputError, match="OpenVINO device"):
-        Pipeline.load(bundle, draft_device="FPGA")
+    for backend in ("openvino", "onnxruntime"):
+        with pytest.raises(BadInputError, match="draft_device: (OpenVINO|unknown ONNX Runtime) device") as err:
+            Pipeline.load(bundle, draft_device="FPGA", draft_backend=backend)
+        assert err.value.option == "draft_device"
 
 
 @pytest.mark.skipif(has_bf16(), reason="this CPU has bf16 arithmetic: tests/test_prompt_graphs.py runs the option")
