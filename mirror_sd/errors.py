@@ -43,7 +43,13 @@ class PackageError(MirrorSDError):
 
 class ContextLimitError(BadInputError):
     """A prompt plus the tokens asked for would not fit the context: the model's positions or the KV buffers the
-    runtime allocated (raised before any device work)."""
+    runtime allocated (raised before any device work). Where known: the `limit` in tokens, the prompt's tokens, and
+    the new tokens asked for (None: the prompt alone is over its limit), for a server to word as OpenAI does."""
+
+    def __init__(self, message: str, limit: int | None = None, prompt_tokens: int | None = None,
+                 new_tokens: int | None = None) -> None:
+        super().__init__(message)
+        self.limit, self.prompt_tokens, self.new_tokens = limit, prompt_tokens, new_tokens
 
 
 def check_int(name: str, value: object, low: int) -> None:

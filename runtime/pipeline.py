@@ -298,7 +298,8 @@ class Pipeline:
             self._check_bounds(len(ids), cfg)
         if len(ids) + cfg.max_new_tokens > self.context_limit:
             raise ContextLimitError(f"prompt ({len(ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
-                                    f"context limit of {self.context_limit} tokens")
+                                    f"context limit of {self.context_limit} tokens", self.context_limit, len(ids),
+                                    None if len(ids) >= self.context_limit else cfg.max_new_tokens)
         return ids, cfg
 
     def _check_bounds(self, prompt_len: int, cfg: GenerationConfig) -> None:
@@ -306,10 +307,11 @@ class Pipeline:
         b = self.package.info.bounds
         if prompt_len > b.max_prompt:  # context errors, as a bundle's (a server's context_length_exceeded)
             raise ContextLimitError(f"the prompt has {prompt_len} tokens; this package takes at most {b.max_prompt} "
-                                    f"(MAX_PROMPT)")
+                                    f"(MAX_PROMPT)", b.max_prompt, prompt_len)
         if prompt_len + cfg.max_new_tokens > b.max_context:
             raise ContextLimitError(f"prompt ({prompt_len} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds "
-                                    f"this package's MAX_CONTEXT of {b.max_context} tokens")
+                                    f"this package's MAX_CONTEXT of {b.max_context} tokens", b.max_context, prompt_len,
+                                    cfg.max_new_tokens)
         if cfg.mode in DRAFT_MODES and cfg.gamma > b.max_gamma:
             raise BadInputError(f"gamma {cfg.gamma} exceeds this package's max_gamma {b.max_gamma}", option="gamma")
 

@@ -237,7 +237,13 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {"loc": ("body",), "msg": "invalid request", "type": ""}
         field = p.field_name(tuple(first.get("loc", ())))
-        if first.get("type") == "json_invalid":
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if field == "body" and not (media == "application/json" or media.endswith("+json")):
+            # FastAPI reads a body as JSON only under a JSON Content-Type (a browser page cannot send one to a
+            # server on this machine without a CORS preflight): the header is what is missing, not the object
+            err = p.ApiError(400, f"send the body as JSON with the header Content-Type: application/json (got "
+                             f"{media or 'none'!r})", param=None, code="invalid_content_type")
+        elif first.get("type") == "json_invalid":
             err = p.ApiError(400, f"the body is not valid JSON: {first.get('msg')}", param=None, code="invalid_json")
         elif first.get("type") == "extra_forbidden":
             err = p.ApiError(400, f"unsupported field {field!r}: this server does not implement it", param=field,
@@ -315,9 +321,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                                 None if chat else d.COMPLETION_MAX_TOKENS)
             ids, config = pipe.check(ids, **options)
         except ContextLimitError as e:
-            too_long = len(ids) >= pipe.context_limit
-            raise p.ApiError(400, str(e), param=("messages" if chat else "prompt") if too_long else "max_tokens",
-                             code="context_length_exceeded") from None
+            raise _context_error(e, body, chat) from None
         except BadInputError as e:
             raise p.ApiError(400, str(e), param=_param_of(e, chat), code="invalid_value") from None
         arrival = getattr(request.state, ARRIVAL, time.monotonic())
@@ -546,6 +550,22 @@ def _context_room(pipe: Pipeline, prompt_tokens: int) -> int:
     if pipe.package is not None:
         limit = min(limit, pipe.package.info.bounds.max_context)
     return limit - prompt_tokens
+
+
+def _context_error(e: ContextLimitError, body: p.ChatRequest | p.CompletionRequest, chat: bool) -> p.ApiError:
+    """A request past the context in OpenAI's words (vLLM's too), which clients match to fall back to a model with a
+    longer context, naming the field the client sent."""
+    what = "messages" if chat else "prompt"
+    if e.limit is None or e.prompt_tokens is None:
+        return p.ApiError(400, str(e), param=what, code="context_length_exceeded")
+    head = f"This model's maximum context length is {e.limit} tokens. However, "
+    if e.new_tokens is None:
+        return p.ApiError(400, head + f"your {what} resulted in {e.prompt_tokens} tokens. Please reduce the length of "
+                          f"the {what}.", param=what, code="context_length_exceeded")
+    asked = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    return p.ApiError(400, head + f"you requested {e.prompt_tokens + e.new_tokens} tokens ({e.prompt_tokens} in the "
+                      f"{what}, {e.new_tokens} in the completion). Please reduce the length of the {what} or "
+                      "completion.", param=asked, code="context_length_exceeded")
 
 
 def _param_of(error: BadInputError, chat: bool) -> str | None:

@@ -193,6 +193,39 @@ def test_bad_requests_get_openai_errors(port, body, raw, status, param, code):
         assert err["code"] == code
 
 
+def test_a_request_past_the_context_is_worded_as_openai_words_it(pipe, port):
+    """Clients (LiteLLM's context-window fallbacks among them) match OpenAI's and vLLM's sentence, not the code; the
+    param is the field the client sent."""
+    limit = pipe.context_limit
+    chat = [{"role": "user", "content": "hi"}]
+    prompt_tokens = len(pipe.prompt_ids(chat))
+    for body, param, numbers in (
+            ({"prompt": [5] * (limit + 10)}, "prompt", f"your prompt resulted in {limit + 10} tokens"),
+            ({"messages": chat, "max_tokens": limit}, "max_tokens",
+             f"you requested {prompt_tokens + limit} tokens ({prompt_tokens} in the messages, {limit} in the "
+             "completion)"),
+            ({"messages": chat, "max_completion_tokens": limit}, "max_completion_tokens",
+             f"{limit} in the completion")):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        status, doc, _ = _post(port, path, {"model": MODEL, **body})
+        err = doc["error"]
+        assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == param
+        assert err["message"].startswith(f"This model's maximum context length is {limit} tokens. However, ")
+        assert numbers in err["message"]
+
+
+def test_a_json_body_without_its_content_type_is_told_so(port):
+    for header in (None, "application/x-www-form-urlencoded", "text/plain"):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi"}),
+                     {"Content-Type": header} if header else {})
+        r = conn.getresponse()
+        doc = json.loads(r.read())
+        conn.close()
+        assert r.status == 400 and doc["error"]["code"] == "invalid_content_type"
+        assert "Content-Type: application/json" in doc["error"]["message"]
+
+
 def _out_of_range(spec: Spec) -> object:
     """A value the option's wire field refuses: outside its range (the wire's own where narrower) or choices."""
     o = spec.option
