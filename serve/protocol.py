@@ -221,7 +221,9 @@ class ChatRequest(Sampling, fields_model(CHAT)):
         return out
 
     def prompt(self) -> list[dict[str, str]]:
-        return [{"role": m.template_role, "content": m.content} for m in self.messages]
+        """The messages as the chat template takes them (a participant's `name` too, as vLLM passes it)."""
+        return [{"role": m.template_role, "content": m.content, **({"name": m.name} if m.name else {})}
+                for m in self.messages]
 
 
 class CompletionRequest(Sampling, fields_model(COMPLETION)):

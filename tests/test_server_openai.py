@@ -377,3 +377,12 @@ def test_serve_flags(monkeypatch):
     with pytest.raises(SystemExit):
         parse(["serve", "b", "--log-level", "loud"])
 
+
+
+def test_a_messages_name_reaches_the_chat_template():
+    """vLLM passes a message's `name` to the template (templates that label speakers read it)."""
+    from mirror_sd.serve.protocol import ChatRequest
+
+    request = ChatRequest.model_validate({"model": MODEL, "messages": [
+        {"role": "user", "content": "hi", "name": "ada"}, {"role": "user", "content": "hello"}]})
+    assert request.prompt() == [{"role": "user", "content": "hi", "name": "ada"}, {"role": "user", "content": "hello"}]
