@@ -68,7 +68,7 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False  # null: false, as OpenAI's API allows
 
 
 class _Sampling(_Strict):

@@ -112,6 +112,9 @@ def test_completions_text_and_ids_stream_and_usage(pipe, port, client):
                                             "stream_options": {"include_usage": True}})
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == text_solo.text
     assert events[-1]["usage"]["completion_tokens"] == len(text_solo.token_ids)
+    events = _sse(port, "/v1/completions", {"model": MODEL, "prompt": "the cat", "max_tokens": 10, "temperature": 0,
+                                            "stream_options": {"include_usage": None}})  # null: false
+    assert all(e["choices"] for e in events) and "".join(e["choices"][0]["text"] for e in events) == text_solo.text
 
 
 def test_several_prompts_in_one_completion_request(pipe, port, client):
