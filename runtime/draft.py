@@ -48,7 +48,7 @@ from mirror_sd.runtime.config import streaming_mode
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.kv import LayerKV, OwnPast, common_prefix, positions
 from mirror_sd.runtime.messages import BranchKey, BranchSet, DraftWindow, ExitCandidates, Features, frozen
-from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, probability, rng_for
+from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, penalize, probability, rng_for
 from mirror_sd.runtime.stats import Recorder
 
 PAD_ID = 0  # any id: padded slots are masked out
@@ -216,6 +216,22 @@ class DrafterBase:
         self._window_p: list[float] = []  # per rollout row: the draft's probability of its window so far
         # a draft with an attention window never reads past it: of a longer prompt, only the last window is read
         self.prompt_window = min(PROMPT_WINDOW, engine.facts.attention_window or PROMPT_WINDOW)
+        # where the generated tokens start, for its penalties: the first context a request gives (a prompt to read,
+        # or the prompt and the first token: the one before it is the prompt's last)
+        self.prompt_len: int | None = None
+
+    def _seen(self, context_len: int, reading: bool = False) -> None:
+        if self.prompt_len is None:
+            self.prompt_len = context_len if reading else max(context_len - 1, 0)
+
+    def _greedy(self, row: np.ndarray, history: Callable[[], list[int]]) -> int:
+        """The draft's greedy token (a target id) from its logits `row` [Vd]. Under a generation's logit bias or
+        penalties, after applying them to the draft's logits as the target's are (the tokens before it:
+        `history()`): its windows then guess what the penalised target takes. The target verifies them either way,
+        so this changes speed, never output; sampled windows keep the draft's own distribution."""
+        if not self.params.penalized:
+            return int(self.vocab.argmax(row))
+        return int(np.argmax(penalize(self.vocab.full(row[None]), self.params, history(), self.prompt_len or 0)[0]))
 
     def _skip_head(self, inputs: np.ndarray, keep: int, window: int = 0) -> int:
         """Reading a prompt into a lane that holds no KV yet: of more than prompt_window inputs (or `window`, where it
@@ -283,6 +299,7 @@ class DrafterBase:
         """Read `context` into the lane (the prompt); returns the inputs fed. window > 0: into an empty lane, read at
         most the last `window` inputs (fewer than the prompt window)."""
         seq = np.asarray(context, np.int64)
+        self._seen(seq.size, reading=True)
         self._receive(features, (seq,))
         inputs = self._inputs(seq)
         keep = self._take(inputs, keep_last=False)
@@ -294,6 +311,7 @@ class DrafterBase:
         (a feature draft: context's inputs; a token draft: also the window but its last token, less any trusted
         ones: the target verifies those, the next rollout feeds them)."""
         seq = np.asarray(context, np.int64)
+        self._seen(seq.size)
         self._receive(features, (seq,))
         keep = self._take(self._inputs(seq))
         rows = self._roll([seq], np.array([keep]), [self._rng(seq.size)], gamma, lambda: False)
@@ -306,6 +324,7 @@ class DrafterBase:
         much of the lane as it shares with its inputs; the lane itself is not changed (a miss continues it), and
         the rows are kept for the next request (a hit continues its row)."""
         ctx = np.asarray(c.context, np.int64)
+        self._seen(ctx.size)
         verified = np.concatenate([ctx, c.window]).astype(np.int64)
         bases = [np.concatenate([ctx, c.window[:r], [v]]).astype(np.int64) for r, v in plan]
         self._receive(features, (verified, *bases))
@@ -383,15 +402,17 @@ class Drafter(DrafterBase):
             out, new_kv = self._forward(x, shared, own, mask, span, len(active))
             forwards += 1
             step_logits, first = out[LOGITS], width - span  # [B,span,Vd]: column j is input column first + j
-            choices = vocab.argmax(step_logits) if params.greedy else None  # [B,span]
+            choices = vocab.argmax(step_logits) if params.greedy and not params.penalized else None  # [B,span]
 
-            def pick(b: int, at: int, choices: np.ndarray | None = choices, step_logits: np.ndarray = step_logits,
-                     first: int = first) -> tuple[int, bool]:
-                """Row b's main-stream token after input column `at` (this forward's outputs, bound here), and
-                whether its window may go on after it."""
+            def pick(b: int, at: int, i: int, choices: np.ndarray | None = choices,
+                     step_logits: np.ndarray = step_logits, first: int = first) -> tuple[int, bool]:
+                """Row b's main-stream token after input column `at`, its i-th proposal checked (this forward's
+                outputs, bound here), and whether its window may go on after it."""
                 row = step_logits[b, at - first]
-                if params.greedy:
+                if choices is not None:
                     token = int(choices[b, at - first])
+                elif params.greedy:  # penalised: after the row's base, its tokens, and the proposals held so far
+                    token = self._greedy(row, lambda: [*bases[b].tolist(), *tokens[b], *props[b][:i].tolist()])
                 else:
                     logits[b].append(row)
                     token = vocab.choose(row, params, rngs[b])
@@ -401,7 +422,8 @@ class Drafter(DrafterBase):
             for b in active:
                 m = props[b].size
                 col = width - m - 1  # the last fed token that is not a proposal: its choice is the next token
-                new, stopped[b] = _confirm(lambda i, b=b, col=col: pick(b, col + i), props[b], gamma - len(tokens[b]))
+                new, stopped[b] = _confirm(lambda i, b=b, col=col: pick(b, col + i, i), props[b],
+                                           gamma - len(tokens[b]))
                 accepted = len(new) - 1  # proposals that held (and were used)
                 keep[b, col + 1 + accepted:] = 0  # the rejected proposals' slots become holes
                 fed[b] += x[b, width - feeds[b].size - m:col + 1 + accepted].tolist()

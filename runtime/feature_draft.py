@@ -201,7 +201,7 @@ class FeatureDrafter(DrafterBase):
             produced = len(live)
             for i, b in enumerate(live):
                 if self.params.greedy:
-                    token = int(self.vocab.argmax(step_logits[i]))
+                    token = self._greedy(step_logits[i], lambda b=b: [*bases[b].tolist(), *tokens[b]])
                 else:
                     logits[b].append(step_logits[i])
                     token = self.vocab.choose(step_logits[i], self.params, rngs[b])

@@ -9,8 +9,8 @@ the tokens before it only, so a verification row is penalised for the window tok
 that would have produced that position alone, and sd and mirror still equal ar. vLLM's order: OpenAI's logit bias,
 the repetition penalty (transformers' CTRL rule: a positive logit divided by it, a negative one multiplied) on every
 token of the prompt and the text so far, then OpenAI's frequency and presence penalties on the generated tokens'
-counts. The draft's own proposals are not penalised: its windows are checked against the penalised target like any
-others.
+counts. A greedy draft applies them to its own logits too, as a guess of what the penalised target takes
+(runtime/draft.py DrafterBase._greedy); its windows are checked against the penalised target like any others.
 """
 
 from __future__ import annotations

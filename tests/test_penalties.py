@@ -193,3 +193,19 @@ def test_a_logit_bias_bans_and_favours_tokens_in_every_mode(pipelines):
     with pytest.raises(BadInputError, match="past the vocabulary") as err:
         pipe.check(PROMPTS[0], logit_bias={pipe.manifest.target.vocab_size: 1.0})
     assert err.value.option == "logit_bias"
+
+
+def test_the_draft_guesses_with_the_penalties(bundle_factory):
+    """A draft that is the target itself guesses every token the penalised target takes once the draft applies the
+    penalties too (they only change what is guessed: the outputs equal ar's either way)."""
+    pipe = Pipeline.load(bundle_factory("llama", self_draft=True), huge_pages=False)
+    try:
+        for penalties in PENALTIES:
+            for prompt in PROMPTS:
+                ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True, **penalties)
+                sd = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, ignore_eos=True, gamma=4,
+                                   adaptive_speculation=False, prompt_lookup_num_tokens=0, **penalties)
+                assert sd.token_ids == ar.token_ids
+                assert sd.stats["accepted_tokens"] == sd.stats["proposed_tokens"] > 0, penalties
+    finally:
+        pipe.close()
