@@ -23,7 +23,7 @@ from mirror_sd.partitions.manifest import BOUNDARY
 from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH, PartitionSpec
 from mirror_sd.runtime.backends import on_cpu
 from mirror_sd.runtime.kv_slots import KVSlots
-from mirror_sd.runtime.target import OrtTarget, _Bound, head_rows, ort_device
+from mirror_sd.runtime.target import OrtTarget, _Bound, block_padding, head_rows, ort_device
 from mirror_sd.runtime.window_graphs import ROW_TOKENS, row_name
 
 
@@ -90,6 +90,8 @@ class BatchTarget:
             width = max(width, min(self.step_width, self.slots.positions - rows[0].start))
         elif self.pads_rows and not any(r.start for r in rows):  # prompts' first tokens: each row as alone
             width = max(width, self.step_width)
+        if self.pads_rows and all(r.start + width < self.slots.positions for r in rows):
+            width += block_padding(width)  # each row's last token as in a run of any other width
         if width > 1 and len(rows) > 1 and any(r.start for r in rows):
             # GroupQueryAttention's CPU kernel: several rows of several tokens only without a past
             raise ValueError("rows of several tokens after a past run one at a time")
@@ -148,7 +150,8 @@ class BatchTarget:
     def _padded(self, row: Row) -> Row:
         """A padded target's row of fewer tokens than the step width, padded to it (within its slot) as a lone row
         is; the logits it asks for stay its own tokens' (the padding's are the last positions)."""
-        pad = min(self.step_width, self.slots.positions - row.start) - len(row.ids)
+        width = max(len(row.ids), self.step_width)
+        pad = min(width + block_padding(width), self.slots.positions - row.start) - len(row.ids)
         if pad <= 0:
             return row
         return Row(row.slot, row.ids + (row.ids[-1],) * pad, row.start, row.logits_for and row.logits_for + pad)

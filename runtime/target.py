@@ -60,6 +60,17 @@ GPU_STEP_WIDTH = 8
 # whose int8 activations round otherwise (a position's logits up to 0.6 apart on SmolLM2), while steps of two rows
 # and more agree bit for bit at any width and offset (docs/design.md: A compressed target steps two rows at least).
 INT8_STEP_WIDTH = 2
+# ...and no run of such a target ends with a lone row past a block of rows: ONNX Runtime's CPU attention computes the
+# last row of a run of 33, 65, 97, ... rows (a block of 32 and one more, on AVX2) on its one-row path too, so a prompt
+# of 33 tokens prefilled in one run gave its last position other bits than a step gives it (a batched request's
+# tokens then left its solo ones). Padding such a run by a row makes that row a block's like any other; 16 covers
+# blocks of 16, 32 and 64 rows, whichever a CPU's kernels use.
+ROW_BLOCK = 16
+
+
+def block_padding(rows: int) -> int:
+    """Rows to add to a run of `rows` so that its last row is not alone in a block (ROW_BLOCK): 1 or 0."""
+    return 1 if rows > 1 and rows % ROW_BLOCK == 1 else 0
 
 
 def kv_positions(manifest: Manifest, capacity: int | None, step_width: int) -> tuple[int, int]:
@@ -81,8 +92,10 @@ def kv_pairs(layers) -> list[tuple[str, str]]:
 def head_rows(wanted: int, step_width: int, rows: int) -> int:
     """Rows of a run of `rows` positions the LM head takes to give the last `wanted`: step_width at least, as the
     step's other MatMuls take, so that a prompt chunk's last position gets the logits it gets in any step (the
-    head's one-row path rounds otherwise: INT8_STEP_WIDTH)."""
-    return min(max(wanted, step_width), rows)
+    head's one-row path rounds otherwise: INT8_STEP_WIDTH), and not a lone row past a block (ROW_BLOCK) where it is
+    padded at all."""
+    keep = max(wanted, step_width)
+    return min(keep + (block_padding(keep) if step_width > 1 else 0), rows)
 
 
 @dataclass(frozen=True)
@@ -286,6 +299,8 @@ class Target:
         width = min(self.step_width, self.slots - cache.length)  # the padding stops at the buffers' end
         if tokens < width:
             ids += [ids[-1]] * (width - tokens)  # any id: the padding's rows and keys are never read
+        if self.step_width > 1 and cache.length + len(ids) < self.slots:
+            ids += [ids[-1]] * block_padding(len(ids))
         hidden, taps = self._run_prefix(np.asarray([ids], np.int64), cache.length)
         self._write(cache.length, cache.length + len(ids))
         return Boundary(hidden, cache.length, tokens, None if taps is None else taps[:tokens], len(ids))

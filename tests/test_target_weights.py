@@ -121,10 +121,8 @@ def test_a_compressed_target_gives_a_position_the_same_logits_in_every_step(bund
     # unpadded, the kernel's one-row path rounds otherwise: what the padding is for
     one, wide = steps_and_window(Pipeline.load(bundle, target_step_width=0))
     assert not np.array_equal(one, wide)
-    # the batching engine pads a lone row as well: a request alone there is the generation alone, bit for bit;
-    # beside another request its rows' attention runs another kernel path (one token each), which rounds otherwise,
-    # and the next MatMul's int8 activations can round that difference up to a step of their grid (docs/design.md:
-    # "Not solved: rows of a batched step")
+    # the batching engine pads a lone row as well: a request alone there is the generation alone, bit for bit, and
+    # beside another request too (docs/design.md: A compressed target steps two rows at least, Rows of a batched step)
     settings = {"mode": "ar", "max_new_tokens": 12, "temperature": 0.0, "logprobs": 0}
     solo = pipe.generate(prompt, **settings)
     alone = pipe.generate([prompt], **settings)[0]
@@ -132,6 +130,37 @@ def test_a_compressed_target_gives_a_position_the_same_logits_in_every_step(bund
     batched = pipe.generate([prompt, [3, 3, 8, 8, 3]], **settings)[0]
     assert batched.token_ids == solo.token_ids
     assert np.allclose([t.logprob for t in batched.logprobs], [t.logprob for t in solo.logprobs], atol=0.05)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_no_run_ends_with_a_lone_row_past_a_block(bundle_factory, weights):
+    """The attention's one-row path also takes the last row of a run of 33, 65, ... rows: such runs are padded by a
+    row (ROW_BLOCK), so a prompt of any length, prefilled whole (a generation alone) or all but its last token (the
+    batching engine), and a window of any width, give every position the same bits."""
+    pipe = Pipeline.load(bundle_factory("llama", target_weights=weights), huge_pages=False, max_num_seqs=2)
+    target = pipe.target
+    rng = np.random.default_rng(5)
+    settings = {"mode": "ar", "max_new_tokens": 6, "ignore_eos": True, "logprobs": 0}
+    try:
+        for n in (17, 33, 34, 49, 65, 66):
+            prompt = rng.integers(3, 300, n).tolist()
+            whole, _ = target.forward(prompt, target.empty_cache(), logits_for=1)
+            _, cache = target.forward(prompt[:-1], target.empty_cache(), logits_for=1)
+            step, _ = target.forward(prompt[-1:], cache)
+            assert np.array_equal(whole[-1], step[-1]), n
+            solo = pipe.generate(prompt, **settings)
+            engine = pipe.engine().submit(*pipe.check(prompt, **settings)).wait()
+            assert [t.logprob for t in engine.logprobs] == [t.logprob for t in solo.logprobs], n
+        prompt, window = rng.integers(3, 300, 9).tolist(), rng.integers(3, 300, 17).tolist()
+        _, cache = target.forward(prompt, target.empty_cache(), logits_for=1)
+        wide, _ = target.forward(window, cache)  # 17 rows: a block of 16 and one more
+        one = []
+        for token in window:
+            logits, cache = target.forward([token], cache)
+            one.append(logits[0])
+        assert np.array_equal(np.stack(one), wide)
+    finally:
+        pipe.close()
 
 
 def test_a_manifest_without_matmul_activations_keeps_its_formats_old_kernel(bundle_factory):
