@@ -21,7 +21,6 @@ the response reports (header `x-seed`) so that the answer can be had again.
 from __future__ import annotations
 
 import json
-import logging
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,8 +30,6 @@ from typing import Any
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.manifest import GENERATION_CONFIG
 from mirror_sd.runtime.config import GenerationConfig
-
-log = logging.getLogger("mirror_sd.serve")
 
 OPENAI_DEFAULTS: Mapping[str, Any] = MappingProxyType({"temperature": 1.0})  # OpenAI's API samples by default
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's legacy default, and vLLM's
