@@ -31,8 +31,8 @@ Six measurements, each with a bar (results/soak/soak.json and README.md; exit 1 
 6. OpenAI paths. A server with an API key answers, from --clients threads, --openai-requests requests that take the
    paths OpenAI clients use: a wrong key (401, code invalid_api_key, the engine never reached), fields that change
    nothing at their neutral values (user, zero penalties, an empty logit_bias, chat's store false: taken, the answer
-   exact),
-   a penalty it does not implement (400 naming the field), logprobs with top_logprobs in every mode (the tokens
+   exact), a field at a value it does not implement (chat's response_format json_object, a completion's suffix: 400
+   naming the field), logprobs with top_logprobs in every mode (the tokens
    exact, each logprob the library's own within LOGPROB_TOLERANCE), and n = 2 (both choices exact, usage counting
    the prompt once). Bars: every answer as expected.
 
@@ -88,7 +88,9 @@ REPLICA_HEADER = "x-mirror-sd-replica"  # serve/ray_app.py's: the Ray replica th
 RAY_RECOVERY_BAR_S = 60.0
 SOAK_API_KEY = "sk-soak"
 LOGPROB_TOLERANCE = 1e-4
-OPENAI_KINDS = ("wrong_key", "neutral_fields", "unsupported_penalty", "logprobs", "n2")
+OPENAI_KINDS = ("wrong_key", "neutral_fields", "unsupported_field", "logprobs", "n2")
+# per endpoint, a field at a value the server does not implement (serve/neutral.py): a 400 naming it
+UNSUPPORTED = {"chat": ("response_format", {"type": "json_object"}), "completion": ("suffix", " and so on")}
 
 
 def log(line: str) -> None:
@@ -897,8 +899,9 @@ def _openai_check(kind: str, p: SoakPrompt, expected: Expected, mode: str, port:
         body.update(user="soak-user", presence_penalty=0, frequency_penalty=0, logit_bias={})
         if p.endpoint == "chat":  # Chat Completions' field only
             body["store"] = False
-    elif kind == "unsupported_penalty":
-        body["presence_penalty"] = 0.5
+    elif kind == "unsupported_field":
+        field, value = UNSUPPORTED[p.endpoint]
+        body[field] = value
     elif kind == "logprobs":
         body.update({"logprobs": True, "top_logprobs": 3} if p.endpoint == "chat" else {"logprobs": 3})
     elif kind == "n2":
@@ -907,9 +910,9 @@ def _openai_check(kind: str, p: SoakPrompt, expected: Expected, mode: str, port:
     if kind == "wrong_key":
         code = doc.get("error", {}).get("code") if isinstance(doc, dict) else None
         return None if status == 401 and code == "invalid_api_key" else f"{status} {str(doc)[:200]}"
-    if kind == "unsupported_penalty":
+    if kind == "unsupported_field":
         param = doc.get("error", {}).get("param") if isinstance(doc, dict) else None
-        return None if status == 400 and param == "presence_penalty" else f"{status} {str(doc)[:200]}"
+        return None if status == 400 and param == UNSUPPORTED[p.endpoint][0] else f"{status} {str(doc)[:200]}"
     if status != 200:
         return f"{status} {str(doc)[:200]}"
     texts = [c["message"]["content"] if "message" in c else c["text"] for c in doc["choices"]]
