@@ -21,9 +21,8 @@ import numpy as np
 
 from mirror_sd.partitions.manifest import BOUNDARY
 from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH, PartitionSpec
-from mirror_sd.runtime.backends import on_cpu
 from mirror_sd.runtime.kv_slots import KVSlots
-from mirror_sd.runtime.target import OrtTarget, _Bound, block_padding, head_rows, ort_device
+from mirror_sd.runtime.target import OrtTarget, _Bound, ort_device, padded_rows
 from mirror_sd.runtime.window_graphs import ROW_TOKENS, row_name
 
 
@@ -58,7 +57,7 @@ class BatchTarget:
         # kernel for one query row than for two or more, which rounds otherwise, and int8 activations turn that into
         # logits apart (docs/design.md: A compressed target steps two rows at least). A GPU's batched rows stay one
         # token: their float16 rounding apart from a lone step's is reported where it flips a token, not prevented.
-        self.pads_rows = self.step_width > 1 and on_cpu(target.device)
+        self.pads_rows = target.pads_rows
         self.prompt_graphs = target.prompt_graphs  # prompts prefilled on OpenVINO in bf16, or None
         self._device = ort_device(target.device)
         self._bound: dict[str, _Bound] = {}
@@ -86,12 +85,11 @@ class BatchTarget:
 
     def _run(self, rows: list[Row]) -> list[RowOut]:
         width = max(len(r.ids) for r in rows)
-        if len(rows) == 1:  # the padding stops at the slot's end, as Target.run_prefix's at the buffers' end
-            width = max(width, min(self.step_width, self.slots.positions - rows[0].start))
-        elif self.pads_rows and not any(r.start for r in rows):  # prompts' first tokens: each row as alone
-            width = max(width, self.step_width)
-        if self.pads_rows and all(r.start + width < self.slots.positions for r in rows):
-            width += block_padding(width)  # each row's last token as in a run of any other width
+        # a lone row, or prompts' first tokens of a padded target: each row as alone (Target.run_prefix), the padding
+        # stopping at the slots' end as a Target's at its buffers' end
+        if len(rows) == 1 or (self.pads_rows and not any(r.start for r in rows)):
+            width = padded_rows(width, self.step_width, min(self.slots.positions - r.start for r in rows),
+                                self.pads_rows)
         if width > 1 and len(rows) > 1 and any(r.start for r in rows):
             # GroupQueryAttention's CPU kernel: several rows of several tokens only without a past
             raise ValueError("rows of several tokens after a past run one at a time")
@@ -104,7 +102,7 @@ class BatchTarget:
         # the LM head runs on the last `keep` positions of every row: enough to reach each row's first wanted one
         keep = max([width - len(r.ids) + r.logits_for for r in rows if r.logits_for] or [1])
         if len(rows) == 1:  # a lone row's head on step_width rows at least, as a Target's
-            keep = head_rows(keep, self.step_width, width)
+            keep = padded_rows(keep, self.step_width, width, self.pads_rows)
         views = self.slots.views(rows[0].slot, rows[-1].slot + 1)
         prefix, suffix = self._bound["target_prefix"], self._bound["target_suffix"]
         prefix.bind_kv(views)
@@ -150,8 +148,8 @@ class BatchTarget:
     def _padded(self, row: Row) -> Row:
         """A padded target's row of fewer tokens than the step width, padded to it (within its slot) as a lone row
         is; the logits it asks for stay its own tokens' (the padding's are the last positions)."""
-        width = max(len(row.ids), self.step_width)
-        pad = min(width + block_padding(width), self.slots.positions - row.start) - len(row.ids)
+        room = self.slots.positions - row.start
+        pad = padded_rows(len(row.ids), self.step_width, room, self.pads_rows) - len(row.ids)
         if pad <= 0:
             return row
         return Row(row.slot, row.ids + (row.ids[-1],) * pad, row.start, row.logits_for and row.logits_for + pad)
@@ -184,7 +182,8 @@ class BatchTarget:
         total = np.array([r.start + len(r.ids) for r in packed], np.int32)
         lengths = {SEQLENS: total - 1, TOTAL_LENGTH: np.array(total.max(), np.int32), ROW_TOKENS: counts}
         wanted = [i for i, r in enumerate(packed) if r.logits_for]
-        keep = head_rows(int(counts[wanted[0]:].sum()) if wanted else 1, self.step_width, ids.shape[1])
+        keep = padded_rows(int(counts[wanted[0]:].sum()) if wanted else 1, self.step_width, ids.shape[1],
+                           self.pads_rows)
         prefix, suffix = self._windows["target_prefix"], self._windows["target_suffix"]
         for bound in (prefix, suffix):
             bound.bind_rows([r.slot for r in packed], self.slots)

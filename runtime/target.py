@@ -36,7 +36,7 @@ from mirror_sd.partitions.spec import (
     present_key_name,
     present_value_name,
 )
-from mirror_sd.runtime.backends import ort_session
+from mirror_sd.runtime.backends import on_cpu, ort_session
 
 if TYPE_CHECKING:
     from mirror_sd.runtime.prompt_graphs import PromptGraphs
@@ -68,9 +68,16 @@ INT8_STEP_WIDTH = 2
 ROW_BLOCK = 16
 
 
-def block_padding(rows: int) -> int:
-    """Rows to add to a run of `rows` so that its last row is not alone in a block (ROW_BLOCK): 1 or 0."""
-    return 1 if rows > 1 and rows % ROW_BLOCK == 1 else 0
+def padded_rows(rows: int, step_width: int, room: int, blocks: bool) -> int:
+    """The positions a run of `rows` takes on a target whose steps are padded to `step_width` (0: not at all): the
+    step width at least and, where `blocks` (Target.pads_rows), never a lone row past a block (ROW_BLOCK); the
+    padding stops at `room`, the positions left where the run writes. The LM head takes as many of a run's rows as
+    the step's other MatMuls do (its one-row path rounds otherwise: INT8_STEP_WIDTH), so that a prompt chunk's last
+    position gets the logits it gets in any step."""
+    padded = max(rows, step_width)
+    if blocks and padded > 1 and padded % ROW_BLOCK == 1:
+        padded += 1
+    return max(rows, min(padded, room))
 
 
 def kv_positions(manifest: Manifest, capacity: int | None, step_width: int) -> tuple[int, int]:
@@ -87,15 +94,6 @@ def kv_pairs(layers) -> list[tuple[str, str]]:
     """Each KV input of `layers` with the output it comes back as (past and present: one buffer on the target)."""
     return [pair for i in layers for pair in ((past_key_name(i), present_key_name(i)),
                                               (past_value_name(i), present_value_name(i)))]
-
-
-def head_rows(wanted: int, step_width: int, rows: int) -> int:
-    """Rows of a run of `rows` positions the LM head takes to give the last `wanted`: step_width at least, as the
-    step's other MatMuls take, so that a prompt chunk's last position gets the logits it gets in any step (the
-    head's one-row path rounds otherwise: INT8_STEP_WIDTH), and not a lone row past a block (ROW_BLOCK) where it is
-    padded at all."""
-    keep = max(wanted, step_width)
-    return min(keep + (block_padding(keep) if step_width > 1 else 0), rows)
 
 
 @dataclass(frozen=True)
@@ -217,6 +215,9 @@ class Target:
         # free (a 5-token step costs about a 1-token one). On the CPU a target with int8 activations (int8, int4) pads
         # one-row steps to two (INT8_STEP_WIDTH); 0 (the CPU's default otherwise) pads nothing.
         self.step_width = step_width
+        # a padded target on the CPU (int8 activations): its runs never end with a lone row past a block (ROW_BLOCK),
+        # and the batching engine pads its batched rows as a lone row is (runtime/batch_target.py)
+        self.pads_rows = False
         # the widest window that keeps a step at step_width rows (None: any width computes a position alike)
         self.window_ceiling: int | None = None
         self.top_k = facts.top_k
@@ -296,11 +297,8 @@ class Target:
             hidden, taps = self.prompt_graphs.prefix(np.asarray([ids], np.int64), cache.length, self.host_kv())
             self._write(cache.length, cache.length + tokens)
             return Boundary(hidden, cache.length, tokens, taps, prompt=True)
-        width = min(self.step_width, self.slots - cache.length)  # the padding stops at the buffers' end
-        if tokens < width:
-            ids += [ids[-1]] * (width - tokens)  # any id: the padding's rows and keys are never read
-        if self.step_width > 1 and cache.length + len(ids) < self.slots:
-            ids += [ids[-1]] * block_padding(len(ids))
+        padded = padded_rows(tokens, self.step_width, self.slots - cache.length, self.pads_rows)
+        ids += [ids[-1]] * (padded - tokens)  # any id: the padding's rows and keys are never read
         hidden, taps = self._run_prefix(np.asarray([ids], np.int64), cache.length)
         self._write(cache.length, cache.length + len(ids))
         return Boundary(hidden, cache.length, tokens, None if taps is None else taps[:tokens], len(ids))
@@ -314,7 +312,7 @@ class Target:
                 raise ValueError("the prompt graphs give the last position's logits only")
             logits = self.prompt_graphs.suffix(boundary.hidden, boundary.start, self.host_kv())[0]
         elif boundary.positions == boundary.tokens:
-            keep = head_rows(n, self.step_width, boundary.positions)
+            keep = padded_rows(n, self.step_width, boundary.positions, self.pads_rows)
             logits = self._run_suffix(boundary, keep)[0][keep - n:]
         else:  # the head on every row, as at any width: a row's logits must not depend on how many are kept
             logits = self._run_suffix(boundary, boundary.positions)[0][boundary.tokens - n:boundary.tokens]
@@ -382,6 +380,7 @@ class OrtTarget(Target):
         if step_width is None:  # fixed-width steps where the kernels choose by width: the GPU's float16 ones
             step_width = GPU_STEP_WIDTH if on_gpu else INT8_STEP_WIDTH if facts.matmul_activations == "int8" else 0
         super().__init__(manifest, capacity, step_width)
+        self.pads_rows = step_width > 1 and on_cpu(self.device)
         # float16 kernels (the GPU's) may round a position otherwise at every width: a window stays within the step's
         self.window_ceiling = step_width - 1 if facts.dtype == "float16" and step_width else None
         self._device = ort_device(self.device)
