@@ -73,6 +73,16 @@ class TextCodec:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise BadInputError(f"chat message {i} must be a dict with string 'role' and 'content'")
         from jinja2 import TemplateError
+
+        try:
+            return self._chat_template.render(messages=messages, add_generation_prompt=True, **self._template_tokens)
+        except TemplateError as e:
+            raise BadInputError(f"the bundle's chat template failed to render: {e}") from None
+
+    @functools.cached_property
+    def _chat_template(self):
+        """The bundle's chat template, compiled once in the environment transformers renders templates in (and vLLM
+        through it): the same text for the same messages. jinja2's TemplateError where it does not compile."""
         from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -92,17 +102,12 @@ class TextCodec:
                    sort_keys: bool = False) -> str:  # not jinja's own, which escapes HTML characters
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-        # the environment transformers renders templates in (and vLLM through it): the same text for the same messages
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[loopcontrols, Generation])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
-        try:
-            return env.from_string(self.facts.chat_template).render(
-                messages=messages, add_generation_prompt=True, **self._template_tokens)
-        except TemplateError as e:
-            raise BadInputError(f"the bundle's chat template failed to render: {e}") from None
+        return env.from_string(self.facts.chat_template)
 
     @functools.cached_property
     def _template_tokens(self) -> dict[str, str]:
