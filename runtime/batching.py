@@ -46,6 +46,7 @@ from mirror_sd.runtime.backends import on_cpu
 from mirror_sd.runtime.batch_target import BatchTarget, Row
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.gate import GateState, SpeculationGate
+from mirror_sd.runtime.grammar import GrammarState
 from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable, worth_reusing
 from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
 from mirror_sd.runtime.proposers import PromptLookup, Proposer
@@ -164,6 +165,7 @@ class _Row:
     scores: list[TokenLogprob | None] = field(default_factory=list)  # each new token's logprob (config.logprobs)
     copies: PromptLookup | None = None  # windows copied from its text, where it speculates greedily
     drafts: RowDraft | None = None  # windows from the draft model, where it runs greedy sd or mirror
+    grammar: GrammarState | None = None  # its place in its JSON schema, where it has one (runtime/grammar.py)
 
     @property
     def prompt_len(self) -> int:
@@ -324,12 +326,13 @@ class BatchEngine:
                     copies = PromptLookup(cfg, self.pipe.target.window_ceiling)
                 if windows and cfg.mode in DRAFT_MODES:
                     drafts = self._row_draft(cfg, rec)
+                grammar = self.pipe.grammar_state(cfg)
             except Exception as e:  # this request ends with it; its slot is free again, its KV untouched
                 self.table.leave(slot, slot.tokens)  # the prefix it held
                 request._emit(Finished(None, e))
                 continue
             row = _Row(request, slot, list(request.ids), cached, sink, rec, cached, time.perf_counter(),
-                       copies=copies, drafts=drafts)
+                       copies=copies, drafts=drafts, grammar=grammar)
             self._rows.append(row)
             self._pack(len(self._rows) - 1, slot)
             if self.kv.can_copy:  # now, so that a request that runs alone from here starts from the head too
@@ -565,8 +568,7 @@ class BatchEngine:
                 self._commit_chosen(row, out[:1])
                 committed += 1
                 continue
-            verdict = greedy_accept(window, penalize(out, row.request.config.params, row.context, row.prompt_len,
-                                                     window))
+            verdict = greedy_accept(window, self._target_logits(row, out, window))
             row.rec.counts.verified(len(window), verdict.accepted, copied=source is row.copies)
             source.accepted(len(window), verdict.accepted)
             for j, token in enumerate(verdict.committed(window)):
@@ -606,9 +608,17 @@ class BatchEngine:
         """Commit the row's own choice from the target's logits [1, V] at its next position (its own random stream
         there when sampling, as a generation alone draws)."""
         params, position = row.request.config.params, len(row.context)
-        token = choose(penalize(logits, params, row.context, row.prompt_len)[0], params,
+        token = choose(self._target_logits(row, logits)[0], params,
                        None if params.greedy else rng_for(params, TARGET_STREAM, position))
         self._commit(row, token, self._score(row, logits, token))
+
+    @staticmethod
+    def _target_logits(row: _Row, logits: np.ndarray, window: tuple[int, ...] = ()) -> np.ndarray:
+        """The row's logits [n, V] after its context + window[:i] with its penalties and its schema's mask
+        (runtime/sampling.py penalize), as a generation alone takes them."""
+        allowed = (row.grammar.masks(row.context, row.prompt_len, window, len(logits)) if row.grammar is not None
+                   else None)
+        return penalize(logits, row.request.config.params, row.context, row.prompt_len, window, allowed)
 
     def _fillers(self, rows: list[Row]) -> list[Row]:
         """Rows for the slots in the gaps between `rows`' slots (one token each, logits unused), so that the step is

@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar, Self
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import CONFIDENCE_RULES, MODES
 from mirror_sd.partitions.spec import BACKENDS, PREFILL_PRECISIONS
+from mirror_sd.runtime.grammar import schema_text
 from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS
 from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
 from mirror_sd.runtime.sampling import SamplingParams
@@ -270,6 +271,11 @@ class GenerationConfig(Options):
     frequency_penalty: float = option(0.0, "subtract this times its count in the generated text from each token's "
                                       "logit (OpenAI's frequency_penalty)", range=Range(-2, 2),
                                       wire="frequency_penalty")
+    # the server takes it from OpenAI's response_format (serve/protocol.py); a mask on the target's logits after the
+    # penalties: sd and mirror equal ar under it (runtime/grammar.py)
+    json_schema: str | None = option(
+        None, "hold the text to JSON that this JSON schema admits (its text; '{\"type\": \"object\"}': any object), "
+        "ending it once the value is complete", none="off", convert=schema_text)
     seed: int = option(0, "the sampling seed", range=Range(0), wire="seed")
     stop: tuple[str, ...] = option((), "a string that ends the text, which is cut before it (repeatable)",
                                    wire="stop")

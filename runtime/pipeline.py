@@ -43,6 +43,7 @@ from mirror_sd.runtime.draft import Drafter, DrafterBase
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
+from mirror_sd.runtime.grammar import GrammarState, Vocabulary
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.kv_slots import slots_for
 from mirror_sd.runtime.machine import plan_note
@@ -118,6 +119,8 @@ class Pipeline:
         self.load_options = LoadOptions()  # what load was given (the batching engine reads its own from it)
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
+        self._vocabulary: Vocabulary | None = None  # the tokenizer as JSON schemas read it, made at the first one
+        self._vocabulary_lock = threading.Lock()
 
     @classmethod
     def load(cls, bundle: str | Path, options: LoadOptions | None = None, **overrides: Any) -> Pipeline:
@@ -293,6 +296,11 @@ class Pipeline:
         if cfg.logit_bias and cfg.logit_bias[-1][0] >= vocab:
             raise BadInputError(f"logit_bias token {cfg.logit_bias[-1][0]} is past the vocabulary ({vocab} tokens)",
                                 option="logit_bias")
+        if cfg.json_schema is not None:
+            if cfg.ignore_eos:  # a complete value allows only an EOS token, which the generation would run past
+                raise BadInputError("json_schema ends the text with an EOS token: it cannot go with ignore_eos",
+                                    option="json_schema")
+            self.vocabulary.grammar(cfg.json_schema)  # compiled now: a schema it cannot hold text to is refused
         ids = self.prompt_ids(prompt)
         if self.package:
             self._check_bounds(len(ids), cfg)
@@ -344,6 +352,19 @@ class Pipeline:
         """Whether a generation holds the pipeline (a library call, or the engine's request alone)."""
         return self._busy.locked()
 
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The tokenizer as llguidance reads it for JSON schemas (runtime/grammar.py), made at the first one."""
+        with self._vocabulary_lock:
+            if self._vocabulary is None:
+                self._vocabulary = Vocabulary(self.codec.tokenizer.to_str(), self.manifest.target.vocab_size,
+                                              self.manifest.tokenizer.eos_token_ids)
+            return self._vocabulary
+
+    def grammar_state(self, cfg: GenerationConfig) -> GrammarState | None:
+        """A generation's own place in its JSON schema's grammar (None: no schema)."""
+        return self.vocabulary.grammar(cfg.json_schema).state() if cfg.json_schema is not None else None
+
     def eos_token_ids(self, cfg: GenerationConfig) -> tuple[int, ...]:
         """The tokens that end a generation under `cfg`: the tokenizer's EOS tokens, none with ignore_eos."""
         return () if cfg.ignore_eos else tuple(self.manifest.tokenizer.eos_token_ids)
@@ -355,7 +376,7 @@ class Pipeline:
         worker = self._start_worker(cfg, rec, self._threaded(cfg, fits)) if cfg.mode in DRAFT_MODES else None
         draft_forwards = self.draft.forwards
         tokens = decode(self.target, worker, tuple(ids), cfg, rec, warm_with_prefill=fits,
-                        gate_memory=self._gate_memory, cached=cached)
+                        gate_memory=self._gate_memory, cached=cached, grammar=self.grammar_state(cfg))
         start = time.perf_counter()
         ttft = 0.0
         scores = []  # each committed token's logprob, where cfg.logprobs asks for them

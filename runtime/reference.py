@@ -2,10 +2,11 @@
 
 No KV cache is kept between forwards: every forward runs the whole sequence from an empty cache, so none of the
 scheduler's cache trimming, branching or threading is involved. Greedy only, with a generation's penalties where
-`params` gives some (runtime/sampling.py penalize). gamma 0 is plain target decoding;
-gamma > 0 is vanilla speculative decoding with the draft, which must give the same tokens. confidence > 0 ends a
-window after a token the draft gives a probability below it (GenerationConfig.draft_confidence_threshold), or, with
-rule "window", after the token where the product of the window's probabilities falls below it.
+`params` gives some (runtime/sampling.py penalize) and its JSON schema's masks where `grammar` holds one. gamma 0 is
+plain target decoding; gamma > 0 is vanilla speculative decoding with the draft, which must give the same tokens.
+confidence > 0 ends a window after a token the draft gives a probability below it
+(GenerationConfig.draft_confidence_threshold), or, with rule "window", after the token where the product of the
+window's probabilities falls below it.
 `reference_logprobs` gives the target's log-probabilities of a generation's tokens from one forward over the whole
 sequence: the oracle for the decoders' logprobs (runtime/logprobs.py).
 
@@ -21,6 +22,7 @@ import numpy as np
 from mirror_sd.partitions.manifest import DRAFT_HIDDEN, FEATURES, LOGITS, STREAM_IDS, SURROGATE, USE_SURROGATE
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.feature_draft import empty_channel
+from mirror_sd.runtime.grammar import GrammarState
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.sampling import SamplingParams, penalize, probability
 from mirror_sd.runtime.target import Target
@@ -28,8 +30,10 @@ from mirror_sd.runtime.target import Target
 
 def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[int], max_new_tokens: int,
                        gamma: int = 0, eos_token_ids: tuple[int, ...] = (), confidence: float = 0.0,
-                       rule: str = "token", params: SamplingParams | None = None) -> list[int]:
-    """The new tokens (up to and including the first EOS) of greedy decoding of `prompt`."""
+                       rule: str = "token", params: SamplingParams | None = None,
+                       grammar: GrammarState | None = None) -> list[int]:
+    """The new tokens (up to and including the first EOS) of greedy decoding of `prompt` (held to a JSON schema's
+    grammar where `grammar` is a fresh state of one)."""
     params = params or SamplingParams()
     if not params.greedy:
         raise ValueError("the reference generator is greedy only")
@@ -37,7 +41,9 @@ def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[i
     def target_tokens(seq: list[int], window: list[int]) -> np.ndarray:
         """The target's greedy token after seq and after each of window's tokens: [len(window) + 1]."""
         logits, _ = target.forward(seq + window, target.empty_cache())
-        return np.argmax(penalize(logits[len(seq) - 1:], params, seq, len(prompt), window), axis=-1)
+        rows = logits[len(seq) - 1:]
+        allowed = grammar.masks(seq, len(prompt), window, len(rows)) if grammar is not None else None
+        return np.argmax(penalize(rows, params, seq, len(prompt), window, allowed), axis=-1)
 
     seq = list(prompt)
     new: list[int] = []

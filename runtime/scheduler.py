@@ -42,6 +42,7 @@ from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.draft import DrafterBase, plan_branches, reads_first
 from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.gate import GateState
+from mirror_sd.runtime.grammar import GrammarState
 from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
 from mirror_sd.runtime.messages import (
     Branches,
@@ -181,8 +182,10 @@ class DraftWorker:
 
 # -- the target side: the decoding loop ----------------------------------------------------------------------
 class _Decoder:
-    def __init__(self, target: Target, worker: DraftWorker | None, cfg: GenerationConfig, rec: Recorder) -> None:
+    def __init__(self, target: Target, worker: DraftWorker | None, cfg: GenerationConfig, rec: Recorder,
+                 grammar: GrammarState | None = None) -> None:
         self.target, self.worker, self.cfg, self.rec = target, worker, cfg, rec
+        self.grammar = grammar  # the generation's JSON schema, where it has one (runtime/grammar.py)
         self.counts = rec.counts
         self.cache: TargetCache = target.empty_cache()
         # the feature channel: the target's taps since the last draft request (a feature draft only; else empty)
@@ -198,8 +201,11 @@ class _Decoder:
         self.prompt_len = 0  # set by prefill: where the generated tokens start (the penalties count those)
 
     def _penalized(self, logits: np.ndarray, ctx: Sequence[int], window: Sequence[int] = ()) -> np.ndarray:
-        """The target's logits [n, V] after ctx + window[:i] with the generation's penalties (runtime/sampling.py)."""
-        return penalize(logits, self.cfg.params, ctx, self.prompt_len, window)
+        """The target's logits [n, V] after ctx + window[:i] with the generation's penalties and its schema's mask
+        (runtime/sampling.py)."""
+        allowed = (self.grammar.masks(ctx, self.prompt_len, window, len(logits)) if self.grammar is not None
+                   else None)
+        return penalize(logits, self.cfg.params, ctx, self.prompt_len, window, allowed)
 
     def _target_rng(self, context_len: int) -> np.random.Generator | None:
         return None if self.cfg.params.greedy else rng_for(self.cfg.params, TARGET_STREAM, context_len)
@@ -409,8 +415,8 @@ def reads_prompt_alongside(warm_with_prefill: bool, feature_draft: bool) -> bool
 
 def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], cfg: GenerationConfig,
            rec: Recorder, warm_with_prefill: bool = True,
-           gate_memory: dict[tuple[str, int], GateState] | None = None, cached: int = 0
-           ) -> Iterator[tuple[int, TokenLogprob | None]]:
+           gate_memory: dict[tuple[str, int], GateState] | None = None, cached: int = 0,
+           grammar: GrammarState | None = None) -> Iterator[tuple[int, TokenLogprob | None]]:
     """Yield the new tokens one at a time as they are committed, each with its logprob where cfg.logprobs asks
     for them (else None). Stops after cfg.max_new_tokens; the caller stops earlier (EOS, stop strings) by closing
     the generator, and closes the worker.
@@ -426,13 +432,14 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     prompt right after, before the first window.
     cached: the target's KV memory holds the prompt's first `cached` tokens already (the batching engine's prefix
     cache, runtime/batching.py): the prefill runs the rest.
+    grammar: the generation's place in its JSON schema (runtime/grammar.py), whose masks every target row takes.
     gate_memory: per mode and bucket of context length (runtime/gate.py context_bucket), what the gates learned in
     the caller's last generation there (runtime/speculation_policy.py).
     """
     if cfg.mode not in DRAFT_MODES:  # ar, and lookup: its windows come from the text
         worker = None
     drafter = worker.drafter if worker is not None else None
-    dec = _Decoder(target, worker, cfg, rec)
+    dec = _Decoder(target, worker, cfg, rec, grammar)
     # Past the draft's context (its manifest facts) every step runs on the target alone, counted in the stats.
     draft_context = drafter.engine.facts.max_position_embeddings if drafter is not None else 0
     ctx = list(prompt)

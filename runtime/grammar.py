@@ -1,0 +1,155 @@
+"""Structured output: the text held to a JSON schema (GenerationConfig.json_schema; the server's response_format), by
+masking the target's logits with llguidance, the grammar engine vLLM and llama.cpp use.
+
+    vocabulary = Vocabulary(tokenizer_json, vocab_size, eos_token_ids)   # once per pipeline
+    grammar = vocabulary.grammar(schema_text)                            # compiled once per schema (BadInputError)
+    state = grammar.state()                                              # one per generation
+    allowed = state.masks(context, prompt_len, window)                   # [len(window) + 1, V] bool
+
+The mask is part of the target's distribution, as the penalties are (runtime/sampling.py penalize): a position's mask
+depends on the tokens before it only, so a verification row is masked for the window tokens before it, exactly as
+the step that would have produced that position alone, and sd, mirror and lookup equal ar under the same schema.
+Drafts and copied windows propose unconstrained tokens: one the schema forbids is rejected like any other
+disagreement. Once the schema's value is complete only an EOS token is allowed, so the generation ends there (a
+generation that reaches max_new_tokens first ends with its JSON cut short, as OpenAI's finish_reason "length").
+
+JSON is written without free whitespace (", " and ": " between items, as json.dumps): a small model given free
+whitespace can pad a value with newlines until max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mirror_sd.errors import BadInputError
+
+# what the JSON compiler is told beyond the schema (llguidance's JsonCompileOptions)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+COMPILED_KEPT = 64  # schemas a vocabulary keeps compiled (a server's clients mostly resend a few)
+
+
+def schema_text(value: Any) -> str | None:
+    """A JSON schema as the option holds it: its JSON text (a dict is written out; None stays None); BadInputError
+    where the value is not a JSON object."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise BadInputError(f"json_schema is not JSON: {e}", option="json_schema") from None
+    if not isinstance(value, str):
+        raise BadInputError(f"json_schema takes a JSON schema (its text or a dict), not {type(value).__name__}",
+                            option="json_schema")
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise BadInputError(f"json_schema is not JSON: {e}", option="json_schema") from None
+    if not isinstance(parsed, dict):
+        raise BadInputError("json_schema must be a JSON object (a schema), e.g. {\"type\": \"object\"}",
+                            option="json_schema")
+    return value
+
+
+class Vocabulary:
+    """A bundle's tokenizer as llguidance reads it, and the schemas compiled over it (any thread)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        """tokenizer_json: the text of the bundle's tokenizer.json; vocab_size: the target's logits width."""
+        import llguidance
+
+        self._llg = llguidance
+        self.size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._compiled: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def grammar(self, schema: str) -> Grammar:
+        """The grammar of a JSON schema's text (`schema_text`); BadInputError naming what the schema gets wrong."""
+        with self._lock:
+            if schema in self._compiled:
+                self._compiled.move_to_end(schema)
+                return self._compiled[schema]
+        llg = self._llg
+        try:
+            spec = llg.LLMatcher.grammar_from_json_schema(schema_text(schema), overrides=JSON_LAYOUT)
+        except ValueError as e:
+            raise BadInputError(f"json_schema: {e}", option="json_schema") from None
+        matcher = llg.LLMatcher(self.tokenizer, spec, log_level=0)
+        if matcher.is_error():
+            raise BadInputError(f"json_schema is not a schema this server can hold text to: {matcher.get_error()}",
+                                option="json_schema")
+        grammar = Grammar(matcher, self.size)
+        with self._lock:
+            self._compiled[schema] = grammar
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return grammar
+
+
+class Grammar:
+    """A compiled schema over one vocabulary; `state()` gives each generation its own matcher."""
+
+    def __init__(self, start: Any, vocab_size: int) -> None:
+        self._start, self.size = start, vocab_size
+        self._lock = threading.Lock()
+
+    def state(self) -> GrammarState:
+        with self._lock:  # copies of one matcher, taken from several threads
+            return GrammarState(self._start.deep_copy(), self.size)
+
+
+class GrammarState:
+    """One generation's place in its grammar: the tokens it has committed are consumed as the masks are asked for
+    (in one thread, the generation's)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        import llguidance.numpy as llg_numpy
+
+        self._matcher, self._fill = matcher, llg_numpy.fill_next_token_bitmask
+        self.size = vocab_size
+        self._words = (vocab_size + 31) // 32
+        self._consumed = 0  # generated tokens the matcher has taken
+
+    def masks(self, context: Sequence[int], prompt_len: int, window: Sequence[int] = (),
+              rows: int | None = None) -> np.ndarray:
+        """The tokens the schema allows [rows, V] (rows: len(window) + 1 by default): row i at the position after
+        context + window[:i] (context: the prompt's `prompt_len` tokens, then the generated ones). Rows after a window
+        token the schema forbids (or past the window) allow every token: verification stops at that token, and never
+        reads them."""
+        rows = len(window) + 1 if rows is None else rows
+        self._catch_up(context, prompt_len)
+        bits = np.zeros((rows, self._words), np.int32)
+        taken = 0
+        for i in range(rows):
+            self._fill(self._matcher, bits, i)
+            if i + 1 == rows:
+                break
+            token = window[i] if i < len(window) else -1
+            if not 0 <= token < self.size or not (bits[i, token >> 5] >> (token & 31)) & 1:
+                bits[i + 1:] = -1
+                break
+            self._matcher.consume_token(token)
+            taken += 1
+        if taken:
+            self._matcher.rollback(taken)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :self.size].astype(bool)
+        if not allowed.any(axis=-1).all():
+            raise RuntimeError(f"the grammar allows no token: {self._matcher.get_error() or 'no way to go on'}")
+        return allowed
+
+    def _catch_up(self, context: Sequence[int], prompt_len: int) -> None:
+        """Consume the generated tokens committed since the last call (each allowed by the mask that chose it)."""
+        generated = len(context) - prompt_len
+        if generated < self._consumed:
+            raise RuntimeError("a grammar state follows one generation: its text only grows")
+        if generated > self._consumed:
+            if not self._matcher.consume_tokens([int(t) for t in context[prompt_len + self._consumed:]]):
+                raise RuntimeError(f"a committed token broke the grammar: {self._matcher.get_error()}")
+            self._consumed = generated
