@@ -31,7 +31,7 @@ Six measurements, each with a bar (results/soak/soak.json and README.md; exit 1 
 6. OpenAI paths. A server with an API key answers, from --clients threads, --openai-requests requests that take the
    paths OpenAI clients use: a wrong key (401, code invalid_api_key, the engine never reached), fields that change
    nothing at their neutral values (user, zero penalties, an empty logit_bias, chat's store false: taken, the answer
-   exact), a field at a value it does not implement (chat's response_format json_object, a completion's suffix: 400
+   exact), a field at a value it does not implement (chat's modalities with audio, a completion's suffix: 400
    naming the field), logprobs with top_logprobs in every mode (the tokens
    exact, each logprob the library's own within LOGPROB_TOLERANCE), and n = 2 (both choices exact, usage counting
    the prompt once). Bars: every answer as expected.
@@ -90,7 +90,7 @@ SOAK_API_KEY = "sk-soak"
 LOGPROB_TOLERANCE = 1e-4
 OPENAI_KINDS = ("wrong_key", "neutral_fields", "unsupported_field", "logprobs", "n2")
 # per endpoint, a field at a value the server does not implement (serve/neutral.py): a 400 naming it
-UNSUPPORTED = {"chat": ("response_format", {"type": "json_object"}), "completion": ("suffix", " and so on")}
+UNSUPPORTED = {"chat": ("modalities", ["text", "audio"]), "completion": ("suffix", " and so on")}
 
 
 def log(line: str) -> None:

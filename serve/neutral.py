@@ -43,7 +43,6 @@ FIELDS: dict[str, Neutral] = {
     # sampling and output controls, at their defaults
     "best_of": Neutral(int, lambda v: v == 1, "1", (COMPLETION,)),
     "suffix": Neutral(str, lambda v: not v, '"" (no text after the completion)', (COMPLETION,)),
-    "response_format": Neutral(dict[str, Any], lambda v: v == {"type": "text"}, '{"type": "text"}', (CHAT,)),
     "modalities": Neutral(list[str], lambda v: v == ["text"], '["text"]', (CHAT,)),
     # tools: none can be given (a tool list is refused), so these choose among nothing
     "tools": Neutral(list[Any], lambda v: not v, "[] (tools are not implemented)", (CHAT,)),

@@ -15,12 +15,14 @@ choices, prompt i's choice j at index i * n + j, as OpenAI and vLLM number them.
 The generation options' fields are not written here: each option of runtime/config.py GenerationConfig with a wire
 name is a request field (`sampling_model`), typed and bounded by the option's metadata. OpenAI's own names
 (max_tokens, temperature, top_p, seed, stop) sit at the top of the request; the project's own options ride in the
-`mirror` object, under their own names.
+`mirror` object, under their own names. OpenAI's response_format (json_object, json_schema) is the json_schema
+option's field, on completions as well (as vLLM takes it).
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -36,10 +38,11 @@ from pydantic import (
     ValidationInfo,
     create_model,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from mirror_sd.runtime.config import MIRROR, GenerationConfig, Spec, specs
+from mirror_sd.runtime.config import MIRROR, RESPONSE_FORMAT, GenerationConfig, Spec, specs
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.serve.neutral import CHAT, COMPLETION, UNSUPPORTED, fields_model
 
@@ -69,6 +72,38 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False  # null: false, as OpenAI's API allows
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # absent: any JSON value, as vLLM reads it
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the text always holds to the schema here
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: plain text, any JSON object, or JSON a schema admits (GenerationConfig.json_schema,
+    runtime/grammar.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError('json_schema is given with type "json_schema", and only then')
+        return self
+
+    def schema_text(self) -> str | None:
+        """The option's value: the schema's JSON text (None: plain text)."""
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        if self.type == "json_schema":
+            return json.dumps(self.json_schema.schema_ if self.json_schema.schema_ is not None else {})
+        return None
 
 
 class _Sampling(_Strict):
@@ -112,6 +147,8 @@ class _Sampling(_Strict):
                 value = getattr(self.mirror, spec.name, None)
             else:
                 value = getattr(self, spec.wire_name)
+            if isinstance(value, ResponseFormat):
+                value = value.schema_text()
             if value is not None:
                 out[spec.name] = value
         return out
@@ -121,6 +158,8 @@ def wire_field(spec: Spec) -> tuple[Any, Any]:
     """The request field of an option: optional, of the option's kind or choices, within its range (or the
     wire's own, where narrower)."""
     o = spec.option
+    if o.wire == RESPONSE_FORMAT:
+        return ResponseFormat | None, Field(default=None, description=o.help)
     if o.choices:
         kind: Any = Literal[o.choices]
     elif spec.kind is tuple:

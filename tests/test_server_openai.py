@@ -115,9 +115,39 @@ def test_penalties_are_the_librarys(pipe, client):
         assert e.value.param == field
 
 
+def test_response_format_holds_the_answer_to_a_json_schema(pipe, client, port):
+    """OpenAI's response_format: json_schema and json_object on chat, streamed or not, and on completions (as vLLM
+    takes it), each the library's generation under the same schema; a schema it cannot hold to is a 400 naming
+    response_format."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["a", "b"]}},
+              "required": ["ok", "tag"], "additionalProperties": False}
+    want = pipe.generate(MESSAGES, mode="ar", max_new_tokens=40, json_schema=schema)
+    assert want.finish_reason == "eos"
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                       response_format=fmt)
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
+    assert set(json.loads(want.text)) == {"ok", "tag"}
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
+    any_object = pipe.generate("the cat", mode="ar", max_new_tokens=8, json_schema={"type": "object"})
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
+    r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=8, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].text == any_object.text
+    for bad in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}},
+                {"type": "json_schema"}, {"type": "json_object", "json_schema": {"name": "x"}}, {"type": "yaml"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, response_format=bad)
+        assert e.value.param is not None and e.value.param.startswith("response_format"), bad
+
+
 @pytest.mark.parametrize("field, value", [
     ("store", True),
-    ("tool_choice", "required"), ("response_format", {"type": "json_object"}), ("service_tier", "flex"),
+    ("tool_choice", "required"), ("modalities", ["text", "audio"]), ("service_tier", "flex"),
 ])
 def test_a_field_at_a_working_value_is_a_400_naming_it(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:

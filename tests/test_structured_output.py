@@ -1,0 +1,170 @@
+"""JSON schemas (GenerationConfig.json_schema; runtime/grammar.py): the text holds to the schema, and sd, mirror and
+lookup equal ar under it token for token, alone and in the batching engine, greedy and sampled, on every
+architecture; a schema that cannot be held to is refused before any work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.runtime.reference import reference_generate
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
+# bounded everywhere, so that even a random model's JSON ends within NEW_TOKENS
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "name", "n", "tags"],
+          "properties": {"ok": {"type": "boolean"}, "name": {"type": "string", "maxLength": 4},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}}}
+ANY_OBJECT = {"type": "object"}
+NEW_TOKENS = 60
+
+
+def _holds(value: dict) -> bool:
+    return (set(value) == {"ok", "name", "n", "tags"} and isinstance(value["ok"], bool)
+            and isinstance(value["name"], str) and len(value["name"]) <= 4
+            and isinstance(value["n"], int) and 0 <= value["n"] <= 99
+            and len(value["tags"]) <= 2 and set(value["tags"]) <= {"a", "b"})
+
+
+@pytest.fixture(scope="module")
+def pipelines(bundle_factory):
+    cache: dict[str, Pipeline] = {}
+
+    def get(arch: str = "llama") -> Pipeline:
+        if arch not in cache:
+            cache[arch] = Pipeline.load(bundle_factory(arch), huge_pages=False, max_num_seqs=4)
+        return cache[arch]
+
+    yield get
+    for pipe in cache.values():
+        pipe.close()
+
+
+def test_a_verification_row_is_masked_as_the_step_that_would_give_it(pipelines):
+    """Row i of a window's masks after context + window[:i], as a state that committed those tokens gets; a row after
+    a token the schema forbids allows everything (verification stops there), and the state is where it was."""
+    pipe = pipelines()
+    grammar = pipe.vocabulary.grammar(json.dumps(SCHEMA))
+    prompt = [5, 17]
+    text = pipe.codec.encode('{"ok": true, "name": "x', special=False)
+    state = grammar.state()
+    rows = state.masks(prompt, len(prompt), text)
+    assert rows.shape == (len(text) + 1, pipe.manifest.target.vocab_size)
+    for i in range(len(text) + 1):
+        alone = grammar.state().masks([*prompt, *text[:i]], len(prompt))
+        np.testing.assert_array_equal(rows[i], alone[0])
+        if i < len(text):
+            assert rows[i, text[i]]
+    assert rows[0].sum() < rows.shape[1] / 4  # the first token must open an object
+    forbidden = int(np.flatnonzero(~rows[0])[0])
+    cut = state.masks(prompt, len(prompt), (forbidden, text[1]))
+    np.testing.assert_array_equal(cut[0], rows[0])
+    assert cut[1:].all()
+    np.testing.assert_array_equal(state.masks(prompt, len(prompt))[0], rows[0])  # the window was rolled back
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_mode_equals_ar_under_a_schema_and_the_json_holds(pipelines, arch):
+    pipe = pipelines(arch)
+    schema = json.dumps(SCHEMA)
+    for prompt in PROMPTS:
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, json_schema=schema)
+        assert ar.finish_reason == "eos" and _holds(json.loads(ar.text)), ar.text
+        state = pipe.vocabulary.grammar(schema).state()
+        want = reference_generate(pipe.target, None, prompt, NEW_TOKENS, eos_token_ids=pipe.eos_token_ids(
+            GenerationConfig()), grammar=state)
+        assert ar.token_ids == want[:len(ar.token_ids)] and want[len(ar.token_ids) - 1] in pipe.eos_token_ids(
+            GenerationConfig())
+        for mode in ("lookup", "sd", "mirror"):
+            for gate in (True, False):  # the default steps, and every step verifying a window
+                out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, json_schema=schema,
+                                    adaptive_speculation=gate)
+                assert out.token_ids == ar.token_ids, (mode, gate)
+                if mode != "lookup" and not gate:
+                    assert out.stats["proposed_tokens"] > 0
+        # any object: cut at max_new_tokens or ended, every token allowed where it came
+        cut = pipe.generate(prompt, mode="mirror", max_new_tokens=12, json_schema=ANY_OBJECT)
+        assert cut.token_ids == pipe.generate(prompt, mode="ar", max_new_tokens=12, json_schema=ANY_OBJECT).token_ids
+        assert cut.text.startswith("{")
+        pipe.vocabulary.grammar(json.dumps(ANY_OBJECT)).state().masks([*prompt, *cut.token_ids], len(prompt))
+
+
+def test_the_reference_generator_with_the_draft_holds_to_the_schema(pipelines):
+    pipe = pipelines()
+    grammar, eos = pipe.vocabulary.grammar(json.dumps(SCHEMA)), pipe.eos_token_ids(GenerationConfig())
+    for prompt in PROMPTS:
+        ar = reference_generate(pipe.target, None, prompt, NEW_TOKENS, eos_token_ids=eos, grammar=grammar.state())
+        assert reference_generate(pipe.target, pipe.draft, prompt, NEW_TOKENS, gamma=3, eos_token_ids=eos,
+                                  grammar=grammar.state()) == ar
+
+
+def test_sampled_generations_hold_to_the_schema_and_verify_against_the_masked_target(pipelines):
+    """Speculative sampling with a schema: each mode's sampled JSON holds; at a temperature this low every warped
+    distribution is one token, so sampled sd and mirror give the masked greedy text, their windows (from a draft
+    that does not know the schema) corrected by the residual."""
+    pipe = pipelines()
+    for prompt in PROMPTS:
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, json_schema=SCHEMA)
+        for mode in ("ar", "sd", "mirror"):
+            for seed in (1, 2):
+                out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, json_schema=SCHEMA,
+                                    temperature=1.0, seed=seed)
+                assert out.finish_reason == "eos" and _holds(json.loads(out.text)), (mode, out.text)
+            low = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, json_schema=SCHEMA, temperature=1e-4)
+            assert low.token_ids == ar.token_ids, mode
+
+
+def test_batched_rows_with_and_without_schemas_give_their_solo_outputs(pipelines):
+    pipe = pipelines()
+    engine = pipe.engine()
+    prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10], [40, 41]]
+    runs = [("mirror", SCHEMA), ("sd", None), ("lookup", ANY_OBJECT), ("ar", SCHEMA)]
+    first = engine.submit(*pipe.check(prompts[0], mode="mirror", max_new_tokens=NEW_TOKENS, json_schema=SCHEMA))
+    chunks = iter(first)
+    next(chunks)  # alone: its speculative decoder runs until the others arrive, then its row goes on in the batch
+    others = [engine.submit(*pipe.check(p, mode=m, max_new_tokens=NEW_TOKENS, json_schema=s))
+              for p, (m, s) in zip(prompts[1:], runs[1:])]
+    results = [r.wait() for r in others]
+    for _ in chunks:
+        pass
+    results.insert(0, first.result)
+    assert max(r.stats.mean_batch_size for r in results) > 1  # they shared steps
+    for prompt, (mode, schema), got in zip(prompts, runs, results):
+        alone = pipe.generate(prompt, mode="ar", max_new_tokens=len(got.token_ids), json_schema=schema)
+        assert got.token_ids == alone.token_ids, (mode, schema)
+    assert _holds(json.loads(results[0].text)) and _holds(json.loads(results[3].text))
+
+
+def test_a_schema_that_cannot_be_held_to_is_refused_before_any_work(pipelines):
+    pipe = pipelines()
+    for bad, says in (("not json", "not JSON"), ("[1]", "JSON object"), ({"type": "objec"}, "objec"),
+                      ({"$ref": "#/nowhere"}, "nowhere"), ({"type": "string", "pattern": "(("}, "regex")):
+        with pytest.raises(BadInputError, match=says) as e:
+            pipe.check([5, 17], json_schema=bad)
+        assert e.value.option == "json_schema"
+    with pytest.raises(BadInputError, match="ignore_eos") as e:
+        pipe.check([5, 17], json_schema=ANY_OBJECT, ignore_eos=True)
+    assert GenerationConfig(json_schema={"type": "object"}).json_schema == '{"type": "object"}'
+
+
+def test_the_command_line_takes_a_schema_and_refuses_a_bad_one(bundle_factory):
+    bundle = str(bundle_factory())
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mirror_sd.cli", "generate", bundle, "--prompt", "hi",
+                               "--max-new-tokens", str(NEW_TOKENS), "--mode", "sd", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    done = run("--json-schema", json.dumps(SCHEMA), "--json")
+    assert done.returncode == 0, done.stderr
+    assert _holds(json.loads(json.loads(done.stdout)["text"]))
+    bad = run("--json-schema", '{"type": "objec"}')
+    assert bad.returncode != 0 and "json_schema" in bad.stderr and "Traceback" not in bad.stderr
