@@ -45,6 +45,7 @@ MAX_THREADS = 256  # per engine: far past any core count, short of a pool that t
 # the draft engine, and memory, for seconds (a server's clients share them)
 MAX_WINDOW = 64
 MIRROR = "mirror."  # a wire name: the request's extension object, under the option's own name
+RESPONSE_FORMAT = "response_format"  # the json_schema option's wire name: OpenAI's object, which holds the schema
 MAX_LOGIT_BIAS = 300  # tokens one generation may bias, as OpenAI's API allows
 
 
@@ -271,11 +272,11 @@ class GenerationConfig(Options):
     frequency_penalty: float = option(0.0, "subtract this times its count in the generated text from each token's "
                                       "logit (OpenAI's frequency_penalty)", range=Range(-2, 2),
                                       wire="frequency_penalty")
-    # the server takes it from OpenAI's response_format (serve/protocol.py); a mask on the target's logits after the
+    # OpenAI's response_format on the wire (serve/protocol.py ResponseFormat); a mask on the target's logits after the
     # penalties: sd and mirror equal ar under it (runtime/grammar.py)
     json_schema: str | None = option(
         None, "hold the text to JSON that this JSON schema admits (its text; '{\"type\": \"object\"}': any object), "
-        "ending it once the value is complete", none="off", convert=schema_text)
+        "ending it once the value is complete", none="off", convert=schema_text, wire=RESPONSE_FORMAT)
     seed: int = option(0, "the sampling seed", range=Range(0), wire="seed")
     stop: tuple[str, ...] = option((), "a string that ends the text, which is cut before it (repeatable)",
                                    wire="stop")
