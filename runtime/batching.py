@@ -46,7 +46,7 @@ from mirror_sd.runtime.backends import on_cpu
 from mirror_sd.runtime.batch_target import BatchTarget, Row
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.gate import GateState, SpeculationGate
-from mirror_sd.runtime.grammar import GrammarState
+from mirror_sd.runtime.grammar import GrammarError, GrammarState
 from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable, worth_reusing
 from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
 from mirror_sd.runtime.proposers import PromptLookup, Proposer
@@ -568,7 +568,10 @@ class BatchEngine:
                 self._commit_chosen(row, out[:1])
                 committed += 1
                 continue
-            verdict = greedy_accept(window, self._target_logits(row, out, window))
+            logits = self._target_logits(row, out, window)
+            if logits is None:
+                continue
+            verdict = greedy_accept(window, logits)
             row.rec.counts.verified(len(window), verdict.accepted, copied=source is row.copies)
             source.accepted(len(window), verdict.accepted)
             for j, token in enumerate(verdict.committed(window)):
@@ -608,16 +611,22 @@ class BatchEngine:
         """Commit the row's own choice from the target's logits [1, V] at its next position (its own random stream
         there when sampling, as a generation alone draws)."""
         params, position = row.request.config.params, len(row.context)
-        token = choose(self._target_logits(row, logits)[0], params,
-                       None if params.greedy else rng_for(params, TARGET_STREAM, position))
+        chosen = self._target_logits(row, logits)
+        if chosen is None:
+            return
+        token = choose(chosen[0], params, None if params.greedy else rng_for(params, TARGET_STREAM, position))
         self._commit(row, token, self._score(row, logits, token))
 
-    @staticmethod
-    def _target_logits(row: _Row, logits: np.ndarray, window: tuple[int, ...] = ()) -> np.ndarray:
+    def _target_logits(self, row: _Row, logits: np.ndarray, window: tuple[int, ...] = ()) -> np.ndarray | None:
         """The row's logits [n, V] after its context + window[:i] with its penalties and its schema's mask
-        (runtime/sampling.py penalize), as a generation alone takes them."""
-        allowed = (row.grammar.masks(row.context, row.prompt_len, window, len(logits)) if row.grammar is not None
-                   else None)
+        (runtime/sampling.py penalize), as a generation alone takes them; None where its schema's state failed,
+        which ends that request alone."""
+        try:
+            allowed = (row.grammar.masks(row.context, row.prompt_len, window, len(logits)) if row.grammar is not None
+                       else None)
+        except GrammarError as e:
+            self._retire(row, error=e)
+            return None
         return penalize(logits, row.request.config.params, row.context, row.prompt_len, window, allowed)
 
     def _fillers(self, rows: list[Row]) -> list[Row]:

@@ -277,7 +277,9 @@ class GenerationConfig(Options):
     json_schema: str | None = option(
         None, "hold the text to JSON that this JSON schema admits (its text; '{\"type\": \"object\"}': any object), "
         "ending it once the value is complete", none="off", convert=schema_text, wire=RESPONSE_FORMAT)
-    seed: int = option(0, "the sampling seed", range=Range(0), wire="seed")
+    # OpenAI's seed is any int64; n choices draw with seed + i, which the library's range leaves room for
+    seed: int = option(0, "the sampling seed", range=Range(-2**63, 2**64 - 1), wire="seed",
+                       wire_range=Range(-2**63, 2**63 - 1))
     stop: tuple[str, ...] = option((), "a string that ends the text, which is cut before it (repeatable)",
                                    wire="stop")
     # fixed-length generations (load tests, benchmarks), as vLLM's and OpenVINO GenAI's ignore_eos

@@ -34,6 +34,10 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 COMPILED_KEPT = 64  # schemas a vocabulary keeps compiled (a server's clients mostly resend a few)
 
 
+class GrammarError(RuntimeError):
+    """A generation's grammar state cannot go on (a bug, or a limit of llguidance's): that generation fails."""
+
+
 def schema_text(value: Any) -> str | None:
     """A JSON schema as the option holds it: its JSON text (a dict is written out; None stays None); BadInputError
     where the value is not a JSON object."""
@@ -65,7 +69,7 @@ class Vocabulary:
         import llguidance
 
         self._llg = llguidance
-        self.size = vocab_size
+        self.size, self.eos = vocab_size, frozenset(eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._compiled: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -85,7 +89,7 @@ class Vocabulary:
         if matcher.is_error():
             raise BadInputError(f"json_schema is not a schema this server can hold text to: {matcher.get_error()}",
                                 option="json_schema")
-        grammar = Grammar(matcher, self.size)
+        grammar = Grammar(matcher, self.size, self.eos)
         with self._lock:
             self._compiled[schema] = grammar
             while len(self._compiled) > COMPILED_KEPT:
@@ -96,24 +100,24 @@ class Vocabulary:
 class Grammar:
     """A compiled schema over one vocabulary; `state()` gives each generation its own matcher."""
 
-    def __init__(self, start: Any, vocab_size: int) -> None:
-        self._start, self.size = start, vocab_size
+    def __init__(self, start: Any, vocab_size: int, eos: frozenset[int]) -> None:
+        self._start, self.size, self.eos = start, vocab_size, eos
         self._lock = threading.Lock()
 
     def state(self) -> GrammarState:
         with self._lock:  # copies of one matcher, taken from several threads
-            return GrammarState(self._start.deep_copy(), self.size)
+            return GrammarState(self._start.deep_copy(), self.size, self.eos)
 
 
 class GrammarState:
     """One generation's place in its grammar: the tokens it has committed are consumed as the masks are asked for
     (in one thread, the generation's)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos: frozenset[int]) -> None:
         import llguidance.numpy as llg_numpy
 
         self._matcher, self._fill = matcher, llg_numpy.fill_next_token_bitmask
-        self.size = vocab_size
+        self.size, self.eos = vocab_size, eos
         self._words = (vocab_size + 31) // 32
         self._consumed = 0  # generated tokens the matcher has taken
 
@@ -121,8 +125,7 @@ class GrammarState:
               rows: int | None = None) -> np.ndarray:
         """The tokens the schema allows [rows, V] (rows: len(window) + 1 by default): row i at the position after
         context + window[:i] (context: the prompt's `prompt_len` tokens, then the generated ones). Rows after a window
-        token the schema forbids (or past the window) allow every token: verification stops at that token, and never
-        reads them."""
+        token the schema forbids, an EOS token (the end) or past the window allow every token: nothing reads them."""
         rows = len(window) + 1 if rows is None else rows
         self._catch_up(context, prompt_len)
         bits = np.zeros((rows, self._words), np.int32)
@@ -132,7 +135,9 @@ class GrammarState:
             if i + 1 == rows:
                 break
             token = window[i] if i < len(window) else -1
-            if not 0 <= token < self.size or not (bits[i, token >> 5] >> (token & 31)) & 1:
+            # an EOS token ends the generation, so nothing reads the rows after it; consumed, it would stop the
+            # matcher outside the history its rollback undoes
+            if not 0 <= token < self.size or not (bits[i, token >> 5] >> (token & 31)) & 1 or token in self.eos:
                 bits[i + 1:] = -1
                 break
             self._matcher.consume_token(token)
@@ -141,15 +146,15 @@ class GrammarState:
             self._matcher.rollback(taken)
         allowed = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :self.size].astype(bool)
         if not allowed.any(axis=-1).all():
-            raise RuntimeError(f"the grammar allows no token: {self._matcher.get_error() or 'no way to go on'}")
+            raise GrammarError(f"the grammar allows no token: {self._matcher.get_error() or 'no way to go on'}")
         return allowed
 
     def _catch_up(self, context: Sequence[int], prompt_len: int) -> None:
         """Consume the generated tokens committed since the last call (each allowed by the mask that chose it)."""
         generated = len(context) - prompt_len
         if generated < self._consumed:
-            raise RuntimeError("a grammar state follows one generation: its text only grows")
+            raise GrammarError("a grammar state follows one generation: its text only grows")
         if generated > self._consumed:
             if not self._matcher.consume_tokens([int(t) for t in context[prompt_len + self._consumed:]]):
-                raise RuntimeError(f"a committed token broke the grammar: {self._matcher.get_error()}")
+                raise GrammarError(f"a committed token broke the grammar: {self._matcher.get_error()}")
             self._consumed = generated

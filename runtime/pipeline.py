@@ -299,7 +299,7 @@ class Pipeline:
         if cfg.json_schema is not None:
             if cfg.ignore_eos:  # a complete value allows only an EOS token, which the generation would run past
                 raise BadInputError("json_schema ends the text with an EOS token: it cannot go with ignore_eos",
-                                    option="json_schema")
+                                    option="ignore_eos")
             self.vocabulary.grammar(cfg.json_schema)  # compiled now: a schema it cannot hold text to is refused
         ids = self.prompt_ids(prompt)
         if self.package:

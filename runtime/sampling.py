@@ -103,7 +103,7 @@ def _penalized(x: np.ndarray, counts: np.ndarray, params: SamplingParams) -> np.
 
 def rng_for(params: SamplingParams, stream: int, position: int) -> np.random.Generator:
     """The generator for `stream` at context length `position`: independent across streams and positions."""
-    return np.random.default_rng([params.seed, stream, position])
+    return np.random.default_rng([params.seed % 2**64, stream, position])  # numpy's seeds are non-negative
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -33,6 +33,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     StrictInt,
     StrictStr,
     ValidationInfo,
@@ -166,6 +167,8 @@ def wire_field(spec: Spec) -> tuple[Any, Any]:
         kind = str | list[str]  # one string or several, as GenerationConfig takes them
     elif spec.kind is dict:  # JSON's keys are strings: the option's own check reads them as token ids
         return Annotated[dict[str, float], AfterValidator(spec.check)] | None, Field(default=None, description=o.help)
+    elif spec.kind in (int, float):  # strict: true is not 1 (an int is still a float)
+        kind = Annotated[spec.kind, Strict()]
     else:
         kind = spec.kind
     bounds = o.wire_range or o.range
@@ -243,10 +246,10 @@ class ChatMessage(_Strict):
 
 class ChatRequest(Sampling, fields_model(CHAT)):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = wire_field(_spec("max_new_tokens"))[1]  # the newer name of max_tokens
+    max_completion_tokens: StrictInt | None = wire_field(_spec("max_new_tokens"))[1]  # the newer name of max_tokens
     # chat's shape of the logprobs option: a switch, and the alternatives in a field of their own
     logprobs: bool | None = None
-    top_logprobs: int | None = wire_field(_spec("logprobs"))[1]
+    top_logprobs: StrictInt | None = wire_field(_spec("logprobs"))[1]
 
     def generation_options(self) -> dict[str, Any]:
         out = super().generation_options()

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from mirror_sd import GenerationConfig
 from mirror_sd.cli import LOAD_FLAGS, add_options, build_parser, given
 from mirror_sd.errors import BadInputError
-from mirror_sd.runtime.config import MIRROR, LoadOptions, Range, Spec, option, specs
+from mirror_sd.runtime.config import MIRROR, RESPONSE_FORMAT, LoadOptions, Range, Spec, option, specs
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.stats import GenerationStats
 from mirror_sd.serve.app import _param_of
@@ -63,7 +63,7 @@ def test_pipeline_config_and_overrides(pipe):
 @pytest.mark.parametrize("options, option", [
     ({"gamma": 0}, "gamma"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
     ({"draft_streaming": "x"}, "draft_streaming"), ({"stop": [""]}, "stop"), ({"kappa": 99}, "kappa"),
-    ({"mode": "beam"}, "mode"), ({"seed": -1}, "seed"), ({"beams": 2}, None),
+    ({"mode": "beam"}, "mode"), ({"seed": 2**64}, "seed"), ({"beams": 2}, None),
     ({"draft_confidence_threshold": 1.0}, "draft_confidence_threshold"),
     ({"draft_confidence_threshold": "high"}, "draft_confidence_threshold"),
     ({"adaptive_speculation": "no"}, "adaptive_speculation"),
@@ -107,6 +107,8 @@ def _samples(spec: Spec, bounds: Range | None = None) -> tuple[list, list]:
         return [True, False], ["maybe"]
     if spec.kind is tuple:
         return [["a"], ["a", "b"]], [[""]]
+    if spec.kind is str:  # a JSON schema's text
+        return ['{"type": "object"}', '{"type": "string", "maxLength": 3}'], ["not json", "[1]"]
     if spec.kind is dict:  # token id -> number, as (id, number) pairs
         r = o.range or Range()
         return [[(5, r.low)], [(0, 1.0), (7, r.high)]], [[(5, r.low - 1)], [(5, 1.0), (5, 2.0)], [(-1, 1.0)]]
@@ -180,6 +182,14 @@ def test_the_request_schema_takes_what_the_option_takes(spec):
             assert caught.value.errors()[0]["type"] == "extra_forbidden"
         return
     inside, outside = _samples(spec, spec.option.wire_range)
+    expected = spec.check
+    if spec.option.wire == RESPONSE_FORMAT:  # OpenAI's object, which holds the schema
+        inside = [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string"}}}]
+        outside = [{"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": {}}}]
+
+        def expected(value):
+            return spec.check(json.dumps(value.get("json_schema", {}).get("schema", {"type": "object"})))
     if spec.kind is dict:  # a JSON object of token ids: its keys strings
         inside, outside = ([{str(k): v for k, v in pairs} for pairs in values
                             if len({k for k, _ in pairs}) == len(pairs)]  # a JSON object cannot repeat a key
@@ -189,7 +199,7 @@ def test_the_request_schema_takes_what_the_option_takes(spec):
         options = request_model.model_validate(request(spec.wire_name, value)).generation_options()
         assert set(options) == (set() if value is None else {spec.name})
         if value is not None:  # and the pipeline takes it, as the option takes the value
-            assert getattr(GenerationConfig().updated(**options), spec.name) == spec.check(value)
+            assert getattr(GenerationConfig().updated(**options), spec.name) == expected(value)
     for value in outside:
         with pytest.raises(ValidationError) as caught:
             request_model.model_validate(request(spec.wire_name, value))

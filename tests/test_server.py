@@ -239,6 +239,8 @@ def _out_of_range(spec: Spec) -> object:
         return "maybe"
     if spec.kind is tuple:
         return [""]
+    if spec.kind is str:  # response_format: a schema that is not one
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}
     return r.low if r.low_open else r.low - 1
 
 

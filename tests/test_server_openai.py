@@ -108,11 +108,22 @@ def test_penalties_are_the_librarys(pipe, client):
     assert r.choices[0].message.content == want.text
     vocab = pipe.manifest.target.vocab_size
     for field, value in (("presence_penalty", 2.5), ("repetition_penalty", 0), ("repetition_penalty", 2.5),
+                         ("repetition_penalty", True), ("seed", 2**63), ("max_completion_tokens", False),
                          ("top_k", -2), ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}),
                          ("logit_bias", {str(vocab): 1})):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={field: value})
         assert e.value.param == field
+
+
+def test_a_negative_seed_is_taken_as_openai_takes_any_int64(pipe, client):
+    want = pipe.generate(MESSAGES, mode="ar", max_new_tokens=8, temperature=1.0, seed=-7)
+    assert want.token_ids != pipe.generate(MESSAGES, mode="ar", max_new_tokens=8, temperature=1.0, seed=7).token_ids
+    for _ in range(2):
+        r = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                                             temperature=1.0, seed=-7, extra_body={"mirror": {
+                                                                 "mode": "ar"}})
+        assert r.headers["x-seed"] == "-7" and r.parse().choices[0].message.content == want.text
 
 
 def test_response_format_holds_the_answer_to_a_json_schema(pipe, client, port):

@@ -13,6 +13,7 @@ import pytest
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.grammar import GrammarError
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.reference import reference_generate
 
@@ -69,6 +70,43 @@ def test_a_verification_row_is_masked_as_the_step_that_would_give_it(pipelines):
     np.testing.assert_array_equal(cut[0], rows[0])
     assert cut[1:].all()
     np.testing.assert_array_equal(state.masks(prompt, len(prompt))[0], rows[0])  # the window was rolled back
+
+
+def test_a_window_ending_the_text_leaves_the_state_where_it_was(pipelines):
+    """A window that closes the value and ends with EOS (copied from an earlier JSON turn), rejected at its first
+    token: the next masks are a fresh state's. (llguidance's rollback does not count an EOS it consumed.)"""
+    pipe = pipelines()
+    grammar = pipe.vocabulary.grammar(json.dumps(ANY_OBJECT))
+    eos = pipe.eos_token_ids(GenerationConfig())[0]
+    prompt, opened = [5, 17], pipe.codec.encode('{"a": "x', special=False)
+    closing = pipe.codec.encode('"}', special=False)
+    state = grammar.state()
+    rows = state.masks([*prompt, *opened], len(prompt), (*closing, eos, 7))
+    assert rows[len(closing), eos] and rows[len(closing) + 1:].all()  # after EOS: nothing reads them
+    for more in ([], pipe.codec.encode("y", special=False)):
+        np.testing.assert_array_equal(state.masks([*prompt, *opened, *more], len(prompt))[0],
+                                      grammar.state().masks([*prompt, *opened, *more], len(prompt))[0])
+
+
+def test_copies_of_an_earlier_json_turn_with_its_eos_stay_exact(pipelines):
+    """Prompt lookup copies `}` + EOS out of an earlier answer; the target goes another way: every mode equals ar."""
+    pipe = pipelines()
+    eos = pipe.eos_token_ids(GenerationConfig())[0]
+    closed = pipe.codec.encode("{}", special=False)
+    compared = 0
+    for a in range(3, 40):
+        prompt = [a, a + 7, *closed, eos, 11, 12, a, a + 7]
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=20, json_schema=ANY_OBJECT)
+        if ar.token_ids[:len(closed)] == closed:  # the target closes the object too: nothing rejected
+            continue
+        for mode in ("lookup", "sd", "mirror"):
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=20, json_schema=ANY_OBJECT,
+                                adaptive_speculation=False)
+            assert out.token_ids == ar.token_ids, (a, mode)
+        compared += 1
+        if compared == 3:
+            break
+    assert compared == 3
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -143,6 +181,25 @@ def test_batched_rows_with_and_without_schemas_give_their_solo_outputs(pipelines
     assert _holds(json.loads(results[0].text)) and _holds(json.loads(results[3].text))
 
 
+def test_a_failed_grammar_state_ends_its_request_alone(pipelines, monkeypatch):
+    """In the batching engine a request whose schema state fails ends with that error; the others go on."""
+    pipe = pipelines()
+    engine = pipe.engine()
+
+    class Broken:
+        def masks(self, *_args):
+            raise GrammarError("broken on purpose")
+
+    make = pipe.grammar_state
+    monkeypatch.setattr(pipe, "grammar_state", lambda cfg: Broken() if cfg.json_schema else make(cfg))
+    want = pipe.generate([40, 41, 42], mode="ar", max_new_tokens=24)
+    broken = engine.submit(*pipe.check(PROMPTS[0], mode="lookup", max_new_tokens=24, json_schema=ANY_OBJECT))
+    other = engine.submit(*pipe.check([40, 41, 42], mode="ar", max_new_tokens=24))
+    with pytest.raises(GrammarError, match="on purpose"):
+        broken.wait()
+    assert other.wait().token_ids == want.token_ids
+
+
 def test_a_schema_that_cannot_be_held_to_is_refused_before_any_work(pipelines):
     pipe = pipelines()
     for bad, says in (("not json", "not JSON"), ("[1]", "JSON object"), ({"type": "objec"}, "objec"),
@@ -152,6 +209,7 @@ def test_a_schema_that_cannot_be_held_to_is_refused_before_any_work(pipelines):
         assert e.value.option == "json_schema"
     with pytest.raises(BadInputError, match="ignore_eos") as e:
         pipe.check([5, 17], json_schema=ANY_OBJECT, ignore_eos=True)
+    assert e.value.option == "ignore_eos"
     assert GenerationConfig(json_schema={"type": "object"}).json_schema == '{"type": "object"}'
 
 
