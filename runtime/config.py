@@ -46,6 +46,7 @@ MAX_THREADS = 256  # per engine: far past any core count, short of a pool that t
 MAX_WINDOW = 64
 MIRROR = "mirror."  # a wire name: the request's extension object, under the option's own name
 RESPONSE_FORMAT = "response_format"  # the json_schema option's wire name: OpenAI's object, which holds the schema
+STRUCTURED = "structured_outputs."  # a wire name: vLLM's structured-output object, under the option's own name
 MAX_LOGIT_BIAS = 300  # tokens one generation may bias, as OpenAI's API allows
 
 
@@ -127,7 +128,7 @@ class Spec:
     def wire_name(self) -> str | None:
         """The request field the server takes it from, dotted ("max_tokens", "mirror.gamma"); None: not taken."""
         wire = self.option.wire
-        return MIRROR + self.name if wire == MIRROR else wire
+        return wire + self.name if wire in (MIRROR, STRUCTURED) else wire
 
     def check(self, value: Any) -> Any:
         """`value` normalised (a float for a number, a tuple for strings); a BadInputError naming the option when
@@ -227,6 +228,12 @@ def _token_numbers(name: str, value: Any, r: Range) -> tuple[tuple[int, float], 
     return tuple(sorted(out.items()))
 
 
+def _regex(value: Any) -> Any:
+    if value is not None and not (isinstance(value, str) and value):
+        raise BadInputError(f"regex must be a non-empty string, got {value!r}", option="regex")
+    return value
+
+
 def _top_k(value: Any) -> Any:
     return 0 if value == -1 and not isinstance(value, bool) else value
 
@@ -272,11 +279,16 @@ class GenerationConfig(Options):
     frequency_penalty: float = option(0.0, "subtract this times its count in the generated text from each token's "
                                       "logit (OpenAI's frequency_penalty)", range=Range(-2, 2),
                                       wire="frequency_penalty")
-    # OpenAI's response_format on the wire (serve/protocol.py ResponseFormat); a mask on the target's logits after the
-    # penalties: sd and mirror equal ar under it (runtime/grammar.py)
+    # the text held to a grammar, by at most one of these three: a mask on the target's logits after the penalties,
+    # under which sd and mirror equal ar (runtime/grammar.py); json_schema is OpenAI's response_format on the wire
+    # (serve/protocol.py ResponseFormat), regex and choice vLLM's structured_outputs
     json_schema: str | None = option(
         None, "hold the text to JSON that this JSON schema admits (its text; '{\"type\": \"object\"}': any object), "
         "ending it once the value is complete", none="off", convert=schema_text, wire=RESPONSE_FORMAT)
+    regex: str | None = option(
+        None, "hold the text to this regular expression, matched by the whole text (Rust's regex syntax)", none="off",
+        convert=_regex, wire=STRUCTURED)
+    choice: tuple[str, ...] = option((), "the text is one of these strings (repeatable)", wire=STRUCTURED)
     # OpenAI's seed is any int64; n choices draw with seed + i, which the library's range leaves room for
     seed: int = option(0, "the sampling seed", range=Range(-2**63, 2**64 - 1), wire="seed",
                        wire_range=Range(-2**63, 2**63 - 1))

@@ -1,8 +1,10 @@
-"""Structured output: the text held to a JSON schema (GenerationConfig.json_schema; the server's response_format), by
-masking the target's logits with llguidance, the grammar engine vLLM and llama.cpp use.
+"""Structured output: the text held to a JSON schema (GenerationConfig.json_schema; the server's response_format), a
+regular expression or a list of choices (regex, choice; vLLM's structured_outputs), by masking the target's logits
+with llguidance, the grammar engine vLLM and llama.cpp use.
 
     vocabulary = Vocabulary(tokenizer_json, vocab_size, eos_token_ids)   # once per pipeline
-    grammar = vocabulary.grammar(schema_text)                            # compiled once per schema (BadInputError)
+    grammar = vocabulary.grammar(schema_text)                            # compiled once per text (BadInputError)
+    grammar = vocabulary.grammar(pattern, REGEX, "regex")
     state = grammar.state()                                              # one per generation
     allowed = state.masks(context, prompt_len, window)                   # [len(window) + 1, V] bool
 
@@ -10,8 +12,9 @@ The mask is part of the target's distribution, as the penalties are (runtime/sam
 depends on the tokens before it only, so a verification row is masked for the window tokens before it, exactly as
 the step that would have produced that position alone, and sd, mirror and lookup equal ar under the same schema.
 Drafts and copied windows propose unconstrained tokens: one the schema forbids is rejected like any other
-disagreement. Once the schema's value is complete only an EOS token is allowed, so the generation ends there (a
-generation that reaches max_new_tokens first ends with its JSON cut short, as OpenAI's finish_reason "length").
+disagreement. Once the schema's value is complete (the pattern can take no more) only an EOS token is allowed, so the
+generation ends there (a generation that reaches max_new_tokens first ends with its JSON cut short, as OpenAI's
+finish_reason "length").
 
 JSON is written without free whitespace (", " and ": " between items, as json.dumps): a small model given free
 whitespace can pad a value with newlines until max_new_tokens.
@@ -29,9 +32,10 @@ import numpy as np
 
 from mirror_sd.errors import BadInputError
 
+JSON_SCHEMA, REGEX = "json_schema", "regex"  # what a grammar is written in
 # what the JSON compiler is told beyond the schema (llguidance's JsonCompileOptions)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-COMPILED_KEPT = 64  # schemas a vocabulary keeps compiled (a server's clients mostly resend a few)
+COMPILED_KEPT = 64  # grammars a vocabulary keeps compiled (a server's clients mostly resend a few)
 
 
 class GrammarError(RuntimeError):
@@ -62,7 +66,7 @@ def schema_text(value: Any) -> str | None:
 
 
 class Vocabulary:
-    """A bundle's tokenizer as llguidance reads it, and the schemas compiled over it (any thread)."""
+    """A bundle's tokenizer as llguidance reads it, and the grammars compiled over it (any thread)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         """tokenizer_json: the text of the bundle's tokenizer.json; vocab_size: the target's logits width."""
@@ -74,24 +78,29 @@ class Vocabulary:
         self._compiled: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
 
-    def grammar(self, schema: str) -> Grammar:
-        """The grammar of a JSON schema's text (`schema_text`); BadInputError naming what the schema gets wrong."""
+    def grammar(self, text: str, kind: str = JSON_SCHEMA, option: str = JSON_SCHEMA) -> Grammar:
+        """The grammar of a JSON schema's text (`schema_text`) or of a regular expression (kind REGEX); a
+        BadInputError naming `option` and what the text gets wrong."""
+        key = (kind, text)
         with self._lock:
-            if schema in self._compiled:
-                self._compiled.move_to_end(schema)
-                return self._compiled[schema]
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
         llg = self._llg
-        try:
-            spec = llg.LLMatcher.grammar_from_json_schema(schema_text(schema), overrides=JSON_LAYOUT)
-        except ValueError as e:
-            raise BadInputError(f"json_schema: {e}", option="json_schema") from None
+        if kind == REGEX:
+            spec = llg.LLMatcher.grammar_from_regex(text)
+        else:
+            try:
+                spec = llg.LLMatcher.grammar_from_json_schema(schema_text(text), overrides=JSON_LAYOUT)
+            except ValueError as e:
+                raise BadInputError(f"{option}: {e}", option=option) from None
         matcher = llg.LLMatcher(self.tokenizer, spec, log_level=0)
         if matcher.is_error():
-            raise BadInputError(f"json_schema is not a schema this server can hold text to: {matcher.get_error()}",
-                                option="json_schema")
+            raise BadInputError(f"{option} cannot hold the text: {' '.join(matcher.get_error().split())}",
+                                option=option)
         grammar = Grammar(matcher, self.size, self.eos)
         with self._lock:
-            self._compiled[schema] = grammar
+            self._compiled[key] = grammar
             while len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
         return grammar

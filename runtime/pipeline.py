@@ -18,6 +18,7 @@ for another export of the bundle is refused.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -43,7 +44,7 @@ from mirror_sd.runtime.draft import Drafter, DrafterBase
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
-from mirror_sd.runtime.grammar import GrammarState, Vocabulary
+from mirror_sd.runtime.grammar import JSON_SCHEMA, REGEX, GrammarState, Vocabulary
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.kv_slots import slots_for
 from mirror_sd.runtime.machine import plan_note
@@ -56,6 +57,7 @@ from mirror_sd.runtime.text import TextCodec, TextSink
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 Streamer = Callable[[int, str], None]  # (token id, new text) for every committed token
+GRAMMAR_OPTIONS = ("json_schema", "regex", "choice")  # the options that hold the text to a grammar: one at most
 
 
 class GenerationStream:
@@ -82,6 +84,21 @@ def for_device(option: str) -> Iterator[None]:
         if e.option != DEVICE:
             raise
         raise BadInputError(f"{option}: {e}", option=option) from None
+
+
+def grammar_source(cfg: GenerationConfig) -> tuple[str, str, str] | None:
+    """The grammar a generation's text is held to, as Vocabulary.grammar takes it (text, kind, option); None where
+    none of json_schema, regex and choice is given; BadInputError where more than one is."""
+    given = [name for name in GRAMMAR_OPTIONS if getattr(cfg, name)]
+    if len(given) > 1:
+        raise BadInputError(f"{given[0]} and {given[1]} both hold the text to a grammar: give one", option=given[1])
+    if cfg.json_schema is not None:
+        return cfg.json_schema, JSON_SCHEMA, "json_schema"
+    if cfg.regex is not None:
+        return cfg.regex, REGEX, "regex"
+    if cfg.choice:  # one alternative per choice, each matched literally
+        return "|".join(re.escape(c) for c in cfg.choice), REGEX, "choice"
+    return None
 
 
 class Pipeline:
@@ -296,11 +313,12 @@ class Pipeline:
         if cfg.logit_bias and cfg.logit_bias[-1][0] >= vocab:
             raise BadInputError(f"logit_bias token {cfg.logit_bias[-1][0]} is past the vocabulary ({vocab} tokens)",
                                 option="logit_bias")
-        if cfg.json_schema is not None:
-            if cfg.ignore_eos:  # a complete value allows only an EOS token, which the generation would run past
-                raise BadInputError("json_schema ends the text with an EOS token: it cannot go with ignore_eos",
+        source = grammar_source(cfg)
+        if source is not None:
+            if cfg.ignore_eos:  # a complete text allows only an EOS token, which the generation would run past
+                raise BadInputError(f"{source[2]} ends the text with an EOS token: it cannot go with ignore_eos",
                                     option="ignore_eos")
-            self.vocabulary.grammar(cfg.json_schema)  # compiled now: a schema it cannot hold text to is refused
+            self.vocabulary.grammar(*source)  # compiled now: a grammar it cannot hold text to is refused
         ids = self.prompt_ids(prompt)
         if self.package:
             self._check_bounds(len(ids), cfg)
@@ -362,8 +380,9 @@ class Pipeline:
             return self._vocabulary
 
     def grammar_state(self, cfg: GenerationConfig) -> GrammarState | None:
-        """A generation's own place in its JSON schema's grammar (None: no schema)."""
-        return self.vocabulary.grammar(cfg.json_schema).state() if cfg.json_schema is not None else None
+        """A generation's own place in its grammar (json_schema, regex or choice; None: none of them)."""
+        source = grammar_source(cfg)
+        return self.vocabulary.grammar(*source).state() if source is not None else None
 
     def eos_token_ids(self, cfg: GenerationConfig) -> tuple[int, ...]:
         """The tokens that end a generation under `cfg`: the tokenizer's EOS tokens, none with ignore_eos."""

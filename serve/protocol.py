@@ -16,7 +16,8 @@ The generation options' fields are not written here: each option of runtime/conf
 name is a request field (`sampling_model`), typed and bounded by the option's metadata. OpenAI's own names
 (max_tokens, temperature, top_p, seed, stop) sit at the top of the request; the project's own options ride in the
 `mirror` object, under their own names. OpenAI's response_format (json_object, json_schema) is the json_schema
-option's field, on completions as well (as vLLM takes it).
+option's field, on completions as well (as vLLM takes it); vLLM's structured_outputs object holds regex and choice,
+and json or json_object for the same option.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from mirror_sd.runtime.config import MIRROR, RESPONSE_FORMAT, GenerationConfig, Spec, specs
+from mirror_sd.runtime.config import MIRROR, RESPONSE_FORMAT, STRUCTURED, GenerationConfig, Spec, specs
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.serve.neutral import CHAT, COMPLETION, UNSUPPORTED, fields_model
 
@@ -107,6 +108,29 @@ class ResponseFormat(_Strict):
         return None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: a JSON schema (json, or any object with json_object), a regular expression or
+    choices (GenerationConfig.json_schema, regex, choice: one of them)."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: StrictStr | None = Field(None, min_length=1)
+    choice: list[StrictStr] | None = None
+
+    @field_validator("choice")
+    @classmethod
+    def _choices(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not (v and all(v)):
+            raise ValueError("choice takes one non-empty string at least, and no empty one")
+        return v
+
+    def schema_text(self) -> str | None:
+        """The json_schema option's value, where this object gives one."""
+        if self.json_ is not None:
+            return self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+        return json.dumps({"type": "object"}) if self.json_object else None
+
+
 class _Sampling(_Strict):
     """What every request takes besides its prompt; `sampling_model` adds the generation options' fields."""
 
@@ -141,11 +165,19 @@ class _Sampling(_Strict):
     def generation_options(self) -> dict[str, Any]:
         """Pipeline.generate keywords for what the request set (the rest keeps the server's config)."""
         out = {}
+        schema = self.structured_outputs.schema_text() if self.structured_outputs is not None else None
+        if schema is not None:
+            if self.response_format is not None and self.response_format.schema_text() is not None:
+                raise ApiError(400, "response_format and structured_outputs both give a JSON schema: give one",
+                               param="structured_outputs", code="invalid_value")
+            out["json_schema"] = schema
         for spec in specs(self.config):
             if spec.wire_name is None:
                 continue
             if spec.option.wire == MIRROR:
                 value = getattr(self.mirror, spec.name, None)
+            elif spec.option.wire == STRUCTURED:
+                value = getattr(self.structured_outputs, spec.name, None)
             else:
                 value = getattr(self, spec.wire_name)
             if isinstance(value, ResponseFormat):
@@ -182,8 +214,9 @@ def sampling_model(config: type[GenerationConfig] = GenerationConfig) -> type[_S
     mirror = create_model("MirrorOptions", __base__=_Strict, __doc__="The project's extension: how the pipeline "
                           "decodes (defaults: the server's).",
                           **{s.name: wire_field(s) for s in exposed if s.option.wire == MIRROR})
-    top = {s.wire_name: wire_field(s) for s in exposed if s.option.wire != MIRROR}
-    model = create_model("Sampling", __base__=_Sampling, mirror=(mirror | None, None), **top)
+    top = {s.wire_name: wire_field(s) for s in exposed if s.option.wire not in (MIRROR, STRUCTURED)}
+    model = create_model("Sampling", __base__=_Sampling, mirror=(mirror | None, None),
+                         structured_outputs=(StructuredOutputs | None, None), **top)
     model.config = config
     return model
 

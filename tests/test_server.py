@@ -239,8 +239,10 @@ def _out_of_range(spec: Spec) -> object:
         return "maybe"
     if spec.kind is tuple:
         return [""]
-    if spec.kind is str:  # response_format: a schema that is not one
+    if spec.name == "json_schema":  # response_format: a schema that is not one
         return {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}
+    if spec.name == "regex":  # a pattern that does not compile
+        return "(("
     return r.low if r.low_open else r.low - 1
 
 

@@ -156,6 +156,25 @@ def test_response_format_holds_the_answer_to_a_json_schema(pipe, client, port):
         assert e.value.param is not None and e.value.param.startswith("response_format"), bad
 
 
+def test_structured_outputs_take_vllms_regex_choice_and_json(pipe, client):
+    """vLLM's structured_outputs object: choice, regex and json, each the library's generation under the same
+    option; two grammars at once, or a pattern that does not compile, a 400 naming the field."""
+    for given, field in ((dict(choice=["yes", "no"]), "choice"), (dict(regex="[a-c]{2}[0-9]"), "regex"),
+                         (dict(json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                     "additionalProperties": False}), "json_schema")):
+        want = pipe.generate(MESSAGES, mode="ar", max_new_tokens=20, **{field: given.get("json", given.get(field))})
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
+                                           extra_body={"structured_outputs": given})
+        assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop", field
+    for body, param in (({"regex": "(("}, "structured_outputs.regex"), ({"choice": []}, "structured_outputs.choice"),
+                        ({"regex": "a", "choice": ["a"]}, "structured_outputs.choice"),
+                        ({"grammar": "start: x"}, "structured_outputs.grammar")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                           extra_body={"structured_outputs": body})
+        assert e.value.param == param, body
+
+
 @pytest.mark.parametrize("field, value", [
     ("store", True),
     ("tool_choice", "required"), ("modalities", ["text", "audio"]), ("service_tier", "flex"),

@@ -1,10 +1,11 @@
-"""JSON schemas (GenerationConfig.json_schema; runtime/grammar.py): the text holds to the schema, and sd, mirror and
-lookup equal ar under it token for token, alone and in the batching engine, greedy and sampled, on every
-architecture; a schema that cannot be held to is refused before any work."""
+"""Grammars (GenerationConfig.json_schema, regex, choice; runtime/grammar.py): the text holds to the schema, pattern
+or choices, and sd, mirror and lookup equal ar under them token for token, alone and in the batching engine, greedy
+and sampled, on every architecture; a grammar that cannot be held to is refused before any work."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -135,6 +136,21 @@ def test_every_mode_equals_ar_under_a_schema_and_the_json_holds(pipelines, arch)
         pipe.vocabulary.grammar(json.dumps(ANY_OBJECT)).state().masks([*prompt, *cut.token_ids], len(prompt))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_regex_and_choices_hold_the_text_in_every_mode(pipelines, arch):
+    """vLLM's structured_outputs regex and choice: the whole text matches, and every mode equals ar under them."""
+    pipe = pipelines(arch)
+    pattern, choices = r"[a-f]{2,4}-[0-9]{1,3}", ("yes", "no", "not sure (ask again)")
+    for prompt in PROMPTS:
+        for given in (dict(regex=pattern), dict(choice=choices)):
+            ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, **given)
+            assert ar.finish_reason == "eos", (given, ar.text)
+            assert re.fullmatch(pattern, ar.text) if "regex" in given else ar.text in choices, ar.text
+            for mode in ("lookup", "sd", "mirror"):
+                out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, adaptive_speculation=False, **given)
+                assert out.token_ids == ar.token_ids, (mode, given)
+
+
 def test_the_reference_generator_with_the_draft_holds_to_the_schema(pipelines):
     pipe = pipelines()
     grammar, eos = pipe.vocabulary.grammar(json.dumps(SCHEMA)), pipe.eos_token_ids(GenerationConfig())
@@ -210,6 +226,11 @@ def test_a_schema_that_cannot_be_held_to_is_refused_before_any_work(pipelines):
     with pytest.raises(BadInputError, match="ignore_eos") as e:
         pipe.check([5, 17], json_schema=ANY_OBJECT, ignore_eos=True)
     assert e.value.option == "ignore_eos"
+    for bad, option in ((dict(regex="(("), "regex"), (dict(regex=""), "regex"), (dict(choice=("",)), "choice"),
+                        (dict(regex="a", choice=("a",)), "choice"), (dict(json_schema=ANY_OBJECT, regex="a"), "regex")):
+        with pytest.raises(BadInputError) as e:
+            pipe.check([5, 17], **bad)
+        assert e.value.option == option, bad
     assert GenerationConfig(json_schema={"type": "object"}).json_schema == '{"type": "object"}'
 
 
