@@ -211,14 +211,15 @@ class Pipeline:
         return target
 
     # -- prompts -------------------------------------------------------------------------------------------
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt given as text, chat messages, or ids (checked against the vocabulary)."""
+    def prompt_ids(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a prompt given as text, chat messages (with the functions a chat template may list:
+        `tools`), or ids (checked against the vocabulary)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise BadInputError("the prompt is empty", option="prompt")
             ids = self.codec.encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.codec.encode(self.codec.render_chat(list(prompt)), special=False)
+            ids = self.codec.encode(self.codec.render_chat(list(prompt), tools), special=False)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             vocab = self.manifest.target.vocab_size

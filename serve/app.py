@@ -62,6 +62,7 @@ from mirror_sd.serve.access_log import ARRIVAL, STREAM_STATUS, AccessLog
 from mirror_sd.serve.auth import ApiKey
 from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
+from mirror_sd.serve.tools import ToolAnswers
 
 log = logging.getLogger("mirror_sd.serve")
 
@@ -317,7 +318,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             noted.add(name)
         ids: list[int] = []
         try:
-            ids = pipe.prompt_ids(prompt)
+            ids = pipe.prompt_ids(prompt, tools=body.template_tools() if chat else None)
             options = d.resolve(settings.defaults, requested, _context_room(pipe, len(ids)),
                                 None if chat else d.COMPLETION_MAX_TOKENS)
             ids, config = pipe.check(ids, **options)
@@ -350,7 +351,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             # the background task runs once the response ends, even where its body never started (a client gone
             # at once): the generations stop then
             return StreamingResponse(_stream(request, jobs, started, rid, body.model, chat, include_usage,
-                                             prompt_tokens), media_type="text/event-stream",
+                                             prompt_tokens, _calls(body)), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **seed},
                                      background=BackgroundTask(_abandon, started))
         watcher = asyncio.create_task(_watch_disconnect(request))
@@ -380,6 +381,9 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         make, choice = (p.chat_response, p.chat_choice) if chat else (p.completion_response, p.completion_choice)
         choices = [choice(i, o.text, o.finish_reason, _logprobs(chat, j, s, pipe.codec.token_bytes))
                    for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
+        calls = _calls(body)
+        if calls is not None:  # the answers are tool calls: their JSON becomes the messages' tool_calls
+            choices = [calls.choice(c, o.text, o.finish_reason) for c, o in zip(choices, outcomes)]
         outcome = outcomes[0]  # the `mirror` stats are the first choice's decoding
         return JSONResponse(make(rid, body.model, choices, prompt_tokens, sum(len(o.token_ids) for o in outcomes),
                                  _mirror_stats(outcome)), headers=seed)
@@ -389,7 +393,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         gen.abandon(requests)
 
     async def _stream(request: Request, jobs: list[_Job], started: list[AsyncRequest], rid: str, model: str,
-                      chat: bool, include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+                      chat: bool, include_usage: bool, prompt_tokens: int,
+                      calls: ToolAnswers | None = None) -> AsyncIterator[str]:
         """The choices' chunks as they come, each with its choice's index (n > 1: interleaved), and with the
         logprobs of the tokens whose text it carries where asked for (a token whose text is held back, part of a
         character or of a possible stop string, rides with the next chunk; the last chunk carries any left)."""
@@ -397,9 +402,14 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         offsets = [p.TextOffsets() for _ in jobs]  # each choice's text so far (completions' text_offset)
         created = int(time.time())
 
+        streams = [calls.stream() for _ in jobs] if calls is not None else None  # each choice's tool-call deltas
+
         def chunk(index: int, text: str, reason: str | None, first: bool, scores: tuple[TokenLogprob, ...]) -> str:
             logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
-            if chat:
+            if streams is not None:
+                delta, reason = streams[index].delta(text, reason, first)
+                doc = p.chat_chunk(rid, created, model, delta, reason, index, logprobs)
+            elif chat:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
                 doc = p.chat_chunk(rid, created, model, delta, reason, index, logprobs)
             else:
@@ -572,6 +582,11 @@ def _context_error(e: ContextLimitError, body: p.ChatRequest | p.CompletionReque
     return p.ApiError(400, head + f"you requested {e.prompt_tokens + e.new_tokens} tokens ({e.prompt_tokens} in the "
                       f"{what}, {e.new_tokens} in the completion). Please reduce the length of the {what} or "
                       "completion.", param=asked, code="context_length_exceeded")
+
+
+def _calls(body: p.ChatRequest | p.CompletionRequest) -> ToolAnswers | None:
+    """How the request's answers become tool calls (None: they are text)."""
+    return ToolAnswers(body.forced_tool) if isinstance(body, p.ChatRequest) and body.calls_tools else None
 
 
 def _param_of(error: BadInputError, chat: bool) -> str | None:

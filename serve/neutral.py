@@ -44,10 +44,6 @@ FIELDS: dict[str, Neutral] = {
     "best_of": Neutral(int, lambda v: v == 1, "1", (COMPLETION,)),
     "suffix": Neutral(str, lambda v: not v, '"" (no text after the completion)', (COMPLETION,)),
     "modalities": Neutral(list[str], lambda v: v == ["text"], '["text"]', (CHAT,)),
-    # tools: none can be given (a tool list is refused), so these choose among nothing
-    "tools": Neutral(list[Any], lambda v: not v, "[] (tools are not implemented)", (CHAT,)),
-    "tool_choice": Neutral(Any, lambda v: v in ("none", "auto"), '"none" or "auto" (there are no tools)', (CHAT,)),
-    "parallel_tool_calls": Neutral(bool, _anything, "true or false (there are no tools)", (CHAT,)),
     # the provider's storage and tiers: this server stores nothing and has one tier
     "store": Neutral(bool, lambda v: v is False, "false (completions are not stored)", (CHAT,)),
     "service_tier": Neutral(str, lambda v: v in ("auto", "default"), '"auto" or "default" (one tier)', (CHAT,)),

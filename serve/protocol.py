@@ -47,6 +47,7 @@ from pydantic_core import PydanticCustomError
 from mirror_sd.runtime.config import MIRROR, RESPONSE_FORMAT, STRUCTURED, GenerationConfig, Spec, specs
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.serve.neutral import CHAT, COMPLETION, UNSUPPORTED, fields_model
+from mirror_sd.serve.tools import NamedToolChoice, Tool, ToolCall, calls_schema
 
 MAX_STOP = 4  # as OpenAI: at most four stop strings
 # choices one request may ask for: each takes a slot of the engine (or a place in its queue) as a request would
@@ -234,24 +235,32 @@ Sampling = sampling_model()
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | None = None  # null only for an assistant's turn of tool calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (serve/tools.py)
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
     # what an answer replayed as a message carries beside its text (the openai client's model_dump()), taken at
-    # their empty values: this server neither calls tools nor refuses
+    # their empty values: this server neither refuses nor annotates
     refusal: None = None
     function_call: None = None
     audio: None = None
-    tool_calls: list[Any] | None = None
     annotations: list[Any] | None = None
 
-    @field_validator("tool_calls", "annotations")
+    @field_validator("annotations")
     @classmethod
     def _empty(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
         if v:
-            raise PydanticCustomError(UNSUPPORTED, "{field} are not supported: this server does not call tools",
-                                      {"field": info.field_name})
+            raise PydanticCustomError(UNSUPPORTED, "{field} are not supported", {"field": info.field_name})
         return v
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only in an assistant's message of tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant's message has tool_calls")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -276,6 +285,18 @@ class ChatMessage(_Strict):
         application) is a system turn, the only such role chat templates know."""
         return "system" if self.role == "developer" else self.role
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template takes it (transformers' keys; a participant's `name` too, as vLLM passes
+        it)."""
+        out: dict[str, Any] = {"role": self.template_role, "content": self.content or ""}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
 
 class ChatRequest(Sampling, fields_model(CHAT)):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -283,9 +304,54 @@ class ChatRequest(Sampling, fields_model(CHAT)):
     # chat's shape of the logprobs option: a switch, and the alternatives in a field of their own
     logprobs: bool | None = None
     top_logprobs: StrictInt | None = wire_field(_spec("logprobs"))[1]
+    # function calling, where the call is forced (serve/tools.py)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _named_once(cls, v: list[Tool] | None) -> list[Tool] | None:
+        if v and len({t.function.name for t in v}) < len(v):
+            raise ValueError("two tools have the same name")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _among_the_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        names = {t.function.name for t in info.data.get("tools") or ()}
+        if v not in (None, "none") and not names:
+            raise ValueError("a tool_choice other than none needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"tool_choice names {v.function.name!r}, which is not among the tools")
+        return v
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is tool calls (tool_choice required or a named function)."""
+        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function tool_choice names (None: none named)."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as a chat template takes them (OpenAI's shape, as transformers passes them)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def generation_options(self) -> dict[str, Any]:
+        if self.tools and self.tool_choice in (None, "auto"):
+            raise ApiError(400, 'tool_choice "auto" needs a parser of this model\'s tool-call format, which this '
+                           'server does not have: give "required", a named function or "none"', param="tool_choice",
+                           code="unsupported_value")
         out = super().generation_options()
+        if self.calls_tools:
+            if "json_schema" in out:
+                raise ApiError(400, "a forced tool call holds the answer to the tool's JSON: no response_format or "
+                               "structured_outputs json with it", param="tool_choice", code="invalid_value")
+            out["json_schema"] = json.dumps(calls_schema(self.tools, self.forced_tool,
+                                                         self.parallel_tool_calls is not False))
         if self.max_completion_tokens is not None:
             out["max_new_tokens"] = self.max_completion_tokens
         out.pop("logprobs", None)  # the switch, not the option's count
@@ -295,10 +361,9 @@ class ChatRequest(Sampling, fields_model(CHAT)):
             raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
         return out
 
-    def prompt(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (a participant's `name` too, as vLLM passes it)."""
-        return [{"role": m.template_role, "content": m.content, **({"name": m.name} if m.name else {})}
-                for m in self.messages]
+    def prompt(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them."""
+        return [m.for_template() for m in self.messages]
 
 
 class CompletionRequest(Sampling, fields_model(COMPLETION)):

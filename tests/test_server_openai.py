@@ -78,7 +78,7 @@ def test_neutral_fields_are_taken_and_logged(pipe, client, caplog):
             tool_choice="none", service_tier="auto", response_format={"type": "text"})
     assert r.choices[0].message.content == solo.text
     logged = " ".join(rec.getMessage() for rec in caplog.records if rec.name == "mirror_sd.serve")
-    for name in ("user", "metadata", "store", "tool_choice"):
+    for name in ("user", "metadata", "store"):
         assert f"ignored {name}" in logged
     r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=4, temperature=0, user="u",
                                   best_of=1, suffix="")
@@ -175,9 +175,102 @@ def test_structured_outputs_take_vllms_regex_choice_and_json(pipe, client):
         assert e.value.param == param, body
 
 
+TOOLS = [{"type": "function", "function": {"name": "set_light", "description": "Switch a light",
+                                          "parameters": {"type": "object", "additionalProperties": False,
+                                                         "required": ["on", "room"],
+                                                         "properties": {"on": {"type": "boolean"},
+                                                                        "room": {"enum": ["hall", "den"]}}}}},
+         {"type": "function", "function": {"name": "ping"}}]
+
+
+def _tool_answer(pipe, schema: dict, messages=MESSAGES) -> str:
+    """The library's answer to the messages rendered with TOOLS, held to `schema` (the server's forced call)."""
+    ids = pipe.prompt_ids(messages, tools=TOOLS)
+    return pipe.generate(ids, mode="ar", max_new_tokens=40, json_schema=schema).text
+
+
+def test_a_named_function_is_called_with_arguments_held_to_its_parameters(pipe, client):
+    """tool_choice naming a function: one call of it, its arguments the library's answer under the function's
+    parameters schema (the tools in the template), finish_reason "stop" as OpenAI's; streamed, the same arguments
+    piece by piece after a first delta with the call's id and name."""
+    want = _tool_answer(pipe, TOOLS[0]["function"]["parameters"])
+    choice = {"type": "function", "function": {"name": "set_light"}}
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, tools=TOOLS,
+                                       tool_choice=choice)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments, r.choices[0].finish_reason) == ("set_light", want, "stop")
+    assert r.choices[0].message.content is None and call.id.startswith("call_")
+    assert set(json.loads(want)) == {"on", "room"}
+    chunks = [c for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                                        tools=TOOLS, tool_choice=choice, stream=True) if c.choices]
+    first = chunks[0].choices[0].delta.tool_calls[0]
+    assert first.function.name == "set_light" and first.id.startswith("call_")
+    assert "".join(c.choices[0].delta.tool_calls[0].function.arguments for c in chunks
+                   if c.choices[0].delta.tool_calls) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_required_tool_calls_are_a_list_of_calls_of_the_tools(pipe, client):
+    """tool_choice "required": the answer held to a list of calls, each the tools' own, finish_reason "tool_calls";
+    one call at most without parallel_tool_calls; streamed, the calls in one delta at the end."""
+    from mirror_sd.serve.protocol import ChatRequest
+    from mirror_sd.serve.tools import Tool, calls_schema
+
+    for parallel in (True, False):
+        schema = calls_schema([Tool.model_validate(t) for t in TOOLS], None, parallel)
+        want = _tool_answer(pipe, schema)
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                           tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+        if r.choices[0].finish_reason == "length":  # a list cut short (the random model calls on and on): its text
+            assert parallel and r.choices[0].message.content == want and not r.choices[0].message.tool_calls
+            continue
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            (c["name"], c["parameters"]) for c in json.loads(want)]
+        assert parallel or len(calls) == 1
+    chunks = [c for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                                        tools=TOOLS, tool_choice="required", stream=True,
+                                                        parallel_tool_calls=False) if c.choices]
+    (last,) = [c for c in chunks if c.choices[0].delta.tool_calls]
+    assert last.choices[0].finish_reason == "tool_calls"
+    assert [t.function.name for t in last.choices[0].delta.tool_calls] == [c.function.name for c in calls]
+    assert ChatRequest.model_validate({"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
+                                       "tool_choice": "none"}).generation_options() == {}
+
+
+def test_earlier_tool_calls_and_answers_reach_the_template_and_auto_is_refused(pipe, client, port):
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "set_light", "arguments": '{"on": true}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    templated = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "set_light", "arguments": {"on": True}}}]},
+        {"role": "tool", "content": "done", "tool_call_id": "call_1"}]
+    want = pipe.generate(pipe.prompt_ids(templated, tools=TOOLS), mode="ar", max_new_tokens=8)
+    r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0, tools=TOOLS,
+                                       tool_choice="none")
+    assert r.choices[0].message.content == want.text
+    assert r.usage.prompt_tokens == len(pipe.prompt_ids(templated, tools=TOOLS))
+    for extra, param in ((dict(tools=TOOLS), "tool_choice"), (dict(tools=TOOLS, tool_choice="auto"), "tool_choice"),
+                         (dict(tool_choice="required"), "tool_choice"),
+                         (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}),
+                          "tool_choice"),
+                         (dict(tools=[TOOLS[1], TOOLS[1]]), "tools"),
+                         (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+                          "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **extra)
+        assert e.value.param == param, extra
+    for messages in ([{"role": "tool", "tool_call_id": "c"}],
+                     [{"role": "user", "content": "x", "tool_calls": history[1]["tool_calls"]}]):
+        status, _, text = _http(port, "POST", "/v1/chat/completions", {"model": MODEL, "messages": messages},
+                                {"Authorization": f"Bearer {KEY}"})
+        assert status == 400, text
+
+
 @pytest.mark.parametrize("field, value", [
     ("store", True),
-    ("tool_choice", "required"), ("modalities", ["text", "audio"]), ("service_tier", "flex"),
+    ("modalities", ["text", "audio"]), ("service_tier", "flex"),
 ])
 def test_a_field_at_a_working_value_is_a_400_naming_it(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:
