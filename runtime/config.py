@@ -283,8 +283,9 @@ class GenerationConfig(Options):
     # under which sd and mirror equal ar (runtime/grammar.py); json_schema is OpenAI's response_format on the wire
     # (serve/protocol.py ResponseFormat), regex and choice vLLM's structured_outputs
     json_schema: str | None = option(
-        None, "hold the text to JSON that this JSON schema admits (its text; '{\"type\": \"object\"}': any object), "
-        "ending it once the value is complete", none="off", convert=schema_text, wire=RESPONSE_FORMAT)
+        None, "hold the text to JSON that this JSON schema admits (its text, a dict or a pydantic model class; "
+        "'{\"type\": \"object\"}': any object), ending it once the value is complete", none="off",
+        convert=schema_text, wire=RESPONSE_FORMAT)
     regex: str | None = option(
         None, "hold the text to this regular expression, matched by the whole text (Rust's regex syntax)", none="off",
         convert=_regex, wire=STRUCTURED)

@@ -43,10 +43,12 @@ class GrammarError(RuntimeError):
 
 
 def schema_text(value: Any) -> str | None:
-    """A JSON schema as the option holds it: its JSON text (a dict is written out; None stays None); BadInputError
-    where the value is not a JSON object."""
+    """A JSON schema as the option holds it: its JSON text (a dict is written out, a pydantic model class gives its
+    model_json_schema(); None stays None); BadInputError where the value is not a JSON object."""
     if value is None:
         return None
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):  # pydantic's, without importing it here
+        value = value.model_json_schema()
     if isinstance(value, dict):
         try:
             return json.dumps(value)

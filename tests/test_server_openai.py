@@ -156,6 +156,24 @@ def test_response_format_holds_the_answer_to_a_json_schema(pipe, client, port):
         assert e.value.param is not None and e.value.param.startswith("response_format"), bad
 
 
+def test_the_openai_clients_parse_gets_an_instance_of_its_model(pipe, client):
+    """client.chat.completions.parse with a pydantic model (a strict json_schema on the wire), and the library given
+    the same model class: one answer, parsed into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Light(BaseModel):
+        on: bool
+        room: Literal["hall", "den"]
+
+    want = pipe.generate(MESSAGES, mode="ar", max_new_tokens=40, json_schema=Light)
+    r = client.chat.completions.parse(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                      response_format=Light)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].message.parsed == Light.model_validate_json(want.text)
+
+
 def test_structured_outputs_take_vllms_regex_choice_and_json(pipe, client):
     """vLLM's structured_outputs object: choice, regex and json, each the library's generation under the same
     option; two grammars at once, or a pattern that does not compile, a 400 naming the field."""
