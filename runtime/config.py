@@ -228,10 +228,14 @@ def _token_numbers(name: str, value: Any, r: Range) -> tuple[tuple[int, float], 
     return tuple(sorted(out.items()))
 
 
-def _regex(value: Any) -> Any:
-    if value is not None and not (isinstance(value, str) and value):
-        raise BadInputError(f"regex must be a non-empty string, got {value!r}", option="regex")
-    return value
+def _text(name: str) -> Callable[[Any], Any]:
+    """A check of an option that takes a non-empty string or None."""
+    def check(value: Any) -> Any:
+        if value is not None and not (isinstance(value, str) and value):
+            raise BadInputError(f"{name} must be a non-empty string, got {value!r}", option=name)
+        return value
+
+    return check
 
 
 def _top_k(value: Any) -> Any:
@@ -279,17 +283,20 @@ class GenerationConfig(Options):
     frequency_penalty: float = option(0.0, "subtract this times its count in the generated text from each token's "
                                       "logit (OpenAI's frequency_penalty)", range=Range(-2, 2),
                                       wire="frequency_penalty")
-    # the text held to a grammar, by at most one of these three: a mask on the target's logits after the penalties,
+    # the text held to a grammar, by at most one of these four: a mask on the target's logits after the penalties,
     # under which sd and mirror equal ar (runtime/grammar.py); json_schema is OpenAI's response_format on the wire
-    # (serve/protocol.py ResponseFormat), regex and choice vLLM's structured_outputs
+    # (serve/protocol.py ResponseFormat), regex, choice and grammar vLLM's structured_outputs
     json_schema: str | None = option(
         None, "hold the text to JSON that this JSON schema admits (its text, a dict or a pydantic model class; "
         "'{\"type\": \"object\"}': any object), ending it once the value is complete", none="off",
         convert=schema_text, wire=RESPONSE_FORMAT)
     regex: str | None = option(
         None, "hold the text to this regular expression, matched by the whole text (Rust's regex syntax)", none="off",
-        convert=_regex, wire=STRUCTURED)
+        convert=_text("regex"), wire=STRUCTURED)
     choice: tuple[str, ...] = option((), "the text is one of these strings (repeatable)", wire=STRUCTURED)
+    grammar: str | None = option(
+        None, "hold the text to this context-free grammar: Lark (llguidance's dialect) or llama.cpp's GBNF",
+        none="off", convert=_text("grammar"), wire=STRUCTURED)
     # OpenAI's seed is any int64; n choices draw with seed + i, which the library's range leaves room for
     seed: int = option(0, "the sampling seed", range=Range(-2**63, 2**64 - 1), wire="seed",
                        wire_range=Range(-2**63, 2**63 - 1))

@@ -1,6 +1,6 @@
 """Structured output: the text held to a JSON schema (GenerationConfig.json_schema; the server's response_format), a
-regular expression or a list of choices (regex, choice; vLLM's structured_outputs), by masking the target's logits
-with llguidance, the grammar engine vLLM and llama.cpp use.
+regular expression, a list of choices or a context-free grammar (regex, choice, grammar; vLLM's structured_outputs),
+by masking the target's logits with llguidance, the grammar engine vLLM and llama.cpp use.
 
     vocabulary = Vocabulary(tokenizer_json, vocab_size, eos_token_ids)   # once per pipeline
     grammar = vocabulary.grammar(schema_text)                            # compiled once per text (BadInputError)
@@ -32,7 +32,7 @@ import numpy as np
 
 from mirror_sd.errors import BadInputError
 
-JSON_SCHEMA, REGEX = "json_schema", "regex"  # what a grammar is written in
+JSON_SCHEMA, REGEX, CFG = "json_schema", "regex", "cfg"  # what a grammar is written in (CFG: Lark or GBNF)
 # what the JSON compiler is told beyond the schema (llguidance's JsonCompileOptions)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 COMPILED_KEPT = 64  # grammars a vocabulary keeps compiled (a server's clients mostly resend a few)
@@ -81,8 +81,8 @@ class Vocabulary:
         self._lock = threading.Lock()
 
     def grammar(self, text: str, kind: str = JSON_SCHEMA, option: str = JSON_SCHEMA) -> Grammar:
-        """The grammar of a JSON schema's text (`schema_text`) or of a regular expression (kind REGEX); a
-        BadInputError naming `option` and what the text gets wrong."""
+        """The grammar of a JSON schema's text (`schema_text`), a regular expression (kind REGEX) or a Lark or GBNF
+        grammar (CFG); a BadInputError naming `option` and what the text gets wrong."""
         key = (kind, text)
         with self._lock:
             if key in self._compiled:
@@ -91,6 +91,11 @@ class Vocabulary:
         llg = self._llg
         if kind == REGEX:
             spec = llg.LLMatcher.grammar_from_regex(text)
+        elif kind == CFG:
+            try:  # GBNF is rewritten as Lark first
+                spec = llg.grammar_from("grammar", text)
+            except ValueError as e:
+                raise BadInputError(f"{option}: {e}", option=option) from None
         else:
             try:
                 spec = llg.LLMatcher.grammar_from_json_schema(schema_text(text), overrides=JSON_LAYOUT)

@@ -44,7 +44,7 @@ from mirror_sd.runtime.draft import Drafter, DrafterBase
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
-from mirror_sd.runtime.grammar import JSON_SCHEMA, REGEX, GrammarState, Vocabulary
+from mirror_sd.runtime.grammar import CFG, JSON_SCHEMA, REGEX, GrammarState, Vocabulary
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.kv_slots import slots_for
 from mirror_sd.runtime.machine import plan_note
@@ -57,7 +57,7 @@ from mirror_sd.runtime.text import TextCodec, TextSink
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 Streamer = Callable[[int, str], None]  # (token id, new text) for every committed token
-GRAMMAR_OPTIONS = ("json_schema", "regex", "choice")  # the options that hold the text to a grammar: one at most
+GRAMMAR_OPTIONS = ("json_schema", "regex", "choice", "grammar")  # they hold the text to a grammar: one at most
 
 
 class GenerationStream:
@@ -88,7 +88,7 @@ def for_device(option: str) -> Iterator[None]:
 
 def grammar_source(cfg: GenerationConfig) -> tuple[str, str, str] | None:
     """The grammar a generation's text is held to, as Vocabulary.grammar takes it (text, kind, option); None where
-    none of json_schema, regex and choice is given; BadInputError where more than one is."""
+    none of json_schema, regex, choice and grammar is given; BadInputError where more than one is."""
     given = [name for name in GRAMMAR_OPTIONS if getattr(cfg, name)]
     if len(given) > 1:
         raise BadInputError(f"{given[0]} and {given[1]} both hold the text to a grammar: give one", option=given[1])
@@ -98,6 +98,8 @@ def grammar_source(cfg: GenerationConfig) -> tuple[str, str, str] | None:
         return cfg.regex, REGEX, "regex"
     if cfg.choice:  # one alternative per choice, each matched literally
         return "|".join(re.escape(c) for c in cfg.choice), REGEX, "choice"
+    if cfg.grammar is not None:
+        return cfg.grammar, CFG, "grammar"
     return None
 
 
@@ -381,7 +383,7 @@ class Pipeline:
             return self._vocabulary
 
     def grammar_state(self, cfg: GenerationConfig) -> GrammarState | None:
-        """A generation's own place in its grammar (json_schema, regex or choice; None: none of them)."""
+        """A generation's own place in its grammar (json_schema, regex, choice or grammar; None: none of them)."""
         source = grammar_source(cfg)
         return self.vocabulary.grammar(*source).state() if source is not None else None
 

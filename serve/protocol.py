@@ -16,8 +16,8 @@ The generation options' fields are not written here: each option of runtime/conf
 name is a request field (`sampling_model`), typed and bounded by the option's metadata. OpenAI's own names
 (max_tokens, temperature, top_p, seed, stop) sit at the top of the request; the project's own options ride in the
 `mirror` object, under their own names. OpenAI's response_format (json_object, json_schema) is the json_schema
-option's field, on completions as well (as vLLM takes it); vLLM's structured_outputs object holds regex and choice,
-and json or json_object for the same option.
+option's field, on completions as well (as vLLM takes it); vLLM's structured_outputs object holds regex, choice and
+grammar, and json or json_object for the same option.
 """
 
 from __future__ import annotations
@@ -110,13 +110,14 @@ class ResponseFormat(_Strict):
 
 
 class StructuredOutputs(_Strict):
-    """vLLM's structured_outputs: a JSON schema (json, or any object with json_object), a regular expression or
-    choices (GenerationConfig.json_schema, regex, choice: one of them)."""
+    """vLLM's structured_outputs: a JSON schema (json, or any object with json_object), a regular expression, choices
+    or a grammar (GenerationConfig.json_schema, regex, choice, grammar: one of them)."""
 
     json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: StrictStr | None = Field(None, min_length=1)
     choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = Field(None, min_length=1)
 
     @field_validator("choice")
     @classmethod

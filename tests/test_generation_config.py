@@ -111,6 +111,8 @@ def _samples(spec: Spec, bounds: Range | None = None) -> tuple[list, list]:
         return ['{"type": "object"}', '{"type": "string", "maxLength": 3}'], ["not json", "[1]"]
     if spec.name == "regex":  # a pattern (one llguidance cannot compile is refused by Pipeline.check)
         return ["[0-9]+", "yes|no"], [""]
+    if spec.name == "grammar":  # Lark or GBNF (likewise)
+        return ['start: "a" | "b"', 'root ::= [0-9]+'], [""]
     if spec.kind is dict:  # token id -> number, as (id, number) pairs
         r = o.range or Range()
         return [[(5, r.low)], [(0, 1.0), (7, r.high)]], [[(5, r.low - 1)], [(5, 1.0), (5, 2.0)], [(-1, 1.0)]]

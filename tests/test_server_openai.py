@@ -175,9 +175,10 @@ def test_the_openai_clients_parse_gets_an_instance_of_its_model(pipe, client):
 
 
 def test_structured_outputs_take_vllms_regex_choice_and_json(pipe, client):
-    """vLLM's structured_outputs object: choice, regex and json, each the library's generation under the same
+    """vLLM's structured_outputs object: choice, regex, grammar and json, each the library's generation under the same
     option; two grammars at once, or a pattern that does not compile, a 400 naming the field."""
     for given, field in ((dict(choice=["yes", "no"]), "choice"), (dict(regex="[a-c]{2}[0-9]"), "regex"),
+                         (dict(grammar='root ::= "x" [0-9]'), "grammar"),
                          (dict(json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
                                      "additionalProperties": False}), "json_schema")):
         want = pipe.generate(MESSAGES, mode="ar", max_new_tokens=20, **{field: given.get("json", given.get(field))})
@@ -186,7 +187,8 @@ def test_structured_outputs_take_vllms_regex_choice_and_json(pipe, client):
         assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop", field
     for body, param in (({"regex": "(("}, "structured_outputs.regex"), ({"choice": []}, "structured_outputs.choice"),
                         ({"regex": "a", "choice": ["a"]}, "structured_outputs.choice"),
-                        ({"grammar": "start: x"}, "structured_outputs.grammar")):
+                        ({"grammar": "start: x"}, "structured_outputs.grammar"),
+                        ({"structural_tag": "x"}, "structured_outputs.structural_tag")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
                                            extra_body={"structured_outputs": body})

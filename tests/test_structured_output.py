@@ -137,15 +137,22 @@ def test_every_mode_equals_ar_under_a_schema_and_the_json_holds(pipelines, arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_regex_and_choices_hold_the_text_in_every_mode(pipelines, arch):
-    """vLLM's structured_outputs regex and choice: the whole text matches, and every mode equals ar under them."""
+def test_a_regex_choices_and_a_grammar_hold_the_text_in_every_mode(pipelines, arch):
+    """vLLM's structured_outputs regex, choice and grammar: the whole text matches, and every mode equals ar under
+    them."""
     pipe = pipelines(arch)
     pattern, choices = r"[a-f]{2,4}-[0-9]{1,3}", ("yes", "no", "not sure (ask again)")
+    # the same language as Lark (llguidance's dialect) and as llama.cpp's GBNF
+    lark = 'start: word "=" num\nword: /[a-c]{1,3}/\nnum: /[0-9]{1,2}/'
+    gbnf = 'root ::= word "=" num\nword ::= [a-c] [a-c]? [a-c]?\nnum ::= [0-9] [0-9]?'
     for prompt in PROMPTS:
-        for given in (dict(regex=pattern), dict(choice=choices)):
+        for given in (dict(regex=pattern), dict(choice=choices), dict(grammar=lark), dict(grammar=gbnf)):
             ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, **given)
             assert ar.finish_reason == "eos", (given, ar.text)
-            assert re.fullmatch(pattern, ar.text) if "regex" in given else ar.text in choices, ar.text
+            if "grammar" in given:
+                assert re.fullmatch(r"[a-c]{1,3}=[0-9]{1,2}", ar.text), ar.text
+            else:
+                assert re.fullmatch(pattern, ar.text) if "regex" in given else ar.text in choices, ar.text
             for mode in ("lookup", "sd", "mirror"):
                 out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, adaptive_speculation=False, **given)
                 assert out.token_ids == ar.token_ids, (mode, given)
@@ -227,7 +234,9 @@ def test_a_schema_that_cannot_be_held_to_is_refused_before_any_work(pipelines):
         pipe.check([5, 17], json_schema=ANY_OBJECT, ignore_eos=True)
     assert e.value.option == "ignore_eos"
     for bad, option in ((dict(regex="(("), "regex"), (dict(regex=""), "regex"), (dict(choice=("",)), "choice"),
-                        (dict(regex="a", choice=("a",)), "choice"), (dict(json_schema=ANY_OBJECT, regex="a"), "regex")):
+                        (dict(regex="a", choice=("a",)), "choice"), (dict(json_schema=ANY_OBJECT, regex="a"), "regex"),
+                        (dict(grammar="start: nowhere"), "grammar"), (dict(grammar="root ::= (("), "grammar"),
+                        (dict(grammar=""), "grammar")):
         with pytest.raises(BadInputError) as e:
             pipe.check([5, 17], **bad)
         assert e.value.option == option, bad
