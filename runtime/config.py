@@ -47,6 +47,7 @@ MAX_WINDOW = 64
 MIRROR = "mirror."  # a wire name: the request's extension object, under the option's own name
 RESPONSE_FORMAT = "response_format"  # the json_schema option's wire name: OpenAI's object, which holds the schema
 STRUCTURED = "structured_outputs."  # a wire name: vLLM's structured-output object, under the option's own name
+GRAMMAR_OPTIONS = ("json_schema", "regex", "choice", "grammar")  # they hold the text to a grammar: one at most
 MAX_LOGIT_BIAS = 300  # tokens one generation may bias, as OpenAI's API allows
 
 
@@ -238,6 +239,14 @@ def _text(name: str) -> Callable[[Any], Any]:
     return check
 
 
+def _regex(value: Any) -> Any:
+    value = _text("regex")(value)
+    # llguidance would take a pattern ending in an escape of nothing as if the backslash were not there
+    if value is not None and (len(value) - len(value.rstrip("\\"))) % 2:
+        raise BadInputError("regex ends with a lone backslash (an escape of nothing)", option="regex")
+    return value
+
+
 def _top_k(value: Any) -> Any:
     return 0 if value == -1 and not isinstance(value, bool) else value
 
@@ -292,7 +301,7 @@ class GenerationConfig(Options):
         convert=schema_text, wire=RESPONSE_FORMAT)
     regex: str | None = option(
         None, "hold the text to this regular expression, matched by the whole text (Rust's regex syntax)", none="off",
-        convert=_text("regex"), wire=STRUCTURED)
+        convert=_regex, wire=STRUCTURED)
     choice: tuple[str, ...] = option((), "the text is one of these strings (repeatable)", wire=STRUCTURED)
     grammar: str | None = option(
         None, "hold the text to this context-free grammar: Lark (llguidance's dialect) or llama.cpp's GBNF",

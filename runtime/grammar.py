@@ -67,14 +67,20 @@ def schema_text(value: Any) -> str | None:
     return value
 
 
+def _said(matcher: Any) -> str:
+    """A matcher's error on one line, without the parser state llguidance appends."""
+    return " ".join(matcher.get_error().split("<state>")[0].split())
+
+
 class Vocabulary:
     """A bundle's tokenizer as llguidance reads it, and the grammars compiled over it (any thread)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         """tokenizer_json: the text of the bundle's tokenizer.json; vocab_size: the target's logits width."""
         import llguidance
+        import llguidance.numpy
 
-        self._llg = llguidance
+        self._llg, self._llg_numpy = llguidance, llguidance.numpy
         self.size, self.eos = vocab_size, frozenset(eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._compiled: OrderedDict[str, Grammar] = OrderedDict()
@@ -88,7 +94,7 @@ class Vocabulary:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        llg = self._llg
+        llg, llg_numpy = self._llg, self._llg_numpy
         if kind == REGEX:
             spec = llg.LLMatcher.grammar_from_regex(text)
         elif kind == CFG:
@@ -102,9 +108,11 @@ class Vocabulary:
             except ValueError as e:
                 raise BadInputError(f"{option}: {e}", option=option) from None
         matcher = llg.LLMatcher(self.tokenizer, spec, log_level=0)
-        if matcher.is_error():
-            raise BadInputError(f"{option} cannot hold the text: {' '.join(matcher.get_error().split())}",
-                                option=option)
+        probe = matcher.deep_copy()  # its first mask too: some limits (the lexer's) are met only there
+        if not probe.is_error():
+            llg_numpy.fill_next_token_bitmask(probe, np.zeros((1, (self.size + 31) // 32), np.int32))
+        if probe.is_error():
+            raise BadInputError(f"{option} cannot hold the text: {_said(probe)}", option=option)
         grammar = Grammar(matcher, self.size, self.eos)
         with self._lock:
             self._compiled[key] = grammar
@@ -148,6 +156,8 @@ class GrammarState:
         taken = 0
         for i in range(rows):
             self._fill(self._matcher, bits, i)
+            if self._matcher.is_error():  # a limit met on the way (its mask would allow EOS alone): not a text
+                raise GrammarError(f"the grammar cannot go on: {_said(self._matcher)}")
             if i + 1 == rows:
                 break
             token = window[i] if i < len(window) else -1
@@ -162,7 +172,7 @@ class GrammarState:
             self._matcher.rollback(taken)
         allowed = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :self.size].astype(bool)
         if not allowed.any(axis=-1).all():
-            raise GrammarError(f"the grammar allows no token: {self._matcher.get_error() or 'no way to go on'}")
+            raise GrammarError(f"the grammar allows no token: {_said(self._matcher) or 'no way to go on'}")
         return allowed
 
     def _catch_up(self, context: Sequence[int], prompt_len: int) -> None:
@@ -172,5 +182,5 @@ class GrammarState:
             raise GrammarError("a grammar state follows one generation: its text only grows")
         if generated > self._consumed:
             if not self._matcher.consume_tokens([int(t) for t in context[prompt_len + self._consumed:]]):
-                raise GrammarError(f"a committed token broke the grammar: {self._matcher.get_error()}")
+                raise GrammarError(f"a committed token broke the grammar: {_said(self._matcher)}")
             self._consumed = generated

@@ -39,7 +39,7 @@ from mirror_sd.partitions.plan_file import (
 from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.backends import DEVICE, default_openvino_device, on_cpu, usable_cores
 from mirror_sd.runtime.batching import BatchEngine, PipelineBusy
-from mirror_sd.runtime.config import BUILTIN_THREADS, GenerationConfig, LoadOptions, specs
+from mirror_sd.runtime.config import BUILTIN_THREADS, GRAMMAR_OPTIONS, GenerationConfig, LoadOptions, specs
 from mirror_sd.runtime.draft import Drafter, DrafterBase
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
@@ -57,7 +57,6 @@ from mirror_sd.runtime.text import TextCodec, TextSink
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 Streamer = Callable[[int, str], None]  # (token id, new text) for every committed token
-GRAMMAR_OPTIONS = ("json_schema", "regex", "choice", "grammar")  # they hold the text to a grammar: one at most
 
 
 class GenerationStream:

@@ -325,7 +325,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         except ContextLimitError as e:
             raise _context_error(e, body, chat) from None
         except BadInputError as e:
-            raise p.ApiError(400, str(e), param=_param_of(e, chat), code="invalid_value") from None
+            param = body.json_schema_field if e.option == "json_schema" else _param_of(e, chat)
+            raise p.ApiError(400, str(e), param=param, code="invalid_value") from None
         arrival = getattr(request.state, ARRIVAL, time.monotonic())
         return _Job(ids, config, arrival, time.monotonic() + settings.request_timeout_s)
 
@@ -406,10 +407,11 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
         def chunk(index: int, text: str, reason: str | None, first: bool, scores: tuple[TokenLogprob, ...]) -> str:
             logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
-            if streams is not None:
-                delta, reason = streams[index].delta(text, reason, first)
-                doc = p.chat_chunk(rid, created, model, delta, reason, index, logprobs)
-            elif chat:
+            if streams is not None:  # tool calls: one chunk or two (the last ends the choice), logprobs in the first
+                return "".join(f"data: {json.dumps(p.chat_chunk(rid, created, model, delta, end, index, lp))}\n\n"
+                               for (delta, end), lp in zip(streams[index].deltas(text, reason, first),
+                                                           (logprobs, None, None)))
+            if chat:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
                 doc = p.chat_chunk(rid, created, model, delta, reason, index, logprobs)
             else:

@@ -44,7 +44,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from mirror_sd.runtime.config import MIRROR, RESPONSE_FORMAT, STRUCTURED, GenerationConfig, Spec, specs
+from mirror_sd.runtime.config import (
+    GRAMMAR_OPTIONS,
+    MIRROR,
+    RESPONSE_FORMAT,
+    STRUCTURED,
+    GenerationConfig,
+    Spec,
+    specs,
+)
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.serve.neutral import CHAT, COMPLETION, UNSUPPORTED, fields_model
 from mirror_sd.serve.tools import NamedToolChoice, Tool, ToolCall, calls_schema
@@ -164,6 +172,12 @@ class _Sampling(_Strict):
             raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings")
         return stops
 
+    @property
+    def json_schema_field(self) -> str:
+        """The request field the json_schema option came from (what its errors name)."""
+        so = self.structured_outputs
+        return "structured_outputs.json" if so is not None and so.schema_text() is not None else RESPONSE_FORMAT
+
     def generation_options(self) -> dict[str, Any]:
         """Pipeline.generate keywords for what the request set (the rest keeps the server's config)."""
         out = {}
@@ -247,6 +261,7 @@ class ChatMessage(_Strict):
     function_call: None = None
     audio: None = None
     annotations: list[Any] | None = None
+    parsed: Any = None  # what the openai client's parse() adds to a message it replays: dropped
 
     @field_validator("annotations")
     @classmethod
@@ -333,6 +348,13 @@ class ChatRequest(Sampling, fields_model(CHAT)):
         return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
 
     @property
+    def json_schema_field(self) -> str:
+        """The request field the json_schema option came from (what its errors name)."""
+        if self.calls_tools:
+            return "tools"
+        return super().json_schema_field
+
+    @property
     def forced_tool(self) -> str | None:
         """The function tool_choice names (None: none named)."""
         return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
@@ -348,11 +370,14 @@ class ChatRequest(Sampling, fields_model(CHAT)):
                            code="unsupported_value")
         out = super().generation_options()
         if self.calls_tools:
-            if "json_schema" in out:
+            if out.keys() & GRAMMAR_OPTIONS:
                 raise ApiError(400, "a forced tool call holds the answer to the tool's JSON: no response_format or "
-                               "structured_outputs json with it", param="tool_choice", code="invalid_value")
-            out["json_schema"] = json.dumps(calls_schema(self.tools, self.forced_tool,
-                                                         self.parallel_tool_calls is not False))
+                               "structured_outputs with it", param="tool_choice", code="invalid_value")
+            try:
+                schema = calls_schema(self.tools, self.forced_tool, self.parallel_tool_calls is not False)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="tools", code="invalid_value") from None
+            out["json_schema"] = json.dumps(schema)
         if self.max_completion_tokens is not None:
             out["max_new_tokens"] = self.max_completion_tokens
         out.pop("logprobs", None)  # the switch, not the option's count

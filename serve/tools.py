@@ -15,7 +15,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without parameters
 
@@ -29,6 +29,16 @@ class FunctionDef(_Strict):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # the arguments always hold to `parameters` here
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Arguments are a JSON object (OpenAI's rule): a schema without a type is an object's."""
+        if v is None:
+            return None
+        if v.get("type", "object") != "object":
+            raise ValueError(f"a function's parameters are an object's schema, not {v.get('type')!r}")
+        return {"type": "object", **v}
 
 
 class Tool(_Strict):
@@ -48,6 +58,7 @@ class NamedToolChoice(_Strict):
 class CalledFunction(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it back
+    parsed_arguments: Any = None  # what the openai client's parse() adds to a message it replays: dropped
 
 
 class ToolCall(_Strict):
@@ -56,6 +67,7 @@ class ToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
+    index: int | None = None  # what the openai client's stream helper leaves in a message it replays: dropped
 
     def for_template(self) -> dict[str, Any]:
         """As a chat template takes it (transformers' form): the arguments as an object where they are JSON."""
@@ -71,10 +83,39 @@ def calls_schema(tools: list[Tool], forced: str | None, parallel: bool) -> dict[
     calls of any of the tools."""
     if forced is not None:
         return next(t.function.parameters or NO_PARAMETERS for t in tools if t.function.name == forced)
-    one_of = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-               "properties": {"name": {"enum": [t.function.name]},
-                              "parameters": t.function.parameters or NO_PARAMETERS}} for t in tools]
-    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": one_of}}
+    # each tool's definitions move to the list's schema, where its references ("#/$defs/...") then point, as vLLM
+    # moves them
+    shared: dict[str, dict[str, Any]] = {}
+    one_of = []
+    for t in tools:
+        parameters = dict(t.function.parameters or NO_PARAMETERS)
+        for keyword in DEFINITIONS:
+            for name, definition in parameters.pop(keyword, {}).items():
+                if shared.setdefault(keyword, {}).setdefault(name, definition) != definition:
+                    raise ValueError(f"two tools define {name!r} differently: tool_choice \"required\" takes "
+                                     "their definitions together")
+        if _refers_to_root(parameters):
+            raise ValueError(f"{t.function.name}'s parameters refer to their own root (\"#\"): tool_choice "
+                             "\"required\" nests them in the list of calls; name the function instead")
+        one_of.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                       "properties": {"name": {"enum": [t.function.name]}, "parameters": parameters}})
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": one_of},
+            **shared}
+
+
+DEFINITIONS = ("$defs", "definitions")  # where a JSON schema keeps what its "$ref"s name
+
+
+def _refers_to_root(schema: Any) -> bool:
+    """Whether a "$ref" in `schema` points at its root ("#", or a path not under DEFINITIONS)."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(tuple(f"#/{d}/" for d in DEFINITIONS)):
+            return True
+        return any(_refers_to_root(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_refers_to_root(v) for v in schema)
+    return False
 
 
 def new_call_id() -> str:
@@ -91,8 +132,18 @@ def answer_calls(text: str, forced: str | None) -> list[dict[str, Any]] | None:
         calls = json.loads(text)
     except ValueError:
         return None
-    return [{"id": new_call_id(), "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["parameters"])}} for c in calls]
+    # each call's arguments are the answer's own text of its parameters (not written again: the tokens' text)
+    decoder, out, at = json.JSONDecoder(), [], text.index("[") + 1
+    for call in calls:
+        start = text.index("{", at)
+        _, at = decoder.raw_decode(text, start)
+        key = text.index('"parameters":', start, at) + len('"parameters":')
+        while text[key] == " ":
+            key += 1
+        _, end = decoder.raw_decode(text, key)
+        out.append({"id": new_call_id(), "type": "function",
+                    "function": {"name": call["name"], "arguments": text[key:end]}})
+    return out
 
 
 class ToolAnswers:
@@ -127,21 +178,23 @@ class ToolStream:
     def __init__(self, answers: ToolAnswers) -> None:
         self.answers, self.id, self.held = answers, new_call_id(), []
 
-    def delta(self, text: str, reason: str | None, first: bool) -> tuple[dict[str, Any], str | None]:
-        """The delta of the chunk that carries `text` (and ends the choice with `reason`), and its finish reason."""
+    def deltas(self, text: str, reason: str | None, first: bool) -> list[tuple[dict[str, Any], str | None]]:
+        """The chunks (delta, finish reason) that carry `text` and, where `reason` is given, end the choice: the
+        last with an empty delta, as OpenAI ends a choice of tool calls (the openai client's stream helper closes a
+        call's arguments only on a later chunk)."""
         head = {"role": "assistant", "content": None} if first else {}
         forced = self.answers.forced
-        end = reason and self.answers._reason(reason)
+        end = [({}, self.answers._reason(reason))] if reason is not None else []
         if forced is not None:
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if first:
                 call = {"index": 0, "id": self.id, "type": "function", "function": {"name": forced, "arguments": text}}
-            return ({**head, "tool_calls": [call]} if first or text else head), end
+            return ([({**head, "tool_calls": [call]}, None)] if first or text else []) + end or [(head, None)]
         self.held.append(text)
         if reason is None:
-            return head, None
+            return [(head, None)]
         whole = "".join(self.held)
         calls = answer_calls(whole, None)
         if calls is None:  # cut short: the answer as text
-            return {**head, "content": whole}, reason
-        return {**head, "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, end
+            return [({**head, "content": whole}, reason)]
+        return [({**head, "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, None)] + end

@@ -253,10 +253,62 @@ def test_required_tool_calls_are_a_list_of_calls_of_the_tools(pipe, client):
                                                         tools=TOOLS, tool_choice="required", stream=True,
                                                         parallel_tool_calls=False) if c.choices]
     (last,) = [c for c in chunks if c.choices[0].delta.tool_calls]
-    assert last.choices[0].finish_reason == "tool_calls"
+    # the calls, then a chunk of their own that ends the choice (as OpenAI's, and its client's stream helper wants)
+    assert last.choices[0].finish_reason is None and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].delta.tool_calls is None
     assert [t.function.name for t in last.choices[0].delta.tool_calls] == [c.function.name for c in calls]
     assert ChatRequest.model_validate({"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
                                        "tool_choice": "none"}).generation_options() == {}
+
+
+def test_tools_with_definitions_their_errors_and_the_clients_own_replays(pipe, client):
+    """A tool whose parameters refer to definitions ($defs, as pydantic writes them) under "required"; the answer's
+    own text of each call's parameters as its arguments; a tool's errors naming `tools`; a message the openai
+    client's parse() or stream helper replays (parsed, parsed_arguments, index) taken."""
+    from pydantic import BaseModel
+
+    from mirror_sd.serve.tools import answer_calls
+
+    class Slot(BaseModel):
+        hour: int
+
+    class Book(BaseModel):
+        slot: Slot
+        table: bool
+
+    tool = openai.pydantic_function_tool(Book)
+    assert "$defs" in tool["function"]["parameters"]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, tools=[tool],
+                                       tool_choice="required", parallel_tool_calls=False)
+    if r.choices[0].finish_reason == "tool_calls":
+        Book.model_validate_json(r.choices[0].message.tool_calls[0].function.arguments)
+    else:  # the random model wrote on past max_tokens: its text, still under the schema so far
+        assert r.choices[0].finish_reason == "length" and r.choices[0].message.content.startswith('[{"name": "Book"')
+    text = '[{"name": "f", "parameters": {"x": 1e999, "city": "München"}}, {"name": "g", "parameters": {}}]'
+    assert [c["function"]["arguments"] for c in answer_calls(text, None)] == ['{"x": 1e999, "city": "München"}',
+                                                                              "{}"]
+    recursive = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}
+    typo = {"type": "function", "function": {"name": "t", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strin"}}}}}
+    for tools, choice in (([recursive], "required"), ([typo], "required"), ([typo], {"type": "function", "function": {
+            "name": "t"}}), ([{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}],
+                             "required")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=tools,
+                                           tool_choice=choice)
+        assert e.value.param.startswith("tools"), (tools, e.value.param)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                       extra_body={"structured_outputs": {"json": {"type": "objec"}}})
+    assert e.value.param == "structured_outputs.json"
+    replayed = [*MESSAGES, {"role": "assistant", "content": None, "parsed": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "index": 0,
+         "function": {"name": "Book", "arguments": '{"slot": {"hour": 1}, "table": true}',
+                      "parsed_arguments": {"slot": {"hour": 1}, "table": True}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "booked"}]
+    r = client.chat.completions.create(model=MODEL, messages=replayed, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_earlier_tool_calls_and_answers_reach_the_template_and_auto_is_refused(pipe, client, port):

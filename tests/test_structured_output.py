@@ -236,7 +236,7 @@ def test_a_schema_that_cannot_be_held_to_is_refused_before_any_work(pipelines):
     for bad, option in ((dict(regex="(("), "regex"), (dict(regex=""), "regex"), (dict(choice=("",)), "choice"),
                         (dict(regex="a", choice=("a",)), "choice"), (dict(json_schema=ANY_OBJECT, regex="a"), "regex"),
                         (dict(grammar="start: nowhere"), "grammar"), (dict(grammar="root ::= (("), "grammar"),
-                        (dict(grammar=""), "grammar")):
+                        (dict(grammar=""), "grammar"), (dict(regex="yes\\"), "regex")):
         with pytest.raises(BadInputError) as e:
             pipe.check([5, 17], **bad)
         assert e.value.option == option, bad
