@@ -165,7 +165,7 @@ class _Row:
     scores: list[TokenLogprob | None] = field(default_factory=list)  # each new token's logprob (config.logprobs)
     copies: PromptLookup | None = None  # windows copied from its text, where it speculates greedily
     drafts: RowDraft | None = None  # windows from the draft model, where it runs greedy sd or mirror
-    grammar: GrammarState | None = None  # its place in its JSON schema, where it has one (runtime/grammar.py)
+    grammar: GrammarState | None = None  # its place in its grammar, where it has one (runtime/grammar.py)
 
     @property
     def prompt_len(self) -> int:
@@ -618,8 +618,8 @@ class BatchEngine:
         self._commit(row, token, self._score(row, logits, token))
 
     def _target_logits(self, row: _Row, logits: np.ndarray, window: tuple[int, ...] = ()) -> np.ndarray | None:
-        """The row's logits [n, V] after its context + window[:i] with its penalties and its schema's mask
-        (runtime/sampling.py penalize), as a generation alone takes them; None where its schema's state failed,
+        """The row's logits [n, V] after its context + window[:i] with its penalties and its grammar's mask
+        (runtime/sampling.py penalize), as a generation alone takes them; None where its grammar's state failed,
         which ends that request alone."""
         try:
             allowed = (row.grammar.masks(row.context, row.prompt_len, window, len(logits)) if row.grammar is not None

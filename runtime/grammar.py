@@ -122,7 +122,7 @@ class Vocabulary:
 
 
 class Grammar:
-    """A compiled schema over one vocabulary; `state()` gives each generation its own matcher."""
+    """A compiled grammar over one vocabulary; `state()` gives each generation its own matcher."""
 
     def __init__(self, start: Any, vocab_size: int, eos: frozenset[int]) -> None:
         self._start, self.size, self.eos = start, vocab_size, eos
@@ -147,9 +147,9 @@ class GrammarState:
 
     def masks(self, context: Sequence[int], prompt_len: int, window: Sequence[int] = (),
               rows: int | None = None) -> np.ndarray:
-        """The tokens the schema allows [rows, V] (rows: len(window) + 1 by default): row i at the position after
+        """The tokens the grammar allows [rows, V] (rows: len(window) + 1 by default): row i at the position after
         context + window[:i] (context: the prompt's `prompt_len` tokens, then the generated ones). Rows after a window
-        token the schema forbids, an EOS token (the end) or past the window allow every token: nothing reads them."""
+        token the grammar forbids, an EOS token (the end) or past the window allow every token: nothing reads them."""
         rows = len(window) + 1 if rows is None else rows
         self._catch_up(context, prompt_len)
         bits = np.zeros((rows, self._words), np.int32)

@@ -2,7 +2,7 @@
 
 No KV cache is kept between forwards: every forward runs the whole sequence from an empty cache, so none of the
 scheduler's cache trimming, branching or threading is involved. Greedy only, with a generation's penalties where
-`params` gives some (runtime/sampling.py penalize) and its JSON schema's masks where `grammar` holds one. gamma 0 is
+`params` gives some (runtime/sampling.py penalize) and its grammar's masks where `grammar` holds one. gamma 0 is
 plain target decoding; gamma > 0 is vanilla speculative decoding with the draft, which must give the same tokens.
 confidence > 0 ends a window after a token the draft gives a probability below it
 (GenerationConfig.draft_confidence_threshold), or, with rule "window", after the token where the product of the
@@ -32,7 +32,7 @@ def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[i
                        gamma: int = 0, eos_token_ids: tuple[int, ...] = (), confidence: float = 0.0,
                        rule: str = "token", params: SamplingParams | None = None,
                        grammar: GrammarState | None = None) -> list[int]:
-    """The new tokens (up to and including the first EOS) of greedy decoding of `prompt` (held to a JSON schema's
+    """The new tokens (up to and including the first EOS) of greedy decoding of `prompt` (held to a
     grammar where `grammar` is a fresh state of one)."""
     params = params or SamplingParams()
     if not params.greedy:

@@ -9,7 +9,7 @@ the tokens before it only, so a verification row is penalised for the window tok
 that would have produced that position alone, and sd and mirror still equal ar. vLLM's order: OpenAI's logit bias,
 the repetition penalty (transformers' CTRL rule: a positive logit divided by it, a negative one multiplied) on every
 token of the prompt and the text so far, then OpenAI's frequency and presence penalties on the generated tokens'
-counts, then a JSON schema's mask (runtime/grammar.py), which holds to the same rule. A greedy draft applies the
+counts, then a grammar's mask (runtime/grammar.py), which holds to the same rule. A greedy draft applies the
 bias and penalties to its own logits too, as a guess of what the penalised target takes (runtime/draft.py
 DrafterBase._greedy); its windows are checked against the penalised target like any others.
 """
@@ -50,7 +50,7 @@ def penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int],
              window: Sequence[int] = (), allowed: np.ndarray | None = None) -> np.ndarray:
     """The target's `logits` [n, V] with the logit bias and the penalties: row i is the position after context +
     window[:i] (context: the prompt's `prompt_len` tokens, then the generated ones); then every token outside
-    `allowed` [n, V] (a schema's mask for the same rows: runtime/grammar.py) at -inf. `logits` itself where none
+    `allowed` [n, V] (a grammar's mask for the same rows: runtime/grammar.py) at -inf. `logits` itself where none
     applies. Every row takes the context's penalties at once; a row after window tokens then has those tokens'
     entries computed again from its biased logits with their counts there: each entry is the same float32 arithmetic
     a row alone after the same tokens gets, so a verification row equals the step it stands for bit for bit."""

@@ -185,7 +185,7 @@ class _Decoder:
     def __init__(self, target: Target, worker: DraftWorker | None, cfg: GenerationConfig, rec: Recorder,
                  grammar: GrammarState | None = None) -> None:
         self.target, self.worker, self.cfg, self.rec = target, worker, cfg, rec
-        self.grammar = grammar  # the generation's JSON schema, where it has one (runtime/grammar.py)
+        self.grammar = grammar  # the generation's grammar, where it has one (runtime/grammar.py)
         self.counts = rec.counts
         self.cache: TargetCache = target.empty_cache()
         # the feature channel: the target's taps since the last draft request (a feature draft only; else empty)
@@ -201,7 +201,7 @@ class _Decoder:
         self.prompt_len = 0  # set by prefill: where the generated tokens start (the penalties count those)
 
     def _penalized(self, logits: np.ndarray, ctx: Sequence[int], window: Sequence[int] = ()) -> np.ndarray:
-        """The target's logits [n, V] after ctx + window[:i] with the generation's penalties and its schema's mask
+        """The target's logits [n, V] after ctx + window[:i] with the generation's penalties and its grammar's mask
         (runtime/sampling.py)."""
         allowed = (self.grammar.masks(ctx, self.prompt_len, window, len(logits)) if self.grammar is not None
                    else None)
@@ -432,7 +432,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     prompt right after, before the first window.
     cached: the target's KV memory holds the prompt's first `cached` tokens already (the batching engine's prefix
     cache, runtime/batching.py): the prefill runs the rest.
-    grammar: the generation's place in its JSON schema (runtime/grammar.py), whose masks every target row takes.
+    grammar: the generation's place in its grammar (runtime/grammar.py), whose masks every target row takes.
     gate_memory: per mode and bucket of context length (runtime/gate.py context_bucket), what the gates learned in
     the caller's last generation there (runtime/speculation_policy.py).
     """

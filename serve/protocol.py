@@ -1,7 +1,7 @@
 """The OpenAI wire format the server speaks: request models (validated, unknown fields refused), error bodies and
 response objects, as plain data. Nothing here runs a model.
 
-Requests accept the fields this server honours and nothing else: a field it would silently ignore (tools, ...) is
+Requests accept the fields this server honours and nothing else: a field it would silently ignore (audio, ...) is
 a 400 that names it, so a client never believes it got what it asked for.
 
 `logprobs` (chat: `logprobs: true` with `top_logprobs: k`; completions: `logprobs: k`) are the target's own

@@ -100,3 +100,21 @@ def bundle_factory(tmp_path_factory, pair_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def engine_pipelines(bundle_factory):
+    """engine_pipelines(arch="llama") -> a pipeline on that architecture's bundle, its batching engine of 4 slots
+    (requests queue beyond), loaded at its first use in the module and closed at the module's end."""
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    cache: dict[str, Pipeline] = {}
+
+    def get(arch: str = "llama") -> Pipeline:
+        if arch not in cache:
+            cache[arch] = Pipeline.load(bundle_factory(arch), huge_pages=False, max_num_seqs=4)
+        return cache[arch]
+
+    yield get
+    for pipe in cache.values():
+        pipe.close()

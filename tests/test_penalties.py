@@ -92,23 +92,9 @@ def test_penalties_are_options_with_openais_ranges():
     assert not GenerationConfig().params.penalized
 
 
-@pytest.fixture(scope="module")
-def pipelines(bundle_factory):
-    cache: dict[str, Pipeline] = {}
-
-    def get(arch: str = "llama") -> Pipeline:
-        if arch not in cache:
-            cache[arch] = Pipeline.load(bundle_factory(arch), huge_pages=False, max_num_seqs=4)
-        return cache[arch]
-
-    yield get
-    for pipe in cache.values():
-        pipe.close()
-
-
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_mode_equals_ar_with_penalties(pipelines, arch):
-    pipe = pipelines(arch)
+def test_every_mode_equals_ar_with_penalties(engine_pipelines, arch):
+    pipe = engine_pipelines(arch)
     changed = 0
     for prompt in PROMPTS:
         plain = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
@@ -128,16 +114,16 @@ def test_every_mode_equals_ar_with_penalties(pipelines, arch):
     assert changed >= len(PROMPTS)  # the penalties did change the text
 
 
-def test_reference_generator_with_the_draft_takes_the_penalties(pipelines):
-    pipe = pipelines()
+def test_reference_generator_with_the_draft_takes_the_penalties(engine_pipelines):
+    pipe = engine_pipelines()
     params = GenerationConfig(**PENALTIES[1]).params
     for prompt in PROMPTS:
         ar = reference_generate(pipe.target, None, prompt, NEW_TOKENS, params=params)
         assert reference_generate(pipe.target, pipe.draft, prompt, NEW_TOKENS, gamma=3, params=params) == ar
 
 
-def test_batched_rows_with_their_own_penalties_give_their_solo_outputs(pipelines):
-    pipe = pipelines()
+def test_batched_rows_with_their_own_penalties_give_their_solo_outputs(engine_pipelines):
+    pipe = engine_pipelines()
     engine = pipe.engine()
     prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10], [40, 41]]
     # a sampled row in a batched step draws as a generation alone draws (its seed, its position)
@@ -158,11 +144,11 @@ def test_batched_rows_with_their_own_penalties_give_their_solo_outputs(pipelines
         assert got.token_ids == alone.token_ids, (mode, penalties)
 
 
-def test_sampled_steps_verify_against_the_penalised_target(pipelines):
+def test_sampled_steps_verify_against_the_penalised_target(engine_pipelines):
     """Speculative sampling's path (runtime/verify.py speculative_accept) with the penalties: at a temperature this
     low every warped distribution is one token, so a sampled sd or mirror generation is the penalised greedy one;
     its windows come from a draft that does not know the penalties, and are corrected by the residual."""
-    pipe = pipelines()
+    pipe = engine_pipelines()
     for prompt in PROMPTS:
         for penalties in PENALTIES:
             ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True, **penalties)
@@ -173,10 +159,10 @@ def test_sampled_steps_verify_against_the_penalised_target(pipelines):
                 assert out.stats["proposed_tokens"] > 0
 
 
-def test_a_logit_bias_bans_and_favours_tokens_in_every_mode(pipelines):
+def test_a_logit_bias_bans_and_favours_tokens_in_every_mode(engine_pipelines):
     """OpenAI's logit_bias on the target's logits: a token at -100 never comes, and sd, mirror and lookup equal ar
     with the same bias, alone and with penalties; a token past the vocabulary is refused before any work."""
-    pipe = pipelines()
+    pipe = engine_pipelines()
     for prompt in PROMPTS:
         plain = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
         banned = sorted(set(plain))[:3]

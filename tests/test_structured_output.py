@@ -15,7 +15,6 @@ import pytest
 from mirror_sd.errors import BadInputError
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.grammar import GrammarError
-from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.reference import reference_generate
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -36,24 +35,10 @@ def _holds(value: dict) -> bool:
             and len(value["tags"]) <= 2 and set(value["tags"]) <= {"a", "b"})
 
 
-@pytest.fixture(scope="module")
-def pipelines(bundle_factory):
-    cache: dict[str, Pipeline] = {}
-
-    def get(arch: str = "llama") -> Pipeline:
-        if arch not in cache:
-            cache[arch] = Pipeline.load(bundle_factory(arch), huge_pages=False, max_num_seqs=4)
-        return cache[arch]
-
-    yield get
-    for pipe in cache.values():
-        pipe.close()
-
-
-def test_a_verification_row_is_masked_as_the_step_that_would_give_it(pipelines):
+def test_a_verification_row_is_masked_as_the_step_that_would_give_it(engine_pipelines):
     """Row i of a window's masks after context + window[:i], as a state that committed those tokens gets; a row after
     a token the schema forbids allows everything (verification stops there), and the state is where it was."""
-    pipe = pipelines()
+    pipe = engine_pipelines()
     grammar = pipe.vocabulary.grammar(json.dumps(SCHEMA))
     prompt = [5, 17]
     text = pipe.codec.encode('{"ok": true, "name": "x', special=False)
@@ -73,10 +58,10 @@ def test_a_verification_row_is_masked_as_the_step_that_would_give_it(pipelines):
     np.testing.assert_array_equal(state.masks(prompt, len(prompt))[0], rows[0])  # the window was rolled back
 
 
-def test_a_window_ending_the_text_leaves_the_state_where_it_was(pipelines):
+def test_a_window_ending_the_text_leaves_the_state_where_it_was(engine_pipelines):
     """A window that closes the value and ends with EOS (copied from an earlier JSON turn), rejected at its first
     token: the next masks are a fresh state's. (llguidance's rollback does not count an EOS it consumed.)"""
-    pipe = pipelines()
+    pipe = engine_pipelines()
     grammar = pipe.vocabulary.grammar(json.dumps(ANY_OBJECT))
     eos = pipe.eos_token_ids(GenerationConfig())[0]
     prompt, opened = [5, 17], pipe.codec.encode('{"a": "x', special=False)
@@ -89,9 +74,9 @@ def test_a_window_ending_the_text_leaves_the_state_where_it_was(pipelines):
                                       grammar.state().masks([*prompt, *opened, *more], len(prompt))[0])
 
 
-def test_copies_of_an_earlier_json_turn_with_its_eos_stay_exact(pipelines):
+def test_copies_of_an_earlier_json_turn_with_its_eos_stay_exact(engine_pipelines):
     """Prompt lookup copies `}` + EOS out of an earlier answer; the target goes another way: every mode equals ar."""
-    pipe = pipelines()
+    pipe = engine_pipelines()
     eos = pipe.eos_token_ids(GenerationConfig())[0]
     closed = pipe.codec.encode("{}", special=False)
     compared = 0
@@ -111,8 +96,8 @@ def test_copies_of_an_earlier_json_turn_with_its_eos_stay_exact(pipelines):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_mode_equals_ar_under_a_schema_and_the_json_holds(pipelines, arch):
-    pipe = pipelines(arch)
+def test_every_mode_equals_ar_under_a_schema_and_the_json_holds(engine_pipelines, arch):
+    pipe = engine_pipelines(arch)
     schema = json.dumps(SCHEMA)
     for prompt in PROMPTS:
         ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, json_schema=schema)
@@ -137,10 +122,10 @@ def test_every_mode_equals_ar_under_a_schema_and_the_json_holds(pipelines, arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_regex_choices_and_a_grammar_hold_the_text_in_every_mode(pipelines, arch):
+def test_a_regex_choices_and_a_grammar_hold_the_text_in_every_mode(engine_pipelines, arch):
     """vLLM's structured_outputs regex, choice and grammar: the whole text matches, and every mode equals ar under
     them."""
-    pipe = pipelines(arch)
+    pipe = engine_pipelines(arch)
     pattern, choices = r"[a-f]{2,4}-[0-9]{1,3}", ("yes", "no", "not sure (ask again)")
     # the same language as Lark (llguidance's dialect) and as llama.cpp's GBNF
     lark = 'start: word "=" num\nword: /[a-c]{1,3}/\nnum: /[0-9]{1,2}/'
@@ -158,8 +143,8 @@ def test_a_regex_choices_and_a_grammar_hold_the_text_in_every_mode(pipelines, ar
                 assert out.token_ids == ar.token_ids, (mode, given)
 
 
-def test_the_reference_generator_with_the_draft_holds_to_the_schema(pipelines):
-    pipe = pipelines()
+def test_the_reference_generator_with_the_draft_holds_to_the_schema(engine_pipelines):
+    pipe = engine_pipelines()
     grammar, eos = pipe.vocabulary.grammar(json.dumps(SCHEMA)), pipe.eos_token_ids(GenerationConfig())
     for prompt in PROMPTS:
         ar = reference_generate(pipe.target, None, prompt, NEW_TOKENS, eos_token_ids=eos, grammar=grammar.state())
@@ -167,11 +152,11 @@ def test_the_reference_generator_with_the_draft_holds_to_the_schema(pipelines):
                                   grammar=grammar.state()) == ar
 
 
-def test_sampled_generations_hold_to_the_schema_and_verify_against_the_masked_target(pipelines):
+def test_sampled_generations_hold_to_the_schema_and_verify_against_the_masked_target(engine_pipelines):
     """Speculative sampling with a schema: each mode's sampled JSON holds; at a temperature this low every warped
     distribution is one token, so sampled sd and mirror give the masked greedy text, their windows (from a draft
     that does not know the schema) corrected by the residual."""
-    pipe = pipelines()
+    pipe = engine_pipelines()
     for prompt in PROMPTS:
         ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, json_schema=SCHEMA)
         for mode in ("ar", "sd", "mirror"):
@@ -183,8 +168,8 @@ def test_sampled_generations_hold_to_the_schema_and_verify_against_the_masked_ta
             assert low.token_ids == ar.token_ids, mode
 
 
-def test_batched_rows_with_and_without_schemas_give_their_solo_outputs(pipelines):
-    pipe = pipelines()
+def test_batched_rows_with_and_without_schemas_give_their_solo_outputs(engine_pipelines):
+    pipe = engine_pipelines()
     engine = pipe.engine()
     prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10], [40, 41]]
     runs = [("mirror", SCHEMA), ("sd", None), ("lookup", ANY_OBJECT), ("ar", SCHEMA)]
@@ -204,9 +189,9 @@ def test_batched_rows_with_and_without_schemas_give_their_solo_outputs(pipelines
     assert _holds(json.loads(results[0].text)) and _holds(json.loads(results[3].text))
 
 
-def test_a_failed_grammar_state_ends_its_request_alone(pipelines, monkeypatch):
+def test_a_failed_grammar_state_ends_its_request_alone(engine_pipelines, monkeypatch):
     """In the batching engine a request whose schema state fails ends with that error; the others go on."""
-    pipe = pipelines()
+    pipe = engine_pipelines()
     engine = pipe.engine()
 
     class Broken:
@@ -223,8 +208,8 @@ def test_a_failed_grammar_state_ends_its_request_alone(pipelines, monkeypatch):
     assert other.wait().token_ids == want.token_ids
 
 
-def test_a_schema_that_cannot_be_held_to_is_refused_before_any_work(pipelines):
-    pipe = pipelines()
+def test_a_schema_that_cannot_be_held_to_is_refused_before_any_work(engine_pipelines):
+    pipe = engine_pipelines()
     for bad, says in (("not json", "not JSON"), ("[1]", "JSON object"), ({"type": "objec"}, "objec"),
                       ({"$ref": "#/nowhere"}, "nowhere"), ({"type": "string", "pattern": "(("}, "regex")):
         with pytest.raises(BadInputError, match=says) as e:
