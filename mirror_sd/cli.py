@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from mirror_sd.errors import BadInputError, MirrorSDError, check_int
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES, TARGET_WEIGHT_FORMATS
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, specs
-from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION
+from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from mirror_sd.partitions.planner import Plan
@@ -267,7 +267,8 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None, origins: tuple[
 def _server_settings(args: argparse.Namespace, api_key: str | None, origins: tuple[str, ...]) -> dict[str, Any]:
     """ServerSettings' fields from `serve`'s flags, but the defaults, which come with the bundle (open_server)."""
     return {"model_name": args.model_name or Path(args.bundle).resolve().name, "max_queue": args.max_queue,
-            "request_timeout_s": args.request_timeout, "api_key": api_key, "cors_origins": origins}
+            "request_timeout_s": args.request_timeout, "api_key": api_key, "cors_origins": origins,
+            "tool_call_parser": args.tool_call_parser}
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -483,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(repeatable, or comma-separated; default: none, no CORS headers)")
     sv.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                     help="the server's logging to stderr; info logs one line per request (default: info)")
+    sv.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                    help="read answers to tool_choice auto (OpenAI's default with tools) for calls in this format: "
+                         "hermes (<tool_call> JSON </tool_call>: Qwen2.5, Qwen3, Hermes) (default: none, auto refused)")
     add_options(sv, GenerationConfig, SERVE_GENERATION, shown=SERVE_SHOWN)  # a request's own value wins
     add_options(sv, LoadOptions, LOAD_FLAGS["serve"])
     sv.add_argument("--ray", action="store_true",

@@ -62,6 +62,7 @@ from mirror_sd.serve.access_log import ARRIVAL, STREAM_STATUS, AccessLog
 from mirror_sd.serve.auth import ApiKey
 from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
+from mirror_sd.serve.tool_parser import HermesAnswers
 from mirror_sd.serve.tools import ToolAnswers
 
 log = logging.getLogger("mirror_sd.serve")
@@ -78,6 +79,8 @@ class ServerSettings:
     api_key: str | None = None  # None: the /v1 routes are open (serve/auth.py)
     cors_origins: tuple[str, ...] = ()  # origins a browser page may call from ("*": any); none: no CORS headers
     keepalive_s: float = 10.0  # a waiting stream's SSE comment interval: below common proxy idle timeouts (60 s)
+    # how answers to tool_choice "auto" are read for calls (serve/tool_parser.py); None: "auto" is refused
+    tool_call_parser: str | None = None
     # generation options a request leaves out, by name (serve/defaults.py: OpenAI's unless the serve command or the
     # bundle says otherwise)
     defaults: Mapping[str, Any] = field(default_factory=d.server_defaults)
@@ -332,6 +335,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
     async def _complete(request: Request, body: p.ChatRequest | p.CompletionRequest, prompts: list[Any],
                         chat: bool) -> Any:
+        calls = _calls(body, settings)  # how the answers become tool calls, if they do (a 400 where they cannot)
         requested, jobs, prompt_tokens = body.generation_options(), [], 0
         if requested.get("json_schema") is not None:
             # compiled off the event loop (the first schema also reads the tokenizer: 0.4 s for 49k tokens); the
@@ -352,7 +356,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             # the background task runs once the response ends, even where its body never started (a client gone
             # at once): the generations stop then
             return StreamingResponse(_stream(request, jobs, started, rid, body.model, chat, include_usage,
-                                             prompt_tokens, _calls(body)), media_type="text/event-stream",
+                                             prompt_tokens, calls), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **seed},
                                      background=BackgroundTask(_abandon, started))
         watcher = asyncio.create_task(_watch_disconnect(request))
@@ -382,8 +386,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         make, choice = (p.chat_response, p.chat_choice) if chat else (p.completion_response, p.completion_choice)
         choices = [choice(i, o.text, o.finish_reason, _logprobs(chat, j, s, pipe.codec.token_bytes))
                    for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
-        calls = _calls(body)
-        if calls is not None:  # the answers are tool calls: their JSON becomes the messages' tool_calls
+        if calls is not None:  # the answers are (or may hold) tool calls: the messages' tool_calls
             choices = [calls.choice(c, o.text, o.finish_reason) for c, o in zip(choices, outcomes)]
         outcome = outcomes[0]  # the `mirror` stats are the first choice's decoding
         return JSONResponse(make(rid, body.model, choices, prompt_tokens, sum(len(o.token_ids) for o in outcomes),
@@ -395,7 +398,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
     async def _stream(request: Request, jobs: list[_Job], started: list[AsyncRequest], rid: str, model: str,
                       chat: bool, include_usage: bool, prompt_tokens: int,
-                      calls: ToolAnswers | None = None) -> AsyncIterator[str]:
+                      calls: ToolAnswers | HermesAnswers | None = None) -> AsyncIterator[str]:
         """The choices' chunks as they come, each with its choice's index (n > 1: interleaved), and with the
         logprobs of the tokens whose text it carries where asked for (a token whose text is held back, part of a
         character or of a possible stop string, rides with the next chunk; the last chunk carries any left)."""
@@ -407,7 +410,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
         def chunk(index: int, text: str, reason: str | None, first: bool, scores: tuple[TokenLogprob, ...]) -> str:
             logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
-            if streams is not None:  # tool calls: one chunk or two (the last ends the choice), logprobs in the first
+            if streams is not None:  # tool calls: this event's chunks (the last may end the choice), logprobs first
                 return "".join(f"data: {json.dumps(p.chat_chunk(rid, created, model, delta, end, index, lp))}\n\n"
                                for (delta, end), lp in zip(streams[index].deltas(text, reason, first),
                                                            (logprobs, None, None)))
@@ -586,9 +589,19 @@ def _context_error(e: ContextLimitError, body: p.ChatRequest | p.CompletionReque
                       "completion.", param=asked, code="context_length_exceeded")
 
 
-def _calls(body: p.ChatRequest | p.CompletionRequest) -> ToolAnswers | None:
-    """How the request's answers become tool calls (None: they are text)."""
-    return ToolAnswers(body.forced_tool) if isinstance(body, p.ChatRequest) and body.calls_tools else None
+def _calls(body: p.ChatRequest | p.CompletionRequest, settings: ServerSettings
+           ) -> ToolAnswers | HermesAnswers | None:
+    """How the request's answers become tool calls (None: they are text): forced calls (tool_choice required or a
+    named function), or "auto" (OpenAI's default where tools are given) read by the server's parser."""
+    if not isinstance(body, p.ChatRequest) or not body.tools or body.tool_choice == "none":
+        return None
+    if body.calls_tools:
+        return ToolAnswers(body.forced_tool)
+    if settings.tool_call_parser is None:
+        raise p.ApiError(400, 'tool_choice "auto" needs a parser of the model\'s tool-call format: start the server '
+                         'with --tool-call-parser (hermes: Qwen2.5, Qwen3, Hermes), or give "required", a named '
+                         'function or "none"', param="tool_choice", code="unsupported_value")
+    return HermesAnswers()
 
 
 def _param_of(error: BadInputError, chat: bool) -> str | None:

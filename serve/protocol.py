@@ -364,10 +364,6 @@ class ChatRequest(Sampling, fields_model(CHAT)):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def generation_options(self) -> dict[str, Any]:
-        if self.tools and self.tool_choice in (None, "auto"):
-            raise ApiError(400, 'tool_choice "auto" needs a parser of this model\'s tool-call format, which this '
-                           'server does not have: give "required", a named function or "none"', param="tool_choice",
-                           code="unsupported_value")
         out = super().generation_options()
         if self.calls_tools:
             if out.keys() & GRAMMAR_OPTIONS:

@@ -340,6 +340,33 @@ def test_earlier_tool_calls_and_answers_reach_the_template_and_auto_is_refused(p
         assert status == 400, text
 
 
+def test_auto_tool_choice_reads_hermes_calls_where_the_server_has_the_parser(pipe):
+    """`--tool-call-parser hermes`: "auto" (and tools without a tool_choice) answer freely, and the answer's
+    <tool_call> blocks become its tool_calls, the text before them its content; streamed, the text goes out until a
+    call opens, the calls in one delta at the end. (A regex makes the tiny random model write one.)"""
+    call = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    pattern = r"Sure\.\n<tool_call>\n\{\"name\": \"ping\", \"arguments\": \{\}\}\n</tool_call>"
+    want = pipe.generate(pipe.prompt_ids(MESSAGES, tools=TOOLS), mode="ar", max_new_tokens=60, regex=pattern)
+    assert want.text == "Sure.\n" + call and want.finish_reason == "eos"
+    with InProcessServer(pipe, model_name=MODEL, tool_call_parser="hermes") as server:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+        for choice in ({}, {"tool_choice": "auto"}):
+            r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, tools=TOOLS,
+                                          extra_body={"structured_outputs": {"regex": pattern}}, **choice)
+            message = r.choices[0].message
+            assert (message.content, r.choices[0].finish_reason) == ("Sure.\n", "tool_calls")
+            assert [(t.function.name, t.function.arguments) for t in message.tool_calls] == [("ping", "{}")]
+        chunks = [ch for ch in c.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, tools=TOOLS, stream=True,
+            extra_body={"structured_outputs": {"regex": pattern}}) if ch.choices]
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Sure.\n"
+        (calls,) = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices[0].delta.tool_calls]
+        assert [t.function.name for t in calls] == ["ping"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+        plain = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, tools=TOOLS)
+        assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content == pipe.generate(
+            pipe.prompt_ids(MESSAGES, tools=TOOLS), mode="ar", max_new_tokens=8).text
+
+
 @pytest.mark.parametrize("field, value", [
     ("store", True),
     ("modalities", ["text", "audio"]), ("service_tier", "flex"),
