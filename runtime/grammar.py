@@ -149,27 +149,30 @@ class GrammarState:
               rows: int | None = None) -> np.ndarray:
         """The tokens the grammar allows [rows, V] (rows: len(window) + 1 by default): row i at the position after
         context + window[:i] (context: the prompt's `prompt_len` tokens, then the generated ones). Rows after a window
-        token the grammar forbids, an EOS token (the end) or past the window allow every token: nothing reads them."""
+        token the grammar forbids, an EOS token (the end) or past the window allow every token: nothing reads them. A
+        window token past which llguidance cannot go on (one of its limits) is refused in its own row."""
         rows = len(window) + 1 if rows is None else rows
         self._catch_up(context, prompt_len)
         bits = np.zeros((rows, self._words), np.int32)
-        taken = 0
-        for i in range(rows):
-            self._fill(self._matcher, bits, i)
-            if self._matcher.is_error():  # a limit met on the way (its mask would allow EOS alone): not a text
-                raise GrammarError(f"the grammar cannot go on: {_said(self._matcher)}")
-            if i + 1 == rows:
+        words = bits.view(np.uint32)
+        self._fill(self._matcher, bits, 0)
+        if self._matcher.is_error():  # a limit met at the generation's own next position, as ar meets it
+            raise GrammarError(f"the grammar cannot go on: {_said(self._matcher)}")
+        walker = self._matcher.deep_copy() if rows > 1 else None  # the window's rows on a copy: the state stays
+        for i in range(1, rows):
+            token = window[i - 1] if i - 1 < len(window) else -1
+            # an EOS token ends the generation, so nothing reads the rows after it
+            if not 0 <= token < self.size or not (words[i - 1, token >> 5] >> (token & 31)) & 1 or token in self.eos:
+                bits[i:] = -1
                 break
-            token = window[i] if i < len(window) else -1
-            # an EOS token ends the generation, so nothing reads the rows after it; consumed, it would stop the
-            # matcher outside the history its rollback undoes
-            if not 0 <= token < self.size or not (bits[i, token >> 5] >> (token & 31)) & 1 or token in self.eos:
-                bits[i + 1:] = -1
+            walker.consume_token(token)
+            self._fill(walker, bits, i)
+            if walker.is_error():
+                # the window token leads where llguidance cannot go on (one of its limits): the row before refuses
+                # it, so verification stops there; ar committing it would fail at the next position
+                words[i - 1, token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
+                bits[i:] = -1
                 break
-            self._matcher.consume_token(token)
-            taken += 1
-        if taken:
-            self._matcher.rollback(taken)
         allowed = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :self.size].astype(bool)
         if not allowed.any(axis=-1).all():
             raise GrammarError(f"the grammar allows no token: {_said(self._matcher) or 'no way to go on'}")

@@ -81,6 +81,11 @@ class ServerSettings:
     keepalive_s: float = 10.0  # a waiting stream's SSE comment interval: below common proxy idle timeouts (60 s)
     # how answers to tool_choice "auto" are read for calls (serve/tool_parser.py); None: "auto" is refused
     tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, *d.TOOL_CALL_PARSERS):
+            raise BadInputError(f"unknown tool_call_parser {self.tool_call_parser!r}; known: "
+                                f"{', '.join(d.TOOL_CALL_PARSERS)}", option="tool_call_parser")
     # generation options a request leaves out, by name (serve/defaults.py: OpenAI's unless the serve command or the
     # bundle says otherwise)
     defaults: Mapping[str, Any] = field(default_factory=d.server_defaults)
@@ -407,13 +412,16 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         created = int(time.time())
 
         streams = [calls.stream() for _ in jobs] if calls is not None else None  # each choice's tool-call deltas
+        unsent: list[tuple[TokenLogprob, ...]] = [() for _ in jobs]  # logprobs of text a tool-call stream holds
 
         def chunk(index: int, text: str, reason: str | None, first: bool, scores: tuple[TokenLogprob, ...]) -> str:
-            logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
             if streams is not None:  # tool calls: this event's chunks (the last may end the choice), logprobs first
+                deltas = streams[index].deltas(text, reason, first)
+                scores, unsent[index] = (unsent[index] + scores, ()) if deltas else ((), unsent[index] + scores)
+                logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
                 return "".join(f"data: {json.dumps(p.chat_chunk(rid, created, model, delta, end, index, lp))}\n\n"
-                               for (delta, end), lp in zip(streams[index].deltas(text, reason, first),
-                                                           (logprobs, None, None)))
+                               for (delta, end), lp in zip(deltas, (logprobs, None, None)))
+            logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
             if chat:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
                 doc = p.chat_chunk(rid, created, model, delta, reason, index, logprobs)

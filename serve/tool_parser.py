@@ -6,8 +6,9 @@ others whose chat templates ask for it), as vLLM's `--tool-call-parser hermes`: 
     </tool_call>
 
 in its text becomes a call of `tool_calls` (the text before the first one the message's content). `mirror-sd serve
---tool-call-parser hermes` turns it on; without it "auto" is refused (serve/tools.py). The answer itself is the
-target's, exact in every mode: only its reading changes.
+--tool-call-parser hermes` turns it on; without it "auto" is refused (serve/app.py). The answer itself is the
+target's, exact in every mode: only its reading changes. As vLLM's parser, text between and after the calls is
+dropped and a call that does not parse leaves the whole answer text; unlike it, a cut answer keeps "length".
 """
 
 from __future__ import annotations
@@ -62,16 +63,21 @@ class HermesStream:
 
     def __init__(self) -> None:
         self.sent, self.held = 0, ""  # characters of `held` already sent as content
+        self.opened = -1  # where the first call opens in `held` (-1: none yet)
 
     def deltas(self, text: str, reason: str | None, first: bool) -> list[tuple[dict[str, Any], str | None]]:
         head: dict[str, Any] = {"role": "assistant"} if first else {}
         self.held += text
-        opened = self.held.find(OPEN)
-        if opened < 0:  # what cannot be the start of a call goes out now
+        if self.opened < 0:  # searched from what may hold a tag's start only
+            self.opened = self.held.find(OPEN, max(0, self.sent - len(OPEN)))
+        if self.opened < 0:  # what cannot be the start of a call goes out now
             safe = len(self.held) if reason is not None else _safe_end(self.held)
         else:
-            safe = opened
-        out = [{**head, "content": self.held[self.sent:safe]}] if safe > self.sent or first else []
+            safe = self.opened
+        if safe > self.sent:
+            out = [{**head, "content": self.held[self.sent:safe]}]
+        else:  # nothing to send yet: the first chunk names the role alone (no content: null, as OpenAI's)
+            out = [head] if first else []
         self.sent = max(self.sent, safe)
         if reason is None:
             return [(delta, None) for delta in out]

@@ -3,8 +3,8 @@ held to JSON (GenerationConfig.json_schema, runtime/grammar.py), as vLLM does fo
 function's arguments under its `parameters` schema; "required", a list of calls [{"name": ..., "parameters": ...}]
 (one at most where `parallel_tool_calls` is false). The answer's JSON becomes the message's `tool_calls`.
 
-"auto" needs a parser of the model's own tool-call format, which this server does not have: it is refused, as vLLM
-refuses it without one; "none" (or no tool_choice with no tools) answers in text, the tools given to the chat template.
+"auto" needs a parser of the model's own tool-call format (serve/tool_parser.py, `--tool-call-parser`); without one
+it is refused (serve/app.py), as vLLM refuses it; "none" answers in text, the tools given to the chat template.
 Earlier turns may hold an assistant's tool calls and the tools' answers (role "tool"): the template gets them as
 transformers gives them (arguments as an object).
 """
@@ -12,12 +12,14 @@ transformers gives them (arguments as an object).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without parameters
+_PARAMETERS = re.compile(r'"parameters"\s*:\s*')  # a call's key of its arguments, up to the value
 
 
 class _Strict(BaseModel):
@@ -89,14 +91,17 @@ def calls_schema(tools: list[Tool], forced: str | None, parallel: bool) -> dict[
     one_of = []
     for t in tools:
         parameters = dict(t.function.parameters or NO_PARAMETERS)
-        for keyword in DEFINITIONS:
-            for name, definition in parameters.pop(keyword, {}).items():
-                if shared.setdefault(keyword, {}).setdefault(name, definition) != definition:
-                    raise ValueError(f"two tools define {name!r} differently: tool_choice \"required\" takes "
-                                     "their definitions together")
         if _refers_to_root(parameters):
             raise ValueError(f"{t.function.name}'s parameters refer to their own root (\"#\"): tool_choice "
                              "\"required\" nests them in the list of calls; name the function instead")
+        for keyword in DEFINITIONS:
+            definitions = parameters.pop(keyword, {})
+            if not isinstance(definitions, dict):
+                raise ValueError(f"{t.function.name}'s parameters: {keyword} must be an object")
+            for name, definition in definitions.items():
+                if shared.setdefault(keyword, {}).setdefault(name, definition) != definition:
+                    raise ValueError(f"two tools define {name!r} differently: tool_choice \"required\" takes "
+                                     "their definitions together")
         one_of.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                        "properties": {"name": {"enum": [t.function.name]}, "parameters": parameters}})
     return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": one_of},
@@ -137,9 +142,8 @@ def answer_calls(text: str, forced: str | None) -> list[dict[str, Any]] | None:
     for call in calls:
         start = text.index("{", at)
         _, at = decoder.raw_decode(text, start)
-        key = text.index('"parameters":', start, at) + len('"parameters":')
-        while text[key] == " ":
-            key += 1
+        # a '"' inside a JSON string is escaped: the first '"parameters"' key text in the call is its key
+        key = _PARAMETERS.search(text, start, at).end()
         _, end = decoder.raw_decode(text, key)
         out.append({"id": new_call_id(), "type": "function",
                     "function": {"name": call["name"], "arguments": text[key:end]}})

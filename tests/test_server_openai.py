@@ -291,9 +291,12 @@ def test_tools_with_definitions_their_errors_and_the_clients_own_replays(pipe, c
         "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}
     typo = {"type": "function", "function": {"name": "t", "parameters": {"type": "object", "properties": {
         "a": {"type": "strin"}}}}}
+    up = {"type": "function", "function": {"name": "up", "parameters": {  # the root named inside a definition
+        "type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}, "$defs": {"N": {"$ref": "#"}}}}}
+    listed = {"type": "function", "function": {"name": "l", "parameters": {"type": "object", "$defs": []}}}
     for tools, choice in (([recursive], "required"), ([typo], "required"), ([typo], {"type": "function", "function": {
             "name": "t"}}), ([{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}],
-                             "required")):
+                             "required"), ([up], "required"), ([listed], "required")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=tools,
                                            tool_choice=choice)
@@ -309,6 +312,13 @@ def test_tools_with_definitions_their_errors_and_the_clients_own_replays(pipe, c
         {"role": "tool", "tool_call_id": "call_1", "content": "booked"}]
     r = client.chat.completions.create(model=MODEL, messages=replayed, max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_unknown_tool_call_parser_is_refused():
+    from mirror_sd.serve.app import ServerSettings
+
+    with pytest.raises(BadInputError, match="tool_call_parser"):
+        ServerSettings(MODEL, tool_call_parser="pythonic")
 
 
 def test_earlier_tool_calls_and_answers_reach_the_template_and_auto_is_refused(pipe, client, port):
@@ -357,9 +367,12 @@ def test_auto_tool_choice_reads_hermes_calls_where_the_server_has_the_parser(pip
             assert (message.content, r.choices[0].finish_reason) == ("Sure.\n", "tool_calls")
             assert [(t.function.name, t.function.arguments) for t in message.tool_calls] == [("ping", "{}")]
         chunks = [ch for ch in c.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, tools=TOOLS, stream=True,
+            model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, tools=TOOLS, stream=True, logprobs=True,
             extra_body={"structured_outputs": {"regex": pattern}}) if ch.choices]
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Sure.\n"
+        # every token's logprob goes out, those of the held-back call's text with the chunks that end the answer
+        assert sum(len(ch.choices[0].logprobs.content) for ch in chunks if ch.choices[0].logprobs) == len(
+            want.token_ids)
         (calls,) = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices[0].delta.tool_calls]
         assert [t.function.name for t in calls] == ["ping"] and chunks[-1].choices[0].finish_reason == "tool_calls"
         plain = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, tools=TOOLS)
