@@ -48,6 +48,21 @@ def fails_on(call: int, fn, message: str):
     return wrapped
 
 
+def alone_then_joined(pipe, first: tuple, others: list[tuple]) -> list:
+    """The results of a request that starts alone in the pipeline's batching engine (its speculative decoder) and of
+    others submitted once it has given its first token: from then on they share batched steps. Each request is
+    (prompt, Pipeline.check keywords); the first's result comes first."""
+    engine = pipe.engine()
+    head = engine.submit(*pipe.check(first[0], **first[1]))
+    chunks = iter(head)
+    next(chunks)
+    rest = [engine.submit(*pipe.check(prompt, **options)) for prompt, options in others]
+    results = [r.wait() for r in rest]
+    for _ in chunks:
+        pass
+    return [head.result, *results]
+
+
 @pytest.fixture(scope="session")
 def pair_factory(tmp_path_factory):
     """pair_factory(arch) -> (target_dir, draft_dir): a tiny 6-layer target and 2-layer draft sharing a tokenizer."""

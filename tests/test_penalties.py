@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import alone_then_joined
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from mirror_sd.errors import BadInputError
@@ -124,20 +125,13 @@ def test_reference_generator_with_the_draft_takes_the_penalties(engine_pipelines
 
 def test_batched_rows_with_their_own_penalties_give_their_solo_outputs(engine_pipelines):
     pipe = engine_pipelines()
-    engine = pipe.engine()
     prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10], [40, 41]]
     # a sampled row in a batched step draws as a generation alone draws (its seed, its position)
     runs = [("mirror", PENALTIES[0]), ("sd", PENALTIES[1]), ("ar", dict(temperature=0.9, seed=3, **PENALTIES[1])),
             ("lookup", PENALTIES[2])]
-    first = engine.submit(*pipe.check(prompts[0], mode=runs[0][0], max_new_tokens=40, ignore_eos=True, **runs[0][1]))
-    chunks = iter(first)
-    next(chunks)  # alone: its speculative decoder runs until the others arrive
-    others = [engine.submit(*pipe.check(p, mode=m, max_new_tokens=NEW_TOKENS, ignore_eos=True, **pen))
-              for p, (m, pen) in zip(prompts[1:], runs[1:])]
-    results = [r.wait() for r in others]
-    for _ in chunks:
-        pass
-    results.insert(0, first.result)
+    requests = [(p, dict(mode=m, max_new_tokens=40 if i == 0 else NEW_TOKENS, ignore_eos=True, **pen))
+                for i, (p, (m, pen)) in enumerate(zip(prompts, runs))]
+    results = alone_then_joined(pipe, requests[0], requests[1:])  # the first alone, then the others join its steps
     assert max(r.stats.mean_batch_size for r in results) > 1  # they shared steps
     for prompt, (mode, penalties), got in zip(prompts, runs, results):
         alone = pipe.generate(prompt, mode="ar", max_new_tokens=len(got.token_ids), ignore_eos=True, **penalties)

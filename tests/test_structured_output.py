@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import alone_then_joined
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.runtime.config import GenerationConfig
@@ -170,18 +171,11 @@ def test_sampled_generations_hold_to_the_schema_and_verify_against_the_masked_ta
 
 def test_batched_rows_with_and_without_schemas_give_their_solo_outputs(engine_pipelines):
     pipe = engine_pipelines()
-    engine = pipe.engine()
     prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10], [40, 41]]
     runs = [("mirror", SCHEMA), ("sd", None), ("lookup", ANY_OBJECT), ("ar", SCHEMA)]
-    first = engine.submit(*pipe.check(prompts[0], mode="mirror", max_new_tokens=NEW_TOKENS, json_schema=SCHEMA))
-    chunks = iter(first)
-    next(chunks)  # alone: its speculative decoder runs until the others arrive, then its row goes on in the batch
-    others = [engine.submit(*pipe.check(p, mode=m, max_new_tokens=NEW_TOKENS, json_schema=s))
-              for p, (m, s) in zip(prompts[1:], runs[1:])]
-    results = [r.wait() for r in others]
-    for _ in chunks:
-        pass
-    results.insert(0, first.result)
+    requests = [(p, dict(mode=m, max_new_tokens=NEW_TOKENS, json_schema=schema))
+                for p, (m, schema) in zip(prompts, runs)]
+    results = alone_then_joined(pipe, requests[0], requests[1:])  # the first alone, then the others join its steps
     assert max(r.stats.mean_batch_size for r in results) > 1  # they shared steps
     for prompt, (mode, schema), got in zip(prompts, runs, results):
         alone = pipe.generate(prompt, mode="ar", max_new_tokens=len(got.token_ids), json_schema=schema)
