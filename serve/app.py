@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mirror_sd.errors import BadInputError, ContextLimitError
 from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.batching import BatchEngine, Finished
-from mirror_sd.runtime.config import GenerationConfig, LoadOptions
+from mirror_sd.runtime.config import GRAMMAR_OPTIONS, GenerationConfig, LoadOptions
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.result import Chunk, GenerationResult
@@ -81,14 +81,14 @@ class ServerSettings:
     keepalive_s: float = 10.0  # a waiting stream's SSE comment interval: below common proxy idle timeouts (60 s)
     # how answers to tool_choice "auto" are read for calls (serve/tool_parser.py); None: "auto" is refused
     tool_call_parser: str | None = None
+    # generation options a request leaves out, by name (serve/defaults.py: OpenAI's unless the serve command or the
+    # bundle says otherwise)
+    defaults: Mapping[str, Any] = field(default_factory=d.server_defaults)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *d.TOOL_CALL_PARSERS):
             raise BadInputError(f"unknown tool_call_parser {self.tool_call_parser!r}; known: "
                                 f"{', '.join(d.TOOL_CALL_PARSERS)}", option="tool_call_parser")
-    # generation options a request leaves out, by name (serve/defaults.py: OpenAI's unless the serve command or the
-    # bundle says otherwise)
-    defaults: Mapping[str, Any] = field(default_factory=d.server_defaults)
 
 
 @dataclass
@@ -342,11 +342,12 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                         chat: bool) -> Any:
         calls = _calls(body, settings)  # how the answers become tool calls, if they do (a 400 where they cannot)
         requested, jobs, prompt_tokens = body.generation_options(), [], 0
-        if requested.get("json_schema") is not None:
-            # compiled off the event loop (the first schema also reads the tokenizer: 0.4 s for 49k tokens); the
+        grammar = {name: value for name, value in requested.items() if name in GRAMMAR_OPTIONS}
+        if grammar:
+            # compiled off the event loop (the first grammar also reads the tokenizer: 0.4 s for 49k tokens); the
             # check below finds it compiled, or refuses it in its own words
             with contextlib.suppress(BadInputError):
-                await asyncio.to_thread(pipe.vocabulary.grammar, requested["json_schema"])
+                await asyncio.to_thread(lambda: pipe.grammar_state(GenerationConfig().updated(**grammar)))
         for prompt in prompts:  # prompt i's choices at indices i * n .. i * n + n - 1
             job = _admit(request, body, prompt, chat, requested)
             requested = {**requested, "seed": job.config.seed}  # one seed for all the prompts: x-seed repeats them
