@@ -33,8 +33,9 @@ Six measurements, each with a bar (results/soak/soak.json and README.md; exit 1 
    nothing at their neutral values (user, zero penalties, an empty logit_bias, chat's store false: taken, the answer
    exact), a field at a value it does not implement (chat's modalities with audio, a completion's suffix: 400
    naming the field), logprobs with top_logprobs in every mode (the tokens
-   exact, each logprob the library's own within LOGPROB_TOLERANCE), and n = 2 (both choices exact, usage counting
-   the prompt once). Bars: every answer as expected.
+   exact, each logprob the library's own within LOGPROB_TOLERANCE), n = 2 (both choices exact, usage counting
+   the prompt once), and response_format json_object (the library's answer under the same schema). Bars: every answer
+   as expected.
 
 Progress goes to stderr; the summary to stdout.
 """
@@ -88,7 +89,8 @@ REPLICA_HEADER = "x-mirror-sd-replica"  # serve/ray_app.py's: the Ray replica th
 RAY_RECOVERY_BAR_S = 60.0
 SOAK_API_KEY = "sk-soak"
 LOGPROB_TOLERANCE = 1e-4
-OPENAI_KINDS = ("wrong_key", "neutral_fields", "unsupported_field", "logprobs", "n2")
+OPENAI_KINDS = ("wrong_key", "neutral_fields", "unsupported_field", "logprobs", "n2", "json_mode")
+ANY_OBJECT = {"type": "object"}  # the json_mode kind's schema (OpenAI's json_object)
 # per endpoint, a field at a value the server does not implement (serve/neutral.py): a 400 naming it
 UNSUPPORTED = {"chat": ("modalities", ["text", "audio"]), "completion": ("suffix", " and so on")}
 
@@ -906,6 +908,8 @@ def _openai_check(kind: str, p: SoakPrompt, expected: Expected, mode: str, port:
         body.update({"logprobs": True, "top_logprobs": 3} if p.endpoint == "chat" else {"logprobs": 3})
     elif kind == "n2":
         body["n"] = 2
+    elif kind == "json_mode":  # OpenAI's on chat; vLLM takes it on completions too
+        body["response_format"] = {"type": "json_object"}
     status, doc = _post(port, p.path, body, key, timeout_s)
     if kind == "wrong_key":
         code = doc.get("error", {}).get("code") if isinstance(doc, dict) else None
@@ -937,12 +941,19 @@ def openai_phase(pipe, prompts: list[SoakPrompt], expected: list[Expected], requ
     rng = random.Random(seed)
     plan = [(OPENAI_KINDS[i % len(OPENAI_KINDS)], rng.randrange(len(prompts)), rng.choice(("ar", "sd", "mirror")))
             for i in range(requests)]
+    # the json_mode kind's answers: the library's greedy ar under the same schema, before the server starts
+    as_json = {}
+    for i in sorted({i for kind, i, _ in plan if kind == "json_mode"}):
+        r = pipe.generate(prompts[i].prompt, mode="ar", max_new_tokens=max_tokens, temperature=0.0,
+                          json_schema=ANY_OBJECT)
+        as_json[i] = Expected(r.text, len(r.token_ids), ())
     with InProcessServer(pipe, api_key=SOAK_API_KEY) as server:
         before = request_counts(http_get(server.port, "/metrics")[1])
 
         def one(item: tuple[str, int, str]) -> tuple[str, str | None]:
             kind, i, mode = item
-            return kind, _openai_check(kind, prompts[i], expected[i], mode, server.port, max_tokens, timeout_s)
+            want = as_json[i] if kind == "json_mode" else expected[i]
+            return kind, _openai_check(kind, prompts[i], want, mode, server.port, max_tokens, timeout_s)
 
         with ThreadPoolExecutor(max_workers=clients, thread_name_prefix="soak-openai") as pool:
             results = list(pool.map(one, plan))

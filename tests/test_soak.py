@@ -33,7 +33,7 @@ def doc(bundle_factory):
     # A high fault rate: a tiny generation has few draft forwards, and every generation should meet a fault.
     return run_soak(bundle_factory("llama"), requests=40, clients=4, fault_generations=20, max_tokens=16, warmup=10,
                     timeout_s=60.0, prompts=_tiny_prompts(), faults=dict(fail_rate=0.1, stall_rate=0.05),
-                    openai_requests=20)
+                    openai_requests=24)
 
 
 def test_load_is_exact_and_leaks_nothing(doc):
@@ -70,7 +70,7 @@ def test_sigterm_mid_stream_exits_promptly(doc):
 def test_openai_paths_answer_as_expected(doc):
     api = doc["openai"]
     assert api["wrong"] == 0, api["examples"]
-    assert all(k["requests"] == 4 for k in api["by_kind"].values())  # 20 requests, five kinds in turn
+    assert all(k["requests"] == 4 for k in api["by_kind"].values())  # 24 requests, six kinds in turn
     # the wrong keys were refused before any generation: a 401 each in /metrics
     assert sum(v for k, v in api["metrics_requests_delta"].items() if k.endswith(" 401")) == 4
 
