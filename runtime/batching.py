@@ -622,12 +622,10 @@ class BatchEngine:
         (runtime/sampling.py penalize), as a generation alone takes them; None where its grammar's state failed,
         which ends that request alone."""
         try:
-            allowed = (row.grammar.masks(row.context, row.prompt_len, window, len(logits)) if row.grammar is not None
-                       else None)
+            return penalize(logits, row.request.config.params, row.context, row.prompt_len, window, row.grammar)
         except GrammarError as e:
             self._retire(row, error=e)
             return None
-        return penalize(logits, row.request.config.params, row.context, row.prompt_len, window, allowed)
 
     def _fillers(self, rows: list[Row]) -> list[Row]:
         """Rows for the slots in the gaps between `rows`' slots (one token each, logits unused), so that the step is

@@ -41,9 +41,7 @@ def reference_generate(target: Target, draft: DraftEngine | None, prompt: list[i
     def target_tokens(seq: list[int], window: list[int]) -> np.ndarray:
         """The target's greedy token after seq and after each of window's tokens: [len(window) + 1]."""
         logits, _ = target.forward(seq + window, target.empty_cache())
-        rows = logits[len(seq) - 1:]
-        allowed = grammar.masks(seq, len(prompt), window, len(rows)) if grammar is not None else None
-        return np.argmax(penalize(rows, params, seq, len(prompt), window, allowed), axis=-1)
+        return np.argmax(penalize(logits[len(seq) - 1:], params, seq, len(prompt), window, grammar), axis=-1)
 
     seq = list(prompt)
     new: list[int] = []

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # a type only: the grammar's masks come from the generation's own state
+    from mirror_sd.runtime.grammar import GrammarState
 
 TARGET_STREAM, DRAFT_STREAM = 1, 2
 
@@ -47,14 +51,16 @@ class SamplingParams:
 
 
 def penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int,
-             window: Sequence[int] = (), allowed: np.ndarray | None = None) -> np.ndarray:
+             window: Sequence[int] = (), grammar: GrammarState | None = None) -> np.ndarray:
     """The target's `logits` [n, V] with the logit bias and the penalties: row i is the position after context +
-    window[:i] (context: the prompt's `prompt_len` tokens, then the generated ones); then every token outside
-    `allowed` [n, V] (a grammar's mask for the same rows: runtime/grammar.py) at -inf. `logits` itself where none
-    applies. Every row takes the context's penalties at once; a row after window tokens then has those tokens'
-    entries computed again from its biased logits with their counts there: each entry is the same float32 arithmetic
-    a row alone after the same tokens gets, so a verification row equals the step it stands for bit for bit."""
-    if allowed is not None:
+    window[:i] (context: the prompt's `prompt_len` tokens, then the generated ones); then every token the
+    generation's `grammar` does not allow at each row at -inf (runtime/grammar.py; its GrammarError where it cannot go
+    on). `logits` itself where none applies. Every row takes the context's penalties at once; a row after window
+    tokens then has those tokens' entries computed again from its biased logits with their counts there: each entry is
+    the same float32 arithmetic a row alone after the same tokens gets, so a verification row equals the step it
+    stands for bit for bit."""
+    if grammar is not None:
+        allowed = grammar.masks(context, prompt_len, window, len(logits))
         out = np.array(_penalize(logits, params, context, prompt_len, window), dtype=np.float32)
         out[~allowed] = -np.inf
         return out

@@ -203,9 +203,7 @@ class _Decoder:
     def _penalized(self, logits: np.ndarray, ctx: Sequence[int], window: Sequence[int] = ()) -> np.ndarray:
         """The target's logits [n, V] after ctx + window[:i] with the generation's penalties and its grammar's mask
         (runtime/sampling.py)."""
-        allowed = (self.grammar.masks(ctx, self.prompt_len, window, len(logits)) if self.grammar is not None
-                   else None)
-        return penalize(logits, self.cfg.params, ctx, self.prompt_len, window, allowed)
+        return penalize(logits, self.cfg.params, ctx, self.prompt_len, window, self.grammar)
 
     def _target_rng(self, context_len: int) -> np.random.Generator | None:
         return None if self.cfg.params.greedy else rng_for(self.cfg.params, TARGET_STREAM, context_len)
