@@ -95,18 +95,15 @@ class Vocabulary:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
         llg, llg_numpy = self._llg, self._llg_numpy
-        if kind == REGEX:
-            spec = llg.LLMatcher.grammar_from_regex(text)
-        elif kind == CFG:
-            try:  # GBNF is rewritten as Lark first
+        try:
+            if kind == REGEX:
+                spec = llg.LLMatcher.grammar_from_regex(text)
+            elif kind == CFG:  # GBNF is rewritten as Lark first
                 spec = llg.grammar_from("grammar", text)
-            except ValueError as e:
-                raise BadInputError(f"{option}: {e}", option=option) from None
-        else:
-            try:
+            else:
                 spec = llg.LLMatcher.grammar_from_json_schema(schema_text(text), overrides=JSON_LAYOUT)
-            except ValueError as e:
-                raise BadInputError(f"{option}: {e}", option=option) from None
+        except ValueError as e:
+            raise BadInputError(f"{option}: {e}", option=option) from None
         matcher = llg.LLMatcher(self.tokenizer, spec, log_level=0)
         probe = matcher.deep_copy()  # its first mask too: some limits (the lexer's) are met only there
         if not probe.is_error():

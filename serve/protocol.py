@@ -60,6 +60,7 @@ from mirror_sd.serve.tools import NamedToolChoice, Tool, ToolCall, calls_schema
 MAX_STOP = 4  # as OpenAI: at most four stop strings
 # choices one request may ask for: each takes a slot of the engine (or a place in its queue) as a request would
 MAX_N = 8
+ANY_OBJECT = json.dumps({"type": "object"})  # the schema of OpenAI's json_object mode: any JSON object
 MAX_PROMPTS = 16  # prompts one completion request may batch: each of their choices takes a slot as well
 TokenBytes = Callable[[int], bytes]  # a token id's bytes (runtime/text.py TextCodec.token_bytes)
 
@@ -111,7 +112,7 @@ class ResponseFormat(_Strict):
     def schema_text(self) -> str | None:
         """The option's value: the schema's JSON text (None: plain text)."""
         if self.type == "json_object":
-            return json.dumps({"type": "object"})
+            return ANY_OBJECT
         if self.type == "json_schema":
             return json.dumps(self.json_schema.schema_ if self.json_schema.schema_ is not None else {})
         return None
@@ -138,7 +139,7 @@ class StructuredOutputs(_Strict):
         """The json_schema option's value, where this object gives one."""
         if self.json_ is not None:
             return self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
-        return json.dumps({"type": "object"}) if self.json_object else None
+        return ANY_OBJECT if self.json_object else None
 
 
 class _Sampling(_Strict):

@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from mirror_sd.serve.tools import new_call_id
+from mirror_sd.serve.tools import tool_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + "|" + re.escape(OPEN) + r"(.*)", re.DOTALL)
@@ -38,8 +38,7 @@ def hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             return text, []
         if not isinstance(name, str):
             return text, []
-        calls.append({"id": new_call_id(), "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        calls.append(tool_call(name, json.dumps(arguments, ensure_ascii=False)))
     return text[:start] or None, calls
 
 

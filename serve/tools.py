@@ -127,12 +127,17 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    """A call of a message's tool_calls, under a fresh id (arguments: JSON text)."""
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def answer_calls(text: str, forced: str | None) -> list[dict[str, Any]] | None:
     """The message's tool_calls from the answer's text: the named function's call with the text as its arguments
     (cut short where the answer was), or each call of a "required" list; None where that list does not parse (an
     answer cut at max_tokens), which is then answered as text."""
     if forced is not None:
-        return [{"id": new_call_id(), "type": "function", "function": {"name": forced, "arguments": text}}]
+        return [tool_call(forced, text)]
     try:
         calls = json.loads(text)
     except ValueError:
@@ -145,8 +150,7 @@ def answer_calls(text: str, forced: str | None) -> list[dict[str, Any]] | None:
         # a '"' inside a JSON string is escaped: the first '"parameters"' key text in the call is its key
         key = _PARAMETERS.search(text, start, at).end()
         _, end = decoder.raw_decode(text, key)
-        out.append({"id": new_call_id(), "type": "function",
-                    "function": {"name": call["name"], "arguments": text[key:end]}})
+        out.append(tool_call(call["name"], text[key:end]))
     return out
 
 
