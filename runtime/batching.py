@@ -21,9 +21,9 @@ One step of the engine, in its thread:
      among them): its logits, each request's own sampling (the same random stream per position as a generation
      alone), stop strings, EOS and max_new_tokens. Up to `window_rows` greedy speculative requests (lookup, sd,
      mirror) verify a window in that run, each row as many tokens as it has (`_window_step`), where a gate per batch
-     size measured such steps faster than plain ones: a window copied from the request's own text (prompt lookup),
-     else, for sd and mirror, one from a draft of the request's own (runtime/row_drafts.py), drafted on this thread
-     before the step;
+     size measured such steps faster than plain ones: the tokens the request's grammar forces, or a window copied
+     from its own text (prompt lookup), else, for sd and mirror, one from a draft of the request's own
+     (runtime/row_drafts.py), drafted on this thread before the step;
   4. finished and cancelled requests leave their slots, which keep their tokens' KV as a cached prefix.
 Greedy output is the request's solo output token for token: every row of a batched step is computed as it would be
 alone (tests/test_engine.py), and the speculative decoder is exact by construction.
@@ -49,7 +49,7 @@ from mirror_sd.runtime.gate import GateState, SpeculationGate
 from mirror_sd.runtime.grammar import GrammarError, GrammarState
 from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable, worth_reusing
 from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
-from mirror_sd.runtime.proposers import PromptLookup, Proposer
+from mirror_sd.runtime.proposers import GrammarForcing, PromptLookup, Proposer
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.row_drafts import RowDraft
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, penalize, rng_for
@@ -166,6 +166,7 @@ class _Row:
     copies: PromptLookup | None = None  # windows copied from its text, where it speculates greedily
     drafts: RowDraft | None = None  # windows from the draft model, where it runs greedy sd or mirror
     grammar: GrammarState | None = None  # its place in its grammar, where it has one (runtime/grammar.py)
+    forcing: GrammarForcing | None = None  # windows of the tokens its grammar forces, where it speculates greedily
 
     @property
     def prompt_len(self) -> int:
@@ -327,12 +328,15 @@ class BatchEngine:
                 if windows and cfg.mode in DRAFT_MODES:
                     drafts = self._row_draft(cfg, rec)
                 grammar = self.pipe.grammar_state(cfg)
+                forcing = None
+                if windows and cfg.mode != "ar" and grammar is not None:
+                    forcing = GrammarForcing(grammar, len(request.ids), self.pipe.target.window_ceiling)
             except Exception as e:  # this request ends with it; its slot is free again, its KV untouched
                 self.table.leave(slot, slot.tokens)  # the prefix it held
                 request._emit(Finished(None, e))
                 continue
             row = _Row(request, slot, list(request.ids), cached, sink, rec, cached, time.perf_counter(),
-                       copies=copies, drafts=drafts, grammar=grammar)
+                       copies=copies, drafts=drafts, grammar=grammar, forcing=forcing)
             self._rows.append(row)
             self._pack(len(self._rows) - 1, slot)
             if self.kv.can_copy:  # now, so that a request that runs alone from here starts from the head too
@@ -520,12 +524,22 @@ class BatchEngine:
                    self.kv.positions - row.kv_len) - 1
 
     def _copied(self, rows: list[_Row]) -> list[tuple[tuple[int, ...], Proposer | None]]:
-        """Each row's window copied from its text (prompt lookup), with its proposer; ((), None) where it has none."""
+        """Each row's window of the tokens its grammar forces, or else copied from its text (prompt lookup), with its
+        proposer; ((), None) where it has none."""
         out: list[tuple[tuple[int, ...], Proposer | None]] = []
         for row in rows:
-            room = self._room(row)
-            window = row.copies.propose(row.context, room) if row.copies is not None and room > 0 else None
-            out.append((window.tokens, row.copies) if window is not None else ((), None))
+            room, found = self._room(row), ((), None)
+            for source in (row.forcing, row.copies):
+                if source is None or room <= 0:
+                    continue
+                try:
+                    window = source.propose(row.context, room)
+                except GrammarError:  # the row's next masks meet it too, and retire the row (_target_logits)
+                    window = None
+                if window is not None:
+                    found = (window.tokens, source)
+                    break
+            out.append(found)
         return out
 
     def _drafted(self, rows: list[_Row], copied: list[tuple[tuple[int, ...], Proposer | None]]
@@ -572,7 +586,10 @@ class BatchEngine:
             if logits is None:
                 continue
             verdict = greedy_accept(window, logits)
-            row.rec.counts.verified(len(window), verdict.accepted, copied=source is row.copies)
+            if source is row.forcing:
+                row.rec.counts.forced(len(window), verdict.accepted)
+            else:
+                row.rec.counts.verified(len(window), verdict.accepted, copied=source is row.copies)
             source.accepted(len(window), verdict.accepted)
             for j, token in enumerate(verdict.committed(window)):
                 row.kv_len = len(row.context)  # the KV of every token before this one is the row's now

@@ -7,13 +7,17 @@ by masking the target's logits with llguidance, the grammar engine vLLM and llam
     grammar = vocabulary.grammar(pattern, REGEX, "regex")
     state = grammar.state()                                              # one per generation
     allowed = state.masks(context, prompt_len, window)                   # [len(window) + 1, V] bool
+    forced = state.forced(context, prompt_len, limit)                     # the tokens the grammar forces next
 
 The mask is part of the target's distribution, as the penalties are (runtime/sampling.py penalize): a position's mask
 depends on the tokens before it only, so a verification row is masked for the window tokens before it, exactly as
 the step that would have produced that position alone, and sd, mirror and lookup equal ar under the same schema.
 Drafts and copied windows propose unconstrained tokens: one the schema forbids is rejected like any other
-disagreement. Once the schema's value is complete (the pattern can take no more) only an EOS token is allowed, so the
-generation ends there (a generation that reaches max_new_tokens first ends with its JSON cut short, as OpenAI's
+disagreement. Where the grammar forces the next bytes (a schema's keys and punctuation), sd, mirror and lookup
+verify those tokens as a window of their own (`forced`, runtime/proposers.py GrammarForcing): under the mask the
+target takes them (always where no other token is allowed), so such a step commits them and the token after them.
+Once the schema's value is complete (the pattern can take no more) only an EOS token is allowed, so the generation
+ends there (a generation that reaches max_new_tokens first ends with its JSON cut short, as OpenAI's
 finish_reason "length").
 
 JSON is written without free whitespace (", " and ": " between items, as json.dumps): a small model given free
@@ -174,6 +178,15 @@ class GrammarState:
         if not allowed.any(axis=-1).all():
             raise GrammarError(f"the grammar allows no token: {_said(self._matcher) or 'no way to go on'}")
         return allowed
+
+    def forced(self, context: Sequence[int], prompt_len: int, limit: int) -> tuple[int, ...]:
+        """At most `limit` tokens of the bytes the grammar forces after `context` (llguidance's fast-forward tokens:
+        a tokenization of them, which leaves out a last token a longer one could continue); () where none are
+        forced. A proposal only: the target verifies it (its own choice may tokenize the same bytes otherwise)."""
+        self._catch_up(context, prompt_len)
+        if limit <= 0 or self._matcher.is_error():
+            return ()
+        return tuple(int(t) for t in self._matcher.compute_ff_tokens()[:limit])
 
     def _catch_up(self, context: Sequence[int], prompt_len: int) -> None:
         """Consume the generated tokens committed since the last call (each allowed by the mask that chose it)."""

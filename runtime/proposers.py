@@ -1,8 +1,10 @@
-"""The proposers of draft windows behind one protocol: the draft model, and prompt lookup (a window copied from the
-text). The scheduler's loop asks one for a window, the target verifies it, and the proposer hears what was accepted.
+"""The proposers of draft windows behind one protocol: the draft model, prompt lookup (a window copied from the
+text) and a grammar's forced tokens. The scheduler's loop asks one for a window, the target verifies it, and the
+proposer hears what was accepted.
 
 A window is a `DraftWindow` (runtime/messages.py) continuing the committed tokens; its logits are the draft's
-distribution where speculative sampling needs one (None for a copy: prompt lookup is greedy only).
+distribution where speculative sampling needs one (None for a copy or forced tokens: a proposal of one token for
+sure, which sampling verifies as such, runtime/verify.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.grammar import GrammarState
 from mirror_sd.runtime.messages import DraftWindow
 from mirror_sd.runtime.prompt_lookup import MAX_COPY, lookup, next_copy_length
 
@@ -45,6 +48,23 @@ class PromptLookup:
         if proposed:
             self.length = next_copy_length(self.length, proposed, accepted, self.cfg.prompt_lookup_schedule,
                                            self.cfg.prompt_lookup_num_tokens, self.ceiling)
+
+
+class GrammarForcing:
+    """The tokens a generation's grammar forces next (a JSON schema's keys and punctuation: GrammarState.forced),
+    within the step widths the target runs (window_ceiling, as a copy's). Nothing to learn from what was accepted:
+    the target takes them wherever the mask leaves it no other token."""
+
+    def __init__(self, grammar: GrammarState, prompt_len: int, window_ceiling: int | None = None) -> None:
+        self.grammar, self.prompt_len = grammar, prompt_len
+        self.ceiling = MAX_COPY if window_ceiling is None else window_ceiling
+
+    def propose(self, ctx: list[int], length: int) -> DraftWindow | None:
+        forced = self.grammar.forced(ctx, self.prompt_len, min(length, self.ceiling))
+        return DraftWindow(len(ctx), forced, None, 0) if forced else None
+
+    def accepted(self, proposed: int, accepted: int, next_window: DraftWindow | None = None) -> None:
+        pass
 
 
 class DraftModel:

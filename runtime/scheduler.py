@@ -22,8 +22,10 @@ window (gamma draft tokens continuing C):
 Two kinds of greedy step need no draft: where the text's last tokens occurred before, a window copied from what
 followed them (prompt lookup), verified as in sd; and a step of the target alone, where the speculation gate has
 measured that faster than speculating, or while the draft is still reading the prompt; mode lookup takes only
-these two (no draft worker at all). `decode`'s loop is choose -> propose -> verify -> commit: the gates that choose
-are one policy (runtime/speculation_policy.py), the draft and prompt lookup are proposers behind one protocol
+these two (no draft worker at all). Under a grammar, where it forces the next tokens (a JSON schema's keys), every
+mode but ar verifies those as the step's window, sampled steps too (runtime/verify.py: a proposal for sure).
+`decode`'s loop is choose -> propose -> verify -> commit: the gates that choose are one policy
+(runtime/speculation_policy.py), the draft, prompt lookup and the grammar are proposers behind one protocol
 (runtime/proposers.py).
 """
 
@@ -56,9 +58,9 @@ from mirror_sd.runtime.messages import (
     Warmed,
     frozen,
 )
-from mirror_sd.runtime.proposers import DraftModel, PromptLookup, Proposer
+from mirror_sd.runtime.proposers import DraftModel, GrammarForcing, PromptLookup, Proposer
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, penalize, rng_for
-from mirror_sd.runtime.speculation_policy import COPY, DRAFT, SpeculationPolicy
+from mirror_sd.runtime.speculation_policy import COPY, DRAFT, FORCED, SpeculationPolicy
 from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import Boundary, Target, TargetCache, prefill_chunks
 from mirror_sd.runtime.verify import verify
@@ -317,14 +319,16 @@ class _Decoder:
             self.draft_seen = 0
 
     def speculative_step(self, ctx: list[int], window: DraftWindow, copied: bool = False, branches: bool = True,
-                         branch_gamma: int | None = None) -> tuple[tuple[int, ...], Scores, DraftWindow | None]:
+                         branch_gamma: int | None = None, forced: bool = False
+                         ) -> tuple[tuple[int, ...], Scores, DraftWindow | None]:
         """Verify `window` (continuing ctx); returns the committed tokens, their logprobs (from the verification
         rows that chose them) and, in mirror mode, the next window when a branch for the outcome was ready. copied:
         a prompt-lookup window, counted apart and verified without a branch set: text that repeats itself mostly goes
         on repeating (the next step copies again), and on shared cores a branch set's rollouts slow the suffix they
         hide under. branches False: a mirror step without a branch set either (the branch gate measured that faster:
         runtime/gate.py; or the budget is 0), sd's step. branch_gamma: the branch rows' windows (default gamma; less
-        near the end, where no later window could use more)."""
+        near the end, where no later window could use more). forced: the grammar's forced tokens, verified as a copy
+        is and counted apart."""
         w = window.tokens
         # 1. prefix on the verification window [pending] + w
         boundary = self._prefix([ctx[-1], *w], lambda: (*ctx, *w))
@@ -354,7 +358,11 @@ class _Decoder:
         c = self.counts
         c.target_steps += 1
         # a window token was rejected: what a correction branch foresees
-        rejected = c.verified(len(w), verdict.accepted, copied)
+        if forced:
+            c.forced(len(w), verdict.accepted)
+            rejected = False
+        else:
+            rejected = c.verified(len(w), verdict.accepted, copied)
         if candidates is not None:
             self._count_unranked(candidates, verdict.accepted)
         # 4. the next window from a ready branch, if one was planned for this outcome
@@ -449,6 +457,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     policy = SpeculationPolicy(cfg, rec.counts, gate_memory, lookups, branching=cfg.mode == "mirror" and dec.budget > 0)
     copies: Proposer | None = PromptLookup(cfg, dec.target.window_ceiling) if lookups else None
     drafts: Proposer = DraftModel(dec)
+    # ar is the target alone, step by step: the others verify what a grammar forces as a window
+    forcing: Proposer | None = (GrammarForcing(grammar, len(prompt), dec.target.window_ceiling)
+                                if grammar is not None and cfg.mode != "ar" else None)
     # Where the gate learned that the target alone is faster at this length, the draft does not read the prompt
     # now: beside the first steps it would slow them, for windows that are not wanted. A step the gate later tries
     # speculatively reads what it needs first (fresh_window's catch-up).
@@ -493,11 +504,13 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             dec.forget_if_failed(answer)
             draft_ready = answer is not None
         # 1. choose
-        copied = copies.propose(ctx, remaining - 1) if copies is not None else None
-        step = policy.choose(len(ctx), copied is not None, drafting, draft_ready)
+        forced = forcing.propose(ctx, remaining - 1) if forcing is not None else None
+        copied = copies.propose(ctx, remaining - 1) if copies is not None and forced is None else None
+        step = policy.choose(len(ctx), copied is not None, drafting, draft_ready, forced is not None)
         # 2. propose
         started, dec.catch_up_s = time.perf_counter(), 0.0
-        window = copied if step.kind == COPY else drafts.propose(ctx, gamma) if step.kind == DRAFT else None
+        window = (forced if step.kind == FORCED else copied if step.kind == COPY
+                  else drafts.propose(ctx, gamma) if step.kind == DRAFT else None)
         fetched = time.perf_counter()
         drafted = step.kind == DRAFT and window is not None  # else a failed draft: the step runs on the target alone
         catch_up = dec.catch_up_s if drafted else 0.0  # the draft reading tokens it skipped: timed apart
@@ -510,8 +523,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             # the next window, after this step's tokens (one at least), has remaining - 2 tokens of room at most
             branch_gamma = min(cfg.gamma, remaining - 2)
             branches = step.kind == DRAFT and branch_gamma >= 1 and policy.branches()
-            new, scores, next_window = dec.speculative_step(ctx, window, copied=step.kind == COPY, branches=branches,
-                                                            branch_gamma=branch_gamma)
+            new, scores, next_window = dec.speculative_step(ctx, window, copied=step.kind in (COPY, FORCED),
+                                                            branches=branches, branch_gamma=branch_gamma,
+                                                            forced=step.kind == FORCED)
         # 4. commit: the proposers hear what was accepted, the policy how long it took
         proposed = len(window.tokens) if window is not None else 0
         if copies is not None:

@@ -8,6 +8,8 @@ memory (runtime/gate.py says what each one weighs and why):
   - the branch gate (mirror with a branch budget): for a step verifying a draft window, a branch set rolled out
     under its suffix, or none. A branch set pays off in the next window, so a choice is timed as its step plus the
     fetching of the next window, and recorded once that is known (`fetched`).
+Where the generation's grammar forces the next tokens, the step verifies those (FORCED): no gate weighs it, since
+the target takes them wherever its mask leaves no other token, and a window it takes costs about one step.
 The scheduler asks `choose` before each step, times the step, and hands the timings back (`record`); the policy
 moves each gate to the memory of the next bucket as the context grows into it and leaves what each learned there.
 Greedy only (`gated`): when sampling, the two kinds of step draw their tokens from different random draws, and a
@@ -23,14 +25,16 @@ from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.gate import GateState, SpeculationGate, branch_gate_key, context_bucket, copy_gate_key
 from mirror_sd.runtime.stats import Counts
 
-COPY, DRAFT, TARGET = "copy", "draft", "target"  # the kinds of step
+COPY, DRAFT, FORCED, TARGET = "copy", "draft", "forced", "target"  # the kinds of step
 
 
 @dataclass(frozen=True)
 class Step:
     """What `choose` decided for one step."""
 
-    kind: str  # COPY (verify the copied window), DRAFT (verify a draft window), TARGET (the target alone)
+    # COPY (verify the copied window), DRAFT (a draft window), FORCED (the grammar's forced tokens), TARGET (the
+    # target alone)
+    kind: str
     can_draft: bool  # a draft window was possible at this step (speculative mode, room for one)
     draft_ready: bool  # the draft had read the prompt: its timing is comparable with the target's
     timed_copy: bool  # the copy gate chose between a copy and this step, and times it
@@ -69,10 +73,13 @@ class SpeculationPolicy:
         learned = recalled(self.memory, (self.mode, context_bucket(length))) if self.gated else None
         return learned is not None and learned.prefers_alone()
 
-    def choose(self, length: int, can_copy: bool, can_draft: bool, draft_ready: bool) -> Step:
+    def choose(self, length: int, can_copy: bool, can_draft: bool, draft_ready: bool, forced: bool = False) -> Step:
         """The kind of the step at a context of `length` tokens. can_copy: a window was copied from the text;
-        can_draft: a draft window may be verified (the mode speculates and there is room for one)."""
+        can_draft: a draft window may be verified (the mode speculates and there is room for one); forced: the
+        grammar forces the next tokens."""
         self._enter(length)
+        if forced:
+            return Step(FORCED, can_draft, draft_ready, False)
         timed_copy = can_copy and self.copy_gate is not None and draft_ready
         if timed_copy and not self.copy_gate.speculate():
             self.counts.declined_copies += 1
@@ -101,6 +108,8 @@ class SpeculationPolicy:
         """The step committed `tokens` in `seconds` (a draft's catch-up reading left out); speculative: it verified
         a window (a DRAFT step whose draft failed ran on the target alone). since_fetch: a speculative step's time
         after its window was fetched, the part of a branch choice known now."""
+        if step.kind == FORCED:  # chosen without a gate: nothing to learn
+            return
         if step.kind == COPY:
             if step.timed_copy:
                 self.copy_gate.record(True, tokens, seconds)

@@ -45,6 +45,9 @@ class Counts:
     lookup_accepted: int = 0  # ... and those accepted (in accepted too)
     declined_copies: int = 0  # steps that had a window to copy and ran otherwise: measured slower (runtime/gate.py)
     unbranched_steps: int = 0  # mirror steps verifying a draft window without a branch set (branch gate, or budget 0)
+    forced_steps: int = 0  # steps that verified the tokens a grammar forced (not in proposed and accepted)
+    forced_proposed: int = 0  # their tokens
+    forced_accepted: int = 0  # ... and those accepted
     draft_timeouts: int = 0  # draft answers that did not come within the timeout
 
     def verified(self, proposed: int, accepted: int, copied: bool) -> bool:
@@ -59,6 +62,12 @@ class Counts:
             self.lookup_proposed += proposed
             self.lookup_accepted += accepted
         return rejected
+
+    def forced(self, proposed: int, accepted: int) -> None:
+        """A window of a grammar's forced tokens verified: counted apart from the proposals of drafts and copies."""
+        self.forced_steps += 1
+        self.forced_proposed += proposed
+        self.forced_accepted += accepted
 
 
 class Recorder:
@@ -140,7 +149,8 @@ class Recorder:
             draft_context_steps=c.draft_context_steps, gated_steps=c.gated_steps, draft_timeouts=c.draft_timeouts,
             lookup_steps=c.lookup_steps, lookup_proposed_tokens=c.lookup_proposed,
             lookup_accepted_tokens=c.lookup_accepted, declined_copies=c.declined_copies,
-            unbranched_steps=c.unbranched_steps,
+            unbranched_steps=c.unbranched_steps, forced_steps=c.forced_steps,
+            forced_proposed_tokens=c.forced_proposed, forced_accepted_tokens=c.forced_accepted,
             draft_wait_s=self.seconds["wait"], target_device=target_device, draft_device=draft_device,
             queue_s=queue_s, cached_prompt_tokens=cached_prompt_tokens, batched_steps=batched_steps,
             mean_batch_size=mean_batch_size, draft_engine=dict(draft_engine),
@@ -197,6 +207,9 @@ class GenerationStats(Mapping):
     lookup_accepted_tokens: int  # ... accepted (counted in accepted_tokens too)
     declined_copies: int  # steps that had a window to copy and did not copy it: measured slower (the copy gate)
     unbranched_steps: int  # mirror steps that verified a draft window with no branch set (branch gate, or budget 0)
+    forced_steps: int  # steps that verified the tokens a grammar forced (runtime/grammar.py GrammarState.forced)
+    forced_proposed_tokens: int  # their tokens (not in proposed_tokens: no draft proposed them)
+    forced_accepted_tokens: int  # ... accepted
     draft_wait_s: float
     target_device: str
     draft_device: str

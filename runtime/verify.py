@@ -10,7 +10,9 @@ and which token follows them (the correction at slot A, or the bonus when A == g
   not the paper's sample-and-match. Window token x_i was drawn from the draft's warped distribution q_i; it is
   accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the correction is drawn from
   norm(max(0, p_i - q_i)); if all are accepted the bonus is drawn from p_gamma. Each committed token then follows
-  the target's warped distribution p exactly, whatever q is (tests/test_runtime_sampling.py measures it).
+  the target's warped distribution p exactly, whatever q is (tests/test_runtime_sampling.py measures it). A window
+  proposed for sure (no draft logits: a grammar's forced tokens) has q_i the point mass on x_i: x_i is accepted with
+  probability p_i(x_i), and the correction is drawn from p_i without x_i.
 """
 
 from __future__ import annotations
@@ -40,12 +42,17 @@ def greedy_accept(window: tuple[int, ...], target_logits: np.ndarray) -> Verdict
     return Verdict(accepted, int(target_tokens[accepted]))
 
 
-def speculative_accept(window: tuple[int, ...], draft_logits: np.ndarray, target_logits: np.ndarray,
+def speculative_accept(window: tuple[int, ...], draft_logits: np.ndarray | None, target_logits: np.ndarray,
                        params: SamplingParams, rng: np.random.Generator) -> Verdict:
     """Speculative sampling. draft_logits [gamma, V]: the logits each window token was sampled from (warped
-    with the same params); target_logits [gamma+1, V]."""
+    with the same params; None: each token proposed for sure); target_logits [gamma+1, V]."""
     for i, token in enumerate(window):
-        p, q = warp(target_logits[i], params), warp(draft_logits[i], params)
+        p = warp(target_logits[i], params)
+        if draft_logits is None:
+            q = np.zeros_like(p)
+            q[token] = 1.0
+        else:
+            q = warp(draft_logits[i], params)
         if rng.random() * q[token] < p[token]:  # accept with probability min(1, p/q); q[token] > 0 as it was drawn
             continue
         residual = np.maximum(p - q, 0.0)
@@ -58,6 +65,6 @@ def verify(window: tuple[int, ...], draft_logits: np.ndarray | None, target_logi
            params: SamplingParams, rng: np.random.Generator | None) -> Verdict:
     if params.greedy:
         return greedy_accept(window, target_logits)
-    if draft_logits is None or rng is None:
-        raise ValueError("speculative sampling needs the draft's logits and a generator")
+    if rng is None:
+        raise ValueError("speculative sampling needs a generator")
     return speculative_accept(window, draft_logits, target_logits, params, rng)

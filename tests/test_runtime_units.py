@@ -53,6 +53,30 @@ def test_speculative_accept_follows_target_distribution():
     assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
 
 
+@pytest.mark.parametrize("proposed", [0, 3])
+def test_a_token_proposed_for_sure_is_accepted_with_its_target_probability(proposed):
+    """No draft logits (a grammar's forced tokens): the proposal's q is its point mass, so the token is accepted with
+    probability p(x) and otherwise redrawn from p without it; the committed token follows p either way, for a likely
+    and an unlikely proposal."""
+    params = SamplingParams(temperature=1.0)
+    p_logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05], [0.25] * 4]))
+    p = warp(p_logits[0], params)
+    rng = np.random.default_rng(1)
+    n = 40_000
+    counts, accepted = np.zeros(4), 0
+    for _ in range(n):
+        verdict = speculative_accept((proposed,), None, p_logits, params, rng)
+        accepted += verdict.accepted
+        counts[proposed if verdict.accepted else verdict.token] += 1
+        assert verdict.accepted or verdict.token != proposed
+    assert abs(accepted / n - p[proposed]) < 0.01
+    chi2 = ((counts - n * p) ** 2 / (n * p)).sum()
+    assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
+    # a token the target is sure of (a forced one under the mask) is always taken
+    sure = np.log(np.array([[1e-30, 1.0, 1e-30, 1e-30], [0.25] * 4]))
+    assert all(speculative_accept((1,), None, sure, params, rng).accepted == 1 for _ in range(200))
+
+
 def test_warp_filters():
     logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
     assert np.allclose(warp(logits, SamplingParams(1.0)), [0.4, 0.3, 0.2, 0.1])

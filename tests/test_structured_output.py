@@ -144,6 +144,36 @@ def test_a_regex_choices_and_a_grammar_hold_the_text_in_every_mode(engine_pipeli
                 assert out.token_ids == ar.token_ids, (mode, given)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forced_tokens_are_verified_as_windows_and_change_no_token(engine_pipelines, arch):
+    """Where the grammar forces the next tokens (the schema's keys, the rest of a choice), lookup, sd and mirror
+    verify them as a window, greedy and sampled, alone and in the batching engine, and the text stays ar's; ar steps
+    one token at a time."""
+    pipe = engine_pipelines(arch)
+    choices = ("alpha beta gamma", "delta")
+    for prompt in PROMPTS:
+        for given in (dict(json_schema=SCHEMA), dict(choice=choices)):
+            ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, **given)
+            assert ar.stats["forced_steps"] == 0
+            for mode in ("lookup", "sd", "mirror"):
+                out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, **given)
+                assert out.token_ids == ar.token_ids, (mode, given)
+                s = out.stats
+                assert s["forced_steps"] > 0 and 0 < s["forced_accepted_tokens"] <= s["forced_proposed_tokens"]
+                assert s["target_steps"] < ar.stats["target_steps"], (mode, given)
+            sampled = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, temperature=1.0, seed=3, **given)
+            assert sampled.stats["forced_steps"] > 0 and sampled.finish_reason == "eos"
+            assert (_holds(json.loads(sampled.text)) if "json_schema" in given else sampled.text in choices)
+    # in the batching engine: a greedy row's forced tokens ride in its window steps, its text its solo one
+    requests = [(p, dict(mode="lookup", max_new_tokens=NEW_TOKENS, json_schema=SCHEMA)) for p in PROMPTS]
+    results = alone_then_joined(pipe, requests[0], requests[1:])
+    assert max(r.stats.mean_batch_size for r in results) > 1
+    assert results[1].stats.batched_steps == results[1].stats.target_steps and results[1].stats.forced_steps > 0
+    for prompt, got in zip(PROMPTS, results):
+        assert got.token_ids == pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS,
+                                              json_schema=SCHEMA).token_ids
+
+
 def test_the_reference_generator_with_the_draft_holds_to_the_schema(engine_pipelines):
     pipe = engine_pipelines()
     grammar, eos = pipe.vocabulary.grammar(json.dumps(SCHEMA)), pipe.eos_token_ids(GenerationConfig())
@@ -184,20 +214,19 @@ def test_batched_rows_with_and_without_schemas_give_their_solo_outputs(engine_pi
 
 
 def test_a_failed_grammar_state_ends_its_request_alone(engine_pipelines, monkeypatch):
-    """In the batching engine a request whose schema state fails ends with that error; the others go on."""
+    """In the batching engine a request whose schema state fails ends with that error; the others go on. The failing
+    state is a real one that another generation has already taken tokens into (a state follows one generation)."""
     pipe = engine_pipelines()
     engine = pipe.engine()
-
-    class Broken:
-        def masks(self, *_args):
-            raise GrammarError("broken on purpose")
-
+    earlier = pipe.generate(PROMPTS[1], mode="ar", max_new_tokens=3, json_schema=ANY_OBJECT)
+    taken = pipe.vocabulary.grammar(json.dumps(ANY_OBJECT)).state()
+    taken.masks([*PROMPTS[1], *earlier.token_ids], len(PROMPTS[1]))
     make = pipe.grammar_state
-    monkeypatch.setattr(pipe, "grammar_state", lambda cfg: Broken() if cfg.json_schema else make(cfg))
+    monkeypatch.setattr(pipe, "grammar_state", lambda cfg: taken if cfg.json_schema else make(cfg))
     want = pipe.generate([40, 41, 42], mode="ar", max_new_tokens=24)
     broken = engine.submit(*pipe.check(PROMPTS[0], mode="lookup", max_new_tokens=24, json_schema=ANY_OBJECT))
     other = engine.submit(*pipe.check([40, 41, 42], mode="ar", max_new_tokens=24))
-    with pytest.raises(GrammarError, match="on purpose"):
+    with pytest.raises(GrammarError, match="only grows"):
         broken.wait()
     assert other.wait().token_ids == want.token_ids
 
