@@ -61,6 +61,10 @@ class Metrics:
                               registry=r)
         self.copied_accepted = Counter("mirror_sd_copied_tokens_accepted", "of those, the tokens the target "
                                        "accepted", registry=r)
+        self.forced = Counter("mirror_sd_forced_tokens_proposed", "tokens a grammar forced (response_format, "
+                              "structured_outputs, tool calls) the target verified as a window", registry=r)
+        self.forced_accepted = Counter("mirror_sd_forced_tokens_accepted", "of those, the tokens the target accepted",
+                                       registry=r)
         self.branch_lookups = Counter("mirror_sd_branch_lookups", "mirror steps that looked for a ready branch",
                                       registry=r)
         self.branch_hits = Counter("mirror_sd_branch_hits", "mirror steps whose next window was ready", registry=r)
@@ -87,6 +91,8 @@ class Metrics:
         self.accepted.inc(s.accepted_tokens)
         self.copied.inc(s.lookup_proposed_tokens)
         self.copied_accepted.inc(s.lookup_accepted_tokens)
+        self.forced.inc(s.forced_proposed_tokens)
+        self.forced_accepted.inc(s.forced_accepted_tokens)
         self.branch_lookups.inc(s.branch_lookups)
         self.branch_hits.inc(s.branch_hits)
         self.fallbacks.inc(s.fallbacks)

@@ -142,6 +142,13 @@ def test_response_format_holds_the_answer_to_a_json_schema(pipe, client, port):
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
                                             response_format=fmt, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
+    # sd verifies the schema's forced keys as windows, counted in /metrics
+    forced = "\nmirror_sd_forced_tokens_accepted_total "
+    before = float(_metrics(port).split(forced)[1].split()[0])
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                       response_format=fmt, extra_body={"mirror": {"mode": "sd"}})
+    assert r.choices[0].message.content == want.text
+    assert float(_metrics(port).split(forced)[1].split()[0]) > before
     any_object = pipe.generate("the cat", mode="ar", max_new_tokens=8, json_schema={"type": "object"})
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
                                        response_format={"type": "json_object"})
