@@ -62,7 +62,7 @@ from mirror_sd.serve.access_log import ARRIVAL, STREAM_STATUS, AccessLog
 from mirror_sd.serve.auth import ApiKey
 from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
-from mirror_sd.serve.tool_parser import HermesAnswers
+from mirror_sd.serve.tool_parser import ParsedAnswers
 from mirror_sd.serve.tools import ToolAnswers
 
 log = logging.getLogger("mirror_sd.serve")
@@ -404,7 +404,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
     async def _stream(request: Request, jobs: list[_Job], started: list[AsyncRequest], rid: str, model: str,
                       chat: bool, include_usage: bool, prompt_tokens: int,
-                      calls: ToolAnswers | HermesAnswers | None = None) -> AsyncIterator[str]:
+                      calls: ToolAnswers | ParsedAnswers | None = None) -> AsyncIterator[str]:
         """The choices' chunks as they come, each with its choice's index (n > 1: interleaved), and with the
         logprobs of the tokens whose text it carries where asked for (a token whose text is held back, part of a
         character or of a possible stop string, rides with the next chunk; the last chunk carries any left)."""
@@ -599,7 +599,7 @@ def _context_error(e: ContextLimitError, body: p.ChatRequest | p.CompletionReque
 
 
 def _calls(body: p.ChatRequest | p.CompletionRequest, settings: ServerSettings
-           ) -> ToolAnswers | HermesAnswers | None:
+           ) -> ToolAnswers | ParsedAnswers | None:
     """How the request's answers become tool calls (None: they are text): forced calls (tool_choice required or a
     named function), or "auto" (OpenAI's default where tools are given) read by the server's parser."""
     if not isinstance(body, p.ChatRequest) or not body.tools or body.tool_choice == "none":
@@ -608,9 +608,9 @@ def _calls(body: p.ChatRequest | p.CompletionRequest, settings: ServerSettings
         return ToolAnswers(body.forced_tool)
     if settings.tool_call_parser is None:
         raise p.ApiError(400, 'tool_choice "auto" needs a parser of the model\'s tool-call format: start the server '
-                         'with --tool-call-parser (hermes: Qwen2.5, Qwen3, Hermes), or give "required", a named '
-                         'function or "none"', param="tool_choice", code="unsupported_value")
-    return HermesAnswers()
+                         'with --tool-call-parser (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1-3.3), or '
+                         'give "required", a named function or "none"', param="tool_choice", code="unsupported_value")
+    return ParsedAnswers(settings.tool_call_parser)
 
 
 def _param_of(error: BadInputError, chat: bool) -> str | None:

@@ -1,76 +1,151 @@
-"""OpenAI's `tool_choice: "auto"` for models that write their calls in the Hermes format (Qwen2.5, Qwen3, Hermes and
-others whose chat templates ask for it), as vLLM's `--tool-call-parser hermes`: the model answers freely, and each
+"""OpenAI's `tool_choice: "auto"`: the model answers freely, and the calls it writes in its own family's format
+become the message's `tool_calls`, as vLLM's `--tool-call-parser` reads them. `mirror-sd serve --tool-call-parser NAME`
+turns one on; without it "auto" is refused (serve/app.py). The answer itself is the target's, exact in every mode:
+only its reading changes. A call that does not parse leaves the whole answer text; a cut answer keeps "length".
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+  - hermes (Qwen2.5, Qwen3, Hermes and others whose chat templates ask for it): each block
 
-in its text becomes a call of `tool_calls` (the text before the first one the message's content). `mirror-sd serve
---tool-call-parser hermes` turns it on; without it "auto" is refused (serve/app.py). The answer itself is the
-target's, exact in every mode: only its reading changes. As vLLM's parser, text between and after the calls is
-dropped and a call that does not parse leaves the whole answer text; unlike it, a cut answer keeps "length".
+        <tool_call>
+        {"name": "get_weather", "arguments": {"city": "Paris"}}
+        </tool_call>
+
+    is a call, the text before the first one the content (as vLLM's, text between and after the calls is dropped);
+  - llama3_json (Llama 3.1-3.3 with their JSON tool template): an answer that starts with a JSON object is its calls,
+    `{"name": ..., "parameters": {...}}` (or "arguments"), several separated by ";", and has no content; any other
+    answer is text (vLLM streams calls only from such an answer too).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from mirror_sd.serve.tools import tool_call
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + "|" + re.escape(OPEN) + r"(.*)", re.DOTALL)
+Calls = tuple[str | None, list[dict[str, Any]]]  # the content (None where empty) and the calls of an answer
 
 
-def hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """The content (the text before the first call; None where empty) and the calls an answer holds; no calls where
-    one does not parse as {"name": ..., "arguments": {...}} (a call cut short: the answer stays text)."""
-    start = text.find(OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for closed, open_end in _CALL.findall(text[start:]):
-        try:
-            call = json.loads(closed or open_end)
-            name, arguments = call["name"], call.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
+class CallFormat(Protocol):
+    def calls(self, text: str) -> Calls:
+        """The content and calls of a whole answer; (text, []) where it holds none, or one that does not parse."""
+
+    def opening(self, text: str, sent: int) -> int:
+        """Where a call opens in a streamed answer's text so far (its first `sent` characters went out as content):
+        -1 while none has."""
+
+    def plain(self, text: str) -> int:
+        """How much of the text so far (no call open in it) can go out as content: what cannot become a call."""
+
+
+def _call(value: Any, arguments_keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """A tool call of a parsed {"name": ..., <arguments>: {...}} (the arguments under the first key present; none:
+    {}), or None where the value is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = next((value[k] for k in arguments_keys if k in value), {})
+    return tool_call(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class Hermes:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + "|" + re.escape(OPEN) + r"(.*)", re.DOTALL)
+
+    def calls(self, text: str) -> Calls:
+        start = text.find(self.OPEN)
+        if start < 0:
             return text, []
-        if not isinstance(name, str):
+        calls = []
+        for closed, open_end in self._CALL.findall(text[start:]):  # a last block left open: a call cut short
+            try:
+                call = _call(json.loads(closed or open_end), ("arguments",))
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        return text[:start] or None, calls
+
+    def opening(self, text: str, sent: int) -> int:
+        return text.find(self.OPEN, max(0, sent - len(self.OPEN)))  # searched from what may hold a tag's start
+
+    def plain(self, text: str) -> int:
+        for k in range(min(len(self.OPEN) - 1, len(text)), 0, -1):  # a tail that may begin the tag waits
+            if self.OPEN.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+
+class Llama3Json:
+    _decoder = json.JSONDecoder()
+
+    def calls(self, text: str) -> Calls:
+        at, calls = self._skip(text, 0), []
+        if not text.startswith("{", at):
             return text, []
-        calls.append(tool_call(name, json.dumps(arguments, ensure_ascii=False)))
-    return text[:start] or None, calls
+        while at < len(text):  # objects separated by ";" (one after the last allowed), whitespace around them
+            try:
+                value, at = self._decoder.raw_decode(text, at)
+            except ValueError:
+                return text, []
+            call = _call(value, ("parameters", "arguments"))
+            if call is None:
+                return text, []
+            calls.append(call)
+            at = self._skip(text, at)
+            if at < len(text) and text[at] != ";":  # text after the calls: not an answer of calls
+                return text, []
+            at = self._skip(text, at + 1)
+        return None, calls
+
+    @staticmethod
+    def _skip(text: str, at: int) -> int:
+        """Past the whitespace at `at`."""
+        return len(text) - len(text[at:].lstrip())
+
+    def opening(self, text: str, sent: int) -> int:
+        return 0 if text.lstrip().startswith("{") else -1  # the whitespace before it is the call's too
+
+    def plain(self, text: str) -> int:
+        return len(text) if text.strip() else 0  # leading whitespace waits for what follows it
 
 
-class HermesAnswers:
-    """Answers read for Hermes tool calls (the ToolAnswers interface, serve/tools.py)."""
+TOOL_CALL_FORMATS: dict[str, CallFormat] = {"hermes": Hermes(), "llama3_json": Llama3Json()}
+
+
+class ParsedAnswers:
+    """Answers read for tool calls in one format (the ToolAnswers interface, serve/tools.py)."""
+
+    def __init__(self, parser: str) -> None:
+        self.format = TOOL_CALL_FORMATS[parser]
 
     def choice(self, choice: dict[str, Any], text: str, reason: str) -> dict[str, Any]:
-        content, calls = hermes_calls(text)
+        content, calls = self.format.calls(text)
         if not calls:
             return choice
         return {**choice, "message": {"role": "assistant", "content": content, "tool_calls": calls},
                 "finish_reason": "tool_calls" if reason in ("eos", "stop") else reason}
 
-    def stream(self) -> HermesStream:
-        return HermesStream()
+    def stream(self) -> ParsedStream:
+        return ParsedStream(self.format)
 
 
-class HermesStream:
-    """One streamed choice: its text as content until a call opens (a tail that may begin `<tool_call>` held back),
+class ParsedStream:
+    """One streamed choice: its text as content until a call opens (a tail that may still open one held back),
     then held; at the end the calls in one delta and a chunk of its own that ends the choice."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: CallFormat) -> None:
+        self.format = fmt
         self.sent, self.held = 0, ""  # characters of `held` already sent as content
         self.opened = -1  # where the first call opens in `held` (-1: none yet)
 
     def deltas(self, text: str, reason: str | None, first: bool) -> list[tuple[dict[str, Any], str | None]]:
         head: dict[str, Any] = {"role": "assistant"} if first else {}
         self.held += text
-        if self.opened < 0:  # searched from what may hold a tag's start only
-            self.opened = self.held.find(OPEN, max(0, self.sent - len(OPEN)))
+        if self.opened < 0:
+            self.opened = self.format.opening(self.held, self.sent)
         if self.opened < 0:  # what cannot be the start of a call goes out now
-            safe = len(self.held) if reason is not None else _safe_end(self.held)
+            safe = len(self.held) if reason is not None else self.format.plain(self.held)
         else:
             safe = self.opened
         if safe > self.sent:
@@ -80,7 +155,7 @@ class HermesStream:
         self.sent = max(self.sent, safe)
         if reason is None:
             return [(delta, None) for delta in out]
-        content, calls = hermes_calls(self.held)
+        content, calls = self.format.calls(self.held)
         if not calls:  # no call, or one that does not parse: the rest as content
             rest = self.held[self.sent:]
             tail = [({"content": rest}, None)] if rest else []
@@ -88,11 +163,3 @@ class HermesStream:
         calls_delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
         return [(delta, None) for delta in out] + [(calls_delta, None),
                                                    ({}, "tool_calls" if reason in ("eos", "stop") else reason)]
-
-
-def _safe_end(text: str) -> int:
-    """Where text that may still open a call ends: before a tail that is a prefix of `<tool_call>`."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)

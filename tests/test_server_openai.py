@@ -387,6 +387,32 @@ def test_auto_tool_choice_reads_hermes_calls_where_the_server_has_the_parser(pip
             pipe.prompt_ids(MESSAGES, tools=TOOLS), mode="ar", max_new_tokens=8).text
 
 
+def test_auto_tool_choice_reads_llama3_json_calls_where_the_server_has_the_parser(pipe):
+    """`--tool-call-parser llama3_json`: an answer that is JSON calls becomes tool_calls without content, streamed
+    or not; an answer in words stays text. (A regex makes the tiny random model write one.)"""
+    pattern = r'\{"name": "ping", "parameters": \{\}\}; \{"name": "ping", "parameters": \{"n": 2\}\}'
+    want = pipe.generate(pipe.prompt_ids(MESSAGES, tools=TOOLS), mode="ar", max_new_tokens=160, regex=pattern)
+    assert want.finish_reason == "eos"
+    with InProcessServer(pipe, model_name=MODEL, tool_call_parser="llama3_json") as server:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=160, temperature=0, tools=TOOLS,
+                                      extra_body={"structured_outputs": {"regex": pattern}})
+        message = r.choices[0].message
+        assert (message.content, r.choices[0].finish_reason) == (None, "tool_calls")
+        assert [(t.function.name, t.function.arguments) for t in message.tool_calls] == [("ping", "{}"),
+                                                                                         ("ping", '{"n": 2}')]
+        chunks = [ch for ch in c.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=160, temperature=0, tools=TOOLS, stream=True,
+            extra_body={"structured_outputs": {"regex": pattern}}) if ch.choices]
+        assert not any(ch.choices[0].delta.content for ch in chunks)
+        (calls,) = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices[0].delta.tool_calls]
+        assert [t.function.arguments for t in calls] == ["{}", '{"n": 2}']
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        words = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0, tools=TOOLS,
+                                          extra_body={"structured_outputs": {"regex": "[a-z ]{5,20}"}})
+        assert words.choices[0].message.tool_calls is None and words.choices[0].message.content
+
+
 @pytest.mark.parametrize("field, value", [
     ("store", True),
     ("modalities", ["text", "audio"]), ("service_tier", "flex"),

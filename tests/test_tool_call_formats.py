@@ -1,0 +1,77 @@
+"""The tool-call formats `--tool-call-parser` reads (serve/tool_parser.py): whole answers, and the same answers
+streamed in any chunking give the same content and calls."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from mirror_sd.serve.defaults import TOOL_CALL_PARSERS
+from mirror_sd.serve.tool_parser import TOOL_CALL_FORMATS, ParsedStream
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+# answer -> (content, [(name, arguments)]) per format; no calls: the answer stays text
+CASES = {
+    "hermes": [
+        (f"Let me look.\n<tool_call>\n{CALL}\n</tool_call>", ("Let me look.\n", [("get_weather", {"city": "Paris"})])),
+        (f"<tool_call>{CALL}</tool_call>\n<tool_call>{{\"name\": \"now\"}}</tool_call>",
+         (None, [("get_weather", {"city": "Paris"}), ("now", {})])),
+        (f"<tool_call>{CALL}", (None, [("get_weather", {"city": "Paris"})])),  # the closing tag cut
+        ("Paris is sunny. <tool_", None),
+        ("<tool_call>{\"name\": 3}</tool_call>", None),
+        ("<tool_call>not json</tool_call>", None),
+        ("no calls at all", None),
+    ],
+    "llama3_json": [
+        (LLAMA_CALL, (None, [("get_weather", {"city": "Paris"})])),
+        (f"  {CALL} ; {{\"name\": \"now\", \"parameters\": {{}}}};",
+         (None, [("get_weather", {"city": "Paris"}), ("now", {})])),
+        (f"Sure: {LLAMA_CALL}", None),  # a call only where the answer starts with one
+        (f"{LLAMA_CALL} and some words", None),
+        ('{"city": "Paris"}', None),  # JSON that is not a call
+        ('{"name": "get_weather", "parameters": {', None),
+        ("   ", None),
+        ("The weather is fine.", None),
+    ],
+}
+
+
+def test_every_parser_the_server_offers_has_a_format():
+    assert set(TOOL_CALL_FORMATS) == set(TOOL_CALL_PARSERS)
+
+
+@pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
+def test_whole_answers(parser):
+    fmt = TOOL_CALL_FORMATS[parser]
+    for answer, want in CASES[parser]:
+        content, calls = fmt.calls(answer)
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+        assert (content, got) == (want if want is not None else (answer, [])), answer
+        assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
+def test_a_stream_in_any_chunking_sends_what_the_whole_answer_holds(parser):
+    """Content goes out as it comes where it cannot be part of a call; the calls come in one delta at the end, then
+    a chunk of its own with finish_reason tool_calls; an answer without calls is all content, ending as it ended."""
+    rng = random.Random(0)
+    for answer, want in CASES[parser]:
+        for _ in range(20):
+            cuts = sorted(rng.sample(range(1, len(answer)), min(len(answer) - 1, rng.randint(0, 6))))
+            pieces = [answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)])]
+            stream, out = ParsedStream(TOOL_CALL_FORMATS[parser]), []
+            for i, piece in enumerate(pieces):
+                out += stream.deltas(piece, None, i == 0)
+            out += stream.deltas("", "eos", not pieces)
+            content = "".join(d.get("content") or "" for d, _ in out)
+            calls = [c for d, _ in out for c in d.get("tool_calls", [])]
+            assert out[-1] == ({}, "tool_calls" if want else "eos")
+            if want is None:
+                assert (content, calls) == (answer, [])
+            else:
+                assert content == (want[0] or "") and [c["function"]["name"] for c in calls] == [
+                    name for name, _ in want[1]]
+                assert [c["index"] for c in calls] == list(range(len(calls)))
