@@ -21,9 +21,9 @@ One step of the engine, in its thread:
      among them): its logits, each request's own sampling (the same random stream per position as a generation
      alone), stop strings, EOS and max_new_tokens. Up to `window_rows` greedy speculative requests (lookup, sd,
      mirror) verify a window in that run, each row as many tokens as it has (`_window_step`), where a gate per batch
-     size measured such steps faster than plain ones: the tokens the request's grammar forces, or a window copied
-     from its own text (prompt lookup), else, for sd and mirror, one from a draft of the request's own
-     (runtime/row_drafts.py), drafted on this thread before the step;
+     size measured such steps faster than plain ones: the tokens the request's grammar forces (sampled requests too,
+     each row's tokens its own draws), or a window copied from its own text (prompt lookup), else, for sd and mirror,
+     one from a draft of the request's own (runtime/row_drafts.py), drafted on this thread before the step;
   4. finished and cancelled requests leave their slots, which keep their tokens' KV as a cached prefix.
 Greedy output is the request's solo output token for token: every row of a batched step is computed as it would be
 alone (tests/test_engine.py), and the speculative decoder is exact by construction.
@@ -52,11 +52,11 @@ from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
 from mirror_sd.runtime.proposers import GrammarForcing, PromptLookup, Proposer
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.row_drafts import RowDraft
-from mirror_sd.runtime.sampling import TARGET_STREAM, choose, penalize, rng_for
+from mirror_sd.runtime.sampling import TARGET_STREAM, choose, penalize, rng_for, target_streams
 from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import PREFILL_CHUNK, OrtTarget, ort_device, prompt_chunk_end
 from mirror_sd.runtime.text import TextSink
-from mirror_sd.runtime.verify import greedy_accept
+from mirror_sd.runtime.verify import verify
 
 if TYPE_CHECKING:  # the pipeline makes its engine: a type only, never an import at run time
     from mirror_sd.runtime.pipeline import Pipeline
@@ -328,8 +328,8 @@ class BatchEngine:
                 if windows and cfg.mode in DRAFT_MODES:
                     drafts = self._row_draft(cfg, rec)
                 grammar = self.pipe.grammar_state(cfg)
-                forcing = None
-                if windows and cfg.mode != "ar" and grammar is not None:
+                forcing = None  # sampled rows too: their windows commit the target's own draws (runtime/verify.py)
+                if self.batch.window_rows > 0 and cfg.mode != "ar" and grammar is not None:
                     forcing = GrammarForcing(grammar, len(request.ids), self.pipe.target.window_ceiling)
             except Exception as e:  # this request ends with it; its slot is free again, its KV untouched
                 self.table.leave(slot, slot.tokens)  # the prefix it held
@@ -585,7 +585,8 @@ class BatchEngine:
             logits = self._target_logits(row, out, window)
             if logits is None:
                 continue
-            verdict = greedy_accept(window, logits)
+            params = row.request.config.params
+            verdict = verify(window, None, logits, params, None, target_streams(params, len(row.context)))
             if source is row.forcing:
                 row.rec.counts.forced(len(window), verdict.accepted)
             else:

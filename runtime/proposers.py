@@ -3,8 +3,8 @@ text) and a grammar's forced tokens. The scheduler's loop asks one for a window,
 proposer hears what was accepted.
 
 A window is a `DraftWindow` (runtime/messages.py) continuing the committed tokens; its logits are the draft's
-distribution where speculative sampling needs one (None for a copy or forced tokens: a proposal of one token for
-sure, which sampling verifies as such, runtime/verify.py).
+distribution where speculative sampling needs one (None for a copy or forced tokens: proposed for sure, which a
+sampled step verifies against the target's own draws, runtime/verify.py).
 """
 
 from __future__ import annotations

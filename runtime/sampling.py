@@ -16,7 +16,7 @@ DrafterBase._greedy); its windows are checked against the penalised target like 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,6 +110,12 @@ def _penalized(x: np.ndarray, counts: np.ndarray, params: SamplingParams) -> np.
 def rng_for(params: SamplingParams, stream: int, position: int) -> np.random.Generator:
     """The generator for `stream` at context length `position`: independent across streams and positions."""
     return np.random.default_rng([params.seed % 2**64, stream, position])  # numpy's seeds are non-negative
+
+
+def target_streams(params: SamplingParams, position: int) -> Callable[[int], np.random.Generator]:
+    """The generators of a window's rows after a context of `position` tokens: row i draws with the target's stream
+    at position + i, as the target alone draws there (runtime/verify.py own_draws_accept)."""
+    return lambda i: rng_for(params, TARGET_STREAM, position + i)
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

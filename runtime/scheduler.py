@@ -23,7 +23,8 @@ Two kinds of greedy step need no draft: where the text's last tokens occurred be
 followed them (prompt lookup), verified as in sd; and a step of the target alone, where the speculation gate has
 measured that faster than speculating, or while the draft is still reading the prompt; mode lookup takes only
 these two (no draft worker at all). Under a grammar, where it forces the next tokens (a JSON schema's keys), every
-mode but ar verifies those as the step's window, sampled steps too (runtime/verify.py: a proposal for sure).
+mode but ar verifies those as the step's window, sampled steps too (runtime/verify.py: sampled, each row's own draw,
+as the target alone draws at that position).
 `decode`'s loop is choose -> propose -> verify -> commit: the gates that choose are one policy
 (runtime/speculation_policy.py), the draft, prompt lookup and the grammar are proposers behind one protocol
 (runtime/proposers.py).
@@ -59,7 +60,7 @@ from mirror_sd.runtime.messages import (
     frozen,
 )
 from mirror_sd.runtime.proposers import DraftModel, GrammarForcing, PromptLookup, Proposer
-from mirror_sd.runtime.sampling import TARGET_STREAM, choose, penalize, rng_for
+from mirror_sd.runtime.sampling import TARGET_STREAM, choose, penalize, rng_for, target_streams
 from mirror_sd.runtime.speculation_policy import COPY, DRAFT, FORCED, SpeculationPolicy
 from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.target import Boundary, Target, TargetCache, prefill_chunks
@@ -353,7 +354,7 @@ class _Decoder:
         ready_under_suffix = ticket is not None and self.worker.poll(ticket) is not None
         with self.rec.phase("verify"):
             verdict = verify(w, window.logits, self._penalized(logits, ctx, w), self.cfg.params,
-                             self._target_rng(len(ctx)))
+                             self._target_rng(len(ctx)), target_streams(self.cfg.params, len(ctx)))
         self.cache = cache.trim(len(ctx) + verdict.accepted)
         c = self.counts
         c.target_steps += 1

@@ -10,18 +10,21 @@ and which token follows them (the correction at slot A, or the bonus when A == g
   not the paper's sample-and-match. Window token x_i was drawn from the draft's warped distribution q_i; it is
   accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the correction is drawn from
   norm(max(0, p_i - q_i)); if all are accepted the bonus is drawn from p_gamma. Each committed token then follows
-  the target's warped distribution p exactly, whatever q is (tests/test_runtime_sampling.py measures it). A window
-  proposed for sure (no draft logits: a grammar's forced tokens) has q_i the point mass on x_i: x_i is accepted with
-  probability p_i(x_i), and the correction is drawn from p_i without x_i.
+  the target's warped distribution p exactly, whatever q is (tests/test_runtime_sampling.py measures it).
+- A window proposed for sure (no draft logits: a grammar's forced tokens), sampled: each row draws the target's own
+  token with the random stream of its position, as the target alone draws there, and the window is accepted while it
+  equals those draws. A token is then accepted with probability p_i(x_i), as speculative sampling accepts a proposal
+  of probability 1, and the committed tokens are the target alone's under the same seed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from mirror_sd.runtime.sampling import SamplingParams, sample, warp
+from mirror_sd.runtime.sampling import SamplingParams, choose, sample, warp
 
 
 @dataclass(frozen=True)
@@ -42,17 +45,23 @@ def greedy_accept(window: tuple[int, ...], target_logits: np.ndarray) -> Verdict
     return Verdict(accepted, int(target_tokens[accepted]))
 
 
-def speculative_accept(window: tuple[int, ...], draft_logits: np.ndarray | None, target_logits: np.ndarray,
+def own_draws_accept(window: tuple[int, ...], target_logits: np.ndarray, params: SamplingParams,
+                     rng_at: Callable[[int], np.random.Generator]) -> Verdict:
+    """A window proposed for sure, sampled: row i's token is the target's own draw with rng_at(i), the stream of
+    its position; target_logits [gamma+1, V]."""
+    for i, token in enumerate(window):
+        own = choose(target_logits[i], params, rng_at(i))
+        if own != token:
+            return Verdict(i, own)
+    return Verdict(len(window), choose(target_logits[len(window)], params, rng_at(len(window))))
+
+
+def speculative_accept(window: tuple[int, ...], draft_logits: np.ndarray, target_logits: np.ndarray,
                        params: SamplingParams, rng: np.random.Generator) -> Verdict:
     """Speculative sampling. draft_logits [gamma, V]: the logits each window token was sampled from (warped
-    with the same params; None: each token proposed for sure); target_logits [gamma+1, V]."""
+    with the same params); target_logits [gamma+1, V]."""
     for i, token in enumerate(window):
-        p = warp(target_logits[i], params)
-        if draft_logits is None:
-            q = np.zeros_like(p)
-            q[token] = 1.0
-        else:
-            q = warp(draft_logits[i], params)
+        p, q = warp(target_logits[i], params), warp(draft_logits[i], params)
         if rng.random() * q[token] < p[token]:  # accept with probability min(1, p/q); q[token] > 0 as it was drawn
             continue
         residual = np.maximum(p - q, 0.0)
@@ -62,9 +71,16 @@ def speculative_accept(window: tuple[int, ...], draft_logits: np.ndarray | None,
 
 
 def verify(window: tuple[int, ...], draft_logits: np.ndarray | None, target_logits: np.ndarray,
-           params: SamplingParams, rng: np.random.Generator | None) -> Verdict:
+           params: SamplingParams, rng: np.random.Generator | None,
+           rng_at: Callable[[int], np.random.Generator] | None = None) -> Verdict:
+    """rng: the step's stream (speculative sampling); rng_at(i): the stream of the window's row i (a window proposed
+    for sure: draft_logits None)."""
     if params.greedy:
         return greedy_accept(window, target_logits)
+    if draft_logits is None:
+        if rng_at is None:
+            raise ValueError("a window proposed for sure is verified with each row's own stream (rng_at)")
+        return own_draws_accept(window, target_logits, params, rng_at)
     if rng is None:
-        raise ValueError("speculative sampling needs a generator")
+        raise ValueError("speculative sampling needs the draft's logits and a generator")
     return speculative_accept(window, draft_logits, target_logits, params, rng)

@@ -11,9 +11,9 @@ from mirror_sd.runtime.gate import GateState, SpeculationGate
 from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
 from mirror_sd.runtime.messages import ExitCandidates
 from mirror_sd.runtime.prompt_lookup import lookup, next_copy_length
-from mirror_sd.runtime.sampling import SamplingParams, warp
+from mirror_sd.runtime.sampling import TARGET_STREAM, SamplingParams, choose, rng_for, target_streams, warp
 from mirror_sd.runtime.stats import Recorder, overlap_seconds
-from mirror_sd.runtime.verify import greedy_accept, speculative_accept
+from mirror_sd.runtime.verify import greedy_accept, own_draws_accept, speculative_accept, verify
 
 
 def one_hot_logits(tokens: list[int], vocab: int = 10) -> np.ndarray:
@@ -53,28 +53,27 @@ def test_speculative_accept_follows_target_distribution():
     assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
 
 
-@pytest.mark.parametrize("proposed", [0, 3])
-def test_a_token_proposed_for_sure_is_accepted_with_its_target_probability(proposed):
-    """No draft logits (a grammar's forced tokens): the proposal's q is its point mass, so the token is accepted with
-    probability p(x) and otherwise redrawn from p without it; the committed token follows p either way, for a likely
-    and an unlikely proposal."""
-    params = SamplingParams(temperature=1.0)
-    p_logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05], [0.25] * 4]))
+def test_a_window_proposed_for_sure_commits_the_targets_own_draws():
+    """No draft logits (a grammar's forced tokens), sampled: each row draws with the stream of its position, so the
+    committed tokens are those the target alone draws there (equal, token for token), and a proposed token is taken
+    with its probability p(x), as speculative sampling takes a proposal of probability 1."""
+    params = SamplingParams(temperature=1.0, seed=0)
+    p_logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05], [0.1, 0.6, 0.2, 0.1], [0.25] * 4]))
     p = warp(p_logits[0], params)
-    rng = np.random.default_rng(1)
-    n = 40_000
-    counts, accepted = np.zeros(4), 0
-    for _ in range(n):
-        verdict = speculative_accept((proposed,), None, p_logits, params, rng)
-        accepted += verdict.accepted
-        counts[proposed if verdict.accepted else verdict.token] += 1
-        assert verdict.accepted or verdict.token != proposed
-    assert abs(accepted / n - p[proposed]) < 0.01
-    chi2 = ((counts - n * p) ** 2 / (n * p)).sum()
-    assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
-    # a token the target is sure of (a forced one under the mask) is always taken
-    sure = np.log(np.array([[1e-30, 1.0, 1e-30, 1e-30], [0.25] * 4]))
-    assert all(speculative_accept((1,), None, sure, params, rng).accepted == 1 for _ in range(200))
+    accepted = {0: 0, 3: 0}
+    n = 20_000
+    for seed in range(n):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        alone = [choose(p_logits[i], params, rng_for(params, TARGET_STREAM, 50 + i)) for i in range(3)]
+        for proposed in accepted:
+            window = (proposed, 1)
+            verdict = own_draws_accept(window, p_logits, params, target_streams(params, 50))
+            assert verdict.committed(window) == tuple(alone[:verdict.accepted + 1])
+            accepted[proposed] += verdict.accepted > 0
+    for proposed, taken in accepted.items():
+        assert abs(taken / n - p[proposed]) < 0.01
+    with pytest.raises(ValueError, match="own stream"):
+        verify((1,), None, p_logits[:2], params, None)
 
 
 def test_warp_filters():

@@ -161,17 +161,27 @@ def test_forced_tokens_are_verified_as_windows_and_change_no_token(engine_pipeli
                 s = out.stats
                 assert s["forced_steps"] > 0 and 0 < s["forced_accepted_tokens"] <= s["forced_proposed_tokens"]
                 assert s["target_steps"] < ar.stats["target_steps"], (mode, given)
-            sampled = pipe.generate(prompt, mode="sd", max_new_tokens=NEW_TOKENS, temperature=1.0, seed=3, **given)
-            assert sampled.stats["forced_steps"] > 0 and sampled.finish_reason == "eos"
-            assert (_holds(json.loads(sampled.text)) if "json_schema" in given else sampled.text in choices)
-    # in the batching engine: a greedy row's forced tokens ride in its window steps, its text its solo one
-    requests = [(p, dict(mode="lookup", max_new_tokens=NEW_TOKENS, json_schema=SCHEMA)) for p in PROMPTS]
+            # sampled, a forced window commits the target's own draws: lookup (no copies when sampling) is ar's
+            # text under the same seed; sd's draft windows draw otherwise, and its JSON holds
+            sampled = dict(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=3, **given)
+            lookup = pipe.generate(prompt, mode="lookup", **sampled)
+            assert lookup.stats["forced_steps"] > 0
+            assert lookup.token_ids == pipe.generate(prompt, mode="ar", **sampled).token_ids
+            sd = pipe.generate(prompt, mode="sd", **sampled)
+            assert sd.stats["forced_steps"] > 0 and sd.finish_reason == "eos"
+            assert (_holds(json.loads(sd.text)) if "json_schema" in given else sd.text in choices)
+    # in the batching engine a row's forced tokens ride in its window steps, greedy or sampled, its text its solo
+    # ar one (sampled: under the same seed)
+    rows = [dict(mode="lookup"), dict(mode="sd", temperature=0.9, seed=5), dict(mode="mirror", temperature=1.0, seed=9)]
+    requests = [(PROMPTS[i % 2], dict(max_new_tokens=NEW_TOKENS, json_schema=SCHEMA, **row))
+                for i, row in enumerate(rows)]
     results = alone_then_joined(pipe, requests[0], requests[1:])
-    assert max(r.stats.mean_batch_size for r in results) > 1
-    assert results[1].stats.batched_steps == results[1].stats.target_steps and results[1].stats.forced_steps > 0
-    for prompt, got in zip(PROMPTS, results):
-        assert got.token_ids == pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS,
-                                              json_schema=SCHEMA).token_ids
+    for (prompt, options), got in zip(requests[1:], results[1:]):  # joined: every step batched
+        assert got.stats.batched_steps == got.stats.target_steps and got.stats.forced_steps > 0, options
+        assert got.stats.mean_batch_size > 1
+        assert got.token_ids == pipe.generate(prompt, **{**options, "mode": "ar"}).token_ids
+    assert results[0].token_ids == pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=NEW_TOKENS,
+                                                 json_schema=SCHEMA).token_ids
 
 
 def test_the_reference_generator_with_the_draft_holds_to_the_schema(engine_pipelines):
