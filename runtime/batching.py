@@ -19,11 +19,12 @@ One step of the engine, in its thread:
   3. otherwise, one run over the prompt tokens still to prefill (all but each prompt's last, chunked so that the
      running generations keep flowing), then one run of every generation's next token (a prompt's last token
      among them): its logits, each request's own sampling (the same random stream per position as a generation
-     alone), stop strings, EOS and max_new_tokens. Up to `window_rows` greedy speculative requests (lookup, sd,
+     alone), stop strings, EOS and max_new_tokens. Up to `window_rows` speculative requests (lookup, sd,
      mirror) verify a window in that run, each row as many tokens as it has (`_window_step`), where a gate per batch
-     size measured such steps faster than plain ones: the tokens the request's grammar forces (sampled requests too,
-     each row's tokens its own draws), or a window copied from its own text (prompt lookup), else, for sd and mirror,
-     one from a draft of the request's own (runtime/row_drafts.py), drafted on this thread before the step;
+     size measured such steps faster than plain ones: the tokens the request's grammar forces, or a window copied
+     from its own text (prompt lookup; sampled rows verify these two against their own draws, runtime/verify.py), else,
+     for greedy sd and mirror, one from a draft of the request's own (runtime/row_drafts.py), drafted on this thread
+     before the step;
   4. finished and cancelled requests leave their slots, which keep their tokens' KV as a cached prefix.
 Greedy output is the request's solo output token for token: every row of a batched step is computed as it would be
 alone (tests/test_engine.py), and the speculative decoder is exact by construction.
@@ -321,15 +322,17 @@ class BatchEngine:
                 sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens,
                                 request.ids)
                 rec = Recorder(cfg.trace)
-                windows = cfg.params.greedy and self.batch.window_rows > 0
+                # copied and forced windows in sampled rows too: they commit the target's own draws
+                # (runtime/verify.py own_draws_accept), a draft's windows greedy ones only
+                windows = self.batch.window_rows > 0 and cfg.mode != "ar"
                 copies = drafts = None
-                if windows and cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0:
+                if windows and cfg.prompt_lookup_num_tokens > 0:
                     copies = PromptLookup(cfg, self.pipe.target.window_ceiling)
-                if windows and cfg.mode in DRAFT_MODES:
+                if windows and cfg.params.greedy and cfg.mode in DRAFT_MODES:
                     drafts = self._row_draft(cfg, rec)
                 grammar = self.pipe.grammar_state(cfg)
-                forcing = None  # sampled rows too: their windows commit the target's own draws (runtime/verify.py)
-                if self.batch.window_rows > 0 and cfg.mode != "ar" and grammar is not None:
+                forcing = None
+                if windows and grammar is not None:
                     forcing = GrammarForcing(grammar, len(request.ids), self.pipe.target.window_ceiling)
             except Exception as e:  # this request ends with it; its slot is free again, its KV untouched
                 self.table.leave(slot, slot.tokens)  # the prefix it held

@@ -348,8 +348,8 @@ class GenerationConfig(Options):
         "has measured faster, and in mirror roll out a branch set or not, likewise (runtime/gate.py); off: every "
         "step speculates; output never depends on it", switches=(("--always-speculate", False),), wire=MIRROR)
     prompt_lookup_num_tokens: int = option(
-        4, "greedy lookup/sd/mirror: where the text's last few tokens occurred before, verify up to this many "
-        "tokens that followed them instead of a draft window (transformers' prompt lookup; 0: off)",
+        4, "lookup (greedy or sampled), greedy sd/mirror: where the text's last few tokens occurred before, verify up "
+        "to this many tokens that followed them instead of a draft window (transformers' prompt lookup; 0: off)",
         range=Range(0, MAX_WINDOW), wire=MIRROR)
     max_matching_ngram_size: int = option(3, "prompt lookup: the most trailing tokens matched",
                                           range=Range(2, MAX_WINDOW))
@@ -422,7 +422,7 @@ class LoadOptions(Options):
         "tokens as the prefix cache", range=Range(0, low_open=True),
         none="max_num_seqs slots (on the CPU only the positions written take memory)")
     window_rows: int = option(
-        4, "the batching engine on the CPU: up to this many greedy lookup/sd/mirror requests verify windows copied "
+        4, "the batching engine on the CPU: up to this many lookup/sd/mirror requests verify windows copied "
         "from their texts in one step (prompt lookup at batch > 1, where it measures faster than plain steps); the "
         "target's weights are loaded a second time for it, about their size again in memory (0 or 1: off; an int8 "
         "or int4 target's batched rows then step one at a time)",

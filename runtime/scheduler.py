@@ -19,12 +19,12 @@ window (gamma draft tokens continuing C):
   4. if (A, c) was planned, the next window is that branch's rollout; else the branch set is cancelled and the
      next step starts with a fresh rollout (serial, like sd).
 
-Two kinds of greedy step need no draft: where the text's last tokens occurred before, a window copied from what
-followed them (prompt lookup), verified as in sd; and a step of the target alone, where the speculation gate has
-measured that faster than speculating, or while the draft is still reading the prompt; mode lookup takes only
-these two (no draft worker at all). Under a grammar, where it forces the next tokens (a JSON schema's keys), every
-mode but ar verifies those as the step's window, sampled steps too (runtime/verify.py: sampled, each row's own draw,
-as the target alone draws at that position).
+Two kinds of step need no draft: where the text's last tokens occurred before, a window copied from what followed
+them (prompt lookup: greedy, and sampled in mode lookup), verified as in sd; and a step of the target alone, where the
+speculation gate has measured that faster than speculating, or while the draft is still reading the prompt; mode
+lookup takes only these two (no draft worker at all). Under a grammar, where it forces the next tokens (a JSON
+schema's keys), every mode but ar verifies those as the step's window. A sampled step verifies a copied or forced
+window against the target's own draws, as the target alone draws at each position (runtime/verify.py).
 `decode`'s loop is choose -> propose -> verify -> commit: the gates that choose are one policy
 (runtime/speculation_policy.py), the draft, prompt lookup and the grammar are proposers behind one protocol
 (runtime/proposers.py).
@@ -450,8 +450,10 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # Past the draft's context (its manifest facts) every step runs on the target alone, counted in the stats.
     draft_context = drafter.engine.facts.max_position_embeddings if drafter is not None else 0
     ctx = list(prompt)
-    # Greedy only: a copied window has no draft distribution for speculative sampling to correct.
-    lookups = cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and cfg.params.greedy
+    # Copies when sampling in mode lookup only: verified against the target's own draws (runtime/verify.py), they give
+    # ar's text under the seed; in sd and mirror they would take steps from the draft's speculative sampling, whose
+    # draws differ, so which steps copy (the clock's choice) would change a seeded text.
+    lookups = cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and (cfg.params.greedy or cfg.mode == "lookup")
     # budget 0 (a plan that measured branch sets slower on this machine, or the caller's choice): no mirror step
     # rolls one out, sampled ones included, and there is no branch gate; every draft step is sd's step
     # (docs/design.md: The branch gate, and branch budget 0 on shared cores)

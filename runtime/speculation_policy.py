@@ -12,9 +12,10 @@ Where the generation's grammar forces the next tokens, the step verifies those (
 the target takes them wherever its mask leaves no other token, and a window it takes costs about one step.
 The scheduler asks `choose` before each step, times the step, and hands the timings back (`record`); the policy
 moves each gate to the memory of the next bucket as the context grows into it and leaves what each learned there.
-Greedy only (`gated`): when sampling, the two kinds of step draw their tokens from different random draws, and a
-choice made by the clock would make a seeded generation vary from run to run; without the gates every step that
-can speculate does. Output never depends on the policy: every kind of step commits the target's own tokens.
+Greedy only (`gated`), and mode lookup: when sampling, a draft's step and the target's draw their tokens from
+different random draws, and a choice made by the clock would make a seeded generation vary from run to run; without
+the gates every step that can speculate does. lookup's copies commit the target's own draws (runtime/verify.py).
+Output never depends on the policy: every kind of step commits the target's own tokens.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class SpeculationPolicy:
     def __init__(self, cfg: GenerationConfig, counts: Counts, memory: dict[tuple[str, int], GateState] | None,
                  lookups: bool, branching: bool) -> None:
         self.mode, self.counts, self.memory = cfg.mode, counts, memory
-        self.gated = cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy
+        # lookup's steps commit the target's own draws when sampling too, whichever kind it takes
+        self.gated = cfg.mode != "ar" and cfg.adaptive_speculation and (cfg.params.greedy or cfg.mode == "lookup")
         self.lookups, self.branching = lookups, branching
         self.key: tuple[str, int] | None = None
         self.gate: SpeculationGate | None = None
