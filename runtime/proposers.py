@@ -83,3 +83,11 @@ class DraftModel:
 
     def accepted(self, proposed: int, accepted: int, next_window: DraftWindow | None = None) -> None:
         self.ready = next_window  # any other step (the target alone, a copy) leaves no branch window to continue
+
+    def extends(self, window: DraftWindow, length: int) -> bool:
+        """Whether the window a branch has ready for this step (at most `length` tokens) begins with `window`'s
+        tokens and goes on past them: verifying it would take those and more."""
+        if self.ready is None:
+            return False
+        ready, head = self.ready.head(length).tokens, window.tokens
+        return len(ready) > len(head) and ready[:len(head)] == head

@@ -459,7 +459,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # (docs/design.md: The branch gate, and branch budget 0 on shared cores)
     policy = SpeculationPolicy(cfg, rec.counts, gate_memory, lookups, branching=cfg.mode == "mirror" and dec.budget > 0)
     copies: Proposer | None = PromptLookup(cfg, dec.target.window_ceiling) if lookups else None
-    drafts: Proposer = DraftModel(dec)
+    drafts = DraftModel(dec)
     # ar is the target alone, step by step: the others verify what a grammar forces as a window
     forcing: Proposer | None = (GrammarForcing(grammar, len(prompt), dec.target.window_ceiling)
                                 if grammar is not None and cfg.mode != "ar" else None)
@@ -508,6 +508,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             draft_ready = answer is not None
         # 1. choose
         forced = forcing.propose(ctx, remaining - 1) if forcing is not None else None
+        if forced is not None and drafting and drafts.extends(forced, gamma):  # a mirror branch's window goes further
+            forced = None
         copied = copies.propose(ctx, remaining - 1) if copies is not None and forced is None else None
         step = policy.choose(len(ctx), copied is not None, drafting, draft_ready, forced is not None)
         # 2. propose

@@ -10,9 +10,10 @@ only its reading changes. A call that does not parse leaves the whole answer tex
         </tool_call>
 
     is a call, the text before the first one the content (as vLLM's, text between and after the calls is dropped);
-  - llama3_json (Llama 3.1-3.3 with their JSON tool template): an answer that starts with a JSON object is its calls,
-    `{"name": ..., "parameters": {...}}` (or "arguments"), several separated by ";", and has no content; any other
-    answer is text (vLLM streams calls only from such an answer too).
+  - llama3_json (Llama 3.1-3.3 with their JSON tool template): an answer that starts with JSON objects
+    `{"name": ..., "parameters": {...}}` (or "arguments"), several separated by ";", is its calls and has no content;
+    any other answer is text (vLLM streams calls only from such an answer too), an object without the arguments key
+    included.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ class CallFormat(Protocol):
         """How much of the text so far (no call open in it) can go out as content: what cannot become a call."""
 
 
-def _call(value: Any, arguments_keys: tuple[str, ...]) -> dict[str, Any] | None:
-    """A tool call of a parsed {"name": ..., <arguments>: {...}} (the arguments under the first key present; none:
-    {}), or None where the value is not one."""
+def _call(value: Any, arguments_keys: tuple[str, ...], required: bool) -> dict[str, Any] | None:
+    """A tool call of a parsed {"name": ..., <arguments>: {...}} (the arguments under the first key present; none: {}
+    unless `required`), or None where the value is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = next((value[k] for k in arguments_keys if k in value), {})
-    return tool_call(value["name"], json.dumps(arguments, ensure_ascii=False))
+    arguments = next((value[k] for k in arguments_keys if k in value), None)
+    if arguments is None and required:
+        return None
+    return tool_call(value["name"], json.dumps({} if arguments is None else arguments, ensure_ascii=False))
 
 
 class Hermes:
@@ -58,7 +61,7 @@ class Hermes:
         calls = []
         for closed, open_end in self._CALL.findall(text[start:]):  # a last block left open: a call cut short
             try:
-                call = _call(json.loads(closed or open_end), ("arguments",))
+                call = _call(json.loads(closed or open_end), ("arguments",), required=False)
             except ValueError:
                 call = None
             if call is None:
@@ -88,7 +91,8 @@ class Llama3Json:
                 value, at = self._decoder.raw_decode(text, at)
             except ValueError:
                 return text, []
-            call = _call(value, ("parameters", "arguments"))
+            # an object without arguments is JSON the user asked for ({"name": "Bob", "age": 42}), not a call
+            call = _call(value, ("arguments", "parameters"), required=True)
             if call is None:
                 return text, []
             calls.append(call)

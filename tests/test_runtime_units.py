@@ -9,8 +9,9 @@ import pytest
 from mirror_sd.runtime.draft import EXIT_ACCEPT_POWER, plan_branches
 from mirror_sd.runtime.gate import GateState, SpeculationGate
 from mirror_sd.runtime.kv import ContextLane, OwnPast, positions
-from mirror_sd.runtime.messages import ExitCandidates
+from mirror_sd.runtime.messages import DraftWindow, ExitCandidates
 from mirror_sd.runtime.prompt_lookup import lookup, next_copy_length
+from mirror_sd.runtime.proposers import DraftModel
 from mirror_sd.runtime.sampling import TARGET_STREAM, SamplingParams, choose, rng_for, target_streams, warp
 from mirror_sd.runtime.stats import Recorder, overlap_seconds
 from mirror_sd.runtime.verify import greedy_accept, own_draws_accept, speculative_accept, verify
@@ -74,6 +75,18 @@ def test_a_window_proposed_for_sure_commits_the_targets_own_draws():
         assert abs(taken / n - p[proposed]) < 0.01
     with pytest.raises(ValueError, match="own stream"):
         verify((1,), None, p_logits[:2], params, None)
+
+
+def test_a_branch_window_going_past_the_forced_tokens_is_taken_instead_of_them():
+    """A mirror branch's window ready for the step, which begins with the tokens the grammar forces and goes on,
+    verifies those and more: the decode loop takes it instead of the forced window (DraftModel.extends)."""
+    drafts = DraftModel(None)
+    forced = DraftWindow(5, (1, 2), None, 0)
+    assert not drafts.extends(forced, 4)  # nothing ready
+    drafts.ready = DraftWindow(5, (1, 2, 3), None, 1)
+    assert drafts.extends(forced, 4) and not drafts.extends(forced, 2)  # cut to the step's room: no further
+    drafts.ready = DraftWindow(5, (1, 4, 3), None, 1)
+    assert not drafts.extends(forced, 4)
 
 
 def test_warp_filters():

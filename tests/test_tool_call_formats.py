@@ -32,6 +32,8 @@ CASES = {
         (f"Sure: {LLAMA_CALL}", None),  # a call only where the answer starts with one
         (f"{LLAMA_CALL} and some words", None),
         ('{"city": "Paris"}', None),  # JSON that is not a call
+        ('{"name": "Bob", "age": 42}', None),  # nor is an object with a name and no arguments
+        ('{"name": "a", "arguments": {"x": 1}, "parameters": {"y": 2}}', (None, [("a", {"x": 1})])),
         ('{"name": "get_weather", "parameters": {', None),
         ("   ", None),
         ("The weather is fine.", None),
