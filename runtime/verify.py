@@ -14,7 +14,9 @@ and which token follows them (the correction at slot A, or the bonus when A == g
 - A window proposed for sure (no draft logits: a grammar's forced tokens), sampled: each row draws the target's own
   token with the random stream of its position, as the target alone draws there, and the window is accepted while it
   equals those draws. A token is then accepted with probability p_i(x_i), as speculative sampling accepts a proposal
-  of probability 1, and the committed tokens are the target alone's under the same seed.
+  of probability 1, and the committed tokens are the target alone's under the same seed (up to the rounding of a
+  window row against a one-token step: a draw within about 1e-6 of the boundary between two tokens can go to the
+  other one, as a greedy near-tie can).
 """
 
 from __future__ import annotations
