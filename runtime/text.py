@@ -131,8 +131,13 @@ class TextCodec:
                     out[name] = value
         return out
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], special: bool = False) -> str:
+        """The text of `ids`; special tokens (a chat template's markers) only where `special`."""
+        return self.tokenizer.decode(ids, skip_special_tokens=not special)
+
+    def token_str(self, token_id: int) -> str:
+        """A token as the vocabulary spells it (byte-level BPE's "Ġthe"), transformers' convert_ids_to_tokens."""
+        return self._token(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, alone (OpenAI's logprobs `bytes`; its `token` is them as UTF-8 with

@@ -302,6 +302,34 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                              param="model", code="model_not_found")
         return card
 
+    # vLLM's token counting: the ids a completion or a chat would read, and the text of ids
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest) -> dict[str, Any]:
+        _check_model(body.model)
+        prompt, tools = body.prompt_and_tools()
+        try:
+            ids = pipe.prompt_ids(prompt, tools=tools)
+        except BadInputError as e:
+            raise p.ApiError(400, str(e), param="prompt" if body.messages is None else "messages") from None
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": _context_limit(pipe), "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [pipe.codec.token_str(t) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest) -> dict[str, Any]:
+        _check_model(body.model)
+        vocab = pipe.manifest.target.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise p.ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": pipe.codec.decode(body.tokens, special=True)}
+
+    def _check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise p.ApiError(404, f"the model {name!r} does not exist; this server has {settings.model_name!r}",
+                             param="model", code="model_not_found")
+
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatRequest, request: Request) -> Any:
         return await _complete(request, body, [body.prompt()], chat=True)
@@ -317,9 +345,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                requested: dict[str, Any]) -> _Job:
         """Everything checkable before the queue (the pipeline's own checks): the model, the prompt, the options
         (`requested`, and the server's defaults where the request has none), the context."""
-        if body.model != settings.model_name:
-            raise p.ApiError(404, f"the model {body.model!r} does not exist; this server has "
-                                  f"{settings.model_name!r}", param="model", code="model_not_found")
+        _check_model(body.model)
         for name in ignored(body):
             (log.debug if name in noted else log.info)("ignored %s: at the value given it changes nothing here",
                                                          name)
@@ -574,12 +600,17 @@ def _mirror_stats(outcome: _Outcome) -> dict[str, Any]:
             "branch_hit_rate": s.branch_hit_rate, "fallbacks": s.fallbacks}
 
 
-def _context_room(pipe: Pipeline, prompt_tokens: int) -> int:
-    """The new tokens a prompt leaves room for: the context limit, or a package's static bound where lower."""
+def _context_limit(pipe: Pipeline) -> int:
+    """The most tokens a prompt and its answer hold: the context limit, or a package's static bound where lower."""
     limit = pipe.context_limit
     if pipe.package is not None:
         limit = min(limit, pipe.package.info.bounds.max_context)
-    return limit - prompt_tokens
+    return limit
+
+
+def _context_room(pipe: Pipeline, prompt_tokens: int) -> int:
+    """The new tokens a prompt leaves room for."""
+    return _context_limit(pipe) - prompt_tokens
 
 
 def _context_error(e: ContextLimitError, body: p.ChatRequest | p.CompletionRequest, chat: bool) -> p.ApiError:

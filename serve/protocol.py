@@ -35,6 +35,7 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    StrictBool,
     StrictInt,
     StrictStr,
     ValidationInfo,
@@ -361,8 +362,7 @@ class ChatRequest(Sampling, fields_model(CHAT)):
         return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as a chat template takes them (OpenAI's shape, as transformers passes them)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return template_tools(self.tools)
 
     def generation_options(self) -> dict[str, Any]:
         out = super().generation_options()
@@ -387,6 +387,42 @@ class ChatRequest(Sampling, fields_model(CHAT)):
     def prompt(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them."""
         return [m.for_template() for m in self.messages]
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as a chat template takes them (OpenAI's shape, as transformers passes them)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text prompt (`prompt`, as /v1/completions reads it) or a chat (`messages` and their
+    `tools`, rendered by the chat template with the assistant's turn opened, as /v1/chat/completions reads them)."""
+
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None
+    return_token_strs: StrictBool = False  # each token as the vocabulary spells it, too
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give a prompt (text) or messages (a chat), one of them")
+        if self.tools and self.messages is None:
+            raise ValueError("tools go to a chat template: give them with messages")
+        return self
+
+    def prompt_and_tools(self) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]] | None]:
+        if self.messages is None:
+            return self.prompt, None
+        return [m.for_template() for m in self.messages], template_tools(self.tools)
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: token ids back to their text, special tokens included (a rendered chat's markers)."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 class CompletionRequest(Sampling, fields_model(COMPLETION)):

@@ -684,3 +684,36 @@ def test_a_messages_name_reaches_the_chat_template():
     request = ChatRequest.model_validate({"model": MODEL, "messages": [
         {"role": "user", "content": "hi", "name": "ada"}, {"role": "user", "content": "hello"}]})
     assert request.prompt() == [{"role": "user", "content": "hi", "name": "ada"}, {"role": "user", "content": "hello"}]
+
+
+def test_tokenize_and_detokenize_count_what_the_completions_read(pipe, client, port):
+    """vLLM's /tokenize: a text prompt's ids as /v1/completions reads them, a chat's (with its tools) as
+    /v1/chat/completions does (its usage.prompt_tokens), the context limit, and optionally each token's spelling;
+    /detokenize gives the text back, a chat template's markers included. Bad requests are 400s naming the field."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, _, text = _http(port, "POST", "/tokenize", {"model": MODEL, "prompt": "the cat sat"}, auth)
+    got = json.loads(text)
+    assert status == 200 and got["tokens"] == pipe.prompt_ids("the cat sat") and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == pipe.context_limit and "token_strs" not in got
+    status, _, text = _http(port, "POST", "/tokenize", {"messages": MESSAGES, "tools": TOOLS,
+                                                        "return_token_strs": True}, auth)
+    chat = json.loads(text)
+    assert status == 200 and chat["tokens"] == pipe.prompt_ids(MESSAGES, tools=TOOLS)
+    assert chat["token_strs"] == [pipe.codec.token_str(t) for t in chat["tokens"]]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert r.usage.prompt_tokens == chat["count"]
+    status, _, text = _http(port, "POST", "/detokenize", {"model": MODEL, "tokens": chat["tokens"]}, auth)
+    assert status == 200 and json.loads(text)["prompt"] == pipe.codec.render_chat(MESSAGES, TOOLS)
+    status, _, text = _http(port, "POST", "/detokenize", {"tokens": got["tokens"]}, auth)
+    assert json.loads(text)["prompt"] == "the cat sat"
+    assert _http(port, "POST", "/tokenize", {"prompt": "hi"})[0] == 401  # the API key guards it as /v1 routes
+    for path, body, param in (("/tokenize", {"prompt": "hi", "messages": MESSAGES}, "body"),
+                              ("/tokenize", {}, "body"), ("/tokenize", {"prompt": ""}, "prompt"),
+                              ("/tokenize", {"prompt": "hi", "tools": TOOLS}, "body"),
+                              ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, "add_generation_prompt"),
+                              ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+                              ("/detokenize", {"tokens": ["1"]}, "tokens.0"),
+                              ("/tokenize", {"model": "other", "prompt": "hi"}, "model")):
+        status, _, text = _http(port, "POST", path, body, auth)
+        err = json.loads(text)["error"]
+        assert status == (404 if param == "model" else 400) and err["param"] == param, (path, body, text)
