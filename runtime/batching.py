@@ -164,10 +164,10 @@ class _Row:
     looked_for_head: bool = False  # whether another slot's copy of its prompt's head was sought (once, before prefill)
     batch_rows: list[int] = field(default_factory=list)  # rows of each batched step it took part in
     scores: list[TokenLogprob | None] = field(default_factory=list)  # each new token's logprob (config.logprobs)
-    copies: PromptLookup | None = None  # windows copied from its text, where it speculates greedily
+    copies: PromptLookup | None = None  # windows copied from its text, where it speculates (lookup, sd, mirror)
     drafts: RowDraft | None = None  # windows from the draft model, where it runs greedy sd or mirror
     grammar: GrammarState | None = None  # its place in its grammar, where it has one (runtime/grammar.py)
-    forcing: GrammarForcing | None = None  # windows of the tokens its grammar forces, where it speculates greedily
+    forcing: GrammarForcing | None = None  # windows of the tokens its grammar forces, where it speculates
 
     @property
     def prompt_len(self) -> int:
