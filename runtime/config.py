@@ -348,8 +348,9 @@ class GenerationConfig(Options):
         "has measured faster, and in mirror roll out a branch set or not, likewise (runtime/gate.py); off: every "
         "step speculates; output never depends on it", switches=(("--always-speculate", False),), wire=MIRROR)
     prompt_lookup_num_tokens: int = option(
-        4, "lookup (greedy or sampled), greedy sd/mirror: where the text's last few tokens occurred before, verify up "
-        "to this many tokens that followed them instead of a draft window (transformers' prompt lookup; 0: off)",
+        4, "lookup (greedy or sampled), greedy sd/mirror (batched: any such row): where the text's last few tokens "
+        "occurred before, verify up to this many tokens that followed them instead of a draft window (transformers' "
+        "prompt lookup; 0: off)",
         range=Range(0, MAX_WINDOW), wire=MIRROR)
     max_matching_ngram_size: int = option(3, "prompt lookup: the most trailing tokens matched",
                                           range=Range(2, MAX_WINDOW))

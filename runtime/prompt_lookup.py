@@ -5,7 +5,8 @@ Summaries, answers over a passage, code edits and multi-turn chats repeat spans 
 committed tokens occurred before, the tokens that followed them then are a window that costs no draft forward. The
 target verifies it like any other window, so output never depends on it.
 
-Plain arithmetic on token ids (numpy); the scheduler asks before each greedy sd/mirror step.
+Plain arithmetic on token ids (numpy); the scheduler asks before each step of lookup and of greedy sd/mirror, the
+batching engine for its rows.
 """
 
 from __future__ import annotations

@@ -450,9 +450,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # Past the draft's context (its manifest facts) every step runs on the target alone, counted in the stats.
     draft_context = drafter.engine.facts.max_position_embeddings if drafter is not None else 0
     ctx = list(prompt)
-    # Copies when sampling in mode lookup only: verified against the target's own draws (runtime/verify.py), they give
-    # ar's text under the seed; in sd and mirror they would take steps from the draft's speculative sampling, whose
-    # draws differ, so which steps copy (the clock's choice) would change a seeded text.
+    # Copies when sampling in mode lookup only, every one found verified (no gate): against the target's own draws
+    # (runtime/verify.py), they give ar's text under the seed; in sd and mirror they would take steps from the draft's
+    # speculative sampling, whose draws differ, so which steps copy would change a seeded text.
     lookups = cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and (cfg.params.greedy or cfg.mode == "lookup")
     # budget 0 (a plan that measured branch sets slower on this machine, or the caller's choice): no mirror step
     # rolls one out, sampled ones included, and there is no branch gate; every draft step is sd's step
@@ -508,10 +508,9 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
             draft_ready = answer is not None
         # 1. choose
         forced = forcing.propose(ctx, remaining - 1) if forcing is not None else None
-        if forced is not None and drafting and drafts.extends(forced, gamma):  # a mirror branch's window goes further
-            forced = None
+        extends = forced is not None and drafting and drafts.extends(forced, gamma)  # a branch's window goes further
         copied = copies.propose(ctx, remaining - 1) if copies is not None and forced is None else None
-        step = policy.choose(len(ctx), copied is not None, drafting, draft_ready, forced is not None)
+        step = policy.choose(len(ctx), copied is not None, drafting, draft_ready, forced is not None, extends)
         # 2. propose
         started, dec.catch_up_s = time.perf_counter(), 0.0
         window = (forced if step.kind == FORCED else copied if step.kind == COPY

@@ -9,13 +9,14 @@ memory (runtime/gate.py says what each one weighs and why):
     under its suffix, or none. A branch set pays off in the next window, so a choice is timed as its step plus the
     fetching of the next window, and recorded once that is known (`fetched`).
 Where the generation's grammar forces the next tokens, the step verifies those (FORCED): no gate weighs it, since
-the target takes them wherever its mask leaves no other token, and a window it takes costs about one step.
+the target takes them wherever its mask leaves no other token, and a window it takes costs about one step; where a
+mirror branch's window ready for the step begins with them and goes on, the step verifies that one (DRAFT), likewise.
 The scheduler asks `choose` before each step, times the step, and hands the timings back (`record`); the policy
 moves each gate to the memory of the next bucket as the context grows into it and leaves what each learned there.
-Greedy only (`gated`), and mode lookup: when sampling, a draft's step and the target's draw their tokens from
-different random draws, and a choice made by the clock would make a seeded generation vary from run to run; without
-the gates every step that can speculate does. lookup's copies commit the target's own draws (runtime/verify.py).
-Output never depends on the policy: every kind of step commits the target's own tokens.
+Greedy only (`gated`): when sampling, a draft's step and the target's draw their tokens from different random draws
+(and a copy's, the target's own, round otherwise than a one-token step's), so a choice made by the clock would make
+a seeded generation vary from run to run; without the gates every step that can speculate does. Output never depends
+on the policy: every kind of step commits the target's own tokens.
 """
 
 from __future__ import annotations
@@ -60,8 +61,7 @@ class SpeculationPolicy:
     def __init__(self, cfg: GenerationConfig, counts: Counts, memory: dict[tuple[str, int], GateState] | None,
                  lookups: bool, branching: bool) -> None:
         self.mode, self.counts, self.memory = cfg.mode, counts, memory
-        # lookup's steps commit the target's own draws when sampling too, whichever kind it takes
-        self.gated = cfg.mode != "ar" and cfg.adaptive_speculation and (cfg.params.greedy or cfg.mode == "lookup")
+        self.gated = cfg.mode != "ar" and cfg.adaptive_speculation and cfg.params.greedy
         self.lookups, self.branching = lookups, branching
         self.key: tuple[str, int] | None = None
         self.gate: SpeculationGate | None = None
@@ -75,11 +75,15 @@ class SpeculationPolicy:
         learned = recalled(self.memory, (self.mode, context_bucket(length))) if self.gated else None
         return learned is not None and learned.prefers_alone()
 
-    def choose(self, length: int, can_copy: bool, can_draft: bool, draft_ready: bool, forced: bool = False) -> Step:
+    def choose(self, length: int, can_copy: bool, can_draft: bool, draft_ready: bool, forced: bool = False,
+               ready_extends: bool = False) -> Step:
         """The kind of the step at a context of `length` tokens. can_copy: a window was copied from the text;
         can_draft: a draft window may be verified (the mode speculates and there is room for one); forced: the
-        grammar forces the next tokens."""
+        grammar forces the next tokens; ready_extends: a branch's window ready for the step begins with them and goes
+        on."""
         self._enter(length)
+        if ready_extends:
+            return Step(DRAFT, can_draft, draft_ready, False)
         if forced:
             return Step(FORCED, can_draft, draft_ready, False)
         timed_copy = can_copy and self.copy_gate is not None and draft_ready

@@ -65,9 +65,11 @@ class TextCodec:
                                 option="prompt") from None
         return self.tokenizer.encode(text, add_special_tokens=special).ids
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """Render chat messages with the bundle's template, ending with the assistant's turn; `tools` (OpenAI's
-        function definitions) go to the template as transformers gives them."""
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """Render chat messages with the bundle's template, ending with the assistant's turn (opened, unless not
+        `add_generation_prompt`); `tools` (OpenAI's function definitions) go to the template as transformers gives
+        them."""
         if not self.facts.chat_template:
             raise BadInputError("the bundle has no chat template; give the prompt as text or token ids")
         for i, m in enumerate(messages):
@@ -76,7 +78,8 @@ class TextCodec:
         from jinja2 import TemplateError
 
         try:
-            return self._chat_template.render(messages=messages, tools=tools, add_generation_prompt=True,
+            return self._chat_template.render(messages=messages, tools=tools,
+                                              add_generation_prompt=add_generation_prompt,
                                               **self._template_tokens)
         except TemplateError as e:
             raise BadInputError(f"the bundle's chat template failed to render: {e}") from None

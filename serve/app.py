@@ -15,8 +15,8 @@ Scale-out: a process owns one pipeline and its devices; serve/ray_app.py runs th
 OpenAI's conventions: what a request leaves out gets OpenAI's defaults, not the library's (serve/defaults.py:
 temperature 1.0, max_tokens to the end of the context, a random seed returned in the `x-seed` header); fields that
 change nothing here are taken and logged as ignored at their neutral values only (serve/neutral.py); with an API
-key every /v1 route wants it (serve/auth.py). A stream that waits (queued, or between slow tokens) gets an SSE
-comment every `keepalive_s`, so that a proxy's idle timeout does not cut it.
+key every route but /health and /metrics wants it (serve/auth.py). A stream that waits (queued, or between slow
+tokens) gets an SSE comment every `keepalive_s`, so that a proxy's idle timeout does not cut it.
 
 Errors: a request the server cannot honour is a 4xx with an OpenAI-style body before any device work (malformed
 JSON, wrong types, unknown fields, an empty or oversize prompt, max_tokens out of range, an unknown model). A
@@ -76,7 +76,7 @@ class ServerSettings:
     max_queue: int = 16  # requests that may wait behind the running ones
     request_timeout_s: float = 600.0  # a request's deadline, queueing included
     retry_after_s: int = 1  # the Retry-After a 429 carries
-    api_key: str | None = None  # None: the /v1 routes are open (serve/auth.py)
+    api_key: str | None = None  # None: every route is open (serve/auth.py)
     cors_origins: tuple[str, ...] = ()  # origins a browser page may call from ("*": any); none: no CORS headers
     keepalive_s: float = 10.0  # a waiting stream's SSE comment interval: below common proxy idle timeouts (60 s)
     # how answers to tool_choice "auto" are read for calls (serve/tool_parser.py); None: "auto" is refused
@@ -306,15 +306,15 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest) -> dict[str, Any]:
         _check_model(body.model)
-        prompt, tools = body.prompt_and_tools()
         try:
-            ids = pipe.prompt_ids(prompt, tools=tools)
+            text = body.prompt if body.messages is None else pipe.codec.render_chat(
+                [m.for_template() for m in body.messages], p.template_tools(body.tools), body.add_generation_prompt)
+            ids = pipe.codec.encode(text, special=body.special)
         except BadInputError as e:
-            raise p.ApiError(400, str(e), param="prompt" if body.messages is None else "messages") from None
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": _context_limit(pipe), "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = [pipe.codec.token_str(t) for t in ids]
-        return out
+            raise p.ApiError(400, str(e), param="prompt" if body.messages is None else "messages",
+                             code="invalid_value") from None
+        return {"count": len(ids), "max_model_len": _context_limit(pipe), "tokens": ids,
+                "token_strs": [pipe.codec.token_str(t) for t in ids] if body.return_token_strs else None}
 
     @app.post("/detokenize")
     async def detokenize(body: p.DetokenizeRequest) -> dict[str, Any]:
@@ -322,7 +322,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         vocab = pipe.manifest.target.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
-            raise p.ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+            raise p.ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens",
+                             code="invalid_value")
         return {"prompt": pipe.codec.decode(body.tokens, special=True)}
 
     def _check_model(name: str | None) -> None:

@@ -330,9 +330,7 @@ class ChatRequest(Sampling, fields_model(CHAT)):
     @field_validator("tools")
     @classmethod
     def _named_once(cls, v: list[Tool] | None) -> list[Tool] | None:
-        if v and len({t.function.name for t in v}) < len(v):
-            raise ValueError("two tools have the same name")
-        return v
+        return named_once(v)
 
     @field_validator("tool_choice")
     @classmethod
@@ -389,6 +387,12 @@ class ChatRequest(Sampling, fields_model(CHAT)):
         return [m.for_template() for m in self.messages]
 
 
+def named_once(tools: list[Tool] | None) -> list[Tool] | None:
+    if tools and len({t.function.name for t in tools}) < len(tools):
+        raise ValueError("two tools have the same name")
+    return tools
+
+
 def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     """The tools as a chat template takes them (OpenAI's shape, as transformers passes them)."""
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
@@ -402,7 +406,16 @@ class TokenizeRequest(_Strict):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[Tool] | None = None
+    # vLLM's defaults: a text's special tokens (a BOS) added, a rendered chat's left as its template wrote them
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True  # a chat ends with the assistant's turn opened
+    continue_final_message: Literal[False] = False
     return_token_strs: StrictBool = False  # each token as the vocabulary spells it, too
+
+    @field_validator("tools")
+    @classmethod
+    def _named_once(cls, v: list[Tool] | None) -> list[Tool] | None:
+        return named_once(v)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> TokenizeRequest:
@@ -412,10 +425,9 @@ class TokenizeRequest(_Strict):
             raise ValueError("tools go to a chat template: give them with messages")
         return self
 
-    def prompt_and_tools(self) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]] | None]:
-        if self.messages is None:
-            return self.prompt, None
-        return [m.for_template() for m in self.messages], template_tools(self.tools)
+    @property
+    def special(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
 
 
 class DetokenizeRequest(_Strict):

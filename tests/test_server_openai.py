@@ -694,7 +694,7 @@ def test_tokenize_and_detokenize_count_what_the_completions_read(pipe, client, p
     status, _, text = _http(port, "POST", "/tokenize", {"model": MODEL, "prompt": "the cat sat"}, auth)
     got = json.loads(text)
     assert status == 200 and got["tokens"] == pipe.prompt_ids("the cat sat") and got["count"] == len(got["tokens"])
-    assert got["max_model_len"] == pipe.context_limit and "token_strs" not in got
+    assert got["max_model_len"] == pipe.context_limit and got["token_strs"] is None
     status, _, text = _http(port, "POST", "/tokenize", {"messages": MESSAGES, "tools": TOOLS,
                                                         "return_token_strs": True}, auth)
     chat = json.loads(text)
@@ -706,11 +706,19 @@ def test_tokenize_and_detokenize_count_what_the_completions_read(pipe, client, p
     assert status == 200 and json.loads(text)["prompt"] == pipe.codec.render_chat(MESSAGES, TOOLS)
     status, _, text = _http(port, "POST", "/detokenize", {"tokens": got["tokens"]}, auth)
     assert json.loads(text)["prompt"] == "the cat sat"
+    # vLLM's options: a text without its special tokens, a chat without the assistant's turn opened
+    bare = json.loads(_http(port, "POST", "/tokenize", {"prompt": "the cat sat", "add_special_tokens": False}, auth)[2])
+    assert bare["tokens"] == pipe.codec.encode("the cat sat", special=False)
+    closed = json.loads(_http(port, "POST", "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False},
+                              auth)[2])
+    assert closed["tokens"] == pipe.codec.encode(pipe.codec.render_chat(MESSAGES, None, False), special=False)
     assert _http(port, "POST", "/tokenize", {"prompt": "hi"})[0] == 401  # the API key guards it as /v1 routes
     for path, body, param in (("/tokenize", {"prompt": "hi", "messages": MESSAGES}, "body"),
-                              ("/tokenize", {}, "body"), ("/tokenize", {"prompt": ""}, "prompt"),
+                              ("/tokenize", {}, "body"), ("/tokenize", {"prompt": "\ud800"}, "prompt"),
                               ("/tokenize", {"prompt": "hi", "tools": TOOLS}, "body"),
-                              ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, "add_generation_prompt"),
+                              ("/tokenize", {"messages": MESSAGES, "continue_final_message": True},
+                               "continue_final_message"),
+                              ("/tokenize", {"messages": MESSAGES, "tools": TOOLS + TOOLS}, "tools"),
                               ("/detokenize", {"tokens": [1, -1]}, "tokens"),
                               ("/detokenize", {"tokens": ["1"]}, "tokens.0"),
                               ("/tokenize", {"model": "other", "prompt": "hi"}, "model")):
