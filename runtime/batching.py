@@ -477,7 +477,8 @@ class BatchEngine:
 
     def _decode_step(self) -> None:
         """Every row whose next input is one token: that token in, the next one out; or, where rows have windows
-        (copied from their texts, or from the draft) and the gate for this many rows prefers it, a window step."""
+        (a grammar's forced tokens, copied from their texts, or from the draft) and the gate for this many rows
+        prefers it (forced tokens: always), a window step."""
         rows = [r for r in self._rows if not r.prefilling and r.solo is None]
         if not rows:
             return
@@ -488,11 +489,17 @@ class BatchEngine:
         drafting = gate is not None and any(r.drafts is not None for r in rows) and self.pipe.draft_free()
         # one row left verifies on the exported graphs, as a generation alone does: no spare rows
         spares = (self._spares(rows) if len(rows) > 1 else []) if any(w for w, _ in copied) or drafting else None
-        if spares is not None and gate.speculate():
+        # a grammar's forced tokens are taken whatever the gate says (the target takes them: a step of them commits
+        # several tokens for about one), and such a step stays out of its timing, which weighs copies and drafts
+        forced = any(source is not None and source is row.forcing for row, (_, source) in zip(rows, copied))
+        speculate = spares is not None and gate.speculate()
+        if spares is not None and (speculate or forced):
+            if not speculate:  # the forced windows alone
+                copied, drafting = [(w, s) if s is r.forcing else ((), None) for r, (w, s) in zip(rows, copied)], False
             windows, catch_up = self._drafted(rows, copied) if drafting else (copied, 0.0)
             committed = self._window_step(rows, windows, spares)
-            # the drafts' reading of tokens committed without them is timed apart, as a generation alone's is
-            gate.record(True, committed, time.perf_counter() - started - catch_up)
+            if not forced:  # the drafts' reading of tokens committed without them is timed apart, as alone
+                gate.record(True, committed, time.perf_counter() - started - catch_up)
             return
         inputs = [Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows]
         if self.batch.pads_rows:  # rows run on the window graphs, in any slots: spares, not fillers

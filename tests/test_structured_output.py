@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import alone_then_joined
+from conftest import alone_then_joined, scripted_gate
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.runtime.config import GenerationConfig
@@ -182,6 +182,28 @@ def test_forced_tokens_are_verified_as_windows_and_change_no_token(engine_pipeli
         assert got.token_ids == pipe.generate(prompt, **{**options, "mode": "ar"}).token_ids
     assert results[0].token_ids == pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=NEW_TOKENS,
                                                  json_schema=SCHEMA).token_ids
+
+
+def test_batched_rows_take_forced_windows_where_the_gate_prefers_plain_steps(engine_pipelines, monkeypatch):
+    """The batching engine's gate per batch size weighs copies and drafts; a grammar's forced tokens ride in a window
+    step whatever it prefers (here: always plain steps), the copies stay out, and every text is its solo one."""
+    import mirror_sd.runtime.batching as batching
+
+    pipe = engine_pipelines()
+    engine = pipe.engine()
+    monkeypatch.setattr(batching, "SpeculationGate", scripted_gate(lambda n: False))
+    engine._window_gates.clear()
+    try:
+        rows = [dict(mode="lookup"), dict(mode="sd", temperature=0.9, seed=5)]
+        requests = [(p, dict(max_new_tokens=NEW_TOKENS, json_schema=SCHEMA, **row)) for p, row in zip(PROMPTS, rows)]
+        results = alone_then_joined(pipe, requests[0], requests[1:])
+        joined = results[1].stats
+        assert joined.batched_steps == joined.target_steps and joined.mean_batch_size > 1
+        assert joined.forced_steps > 0 and joined.lookup_steps == 0
+        for (prompt, options), got in zip(requests, results):
+            assert got.token_ids == pipe.generate(prompt, **{**options, "mode": "ar"}).token_ids
+    finally:  # the module's engine goes on with gates of its own
+        engine._window_gates.clear()
 
 
 def test_the_reference_generator_with_the_draft_holds_to_the_schema(engine_pipelines):
