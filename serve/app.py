@@ -640,8 +640,9 @@ def _calls(body: p.ChatRequest | p.CompletionRequest, settings: ServerSettings
         return ToolAnswers(body.forced_tool)
     if settings.tool_call_parser is None:
         raise p.ApiError(400, 'tool_choice "auto" needs a parser of the model\'s tool-call format: start the server '
-                         'with --tool-call-parser (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1-3.3), or '
-                         'give "required", a named function or "none"', param="tool_choice", code="unsupported_value")
+                         'with --tool-call-parser (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1-3.3; '
+                         'pythonic: Llama 3.2, Llama 4), or give "required", a named function or "none"',
+                         param="tool_choice", code="unsupported_value")
     return ParsedAnswers(settings.tool_call_parser)
 
 

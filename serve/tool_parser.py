@@ -13,11 +13,15 @@ only its reading changes. A call that does not parse leaves the whole answer tex
   - llama3_json (Llama 3.1-3.3 with their JSON tool template): an answer that starts with JSON objects
     `{"name": ..., "parameters": {...}}` (or "arguments"), several separated by ";", is its calls and has no content;
     any other answer is text (vLLM streams calls only from such an answer too), an object without the arguments key
-    included.
+    included;
+  - pythonic (Llama 3.2 and Llama 4 with their pythonic tool templates): an answer that is a Python list of calls,
+    `[get_weather(city="Paris"), get_time()]`, keyword arguments of literal values (read, never run), is its calls
+    and has no content; any other answer is text.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from typing import Any, Protocol
@@ -114,7 +118,34 @@ class Llama3Json:
         return len(text) if text.strip() else 0  # leading whitespace waits for what follows it
 
 
-TOOL_CALL_FORMATS: dict[str, CallFormat] = {"hermes": Hermes(), "llama3_json": Llama3Json()}
+class Pythonic:
+    def calls(self, text: str) -> Calls:
+        stripped = text.strip()
+        if not (stripped.startswith("[") and stripped.endswith("]")):
+            return text, []
+        try:
+            listed = ast.parse(stripped, mode="eval").body
+            if not isinstance(listed, ast.List) or not listed.elts:
+                return text, []
+            calls = []
+            for node in listed.elts:
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                        and all(k.arg is not None for k in node.keywords)):
+                    return text, []
+                arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}  # literals only: nothing runs
+                calls.append(tool_call(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # not a list of calls of literals
+            return text, []
+        return None, calls
+
+    def opening(self, text: str, sent: int) -> int:
+        return 0 if text.lstrip().startswith("[") else -1
+
+    def plain(self, text: str) -> int:
+        return len(text) if text.strip() else 0
+
+
+TOOL_CALL_FORMATS: dict[str, CallFormat] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic()}
 
 
 class ParsedAnswers:

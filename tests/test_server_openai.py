@@ -413,6 +413,19 @@ def test_auto_tool_choice_reads_llama3_json_calls_where_the_server_has_the_parse
         assert words.choices[0].message.tool_calls is None and words.choices[0].message.content
 
 
+def test_auto_tool_choice_reads_pythonic_calls_where_the_server_has_the_parser(pipe):
+    """`--tool-call-parser pythonic`: an answer that is a Python list of calls becomes tool_calls without content."""
+    pattern = r'\[ping\(n=2, tag="a"\), ping\(\)\]'
+    with InProcessServer(pipe, model_name=MODEL, tool_call_parser="pythonic") as server:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=160, temperature=0, tools=TOOLS,
+                                      extra_body={"structured_outputs": {"regex": pattern}})
+        message = r.choices[0].message
+        assert (message.content, r.choices[0].finish_reason) == (None, "tool_calls")
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
+            ("ping", {"n": 2, "tag": "a"}), ("ping", {})]
+
+
 @pytest.mark.parametrize("field, value", [
     ("store", True),
     ("modalities", ["text", "audio"]), ("service_tier", "flex"),

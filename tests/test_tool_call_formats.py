@@ -38,6 +38,19 @@ CASES = {
         ("   ", None),
         ("The weather is fine.", None),
     ],
+    "pythonic": [
+        ('[get_weather(city="Paris")]', (None, [("get_weather", {"city": "Paris"})])),
+        (' [get_weather(city=\'Paris\', days=[1, 2], metric=True), now()] ',
+         (None, [("get_weather", {"city": "Paris", "days": [1, 2], "metric": True}), ("now", {})])),
+        ('[get_weather("Paris")]', None),  # positional arguments: not a call here
+        ('[get_weather(city=open("/etc/passwd").read())]', None),  # not a literal: never run
+        ('[os.system(cmd="ls")]', None),
+        ('[get_weather(city="Par', None),
+        ("[1, 2, 3]", None),
+        ("[]", None),
+        ('Sure: [get_weather(city="Paris")]', None),
+        ("[" * 5000 + "]" * 5000, None),
+    ],
 }
 
 
