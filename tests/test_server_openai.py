@@ -325,7 +325,7 @@ def test_an_unknown_tool_call_parser_is_refused():
     from mirror_sd.serve.app import ServerSettings
 
     with pytest.raises(BadInputError, match="tool_call_parser"):
-        ServerSettings(MODEL, tool_call_parser="pythonic")
+        ServerSettings(MODEL, tool_call_parser="mistral")
 
 
 def test_earlier_tool_calls_and_answers_reach_the_template_and_auto_is_refused(pipe, client, port):
