@@ -90,7 +90,6 @@ RAY_RECOVERY_BAR_S = 60.0
 SOAK_API_KEY = "sk-soak"
 LOGPROB_TOLERANCE = 1e-4
 OPENAI_KINDS = ("wrong_key", "neutral_fields", "unsupported_field", "logprobs", "n2", "json_mode")
-ANY_OBJECT = {"type": "object"}  # the json_mode kind's schema (OpenAI's json_object)
 # per endpoint, a field at a value the server does not implement (serve/neutral.py): a 400 naming it
 UNSUPPORTED = {"chat": ("modalities", ["text", "audio"]), "completion": ("suffix", " and so on")}
 
@@ -941,7 +940,10 @@ def openai_phase(pipe, prompts: list[SoakPrompt], expected: list[Expected], requ
     rng = random.Random(seed)
     plan = [(OPENAI_KINDS[i % len(OPENAI_KINDS)], rng.randrange(len(prompts)), rng.choice(("ar", "sd", "mirror")))
             for i in range(requests)]
-    # the json_mode kind's answers: the library's greedy ar under the same schema, before the server starts
+    # the json_mode kind's answers: the library's greedy ar under the schema the server gives json_object, before the
+    # server starts
+    from mirror_sd.serve.protocol import ANY_OBJECT
+
     as_json = {}
     for i in sorted({i for kind, i, _ in plan if kind == "json_mode"}):
         r = pipe.generate(prompts[i].prompt, mode="ar", max_new_tokens=max_tokens, temperature=0.0,

@@ -29,6 +29,13 @@ class Proposer(Protocol):
         verified no window of this proposer's); next_window: a window a mirror branch had ready for that outcome."""
 
 
+def window_limit(window_ceiling: int | None) -> int:
+    """The longest window a copy or a grammar proposes: at a fixed step width (the GPU's) a longer one would run at
+    another width, whose kernels may round a near-tie the other way, so it stays within the width
+    (Target.window_ceiling); elsewhere MAX_COPY."""
+    return MAX_COPY if window_ceiling is None else window_ceiling
+
+
 class PromptLookup:
     """Windows copied from what followed the latest earlier occurrence of the text's last tokens
     (runtime/prompt_lookup.py), their length moved by the configured schedule."""
@@ -36,9 +43,7 @@ class PromptLookup:
     def __init__(self, cfg: GenerationConfig, window_ceiling: int | None = None) -> None:
         self.cfg = cfg
         self.length = cfg.prompt_lookup_num_tokens
-        # at a fixed step width (the GPU's) a longer window would run at another width, whose kernels may round a
-        # near-tie the other way: it stays within the width (Target.window_ceiling)
-        self.ceiling = max(self.length, MAX_COPY if window_ceiling is None else window_ceiling)
+        self.ceiling = max(self.length, window_limit(window_ceiling))
 
     def propose(self, ctx: list[int], length: int) -> DraftWindow | None:
         copied = lookup(ctx, self.cfg.max_matching_ngram_size, min(self.length, length))
@@ -57,7 +62,7 @@ class GrammarForcing:
 
     def __init__(self, grammar: GrammarState, prompt_len: int, window_ceiling: int | None = None) -> None:
         self.grammar, self.prompt_len = grammar, prompt_len
-        self.ceiling = MAX_COPY if window_ceiling is None else window_ceiling
+        self.ceiling = window_limit(window_ceiling)
 
     def propose(self, ctx: list[int], length: int) -> DraftWindow | None:
         forced = self.grammar.forced(ctx, self.prompt_len, min(length, self.ceiling))

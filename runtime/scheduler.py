@@ -354,7 +354,7 @@ class _Decoder:
         ready_under_suffix = ticket is not None and self.worker.poll(ticket) is not None
         with self.rec.phase("verify"):
             verdict = verify(w, window.logits, self._penalized(logits, ctx, w), self.cfg.params,
-                             self._target_rng(len(ctx)), target_streams(self.cfg.params, len(ctx)))
+                             target_streams(self.cfg.params, len(ctx)))
         self.cache = cache.trim(len(ctx) + verdict.accepted)
         c = self.counts
         c.target_steps += 1

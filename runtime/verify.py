@@ -73,16 +73,13 @@ def speculative_accept(window: tuple[int, ...], draft_logits: np.ndarray, target
 
 
 def verify(window: tuple[int, ...], draft_logits: np.ndarray | None, target_logits: np.ndarray,
-           params: SamplingParams, rng: np.random.Generator | None,
-           rng_at: Callable[[int], np.random.Generator] | None = None) -> Verdict:
-    """rng: the step's stream (speculative sampling); rng_at(i): the stream of the window's row i (a window proposed
-    for sure: draft_logits None)."""
+           params: SamplingParams, rng_at: Callable[[int], np.random.Generator] | None) -> Verdict:
+    """rng_at(i): the random stream of the window's row i (runtime/sampling.py target_streams); speculative sampling
+    draws the whole step from row 0's, a window proposed for sure (draft_logits None) each row from its own."""
     if params.greedy:
         return greedy_accept(window, target_logits)
+    if rng_at is None:
+        raise ValueError("sampled verification draws with each row's own stream (rng_at)")
     if draft_logits is None:
-        if rng_at is None:
-            raise ValueError("a window proposed for sure is verified with each row's own stream (rng_at)")
         return own_draws_accept(window, target_logits, params, rng_at)
-    if rng is None:
-        raise ValueError("speculative sampling needs the draft's logits and a generator")
-    return speculative_accept(window, draft_logits, target_logits, params, rng)
+    return speculative_accept(window, draft_logits, target_logits, params, rng_at(0))

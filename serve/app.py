@@ -308,7 +308,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         _check_model(body.model)
         try:
             text = body.prompt if body.messages is None else pipe.codec.render_chat(
-                [m.for_template() for m in body.messages], p.template_tools(body.tools), body.add_generation_prompt)
+                p.template_messages(body.messages), p.template_tools(body.tools), body.add_generation_prompt)
             ids = pipe.codec.encode(text, special=body.special)
         except BadInputError as e:
             raise p.ApiError(400, str(e), param="prompt" if body.messages is None else "messages",

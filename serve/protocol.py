@@ -383,14 +383,18 @@ class ChatRequest(Sampling, fields_model(CHAT)):
         return out
 
     def prompt(self) -> list[dict[str, Any]]:
-        """The messages as the chat template takes them."""
-        return [m.for_template() for m in self.messages]
+        return template_messages(self.messages)
 
 
 def named_once(tools: list[Tool] | None) -> list[Tool] | None:
     if tools and len({t.function.name for t in tools}) < len(tools):
         raise ValueError("two tools have the same name")
     return tools
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them."""
+    return [m.for_template() for m in messages]
 
 
 def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:

@@ -83,12 +83,26 @@ class Hermes:
         return len(text)
 
 
-class Llama3Json:
+class _WholeAnswer:
+    """A format whose calls are the whole answer, which starts with `OPENS`: a stream holds everything from there,
+    and leading whitespace until what follows it shows."""
+
+    OPENS = ""
+
+    def opening(self, text: str, sent: int) -> int:
+        return 0 if text.lstrip().startswith(self.OPENS) else -1  # the whitespace before it is the call's too
+
+    def plain(self, text: str) -> int:
+        return len(text) if text.strip() else 0
+
+
+class Llama3Json(_WholeAnswer):
+    OPENS = "{"
     _decoder = json.JSONDecoder()
 
     def calls(self, text: str) -> Calls:
         at, calls = self._skip(text, 0), []
-        if not text.startswith("{", at):
+        if not text.startswith(self.OPENS, at):
             return text, []
         while at < len(text):  # objects separated by ";" (one after the last allowed), whitespace around them
             try:
@@ -111,17 +125,13 @@ class Llama3Json:
         """Past the whitespace at `at`."""
         return len(text) - len(text[at:].lstrip())
 
-    def opening(self, text: str, sent: int) -> int:
-        return 0 if text.lstrip().startswith("{") else -1  # the whitespace before it is the call's too
 
-    def plain(self, text: str) -> int:
-        return len(text) if text.strip() else 0  # leading whitespace waits for what follows it
+class Pythonic(_WholeAnswer):
+    OPENS = "["
 
-
-class Pythonic:
     def calls(self, text: str) -> Calls:
         stripped = text.strip()
-        if not (stripped.startswith("[") and stripped.endswith("]")):
+        if not (stripped.startswith(self.OPENS) and stripped.endswith("]")):
             return text, []
         try:
             listed = ast.parse(stripped, mode="eval").body
@@ -137,12 +147,6 @@ class Pythonic:
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # not a list of calls of literals
             return text, []
         return None, calls
-
-    def opening(self, text: str, sent: int) -> int:
-        return 0 if text.lstrip().startswith("[") else -1
-
-    def plain(self, text: str) -> int:
-        return len(text) if text.strip() else 0
 
 
 TOOL_CALL_FORMATS: dict[str, CallFormat] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic()}

@@ -75,6 +75,8 @@ def test_a_window_proposed_for_sure_commits_the_targets_own_draws():
         assert abs(taken / n - p[proposed]) < 0.01
     with pytest.raises(ValueError, match="own stream"):
         verify((1,), None, p_logits[:2], params, None)
+    with pytest.raises(ValueError, match="own stream"):
+        verify((1,), p_logits[:1], p_logits[:2], params, None)
 
 
 def test_a_branch_window_going_past_the_forced_tokens_is_taken_instead_of_them():

@@ -8,7 +8,9 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -357,6 +359,13 @@ def test_earlier_tool_calls_and_answers_reach_the_template_and_auto_is_refused(p
         assert status == 400, text
 
 
+@contextmanager
+def _parsing_client(pipe, parser: str) -> Iterator[openai.OpenAI]:
+    """A client of a server of its own that reads tool_choice "auto" answers with `parser` (--tool-call-parser)."""
+    with InProcessServer(pipe, model_name=MODEL, tool_call_parser=parser) as server:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+
+
 def test_auto_tool_choice_reads_hermes_calls_where_the_server_has_the_parser(pipe):
     """`--tool-call-parser hermes`: "auto" (and tools without a tool_choice) answer freely, and the answer's
     <tool_call> blocks become its tool_calls, the text before them its content; streamed, the text goes out until a
@@ -365,8 +374,7 @@ def test_auto_tool_choice_reads_hermes_calls_where_the_server_has_the_parser(pip
     pattern = r"Sure\.\n<tool_call>\n\{\"name\": \"ping\", \"arguments\": \{\}\}\n</tool_call>"
     want = pipe.generate(pipe.prompt_ids(MESSAGES, tools=TOOLS), mode="ar", max_new_tokens=60, regex=pattern)
     assert want.text == "Sure.\n" + call and want.finish_reason == "eos"
-    with InProcessServer(pipe, model_name=MODEL, tool_call_parser="hermes") as server:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+    with _parsing_client(pipe, "hermes") as c:
         for choice in ({}, {"tool_choice": "auto"}):
             r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, tools=TOOLS,
                                           extra_body={"structured_outputs": {"regex": pattern}}, **choice)
@@ -393,8 +401,7 @@ def test_auto_tool_choice_reads_llama3_json_calls_where_the_server_has_the_parse
     pattern = r'\{"name": "ping", "parameters": \{\}\}; \{"name": "ping", "parameters": \{"n": 2\}\}'
     want = pipe.generate(pipe.prompt_ids(MESSAGES, tools=TOOLS), mode="ar", max_new_tokens=160, regex=pattern)
     assert want.finish_reason == "eos"
-    with InProcessServer(pipe, model_name=MODEL, tool_call_parser="llama3_json") as server:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+    with _parsing_client(pipe, "llama3_json") as c:
         r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=160, temperature=0, tools=TOOLS,
                                       extra_body={"structured_outputs": {"regex": pattern}})
         message = r.choices[0].message
@@ -416,8 +423,7 @@ def test_auto_tool_choice_reads_llama3_json_calls_where_the_server_has_the_parse
 def test_auto_tool_choice_reads_pythonic_calls_where_the_server_has_the_parser(pipe):
     """`--tool-call-parser pythonic`: an answer that is a Python list of calls becomes tool_calls without content."""
     pattern = r'\[ping\(n=2, tag="a"\), ping\(\)\]'
-    with InProcessServer(pipe, model_name=MODEL, tool_call_parser="pythonic") as server:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+    with _parsing_client(pipe, "pythonic") as c:
         r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=160, temperature=0, tools=TOOLS,
                                       extra_body={"structured_outputs": {"regex": pattern}})
         message = r.choices[0].message
