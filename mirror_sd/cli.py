@@ -200,6 +200,9 @@ def _generate(args: argparse.Namespace) -> int:
         if result.logprobs is not None:  # --logprobs K: each token's, with its K likeliest alternatives
             doc["logprobs"] = [{"token_id": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
                                for lp in result.logprobs]
+        if result.prompt_logprobs is not None:  # --prompt-logprobs K: each prompt token's (null for the first)
+            doc["prompt_logprobs"] = [lp and {"token_id": lp.token, "logprob": lp.logprob, "rank": lp.rank,
+                                              "top": [list(t) for t in lp.top]} for lp in result.prompt_logprobs]
         print(json.dumps(doc))
     else:
         s = result.stats
@@ -429,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(g, GenerationConfig)
     add_options(g, LoadOptions, LOAD_FLAGS["generate"], GENERATE_LOAD_DEFAULTS)
     g.add_argument("--json", action="store_true", help='print {"token_ids", "text", "stats"} (and "logprobs" with '
-                   '--logprobs) as one JSON object')
+                   '--logprobs, "prompt_logprobs" with --prompt-logprobs) as one JSON object')
     g.set_defaults(func=_generate)
 
     pk = sub.add_parser("package", help="package a bundle for static-shape devices (NPU): static draft IR")

@@ -168,6 +168,7 @@ class _Row:
     drafts: RowDraft | None = None  # windows from the draft model, where it runs greedy sd or mirror
     grammar: GrammarState | None = None  # its place in its grammar, where it has one (runtime/grammar.py)
     forcing: GrammarForcing | None = None  # windows of the tokens its grammar forces, where it speculates
+    prompt_scores: list[TokenLogprob | None] | None = None  # its prompt tokens' logprobs (config.prompt_logprobs)
 
     @property
     def prompt_len(self) -> int:
@@ -308,16 +309,19 @@ class BatchEngine:
             stats = self.pipe.finish_stats(cfg, Recorder(cfg.trace), new_tokens=0, ttft_s=0.0, wall_s=0.0,
                                            queue_s=time.perf_counter() - request.submitted)
             request._emit(Finished(GenerationResult([], "", stats, "cancelled",
-                                                    () if cfg.logprobs is not None else None)))
+                                                    () if cfg.logprobs is not None else None,
+                                                    () if cfg.prompt_logprobs is not None else None)))
 
     def _admit(self) -> None:
         while self._waiting and self.table.free():
             with self._wake:
                 request = self._waiting.popleft()
-            # a head another slot holds is copied before the prefill (_borrow)
-            slot, cached = self.table.take(request.ids, copies=self.kv.can_copy)
-            request.admitted = time.perf_counter()
             cfg = request.config
+            # a prompt whose logprobs are asked for is prefilled whole, on every position (as vLLM's skip the prefix
+            # cache); another's head another slot holds is copied before the prefill (_borrow)
+            scored = cfg.prompt_logprobs is not None
+            slot, cached = self.table.take([] if scored else request.ids, copies=self.kv.can_copy)
+            request.admitted = time.perf_counter()
             try:
                 sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens,
                                 request.ids)
@@ -339,7 +343,8 @@ class BatchEngine:
                 request._emit(Finished(None, e))
                 continue
             row = _Row(request, slot, list(request.ids), cached, sink, rec, cached, time.perf_counter(),
-                       copies=copies, drafts=drafts, grammar=grammar, forcing=forcing)
+                       copies=copies, drafts=drafts, grammar=grammar, forcing=forcing,
+                       prompt_scores=[None] if scored else None)  # the first token's: nothing comes before it
             self._rows.append(row)
             self._pack(len(self._rows) - 1, slot)
             if self.kv.can_copy:  # now, so that a request that runs alone from here starts from the head too
@@ -369,7 +374,8 @@ class BatchEngine:
     def _solo_step(self, row: _Row) -> None:
         if row.solo is None:
             views = self.kv.views(row.slot.index, row.slot.index + 1)
-            row.solo = self.pipe._decode(row.request.ids, row.request.config, views, row.rec, row.cached)
+            row.solo = self.pipe._decode(row.request.ids, row.request.config, views, row.rec, row.cached,
+                                         row.prompt_scores)
         try:
             chunk = next(row.solo)
         except StopIteration:  # the decoder ended at the same token the row's sink did; nothing more comes
@@ -393,7 +399,8 @@ class BatchEngine:
         """One run over prompt tokens still to prefill (all but each prompt's last), oldest requests first, within
         PREFILL_BUDGET (rows padded to the widest). ONNX Runtime's attention takes several rows of several tokens
         only where none has a past: prompts that start from nothing run together, a prompt that goes on from its
-        cached head or an earlier chunk runs alone; the prompt graphs run rows one after another."""
+        cached head or an earlier chunk runs alone; the prompt graphs run rows one after another. A prompt whose
+        logprobs are asked for runs on the target's own graphs, its LM head on every position."""
         pending = []
         for row in self._rows:
             if row.prefilling and not row.looked_for_head:
@@ -404,14 +411,21 @@ class BatchEngine:
         if not pending:
             return
 
-        on_prompt_graphs = self.pipe.target.prompt_graphs is not None
+        # the oldest's kind runs: prompts scored (on the target's graphs, the head on every row) or not
+        scored = pending[0].prompt_scores is not None
+        pending = [r for r in pending if (r.prompt_scores is not None) == scored]
+        on_prompt_graphs = self.pipe.target.prompt_graphs is not None and not scored
         rows = self._prompt_graph_rows(pending) if on_prompt_graphs else self._prefill_rows(pending)
-        runs = [Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len, 0) for r, take in rows]
+        runs = [Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len,
+                    0 if r.prompt_scores is None else take) for r, take in rows]
         outs = [self.batch.run_prompt(run) for run in runs] if on_prompt_graphs else self.batch.run(runs)
         drafting = len(self._rows) <= self.batch.window_rows
         for (r, take), out in zip(rows, outs):
             if drafting and r.drafts is not None:
                 r.drafts.ran(r.kv_len, out.taps)
+            if r.prompt_scores is not None:  # row i's logits score the token after it
+                r.prompt_scores += token_logprobs(out.logits, r.context[r.kv_len + 1:r.kv_len + take + 1],
+                                                  r.request.config.prompt_logprobs, ranks=True)
             r.kv_len += take
 
     @staticmethod
@@ -454,13 +468,15 @@ class BatchEngine:
         prefilled (the same tokens inside a later prompt are prefilled there, not on the target's steps)."""
         if self.pipe.target.prompt_graphs is None:
             return row.kv_len
+        if row.prompt_scores is not None:  # its prompt ran on the target's own graphs
+            return 0
         return min(row.kv_len, self.pipe.target.prompt_split(row.prompt_len))
 
     def _borrow(self, row: _Row) -> None:
         """Copy the longest head of the row's prompt that another slot holds past what the row has (a request
         sharing its system prompt or earlier turns), where the KV lives in host memory; the prefill goes on from
         there."""
-        if not self.kv.can_copy:
+        if not self.kv.can_copy or row.prompt_scores is not None:
             return
         prompt = np.asarray(row.request.ids, np.int64)
         held = [(r.slot, r.context[:self._reusable(r)]) for r in self._rows if r is not row]
@@ -740,5 +756,6 @@ class BatchEngine:
                                        queue_s=row.admitted - row.request.submitted, cached_prompt_tokens=row.cached,
                                        batched_steps=len(steps), mean_batch_size=mean_batch)
         return GenerationResult(row.context[row.prompt_len:], row.sink.text, stats, reason,
-                                tuple(row.scores) if cfg.logprobs is not None else None)
+                                tuple(row.scores) if cfg.logprobs is not None else None,
+                                None if row.prompt_scores is None else tuple(row.prompt_scores))
 

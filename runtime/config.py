@@ -364,6 +364,11 @@ class GenerationConfig(Options):
         "position, before temperature, top_k and top_p: the model's own distribution) with this many likeliest "
         "alternatives (0: the chosen token's only); no extra forward, and output never depends on it",
         range=Range(0, MAX_TOP_LOGPROBS), none="off", wire="logprobs")
+    prompt_logprobs: int | None = option(
+        None, "report each prompt token's log-probability under the target and its rank, with this many likeliest "
+        "alternatives (vLLM's prompt_logprobs; the first token has none): the LM head runs on every prompt position, "
+        "and the prompt is prefilled whole on the target's own graphs (no prefix cache, no prompt graphs)",
+        range=Range(0, MAX_TOP_LOGPROBS), none="off", wire="prompt_logprobs")
     trace: bool = option(False, "stats.trace lists every phase as (phase, start_s, end_s)", cli=False)
 
     @property

@@ -25,19 +25,28 @@ class TokenLogprob:
     token: int
     logprob: float  # log-softmax of the target's raw logits at the token's position
     top: tuple[tuple[int, float], ...]  # the k likeliest tokens there and theirs, likeliest first
+    rank: int | None = None  # 1 + how many tokens are likelier there, where asked for (a prompt's tokens, vLLM's)
 
 
-def token_logprobs(logits: np.ndarray, tokens: Sequence[int], k: int) -> tuple[TokenLogprob, ...]:
-    """logits [n, V]: row i the target's logits at tokens[i]'s position (n == len(tokens)); k: alternatives kept."""
-    z = logits.astype(np.float64)  # [n, V]; float64 so that a row's log-sum-exp loses nothing against its max
-    z -= z.max(axis=-1, keepdims=True)
-    z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
+def token_logprobs(logits: np.ndarray, tokens: Sequence[int], k: int, ranks: bool = False
+                   ) -> tuple[TokenLogprob, ...]:
+    """logits [n, V]: row i the target's logits at tokens[i]'s position (n == len(tokens)); k: alternatives kept;
+    ranks: each token's rank as well. A prompt's rows come 256 at a time: the work stays in the logits' float32, one
+    pass each for the max, the exponentials and the ranks, and only the sums go to float64, where a row's
+    log-sum-exp loses nothing against its max."""
+    z = np.asarray(logits, np.float32)
+    rows, ids = np.arange(len(z)), np.asarray(tokens, np.int64)
+    peak = z.max(axis=-1, keepdims=True)
+    lse = peak[:, 0].astype(np.float64) + np.log(np.exp(z - peak).sum(axis=-1, dtype=np.float64))
+    own = z[rows, ids]
+    rank = (np.count_nonzero(z > own[:, None], axis=-1) + 1).tolist() if ranks else [None] * len(z)
     out = []
-    for row, token in zip(z, tokens):
+    for i, token in enumerate(ids.tolist()):
         top: tuple[tuple[int, float], ...] = ()
         if k:
-            head = np.argpartition(-row, k - 1)[:k]  # the k largest, unordered: a partition, not a sort of V
-            head = head[np.lexsort((head, -row[head]))]
-            top = tuple((int(t), float(row[t])) for t in head)
-        out.append(TokenLogprob(int(token), float(row[token]), top))
+            # the k largest, unordered (a partition, not a sort of V; the first largest alone for one), then in order
+            head = z[i].argmax(keepdims=True) if k == 1 else np.argpartition(z[i], -k)[-k:]
+            head = head[np.lexsort((head, -z[i, head]))]
+            top = tuple((int(t), float(z[i, t] - lse[i])) for t in head)
+        out.append(TokenLogprob(token, float(own[i] - lse[i]), top, rank[i]))
     return tuple(out)

@@ -47,6 +47,7 @@ from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.grammar import CFG, JSON_SCHEMA, REGEX, GrammarState, Vocabulary
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.kv_slots import slots_for
+from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.machine import plan_note
 from mirror_sd.runtime.package_reader import OpenedPackage, open_package
 from mirror_sd.runtime.result import Chunk, GenerationResult
@@ -344,10 +345,11 @@ class Pipeline:
             raise BadInputError(f"gamma {cfg.gamma} exceeds this package's max_gamma {b.max_gamma}", option="gamma")
 
     def _decode(self, ids: list[int], cfg: GenerationConfig, kv: dict[str, KVView] | None = None,
-                rec: Recorder | None = None, cached: int = 0) -> Iterator[Chunk]:
+                rec: Recorder | None = None, cached: int = 0,
+                prompt_scores: list[TokenLogprob | None] | None = None) -> Iterator[Chunk]:
         """One generation on the target's own KV buffers, or on `kv` (one of the batching engine's slots: the
         engine's request running alone, recorded in the engine's `rec`; its first `cached` prompt tokens' KV is
-        there already)."""
+        there already, and its prompt's logprobs go to `prompt_scores` where the config asks for them)."""
         if self._owner == threading.get_ident():  # waiting for ourselves would never end
             raise BadInputError("this thread's earlier stream is still open: exhaust or close it first")
         # the engine's thread never waits for a library call (it would stall every request, or wait for a thread
@@ -359,7 +361,7 @@ class Pipeline:
             if kv is not None:
                 self.target.use_kv(kv)
             try:
-                return (yield from self._decode_alone(ids, cfg, rec or Recorder(cfg.trace), cached))
+                return (yield from self._decode_alone(ids, cfg, rec or Recorder(cfg.trace), cached, prompt_scores))
             finally:
                 if kv is not None:
                     self.target.use_kv(None)
@@ -390,14 +392,18 @@ class Pipeline:
         """The tokens that end a generation under `cfg`: the tokenizer's EOS tokens, none with ignore_eos."""
         return () if cfg.ignore_eos else tuple(self.manifest.tokenizer.eos_token_ids)
 
-    def _decode_alone(self, ids: list[int], cfg: GenerationConfig, rec: Recorder, cached: int = 0) -> Iterator[Chunk]:
+    def _decode_alone(self, ids: list[int], cfg: GenerationConfig, rec: Recorder, cached: int = 0,
+                      prompt_scores: list[TokenLogprob | None] | None = None) -> Iterator[Chunk]:
+        if prompt_scores is None and cfg.prompt_logprobs is not None:
+            prompt_scores = [None]  # the first token's: nothing comes before it
         sink = TextSink(self.codec, cfg.stop, self.eos_token_ids(cfg), cfg.max_new_tokens, ids)
         # the draft reads the prompt during the prefill only where target and draft threads fit the cores together
         fits = self.target_threads + self.draft_threads <= usable_cores()
         worker = self._start_worker(cfg, rec, self._threaded(cfg, fits)) if cfg.mode in DRAFT_MODES else None
         draft_forwards = self.draft.forwards
         tokens = decode(self.target, worker, tuple(ids), cfg, rec, warm_with_prefill=fits,
-                        gate_memory=self._gate_memory, cached=cached, grammar=self.grammar_state(cfg))
+                        gate_memory=self._gate_memory, cached=cached, grammar=self.grammar_state(cfg),
+                        prompt_scores=prompt_scores)
         start = time.perf_counter()
         ttft = 0.0
         scores = []  # each committed token's logprob, where cfg.logprobs asks for them
@@ -418,7 +424,8 @@ class Pipeline:
         draft_engine = {**self.draft.describe(), "draft_graph_forwards": self.draft.forwards - draft_forwards}
         stats = self.finish_stats(cfg, rec, draft_engine, new_tokens=len(sink.ids), ttft_s=ttft, wall_s=wall)
         return GenerationResult(list(sink.ids), sink.text, stats, sink.finish_reason or "length",
-                                tuple(scores) if cfg.logprobs is not None else None)
+                                tuple(scores) if cfg.logprobs is not None else None,
+                                None if prompt_scores is None else tuple(prompt_scores))
 
     def finish_stats(self, cfg: GenerationConfig, rec: Recorder, draft_engine: dict[str, Any] | None = None,
                      **counts: Any) -> GenerationStats:

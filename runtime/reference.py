@@ -8,7 +8,7 @@ confidence > 0 ends a window after a token the draft gives a probability below i
 (GenerationConfig.draft_confidence_threshold), or, with rule "window", after the token where the product of the
 window's probabilities falls below it.
 `reference_logprobs` gives the target's log-probabilities of a generation's tokens from one forward over the whole
-sequence: the oracle for the decoders' logprobs (runtime/logprobs.py).
+sequence: the oracle for the decoders' logprobs (runtime/logprobs.py); `reference_prompt_logprobs` the prompt's.
 
 A feature draft (runtime/feature_draft.py) reads the target's taps: every input of the committed sequence with
 the taps of the position before it, from a prefix run over the whole sequence; each drafted input with the
@@ -66,12 +66,26 @@ def reference_logprobs(target: Target, prompt: list[int], new: list[int], k: int
     """Each of `new`'s tokens (a generation from `prompt`) with its log-probability under the target and the k
     likeliest tokens at its position, from one forward over prompt + new[:-1] from an empty cache."""
     logits, _ = target.forward(list(prompt) + list(new[:-1]), target.empty_cache())
-    z = logits[len(prompt) - 1:].astype(np.float64)  # [len(new), V]: row i chose new[i]
+    return _scored(logits[len(prompt) - 1:], new, k)  # row i chose new[i]
+
+
+def reference_prompt_logprobs(target: Target, prompt: list[int], k: int = 0) -> list[TokenLogprob | None]:
+    """Each prompt token's log-probability, rank and k likeliest alternatives under the target (None for the first),
+    from one forward over the prompt from an empty cache."""
+    logits, _ = target.forward(list(prompt), target.empty_cache())
+    return [None, *_scored(logits[:-1], prompt[1:], k, ranks=True)]
+
+
+def _scored(logits: np.ndarray, tokens: list[int], k: int, ranks: bool = False) -> list[TokenLogprob]:
+    """Row i of logits [n, V] scoring tokens[i]: plainly, a full sort per row (slow)."""
+    z = logits.astype(np.float64)
     logp = z - (z.max(-1, keepdims=True) + np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)))
     out = []
-    for row, token in zip(logp, new):
-        order = np.argsort(-row, kind="stable")[:k]  # a full sort: slow and plain
-        out.append(TokenLogprob(int(token), float(row[token]), tuple((int(t), float(row[t])) for t in order)))
+    for row, token in zip(logp, tokens):
+        order = np.argsort(-row, kind="stable")
+        rank = int(np.flatnonzero(row[order] == row[token])[0]) + 1 if ranks else None
+        out.append(TokenLogprob(int(token), float(row[token]), tuple((int(t), float(row[t])) for t in order[:k]),
+                                rank))
     return out
 
 

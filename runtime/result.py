@@ -16,6 +16,9 @@ class GenerationResult:
     finish_reason: str  # "eos", "stop", "length", or "cancelled" (a request the batching engine was told to stop)
     # one per token of token_ids where GenerationConfig.logprobs asked for them (runtime/logprobs.py), else None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # one per prompt token where GenerationConfig.prompt_logprobs asked for them (ranked), else None; the first is
+    # None (nothing comes before it). A request cancelled before its prefill ended has those computed by then.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

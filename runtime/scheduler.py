@@ -237,17 +237,30 @@ class _Decoder:
         logits, self.cache = self._suffix(self._prefix(ids, sequence, prompt), 1)
         return logits[-1]
 
-    def prefill(self, prompt: tuple[int, ...], cached: int = 0) -> tuple[int, Scores]:
+    def prefill(self, prompt: tuple[int, ...], cached: int = 0,
+                prompt_scores: list[TokenLogprob | None] | None = None) -> tuple[int, Scores]:
         """Run the prompt through the target in chunks; the last position's logits give the first new token (and
         its logprob).
         cached: the KV memory holds the first `cached` tokens already (the batching engine's prefix cache), so only
-        the rest runs; a feature draft's taps of the cached tokens it will read are computed again first."""
+        the rest runs; a feature draft's taps of the cached tokens it will read are computed again first.
+        prompt_scores: where given (cfg.prompt_logprobs), the logprob of every prompt token after the first is
+        appended to it, from the LM head on every position: the whole prompt runs on the target's own graphs."""
+        if prompt_scores is not None and cached:
+            raise ValueError("a prompt's logprobs need its whole prefill: no cached head")
         if cached:
             self._retap(prompt, cached)
             self.cache = self.target.adopt(cached)
         self.prompt_len = len(prompt)
-        for start, end, on_prompt_graphs in prefill_chunks(cached, len(prompt), self.target.prompt_split(len(prompt))):
-            logits = self._forward(prompt[start:end], lambda end=end: prompt[:end], on_prompt_graphs)
+        split = self.target.prompt_split(len(prompt)) if prompt_scores is None else 0
+        for start, end, on_prompt_graphs in prefill_chunks(cached, len(prompt), split):
+            if prompt_scores is None:
+                logits = self._forward(prompt[start:end], lambda end=end: prompt[:end], on_prompt_graphs)
+                continue
+            rows, self.cache = self._suffix(self._prefix(prompt[start:end], lambda end=end: prompt[:end]))
+            scored = min(end, len(prompt) - 1) - start  # row i gives the logits of token start + i + 1
+            prompt_scores += token_logprobs(rows[:scored], prompt[start + 1:start + 1 + scored],
+                                            self.cfg.prompt_logprobs, ranks=True)
+            logits = rows[-1]
         self.counts.target_steps += 1
         token = choose(self._penalized(logits[None], prompt)[0], self.cfg.params, self._target_rng(len(prompt)))
         return token, self._scores(logits[None], (token,))
@@ -423,7 +436,8 @@ def reads_prompt_alongside(warm_with_prefill: bool, feature_draft: bool) -> bool
 def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], cfg: GenerationConfig,
            rec: Recorder, warm_with_prefill: bool = True,
            gate_memory: dict[tuple[str, int], GateState] | None = None, cached: int = 0,
-           grammar: GrammarState | None = None) -> Iterator[tuple[int, TokenLogprob | None]]:
+           grammar: GrammarState | None = None, prompt_scores: list[TokenLogprob | None] | None = None
+           ) -> Iterator[tuple[int, TokenLogprob | None]]:
     """Yield the new tokens one at a time as they are committed, each with its logprob where cfg.logprobs asks
     for them (else None). Stops after cfg.max_new_tokens; the caller stops earlier (EOS, stop strings) by closing
     the generator, and closes the worker.
@@ -440,6 +454,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     cached: the target's KV memory holds the prompt's first `cached` tokens already (the batching engine's prefix
     cache, runtime/batching.py): the prefill runs the rest.
     grammar: the generation's place in its grammar (runtime/grammar.py), whose masks every target row takes.
+    prompt_scores: a list the prefill fills with the prompt tokens' logprobs, where cfg.prompt_logprobs asks for them.
     gate_memory: per mode and bucket of context length (runtime/gate.py context_bucket), what the gates learned in
     the caller's last generation there (runtime/speculation_policy.py).
     """
@@ -474,7 +489,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     warmed = None  # the ticket of the draft's reading of the prompt
     if warm and alongside:  # the draft reads the prompt while the target does
         warmed = worker.submit(Warm(tuple(prompt), window=cached_prompt_window(len(prompt), cached)))
-    first, first_score = dec.prefill(tuple(prompt), cached)
+    first, first_score = dec.prefill(tuple(prompt), cached, prompt_scores)
     ctx.append(first)
     # A draft that reads the prompt after the prefill (a feature draft, which needs the prefill's taps, or one whose
     # threads do not fit the cores beside the target's) is served inline or on its thread. Inline, its reading

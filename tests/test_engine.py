@@ -449,12 +449,14 @@ def test_a_request_cancelled_while_waiting_leaves_the_queue_at_once(bundle_facto
         running = engine.submit(*pipe.check("keep going", mode="ar", max_new_tokens=400, ignore_eos=True))
         tokens = iter(running)
         next(tokens)
-        waiting = engine.submit(*pipe.check("never starts", mode="ar", max_new_tokens=4, logprobs=2))
+        waiting = engine.submit(*pipe.check("never starts", mode="ar", max_new_tokens=4, logprobs=2,
+                                            prompt_logprobs=1))
         assert engine.waiting == 1
         waiting.cancel()
         assert engine.waiting == 0
         result = waiting.wait()
-        assert (result.finish_reason, result.token_ids, result.text, result.logprobs) == ("cancelled", [], "", ())
+        assert (result.finish_reason, result.token_ids, result.text, result.logprobs, result.prompt_logprobs
+                ) == ("cancelled", [], "", (), ())
         assert result.stats.new_tokens == 0 and result.stats.queue_s > 0
         assert engine.running == 1 and next(tokens) is not None  # the first one still runs
         running.cancel()

@@ -243,3 +243,29 @@ def test_the_server_takes_the_option_and_its_concurrent_answers_are_the_pipeline
         for t in threads:
             t.join()
     assert [got[i] for i in range(len(prompts))] == want
+
+
+def test_a_prompt_scored_runs_on_the_targets_own_graphs_and_lends_no_head(pipelines):
+    """A prompt whose logprobs are asked for is prefilled on the target's own graphs, its LM head on every position:
+    its logprobs are theirs, every mode gives ar's tokens, and under batching (beside prompts on the prompt graphs
+    sharing its head) no later prompt reuses its KV: every output is its solo one."""
+    from test_runtime_logprobs import assert_prompt_matches
+
+    pipe = pipelines["qwen2"]
+    ids = pipe.prompt_ids(LONG)
+    outs = {mode: pipe.generate(ids, mode=mode, max_new_tokens=12, prompt_logprobs=3)
+            for mode in ("ar", "sd", "mirror")}
+    assert outs["sd"].token_ids == outs["ar"].token_ids == outs["mirror"].token_ids
+    assert_prompt_matches(pipe, ids, outs["ar"].prompt_logprobs, 3)
+    engine = pipe.engine()
+    asks = [(LONG + " " + p, scored) for p, scored in zip(PROMPTS, (True, False, True, False, True, False))]
+    for _ in range(2):  # the second round finds the first's slots held
+        requests = [engine.submit(*pipe.check(p, mode="ar", max_new_tokens=8, prompt_logprobs=2 if s else None))
+                    for p, s in asks]
+        for (prompt, scored), request in zip(asks, requests):
+            got = request.wait()
+            want = pipe.generate(prompt, mode="ar", max_new_tokens=8, prompt_logprobs=2 if scored else None)
+            assert got.token_ids == want.token_ids
+            if scored:
+                assert got.stats.cached_prompt_tokens == 0
+                assert_prompt_matches(pipe, pipe.prompt_ids(prompt), got.prompt_logprobs, 2)

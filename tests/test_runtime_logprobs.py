@@ -1,6 +1,7 @@
 """Logprobs (GenerationConfig.logprobs, runtime/logprobs.py): every committed token's log-probability under the
 target, in ar, sd and mirror, streamed and batched, equals the log-softmax of the target's own logits at its position
-(one forward over the whole sequence: runtime/reference.py), and asking for them changes no token."""
+(one forward over the whole sequence: runtime/reference.py), and asking for them changes no token. So do the prompt
+tokens' (GenerationConfig.prompt_logprobs, with their ranks), alone, batched beside others and past a prefix cache."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import pytest
 
 from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from mirror_sd.runtime.pipeline import Pipeline
-from mirror_sd.runtime.reference import reference_logprobs
+from mirror_sd.runtime.reference import reference_logprobs, reference_prompt_logprobs
 from mirror_sd.runtime.text import piece_bytes
 
 PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
+# past one prefill chunk (PREFILL_CHUNK 256), within the tiny models' context of 512
+LONG_PROMPT = [(7 * i + 3) % 300 + 4 for i in range(300)]
 NEW_TOKENS = 20
 TOLERANCE = 1e-4
 # the exactness tests' bundles (tests/test_runtime_exactness.py): four architectures, three exit layers
@@ -54,6 +57,67 @@ def assert_matches(pipe: Pipeline, prompt: list[int], token_ids: list[int], got:
             assert gid == wid or abs(glp - dict(w.top).get(gid, -math.inf)) < TOLERANCE
         if k and g.logprob >= values[-1] + TOLERANCE:
             assert g.token in dict(g.top)
+
+
+def assert_prompt_matches(pipe: Pipeline, prompt: list[int], got: tuple[TokenLogprob | None, ...] | None, k: int):
+    """`got` are the target's own logprobs of the prompt's tokens: None for the first, then the reference's within
+    TOLERANCE, each ranked among the vocabulary as the reference ranks it (up to tokens tied with it within
+    TOLERANCE)."""
+    want = reference_prompt_logprobs(pipe.target, prompt, k)
+    logits, _ = pipe.target.forward(list(prompt), pipe.target.empty_cache())
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    for i, (g, w, row) in enumerate(zip(got[1:], want[1:], logits), 1):
+        assert g.token == prompt[i] and abs(g.logprob - w.logprob) < TOLERANCE, (i, g.logprob, w.logprob)
+        np.testing.assert_allclose([lp for _, lp in g.top], [lp for _, lp in w.top], atol=TOLERANCE)
+        assert len(g.top) == k
+        value = row[prompt[i]]
+        ties = np.abs(row - value) < TOLERANCE
+        above, below = np.count_nonzero(ties & (row > value)), np.count_nonzero(ties & (row < value))
+        assert w.rank - above <= g.rank <= w.rank + below
+
+
+@pytest.mark.parametrize("arch, exit_layer, top_k", BUNDLES, ids=[f"{a}-le{e}-k{k}" for a, e, k in BUNDLES])
+def test_prompt_logprobs_are_the_targets_own_and_change_no_token(pipelines, arch, exit_layer, top_k):
+    """Across chunks of the prefill, in every mode: a prompt token's logprob and rank from the row before it."""
+    pipe = pipelines(arch, exit_layer, top_k)
+    for prompt in (*PROMPTS, LONG_PROMPT):
+        ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS)
+        assert ar.prompt_logprobs is None
+        for mode in ("ar", "sd", "mirror"):
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, prompt_logprobs=K, logprobs=K)
+            assert out.token_ids == ar.token_ids, mode
+            assert_prompt_matches(pipe, prompt, out.prompt_logprobs, K)
+            assert_matches(pipe, prompt, out.token_ids, out.logprobs, K)
+
+
+def test_prompt_logprobs_of_one_token_and_no_alternatives(pipelines):
+    pipe = pipelines()
+    assert pipe.generate([9], mode="sd", max_new_tokens=4, prompt_logprobs=3).prompt_logprobs == (None,)
+    out = pipe.generate(PROMPTS[1], mode="ar", max_new_tokens=4, prompt_logprobs=0)
+    assert_prompt_matches(pipe, PROMPTS[1], out.prompt_logprobs, 0)
+
+
+def test_batched_requests_give_their_prompts_logprobs_past_the_prefix_cache(pipelines):
+    """On the engine: a scored request alone (its speculative decoder), then scored requests beside others, one of
+    them sharing a head the prefix cache holds, which it prefills again (each position's logits are wanted); every
+    answer its solo one."""
+    pipe = pipelines()
+    engine = pipe.engine()
+    head = LONG_PROMPT[:200]
+    cached = engine.submit(*pipe.check(head + [11, 12], mode="ar", max_new_tokens=4)).wait()
+    alone = engine.submit(*pipe.check(PROMPTS[1], mode="sd", max_new_tokens=NEW_TOKENS, prompt_logprobs=K)).wait()
+    assert_prompt_matches(pipe, PROMPTS[1], alone.prompt_logprobs, K)
+    asks = [(head + [13, 14, 15], {"mode": "mirror", "prompt_logprobs": K}), (head + [16], {"mode": "ar"}),
+            (PROMPTS[0], {"mode": "sd", "prompt_logprobs": 1}), (LONG_PROMPT, {"mode": "lookup", "prompt_logprobs": 2})]
+    requests = [engine.submit(*pipe.check(p, max_new_tokens=NEW_TOKENS, **o)) for p, o in asks]
+    results = [r.wait() for r in requests]
+    assert max(r.stats.mean_batch_size for r in results) > 1  # they shared steps
+    assert results[0].stats["cached_prompt_tokens"] == 0 and results[1].stats["cached_prompt_tokens"] > 0
+    assert cached.prompt_logprobs is None and results[1].prompt_logprobs is None
+    for (prompt, options), got in zip(asks, results):
+        assert got.token_ids == pipe.generate(prompt, max_new_tokens=NEW_TOKENS, **options).token_ids
+        if "prompt_logprobs" in options:
+            assert_prompt_matches(pipe, prompt, got.prompt_logprobs, options["prompt_logprobs"])
 
 
 @pytest.mark.parametrize("arch, exit_layer, top_k", BUNDLES, ids=[f"{a}-le{e}-k{k}" for a, e, k in BUNDLES])
@@ -148,3 +212,17 @@ def test_token_bytes_of_the_bundles_vocabulary_make_its_text(pipelines):
     raw = b"".join(pipe.codec.token_bytes(t) for t in out.token_ids if t not in special)
     assert raw.decode("utf-8", errors="replace") == out.text
     assert pipe.codec.token_bytes(next(iter(special))) == next(iter(special.values())).content.encode()
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_compressed_targets_prompt_logprobs_change_no_token(bundle_factory, weights):
+    """A target of int8 activations pads its rows (Target.step_width): the head on every prompt row leaves the first
+    token's row as it was."""
+    pipe = Pipeline.load(bundle_factory("qwen2", target_weights=weights), huge_pages=False)
+    for prompt in (PROMPTS[1], LONG_PROMPT):
+        plain = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS).token_ids
+        for mode in ("ar", "sd"):
+            out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, prompt_logprobs=K)
+            assert out.token_ids == plain, mode
+            assert_prompt_matches(pipe, prompt[:200], out.prompt_logprobs[:200], K)  # one reference chunk
+    pipe.close()
