@@ -107,6 +107,7 @@ class _Outcome:
     token_ids: list[int]
     finish_reason: str
     result: GenerationResult | None  # None when stopped early (its stats were not completed)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # where asked for: as many as were computed
 
 
 class Generations:
@@ -203,9 +204,15 @@ class Generations:
         result = event.result
         self.metrics.generation(result.stats, len(job.ids))
         self.metrics.timings(job.arrival, first_token, time.monotonic(), len(ids))
+        prompt_scores = result.prompt_logprobs or ()
         if result.finish_reason == "cancelled":  # stopped at its deadline or at shutdown: what it has
-            return _Outcome("".join(texts), ids, "length", None)
-        return _Outcome(result.text, result.token_ids, result.finish_reason, result)
+            if job.config.prompt_logprobs is not None and len(prompt_scores) < len(job.ids):
+                # a prompt scored in part would read as a whole one (lm-eval sums what it finds): none at all
+                raise p.ApiError(503, "the request was stopped (its deadline, or the server shutting down) before "
+                                 "its prompt was scored: retry it", "server_busy", code="stopped_before_scored",
+                                 headers={"Retry-After": str(self.settings.retry_after_s)})
+            return _Outcome("".join(texts), ids, "length", None, prompt_scores)
+        return _Outcome(result.text, result.token_ids, result.finish_reason, result, prompt_scores)
 
     def _gauges(self) -> None:
         self.metrics.queue_depth.set(self.engine.waiting)
@@ -369,6 +376,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                         chat: bool) -> Any:
         calls = _calls(body, settings)  # how the answers become tool calls, if they do (a 400 where they cannot)
         requested, jobs, prompt_tokens = body.generation_options(), [], 0
+        echoes: list[str] = []  # each choice's prompt text, where a completion echoes it
         grammar = {name: value for name, value in requested.items() if name in GRAMMAR_OPTIONS}
         if grammar:
             # compiled off the event loop (the first grammar also reads the tokenizer: 0.4 s for 49k tokens); the
@@ -380,6 +388,9 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             requested = {**requested, "seed": job.config.seed}  # one seed for all the prompts: x-seed repeats them
             jobs += _choices(job, body.n)
             prompt_tokens += len(job.ids)
+            if not chat and body.echo:
+                # ids echo as their tokens spell them, special ones included (as the logprobs' tokens do)
+                echoes += [prompt if isinstance(prompt, str) else pipe.codec.decode(job.ids, special=True)] * body.n
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         seed = {"x-seed": str(job.config.seed)}  # the seed it ran with: the same request with it repeats the answer
         gen.check_room(len(jobs))  # all the choices or none (a stream: before its 200 goes out)
@@ -416,14 +427,26 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             for run in runs:  # a choice that failed, or a client gone: the others stop at the engine's next step
                 run.cancel()
             gen.abandon(started)  # those whose run never started
-        make, choice = (p.chat_response, p.chat_choice) if chat else (p.completion_response, p.completion_choice)
-        choices = [choice(i, o.text, o.finish_reason, _logprobs(chat, j, s, pipe.codec.token_bytes))
-                   for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
+        if not chat and not body.generates:  # max_tokens 0: the prompt alone, the one token generated for it dropped
+            outcomes = [dataclasses.replace(o, text="", token_ids=[], finish_reason="length") for o in outcomes]
+            scores = [[] for _ in scores]
+        token_bytes = pipe.codec.token_bytes
+        if chat:
+            choices = [p.chat_choice(i, o.text, o.finish_reason, _logprobs(chat, j, s, token_bytes))
+                       for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
+        else:
+            choices = [_completion_choice(body, i, j, o, s, echoes[i] if echoes else None, token_bytes)
+                       for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
         if calls is not None:  # the answers are (or may hold) tool calls: the messages' tool_calls
             choices = [calls.choice(c, o.text, o.finish_reason) for c, o in zip(choices, outcomes)]
         outcome = outcomes[0]  # the `mirror` stats are the first choice's decoding
-        return JSONResponse(make(rid, body.model, choices, prompt_tokens, sum(len(o.token_ids) for o in outcomes),
-                                 _mirror_stats(outcome)), headers=seed)
+        make = p.chat_response if chat else p.completion_response
+        doc = make(rid, body.model, choices, prompt_tokens, sum(len(o.token_ids) for o in outcomes),
+                   _mirror_stats(outcome))
+        if chat and body.prompt_logprobs is not None:  # vLLM's: the request's one prompt, beside the choices
+            doc["prompt_logprobs"] = p.vllm_prompt_logprobs(jobs[0].ids, outcome.prompt_logprobs, token_bytes,
+                                                            body.prompt_logprobs)
+        return JSONResponse(doc, headers=seed)
 
     async def _abandon(requests: list[AsyncRequest]) -> None:
         """gen.abandon on the event loop (a plain function's background task would run on a worker thread)."""
@@ -574,6 +597,21 @@ def _choices(job: _Job, n: int) -> list[_Job]:
     cfg = job.config
     return [dataclasses.replace(job, config=cfg if cfg.params.greedy else cfg.updated(seed=cfg.seed + i))
             for i in range(n)]
+
+
+def _completion_choice(body: p.CompletionRequest, index: int, job: _Job, outcome: _Outcome,
+                       scores: list[TokenLogprob], echo: str | None, token_bytes: p.TokenBytes) -> dict[str, Any]:
+    """A completion's choice: its text after the prompt's where it echoes it, and its logprobs after the prompt
+    tokens' where both are asked for (OpenAI's legacy shape), vLLM's prompt_logprobs beside them."""
+    logprobs = None
+    if job.config.logprobs is not None:
+        prompt = list(zip(job.ids, outcome.prompt_logprobs)) if echo is not None else []
+        logprobs = p.completion_logprobs(scores, token_bytes, prompt=prompt, k=body.logprobs)
+    out = p.completion_choice(index, (echo or "") + outcome.text, outcome.finish_reason, logprobs)
+    if body.prompt_logprobs is not None:
+        out["prompt_logprobs"] = p.vllm_prompt_logprobs(job.ids, outcome.prompt_logprobs, token_bytes,
+                                                        body.prompt_logprobs)
+    return out
 
 
 def _logprobs(chat: bool, job: _Job, scores: list[TokenLogprob] | tuple[TokenLogprob, ...], token_bytes: p.TokenBytes,

@@ -182,6 +182,9 @@ class _Sampling(_Strict):
 
     def generation_options(self) -> dict[str, Any]:
         """Pipeline.generate keywords for what the request set (the rest keeps the server's config)."""
+        if self.stream and self.prompt_logprobs is not None:
+            raise ApiError(400, "prompt_logprobs are not streamed by this server: set stream false",
+                           param="prompt_logprobs", code="unsupported_value")
         out = {}
         schema = self.structured_outputs.schema_text() if self.structured_outputs is not None else None
         if schema is not None:
@@ -444,7 +447,15 @@ class DetokenizeRequest(_Strict):
 class CompletionRequest(Sampling, fields_model(COMPLETION)):
     # strict: a list of digit strings is several prompts, never token ids
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    echo: Literal[False] | None = False  # null: false, as OpenAI's API allows
+    # the prompt before the completion's text, and with logprobs its tokens' first (the first token's null)
+    echo: bool | None = False
+    # 0 with echo: the prompt alone, scored (vLLM's and OpenAI's legacy way to read a text's logprobs)
+    max_tokens: StrictInt | None = Field(None, ge=0, description=_spec("max_new_tokens").option.help)
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _echo_null(cls, v: Any) -> Any:
+        return False if v is None else v
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -470,6 +481,25 @@ class CompletionRequest(Sampling, fields_model(COMPLETION)):
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string or token-id list, or each of several."""
         return _split(self.prompt)
+
+    @property
+    def generates(self) -> bool:
+        """Whether the choices hold generated tokens (max_tokens 0 with echo: the prompt alone)."""
+        return self.max_tokens != 0
+
+    def generation_options(self) -> dict[str, Any]:
+        if self.stream and self.echo:
+            raise ApiError(400, "echo is not streamed by this server: set stream false", param="echo",
+                           code="unsupported_value")
+        if not self.generates and not self.echo:
+            raise ApiError(400, "max_tokens 0 generates nothing: it takes echo true (the prompt, with logprobs "
+                           "scored)", param="max_tokens", code="invalid_value")
+        out = super().generation_options()
+        if not self.generates:  # one token generated and dropped, as vLLM does: the prefill is what is wanted
+            out["max_new_tokens"] = 1
+        if self.echo and self.logprobs is not None:  # the runtime's alternatives: enough for both fields
+            out["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
+        return out
 
 
 def _split(prompt: str | list) -> list[str | list[int]]:
@@ -539,19 +569,40 @@ class TextOffsets:
 
 
 def completion_logprobs(scores: Sequence[TokenLogprob], token_bytes: TokenBytes,
-                        offsets: TextOffsets | None = None) -> dict[str, Any]:
+                        offsets: TextOffsets | None = None,
+                        prompt: Sequence[tuple[int, TokenLogprob | None]] = (), k: int = 0) -> dict[str, Any]:
     """The legacy completions' choices[].logprobs (and a chunk's): tokens, token_logprobs, top_logprobs (the k
     likeliest and the chosen token: up to k + 1, as OpenAI gives) and text_offset (from `offsets`, which a stream
-    keeps across its chunks; a fresh one: these are the choice's first tokens)."""
+    keeps across its chunks; a fresh one: these are the choice's first tokens). prompt: an echoed prompt's tokens
+    and their logprobs, first (the first's null), with k alternatives each."""
     offsets = offsets or TextOffsets()
-    tokens, top, starts = [], [], []
-    for s in scores:
-        text = _token(s.token, token_bytes)["token"]
+    tokens, values, top, starts = [], [], [], []
+    for token, s, alternatives in [*((t, s, s and s.top[:k]) for t, s in prompt),
+                                   *((s.token, s, s.top) for s in scores)]:
+        text = _token(token, token_bytes)["token"]
         tokens.append(text)
-        top.append({**{_token(t, token_bytes)["token"]: lp for t, lp in s.top}, text: s.logprob})
-        starts.append(offsets.next(token_bytes(s.token)))
-    return {"tokens": tokens, "token_logprobs": [s.logprob for s in scores], "top_logprobs": top,
-            "text_offset": starts}
+        values.append(None if s is None else s.logprob)
+        top.append(None if s is None else {**{_token(t, token_bytes)["token"]: lp for t, lp in alternatives},
+                                           text: s.logprob})
+        starts.append(offsets.next(token_bytes(token)))
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": starts}
+
+
+def vllm_prompt_logprobs(ids: Sequence[int], scores: Sequence[TokenLogprob | None], token_bytes: TokenBytes,
+                         k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: per prompt token (null for the first) its id's entry and its k likeliest
+    alternatives', each {logprob, rank, decoded_token}, keyed by token id."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token, s in zip(ids, scores):
+        if s is None:
+            out.append(None)
+            continue
+        entries = {str(token): {"logprob": s.logprob, "rank": s.rank,
+                                "decoded_token": _token(token, token_bytes)["token"]}}
+        for rank, (t, lp) in enumerate(s.top[:k], 1):
+            entries.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": _token(t, token_bytes)["token"]})
+        out.append(entries)
+    return out
 
 
 def chat_choice(index: int, text: str, reason: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -427,6 +427,18 @@ def test_deadline_cuts_a_generation(pipe):
         assert 0 < doc["usage"]["completion_tokens"] < 400 and time.monotonic() - start < 3
 
 
+def test_a_prompt_scored_in_part_by_its_deadline_is_a_503_not_a_short_list(pipe):
+    """Its prompt logprobs would read as a whole prompt's (lm-eval sums what it finds): none at all, retry."""
+    prompt = [(7 * i + 3) % 300 + 4 for i in range(400)]  # two prefill chunks of the engine
+    with serving(_slow(pipe, 0.4), request_timeout_s=0.2) as port:
+        status, doc, headers = _post(port, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                               "echo": True, "logprobs": 1, "mirror": {"mode": "ar"}})
+        assert status == 503 and doc["error"]["code"] == "stopped_before_scored" and "retry-after" in headers
+        status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": prompt[:4], "max_tokens": 1,
+                                                         "echo": True, "logprobs": 1, "mirror": {"mode": "ar"}})
+        assert status == 200 and len(doc["choices"][0]["logprobs"]["token_logprobs"]) == 5
+
+
 def test_target_failure_is_500_and_the_server_goes_on(pipe):
     calls = {"n": 0}
 

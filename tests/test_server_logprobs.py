@@ -1,6 +1,8 @@
 """logprobs / top_logprobs and n on the OpenAI-compatible server (serve/app.py), started for real over a tiny bundle
 and spoken to with the official `openai` client: the answers' logprobs are the library's (Pipeline.generate with
-logprobs, itself the target's own: tests/test_runtime_logprobs.py), token for token, streamed or not."""
+logprobs, itself the target's own: tests/test_runtime_logprobs.py), token for token, streamed or not. So are the
+prompt's, echoed (OpenAI's legacy `echo`, as lm-evaluation-harness reads a text's log-likelihood) or in vLLM's
+`prompt_logprobs`."""
 
 from __future__ import annotations
 
@@ -167,6 +169,84 @@ def test_the_server_answers_what_mirror_sd_generate_prints(bundle, pipe, client,
         assert abs(served - cli["logprob"]) < TOLERANCE
     for top, cli in zip(got.top_logprobs, printed["logprobs"]):
         assert all(abs(top[piece(pipe, t)[0]] - lp) < TOLERANCE for t, lp in cli["top"])
+
+
+def assert_prompt_entries(pipe: Pipeline, got, prompt_ids: list[int], solo, k: int) -> None:
+    """An echoed completion's first len(prompt_ids) logprobs entries against the library's prompt_logprobs."""
+    n = len(prompt_ids)
+    assert got.tokens[:n] == [piece(pipe, t)[0] for t in prompt_ids]
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    for value, top, s, token in zip(got.token_logprobs[1:n], got.top_logprobs[1:n], solo.prompt_logprobs[1:],
+                                    got.tokens[1:n]):
+        assert abs(value - s.logprob) < TOLERANCE and abs(top[token] - s.logprob) < TOLERANCE
+        assert set(top) == {piece(pipe, t)[0] for t, _ in s.top[:k]} | {token}
+
+
+def test_echo_scores_the_prompt_as_lm_evaluation_harness_reads_it(pipe, client):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1, temperature 0): the prompt's
+    text and tokens first, each token's logprob from the row before it, the greedy check it makes on top_logprobs;
+    then the generated token. max_tokens 0 with echo: the prompt alone."""
+    prompt = "the cat sat on the mat"
+    ids = pipe.prompt_ids(prompt)
+    solo = pipe.generate(ids, mode="ar", max_new_tokens=1, logprobs=1, prompt_logprobs=1)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                  seed=1234)
+    c = r.choices[0]
+    assert c.text == prompt + solo.text and len(c.logprobs.tokens) == len(ids) + 1
+    assert_prompt_entries(pipe, c.logprobs, ids, solo, 1)
+    assert abs(c.logprobs.token_logprobs[-1] - solo.logprobs[0].logprob) < TOLERANCE
+    assert c.logprobs.text_offset[0] == 0 and c.logprobs.text_offset[len(ids)] == len(prompt)
+    greedy = [t == max(top.values()) for t, top in zip(c.logprobs.token_logprobs[1:-1], c.logprobs.top_logprobs[1:-1])]
+    assert greedy == [s.rank == 1 for s in solo.prompt_logprobs[1:]]
+    # the prompt alone, as token ids, two of them, two choices each
+    other = [5, 17, 33, 40]
+    r = client.completions.create(model=MODEL, prompt=[ids, other], max_tokens=0, echo=True, logprobs=0, n=2)
+    assert [c.text for c in r.choices] == [prompt] * 2 + [pipe.codec.decode(other)] * 2
+    assert r.usage.completion_tokens == 0 and {c.finish_reason for c in r.choices} == {"length"}
+    assert_prompt_entries(pipe, r.choices[0].logprobs, ids, solo, 0)
+    assert len(r.choices[3].logprobs.tokens) == len(other)
+    # ids echo as their tokens spell them, a chat template's markers included: text and offsets agree
+    marked = pipe.prompt_ids(MESSAGES)
+    r = client.completions.create(model=MODEL, prompt=marked, max_tokens=1, echo=True, logprobs=0)
+    c = r.choices[0]
+    assert c.text.startswith("".join(c.logprobs.tokens[:len(marked)]))
+    assert all(c.text[o:].startswith(t) for o, t in zip(c.logprobs.text_offset, c.logprobs.tokens) if "\\x" not in t)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
+def test_prompt_logprobs_in_vllms_shape(pipe, client):
+    """vLLM's prompt_logprobs field: per prompt token (null first) its id's logprob and rank and the k likeliest,
+    on a completion's choice and beside a chat response's choices."""
+    ids = pipe.prompt_ids(MESSAGES)
+    solo = pipe.generate(MESSAGES, mode="mirror", max_new_tokens=4, prompt_logprobs=2)
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                          extra_body={"prompt_logprobs": 2})
+    text = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    for got in (chat.model_extra["prompt_logprobs"], text.choices[0].model_extra["prompt_logprobs"]):
+        assert len(got) == len(ids) and got[0] is None
+        for token, entries, s in zip(ids[1:], got[1:], solo.prompt_logprobs[1:]):
+            own = entries[str(token)]
+            assert abs(own["logprob"] - s.logprob) < TOLERANCE and own["rank"] == s.rank
+            assert own["decoded_token"] == piece(pipe, token)[0]
+            assert set(entries) == {str(t) for t, _ in s.top} | {str(token)}
+            assert all(entries[str(t)]["rank"] in (rank, s.rank) for rank, (t, _) in enumerate(s.top, 1))
+    assert chat.choices[0].message.content == solo.text
+    unscored = client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
+    assert "prompt_logprobs" not in unscored.choices[0].model_extra
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": 0}, "max_tokens"),  # nothing to give without echo
+    ({"echo": True, "stream": True}, "echo"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+])
+def test_what_the_prompt_scoring_does_not_take_is_a_400_naming_it(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hi", extra_body=fields)
+    assert caught.value.param == param
 
 
 @pytest.mark.parametrize("tokens, offsets", [
