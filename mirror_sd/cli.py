@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from mirror_sd.errors import BadInputError, MirrorSDError, check_int
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES, TARGET_WEIGHT_FORMATS
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, specs
+from mirror_sd.runtime.perplexity import WINDOW, perplexity
 from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
@@ -225,6 +226,34 @@ def server_access(args: argparse.Namespace) -> tuple[str | None, tuple[str, ...]
     return api_key, tuple(o.strip() for arg in args.cors_origin for o in arg.split(",") if o.strip())
 
 
+def _perplexity(args: argparse.Namespace) -> int:
+    import json
+
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise MirrorSDError(f"cannot read --file {args.file}: {e}") from None
+    pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
+    if pipe.plan_note:
+        print(f"note: {pipe.plan_note}", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        print(f"\rwindow {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    try:
+        result = perplexity(pipe, pipe.prompt_ids(text), args.window, args.stride, progress)
+    finally:
+        pipe.close()
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print(f"perplexity {result.perplexity:.4f} (mean NLL {result.nll:.4f} nats over {result.tokens} tokens, "
+              f"{result.windows} windows of {result.window}, stride {result.stride})")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from mirror_sd.errors import BadInputError, check_int
     from mirror_sd.serve.app import create_app, listen, open_server, serve
@@ -434,6 +463,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"token_ids", "text", "stats"} (and "logprobs" with '
                    '--logprobs, "prompt_logprobs" with --prompt-logprobs) as one JSON object')
     g.set_defaults(func=_generate)
+
+    px = sub.add_parser("perplexity", help="the perplexity of a text file under a bundle's target (its precision "
+                        "as deployed), in overlapping windows, as llama.cpp's llama-perplexity reports it")
+    px.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
+    px.add_argument("--file", required=True, help="UTF-8 text, read as it is (no chat template)")
+    px.add_argument("--window", type=int, default=None,
+                    help=f"tokens per window (default {WINDOW}, or what the target's context holds)")
+    px.add_argument("--stride", type=int, default=None,
+                    help="tokens from one window's start to the next's, below the window (default: half of it); each "
+                         "token after the first window is scored with at least window - stride tokens before it")
+    add_options(px, LoadOptions, LOAD_FLAGS["generate"], GENERATE_LOAD_DEFAULTS)
+    px.add_argument("--json", action="store_true", help='print {"perplexity", "nll", "tokens", "windows", "window", '
+                    '"stride"} as one JSON object')
+    px.set_defaults(func=_perplexity)
 
     pk = sub.add_parser("package", help="package a bundle for static-shape devices (NPU): static draft IR")
     pk.add_argument("bundle", help="bundle directory written by export")

@@ -50,6 +50,7 @@ from mirror_sd.runtime.kv_slots import slots_for
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.machine import plan_note
 from mirror_sd.runtime.package_reader import OpenedPackage, open_package
+from mirror_sd.runtime.perplexity import Perplexity, perplexity
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.scheduler import DraftWorker, decode, reads_prompt_alongside
 from mirror_sd.runtime.stats import GenerationStats, Recorder
@@ -273,6 +274,12 @@ class Pipeline:
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides: Any) -> GenerationStream:
         """generate as an iterator of Chunks; its result is set once the iterator is exhausted."""
         return GenerationStream(self._run(prompt, config, overrides))
+
+    def perplexity(self, text: Prompt, window: int | None = None, stride: int | None = None) -> Perplexity:
+        """The perplexity of `text` (plain text as it is, chat messages through the template, or token ids) under
+        the target, in overlapping windows of `window` tokens (default 512, or what the context holds) every `stride`
+        (default window // 2): runtime/perplexity.py."""
+        return perplexity(self, self.prompt_ids(text), window, stride)
 
     def engine(self) -> BatchEngine:
         """The batching engine over this pipeline (runtime/engine.py): many generations at once, submitted from any
