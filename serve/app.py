@@ -62,6 +62,7 @@ from mirror_sd.serve.access_log import ARRIVAL, STREAM_STATUS, AccessLog
 from mirror_sd.serve.auth import ApiKey
 from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
+from mirror_sd.serve.responses import ResponsesRequest, events, from_chat, renamed
 from mirror_sd.serve.tool_parser import ParsedAnswers
 from mirror_sd.serve.tools import ToolAnswers
 
@@ -345,6 +346,20 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
         return await _complete(request, body, body.prompts(), chat=False)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        """OpenAI's Responses API, run as the chat completion it asks for (serve/responses.py)."""
+        chat = body.chat_request()
+        try:
+            answer = await _complete(request, chat, [chat.prompt()], chat=True)
+        except p.ApiError as e:  # the chat path's checks name the Responses field
+            raise renamed(e) from None
+        headers = {"x-seed": answer.headers["x-seed"]}
+        if isinstance(answer, StreamingResponse):  # its background task stops the generation if the client goes
+            return StreamingResponse(events(body, answer.body_iterator), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **headers}, background=answer.background)
+        return JSONResponse(from_chat(body, json.loads(answer.body)), headers=headers)
 
     # -- one request -----------------------------------------------------------------------------------------
     noted: set[str] = set()  # the ignored fields logged at info level once

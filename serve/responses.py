@@ -1,0 +1,384 @@
+"""OpenAI's Responses API (`POST /v1/responses`, the openai client's `client.responses.create`) over the chat path.
+
+A request is read in the Responses shape and turned into the chat completion it asks for: `instructions` become a
+system message ahead of `input` (a string, or items: messages of input_text / output_text parts, an earlier turn's
+`function_call`s and their `function_call_output`s), `max_output_tokens` is max_tokens, `text.format` the
+response_format, flat function `tools` and `tool_choice` the chat's. The chat path then runs as for
+/v1/chat/completions (the same checks, engine, tool calls and errors), and its answer, or its stream of chunks, is
+written back as a Response: an output message of `output_text` and any `function_call` items, `status` "incomplete"
+where max_output_tokens cut it, usage in input / output tokens; a stream as the Responses events (response.created,
+output_text deltas, function_call_arguments deltas, response.completed).
+
+The server stores nothing: `store` is taken as false (a stored response could never be retrieved) and
+`previous_response_id` is refused; a conversation goes on by sending its items again, which the prefix cache reuses.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+from mirror_sd.serve.neutral import UNSUPPORTED
+from mirror_sd.serve.protocol import ApiError, ChatRequest
+
+# a chat request's field, as the Responses request names it (what a 400 from the chat path's checks names)
+_FIELD = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class _Part(_Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None  # an earlier answer's output_text, replayed: taken empty
+    logprobs: list[Any] | None = None
+
+
+class _Message(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[_Part]
+    id: str | None = None  # an earlier answer's item, replayed
+    status: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        for i, part in enumerate(v if isinstance(v, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind not in ("input_text", "output_text", "text"):
+                raise PydanticCustomError(UNSUPPORTED, "content part {i} is of type {kind}: this model reads text "
+                                          "parts only (input_text)", {"i": i, "kind": repr(kind)})
+        return v
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class _FunctionCall(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class _FunctionCallOutput(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+_ITEMS = {"message": _Message, "function_call": _FunctionCall, "function_call_output": _FunctionCallOutput}
+
+
+class _Tool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _ToolChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class _Format(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class _Text(_Strict):
+    format: _Format | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: str | list[_Message | _FunctionCall | _FunctionCallOutput] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: _Text | None = None
+    tools: list[_Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    mirror: dict[str, Any] | None = None  # the project's options, as the chat request's `mirror` object
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items(cls, v: Any) -> Any:
+        """Each item as its type says (a message may leave its type out); another type is refused."""
+        if not isinstance(v, list):
+            return v
+        out = []
+        for i, item in enumerate(v):
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind not in _ITEMS:
+                raise PydanticCustomError(UNSUPPORTED, "input item {i} is of type {kind}: this server takes messages, "
+                                          "function_call and function_call_output items", {"i": i, "kind": repr(kind)})
+            out.append(_ITEMS[kind].model_validate(item))
+        return out
+
+    @field_validator("store")
+    @classmethod
+    def _stores_nothing(cls, v: bool | None) -> bool | None:
+        if v:
+            raise PydanticCustomError(UNSUPPORTED, "store true is not implemented: this server stores no responses "
+                                      "(send store false, or leave it out)", {})
+        return v
+
+    @field_validator("previous_response_id")
+    @classmethod
+    def _no_history(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise PydanticCustomError(UNSUPPORTED, "previous_response_id is not implemented: this server stores no "
+                                      "responses; send the conversation's items in input", {})
+        return v
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat messages: instructions first, a run of function calls one assistant turn."""
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [_Message(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, _Message):
+                out.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, _FunctionCall):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return out
+
+    def chat_request(self) -> ChatRequest:
+        """The chat completion this request asks for; a 400 from its checks names the Responses field."""
+        chat: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": self.stream}
+        if self.stream:  # the usage for response.completed
+            chat["stream_options"] = {"include_usage": True}
+        for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                             ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"),
+                             ("metadata", "metadata"), ("mirror", "mirror")):
+            if getattr(self, ours) is not None:
+                chat[theirs] = getattr(self, ours)
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_object":
+            chat["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict,
+                      "description": fmt.description}
+            chat["response_format"] = {"type": "json_schema",
+                                       "json_schema": {k: v for k, v in schema.items() if v is not None}}
+        if self.tools:
+            chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+        if isinstance(self.tool_choice, _ToolChoice):
+            chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            chat["tool_choice"] = self.tool_choice
+        try:
+            return ChatRequest.model_validate(chat)
+        except ValidationError as e:  # as FastAPI reports a body's: the server's handler writes the 400
+            errors = [{**err, "loc": ("body", *_renamed(err["loc"]))} for err in e.errors()]
+            raise RequestValidationError(errors) from None
+
+    def echo(self) -> dict[str, Any]:
+        """The request's settings a Response repeats."""
+        fmt = self.text.format if self.text is not None and self.text.format is not None else _Format(type="text")
+        choice = self.tool_choice or "auto"
+        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "temperature": self.temperature, "top_p": self.top_p,
+                "tools": [t.model_dump(exclude_none=True) for t in self.tools or ()],
+                "tool_choice": choice.model_dump() if isinstance(choice, _ToolChoice) else choice,
+                "parallel_tool_calls": self.parallel_tool_calls is not False,
+                "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
+                "metadata": self.metadata or {}, "user": self.user, "store": False, "previous_response_id": None,
+                "truncation": "disabled", "reasoning": None, "error": None}
+
+
+def _renamed(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (_FIELD.get(loc[0], loc[0]), *loc[1:]) if loc else loc
+
+
+def renamed(error: ApiError) -> ApiError:
+    """A chat path's error, its param as the Responses request names it."""
+    if error.param is not None:
+        head, _, rest = error.param.partition(".")
+        error.param = _FIELD.get(head, head) + (f".{rest}" if rest else "")
+    return error
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}
+
+
+def _status(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
+    """A Response's status and incomplete_details from the chat's finish_reason."""
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def _message(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "message", "id": item_id or _id("msg"), "status": status, "role": "assistant",
+            "content": [_text_part(text)] if status == "completed" else []}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call(call_id: str, name: str, arguments: str, status: str = "completed", item_id: str | None = None
+          ) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id or _id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def response(rid: str, body: ResponsesRequest, output: list[dict[str, Any]], status: str,
+             incomplete: dict[str, str] | None, usage: dict[str, Any] | None, extra: dict[str, Any] | None = None,
+             created: int | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "response", "created_at": created or int(time.time()), "status": status,
+            "incomplete_details": incomplete, "model": body.model, "output": output, "usage": usage,
+            **body.echo(), **(extra or {})}
+
+
+def from_chat(body: ResponsesRequest, doc: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion's answer as a Response."""
+    choice = doc["choices"][0]
+    message = choice["message"]
+    output = []
+    if message.get("content") or not message.get("tool_calls"):
+        output.append(_message(message.get("content") or ""))
+    for call in message.get("tool_calls") or ():
+        output.append(_call(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    status, incomplete = _status(choice["finish_reason"])
+    return response(_id("resp"), body, output, status, incomplete, _usage(doc["usage"]), {"mirror": doc["mirror"]})
+
+
+async def events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The chat path's stream (server-sent chat chunks, keep-alives, [DONE]) as the Responses events."""
+    rid, seq, created = _id("resp"), 0, int(time.time())
+    output: list[dict[str, Any]] = []  # the items so far, each completed once the next opens or the answer ends
+    open_text: dict[str, Any] | None = None  # the message item being written, with its text so far
+    calls: dict[int, dict[str, Any]] = {}  # the chat's tool call index -> its function_call item
+    finish, usage = None, None
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal seq
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
+
+    def close_text() -> list[str]:
+        nonlocal open_text
+        if open_text is None:
+            return []
+        item, text, index = open_text["item"], open_text["text"], open_text["index"]
+        open_text = None
+        done = _message(text, item_id=item["id"])
+        output[index] = done
+        return [event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                      text=text, logprobs=[]),
+                event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                      part=_text_part(text)),
+                event("response.output_item.done", output_index=index, item=done)]
+
+    def close_call(index: int) -> list[str]:
+        item = output[index]
+        done = {**item, "status": "completed"}
+        output[index] = done
+        return [event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                      arguments=item["arguments"]),
+                event("response.output_item.done", output_index=index, item=done)]
+
+    start = response(rid, body, [], "in_progress", None, None, created=created)
+    yield event("response.created", response=start)
+    yield event("response.in_progress", response=start)
+    async for raw in chunks:
+        for block in raw.split("\n\n"):
+            if not block.startswith("data: "):
+                if block:
+                    yield block + "\n\n"  # a keep-alive comment
+                continue
+            data = block[len("data: "):]
+            if data == "[DONE]":
+                continue
+            doc = json.loads(data)
+            if "error" in doc:
+                err = doc["error"]
+                yield event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
+                return
+            if doc.get("usage"):
+                usage = _usage(doc["usage"])
+            for choice in doc.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    if open_text is None:
+                        item = _message("", "in_progress")
+                        open_text = {"item": item, "text": "", "index": len(output)}
+                        output.append(item)
+                        yield event("response.output_item.added", output_index=open_text["index"], item=item)
+                        yield event("response.content_part.added", item_id=item["id"],
+                                    output_index=open_text["index"], content_index=0, part=_text_part(""))
+                    open_text["text"] += delta["content"]
+                    yield event("response.output_text.delta", item_id=open_text["item"]["id"],
+                                output_index=open_text["index"], content_index=0, delta=delta["content"], logprobs=[])
+                for call in delta.get("tool_calls") or ():
+                    for line in close_text():
+                        yield line
+                    k = call["index"]
+                    if k not in calls:
+                        item = _call(call["id"], call["function"]["name"], "", "in_progress")
+                        calls[k] = {"index": len(output)}
+                        output.append(item)
+                        yield event("response.output_item.added", output_index=calls[k]["index"], item=item)
+                    piece = call.get("function", {}).get("arguments") or ""
+                    if piece:
+                        index = calls[k]["index"]
+                        output[index] = {**output[index], "arguments": output[index]["arguments"] + piece}
+                        yield event("response.function_call_arguments.delta", item_id=output[index]["id"],
+                                    output_index=index, delta=piece)
+                finish = choice.get("finish_reason") or finish
+    for line in close_text():
+        yield line
+    for k in sorted(calls):
+        for line in close_call(calls[k]["index"]):
+            yield line
+    if not output:  # an empty answer is still a message
+        output.append(_message(""))
+    status, incomplete = _status(finish)
+    final = response(rid, body, output, status, incomplete, usage, created=created)
+    yield event("response.completed" if status == "completed" else "response.incomplete", response=final)

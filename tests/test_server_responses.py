@@ -1,0 +1,129 @@
+"""OpenAI's Responses API (`POST /v1/responses`, serve/responses.py) on the real server over a tiny bundle, spoken to
+with the official `openai` client: each answer is the chat completion the request asks for (the same text, tool
+calls and usage), whole or as the Responses events; what it does not implement is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from mirror_sd.bench.soak import InProcessServer
+from mirror_sd.runtime.pipeline import Pipeline
+
+MODEL = "tiny"
+TOOLS = [{"type": "function", "name": "get_weather", "description": "the weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def pipe(bundle_factory) -> Pipeline:
+    pipe = Pipeline.load(bundle_factory("qwen2"), huge_pages=False, max_num_seqs=4)
+    yield pipe
+    pipe.close()
+
+
+@pytest.fixture(scope="module")
+def client(pipe) -> openai.OpenAI:
+    with InProcessServer(pipe, model_name=MODEL) as server:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, messages, **fields):
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **fields)
+
+
+def test_an_answer_is_the_chat_completions(client):
+    r = client.responses.create(model=MODEL, instructions="Be brief.", temperature=0, max_output_tokens=12,
+                                input=[{"role": "user", "content": [{"type": "input_text", "text": "hello there"}]}])
+    want = chat(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}],
+                max_tokens=12)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == want.choices[0].message.content
+    assert [item.type for item in r.output] == ["message"] and r.output[0].role == "assistant"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
+    assert r.status == ("incomplete" if want.choices[0].finish_reason == "length" else "completed")
+    assert r.instructions == "Be brief." and r.max_output_tokens == 12 and r.store is False
+    # a string input is one user message
+    plain = client.responses.create(model=MODEL, input="hello there", temperature=0, max_output_tokens=12)
+    assert plain.output_text == chat(client, [{"role": "user", "content": "hello there"}], max_tokens=12
+                                     ).choices[0].message.content
+
+
+def test_cut_by_max_output_tokens_is_incomplete(client):
+    r = client.responses.create(model=MODEL, input="count to a hundred", temperature=0, max_output_tokens=3,
+                                extra_body={"mirror": {"ignore_eos": True}})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3
+
+
+def test_streamed_events_make_the_same_answer(client):
+    whole = client.responses.create(model=MODEL, input="tell me a story", temperature=0, max_output_tokens=16)
+    stream = client.responses.create(model=MODEL, input="tell me a story", temperature=0, max_output_tokens=16,
+                                     stream=True)
+    kinds, text, final = [], "", None
+    for e in stream:
+        kinds.append(e.type)
+        if e.type == "response.output_text.delta":
+            text += e.delta
+        if e.type in ("response.completed", "response.incomplete"):
+            final = e.response
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert text == whole.output_text == final.output_text and final.status == whole.status
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_text_format_json_schema_holds_the_answer(client):
+    r = client.responses.create(model=MODEL, input="a person as JSON", temperature=0, max_output_tokens=64,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": SCHEMA,
+                                                 "strict": True}})
+    want = chat(client, [{"role": "user", "content": "a person as JSON"}], max_tokens=64, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
+    assert r.output_text == want.choices[0].message.content
+    if r.status == "completed":
+        assert set(json.loads(r.output_text)) == {"name", "age"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_calls_and_the_next_turn(client, stream):
+    """tool_choice a named function: a function_call item with JSON arguments; the next turn sends the call and its
+    output back as items."""
+    ask = {"model": MODEL, "input": "weather in Paris?", "temperature": 0, "max_output_tokens": 48, "tools": TOOLS,
+           "tool_choice": {"type": "function", "name": "get_weather"}}
+    if stream:
+        done = [e for e in client.responses.create(**ask, stream=True)
+                if e.type in ("response.completed", "response.incomplete")]
+        r = done[0].response
+    else:
+        r = client.responses.create(**ask)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    if r.status == "completed":
+        assert "city" in json.loads(calls[0].arguments)
+    follow = client.responses.create(model=MODEL, temperature=0, max_output_tokens=8, tools=TOOLS, tool_choice="none",
+                                     input=[{"role": "user", "content": "weather in Paris?"},
+                                            {"type": "function_call", "call_id": calls[0].call_id,
+                                             "name": "get_weather", "arguments": calls[0].arguments},
+                                            {"type": "function_call_output", "call_id": calls[0].call_id,
+                                             "output": "sunny, 21 C"}])
+    assert follow.output[0].type == "message"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"tool_choice": "auto", "tools": TOOLS}, "tool_choice"),  # no --tool-call-parser here
+])
+def test_what_it_does_not_implement_is_a_400_naming_it(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**{"model": MODEL, "input": "hi", **fields})
+    assert caught.value.param is not None and caught.value.param.startswith(param)
