@@ -235,6 +235,8 @@ def _perplexity(args: argparse.Namespace) -> int:
         text = Path(args.file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise MirrorSDError(f"cannot read --file {args.file}: {e}") from None
+    if not text.strip():
+        raise MirrorSDError(f"--file {args.file} holds no text")
     pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
     if pipe.plan_note:
         print(f"note: {pipe.plan_note}", file=sys.stderr)
@@ -249,8 +251,9 @@ def _perplexity(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
+        windows = f"{result.windows} window{'s' if result.windows > 1 else ''}"
         print(f"perplexity {result.perplexity:.4f} (mean NLL {result.nll:.4f} nats over {result.tokens} tokens, "
-              f"{result.windows} windows of {result.window}, stride {result.stride})")
+              f"{windows} of {result.window}, stride {result.stride})")
     return 0
 
 
@@ -465,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_generate)
 
     px = sub.add_parser("perplexity", help="the perplexity of a text file under a bundle's target (its precision "
-                        "as deployed), in overlapping windows, as llama.cpp's llama-perplexity reports it")
+                        "as deployed), in overlapping windows (transformers' strided recipe)")
     px.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
     px.add_argument("--file", required=True, help="UTF-8 text, read as it is (no chat template)")
     px.add_argument("--window", type=int, default=None,

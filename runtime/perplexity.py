@@ -1,5 +1,6 @@
-"""The perplexity of a text under the target: what llama.cpp's `llama-perplexity` and transformers' strided recipe
-report to compare a model's precisions (float32, int8, int4) on the user's own text.
+"""The perplexity of a text under the target, to compare a model's precisions (float32, int8, int4) on the user's own
+text, computed as transformers' strided recipe does (llama.cpp's `llama-perplexity` scores the second halves of
+chunks that do not overlap instead: its figures differ).
 
 The text's tokens run in windows of `window` tokens, each beginning `stride` after the previous one's beginning; every
 token after the first is scored once, from the logits of the row before it in the first window that holds it
@@ -54,16 +55,16 @@ def perplexity(pipe: Pipeline, ids: Sequence[int], window: int | None = None, st
                progress: Callable[[int, int], None] | None = None) -> Perplexity:
     """The perplexity of `ids` (token ids, at least two) under the pipeline's target; window defaults to WINDOW (or
     what the context holds), stride to half the window. progress(done, total) is called after each window."""
-    window = min(WINDOW, pipe.context_limit - 1) if window is None else window
+    window = min(WINDOW, pipe.longest_prompt) if window is None else window
     stride = window // 2 if stride is None else stride
     if window < 2:
         raise BadInputError(f"the window must hold at least 2 tokens, not {window}", option="window")
     if not 1 <= stride < window:  # windows overlap: each one's first token is scored in the window before it
         raise BadInputError(f"the stride must be in [1, {window - 1}] (below the window), not {stride}",
                             option="stride")
-    if window >= pipe.context_limit:  # a window's prefill, and the one token generated after it
-        raise BadInputError(f"a window of {window} tokens does not fit the context of {pipe.context_limit} (one "
-                            f"position goes to a generated token): at most {pipe.context_limit - 1}", option="window")
+    if window > pipe.longest_prompt:  # a window's prefill, and the one token generated after it
+        raise BadInputError(f"a window of {window} tokens does not fit: this target takes prompts of at most "
+                            f"{pipe.longest_prompt} tokens with one generated after them", option="window")
     if len(ids) < 2:
         raise BadInputError("the text must have at least 2 tokens: the first is never scored", option="prompt")
     spans = windows(len(ids), window, stride)

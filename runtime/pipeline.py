@@ -338,6 +338,15 @@ class Pipeline:
                                     None if len(ids) >= self.context_limit else cfg.max_new_tokens)
         return ids, cfg
 
+    @property
+    def longest_prompt(self) -> int:
+        """The most prompt tokens a generation of one new token takes: the context's (a package's bounds too)."""
+        most = self.context_limit - 1
+        if self.package:
+            b = self.package.info.bounds
+            most = min(most, b.max_prompt, b.max_context - 1)
+        return most
+
     def _check_bounds(self, prompt_len: int, cfg: GenerationConfig) -> None:
         """A package's static shapes admit so much and no more: refused here, before any device work."""
         b = self.package.info.bounds

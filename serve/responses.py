@@ -22,7 +22,17 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from mirror_sd.serve.neutral import UNSUPPORTED
@@ -47,8 +57,9 @@ class _Message(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[_Part]
-    id: str | None = None  # an earlier answer's item, replayed
+    id: str | None = None  # an earlier answer's item, replayed (the openai client's model_dump()): dropped
     status: str | None = None
+    phase: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -69,16 +80,23 @@ class _FunctionCall(_Strict):
     call_id: str
     name: str
     arguments: str
+    # what a replayed item carries beside (the openai client's model_dump()): dropped
     id: str | None = None
     status: str | None = None
+    async_: Any = Field(None, validation_alias=AliasChoices("async", "async_"))
+    caller: Any = None
+    namespace: Any = None
 
 
 class _FunctionCallOutput(_Strict):
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[_Part]  # the tool's answer: text, or its text parts
     id: str | None = None
     status: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
 
 
 _ITEMS = {"message": _Message, "function_call": _FunctionCall, "function_call_output": _FunctionCallOutput}
@@ -107,26 +125,46 @@ class _Format(_Strict):
 
 class _Text(_Strict):
     format: _Format | None = None
+    verbosity: Literal["medium"] | None = None  # OpenAI's default; another would change the answer
 
 
 class ResponsesRequest(_Strict):
     model: str
     input: str | list[_Message | _FunctionCall | _FunctionCallOutput] = Field(min_length=1)
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
+    # strict, as the chat request's: true is not 1, "4" not 4
+    max_output_tokens: StrictInt | None = None
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    seed: StrictInt | None = None  # the x-seed header's (not OpenAI's field here): the same request repeats with it
+    stream: StrictBool = False
     text: _Text | None = None
     tools: list[_Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | _ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    store: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
+    store: StrictBool | None = None
     previous_response_id: str | None = None
+    truncation: Literal["disabled"] | None = None
+    # taken at the values that change nothing here (a chat request's neutral fields are judged by its own checks)
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    top_logprobs: StrictInt | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    truncation: Literal["disabled"] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
     mirror: dict[str, Any] | None = None  # the project's options, as the chat request's `mirror` object
+
+    @field_validator("include", "reasoning", "top_logprobs")
+    @classmethod
+    def _nothing_asked(cls, v: Any, info: Any) -> Any:
+        """include [], reasoning null or without settings, top_logprobs 0: what asks for nothing this model has."""
+        if v and (not isinstance(v, dict) or any(x is not None for x in v.values())):
+            raise PydanticCustomError(UNSUPPORTED, "{field} {value} is not implemented by this server (no reasoning "
+                                      "items, output logprobs or extra outputs here)",
+                                      {"field": info.field_name, "value": repr(v)})
+        return v
 
     @field_validator("input", mode="before")
     @classmethod
@@ -169,12 +207,12 @@ class ResponsesRequest(_Strict):
             elif isinstance(item, _FunctionCall):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
-                    out[-1]["tool_calls"].append(call)
+                if out and out[-1]["role"] == "assistant":  # one answer's text and calls are one turn
+                    out[-1].setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
-                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         return out
 
     def chat_request(self) -> ChatRequest:
@@ -183,8 +221,10 @@ class ResponsesRequest(_Strict):
         if self.stream:  # the usage for response.completed
             chat["stream_options"] = {"include_usage": True}
         for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                             ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"),
-                             ("metadata", "metadata"), ("mirror", "mirror")):
+                             ("seed", "seed"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"),
+                             ("metadata", "metadata"), ("safety_identifier", "safety_identifier"),
+                             ("prompt_cache_key", "prompt_cache_key"), ("service_tier", "service_tier"),
+                             ("mirror", "mirror")):
             if getattr(self, ours) is not None:
                 chat[theirs] = getattr(self, ours)
         fmt = self.text.format if self.text is not None else None
@@ -276,6 +316,13 @@ def response(rid: str, body: ResponsesRequest, output: list[dict[str, Any]], sta
             **body.echo(), **(extra or {})}
 
 
+def _last_cut(output: list[dict[str, Any]], status: str) -> list[dict[str, Any]]:
+    """The items with the last one's status: "incomplete" where max_output_tokens cut the answer there."""
+    if status == "incomplete" and output:
+        output[-1] = {**output[-1], "status": "incomplete"}
+    return output
+
+
 def from_chat(body: ResponsesRequest, doc: dict[str, Any]) -> dict[str, Any]:
     """A chat completion's answer as a Response."""
     choice = doc["choices"][0]
@@ -286,7 +333,8 @@ def from_chat(body: ResponsesRequest, doc: dict[str, Any]) -> dict[str, Any]:
     for call in message.get("tool_calls") or ():
         output.append(_call(call["id"], call["function"]["name"], call["function"]["arguments"]))
     status, incomplete = _status(choice["finish_reason"])
-    return response(_id("resp"), body, output, status, incomplete, _usage(doc["usage"]), {"mirror": doc["mirror"]})
+    return response(_id("resp"), body, _last_cut(output, status), status, incomplete, _usage(doc["usage"]),
+                    {"mirror": doc["mirror"]})
 
 
 async def events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -302,13 +350,22 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIte
         seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
-    def close_text() -> list[str]:
+    def open_message() -> list[str]:
+        nonlocal open_text
+        item = _message("", "in_progress")
+        open_text = {"item": item, "text": "", "index": len(output)}
+        output.append(item)
+        return [event("response.output_item.added", output_index=open_text["index"], item=item),
+                event("response.content_part.added", item_id=item["id"], output_index=open_text["index"],
+                      content_index=0, part=_text_part(""))]
+
+    def close_text(status: str = "completed") -> list[str]:
         nonlocal open_text
         if open_text is None:
             return []
         item, text, index = open_text["item"], open_text["text"], open_text["index"]
         open_text = None
-        done = _message(text, item_id=item["id"])
+        done = {**_message(text, item_id=item["id"]), "status": status}
         output[index] = done
         return [event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                       text=text, logprobs=[]),
@@ -316,9 +373,9 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIte
                       part=_text_part(text)),
                 event("response.output_item.done", output_index=index, item=done)]
 
-    def close_call(index: int) -> list[str]:
+    def close_call(index: int, status: str = "completed") -> list[str]:
         item = output[index]
-        done = {**item, "status": "completed"}
+        done = {**item, "status": status}
         output[index] = done
         return [event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                       arguments=item["arguments"]),
@@ -337,9 +394,12 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIte
             if data == "[DONE]":
                 continue
             doc = json.loads(data)
-            if "error" in doc:
+            if "error" in doc:  # the answer failed part way: the error, then the response as failed
                 err = doc["error"]
                 yield event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
+                failed = response(rid, body, output, "failed", None, usage, created=created)
+                yield event("response.failed", response={**failed, "error": {"code": err.get("code") or "server_error",
+                                                                              "message": err.get("message")}})
                 return
             if doc.get("usage"):
                 usage = _usage(doc["usage"])
@@ -347,12 +407,8 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIte
                 delta = choice.get("delta") or {}
                 if delta.get("content"):
                     if open_text is None:
-                        item = _message("", "in_progress")
-                        open_text = {"item": item, "text": "", "index": len(output)}
-                        output.append(item)
-                        yield event("response.output_item.added", output_index=open_text["index"], item=item)
-                        yield event("response.content_part.added", item_id=item["id"],
-                                    output_index=open_text["index"], content_index=0, part=_text_part(""))
+                        for line in open_message():
+                            yield line
                     open_text["text"] += delta["content"]
                     yield event("response.output_text.delta", item_id=open_text["item"]["id"],
                                 output_index=open_text["index"], content_index=0, delta=delta["content"], logprobs=[])
@@ -372,13 +428,17 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIte
                         yield event("response.function_call_arguments.delta", item_id=output[index]["id"],
                                     output_index=index, delta=piece)
                 finish = choice.get("finish_reason") or finish
-    for line in close_text():
+    status, incomplete = _status(finish)
+    if not output:  # an empty answer is still a message
+        for line in open_message():
+            yield line
+    # the last item is the one max_output_tokens cut, where it cut the answer
+    last = max([c["index"] for c in calls.values()] + ([open_text["index"]] if open_text is not None else []))
+    for line in close_text(status if open_text is not None and open_text["index"] == last else "completed"):
         yield line
     for k in sorted(calls):
-        for line in close_call(calls[k]["index"]):
+        index = calls[k]["index"]
+        for line in close_call(index, status if index == last else "completed"):
             yield line
-    if not output:  # an empty answer is still a message
-        output.append(_message(""))
-    status, incomplete = _status(finish)
     final = response(rid, body, output, status, incomplete, usage, created=created)
     yield event("response.completed" if status == "completed" else "response.incomplete", response=final)

@@ -128,6 +128,19 @@ def test_static_engine_matches_dynamic_engine_with_holes_splits_chunks_and_compa
     assert owns[0].slots == 6 * 6 > pipe.package.info.bounds.own_slots
 
 
+def test_perplexity_keeps_to_a_packages_bounds(built):
+    """The default window is the longest prompt the package's static shapes take; a longer one is refused by name."""
+    pipe = Pipeline.load(built["small"], huge_pages=False)
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    assert pipe.longest_prompt == 8
+    got = pipe.perplexity(text)
+    assert got.window == 8 and got.tokens == len(pipe.prompt_ids(text)) - 1
+    with pytest.raises(BadInputError, match="does not fit") as caught:
+        pipe.perplexity(text, window=9)
+    assert caught.value.option == "window"
+    pipe.close()
+
+
 def test_tar_package_loads_and_generates(built):
     want = Pipeline.load(built["streaming"]).generate(PROMPT, mode="ar", max_new_tokens=12).token_ids
     pipe = Pipeline.load(built["tar"], cache_dir=built["tar"].parent / "ov-cache")

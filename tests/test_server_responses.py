@@ -122,8 +122,64 @@ def test_function_calls_and_the_next_turn(client, stream):
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"tool_choice": "auto", "tools": TOOLS}, "tool_choice"),  # no --tool-call-parser here
+    ({"max_output_tokens": True}, "max_output_tokens"),  # strict, as the chat request's fields
+    ({"temperature": "0.5"}, "temperature"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"top_logprobs": 3}, "top_logprobs"),
 ])
 def test_what_it_does_not_implement_is_a_400_naming_it(client, fields, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(**{"model": MODEL, "input": "hi", **fields})
     assert caught.value.param is not None and caught.value.param.startswith(param)
+
+
+def test_a_previous_answers_items_replay_as_the_next_input(client):
+    """The openai client's model_dump() of an answer's output items (with the fields it adds) is the next turn's
+    input: one assistant turn of its text and calls."""
+    first = client.responses.create(model=MODEL, input="weather in Paris?", temperature=0, max_output_tokens=48,
+                                    tools=TOOLS, tool_choice="required")
+    items = [{"role": "user", "content": "weather in Paris?"}, *(item.model_dump() for item in first.output)]
+    items += [{"type": "function_call_output", "call_id": c.call_id, "output": [{"type": "input_text", "text": "sun"}]}
+              for c in first.output if c.type == "function_call"]
+    again = client.responses.create(model=MODEL, input=items, temperature=0, max_output_tokens=8)
+    assert again.status in ("completed", "incomplete") and again.output[0].type == "message"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_item_a_cut_answer_ends_with_is_incomplete(client, stream):
+    ask = {"model": MODEL, "input": "weather?", "temperature": 0, "max_output_tokens": 4, "tools": TOOLS,
+           "tool_choice": {"type": "function", "name": "get_weather"}}
+    if stream:
+        events = list(client.responses.create(**ask, stream=True))
+        r = events[-1].response
+        assert events[-1].type == "response.incomplete"
+        assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
+    else:
+        r = client.responses.create(**ask)
+    assert r.status == "incomplete" and [(i.type, i.status) for i in r.output] == [("function_call", "incomplete")]
+
+
+def test_a_seed_repeats_a_sampled_answer_and_the_neutral_fields_are_taken(client):
+    ask = {"model": MODEL, "input": "a word", "max_output_tokens": 6, "temperature": 1.0}
+    raw = client.responses.with_raw_response.create(**ask)
+    seed = int(raw.headers["x-seed"])
+    again = client.responses.create(**ask, extra_body={"seed": seed}, include=[], reasoning={}, top_logprobs=0,
+                                    service_tier="auto", prompt_cache_key="chat-1", safety_identifier="user-1")
+    assert again.output_text == raw.parse().output_text
+
+
+def test_a_failure_mid_stream_ends_with_error_and_response_failed(pipe):
+    from test_server import _hooked
+
+    calls = {"n": 0}
+
+    def third_fails():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+
+    with InProcessServer(_hooked(pipe, third_fails), model_name=MODEL) as server:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+        kinds = [e.type for e in client.responses.create(model=MODEL, input="hi", max_output_tokens=16, stream=True,
+                                                         extra_body={"mirror": {"mode": "ar"}})]
+    assert kinds[-2:] == ["error", "response.failed"]
