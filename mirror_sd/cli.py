@@ -262,6 +262,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mirror_sd.serve.app import create_app, listen, open_server, serve
 
     check_int("--max-queue", args.max_queue, 0)
+    check_int("--stored-responses", args.stored_responses, 0)
     if not 0 < args.port < 65536:
         raise BadInputError(f"--port must be in 1..65535, got {args.port}")
     if not args.request_timeout > 0:
@@ -303,7 +304,7 @@ def _server_settings(args: argparse.Namespace, api_key: str | None, origins: tup
     """ServerSettings' fields from `serve`'s flags, but the defaults, which come with the bundle (open_server)."""
     return {"model_name": args.model_name or Path(args.bundle).resolve().name, "max_queue": args.max_queue,
             "request_timeout_s": args.request_timeout, "api_key": api_key, "cors_origins": origins,
-            "tool_call_parser": args.tool_call_parser}
+            "tool_call_parser": args.tool_call_parser, "stored_responses": args.stored_responses}
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -524,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-name", default=None, help="the model id clients name (default: the bundle's folder name)")
     sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a free generation slot "
                     "(--max-num-seqs) (default 16); more get 429 with Retry-After")
+    sv.add_argument("--stored-responses", type=int, default=1024,
+                    help="Responses API answers kept in memory for previous_response_id and GET /v1/responses/{id}, "
+                         "the least recently used dropped (default 1024; 0: none; with --ray none are kept)")
     sv.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds a request may take, queueing included (default 600)")
     sv.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every /v1 route (401 "

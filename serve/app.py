@@ -62,7 +62,7 @@ from mirror_sd.serve.access_log import ARRIVAL, STREAM_STATUS, AccessLog
 from mirror_sd.serve.auth import ApiKey
 from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
-from mirror_sd.serve.responses import ResponsesRequest, events, from_chat, renamed
+from mirror_sd.serve.responses import ResponsesRequest, ResponseStore, events, from_chat, output_messages, renamed
 from mirror_sd.serve.tool_parser import ParsedAnswers
 from mirror_sd.serve.tools import ToolAnswers
 
@@ -82,6 +82,8 @@ class ServerSettings:
     keepalive_s: float = 10.0  # a waiting stream's SSE comment interval: below common proxy idle timeouts (60 s)
     # how answers to tool_choice "auto" are read for calls (serve/tool_parser.py); None: "auto" is refused
     tool_call_parser: str | None = None
+    # Responses API answers kept for previous_response_id (serve/responses.py), least recently used dropped; 0: none
+    stored_responses: int = 1024
     # generation options a request leaves out, by name (serve/defaults.py: OpenAI's unless the serve command or the
     # bundle says otherwise)
     defaults: Mapping[str, Any] = field(default_factory=d.server_defaults)
@@ -347,19 +349,43 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
         return await _complete(request, body, body.prompts(), chat=False)
 
+    kept = ResponseStore(settings.stored_responses)
+
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses API, run as the chat completion it asks for (serve/responses.py)."""
-        chat = body.chat_request()
+        if body.previous_response_id is not None and not kept.capacity:
+            raise p.ApiError(400, "previous_response_id: this server keeps no responses (stored_responses 0); send "
+                             "the conversation's items in input", param="previous_response_id",
+                             code="unsupported_value")
+        history = kept.history(body.previous_response_id) if body.previous_response_id is not None else []
+        chat = body.chat_request(history)
         try:
             answer = await _complete(request, chat, [chat.prompt()], chat=True)
         except p.ApiError as e:  # the chat path's checks name the Responses field
             raise renamed(e) from None
+        store = bool(kept.capacity) and body.store is not False  # OpenAI's default: stored
+
+        def keep(doc: dict[str, Any]) -> None:
+            if store:
+                kept.put(doc, [*history, *body.input_messages(), *output_messages(doc["output"])])
+
         headers = {"x-seed": answer.headers["x-seed"]}
         if isinstance(answer, StreamingResponse):  # its background task stops the generation if the client goes
-            return StreamingResponse(events(body, answer.body_iterator), media_type="text/event-stream",
+            return StreamingResponse(events(body, answer.body_iterator, store, keep), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **headers}, background=answer.background)
-        return JSONResponse(from_chat(body, json.loads(answer.body)), headers=headers)
+        doc = from_chat(body, json.loads(answer.body), store)
+        keep(doc)
+        return JSONResponse(doc, headers=headers)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> JSONResponse:
+        return JSONResponse(kept.get(response_id)[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> JSONResponse:
+        kept.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     # -- one request -----------------------------------------------------------------------------------------
     noted: set[str] = set()  # the ignored fields logged at info level once

@@ -328,8 +328,10 @@ def parse_build_args(args: Mapping[str, Any], api_key: str | None = None) -> tup
     origins = args.get("cors_origins") or ()
     if isinstance(origins, str):
         origins = tuple(o.strip() for o in origins.split(",") if o.strip())
+    # a replica's kept Responses are its own, and Ray's router may send the next turn to another: none are kept
     settings = {"model_name": str(args.get("model_name") or Path(bundle).resolve().name), "max_queue": max_queue,
-                "request_timeout_s": timeout, "api_key": api_key, "cors_origins": tuple(origins)}
+                "request_timeout_s": timeout, "api_key": api_key, "cors_origins": tuple(origins),
+                "stored_responses": 0}
     load = LoadOptions().updated(**{k: _option(load_specs[k], v) for k, v in args.items() if k in load_specs})
     generation = {k: _option(gen_specs[k], v) for k, v in args.items() if k in gen_specs}
     resources = args.get("resources") or {}

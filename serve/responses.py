@@ -9,8 +9,11 @@ written back as a Response: an output message of `output_text` and any `function
 where max_output_tokens cut it, usage in input / output tokens; a stream as the Responses events (response.created,
 output_text deltas, function_call_arguments deltas, response.completed).
 
-The server stores nothing: `store` is taken as false (a stored response could never be retrieved) and
-`previous_response_id` is refused; a conversation goes on by sending its items again, which the prefix cache reuses.
+Stored responses (`store`, OpenAI's default true) are kept in memory, the least recently used dropped beyond the
+server's `stored_responses` (`ResponseStore`): `previous_response_id` continues one (its conversation, without its
+instructions, then the new input; the prefix cache reuses what the previous turn computed), `GET` and `DELETE
+/v1/responses/{id}` read and drop one. With none kept (0), `store` is answered false and `previous_response_id`
+refused; a conversation goes on by sending its items again.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
@@ -181,25 +185,9 @@ class ResponsesRequest(_Strict):
             out.append(_ITEMS[kind].model_validate(item))
         return out
 
-    @field_validator("store")
-    @classmethod
-    def _stores_nothing(cls, v: bool | None) -> bool | None:
-        if v:
-            raise PydanticCustomError(UNSUPPORTED, "store true is not implemented: this server stores no responses "
-                                      "(send store false, or leave it out)", {})
-        return v
-
-    @field_validator("previous_response_id")
-    @classmethod
-    def _no_history(cls, v: str | None) -> str | None:
-        if v is not None:
-            raise PydanticCustomError(UNSUPPORTED, "previous_response_id is not implemented: this server stores no "
-                                      "responses; send the conversation's items in input", {})
-        return v
-
-    def messages(self) -> list[dict[str, Any]]:
-        """The conversation as chat messages: instructions first, a run of function calls one assistant turn."""
-        out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages: a run of function calls one assistant turn with the text before them."""
+        out: list[dict[str, Any]] = []
         items = [_Message(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
             if isinstance(item, _Message):
@@ -215,9 +203,12 @@ class ResponsesRequest(_Strict):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         return out
 
-    def chat_request(self) -> ChatRequest:
-        """The chat completion this request asks for; a 400 from its checks names the Responses field."""
-        chat: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": self.stream}
+    def chat_request(self, history: list[dict[str, Any]] = ()) -> ChatRequest:
+        """The chat completion this request asks for, after `history` (a previous response's conversation); a 400
+        from its checks names the Responses field."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        chat: dict[str, Any] = {"model": self.model, "messages": [*system, *history, *self.input_messages()],
+                                "stream": self.stream}
         if self.stream:  # the usage for response.completed
             chat["stream_options"] = {"include_usage": True}
         for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
@@ -248,7 +239,7 @@ class ResponsesRequest(_Strict):
             errors = [{**err, "loc": ("body", *_renamed(err["loc"]))} for err in e.errors()]
             raise RequestValidationError(errors) from None
 
-    def echo(self) -> dict[str, Any]:
+    def echo(self, stored: bool = False) -> dict[str, Any]:
         """The request's settings a Response repeats."""
         fmt = self.text.format if self.text is not None and self.text.format is not None else _Format(type="text")
         choice = self.tool_choice or "auto"
@@ -258,7 +249,8 @@ class ResponsesRequest(_Strict):
                 "tool_choice": choice.model_dump() if isinstance(choice, _ToolChoice) else choice,
                 "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
-                "metadata": self.metadata or {}, "user": self.user, "store": False, "previous_response_id": None,
+                "metadata": self.metadata or {}, "user": self.user, "store": stored,
+                "previous_response_id": self.previous_response_id,
                 "truncation": "disabled", "reasoning": None, "error": None}
 
 
@@ -310,10 +302,10 @@ def _call(call_id: str, name: str, arguments: str, status: str = "completed", it
 
 def response(rid: str, body: ResponsesRequest, output: list[dict[str, Any]], status: str,
              incomplete: dict[str, str] | None, usage: dict[str, Any] | None, extra: dict[str, Any] | None = None,
-             created: int | None = None) -> dict[str, Any]:
+             created: int | None = None, stored: bool = False) -> dict[str, Any]:
     return {"id": rid, "object": "response", "created_at": created or int(time.time()), "status": status,
             "incomplete_details": incomplete, "model": body.model, "output": output, "usage": usage,
-            **body.echo(), **(extra or {})}
+            **body.echo(stored), **(extra or {})}
 
 
 def _last_cut(output: list[dict[str, Any]], status: str) -> list[dict[str, Any]]:
@@ -323,8 +315,8 @@ def _last_cut(output: list[dict[str, Any]], status: str) -> list[dict[str, Any]]
     return output
 
 
-def from_chat(body: ResponsesRequest, doc: dict[str, Any]) -> dict[str, Any]:
-    """A chat completion's answer as a Response."""
+def from_chat(body: ResponsesRequest, doc: dict[str, Any], stored: bool = False) -> dict[str, Any]:
+    """A chat completion's answer as a Response (stored: it is kept)."""
     choice = doc["choices"][0]
     message = choice["message"]
     output = []
@@ -334,11 +326,13 @@ def from_chat(body: ResponsesRequest, doc: dict[str, Any]) -> dict[str, Any]:
         output.append(_call(call["id"], call["function"]["name"], call["function"]["arguments"]))
     status, incomplete = _status(choice["finish_reason"])
     return response(_id("resp"), body, _last_cut(output, status), status, incomplete, _usage(doc["usage"]),
-                    {"mirror": doc["mirror"]})
+                    {"mirror": doc["mirror"]}, stored=stored)
 
 
-async def events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The chat path's stream (server-sent chat chunks, keep-alives, [DONE]) as the Responses events."""
+async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: bool = False,
+                 done: Callable[[dict[str, Any]], None] | None = None) -> AsyncIterator[str]:
+    """The chat path's stream (server-sent chat chunks, keep-alives, [DONE]) as the Responses events; `done` gets the
+    final Response (stored: it is kept)."""
     rid, seq, created = _id("resp"), 0, int(time.time())
     output: list[dict[str, Any]] = []  # the items so far, each completed once the next opens or the answer ends
     open_text: dict[str, Any] | None = None  # the message item being written, with its text so far
@@ -381,7 +375,7 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIte
                       arguments=item["arguments"]),
                 event("response.output_item.done", output_index=index, item=done)]
 
-    start = response(rid, body, [], "in_progress", None, None, created=created)
+    start = response(rid, body, [], "in_progress", None, None, created=created, stored=stored)
     yield event("response.created", response=start)
     yield event("response.in_progress", response=start)
     async for raw in chunks:
@@ -440,5 +434,55 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIte
         index = calls[k]["index"]
         for line in close_call(index, status if index == last else "completed"):
             yield line
-    final = response(rid, body, output, status, incomplete, usage, created=created)
+    final = response(rid, body, output, status, incomplete, usage, created=created, stored=stored)
+    if done is not None:
+        done(final)
     yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A Response's output items as the chat turn they were: the text and the calls of one assistant message."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+
+
+class ResponseStore:
+    """Responses kept for previous_response_id, GET and DELETE, each with its conversation as chat messages (its
+    instructions left out, as a next turn's own apply): the least recently used dropped beyond `capacity`. Used on
+    the event loop only."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def get(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        if rid not in self._kept:
+            raise ApiError(404, f"no response with id {rid!r} is kept here (the server keeps the last "
+                           f"{self.capacity}; send the conversation's items instead)", param="response_id",
+                           code="response_not_found")
+        self._kept.move_to_end(rid)
+        return self._kept[rid]
+
+    def history(self, rid: str) -> list[dict[str, Any]]:
+        """The conversation up to and including response `rid`, for a next turn (a 404 naming previous_response_id
+        where it is not kept)."""
+        try:
+            return [dict(m) for m in self.get(rid)[1]]
+        except ApiError as e:
+            e.param, e.code = "previous_response_id", "previous_response_not_found"
+            raise
+
+    def put(self, doc: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        self._kept[doc["id"]] = (doc, conversation)
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def delete(self, rid: str) -> None:
+        self.get(rid)
+        del self._kept[rid]

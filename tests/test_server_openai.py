@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from mirror_sd.bench.soak import InProcessServer
-from mirror_sd.cli import build_parser, server_access
+from mirror_sd.cli import build_parser, main, server_access
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.manifest import GENERATION_CONFIG
 from mirror_sd.runtime.pipeline import Pipeline
@@ -693,6 +693,9 @@ def test_serve_flags(monkeypatch):
     assert parse(["serve", "b", "--log-level", "debug"]).log_level == "debug"
     with pytest.raises(SystemExit):
         parse(["serve", "b", "--log-level", "loud"])
+    assert parse(["serve", "b"]).stored_responses == 1024
+    assert parse(["serve", "b", "--stored-responses", "0"]).stored_responses == 0
+    assert main(["serve", "b", "--stored-responses", "-1"]) == 2  # refused before anything loads
 
 
 

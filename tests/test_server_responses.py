@@ -1,6 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`, serve/responses.py) on the real server over a tiny bundle, spoken to
 with the official `openai` client: each answer is the chat completion the request asks for (the same text, tool
-calls and usage), whole or as the Responses events; what it does not implement is a 400 naming the field."""
+calls and usage), whole or as the Responses events; a kept answer goes on with previous_response_id, is read back
+and deleted; what it does not implement is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_an_answer_is_the_chat_completions(client):
     assert [item.type for item in r.output] == ["message"] and r.output[0].role == "assistant"
     assert (r.usage.input_tokens, r.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
     assert r.status == ("incomplete" if want.choices[0].finish_reason == "length" else "completed")
-    assert r.instructions == "Be brief." and r.max_output_tokens == 12 and r.store is False
+    assert r.instructions == "Be brief." and r.max_output_tokens == 12 and r.store is True  # kept, as OpenAI
     # a string input is one user message
     plain = client.responses.create(model=MODEL, input="hello there", temperature=0, max_output_tokens=12)
     assert plain.output_text == chat(client, [{"role": "user", "content": "hello there"}], max_tokens=12
@@ -115,8 +116,6 @@ def test_function_calls_and_the_next_turn(client, stream):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"store": True}, "store"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
@@ -183,3 +182,56 @@ def test_a_failure_mid_stream_ends_with_error_and_response_failed(pipe):
         kinds = [e.type for e in client.responses.create(model=MODEL, input="hi", max_output_tokens=16, stream=True,
                                                          extra_body={"mirror": {"mode": "ar"}})]
     assert kinds[-2:] == ["error", "response.failed"]
+
+
+def test_a_kept_answer_goes_on_with_previous_response_id_and_is_read_back(client):
+    """The next turn is the chat completion of the whole conversation (the previous turn's instructions left out);
+    retrieve and delete as OpenAI's; store false keeps nothing."""
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input="My name is Ann.", temperature=0,
+                                    max_output_tokens=8)
+    assert first.store is True
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="What is my name?",
+                                     temperature=0, max_output_tokens=8)
+    want = chat(client, [{"role": "user", "content": "My name is Ann."},
+                         {"role": "assistant", "content": first.output_text},
+                         {"role": "user", "content": "What is my name?"}], max_tokens=8)
+    assert second.output_text == want.choices[0].message.content
+    assert second.usage.input_tokens == want.usage.prompt_tokens and second.previous_response_id == first.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model=MODEL, previous_response_id=first.id, input="again")
+    assert caught.value.param == "previous_response_id"
+    unkept = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    # a streamed answer is kept once it completes, its function calls a turn of the conversation
+    done = [e for e in client.responses.create(model=MODEL, input="weather in Paris?", temperature=0, tools=TOOLS,
+                                               tool_choice={"type": "function", "name": "get_weather"},
+                                               max_output_tokens=48, stream=True)
+            if e.type in ("response.completed", "response.incomplete")][0].response
+    assert client.responses.retrieve(done.id).output[0].type == "function_call"
+    call = done.output[0]
+    follow = client.responses.create(model=MODEL, previous_response_id=done.id, temperature=0, max_output_tokens=8,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "sunny"}])
+    assert follow.status in ("completed", "incomplete")
+
+
+def test_the_least_recently_used_answer_goes_first_and_none_are_kept_at_zero(pipe):
+    for kept in (2, 0):
+        with InProcessServer(pipe, model_name=MODEL, stored_responses=kept) as server:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+            ids = [client.responses.create(model=MODEL, input=f"hi {i}", max_output_tokens=2).id for i in range(3)]
+            if kept:
+                with pytest.raises(openai.NotFoundError):
+                    client.responses.retrieve(ids[0])
+                assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+            else:
+                assert client.responses.create(model=MODEL, input="hi", max_output_tokens=2).store is False
+                with pytest.raises(openai.BadRequestError) as caught:
+                    client.responses.create(model=MODEL, input="hi", previous_response_id=ids[0])
+                assert caught.value.param == "previous_response_id"
