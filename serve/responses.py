@@ -446,7 +446,9 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     calls = [{"id": item["call_id"], "type": "function",
               "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
-    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+    # content null only beside calls (a chat message's rule)
+    turn: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+    return [{**turn, "tool_calls": calls} if calls else turn]
 
 
 class ResponseStore:

@@ -221,6 +221,15 @@ def test_a_kept_answer_goes_on_with_previous_response_id_and_is_read_back(client
     assert follow.status in ("completed", "incomplete")
 
 
+def test_an_empty_kept_answer_is_a_turn_too():
+    from mirror_sd.serve.protocol import ChatMessage
+    from mirror_sd.serve.responses import output_messages
+
+    for output in ([{"type": "message", "content": [{"type": "output_text", "text": ""}]}],
+                   [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]):
+        ChatMessage.model_validate(output_messages(output)[0])
+
+
 def test_the_least_recently_used_answer_goes_first_and_none_are_kept_at_zero(pipe):
     for kept in (2, 0):
         with InProcessServer(pipe, model_name=MODEL, stored_responses=kept) as server:
