@@ -6,6 +6,7 @@ Exports cost a few seconds each, so bundles are cached by their parameters for t
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,18 @@ def fails_on(call: int, fn, message: str):
         return fn(*args, **kwargs)
 
     return wrapped
+
+
+@contextmanager
+def openai_client(pipe, model_name: str, **settings):
+    """The real server over `pipe` on a free port of this process (ServerSettings' fields as keywords), and the
+    official openai client of it."""
+    import openai
+
+    from mirror_sd.bench.soak import InProcessServer
+
+    with InProcessServer(pipe, model_name=model_name, **settings) as server:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
 
 
 def alone_then_joined(pipe, first: tuple, others: list[tuple]) -> list:

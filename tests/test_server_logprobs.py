@@ -10,8 +10,8 @@ import json
 
 import openai
 import pytest
+from conftest import openai_client
 
-from mirror_sd.bench.soak import InProcessServer
 from mirror_sd.cli import main
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.serve.protocol import MAX_N, TextOffsets
@@ -36,8 +36,8 @@ def pipe(bundle) -> Pipeline:
 
 @pytest.fixture(scope="module")
 def client(pipe) -> openai.OpenAI:
-    with InProcessServer(pipe, model_name=MODEL) as server:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    with openai_client(pipe, MODEL) as client:
+        yield client
 
 
 def piece(pipe: Pipeline, token_id: int) -> tuple[str, list[int]]:

@@ -9,8 +9,8 @@ import json
 
 import openai
 import pytest
+from conftest import openai_client
 
-from mirror_sd.bench.soak import InProcessServer
 from mirror_sd.runtime.pipeline import Pipeline
 
 MODEL = "tiny"
@@ -29,8 +29,8 @@ def pipe(bundle_factory) -> Pipeline:
 
 @pytest.fixture(scope="module")
 def client(pipe) -> openai.OpenAI:
-    with InProcessServer(pipe, model_name=MODEL) as server:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    with openai_client(pipe, MODEL) as client:
+        yield client
 
 
 def chat(client, messages, **fields):
@@ -177,8 +177,7 @@ def test_a_failure_mid_stream_ends_with_error_and_response_failed(pipe):
         if calls["n"] == 3:
             raise RuntimeError("device lost")
 
-    with InProcessServer(_hooked(pipe, third_fails), model_name=MODEL) as server:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    with openai_client(_hooked(pipe, third_fails), MODEL) as client:
         kinds = [e.type for e in client.responses.create(model=MODEL, input="hi", max_output_tokens=16, stream=True,
                                                          extra_body={"mirror": {"mode": "ar"}})]
     assert kinds[-2:] == ["error", "response.failed"]
@@ -232,8 +231,7 @@ def test_an_empty_kept_answer_is_a_turn_too():
 
 def test_the_least_recently_used_answer_goes_first_and_none_are_kept_at_zero(pipe):
     for kept in (2, 0):
-        with InProcessServer(pipe, model_name=MODEL, stored_responses=kept) as server:
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+        with openai_client(pipe, MODEL, stored_responses=kept) as client:
             ids = [client.responses.create(model=MODEL, input=f"hi {i}", max_output_tokens=2).id for i in range(3)]
             if kept:
                 with pytest.raises(openai.NotFoundError):
