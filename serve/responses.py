@@ -44,6 +44,7 @@ from mirror_sd.serve.protocol import ApiError, ChatRequest
 
 # a chat request's field, as the Responses request names it (what a 400 from the chat path's checks names)
 _FIELD = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+LOGPROBS = "message.output_text.logprobs"  # what `include` takes: the output text's tokens' logprobs
 
 
 class _Strict(BaseModel):
@@ -149,10 +150,11 @@ class ResponsesRequest(_Strict):
     store: StrictBool | None = None
     previous_response_id: str | None = None
     truncation: Literal["disabled"] | None = None
-    # taken at the values that change nothing here (a chat request's neutral fields are judged by its own checks)
+    # "message.output_text.logprobs": the answer's tokens' logprobs, with top_logprobs alternatives (the chat's)
     include: list[str] | None = None
-    reasoning: dict[str, Any] | None = None
     top_logprobs: StrictInt | None = None
+    # taken at the values that change nothing here (a chat request's neutral fields are judged by its own checks)
+    reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
@@ -160,15 +162,28 @@ class ResponsesRequest(_Strict):
     service_tier: str | None = None
     mirror: dict[str, Any] | None = None  # the project's options, as the chat request's `mirror` object
 
-    @field_validator("include", "reasoning", "top_logprobs")
+    @field_validator("reasoning")
     @classmethod
-    def _nothing_asked(cls, v: Any, info: Any) -> Any:
-        """include [], reasoning null or without settings, top_logprobs 0: what asks for nothing this model has."""
-        if v and (not isinstance(v, dict) or any(x is not None for x in v.values())):
-            raise PydanticCustomError(UNSUPPORTED, "{field} {value} is not implemented by this server (no reasoning "
-                                      "items, output logprobs or extra outputs here)",
-                                      {"field": info.field_name, "value": repr(v)})
+    def _no_reasoning(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """reasoning null or without settings: this model has none to set."""
+        if v and any(x is not None for x in v.values()):
+            raise PydanticCustomError(UNSUPPORTED, "reasoning {value} is not implemented by this server (no "
+                                      "reasoning model)", {"value": repr(v)})
         return v
+
+    @field_validator("include")
+    @classmethod
+    def _includes(cls, v: list[str] | None) -> list[str] | None:
+        other = [x for x in v or () if x != LOGPROBS]
+        if other:
+            raise PydanticCustomError(UNSUPPORTED, "include {value} is not implemented by this server (it takes "
+                                      "{logprobs} only)", {"value": repr(other), "logprobs": repr(LOGPROBS)})
+        return v
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the answer's tokens' logprobs are asked for (include, or top_logprobs given)."""
+        return LOGPROBS in (self.include or ()) or self.top_logprobs is not None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -211,6 +226,8 @@ class ResponsesRequest(_Strict):
                                 "stream": self.stream}
         if self.stream:  # the usage for response.completed
             chat["stream_options"] = {"include_usage": True}
+        if self.logprobs:
+            chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0
         for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                              ("seed", "seed"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"),
                              ("metadata", "metadata"), ("safety_identifier", "safety_identifier"),
@@ -285,13 +302,20 @@ def _status(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
     return "completed", None
 
 
-def _message(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+def _message(text: str, status: str = "completed", item_id: str | None = None,
+             logprobs: list[dict[str, Any]] = ()) -> dict[str, Any]:
     return {"type": "message", "id": item_id or _id("msg"), "status": status, "role": "assistant",
-            "content": [_text_part(text)] if status == "completed" else []}
+            "content": [_text_part(text, logprobs)] if status == "completed" else []}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """An output_text part; logprobs: its tokens' (the chat's logprobs.content entries: the same shape)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
+
+
+def _chat_logprobs(holder: dict[str, Any]) -> list[dict[str, Any]]:
+    """The token entries of a chat choice's or chunk's logprobs, where it has them."""
+    return list((holder.get("logprobs") or {}).get("content") or ())
 
 
 def _call(call_id: str, name: str, arguments: str, status: str = "completed", item_id: str | None = None
@@ -321,7 +345,7 @@ def from_chat(body: ResponsesRequest, doc: dict[str, Any], stored: bool = False)
     message = choice["message"]
     output = []
     if message.get("content") or not message.get("tool_calls"):
-        output.append(_message(message.get("content") or ""))
+        output.append(_message(message.get("content") or "", logprobs=_chat_logprobs(choice)))
     for call in message.get("tool_calls") or ():
         output.append(_call(call["id"], call["function"]["name"], call["function"]["arguments"]))
     status, incomplete = _status(choice["finish_reason"])
@@ -335,7 +359,7 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
     final Response (stored: it is kept)."""
     rid, seq, created = _id("resp"), 0, int(time.time())
     output: list[dict[str, Any]] = []  # the items so far, each completed once the next opens or the answer ends
-    open_text: dict[str, Any] | None = None  # the message item being written, with its text so far
+    open_text: dict[str, Any] | None = None  # the message item being written, with its text and logprobs so far
     calls: dict[int, dict[str, Any]] = {}  # the chat's tool call index -> its function_call item
     finish, usage = None, None
 
@@ -347,7 +371,7 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
     def open_message() -> list[str]:
         nonlocal open_text
         item = _message("", "in_progress")
-        open_text = {"item": item, "text": "", "index": len(output)}
+        open_text = {"item": item, "text": "", "logprobs": [], "index": len(output)}
         output.append(item)
         return [event("response.output_item.added", output_index=open_text["index"], item=item),
                 event("response.content_part.added", item_id=item["id"], output_index=open_text["index"],
@@ -357,14 +381,14 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
         nonlocal open_text
         if open_text is None:
             return []
-        item, text, index = open_text["item"], open_text["text"], open_text["index"]
+        item, text, index, logprobs = open_text["item"], open_text["text"], open_text["index"], open_text["logprobs"]
         open_text = None
-        done = {**_message(text, item_id=item["id"]), "status": status}
+        done = {**_message(text, item_id=item["id"], logprobs=logprobs), "status": status}
         output[index] = done
         return [event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                      text=text, logprobs=[]),
+                      text=text, logprobs=logprobs),
                 event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                      part=_text_part(text)),
+                      part=_text_part(text, logprobs)),
                 event("response.output_item.done", output_index=index, item=done)]
 
     def close_call(index: int, status: str = "completed") -> list[str]:
@@ -399,13 +423,17 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
                 usage = _usage(doc["usage"])
             for choice in doc.get("choices") or ():
                 delta = choice.get("delta") or {}
-                if delta.get("content"):
+                scores = _chat_logprobs(choice)  # the logprobs of the tokens whose text this chunk carries
+                # a chunk without text carries the logprobs of text held back until the end: the open message's
+                if delta.get("content") or (scores and open_text is not None and not delta.get("tool_calls")):
                     if open_text is None:
                         for line in open_message():
                             yield line
-                    open_text["text"] += delta["content"]
+                    open_text["text"] += delta.get("content") or ""
+                    open_text["logprobs"] += scores
                     yield event("response.output_text.delta", item_id=open_text["item"]["id"],
-                                output_index=open_text["index"], content_index=0, delta=delta["content"], logprobs=[])
+                                output_index=open_text["index"], content_index=0, delta=delta.get("content") or "",
+                                logprobs=scores)
                 for call in delta.get("tool_calls") or ():
                     for line in close_text():
                         yield line

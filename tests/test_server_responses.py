@@ -124,7 +124,7 @@ def test_function_calls_and_the_next_turn(client, stream):
     ({"max_output_tokens": True}, "max_output_tokens"),  # strict, as the chat request's fields
     ({"temperature": "0.5"}, "temperature"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
 ])
 def test_what_it_does_not_implement_is_a_400_naming_it(client, fields, param):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -242,3 +242,23 @@ def test_the_least_recently_used_answer_goes_first_and_none_are_kept_at_zero(pip
                 with pytest.raises(openai.BadRequestError) as caught:
                     client.responses.create(model=MODEL, input="hi", previous_response_id=ids[0])
                 assert caught.value.param == "previous_response_id"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_logprobs_are_the_chat_completions(client, stream):
+    """include message.output_text.logprobs with top_logprobs: the chat's logprobs of the same answer."""
+    ask = {"model": MODEL, "input": "hello there", "temperature": 0, "max_output_tokens": 10,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    want = chat(client, [{"role": "user", "content": "hello there"}], max_tokens=10, logprobs=True, top_logprobs=2)
+    if stream:
+        events = list(client.responses.create(**ask, stream=True))
+        streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+        part = events[-1].response.output[0].content[0]
+        assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    else:
+        part = client.responses.create(**ask).output[0].content[0]
+    content = want.choices[0].logprobs.content
+    assert [lp.token for lp in part.logprobs] == [lp.token for lp in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 and len(a.top_logprobs) == 2
+               for a, b in zip(part.logprobs, content))
+    assert client.responses.create(model=MODEL, input="hi", max_output_tokens=2).output[0].content[0].logprobs == []
