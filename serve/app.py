@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mirror_sd.errors import BadInputError, ContextLimitError
+from mirror_sd.errors import BadInputError, ContextLimitError, check_int
 from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.batching import BatchEngine, Finished
 from mirror_sd.runtime.config import GRAMMAR_OPTIONS, GenerationConfig, LoadOptions
@@ -89,6 +89,7 @@ class ServerSettings:
     defaults: Mapping[str, Any] = field(default_factory=d.server_defaults)
 
     def __post_init__(self) -> None:
+        check_int("stored_responses", self.stored_responses, 0)
         if self.tool_call_parser not in (None, *d.TOOL_CALL_PARSERS):
             raise BadInputError(f"unknown tool_call_parser {self.tool_call_parser!r}; known: "
                                 f"{', '.join(d.TOOL_CALL_PARSERS)}", option="tool_call_parser")

@@ -76,7 +76,9 @@ class ReplicaSpec:
     log_level: str = "warning"  # the replica's logging (its stderr reaches the driver and Ray's log files)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "settings", dict(self.settings))  # a copy Ray can pickle (no mappingproxy)
+        # a copy Ray can pickle (no mappingproxy); a replica's kept Responses answers are its own, and Ray's router
+        # may send the next turn to another: none are kept (docs/scale-out.md)
+        object.__setattr__(self, "settings", {**self.settings, "stored_responses": 0})
         object.__setattr__(self, "generation", dict(self.generation))
         if self.log_level not in LOG_LEVELS:
             raise BadInputError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}",
@@ -328,10 +330,8 @@ def parse_build_args(args: Mapping[str, Any], api_key: str | None = None) -> tup
     origins = args.get("cors_origins") or ()
     if isinstance(origins, str):
         origins = tuple(o.strip() for o in origins.split(",") if o.strip())
-    # a replica's kept Responses are its own, and Ray's router may send the next turn to another: none are kept
     settings = {"model_name": str(args.get("model_name") or Path(bundle).resolve().name), "max_queue": max_queue,
-                "request_timeout_s": timeout, "api_key": api_key, "cors_origins": tuple(origins),
-                "stored_responses": 0}
+                "request_timeout_s": timeout, "api_key": api_key, "cors_origins": tuple(origins)}
     load = LoadOptions().updated(**{k: _option(load_specs[k], v) for k, v in args.items() if k in load_specs})
     generation = {k: _option(gen_specs[k], v) for k, v in args.items() if k in gen_specs}
     resources = args.get("resources") or {}

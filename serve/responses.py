@@ -504,12 +504,15 @@ class ResponseStore:
         where it is not kept)."""
         try:
             return [dict(m) for m in self.get(rid)[1]]
-        except ApiError as e:
-            e.param, e.code = "previous_response_id", "previous_response_not_found"
+        except ApiError as e:  # OpenAI's: a 400 of the request, not a 404 of a route
+            e.status, e.param, e.code = 400, "previous_response_id", "previous_response_not_found"
             raise
 
     def put(self, doc: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        self._kept[doc["id"]] = (doc, conversation)
+        """Keep `doc` without its output's logprobs (their alternatives would make a kept answer megabytes)."""
+        output = [{**item, "content": [{**part, "logprobs": []} for part in item["content"]]}
+                  if item["type"] == "message" else item for item in doc["output"]]
+        self._kept[doc["id"]] = ({**doc, "output": output}, conversation)
         while len(self._kept) > self.capacity:
             self._kept.popitem(last=False)
 

@@ -38,7 +38,7 @@ from mirror_sd.errors import BadInputError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.serve import ray_app
-from mirror_sd.serve.ray_app import INSTALL_HINT, build, parse_build_args
+from mirror_sd.serve.ray_app import INSTALL_HINT, ReplicaSpec, build, parse_build_args
 
 # Ray Serve's own config models use a pydantic form that pydantic 2 deprecates: its warning, not this project's
 pytestmark = pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`:DeprecationWarning")
@@ -98,6 +98,9 @@ def test_builder_arguments_are_the_serve_commands(bundle):
     settings = spec.settings_without_bundle()
     assert (settings.model_name, settings.max_queue, settings.cors_origins) == ("tiny", 3, ("https://a.example", "*"))
     assert settings.defaults["mode"] == "sd" and spec.log_level == "info"
+    # a replica keeps no Responses API answers, whichever way it started (`serve run`, or mirror-sd serve --ray)
+    assert settings.stored_responses == 0
+    assert ReplicaSpec(str(bundle), {"model_name": "m", "stored_responses": 1024}).settings["stored_responses"] == 0
     # typed values, as a Serve config file's `args` gives them
     spec, placement = parse_build_args({"bundle": str(bundle), "replicas": 3, "target_threads": 2, "num_cpus": 2})
     assert (placement.replicas, placement.num_cpus, spec.load.target_threads) == (3, 2.0, 2)

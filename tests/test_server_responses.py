@@ -200,9 +200,9 @@ def test_a_kept_answer_goes_on_with_previous_response_id_and_is_read_back(client
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError) as caught:
+    with pytest.raises(openai.BadRequestError) as caught:  # OpenAI's status: the request's, not a route's
         client.responses.create(model=MODEL, previous_response_id=first.id, input="again")
-    assert caught.value.param == "previous_response_id"
+    assert (caught.value.param, caught.value.code) == ("previous_response_id", "previous_response_not_found")
     unkept = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
     assert unkept.store is False
     with pytest.raises(openai.NotFoundError):
@@ -227,6 +227,14 @@ def test_an_empty_kept_answer_is_a_turn_too():
     for output in ([{"type": "message", "content": [{"type": "output_text", "text": ""}]}],
                    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]):
         ChatMessage.model_validate(output_messages(output)[0])
+
+
+def test_a_negative_count_of_kept_answers_is_refused():
+    from mirror_sd.errors import BadInputError
+    from mirror_sd.serve.app import ServerSettings
+
+    with pytest.raises(BadInputError, match="stored_responses"):
+        ServerSettings(model_name=MODEL, stored_responses=-1)
 
 
 def test_the_least_recently_used_answer_goes_first_and_none_are_kept_at_zero(pipe):
@@ -262,3 +270,7 @@ def test_output_logprobs_are_the_chat_completions(client, stream):
     assert all(abs(a.logprob - b.logprob) < 1e-4 and len(a.top_logprobs) == 2
                for a, b in zip(part.logprobs, content))
     assert client.responses.create(model=MODEL, input="hi", max_output_tokens=2).output[0].content[0].logprobs == []
+    if not stream:  # a kept answer leaves its logprobs out (their alternatives would make it megabytes)
+        kept = client.responses.create(**ask)
+        assert kept.output[0].content[0].logprobs
+        assert client.responses.retrieve(kept.id).output[0].content[0].logprobs == []
