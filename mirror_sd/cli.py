@@ -19,6 +19,7 @@ from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, 
 
 if TYPE_CHECKING:
     from mirror_sd.partitions.planner import Plan
+    from mirror_sd.runtime.pipeline import Pipeline
 
 # The load options (runtime/config.py LoadOptions) each command takes from its command line; their flags, help and
 # defaults come from the options themselves.
@@ -176,14 +177,20 @@ def _prompt_ids(text: str) -> list[int]:
         raise MirrorSDError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import json
-
+def _load(args: argparse.Namespace) -> Pipeline:
+    """The command's pipeline, with its plan's note (measured on another machine) on stderr."""
     from mirror_sd.runtime.pipeline import Pipeline
 
     pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
     if pipe.plan_note:
         print(f"note: {pipe.plan_note}", file=sys.stderr)
+    return pipe
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import json
+
+    pipe = _load(args)
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
@@ -229,17 +236,13 @@ def server_access(args: argparse.Namespace) -> tuple[str | None, tuple[str, ...]
 def _perplexity(args: argparse.Namespace) -> int:
     import json
 
-    from mirror_sd.runtime.pipeline import Pipeline
-
     try:
         text = Path(args.file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise MirrorSDError(f"cannot read --file {args.file}: {e}") from None
     if not text.strip():
         raise MirrorSDError(f"--file {args.file} holds no text")
-    pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
-    if pipe.plan_note:
-        print(f"note: {pipe.plan_note}", file=sys.stderr)
+    pipe = _load(args)
 
     def progress(done: int, total: int) -> None:
         print(f"\rwindow {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)

@@ -49,7 +49,7 @@ from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.gate import GateState, SpeculationGate
 from mirror_sd.runtime.grammar import GrammarError, GrammarState
 from mirror_sd.runtime.kv_slots import KVSlots, Slot, SlotTable, worth_reusing
-from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
+from mirror_sd.runtime.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from mirror_sd.runtime.proposers import GrammarForcing, PromptLookup, Proposer
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.row_drafts import RowDraft
@@ -423,9 +423,9 @@ class BatchEngine:
         for (r, take), out in zip(rows, outs):
             if drafting and r.drafts is not None:
                 r.drafts.ran(r.kv_len, out.taps)
-            if r.prompt_scores is not None:  # row i's logits score the token after it
-                r.prompt_scores += token_logprobs(out.logits, r.context[r.kv_len + 1:r.kv_len + take + 1],
-                                                  r.request.config.prompt_logprobs, ranks=True)
+            if r.prompt_scores is not None:
+                r.prompt_scores += prompt_logprobs(out.logits, r.request.ids, r.kv_len,
+                                                   r.request.config.prompt_logprobs)
             r.kv_len += take
 
     @staticmethod

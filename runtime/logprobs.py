@@ -28,6 +28,13 @@ class TokenLogprob:
     rank: int | None = None  # 1 + how many tokens are likelier there, where asked for (a prompt's tokens, vLLM's)
 
 
+def prompt_logprobs(logits: np.ndarray, prompt: Sequence[int], start: int, k: int) -> tuple[TokenLogprob, ...]:
+    """The ranked logprobs of the prompt tokens that logits [n, V] of positions start .. start + n - 1 score: row i
+    the token at start + i + 1, where the prompt has one (a prompt's last row scores the first new token instead)."""
+    tokens = prompt[start + 1:start + 1 + len(logits)]
+    return token_logprobs(logits[:len(tokens)], tokens, k, ranks=True)
+
+
 def token_logprobs(logits: np.ndarray, tokens: Sequence[int], k: int, ranks: bool = False
                    ) -> tuple[TokenLogprob, ...]:
     """logits [n, V]: row i the target's logits at tokens[i]'s position (n == len(tokens)); k: alternatives kept;

@@ -46,7 +46,7 @@ from mirror_sd.runtime.draft import DrafterBase, plan_branches, reads_first
 from mirror_sd.runtime.feature_draft import FeatureDrafter
 from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.grammar import GrammarState
-from mirror_sd.runtime.logprobs import TokenLogprob, token_logprobs
+from mirror_sd.runtime.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from mirror_sd.runtime.messages import (
     Branches,
     BranchSet,
@@ -257,9 +257,7 @@ class _Decoder:
                 logits = self._forward(prompt[start:end], lambda end=end: prompt[:end], on_prompt_graphs)
                 continue
             rows, self.cache = self._suffix(self._prefix(prompt[start:end], lambda end=end: prompt[:end]))
-            scored = min(end, len(prompt) - 1) - start  # row i gives the logits of token start + i + 1
-            prompt_scores += token_logprobs(rows[:scored], prompt[start + 1:start + 1 + scored],
-                                            self.cfg.prompt_logprobs, ranks=True)
+            prompt_scores += prompt_logprobs(rows, prompt, start, self.cfg.prompt_logprobs)
             logits = rows[-1]
         self.counts.target_steps += 1
         token = choose(self._penalized(logits[None], prompt)[0], self.cfg.params, self._target_rng(len(prompt)))

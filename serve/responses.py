@@ -491,22 +491,20 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def get(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def get(self, rid: str, status: int = 404, param: str = "response_id", code: str = "response_not_found"
+            ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Response `rid` and its conversation, now the most recently used; an ApiError of `status` where it is not
+        kept."""
         if rid not in self._kept:
-            raise ApiError(404, f"no response with id {rid!r} is kept here (the server keeps the last "
-                           f"{self.capacity}; send the conversation's items instead)", param="response_id",
-                           code="response_not_found")
+            raise ApiError(status, f"no response with id {rid!r} is kept here (the server keeps the last "
+                           f"{self.capacity}; send the conversation's items instead)", param=param, code=code)
         self._kept.move_to_end(rid)
         return self._kept[rid]
 
     def history(self, rid: str) -> list[dict[str, Any]]:
-        """The conversation up to and including response `rid`, for a next turn (a 404 naming previous_response_id
-        where it is not kept)."""
-        try:
-            return [dict(m) for m in self.get(rid)[1]]
-        except ApiError as e:  # OpenAI's: a 400 of the request, not a 404 of a route
-            e.status, e.param, e.code = 400, "previous_response_id", "previous_response_not_found"
-            raise
+        """The conversation up to and including response `rid`, for a next turn; where it is not kept, OpenAI's 400
+        of the request (not a route's 404)."""
+        return [dict(m) for m in self.get(rid, 400, "previous_response_id", "previous_response_not_found")[1]]
 
     def put(self, doc: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         """Keep `doc` without its output's logprobs (their alternatives would make a kept answer megabytes)."""

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import openai
 import pytest
+from conftest import fails_on
 
 from mirror_sd.bench.soak import InProcessServer
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Spec, specs
@@ -440,14 +441,7 @@ def test_a_prompt_scored_in_part_by_its_deadline_is_a_503_not_a_short_list(pipe)
 
 
 def test_target_failure_is_500_and_the_server_goes_on(pipe):
-    calls = {"n": 0}
-
-    def third_fails():
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("device lost")
-
-    broken = _hooked(pipe, third_fails)
+    broken = _hooked(pipe, fails_on(3, lambda: None, "device lost"))
     with serving(broken) as port:
         status, doc, _ = _post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8,
                                                          "temperature": 0, "mirror": {"mode": "ar"}})

@@ -9,7 +9,7 @@ import json
 
 import openai
 import pytest
-from conftest import openai_client
+from conftest import fails_on, openai_client
 
 from mirror_sd.runtime.pipeline import Pipeline
 
@@ -170,14 +170,7 @@ def test_a_seed_repeats_a_sampled_answer_and_the_neutral_fields_are_taken(client
 def test_a_failure_mid_stream_ends_with_error_and_response_failed(pipe):
     from test_server import _hooked
 
-    calls = {"n": 0}
-
-    def third_fails():
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("device lost")
-
-    with openai_client(_hooked(pipe, third_fails), MODEL) as client:
+    with openai_client(_hooked(pipe, fails_on(3, lambda: None, "device lost")), MODEL) as client:
         kinds = [e.type for e in client.responses.create(model=MODEL, input="hi", max_output_tokens=16, stream=True,
                                                          extra_body={"mirror": {"mode": "ar"}})]
     assert kinds[-2:] == ["error", "response.failed"]
