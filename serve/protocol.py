@@ -153,7 +153,7 @@ class _Sampling(_Strict):
     n: int = Field(1, ge=1, le=MAX_N, description="choices, each a generation of its own; sampled, choice i draws "
                    "with seed + i")
 
-    @field_validator("stream", "n", mode="before")
+    @field_validator("stream", "n", "echo", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
         """null, which OpenAI's API allows for these, is the field's default (as vLLM reads it)."""
@@ -448,14 +448,9 @@ class CompletionRequest(Sampling, fields_model(COMPLETION)):
     # strict: a list of digit strings is several prompts, never token ids
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     # the prompt before the completion's text, and with logprobs its tokens' first (the first token's null)
-    echo: bool | None = False
+    echo: bool = False
     # 0 with echo: the prompt alone, scored (vLLM's and OpenAI's legacy way to read a text's logprobs)
     max_tokens: StrictInt | None = Field(None, ge=0, description=_spec("max_new_tokens").option.help)
-
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _echo_null(cls, v: Any) -> Any:
-        return False if v is None else v
 
     @field_validator("prompt", mode="before")
     @classmethod
