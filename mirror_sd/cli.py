@@ -60,6 +60,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type[Options], names: Coll
             kw["action"] = argparse.BooleanOptionalAction
         elif spec.kind is tuple:
             kw.update(action="append", metavar="TEXT")
+        elif spec.kind is list:
+            kw.update(action="append", metavar="ID", type=int)
         elif spec.kind is dict:
             kw.update(action="append", metavar="ID:NUMBER", type=_token_number)
         else:

@@ -323,8 +323,7 @@ class BatchEngine:
             slot, cached = self.table.take([] if scored else request.ids, copies=self.kv.can_copy)
             request.admitted = time.perf_counter()
             try:
-                sink = TextSink(self.pipe.codec, cfg.stop, self.pipe.eos_token_ids(cfg), cfg.max_new_tokens,
-                                request.ids)
+                sink = TextSink.of(self.pipe.codec, cfg, request.ids)
                 rec = Recorder(cfg.trace)
                 # copied and forced windows in sampled rows too: they commit the target's own draws
                 # (runtime/verify.py own_draws_accept), a draft's windows greedy ones only

@@ -115,7 +115,9 @@ class Spec:
     its metadata."""
 
     name: str
-    kind: type  # int, float, bool, str, tuple (of strings) or dict (token id -> number, held as sorted pairs)
+    # int, float, bool, str, tuple (of strings), list (token ids, held as a tuple) or dict (token id -> number, held
+    # as sorted pairs)
+    kind: type
     nullable: bool  # the annotation allows None
     default: Any
     option: Option
@@ -156,6 +158,8 @@ class Spec:
             if not isinstance(items, (tuple, list)) or not all(isinstance(s, str) and s for s in items):
                 raise BadInputError(f"{name} must be a list of non-empty strings", option=name)
             value = tuple(items)
+        elif self.kind is list:
+            value = _token_ids(name, value)
         elif self.kind is dict:
             value = _token_numbers(name, value, r)
         if o.choices and value not in o.choices:
@@ -178,6 +182,8 @@ def specs(cls: type) -> tuple[Spec, ...]:
         args = typing.get_args(kind)
         if typing.get_origin(kind) is tuple and args and typing.get_origin(args[0]) is tuple:
             kind = dict  # tuple[tuple[int, float], ...]: a map from token ids, held hashable
+        elif typing.get_origin(kind) is tuple and args and args[0] is int:
+            kind = list  # tuple[int, ...]: token ids, held hashable
         kind = typing.get_origin(kind) or kind  # tuple[str, ...]: tuple
         out.append(Spec(f.name, str if kind is Path else kind, type(None) in kinds, f.default, f.metadata["option"]))
     return tuple(out)
@@ -227,6 +233,23 @@ def _token_numbers(name: str, value: Any, r: Range) -> tuple[tuple[int, float], 
     if len(out) > MAX_LOGIT_BIAS:
         raise BadInputError(f"{name} takes at most {MAX_LOGIT_BIAS} tokens, got {len(out)}", option=name)
     return tuple(sorted(out.items()))
+
+
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+    """Token ids (one, or a list of them) as a tuple without repeats, in the order given; a BadInputError naming the
+    option otherwise. Whether each is in the vocabulary is the pipeline's check (Pipeline.check)."""
+    items = (value,) if isinstance(value, numbers.Integral) else value
+    if not isinstance(items, (tuple, list)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in items):
+        raise BadInputError(f"{name} must be a list of token ids (integers >= 0), got {value!r}", option=name)
+    return tuple(dict.fromkeys(int(t) for t in items))
+
+
+def _truncation(value: Any) -> Any:
+    if value == 0 and not isinstance(value, bool):  # the range takes -1 and up: 0 would keep no prompt at all
+        raise BadInputError("truncate_prompt_tokens must be -1 (as many as the context takes) or at least 1, got 0",
+                            option="truncate_prompt_tokens")
+    return value
 
 
 def _text(name: str) -> Callable[[Any], Any]:
@@ -311,9 +334,30 @@ class GenerationConfig(Options):
                        wire_range=Range(-2**63, 2**63 - 1))
     stop: tuple[str, ...] = option((), "a string that ends the text, which is cut before it (repeatable)",
                                    wire="stop")
+    # vLLM's: beside the end-of-sequence tokens, and under ignore_eos too
+    stop_token_ids: tuple[int, ...] = option(
+        (), "a token that ends the text as an end-of-sequence token does: token_ids keep it, the text does not "
+        "(repeatable; vLLM's stop_token_ids)", wire="stop_token_ids")
+    include_stop_str_in_output: bool = option(
+        False, "end the text with the stop string, or the stop token's text, that ended it (vLLM's)",
+        wire="include_stop_str_in_output")
     # fixed-length generations (load tests, benchmarks), as vLLM's and OpenVINO GenAI's ignore_eos
     ignore_eos: bool = option(False, "go on past an end-of-sequence token, to max_new_tokens or a stop string",
                               wire=MIRROR)
+    # transformers' eos_token_id; Pipeline.check writes the tokenizer's in where it is None, so that every reader of
+    # a checked config (the masks of min_tokens, the text's end) has the same ones
+    eos_token_ids: tuple[int, ...] | None = option(
+        None, "the end-of-sequence tokens (repeatable; transformers' eos_token_id)", none="the tokenizer's")
+    # vLLM's: a mask on the target's logits, under which sd and mirror equal ar as under the penalties
+    min_tokens: int = option(
+        0, "new tokens before the text may end: end-of-sequence and stop tokens are masked, and stop strings not "
+        "looked for, until then (vLLM's min_tokens)", range=Range(0), wire="min_tokens")
+    allowed_token_ids: tuple[int, ...] = option(
+        (), "only these tokens may come (repeatable; vLLM's allowed_token_ids; none given: any)",
+        wire="allowed_token_ids")
+    truncate_prompt_tokens: int | None = option(
+        None, "keep the prompt's last N tokens only (-1: as many as the context takes; vLLM's)", range=Range(-1),
+        none="off", convert=_truncation, wire="truncate_prompt_tokens")
     gamma: int = option(4, "draft window length", range=Range(1, MAX_WINDOW), wire=MIRROR, planned=True)
     kappa: int | None = option(None, "early-exit candidates per position, at most the bundle's top_k",
                                range=Range(1), none="the bundle's top_k", wire=MIRROR, planned=True)
@@ -374,7 +418,15 @@ class GenerationConfig(Options):
     @property
     def params(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty,
-                              self.presence_penalty, self.frequency_penalty, self.min_p, self.logit_bias)
+                              self.presence_penalty, self.frequency_penalty, self.min_p, self.logit_bias,
+                              self.min_tokens, tuple(sorted(self.ending_token_ids)), self.allowed_token_ids)
+
+    @property
+    def ending_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end the text: the end-of-sequence ones (none under ignore_eos; the tokenizer's once
+        Pipeline.check resolved them) and the stop tokens."""
+        eos = () if self.ignore_eos else self.eos_token_ids or ()
+        return tuple(dict.fromkeys(eos + self.stop_token_ids))
 
 
 @dataclass(frozen=True)

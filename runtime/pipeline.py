@@ -214,15 +214,17 @@ class Pipeline:
         return target
 
     # -- prompts -------------------------------------------------------------------------------------------
-    def prompt_ids(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def prompt_ids(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a prompt given as text, chat messages (with the functions a chat template may list:
-        `tools`), or ids (checked against the vocabulary)."""
+        `tools`, and further template variables: `template_kwargs`), or ids (checked against the vocabulary)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise BadInputError("the prompt is empty", option="prompt")
             ids = self.codec.encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.codec.encode(self.codec.render_chat(list(prompt), tools), special=False)
+            ids = self.codec.encode(self.codec.render_chat(list(prompt), tools, template_kwargs=template_kwargs),
+                                    special=False)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             vocab = self.manifest.target.vocab_size
@@ -318,18 +320,35 @@ class Pipeline:
         k_max = self.manifest.target.top_k
         if cfg.kappa is not None and cfg.kappa > k_max:
             raise BadInputError(f"kappa {cfg.kappa} exceeds the bundle's early-exit top_k {k_max}", option="kappa")
-        cfg = cfg.updated(kappa=cfg.kappa or k_max)
+        tokenizer_eos = tuple(self.manifest.tokenizer.eos_token_ids)
+        cfg = cfg.updated(kappa=cfg.kappa or k_max, eos_token_ids=tokenizer_eos if cfg.eos_token_ids is None
+                          else cfg.eos_token_ids)
         vocab = self.manifest.target.vocab_size
         if cfg.logit_bias and cfg.logit_bias[-1][0] >= vocab:
             raise BadInputError(f"logit_bias token {cfg.logit_bias[-1][0]} is past the vocabulary ({vocab} tokens)",
                                 option="logit_bias")
+        for name in ("stop_token_ids", "eos_token_ids", "allowed_token_ids"):
+            past = [t for t in getattr(cfg, name) if t >= vocab]
+            if past:
+                raise BadInputError(f"{name} {past[:5]} past the vocabulary ({vocab} tokens)", option=name)
+        if cfg.min_tokens > cfg.max_new_tokens:  # vLLM's check
+            raise BadInputError(f"min_tokens ({cfg.min_tokens}) exceeds max_new_tokens ({cfg.max_new_tokens})",
+                                option="min_tokens")
+        if cfg.min_tokens and cfg.allowed_token_ids and set(cfg.allowed_token_ids) <= set(cfg.ending_token_ids):
+            raise BadInputError("allowed_token_ids holds only tokens that end the text, which min_tokens masks: "
+                                "no token could come", option="allowed_token_ids")
         source = grammar_source(cfg)
         if source is not None:
-            if cfg.ignore_eos:  # a complete text allows only an EOS token, which the generation would run past
-                raise BadInputError(f"{source[2]} ends the text with an EOS token: it cannot go with ignore_eos",
-                                    option="ignore_eos")
+            # a complete text allows only the tokenizer's EOS token: the generation would run past it, or a mask of
+            # these would leave no token at all
+            for clash, given in (("ignore_eos", cfg.ignore_eos), ("min_tokens", cfg.min_tokens),
+                                 ("allowed_token_ids", cfg.allowed_token_ids),
+                                 ("eos_token_ids", not set(tokenizer_eos) <= set(cfg.eos_token_ids))):
+                if given:
+                    raise BadInputError(f"{source[2]} ends the text with the tokenizer's EOS token: it cannot go with "
+                                        f"{clash}", option=clash)
             self.vocabulary.grammar(*source)  # compiled now: a grammar it cannot hold text to is refused
-        ids = self.prompt_ids(prompt)
+        ids = self.truncated(self.prompt_ids(prompt), cfg.truncate_prompt_tokens)
         if self.package:
             self._check_bounds(len(ids), cfg)
         if len(ids) + cfg.max_new_tokens > self.context_limit:
@@ -337,6 +356,13 @@ class Pipeline:
                                     f"context limit of {self.context_limit} tokens", self.context_limit, len(ids),
                                     None if len(ids) >= self.context_limit else cfg.max_new_tokens)
         return ids, cfg
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (-1: as many as the context takes; None: all of them), as vLLM's
+        truncate_prompt_tokens keeps them."""
+        if keep is None:
+            return ids
+        return ids[-(self.longest_prompt if keep == -1 else keep):]
 
     @property
     def longest_prompt(self) -> int:
@@ -405,14 +431,17 @@ class Pipeline:
         return self.vocabulary.grammar(*source).state() if source is not None else None
 
     def eos_token_ids(self, cfg: GenerationConfig) -> tuple[int, ...]:
-        """The tokens that end a generation under `cfg`: the tokenizer's EOS tokens, none with ignore_eos."""
-        return () if cfg.ignore_eos else tuple(self.manifest.tokenizer.eos_token_ids)
+        """The tokens that end a generation under `cfg` (GenerationConfig.ending_token_ids): its end-of-sequence
+        tokens, the tokenizer's where it names none (none with ignore_eos), and its stop tokens."""
+        if cfg.eos_token_ids is None:
+            cfg = cfg.updated(eos_token_ids=self.manifest.tokenizer.eos_token_ids)
+        return cfg.ending_token_ids
 
     def _decode_alone(self, ids: list[int], cfg: GenerationConfig, rec: Recorder, cached: int = 0,
                       prompt_scores: list[TokenLogprob | None] | None = None) -> Iterator[Chunk]:
         if prompt_scores is None and cfg.prompt_logprobs is not None:
             prompt_scores = [None]  # the first token's: nothing comes before it
-        sink = TextSink(self.codec, cfg.stop, self.eos_token_ids(cfg), cfg.max_new_tokens, ids)
+        sink = TextSink.of(self.codec, cfg, ids)
         # the draft reads the prompt during the prefill only where target and draft threads fit the cores together
         fits = self.target_threads + self.draft_threads <= usable_cores()
         worker = self._start_worker(cfg, rec, self._threaded(cfg, fits)) if cfg.mode in DRAFT_MODES else None

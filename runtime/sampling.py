@@ -4,13 +4,14 @@ after the logit bias and the penalties on tokens the text already holds.
 Pure functions. Randomness comes from explicit numpy Generators keyed by (seed, stream, position), so a decoder
 that draws the window for the same context from a branch or from a fresh rollout draws the same numbers.
 
-The bias and penalties (`penalize`) are part of the target's distribution: a position's penalised logits depend on
-the tokens before it only, so a verification row is penalised for the window tokens before it, exactly as the step
-that would have produced that position alone, and sd and mirror still equal ar. vLLM's order: OpenAI's logit bias,
-the repetition penalty (transformers' CTRL rule: a positive logit divided by it, a negative one multiplied) on every
-token of the prompt and the text so far, then OpenAI's frequency and presence penalties on the generated tokens'
-counts, then a grammar's mask (runtime/grammar.py), which holds to the same rule. A greedy draft applies the
-bias and penalties to its own logits too, as a guess of what the penalised target takes (runtime/draft.py
+The bias and penalties (`penalize`) are part of the target's distribution: a position's penalised logits depend on the
+tokens before it only, so a verification row is penalised for the window tokens before it, exactly as the step that
+would have produced that position alone, and sd and mirror still equal ar. vLLM's order: OpenAI's logit bias, the
+repetition penalty (transformers' CTRL rule: a positive logit divided by it, a negative one multiplied) on every token
+of the prompt and the text so far, then OpenAI's frequency and presence penalties on the generated tokens' counts, then
+vLLM's masks (allowed_token_ids: every other token; min_tokens: the tokens that end the text, at the positions before
+that many new tokens), then a grammar's mask (runtime/grammar.py), which holds to the same rule. A greedy draft applies
+the bias and penalties to its own logits too, as a guess of what the penalised target takes (runtime/draft.py
 DrafterBase._greedy); its windows are checked against the penalised target like any others.
 """
 
@@ -39,6 +40,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0  # 0: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted
+    min_tokens: int = 0  # the ending tokens are masked at the positions before this many new tokens
+    ending: tuple[int, ...] = ()  # the tokens that end the text, sorted
+    allowed: tuple[int, ...] = ()  # the only tokens that may come (empty: any)
 
     @property
     def greedy(self) -> bool:
@@ -46,8 +50,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
+        """Whether the target's logits change before a token is chosen from them (bias, penalties or masks)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or bool(self.allowed) or (self.min_tokens > 0 and bool(self.ending)))
 
 
 def penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int,
@@ -75,8 +80,21 @@ def _penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int]
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias)
         out[:, list(ids)] += np.asarray(bias, np.float32)
-    if params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty:
-        return out
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        _count_penalties(out, params, context, prompt_len, window)
+    if params.allowed:
+        kept = out[:, list(params.allowed)]
+        out[:] = -np.inf
+        out[:, list(params.allowed)] = kept
+    early = params.min_tokens - (len(context) - prompt_len)  # rows before the min_tokens-th new token
+    if early > 0 and params.ending:
+        out[:early, list(params.ending)] = -np.inf
+    return out
+
+
+def _count_penalties(out: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int,
+                     window: Sequence[int]) -> None:
+    """The repetition, frequency and presence penalties on the biased logits `out`, in place."""
     biased = out.copy() if len(window) and out.shape[0] > 1 else out
     ctx = np.asarray(context, np.int64)
     counted, counts = np.unique(ctx[prompt_len:], return_counts=True)
@@ -92,7 +110,6 @@ def _penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int]
             hit = counted[at] == tokens
             before[hit] = counts[at[hit]]
         out[i, tokens] = _penalized(biased[i, tokens], (before + extra).astype(np.float32), params)
-    return out
 
 
 def _penalized(x: np.ndarray, counts: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -9,10 +9,13 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mirror_sd.errors import BadInputError, ManifestError
 from mirror_sd.partitions.manifest import Manifest, resolve_inside
+
+if TYPE_CHECKING:  # a type only: the options import the runtime's modules
+    from mirror_sd.runtime.config import GenerationConfig
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # the special tokens a chat template names
@@ -66,19 +69,25 @@ class TextCodec:
         return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
         """Render chat messages with the bundle's template, ending with the assistant's turn (opened, unless not
         `add_generation_prompt`); `tools` (OpenAI's function definitions) go to the template as transformers gives
-        them."""
+        them, and `template_kwargs` as further variables (transformers' **kwargs, vLLM's chat_template_kwargs: a
+        switch such as enable_thinking that a template reads)."""
         if not self.facts.chat_template:
             raise BadInputError("the bundle has no chat template; give the prompt as text or token ids")
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise BadInputError(f"chat message {i} must be a dict with string 'role' and 'content'")
+        own = {"messages", "tools", "add_generation_prompt", *self._template_tokens}
+        taken = sorted(own & set(template_kwargs or {}))
+        if taken:  # each has its own field, or is the tokenizer's
+            raise BadInputError(f"chat template variables {', '.join(taken)} are not taken from chat_template_kwargs",
+                                option="chat_template_kwargs")
         from jinja2 import TemplateError
 
         try:
-            return self._chat_template.render(messages=messages, tools=tools,
+            return self._chat_template.render(**(template_kwargs or {}), messages=messages, tools=tools,
                                               add_generation_prompt=add_generation_prompt,
                                               **self._template_tokens)
         except TemplateError as e:
@@ -172,20 +181,32 @@ class TextSink:
 
     Text is decoded incrementally, each token's with the few tokens before it (so that a token costs the same at any
     length, and a first word keeps its space): held back while it ends in an incomplete UTF-8 character, and shown
-    but a tail that could be the start of a stop string. A stop string ends generation: the text stops before it;
-    token_ids keep the token that completed it.
+    but a tail that could be the start of a stop string. A stop string ends generation: the text stops before it
+    (after it where `keep_stop`); token_ids keep the token that completed it. An ending token (`eos_token_ids`: the
+    end-of-sequence and stop tokens) ends it too, its own text left out unless `keep_stop` (vLLM's rule: a special
+    token has none). Stop strings are looked for only where they end after the first `min_tokens` tokens' text, as
+    vLLM looks for them.
     """
 
     def __init__(self, codec: TextCodec, stop: tuple[str, ...], eos_token_ids: tuple[int, ...],
-                 max_tokens: int, prompt_ids: list[int] | tuple[int, ...] = ()) -> None:
+                 max_tokens: int, prompt_ids: list[int] | tuple[int, ...] = (), min_tokens: int = 0,
+                 keep_stop: bool = False) -> None:
         self.codec, self.stop, self.eos, self.max_tokens = codec, stop, set(eos_token_ids), max_tokens
+        self.min_tokens, self.keep_stop = min_tokens, keep_stop
         self.ids: list[int] = []
         self.text = ""
         self.shown = 0  # characters of self.text already given out
+        self.exempt = 0  # characters of the first min_tokens tokens' text: no stop string ends within them
         self.finish_reason: str | None = None
         # ids decoded together: those before `_read` stand for text already in self.text
         self._window = list(prompt_ids[-PROMPT_CONTEXT:])
         self._read = len(self._window)
+
+    @classmethod
+    def of(cls, codec: TextCodec, cfg: GenerationConfig, prompt_ids: list[int] | tuple[int, ...]) -> TextSink:
+        """The sink of a generation of `cfg` (checked: Pipeline.check resolved its end-of-sequence tokens)."""
+        return cls(codec, cfg.stop, cfg.ending_token_ids, cfg.max_new_tokens, prompt_ids, cfg.min_tokens,
+                   cfg.include_stop_str_in_output)
 
     def _decode_new(self, final: bool) -> str:
         """The text of the ids after `_read`, decoded after those before it; empty while it ends in an incomplete
@@ -202,21 +223,27 @@ class TextSink:
         """Commit one token; returns the new text to show (possibly empty)."""
         self.ids.append(token)
         self._window.append(token)
-        self.text += self._decode_new(final=token in self.eos or len(self.ids) >= self.max_tokens)
+        new = self._decode_new(final=token in self.eos or len(self.ids) >= self.max_tokens)
         if token in self.eos:
+            self.text += new if self.keep_stop else ""
             self.finish_reason = "eos"
             return self.flush()
+        self.text += new
+        if len(self.ids) <= self.min_tokens:
+            self.exempt = len(self.text)
         # the earliest stop string in the text, whichever is listed first
-        found = [at for s in self.stop if (at := self.text.find(s, max(0, self.shown - len(s)))) >= 0]
+        found = [(at, at + len(s)) for s in self.stop
+                 if (at := self.text.find(s, max(0, self.shown - len(s), self.exempt - len(s) + 1))) >= 0]
         if found:
-            self.text, self.finish_reason = self.text[:min(found)], "stop"
+            at, end = min(found)
+            self.text, self.finish_reason = self.text[:end if self.keep_stop else at], "stop"
             return self.flush()
         if len(self.ids) >= self.max_tokens:
             self.finish_reason = "length"
             return self.flush()
         safe = len(self.text)
-        hold = max((n for s in self.stop for n in range(1, min(len(s), safe + 1)) if self.text.endswith(s[:n])),
-                   default=0)
+        hold = 0 if self.keep_stop else max(
+            (n for s in self.stop for n in range(1, min(len(s), safe + 1)) if self.text.endswith(s[:n])), default=0)
         return self._show(max(safe - hold, self.shown))  # hold back a tail that could grow into a stop string
 
     def flush(self) -> str:

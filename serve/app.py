@@ -103,6 +103,7 @@ class _Job:
     config: GenerationConfig
     arrival: float  # time.monotonic() when the request came in
     deadline: float  # time.monotonic()
+    truncated: bool = False  # the prompt lost its first tokens (truncate_prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -319,11 +320,12 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         _check_model(body.model)
         try:
             text = body.prompt if body.messages is None else pipe.codec.render_chat(
-                p.template_messages(body.messages), p.template_tools(body.tools), body.add_generation_prompt)
+                p.template_messages(body.messages), p.template_tools(body.tools), body.add_generation_prompt,
+                body.chat_template_kwargs)
             ids = pipe.codec.encode(text, special=body.special)
         except BadInputError as e:
-            raise p.ApiError(400, str(e), param="prompt" if body.messages is None else "messages",
-                             code="invalid_value") from None
+            param = e.option or ("prompt" if body.messages is None else "messages")
+            raise p.ApiError(400, str(e), param=param, code="invalid_value") from None
         return {"count": len(ids), "max_model_len": _context_limit(pipe), "tokens": ids,
                 "token_strs": [pipe.codec.token_str(t) for t in ids] if body.return_token_strs else None}
 
@@ -402,7 +404,10 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             noted.add(name)
         ids: list[int] = []
         try:
-            ids = pipe.prompt_ids(prompt, tools=body.template_tools() if chat else None)
+            given = pipe.prompt_ids(prompt, tools=body.template_tools() if chat else None,
+                                    template_kwargs=body.chat_template_kwargs if chat else None)
+            # cut first: a request without max_tokens gets the room the kept tokens leave
+            ids = pipe.truncated(given, {**settings.defaults, **requested}.get("truncate_prompt_tokens"))
             options = d.resolve(settings.defaults, requested, _context_room(pipe, len(ids)),
                                 None if chat else d.COMPLETION_MAX_TOKENS)
             ids, config = pipe.check(ids, **options)
@@ -412,7 +417,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             param = body.json_schema_field if e.option == "json_schema" else _param_of(e, chat)
             raise p.ApiError(400, str(e), param=param, code="invalid_value") from None
         arrival = getattr(request.state, ARRIVAL, time.monotonic())
-        return _Job(ids, config, arrival, time.monotonic() + settings.request_timeout_s)
+        return _Job(ids, config, arrival, time.monotonic() + settings.request_timeout_s, len(ids) < len(given))
 
     async def _complete(request: Request, body: p.ChatRequest | p.CompletionRequest, prompts: list[Any],
                         chat: bool) -> Any:
@@ -431,18 +436,21 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             jobs += _choices(job, body.n)
             prompt_tokens += len(job.ids)
             if not chat and body.echo:
-                # ids echo as their tokens spell them, special ones included (as the logprobs' tokens do)
-                echoes += [prompt if isinstance(prompt, str) else pipe.codec.decode(job.ids, special=True)] * body.n
+                # ids, and a text cut by truncate_prompt_tokens, echo as their tokens spell them, special ones
+                # included (as the logprobs' tokens do)
+                echoes += [prompt if isinstance(prompt, str) and not job.truncated
+                           else pipe.codec.decode(job.ids, special=True)] * body.n
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         seed = {"x-seed": str(job.config.seed)}  # the seed it ran with: the same request with it repeats the answer
         gen.check_room(len(jobs))  # all the choices or none (a stream: before its 200 goes out)
         started = [gen.start(j) for j in jobs]  # before any await: the room just checked is theirs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            continuous = bool(body.stream_options and body.stream_options.continuous)
             # the background task runs once the response ends, even where its body never started (a client gone
             # at once): the generations stop then
             return StreamingResponse(_stream(request, jobs, started, rid, body.model, chat, include_usage,
-                                             prompt_tokens, calls), media_type="text/event-stream",
+                                             prompt_tokens, calls, continuous), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **seed},
                                      background=BackgroundTask(_abandon, started))
         watcher = asyncio.create_task(_watch_disconnect(request))
@@ -496,12 +504,15 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
     async def _stream(request: Request, jobs: list[_Job], started: list[AsyncRequest], rid: str, model: str,
                       chat: bool, include_usage: bool, prompt_tokens: int,
-                      calls: ToolAnswers | ParsedAnswers | None = None) -> AsyncIterator[str]:
+                      calls: ToolAnswers | ParsedAnswers | None = None, continuous: bool = False
+                      ) -> AsyncIterator[str]:
         """The choices' chunks as they come, each with its choice's index (n > 1: interleaved), and with the
         logprobs of the tokens whose text it carries where asked for (a token whose text is held back, part of a
-        character or of a possible stop string, rides with the next chunk; the last chunk carries any left)."""
+        character or of a possible stop string, rides with the next chunk; the last chunk carries any left);
+        `continuous`: each with its choice's usage so far too (vLLM's continuous_usage_stats)."""
         events: asyncio.Queue = asyncio.Queue()  # (kind, choice, value, logprobs)
         offsets = [p.TextOffsets() for _ in jobs]  # each choice's text so far (completions' text_offset)
+        made = [0] * len(jobs)  # each choice's tokens so far
         created = int(time.time())
 
         streams = [calls.stream() for _ in jobs] if calls is not None else None  # each choice's tool-call deltas
@@ -512,20 +523,24 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                 deltas = streams[index].deltas(text, reason, first)
                 scores, unsent[index] = (unsent[index] + scores, ()) if deltas else ((), unsent[index] + scores)
                 logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
-                return "".join(f"data: {json.dumps(p.chat_chunk(rid, created, model, delta, end, index, lp))}\n\n"
-                               for (delta, end), lp in zip(deltas, (logprobs, None, None)))
-            logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
-            if chat:
-                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-                doc = p.chat_chunk(rid, created, model, delta, reason, index, logprobs)
+                docs = [p.chat_chunk(rid, created, model, delta, end, index, lp)
+                        for (delta, end), lp in zip(deltas, (logprobs, None, None))]
             else:
-                doc = p.completion_chunk(rid, created, model, text, reason, index, logprobs)
-            return f"data: {json.dumps(doc)}\n\n"
+                logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
+                if chat:
+                    delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                    docs = [p.chat_chunk(rid, created, model, delta, reason, index, logprobs)]
+                else:
+                    docs = [p.completion_chunk(rid, created, model, text, reason, index, logprobs)]
+            for doc in docs if continuous else ():
+                doc["usage"] = p.usage(len(jobs[index].ids), made[index])
+            return "".join(f"data: {json.dumps(doc)}\n\n" for doc in docs)
 
         async def run(index: int) -> None:
             pending: list[TokenLogprob] = []  # logprobs of tokens whose text has not gone out
 
             def relay(c: Chunk) -> None:
+                made[index] += 1
                 if c.logprob is not None:
                     pending.append(c.logprob)
                 if c.text:

@@ -85,6 +85,12 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False  # null: false, as OpenAI's API allows
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far as well
+    continuous_usage_stats: bool | None = False
+
+    @property
+    def continuous(self) -> bool:
+        return bool(self.include_usage and self.continuous_usage_stats)
 
 
 class JsonSchemaFormat(_Strict):
@@ -218,9 +224,11 @@ def wire_field(spec: Spec) -> tuple[Any, Any]:
         kind: Any = Literal[o.choices]
     elif spec.kind is tuple:
         kind = str | list[str]  # one string or several, as GenerationConfig takes them
+    elif spec.kind is list:
+        kind = list[Annotated[int, Strict(), Field(ge=0)]]  # token ids (vLLM's lists)
     elif spec.kind is dict:  # JSON's keys are strings: the option's own check reads them as token ids
         return Annotated[dict[str, float], AfterValidator(spec.check)] | None, Field(default=None, description=o.help)
-    elif spec.kind in (int, float):  # strict: true is not 1 (an int is still a float)
+    elif spec.kind in (int, float, bool):  # strict: true is not 1, nor "yes" true (an int is still a float)
         kind = Annotated[spec.kind, Strict()]
     else:
         kind = spec.kind
@@ -328,6 +336,8 @@ class ChatRequest(Sampling, fields_model(CHAT)):
     # function calling, where the call is forced (serve/tools.py)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # vLLM's: further variables for the chat template (enable_thinking, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
     @field_validator("tools")
@@ -417,6 +427,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True  # a chat ends with the assistant's turn opened
     continue_final_message: Literal[False] = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False  # each token as the vocabulary spells it, too
 
     @field_validator("tools")

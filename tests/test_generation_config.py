@@ -107,6 +107,8 @@ def _samples(spec: Spec, bounds: Range | None = None) -> tuple[list, list]:
         return [True, False], ["maybe"]
     if spec.kind is tuple:
         return [["a"], ["a", "b"]], [[""]]
+    if spec.kind is list:  # token ids
+        return [[0], [5, 7]], [[-1], [3, -2]]
     if spec.name == "json_schema":  # a JSON schema's text
         return ['{"type": "object"}', '{"type": "string", "maxLength": 3}'], ["not json", "[1]"]
     if spec.name == "regex":  # a pattern (one llguidance cannot compile is refused by Pipeline.check)
@@ -149,7 +151,7 @@ def test_every_option_is_a_flag_of_generate_or_api_only(spec):
         def argv(value) -> list[str]:  # a list: the flag repeated
             if spec.kind is dict:
                 return [f"{spec.flag}={k}:{v}" for k, v in value]
-            return [a for v in (value if spec.kind is tuple else [value]) for a in (spec.flag, str(v))]
+            return [a for v in (value if spec.kind in (tuple, list) else [value]) for a in (spec.flag, str(v))]
 
         inside, outside = _samples(spec)
         for value in inside:

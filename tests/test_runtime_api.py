@@ -399,3 +399,13 @@ def test_chat_templates_render_as_transformers_renders_them(pair_factory, tmp_pa
         ours = TextCodec(saved, types.SimpleNamespace(tokenizer=facts)).render_chat(messages)
         assert ours == hf.apply_chat_template(messages, chat_template=template, tokenize=False,
                                               add_generation_prompt=True), template
+    # further variables (transformers' **kwargs, vLLM's chat_template_kwargs), as transformers passes them
+    template = "{% if not enable_thinking %}/no_think {% endif %}{{ messages[0].content }}{{ tools | length }}"
+    facts.chat_template = template
+    codec = TextCodec(saved, types.SimpleNamespace(tokenizer=facts))
+    for kwargs in ({"enable_thinking": False}, {"enable_thinking": True}):
+        assert codec.render_chat(messages, [{"x": 1}], template_kwargs=kwargs) == hf.apply_chat_template(
+            messages, tools=[{"x": 1}], chat_template=template, tokenize=False, add_generation_prompt=True, **kwargs)
+    with pytest.raises(BadInputError, match="bos_token") as err:
+        codec.render_chat(messages, template_kwargs={"bos_token": "x"})
+    assert err.value.option == "chat_template_kwargs"

@@ -240,6 +240,8 @@ def _out_of_range(spec: Spec) -> object:
         return "maybe"
     if spec.kind is tuple:
         return [""]
+    if spec.kind is list:  # token ids: one past the vocabulary (the pipeline's check)
+        return [10**6]
     if spec.name == "json_schema":  # response_format: a schema that is not one
         return {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}
     if spec.name == "regex":  # a pattern that does not compile

@@ -118,6 +118,60 @@ def test_penalties_are_the_librarys(pipe, client):
         assert e.value.param == field
 
 
+def test_vllms_token_controls_are_the_librarys(pipe, client, port):
+    """vLLM's stop_token_ids, min_tokens, include_stop_str_in_output, allowed_token_ids and truncate_prompt_tokens
+    (extra_body, as vLLM's clients send them) give the library's text; bad values are 400s naming the field."""
+    plain = pipe.generate("the cat", mode="ar", max_new_tokens=16, ignore_eos=True).token_ids
+    stop = next(t for t in plain[2:] if t not in plain[:2])
+    for extra in (dict(stop_token_ids=[stop]), dict(stop_token_ids=[stop], include_stop_str_in_output=True),
+                  dict(stop_token_ids=[stop], min_tokens=plain.index(stop) + 2),
+                  dict(allowed_token_ids=sorted(set(plain[:6])))):
+        want = pipe.generate("the cat", mode="ar", max_new_tokens=16, **extra)
+        r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, temperature=0, extra_body=extra)
+        assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids), extra
+        c = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+                                           extra_body=extra)
+        assert c.choices[0].message.content == pipe.generate(MESSAGES, mode="ar", max_new_tokens=16, **extra).text
+    ids = pipe.prompt_ids("the cat sat on the mat and looked at the dog")
+    r = client.completions.create(model=MODEL, prompt="the cat sat on the mat and looked at the dog", max_tokens=6,
+                                  temperature=0, echo=True, extra_body={"truncate_prompt_tokens": 4})
+    kept = pipe.codec.decode(ids[-4:], special=True)
+    assert r.usage.prompt_tokens == 4
+    assert r.choices[0].text == kept + pipe.generate(ids[-4:], mode="ar", max_new_tokens=6).text
+    vocab = pipe.manifest.target.vocab_size
+    for field, value in (("stop_token_ids", [vocab]), ("stop_token_ids", ["1"]), ("allowed_token_ids", [-1]),
+                         ("min_tokens", 9), ("truncate_prompt_tokens", 0), ("include_stop_str_in_output", "yes")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={field: value})
+        assert e.value.param.startswith(field), (field, value)  # a list's item: its index after the field
+
+
+def test_chat_template_kwargs_reach_the_template_and_usage_streams_continuously(pipe, client, port):
+    """vLLM's chat_template_kwargs are the template's further variables (this template reads none: the answer is
+    the same), never its own ones; stream_options.continuous_usage_stats puts each chunk's usage so far on it."""
+    solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=8)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == solo.text
+    for name in ("messages", "add_generation_prompt", "eos_token"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                           extra_body={"chat_template_kwargs": {name: 1}})
+        assert e.value.param == "chat_template_kwargs" and name in e.value.message
+    status, _, text = _http(port, "POST", "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}},
+                            {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "chat_template_kwargs"
+    text = pipe.generate("the cat", mode="ar", max_new_tokens=8)
+    for make, want in ((lambda **kw: client.chat.completions.create(messages=MESSAGES, **kw), solo),
+                       (lambda **kw: client.completions.create(prompt="the cat", **kw), text)):
+        chunks = list(make(model=MODEL, max_tokens=8, temperature=0, stream=True,
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        assert all(c.usage is not None for c in chunks)
+        made = [c.usage.completion_tokens for c in chunks]
+        assert made == sorted(made) and made[0] >= 1 and made[-2:] == [len(want.token_ids)] * 2
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+
+
 def test_a_negative_seed_is_taken_as_openai_takes_any_int64(pipe, client):
     want = pipe.generate(MESSAGES, mode="ar", max_new_tokens=8, temperature=1.0, seed=-7)
     assert want.token_ids != pipe.generate(MESSAGES, mode="ar", max_new_tokens=8, temperature=1.0, seed=7).token_ids

@@ -1,0 +1,171 @@
+"""vLLM's token controls (GenerationConfig: stop_token_ids, min_tokens, allowed_token_ids, include_stop_str_in_output,
+truncate_prompt_tokens; runtime/sampling.py penalize, runtime/text.py TextSink): what each does to the text, and sd,
+mirror and lookup still equal ar token for token under them, alone and in the batching engine, on every
+architecture."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import alone_then_joined
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.reference import reference_generate
+from mirror_sd.runtime.sampling import SamplingParams, penalize
+from mirror_sd.runtime.text import TextSink
+
+PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
+NEW_TOKENS = 24
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def test_the_masks_are_vllms_row_by_row():
+    """allowed_token_ids leaves only its tokens; min_tokens masks the ending tokens at each row whose position comes
+    before that many new tokens, so a verification row is masked as the step it stands for; unmasked entries keep
+    their bits (the bias and penalties before them)."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 30)).astype(np.float32)
+    context, prompt_len, window = [3, 4, 5, 6, 7], 3, (8, 9, 2)  # two new tokens before row 0
+    params = SamplingParams(min_tokens=4, ending=(2, 9), allowed=(2, 5, 9, 11), logit_bias=((5, 1.5),))
+    out = penalize(logits, params, context, prompt_len, window)
+    for i in range(4):
+        alone = penalize(logits[i:i + 1], params, [*context, *window[:i]], prompt_len)
+        np.testing.assert_array_equal(out[i], alone[0])
+        finite = set(np.flatnonzero(np.isfinite(out[i])))
+        assert finite == ({5, 11} if 2 + i < 4 else {2, 5, 9, 11}), i
+    np.testing.assert_array_equal(out[3, [2, 9, 11]], logits[3, [2, 9, 11]])
+    assert out[3, 5] == logits[3, 5] + np.float32(1.5)
+    # after min_tokens new tokens nothing is masked
+    np.testing.assert_array_equal(penalize(logits, SamplingParams(min_tokens=2, ending=(2,)), context, prompt_len),
+                                  logits)
+    assert not SamplingParams(min_tokens=3).penalized and SamplingParams(allowed=(1,)).penalized
+
+
+def test_the_options_check_their_values():
+    cfg = GenerationConfig(stop_token_ids=[7, 3, 7], allowed_token_ids=4, min_tokens=2, eos_token_ids=[9])
+    assert cfg.stop_token_ids == (7, 3) and cfg.allowed_token_ids == (4,)
+    assert cfg.ending_token_ids == (9, 7, 3) and cfg.params.ending == (3, 7, 9) and cfg.params.min_tokens == 2
+    assert cfg.updated(ignore_eos=True).ending_token_ids == (7, 3)  # stop tokens end the text under ignore_eos too
+    for bad in (dict(stop_token_ids=[-1]), dict(stop_token_ids=[True]), dict(allowed_token_ids=["5"]),
+                dict(min_tokens=-1), dict(truncate_prompt_tokens=0), dict(truncate_prompt_tokens=-2)):
+        with pytest.raises(BadInputError) as err:
+            GenerationConfig(**bad)
+        assert err.value.option == next(iter(bad))
+
+
+def test_the_pipeline_refuses_what_could_not_run(engine_pipelines):
+    pipe = engine_pipelines()
+    vocab = pipe.manifest.target.vocab_size
+    eos = pipe.manifest.tokenizer.eos_token_ids
+    assert pipe.check(PROMPTS[0])[1].eos_token_ids == tuple(eos)  # the tokenizer's, written in
+    cases = [(dict(stop_token_ids=[vocab]), "stop_token_ids", "past the vocabulary"),
+             (dict(allowed_token_ids=[1, vocab + 3]), "allowed_token_ids", "past the vocabulary"),
+             (dict(min_tokens=9, max_new_tokens=8), "min_tokens", "exceeds max_new_tokens"),
+             (dict(min_tokens=1, allowed_token_ids=list(eos)), "allowed_token_ids", "no token could come"),
+             (dict(min_tokens=2, json_schema='{"type": "object"}'), "min_tokens", "EOS"),
+             (dict(allowed_token_ids=[4], regex="a+"), "allowed_token_ids", "EOS"),
+             (dict(eos_token_ids=[4], choice=["yes", "no"]), "eos_token_ids", "EOS")]
+    for options, option, words in cases:
+        with pytest.raises(BadInputError, match=words) as err:
+            pipe.check(PROMPTS[0], **options)
+        assert err.value.option == option, options
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(engine_pipelines):
+    pipe = engine_pipelines()
+    prompt = list(range(3, 40))
+    assert pipe.check(prompt, truncate_prompt_tokens=5)[0] == prompt[-5:]
+    assert pipe.check(prompt, truncate_prompt_tokens=500)[0] == prompt
+    long = [5] * (pipe.longest_prompt + 20)
+    assert len(pipe.check(long, truncate_prompt_tokens=-1, max_new_tokens=1)[0]) == pipe.longest_prompt
+    got = pipe.generate(prompt, mode="mirror", truncate_prompt_tokens=6, max_new_tokens=8, ignore_eos=True)
+    assert got.token_ids == pipe.generate(prompt[-6:], mode="ar", max_new_tokens=8, ignore_eos=True).token_ids
+
+
+def _stopper(pipe, prompt):
+    """A token the plain greedy text holds early (and not at its first position), and that text."""
+    plain = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+    return next(t for t in plain[2:] if t not in plain[:2]), plain
+
+
+def test_stop_token_ids_end_the_text_and_min_tokens_holds_them_off(engine_pipelines):
+    pipe = engine_pipelines()
+    for prompt in PROMPTS:
+        stop, plain = _stopper(pipe, prompt)
+        at = plain.index(stop)
+        out = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, stop_token_ids=[stop], ignore_eos=True)
+        assert out.token_ids == plain[:at + 1] and out.finish_reason == "eos"
+        assert out.text == pipe.codec.decode(plain[:at])  # the stop token's text is left out
+        kept = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, stop_token_ids=[stop], ignore_eos=True,
+                             include_stop_str_in_output=True)
+        assert kept.token_ids == out.token_ids and kept.text == pipe.codec.decode(plain[:at + 1])
+        held = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, stop_token_ids=[stop], ignore_eos=True,
+                             min_tokens=at + 2)
+        assert stop not in held.token_ids[:at + 2] and len(held.token_ids) > at + 2
+        assert held.finish_reason == "length" or held.token_ids[-1] == stop
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_mode_equals_ar_under_the_controls(engine_pipelines, arch):
+    pipe = engine_pipelines(arch)
+    for prompt in PROMPTS:
+        stop, plain = _stopper(pipe, prompt)
+        allowed = sorted(set(plain[::2]) | {stop})
+        controls = (dict(stop_token_ids=[stop], min_tokens=plain.index(stop) + 3),
+                    dict(allowed_token_ids=allowed, min_tokens=4, stop_token_ids=[stop]),
+                    dict(allowed_token_ids=allowed, repetition_penalty=1.3))
+        for options in controls:
+            ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, **options)
+            _, cfg = pipe.check(prompt, max_new_tokens=NEW_TOKENS, **options)
+            want = reference_generate(pipe.target, None, prompt, NEW_TOKENS, params=cfg.params,
+                                      eos_token_ids=cfg.ending_token_ids)
+            assert ar.token_ids == want, options
+            if "allowed_token_ids" in options:
+                assert set(ar.token_ids) <= set(allowed)
+            for mode in ("lookup", "sd", "mirror"):
+                for gate in (True, False):  # the default steps, and every step verifying a window
+                    out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, adaptive_speculation=gate,
+                                        **options)
+                    assert (out.token_ids, out.text) == (ar.token_ids, ar.text), (mode, gate, options)
+
+
+def test_batched_rows_with_their_own_controls_give_their_solo_outputs(engine_pipelines):
+    pipe = engine_pipelines()
+    prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10], [40, 41]]
+    stops = [_stopper(pipe, p) for p in prompts]
+    runs = [("mirror", dict(stop_token_ids=[stops[0][0]], min_tokens=6)),
+            ("sd", dict(allowed_token_ids=sorted(set(stops[1][1])), min_tokens=3)),
+            ("ar", dict(temperature=0.9, seed=3, allowed_token_ids=sorted(set(stops[2][1][:8])))),
+            ("lookup", dict(stop_token_ids=[stops[3][0]], include_stop_str_in_output=True))]
+    requests = [(p, dict(mode=m, max_new_tokens=40 if i == 0 else NEW_TOKENS, **options))
+                for i, (p, (m, options)) in enumerate(zip(prompts, runs))]
+    results = alone_then_joined(pipe, requests[0], requests[1:])
+    assert max(r.stats.mean_batch_size for r in results) > 1  # they shared steps
+    for (prompt, options), got in zip(requests, results):
+        alone = pipe.generate(prompt, **{**options, "mode": "ar"})
+        assert (got.token_ids, got.text, got.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)
+
+
+class _Letters:
+    """A codec whose token i is the i-th letter: text offsets are token counts."""
+
+    def decode(self, ids, special=False):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_the_sink_keeps_stop_strings_where_asked_and_skips_them_before_min_tokens():
+    letters = [ord(c) - ord("a") for c in "xyabzab"]
+
+    def run(**kw):
+        sink = TextSink(_Letters(), ("ab",), (20,), 20, **kw)
+        shown = "".join(sink.add(t) for t in letters if sink.finish_reason is None)
+        return sink.text, shown, sink.finish_reason, len(sink.ids)
+
+    assert run() == ("xy", "xy", "stop", 4)
+    assert run(keep_stop=True) == ("xyab", "xyab", "stop", 4)
+    # the first "ab" ends within the first 4 tokens: not looked for; the next one is
+    assert run(min_tokens=4) == ("xyabz", "xyabz", "stop", 7)
+    assert run(min_tokens=3) == ("xy", "xy", "stop", 4)  # it ends with the 4th token: past the first 3
+    sink = TextSink(_Letters(), (), (20,), 20, keep_stop=True)  # an ending token's own text, kept
+    assert [sink.add(t) for t in (0, 20)] == ["a", "u"] and sink.finish_reason == "eos"
