@@ -214,17 +214,16 @@ class Pipeline:
         return target
 
     # -- prompts -------------------------------------------------------------------------------------------
-    def prompt_ids(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None,
-                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def prompt_ids(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None, **rendering: Any) -> list[int]:
         """Token ids of a prompt given as text, chat messages (with the functions a chat template may list:
-        `tools`, and further template variables: `template_kwargs`), or ids (checked against the vocabulary)."""
+        `tools`, and TextCodec.render_chat's other keywords: `rendering`), or ids (checked against the
+        vocabulary)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise BadInputError("the prompt is empty", option="prompt")
             ids = self.codec.encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.codec.encode(self.codec.render_chat(list(prompt), tools, template_kwargs=template_kwargs),
-                                    special=False)
+            ids = self.codec.encode(self.codec.render_chat(list(prompt), tools, **rendering), special=False)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             vocab = self.manifest.target.vocab_size

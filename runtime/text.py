@@ -69,11 +69,14 @@ class TextCodec:
         return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
+                    add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> str:
         """Render chat messages with the bundle's template, ending with the assistant's turn (opened, unless not
         `add_generation_prompt`); `tools` (OpenAI's function definitions) go to the template as transformers gives
         them, and `template_kwargs` as further variables (transformers' **kwargs, vLLM's chat_template_kwargs: a
-        switch such as enable_thinking that a template reads)."""
+        switch such as enable_thinking that a template reads). `continue_final_message`: the text ends with the last
+        message's content, its turn left open for the answer to go on (transformers' rule: cut after the content's
+        last occurrence)."""
         if not self.facts.chat_template:
             raise BadInputError("the bundle has no chat template; give the prompt as text or token ids")
         for i, m in enumerate(messages):
@@ -84,14 +87,18 @@ class TextCodec:
         if taken:  # each has its own field, or is the tokenizer's
             raise BadInputError(f"chat template variables {', '.join(taken)} are not taken from chat_template_kwargs",
                                 option="chat_template_kwargs")
+        if continue_final_message and add_generation_prompt:  # a new turn opened after the one to go on
+            raise BadInputError("continue_final_message goes on with the last message: add_generation_prompt must be "
+                                "false with it", option="continue_final_message")
         from jinja2 import TemplateError
 
         try:
-            return self._chat_template.render(**(template_kwargs or {}), messages=messages, tools=tools,
+            text = self._chat_template.render(**(template_kwargs or {}), messages=messages, tools=tools,
                                               add_generation_prompt=add_generation_prompt,
                                               **self._template_tokens)
         except TemplateError as e:
             raise BadInputError(f"the bundle's chat template failed to render: {e}") from None
+        return _continued(text, messages[-1]["content"]) if continue_final_message and messages else text
 
     @functools.cached_property
     def _chat_template(self):
@@ -174,6 +181,17 @@ class TextCodec:
 # The prompt's last tokens a generation's text is decoded after (as vLLM does): a sentencepiece decoder strips the
 # space a text's first word starts with, which is part of the answer when the answer goes on from a prompt
 PROMPT_CONTEXT = 5
+
+
+def _continued(text: str, final: str) -> str:
+    """`text` cut after the last occurrence of the final message's content `final` (its spaces kept where the template
+    kept them), as transformers' continue_final_message cuts it."""
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise BadInputError("continue_final_message: the chat template's text does not hold the last message's "
+                            "content", option="continue_final_message")
+    kept = len(final.lstrip())
+    return text[:at + (kept if text[at:at + kept] == final else len(final.strip()))]
 
 
 class TextSink:

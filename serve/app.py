@@ -320,8 +320,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         _check_model(body.model)
         try:
             text = body.prompt if body.messages is None else pipe.codec.render_chat(
-                p.template_messages(body.messages), p.template_tools(body.tools), body.add_generation_prompt,
-                body.chat_template_kwargs)
+                p.template_messages(body.messages), p.template_tools(body.tools), **body.rendering())
             ids = pipe.codec.encode(text, special=body.special)
         except BadInputError as e:
             param = e.option or ("prompt" if body.messages is None else "messages")
@@ -404,8 +403,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             noted.add(name)
         ids: list[int] = []
         try:
-            given = pipe.prompt_ids(prompt, tools=body.template_tools() if chat else None,
-                                    template_kwargs=body.chat_template_kwargs if chat else None)
+            given = pipe.prompt_ids(prompt, tools=body.template_tools(), **body.rendering()) if chat else \
+                pipe.prompt_ids(prompt)
             # cut first: a request without max_tokens gets the room the kept tokens leave
             ids = pipe.truncated(given, {**settings.defaults, **requested}.get("truncate_prompt_tokens"))
             options = d.resolve(settings.defaults, requested, _context_room(pipe, len(ids)),

@@ -327,7 +327,22 @@ class ChatMessage(_Strict):
         return out
 
 
-class ChatRequest(Sampling, fields_model(CHAT)):
+class ChatRendering(_Strict):
+    """How a chat's messages become its prompt (vLLM's fields; runtime/text.py TextCodec.render_chat)."""
+
+    add_generation_prompt: StrictBool = True  # a chat ends with the assistant's turn opened
+    # the last message's turn left open, the answer going on from its content (an assistant's prefill)
+    continue_final_message: StrictBool = False
+    # further variables for the chat template (enable_thinking, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def rendering(self) -> dict[str, Any]:
+        """TextCodec.render_chat's keywords for these fields."""
+        return {"add_generation_prompt": self.add_generation_prompt, "template_kwargs": self.chat_template_kwargs,
+                "continue_final_message": self.continue_final_message}
+
+
+class ChatRequest(Sampling, ChatRendering, fields_model(CHAT)):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = wire_field(_spec("max_new_tokens"))[1]  # the newer name of max_tokens
     # chat's shape of the logprobs option: a switch, and the alternatives in a field of their own
@@ -336,8 +351,6 @@ class ChatRequest(Sampling, fields_model(CHAT)):
     # function calling, where the call is forced (serve/tools.py)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    # vLLM's: further variables for the chat template (enable_thinking, ...)
-    chat_template_kwargs: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
     @field_validator("tools")
@@ -415,7 +428,7 @@ def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(ChatRendering):
     """vLLM's /tokenize: a text prompt (`prompt`, as /v1/completions reads it) or a chat (`messages` and their
     `tools`, rendered by the chat template with the assistant's turn opened, as /v1/chat/completions reads them)."""
 
@@ -425,9 +438,6 @@ class TokenizeRequest(_Strict):
     tools: list[Tool] | None = None
     # vLLM's defaults: a text's special tokens (a BOS) added, a rendered chat's left as its template wrote them
     add_special_tokens: StrictBool | None = None
-    add_generation_prompt: StrictBool = True  # a chat ends with the assistant's turn opened
-    continue_final_message: Literal[False] = False
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False  # each token as the vocabulary spells it, too
 
     @field_validator("tools")

@@ -409,3 +409,19 @@ def test_chat_templates_render_as_transformers_renders_them(pair_factory, tmp_pa
     with pytest.raises(BadInputError, match="bos_token") as err:
         codec.render_chat(messages, template_kwargs={"bos_token": "x"})
     assert err.value.option == "chat_template_kwargs"
+    # an assistant's prefill goes on (continue_final_message), spaces as transformers keeps or trims them
+    chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    trimmed = "{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}</s>{% endfor %}"
+    for template in (chatml, trimmed):
+        facts.chat_template = template
+        codec = TextCodec(saved, types.SimpleNamespace(tokenizer=facts))
+        for prefill in ("The answer is", "The answer is ", " yes", "1 < 2"):
+            chat = [messages[0], {"role": "assistant", "content": prefill}]
+            ours = codec.render_chat(chat, add_generation_prompt=False, continue_final_message=True)
+            assert ours == hf.apply_chat_template(chat, chat_template=template, tokenize=False,
+                                                  continue_final_message=True), (template, prefill)
+            assert ours.rstrip().endswith(prefill.strip())
+    with pytest.raises(BadInputError, match="add_generation_prompt") as err:
+        codec.render_chat(messages, continue_final_message=True)
+    assert err.value.option == "continue_final_message"

@@ -146,9 +146,10 @@ def test_vllms_token_controls_are_the_librarys(pipe, client, port):
         assert e.value.param.startswith(field), (field, value)  # a list's item: its index after the field
 
 
-def test_chat_template_kwargs_reach_the_template_and_usage_streams_continuously(pipe, client, port):
+def test_chat_template_fields_and_usage_streamed_continuously(pipe, client, port):
     """vLLM's chat_template_kwargs are the template's further variables (this template reads none: the answer is
-    the same), never its own ones; stream_options.continuous_usage_stats puts each chunk's usage so far on it."""
+    the same), never its own ones; continue_final_message goes on with an assistant's prefill;
+    stream_options.continuous_usage_stats puts each chunk's usage so far on every chunk."""
     solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=8)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
@@ -161,6 +162,20 @@ def test_chat_template_kwargs_reach_the_template_and_usage_streams_continuously(
     status, _, text = _http(port, "POST", "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}},
                             {"Authorization": f"Bearer {KEY}"})
     assert status == 400 and json.loads(text)["error"]["param"] == "chat_template_kwargs"
+    # an assistant's prefill goes on: the answer continues its text, as the library continues the same prompt
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Sure, the"}]
+    rendering = dict(add_generation_prompt=False, continue_final_message=True)
+    ids = pipe.prompt_ids(prefill, **rendering)
+    assert pipe.codec.decode(ids).endswith("Sure, the")
+    status, _, text = _http(port, "POST", "/tokenize", {"messages": prefill, **rendering},
+                            {"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and json.loads(text)["tokens"] == ids
+    r = client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=8, temperature=0, extra_body=rendering)
+    assert r.choices[0].message.content == pipe.generate(ids, mode="ar", max_new_tokens=8).text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=4,
+                                       extra_body={"continue_final_message": True})
+    assert e.value.param == "continue_final_message"
     text = pipe.generate("the cat", mode="ar", max_new_tokens=8)
     for make, want in ((lambda **kw: client.chat.completions.create(messages=MESSAGES, **kw), solo),
                        (lambda **kw: client.completions.create(prompt="the cat", **kw), text)):
