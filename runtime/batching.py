@@ -756,5 +756,6 @@ class BatchEngine:
                                        batched_steps=len(steps), mean_batch_size=mean_batch)
         return GenerationResult(row.context[row.prompt_len:], row.sink.text, stats, reason,
                                 tuple(row.scores) if cfg.logprobs is not None else None,
-                                None if row.prompt_scores is None else tuple(row.prompt_scores))
+                                None if row.prompt_scores is None else tuple(row.prompt_scores),
+                                row.sink.stop_reason if reason == row.sink.finish_reason else None)
 

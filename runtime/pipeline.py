@@ -469,7 +469,7 @@ class Pipeline:
         stats = self.finish_stats(cfg, rec, draft_engine, new_tokens=len(sink.ids), ttft_s=ttft, wall_s=wall)
         return GenerationResult(list(sink.ids), sink.text, stats, sink.finish_reason or "length",
                                 tuple(scores) if cfg.logprobs is not None else None,
-                                None if prompt_scores is None else tuple(prompt_scores))
+                                None if prompt_scores is None else tuple(prompt_scores), sink.stop_reason)
 
     def finish_stats(self, cfg: GenerationConfig, rec: Recorder, draft_engine: dict[str, Any] | None = None,
                      **counts: Any) -> GenerationStats:

@@ -19,6 +19,9 @@ class GenerationResult:
     # one per prompt token where GenerationConfig.prompt_logprobs asked for them (ranked), else None; the first is
     # None (nothing comes before it). A request cancelled before its prefill ended has those computed by then.
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # vLLM's: the stop token (GenerationConfig.stop_token_ids) or stop string that ended the text; None where an EOS
+    # token, max_new_tokens or a cancel did
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)

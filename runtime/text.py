@@ -211,6 +211,8 @@ class TextSink:
                  keep_stop: bool = False) -> None:
         self.codec, self.stop, self.eos, self.max_tokens = codec, stop, set(eos_token_ids), max_tokens
         self.min_tokens, self.keep_stop = min_tokens, keep_stop
+        self.stop_tokens: set[int] = set()  # ending tokens that are stop tokens, not EOS (their stop_reason)
+        self.stop_reason: int | str | None = None  # the stop token or string that ended the text
         self.ids: list[int] = []
         self.text = ""
         self.shown = 0  # characters of self.text already given out
@@ -223,8 +225,10 @@ class TextSink:
     @classmethod
     def of(cls, codec: TextCodec, cfg: GenerationConfig, prompt_ids: list[int] | tuple[int, ...]) -> TextSink:
         """The sink of a generation of `cfg` (checked: Pipeline.check resolved its end-of-sequence tokens)."""
-        return cls(codec, cfg.stop, cfg.ending_token_ids, cfg.max_new_tokens, prompt_ids, cfg.min_tokens,
+        sink = cls(codec, cfg.stop, cfg.ending_token_ids, cfg.max_new_tokens, prompt_ids, cfg.min_tokens,
                    cfg.include_stop_str_in_output)
+        sink.stop_tokens = set(cfg.stop_token_ids) - set(() if cfg.ignore_eos else cfg.eos_token_ids or ())
+        return sink
 
     def _decode_new(self, final: bool) -> str:
         """The text of the ids after `_read`, decoded after those before it; empty while it ends in an incomplete
@@ -245,15 +249,16 @@ class TextSink:
         if token in self.eos:
             self.text += new if self.keep_stop else ""
             self.finish_reason = "eos"
+            self.stop_reason = token if token in self.stop_tokens else None
             return self.flush()
         self.text += new
         if len(self.ids) <= self.min_tokens:
             self.exempt = len(self.text)
         # the earliest stop string in the text, whichever is listed first
-        found = [(at, at + len(s)) for s in self.stop
+        found = [(at, at + len(s), s) for s in self.stop
                  if (at := self.text.find(s, max(0, self.shown - len(s), self.exempt - len(s) + 1))) >= 0]
         if found:
-            at, end = min(found)
+            at, end, self.stop_reason = min(found)
             self.text, self.finish_reason = self.text[:end if self.keep_stop else at], "stop"
             return self.flush()
         if len(self.ids) >= self.max_tokens:

@@ -113,6 +113,7 @@ class _Outcome:
     finish_reason: str
     result: GenerationResult | None  # None when stopped early (its stats were not completed)
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # where asked for: as many as were computed
+    stop_reason: int | str | None = None  # vLLM's: the stop token or string that ended the answer
 
 
 class Generations:
@@ -217,7 +218,8 @@ class Generations:
                                  "its prompt was scored: retry it", "server_busy", code="stopped_before_scored",
                                  headers={"Retry-After": str(self.settings.retry_after_s)})
             return _Outcome("".join(texts), ids, "length", None, prompt_scores)
-        return _Outcome(result.text, result.token_ids, result.finish_reason, result, prompt_scores)
+        return _Outcome(result.text, result.token_ids, result.finish_reason, result, prompt_scores,
+                        result.stop_reason)
 
     def _gauges(self) -> None:
         self.metrics.queue_depth.set(self.engine.waiting)
@@ -477,7 +479,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                 run.cancel()
             gen.abandon(started)  # those whose run never started
         if not chat and not body.generates:  # max_tokens 0: the prompt alone, the one token generated for it dropped
-            outcomes = [dataclasses.replace(o, text="", token_ids=[], finish_reason="length") for o in outcomes]
+            outcomes = [dataclasses.replace(o, text="", token_ids=[], finish_reason="length", stop_reason=None)
+                        for o in outcomes]
             scores = [[] for _ in scores]
         token_bytes = pipe.codec.token_bytes
         if chat:
@@ -488,6 +491,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                        for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
         if calls is not None:  # the answers are (or may hold) tool calls: the messages' tool_calls
             choices = [calls.choice(c, o.text, o.finish_reason) for c, o in zip(choices, outcomes)]
+        choices = [{**c, "stop_reason": o.stop_reason} for c, o in zip(choices, outcomes)]
         outcome = outcomes[0]  # the `mirror` stats are the first choice's decoding
         make = p.chat_response if chat else p.completion_response
         doc = make(rid, body.model, choices, prompt_tokens, sum(len(o.token_ids) for o in outcomes),
@@ -517,7 +521,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         streams = [calls.stream() for _ in jobs] if calls is not None else None  # each choice's tool-call deltas
         unsent: list[tuple[TokenLogprob, ...]] = [() for _ in jobs]  # logprobs of text a tool-call stream holds
 
-        def chunk(index: int, text: str, reason: str | None, first: bool, scores: tuple[TokenLogprob, ...]) -> str:
+        def chunk(index: int, text: str, reason: str | None, first: bool, scores: tuple[TokenLogprob, ...],
+                  stop_reason: int | str | None = None) -> str:
             if streams is not None:  # tool calls: this event's chunks (the last may end the choice), logprobs first
                 deltas = streams[index].deltas(text, reason, first)
                 scores, unsent[index] = (unsent[index] + scores, ()) if deltas else ((), unsent[index] + scores)
@@ -531,6 +536,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                     docs = [p.chat_chunk(rid, created, model, delta, reason, index, logprobs)]
                 else:
                     docs = [p.completion_chunk(rid, created, model, text, reason, index, logprobs)]
+            if reason is not None:  # the choice's last chunk: vLLM's stop_reason on it
+                docs[-1]["choices"][0]["stop_reason"] = stop_reason
             for doc in docs if continuous else ():
                 doc["usage"] = p.usage(len(jobs[index].ids), made[index])
             return "".join(f"data: {json.dumps(doc)}\n\n" for doc in docs)
@@ -578,7 +585,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                     break
                 else:
                     outcomes[index] = value
-                    yield chunk(index, "", value.finish_reason, first[index], scores)
+                    yield chunk(index, "", value.finish_reason, first[index], scores, value.stop_reason)
             if include_usage and len(outcomes) == len(jobs):  # each prompt once, the completions of every choice
                 doc = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                        "created": created, "model": model, "choices": [],

@@ -144,7 +144,10 @@ def test_stop_strings_and_seeds(pipe, client):
     assert cut.strip(), "the tiny model's text should have something to stop at"
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, stop=[cut])
     assert r.choices[0].message.content == full.text[:full.text.find(cut)]
-    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == cut  # vLLM's
+    last = [c for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+                                                      stop=[cut], stream=True) if c.choices[0].finish_reason][-1]
+    assert last.choices[0].model_extra["stop_reason"] == cut
 
     def sampled(seed: int) -> str:
         return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0,

@@ -129,6 +129,7 @@ def test_vllms_token_controls_are_the_librarys(pipe, client, port):
         want = pipe.generate("the cat", mode="ar", max_new_tokens=16, **extra)
         r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, temperature=0, extra_body=extra)
         assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids), extra
+        assert r.choices[0].model_extra["stop_reason"] == want.stop_reason  # vLLM's: the stop token, or None
         c = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
                                            extra_body=extra)
         assert c.choices[0].message.content == pipe.generate(MESSAGES, mode="ar", max_new_tokens=16, **extra).text

@@ -95,7 +95,7 @@ def test_stop_token_ids_end_the_text_and_min_tokens_holds_them_off(engine_pipeli
         stop, plain = _stopper(pipe, prompt)
         at = plain.index(stop)
         out = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, stop_token_ids=[stop], ignore_eos=True)
-        assert out.token_ids == plain[:at + 1] and out.finish_reason == "eos"
+        assert out.token_ids == plain[:at + 1] and (out.finish_reason, out.stop_reason) == ("eos", stop)
         assert out.text == pipe.codec.decode(plain[:at])  # the stop token's text is left out
         kept = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, stop_token_ids=[stop], ignore_eos=True,
                              include_stop_str_in_output=True)
@@ -104,6 +104,11 @@ def test_stop_token_ids_end_the_text_and_min_tokens_holds_them_off(engine_pipeli
                              min_tokens=at + 2)
         assert stop not in held.token_ids[:at + 2] and len(held.token_ids) > at + 2
         assert held.finish_reason == "length" or held.token_ids[-1] == stop
+        # a stop string's stop_reason is the string; an EOS token's, or the length's, None
+        cut = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True, stop=[kept.text[-2:]])
+        assert cut.finish_reason == "stop" and cut.stop_reason == kept.text[-2:]
+        eos = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, eos_token_ids=[stop])
+        assert (eos.token_ids, eos.finish_reason, eos.stop_reason) == (out.token_ids, "eos", None)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -160,6 +165,7 @@ def test_the_sink_keeps_stop_strings_where_asked_and_skips_them_before_min_token
     def run(**kw):
         sink = TextSink(_Letters(), ("ab",), (20,), 20, **kw)
         shown = "".join(sink.add(t) for t in letters if sink.finish_reason is None)
+        assert sink.stop_reason == "ab"
         return sink.text, shown, sink.finish_reason, len(sink.ids)
 
     assert run() == ("xy", "xy", "stop", 4)
