@@ -27,7 +27,7 @@ LOAD_FLAGS = {
     "generate": ("target_backend", "draft_backend", "target_device", "target_step_width", "prefill_precision",
                  "draft_device", "max_context", "target_threads", "draft_threads", "cache_dir", "huge_pages"),
     "serve": ("target_threads", "draft_threads", "target_device", "draft_device", "max_context", "target_step_width",
-              "prefill_precision", "max_num_seqs", "kv_cache_gb", "window_rows"),
+              "prefill_precision", "max_num_seqs", "kv_cache_gb", "window_rows", "scheduling_policy"),
     "plan": ("target_device", "draft_device"),
 }
 # one generation is not worth the longer load that huge pages take; the Python API and serve keep them on

@@ -227,7 +227,13 @@ class BatchEngine:
         with self._wake:
             if not self.alive:
                 raise EngineClosed("the engine is stopped")
-            self._waiting.append(request)
+            # priorities are 0 unless the priority policy takes others (Pipeline.check): ahead of the first request
+            # of a higher one, behind every earlier one of its own or a lower one
+            if self._waiting and config.priority < self._waiting[-1].config.priority:
+                self._waiting.insert(next(i for i, r in enumerate(self._waiting)
+                                          if r.config.priority > config.priority), request)
+            else:
+                self._waiting.append(request)
             self._wake.notify()
         return request
 

@@ -49,6 +49,7 @@ RESPONSE_FORMAT = "response_format"  # the json_schema option's wire name: OpenA
 STRUCTURED = "structured_outputs."  # a wire name: vLLM's structured-output object, under the option's own name
 GRAMMAR_OPTIONS = ("json_schema", "regex", "choice", "grammar")  # they hold the text to a grammar: one at most
 MAX_LOGIT_BIAS = 300  # tokens one generation may bias, as OpenAI's API allows
+SCHEDULING_POLICIES = ("fcfs", "priority")  # the batching engine's queue orders (LoadOptions.scheduling_policy)
 
 
 @dataclass(frozen=True)
@@ -355,6 +356,10 @@ class GenerationConfig(Options):
     allowed_token_ids: tuple[int, ...] = option(
         (), "only these tokens may come (repeatable; vLLM's allowed_token_ids; none given: any)",
         wire="allowed_token_ids")
+    # vLLM's: where the engine orders its queue by priority (LoadOptions.scheduling_policy); else only 0 is taken
+    priority: int = option(0, "the request's place in the batching engine's queue under the priority scheduling "
+                           "policy: lower comes first (vLLM's priority)", range=Range(-2**63, 2**63 - 1), cli=False,
+                           wire="priority")
     truncate_prompt_tokens: int | None = option(
         None, "keep the prompt's last N tokens only (-1: as many as the context takes; vLLM's)", range=Range(-1),
         none="off", convert=_truncation, wire="truncate_prompt_tokens")
@@ -485,6 +490,10 @@ class LoadOptions(Options):
         "target's weights are loaded a second time for it, about their size again in memory (0 or 1: off; an int8 "
         "or int4 target's batched rows then step one at a time)",
         range=Range(0))
+    scheduling_policy: str = option(
+        "fcfs", "the batching engine's queue: fcfs (in arrival order) or priority (by each request's priority, lower "
+        "first, then arrival; vLLM's --scheduling-policy); a running generation is never preempted",
+        choices=SCHEDULING_POLICIES)
 
 
 def _is_number(x: Any) -> bool:

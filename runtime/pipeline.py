@@ -330,6 +330,9 @@ class Pipeline:
             past = [t for t in getattr(cfg, name) if t >= vocab]
             if past:
                 raise BadInputError(f"{name} {past[:5]} past the vocabulary ({vocab} tokens)", option=name)
+        if cfg.priority and self.load_options.scheduling_policy != "priority":  # vLLM's refusal
+            raise BadInputError(f"priority {cfg.priority} needs the priority scheduling policy (scheduling_policy "
+                                f"priority; the engine's is {self.load_options.scheduling_policy})", option="priority")
         if cfg.min_tokens > cfg.max_new_tokens:  # vLLM's check
             raise BadInputError(f"min_tokens ({cfg.min_tokens}) exceeds max_new_tokens ({cfg.max_new_tokens})",
                                 option="min_tokens")

@@ -465,6 +465,29 @@ def test_a_request_cancelled_while_waiting_leaves_the_queue_at_once(bundle_facto
         pipe.close()
 
 
+def test_the_priority_policy_admits_the_lowest_priority_first_and_fcfs_takes_none(bundle_factory):
+    """vLLM's priority scheduling: waiting requests get the slot by priority (lower first), equal ones in arrival
+    order; a running one is not preempted. Under fcfs, the default, a priority other than 0 is refused."""
+    pipe = Pipeline.load(bundle_factory(), huge_pages=False, max_num_seqs=1, scheduling_policy="priority")
+    engine = pipe.engine()
+    try:
+        running = engine.submit(*pipe.check("keep going", mode="ar", max_new_tokens=60, ignore_eos=True))
+        next(iter(running))
+        queued = {name: engine.submit(*pipe.check(name, mode="ar", max_new_tokens=2, priority=priority))
+                  for name, priority in (("b", 5), ("c", 0), ("d", -1), ("e", 0), ("f", 5))}
+        running.wait()
+        for request in queued.values():
+            request.wait()
+        assert sorted(queued, key=lambda name: queued[name].admitted) == ["d", "c", "e", "b", "f"]
+        assert running.admitted < queued["d"].admitted
+    finally:
+        pipe.close()
+    pipe.load_options = pipe.load_options.updated(scheduling_policy="fcfs")
+    with pytest.raises(BadInputError, match="priority scheduling policy") as err:
+        pipe.check("hi", priority=1)
+    assert err.value.option == "priority"
+
+
 def test_a_listener_that_fails_cancels_its_own_request_only(pipelines):
     """An asyncio consumer whose event loop has closed (its listener raises): that request stops, the others run
     on exact, and the engine stays up for the next ones."""

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import openai
 import pytest
+from conftest import openai_client
 
 from mirror_sd.bench.soak import InProcessServer
 from mirror_sd.cli import build_parser, main, server_access
@@ -141,7 +142,8 @@ def test_vllms_token_controls_are_the_librarys(pipe, client, port):
     assert r.choices[0].text == kept + pipe.generate(ids[-4:], mode="ar", max_new_tokens=6).text
     vocab = pipe.manifest.target.vocab_size
     for field, value in (("stop_token_ids", [vocab]), ("stop_token_ids", ["1"]), ("allowed_token_ids", [-1]),
-                         ("min_tokens", 9), ("truncate_prompt_tokens", 0), ("include_stop_str_in_output", "yes")):
+                         ("min_tokens", 9), ("truncate_prompt_tokens", 0), ("include_stop_str_in_output", "yes"),
+                         ("priority", 1)):  # this server's queue is fcfs
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={field: value})
         assert e.value.param.startswith(field), (field, value)  # a list's item: its index after the field
@@ -766,6 +768,23 @@ def test_serve_flags(monkeypatch):
     assert parse(["serve", "b"]).stored_responses == 1024
     assert parse(["serve", "b", "--stored-responses", "0"]).stored_responses == 0
     assert main(["serve", "b", "--stored-responses", "-1"]) == 2  # refused before anything loads
+    assert parse(["serve", "b", "--scheduling-policy", "priority"]).scheduling_policy == "priority"
+
+
+def test_a_priority_server_takes_each_requests_priority(bundle_factory):
+    """`serve --scheduling-policy priority`: vLLM's priority field orders the queue (tests/test_engine.py), any int."""
+    priority = Pipeline.load(bundle_factory("llama"), huge_pages=False, max_num_seqs=1, scheduling_policy="priority")
+    try:
+        with openai_client(priority, MODEL) as client:
+            for value in (-3, 0, 7):
+                r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=4, temperature=0,
+                                              extra_body={"priority": value})
+                assert r.choices[0].text == priority.generate("the cat", mode="ar", max_new_tokens=4).text
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model=MODEL, prompt="the cat", max_tokens=4, extra_body={"priority": 1.5})
+            assert e.value.param == "priority"
+    finally:
+        priority.close()
 
 
 
