@@ -342,9 +342,10 @@ class GenerationConfig(Options):
     include_stop_str_in_output: bool = option(
         False, "end the text with the stop string, or the stop token's text, that ended it (vLLM's)",
         wire="include_stop_str_in_output")
-    # fixed-length generations (load tests, benchmarks), as vLLM's and OpenVINO GenAI's ignore_eos
+    # fixed-length generations (load tests, benchmarks), as vLLM's and OpenVINO GenAI's ignore_eos (vLLM's
+    # benchmark clients send it at the request's top; mirror.ignore_eos, where it was first, is read as that)
     ignore_eos: bool = option(False, "go on past an end-of-sequence token, to max_new_tokens or a stop string",
-                              wire=MIRROR)
+                              wire="ignore_eos")
     # transformers' eos_token_id; Pipeline.check writes the tokenizer's in where it is None, so that every reader of
     # a checked config (the masks of min_tokens, the text's end) has the same ones
     eos_token_ids: tuple[int, ...] | None = option(

@@ -159,6 +159,18 @@ class _Sampling(_Strict):
     n: int = Field(1, ge=1, le=MAX_N, description="choices, each a generation of its own; sampled, choice i draws "
                    "with seed + i")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        """mirror.ignore_eos, where the server first took it, is read as vLLM's top-level ignore_eos."""
+        mirror = data.get("mirror") if isinstance(data, dict) else None
+        if isinstance(mirror, dict) and "ignore_eos" in mirror:
+            if "ignore_eos" in data:
+                raise PydanticCustomError("invalid_value", "ignore_eos is given twice: at the top and in mirror")
+            data = {**data, "ignore_eos": mirror["ignore_eos"],
+                    "mirror": {k: v for k, v in mirror.items() if k != "ignore_eos"}}
+        return data
+
     @field_validator("stream", "n", "echo", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:

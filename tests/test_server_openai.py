@@ -134,6 +134,11 @@ def test_vllms_token_controls_are_the_librarys(pipe, client, port):
         c = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
                                            extra_body=extra)
         assert c.choices[0].message.content == pipe.generate(MESSAGES, mode="ar", max_new_tokens=16, **extra).text
+    # vLLM's benchmark clients send ignore_eos at the top; mirror.ignore_eos, its first place here, still reads so
+    for extra in ({"ignore_eos": True}, {"mirror": {"ignore_eos": True}}):
+        r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, temperature=0, extra_body=extra)
+        assert r.usage.completion_tokens == 16 and r.choices[0].text == pipe.generate(
+            "the cat", mode="ar", max_new_tokens=16, ignore_eos=True).text
     ids = pipe.prompt_ids("the cat sat on the mat and looked at the dog")
     r = client.completions.create(model=MODEL, prompt="the cat sat on the mat and looked at the dog", max_tokens=6,
                                   temperature=0, echo=True, extra_body={"truncate_prompt_tokens": 4})
