@@ -357,6 +357,10 @@ class GenerationConfig(Options):
     allowed_token_ids: tuple[int, ...] = option(
         (), "only these tokens may come (repeatable; vLLM's allowed_token_ids; none given: any)",
         wire="allowed_token_ids")
+    skip_special_tokens: bool = option(
+        True, "leave special tokens (a chat template's markers) out of the text; off: spelled in it (vLLM's and "
+        "transformers' skip_special_tokens; the token that ended the text stays out unless "
+        "include_stop_str_in_output)", wire="skip_special_tokens")
     # vLLM's: where the engine orders its queue by priority (LoadOptions.scheduling_policy); else only 0 is taken
     priority: int = option(0, "the request's place in the batching engine's queue under the priority scheduling "
                            "policy: lower comes first (vLLM's priority)", range=Range(-2**63, 2**63 - 1), cli=False,

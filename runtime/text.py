@@ -208,9 +208,9 @@ class TextSink:
 
     def __init__(self, codec: TextCodec, stop: tuple[str, ...], eos_token_ids: tuple[int, ...],
                  max_tokens: int, prompt_ids: list[int] | tuple[int, ...] = (), min_tokens: int = 0,
-                 keep_stop: bool = False) -> None:
+                 keep_stop: bool = False, special: bool = False) -> None:
         self.codec, self.stop, self.eos, self.max_tokens = codec, stop, set(eos_token_ids), max_tokens
-        self.min_tokens, self.keep_stop = min_tokens, keep_stop
+        self.min_tokens, self.keep_stop, self.special = min_tokens, keep_stop, special
         self.stop_tokens: set[int] = set()  # ending tokens that are stop tokens, not EOS (their stop_reason)
         self.stop_reason: int | str | None = None  # the stop token or string that ended the text
         self.ids: list[int] = []
@@ -226,15 +226,15 @@ class TextSink:
     def of(cls, codec: TextCodec, cfg: GenerationConfig, prompt_ids: list[int] | tuple[int, ...]) -> TextSink:
         """The sink of a generation of `cfg` (checked: Pipeline.check resolved its end-of-sequence tokens)."""
         sink = cls(codec, cfg.stop, cfg.ending_token_ids, cfg.max_new_tokens, prompt_ids, cfg.min_tokens,
-                   cfg.include_stop_str_in_output)
+                   cfg.include_stop_str_in_output, not cfg.skip_special_tokens)
         sink.stop_tokens = set(cfg.stop_token_ids) - set(() if cfg.ignore_eos else cfg.eos_token_ids or ())
         return sink
 
     def _decode_new(self, final: bool) -> str:
         """The text of the ids after `_read`, decoded after those before it; empty while it ends in an incomplete
         character (unless `final`: the replacement character then stands for it)."""
-        before = self.codec.decode(self._window[:self._read])
-        after = self.codec.decode(self._window)
+        before = self.codec.decode(self._window[:self._read], self.special)
+        after = self.codec.decode(self._window, self.special)
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""
         del self._window[:self._read]  # what comes next is decoded after these only

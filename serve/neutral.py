@@ -44,6 +44,8 @@ FIELDS: dict[str, Neutral] = {
     "best_of": Neutral(int, lambda v: v == 1, "1", (COMPLETION,)),
     "suffix": Neutral(str, lambda v: not v, '"" (no text after the completion)', (COMPLETION,)),
     "modalities": Neutral(list[str], lambda v: v == ["text"], '["text"]', (CHAT,)),
+    # vLLM's, for its slow tokenizers' decoding: the tokenizers library's decoding has no such spaces to add
+    "spaces_between_special_tokens": Neutral(bool, _anything, "true or false (no effect with this tokenizer)"),
     # the provider's storage and tiers: this server stores nothing and has one tier
     "store": Neutral(bool, lambda v: v is False, "false (completions are not stored)", (CHAT,)),
     "service_tier": Neutral(str, lambda v: v in ("auto", "default"), '"auto" or "default" (one tier)', (CHAT,)),

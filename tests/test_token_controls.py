@@ -175,3 +175,21 @@ def test_the_sink_keeps_stop_strings_where_asked_and_skips_them_before_min_token
     assert run(min_tokens=3) == ("xy", "xy", "stop", 4)  # it ends with the 4th token: past the first 3
     sink = TextSink(_Letters(), (), (20,), 20, keep_stop=True)  # an ending token's own text, kept
     assert [sink.add(t) for t in (0, 20)] == ["a", "u"] and sink.finish_reason == "eos"
+
+
+def test_skip_special_tokens_off_spells_them_in_the_text(engine_pipelines):
+    """vLLM's and transformers' skip_special_tokens: off, a special token the model writes is in the text (as
+    decode(special=True) spells it), alone and batched; on, the default, it is left out."""
+    pipe = engine_pipelines()
+    marker = pipe.codec.tokenizer.token_to_id("<|im_start|>")
+    plain = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=8, ignore_eos=True).token_ids
+    # favoured, until the frequency penalty lets the plain tokens in between
+    options = dict(mode="ar", max_new_tokens=12, ignore_eos=True, allowed_token_ids=[marker, *plain[:3]],
+                   logit_bias={marker: 6.0}, frequency_penalty=2.0)
+    hidden = pipe.generate(PROMPTS[0], **options)
+    shown = pipe.generate(PROMPTS[0], skip_special_tokens=False, **options)
+    assert marker in shown.token_ids and shown.token_ids == hidden.token_ids
+    assert hidden.text == pipe.codec.decode(hidden.token_ids) and "<|im_start|>" not in hidden.text
+    assert shown.text == pipe.codec.decode(shown.token_ids, special=True) and "<|im_start|>" in shown.text
+    batched = pipe.generate([PROMPTS[0], PROMPTS[1]], skip_special_tokens=False, **options)
+    assert batched[0].text == shown.text
