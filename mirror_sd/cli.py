@@ -30,6 +30,7 @@ LOAD_FLAGS = {
               "prefill_precision", "max_num_seqs", "kv_cache_gb", "window_rows", "scheduling_policy"),
     "plan": ("target_device", "draft_device"),
 }
+LOAD_FLAGS["chat"] = LOAD_FLAGS["generate"]  # one conversation at a time, on the batching engine's prefix cache
 # one generation is not worth the longer load that huge pages take; the Python API and serve keep them on
 GENERATE_LOAD_DEFAULTS = {"huge_pages": False}
 # the defaults `serve` shows for them where not the library's: a request without max_tokens runs to the context's end
@@ -179,11 +180,12 @@ def _prompt_ids(text: str) -> list[int]:
         raise MirrorSDError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def _load(args: argparse.Namespace) -> Pipeline:
-    """The command's pipeline, with its plan's note (measured on another machine) on stderr."""
+def _load(args: argparse.Namespace, **fixed: Any) -> Pipeline:
+    """The command's pipeline (its load flags, and the load options it fixes), with its plan's note (measured on
+    another machine) on stderr."""
     from mirror_sd.runtime.pipeline import Pipeline
 
-    pipe = Pipeline.load(args.bundle, **given(args, LoadOptions))
+    pipe = Pipeline.load(args.bundle, **given(args, LoadOptions), **fixed)
     if pipe.plan_note:
         print(f"note: {pipe.plan_note}", file=sys.stderr)
     return pipe
@@ -222,6 +224,23 @@ def _generate(args: argparse.Namespace) -> int:
               f"branch hits {s.branch_hit_rate:.2f}, draft hidden {s.draft_hidden_fraction:.2f}, "
               f"fallbacks {s.fallbacks} ({result.finish_reason})", file=sys.stderr)
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from mirror_sd.chat import chat
+
+    # one conversation: one KV slot, which keeps the earlier turns for the next, and no second copy of the target for
+    # rows verifying windows side by side
+    pipe = _load(args, max_num_seqs=1, window_rows=0)
+    options = given(args, GenerationConfig)
+    tty = sys.stdin.isatty()
+    if tty:
+        print("mirror-sd chat: /help lists the commands", file=sys.stderr)
+    try:
+        return chat(pipe, pipe.generation_config.updated(**options), sys.stdin, system=args.system,
+                    max_new_tokens=options.get("max_new_tokens"), prompt="> " if tty else "")
+    finally:
+        pipe.close()
 
 
 def server_access(args: argparse.Namespace) -> tuple[str | None, tuple[str, ...]]:
@@ -472,6 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"token_ids", "text", "stats"} (and "logprobs" with '
                    '--logprobs, "prompt_logprobs" with --prompt-logprobs) as one JSON object')
     g.set_defaults(func=_generate)
+
+    c = sub.add_parser("chat", help="a conversation with a bundle in the terminal: each line a user turn, the "
+                       "answer streamed, earlier turns kept by the prefix cache")
+    c.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
+    c.add_argument("--system", default=None, help="a system prompt that opens the conversation")
+    add_options(c, GenerationConfig, shown={"max_new_tokens": "what the context leaves after the conversation"})
+    add_options(c, LoadOptions, LOAD_FLAGS["chat"], GENERATE_LOAD_DEFAULTS)
+    c.set_defaults(func=_chat)
 
     px = sub.add_parser("perplexity", help="the perplexity of a text file under a bundle's target (its precision "
                         "as deployed), in overlapping windows (transformers' strided recipe)")

@@ -326,7 +326,8 @@ class BatchEngine:
             # a prompt whose logprobs are asked for is prefilled whole, on every position (as vLLM's skip the prefix
             # cache); another's head another slot holds is copied before the prefill (_borrow)
             scored = cfg.prompt_logprobs is not None
-            slot, cached = self.table.take([] if scored else request.ids, copies=self.kv.can_copy)
+            alone = not self._waiting and not any(r.prefilling for r in self._rows)
+            slot, cached = self.table.take([] if scored else request.ids, copies=self.kv.can_copy, alone=alone)
             request.admitted = time.perf_counter()
             try:
                 sink = TextSink.of(self.pipe.codec, cfg, request.ids)
@@ -491,7 +492,8 @@ class BatchEngine:
             n = self.table.reusable(tokens, prompt)
             if n > length:
                 best, length = slot, n
-        if best is None or not worth_reusing(length - row.kv_len, len(prompt) - row.kv_len):
+        alone = not self._waiting and not any(r.prefilling for r in self._rows if r is not row)
+        if best is None or not worth_reusing(length - row.kv_len, len(prompt) - row.kv_len, alone):
             return
         self.kv.copy(best.index, row.slot.index, row.kv_len, length)
         row.kv_len = row.cached = length

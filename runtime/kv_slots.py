@@ -34,11 +34,12 @@ from mirror_sd.runtime.target import KVView
 MIN_CACHED_PREFIX = 16
 
 
-def worth_reusing(cached: int, prompt_len: int) -> bool:
+def worth_reusing(cached: int, prompt_len: int, alone: bool = False) -> bool:
     """Whether starting from `cached` tokens of a prompt beats prefilling it from nothing: a prompt that goes on
     from a past runs alone (runtime/batching.py), where fresh prompts share a run, so the head must be long against
-    what is left (a chat's earlier turns are; a shared system prompt before a long question is not)."""
-    return cached >= MIN_CACHED_PREFIX and cached >= 2 * (prompt_len - 1 - cached)
+    what is left (a chat's earlier turns are; a shared system prompt before a long question is not), unless the
+    prompt is `alone` (no other waits or prefills: there is no run to share)."""
+    return cached >= MIN_CACHED_PREFIX and (alone or cached >= 2 * (prompt_len - 1 - cached))
 
 
 def kv_names(manifest: Manifest) -> list[str]:
@@ -135,14 +136,15 @@ class SlotTable:
     def free(self) -> int:
         return sum(not s.busy for s in self.slots)
 
-    def take(self, prompt: list[int], copies: bool = False) -> tuple[Slot, int]:
+    def take(self, prompt: list[int], copies: bool = False, alone: bool = False) -> tuple[Slot, int]:
         """A free slot for a sequence starting with `prompt`, and how many of its first tokens that slot's KV
         already holds (at most len(prompt) - 1: the last prompt token must run to give the first new token's
         logits; a multiple of `grid`). The free slot holding the longest such prefix wins; else an empty slot,
         else the least recently used. ValueError when every slot is busy.
         copies: the caller copies a cached head between slots (KVSlots.copy, host memory): where the winner holds a
         sequence that goes on otherwise than `prompt` (another chat after a shared system prompt), an empty slot is
-        taken instead, with nothing held, so that the other sequence's next turn still finds all of it."""
+        taken instead, with nothing held, so that the other sequence's next turn still finds all of it.
+        alone: no other prompt waits or prefills (worth_reusing)."""
         free = [s for s in self.slots if not s.busy]
         if not free:
             raise ValueError("every KV slot is busy")
@@ -150,7 +152,7 @@ class SlotTable:
         best, best_len = None, 0
         for slot in free:
             n = self.reusable(slot.tokens, ids)
-            if worth_reusing(n, len(prompt)) and n > best_len:
+            if worth_reusing(n, len(prompt), alone) and n > best_len:
                 best, best_len = slot, n
         if best is None:
             best = min(free, key=lambda s: (bool(s.tokens), s.used, s.index))

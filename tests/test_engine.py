@@ -426,6 +426,19 @@ def test_submit_refuses_what_the_engine_could_not_run_and_a_finished_request_ans
     assert len(chunks) == 5 and request.wait() is request.result and list(request) == []
 
 
+def test_a_prompt_alone_reuses_even_a_short_cached_head(pipelines):
+    """A cached head short against the rest of its prompt is prefilled again where fresh prompts could share the
+    run (kv_slots.worth_reusing); a prompt alone, with none to share it, starts from the head."""
+    pipe = pipelines["llama"]
+    engine = pipe.engine()
+    head = pipe.prompt_ids("You are a careful assistant who answers briefly.")
+    rest = pipe.prompt_ids(" Tell me about the sea and the moon and the stars and the sun, all of them. " * 2)
+    assert 16 <= len(head) < 2 * len(rest)
+    engine.submit(*pipe.check(head, mode="ar", max_new_tokens=2)).wait()
+    got = engine.submit(*pipe.check(head + rest, mode="ar", max_new_tokens=8)).wait()
+    assert got.stats.cached_prompt_tokens > 0 and got.token_ids == solo(pipe, head + rest, max_new_tokens=8)
+
+
 def test_a_generation_that_fails_leaves_no_prefix_for_a_later_prompt(pipelines, monkeypatch):
     """A request running alone whose target run fails part way through its prefill: its slot's KV is not what its
     prompt says, so the same prompt next runs its whole prefill, and gets its solo tokens."""

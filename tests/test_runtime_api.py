@@ -282,6 +282,30 @@ def test_cli_generate_json_subprocess(bundle):
     assert stats["gated_steps"] == 0 and stats["lookup_steps"] == 0  # every step speculated with the draft
 
 
+def test_cli_chat_keeps_the_conversation_and_its_kv(bundle, pipe):
+    """`mirror-sd chat`: each line a user turn answered as the library answers that conversation, the next turn's
+    prompt holding the earlier ones (the prefix cache spares them); /reset forgets them, /exit leaves."""
+    exe = Path(sys.executable).with_name("mirror-sd")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mirror_sd.cli"]
+    # bytes: a tiny model's text holds "\r", which text mode would read as a line end
+    done = subprocess.run([*cmd, "chat", str(bundle), "--max-new-tokens", "6", "--mode", "mirror", "--system", "Be"
+                           " brief.", "--temperature", "0"], input=b"hello there\nand then?\n\n/reset\nhello there\n"
+                          b"/exit\nnever read\n", capture_output=True, timeout=180)
+    stdout, stderr = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, stderr
+    system = {"role": "system", "content": "Be brief."}
+    first = pipe.generate([system, {"role": "user", "content": "hello there"}], mode="ar", max_new_tokens=6)
+    second = pipe.generate([system, {"role": "user", "content": "hello there"},
+                            {"role": "assistant", "content": first.text}, {"role": "user", "content": "and then?"}],
+                           mode="ar", max_new_tokens=6)
+    assert stdout == "".join(f"{text}\n" for text in (first.text, second.text, first.text))
+    figures = [line for line in stderr.splitlines() if line.startswith("[mirror]")]
+    cached = [int(line.split(" tokens cached")[0].split(" of ")[0].rsplit(" ", 1)[1]) for line in figures]
+    assert len(figures) == 3 and cached[1] > 0  # the second turn found the first in the prefix cache
+    assert "forgotten" in stderr
+    assert main(["chat", str(bundle), "--max-new-tokens", "0"]) == 2  # options are checked as generate's
+
+
 # -- a draft that fails or stalls -----------------------------------------------------------------------------
 class FaultyDraft(GraphEngine):
     """The real OpenVINO draft engine, made to raise (or stall) on chosen calls of `run`."""
