@@ -350,7 +350,8 @@ class GenerationConfig(Options):
     # a checked config (the masks of min_tokens, the text's end) has the same ones
     eos_token_ids: tuple[int, ...] | None = option(
         None, "the end-of-sequence tokens (repeatable; transformers' eos_token_id)", none="the tokenizer's")
-    # vLLM's: a mask on the target's logits, under which sd and mirror equal ar as under the penalties
+    # vLLM's: a mask on the target's logits, under which sd and mirror equal ar as under the penalties; it masks the
+    # end-of-sequence tokens under ignore_eos too, as vLLM's does
     min_tokens: int = option(
         0, "new tokens before the text may end: end-of-sequence and stop tokens are masked, and stop strings not "
         "looked for, until then (vLLM's min_tokens)", range=Range(0), wire="min_tokens")
@@ -429,7 +430,8 @@ class GenerationConfig(Options):
     def params(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty,
                               self.presence_penalty, self.frequency_penalty, self.min_p, self.logit_bias,
-                              self.min_tokens, tuple(sorted(self.ending_token_ids)), self.allowed_token_ids)
+                              self.min_tokens, tuple(sorted(set(self.eos_token_ids or ()) | set(self.stop_token_ids))),
+                              self.allowed_token_ids)
 
     @property
     def ending_token_ids(self) -> tuple[int, ...]:

@@ -336,7 +336,7 @@ class Pipeline:
         if cfg.min_tokens > cfg.max_new_tokens:  # vLLM's check
             raise BadInputError(f"min_tokens ({cfg.min_tokens}) exceeds max_new_tokens ({cfg.max_new_tokens})",
                                 option="min_tokens")
-        if cfg.min_tokens and cfg.allowed_token_ids and set(cfg.allowed_token_ids) <= set(cfg.ending_token_ids):
+        if cfg.min_tokens and cfg.allowed_token_ids and set(cfg.allowed_token_ids) <= set(cfg.params.ending):
             raise BadInputError("allowed_token_ids holds only tokens that end the text, which min_tokens masks: "
                                 "no token could come", option="allowed_token_ids")
         source = grammar_source(cfg)

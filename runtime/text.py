@@ -82,23 +82,31 @@ class TextCodec:
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise BadInputError(f"chat message {i} must be a dict with string 'role' and 'content'")
-        own = {"messages", "tools", "add_generation_prompt", *self._template_tokens}
+        template = self._chat_template
+        # each has its own field, is the tokenizer's, or is a function the template calls
+        own = {"messages", "tools", "add_generation_prompt", *self._template_tokens, *template.environment.globals}
         taken = sorted(own & set(template_kwargs or {}))
-        if taken:  # each has its own field, or is the tokenizer's
+        if taken:
             raise BadInputError(f"chat template variables {', '.join(taken)} are not taken from chat_template_kwargs",
                                 option="chat_template_kwargs")
-        if continue_final_message and add_generation_prompt:  # a new turn opened after the one to go on
-            raise BadInputError("continue_final_message goes on with the last message: add_generation_prompt must be "
-                                "false with it", option="continue_final_message")
-        from jinja2 import TemplateError
-
-        try:
-            text = self._chat_template.render(**(template_kwargs or {}), messages=messages, tools=tools,
-                                              add_generation_prompt=add_generation_prompt,
-                                              **self._template_tokens)
-        except TemplateError as e:
-            raise BadInputError(f"the bundle's chat template failed to render: {e}") from None
-        return _continued(text, messages[-1]["content"]) if continue_final_message and messages else text
+        if continue_final_message:
+            if add_generation_prompt:  # a new turn opened after the one to go on
+                raise BadInputError("continue_final_message goes on with the last message: add_generation_prompt "
+                                    "must be false with it", option="continue_final_message")
+            if not messages:
+                raise BadInputError("continue_final_message: there is no message to go on with",
+                                    option="continue_final_message")
+            final = messages[-1]["content"]
+            messages = [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]
+        try:  # one mapping: a variable named "self" is not render's own argument
+            text = template.render({**(template_kwargs or {}), "messages": messages, "tools": tools,
+                                    "add_generation_prompt": add_generation_prompt, **self._template_tokens})
+        except BadInputError:  # the template's raise_exception
+            raise
+        except Exception as e:  # jinja's TemplateError, or a variable of another type than the template reads
+            raise BadInputError(f"the bundle's chat template failed to render: {type(e).__name__}: {e}",
+                                option="chat_template_kwargs" if template_kwargs else None) from None
+        return _continued(text, final) if continue_final_message else text
 
     @functools.cached_property
     def _chat_template(self):
@@ -183,15 +191,19 @@ class TextCodec:
 PROMPT_CONTEXT = 5
 
 
+# transformers' mark of where the last message's content ends (continue_final_message): rendered after it, cut there
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 def _continued(text: str, final: str) -> str:
-    """`text` cut after the last occurrence of the final message's content `final` (its spaces kept where the template
-    kept them), as transformers' continue_final_message cuts it."""
-    at = text.rfind(final.strip())
-    if at < 0:
+    """`text`, rendered with CONTINUE_TAG after the final message's content `final`, cut where the tag begins (and the
+    spaces before it dropped where the template trimmed the tag's own), as transformers' continue_final_message
+    cuts it."""
+    if final.strip() not in text or CONTINUE_TAG.strip() not in text:
         raise BadInputError("continue_final_message: the chat template's text does not hold the last message's "
                             "content", option="continue_final_message")
-    kept = len(final.lstrip())
-    return text[:at + (kept if text[at:at + kept] == final else len(final.strip()))]
+    at = text.rindex(CONTINUE_TAG.strip())
+    return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 
 class TextSink:
@@ -255,11 +267,13 @@ class TextSink:
         if len(self.ids) <= self.min_tokens:
             self.exempt = len(self.text)
         # the earliest stop string in the text, whichever is listed first
-        found = [(at, at + len(s), s) for s in self.stop
+        found = [(at, i) for i, s in enumerate(self.stop)
                  if (at := self.text.find(s, max(0, self.shown - len(s), self.exempt - len(s) + 1))) >= 0]
         if found:
-            at, end, self.stop_reason = min(found)
-            self.text, self.finish_reason = self.text[:end if self.keep_stop else at], "stop"
+            at, i = min(found)
+            self.stop_reason = self.stop[i]
+            self.text = self.text[:at + len(self.stop[i]) if self.keep_stop else at]
+            self.finish_reason = "stop"
             return self.flush()
         if len(self.ids) >= self.max_tokens:
             self.finish_reason = "length"

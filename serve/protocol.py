@@ -240,7 +240,7 @@ def wire_field(spec: Spec) -> tuple[Any, Any]:
         kind = list[Annotated[int, Strict(), Field(ge=0)]]  # token ids (vLLM's lists)
     elif spec.kind is dict:  # JSON's keys are strings: the option's own check reads them as token ids
         return Annotated[dict[str, float], AfterValidator(spec.check)] | None, Field(default=None, description=o.help)
-    elif spec.kind in (int, float, bool):  # strict: true is not 1, nor "yes" true (an int is still a float)
+    elif spec.kind in (int, float):  # strict: true is not 1 (an int is still a float); booleans as vLLM reads them
         kind = Annotated[spec.kind, Strict()]
     else:
         kind = spec.kind

@@ -430,9 +430,20 @@ def test_chat_templates_render_as_transformers_renders_them(pair_factory, tmp_pa
     for kwargs in ({"enable_thinking": False}, {"enable_thinking": True}):
         assert codec.render_chat(messages, [{"x": 1}], template_kwargs=kwargs) == hf.apply_chat_template(
             messages, tools=[{"x": 1}], chat_template=template, tokenize=False, add_generation_prompt=True, **kwargs)
-    with pytest.raises(BadInputError, match="bos_token") as err:
-        codec.render_chat(messages, template_kwargs={"bos_token": "x"})
+    assert codec.render_chat(messages, [{"x": 1}], template_kwargs={"self": 1, "enable_thinking": True}) == \
+        codec.render_chat(messages, [{"x": 1}], template_kwargs={"enable_thinking": True})  # not render's own self
+    for kwargs, words in (({"bos_token": "x"}, "bos_token"), ({"namespace": 1}, "namespace"),
+                          ({"raise_exception": 1}, "raise_exception"),
+                          ({"enable_thinking": True, "tools": 5}, "tools")):
+        with pytest.raises(BadInputError, match=words) as err:
+            codec.render_chat(messages, template_kwargs=kwargs)
+        assert err.value.option == "chat_template_kwargs", kwargs
+    # a variable of another type than the template reads: refused, not a crash
+    facts.chat_template = "{% for d in documents %}{{ d }}{% endfor %}{{ messages[0].content }}"
+    with pytest.raises(BadInputError, match="failed to render") as err:
+        TextCodec(saved, types.SimpleNamespace(tokenizer=facts)).render_chat(messages, template_kwargs={"documents": 5})
     assert err.value.option == "chat_template_kwargs"
+    facts.chat_template = template
     # an assistant's prefill goes on (continue_final_message), spaces as transformers keeps or trims them
     chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -440,12 +451,12 @@ def test_chat_templates_render_as_transformers_renders_them(pair_factory, tmp_pa
     for template in (chatml, trimmed):
         facts.chat_template = template
         codec = TextCodec(saved, types.SimpleNamespace(tokenizer=facts))
-        for prefill in ("The answer is", "The answer is ", " yes", "1 < 2"):
+        for prefill in ("The answer is", "The answer is ", " yes", "1 < 2", "", " ", "end", "im", "<"):
             chat = [messages[0], {"role": "assistant", "content": prefill}]
             ours = codec.render_chat(chat, add_generation_prompt=False, continue_final_message=True)
             assert ours == hf.apply_chat_template(chat, chat_template=template, tokenize=False,
                                                   continue_final_message=True), (template, prefill)
-            assert ours.rstrip().endswith(prefill.strip())
+
     with pytest.raises(BadInputError, match="add_generation_prompt") as err:
         codec.render_chat(messages, continue_final_message=True)
     assert err.value.option == "continue_final_message"

@@ -147,7 +147,7 @@ def test_vllms_token_controls_are_the_librarys(pipe, client, port):
     assert r.choices[0].text == kept + pipe.generate(ids[-4:], mode="ar", max_new_tokens=6).text
     vocab = pipe.manifest.target.vocab_size
     for field, value in (("stop_token_ids", [vocab]), ("stop_token_ids", ["1"]), ("allowed_token_ids", [-1]),
-                         ("min_tokens", 9), ("truncate_prompt_tokens", 0), ("include_stop_str_in_output", "yes"),
+                         ("min_tokens", 9), ("truncate_prompt_tokens", 0), ("include_stop_str_in_output", "maybe"),
                          ("priority", 1)):  # this server's queue is fcfs
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={field: value})
@@ -162,7 +162,7 @@ def test_chat_template_fields_and_usage_streamed_continuously(pipe, client, port
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content == solo.text
-    for name in ("messages", "add_generation_prompt", "eos_token"):
+    for name in ("messages", "add_generation_prompt", "eos_token", "namespace"):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
                                            extra_body={"chat_template_kwargs": {name: 1}})

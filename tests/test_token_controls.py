@@ -47,6 +47,7 @@ def test_the_options_check_their_values():
     assert cfg.stop_token_ids == (7, 3) and cfg.allowed_token_ids == (4,)
     assert cfg.ending_token_ids == (9, 7, 3) and cfg.params.ending == (3, 7, 9) and cfg.params.min_tokens == 2
     assert cfg.updated(ignore_eos=True).ending_token_ids == (7, 3)  # stop tokens end the text under ignore_eos too
+    assert cfg.updated(ignore_eos=True).params.ending == (3, 7, 9)  # and min_tokens masks EOS still, as vLLM's
     for bad in (dict(stop_token_ids=[-1]), dict(stop_token_ids=[True]), dict(allowed_token_ids=["5"]),
                 dict(min_tokens=-1), dict(truncate_prompt_tokens=0), dict(truncate_prompt_tokens=-2)):
         with pytest.raises(BadInputError) as err:
@@ -173,6 +174,12 @@ def test_the_sink_keeps_stop_strings_where_asked_and_skips_them_before_min_token
     # the first "ab" ends within the first 4 tokens: not looked for; the next one is
     assert run(min_tokens=4) == ("xyabz", "xyabz", "stop", 7)
     assert run(min_tokens=3) == ("xy", "xy", "stop", 4)  # it ends with the 4th token: past the first 3
+    # two stop strings found at the same place: the one listed first, as vLLM checks them
+    for stops, reason in ((("abc", "ab"), "abc"), (("ab", "abc"), "ab")):
+        sink = TextSink(_Letters(), stops, (), 20, keep_stop=True)
+        for t in (23, 0, 1, 2):  # x a b c, the last two tokens at once: b's text is held for a stop
+            sink.add(t)
+        assert (sink.text, sink.stop_reason) == ("x" + reason, reason)
     sink = TextSink(_Letters(), (), (20,), 20, keep_stop=True)  # an ending token's own text, kept
     assert [sink.add(t) for t in (0, 20)] == ["a", "u"] and sink.finish_reason == "eos"
 
