@@ -303,7 +303,9 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         metrics.engine(gen.engine)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "mirror-sd"}
+    # vLLM's card: clients size their prompts by max_model_len
+    card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "mirror-sd",
+            "root": settings.model_name, "parent": None, "max_model_len": _context_limit(pipe)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

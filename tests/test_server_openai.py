@@ -547,8 +547,9 @@ def test_text_content_parts_and_the_developer_role(pipe, client):
     assert e.value.param == "messages.0.content"
 
 
-def test_models_retrieve(client):
-    assert client.models.retrieve(MODEL).id == MODEL
+def test_models_retrieve(pipe, client):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra["max_model_len"] == pipe.context_limit  # vLLM's field
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4o")
     assert e.value.code == "model_not_found"
