@@ -33,6 +33,7 @@ def chat(pipe: Pipeline, config: GenerationConfig, lines: Iterable[str], out: Te
     if not pipe.manifest.tokenizer.chat_template:
         raise BadInputError("the bundle has no chat template: `mirror-sd generate --raw` takes plain text")
     start = [{"role": "system", "content": system}] if system else []
+    _checked(pipe, config, [*start, {"role": "user", "content": "hi"}], max_new_tokens)  # bad options end it here
     messages = list(start)
     for line in _prompted(lines, prompt, err):
         text = line.rstrip("\n")
@@ -42,13 +43,15 @@ def chat(pipe: Pipeline, config: GenerationConfig, lines: Iterable[str], out: Te
             messages = list(start)
             print("[the conversation is forgotten]", file=err)
             continue
-        if text.strip() == "/help" or not text.strip():
+        if not text.strip():
+            continue
+        if text.strip() == "/help":
             print(HELP, file=err)
             continue
         turn = [*messages, {"role": "user", "content": text}]
         try:
             result, prompt_tokens = _answer(pipe, config, turn, max_new_tokens, out)
-        except ContextLimitError as e:  # the conversation outgrew the context: this turn is not kept
+        except (ContextLimitError, BadInputError) as e:  # the conversation outgrew the context: the turn is not kept
             print(f"error: {e} (/reset starts over)", file=err)
             continue
         except KeyboardInterrupt:
@@ -83,8 +86,7 @@ def _answer(pipe: Pipeline, config: GenerationConfig, messages: list[dict[str, A
     """One turn's answer, streamed to `out` as it comes, and its prompt's length."""
     from mirror_sd.runtime.batching import BatchEngine
 
-    ids = pipe.prompt_ids(messages)
-    ids, cfg = pipe.check(ids, config, max_new_tokens=max_new_tokens or max(pipe.context_limit - len(ids), 1))
+    ids, cfg = _checked(pipe, config, messages, max_new_tokens)
     if not BatchEngine.runs_on(pipe):
         stream = pipe.stream(ids, cfg)
         try:
@@ -100,6 +102,14 @@ def _answer(pipe: Pipeline, config: GenerationConfig, messages: list[dict[str, A
         request.wait()
         raise
     return request.result, len(ids)
+
+
+def _checked(pipe: Pipeline, config: GenerationConfig, messages: list[dict[str, Any]],
+             max_new_tokens: int | None) -> tuple[list[int], GenerationConfig]:
+    """The conversation's prompt ids and the turn's checked config (its answer, unless limited, to the context's
+    end)."""
+    ids = pipe.prompt_ids(messages)
+    return pipe.check(ids, config, max_new_tokens=max_new_tokens or max(pipe.longest_context - len(ids), 1))
 
 
 def _show(chunks: Iterable[Chunk], out: TextIO) -> None:

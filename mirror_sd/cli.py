@@ -233,6 +233,11 @@ def _chat(args: argparse.Namespace) -> int:
     # rows verifying windows side by side
     pipe = _load(args, max_num_seqs=1, window_rows=0)
     options = given(args, GenerationConfig)
+    if sys.stdin is None:
+        raise MirrorSDError("chat reads its turns from the standard input, which is closed")
+    # a line that is not UTF-8 is still a turn (its bad bytes as U+FFFD), not the end of the conversation
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")
     tty = sys.stdin.isatty()
     if tty:
         print("mirror-sd chat: /help lists the commands", file=sys.stderr)
@@ -496,7 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "answer streamed, earlier turns kept by the prefix cache")
     c.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
     c.add_argument("--system", default=None, help="a system prompt that opens the conversation")
-    add_options(c, GenerationConfig, shown={"max_new_tokens": "what the context leaves after the conversation"})
+    # logprobs are not shown in a terminal's conversation, and a scored prompt would pass the prefix cache by
+    add_options(c, GenerationConfig, [s.name for s in specs(GenerationConfig)
+                                      if s.flag and s.name not in ("logprobs", "prompt_logprobs")],
+                shown={"max_new_tokens": "what the context leaves after the conversation"})
     add_options(c, LoadOptions, LOAD_FLAGS["chat"], GENERATE_LOAD_DEFAULTS)
     c.set_defaults(func=_chat)
 

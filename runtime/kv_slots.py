@@ -144,7 +144,9 @@ class SlotTable:
         copies: the caller copies a cached head between slots (KVSlots.copy, host memory): where the winner holds a
         sequence that goes on otherwise than `prompt` (another chat after a shared system prompt), an empty slot is
         taken instead, with nothing held, so that the other sequence's next turn still finds all of it.
-        alone: no other prompt waits or prefills (worth_reusing)."""
+        alone: no other prompt waits or prefills (worth_reusing): the slot chosen as before (the strict rule's winner,
+        else an empty or the least recently used one) then keeps any head it holds of the prompt, so that a short head
+        is reused without another slot's longer sequence being written over for it."""
         free = [s for s in self.slots if not s.busy]
         if not free:
             raise ValueError("every KV slot is busy")
@@ -152,10 +154,12 @@ class SlotTable:
         best, best_len = None, 0
         for slot in free:
             n = self.reusable(slot.tokens, ids)
-            if worth_reusing(n, len(prompt), alone) and n > best_len:
+            if worth_reusing(n, len(prompt)) and n > best_len:
                 best, best_len = slot, n
         if best is None:
             best = min(free, key=lambda s: (bool(s.tokens), s.used, s.index))
+            n = self.reusable(best.tokens, ids)
+            best_len = n if worth_reusing(n, len(prompt), alone) else 0
         elif copies and common_prefix(np.asarray(best.tokens, np.int64), ids) < len(best.tokens):
             empty = [s for s in free if not s.tokens]
             if empty:

@@ -369,11 +369,14 @@ class Pipeline:
     @property
     def longest_prompt(self) -> int:
         """The most prompt tokens a generation of one new token takes: the context's (a package's bounds too)."""
-        most = self.context_limit - 1
-        if self.package:
-            b = self.package.info.bounds
-            most = min(most, b.max_prompt, b.max_context - 1)
-        return most
+        most = self.longest_context - 1
+        return min(most, self.package.info.bounds.max_prompt) if self.package else most
+
+    @property
+    def longest_context(self) -> int:
+        """The most tokens a prompt and its answer hold: the context limit, or a package's static bound where lower
+        (what a request without max_new_tokens may run to: the server's chat, `mirror-sd chat`)."""
+        return min(self.context_limit, self.package.info.bounds.max_context) if self.package else self.context_limit
 
     def _check_bounds(self, prompt_len: int, cfg: GenerationConfig) -> None:
         """A package's static shapes admit so much and no more: refused here, before any device work."""

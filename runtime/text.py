@@ -239,7 +239,9 @@ class TextSink:
         """The sink of a generation of `cfg` (checked: Pipeline.check resolved its end-of-sequence tokens)."""
         sink = cls(codec, cfg.stop, cfg.ending_token_ids, cfg.max_new_tokens, prompt_ids, cfg.min_tokens,
                    cfg.include_stop_str_in_output, not cfg.skip_special_tokens)
-        sink.stop_tokens = set(cfg.stop_token_ids) - set(() if cfg.ignore_eos else cfg.eos_token_ids or ())
+        # vLLM's: the tokenizer's own EOS has none; further EOS tokens (a generation config's) are stop tokens there
+        eos = cfg.eos_token_ids or ()
+        sink.stop_tokens = (set(cfg.stop_token_ids) | set(eos[1:])) - set(eos[:1])
         return sink
 
     def _decode_new(self, final: bool) -> str:

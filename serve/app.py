@@ -305,7 +305,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
     # vLLM's card: clients size their prompts by max_model_len
     card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "mirror-sd",
-            "root": settings.model_name, "parent": None, "max_model_len": _context_limit(pipe)}
+            "root": settings.model_name, "parent": None, "max_model_len": pipe.longest_context}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -329,7 +329,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         except BadInputError as e:
             param = e.option or ("prompt" if body.messages is None else "messages")
             raise p.ApiError(400, str(e), param=param, code="invalid_value") from None
-        return {"count": len(ids), "max_model_len": _context_limit(pipe), "tokens": ids,
+        return {"count": len(ids), "max_model_len": pipe.longest_context, "tokens": ids,
                 "token_strs": [pipe.codec.token_str(t) for t in ids] if body.return_token_strs else None}
 
     @app.post("/detokenize")
@@ -704,17 +704,9 @@ def _mirror_stats(outcome: _Outcome) -> dict[str, Any]:
             "branch_hit_rate": s.branch_hit_rate, "fallbacks": s.fallbacks}
 
 
-def _context_limit(pipe: Pipeline) -> int:
-    """The most tokens a prompt and its answer hold: the context limit, or a package's static bound where lower."""
-    limit = pipe.context_limit
-    if pipe.package is not None:
-        limit = min(limit, pipe.package.info.bounds.max_context)
-    return limit
-
-
 def _context_room(pipe: Pipeline, prompt_tokens: int) -> int:
     """The new tokens a prompt leaves room for."""
-    return _context_limit(pipe) - prompt_tokens
+    return pipe.longest_context - prompt_tokens
 
 
 def _context_error(e: ContextLimitError, body: p.ChatRequest | p.CompletionRequest, chat: bool) -> p.ApiError:

@@ -164,9 +164,8 @@ class _Sampling(_Strict):
     def _moved_fields(cls, data: Any) -> Any:
         """mirror.ignore_eos, where the server first took it, is read as vLLM's top-level ignore_eos."""
         mirror = data.get("mirror") if isinstance(data, dict) else None
-        if isinstance(mirror, dict) and "ignore_eos" in mirror:
-            if "ignore_eos" in data:
-                raise PydanticCustomError("invalid_value", "ignore_eos is given twice: at the top and in mirror")
+        # given at the top as well, mirror's is left where it is: refused there as a field mirror does not take
+        if isinstance(mirror, dict) and "ignore_eos" in mirror and data.get("ignore_eos") is None:
             data = {**data, "ignore_eos": mirror["ignore_eos"],
                     "mirror": {k: v for k, v in mirror.items() if k != "ignore_eos"}}
         return data

@@ -439,11 +439,29 @@ def test_a_prompt_alone_reuses_even_a_short_cached_head(pipelines):
     assert got.stats.cached_prompt_tokens > 0 and got.token_ids == solo(pipe, head + rest, max_new_tokens=8)
 
 
+def test_a_short_head_is_reused_only_from_the_slot_taken_anyway():
+    """Alone, a prompt keeps a short head that the slot it gets (an empty one, else the least recently used) holds;
+    it never writes over another cached conversation for it (the engine copies such a head where it can)."""
+    from mirror_sd.runtime.kv_slots import SlotTable
+
+    conversation = list(range(100, 250))
+    prompt = conversation[:20] + [7] * 100  # a 20-token head, much more to prefill
+    for count, taken, cached in ((3, "an empty slot", 0), (1, "the conversation's", 20)):
+        table = SlotTable(count)
+        slot, _ = table.take(conversation[:100])
+        table.leave(slot, conversation)
+        got, n = table.take(prompt, alone=True)
+        assert ((got is slot) == (taken != "an empty slot"), n) == (True, cached), taken
+        table.leave(got, [])
+        table.leave(slot, conversation)
+        assert table.take(prompt)[1] == 0  # not alone: a head this short is not worth running alone
+
+
 def test_a_generation_that_fails_leaves_no_prefix_for_a_later_prompt(pipelines, monkeypatch):
     """A request running alone whose target run fails part way through its prefill: its slot's KV is not what its
     prompt says, so the same prompt next runs its whole prefill, and gets its solo tokens."""
     pipe = pipelines["llama"]
-    prompt = "You are a careful assistant who answers briefly. " * 3 + "Say hi."
+    prompt = "Answer in one careful word, please. " * 3 + "Say hi."  # a head no other test's prompt shares
     want = solo(pipe, prompt, ignore_eos=True)
     engine = pipe.engine()
     monkeypatch.setattr(pipe.target, "_run_prefix", fails_on(1, pipe.target._run_prefix, "the device failed"))

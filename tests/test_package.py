@@ -133,6 +133,8 @@ def test_perplexity_keeps_to_a_packages_bounds(built):
     pipe = Pipeline.load(built["small"], huge_pages=False)
     text = "the quick brown fox jumps over the lazy dog " * 4
     assert pipe.longest_prompt == 8
+    # what an answer without max_new_tokens runs to (the server's chat, mirror-sd chat): the package's bound
+    assert pipe.longest_context == 40 < pipe.context_limit
     got = pipe.perplexity(text)
     assert got.window == 8 and got.tokens == len(pipe.prompt_ids(text)) - 1
     with pytest.raises(BadInputError, match="does not fit") as caught:

@@ -291,6 +291,13 @@ def test_cli_chat_keeps_the_conversation_and_its_kv(bundle, pipe):
     done = subprocess.run([*cmd, "chat", str(bundle), "--max-new-tokens", "6", "--mode", "mirror", "--system", "Be"
                            " brief.", "--temperature", "0"], input=b"hello there\nand then?\n\n/reset\nhello there\n"
                           b"/exit\nnever read\n", capture_output=True, timeout=180)
+    # a line that is not UTF-8 is a turn too (its bad bytes as U+FFFD); chat shows no logprobs
+    odd = subprocess.run([*cmd, "chat", str(bundle), "--max-new-tokens", "3"], input=b"caf\xe9\nmore\n",
+                         capture_output=True, timeout=180)
+    assert odd.returncode == 0 and odd.stderr.decode().count(" tokens cached") == 2, odd.stderr
+    with pytest.raises(SystemExit) as refused:  # argparse's own refusal of a flag chat does not take
+        main(["chat", str(bundle), "--logprobs", "2"])
+    assert refused.value.code == 2
     stdout, stderr = done.stdout.decode(), done.stderr.decode()
     assert done.returncode == 0, stderr
     system = {"role": "system", "content": "Be brief."}

@@ -135,10 +135,15 @@ def test_vllms_token_controls_are_the_librarys(pipe, client, port):
                                            extra_body=extra)
         assert c.choices[0].message.content == pipe.generate(MESSAGES, mode="ar", max_new_tokens=16, **extra).text
     # vLLM's benchmark clients send ignore_eos at the top; mirror.ignore_eos, its first place here, still reads so
-    for extra in ({"ignore_eos": True}, {"mirror": {"ignore_eos": True}}):
+    for extra in ({"ignore_eos": True}, {"mirror": {"ignore_eos": True}}, {"ignore_eos": None, "mirror": {
+            "ignore_eos": True}}):
         r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, temperature=0, extra_body=extra)
         assert r.usage.completion_tokens == 16 and r.choices[0].text == pipe.generate(
             "the cat", mode="ar", max_new_tokens=16, ignore_eos=True).text
+    with pytest.raises(openai.BadRequestError) as e:  # given twice: mirror's is refused by name
+        client.completions.create(model=MODEL, prompt="the cat", max_tokens=4, extra_body={
+            "ignore_eos": True, "mirror": {"ignore_eos": False}})
+    assert e.value.param == "mirror.ignore_eos"
     ids = pipe.prompt_ids("the cat sat on the mat and looked at the dog")
     r = client.completions.create(model=MODEL, prompt="the cat sat on the mat and looked at the dog", max_tokens=6,
                                   temperature=0, echo=True, extra_body={"truncate_prompt_tokens": 4})

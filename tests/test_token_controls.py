@@ -110,6 +110,9 @@ def test_stop_token_ids_end_the_text_and_min_tokens_holds_them_off(engine_pipeli
         assert cut.finish_reason == "stop" and cut.stop_reason == kept.text[-2:]
         eos = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, eos_token_ids=[stop])
         assert (eos.token_ids, eos.finish_reason, eos.stop_reason) == (out.token_ids, "eos", None)
+        # a further EOS token (a generation config's, after the tokenizer's own) reads as a stop token, as in vLLM
+        second = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, eos_token_ids=[plain[0] + 1, stop])
+        assert second.stop_reason == (stop if second.token_ids[-1] == stop else None)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
