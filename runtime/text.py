@@ -75,8 +75,7 @@ class TextCodec:
         `add_generation_prompt`); `tools` (OpenAI's function definitions) go to the template as transformers gives
         them, and `template_kwargs` as further variables (transformers' **kwargs, vLLM's chat_template_kwargs: a
         switch such as enable_thinking that a template reads). `continue_final_message`: the text ends with the last
-        message's content, its turn left open for the answer to go on (transformers' rule: cut after the content's
-        last occurrence)."""
+        message's content, its turn left open for the answer to go on (transformers' rule: `_continued`)."""
         if not self.facts.chat_template:
             raise BadInputError("the bundle has no chat template; give the prompt as text or token ids")
         for i, m in enumerate(messages):
