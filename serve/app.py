@@ -453,7 +453,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             # the background task runs once the response ends, even where its body never started (a client gone
             # at once): the generations stop then
             return StreamingResponse(_stream(request, jobs, started, rid, body.model, chat, include_usage,
-                                             prompt_tokens, calls, continuous), media_type="text/event-stream",
+                                             prompt_tokens, calls, continuous, echoes), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **seed},
                                      background=BackgroundTask(_abandon, started))
         watcher = asyncio.create_task(_watch_disconnect(request))
@@ -509,12 +509,13 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
     async def _stream(request: Request, jobs: list[_Job], started: list[AsyncRequest], rid: str, model: str,
                       chat: bool, include_usage: bool, prompt_tokens: int,
-                      calls: ToolAnswers | ParsedAnswers | None = None, continuous: bool = False
-                      ) -> AsyncIterator[str]:
+                      calls: ToolAnswers | ParsedAnswers | None = None, continuous: bool = False,
+                      echoes: list[str] | None = None) -> AsyncIterator[str]:
         """The choices' chunks as they come, each with its choice's index (n > 1: interleaved), and with the
         logprobs of the tokens whose text it carries where asked for (a token whose text is held back, part of a
         character or of a possible stop string, rides with the next chunk; the last chunk carries any left);
-        `continuous`: each with its choice's usage so far too (vLLM's continuous_usage_stats)."""
+        `continuous`: each with its choice's usage so far too (vLLM's continuous_usage_stats); `echoes`: each
+        completion's prompt text, ahead of its first chunk's (echo)."""
         events: asyncio.Queue = asyncio.Queue()  # (kind, choice, value, logprobs)
         offsets = [p.TextOffsets() for _ in jobs]  # each choice's text so far (completions' text_offset)
         made = [0] * len(jobs)  # each choice's tokens so far
@@ -537,7 +538,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                     delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
                     docs = [p.chat_chunk(rid, created, model, delta, reason, index, logprobs)]
                 else:
-                    docs = [p.completion_chunk(rid, created, model, text, reason, index, logprobs)]
+                    echo = echoes[index] if echoes and first else ""
+                    docs = [p.completion_chunk(rid, created, model, echo + text, reason, index, logprobs)]
             if reason is not None:  # the choice's last chunk: vLLM's stop_reason on it
                 docs[-1]["choices"][0]["stop_reason"] = stop_reason
             for doc in docs if continuous else ():

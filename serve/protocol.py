@@ -515,9 +515,10 @@ class CompletionRequest(Sampling, fields_model(COMPLETION)):
         return self.max_tokens != 0
 
     def generation_options(self) -> dict[str, Any]:
-        if self.stream and self.echo:
-            raise ApiError(400, "echo is not streamed by this server: set stream false", param="echo",
-                           code="unsupported_value")
+        if self.stream and self.echo and (self.logprobs is not None or not self.generates):
+            # the prompt's text goes out with the first chunk; its logprobs (and a prompt alone) are not streamed
+            raise ApiError(400, "echo with logprobs or max_tokens 0 is not streamed by this server: set stream false",
+                           param="echo", code="unsupported_value")
         if not self.generates and not self.echo:
             raise ApiError(400, "max_tokens 0 generates nothing: it takes echo true (the prompt, with logprobs "
                            "scored)", param="max_tokens", code="invalid_value")

@@ -237,9 +237,23 @@ def test_prompt_logprobs_in_vllms_shape(pipe, client):
     assert "prompt_logprobs" not in unscored.choices[0].model_extra
 
 
+def test_a_streamed_echo_sends_the_prompt_first(pipe, client):
+    """vLLM's stream with echo: each choice's first chunk opens with its prompt's text (a token-id prompt spelled
+    with its special tokens), the rest is the completion's as unstreamed."""
+    ids = [5, 17, 33]
+    for prompt, spelled in (("the cat sat", "the cat sat"), (ids, pipe.codec.decode(ids, special=True))):
+        want = pipe.generate(prompt, mode="ar", max_new_tokens=6).text
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                                stream=True, n=2))
+        for index in (0, 1):
+            texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index]
+            assert texts[0].startswith(spelled) and "".join(texts) == spelled + want
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": 0}, "max_tokens"),  # nothing to give without echo
-    ({"echo": True, "stream": True}, "echo"),
+    ({"echo": True, "stream": True, "logprobs": 1}, "echo"),  # the prompt's logprobs are not streamed
+    ({"echo": True, "stream": True, "max_tokens": 0}, "echo"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
