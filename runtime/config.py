@@ -116,8 +116,8 @@ class Spec:
     its metadata."""
 
     name: str
-    # int, float, bool, str, tuple (of strings), list (token ids, held as a tuple) or dict (token id -> number, held
-    # as sorted pairs)
+    # int, float, bool, str, tuple (of strings), list (token ids, held as a tuple), dict (token id -> number, held
+    # as sorted pairs) or object (checked by the option's convert alone: sequences of token ids)
     kind: type
     nullable: bool  # the annotation allows None
     default: Any
@@ -181,7 +181,9 @@ def specs(cls: type) -> tuple[Spec, ...]:
         kinds = typing.get_args(hint) if union else (hint,)
         kind = next(k for k in kinds if k is not type(None))
         args = typing.get_args(kind)
-        if typing.get_origin(kind) is tuple and args and typing.get_origin(args[0]) is tuple:
+        if typing.get_origin(kind) is tuple and args and typing.get_args(args[0]) == (int, Ellipsis):
+            kind = object  # tuple[tuple[int, ...], ...]: token id sequences
+        elif typing.get_origin(kind) is tuple and args and typing.get_origin(args[0]) is tuple:
             kind = dict  # tuple[tuple[int, float], ...]: a map from token ids, held hashable
         elif typing.get_origin(kind) is tuple and args and args[0] is int:
             kind = list  # tuple[int, ...]: token ids, held hashable
@@ -244,6 +246,17 @@ def _token_ids(name: str, value: Any) -> tuple[int, ...]:
             isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in items):
         raise BadInputError(f"{name} must be a list of token ids (integers >= 0), got {value!r}", option=name)
     return tuple(dict.fromkeys(int(t) for t in items))
+
+
+def _token_sequences(value: Any) -> tuple[tuple[int, ...], ...]:
+    """Non-empty sequences of token ids (a token may repeat within one), as tuples without repeated sequences; a
+    BadInputError naming bad_words_ids otherwise."""
+    if not isinstance(value, (tuple, list)) or not all(isinstance(s, (tuple, list)) and s for s in value):
+        raise BadInputError(f"bad_words_ids must be a list of non-empty lists of token ids, got {value!r}",
+                            option="bad_words_ids")
+    for seq in value:
+        _token_ids("bad_words_ids", list(seq))  # each id checked
+    return tuple(dict.fromkeys(tuple(int(t) for t in seq) for seq in value))
 
 
 def _truncation(value: Any) -> Any:
@@ -362,6 +375,13 @@ class GenerationConfig(Options):
         True, "leave special tokens (a chat template's markers) out of the text; off: spelled in it (vLLM's and "
         "transformers' skip_special_tokens; the token that ended the text stays out unless "
         "include_stop_str_in_output)", wire="skip_special_tokens")
+    # vLLM's: each word's tokens (as at the text's start and after a space) never come in that order; Pipeline.check
+    # adds them to bad_words_ids, the form the masks read (runtime/sampling.py)
+    bad_words: tuple[str, ...] = option(
+        (), "a word (or words) the text never holds: its last token is masked after the ones before it (repeatable; "
+        "vLLM's bad_words)", wire="bad_words")
+    bad_words_ids: tuple[tuple[int, ...], ...] = option(
+        (), "token sequences the text never holds (transformers' bad_words_ids)", cli=False, convert=_token_sequences)
     # vLLM's: where the engine orders its queue by priority (LoadOptions.scheduling_policy); else only 0 is taken
     priority: int = option(0, "the request's place in the batching engine's queue under the priority scheduling "
                            "policy: lower comes first (vLLM's priority)", range=Range(-2**63, 2**63 - 1), cli=False,
@@ -431,7 +451,7 @@ class GenerationConfig(Options):
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty,
                               self.presence_penalty, self.frequency_penalty, self.min_p, self.logit_bias,
                               self.min_tokens, tuple(sorted(set(self.eos_token_ids or ()) | set(self.stop_token_ids))),
-                              self.allowed_token_ids)
+                              self.allowed_token_ids, self.bad_words_ids)
 
     @property
     def ending_token_ids(self) -> tuple[int, ...]:

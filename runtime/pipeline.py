@@ -326,8 +326,12 @@ class Pipeline:
         if cfg.logit_bias and cfg.logit_bias[-1][0] >= vocab:
             raise BadInputError(f"logit_bias token {cfg.logit_bias[-1][0]} is past the vocabulary ({vocab} tokens)",
                                 option="logit_bias")
-        for name in ("stop_token_ids", "eos_token_ids", "allowed_token_ids"):
-            past = [t for t in getattr(cfg, name) if t >= vocab]
+        if cfg.bad_words:  # in the form the masks read; again for a config checked before: the same sequences
+            cfg = cfg.updated(bad_words_ids=cfg.bad_words_ids + self._bad_word_ids(cfg.bad_words))
+        for name, ids in (("stop_token_ids", cfg.stop_token_ids), ("eos_token_ids", cfg.eos_token_ids),
+                          ("allowed_token_ids", cfg.allowed_token_ids),
+                          ("bad_words_ids", [t for seq in cfg.bad_words_ids for t in seq])):
+            past = [t for t in ids if t >= vocab]
             if past:
                 raise BadInputError(f"{name} {past[:5]} past the vocabulary ({vocab} tokens)", option=name)
         if cfg.priority and self.load_options.scheduling_policy != "priority":  # vLLM's refusal
@@ -349,6 +353,9 @@ class Pipeline:
                 if given:
                     raise BadInputError(f"{source[2]} ends the text with the tokenizer's EOS token: it cannot go with "
                                         f"{clash}", option=clash)
+            if cfg.bad_words_ids:  # a token the grammar forces could be the one a bad word masks
+                raise BadInputError(f"{source[2]} and bad words could leave no token: give one of them",
+                                    option="bad_words" if cfg.bad_words else "bad_words_ids")
             self.vocabulary.grammar(*source)  # compiled now: a grammar it cannot hold text to is refused
         ids = self.truncated(self.prompt_ids(prompt), cfg.truncate_prompt_tokens)
         if self.package:
@@ -358,6 +365,20 @@ class Pipeline:
                                     f"context limit of {self.context_limit} tokens", self.context_limit, len(ids),
                                     None if len(ids) >= self.context_limit else cfg.max_new_tokens)
         return ids, cfg
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokens of bad words: each word as the text's start spells it and, where that makes other tokens of
+        the same count, as it follows a space."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            if not word.strip():
+                raise BadInputError(f"bad_words holds {word!r}, which has no word in it", option="bad_words")
+            alone = tuple(self.codec.encode(word.lstrip(), special=False))
+            spaced = tuple(self.codec.encode(" " + word.lstrip(), special=False))
+            out.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return tuple(out)
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (-1: as many as the context takes; None: all of them), as vLLM's

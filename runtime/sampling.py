@@ -10,9 +10,10 @@ would have produced that position alone, and sd and mirror still equal ar. vLLM'
 repetition penalty (transformers' CTRL rule: a positive logit divided by it, a negative one multiplied) on every token
 of the prompt and the text so far, then OpenAI's frequency and presence penalties on the generated tokens' counts, then
 vLLM's masks (allowed_token_ids: every other token; min_tokens: the tokens that end the text, at the positions before
-that many new tokens), then a grammar's mask (runtime/grammar.py), which holds to the same rule. A greedy draft applies
-the bias and penalties to its own logits too, as a guess of what the penalised target takes (runtime/draft.py
-DrafterBase._greedy); its windows are checked against the penalised target like any others.
+that many new tokens; bad words: a word's last token after the rest of it), then a grammar's mask (runtime/grammar.py),
+which holds to the same rule. A greedy draft applies the bias and penalties to its own logits too, as a guess of what
+the penalised target takes (runtime/draft.py DrafterBase._greedy); its windows are checked against the penalised target
+like any others.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from mirror_sd.runtime.grammar import NoTokenLeft
 
 if TYPE_CHECKING:  # a type only: the grammar's masks come from the generation's own state
     from mirror_sd.runtime.grammar import GrammarState
@@ -43,6 +46,7 @@ class SamplingParams:
     min_tokens: int = 0  # the ending tokens are masked at the positions before this many new tokens
     ending: tuple[int, ...] = ()  # the tokens that end the text, sorted
     allowed: tuple[int, ...] = ()  # the only tokens that may come (empty: any)
+    banned: tuple[tuple[int, ...], ...] = ()  # token sequences: the last is masked after the others' generated run
 
     @property
     def greedy(self) -> bool:
@@ -52,7 +56,8 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether the target's logits change before a token is chosen from them (bias, penalties or masks)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias) or bool(self.allowed) or (self.min_tokens > 0 and bool(self.ending)))
+                or bool(self.logit_bias) or bool(self.allowed) or (self.min_tokens > 0 and bool(self.ending))
+                or bool(self.banned))
 
 
 def penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int,
@@ -89,7 +94,26 @@ def _penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int]
     early = params.min_tokens - (len(context) - prompt_len)  # rows before the min_tokens-th new token
     if early > 0 and params.ending:
         out[:early, list(params.ending)] = -np.inf
+    if params.banned:
+        _ban(out, params.banned, context[prompt_len:], window)
+        if params.allowed and np.isneginf(out).all(axis=1).any():  # argmax would give token 0, sampling nothing
+            raise NoTokenLeft("allowed_token_ids and bad_words leave no token at this position")
     return out
+
+
+def _ban(out: np.ndarray, banned: tuple[tuple[int, ...], ...], generated: Sequence[int],
+         window: Sequence[int]) -> None:
+    """vLLM's bad words, in place: at row i, a sequence's last token is masked where the generated tokens before the
+    row (`generated`, then window[:i]) end with the rest of it (always, for a one-token sequence)."""
+    longest = max(len(seq) for seq in banned) - 1
+    tail = list(generated[len(generated) - longest:]) if longest else []  # all of it where shorter
+    tokens = tail + list(window)
+    for i in range(out.shape[0]):
+        end = len(tail) + i  # tokens[:end]: the generated tokens before row i, as far back as any sequence reaches
+        for seq in banned:
+            n = len(seq) - 1
+            if n == 0 or (end >= n and tokens[end - n:end] == list(seq[:-1])):
+                out[i, seq[-1]] = -np.inf
 
 
 def _count_penalties(out: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int,

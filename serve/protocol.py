@@ -191,6 +191,14 @@ class _Sampling(_Strict):
             raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings")
         return stops
 
+    @field_validator("bad_words", check_fields=False)
+    @classmethod
+    def _words(cls, v: str | list[str] | None) -> list[str] | None:
+        words = [v] if isinstance(v, str) else v
+        if words is not None and not all(words):
+            raise ValueError("bad_words takes non-empty strings")
+        return words
+
     @property
     def json_schema_field(self) -> str:
         """The request field the json_schema option came from (what its errors name)."""

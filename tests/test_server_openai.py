@@ -126,7 +126,8 @@ def test_vllms_token_controls_are_the_librarys(pipe, client, port):
     stop = next(t for t in plain[2:] if t not in plain[:2])
     for extra in (dict(stop_token_ids=[stop]), dict(stop_token_ids=[stop], include_stop_str_in_output=True),
                   dict(stop_token_ids=[stop], min_tokens=plain.index(stop) + 2),
-                  dict(allowed_token_ids=sorted(set(plain[:6])))):
+                  dict(allowed_token_ids=sorted(set(plain[:6]))),
+                  dict(bad_words=["the", pipe.codec.decode(plain[:2])])):
         want = pipe.generate("the cat", mode="ar", max_new_tokens=16, **extra)
         r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=16, temperature=0, extra_body=extra)
         assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids), extra

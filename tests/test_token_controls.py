@@ -11,6 +11,7 @@ from conftest import alone_then_joined
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.grammar import NoTokenLeft
 from mirror_sd.runtime.reference import reference_generate
 from mirror_sd.runtime.sampling import SamplingParams, penalize
 from mirror_sd.runtime.text import TextSink
@@ -42,6 +43,27 @@ def test_the_masks_are_vllms_row_by_row():
     assert not SamplingParams(min_tokens=3).penalized and SamplingParams(allowed=(1,)).penalized
 
 
+def _plain_bans(generated: list[int], banned) -> set[int]:
+    return {seq[-1] for seq in banned if len(generated) >= len(seq) - 1 and
+            generated[len(generated) - len(seq) + 1:] == list(seq[:-1])}
+
+
+def test_bad_words_mask_a_sequences_last_token_after_the_rest_of_it_row_by_row():
+    """vLLM's rule over the generated tokens only (not the prompt), each verification row as the step it stands
+    for: written out over plain lists for 300 random cases."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        vocab, n = 12, int(rng.integers(1, 6))
+        prompt_len = int(rng.integers(0, 4))
+        context = rng.integers(0, 4, prompt_len + int(rng.integers(0, 6))).tolist()
+        window = rng.integers(0, 4, n - 1).tolist()
+        banned = tuple(tuple(rng.integers(0, 4, int(rng.integers(1, 4))).tolist()) for _ in range(3))
+        out = penalize(np.zeros((n, vocab), np.float32), SamplingParams(banned=banned), context, prompt_len, window)
+        for i in range(n):
+            generated = [*context[prompt_len:], *window[:i]]
+            assert set(np.flatnonzero(np.isinf(out[i]))) == _plain_bans(generated, banned), (context, window, banned)
+
+
 def test_the_options_check_their_values():
     cfg = GenerationConfig(stop_token_ids=[7, 3, 7], allowed_token_ids=4, min_tokens=2, eos_token_ids=[9])
     assert cfg.stop_token_ids == (7, 3) and cfg.allowed_token_ids == (4,)
@@ -66,7 +88,11 @@ def test_the_pipeline_refuses_what_could_not_run(engine_pipelines):
              (dict(min_tokens=1, allowed_token_ids=list(eos)), "allowed_token_ids", "no token could come"),
              (dict(min_tokens=2, json_schema='{"type": "object"}'), "min_tokens", "EOS"),
              (dict(allowed_token_ids=[4], regex="a+"), "allowed_token_ids", "EOS"),
-             (dict(eos_token_ids=[4], choice=["yes", "no"]), "eos_token_ids", "EOS")]
+             (dict(eos_token_ids=[4], choice=["yes", "no"]), "eos_token_ids", "EOS"),
+             (dict(bad_words=["hi"], regex="a+"), "bad_words", "bad words"),
+             (dict(bad_words=["  "]), "bad_words", "no word"),
+             (dict(bad_words_ids=[[1, vocab]]), "bad_words_ids", "past the vocabulary"),
+             (dict(bad_words_ids=[[]]), "bad_words_ids", "non-empty")]
     for options, option, words in cases:
         with pytest.raises(BadInputError, match=words) as err:
             pipe.check(PROMPTS[0], **options)
@@ -123,7 +149,8 @@ def test_every_mode_equals_ar_under_the_controls(engine_pipelines, arch):
         allowed = sorted(set(plain[::2]) | {stop})
         controls = (dict(stop_token_ids=[stop], min_tokens=plain.index(stop) + 3),
                     dict(allowed_token_ids=allowed, min_tokens=4, stop_token_ids=[stop]),
-                    dict(allowed_token_ids=allowed, repetition_penalty=1.3))
+                    dict(allowed_token_ids=allowed, repetition_penalty=1.3),
+                    dict(bad_words_ids=[[plain[1]], plain[3:5], plain[6:9]], bad_words=["the"]))
         for options in controls:
             ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, **options)
             _, cfg = pipe.check(prompt, max_new_tokens=NEW_TOKENS, **options)
@@ -132,6 +159,8 @@ def test_every_mode_equals_ar_under_the_controls(engine_pipelines, arch):
             assert ar.token_ids == want, options
             if "allowed_token_ids" in options:
                 assert set(ar.token_ids) <= set(allowed)
+            for seq in cfg.bad_words_ids:  # no banned sequence among the generated tokens
+                assert all(ar.token_ids[j:j + len(seq)] != list(seq) for j in range(len(ar.token_ids)))
             for mode in ("lookup", "sd", "mirror"):
                 for gate in (True, False):  # the default steps, and every step verifying a window
                     out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, adaptive_speculation=gate,
@@ -203,3 +232,23 @@ def test_skip_special_tokens_off_spells_them_in_the_text(engine_pipelines):
     assert shown.text == pipe.codec.decode(shown.token_ids, special=True) and "<|im_start|>" in shown.text
     batched = pipe.generate([PROMPTS[0], PROMPTS[1]], skip_special_tokens=False, **options)
     assert batched[0].text == shown.text
+
+
+def test_bad_words_take_vllms_tokens_and_a_mask_of_every_token_is_an_error(engine_pipelines):
+    """A bad word's tokens as vLLM takes them: as the text's start spells it, and after a space where that gives
+    other tokens of the same count. allowed_token_ids whose every token a bad word masks: the generation fails with
+    NoTokenLeft (argmax would silently give token 0), alone and batched."""
+    pipe = engine_pipelines()
+    codec = pipe.codec
+    for word in ("the", " cat", "hello there"):
+        _, cfg = pipe.check(PROMPTS[0], bad_words=[word])
+        alone, spaced = codec.encode(word.lstrip(), special=False), codec.encode(" " + word.lstrip(), special=False)
+        want = [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+        assert [list(s) for s in cfg.bad_words_ids] == want
+        assert pipe.check(PROMPTS[0], cfg)[1].bad_words_ids == cfg.bad_words_ids  # checked again: the same
+    plain = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=8, ignore_eos=True).token_ids
+    stuck = dict(mode="ar", max_new_tokens=8, ignore_eos=True, allowed_token_ids=[plain[0]], bad_words_ids=[[plain[0]]])
+    with pytest.raises(NoTokenLeft):
+        pipe.generate(PROMPTS[0], **stuck)
+    with pytest.raises(NoTokenLeft):
+        pipe.generate([PROMPTS[0], PROMPTS[1]], **stuck)
