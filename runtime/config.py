@@ -49,6 +49,7 @@ RESPONSE_FORMAT = "response_format"  # the json_schema option's wire name: OpenA
 STRUCTURED = "structured_outputs."  # a wire name: vLLM's structured-output object, under the option's own name
 GRAMMAR_OPTIONS = ("json_schema", "regex", "choice", "grammar")  # they hold the text to a grammar: one at most
 MAX_LOGIT_BIAS = 300  # tokens one generation may bias, as OpenAI's API allows
+MAX_BAD_WORDS = 128  # words one generation may ban (vLLM's cap): each is looked at on every row of every step
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the batching engine's queue orders (LoadOptions.scheduling_policy)
 
 

@@ -46,11 +46,6 @@ class GrammarError(RuntimeError):
     """A generation's grammar state cannot go on (a bug, or a limit of llguidance's): that generation fails."""
 
 
-class NoTokenLeft(GrammarError):
-    """A generation's masks leave no token at a position (allowed_token_ids whose every token a bad word's rule
-    masks there): that generation fails, as where its grammar cannot go on."""
-
-
 def schema_text(value: Any) -> str | None:
     """A JSON schema as the option holds it: its JSON text (a dict is written out, a pydantic model class gives its
     model_json_schema(); None stays None); BadInputError where the value is not a JSON object."""

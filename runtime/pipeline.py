@@ -39,7 +39,14 @@ from mirror_sd.partitions.plan_file import (
 from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.backends import DEVICE, default_openvino_device, on_cpu, usable_cores
 from mirror_sd.runtime.batching import BatchEngine, PipelineBusy
-from mirror_sd.runtime.config import BUILTIN_THREADS, GRAMMAR_OPTIONS, GenerationConfig, LoadOptions, specs
+from mirror_sd.runtime.config import (
+    BUILTIN_THREADS,
+    GRAMMAR_OPTIONS,
+    MAX_BAD_WORDS,
+    GenerationConfig,
+    LoadOptions,
+    specs,
+)
 from mirror_sd.runtime.draft import Drafter, DrafterBase
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
@@ -326,8 +333,14 @@ class Pipeline:
         if cfg.logit_bias and cfg.logit_bias[-1][0] >= vocab:
             raise BadInputError(f"logit_bias token {cfg.logit_bias[-1][0]} is past the vocabulary ({vocab} tokens)",
                                 option="logit_bias")
+        if len(cfg.bad_words) > MAX_BAD_WORDS:  # each costs every step of the generation a look at its tokens
+            raise BadInputError(f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(cfg.bad_words)}",
+                                option="bad_words")
         if cfg.bad_words:  # in the form the masks read; again for a config checked before: the same sequences
             cfg = cfg.updated(bad_words_ids=cfg.bad_words_ids + self._bad_word_ids(cfg.bad_words))
+        if len(cfg.bad_words_ids) > 2 * MAX_BAD_WORDS:
+            raise BadInputError(f"bad_words_ids takes at most {2 * MAX_BAD_WORDS} sequences, got "
+                                f"{len(cfg.bad_words_ids)}", option="bad_words" if cfg.bad_words else "bad_words_ids")
         for name, ids in (("stop_token_ids", cfg.stop_token_ids), ("eos_token_ids", cfg.eos_token_ids),
                           ("allowed_token_ids", cfg.allowed_token_ids),
                           ("bad_words_ids", [t for seq in cfg.bad_words_ids for t in seq])):
@@ -373,8 +386,11 @@ class Pipeline:
         for word in words:
             if not word.strip():
                 raise BadInputError(f"bad_words holds {word!r}, which has no word in it", option="bad_words")
-            alone = tuple(self.codec.encode(word.lstrip(), special=False))
-            spaced = tuple(self.codec.encode(" " + word.lstrip(), special=False))
+            try:
+                alone = tuple(self.codec.encode(word.lstrip(), special=False))
+                spaced = tuple(self.codec.encode(" " + word.lstrip(), special=False))
+            except BadInputError as e:
+                raise BadInputError(f"bad_words: {e}", option="bad_words") from None
             out.append(alone)
             if spaced[0] != alone[0] and len(spaced) == len(alone):
                 out.append(spaced)

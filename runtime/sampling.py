@@ -10,7 +10,8 @@ would have produced that position alone, and sd and mirror still equal ar. vLLM'
 repetition penalty (transformers' CTRL rule: a positive logit divided by it, a negative one multiplied) on every token
 of the prompt and the text so far, then OpenAI's frequency and presence penalties on the generated tokens' counts, then
 vLLM's masks (allowed_token_ids: every other token; min_tokens: the tokens that end the text, at the positions before
-that many new tokens; bad words: a word's last token after the rest of it), then a grammar's mask (runtime/grammar.py),
+that many new tokens; bad words: a word's last token after the rest of it, except where that would leave
+allowed_token_ids no token), then a grammar's mask (runtime/grammar.py),
 which holds to the same rule. A greedy draft applies the bias and penalties to its own logits too, as a guess of what
 the penalised target takes (runtime/draft.py DrafterBase._greedy); its windows are checked against the penalised target
 like any others.
@@ -23,8 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from mirror_sd.runtime.grammar import NoTokenLeft
 
 if TYPE_CHECKING:  # a type only: the grammar's masks come from the generation's own state
     from mirror_sd.runtime.grammar import GrammarState
@@ -95,9 +94,11 @@ def _penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int]
     if early > 0 and params.ending:
         out[:early, list(params.ending)] = -np.inf
     if params.banned:
+        allowed = out.copy() if params.allowed else None
         _ban(out, params.banned, context[prompt_len:], window)
-        if params.allowed and np.isneginf(out).all(axis=1).any():  # argmax would give token 0, sampling nothing
-            raise NoTokenLeft("allowed_token_ids and bad_words leave no token at this position")
+        if allowed is not None:  # where the bans leave allowed_token_ids no token, that position takes none of them
+            dead = np.isneginf(out).all(axis=1)
+            out[dead] = allowed[dead]
     return out
 
 
@@ -106,7 +107,7 @@ def _ban(out: np.ndarray, banned: tuple[tuple[int, ...], ...], generated: Sequen
     """vLLM's bad words, in place: at row i, a sequence's last token is masked where the generated tokens before the
     row (`generated`, then window[:i]) end with the rest of it (always, for a one-token sequence)."""
     longest = max(len(seq) for seq in banned) - 1
-    tail = list(generated[len(generated) - longest:]) if longest else []  # all of it where shorter
+    tail = list(generated[max(len(generated) - longest, 0):]) if longest else []  # all of it where shorter
     tokens = tail + list(window)
     for i in range(out.shape[0]):
         end = len(tail) + i  # tokens[:end]: the generated tokens before row i, as far back as any sequence reaches

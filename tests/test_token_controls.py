@@ -11,7 +11,6 @@ from conftest import alone_then_joined
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.runtime.config import GenerationConfig
-from mirror_sd.runtime.grammar import NoTokenLeft
 from mirror_sd.runtime.reference import reference_generate
 from mirror_sd.runtime.sampling import SamplingParams, penalize
 from mirror_sd.runtime.text import TextSink
@@ -50,14 +49,14 @@ def _plain_bans(generated: list[int], banned) -> set[int]:
 
 def test_bad_words_mask_a_sequences_last_token_after_the_rest_of_it_row_by_row():
     """vLLM's rule over the generated tokens only (not the prompt), each verification row as the step it stands
-    for: written out over plain lists for 300 random cases."""
+    for: written out over plain lists for 1,000 random cases (sequences of up to 6 tokens)."""
     rng = np.random.default_rng(3)
-    for _ in range(300):
+    for _ in range(1000):
         vocab, n = 12, int(rng.integers(1, 6))
         prompt_len = int(rng.integers(0, 4))
-        context = rng.integers(0, 4, prompt_len + int(rng.integers(0, 6))).tolist()
+        context = rng.integers(0, 4, prompt_len + int(rng.integers(0, 8))).tolist()
         window = rng.integers(0, 4, n - 1).tolist()
-        banned = tuple(tuple(rng.integers(0, 4, int(rng.integers(1, 4))).tolist()) for _ in range(3))
+        banned = tuple(tuple(rng.integers(0, 4, int(rng.integers(1, 7))).tolist()) for _ in range(3))
         out = penalize(np.zeros((n, vocab), np.float32), SamplingParams(banned=banned), context, prompt_len, window)
         for i in range(n):
             generated = [*context[prompt_len:], *window[:i]]
@@ -234,10 +233,11 @@ def test_skip_special_tokens_off_spells_them_in_the_text(engine_pipelines):
     assert batched[0].text == shown.text
 
 
-def test_bad_words_take_vllms_tokens_and_a_mask_of_every_token_is_an_error(engine_pipelines):
+def test_bad_words_take_vllms_tokens_and_never_leave_allowed_tokens_none(engine_pipelines):
     """A bad word's tokens as vLLM takes them: as the text's start spells it, and after a space where that gives
-    other tokens of the same count. allowed_token_ids whose every token a bad word masks: the generation fails with
-    NoTokenLeft (argmax would silently give token 0), alone and batched."""
+    other tokens of the same count. Where the bans would leave allowed_token_ids no token, that position takes none
+    of them (argmax would otherwise give token 0), the same in every mode: a verification row after a token the
+    target rejects may be such a position, and ar never reaches it."""
     pipe = engine_pipelines()
     codec = pipe.codec
     for word in ("the", " cat", "hello there"):
@@ -246,9 +246,22 @@ def test_bad_words_take_vllms_tokens_and_a_mask_of_every_token_is_an_error(engin
         want = [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
         assert [list(s) for s in cfg.bad_words_ids] == want
         assert pipe.check(PROMPTS[0], cfg)[1].bad_words_ids == cfg.bad_words_ids  # checked again: the same
-    plain = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=8, ignore_eos=True).token_ids
-    stuck = dict(mode="ar", max_new_tokens=8, ignore_eos=True, allowed_token_ids=[plain[0]], bad_words_ids=[[plain[0]]])
-    with pytest.raises(NoTokenLeft):
-        pipe.generate(PROMPTS[0], **stuck)
-    with pytest.raises(NoTokenLeft):
-        pipe.generate([PROMPTS[0], PROMPTS[1]], **stuck)
+    for options, option in ((dict(bad_words=["w"] * 2 + [f"w{i}" for i in range(200)]), "bad_words"),
+                            (dict(bad_words=["\ud800x"]), "bad_words")):
+        with pytest.raises(BadInputError) as err:
+            pipe.check(PROMPTS[0], **options)
+        assert err.value.option == option
+    for prompt in PROMPTS:
+        plain = pipe.generate(prompt, mode="ar", max_new_tokens=16, ignore_eos=True).token_ids
+        z = next(t for t in range(99, 400) if t not in plain)
+        allowed = sorted({*plain, z})
+        # after z every allowed token is banned: a position after a drafted z has none left
+        options = dict(max_new_tokens=16, ignore_eos=True, allowed_token_ids=allowed,
+                       bad_words_ids=[[z, t] for t in allowed])
+        ar = pipe.generate(prompt, mode="ar", **options)
+        for mode in ("lookup", "sd", "mirror"):
+            for gate in (True, False):
+                assert pipe.generate(prompt, mode=mode, adaptive_speculation=gate, **options).token_ids == \
+                    ar.token_ids, (mode, gate)
+        stuck = dict(mode="ar", max_new_tokens=4, ignore_eos=True, allowed_token_ids=[z], bad_words_ids=[[z]])
+        assert pipe.generate(prompt, **stuck).token_ids == [z] * 4  # the ban gives way, not a token outside
