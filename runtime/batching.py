@@ -326,8 +326,8 @@ class BatchEngine:
             # a prompt whose logprobs are asked for is prefilled whole, on every position (as vLLM's skip the prefix
             # cache); another's head another slot holds is copied before the prefill (_borrow)
             scored = cfg.prompt_logprobs is not None
-            alone = not self._waiting and not any(r.prefilling for r in self._rows)
-            slot, cached = self.table.take([] if scored else request.ids, copies=self.kv.can_copy, alone=alone)
+            slot, cached = self.table.take([] if scored else request.ids, copies=self.kv.can_copy,
+                                           alone=self._alone())
             request.admitted = time.perf_counter()
             try:
                 sink = TextSink.of(self.pipe.codec, cfg, request.ids)
@@ -478,6 +478,11 @@ class BatchEngine:
             return 0
         return min(row.kv_len, self.pipe.target.prompt_split(row.prompt_len))
 
+    def _alone(self, row: _Row | None = None) -> bool:
+        """Whether a prompt (`row`'s, or one being admitted) would prefill alone: no other waits or prefills, so no
+        fresh prompt could share its run (kv_slots.worth_reusing)."""
+        return not self._waiting and not any(r.prefilling for r in self._rows if r is not row)
+
     def _borrow(self, row: _Row) -> None:
         """Copy the longest head of the row's prompt that another slot holds past what the row has (a request
         sharing its system prompt or earlier turns), where the KV lives in host memory; the prefill goes on from
@@ -492,8 +497,7 @@ class BatchEngine:
             n = self.table.reusable(tokens, prompt)
             if n > length:
                 best, length = slot, n
-        alone = not self._waiting and not any(r.prefilling for r in self._rows if r is not row)
-        if best is None or not worth_reusing(length - row.kv_len, len(prompt) - row.kv_len, alone):
+        if best is None or not worth_reusing(length - row.kv_len, len(prompt) - row.kv_len, self._alone(row)):
             return
         self.kv.copy(best.index, row.slot.index, row.kv_len, length)
         row.kv_len = row.cached = length

@@ -447,8 +447,9 @@ class GenerationConfig(Options):
         range=Range(0, MAX_TOP_LOGPROBS), none="off", wire="prompt_logprobs")
     trace: bool = option(False, "stats.trace lists every phase as (phase, start_s, end_s)", cli=False)
 
-    @property
+    @functools.cached_property
     def params(self) -> SamplingParams:
+        """The sampling rules of the options (a frozen config's: made once, though read per row on every step)."""
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty,
                               self.presence_penalty, self.frequency_penalty, self.min_p, self.logit_bias,
                               self.min_tokens, tuple(sorted(set(self.eos_token_ids or ()) | set(self.stop_token_ids))),

@@ -95,19 +95,20 @@ def _penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int]
         out[:early, list(params.ending)] = -np.inf
     if params.banned:
         allowed = out.copy() if params.allowed else None
-        _ban(out, params.banned, context[prompt_len:], window)
+        _ban(out, params.banned, context, prompt_len, window)
         if allowed is not None:  # where the bans leave allowed_token_ids no token, that position takes none of them
             dead = np.isneginf(out).all(axis=1)
             out[dead] = allowed[dead]
     return out
 
 
-def _ban(out: np.ndarray, banned: tuple[tuple[int, ...], ...], generated: Sequence[int],
+def _ban(out: np.ndarray, banned: tuple[tuple[int, ...], ...], context: Sequence[int], prompt_len: int,
          window: Sequence[int]) -> None:
     """vLLM's bad words, in place: at row i, a sequence's last token is masked where the generated tokens before the
-    row (`generated`, then window[:i]) end with the rest of it (always, for a one-token sequence)."""
+    row (context[prompt_len:], then window[:i]) end with the rest of it (always, for a one-token sequence)."""
     longest = max(len(seq) for seq in banned) - 1
-    tail = list(generated[max(len(generated) - longest, 0):]) if longest else []  # all of it where shorter
+    # the generated tokens as far back as any sequence reaches (all of them where fewer)
+    tail = list(context[max(len(context) - longest, prompt_len):]) if longest else []
     tokens = tail + list(window)
     for i in range(out.shape[0]):
         end = len(tail) + i  # tokens[:end]: the generated tokens before row i, as far back as any sequence reaches

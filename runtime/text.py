@@ -8,6 +8,7 @@ import datetime
 import functools
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -219,10 +220,10 @@ class TextSink:
 
     def __init__(self, codec: TextCodec, stop: tuple[str, ...], eos_token_ids: tuple[int, ...],
                  max_tokens: int, prompt_ids: list[int] | tuple[int, ...] = (), min_tokens: int = 0,
-                 keep_stop: bool = False, special: bool = False) -> None:
+                 keep_stop: bool = False, special: bool = False, stop_tokens: Collection[int] = ()) -> None:
         self.codec, self.stop, self.eos, self.max_tokens = codec, stop, set(eos_token_ids), max_tokens
         self.min_tokens, self.keep_stop, self.special = min_tokens, keep_stop, special
-        self.stop_tokens: set[int] = set()  # ending tokens that are stop tokens, not EOS (their stop_reason)
+        self.stop_tokens = set(stop_tokens)  # ending tokens that are stop tokens, not EOS (their stop_reason)
         self.stop_reason: int | str | None = None  # the stop token or string that ended the text
         self.ids: list[int] = []
         self.text = ""
@@ -236,12 +237,11 @@ class TextSink:
     @classmethod
     def of(cls, codec: TextCodec, cfg: GenerationConfig, prompt_ids: list[int] | tuple[int, ...]) -> TextSink:
         """The sink of a generation of `cfg` (checked: Pipeline.check resolved its end-of-sequence tokens)."""
-        sink = cls(codec, cfg.stop, cfg.ending_token_ids, cfg.max_new_tokens, prompt_ids, cfg.min_tokens,
-                   cfg.include_stop_str_in_output, not cfg.skip_special_tokens)
-        # vLLM's: the tokenizer's own EOS has none; further EOS tokens (a generation config's) are stop tokens there
+        # vLLM's: the tokenizer's own EOS has no stop_reason; further EOS tokens (a generation config's) are stop tokens
         eos = cfg.eos_token_ids or ()
-        sink.stop_tokens = (set(cfg.stop_token_ids) | set(eos[1:])) - set(eos[:1])
-        return sink
+        return cls(codec, cfg.stop, cfg.ending_token_ids, cfg.max_new_tokens, prompt_ids, cfg.min_tokens,
+                   cfg.include_stop_str_in_output, not cfg.skip_special_tokens,
+                   (set(cfg.stop_token_ids) | set(eos[1:])) - set(eos[:1]))
 
     def _decode_new(self, final: bool) -> str:
         """The text of the ids after `_read`, decoded after those before it; empty while it ends in an incomplete

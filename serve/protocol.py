@@ -183,21 +183,15 @@ class _Sampling(_Strict):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
-    @field_validator("stop", check_fields=False)
+    @field_validator("stop", "bad_words", check_fields=False)
     @classmethod
-    def _stops(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP or not all(stops):
-            raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings")
-        return stops
-
-    @field_validator("bad_words", check_fields=False)
-    @classmethod
-    def _words(cls, v: str | list[str] | None) -> list[str] | None:
-        words = [v] if isinstance(v, str) else v
-        if words is not None and not all(words):
-            raise ValueError("bad_words takes non-empty strings")
-        return words
+    def _strings(cls, v: str | list[str] | None, info: ValidationInfo) -> list[str]:
+        """One string or several, none empty; stop at most MAX_STOP (OpenAI's bound; bad_words' is the pipeline's)."""
+        items = [v] if isinstance(v, str) else list(v or [])
+        most = MAX_STOP if info.field_name == "stop" else None
+        if not all(items) or (most is not None and len(items) > most):
+            raise ValueError(f"{info.field_name} takes {f'at most {most} ' if most else ''}non-empty strings")
+        return items
 
     @property
     def json_schema_field(self) -> str:
