@@ -580,8 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                     help="read answers to tool_choice auto (OpenAI's default with tools) for calls in this format: "
                          "hermes (<tool_call> JSON </tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (an answer "
-                         "of JSON calls: Llama 3.1-3.3), pythonic ([f(x=1), g()]: Llama 3.2, Llama 4) (default: none, "
-                         "auto refused)")
+                         "of JSON calls: Llama 3.1-3.3), pythonic ([f(x=1), g()]: Llama 3.2, Llama 4), mistral "
+                         "([TOOL_CALLS] and its calls: Mistral, Mixtral) (default: none, auto refused)")
     add_options(sv, GenerationConfig, SERVE_GENERATION, shown=SERVE_SHOWN)  # a request's own value wins
     add_options(sv, LoadOptions, LOAD_FLAGS["serve"])
     sv.add_argument("--ray", action="store_true",

@@ -63,7 +63,7 @@ from mirror_sd.serve.auth import ApiKey
 from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
 from mirror_sd.serve.responses import ResponsesRequest, ResponseStore, events, from_chat, output_messages, renamed
-from mirror_sd.serve.tool_parser import ParsedAnswers
+from mirror_sd.serve.tool_parser import TOOL_CALL_FORMATS, ParsedAnswers
 from mirror_sd.serve.tools import ToolAnswers
 
 log = logging.getLogger("mirror_sd.serve")
@@ -426,6 +426,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                         chat: bool) -> Any:
         calls = _calls(body, settings)  # how the answers become tool calls, if they do (a 400 where they cannot)
         requested, jobs, prompt_tokens = body.generation_options(), [], 0
+        if isinstance(calls, ParsedAnswers) and calls.format.special_tokens:
+            requested["skip_special_tokens"] = False  # the format's markers are special tokens (as vLLM sets it)
         echoes: list[str] = []  # each choice's prompt text, where a completion echoes it
         grammar = {name: value for name, value in requested.items() if name in GRAMMAR_OPTIONS}
         if grammar:
@@ -733,13 +735,14 @@ def _calls(body: p.ChatRequest | p.CompletionRequest, settings: ServerSettings
     named function), or "auto" (OpenAI's default where tools are given) read by the server's parser."""
     if not isinstance(body, p.ChatRequest) or not body.tools or body.tool_choice == "none":
         return None
-    if body.calls_tools:
-        return ToolAnswers(body.forced_tool)
-    if settings.tool_call_parser is None:
+    parser = settings.tool_call_parser
+    if body.calls_tools:  # ids as the server's parser writes them: a Mistral model's template takes short ones only
+        return ToolAnswers(body.forced_tool, parser is not None and TOOL_CALL_FORMATS[parser].short_ids)
+    if parser is None:
         raise p.ApiError(400, 'tool_choice "auto" needs a parser of the model\'s tool-call format: start the server '
                          'with --tool-call-parser (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1-3.3; '
-                         'pythonic: Llama 3.2, Llama 4), or give "required", a named function or "none"',
-                         param="tool_choice", code="unsupported_value")
+                         'pythonic: Llama 3.2, Llama 4; mistral: Mistral, Mixtral), or give "required", a named '
+                         'function or "none"', param="tool_choice", code="unsupported_value")
     return ParsedAnswers(settings.tool_call_parser)
 
 

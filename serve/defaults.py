@@ -36,7 +36,7 @@ COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's legac
 # transformers' generation_config.json keys the server takes, by the GenerationConfig option each one sets
 FROM_HF = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 # formats `--tool-call-parser` reads an answer's tool calls in (serve/tool_parser.py)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 SEED_BITS = 31  # random seeds stay below 2**31: exact as a JSON number in any client (JavaScript's included)
 # The serve command's settings that `mirror-sd serve` (mirror_sd/cli.py) and Ray's builder (serve/ray_app.py) both
 # read: the generation options whose server-wide default it takes (3. above), where its API key comes from when not

@@ -16,7 +16,13 @@ only its reading changes. A call that does not parse leaves the whole answer tex
     included;
   - pythonic (Llama 3.2 and Llama 4 with their pythonic tool templates): an answer that is a Python list of calls,
     `[get_weather(city="Paris"), get_time()]`, keyword arguments of literal values (read, never run), is its calls
-    and has no content; any other answer is text.
+    and has no content; any other answer is text;
+  - mistral (Mistral 7B v0.3, Mixtral, Nemo, Small, Devstral, Magistral): the special token [TOOL_CALLS], then a JSON
+    list of {"name": ..., "arguments": {...}} (tokenizers before v11), or per call the function's name, [ARGS] and
+    its JSON arguments (v11 on: `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`); the text before the first is the
+    content. Its markers are special tokens, so where it reads an answer the answer keeps special tokens' text
+    (`skip_special_tokens` off, as vLLM sets it), and its calls' ids are 9 letters and digits, the only ids Mistral's
+    chat templates take back.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ Calls = tuple[str | None, list[dict[str, Any]]]  # the content (None where empty
 
 
 class CallFormat(Protocol):
+    special_tokens: bool  # the format's markers are special tokens: the answer's text keeps them
+    short_ids: bool  # its calls' ids as Mistral's templates take them (serve/tools.py new_call_id)
+
     def calls(self, text: str) -> Calls:
         """The content and calls of a whole answer; (text, []) where it holds none, or one that does not parse."""
 
@@ -43,7 +52,8 @@ class CallFormat(Protocol):
         """How much of the text so far (no call open in it) can go out as content: what cannot become a call."""
 
 
-def _call(value: Any, arguments_keys: tuple[str, ...], required: bool) -> dict[str, Any] | None:
+def _call(value: Any, arguments_keys: tuple[str, ...], required: bool, short_id: bool = False
+          ) -> dict[str, Any] | None:
     """A tool call of a parsed {"name": ..., <arguments>: {...}} (the arguments under the first key present; none: {}
     unless `required`), or None where the value is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -51,10 +61,26 @@ def _call(value: Any, arguments_keys: tuple[str, ...], required: bool) -> dict[s
     arguments = next((value[k] for k in arguments_keys if k in value), None)
     if arguments is None and required:
         return None
-    return tool_call(value["name"], json.dumps({} if arguments is None else arguments, ensure_ascii=False))
+    return tool_call(value["name"], json.dumps({} if arguments is None else arguments, ensure_ascii=False), short_id)
 
 
-class Hermes:
+class _Tagged:
+    """A format whose calls open with the tag `OPEN` anywhere in the answer, the text before it the content."""
+
+    OPEN = ""
+    special_tokens = short_ids = False
+
+    def opening(self, text: str, sent: int) -> int:
+        return text.find(self.OPEN, max(0, sent - len(self.OPEN)))  # searched from what may hold a tag's start
+
+    def plain(self, text: str) -> int:
+        for k in range(min(len(self.OPEN) - 1, len(text)), 0, -1):  # a tail that may begin the tag waits
+            if self.OPEN.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+
+class Hermes(_Tagged):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + "|" + re.escape(OPEN) + r"(.*)", re.DOTALL)
 
@@ -73,14 +99,60 @@ class Hermes:
             calls.append(call)
         return text[:start] or None, calls
 
-    def opening(self, text: str, sent: int) -> int:
-        return text.find(self.OPEN, max(0, sent - len(self.OPEN)))  # searched from what may hold a tag's start
 
-    def plain(self, text: str) -> int:
-        for k in range(min(len(self.OPEN) - 1, len(text)), 0, -1):  # a tail that may begin the tag waits
-            if self.OPEN.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+class Mistral(_Tagged):
+    OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    special_tokens = short_ids = True
+    # v11 on, per call: the name, an optional [CALL_ID] and its id (some templates write one), [ARGS] (left out by
+    # some), then the arguments' JSON object
+    _NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]*\s*)?(?:\[ARGS\])?\s*(?=\{)")
+    _decoder = json.JSONDecoder()
+
+    def calls(self, text: str) -> Calls:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return text, []
+        body = text[start + len(self.OPEN):]
+        calls = self._listed(body) if body.lstrip()[:1] in ("[", "{") else self._named(body)
+        if not calls:  # one that does not parse: the whole answer as text
+            return text, []
+        return text[:start] or None, calls
+
+    def _listed(self, body: str) -> list[dict[str, Any]]:
+        """Calls as JSON: a list of {"name", "arguments"} objects (or one object), a [TOOL_CALLS] between lists."""
+        calls, at = [], 0
+        while True:
+            at = len(body) - len(body[at:].lstrip())
+            if at == len(body):
+                return calls
+            if body.startswith(self.OPEN, at):
+                at += len(self.OPEN)
+                continue
+            try:
+                value, at = self._decoder.raw_decode(body, at)
+            except ValueError:
+                return []
+            for item in value if isinstance(value, list) else [value]:
+                call = _call(item, ("arguments",), required=False, short_id=True)
+                if call is None:
+                    return []
+                calls.append(call)
+
+    def _named(self, body: str) -> list[dict[str, Any]]:
+        """Calls as `name[ARGS]{...}`, each after its own [TOOL_CALLS] (the first one's already read)."""
+        calls = []
+        for part in body.split(self.OPEN):
+            named = self._NAMED.match(part)
+            if named is None:
+                return []
+            try:
+                arguments, end = self._decoder.raw_decode(part, named.end())
+            except ValueError:
+                return []
+            if part[end:].strip() or not isinstance(arguments, dict):
+                return []
+            calls.append(tool_call(named.group(1), json.dumps(arguments, ensure_ascii=False), short_id=True))
+        return calls
 
 
 class _WholeAnswer:
@@ -88,6 +160,7 @@ class _WholeAnswer:
     and leading whitespace until what follows it shows."""
 
     OPENS = ""
+    special_tokens = short_ids = False
 
     def opening(self, text: str, sent: int) -> int:
         return 0 if text.lstrip().startswith(self.OPENS) else -1  # the whitespace before it is the call's too
@@ -149,7 +222,8 @@ class Pythonic(_WholeAnswer):
         return None, calls
 
 
-TOOL_CALL_FORMATS: dict[str, CallFormat] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic()}
+TOOL_CALL_FORMATS: dict[str, CallFormat] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic(),
+                                             "mistral": Mistral()}
 
 
 class ParsedAnswers:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from typing import Any, Literal
 
@@ -123,21 +125,28 @@ def _refers_to_root(schema: Any) -> bool:
     return False
 
 
-def new_call_id() -> str:
+SHORT_ID = string.ascii_letters + string.digits
+
+
+def new_call_id(short: bool = False) -> str:
+    """A fresh tool call id: OpenAI's ("call_" and 24 hex digits), or `short`: 9 letters and digits, the only ids
+    Mistral's chat templates take back in a conversation's tool_calls (as vLLM writes them for Mistral models)."""
+    if short:
+        return "".join(secrets.choice(SHORT_ID) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_call(name: str, arguments: str) -> dict[str, Any]:
-    """A call of a message's tool_calls, under a fresh id (arguments: JSON text)."""
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def tool_call(name: str, arguments: str, short_id: bool = False) -> dict[str, Any]:
+    """A call of a message's tool_calls, under a fresh id (arguments: JSON text; short_id: new_call_id's)."""
+    return {"id": new_call_id(short_id), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def answer_calls(text: str, forced: str | None) -> list[dict[str, Any]] | None:
+def answer_calls(text: str, forced: str | None, short_ids: bool = False) -> list[dict[str, Any]] | None:
     """The message's tool_calls from the answer's text: the named function's call with the text as its arguments
     (cut short where the answer was), or each call of a "required" list; None where that list does not parse (an
     answer cut at max_tokens), which is then answered as text."""
     if forced is not None:
-        return [tool_call(forced, text)]
+        return [tool_call(forced, text, short_ids)]
     try:
         calls = json.loads(text)
     except ValueError:
@@ -150,15 +159,16 @@ def answer_calls(text: str, forced: str | None) -> list[dict[str, Any]] | None:
         # a '"' inside a JSON string is escaped: the first '"parameters"' key text in the call is its key
         key = _PARAMETERS.search(text, start, at).end()
         _, end = decoder.raw_decode(text, key)
-        out.append(tool_call(call["name"], text[key:end]))
+        out.append(tool_call(call["name"], text[key:end], short_ids))
     return out
 
 
 class ToolAnswers:
-    """How a request's answers become tool calls: `forced`, the function tool_choice names (None: "required")."""
+    """How a request's answers become tool calls: `forced`, the function tool_choice names (None: "required");
+    short_ids: the calls' ids as Mistral's templates take them (new_call_id)."""
 
-    def __init__(self, forced: str | None) -> None:
-        self.forced = forced
+    def __init__(self, forced: str | None, short_ids: bool = False) -> None:
+        self.forced, self.short_ids = forced, short_ids
 
     def _reason(self, reason: str) -> str:
         """OpenAI's finish_reason: a named function's call ends with "stop", "required" calls with "tool_calls";
@@ -169,7 +179,7 @@ class ToolAnswers:
 
     def choice(self, choice: dict[str, Any], text: str, reason: str) -> dict[str, Any]:
         """A chat choice of the answer `text` as its tool calls (as it is where they do not parse)."""
-        calls = answer_calls(text, self.forced)
+        calls = answer_calls(text, self.forced, self.short_ids)
         if calls is None:
             return choice
         return {**choice, "message": {"role": "assistant", "content": None, "tool_calls": calls},
@@ -184,7 +194,7 @@ class ToolStream:
     (required) every call at once at the end, once the list parses."""
 
     def __init__(self, answers: ToolAnswers) -> None:
-        self.answers, self.id, self.held = answers, new_call_id(), []
+        self.answers, self.id, self.held = answers, new_call_id(answers.short_ids), []
 
     def deltas(self, text: str, reason: str | None, first: bool) -> list[tuple[dict[str, Any], str | None]]:
         """The chunks (delta, finish reason) that carry `text` and, where `reason` is given, end the choice: the
@@ -202,7 +212,7 @@ class ToolStream:
         if reason is None:
             return [(head, None)]
         whole = "".join(self.held)
-        calls = answer_calls(whole, None)
+        calls = answer_calls(whole, None, self.answers.short_ids)
         if calls is None:  # cut short: the answer as text
             return [({**head, "content": whole}, reason)]
         return [({**head, "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, None)] + end

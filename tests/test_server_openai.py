@@ -410,7 +410,7 @@ def test_an_unknown_tool_call_parser_is_refused():
     from mirror_sd.serve.app import ServerSettings
 
     with pytest.raises(BadInputError, match="tool_call_parser"):
-        ServerSettings(MODEL, tool_call_parser="mistral")
+        ServerSettings(MODEL, tool_call_parser="granite")
 
 
 def test_earlier_tool_calls_and_answers_reach_the_template_and_auto_is_refused(pipe, client, port):
@@ -513,6 +513,43 @@ def test_auto_tool_choice_reads_pythonic_calls_where_the_server_has_the_parser(p
         assert (message.content, r.choices[0].finish_reason) == (None, "tool_calls")
         assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
             ("ping", {"n": 2, "tag": "a"}), ("ping", {})]
+
+
+def test_auto_tool_choice_reads_mistral_calls_where_the_server_has_the_parser(pipe):
+    """`--tool-call-parser mistral`: [TOOL_CALLS] and the calls after it (v11's name[ARGS]{...} here) become
+    tool_calls under Mistral's 9-character ids, the text before it the content, streamed or not; its answers keep
+    special tokens' text (the marker is one in Mistral's tokenizers), and a named function's call gets a short id
+    too (Mistral's templates take no other back)."""
+    pattern = r'Sure\.\[TOOL_CALLS\]ping\[ARGS\]\{\}\[TOOL_CALLS\]set_light\[ARGS\]\{"on": true, "room": "den"\}'
+    short = lambda calls: all(len(t.id) == 9 and t.id.isalnum() for t in calls)  # noqa: E731
+    with _parsing_client(pipe, "mistral") as c:
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=160, temperature=0, tools=TOOLS,
+                                      extra_body={"structured_outputs": {"regex": pattern}})
+        message = r.choices[0].message
+        assert (message.content, r.choices[0].finish_reason) == ("Sure.", "tool_calls")
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
+            ("ping", {}), ("set_light", {"on": True, "room": "den"})]
+        assert short(message.tool_calls)
+        chunks = [ch for ch in c.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=160, temperature=0, tools=TOOLS, stream=True,
+            extra_body={"structured_outputs": {"regex": pattern}}) if ch.choices]
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Sure."
+        (calls,) = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices[0].delta.tool_calls]
+        assert [t.function.name for t in calls] == ["ping", "set_light"] and short(calls)
+        special = pipe.codec.encode("<|im_start|>")
+        assert len(special) == 1
+        kept = {"allowed_token_ids": special, "ignore_eos": True}
+        for choice, text in (("auto", "<|im_start|>" * 3), ("none", "")):
+            r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0, tools=TOOLS,
+                                          tool_choice=choice, extra_body=kept)
+            assert (r.choices[0].message.content or "") == text
+        named = {"type": "function", "function": {"name": "ping"}}
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0, tools=TOOLS,
+                                      tool_choice=named)
+        assert short(r.choices[0].message.tool_calls)
+        chunks = [ch for ch in c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
+                                                         tools=TOOLS, tool_choice=named, stream=True) if ch.choices]
+        assert short([t for ch in chunks for t in ch.choices[0].delta.tool_calls or [] if t.id])
 
 
 @pytest.mark.parametrize("field, value", [

@@ -51,6 +51,28 @@ CASES = {
         ('Sure: [get_weather(city="Paris")]', None),
         ("[" * 5000 + "]" * 5000, None),
     ],
+    "mistral": [
+        (f"[TOOL_CALLS] [{CALL}]", (None, [("get_weather", {"city": "Paris"})])),
+        (f'Checking.[TOOL_CALLS][{CALL}, {{"name": "now", "arguments": {{}}}}]',
+         ("Checking.", [("get_weather", {"city": "Paris"}), ("now", {})])),
+        (f"[TOOL_CALLS] {CALL} [TOOL_CALLS] [{{\"name\": \"now\"}}]",
+         (None, [("get_weather", {"city": "Paris"}), ("now", {})])),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}',
+         (None, [("get_weather", {"city": "Paris"}), ("now", {})])),
+        ('Sure.[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}',
+         ("Sure.", [("get_weather", {"city": "Paris"})])),
+        ('[TOOL_CALLS]get_weather{"city": "Paris"}', (None, [("get_weather", {"city": "Paris"})])),
+        ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {', None),  # cut short
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Par', None),
+        ("[TOOL_CALLS]", None),
+        ("[TOOL_CALLS] []", None),
+        ("[TOOL_CALLS] [1, 2]", None),
+        ("[TOOL_CALLS]get weather[ARGS]{}", None),
+        ("[TOOL_CALLS]get_weather[ARGS][1]", None),
+        ("[TOOL_CALLS]get_weather[ARGS]{} and words", None),
+        ("Paris is sunny. [TOOL_", None),
+        ("no calls at all", None),
+    ],
 }
 
 
@@ -65,7 +87,11 @@ def test_whole_answers(parser):
         content, calls = fmt.calls(answer)
         got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
         assert (content, got) == (want if want is not None else (answer, [])), answer
-        assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+        assert all(c["type"] == "function" for c in calls)
+        if fmt.short_ids:  # the only ids Mistral's chat templates take back
+            assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+        else:
+            assert all(c["id"].startswith("call_") for c in calls)
 
 
 @pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
