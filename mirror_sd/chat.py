@@ -30,8 +30,9 @@ def chat(pipe: Pipeline, config: GenerationConfig, lines: Iterable[str], out: Te
     """Converse over `lines` (each a user turn or a command), answers to `out`, each turn's figures to `err`;
     `prompt` is shown before each line is read (a terminal's "> "). max_new_tokens: None: what the context leaves
     after the conversation (as the server's chat default). The exit code."""
-    if not pipe.manifest.tokenizer.chat_template:
-        raise BadInputError("the bundle has no chat template: `mirror-sd generate --raw` takes plain text")
+    if not pipe.codec.chat_template:
+        raise BadInputError("the bundle has no chat template: give one with --chat-template, or `mirror-sd generate "
+                            "--raw` takes plain text")
     start = [{"role": "system", "content": system}] if system else []
     _checked(pipe, config, [*start, {"role": "user", "content": "hi"}], max_new_tokens)  # bad options end it here
     messages = list(start)

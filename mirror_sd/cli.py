@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 # defaults come from the options themselves.
 LOAD_FLAGS = {
     "generate": ("target_backend", "draft_backend", "target_device", "target_step_width", "prefill_precision",
-                 "draft_device", "max_context", "target_threads", "draft_threads", "cache_dir", "huge_pages"),
+                 "draft_device", "max_context", "target_threads", "draft_threads", "cache_dir", "huge_pages",
+                 "chat_template"),
     "serve": ("target_threads", "draft_threads", "target_device", "draft_device", "max_context", "target_step_width",
-              "prefill_precision", "max_num_seqs", "kv_cache_gb", "window_rows", "scheduling_policy"),
+              "prefill_precision", "max_num_seqs", "kv_cache_gb", "window_rows", "scheduling_policy", "chat_template"),
     "plan": ("target_device", "draft_device"),
 }
 LOAD_FLAGS["chat"] = LOAD_FLAGS["generate"]  # one conversation at a time, on the batching engine's prefix cache
@@ -69,7 +70,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type[Options], names: Coll
             kw["type"] = _parser_of(spec)
             if spec.option.choices:
                 kw["metavar"] = "{" + ",".join(map(str, spec.option.choices)) + "}"
-        parser.add_argument(spec.flag, **kw)
+        parser.add_argument(spec.flag, *spec.option.aliases, **kw)
         for flag, value in spec.option.switches:
             same = (f"--{'' if value else 'no-'}{spec.flag[2:]}" if isinstance(value, bool)
                     else f"{spec.flag} {value}")
@@ -196,7 +197,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     pipe = _load(args)
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
-    if args.prompt and not args.raw and pipe.manifest.tokenizer.chat_template:
+    if args.prompt and not args.raw and pipe.codec.chat_template:
         # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
         prompt = [{"role": "user", "content": args.prompt}]
     # what was not given keeps the pipeline's config: the built-in defaults, with the bundle plan's merged in
@@ -296,6 +297,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise BadInputError(f"--port must be in 1..65535, got {args.port}")
     if not args.request_timeout > 0:
         raise BadInputError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM's rule, and its words
+        raise BadInputError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}): the "
+                            "format the model writes its calls in")
     api_key, origins = server_access(args)
     if args.ray:  # each replica loads the bundle in its own process (serve/ray_app.py); none is loaded here
         return _serve_on_ray(args, api_key, origins)
@@ -562,7 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000, help="default 8000")
-    sv.add_argument("--model-name", default=None, help="the model id clients name (default: the bundle's folder name)")
+    sv.add_argument("--model-name", "--served-model-name", default=None,
+                    help="the model id clients name (default: the bundle's folder name)")
     sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a free generation slot "
                     "(--max-num-seqs) (default 16); more get 429 with Retry-After")
     sv.add_argument("--stored-responses", type=int, default=1024,
@@ -582,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "hermes (<tool_call> JSON </tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (an answer "
                          "of JSON calls: Llama 3.1-3.3), pythonic ([f(x=1), g()]: Llama 3.2, Llama 4), mistral "
                          "([TOOL_CALLS] and its calls: Mistral, Mixtral) (default: none, auto refused)")
+    sv.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="vLLM's switch for tool_choice auto, taken for its command lines: here --tool-call-parser "
+                         "turns auto on (this flag needs one)")
     add_options(sv, GenerationConfig, SERVE_GENERATION, shown=SERVE_SHOWN)  # a request's own value wins
     add_options(sv, LoadOptions, LOAD_FLAGS["serve"])
     sv.add_argument("--ray", action="store_true",

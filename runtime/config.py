@@ -97,6 +97,7 @@ class Option:
     cli: bool = True  # False: API-only (no command-line flag)
     # further flags, each setting the option to one value (a shorthand kept from older command lines)
     switches: tuple[tuple[str, Any], ...] = ()
+    aliases: tuple[str, ...] = ()  # further names of its flag (vLLM's, where a vLLM user's command line has one)
     # the server's request field: OpenAI's own name where it has one, MIRROR for the extension object; None: the
     # server does not take it
     wire: str | None = None
@@ -463,6 +464,23 @@ class GenerationConfig(Options):
         return tuple(dict.fromkeys(eos + self.stop_token_ids))
 
 
+def chat_template_text(value: Any) -> Any:
+    """The chat_template option's template: `value` itself where it holds a brace or a newline, else the text of the
+    file it names (vLLM's rule for --chat-template), read once where the options are made (a Ray replica on another
+    machine gets the text); BadInputError where that file cannot be read."""
+    if not isinstance(value, str):
+        return value  # None, or another type: the option's check refuses it
+    if not value.strip():
+        raise BadInputError("chat_template is empty: give a template or a file holding one", option="chat_template")
+    if any(c in value for c in "{}\n"):
+        return value
+    try:
+        return Path(value).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInputError(f"chat_template {value!r} is no template (it has no braces) and no file to read: "
+                            f"{getattr(e, 'strerror', None) or e}", option="chat_template") from None
+
+
 @dataclass(frozen=True)
 class LoadOptions(Options):
     """How `Pipeline.load` opens a bundle's engines (runtime/pipeline.py)."""
@@ -498,8 +516,13 @@ class LoadOptions(Options):
                                        none=f"the bundle's plan, else {BUILTIN_THREADS}")
     max_context: int | None = option(
         None, "the target's KV buffers in positions; a generation that would not fit is refused before any "
-        "device work", range=Range(1), none="the target's own context, also the maximum")
+        "device work", range=Range(1), none="the target's own context, also the maximum",
+        aliases=("--max-model-len",))
     cache_dir: str | Path | None = option(None, "OpenVINO's compile cache directory (CACHE_DIR)", none="none")
+    chat_template: str | None = option(
+        None, "the Jinja chat template chat messages are rendered with instead of the bundle's: a file holding it, or "
+        "its text (text with a brace or a newline; vLLM's --chat-template)", none="the bundle's",
+        convert=chat_template_text)
     huge_pages: bool = option(
         True, "move the memory the load makes resident (the weights) into transparent huge pages once the engines "
         "are open (Linux; runtime/huge_pages.py): faster target steps for a longer load; what it did is "

@@ -185,7 +185,7 @@ class Pipeline:
             except OSError as e:
                 raise BadInputError(f"cannot use cache_dir {str(cache_dir)!r}: {e.strerror or e}",
                                     option="cache_dir") from None
-        codec = TextCodec(bundle, manifest)
+        codec = TextCodec(bundle, manifest, o.chat_template)
         with for_device("target_device"):
             target = cls._open_target(bundle, manifest, o, target_threads, cache_dir)
         if package:

@@ -118,7 +118,7 @@ def calibration_prompts(pipe: Pipeline, n: int, max_new_tokens: int) -> list[lis
                             f"{pipe.context_limit} tokens")
     out = []
     for messages in prompts:
-        if pipe.manifest.tokenizer.chat_template:
+        if pipe.codec.chat_template:
             ids = pipe.prompt_ids(messages)
         else:
             ids = pipe.prompt_ids("\n".join(m["content"] for m in messages))

@@ -45,7 +45,9 @@ def piece_bytes(piece: str, byte_level: bool) -> bytes:
 
 
 class TextCodec:
-    def __init__(self, bundle: str | Path, manifest: Manifest) -> None:
+    def __init__(self, bundle: str | Path, manifest: Manifest, chat_template: str | None = None) -> None:
+        """chat_template: a template to render chat messages with instead of the bundle's (its text), compiled
+        here: BadInputError where it does not."""
         from tokenizers import Tokenizer
 
         if TOKENIZER_FILE not in manifest.tokenizer.files:
@@ -57,6 +59,15 @@ class TextCodec:
             raise ManifestError(f"cannot read {TOKENIZER_FILE}: {e}") from None
         self.facts = manifest.tokenizer
         self._root = Path(bundle).resolve()
+        self.chat_template = chat_template if chat_template is not None else self.facts.chat_template
+        if chat_template is not None:
+            from jinja2 import TemplateError
+
+            try:
+                _ = self._chat_template  # compiled now: a bad one is refused at load
+            except TemplateError as e:
+                raise BadInputError(f"chat_template does not compile: {type(e).__name__}: {e}",
+                                    option="chat_template") from None
 
     def _token(self, token_id: int | None) -> str:
         return (self.tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
@@ -77,8 +88,9 @@ class TextCodec:
         them, and `template_kwargs` as further variables (transformers' **kwargs, vLLM's chat_template_kwargs: a
         switch such as enable_thinking that a template reads). `continue_final_message`: the text ends with the last
         message's content, its turn left open for the answer to go on (transformers' rule: `_continued`)."""
-        if not self.facts.chat_template:
-            raise BadInputError("the bundle has no chat template; give the prompt as text or token ids")
+        if not self.chat_template:
+            raise BadInputError("the bundle has no chat template; give the prompt as text or token ids, or load it "
+                                "with a chat_template")
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise BadInputError(f"chat message {i} must be a dict with string 'role' and 'content'")
@@ -104,14 +116,15 @@ class TextCodec:
         except BadInputError:  # the template's raise_exception
             raise
         except Exception as e:  # jinja's TemplateError, or a variable of another type than the template reads
-            raise BadInputError(f"the bundle's chat template failed to render: {type(e).__name__}: {e}",
+            raise BadInputError(f"the chat template failed to render: {type(e).__name__}: {e}",
                                 option="chat_template_kwargs" if template_kwargs else None) from None
         return _continued(text, final) if continue_final_message else text
 
     @functools.cached_property
     def _chat_template(self):
-        """The bundle's chat template, compiled once in the environment transformers renders templates in (and vLLM
-        through it): the same text for the same messages. jinja2's TemplateError where it does not compile."""
+        """The chat template (the bundle's, or the one given at load), compiled once in the environment transformers
+        renders templates in (and vLLM through it): the same text for the same messages. jinja2's TemplateError where
+        it does not compile."""
         from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -136,7 +149,7 @@ class TextCodec:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
-        return env.from_string(self.facts.chat_template)
+        return env.from_string(self.chat_template)
 
     @functools.cached_property
     def _template_tokens(self) -> dict[str, str]:

@@ -313,6 +313,48 @@ def test_cli_chat_keeps_the_conversation_and_its_kv(bundle, pipe):
     assert main(["chat", str(bundle), "--max-new-tokens", "0"]) == 2  # options are checked as generate's
 
 
+def test_a_chat_template_given_at_load_renders_every_chat(bundle, tmp_path, capsys):
+    """`chat_template` (vLLM's --chat-template): its text, or a file holding it, replaces the bundle's for every chat
+    (the library, generate, chat, the server); one that cannot be read or compiled is refused at load, naming the
+    option, and on the command line as one line and exit 2."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    messages = [{"role": "user", "content": "hello there"}]
+    path = tmp_path / "plain.jinja"
+    path.write_text(template)
+    for given in (template, str(path)):
+        pipe = Pipeline.load(bundle, huge_pages=False, chat_template=given)
+        assert pipe.prompt_ids(messages) == pipe.codec.encode("[user] hello there\n[assistant]", special=False)
+        assert pipe.generate(messages, max_new_tokens=4).token_ids == pipe.generate(
+            pipe.codec.encode("[user] hello there\n[assistant]", special=False), max_new_tokens=4).token_ids
+        pipe.close()
+    for given, words in ((str(tmp_path / "missing.jinja"), "no file to read"), ("{% for m in %}", "does not compile"),
+                         (" ", "empty")):
+        with pytest.raises(BadInputError, match=words) as err:
+            Pipeline.load(bundle, huge_pages=False, chat_template=given)
+        assert err.value.option == "chat_template"
+    assert main(["generate", str(bundle), "--prompt", "hi", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith("mirror-sd: error:") and out.err.count("\n") == 1 and "chat_template" in out.err
+    assert main(["generate", str(bundle), "--prompt", "hello there", "--chat-template", str(path),
+                 "--max-new-tokens", "4", "--json"]) == 0
+    pipe = Pipeline.load(bundle, huge_pages=False, chat_template=str(path))
+    assert json.loads(capsys.readouterr().out)["token_ids"] == pipe.generate(messages, max_new_tokens=4).token_ids
+    pipe.close()
+
+
+def test_serve_takes_vllm_flag_names(bundle, capsys):
+    """vLLM's names for the same settings (--served-model-name, --max-model-len) and its --enable-auto-tool-choice,
+    which needs a --tool-call-parser here as there."""
+    from mirror_sd.cli import build_parser
+
+    args = build_parser().parse_args(["serve", str(bundle), "--served-model-name", "m", "--max-model-len", "256",
+                                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert (args.model_name, args.max_context, args.enable_auto_tool_choice) == ("m", 256, True)
+    assert main(["serve", str(bundle), "--enable-auto-tool-choice", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mirror-sd: error:") and "--tool-call-parser" in err and err.count("\n") == 1
+
+
 # -- a draft that fails or stalls -----------------------------------------------------------------------------
 class FaultyDraft(GraphEngine):
     """The real OpenVINO draft engine, made to raise (or stall) on chosen calls of `run`."""
