@@ -72,7 +72,7 @@ def context_prompts(pipe: Pipeline, length: int, count: int, text: list[int] | N
     passage i - 1 ended (the documentation is some 200,000 tokens long: nothing repeats). text: the passages'
     token ids, when the caller has them already."""
     codec = pipe.codec
-    wrapped = (codec.render_chat([{"role": "user", "content": "\x00"}]) if pipe.manifest.tokenizer.chat_template
+    wrapped = (codec.render_chat([{"role": "user", "content": "\x00"}]) if pipe.codec.chat_template
                else "\x00")
     head, tail = wrapped.split("\x00")
     head_ids, tail_ids = codec.encode(head, special=False), codec.encode(QUESTION + tail, special=False)

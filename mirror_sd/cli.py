@@ -32,6 +32,7 @@ LOAD_FLAGS = {
     "plan": ("target_device", "draft_device"),
 }
 LOAD_FLAGS["chat"] = LOAD_FLAGS["generate"]  # one conversation at a time, on the batching engine's prefix cache
+LOAD_FLAGS["perplexity"] = tuple(f for f in LOAD_FLAGS["generate"] if f != "chat_template")  # it scores plain text
 # one generation is not worth the longer load that huge pages take; the Python API and serve keep them on
 GENERATE_LOAD_DEFAULTS = {"huge_pages": False}
 # the defaults `serve` shows for them where not the library's: a request without max_tokens runs to the context's end
@@ -521,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--stride", type=int, default=None,
                     help="tokens from one window's start to the next's, below the window (default: half of it); each "
                          "token after the first window is scored with at least window - stride tokens before it")
-    add_options(px, LoadOptions, LOAD_FLAGS["generate"], GENERATE_LOAD_DEFAULTS)
+    add_options(px, LoadOptions, LOAD_FLAGS["perplexity"], GENERATE_LOAD_DEFAULTS)
     px.add_argument("--json", action="store_true", help='print {"perplexity", "nll", "tokens", "windows", "window", '
                     '"stride"} as one JSON object')
     px.set_defaults(func=_perplexity)

@@ -17,10 +17,12 @@ of the `planned` options merged in). A call takes it, or a config of its own, an
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import functools
 import math
 import numbers
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -464,21 +466,44 @@ class GenerationConfig(Options):
         return tuple(dict.fromkeys(eos + self.stop_token_ids))
 
 
+class TemplateText(str):
+    """A chat template's text as the chat_template option holds it once read: made again (LoadOptions.updated), it
+    stays the text, never read as a path."""
+
+
 def chat_template_text(value: Any) -> Any:
-    """The chat_template option's template: `value` itself where it holds a brace or a newline, else the text of the
-    file it names (vLLM's rule for --chat-template), read once where the options are made (a Ray replica on another
-    machine gets the text); BadInputError where that file cannot be read."""
-    if not isinstance(value, str):
-        return value  # None, or another type: the option's check refuses it
-    if not value.strip():
-        raise BadInputError("chat_template is empty: give a template or a file holding one", option="chat_template")
-    if any(c in value for c in "{}\n"):
+    """The chat_template option's template (vLLM's rule for --chat-template): the text of the file `value` names
+    where there is one, else `value` itself where it holds a brace or a newline (a single-line one with its escapes
+    such as \\n decoded), read once where the options are made (a Ray replica on another machine gets the text);
+    BadInputError where it is neither, or empty."""
+    if value is None or isinstance(value, TemplateText):
         return value
+    if not isinstance(value, (str, os.PathLike)):
+        raise BadInputError(f"chat_template takes a template's text or a file's path, not {type(value).__name__}",
+                            option="chat_template")
+    if isinstance(value, str) and not value.strip():
+        raise BadInputError("chat_template is empty: give a template or a file holding one", option="chat_template")
+    path = Path(value).expanduser()
     try:
-        return Path(value).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInputError(f"chat_template {value!r} is no template (it has no braces) and no file to read: "
-                            f"{getattr(e, 'strerror', None) or e}", option="chat_template") from None
+        exists, is_file = path.exists(), path.is_file()
+    except (OSError, ValueError):  # a template's text: too long, or a NUL in it, for a path
+        exists = is_file = False
+    if exists and not is_file:
+        raise BadInputError(f"chat_template {str(path)!r} is not a file", option="chat_template")
+    if is_file:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInputError(f"cannot read chat_template file {str(path)!r}: {getattr(e, 'strerror', None) or e}",
+                                option="chat_template") from None
+    elif isinstance(value, str) and any(c in value for c in "{}\n"):
+        text = value if "\n" in value or not value.isascii() else codecs.decode(value, "unicode_escape")
+    else:
+        raise BadInputError(f"chat_template {str(value)!r} is no file and no template (a template has braces)",
+                            option="chat_template")
+    if not text.strip():
+        raise BadInputError("chat_template is empty: give a template or a file holding one", option="chat_template")
+    return TemplateText(text)
 
 
 @dataclass(frozen=True)

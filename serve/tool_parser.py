@@ -18,11 +18,11 @@ only its reading changes. A call that does not parse leaves the whole answer tex
     `[get_weather(city="Paris"), get_time()]`, keyword arguments of literal values (read, never run), is its calls
     and has no content; any other answer is text;
   - mistral (Mistral 7B v0.3, Mixtral, Nemo, Small, Devstral, Magistral): the special token [TOOL_CALLS], then a JSON
-    list of {"name": ..., "arguments": {...}} (tokenizers before v11), or per call the function's name, [ARGS] and
-    its JSON arguments (v11 on: `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`); the text before the first is the
-    content. Its markers are special tokens, so where it reads an answer the answer keeps special tokens' text
-    (`skip_special_tokens` off, as vLLM sets it), and its calls' ids are 9 letters and digits, the only ids Mistral's
-    chat templates take back.
+    list of {"name": ..., "arguments": {...}} (tokenizers before v11), or per call the function's name, [ARGS] and its
+    JSON arguments (v11 on: `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`); the text before the first is the content,
+    text after the last dropped. Its markers are special tokens, so where it reads an answer the answer keeps special
+    tokens' text (`skip_special_tokens` off, as vLLM sets it), and its calls' ids are 9 letters and digits, the only ids
+    Mistral's chat templates take back.
 """
 
 from __future__ import annotations
@@ -101,58 +101,69 @@ class Hermes(_Tagged):
 
 
 class Mistral(_Tagged):
-    OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    OPEN = "[TOOL_CALLS]"
     special_tokens = short_ids = True
     # v11 on, per call: the name, an optional [CALL_ID] and its id (some templates write one), [ARGS] (left out by
     # some), then the arguments' JSON object
     _NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]*\s*)?(?:\[ARGS\])?\s*(?=\{)")
+    _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
     _decoder = json.JSONDecoder()
 
     def calls(self, text: str) -> Calls:
+        """A [TOOL_CALLS] whose calls do not parse leaves the whole answer text; text after the last call is
+        dropped (as vLLM's reading of a list drops it): an ending token's text that include_stop_str_in_output
+        keeps, or words the model adds."""
         start = text.find(self.OPEN)
         if start < 0:
             return text, []
-        body = text[start + len(self.OPEN):]
-        calls = self._listed(body) if body.lstrip()[:1] in ("[", "{") else self._named(body)
-        if not calls:  # one that does not parse: the whole answer as text
-            return text, []
+        at, calls = start, []
+        while text.startswith(self.OPEN, at):  # a call, or a list of them, after each [TOOL_CALLS]
+            at = self._skip(text, at + len(self.OPEN))
+            found = self._listed(text, at) if text[at:at + 1] in ("[", "{") else self._named(text, at)
+            if found is None:
+                return text, []
+            more, at = found
+            calls += more
+            at = self._skip(text, at)
         return text[:start] or None, calls
 
-    def _listed(self, body: str) -> list[dict[str, Any]]:
-        """Calls as JSON: a list of {"name", "arguments"} objects (or one object), a [TOOL_CALLS] between lists."""
-        calls, at = [], 0
-        while True:
-            at = len(body) - len(body[at:].lstrip())
-            if at == len(body):
-                return calls
-            if body.startswith(self.OPEN, at):
-                at += len(self.OPEN)
-                continue
-            try:
-                value, at = self._decoder.raw_decode(body, at)
-            except ValueError:
-                return []
-            for item in value if isinstance(value, list) else [value]:
-                call = _call(item, ("arguments",), required=False, short_id=True)
-                if call is None:
-                    return []
-                calls.append(call)
+    @staticmethod
+    def _skip(text: str, at: int) -> int:
+        return len(text) - len(text[at:].lstrip())
 
-    def _named(self, body: str) -> list[dict[str, Any]]:
-        """Calls as `name[ARGS]{...}`, each after its own [TOOL_CALLS] (the first one's already read)."""
-        calls = []
-        for part in body.split(self.OPEN):
-            named = self._NAMED.match(part)
-            if named is None:
-                return []
-            try:
-                arguments, end = self._decoder.raw_decode(part, named.end())
-            except ValueError:
-                return []
-            if part[end:].strip() or not isinstance(arguments, dict):
-                return []
-            calls.append(tool_call(named.group(1), json.dumps(arguments, ensure_ascii=False), short_id=True))
-        return calls
+    def _listed(self, text: str, at: int) -> tuple[list[dict[str, Any]], int] | None:
+        """A JSON list of {"name", "arguments"} objects (or one object) at `at`, and where it ends."""
+        try:
+            value, end = self._decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        out = []
+        for item in value if isinstance(value, list) else [value]:
+            if not isinstance(item, dict) or not self._NAME.fullmatch(str(item.get("name", ""))):
+                return None
+            arguments = item.get("arguments", {})
+            if isinstance(arguments, str):  # some write the arguments as JSON text
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    return None
+            if not isinstance(arguments, dict):
+                return None
+            out.append(tool_call(item["name"], json.dumps(arguments, ensure_ascii=False), short_id=True))
+        return (out, end) if out else None
+
+    def _named(self, text: str, at: int) -> tuple[list[dict[str, Any]], int] | None:
+        """One `name[ARGS]{...}` call at `at`, and where it ends."""
+        named = self._NAMED.match(text, at)
+        if named is None:
+            return None
+        try:
+            arguments, end = self._decoder.raw_decode(text, named.end())
+        except ValueError:
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        return [tool_call(named.group(1), json.dumps(arguments, ensure_ascii=False), short_id=True)], end
 
 
 class _WholeAnswer:

@@ -18,6 +18,7 @@ from mirror_sd.errors import BadInputError, ManifestError, MirrorSDError, Packag
 from mirror_sd.partitions import MANIFEST_NAME, Manifest
 from mirror_sd.partitions.package_format import PACKAGE_FILE, PackageInfo
 from mirror_sd.partitions.plan_file import PLAN_FILE, read_plan
+from mirror_sd.runtime.config import LoadOptions
 from mirror_sd.runtime.engines import GraphEngine
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.prompt_graphs import has_bf16
@@ -327,8 +328,17 @@ def test_a_chat_template_given_at_load_renders_every_chat(bundle, tmp_path, caps
         assert pipe.generate(messages, max_new_tokens=4).token_ids == pipe.generate(
             pipe.codec.encode("[user] hello there\n[assistant]", special=False), max_new_tokens=4).token_ids
         pipe.close()
-    for given, words in ((str(tmp_path / "missing.jinja"), "no file to read"), ("{% for m in %}", "does not compile"),
-                         (" ", "empty")):
+    # a path object, a file under a folder with braces in its name, a single-line template's escapes (vLLM's)
+    odd = tmp_path / "a{b}"
+    odd.mkdir()
+    (odd / "t.jinja").write_text(template)
+    for given in (path, str(odd / "t.jinja"), template.replace("\n", "\\n")):
+        options = LoadOptions(chat_template=given)
+        assert options.chat_template == template and options.updated(max_context=64).chat_template == template
+    (tmp_path / "blank.jinja").write_text(" \n")
+    for given, words in ((str(tmp_path / "missing.jinja"), "no file and no template"),
+                         ("{% for m in %}", "does not compile"), (" ", "empty"),
+                         (str(tmp_path / "blank.jinja"), "empty"), (str(odd), "not a file"), (5, "not int")):
         with pytest.raises(BadInputError, match=words) as err:
             Pipeline.load(bundle, huge_pages=False, chat_template=given)
         assert err.value.option == "chat_template"

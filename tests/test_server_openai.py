@@ -530,6 +530,11 @@ def test_auto_tool_choice_reads_mistral_calls_where_the_server_has_the_parser(pi
         assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
             ("ping", {}), ("set_light", {"on": True, "room": "den"})]
         assert short(message.tool_calls)
+        # the ending token's text, kept by include_stop_str_in_output (special tokens' text is kept here), is dropped
+        kept_end = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=160, temperature=0,
+                                             tools=TOOLS, extra_body={"structured_outputs": {"regex": pattern},
+                                                                      "include_stop_str_in_output": True})
+        assert [t.function.name for t in kept_end.choices[0].message.tool_calls] == ["ping", "set_light"]
         chunks = [ch for ch in c.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=160, temperature=0, tools=TOOLS, stream=True,
             extra_body={"structured_outputs": {"regex": pattern}}) if ch.choices]

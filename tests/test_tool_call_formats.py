@@ -69,7 +69,15 @@ CASES = {
         ("[TOOL_CALLS] [1, 2]", None),
         ("[TOOL_CALLS]get weather[ARGS]{}", None),
         ("[TOOL_CALLS]get_weather[ARGS][1]", None),
-        ("[TOOL_CALLS]get_weather[ARGS]{} and words", None),
+        ("[TOOL_CALLS]get_weather[ARGS]{} and words", (None, [("get_weather", {})])),  # text after: dropped
+        (f"[TOOL_CALLS][{CALL}]</s>", (None, [("get_weather", {"city": "Paris"})])),  # an ending token's text
+        ('[TOOL_CALLS]note[ARGS]{"text": "[TOOL_CALLS] is a marker"}',
+         (None, [("note", {"text": "[TOOL_CALLS] is a marker"})])),
+        ('[TOOL_CALLS] [{"name": "a", "arguments": "{\\"x\\": 1}"}]', (None, [("a", {"x": 1})])),  # as JSON text
+        ('[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{"x": ', None),  # a later call that does not parse
+        ('[TOOL_CALLS] [{"name": "", "arguments": {}}]', None),
+        ('[TOOL_CALLS] [{"name": "get weather", "arguments": {}}]', None),
+        ('[TOOL_CALLS] [{"name": "a", "arguments": 5}]', None),
         ("Paris is sunny. [TOOL_", None),
         ("no calls at all", None),
     ],
