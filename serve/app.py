@@ -455,7 +455,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             # the background task runs once the response ends, even where its body never started (a client gone
             # at once): the generations stop then
             return StreamingResponse(_stream(request, jobs, started, rid, body.model, chat, include_usage,
-                                             prompt_tokens, calls, continuous, echoes), media_type="text/event-stream",
+                                             prompt_tokens, calls, continuous, echoes, body.n),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **seed},
                                      background=BackgroundTask(_abandon, started))
         watcher = asyncio.create_task(_watch_disconnect(request))
@@ -499,7 +500,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         outcome = outcomes[0]  # the `mirror` stats are the first choice's decoding
         make = p.chat_response if chat else p.completion_response
         doc = make(rid, body.model, choices, prompt_tokens, sum(len(o.token_ids) for o in outcomes),
-                   _mirror_stats(outcome))
+                   _mirror_stats(outcome), _cached_tokens(outcomes, body.n))
         if chat and body.prompt_logprobs is not None:  # vLLM's: the request's one prompt, beside the choices
             doc["prompt_logprobs"] = p.vllm_prompt_logprobs(jobs[0].ids, outcome.prompt_logprobs, token_bytes,
                                                             body.prompt_logprobs)
@@ -512,7 +513,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     async def _stream(request: Request, jobs: list[_Job], started: list[AsyncRequest], rid: str, model: str,
                       chat: bool, include_usage: bool, prompt_tokens: int,
                       calls: ToolAnswers | ParsedAnswers | None = None, continuous: bool = False,
-                      echoes: list[str] | None = None) -> AsyncIterator[str]:
+                      echoes: list[str] | None = None, n: int = 1) -> AsyncIterator[str]:
         """The choices' chunks as they come, each with its choice's index (n > 1: interleaved), and with the
         logprobs of the tokens whose text it carries where asked for (a token whose text is held back, part of a
         character or of a possible stop string, rides with the next chunk; the last chunk carries any left);
@@ -595,7 +596,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             if include_usage and len(outcomes) == len(jobs):  # each prompt once, the completions of every choice
                 doc = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                        "created": created, "model": model, "choices": [],
-                       "usage": p.usage(prompt_tokens, sum(len(o.token_ids) for o in outcomes.values()))}
+                       "usage": p.usage(prompt_tokens, sum(len(o.token_ids) for o in outcomes.values()),
+                                        _cached_tokens([outcomes[i] for i in range(len(jobs))], n))}
                 yield f"data: {json.dumps(doc)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -658,6 +660,12 @@ def serve(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
         log.warning("%s", app.state.pipeline.plan_note)
     # uvicorn's own access log is off: ours names the route and times the whole response
     _Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=3)).run([sock])
+
+
+def _cached_tokens(outcomes: list[_Outcome], n: int) -> int:
+    """The prompt tokens the prefix cache held, each prompt once (as usage counts its tokens): its first choice's
+    (prompt i's choices are outcomes i * n .. i * n + n - 1; an answer stopped early has no stats: none counted)."""
+    return sum(o.result.stats.cached_prompt_tokens for o in outcomes[::n] if o.result is not None)
 
 
 def _choices(job: _Job, n: int) -> list[_Job]:

@@ -557,9 +557,14 @@ def finish_reason(reason: str) -> str:
     return "stop" if reason in ("eos", "stop") else reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; cached_tokens (where known, once the answers are done): the prompt tokens the prefix cache
+    held, as OpenAI's prompt_tokens_details reports its prompt caching."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def _token(token_id: int, token_bytes: TokenBytes) -> dict[str, Any]:
@@ -645,18 +650,21 @@ def completion_choice(index: int, text: str, reason: str, logprobs: dict[str, An
 
 
 def chat_response(rid: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
-                  mirror_stats: dict[str, Any]) -> dict[str, Any]:
-    """prompt_tokens: each prompt once; completion_tokens: over every choice; mirror_stats: the first choice's
-    decoding."""
+                  mirror_stats: dict[str, Any], cached_tokens: int | None = None) -> dict[str, Any]:
+    """prompt_tokens: each prompt once (cached_tokens of them from the prefix cache); completion_tokens: over every
+    choice; mirror_stats: the first choice's decoding."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens), "mirror": mirror_stats}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+            "mirror": mirror_stats}
 
 
 def completion_response(rid: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-                        completion_tokens: int, mirror_stats: dict[str, Any]) -> dict[str, Any]:
+                        completion_tokens: int, mirror_stats: dict[str, Any],
+                        cached_tokens: int | None = None) -> dict[str, Any]:
     """As chat_response."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens), "mirror": mirror_stats}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+            "mirror": mirror_stats}
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, str], reason: str | None, index: int = 0,

@@ -290,7 +290,8 @@ def _id(prefix: str) -> str:
 def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
     if usage is None:
         return None
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
 

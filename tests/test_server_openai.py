@@ -72,6 +72,29 @@ def test_chat_and_stream_with_usage_equal_the_library(pipe, client):
     assert chunks[-1].usage.completion_tokens == len(solo.token_ids)
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(pipe):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's report of its prompt caching): none on a fresh server,
+    the earlier turns on the next turn of a chat, each prompt once whatever n, streamed in the last usage chunk, and
+    the Responses API's input_tokens_details."""
+    first = [{"role": "user", "content": "Tell me about the json module's decoder and how it reads numbers."}]
+    with InProcessServer(pipe, model_name=MODEL) as server:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=first, max_tokens=8, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        turn = [*first, {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": "And the encoder?"}]
+        r2 = c.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0)
+        cached = r2.usage.prompt_tokens_details.cached_tokens
+        assert r.usage.prompt_tokens <= cached < r2.usage.prompt_tokens  # the first turn's prompt at least
+        again = c.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0, n=2)
+        assert cached <= again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens  # counted once
+        chunks = list(c.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+        answer = c.responses.create(model=MODEL, input=turn, max_output_tokens=8, temperature=0)
+        assert answer.usage.input_tokens_details.cached_tokens >= cached
+
+
 def test_neutral_fields_are_taken_and_logged(pipe, client, caplog):
     solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=8)
     with caplog.at_level(logging.DEBUG, logger="mirror_sd.serve"):
