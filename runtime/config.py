@@ -25,6 +25,7 @@ import numbers
 import os
 import types
 import typing
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Self
@@ -466,6 +467,18 @@ class GenerationConfig(Options):
         return tuple(dict.fromkeys(eos + self.stop_token_ids))
 
 
+def _unescaped(value: str) -> str:
+    """A single-line template's escapes (\\n, \\t, ...) decoded, as vLLM decodes its --chat-template text; an escape
+    Python does not know stays as it is."""
+    with warnings.catch_warnings():  # "\\d" in a template's regex: Python warns and keeps it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            return codecs.decode(value, "unicode_escape")
+        except UnicodeDecodeError as e:
+            raise BadInputError(f"chat_template: a malformed escape in the template's text: {e.reason}",
+                                option="chat_template") from None
+
+
 class TemplateText(str):
     """A chat template's text as the chat_template option holds it once read: made again (LoadOptions.updated), it
     stays the text, never read as a path."""
@@ -497,7 +510,7 @@ def chat_template_text(value: Any) -> Any:
             raise BadInputError(f"cannot read chat_template file {str(path)!r}: {getattr(e, 'strerror', None) or e}",
                                 option="chat_template") from None
     elif isinstance(value, str) and any(c in value for c in "{}\n"):
-        text = value if "\n" in value or not value.isascii() else codecs.decode(value, "unicode_escape")
+        text = value if "\n" in value or not value.isascii() else _unescaped(value)
     else:
         raise BadInputError(f"chat_template {str(value)!r} is no file and no template (a template has braces)",
                             option="chat_template")

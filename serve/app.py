@@ -114,6 +114,7 @@ class _Outcome:
     result: GenerationResult | None  # None when stopped early (its stats were not completed)
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # where asked for: as many as were computed
     stop_reason: int | str | None = None  # vLLM's: the stop token or string that ended the answer
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (usage's prompt_tokens_details)
 
 
 class Generations:
@@ -217,9 +218,10 @@ class Generations:
                 raise p.ApiError(503, "the request was stopped (its deadline, or the server shutting down) before "
                                  "its prompt was scored: retry it", "server_busy", code="stopped_before_scored",
                                  headers={"Retry-After": str(self.settings.retry_after_s)})
-            return _Outcome("".join(texts), ids, "length", None, prompt_scores)
+            return _Outcome("".join(texts), ids, "length", None, prompt_scores,
+                            cached_tokens=result.stats.cached_prompt_tokens)
         return _Outcome(result.text, result.token_ids, result.finish_reason, result, prompt_scores,
-                        result.stop_reason)
+                        result.stop_reason, result.stats.cached_prompt_tokens)
 
     def _gauges(self) -> None:
         self.metrics.queue_depth.set(self.engine.waiting)
@@ -664,8 +666,8 @@ def serve(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
 
 def _cached_tokens(outcomes: list[_Outcome], n: int) -> int:
     """The prompt tokens the prefix cache held, each prompt once (as usage counts its tokens): its first choice's
-    (prompt i's choices are outcomes i * n .. i * n + n - 1; an answer stopped early has no stats: none counted)."""
-    return sum(o.result.stats.cached_prompt_tokens for o in outcomes[::n] if o.result is not None)
+    (prompt i's choices are outcomes i * n .. i * n + n - 1)."""
+    return sum(o.cached_tokens for o in outcomes[::n])
 
 
 def _choices(job: _Job, n: int) -> list[_Job]:

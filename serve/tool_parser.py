@@ -139,9 +139,10 @@ class Mistral(_Tagged):
             return None
         out = []
         for item in value if isinstance(value, list) else [value]:
-            if not isinstance(item, dict) or not self._NAME.fullmatch(str(item.get("name", ""))):
+            name = item.get("name") if isinstance(item, dict) else None
+            if not isinstance(name, str) or not self._NAME.fullmatch(name):
                 return None
-            arguments = item.get("arguments", {})
+            arguments = item.get("arguments", item.get("parameters", {}))  # some write Llama's key
             if isinstance(arguments, str):  # some write the arguments as JSON text
                 try:
                     arguments = json.loads(arguments)
@@ -149,7 +150,7 @@ class Mistral(_Tagged):
                     return None
             if not isinstance(arguments, dict):
                 return None
-            out.append(tool_call(item["name"], json.dumps(arguments, ensure_ascii=False), short_id=True))
+            out.append(tool_call(name, json.dumps(arguments, ensure_ascii=False), short_id=True))
         return (out, end) if out else None
 
     def _named(self, text: str, at: int) -> tuple[list[dict[str, Any]], int] | None:

@@ -246,6 +246,9 @@ def test_replicas_answer_as_the_single_server_and_the_library(ray_server, pipe):
             assert text == solo.text
             if not stream:
                 doc, one = json.loads(payload), json.loads(one_payload)
+                # what each one's prefix cache held is its own (two replicas, one server): the counts beside it agree
+                cached = [d["usage"].pop("prompt_tokens_details")["cached_tokens"] for d in (doc, one)]
+                assert all(0 <= c < doc["usage"]["prompt_tokens"] for c in cached)
                 assert doc["usage"] == one["usage"] and doc["usage"]["completion_tokens"] == len(solo.token_ids)
                 assert doc["object"] == one["object"] and doc["model"] == one["model"] == MODEL_NAME
     assert len(answered_by) == 2, answered_by

@@ -338,7 +338,8 @@ def test_a_chat_template_given_at_load_renders_every_chat(bundle, tmp_path, caps
     (tmp_path / "blank.jinja").write_text(" \n")
     for given, words in ((str(tmp_path / "missing.jinja"), "no file and no template"),
                          ("{% for m in %}", "does not compile"), (" ", "empty"),
-                         (str(tmp_path / "blank.jinja"), "empty"), (str(odd), "not a file"), (5, "not int")):
+                         (str(tmp_path / "blank.jinja"), "empty"), (str(odd), "not a file"), (5, "not int"),
+                         ('{{ "\\x" }}', "malformed escape")):
         with pytest.raises(BadInputError, match=words) as err:
             Pipeline.load(bundle, huge_pages=False, chat_template=given)
         assert err.value.option == "chat_template"

@@ -78,6 +78,8 @@ CASES = {
         ('[TOOL_CALLS] [{"name": "", "arguments": {}}]', None),
         ('[TOOL_CALLS] [{"name": "get weather", "arguments": {}}]', None),
         ('[TOOL_CALLS] [{"name": "a", "arguments": 5}]', None),
+        ('[TOOL_CALLS] [{"name": 123, "arguments": {}}]', None),
+        ('[TOOL_CALLS] [{"name": "a", "parameters": {"x": 1}}]', (None, [("a", {"x": 1})])),  # Llama's key
         ("Paris is sunny. [TOOL_", None),
         ("no calls at all", None),
     ],
