@@ -52,8 +52,7 @@ class CallFormat(Protocol):
         """How much of the text so far (no call open in it) can go out as content: what cannot become a call."""
 
 
-def _call(value: Any, arguments_keys: tuple[str, ...], required: bool, short_id: bool = False
-          ) -> dict[str, Any] | None:
+def _call(value: Any, arguments_keys: tuple[str, ...], required: bool) -> dict[str, Any] | None:
     """A tool call of a parsed {"name": ..., <arguments>: {...}} (the arguments under the first key present; none: {}
     unless `required`), or None where the value is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -61,7 +60,7 @@ def _call(value: Any, arguments_keys: tuple[str, ...], required: bool, short_id:
     arguments = next((value[k] for k in arguments_keys if k in value), None)
     if arguments is None and required:
         return None
-    return tool_call(value["name"], json.dumps({} if arguments is None else arguments, ensure_ascii=False), short_id)
+    return tool_call(value["name"], json.dumps({} if arguments is None else arguments, ensure_ascii=False))
 
 
 class _Tagged:
@@ -105,8 +104,8 @@ class Mistral(_Tagged):
     special_tokens = short_ids = True
     # v11 on, per call: the name, an optional [CALL_ID] and its id (some templates write one), [ARGS] (left out by
     # some), then the arguments' JSON object
-    _NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]*\s*)?(?:\[ARGS\])?\s*(?=\{)")
     _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+    _NAMED = re.compile(rf"\s*({_NAME.pattern})\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]*\s*)?(?:\[ARGS\])?\s*(?=\{{)")
     _decoder = json.JSONDecoder()
 
     def calls(self, text: str) -> Calls:
