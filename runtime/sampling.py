@@ -11,10 +11,9 @@ repetition penalty (transformers' CTRL rule: a positive logit divided by it, a n
 of the prompt and the text so far, then OpenAI's frequency and presence penalties on the generated tokens' counts, then
 vLLM's masks (allowed_token_ids: every other token; min_tokens: the tokens that end the text, at the positions before
 that many new tokens; bad words: a word's last token after the rest of it, except where that would leave
-allowed_token_ids no token), then a grammar's mask (runtime/grammar.py),
-which holds to the same rule. A greedy draft applies the bias and penalties to its own logits too, as a guess of what
-the penalised target takes (runtime/draft.py DrafterBase._greedy); its windows are checked against the penalised target
-like any others.
+allowed_token_ids no token), then a grammar's mask (runtime/grammar.py), which holds to the same rule. A greedy draft
+applies the bias and penalties to its own logits too, as a guess of what the penalised target takes (runtime/draft.py
+DrafterBase._greedy); its windows are checked against the penalised target like any others.
 """
 
 from __future__ import annotations

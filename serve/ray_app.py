@@ -43,7 +43,7 @@ from mirror_sd.runtime.kv_slots import slots_for
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.target import GPU_STEP_WIDTH, kv_positions
 from mirror_sd.serve.app import ServerSettings, create_app, listen, open_server
-from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, TOOL_CALL_PARSERS, server_defaults
+from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, server_defaults
 
 APP_NAME = "mirror-sd"  # the Serve application `mirror-sd serve --ray` runs (serve run names its own)
 DEPLOYMENT_NAME = "MirrorSD"
@@ -330,13 +330,10 @@ def parse_build_args(args: Mapping[str, Any], api_key: str | None = None) -> tup
     origins = args.get("cors_origins") or ()
     if isinstance(origins, str):
         origins = tuple(o.strip() for o in origins.split(",") if o.strip())
-    parser = args.get("tool_call_parser") or None
-    if parser not in (None, *TOOL_CALL_PARSERS):
-        raise BadInputError(f"unknown tool_call_parser {parser!r}; known: {', '.join(TOOL_CALL_PARSERS)}",
-                            option="tool_call_parser")
+    # an unknown tool_call_parser is refused by ServerSettings (ReplicaSpec checks its settings when made)
     settings = {"model_name": str(args.get("model_name") or Path(bundle).resolve().name), "max_queue": max_queue,
                 "request_timeout_s": timeout, "api_key": api_key, "cors_origins": tuple(origins),
-                "tool_call_parser": parser}
+                "tool_call_parser": args.get("tool_call_parser") or None}
     load = LoadOptions().updated(**{k: _option(load_specs[k], v) for k, v in args.items() if k in load_specs})
     generation = {k: _option(gen_specs[k], v) for k, v in args.items() if k in gen_specs}
     resources = args.get("resources") or {}

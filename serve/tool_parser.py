@@ -63,6 +63,11 @@ def _call(value: Any, arguments_keys: tuple[str, ...], required: bool) -> dict[s
     return tool_call(value["name"], json.dumps({} if arguments is None else arguments, ensure_ascii=False))
 
 
+def _skip(text: str, at: int) -> int:
+    """Past the whitespace at `at`."""
+    return len(text) - len(text[at:].lstrip())
+
+
 class _Tagged:
     """A format whose calls open with the tag `OPEN` anywhere in the answer, the text before it the content."""
 
@@ -117,18 +122,14 @@ class Mistral(_Tagged):
             return text, []
         at, calls = start, []
         while text.startswith(self.OPEN, at):  # a call, or a list of them, after each [TOOL_CALLS]
-            at = self._skip(text, at + len(self.OPEN))
+            at = _skip(text, at + len(self.OPEN))
             found = self._listed(text, at) if text[at:at + 1] in ("[", "{") else self._named(text, at)
             if found is None:
                 return text, []
             more, at = found
             calls += more
-            at = self._skip(text, at)
+            at = _skip(text, at)
         return text[:start] or None, calls
-
-    @staticmethod
-    def _skip(text: str, at: int) -> int:
-        return len(text) - len(text[at:].lstrip())
 
     def _listed(self, text: str, at: int) -> tuple[list[dict[str, Any]], int] | None:
         """A JSON list of {"name", "arguments"} objects (or one object) at `at`, and where it ends."""
@@ -185,7 +186,7 @@ class Llama3Json(_WholeAnswer):
     _decoder = json.JSONDecoder()
 
     def calls(self, text: str) -> Calls:
-        at, calls = self._skip(text, 0), []
+        at, calls = _skip(text, 0), []
         if not text.startswith(self.OPENS, at):
             return text, []
         while at < len(text):  # objects separated by ";" (one after the last allowed), whitespace around them
@@ -198,16 +199,11 @@ class Llama3Json(_WholeAnswer):
             if call is None:
                 return text, []
             calls.append(call)
-            at = self._skip(text, at)
+            at = _skip(text, at)
             if at < len(text) and text[at] != ";":  # text after the calls: not an answer of calls
                 return text, []
-            at = self._skip(text, at + 1)
+            at = _skip(text, at + 1)
         return None, calls
-
-    @staticmethod
-    def _skip(text: str, at: int) -> int:
-        """Past the whitespace at `at`."""
-        return len(text) - len(text[at:].lstrip())
 
 
 class Pythonic(_WholeAnswer):
