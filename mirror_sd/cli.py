@@ -15,7 +15,7 @@ from mirror_sd.errors import BadInputError, MirrorSDError, check_int
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES, TARGET_WEIGHT_FORMATS
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, specs
 from mirror_sd.runtime.perplexity import WINDOW, perplexity
-from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, TOOL_CALL_PARSERS
+from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, REASONING_PARSERS, SERVE_GENERATION, TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from mirror_sd.partitions.planner import Plan
@@ -338,7 +338,8 @@ def _server_settings(args: argparse.Namespace, api_key: str | None, origins: tup
     """ServerSettings' fields from `serve`'s flags, but the defaults, which come with the bundle (open_server)."""
     return {"model_name": args.model_name or Path(args.bundle).resolve().name, "max_queue": args.max_queue,
             "request_timeout_s": args.request_timeout, "api_key": api_key, "cors_origins": origins,
-            "tool_call_parser": args.tool_call_parser, "stored_responses": args.stored_responses}
+            "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
+            "stored_responses": args.stored_responses}
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -588,6 +589,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "hermes (<tool_call> JSON </tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (an answer "
                          "of JSON calls: Llama 3.1-3.3), pythonic ([f(x=1), g()]: Llama 3.2, Llama 4), mistral "
                          "([TOOL_CALLS] and its calls: Mistral, Mixtral) (default: none, auto refused)")
+    sv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                    help="read a reasoning model's <think> block as the chat message's reasoning (and "
+                         "reasoning_content), the rest as its content: deepseek_r1 (DeepSeek-R1, its distillations, "
+                         "QwQ), qwen3 (Qwen3; chat_template_kwargs enable_thinking false: content) (default: none)")
     sv.add_argument("--enable-auto-tool-choice", action="store_true",
                     help="vLLM's switch for tool_choice auto, taken for its command lines: here --tool-call-parser "
                          "turns auto on (this flag needs one)")

@@ -35,7 +35,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +62,7 @@ from mirror_sd.serve.access_log import ARRIVAL, STREAM_STATUS, AccessLog
 from mirror_sd.serve.auth import ApiKey
 from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
+from mirror_sd.serve.reasoning import PROMPT_TAIL_TOKENS, Reading, reading
 from mirror_sd.serve.responses import ResponsesRequest, ResponseStore, events, from_chat, output_messages, renamed
 from mirror_sd.serve.tool_parser import TOOL_CALL_FORMATS, ParsedAnswers
 from mirror_sd.serve.tools import ToolAnswers
@@ -82,6 +83,8 @@ class ServerSettings:
     keepalive_s: float = 10.0  # a waiting stream's SSE comment interval: below common proxy idle timeouts (60 s)
     # how answers to tool_choice "auto" are read for calls (serve/tool_parser.py); None: "auto" is refused
     tool_call_parser: str | None = None
+    # how a reasoning model's think block is read as the message's reasoning (serve/reasoning.py); None: content
+    reasoning_parser: str | None = None
     # Responses API answers kept for previous_response_id (serve/responses.py), least recently used dropped; 0: none
     stored_responses: int = 1024
     # generation options a request leaves out, by name (serve/defaults.py: OpenAI's unless the serve command or the
@@ -93,6 +96,9 @@ class ServerSettings:
         if self.tool_call_parser not in (None, *d.TOOL_CALL_PARSERS):
             raise BadInputError(f"unknown tool_call_parser {self.tool_call_parser!r}; known: "
                                 f"{', '.join(d.TOOL_CALL_PARSERS)}", option="tool_call_parser")
+        if self.reasoning_parser not in (None, *d.REASONING_PARSERS):
+            raise BadInputError(f"unknown reasoning_parser {self.reasoning_parser!r}; known: "
+                                f"{', '.join(d.REASONING_PARSERS)}", option="reasoning_parser")
 
 
 @dataclass
@@ -447,6 +453,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                 # included (as the logprobs' tokens do)
                 echoes += [prompt if isinstance(prompt, str) and not job.truncated
                            else pipe.codec.decode(job.ids, special=True)] * body.n
+        thinking = _thinking(pipe, settings, body, job.ids, bool(grammar)) if chat else None
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         seed = {"x-seed": str(job.config.seed)}  # the seed it ran with: the same request with it repeats the answer
         gen.check_room(len(jobs))  # all the choices or none (a stream: before its 200 goes out)
@@ -457,7 +464,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             # the background task runs once the response ends, even where its body never started (a client gone
             # at once): the generations stop then
             return StreamingResponse(_stream(request, jobs, started, rid, body.model, chat, include_usage,
-                                             prompt_tokens, calls, continuous, echoes, body.n),
+                                             prompt_tokens, calls, continuous, echoes, body.n, thinking),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **seed},
                                      background=BackgroundTask(_abandon, started))
@@ -490,19 +497,27 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                         for o in outcomes]
             scores = [[] for _ in scores]
         token_bytes = pipe.codec.token_bytes
-        if chat:
-            choices = [p.chat_choice(i, o.text, o.finish_reason, _logprobs(chat, j, s, token_bytes))
-                       for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
+        if chat:  # each answer's reasoning (where the server reads think blocks) and content
+            parts = [thinking.split(o.text) if thinking else (None, o.text) for o in outcomes]
+            choices = [p.chat_choice(i, content, o.finish_reason, _logprobs(chat, j, s, token_bytes))
+                       for i, (j, o, s, (_, content)) in enumerate(zip(jobs, outcomes, scores, parts))]
+            if calls is not None:  # the answers are (or may hold) tool calls: the messages' tool_calls
+                choices = [calls.choice(c, content or "", o.finish_reason)
+                           for c, o, (_, content) in zip(choices, outcomes, parts)]
+            for c, (said, _) in zip(choices, parts):
+                if said is not None:
+                    c["message"].update(reasoning=said, reasoning_content=said)
         else:
             choices = [_completion_choice(body, i, j, o, s, echoes[i] if echoes else None, token_bytes)
                        for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
-        if calls is not None:  # the answers are (or may hold) tool calls: the messages' tool_calls
-            choices = [calls.choice(c, o.text, o.finish_reason) for c, o in zip(choices, outcomes)]
         choices = [{**c, "stop_reason": o.stop_reason} for c, o in zip(choices, outcomes)]
         outcome = outcomes[0]  # the `mirror` stats are the first choice's decoding
-        make = p.chat_response if chat else p.completion_response
-        doc = make(rid, body.model, choices, prompt_tokens, sum(len(o.token_ids) for o in outcomes),
-                   _mirror_stats(outcome), _cached_tokens(outcomes, body.n))
+        counts = (prompt_tokens, sum(len(o.token_ids) for o in outcomes), _mirror_stats(outcome),
+                  _cached_tokens(outcomes, body.n))
+        if chat:
+            doc = p.chat_response(rid, body.model, choices, *counts, _reasoning_tokens(pipe, thinking, outcomes))
+        else:
+            doc = p.completion_response(rid, body.model, choices, *counts)
         if chat and body.prompt_logprobs is not None:  # vLLM's: the request's one prompt, beside the choices
             doc["prompt_logprobs"] = p.vllm_prompt_logprobs(jobs[0].ids, outcome.prompt_logprobs, token_bytes,
                                                             body.prompt_logprobs)
@@ -515,36 +530,48 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     async def _stream(request: Request, jobs: list[_Job], started: list[AsyncRequest], rid: str, model: str,
                       chat: bool, include_usage: bool, prompt_tokens: int,
                       calls: ToolAnswers | ParsedAnswers | None = None, continuous: bool = False,
-                      echoes: list[str] | None = None, n: int = 1) -> AsyncIterator[str]:
+                      echoes: list[str] | None = None, n: int = 1, thinking: Reading | None = None
+                      ) -> AsyncIterator[str]:
         """The choices' chunks as they come, each with its choice's index (n > 1: interleaved), and with the
         logprobs of the tokens whose text it carries where asked for (a token whose text is held back, part of a
-        character or of a possible stop string, rides with the next chunk; the last chunk carries any left);
-        `continuous`: each with its choice's usage so far too (vLLM's continuous_usage_stats); `echoes`: each
-        completion's prompt text, ahead of its first chunk's (echo)."""
+        character, of a possible stop string or of a tag, rides with the next chunk; the last chunk carries any
+        left); `continuous`: each with its choice's usage so far too (vLLM's continuous_usage_stats); `echoes`: each
+        completion's prompt text, ahead of its first chunk's (echo); `thinking`: how a chat's think block reads
+        (reasoning deltas ahead of the content's)."""
         events: asyncio.Queue = asyncio.Queue()  # (kind, choice, value, logprobs)
         offsets = [p.TextOffsets() for _ in jobs]  # each choice's text so far (completions' text_offset)
         made = [0] * len(jobs)  # each choice's tokens so far
         created = int(time.time())
 
         streams = [calls.stream() for _ in jobs] if calls is not None else None  # each choice's tool-call deltas
-        unsent: list[tuple[TokenLogprob, ...]] = [() for _ in jobs]  # logprobs of text a tool-call stream holds
+        thoughts = [thinking.stream() for _ in jobs] if thinking is not None else None  # each choice's reasoning
+        unsent: list[tuple[TokenLogprob, ...]] = [() for _ in jobs]  # logprobs of text a chat's stream holds
 
         def chunk(index: int, text: str, reason: str | None, first: bool, scores: tuple[TokenLogprob, ...],
                   stop_reason: int | str | None = None) -> str:
-            if streams is not None:  # tool calls: this event's chunks (the last may end the choice), logprobs first
-                deltas = streams[index].deltas(text, reason, first)
+            if chat:  # this event's deltas (the last may end the choice): reasoning, content or calls
+                deltas: list[tuple[dict[str, Any], str | None]] = []
+                if thoughts is not None:
+                    said, text = thoughts[index].feed(text, reason is not None)
+                    if said:
+                        head = {"role": "assistant"} if first else {}
+                        deltas.append(({**head, "reasoning": said, "reasoning_content": said}, None))
+                        first = False
+                if streams is not None:
+                    deltas += streams[index].deltas(text, reason, first)
+                else:
+                    delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                    if delta or reason is not None:
+                        deltas.append((delta, reason))
+                # the logprobs ride with the first delta; text held back keeps its tokens' for the next
                 scores, unsent[index] = (unsent[index] + scores, ()) if deltas else ((), unsent[index] + scores)
                 logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
-                docs = [p.chat_chunk(rid, created, model, delta, end, index, lp)
-                        for (delta, end), lp in zip(deltas, (logprobs, None, None))]
+                docs = [p.chat_chunk(rid, created, model, delta, end, index, logprobs if k == 0 else None)
+                        for k, (delta, end) in enumerate(deltas)]
             else:
                 logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
-                if chat:
-                    delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-                    docs = [p.chat_chunk(rid, created, model, delta, reason, index, logprobs)]
-                else:
-                    echo = echoes[index] if echoes and first else ""
-                    docs = [p.completion_chunk(rid, created, model, echo + text, reason, index, logprobs)]
+                echo = echoes[index] if echoes and first else ""
+                docs = [p.completion_chunk(rid, created, model, echo + text, reason, index, logprobs)]
             if reason is not None:  # the choice's last chunk: vLLM's stop_reason on it
                 docs[-1]["choices"][0]["stop_reason"] = stop_reason
             for doc in docs if continuous else ():
@@ -599,7 +626,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                 doc = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                        "created": created, "model": model, "choices": [],
                        "usage": p.usage(prompt_tokens, sum(len(o.token_ids) for o in outcomes.values()),
-                                        _cached_tokens([outcomes[i] for i in range(len(jobs))], n))}
+                                        _cached_tokens([outcomes[i] for i in range(len(jobs))], n),
+                                        _reasoning_tokens(pipe, thinking, outcomes.values()))}
                 yield f"data: {json.dumps(doc)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -668,6 +696,13 @@ def _cached_tokens(outcomes: list[_Outcome], n: int) -> int:
     """The prompt tokens the prefix cache held, each prompt once (as usage counts its tokens): its first choice's
     (prompt i's choices are outcomes i * n .. i * n + n - 1)."""
     return sum(o.cached_tokens for o in outcomes[::n])
+
+
+def _reasoning_tokens(pipe: Pipeline, thinking: Reading | None, outcomes: Iterable[_Outcome]) -> int | None:
+    """The answers' tokens in think blocks, over every choice (None where the server reads none)."""
+    if thinking is None:
+        return None
+    return sum(thinking.tokens(o.token_ids, pipe.codec.decode) for o in outcomes)
 
 
 def _choices(job: _Job, n: int) -> list[_Job]:
@@ -754,6 +789,16 @@ def _calls(body: p.ChatRequest | p.CompletionRequest, settings: ServerSettings
                          'pythonic: Llama 3.2, Llama 4; mistral: Mistral, Mixtral), or give "required", a named '
                          'function or "none"', param="tool_choice", code="unsupported_value")
     return ParsedAnswers(settings.tool_call_parser)
+
+
+def _thinking(pipe: Pipeline, settings: ServerSettings, body: p.ChatRequest, ids: list[int],
+              grammar: bool) -> Reading | None:
+    """How a chat's answers read for reasoning (None: all content): the server's parser, the prompt's last tokens
+    (where a template writes its think tags), the template's variables, and whether a grammar holds the answer."""
+    if settings.reasoning_parser is None:
+        return None
+    tail = pipe.codec.decode(ids[-PROMPT_TAIL_TOKENS:], special=True)
+    return reading(settings.reasoning_parser, tail, body.chat_template_kwargs, grammar)
 
 
 def _param_of(error: BadInputError, chat: bool) -> str | None:

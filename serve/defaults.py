@@ -37,6 +37,8 @@ COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's legac
 FROM_HF = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 # formats `--tool-call-parser` reads an answer's tool calls in (serve/tool_parser.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+# reasoning models' think blocks `--reasoning-parser` reads as the message's reasoning (serve/reasoning.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 SEED_BITS = 31  # random seeds stay below 2**31: exact as a JSON number in any client (JavaScript's included)
 # The serve command's settings that `mirror-sd serve` (mirror_sd/cli.py) and Ray's builder (serve/ray_app.py) both
 # read: the generation options whose server-wide default it takes (3. above), where its API key comes from when not

@@ -281,6 +281,10 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls (serve/tools.py)
     tool_call_id: str | None = None  # a tool's answer: the call it answers
+    # an assistant's reasoning (its think block: serve/reasoning.py), under vLLM's name or DeepSeek's; templates that
+    # show an earlier turn's reasoning read reasoning_content (Qwen3's)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     # what an answer replayed as a message carries beside its text (the openai client's model_dump()), taken at
     # their empty values: this server neither refuses nor annotates
     refusal: None = None
@@ -302,7 +306,14 @@ class ChatMessage(_Strict):
             raise ValueError("content is required (null only in an assistant's message of tool_calls)")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant's message has tool_calls")
+        if self.thought is not None and self.role != "assistant":
+            raise ValueError("only an assistant's message has reasoning")
         return self
+
+    @property
+    def thought(self) -> str | None:
+        """The message's reasoning, under either name (vLLM's first, as vLLM reads it)."""
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     @field_validator("content", mode="before")
     @classmethod
@@ -337,6 +348,8 @@ class ChatMessage(_Strict):
             out["tool_calls"] = [c.for_template() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.thought is not None:
+            out["reasoning_content"] = out["reasoning"] = self.thought
         return out
 
 
@@ -557,13 +570,17 @@ def finish_reason(reason: str) -> str:
     return "stop" if reason in ("eos", "stop") else reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's usage; cached_tokens (where known, once the answers are done): the prompt tokens the prefix cache
-    held, as OpenAI's prompt_tokens_details reports its prompt caching."""
+    held, as OpenAI's prompt_tokens_details reports its prompt caching; reasoning_tokens (where the server reads think
+    blocks): the completion tokens in them."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
 
 
@@ -650,11 +667,12 @@ def completion_choice(index: int, text: str, reason: str, logprobs: dict[str, An
 
 
 def chat_response(rid: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
-                  mirror_stats: dict[str, Any], cached_tokens: int | None = None) -> dict[str, Any]:
+                  mirror_stats: dict[str, Any], cached_tokens: int | None = None,
+                  reasoning_tokens: int | None = None) -> dict[str, Any]:
     """prompt_tokens: each prompt once (cached_tokens of them from the prefix cache); completion_tokens: over every
-    choice; mirror_stats: the first choice's decoding."""
+    choice (reasoning_tokens of them in think blocks); mirror_stats: the first choice's decoding."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens),
             "mirror": mirror_stats}
 
 

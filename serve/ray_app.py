@@ -298,10 +298,10 @@ def build(args: Mapping[str, Any]) -> Any:
     """Ray's application builder: `serve run mirror_sd.serve.ray_app:build bundle=DIR replicas=2 num_cpus=2
     target_threads=1`, or a Serve config file's `import_path: mirror_sd.serve.ray_app:build` with these keys under
     `args`. Keys: bundle (required); replicas, num_cpus, num_gpus, resources (JSON: {"NPU": 1}); model_name, max_queue,
-    request_timeout, cors_origins (comma-separated), log_level, tool_call_parser; every load option of `mirror-sd serve
-    --help` by its name (target_device, target_threads, max_num_seqs, ...); mode and max_new_tokens. Values may be text
-    (the command line's) or typed (a config file's). The API key, if any, comes from $MIRROR_SD_API_KEY where the
-    builder runs, as `mirror-sd serve` reads it: never from a command line."""
+    request_timeout, cors_origins (comma-separated), log_level, tool_call_parser, reasoning_parser; every load option of
+    `mirror-sd serve --help` by its name (target_device, target_threads, max_num_seqs, ...); mode and max_new_tokens.
+    Values may be text (the command line's) or typed (a config file's). The API key, if any, comes from
+    $MIRROR_SD_API_KEY where the builder runs, as `mirror-sd serve` reads it: never from a command line."""
     spec, placement = parse_build_args(args, os.environ.get(API_KEY_ENV) or None)
     _check_bundle(spec.bundle)
     return application(spec, placement)
@@ -316,7 +316,7 @@ def parse_build_args(args: Mapping[str, Any], api_key: str | None = None) -> tup
     load_specs = {s.name: s for s in specs(LoadOptions) if s.flag}
     gen_specs = {s.name: s for s in specs(GenerationConfig) if s.name in SERVE_GENERATION}
     own = {"bundle", "replicas", "num_cpus", "num_gpus", "resources", "model_name", "max_queue", "request_timeout",
-           "cors_origins", "log_level", "tool_call_parser"}
+           "cors_origins", "log_level", "tool_call_parser", "reasoning_parser"}
     unknown = sorted(set(args) - own - set(load_specs) - set(gen_specs))
     if unknown:
         raise BadInputError(f"unknown builder argument(s) {', '.join(unknown)}; known: "
@@ -330,10 +330,11 @@ def parse_build_args(args: Mapping[str, Any], api_key: str | None = None) -> tup
     origins = args.get("cors_origins") or ()
     if isinstance(origins, str):
         origins = tuple(o.strip() for o in origins.split(",") if o.strip())
-    # an unknown tool_call_parser is refused by ServerSettings (ReplicaSpec checks its settings when made)
+    # an unknown parser is refused by ServerSettings (ReplicaSpec checks its settings when made)
     settings = {"model_name": str(args.get("model_name") or Path(bundle).resolve().name), "max_queue": max_queue,
                 "request_timeout_s": timeout, "api_key": api_key, "cors_origins": tuple(origins),
-                "tool_call_parser": args.get("tool_call_parser") or None}
+                "tool_call_parser": args.get("tool_call_parser") or None,
+                "reasoning_parser": args.get("reasoning_parser") or None}
     load = LoadOptions().updated(**{k: _option(load_specs[k], v) for k, v in args.items() if k in load_specs})
     generation = {k: _option(gen_specs[k], v) for k, v in args.items() if k in gen_specs}
     resources = args.get("resources") or {}

@@ -1,13 +1,14 @@
 """OpenAI's Responses API (`POST /v1/responses`, the openai client's `client.responses.create`) over the chat path.
 
-A request is read in the Responses shape and turned into the chat completion it asks for: `instructions` become a
-system message ahead of `input` (a string, or items: messages of input_text / output_text parts, an earlier turn's
+A request is read in the Responses shape and turned into the chat completion it asks for: `instructions` become a system
+message ahead of `input` (a string, or items: messages of input_text / output_text parts, an earlier turn's
 `function_call`s and their `function_call_output`s), `max_output_tokens` is max_tokens, `text.format` the
-response_format, flat function `tools` and `tool_choice` the chat's. The chat path then runs as for
-/v1/chat/completions (the same checks, engine, tool calls and errors), and its answer, or its stream of chunks, is
-written back as a Response: an output message of `output_text` and any `function_call` items, `status` "incomplete"
-where max_output_tokens cut it, usage in input / output tokens; a stream as the Responses events (response.created,
-output_text deltas, function_call_arguments deltas, response.completed).
+response_format, flat function `tools` and `tool_choice` the chat's. The chat path then runs as for /v1/chat/completions
+(the same checks, engine, tool calls and errors), and its answer, or its stream of chunks, is written back as a
+Response: any `reasoning` item (a think block the server's --reasoning-parser read), an output message of `output_text`
+and any `function_call` items, `status` "incomplete" where max_output_tokens cut it, usage in input / output tokens; a
+stream as the Responses events (response.created, output_text deltas, function_call_arguments deltas,
+response.completed).
 
 Stored responses (`store`, OpenAI's default true) are kept in memory, the least recently used dropped beyond the
 server's `stored_responses` (`ResponseStore`): `previous_response_id` continues one (its conversation, without its
@@ -104,7 +105,28 @@ class _FunctionCallOutput(_Strict):
         return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
 
 
-_ITEMS = {"message": _Message, "function_call": _FunctionCall, "function_call_output": _FunctionCallOutput}
+class _ReasoningText(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class _Reasoning(_Strict):
+    """An earlier answer's reasoning item (a think block the server's --reasoning-parser read), replayed: the next
+    assistant turn's reasoning."""
+
+    type: Literal["reasoning"]
+    summary: list[_ReasoningText] = []
+    content: list[_ReasoningText] | None = None
+    id: str | None = None
+    status: str | None = None
+    encrypted_content: None = None  # this server encrypts none
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or self.summary)
+
+
+_ITEMS = {"message": _Message, "function_call": _FunctionCall, "function_call_output": _FunctionCallOutput,
+          "reasoning": _Reasoning}
 
 
 class _Tool(_Strict):
@@ -135,7 +157,7 @@ class _Text(_Strict):
 
 class ResponsesRequest(_Strict):
     model: str
-    input: str | list[_Message | _FunctionCall | _FunctionCallOutput] = Field(min_length=1)
+    input: str | list[_Message | _FunctionCall | _FunctionCallOutput | _Reasoning] = Field(min_length=1)
     instructions: str | None = None
     # strict, as the chat request's: true is not 1, "4" not 4
     max_output_tokens: StrictInt | None = None
@@ -165,10 +187,11 @@ class ResponsesRequest(_Strict):
     @field_validator("reasoning")
     @classmethod
     def _no_reasoning(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        """reasoning null or without settings: this model has none to set."""
+        """reasoning null or without settings: the target has no effort to set (a think block, where the model
+        writes one, is read by the server's --reasoning-parser)."""
         if v and any(x is not None for x in v.values()):
-            raise PydanticCustomError(UNSUPPORTED, "reasoning {value} is not implemented by this server (no "
-                                      "reasoning model)", {"value": repr(v)})
+            raise PydanticCustomError(UNSUPPORTED, "reasoning {value} is not implemented by this server (it sets no "
+                                      "reasoning effort)", {"value": repr(v)})
         return v
 
     @field_validator("include")
@@ -196,22 +219,31 @@ class ResponsesRequest(_Strict):
             kind = item.get("type", "message") if isinstance(item, dict) else None
             if kind not in _ITEMS:
                 raise PydanticCustomError(UNSUPPORTED, "input item {i} is of type {kind}: this server takes messages, "
-                                          "function_call and function_call_output items", {"i": i, "kind": repr(kind)})
+                                          "function_call, function_call_output and reasoning items",
+                                          {"i": i, "kind": repr(kind)})
             out.append(_ITEMS[kind].model_validate(item))
         return out
 
     def input_messages(self) -> list[dict[str, Any]]:
-        """The input as chat messages: a run of function calls one assistant turn with the text before them."""
+        """The input as chat messages: a reasoning item, the text after it and a run of function calls are one
+        assistant turn (an answer's items), the reasoning that turn's."""
         out: list[dict[str, Any]] = []
         items = [_Message(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
-            if isinstance(item, _Message):
-                out.append({"role": item.role, "content": item.text()})
+            turn = out[-1] if out and out[-1]["role"] == "assistant" else None  # the answer these items may go on
+            if isinstance(item, _Reasoning):
+                out.append({"role": "assistant", "content": "", "reasoning": item.text()})
+            elif isinstance(item, _Message):
+                if item.role == "assistant" and turn is not None and turn["content"] == "" and \
+                        "tool_calls" not in turn:  # the text after its reasoning
+                    turn["content"] = item.text()
+                else:
+                    out.append({"role": item.role, "content": item.text()})
             elif isinstance(item, _FunctionCall):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if out and out[-1]["role"] == "assistant":  # one answer's text and calls are one turn
-                    out[-1].setdefault("tool_calls", []).append(call)
+                if turn is not None:
+                    turn.setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
@@ -292,7 +324,9 @@ def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
         return None
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": usage.get("completion_tokens_details",
+                                                                    {}).get("reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]}
 
 
@@ -317,6 +351,16 @@ def _text_part(text: str, logprobs: list[dict[str, Any]] = ()) -> dict[str, Any]
 def _chat_logprobs(holder: dict[str, Any]) -> list[dict[str, Any]]:
     """The token entries of a chat choice's or chunk's logprobs, where it has them."""
     return list((holder.get("logprobs") or {}).get("content") or ())
+
+
+def _reasoning(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    """A reasoning item: a think block's text as OpenAI's reasoning_text content (no summary)."""
+    return {"type": "reasoning", "id": item_id or _id("rs"), "summary": [], "status": status,
+            "content": [_reasoning_part(text)] if status == "completed" else []}
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _call(call_id: str, name: str, arguments: str, status: str = "completed", item_id: str | None = None
@@ -344,8 +388,8 @@ def from_chat(body: ResponsesRequest, doc: dict[str, Any], stored: bool = False)
     """A chat completion's answer as a Response (stored: it is kept)."""
     choice = doc["choices"][0]
     message = choice["message"]
-    output = []
-    if message.get("content") or not message.get("tool_calls"):
+    output = [_reasoning(message["reasoning"])] if message.get("reasoning") is not None else []
+    if message.get("content") or not (message.get("tool_calls") or output):
         output.append(_message(message.get("content") or "", logprobs=_chat_logprobs(choice)))
     for call in message.get("tool_calls") or ():
         output.append(_call(call["id"], call["function"]["name"], call["function"]["arguments"]))
@@ -361,6 +405,7 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
     rid, seq, created = _id("resp"), 0, int(time.time())
     output: list[dict[str, Any]] = []  # the items so far, each completed once the next opens or the answer ends
     open_text: dict[str, Any] | None = None  # the message item being written, with its text and logprobs so far
+    open_thought: dict[str, Any] | None = None  # the reasoning item being written, with its text so far
     calls: dict[int, dict[str, Any]] = {}  # the chat's tool call index -> its function_call item
     finish, usage = None, None
 
@@ -390,6 +435,29 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
                       text=text, logprobs=logprobs),
                 event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                       part=_text_part(text, logprobs)),
+                event("response.output_item.done", output_index=index, item=done)]
+
+    def open_reasoning() -> list[str]:
+        nonlocal open_thought
+        item = _reasoning("", "in_progress")
+        open_thought = {"item": item, "text": "", "index": len(output)}
+        output.append(item)
+        return [event("response.output_item.added", output_index=open_thought["index"], item=item),
+                event("response.content_part.added", item_id=item["id"], output_index=open_thought["index"],
+                      content_index=0, part=_reasoning_part(""))]
+
+    def close_reasoning(status: str = "completed") -> list[str]:
+        nonlocal open_thought
+        if open_thought is None:
+            return []
+        item, text, index = open_thought["item"], open_thought["text"], open_thought["index"]
+        open_thought = None
+        done = {**_reasoning(text, item_id=item["id"]), "status": status}
+        output[index] = done
+        return [event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                      text=text),
+                event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                      part=_reasoning_part(text)),
                 event("response.output_item.done", output_index=index, item=done)]
 
     def close_call(index: int, status: str = "completed") -> list[str]:
@@ -425,6 +493,16 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
             for choice in doc.get("choices") or ():
                 delta = choice.get("delta") or {}
                 scores = _chat_logprobs(choice)  # the logprobs of the tokens whose text this chunk carries
+                if delta.get("reasoning"):  # a think block's text (--reasoning-parser) comes before the answer's
+                    if open_thought is None:
+                        for line in open_reasoning():
+                            yield line
+                    open_thought["text"] += delta["reasoning"]
+                    yield event("response.reasoning_text.delta", item_id=open_thought["item"]["id"],
+                                output_index=open_thought["index"], content_index=0, delta=delta["reasoning"])
+                if delta.get("content") or delta.get("tool_calls"):
+                    for line in close_reasoning():
+                        yield line
                 # a chunk without text carries the logprobs of text held back until the end: the open message's
                 if delta.get("content") or (scores and open_text is not None and not delta.get("tool_calls")):
                     if open_text is None:
@@ -456,7 +534,10 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
         for line in open_message():
             yield line
     # the last item is the one max_output_tokens cut, where it cut the answer
-    last = max([c["index"] for c in calls.values()] + ([open_text["index"]] if open_text is not None else []))
+    last = max([c["index"] for c in calls.values()] + ([open_text["index"]] if open_text is not None else [])
+               + ([open_thought["index"]] if open_thought is not None else []))
+    for line in close_reasoning(status if open_thought is not None and open_thought["index"] == last else "completed"):
+        yield line
     for line in close_text(status if open_text is not None and open_text["index"] == last else "completed"):
         yield line
     for k in sorted(calls):
@@ -475,8 +556,11 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     calls = [{"id": item["call_id"], "type": "function",
               "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
+    thoughts = [part["text"] for item in output if item["type"] == "reasoning" for part in item["content"]]
     # content null only beside calls (a chat message's rule)
     turn: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+    if thoughts:
+        turn["reasoning"] = "".join(thoughts)
     return [{**turn, "tool_calls": calls} if calls else turn]
 
 

@@ -63,6 +63,14 @@ def _call(value: Any, arguments_keys: tuple[str, ...], required: bool) -> dict[s
     return tool_call(value["name"], json.dumps({} if arguments is None else arguments, ensure_ascii=False))
 
 
+def tag_start(text: str, tag: str) -> int:
+    """The length of the text's longest tail that begins `tag` (0: none): a stream holds it for the next chunk."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
 def _skip(text: str, at: int) -> int:
     """Past the whitespace at `at`."""
     return len(text) - len(text[at:].lstrip())
@@ -78,10 +86,7 @@ class _Tagged:
         return text.find(self.OPEN, max(0, sent - len(self.OPEN)))  # searched from what may hold a tag's start
 
     def plain(self, text: str) -> int:
-        for k in range(min(len(self.OPEN) - 1, len(text)), 0, -1):  # a tail that may begin the tag waits
-            if self.OPEN.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return len(text) - tag_start(text, self.OPEN)  # a tail that may begin the tag waits
 
 
 class Hermes(_Tagged):

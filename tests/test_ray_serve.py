@@ -89,7 +89,7 @@ def test_builder_arguments_are_the_serve_commands(bundle):
         "bundle": str(bundle), "replicas": "2", "num_cpus": "2", "num_gpus": "0.5", "resources": '{"NPU": 1}',
         "target_threads": "1", "max_num_seqs": "4", "kv_cache_gb": "0.5", "huge_pages": "false", "mode": "sd",
         "max_new_tokens": "32", "model_name": "tiny", "max_queue": "3", "cors_origins": "https://a.example, *",
-        "log_level": "info", "tool_call_parser": "mistral"})
+        "log_level": "info", "tool_call_parser": "mistral", "reasoning_parser": "qwen3"})
     assert (placement.replicas, placement.num_cpus, placement.num_gpus) == (2, 2.0, 0.5)
     assert placement.actor_options() == {"num_cpus": 2.0, "num_gpus": 0.5, "resources": {"NPU": 1}}
     assert (spec.load.target_threads, spec.load.max_num_seqs, spec.load.kv_cache_gb, spec.load.huge_pages) == (
@@ -98,6 +98,7 @@ def test_builder_arguments_are_the_serve_commands(bundle):
     settings = spec.settings_without_bundle()
     assert (settings.model_name, settings.max_queue, settings.cors_origins) == ("tiny", 3, ("https://a.example", "*"))
     assert settings.defaults["mode"] == "sd" and spec.log_level == "info" and settings.tool_call_parser == "mistral"
+    assert settings.reasoning_parser == "qwen3"
     # a replica keeps no Responses API answers, whichever way it started (`serve run`, or mirror-sd serve --ray)
     assert settings.stored_responses == 0
     assert ReplicaSpec(str(bundle), {"model_name": "m", "stored_responses": 1024}).settings["stored_responses"] == 0
@@ -121,6 +122,7 @@ def test_builder_arguments_are_the_serve_commands(bundle):
     ({"request_timeout": "0"}, "request_timeout must be > 0"),
     ({"log_level": "loud"}, "log_level must be one of"),
     ({"tool_call_parser": "granite"}, "unknown tool_call_parser 'granite'"),
+    ({"reasoning_parser": "granite"}, "unknown reasoning_parser 'granite'"),
 ])
 def test_builder_refuses_bad_arguments(bundle, args, words):
     with pytest.raises(BadInputError, match=words.replace("(", r"\(").replace(")", r"\)")):

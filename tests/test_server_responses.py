@@ -118,7 +118,7 @@ def test_function_calls_and_the_next_turn(client, stream):
 @pytest.mark.parametrize("fields, param", [
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB"}]}, "input"),  # none made here
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"tool_choice": "auto", "tools": TOOLS}, "tool_choice"),  # no --tool-call-parser here
     ({"max_output_tokens": True}, "max_output_tokens"),  # strict, as the chat request's fields

@@ -1,0 +1,108 @@
+"""vLLM's `--reasoning-parser`: a reasoning model's think block (`<think> ... </think>`: DeepSeek-R1 and its
+distillations, QwQ, Qwen3) is the chat message's `reasoning` (and `reasoning_content`, the name DeepSeek's API and
+most clients read), the rest its `content`; streamed, the block's text goes out as `reasoning` deltas. The answer
+itself is the target's, exact in every mode: only its reading changes.
+
+How an answer reads, as vLLM's parsers of these names read it:
+  - reasoning runs from the answer's first token (a leading `<think>` the model writes is dropped) to its first
+    `</think>`, the content after it; an answer without `</think>` (cut by max_tokens) is all reasoning;
+  - where the prompt ends past a closed block (a template that turned thinking off writes `<think></think>`) or a
+    qwen3 request sets `chat_template_kwargs.enable_thinking` false, the answer is content;
+  - a grammar (response_format, structured_outputs, a forced tool call) holds the answer from its first token: the
+    answer then has reasoning only where it opens a block itself (a Lark grammar can write one before the JSON).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mirror_sd.serve.tool_parser import tag_start
+
+OPEN, CLOSE = "<think>", "</think>"
+PROMPT_TAIL_TOKENS = 32  # a template writes its think tags in the generation prompt: the prompt's last tokens
+
+
+def reading(parser: str, prompt_tail: str, template_kwargs: Mapping[str, Any] | None,
+            grammar: bool) -> Reading | None:
+    """How a chat request's answers read under the server's parser (`prompt_tail`: its prompt's last tokens' text,
+    special ones spelled); None where they are content only."""
+    if parser == "qwen3" and (template_kwargs or {}).get("enable_thinking") is False:
+        return None
+    if prompt_tail.rfind(CLOSE) > prompt_tail.rfind(OPEN):  # the prompt closed the block: nothing left to think
+        return None
+    return Reading(opened=not grammar)
+
+
+@dataclass(frozen=True)
+class Reading:
+    opened: bool  # the answer starts inside a think block (else only one it opens itself is reasoning)
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """A whole answer's reasoning (None where it has none) and content (None where empty)."""
+        inside, body = _opening(text, self.opened)
+        if not inside:
+            return None, text or None
+        reasoning, closed, content = body.partition(CLOSE)
+        return reasoning, (content or None) if closed else None
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.opened)
+
+    def tokens(self, ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
+        """How many of an answer's tokens (`ids`, spelled by `decode`) are its reasoning (usage's reasoning_tokens):
+        through the one that closes the block, all where it stays open, none where the answer has none."""
+        if self.split(decode(ids))[0] is None:
+            return 0
+        if not self._closed(decode(ids)):
+            return len(ids)
+        low, high = 1, len(ids)  # the first prefix that closes the block
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if self._closed(decode(ids[:mid])) else (mid + 1, high)
+        return low
+
+    def _closed(self, text: str) -> bool:
+        inside, body = _opening(text, self.opened)
+        return inside and CLOSE in body
+
+
+def _opening(text: str, opened: bool) -> tuple[bool, str]:
+    """Whether the text starts inside a block, and its text past the `<think>` that opens it, if one does."""
+    stripped = text.lstrip()
+    if stripped.startswith(OPEN):
+        return True, stripped[len(OPEN):]
+    return opened, text
+
+
+class ReasoningStream:
+    """One streamed answer's text, split as it comes into reasoning and content: text that may still be a tag's
+    start waits for the next chunk, so the parts joined are `Reading.split`'s."""
+
+    def __init__(self, opened: bool) -> None:
+        self.opened = opened
+        self.phase = "start"  # until the answer shows whether it opens with <think>; then "reasoning" or "content"
+        self.held = ""
+
+    def feed(self, text: str, last: bool) -> tuple[str, str]:
+        """The reasoning and the content this chunk's text (`last`: the answer's final chunk) lets out."""
+        self.held += text
+        said = ""
+        if self.phase == "start":
+            stripped = self.held.lstrip()
+            if OPEN.startswith(stripped) and stripped != OPEN and not last:
+                return "", ""  # whitespace, or the start of a <think>: wait
+            inside, self.held = _opening(self.held, self.opened)
+            self.phase = "reasoning" if inside else "content"
+        if self.phase == "reasoning":
+            end = self.held.find(CLOSE)
+            if end >= 0:
+                said, self.held, self.phase = self.held[:end], self.held[end + len(CLOSE):], "content"
+            else:
+                keep = 0 if last else tag_start(self.held, CLOSE)
+                said, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+                return said, ""
+        content, self.held = self.held, ""
+        return said, content
+

@@ -1,0 +1,213 @@
+"""`--reasoning-parser` (serve/reasoning.py): a reasoning model's think block as the chat message's `reasoning`, the
+rest its content, streamed or not, through the real server and the openai client on a tiny bundle (a regex makes the
+tiny random model write a block; a prefilled assistant turn leaves one open as a template's generation prompt does)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import openai
+import pytest
+from conftest import openai_client
+
+from mirror_sd.errors import BadInputError
+from mirror_sd.runtime.pipeline import Pipeline
+from mirror_sd.serve.app import ServerSettings
+from mirror_sd.serve.reasoning import Reading, reading
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "hello there"}]
+THOUGHT = r"<think>\nfirst, the greeting\.\n</think>\n\nSure\."
+TOOLS = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture(scope="module")
+def pipe(bundle_factory) -> Pipeline:
+    return Pipeline.load(bundle_factory("llama"))
+
+
+def _thought(message) -> str | None:
+    """The message's reasoning, checked to be under both names."""
+    extra = message.model_extra or {}
+    assert extra.get("reasoning") == extra.get("reasoning_content")
+    return extra.get("reasoning")
+
+
+def _streamed(chunks) -> tuple[str, str]:
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    return "".join(_thought(d) or "" for d in deltas), "".join(d.content or "" for d in deltas)
+
+
+@pytest.mark.parametrize("text", ["<think>abc</think>Sure.", "  <think>\nx</think>\n\nAnswer", "abc</think>Sure",
+                                  "plain", "", "  ", "<th", "<think>", "<think>abc", "a</thi", "</think>",
+                                  "x<think>y</think>z", "<think></think>", "<think>a</think>b</think>c"])
+@pytest.mark.parametrize("opened", [True, False])
+def test_a_streamed_answer_splits_as_the_whole_one_however_it_is_cut(text, opened):
+    want = Reading(opened).split(text)
+    rng = random.Random(text)
+    for _ in range(60):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 4))))
+        stream, said, content = Reading(opened).stream(), "", ""
+        for part in [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]:
+            r, c = stream.feed(part, last=False)
+            said, content = said + r, content + c
+        r, c = stream.feed("", last=True)
+        said, content = said + r, content + c
+        assert (said if want[0] is not None else None, content or None) == want
+        assert want[0] is not None or not said
+
+
+def test_what_reads_as_reasoning():
+    assert Reading(True).split("a</think>b") == ("a", "b") and Reading(True).split("cut short") == ("cut short", None)
+    assert Reading(False).split("a</think>b") == (None, "a</think>b")  # a grammar's answer opens its own block
+    assert reading("qwen3", "<|im_start|>assistant\n", None, grammar=False) == Reading(True)
+    assert reading("deepseek_r1", "<｜Assistant｜><think>\n", None, grammar=True) == Reading(False)
+    # a template that turned thinking off closed the block in the prompt; qwen3's switch says so as well
+    assert reading("deepseek_r1", "assistant\n<think>\n\n</think>\n\n", None, grammar=False) is None
+    assert reading("qwen3", "assistant\n", {"enable_thinking": False}, grammar=False) is None
+    assert reading("deepseek_r1", "assistant\n", {"enable_thinking": False}, grammar=False) == Reading(True)
+    with pytest.raises(BadInputError, match="reasoning_parser"):
+        ServerSettings("m", reasoning_parser="granite")
+
+
+def test_a_think_block_is_the_messages_reasoning_streamed_or_not(pipe):
+    """The block's text is `reasoning` (and `reasoning_content`), the rest `content`; streamed, reasoning deltas come
+    first and every token's logprob goes out; without the parser the answer is all content."""
+    want = pipe.generate(pipe.prompt_ids(MESSAGES), mode="ar", max_new_tokens=60, regex=THOUGHT)
+    assert want.text == "<think>\nfirst, the greeting.\n</think>\n\nSure." and want.finish_reason == "eos"
+    forced = {"structured_outputs": {"regex": THOUGHT}}
+    with openai_client(pipe, MODEL, reasoning_parser="qwen3") as c:
+        for mode in ("ar", "mirror"):
+            r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                          extra_body={**forced, "mirror": {"mode": mode}})
+            message = r.choices[0].message
+            assert (_thought(message), message.content) == ("\nfirst, the greeting.\n", "\n\nSure.")
+            # usage counts the tokens through the one that closes the block, as OpenAI's reasoning_tokens
+            closing = next(k for k in range(len(want.token_ids) + 1)
+                           if "</think>" in pipe.codec.decode(want.token_ids[:k]))
+            assert r.usage.completion_tokens_details.reasoning_tokens == closing < len(want.token_ids)
+        chunks = list(c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                                stream=True, logprobs=True, extra_body=forced,
+                                                stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == closing
+        chunks = chunks[:-1]
+        assert _streamed(chunks) == ("\nfirst, the greeting.\n", "\n\nSure.")
+        kinds = [("r" if _thought(ch.choices[0].delta) else "") + ("c" if ch.choices[0].delta.content else "")
+                 for ch in chunks if ch.choices]
+        assert re.fullmatch("r+c+", "".join(kinds))  # reasoning, then content
+        assert sum(len(ch.choices[0].logprobs.content) for ch in chunks if ch.choices and ch.choices[0].logprobs) \
+            == len(want.token_ids)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        # a JSON grammar holds the answer from its first token: content, whatever the template left open
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                      response_format={"type": "json_object"})
+        assert _thought(r.choices[0].message) is None and r.choices[0].message.content.startswith("{")
+    with openai_client(pipe, MODEL) as c:
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, extra_body=forced)
+        assert r.choices[0].message.content == want.text and _thought(r.choices[0].message) is None
+
+
+def test_an_answer_in_a_block_the_prompt_left_open_is_reasoning_until_it_closes(pipe):
+    """An assistant turn left open after <think> (as a template's generation prompt leaves it) starts the answer
+    inside the block: cut before </think>, all of it is reasoning; a prompt that closed the block, or qwen3's
+    enable_thinking false, leaves it content."""
+    opened = [*MESSAGES, {"role": "assistant", "content": "<think>\n"}]
+    closed = [*MESSAGES, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}]
+    prefill = {"continue_final_message": True, "add_generation_prompt": False}
+    with openai_client(pipe, MODEL, reasoning_parser="qwen3") as c:
+        def ask(messages, stream=False, **extra):
+            args = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0, extra_body={**prefill, **extra})
+            if stream:
+                return _streamed(list(c.chat.completions.create(stream=True, **args)))
+            message = c.chat.completions.create(**args).choices[0].message
+            return _thought(message), message.content
+
+        text = pipe.generate(pipe.prompt_ids(opened, **_rendering(prefill)), mode="ar", max_new_tokens=10).text
+        assert "</think>" not in text
+        assert ask(opened) == (text, None) and ask(opened, stream=True) == (text, "")
+        after = pipe.generate(pipe.prompt_ids(closed, **_rendering(prefill)), mode="ar", max_new_tokens=10).text
+        assert ask(closed) == (None, after) and ask(closed, stream=True) == ("", after)
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        assert ask(opened, **off) == (None, text) and ask(opened, stream=True, **off) == ("", text)
+    with openai_client(pipe, MODEL, reasoning_parser="deepseek_r1") as c:
+        r = c.chat.completions.create(model=MODEL, messages=opened, max_tokens=10, temperature=0,
+                                      extra_body={**prefill, "chat_template_kwargs": {"enable_thinking": False}})
+        assert _thought(r.choices[0].message) == text  # deepseek_r1 has no such switch
+
+
+def _rendering(prefill: dict) -> dict:
+    return {"add_generation_prompt": prefill["add_generation_prompt"],
+            "continue_final_message": prefill["continue_final_message"]}
+
+
+def test_tool_calls_are_read_from_the_content_after_the_block(pipe):
+    """With a tool-call parser too, the calls are read in the content: the block is reasoning, the text before the
+    call the content; streamed, the calls come in one delta at the end."""
+    pattern = THOUGHT + r"\n<tool_call>\n\{\"name\": \"ping\", \"arguments\": \{\}\}\n</tool_call>"
+    with openai_client(pipe, MODEL, reasoning_parser="deepseek_r1", tool_call_parser="hermes") as c:
+        args = dict(model=MODEL, messages=MESSAGES, max_tokens=90, temperature=0, tools=TOOLS,
+                    extra_body={"structured_outputs": {"regex": pattern}})
+        r = c.chat.completions.create(**args)
+        message = r.choices[0].message
+        assert (_thought(message), message.content) == ("\nfirst, the greeting.\n", "\n\nSure.\n")
+        assert [t.function.name for t in message.tool_calls] == ["ping"] and r.choices[0].finish_reason == "tool_calls"
+        chunks = list(c.chat.completions.create(stream=True, **args))
+        assert _streamed(chunks) == ("\nfirst, the greeting.\n", "\n\nSure.\n")
+        (calls,) = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]
+        assert [t.function.name for t in calls] == ["ping"]
+
+
+def test_an_answer_with_its_reasoning_replays_as_the_next_turn(pipe):
+    """The message as the openai client dumps it (reasoning and reasoning_content beside the content) is taken
+    back as a turn; the template gets it as reasoning_content (Qwen3's templates show it); another role's reasoning
+    is a 400."""
+    with openai_client(pipe, MODEL, reasoning_parser="qwen3") as c:
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": THOUGHT}})
+        turn = r.choices[0].message.model_dump(exclude_none=True)
+        assert turn["reasoning"] and turn["reasoning_content"]
+        history = [*MESSAGES, turn, {"role": "user", "content": "and then?"}]
+        again = c.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+        rendered = [*MESSAGES, {"role": "assistant", "content": turn["content"], "reasoning": turn["reasoning"],
+                                "reasoning_content": turn["reasoning"]}, history[-1]]
+        assert again.usage.prompt_tokens == len(pipe.prompt_ids(rendered))
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x", "reasoning": "y"}],
+                                      max_tokens=2)
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+                     "{% if m.reasoning_content %}[thought: {{ m.reasoning_content }}]{% endif %}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
+
+
+def test_the_responses_api_gives_the_block_as_a_reasoning_item(bundle_factory):
+    """Through /v1/responses (a template whose generation prompt opens the block, as DeepSeek-R1's does): the
+    answer's reasoning is a reasoning item of reasoning_text, streamed as reasoning_text deltas; cut before the block
+    closes it is the answer's only item, incomplete; replayed as input, or continued by previous_response_id, it is
+    the assistant turn's reasoning again (this template shows it)."""
+    pipe = Pipeline.load(bundle_factory("llama"), huge_pages=False, chat_template=THINKING_TEMPLATE)
+    want = pipe.generate([{"role": "user", "content": "hi"}], mode="ar", max_new_tokens=8, ignore_eos=True).text
+    assert "</think>" not in want
+    with openai_client(pipe, MODEL, reasoning_parser="deepseek_r1") as c:
+        long = {"mirror": {"ignore_eos": True}}
+        r = c.responses.create(model=MODEL, input="hi", max_output_tokens=8, temperature=0, extra_body=long)
+        assert r.status == "incomplete" and [item.type for item in r.output] == ["reasoning"]
+        assert r.output[0].content[0].text == want and r.output[0].status == "incomplete"
+        assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 8
+        events = list(c.responses.create(model=MODEL, input="hi", max_output_tokens=8, temperature=0, stream=True,
+                                         extra_body=long))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == want
+        final = events[-1].response
+        assert [item.type for item in final.output] == ["reasoning"] and final.output[0].content[0].text == want
+        turn = [*[item.model_dump(exclude_none=True) for item in r.output], {"role": "user", "content": "more"}]
+        again = c.responses.create(model=MODEL, input=[{"role": "user", "content": "hi"}, *turn],
+                                   max_output_tokens=2, temperature=0)
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "reasoning_content": want},
+                   {"role": "user", "content": "more"}]
+        assert again.usage.input_tokens == len(pipe.prompt_ids(history))
+        assert f"[thought: {want}]" in pipe.codec.decode(pipe.prompt_ids(history))
+        chained = c.responses.create(model=MODEL, input="more", previous_response_id=r.id, max_output_tokens=2,
+                                     temperature=0)
+        assert chained.usage.input_tokens == again.usage.input_tokens
