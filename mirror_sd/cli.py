@@ -15,7 +15,14 @@ from mirror_sd.errors import BadInputError, MirrorSDError, check_int
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES, TARGET_WEIGHT_FORMATS
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, specs
 from mirror_sd.runtime.perplexity import WINDOW, perplexity
-from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, REASONING_PARSERS, SERVE_GENERATION, TOOL_CALL_PARSERS
+from mirror_sd.serve.defaults import (
+    API_KEY_ENV,
+    LOG_LEVELS,
+    REASONING_PARSERS,
+    SERVE_GENERATION,
+    TOOL_CALL_PARSERS,
+    GenerationSource,
+)
 
 if TYPE_CHECKING:
     from mirror_sd.partitions.planner import Plan
@@ -302,14 +309,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise BadInputError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}): the "
                             "format the model writes its calls in")
     api_key, origins = server_access(args)
+    source = GenerationSource.given(args.generation_config, args.override_generation_config)
     if args.ray:  # each replica loads the bundle in its own process (serve/ray_app.py); none is loaded here
-        return _serve_on_ray(args, api_key, origins)
+        return _serve_on_ray(args, api_key, origins, source)
     ray_only = [flag for flag, dest in RAY_FLAGS.items() if getattr(args, dest) is not None]
     if ray_only:
         raise BadInputError(f"{', '.join(ray_only)}: only with --ray")
     sock = listen(args.host, args.port)
     pipe, settings = open_server(args.bundle, LoadOptions().updated(**given(args, LoadOptions)),
-                                 _server_settings(args, api_key, origins), given(args, GenerationConfig))
+                                 _server_settings(args, api_key, origins), given(args, GenerationConfig), source)
     name = settings.model_name
     app = create_app(pipe, settings)
     engine = pipe.engine()
@@ -322,11 +330,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_on_ray(args: argparse.Namespace, api_key: str | None, origins: tuple[str, ...]) -> int:
+def _serve_on_ray(args: argparse.Namespace, api_key: str | None, origins: tuple[str, ...],
+                  source: GenerationSource) -> int:
     from mirror_sd.serve.ray_app import Placement, ReplicaSpec, run
 
     spec = ReplicaSpec(args.bundle, _server_settings(args, api_key, origins),
-                       LoadOptions().updated(**given(args, LoadOptions)), given(args, GenerationConfig), args.log_level)
+                       LoadOptions().updated(**given(args, LoadOptions)), given(args, GenerationConfig),
+                       source=source, log_level=args.log_level)
     placement = Placement(1 if args.replicas is None else args.replicas,
                           1.0 if args.num_cpus is None else args.num_cpus, args.num_gpus or 0.0)
     run(spec, placement, args.ray_address or "local", args.host, args.port,
@@ -593,6 +603,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read a reasoning model's <think> block as the chat message's reasoning (and "
                          "reasoning_content), the rest as its content: deepseek_r1 (DeepSeek-R1, its distillations, "
                          "QwQ), qwen3 (Qwen3; chat_template_kwargs enable_thinking false: content) (default: none)")
+    sv.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                    help="where the sampling defaults of requests come from: auto, the bundle's generation_config.json "
+                         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); vllm, none "
+                         "(OpenAI's); or a folder holding a generation_config.json (default: auto)")
+    sv.add_argument("--override-generation-config", default=None, metavar="JSON",
+                    help="generation_config.json keys over that source's, e.g. '{\"temperature\": 0.6}'")
     sv.add_argument("--enable-auto-tool-choice", action="store_true",
                     help="vLLM's switch for tool_choice auto, taken for its command lines: here --tool-call-parser "
                          "turns auto on (this flag needs one)")

@@ -652,14 +652,15 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def open_server(bundle: str | Path, load: LoadOptions, settings: Mapping[str, Any],
-                generation: Mapping[str, Any]) -> tuple[Pipeline, ServerSettings]:
+def open_server(bundle: str | Path, load: LoadOptions, settings: Mapping[str, Any], generation: Mapping[str, Any],
+                source: d.GenerationSource = d.BUNDLE_SOURCE) -> tuple[Pipeline, ServerSettings]:
     """The pipeline of `bundle` and the server's settings: `settings` (ServerSettings' fields but the defaults),
-    and the defaults for what a request leaves out, from OpenAI's, the bundle's generation_config.json and the serve
-    command's `generation` options (serve/defaults.py). `mirror-sd serve` and every Ray replica open theirs here."""
+    and the defaults for what a request leaves out, from OpenAI's, the bundle's generation_config.json (or the
+    `source` the serve command chose) and the serve command's `generation` options (serve/defaults.py). `mirror-sd
+    serve` and every Ray replica open theirs here."""
     pipe = Pipeline.load(bundle, load)
     root = pipe.package.root if pipe.package else Path(bundle)
-    return pipe, ServerSettings(**settings, defaults=d.server_defaults(root, generation))
+    return pipe, ServerSettings(**settings, defaults=d.server_defaults(root, generation, source))
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -8,8 +8,9 @@ server applies these over the pipeline's config, in this order (later wins):
 
 1. OPENAI_DEFAULTS;
 2. the bundle's `generation_config.json` where there is one (the model's recommended sampling, as vLLM reads it:
-   temperature, top_p, top_k, min_p, repetition_penalty). `mirror-sd export` does not write one; a deployer may put the
-   model's own there;
+   temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens). `mirror-sd export` does not write one; a
+   deployer may put the model's own there. vLLM's `--generation-config` picks another source (`GenerationSource`):
+   `vllm` none, or a folder holding one; `--override-generation-config` (JSON, the file's keys) goes over it;
 3. the generation options given to `mirror-sd serve` (--mode, --max-new-tokens);
 4. the request's own fields.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -33,8 +35,10 @@ from mirror_sd.runtime.config import GenerationConfig
 
 OPENAI_DEFAULTS: Mapping[str, Any] = MappingProxyType({"temperature": 1.0})  # OpenAI's API samples by default
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's legacy default, and vLLM's
-# transformers' generation_config.json keys the server takes, by the GenerationConfig option each one sets
-FROM_HF = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+# transformers' generation_config.json keys the server takes, by the GenerationConfig option each one sets (vLLM's)
+FROM_HF = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")}
+# --generation-config's named sources: the bundle's generation_config.json, or none (vLLM's own defaults, here OpenAI's)
+GENERATION_SOURCES = ("auto", "vllm")
 # formats `--tool-call-parser` reads an answer's tool calls in (serve/tool_parser.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 # reasoning models' think blocks `--reasoning-parser` reads as the message's reasoning (serve/reasoning.py)
@@ -60,18 +64,79 @@ def bundle_defaults(bundle: Path) -> dict[str, Any]:
         raise BadInputError(f"{path}: not a readable JSON file: {e}") from None
     if not isinstance(doc, dict):
         raise BadInputError(f"{path}: expected a JSON object")
+    return _options(doc, str(path))
+
+
+def _options(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The options a generation config's keys set, checked (a bad value is a BadInputError naming `where`)."""
     out = {option: doc[key] for key, option in FROM_HF.items() if doc.get(key) is not None}
     try:
         GenerationConfig().updated(**out)
     except BadInputError as e:
-        raise BadInputError(f"{path}: {e}") from None
+        raise BadInputError(f"{where}: {e}", option=e.option) from None
     return out
 
 
-def server_defaults(bundle: Path | None = None, given: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
-    """The server's generation defaults by option name: OpenAI's, the bundle's, then `given` (the serve command's
-    options), checked as a GenerationConfig checks them."""
-    out = {**OPENAI_DEFAULTS, **(bundle_defaults(bundle) if bundle is not None else {}), **(given or {})}
+@dataclass(frozen=True)
+class GenerationSource:
+    """Where the server's sampling defaults come from (vLLM's --generation-config and --override-generation-config):
+    `source` "auto" (the bundle's generation_config.json), "vllm" (none), or a folder holding one; `override`: keys of
+    such a file, over the source's. Checked when made: a folder without the file, an unknown key or a bad value is a
+    BadInputError."""
+
+    source: str = "auto"
+    override: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise BadInputError(f"generation_config must be auto, vllm or a folder, got {self.source!r}",
+                                option="generation_config")
+        if self.source not in GENERATION_SOURCES and not (Path(self.source) / GENERATION_CONFIG).is_file():
+            raise BadInputError(f"generation_config {self.source!r}: not {' or '.join(GENERATION_SOURCES)}, nor a "
+                                f"folder holding {GENERATION_CONFIG}", option="generation_config")
+        if not isinstance(self.override, Mapping):
+            raise BadInputError("override_generation_config must be a JSON object of generation_config.json's keys",
+                                option="override_generation_config")
+        unknown = sorted(set(self.override) - set(FROM_HF))
+        if unknown:
+            raise BadInputError(f"override_generation_config: unknown key(s) {', '.join(unknown)}; the server takes "
+                                f"{', '.join(FROM_HF)}", option="override_generation_config")
+        object.__setattr__(self, "override", dict(self.override))  # a copy Ray can pickle
+        _options(self.override, "override_generation_config")
+        if self.source not in GENERATION_SOURCES:
+            bundle_defaults(Path(self.source))  # read now: a bad file stops the server before it loads anything
+
+    @classmethod
+    def given(cls, source: str | None, override: str | Mapping[str, Any] | None) -> GenerationSource:
+        """From the serve command's flags or the Ray builder's arguments: the override as JSON text (the command
+        line's) or an object (a config file's); None for either: its default."""
+        if isinstance(override, str):
+            try:
+                override = json.loads(override)
+            except ValueError:
+                raise BadInputError("override_generation_config must be JSON, e.g. '{\"temperature\": 0.6}', got "
+                                    f"{override!r}", option="override_generation_config") from None
+        return cls(source or "auto", {} if override is None else override)
+
+    def options(self, bundle: Path | None) -> dict[str, Any]:
+        """The options this source sets for a server of `bundle` (None: not known yet, as before a Ray replica
+        loads it)."""
+        if self.source == "auto":
+            base = bundle_defaults(bundle) if bundle is not None else {}
+        else:
+            base = {} if self.source == "vllm" else bundle_defaults(Path(self.source))
+        return {**base, **_options(self.override, "override_generation_config")}
+
+
+BUNDLE_SOURCE = GenerationSource()  # --generation-config auto: the bundle's generation_config.json
+
+
+def server_defaults(bundle: Path | None = None, given: Mapping[str, Any] | None = None,
+                    source: GenerationSource = BUNDLE_SOURCE) -> Mapping[str, Any]:
+    """The server's generation defaults by option name: OpenAI's, then `source`'s (the bundle's generation_config.json
+    unless the serve command chose another), then `given` (the serve command's options), checked as a
+    GenerationConfig checks them."""
+    out = {**OPENAI_DEFAULTS, **source.options(bundle), **(given or {})}
     GenerationConfig().updated(**out)  # a bad value is refused at start, naming the option
     return MappingProxyType(out)
 

@@ -43,7 +43,7 @@ from mirror_sd.runtime.kv_slots import slots_for
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.target import GPU_STEP_WIDTH, kv_positions
 from mirror_sd.serve.app import ServerSettings, create_app, listen, open_server
-from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, server_defaults
+from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, GenerationSource, server_defaults
 
 APP_NAME = "mirror-sd"  # the Serve application `mirror-sd serve --ray` runs (serve run names its own)
 DEPLOYMENT_NAME = "MirrorSD"
@@ -73,6 +73,8 @@ class ReplicaSpec:
     settings: Mapping[str, Any]
     load: LoadOptions = field(default_factory=LoadOptions)
     generation: Mapping[str, Any] = field(default_factory=dict)  # the serve command's SERVE_GENERATION given
+    # where the sampling defaults come from (--generation-config; a folder every node can read)
+    source: GenerationSource = field(default_factory=GenerationSource)
     log_level: str = "warning"  # the replica's logging (its stderr reaches the driver and Ray's log files)
 
     def __post_init__(self) -> None:
@@ -87,11 +89,11 @@ class ReplicaSpec:
 
     def settings_without_bundle(self) -> ServerSettings:
         """The server settings as far as they are known without the bundle (its generation_config.json aside)."""
-        return ServerSettings(**self.settings, defaults=server_defaults(None, self.generation))
+        return ServerSettings(**self.settings, defaults=server_defaults(None, self.generation, self.source))
 
     def server(self) -> tuple[Pipeline, ServerSettings]:
         """The pipeline and the settings `mirror-sd serve` would make of the same command (mirror_sd/cli.py)."""
-        return open_server(self.bundle, self.load, self.settings, self.generation)
+        return open_server(self.bundle, self.load, self.settings, self.generation, self.source)
 
 
 @dataclass(frozen=True)
@@ -298,7 +300,8 @@ def build(args: Mapping[str, Any]) -> Any:
     """Ray's application builder: `serve run mirror_sd.serve.ray_app:build bundle=DIR replicas=2 num_cpus=2
     target_threads=1`, or a Serve config file's `import_path: mirror_sd.serve.ray_app:build` with these keys under
     `args`. Keys: bundle (required); replicas, num_cpus, num_gpus, resources (JSON: {"NPU": 1}); model_name, max_queue,
-    request_timeout, cors_origins (comma-separated), log_level, tool_call_parser, reasoning_parser; every load option of
+    request_timeout, cors_origins (comma-separated), log_level, tool_call_parser, reasoning_parser, generation_config,
+    override_generation_config (JSON); every load option of
     `mirror-sd serve --help` by its name (target_device, target_threads, max_num_seqs, ...); mode and max_new_tokens.
     Values may be text (the command line's) or typed (a config file's). The API key, if any, comes from
     $MIRROR_SD_API_KEY where the builder runs, as `mirror-sd serve` reads it: never from a command line."""
@@ -316,7 +319,8 @@ def parse_build_args(args: Mapping[str, Any], api_key: str | None = None) -> tup
     load_specs = {s.name: s for s in specs(LoadOptions) if s.flag}
     gen_specs = {s.name: s for s in specs(GenerationConfig) if s.name in SERVE_GENERATION}
     own = {"bundle", "replicas", "num_cpus", "num_gpus", "resources", "model_name", "max_queue", "request_timeout",
-           "cors_origins", "log_level", "tool_call_parser", "reasoning_parser"}
+           "cors_origins", "log_level", "tool_call_parser", "reasoning_parser", "generation_config",
+           "override_generation_config"}
     unknown = sorted(set(args) - own - set(load_specs) - set(gen_specs))
     if unknown:
         raise BadInputError(f"unknown builder argument(s) {', '.join(unknown)}; known: "
@@ -348,7 +352,8 @@ def parse_build_args(args: Mapping[str, Any], api_key: str | None = None) -> tup
         raise BadInputError(f"resources must be a JSON object, got {resources!r}", option="resources")
     placement = Placement(_number(args, "replicas", int, 1), _number(args, "num_cpus", float, 1.0),
                           _number(args, "num_gpus", float, 0.0), resources)
-    spec = ReplicaSpec(bundle, settings, load, generation, str(args.get("log_level", "warning")))
+    source = GenerationSource.given(args.get("generation_config"), args.get("override_generation_config"))
+    spec = ReplicaSpec(bundle, settings, load, generation, source, str(args.get("log_level", "warning")))
     return spec, placement
 
 

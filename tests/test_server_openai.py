@@ -21,7 +21,8 @@ from mirror_sd.cli import build_parser, main, server_access
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.manifest import GENERATION_CONFIG
 from mirror_sd.runtime.pipeline import Pipeline
-from mirror_sd.serve.defaults import bundle_defaults, server_defaults
+from mirror_sd.serve.defaults import GenerationSource, bundle_defaults, server_defaults
+from mirror_sd.serve.ray_app import parse_build_args
 
 MODEL = "tiny"
 KEY = "test-key-123"
@@ -676,6 +677,38 @@ def test_defaults_from_the_bundles_generation_config(pipe, tmp_path):
     with pytest.raises(BadInputError, match=f"{GENERATION_CONFIG}.*temperature"):
         bundle_defaults(tmp_path)
     assert bundle_defaults(tmp_path / "elsewhere") == {}
+
+
+def test_generation_config_picks_where_the_defaults_come_from(tmp_path, bundle_factory, capsys):
+    """vLLM's --generation-config: auto (the bundle's file), vllm (none), or a folder holding one;
+    --override-generation-config's keys go over it. Each is checked before anything loads."""
+    bundle, folder = tmp_path / "bundle", tmp_path / "model"
+    bundle.mkdir(), folder.mkdir()
+    (bundle / GENERATION_CONFIG).write_text(json.dumps({"temperature": 0.7, "top_p": 0.9}))
+    (folder / GENERATION_CONFIG).write_text(json.dumps({"temperature": 0.6, "top_k": 20, "max_new_tokens": 32}))
+    assert GenerationSource().options(bundle) == {"temperature": 0.7, "top_p": 0.9}
+    assert GenerationSource("vllm").options(bundle) == {}
+    assert GenerationSource(str(folder)).options(bundle) == {"temperature": 0.6, "top_k": 20, "max_new_tokens": 32}
+    over = GenerationSource.given(None, '{"temperature": 0.2, "repetition_penalty": 1.05}')
+    assert over.options(bundle) == {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.05}
+    assert dict(server_defaults(bundle, {"mode": "ar"}, GenerationSource.given("vllm", {"top_p": 0.5}))) == {
+        "temperature": 1.0, "top_p": 0.5, "mode": "ar"}
+    for source, override, option in ((str(tmp_path / "none"), None, "generation_config"),
+                                     ("auto", '{"temperature": 0.2', "override_generation_config"),
+                                     ("auto", '{"do_sample": true}', "override_generation_config"),
+                                     ("auto", '[1]', "override_generation_config"),
+                                     ("auto", '{"temperature": -1}', "temperature")):
+        with pytest.raises(BadInputError) as e:
+            GenerationSource.given(source, override)
+        assert e.value.option == option, (source, override)
+    real = str(bundle_factory("llama"))
+    assert main(["serve", real, "--generation-config", str(tmp_path / "none"), "--port", "1"]) == 2
+    assert main(["serve", real, "--override-generation-config", "{", "--ray"]) == 2
+    err = capsys.readouterr().err
+    assert "generation_config" in err and "override_generation_config must be JSON" in err and "Traceback" not in err
+    spec, _ = parse_build_args({"bundle": real, "generation_config": "vllm",
+                                "override_generation_config": '{"temperature": 0.3}'})
+    assert dict(spec.settings_without_bundle().defaults) == {"temperature": 0.3}
 
 
 def test_a_default_max_tokens_never_exceeds_what_the_prompt_leaves():
