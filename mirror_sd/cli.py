@@ -598,7 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read answers to tool_choice auto (OpenAI's default with tools) for calls in this format: "
                          "hermes (<tool_call> JSON </tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (an answer "
                          "of JSON calls: Llama 3.1-3.3), pythonic ([f(x=1), g()]: Llama 3.2, Llama 4), mistral "
-                         "([TOOL_CALLS] and its calls: Mistral, Mixtral) (default: none, auto refused)")
+                         "([TOOL_CALLS] and its calls: Mistral, Mixtral), qwen3_coder (<tool_call><function=f>"
+                         "<parameter=x>: Qwen3-Coder, Qwen3.5) (default: none, auto refused)")
     sv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                     help="read a reasoning model's <think> block as the chat message's reasoning (and "
                          "reasoning_content), the rest as its content: deepseek_r1 (DeepSeek-R1, its distillations, "

@@ -787,9 +787,10 @@ def _calls(body: p.ChatRequest | p.CompletionRequest, settings: ServerSettings
     if parser is None:
         raise p.ApiError(400, 'tool_choice "auto" needs a parser of the model\'s tool-call format: start the server '
                          'with --tool-call-parser (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1-3.3; '
-                         'pythonic: Llama 3.2, Llama 4; mistral: Mistral, Mixtral), or give "required", a named '
-                         'function or "none"', param="tool_choice", code="unsupported_value")
-    return ParsedAnswers(settings.tool_call_parser)
+                         'pythonic: Llama 3.2, Llama 4; mistral: Mistral, Mixtral; qwen3_coder: Qwen3-Coder, '
+                         'Qwen3.5), or give "required", a named function or "none"', param="tool_choice", code="unsupported_value")
+    properties = {t.function.name: (t.function.parameters or {}).get("properties") or {} for t in body.tools}
+    return ParsedAnswers(settings.tool_call_parser, properties)
 
 
 def _thinking(pipe: Pipeline, settings: ServerSettings, body: p.ChatRequest, ids: list[int],

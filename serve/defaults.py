@@ -40,7 +40,7 @@ FROM_HF = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "re
 # --generation-config's named sources: the bundle's generation_config.json, or none (vLLM's own defaults, here OpenAI's)
 GENERATION_SOURCES = ("auto", "vllm")
 # formats `--tool-call-parser` reads an answer's tool calls in (serve/tool_parser.py)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
 # reasoning models' think blocks `--reasoning-parser` reads as the message's reasoning (serve/reasoning.py)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 SEED_BITS = 31  # random seeds stay below 2**31: exact as a JSON number in any client (JavaScript's included)

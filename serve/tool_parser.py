@@ -22,27 +22,44 @@ only its reading changes. A call that does not parse leaves the whole answer tex
     JSON arguments (v11 on: `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`); the text before the first is the content,
     text after the last dropped. Its markers are special tokens, so where it reads an answer the answer keeps special
     tokens' text (`skip_special_tokens` off, as vLLM sets it), and its calls' ids are 9 letters and digits, the only ids
-    Mistral's chat templates take back.
+    Mistral's chat templates take back;
+  - qwen3_coder (Qwen3-Coder, Qwen3.5 and others whose templates write calls in XML): each block
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        </function>
+        </tool_call>
+
+    is a call, the text before the first one the content; a parameter's text (one newline either side dropped) is a
+    string, or the type the tool's `parameters` schema gives it (integer, number, boolean, null, an object or array
+    as JSON), as vLLM's parser converts it; a value that does not read as its type stays text.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from mirror_sd.serve.tools import tool_call
 
 Calls = tuple[str | None, list[dict[str, Any]]]  # the content (None where empty) and the calls of an answer
+Types = Mapping[str, Mapping[str, Any]]  # a request's tools: each function's parameters' schemas, by name
 
 
 class CallFormat(Protocol):
     special_tokens: bool  # the format's markers are special tokens: the answer's text keeps them
     short_ids: bool  # its calls' ids as Mistral's templates take them (serve/tools.py new_call_id)
 
-    def calls(self, text: str) -> Calls:
-        """The content and calls of a whole answer; (text, []) where it holds none, or one that does not parse."""
+    def calls(self, text: str, types: Types) -> Calls:
+        """The content and calls of a whole answer (`types`: each tool's parameters' JSON types, for formats that
+        write values as text); (text, []) where it holds none, or one that does not parse."""
 
     def opening(self, text: str, sent: int) -> int:
         """Where a call opens in a streamed answer's text so far (its first `sent` characters went out as content):
@@ -93,7 +110,7 @@ class Hermes(_Tagged):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + "|" + re.escape(OPEN) + r"(.*)", re.DOTALL)
 
-    def calls(self, text: str) -> Calls:
+    def calls(self, text: str, types: Types) -> Calls:
         start = text.find(self.OPEN)
         if start < 0:
             return text, []
@@ -118,7 +135,7 @@ class Mistral(_Tagged):
     _NAMED = re.compile(rf"\s*({_NAME.pattern})\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]*\s*)?(?:\[ARGS\])?\s*(?=\{{)")
     _decoder = json.JSONDecoder()
 
-    def calls(self, text: str) -> Calls:
+    def calls(self, text: str, types: Types) -> Calls:
         """A [TOOL_CALLS] whose calls do not parse leaves the whole answer text; text after the last call is
         dropped (as vLLM's reading of a list drops it): an ending token's text that include_stop_str_in_output
         keeps, or words the model adds."""
@@ -190,7 +207,7 @@ class Llama3Json(_WholeAnswer):
     OPENS = "{"
     _decoder = json.JSONDecoder()
 
-    def calls(self, text: str) -> Calls:
+    def calls(self, text: str, types: Types) -> Calls:
         at, calls = _skip(text, 0), []
         if not text.startswith(self.OPENS, at):
             return text, []
@@ -214,7 +231,7 @@ class Llama3Json(_WholeAnswer):
 class Pythonic(_WholeAnswer):
     OPENS = "["
 
-    def calls(self, text: str) -> Calls:
+    def calls(self, text: str, types: Types) -> Calls:
         stripped = text.strip()
         if not (stripped.startswith(self.OPENS) and stripped.endswith("]")):
             return text, []
@@ -234,33 +251,95 @@ class Pythonic(_WholeAnswer):
         return None, calls
 
 
+class Qwen3Coder(_Tagged):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    # a block: one function and its parameters, whitespace between the tags (a last block may be cut short: no call)
+    _BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+    _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def calls(self, text: str, types: Types) -> Calls:
+        """Calls where every block from the first parses (text between blocks may be whitespace only)."""
+        start = text.find(self.OPEN)
+        if start < 0:
+            return text, []
+        at, calls = start, []
+        while at < len(text):
+            block = self._BLOCK.match(text, at)
+            if block is None:
+                return text, []
+            name, body = block.group(1).strip(), block.group(2)
+            arguments, pos = {}, 0
+            while (parameter := self._PARAMETER.match(body, pos)) is not None:
+                key = parameter.group(1).strip()
+                arguments[key] = _typed(parameter.group(2), (types.get(name) or {}).get(key))
+                pos = parameter.end()
+            if body[pos:].strip():  # text in the function that is no parameter
+                return text, []
+            calls.append(tool_call(name, json.dumps(arguments, ensure_ascii=False)))
+            at = _skip(text, block.end())
+        return text[:start] or None, calls
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A parameter's text as the JSON type its schema gives (the first of anyOf's types that is not null); text
+    where it has none, is a string, or does not read as its type."""
+    kinds = []
+    if isinstance(schema, Mapping):
+        options = schema.get("anyOf") if isinstance(schema.get("anyOf"), list) else [schema]
+        for option in options:
+            kind = option.get("type") if isinstance(option, Mapping) else None
+            kinds += kind if isinstance(kind, list) else [kind]
+    kinds = [k for k in kinds if isinstance(k, str)]
+    if "null" in kinds and value.strip().lower() in ("null", "none"):
+        return None
+    kind = next((k for k in kinds if k != "null"), "string")
+    try:
+        if kind == "integer":
+            return int(value.strip())
+        if kind == "number":
+            number = float(value.strip())
+            if not math.isfinite(number):  # no JSON number
+                return value
+            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+        if kind == "boolean":
+            return {"true": True, "false": False}[value.strip().lower()]
+        if kind in ("object", "array"):
+            parsed = json.loads(value)
+            return parsed if isinstance(parsed, dict if kind == "object" else list) else value
+    except (ValueError, KeyError, OverflowError):
+        return value
+    return value
+
+
 TOOL_CALL_FORMATS: dict[str, CallFormat] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic(),
-                                             "mistral": Mistral()}
+                                             "mistral": Mistral(), "qwen3_coder": Qwen3Coder()}
 
 
 class ParsedAnswers:
-    """Answers read for tool calls in one format (the ToolAnswers interface, serve/tools.py)."""
+    """Answers read for tool calls in one format (the ToolAnswers interface, serve/tools.py); `types`: the request's
+    tools' parameters, by function name (formats that write values as text read them as these types)."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, types: Types | None = None) -> None:
         self.format = TOOL_CALL_FORMATS[parser]
+        self.types = types or {}
 
     def choice(self, choice: dict[str, Any], text: str, reason: str) -> dict[str, Any]:
-        content, calls = self.format.calls(text)
+        content, calls = self.format.calls(text, self.types)
         if not calls:
             return choice
         return {**choice, "message": {"role": "assistant", "content": content, "tool_calls": calls},
                 "finish_reason": "tool_calls" if reason in ("eos", "stop") else reason}
 
     def stream(self) -> ParsedStream:
-        return ParsedStream(self.format)
+        return ParsedStream(self.format, self.types)
 
 
 class ParsedStream:
     """One streamed choice: its text as content until a call opens (a tail that may still open one held back),
     then held; at the end the calls in one delta and a chunk of its own that ends the choice."""
 
-    def __init__(self, fmt: CallFormat) -> None:
-        self.format = fmt
+    def __init__(self, fmt: CallFormat, types: Types) -> None:
+        self.format, self.types = fmt, types
         self.sent, self.held = 0, ""  # characters of `held` already sent as content
         self.opened = -1  # where the first call opens in `held` (-1: none yet)
 
@@ -280,7 +359,7 @@ class ParsedStream:
         self.sent = max(self.sent, safe)
         if reason is None:
             return [(delta, None) for delta in out]
-        content, calls = self.format.calls(self.held)
+        content, calls = self.format.calls(self.held, self.types)
         if not calls:  # no call, or one that does not parse: the rest as content
             rest = self.held[self.sent:]
             tail = [({"content": rest}, None)] if rest else []

@@ -581,6 +581,25 @@ def test_auto_tool_choice_reads_mistral_calls_where_the_server_has_the_parser(pi
         assert short([t for ch in chunks for t in ch.choices[0].delta.tool_calls or [] if t.id])
 
 
+def test_auto_tool_choice_reads_qwen3_coder_calls_where_the_server_has_the_parser(pipe):
+    """`--tool-call-parser qwen3_coder`: <tool_call><function=NAME><parameter=KEY> blocks become tool_calls, each
+    value of the type the tool's schema gives it (a boolean here; an enum's value stays text), streamed or not."""
+    pattern = (r"Sure\.\n<tool_call>\n<function=set_light>\n<parameter=on>\ntrue\n</parameter>\n<parameter=room>\n"
+               r"den\n</parameter>\n</function>\n</tool_call>")
+    with _parsing_client(pipe, "qwen3_coder") as c:
+        args = dict(model=MODEL, messages=MESSAGES, max_tokens=160, temperature=0, tools=TOOLS,
+                    extra_body={"structured_outputs": {"regex": pattern}})
+        r = c.chat.completions.create(**args)
+        message = r.choices[0].message
+        assert (message.content, r.choices[0].finish_reason) == ("Sure.\n", "tool_calls")
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
+            ("set_light", {"on": True, "room": "den"})]
+        chunks = [ch for ch in c.chat.completions.create(stream=True, **args) if ch.choices]
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Sure.\n"
+        (calls,) = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices[0].delta.tool_calls]
+        assert [json.loads(t.function.arguments) for t in calls] == [{"on": True, "room": "den"}]
+
+
 @pytest.mark.parametrize("field, value", [
     ("store", True),
     ("modalities", ["text", "audio"]), ("service_tier", "flex"),

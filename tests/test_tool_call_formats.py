@@ -83,7 +83,34 @@ CASES = {
         ("Paris is sunny. [TOOL_", None),
         ("no calls at all", None),
     ],
+    "qwen3_coder": [
+        ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+         "</tool_call>", ("Let me look.\n", [("get_weather", {"city": "Paris"})])),
+        # typed by the tool's schema: the rest, and a name it does not know, stay text
+        ("<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n"
+         "</parameter>\n<parameter=hours>\n[1, 2]\n</parameter>\n<parameter=scale>\n1.5\n</parameter>\n"
+         "<parameter=note>\nnull\n</parameter>\n<parameter=city>\n42\n</parameter>\n<parameter=extra>\n7\n"
+         "</parameter>\n</function>\n</tool_call>",
+         (None, [("get_weather", {"days": 3, "metric": True, "hours": [1, 2], "scale": 1.5, "note": None,
+                                  "city": "42", "extra": "7"})])),
+        ("<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n<parameter=scale>\nnan\n"
+         "</parameter>\n<parameter=city>\nline one\nline two\n</parameter>\n</function>\n</tool_call>",
+         (None, [("get_weather", {"days": "three", "scale": "nan", "city": "line one\nline two"})])),
+        ("<tool_call>\n<function=now>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+         "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+         (None, [("now", {}), ("get_weather", {"city": "Paris"})])),
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", None),  # cut short
+        ("<tool_call>\n<function=get_weather>\nwords\n</function>\n</tool_call>", None),
+        ("<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call>", None),  # hermes' format: not this one
+        ("<tool_call>\n<function=now>\n</function>\n</tool_call> and then words", None),
+        ("Paris is sunny. <tool_", None),
+        ("no calls at all", None),
+    ],
 }
+# the tools' parameters, for formats that write values as text (qwen3_coder)
+TYPES = {"get_weather": {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+                         "hours": {"type": "array"}, "scale": {"type": "number"},
+                         "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
 
 
 def test_every_parser_the_server_offers_has_a_format():
@@ -94,7 +121,7 @@ def test_every_parser_the_server_offers_has_a_format():
 def test_whole_answers(parser):
     fmt = TOOL_CALL_FORMATS[parser]
     for answer, want in CASES[parser]:
-        content, calls = fmt.calls(answer)
+        content, calls = fmt.calls(answer, TYPES)
         got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
         assert (content, got) == (want if want is not None else (answer, [])), answer
         assert all(c["type"] == "function" for c in calls)
@@ -113,7 +140,7 @@ def test_a_stream_in_any_chunking_sends_what_the_whole_answer_holds(parser):
         for _ in range(20):
             cuts = sorted(rng.sample(range(1, len(answer)), min(len(answer) - 1, rng.randint(0, 6))))
             pieces = [answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)])]
-            stream, out = ParsedStream(TOOL_CALL_FORMATS[parser]), []
+            stream, out = ParsedStream(TOOL_CALL_FORMATS[parser], TYPES), []
             for i, piece in enumerate(pieces):
                 out += stream.deltas(piece, None, i == 0)
             out += stream.deltas("", "eos", not pieces)
