@@ -62,7 +62,7 @@ from mirror_sd.serve.access_log import ARRIVAL, STREAM_STATUS, AccessLog
 from mirror_sd.serve.auth import ApiKey
 from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
-from mirror_sd.serve.reasoning import PROMPT_TAIL_TOKENS, Reading, reading
+from mirror_sd.serve.reasoning import Reading, generation_prompt, reading
 from mirror_sd.serve.responses import ResponsesRequest, ResponseStore, events, from_chat, output_messages, renamed
 from mirror_sd.serve.tool_parser import TOOL_CALL_FORMATS, ParsedAnswers
 from mirror_sd.serve.tools import ToolAnswers
@@ -551,11 +551,15 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                   stop_reason: int | str | None = None) -> str:
             if chat:  # this event's deltas (the last may end the choice): reasoning, content or calls
                 deltas: list[tuple[dict[str, Any], str | None]] = []
+                ends_thought = False  # this event's text closed the think block: its tokens are the reasoning's
                 if thoughts is not None:
+                    was_open = not thoughts[index].closed
                     said, text = thoughts[index].feed(text, reason is not None)
-                    if said:
+                    ends_thought = was_open and thoughts[index].closed
+                    if said or ends_thought:
                         head = {"role": "assistant"} if first else {}
-                        deltas.append(({**head, "reasoning": said, "reasoning_content": said}, None))
+                        thought = {"reasoning": said, "reasoning_content": said} if said else {}
+                        deltas.append(({**head, **thought}, None))
                         first = False
                 if streams is not None:
                     deltas += streams[index].deltas(text, reason, first)
@@ -788,19 +792,22 @@ def _calls(body: p.ChatRequest | p.CompletionRequest, settings: ServerSettings
         raise p.ApiError(400, 'tool_choice "auto" needs a parser of the model\'s tool-call format: start the server '
                          'with --tool-call-parser (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1-3.3; '
                          'pythonic: Llama 3.2, Llama 4; mistral: Mistral, Mixtral; qwen3_coder: Qwen3-Coder, '
-                         'Qwen3.5), or give "required", a named function or "none"', param="tool_choice", code="unsupported_value")
+                         'Qwen3.5), or give "required", a named function or "none"', param="tool_choice",
+                     code="unsupported_value")
     properties = {t.function.name: (t.function.parameters or {}).get("properties") or {} for t in body.tools}
     return ParsedAnswers(settings.tool_call_parser, properties)
 
 
 def _thinking(pipe: Pipeline, settings: ServerSettings, body: p.ChatRequest, ids: list[int],
               grammar: bool) -> Reading | None:
-    """How a chat's answers read for reasoning (None: all content): the server's parser, the prompt's last tokens
-    (where a template writes its think tags), the template's variables, and whether a grammar holds the answer."""
+    """How a chat's answers read for reasoning (None: the server reads none): the server's parser, the generation
+    prompt (where a template writes its think tags), the template's variables, and whether a grammar holds the
+    answer."""
     if settings.reasoning_parser is None:
         return None
-    tail = pipe.codec.decode(ids[-PROMPT_TAIL_TOKENS:], special=True)
-    return reading(settings.reasoning_parser, tail, body.chat_template_kwargs, grammar)
+    prefilled = body.continue_final_message
+    tail = generation_prompt(pipe.codec.decode(ids, special=True), body.messages[-1].content, prefilled)
+    return reading(settings.reasoning_parser, tail, prefilled, body.chat_template_kwargs, grammar)
 
 
 def _param_of(error: BadInputError, chat: bool) -> str | None:

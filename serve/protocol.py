@@ -302,12 +302,14 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (null only in an assistant's message of tool_calls)")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.thought is not None)):
+            raise ValueError("content is required (null only in an assistant's message of tool_calls or reasoning)")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant's message has tool_calls")
         if self.thought is not None and self.role != "assistant":
             raise ValueError("only an assistant's message has reasoning")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content differ: give one (they are two names of one field)")
         return self
 
     @property

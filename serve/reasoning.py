@@ -3,13 +3,14 @@ distillations, QwQ, Qwen3) is the chat message's `reasoning` (and `reasoning_con
 most clients read), the rest its `content`; streamed, the block's text goes out as `reasoning` deltas. The answer
 itself is the target's, exact in every mode: only its reading changes.
 
-How an answer reads, as vLLM's parsers of these names read it:
+How an answer reads, as vLLM's current parsers of these names read it:
   - reasoning runs from the answer's first token (a leading `<think>` the model writes is dropped) to its first
     `</think>`, the content after it; an answer without `</think>` (cut by max_tokens) is all reasoning;
-  - where the prompt ends past a closed block (a template that turned thinking off writes `<think></think>`) or a
-    qwen3 request sets `chat_template_kwargs.enable_thinking` false, the answer is content;
-  - a grammar (response_format, structured_outputs, a forced tool call) holds the answer from its first token: the
-    answer then has reasoning only where it opens a block itself (a Lark grammar can write one before the JSON).
+  - where the generation prompt (what the template writes after the last message) ends past a closed block (a
+    template that turned thinking off writes `<think></think>`), a prefilled assistant turn (continue_final_message)
+    has no block left open, a qwen3 request sets `chat_template_kwargs.enable_thinking` false, or a grammar
+    (response_format, structured_outputs, a forced tool call) holds the answer from its first token, the answer has
+    reasoning only where it opens a block itself (`<think>` first), and is content otherwise.
 """
 
 from __future__ import annotations
@@ -21,18 +22,24 @@ from typing import Any
 from mirror_sd.serve.tool_parser import tag_start
 
 OPEN, CLOSE = "<think>", "</think>"
-PROMPT_TAIL_TOKENS = 32  # a template writes its think tags in the generation prompt: the prompt's last tokens
+def reading(parser: str, generation_prompt: str, prefilled: bool, template_kwargs: Mapping[str, Any] | None,
+            grammar: bool) -> Reading:
+    """How a chat request's answers read under the server's parser: `generation_prompt`, the prompt's text after its
+    last message (`prefilled`: that message is an assistant turn the answer goes on with, and this its text)."""
+    thinking_off = parser == "qwen3" and (template_kwargs or {}).get("enable_thinking") is False
+    last_open, last_close = generation_prompt.rfind(OPEN), generation_prompt.rfind(CLOSE)
+    closed = last_close > last_open or (prefilled and last_open < 0)  # nothing left open to think in
+    return Reading(opened=not (grammar or thinking_off or closed))
 
 
-def reading(parser: str, prompt_tail: str, template_kwargs: Mapping[str, Any] | None,
-            grammar: bool) -> Reading | None:
-    """How a chat request's answers read under the server's parser (`prompt_tail`: its prompt's last tokens' text,
-    special ones spelled); None where they are content only."""
-    if parser == "qwen3" and (template_kwargs or {}).get("enable_thinking") is False:
-        return None
-    if prompt_tail.rfind(CLOSE) > prompt_tail.rfind(OPEN):  # the prompt closed the block: nothing left to think
-        return None
-    return Reading(opened=not grammar)
+def generation_prompt(prompt: str, last_message: str | None, prefilled: bool) -> str:
+    """The text a chat template wrote after the last message (its content found in the rendered `prompt`; where the
+    answer continues that message, the message itself); the prompt's last 200 characters where it is not found."""
+    text = (last_message or "").strip()
+    if prefilled:
+        return text
+    at = prompt.rfind(text) if text else -1
+    return prompt[at + len(text):] if at >= 0 else prompt[-200:]
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,8 @@ class Reading:
     def tokens(self, ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
         """How many of an answer's tokens (`ids`, spelled by `decode`) are its reasoning (usage's reasoning_tokens):
         through the one that closes the block, all where it stays open, none where the answer has none."""
-        if self.split(decode(ids))[0] is None:
+        said = self.split(decode(ids))[0]
+        if not said and not self._closed(decode(ids)):  # none, or an empty answer's
             return 0
         if not self._closed(decode(ids)):
             return len(ids)
@@ -84,6 +92,7 @@ class ReasoningStream:
         self.opened = opened
         self.phase = "start"  # until the answer shows whether it opens with <think>; then "reasoning" or "content"
         self.held = ""
+        self.closed = False  # the block has closed (the text after it is content)
 
     def feed(self, text: str, last: bool) -> tuple[str, str]:
         """The reasoning and the content this chunk's text (`last`: the answer's final chunk) lets out."""
@@ -99,6 +108,7 @@ class ReasoningStream:
             end = self.held.find(CLOSE)
             if end >= 0:
                 said, self.held, self.phase = self.held[:end], self.held[end + len(CLOSE):], "content"
+                self.closed = True
             else:
                 keep = 0 if last else tag_start(self.held, CLOSE)
                 said, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]

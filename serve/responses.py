@@ -229,13 +229,15 @@ class ResponsesRequest(_Strict):
         assistant turn (an answer's items), the reasoning that turn's."""
         out: list[dict[str, Any]] = []
         items = [_Message(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        thought: dict[str, Any] | None = None  # the turn a reasoning item opened, while nothing else joined it
         for item in items:
             turn = out[-1] if out and out[-1]["role"] == "assistant" else None  # the answer these items may go on
             if isinstance(item, _Reasoning):
                 out.append({"role": "assistant", "content": "", "reasoning": item.text()})
-            elif isinstance(item, _Message):
-                if item.role == "assistant" and turn is not None and turn["content"] == "" and \
-                        "tool_calls" not in turn:  # the text after its reasoning
+                thought = out[-1]
+                continue
+            if isinstance(item, _Message):
+                if item.role == "assistant" and turn is not None and turn is thought:  # the text after its reasoning
                     turn["content"] = item.text()
                 else:
                     out.append({"role": item.role, "content": item.text()})
@@ -248,6 +250,7 @@ class ResponsesRequest(_Strict):
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            thought = None
         return out
 
     def chat_request(self, history: list[dict[str, Any]] = ()) -> ChatRequest:
@@ -388,9 +391,11 @@ def from_chat(body: ResponsesRequest, doc: dict[str, Any], stored: bool = False)
     """A chat completion's answer as a Response (stored: it is kept)."""
     choice = doc["choices"][0]
     message = choice["message"]
-    output = [_reasoning(message["reasoning"])] if message.get("reasoning") is not None else []
+    # the message's logprobs are its text's: the reasoning's tokens come first (a stream sends them with its items)
+    thought = (doc["usage"].get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    output = [_reasoning(message["reasoning"])] if message.get("reasoning") else []
     if message.get("content") or not (message.get("tool_calls") or output):
-        output.append(_message(message.get("content") or "", logprobs=_chat_logprobs(choice)))
+        output.append(_message(message.get("content") or "", logprobs=_chat_logprobs(choice)[thought:]))
     for call in message.get("tool_calls") or ():
         output.append(_call(call["id"], call["function"]["name"], call["function"]["arguments"]))
     status, incomplete = _status(choice["finish_reason"])

@@ -14,7 +14,7 @@ from conftest import openai_client
 from mirror_sd.errors import BadInputError
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.serve.app import ServerSettings
-from mirror_sd.serve.reasoning import Reading, reading
+from mirror_sd.serve.reasoning import Reading, generation_prompt, reading
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -60,13 +60,22 @@ def test_a_streamed_answer_splits_as_the_whole_one_however_it_is_cut(text, opene
 
 def test_what_reads_as_reasoning():
     assert Reading(True).split("a</think>b") == ("a", "b") and Reading(True).split("cut short") == ("cut short", None)
-    assert Reading(False).split("a</think>b") == (None, "a</think>b")  # a grammar's answer opens its own block
-    assert reading("qwen3", "<|im_start|>assistant\n", None, grammar=False) == Reading(True)
-    assert reading("deepseek_r1", "<｜Assistant｜><think>\n", None, grammar=True) == Reading(False)
-    # a template that turned thinking off closed the block in the prompt; qwen3's switch says so as well
-    assert reading("deepseek_r1", "assistant\n<think>\n\n</think>\n\n", None, grammar=False) is None
-    assert reading("qwen3", "assistant\n", {"enable_thinking": False}, grammar=False) is None
-    assert reading("deepseek_r1", "assistant\n", {"enable_thinking": False}, grammar=False) == Reading(True)
+    assert Reading(False).split("a</think>b") == (None, "a</think>b")  # only a block the answer opens itself
+    assert Reading(False).split("<think>a</think>b") == ("a", "b")
+    assert reading("qwen3", "<|im_end|>\n<|im_start|>assistant\n", False, None, grammar=False) == Reading(True)
+    assert reading("deepseek_r1", "<｜Assistant｜><think>\n", False, None, grammar=True) == Reading(False)
+    # a template that turned thinking off closed the block in the generation prompt; qwen3's switch says so as well
+    closed = "assistant\n<think>\n\n</think>\n\n"
+    assert reading("deepseek_r1", closed, False, None, grammar=False) == Reading(False)
+    assert reading("qwen3", "assistant\n", False, {"enable_thinking": False}, grammar=False) == Reading(False)
+    assert reading("deepseek_r1", "assistant\n", False, {"enable_thinking": False}, grammar=False) == Reading(True)
+    # a prefilled assistant turn goes on inside a block only where it opened one
+    assert reading("qwen3", "The answer is", True, None, grammar=False) == Reading(False)
+    assert reading("qwen3", "<think>\nHm", True, None, grammar=False) == Reading(True)
+    # the generation prompt is what follows the last message: a tag in a message is no template's
+    prompt = "<|user|>what does </think> do?<|end|>\n<|assistant|>"
+    assert generation_prompt(prompt, " what does </think> do? ", False) == "<|end|>\n<|assistant|>"
+    assert generation_prompt(prompt, "The answer is", True) == "The answer is"
     with pytest.raises(BadInputError, match="reasoning_parser"):
         ServerSettings("m", reasoning_parser="granite")
 
@@ -99,6 +108,11 @@ def test_a_think_block_is_the_messages_reasoning_streamed_or_not(pipe):
         assert sum(len(ch.choices[0].logprobs.content) for ch in chunks if ch.choices and ch.choices[0].logprobs) \
             == len(want.token_ids)
         assert chunks[-1].choices[0].finish_reason == "stop"
+        # a tag in the last message is not the template's: the answer still starts in a block
+        asked = [{"role": "user", "content": "what does </think> do?"}]
+        r = c.chat.completions.create(model=MODEL, messages=asked, max_tokens=60, temperature=0, extra_body=forced)
+        assert (_thought(r.choices[0].message), r.choices[0].message.content) == ("\nfirst, the greeting.\n",
+                                                                                  "\n\nSure.")
         # a JSON grammar holds the answer from its first token: content, whatever the template left open
         r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
                                       response_format={"type": "json_object"})
@@ -172,9 +186,15 @@ def test_an_answer_with_its_reasoning_replays_as_the_next_turn(pipe):
         rendered = [*MESSAGES, {"role": "assistant", "content": turn["content"], "reasoning": turn["reasoning"],
                                 "reasoning_content": turn["reasoning"]}, history[-1]]
         assert again.usage.prompt_tokens == len(pipe.prompt_ids(rendered))
-        with pytest.raises(openai.BadRequestError):
-            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x", "reasoning": "y"}],
-                                      max_tokens=2)
+        # an answer cut inside its block has no content: it replays all the same
+        cut = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                        extra_body={"structured_outputs": {"regex": THOUGHT}}).choices[0].message
+        assert cut.content is None and _thought(cut)
+        c.chat.completions.create(model=MODEL, messages=[*MESSAGES, cut.model_dump(), MESSAGES[0]], max_tokens=2)
+        for bad in ([{"role": "user", "content": "x", "reasoning": "y"}],
+                    [*MESSAGES, {"role": "assistant", "content": "a", "reasoning": "y", "reasoning_content": "z"}]):
+            with pytest.raises(openai.BadRequestError):
+                c.chat.completions.create(model=MODEL, messages=bad, max_tokens=2)
 
 
 THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
@@ -211,3 +231,56 @@ def test_the_responses_api_gives_the_block_as_a_reasoning_item(bundle_factory):
         chained = c.responses.create(model=MODEL, input="more", previous_response_id=r.id, max_output_tokens=2,
                                      temperature=0)
         assert chained.usage.input_tokens == again.usage.input_tokens
+
+
+def test_a_responses_answer_streamed_or_not_has_the_same_items_and_logprobs(pipe, monkeypatch):
+    """The message's logprobs are its text's tokens' (the block's go with the reasoning item), and an empty block
+    makes no reasoning item, streamed or not. (The Responses API has no field for a regex: the chat request it
+    makes gets one here.)"""
+    from mirror_sd.serve.responses import ResponsesRequest
+
+    pattern = {"regex": THOUGHT}
+    made = ResponsesRequest.chat_request
+
+    def forced(self, history=()):
+        chat = made(self, history)
+        return type(chat).model_validate({**chat.model_dump(exclude_none=True), "structured_outputs": pattern})
+
+    monkeypatch.setattr(ResponsesRequest, "chat_request", forced)
+
+    def shape(response):
+        return [(item.type, "".join(part.text for part in item.content or ()),
+                 len(item.content[0].logprobs) if item.type == "message" else None) for item in response.output]
+
+    with openai_client(pipe, MODEL, reasoning_parser="qwen3") as c:
+        ask = dict(model=MODEL, input="hello there", max_output_tokens=60, temperature=0,
+                   include=["message.output_text.logprobs"])
+        whole = c.responses.create(**ask)
+        streamed = list(c.responses.create(stream=True, **ask))[-1].response
+        content_tokens = whole.usage.output_tokens - whole.usage.output_tokens_details.reasoning_tokens
+        assert shape(whole) == shape(streamed) == [("reasoning", "\nfirst, the greeting.\n", None),
+                                                   ("message", "\n\nSure.", content_tokens)]
+        for regex, text in (("<think></think>x", "x"), ("<think></think>", "")):  # an empty block: no item
+            pattern["regex"] = regex
+            ask = dict(model=MODEL, input="hello there", max_output_tokens=30, temperature=0)
+            got = [shape(c.responses.create(**ask)), shape(list(c.responses.create(stream=True, **ask))[-1].response)]
+            assert [[(kind, said) for kind, said, _ in g] for g in got] == [[("message", text)]] * 2
+
+
+def test_responses_input_items_make_the_turns_they_were():
+    """A reasoning item and the text and calls after it are one assistant turn; two assistant messages stay two."""
+    from mirror_sd.serve.responses import ResponsesRequest
+
+    def turns(items):
+        return ResponsesRequest(model=MODEL, input=items).input_messages()
+
+    assert turns([{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
+                  {"role": "assistant", "content": "b"}])[1:] == [{"role": "assistant", "content": ""},
+                                                                   {"role": "assistant", "content": "b"}]
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "ping", "arguments": "{}"}
+    assert turns([thought, {"role": "assistant", "content": "ok"}, call]) == [
+        {"role": "assistant", "content": "ok", "reasoning": "hm",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]}]
+    assert turns([thought, {"role": "user", "content": "q"}]) == [
+        {"role": "assistant", "content": "", "reasoning": "hm"}, {"role": "user", "content": "q"}]
