@@ -215,7 +215,7 @@ class Generations:
         if event.error is not None:
             raise event.error
         result = event.result
-        self.metrics.generation(result.stats, len(job.ids))
+        self.metrics.generation(result.stats, len(job.ids), result.finish_reason)
         self.metrics.timings(job.arrival, first_token, time.monotonic(), len(ids))
         prompt_scores = result.prompt_logprobs or ()
         if result.finish_reason == "cancelled":  # stopped at its deadline or at shutdown: what it has
@@ -241,7 +241,7 @@ class Generations:
 
 
 def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
-    metrics = Metrics()
+    metrics = Metrics(settings.model_name)
     gen = Generations(pipe.engine(), settings, metrics)
 
     @asynccontextmanager

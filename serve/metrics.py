@@ -3,6 +3,10 @@
 Labels take few values: a request is counted under its route's template ("/v1/models/{model_id:path}"), never its
 raw path, and every path no route matches under UNMATCHED, so that clients sending random paths cannot grow the
 number of series without bound.
+
+Beside the project's own, the server exports vLLM's names for what it measures alike (`VllmMetrics`: `vllm:` and a
+`model_name` label), which the dashboards, autoscalers and load-aware routers written for vLLM read (running and waiting
+requests, KV cache usage, token counts, TTFT, latency, prefix cache and speculative decoding counters).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 # from a fast GPU step (a few ms) to a slow CPU one under a full batch
 _TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 UNMATCHED = "unmatched"  # the endpoint label of a request no route matched
+VLLM_FINISH = {"eos": "stop", "cancelled": "abort"}  # the engine's finish reasons in vLLM's words (else the same)
 
 
 def route_label(scope: Mapping[str, Any]) -> str:
@@ -26,9 +31,44 @@ def route_label(scope: Mapping[str, Any]) -> str:
     return getattr(scope.get("route"), "path", UNMATCHED)
 
 
+class VllmMetrics:
+    """vLLM's metrics of the same quantities (its V1 engine's names, labelled with the served model's name)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        r, label = registry, ["model_name"]
+        self.model = model_name
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", label,
+                             registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", label,
+                             registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: the KV slots running requests hold, of all "
+                              "(1 means 100 percent).", label, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", label,
+                                         registry=r)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               [*label, "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              label, buckets=_LATENCY_BUCKETS, registry=r)
+        self.per_token = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                   label, buckets=_TOKEN_BUCKETS, registry=r)
+        self.latency = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                                 label, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
+                                    "request.", label, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.", label, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                   "tokens.", label, registry=r)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", label, registry=r)
+        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", label,
+                                       registry=r)
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
+        self.vllm = VllmMetrics(r, model_name)
         self.requests = Counter("mirror_sd_requests", "HTTP requests answered, by endpoint (the route's template) "
                                 "and status",
                                 ["endpoint", "status"], registry=r)
@@ -79,7 +119,17 @@ class Metrics:
         self.cancelled = Counter("mirror_sd_cancelled", "generations stopped early: client gone or deadline passed",
                                  ["why"], registry=r)
 
-    def generation(self, s: GenerationStats, prompt_tokens: int) -> None:
+    def generation(self, s: GenerationStats, prompt_tokens: int, finish_reason: str) -> None:
+        """A generation's counts; finish_reason: the engine's ("eos", "stop", "length", "cancelled")."""
+        v, model = self.vllm, self.vllm.model
+        v.prompt_tokens.labels(model).inc(prompt_tokens)
+        v.generation_tokens.labels(model).inc(s.new_tokens)
+        v.queue_time.labels(model).observe(s.queue_s)
+        v.prefix_queries.labels(model).inc(prompt_tokens)
+        v.prefix_hits.labels(model).inc(s.cached_prompt_tokens)
+        v.draft_tokens.labels(model).inc(s.proposed_tokens)
+        v.accepted_tokens.labels(model).inc(s.accepted_tokens)
+        v.success.labels(model, VLLM_FINISH.get(finish_reason, finish_reason)).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.queue_time.observe(s.queue_s)
         if s.cached_prompt_tokens:
@@ -106,11 +156,15 @@ class Metrics:
     def timings(self, arrival: float, first_token: float | None, end: float, tokens: int) -> None:
         """A finished generation's latencies as the client saw them (time.monotonic() readings; first_token None:
         none came)."""
+        v, model = self.vllm, self.vllm.model
         self.latency.observe(end - arrival)
+        v.latency.labels(model).observe(end - arrival)
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
+            v.ttft.labels(model).observe(first_token - arrival)
             if tokens > 1:
                 self.per_token.observe((end - first_token) / (tokens - 1))
+                v.per_token.labels(model).observe((end - first_token) / (tokens - 1))
 
     def engine(self, engine: BatchEngine) -> None:
         """The batching engine's occupancy now (read at each scrape)."""
@@ -118,6 +172,10 @@ class Metrics:
         self.running.set(engine.running)
         self.max_num_seqs.set(engine.max_num_seqs)
         self.batch_size.set(engine.last_batch)
+        v, model = self.vllm, self.vllm.model
+        v.waiting.labels(model).set(engine.waiting)
+        v.running.labels(model).set(engine.running)
+        v.kv_usage.labels(model).set(engine.running / engine.max_num_seqs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

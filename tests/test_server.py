@@ -87,6 +87,34 @@ def test_models_health_metrics(port, client):
         assert name in text
 
 
+def test_metrics_under_vllms_names(pipe):
+    """vLLM's metric names (what its dashboards, autoscalers and load-aware routers read), labelled with the served
+    model: counts and histograms move with each answer, the gauges are the engine's at the scrape."""
+    def scrape(port: int) -> dict[str, float]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/metrics")
+        lines = conn.getresponse().read().decode().splitlines()
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line.startswith("vllm:"))}
+
+    with serving(pipe) as port:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        again = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        got = scrape(port)
+    label = f'{{model_name="{MODEL}"}}'
+    assert got[f"vllm:generation_tokens_total{label}"] == r.usage.completion_tokens + again.usage.completion_tokens
+    assert got[f"vllm:prompt_tokens_total{label}"] == got[f"vllm:prefix_cache_queries_total{label}"] == 2 * (
+        r.usage.prompt_tokens)
+    assert got[f"vllm:prefix_cache_hits_total{label}"] == again.usage.prompt_tokens_details.cached_tokens > 0
+    assert got[f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'] == 2
+    assert got[f"vllm:time_to_first_token_seconds_count{label}"] == got[
+        f"vllm:e2e_request_latency_seconds_count{label}"] == 2
+    assert got[f"vllm:num_requests_running{label}"] == got[f"vllm:num_requests_waiting{label}"] == 0
+    assert got[f"vllm:kv_cache_usage_perc{label}"] == 0
+
+
 @pytest.mark.parametrize("mode", ["ar", "lookup", "sd", "mirror"])
 def test_chat_equals_the_library_and_streams_the_same_text(pipe, port, client, mode):
     solo = pipe.generate(MESSAGES, mode="ar", max_new_tokens=12)
