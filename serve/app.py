@@ -205,6 +205,7 @@ class Generations:
                 return self._finish(job, event, texts, ids, first_token)
         except asyncio.CancelledError:
             request.cancel()  # the client is gone: the engine stops it at its next step
+            self.metrics.aborted(len(ids))
             raise
         finally:
             self.active.discard(request)
@@ -453,7 +454,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                 # included (as the logprobs' tokens do)
                 echoes += [prompt if isinstance(prompt, str) and not job.truncated
                            else pipe.codec.decode(job.ids, special=True)] * body.n
-        thinking = _thinking(pipe, settings, body, job.ids, bool(grammar)) if chat else None
+        thinking = _thinking(pipe, settings, body, bool(grammar)) if chat else None
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         seed = {"x-seed": str(job.config.seed)}  # the seed it ran with: the same request with it repeats the answer
         gen.check_room(len(jobs))  # all the choices or none (a stream: before its 200 goes out)
@@ -794,20 +795,27 @@ def _calls(body: p.ChatRequest | p.CompletionRequest, settings: ServerSettings
                          'pythonic: Llama 3.2, Llama 4; mistral: Mistral, Mixtral; qwen3_coder: Qwen3-Coder, '
                          'Qwen3.5), or give "required", a named function or "none"', param="tool_choice",
                      code="unsupported_value")
-    properties = {t.function.name: (t.function.parameters or {}).get("properties") or {} for t in body.tools}
-    return ParsedAnswers(settings.tool_call_parser, properties)
+    properties = {t.function.name: (t.function.parameters or {}).get("properties") for t in body.tools}
+    return ParsedAnswers(settings.tool_call_parser, {k: v for k, v in properties.items() if isinstance(v, dict)})
 
 
-def _thinking(pipe: Pipeline, settings: ServerSettings, body: p.ChatRequest, ids: list[int],
-              grammar: bool) -> Reading | None:
+def _thinking(pipe: Pipeline, settings: ServerSettings, body: p.ChatRequest, grammar: bool) -> Reading | None:
     """How a chat's answers read for reasoning (None: the server reads none): the server's parser, the generation
     prompt (where a template writes its think tags), the template's variables, and whether a grammar holds the
     answer."""
     if settings.reasoning_parser is None:
         return None
-    prefilled = body.continue_final_message
-    tail = generation_prompt(pipe.codec.decode(ids, special=True), body.messages[-1].content, prefilled)
-    return reading(settings.reasoning_parser, tail, prefilled, body.chat_template_kwargs, grammar)
+    last = body.messages[-1].content
+    if body.continue_final_message:  # the answer goes on with the last message: its text is where a block opens
+        return reading(settings.reasoning_parser, last or "", True, body.chat_template_kwargs, grammar)
+    messages, tools, rendering = body.prompt(), body.template_tools(), body.rendering()
+    rendered = pipe.codec.render_chat(messages, tools, **rendering)
+    try:
+        before = pipe.codec.render_chat(messages, tools, **{**rendering, "add_generation_prompt": False})
+    except BadInputError:  # a template that wants its generation prompt: the last message's text is looked for
+        before = "\0"
+    return reading(settings.reasoning_parser, generation_prompt(rendered, before, last), False,
+                   body.chat_template_kwargs, grammar)
 
 
 def _param_of(error: BadInputError, chat: bool) -> str | None:

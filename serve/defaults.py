@@ -14,9 +14,9 @@ server applies these over the pipeline's config, in this order (later wins):
 3. the generation options given to `mirror-sd serve` (--mode, --max-new-tokens);
 4. the request's own fields.
 
-A request without `max_new_tokens` gets the serve command's, else (a text completion) COMPLETION_MAX_TOKENS, else
-what is left of the context after its prompt, and never more than is left; one without a seed a random one, which
-the response reports (header `x-seed`) so that the answer can be had again.
+A request without `max_new_tokens` gets the serve command's, else (a text completion) COMPLETION_MAX_TOKENS, else the
+generation config's max_new_tokens, else what is left of the context after its prompt, and never more than is left; one
+without a seed a random one, which the response reports (header `x-seed`) so that the answer can be had again.
 """
 
 from __future__ import annotations
@@ -125,10 +125,15 @@ class GenerationSource:
             base = bundle_defaults(bundle) if bundle is not None else {}
         else:
             base = {} if self.source == "vllm" else bundle_defaults(Path(self.source))
-        return {**base, **_options(self.override, "override_generation_config")}
+        dropped = {FROM_HF[key] for key, value in self.override.items() if value is None}  # null: the key removed
+        out = {**base, **_options(self.override, "override_generation_config")}
+        return {option: value for option, value in out.items() if option not in dropped}
 
 
 BUNDLE_SOURCE = GenerationSource()  # --generation-config auto: the bundle's generation_config.json
+# a generation config's max_new_tokens among the defaults: a request's default length after the serve command's and a
+# text completion's 16 (vLLM's CompletionRequest defaults to 16 before it), ahead of the context's end
+MODEL_MAX_NEW_TOKENS = "model_max_new_tokens"
 
 
 def server_defaults(bundle: Path | None = None, given: Mapping[str, Any] | None = None,
@@ -136,19 +141,24 @@ def server_defaults(bundle: Path | None = None, given: Mapping[str, Any] | None 
     """The server's generation defaults by option name: OpenAI's, then `source`'s (the bundle's generation_config.json
     unless the serve command chose another), then `given` (the serve command's options), checked as a
     GenerationConfig checks them."""
-    out = {**OPENAI_DEFAULTS, **source.options(bundle), **(given or {})}
+    model = source.options(bundle)
+    model_max = model.pop("max_new_tokens", None)  # below a text completion's 16, as vLLM ranks them (resolve)
+    out = {**OPENAI_DEFAULTS, **model, **(given or {})}
     GenerationConfig().updated(**out)  # a bad value is refused at start, naming the option
+    if model_max is not None:
+        out[MODEL_MAX_NEW_TOKENS] = model_max
     return MappingProxyType(out)
 
 
 def resolve(defaults: Mapping[str, Any], requested: Mapping[str, Any], room: int,
             most: int | None = None) -> dict[str, Any]:
     """The options one request runs with, over the pipeline's config: `requested` over `defaults`, and a random seed
-    where neither set one. A request without max_new_tokens gets the server's (`defaults`), else `most`, else all
-    there is, within the rest of the context (`room` tokens; at least 1: a prompt that fills it is refused by the
-    context check), as vLLM caps it: a default is no reason to refuse a request."""
+    where neither set one. A request without max_new_tokens gets the serve command's (`defaults`), else `most`, else the
+    generation config's, else all there is, within the rest of the context (`room` tokens; at least 1: a prompt that
+    fills it is refused by the context check), as vLLM caps it: a default is no reason to refuse a request."""
     out = {**defaults, **requested}
+    model_max = out.pop(MODEL_MAX_NEW_TOKENS, None)
     if "max_new_tokens" not in requested:
-        out["max_new_tokens"] = max(min(room, defaults.get("max_new_tokens") or most or room), 1)
+        out["max_new_tokens"] = max(min(room, defaults.get("max_new_tokens") or most or model_max or room), 1)
     out.setdefault("seed", secrets.randbits(SEED_BITS))
     return out

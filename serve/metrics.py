@@ -153,6 +153,13 @@ class Metrics:
         if s.branch_lookups:
             self.branch_hit_rate.set(s.branch_hit_rate)
 
+    def aborted(self, tokens: int) -> None:
+        """A generation stopped because its client went away, after `tokens` tokens (vLLM counts it finished as
+        "abort")."""
+        v = self.vllm
+        v.generation_tokens.labels(v.model).inc(tokens)
+        v.success.labels(v.model, "abort").inc()
+
     def timings(self, arrival: float, first_token: float | None, end: float, tokens: int) -> None:
         """A finished generation's latencies as the client saw them (time.monotonic() readings; first_token None:
         none came)."""

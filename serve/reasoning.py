@@ -32,14 +32,15 @@ def reading(parser: str, generation_prompt: str, prefilled: bool, template_kwarg
     return Reading(opened=not (grammar or thinking_off or closed))
 
 
-def generation_prompt(prompt: str, last_message: str | None, prefilled: bool) -> str:
-    """The text a chat template wrote after the last message (its content found in the rendered `prompt`; where the
-    answer continues that message, the message itself); the prompt's last 200 characters where it is not found."""
+def generation_prompt(prompt: str, before: str, last_message: str | None) -> str:
+    """The text a chat template wrote after the last message: what the rendered `prompt` adds to `before` (the same
+    chat rendered without the generation prompt); where the template renders the messages otherwise then, the text
+    after the last message's content, found from the end ("" where it is not found)."""
+    if prompt.startswith(before):
+        return prompt[len(before):]
     text = (last_message or "").strip()
-    if prefilled:
-        return text
     at = prompt.rfind(text) if text else -1
-    return prompt[at + len(text):] if at >= 0 else prompt[-200:]
+    return prompt[at + len(text):] if at >= 0 else ""
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,11 @@ only its reading changes. A call that does not parse leaves the whole answer tex
         </function>
         </tool_call>
 
-    is a call, the text before the first one the content; a parameter's text (one newline either side dropped) is a
-    string, or the type the tool's `parameters` schema gives it (integer, number, boolean, null, an object or array
-    as JSON), as vLLM's parser converts it; a value that does not read as its type stays text.
+    is a call, the text before the first one the content (text between and after them dropped, as hermes'); a
+    parameter's text (one newline either side dropped; where </parameter> is missing, up to the next parameter or
+    the function's end) is a string, or the type the tool's `parameters` schema gives it (integer, number, boolean,
+    null, an object or array as JSON), as vLLM's parser converts it; a value that does not read as its type stays
+    text.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class Hermes(_Tagged):
         for closed, open_end in self._CALL.findall(text[start:]):  # a last block left open: a call cut short
             try:
                 call = _call(json.loads(closed or open_end), ("arguments",), required=False)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
                 call = None
             if call is None:
                 return text, []
@@ -157,7 +159,7 @@ class Mistral(_Tagged):
         """A JSON list of {"name", "arguments"} objects (or one object) at `at`, and where it ends."""
         try:
             value, end = self._decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         out = []
         for item in value if isinstance(value, list) else [value]:
@@ -168,7 +170,7 @@ class Mistral(_Tagged):
             if isinstance(arguments, str):  # some write the arguments as JSON text
                 try:
                     arguments = json.loads(arguments)
-                except ValueError:
+                except (ValueError, RecursionError):
                     return None
             if not isinstance(arguments, dict):
                 return None
@@ -182,7 +184,7 @@ class Mistral(_Tagged):
             return None
         try:
             arguments, end = self._decoder.raw_decode(text, named.end())
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(arguments, dict):
             return None
@@ -214,7 +216,7 @@ class Llama3Json(_WholeAnswer):
         while at < len(text):  # objects separated by ";" (one after the last allowed), whitespace around them
             try:
                 value, at = self._decoder.raw_decode(text, at)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return text, []
             # an object without arguments is JSON the user asked for ({"name": "Bob", "age": 42}), not a call
             call = _call(value, ("arguments", "parameters"), required=True)
@@ -253,31 +255,44 @@ class Pythonic(_WholeAnswer):
 
 class Qwen3Coder(_Tagged):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    # a block: one function and its parameters, whitespace between the tags (a last block may be cut short: no call)
-    _BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
-    _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+    # a block: one function and its parameters (a last block cut before </tool_call> still counts where its function
+    # closed, as hermes' does); a value ends at </parameter>, or where the model left that out, at the next parameter
+    # or the function's end (vLLM's reading)
+    _BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]*)>(.*?)</function>\s*(?:</tool_call>|\Z)", re.DOTALL)
+    _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(?:\r?\n)?(.*?)(?:(?:\r?\n)?</parameter>|(?=(?:\r?\n)?"
+                            r"<parameter=)|(?:\r?\n)?\Z)", re.DOTALL)
 
     def calls(self, text: str, types: Types) -> Calls:
-        """Calls where every block from the first parses (text between blocks may be whitespace only)."""
+        """Calls where every block from the first parses (text between and after them dropped, as hermes')."""
         start = text.find(self.OPEN)
         if start < 0:
             return text, []
-        at, calls = start, []
-        while at < len(text):
+        calls = []
+        for at in _occurrences(text, self.OPEN, start):
             block = self._BLOCK.match(text, at)
-            if block is None:
+            name = block.group(1).strip() if block else ""
+            if not name:
                 return text, []
-            name, body = block.group(1).strip(), block.group(2)
-            arguments, pos = {}, 0
-            while (parameter := self._PARAMETER.match(body, pos)) is not None:
+            arguments, body, pos = {}, block.group(2), 0
+            while (parameter := self._PARAMETER.match(body, pos)) is not None and parameter.end() > pos:
                 key = parameter.group(1).strip()
                 arguments[key] = _typed(parameter.group(2), (types.get(name) or {}).get(key))
                 pos = parameter.end()
             if body[pos:].strip():  # text in the function that is no parameter
                 return text, []
             calls.append(tool_call(name, json.dumps(arguments, ensure_ascii=False)))
-            at = _skip(text, block.end())
         return text[:start] or None, calls
+
+
+def _occurrences(text: str, tag: str, start: int) -> list[int]:
+    """Where `tag` opens a block, from `start`, each after the one before it closed (a tag quoted inside a value is
+    no block)."""
+    out, at = [], start
+    while at >= 0:
+        out.append(at)
+        end = text.find("</tool_call>", at)
+        at = text.find(tag, end) if end >= 0 else -1
+    return out
 
 
 def _typed(value: str, schema: Any) -> Any:
@@ -306,7 +321,7 @@ def _typed(value: str, schema: Any) -> Any:
         if kind in ("object", "array"):
             parsed = json.loads(value)
             return parsed if isinstance(parsed, dict if kind == "object" else list) else value
-    except (ValueError, KeyError, OverflowError):
+    except (ValueError, KeyError, OverflowError, RecursionError):
         return value
     return value
 

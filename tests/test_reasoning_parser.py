@@ -72,10 +72,13 @@ def test_what_reads_as_reasoning():
     # a prefilled assistant turn goes on inside a block only where it opened one
     assert reading("qwen3", "The answer is", True, None, grammar=False) == Reading(False)
     assert reading("qwen3", "<think>\nHm", True, None, grammar=False) == Reading(True)
-    # the generation prompt is what follows the last message: a tag in a message is no template's
-    prompt = "<|user|>what does </think> do?<|end|>\n<|assistant|>"
-    assert generation_prompt(prompt, " what does </think> do? ", False) == "<|end|>\n<|assistant|>"
-    assert generation_prompt(prompt, "The answer is", True) == "The answer is"
+    # the generation prompt is what the template adds after the last message: a tag in a message is no template's
+    before = "<|user|>what does </think> do?<|end|>\n"
+    assert generation_prompt(before + "<|assistant|>", before, "x") == "<|assistant|>"
+    # a template that renders the messages otherwise with a generation prompt: after the last message's text
+    assert generation_prompt("<|user|>Hi?<|end|>\n<|assistant|>", "<|user|>hi?<|end|>\n", " Hi? ") == (
+        "<|end|>\n<|assistant|>")
+    assert generation_prompt("<|user|>Hi<|assistant|>", "<|user|>hi", "") == ""
     with pytest.raises(BadInputError, match="reasoning_parser"):
         ServerSettings("m", reasoning_parser="granite")
 

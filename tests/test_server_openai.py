@@ -21,7 +21,7 @@ from mirror_sd.cli import build_parser, main, server_access
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.manifest import GENERATION_CONFIG
 from mirror_sd.runtime.pipeline import Pipeline
-from mirror_sd.serve.defaults import GenerationSource, bundle_defaults, server_defaults
+from mirror_sd.serve.defaults import GenerationSource, bundle_defaults, resolve, server_defaults
 from mirror_sd.serve.ray_app import parse_build_args
 
 MODEL = "tiny"
@@ -712,6 +712,15 @@ def test_generation_config_picks_where_the_defaults_come_from(tmp_path, bundle_f
     assert over.options(bundle) == {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.05}
     assert dict(server_defaults(bundle, {"mode": "ar"}, GenerationSource.given("vllm", {"top_p": 0.5}))) == {
         "temperature": 1.0, "top_p": 0.5, "mode": "ar"}
+    assert GenerationSource.given(None, {"top_p": None}).options(bundle) == {"temperature": 0.7}  # null: removed
+    # the file's max_new_tokens is a request's default length after the serve command's and a completion's 16
+    from_folder = server_defaults(bundle, None, GenerationSource(str(folder)))
+    assert resolve(from_folder, {}, room=100)["max_new_tokens"] == 32
+    assert resolve(from_folder, {}, room=100, most=16)["max_new_tokens"] == 16
+    assert resolve(from_folder, {}, room=20)["max_new_tokens"] == 20
+    assert resolve(server_defaults(bundle, {"max_new_tokens": 8}, GenerationSource(str(folder))), {},
+                   room=100)["max_new_tokens"] == 8
+    assert "model_max_new_tokens" not in resolve(from_folder, {"max_new_tokens": 4}, room=100)
     for source, override, option in ((str(tmp_path / "none"), None, "generation_config"),
                                      ("auto", '{"temperature": 0.2', "override_generation_config"),
                                      ("auto", '{"do_sample": true}', "override_generation_config"),
@@ -731,8 +740,6 @@ def test_generation_config_picks_where_the_defaults_come_from(tmp_path, bundle_f
 
 
 def test_a_default_max_tokens_never_exceeds_what_the_prompt_leaves():
-    from mirror_sd.serve.defaults import resolve
-
     assert resolve({"max_new_tokens": 500}, {}, room=20)["max_new_tokens"] == 20  # the server's, capped
     assert resolve({"max_new_tokens": 8}, {}, room=20)["max_new_tokens"] == 8
     assert resolve({}, {}, room=20, most=16)["max_new_tokens"] == 16  # a text completion's

@@ -102,7 +102,17 @@ CASES = {
         ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", None),  # cut short
         ("<tool_call>\n<function=get_weather>\nwords\n</function>\n</tool_call>", None),
         ("<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call>", None),  # hermes' format: not this one
-        ("<tool_call>\n<function=now>\n</function>\n</tool_call> and then words", None),
+        # text after the calls is dropped (a stop string kept by include_stop_str_in_output), as hermes drops it
+        ("<tool_call>\n<function=now>\n</function>\n</tool_call> and then words", (None, [("now", {})])),
+        # a parameter left without </parameter> ends at the next one, or at the function's end (vLLM's reading)
+        ("<tool_call>\n<function=get_weather>\n<parameter=days>\n1\n<parameter=scale>\n2\n</parameter>\n"
+         "<parameter=city>\nParis\n</function>\n</tool_call>",
+         (None, [("get_weather", {"days": 1, "scale": 2, "city": "Paris"})])),
+        ("<tool_call><function=now></function>", (None, [("now", {})])),  # </tool_call> cut
+        ("<tool_call>\n<function= >\n</function>\n</tool_call>", None),
+        ("<tool_call>\n<function=get_weather>\n<parameter=hours>\n" + "[" * 3000 + "]" * 3000
+         + "\n</parameter>\n</function>\n</tool_call>",
+         (None, [("get_weather", {"hours": "[" * 3000 + "]" * 3000})])),  # nested past json's depth: text
         ("Paris is sunny. <tool_", None),
         ("no calls at all", None),
     ],
