@@ -41,14 +41,19 @@ def _streamed(chunks) -> tuple[str, str]:
 
 @pytest.mark.parametrize("text", ["<think>abc</think>Sure.", "  <think>\nx</think>\n\nAnswer", "abc</think>Sure",
                                   "plain", "", "  ", "<th", "<think>", "<think>abc", "a</thi", "</think>",
-                                  "x<think>y</think>z", "<think></think>", "<think>a</think>b</think>c"])
+                                  "x<think>y</think>z", "<think></think>", "<think>a</think>b</think>c",
+                                  "hm\n<tool_call>\n<function=f>\n</function>\n</tool_call>",
+                                  "a <tool_call> b</think>c", "a<tool_call>\n <function", "<tool_call>x</think>y",
+                                  "q<tool_call><function=f></function></tool_call></think>z"])
 @pytest.mark.parametrize("opened", [True, False])
-def test_a_streamed_answer_splits_as_the_whole_one_however_it_is_cut(text, opened):
-    want = Reading(opened).split(text)
+@pytest.mark.parametrize("calls_close", [False, True])
+def test_a_streamed_answer_splits_as_the_whole_one_however_it_is_cut(text, opened, calls_close):
+    reading_ = Reading(opened, calls_close)
+    want = reading_.split(text)
     rng = random.Random(text)
     for _ in range(60):
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 4))))
-        stream, said, content = Reading(opened).stream(), "", ""
+        stream, said, content = reading_.stream(), "", ""
         for part in [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]:
             r, c = stream.feed(part, last=False)
             said, content = said + r, content + c
@@ -62,16 +67,21 @@ def test_what_reads_as_reasoning():
     assert Reading(True).split("a</think>b") == ("a", "b") and Reading(True).split("cut short") == ("cut short", None)
     assert Reading(False).split("a</think>b") == (None, "a</think>b")  # only a block the answer opens itself
     assert Reading(False).split("<think>a</think>b") == ("a", "b")
-    assert reading("qwen3", "<|im_end|>\n<|im_start|>assistant\n", False, None, grammar=False) == Reading(True)
+    assert reading("qwen3", "<|im_end|>\n<|im_start|>assistant\n", False, None, grammar=False) == Reading(True, True)
     assert reading("deepseek_r1", "<｜Assistant｜><think>\n", False, None, grammar=True) == Reading(False)
     # a template that turned thinking off closed the block in the generation prompt; qwen3's switch says so as well
     closed = "assistant\n<think>\n\n</think>\n\n"
     assert reading("deepseek_r1", closed, False, None, grammar=False) == Reading(False)
-    assert reading("qwen3", "assistant\n", False, {"enable_thinking": False}, grammar=False) == Reading(False)
+    assert not reading("qwen3", "assistant\n", False, {"enable_thinking": False}, grammar=False).opened
     assert reading("deepseek_r1", "assistant\n", False, {"enable_thinking": False}, grammar=False) == Reading(True)
     # a prefilled assistant turn goes on inside a block only where it opened one
-    assert reading("qwen3", "The answer is", True, None, grammar=False) == Reading(False)
-    assert reading("qwen3", "<think>\nHm", True, None, grammar=False) == Reading(True)
+    assert not reading("qwen3", "The answer is", True, None, grammar=False).opened
+    assert reading("qwen3", "<think>\nHm", True, None, grammar=False).opened
+    # qwen3: a tool call opened in the block ends it (Qwen3.5 may leave </think> out), the call the content's
+    call = "<tool_call>\n<function=f>\n</function>\n</tool_call>"
+    assert Reading(True, True).split("hm\n" + call) == ("hm\n", call)
+    assert Reading(True).split("hm\n" + call) == ("hm\n" + call, None)
+    assert Reading(True, True).split("a <tool_call> tag</think>b") == ("a <tool_call> tag", "b")
     # the generation prompt is what the template adds after the last message: a tag in a message is no template's
     before = "<|user|>what does </think> do?<|end|>\n"
     assert generation_prompt(before + "<|assistant|>", before, "x") == "<|assistant|>"
@@ -160,7 +170,8 @@ def _rendering(prefill: dict) -> dict:
 
 def test_tool_calls_are_read_from_the_content_after_the_block(pipe):
     """With a tool-call parser too, the calls are read in the content: the block is reasoning, the text before the
-    call the content; streamed, the calls come in one delta at the end."""
+    call the content; streamed, the calls come in one delta at the end. Under qwen3 a call opened in the block ends
+    it."""
     pattern = THOUGHT + r"\n<tool_call>\n\{\"name\": \"ping\", \"arguments\": \{\}\}\n</tool_call>"
     with openai_client(pipe, MODEL, reasoning_parser="deepseek_r1", tool_call_parser="hermes") as c:
         args = dict(model=MODEL, messages=MESSAGES, max_tokens=90, temperature=0, tools=TOOLS,
@@ -173,6 +184,18 @@ def test_tool_calls_are_read_from_the_content_after_the_block(pipe):
         assert _streamed(chunks) == ("\nfirst, the greeting.\n", "\n\nSure.\n")
         (calls,) = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]
         assert [t.function.name for t in calls] == ["ping"]
+    # qwen3: a call opened inside the block (Qwen3.5 may leave </think> out) ends it, and is read as a call
+    unclosed = r"<think>\nhm\n<tool_call>\n<function=ping>\n</function>\n</tool_call>"
+    with openai_client(pipe, MODEL, reasoning_parser="qwen3", tool_call_parser="qwen3_coder") as c:
+        args = dict(model=MODEL, messages=MESSAGES, max_tokens=90, temperature=0, tools=TOOLS,
+                    extra_body={"structured_outputs": {"regex": unclosed}})
+        message = c.chat.completions.create(**args).choices[0].message
+        assert (_thought(message), message.content, [t.function.name for t in message.tool_calls]) == (
+            "\nhm\n", None, ["ping"])
+        chunks = list(c.chat.completions.create(stream=True, **args))
+        assert _streamed(chunks) == ("\nhm\n", "")
+        assert [t.function.name for ch in chunks if ch.choices for t in ch.choices[0].delta.tool_calls or ()] == [
+            "ping"]
 
 
 def test_an_answer_with_its_reasoning_replays_as_the_next_turn(pipe):
