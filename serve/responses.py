@@ -410,7 +410,7 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
     rid, seq, created = _id("resp"), 0, int(time.time())
     output: list[dict[str, Any]] = []  # the items so far, each completed once the next opens or the answer ends
     open_text: dict[str, Any] | None = None  # the message item being written, with its text and logprobs so far
-    open_thought: dict[str, Any] | None = None  # the reasoning item being written, with its text so far
+    open_thought: dict[str, Any] | None = None  # the reasoning item being written, with its text so far (likewise)
     calls: dict[int, dict[str, Any]] = {}  # the chat's tool call index -> its function_call item
     finish, usage = None, None
 
@@ -419,51 +419,50 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
         seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
+    def added(item: dict[str, Any], part: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """An item now being written (its text and logprobs so far, its index) and the events that announce it."""
+        state = {"item": item, "text": "", "logprobs": [], "index": len(output)}
+        output.append(item)
+        return state, [event("response.output_item.added", output_index=state["index"], item=item),
+                       event("response.content_part.added", item_id=item["id"], output_index=state["index"],
+                             content_index=0, part=part)]
+
     def open_message() -> list[str]:
         nonlocal open_text
-        item = _message("", "in_progress")
-        open_text = {"item": item, "text": "", "logprobs": [], "index": len(output)}
-        output.append(item)
-        return [event("response.output_item.added", output_index=open_text["index"], item=item),
-                event("response.content_part.added", item_id=item["id"], output_index=open_text["index"],
-                      content_index=0, part=_text_part(""))]
+        open_text, lines = added(_message("", "in_progress"), _text_part(""))
+        return lines
+
+    def written(state: dict[str, Any], done: dict[str, Any], kind: str, part: dict[str, Any],
+                **fields: Any) -> list[str]:
+        """The events that end an item being written (`state`), now `done`: its text's (`kind`, with `fields`), its
+        part's and its own."""
+        item_id, index = state["item"]["id"], state["index"]
+        output[index] = done
+        return [event(kind, item_id=item_id, output_index=index, content_index=0, text=state["text"], **fields),
+                event("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part),
+                event("response.output_item.done", output_index=index, item=done)]
 
     def close_text(status: str = "completed") -> list[str]:
         nonlocal open_text
         if open_text is None:
             return []
-        item, text, index, logprobs = open_text["item"], open_text["text"], open_text["index"], open_text["logprobs"]
-        open_text = None
-        done = {**_message(text, item_id=item["id"], logprobs=logprobs), "status": status}
-        output[index] = done
-        return [event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                      text=text, logprobs=logprobs),
-                event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                      part=_text_part(text, logprobs)),
-                event("response.output_item.done", output_index=index, item=done)]
+        state, open_text = open_text, None
+        text, logprobs = state["text"], state["logprobs"]
+        done = {**_message(text, item_id=state["item"]["id"], logprobs=logprobs), "status": status}
+        return written(state, done, "response.output_text.done", _text_part(text, logprobs), logprobs=logprobs)
 
     def open_reasoning() -> list[str]:
         nonlocal open_thought
-        item = _reasoning("", "in_progress")
-        open_thought = {"item": item, "text": "", "index": len(output)}
-        output.append(item)
-        return [event("response.output_item.added", output_index=open_thought["index"], item=item),
-                event("response.content_part.added", item_id=item["id"], output_index=open_thought["index"],
-                      content_index=0, part=_reasoning_part(""))]
+        open_thought, lines = added(_reasoning("", "in_progress"), _reasoning_part(""))
+        return lines
 
     def close_reasoning(status: str = "completed") -> list[str]:
         nonlocal open_thought
         if open_thought is None:
             return []
-        item, text, index = open_thought["item"], open_thought["text"], open_thought["index"]
-        open_thought = None
-        done = {**_reasoning(text, item_id=item["id"]), "status": status}
-        output[index] = done
-        return [event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
-                      text=text),
-                event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                      part=_reasoning_part(text)),
-                event("response.output_item.done", output_index=index, item=done)]
+        state, open_thought = open_thought, None
+        done = {**_reasoning(state["text"], item_id=state["item"]["id"]), "status": status}
+        return written(state, done, "response.reasoning_text.done", _reasoning_part(state["text"]))
 
     def close_call(index: int, status: str = "completed") -> list[str]:
         item = output[index]
