@@ -506,8 +506,10 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                 choices = [calls.choice(c, content or "", o.finish_reason)
                            for c, o, (_, content) in zip(choices, outcomes, parts)]
             for c, (said, _) in zip(choices, parts):
-                if said is not None:
+                if said:  # an empty block is none (as a stream sends none)
                     c["message"].update(reasoning=said, reasoning_content=said)
+                elif c["message"]["content"] is None and not c["message"].get("tool_calls"):
+                    c["message"]["content"] = ""  # an answer of nothing (an empty block at most) is an empty text
         else:
             choices = [_completion_choice(body, i, j, o, s, echoes[i] if echoes else None, token_bytes)
                        for i, (j, o, s) in enumerate(zip(jobs, outcomes, scores))]
@@ -552,11 +554,11 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                   stop_reason: int | str | None = None) -> str:
             if chat:  # this event's deltas (the last may end the choice): reasoning, content or calls
                 deltas: list[tuple[dict[str, Any], str | None]] = []
-                ends_thought = False  # this event's text closed the think block: its tokens are the reasoning's
+                ends_thought = False  # this event closed the think block with its </think>: the tag's tokens
                 if thoughts is not None:
                     was_open = not thoughts[index].closed
                     said, text = thoughts[index].feed(text, reason is not None)
-                    ends_thought = was_open and thoughts[index].closed
+                    ends_thought = was_open and thoughts[index].tag_closed
                     if said or ends_thought:
                         head = {"role": "assistant"} if first else {}
                         thought = {"reasoning": said, "reasoning_content": said} if said else {}
@@ -568,10 +570,15 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                     delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
                     if delta or reason is not None:
                         deltas.append((delta, reason))
-                # the logprobs ride with the first delta; text held back keeps its tokens' for the next
-                scores, unsent[index] = (unsent[index] + scores, ()) if deltas else ((), unsent[index] + scores)
+                # the logprobs ride with the first delta that spells text (or closes the block, or ends the choice);
+                # the tokens of text held back keep theirs for it
+                carrier = next((k for k, (delta, end) in enumerate(deltas)
+                                if end is not None or (k == 0 and ends_thought)
+                                or any(delta.get(key) for key in ("content", "reasoning", "tool_calls"))), None)
+                scores, unsent[index] = ((unsent[index] + scores, ()) if carrier is not None
+                                         else ((), unsent[index] + scores))
                 logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])
-                docs = [p.chat_chunk(rid, created, model, delta, end, index, logprobs if k == 0 else None)
+                docs = [p.chat_chunk(rid, created, model, delta, end, index, logprobs if k == carrier else None)
                         for k, (delta, end) in enumerate(deltas)]
             else:
                 logprobs = _logprobs(chat, jobs[index], scores, pipe.codec.token_bytes, offsets[index])

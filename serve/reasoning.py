@@ -91,21 +91,21 @@ class Reading:
 
     def tokens(self, ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
         """How many of an answer's tokens (`ids`, spelled by `decode`) are its reasoning (usage's reasoning_tokens):
-        through the one that closes the block, all where it stays open, none where the answer has none."""
-        said = self.split(decode(ids))[0]
-        if not said and not self._closed(decode(ids)):  # none, or an empty answer's
+        those that spell it through its </think> (a call that ends it is the content's), all where it stays open,
+        none where the answer has none."""
+        text = decode(ids)
+        inside, body = _opening(text, self.opened)
+        if not inside or not body:
             return 0
-        if not self._closed(decode(ids)):
+        end = self.end(body)
+        if end is None:
             return len(ids)
-        low, high = 1, len(ids)  # the first prefix that closes the block
+        reach = len(text) - len(body) + end[1]  # where the content starts in the text
+        low, high = 0, len(ids)  # the shortest prefix that spells the text up to there
         while low < high:
             mid = (low + high) // 2
-            low, high = (low, mid) if self._closed(decode(ids[:mid])) else (mid + 1, high)
+            low, high = (low, mid) if len(decode(ids[:mid])) >= reach else (mid + 1, high)
         return low
-
-    def _closed(self, text: str) -> bool:
-        inside, body = _opening(text, self.opened)
-        return inside and self.end(body) is not None
 
 
 def _opening(text: str, opened: bool) -> tuple[bool, str]:
@@ -125,6 +125,7 @@ class ReasoningStream:
         self.phase = "start"  # until the answer shows whether it opens with <think>; then "reasoning" or "content"
         self.held = ""
         self.closed = False  # the block has closed (the text after it is content)
+        self.tag_closed = False  # by its </think> (the tag is the reasoning's), not by a tool call (the content's)
 
     def feed(self, text: str, last: bool) -> tuple[str, str]:
         """The reasoning and the content this chunk's text (`last`: the answer's final chunk) lets out."""
@@ -140,7 +141,7 @@ class ReasoningStream:
             end = self.reading.end(self.held)
             if end is not None:
                 said, self.held, self.phase = self.held[:end[0]], self.held[end[1]:], "content"
-                self.closed = True
+                self.closed, self.tag_closed = True, end[1] > end[0]
             else:
                 keep = 0 if last else self.reading.pending(self.held)
                 said, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]

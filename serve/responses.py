@@ -326,7 +326,9 @@ def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+    # every prompt token computed stays in its KV slot for the next request that starts alike: written to the cache
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": usage["prompt_tokens"] - cached},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": usage.get("completion_tokens_details",
                                                                     {}).get("reasoning_tokens", 0)},
@@ -354,6 +356,16 @@ def _text_part(text: str, logprobs: list[dict[str, Any]] = ()) -> dict[str, Any]
 def _chat_logprobs(holder: dict[str, Any]) -> list[dict[str, Any]]:
     """The token entries of a chat choice's or chunk's logprobs, where it has them."""
     return list((holder.get("logprobs") or {}).get("content") or ())
+
+
+def _spelling(scores: list[dict[str, Any]], text: str) -> int:
+    """How many of the tokens (logprobs entries, with their bytes) it takes to spell `text`."""
+    need, have = len(text.encode()), 0
+    for k, entry in enumerate(scores):
+        if have >= need:
+            return k
+        have += len(entry.get("bytes") or entry["token"].encode())
+    return len(scores)
 
 
 def _reasoning(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
@@ -391,11 +403,15 @@ def from_chat(body: ResponsesRequest, doc: dict[str, Any], stored: bool = False)
     """A chat completion's answer as a Response (stored: it is kept)."""
     choice = doc["choices"][0]
     message = choice["message"]
-    # the message's logprobs are its text's: the reasoning's tokens come first (a stream sends them with its items)
+    # the message's logprobs are its text's, as a stream sends them: after the reasoning's tokens, and before the
+    # calls' where there are calls
     thought = (doc["usage"].get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    scores = _chat_logprobs(choice)[thought:]
+    if message.get("tool_calls"):
+        scores = scores[:_spelling(scores, message.get("content") or "")]
     output = [_reasoning(message["reasoning"])] if message.get("reasoning") else []
     if message.get("content") or not (message.get("tool_calls") or output):
-        output.append(_message(message.get("content") or "", logprobs=_chat_logprobs(choice)[thought:]))
+        output.append(_message(message.get("content") or "", logprobs=scores))
     for call in message.get("tool_calls") or ():
         output.append(_call(call["id"], call["function"]["name"], call["function"]["arguments"]))
     status, incomplete = _status(choice["finish_reason"])
@@ -413,6 +429,7 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
     open_thought: dict[str, Any] | None = None  # the reasoning item being written, with its text so far (likewise)
     calls: dict[int, dict[str, Any]] = {}  # the chat's tool call index -> its function_call item
     finish, usage = None, None
+    unplaced: list[dict[str, Any]] = []  # logprobs that came before any item opened (an empty answer's)
 
     def event(kind: str, **fields: Any) -> str:
         nonlocal seq
@@ -507,6 +524,9 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
                 if delta.get("content") or delta.get("tool_calls"):
                     for line in close_reasoning():
                         yield line
+                if scores and choice.get("finish_reason") and open_text is None and not delta.get("tool_calls") \
+                        and not output:  # an empty answer's last token: the message's made at the end
+                    unplaced = scores
                 # a chunk without text carries the logprobs of text held back until the end: the open message's
                 if delta.get("content") or (scores and open_text is not None and not delta.get("tool_calls")):
                     if open_text is None:
@@ -537,6 +557,7 @@ async def events(body: ResponsesRequest, chunks: AsyncIterator[str], stored: boo
     if not output:  # an empty answer is still a message
         for line in open_message():
             yield line
+        open_text["logprobs"] += unplaced
     # the last item is the one max_output_tokens cut, where it cut the answer
     last = max([c["index"] for c in calls.values()] + ([open_text["index"]] if open_text is not None else [])
                + ([open_thought["index"]] if open_thought is not None else []))

@@ -267,8 +267,8 @@ class Qwen3Coder(_Tagged):
         start = text.find(self.OPEN)
         if start < 0:
             return text, []
-        calls = []
-        for at in _occurrences(text, self.OPEN, start):
+        calls, at = [], start
+        while at >= 0:
             block = self._BLOCK.match(text, at)
             name = block.group(1).strip() if block else ""
             if not name:
@@ -281,18 +281,8 @@ class Qwen3Coder(_Tagged):
             if body[pos:].strip():  # text in the function that is no parameter
                 return text, []
             calls.append(tool_call(name, json.dumps(arguments, ensure_ascii=False)))
+            at = text.find(self.OPEN, block.end())  # the next block, after this one (a tag quoted in it is no block)
         return text[:start] or None, calls
-
-
-def _occurrences(text: str, tag: str, start: int) -> list[int]:
-    """Where `tag` opens a block, from `start`, each after the one before it closed (a tag quoted inside a value is
-    no block)."""
-    out, at = [], start
-    while at >= 0:
-        out.append(at)
-        end = text.find("</tool_call>", at)
-        at = text.find(tag, end) if end >= 0 else -1
-    return out
 
 
 def _typed(value: str, schema: Any) -> Any:

@@ -82,6 +82,11 @@ def test_what_reads_as_reasoning():
     assert Reading(True, True).split("hm\n" + call) == ("hm\n", call)
     assert Reading(True).split("hm\n" + call) == ("hm\n" + call, None)
     assert Reading(True, True).split("a <tool_call> tag</think>b") == ("a <tool_call> tag", "b")
+    # reasoning_tokens: the tokens that spell the block through its </think>; a call that ends it is the content's
+    pieces = ["<think>", "hm", "\n", "<tool_call>", "\n", "<function", "=f", ">"]
+    assert Reading(False, True).tokens(list(range(len(pieces))), lambda ids: "".join(pieces[i] for i in ids)) == 3
+    pieces = ["hm", "</th", "ink>\n", "ok"]
+    assert Reading(True).tokens(list(range(len(pieces))), lambda ids: "".join(pieces[i] for i in ids)) == 3
     # the generation prompt is what the template adds after the last message: a tag in a message is no template's
     before = "<|user|>what does </think> do?<|end|>\n"
     assert generation_prompt(before + "<|assistant|>", before, "x") == "<|assistant|>"
@@ -286,6 +291,21 @@ def test_a_responses_answer_streamed_or_not_has_the_same_items_and_logprobs(pipe
         content_tokens = whole.usage.output_tokens - whole.usage.output_tokens_details.reasoning_tokens
         assert shape(whole) == shape(streamed) == [("reasoning", "\nfirst, the greeting.\n", None),
                                                    ("message", "\n\nSure.", content_tokens)]
+        # with a tool-call parser: the message's logprobs are its text's, none of the calls' (nor a held first token's
+        # lost): streamed or not alike
+        with openai_client(pipe, MODEL, tool_call_parser="hermes") as h:
+            for regex in (r"Sure\.\n<tool_call>\n\{\"name\": \"ping\", \"arguments\": \{\}\}\n</tool_call>",
+                          r"<b>Hi</b> there"):
+                pattern["regex"] = regex
+                ask = dict(model=MODEL, input="hello there", max_output_tokens=60, temperature=0, tools=[
+                    {"type": "function", "name": "ping", "parameters": {"type": "object", "properties": {}}}],
+                           include=["message.output_text.logprobs"])
+                got = [c.responses.create(**ask) for c in (h,)] + [
+                    list(h.responses.create(stream=True, **ask))[-1].response]
+                tokens = [[lp.token for item in r.output if item.type == "message" for lp in item.content[0].logprobs]
+                          for r in got]
+                assert tokens[0] == tokens[1] and "".join(tokens[0]).startswith(got[0].output_text)
+        pattern["regex"] = THOUGHT
         for regex, text in (("<think></think>x", "x"), ("<think></think>", "")):  # an empty block: no item
             pattern["regex"] = regex
             ask = dict(model=MODEL, input="hello there", max_output_tokens=30, temperature=0)

@@ -110,6 +110,10 @@ CASES = {
          (None, [("get_weather", {"days": 1, "scale": 2, "city": "Paris"})])),
         ("<tool_call><function=now></function>", (None, [("now", {})])),  # </tool_call> cut
         ("<tool_call>\n<function= >\n</function>\n</tool_call>", None),
+        # tags quoted in a value: the next block is looked for after this one ends
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nend = '</tool_call>'; start = '<tool_call>'\n"
+         "</parameter>\n</function>\n</tool_call>",
+         (None, [("get_weather", {"city": "end = '</tool_call>'; start = '<tool_call>'"})])),
         ("<tool_call>\n<function=get_weather>\n<parameter=hours>\n" + "[" * 3000 + "]" * 3000
          + "\n</parameter>\n</function>\n</tool_call>",
          (None, [("get_weather", {"hours": "[" * 3000 + "]" * 3000})])),  # nested past json's depth: text
