@@ -88,7 +88,7 @@ class ServerSettings:
     # Responses API answers kept for previous_response_id (serve/responses.py), least recently used dropped; 0: none
     stored_responses: int = 1024
     # generation options a request leaves out, by name (serve/defaults.py: OpenAI's unless the serve command or the
-    # bundle says otherwise)
+    # bundle says otherwise; a generation config's max_new_tokens under MODEL_MAX_NEW_TOKENS, which d.resolve ranks)
     defaults: Mapping[str, Any] = field(default_factory=d.server_defaults)
 
     def __post_init__(self) -> None:
