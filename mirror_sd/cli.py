@@ -346,7 +346,8 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None, origins: tuple[
 
 def _server_settings(args: argparse.Namespace, api_key: str | None, origins: tuple[str, ...]) -> dict[str, Any]:
     """ServerSettings' fields from `serve`'s flags, but the defaults, which come with the bundle (open_server)."""
-    return {"model_name": args.model_name or Path(args.bundle).resolve().name, "max_queue": args.max_queue,
+    names = args.model_name or [Path(args.bundle).resolve().name]
+    return {"model_name": names[0], "model_aliases": tuple(names[1:]), "max_queue": args.max_queue,
             "request_timeout_s": args.request_timeout, "api_key": api_key, "cors_origins": origins,
             "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
             "stored_responses": args.stored_responses}
@@ -578,8 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000, help="default 8000")
-    sv.add_argument("--model-name", "--served-model-name", default=None,
-                    help="the model id clients name (default: the bundle's folder name)")
+    sv.add_argument("--model-name", "--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="the model id clients name, and any further names they may use (answers give the first) "
+                         "(default: the bundle's folder name)")
     sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a free generation slot "
                     "(--max-num-seqs) (default 16); more get 429 with Retry-After")
     sv.add_argument("--stored-responses", type=int, default=1024,

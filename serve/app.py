@@ -74,7 +74,8 @@ KEEPALIVE = ": keep-alive\n\n"  # an SSE comment line: no event, only bytes on t
 
 @dataclass(frozen=True)
 class ServerSettings:
-    model_name: str  # what /v1/models lists and requests must name
+    model_name: str  # what /v1/models lists and requests must name (answers name it)
+    model_aliases: tuple[str, ...] = ()  # further names requests may give (vLLM's --served-model-name a b ...)
     max_queue: int = 16  # requests that may wait behind the running ones
     request_timeout_s: float = 600.0  # a request's deadline, queueing included
     retry_after_s: int = 1  # the Retry-After a 429 carries
@@ -93,12 +94,18 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         check_int("stored_responses", self.stored_responses, 0)
+        object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
         if self.tool_call_parser not in (None, *d.TOOL_CALL_PARSERS):
             raise BadInputError(f"unknown tool_call_parser {self.tool_call_parser!r}; known: "
                                 f"{', '.join(d.TOOL_CALL_PARSERS)}", option="tool_call_parser")
         if self.reasoning_parser not in (None, *d.REASONING_PARSERS):
             raise BadInputError(f"unknown reasoning_parser {self.reasoning_parser!r}; known: "
                                 f"{', '.join(d.REASONING_PARSERS)}", option="reasoning_parser")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names requests may give, the one answers give first."""
+        return (self.model_name, *(a for a in self.model_aliases if a != self.model_name))
 
 
 @dataclass
@@ -312,20 +319,20 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         metrics.engine(gen.engine)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # vLLM's card: clients size their prompts by max_model_len
-    card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "mirror-sd",
-            "root": settings.model_name, "parent": None, "max_model_len": pipe.longest_context}
+    # vLLM's cards, one per name: clients size their prompts by max_model_len
+    created = int(time.time())
+    cards = {name: {"id": name, "object": "model", "created": created, "owned_by": "mirror-sd",
+                    "root": settings.model_name, "parent": None, "max_model_len": pipe.longest_context}
+             for name in settings.model_names}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model_id:path}")  # :path: an id may hold slashes ("Qwen/Qwen2.5-1.5B-Instruct")
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != settings.model_name:
-            raise p.ApiError(404, f"the model {model_id!r} does not exist; this server has {settings.model_name!r}",
-                             param="model", code="model_not_found")
-        return card
+        _check_model(model_id)
+        return cards[model_id]
 
     # vLLM's token counting: the ids a completion or a chat would read, and the text of ids
     @app.post("/tokenize")
@@ -352,9 +359,9 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         return {"prompt": pipe.codec.decode(body.tokens, special=True)}
 
     def _check_model(name: str | None) -> None:
-        if name is not None and name != settings.model_name:
-            raise p.ApiError(404, f"the model {name!r} does not exist; this server has {settings.model_name!r}",
-                             param="model", code="model_not_found")
+        if name is not None and name not in settings.model_names:
+            raise p.ApiError(404, f"the model {name!r} does not exist; this server has "
+                             f"{', '.join(map(repr, settings.model_names))}", param="model", code="model_not_found")
 
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatRequest, request: Request) -> Any:
@@ -464,7 +471,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             continuous = bool(body.stream_options and body.stream_options.continuous)
             # the background task runs once the response ends, even where its body never started (a client gone
             # at once): the generations stop then
-            return StreamingResponse(_stream(request, jobs, started, rid, body.model, chat, include_usage,
+            return StreamingResponse(_stream(request, jobs, started, rid, settings.model_name, chat, include_usage,
                                              prompt_tokens, calls, continuous, echoes, body.n, thinking),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **seed},
@@ -518,9 +525,10 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         counts = (prompt_tokens, sum(len(o.token_ids) for o in outcomes), _mirror_stats(outcome),
                   _cached_tokens(outcomes, body.n))
         if chat:
-            doc = p.chat_response(rid, body.model, choices, *counts, _reasoning_tokens(pipe, thinking, outcomes))
+            doc = p.chat_response(rid, settings.model_name, choices, *counts,
+                                  _reasoning_tokens(pipe, thinking, outcomes))
         else:
-            doc = p.completion_response(rid, body.model, choices, *counts)
+            doc = p.completion_response(rid, settings.model_name, choices, *counts)
         if chat and body.prompt_logprobs is not None:  # vLLM's: the request's one prompt, beside the choices
             doc["prompt_logprobs"] = p.vllm_prompt_logprobs(jobs[0].ids, outcome.prompt_logprobs, token_bytes,
                                                             body.prompt_logprobs)

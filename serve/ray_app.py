@@ -299,12 +299,12 @@ def run(spec: ReplicaSpec, placement: Placement, address: str, host: str, port: 
 def build(args: Mapping[str, Any]) -> Any:
     """Ray's application builder: `serve run mirror_sd.serve.ray_app:build bundle=DIR replicas=2 num_cpus=2
     target_threads=1`, or a Serve config file's `import_path: mirror_sd.serve.ray_app:build` with these keys under
-    `args`. Keys: bundle (required); replicas, num_cpus, num_gpus, resources (JSON: {"NPU": 1}); model_name, max_queue,
-    request_timeout, cors_origins (comma-separated), log_level, tool_call_parser, reasoning_parser, generation_config,
-    override_generation_config (JSON); every load option of
-    `mirror-sd serve --help` by its name (target_device, target_threads, max_num_seqs, ...); mode and max_new_tokens.
-    Values may be text (the command line's) or typed (a config file's). The API key, if any, comes from
-    $MIRROR_SD_API_KEY where the builder runs, as `mirror-sd serve` reads it: never from a command line."""
+    `args`. Keys: bundle (required); replicas, num_cpus, num_gpus, resources (JSON: {"NPU": 1}); model_name (a list:
+    several names), max_queue, request_timeout, cors_origins (comma-separated), log_level, tool_call_parser,
+    reasoning_parser, generation_config, override_generation_config (JSON); every load option of `mirror-sd serve
+    --help` by its name (target_device, target_threads, max_num_seqs, ...); mode and max_new_tokens. Values may be text
+    (the command line's) or typed (a config file's). The API key, if any, comes from $MIRROR_SD_API_KEY where the
+    builder runs, as `mirror-sd serve` reads it: never from a command line."""
     spec, placement = parse_build_args(args, os.environ.get(API_KEY_ENV) or None)
     _check_bundle(spec.bundle)
     return application(spec, placement)
@@ -335,7 +335,9 @@ def parse_build_args(args: Mapping[str, Any], api_key: str | None = None) -> tup
     if isinstance(origins, str):
         origins = tuple(o.strip() for o in origins.split(",") if o.strip())
     # an unknown parser is refused by ServerSettings (ReplicaSpec checks its settings when made)
-    settings = {"model_name": str(args.get("model_name") or Path(bundle).resolve().name), "max_queue": max_queue,
+    names = args.get("model_name") or Path(bundle).resolve().name  # a config file's list: the first, then aliases
+    names = [str(n) for n in names] if isinstance(names, list | tuple) else [str(names)]
+    settings = {"model_name": names[0], "model_aliases": tuple(names[1:]), "max_queue": max_queue,
                 "request_timeout_s": timeout, "api_key": api_key, "cors_origins": tuple(origins),
                 "tool_call_parser": args.get("tool_call_parser") or None,
                 "reasoning_parser": args.get("reasoning_parser") or None}

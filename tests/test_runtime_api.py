@@ -356,11 +356,14 @@ def test_a_chat_template_given_at_load_renders_every_chat(bundle, tmp_path, caps
 def test_serve_takes_vllm_flag_names(bundle, capsys):
     """vLLM's names for the same settings (--served-model-name, --max-model-len) and its --enable-auto-tool-choice,
     which needs a --tool-call-parser here as there."""
-    from mirror_sd.cli import build_parser
+    from mirror_sd.cli import _server_settings, build_parser
 
     args = build_parser().parse_args(["serve", str(bundle), "--served-model-name", "m", "--max-model-len", "256",
                                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    assert (args.model_name, args.max_context, args.enable_auto_tool_choice) == ("m", 256, True)
+    assert (args.model_name, args.max_context, args.enable_auto_tool_choice) == (["m"], 256, True)
+    several = _server_settings(build_parser().parse_args(["serve", str(bundle), "--served-model-name", "m", "org/m"]),
+                               None, ())
+    assert (several["model_name"], several["model_aliases"]) == ("m", ("org/m",))
     assert main(["serve", str(bundle), "--enable-auto-tool-choice", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mirror-sd: error:") and "--tool-call-parser" in err and err.count("\n") == 1

@@ -853,6 +853,20 @@ def test_a_queued_stream_gets_keep_alive_comments(bundle_factory, pipe):
         one.close()
 
 
+def test_a_server_of_several_names_answers_to_each(pipe):
+    """vLLM's --served-model-name a b: requests may give any of the names, /v1/models lists each, answers give the
+    first; another name is a 404 listing them."""
+    with InProcessServer(pipe, model_name=MODEL, model_aliases=("org/tiny-chat",)) as server:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == [MODEL, "org/tiny-chat"]
+        assert c.models.retrieve("org/tiny-chat").id == "org/tiny-chat"
+        r = c.chat.completions.create(model="org/tiny-chat", messages=MESSAGES, max_tokens=2)
+        assert r.model == MODEL
+        with pytest.raises(openai.NotFoundError) as e:
+            c.chat.completions.create(model="other", messages=MESSAGES, max_tokens=2)
+        assert "'org/tiny-chat'" in e.value.message
+
+
 def test_metrics_series_stay_bounded_under_random_paths(port):
     """10,000 requests to paths nobody routes (and to a routed template with random ids): the requests counter
     keeps a handful of series, not one per path."""
