@@ -32,37 +32,40 @@ def route_label(scope: Mapping[str, Any]) -> str:
 
 
 class VllmMetrics:
-    """vLLM's metrics of the same quantities (its V1 engine's names, labelled with the served model's name)."""
+    """vLLM's metrics of the same quantities (its V1 engine's names), each bound to the served model's name (its
+    `model_name` label)."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        r, label = registry, ["model_name"]
+        def one(kind: type, name: str, help_text: str, **extra: Any) -> Any:
+            return kind(name, help_text, ["model_name"], registry=registry, **extra).labels(model_name)
+
         self.model = model_name
-        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", label,
-                             registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", label,
-                             registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: the KV slots running requests hold, of all "
-                              "(1 means 100 percent).", label, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", label,
-                                         registry=r)
+        self.running = one(Gauge, "vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = one(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = one(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: the KV slots running requests hold, "
+                            "of all (1 means 100 percent).")
+        self.prompt_tokens = one(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = one(Counter, "vllm:generation_tokens", "Number of generation tokens processed.")
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               [*label, "finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              label, buckets=_LATENCY_BUCKETS, registry=r)
-        self.per_token = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                                   label, buckets=_TOKEN_BUCKETS, registry=r)
-        self.latency = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                                 label, buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
-                                    "request.", label, buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
-                                      "queried tokens.", label, registry=r)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
-                                   "tokens.", label, registry=r)
-        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", label, registry=r)
-        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", label,
-                                       registry=r)
+                               ["model_name", "finished_reason"], registry=registry)
+        self.ttft = one(Histogram, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                        buckets=_LATENCY_BUCKETS)
+        self.per_token = one(Histogram, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                             "seconds.", buckets=_TOKEN_BUCKETS)
+        self.latency = one(Histogram, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
+                           "seconds.", buckets=_LATENCY_BUCKETS)
+        self.queue_time = one(Histogram, "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase "
+                              "for request.", buckets=_LATENCY_BUCKETS)
+        self.prefix_queries = one(Counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                  "queried tokens.")
+        self.prefix_hits = one(Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                               "tokens.")
+        self.draft_tokens = one(Counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.accepted_tokens = one(Counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+
+    def finished(self, reason: str) -> None:
+        """A request finished, for the engine's `reason` ("eos", "stop", "length", "cancelled"; "abort")."""
+        self.success.labels(self.model, VLLM_FINISH.get(reason, reason)).inc()
 
 
 class Metrics:
@@ -121,15 +124,15 @@ class Metrics:
 
     def generation(self, s: GenerationStats, prompt_tokens: int, finish_reason: str) -> None:
         """A generation's counts; finish_reason: the engine's ("eos", "stop", "length", "cancelled")."""
-        v, model = self.vllm, self.vllm.model
-        v.prompt_tokens.labels(model).inc(prompt_tokens)
-        v.generation_tokens.labels(model).inc(s.new_tokens)
-        v.queue_time.labels(model).observe(s.queue_s)
-        v.prefix_queries.labels(model).inc(prompt_tokens)
-        v.prefix_hits.labels(model).inc(s.cached_prompt_tokens)
-        v.draft_tokens.labels(model).inc(s.proposed_tokens)
-        v.accepted_tokens.labels(model).inc(s.accepted_tokens)
-        v.success.labels(model, VLLM_FINISH.get(finish_reason, finish_reason)).inc()
+        v = self.vllm
+        v.prompt_tokens.inc(prompt_tokens)
+        v.generation_tokens.inc(s.new_tokens)
+        v.queue_time.observe(s.queue_s)
+        v.prefix_queries.inc(prompt_tokens)
+        v.prefix_hits.inc(s.cached_prompt_tokens)
+        v.draft_tokens.inc(s.proposed_tokens)
+        v.accepted_tokens.inc(s.accepted_tokens)
+        v.finished(finish_reason)
         self.prompt_tokens.inc(prompt_tokens)
         self.queue_time.observe(s.queue_s)
         if s.cached_prompt_tokens:
@@ -156,22 +159,21 @@ class Metrics:
     def aborted(self, tokens: int) -> None:
         """A generation stopped because its client went away, after `tokens` tokens (vLLM counts it finished as
         "abort")."""
-        v = self.vllm
-        v.generation_tokens.labels(v.model).inc(tokens)
-        v.success.labels(v.model, "abort").inc()
+        self.vllm.generation_tokens.inc(tokens)
+        self.vllm.finished("abort")
 
     def timings(self, arrival: float, first_token: float | None, end: float, tokens: int) -> None:
         """A finished generation's latencies as the client saw them (time.monotonic() readings; first_token None:
         none came)."""
-        v, model = self.vllm, self.vllm.model
+        v = self.vllm
         self.latency.observe(end - arrival)
-        v.latency.labels(model).observe(end - arrival)
+        v.latency.observe(end - arrival)
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
-            v.ttft.labels(model).observe(first_token - arrival)
+            v.ttft.observe(first_token - arrival)
             if tokens > 1:
                 self.per_token.observe((end - first_token) / (tokens - 1))
-                v.per_token.labels(model).observe((end - first_token) / (tokens - 1))
+                v.per_token.observe((end - first_token) / (tokens - 1))
 
     def engine(self, engine: BatchEngine) -> None:
         """The batching engine's occupancy now (read at each scrape)."""
@@ -179,10 +181,9 @@ class Metrics:
         self.running.set(engine.running)
         self.max_num_seqs.set(engine.max_num_seqs)
         self.batch_size.set(engine.last_batch)
-        v, model = self.vllm, self.vllm.model
-        v.waiting.labels(model).set(engine.waiting)
-        v.running.labels(model).set(engine.running)
-        v.kv_usage.labels(model).set(engine.running / engine.max_num_seqs)
+        self.vllm.waiting.set(engine.waiting)
+        self.vllm.running.set(engine.running)
+        self.vllm.kv_usage.set(engine.running / engine.max_num_seqs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mirror_sd.serve.tool_parser import tag_start
+from mirror_sd.serve.tool_parser import Qwen3Coder, tag_start
 
 OPEN, CLOSE = "<think>", "</think>"
-CALL, FUNCTION = "<tool_call>", "<function="
+CALL, FUNCTION = Qwen3Coder.OPEN, Qwen3Coder.FUNCTION  # how Qwen3.5 opens a call (qwen3_coder's format)
 _CALL_OPENS = re.compile(re.escape(CALL) + r"\s*" + re.escape(FUNCTION))
 
 

@@ -254,11 +254,12 @@ class Pythonic(_WholeAnswer):
 
 
 class Qwen3Coder(_Tagged):
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    OPEN, FUNCTION = "<tool_call>", "<function="
     # a block: one function and its parameters (a last block cut before </tool_call> still counts where its function
     # closed, as hermes' does); a value ends at </parameter>, or where the model left that out, at the next parameter
     # or the function's end (vLLM's reading)
-    _BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]*)>(.*?)</function>\s*(?:</tool_call>|\Z)", re.DOTALL)
+    _BLOCK = re.compile(re.escape(OPEN) + r"\s*" + re.escape(FUNCTION) + r"([^>\n]*)>(.*?)</function>\s*"
+                        r"(?:</tool_call>|\Z)", re.DOTALL)
     _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(?:\r?\n)?(.*?)(?:(?:\r?\n)?</parameter>|(?=(?:\r?\n)?"
                             r"<parameter=)|(?:\r?\n)?\Z)", re.DOTALL)
 
