@@ -1,8 +1,9 @@
 """Supported decoder architectures: one thin class each, registered by transformers `model_type`.
 
-All four share the Llama layout (`model.model.{embed_tokens, layers, norm, rotary_emb}`, `model.lm_head`); they
-differ in which layers use a sliding attention window. Attribute names come from optimum's normalized configs so
-the facts we record do not depend on each config's spelling.
+All share the Llama layout (`model.model.{embed_tokens, layers, norm, rotary_emb}`, `model.lm_head`); they differ
+in which layers use a sliding attention window, in how a layer's projections are stored (Phi-3 packs q, k and v in
+one Linear and gate and up in another) and in how much of each head the rotary embedding turns. Attribute names come
+from optimum's normalized configs so the facts we record do not depend on each config's spelling.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def architecture_of(config) -> Architecture:
 
 class Architecture:
     model_type = ""
+    window_on_every_layer = False  # config.sliding_window applies to every layer (no layer_types in the config)
 
     def __init__(self, config) -> None:
         self.config = config
@@ -54,6 +56,16 @@ class Architecture:
     @staticmethod
     def lm_head(model):
         return model.lm_head
+
+    @staticmethod
+    def qkv(attn) -> list[tuple]:
+        """The query, key and value projections of an attention module: (weight [out, in], bias or None) each."""
+        return [(p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+
+    @staticmethod
+    def gate_up(mlp) -> tuple:
+        """The MLP's gate and up projections' weights [intermediate, hidden] (act(gate x) * up x)."""
+        return mlp.gate_proj.weight, mlp.up_proj.weight
 
     # -- facts ---------------------------------------------------------------------------------------------------
     @property
@@ -71,8 +83,22 @@ class Architecture:
             num_attention_heads=heads,
             num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
             head_dim=getattr(c, "head_dim", None) or n.hidden_size // heads,
-            max_position_embeddings=getattr(c, "max_position_embeddings", 0) or 0,
+            max_position_embeddings=self.max_positions(),
         )
+
+    def max_positions(self) -> int:
+        """The positions the graphs hold rotary angles for: the config's max_position_embeddings, except under
+        longrope scaling (Phi-3.5, Phi-4-mini), whose angles change for every position once a sequence passes
+        original_max_position_embeddings: the graphs hold the angles of a sequence within it (transformers' short
+        factors), and the bundle's context ends there."""
+        c = self.config
+        longest = getattr(c, "max_position_embeddings", 0) or 0
+        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        if rope.get("rope_type", rope.get("type")) == "longrope":
+            original = rope.get("original_max_position_embeddings") or getattr(c, "original_max_position_embeddings", 0)
+            if original:
+                return min(longest, int(original)) if longest else int(original)
+        return longest
 
     def model_facts(self) -> ModelFacts:
         return ModelFacts(**self.facts())
@@ -81,6 +107,8 @@ class Architecture:
         """Per layer: the attention window in tokens, or None for full causal attention."""
         types = getattr(self.config, "layer_types", None)
         window = getattr(self.config, "sliding_window", None)
+        if self.window_on_every_layer:
+            return [window] * self.num_layers
         if not types or window is None:
             return [None] * self.num_layers
         return [window if t == "sliding_attention" else None for t in types]
@@ -103,6 +131,27 @@ class Qwen3(Architecture):
 
 @register("mistral")
 class Mistral(Architecture):
-    def sliding_windows(self) -> list[int | None]:
-        # Mistral has no layer_types: its sliding_window (if set) applies to every layer.
-        return [getattr(self.config, "sliding_window", None)] * self.num_layers
+    window_on_every_layer = True
+
+
+@register("phi3")
+class Phi3(Architecture):
+    """Phi-3, Phi-3.5 and Phi-4-mini: q, k and v in one Linear (qkv_proj), gate and up in another (gate_up_proj);
+    Phi-4-mini turns only part of each head (partial_rotary_factor); longrope scaling (max_positions)."""
+
+    window_on_every_layer = True
+
+    @staticmethod
+    def qkv(attn) -> list[tuple]:
+        w = attn.qkv_proj.weight
+        q = attn.config.num_attention_heads * attn.head_dim
+        kv = attn.num_key_value_heads * attn.head_dim
+        b = attn.qkv_proj.bias
+        parts = (slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv))
+        return [(w[p], None if b is None else b[p]) for p in parts]
+
+    @staticmethod
+    def gate_up(mlp) -> tuple:
+        w = mlp.gate_up_proj.weight
+        half = w.shape[0] // 2  # transformers: gate, up = gate_up_proj(x).chunk(2, dim=-1)
+        return w[:half], w[half:]

@@ -82,21 +82,32 @@ def additive_mask(attention_mask: torch.Tensor, new_tokens: int, window: int | N
     return torch.where(allowed, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype))
 
 
-def _split_attention(layer, hidden, cos, sin, shared_k, shared_v, past_k, past_v, shared_bias, own_bias):
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,heads,T,hd] with its first cos.shape[-1] values of each head turned (all of them, or Phi-4-mini's part;
+    transformers' rotate_half layout); cos/sin [B,T,r]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    turned, kept = x[..., :r], x[..., r:]
+    half = torch.cat([-turned[..., r // 2:], turned[..., :r // 2]], dim=-1)
+    return torch.cat([turned * cos + half * sin, kept], dim=-1)
+
+
+def _split_attention(layer, hidden, cos, sin, shared_k, shared_v, past_k, past_v, shared_bias, own_bias,
+                     qkv=None):
     """One attention block over a split past. hidden [B,T,H]; shared_k/v [1,kv,P,hd]; past_k/v [B,kv,S,hd];
-    shared_bias [B,1,1,P] (every query alike) or [B,1,T,P], and own_bias [B,1,T,S+T], additive. Returns
-    (attention output [B,T,H], new k, new v)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    shared_bias [B,1,1,P] (every query alike) or [B,1,T,P], and own_bias [B,1,T,S+T], additive; qkv: the layer's
+    architecture's `qkv` (default: q_proj, k_proj and v_proj). Returns (attention output [B,T,H], new k, new v)."""
+    from mirror_sd.export.architectures import Architecture
 
     attn = layer.self_attn
     batch, new = hidden.shape[:2]
     hd = attn.head_dim
-    q = attn.q_proj(hidden).view(batch, new, -1, hd)
-    k = attn.k_proj(hidden).view(batch, new, -1, hd)
-    v = attn.v_proj(hidden).view(batch, new, -1, hd).transpose(1, 2)
+    q, k, v = (nn.functional.linear(hidden, w, b).view(batch, new, -1, hd)
+               for w, b in (qkv or Architecture.qkv)(attn))
+    v = v.transpose(1, 2)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before the rotary embedding
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    q, k = _rotated(q.transpose(1, 2), cos, sin), _rotated(k.transpose(1, 2), cos, sin)
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
     # query head h reads kv head h // group: the group's queries become rows of one matmul per kv head
@@ -114,6 +125,31 @@ def _split_attention(layer, hidden, cos, sin, shared_k, shared_v, past_k, past_v
     return attn.o_proj(out), k, v
 
 
+class _FixedRotary(nn.Module):
+    """A rotary module at the angles it is built with: transformers' forward without its update by sequence length
+    (longrope's switch to its long factors past original_max_position_embeddings, dynamic NTK's rescaling past
+    max_position_embeddings), a Python branch on a tensor's value that does not trace. Within those lengths the
+    angles are the model's own."""
+
+    def __init__(self, rotary: nn.Module) -> None:
+        super().__init__()
+        inv_freq = getattr(rotary, "original_inv_freq", None)
+        self.register_buffer("inv_freq", (rotary.inv_freq if inv_freq is None else inv_freq).detach().clone(),
+                             persistent=False)
+        self.scaling = float(getattr(rotary, "attention_scaling", 1.0))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * self.scaling).to(x.dtype), (angles.sin() * self.scaling).to(x.dtype)
+
+
+def _traceable(rotary: nn.Module) -> nn.Module:
+    """`rotary`, or a _FixedRotary where its angles change with the sequence's length."""
+    kind = str(getattr(rotary, "rope_type", "default"))
+    return _FixedRotary(rotary) if kind == "longrope" or "dynamic" in kind else rotary
+
+
 class _Layers(nn.Module):
     """Layers [start, end) of a decoder, with the token embedding in front if `embed` and, for head="final", the
     final norm + LM head behind (None: the hidden state is the output)."""
@@ -124,7 +160,8 @@ class _Layers(nn.Module):
         self.start, self.end = start, end
         self.embed_tokens = backbone.embed_tokens if embed else None
         self.layers = nn.ModuleList(backbone.layers[start:end])
-        self.rotary_emb = backbone.rotary_emb
+        self.qkv = arch.qkv
+        self.rotary_emb = _traceable(backbone.rotary_emb)
         self.windows = arch.sliding_windows()[start:end]
         self.head = head
         if head == "final":
@@ -173,7 +210,7 @@ class SplitSegment(_Layers):
         for j, (layer, window) in enumerate(zip(self.layers, self.windows)):
             shared_k, shared_v, own_k, own_v = past[4 * j: 4 * j + 4]
             attn_out, k, v = _split_attention(layer, layer.input_layernorm(hidden), cos, sin, shared_k, shared_v,
-                                              own_k, own_v, *biases[window])
+                                              own_k, own_v, *biases[window], qkv=self.qkv)
             hidden = hidden + attn_out
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             present += [k, v]

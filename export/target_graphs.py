@@ -19,8 +19,9 @@ Bound to one buffer, present IS past with the T new positions written. Run on pl
 checks), past holds exactly the valid positions and present is past + new.
 
 Supported: the Llama layout of every architecture export/architectures.py registers, with q/k/v biases (Qwen2),
-per-head q/k RMS norms before the rotary embedding (Qwen3), sliding-window layers (Mistral, Qwen2) and any rotary
-scaling transformers implements (cos/sin are taken from the model's own rotary module).
+per-head q/k RMS norms before the rotary embedding (Qwen3), packed projections and a rotary embedding over part of
+each head (Phi-3, Phi-4-mini), sliding-window layers (Mistral, Qwen2, Phi-3) and any rotary scaling transformers
+implements (cos/sin are taken from the model's own rotary module; longrope's within its original context).
 
 Head sizes: GroupQueryAttention rotates only heads whose size is a multiple of ROTARY_HEAD_MULTIPLE. A model whose
 heads are not (24, say) gets them padded with zeros to the next multiple inside the graphs (_HeadLayout): the KV
@@ -211,17 +212,28 @@ class _HeadLayout:
 
 
 def _rotary_caches(backbone, facts: ModelFacts, layout: _HeadLayout) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, padded/2] from the model's own rotary module (its scaling included). transformers
-    returns both halves concatenated (rotate_half layout); GroupQueryAttention takes one half. A padded head's extra
-    pairs get cos 1, sin 0 (they rotate zeros)."""
+    """cos/sin [max_positions, rotary/2] from the model's own rotary module (its scaling included). transformers
+    returns both halves concatenated (rotate_half layout); GroupQueryAttention takes one half, and turns the first
+    2 x its width values of each head (all of them, or part: Phi-4-mini's partial_rotary_factor). A padded head's
+    extra pairs get cos 1, sin 0 (they rotate zeros)."""
     positions = torch.arange(facts.max_position_embeddings)[None]
     dummy = torch.zeros(1, 1, facts.hidden_size)
     with torch.no_grad():
         cos, sin = backbone.rotary_emb(dummy, positions)
-    half = layout.size // 2
     cos, sin = _np(cos[0]), _np(sin[0])
-    if cos.shape[-1] != layout.size or not np.allclose(cos[:, :half], cos[:, half:]):
-        raise UnsupportedArchitectureError("only full, non-interleaved rotary embeddings are supported")
+    turned = cos.shape[-1]
+    half = turned // 2
+    if turned % 2 or turned > layout.size or not np.allclose(cos[:, :half], cos[:, half:]):
+        raise UnsupportedArchitectureError("only non-interleaved rotary embeddings are supported")
+    if turned < layout.size:
+        if layout.padded != layout.size:
+            raise UnsupportedArchitectureError(
+                f"a rotary embedding over part of each head ({turned} of {layout.size} values) needs heads of a "
+                f"multiple of {ROTARY_HEAD_MULTIPLE} values")
+        if turned % ROTARY_HEAD_MULTIPLE:
+            raise UnsupportedArchitectureError(
+                f"GroupQueryAttention turns a multiple of {ROTARY_HEAD_MULTIPLE} values of a head, not {turned}")
+        return cos[:, :half], sin[:, :half]
     extra = ((0, 0), (0, layout.padded // 2 - half))
     return np.pad(cos[:, :half], extra, constant_values=1.0), np.pad(sin[:, :half], extra)
 
@@ -247,7 +259,7 @@ def padded_inputs(model, arch: Architecture) -> dict[torch.nn.Module, tuple[np.n
 
 
 def _check_layer(layer, arch: Architecture) -> None:
-    act = getattr(layer.mlp, "act_fn", None)
+    act = getattr(layer.mlp, "act_fn", None) or getattr(layer.mlp, "activation_fn", None)  # Phi-3's name
     if type(act).__name__ not in ("SiLU", "SiLUActivation"):
         raise UnsupportedArchitectureError(f"{arch.model_type}: only SiLU MLPs are supported, not {type(act).__name__}")
 
@@ -280,7 +292,7 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         layer = backbone.layers[i]
         _check_layer(layer, arch)
         attn = layer.self_attn
-        weights, biases = _qkv(attn, layout, heads, kv_heads)
+        weights, biases = _qkv(arch, attn, layout, heads, kv_heads)
         qkv = g.linear(h, weights, biases)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head, before the rotary embedding
             sizes = g.weight("qkv_sizes", np.array([heads * hd, kv_heads * hd, kv_heads * hd], np.int64))
@@ -303,7 +315,8 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         # the residual add and the next norm in one op (a decode step is ~13 ops a layer; each costs dispatch)
         h, x = g.skip_rms_norm(o, x, layer.post_attention_layernorm.weight, eps)
         # two MatMuls rather than one packed and a Split: the same weight bytes, no copy of the activations
-        gate, up = g.linear(h, [layer.mlp.gate_proj.weight]), g.linear(h, [layer.mlp.up_proj.weight])
+        gate_w, up_w = arch.gate_up(layer.mlp)
+        gate, up = g.linear(h, [gate_w]), g.linear(h, [up_w])
         act = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # SiLU
         down = g.linear(g.node("Mul", [act, up])[0], [layer.mlp.down_proj.weight], [layer.mlp.down_proj.bias])
         if i + 1 < end:
@@ -335,12 +348,12 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
                              ir_version=IR_VERSION, producer_name="mirror-sd")
 
 
-def _qkv(attn, layout: _HeadLayout, heads: int, kv_heads: int) -> tuple[list, list]:
+def _qkv(arch: Architecture, attn, layout: _HeadLayout, heads: int, kv_heads: int) -> tuple[list, list]:
     """The q, k and v projections' weights and biases in the graphs' head layout (_HeadLayout)."""
     weights, biases = [], []
-    for proj, n, rotary in ((attn.q_proj, heads, True), (attn.k_proj, kv_heads, True), (attn.v_proj, kv_heads, False)):
-        weights.append(layout.pad(_np(proj.weight), n, rotary))
-        biases.append(None if proj.bias is None else layout.pad(_np(proj.bias), n, rotary))
+    for (weight, bias), n, rotary in zip(arch.qkv(attn), (heads, kv_heads, kv_heads), (True, True, False)):
+        weights.append(layout.pad(_np(weight), n, rotary))
+        biases.append(None if bias is None else layout.pad(_np(bias), n, rotary))
     return weights, biases
 
 

@@ -66,6 +66,15 @@ class _Rewriter:
                 return tuple(t.dims)
         raise ManifestError(f"GroupQueryAttention input {name!r} is not an initializer")
 
+    def head_size(self, past: str) -> int:
+        """A KV input's head size (its last dimension, fixed by the manifest's head_dim)."""
+        for i in self.graph.input:
+            if i.name == past:
+                dim = i.type.tensor_type.shape.dim[-1]
+                if dim.HasField("dim_value"):
+                    return int(dim.dim_value)
+        raise ManifestError(f"GroupQueryAttention input {past!r} is no graph input of a fixed head size")
+
     def ints(self, *values: int) -> str:
         return self.const(np.array(values, np.int64), "i")
 
@@ -123,8 +132,9 @@ class _Rewriter:
         window = int(attrs.get("local_window_size", -1))  # keys a query sees, itself included (<= 0: all)
         q, k, v, past_k, past_v, _seqlens, _total, cos_cache, sin_cache = node.input
         out, present_k, present_v = node.output
+        hd = self.head_size(past_k)
+        turned = 2 * self.initializer_shape(cos_cache)[1]  # the rotary turns the first `turned` values of a head
         if not k:  # q, k and v packed in the first input
-            hd = 2 * self.initializer_shape(cos_cache)[1]
             sizes = self.const(np.array([heads * hd, kv_heads * hd, kv_heads * hd], np.int64), "qkv_sizes")
             q, k, v = (self.name("split") for _ in range(3))
             self.nodes.append(helper.make_node("Split", [node.input[0], sizes], [q, k, v], name=self.name("Split"),
@@ -136,13 +146,13 @@ class _Rewriter:
         def heads_first(x: str, n: int) -> str:  # [B,T,n*hd] -> [B,n,T,hd]
             return self.node("Transpose", [self.node("Reshape", [x, self.ints(0, 0, n, -1)])], perm=[0, 2, 1, 3])
 
-        def rotate(x: str) -> str:  # rotate_half layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-            half = self.node("Div", [self.node("Gather", [self.node("Shape", [x]), self.ints(3)]), self.ints(2)])
-            x1 = self.node("Slice", [x, self.ints(0), half, self.ints(3)])
-            x2 = self.node("Slice", [x, half, self.ints(np.iinfo(np.int64).max), self.ints(3)])
+        def rotate(x: str) -> str:  # rotate_half layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the rest kept
+            x1 = self.node("Slice", [x, self.ints(0), self.ints(turned // 2), self.ints(3)])
+            x2 = self.node("Slice", [x, self.ints(turned // 2), self.ints(turned), self.ints(3)])
             first = self.node("Sub", [self.node("Mul", [x1, cos]), self.node("Mul", [x2, sin])])
             second = self.node("Add", [self.node("Mul", [x2, cos]), self.node("Mul", [x1, sin])])
-            return self.node("Concat", [first, second], axis=-1)
+            kept = [self.node("Slice", [x, self.ints(turned), self.ints(hd), self.ints(3)])] if turned < hd else []
+            return self.node("Concat", [first, second, *kept], axis=-1)
 
         q4, k4, v4 = rotate(heads_first(q, heads)), rotate(heads_first(k, kv_heads)), heads_first(v, kv_heads)
         group = heads // kv_heads

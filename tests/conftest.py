@@ -14,7 +14,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 def scripted_gate(speculate_when):

@@ -1,4 +1,4 @@
-"""Export: the four architectures, the parity grid in both runtimes, and every bad input.
+"""Export: every supported architecture, the parity grid in both runtimes, and every bad input.
 
 Bad inputs go through the CLI entry point (`main([...])`): a one-line error, exit code 2, and nothing left at OUT.
 One test runs the real console script in a subprocess to show there is no traceback.
@@ -71,11 +71,48 @@ def test_exit_layer_and_k_are_respected(bundle_factory, exit_layer, top_k):
     ("llama", {"tie_word_embeddings": True}),  # as SmolLM2
     ("mistral", {"sliding_window": 4}),  # the window is shorter than the grid's sequences, so the mask matters
     ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 3}),  # mixed layer types
+    ("phi3", {"sliding_window": 4}),  # Phi-3-mini's window on every layer
+    ("phi3", {"hidden_size": 128, "partial_rotary_factor": 0.5}),  # Phi-4-mini: the rotary turns 16 of 32 values
 ])
 def test_config_variants_export_with_parity(tmp_path, architecture, overrides):
     target, draft = make_pair(tmp_path / "pair", architecture, **overrides)
     manifest = export_bundle(ExportOptions(str(target), str(draft), tmp_path / "bundle"), report=_quiet)
     assert manifest.validation["passed"] and manifest.target.exit_layer == 3
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+            "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 4.0],
+            "long_factor": [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0]}
+
+
+def test_a_longrope_model_exports_within_its_original_context(tmp_path):
+    """Phi-3.5's and Phi-4-mini's longrope: transformers turns every position by other angles once a sequence passes
+    original_max_position_embeddings; the bundle holds the angles within it, and its context ends there."""
+    from mirror_sd.errors import ContextLimitError
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    target, draft = make_pair(tmp_path / "pair", "phi3", original_max_position_embeddings=128,
+                              rope_parameters=LONGROPE)
+    manifest = export_bundle(ExportOptions(str(target), str(draft), tmp_path / "bundle"), report=_quiet)
+    assert manifest.validation["passed"]
+    assert manifest.target.max_position_embeddings == 128
+    pipe = Pipeline.load(tmp_path / "bundle", huge_pages=False)
+    try:
+        answers = {mode: pipe.generate("def load(self, s):", max_new_tokens=24, mode=mode).token_ids
+                   for mode in ("ar", "sd", "mirror")}
+        assert answers["ar"] == answers["sd"] == answers["mirror"]
+        with pytest.raises(ContextLimitError):
+            pipe.generate("x " * 120, max_new_tokens=20)
+    finally:
+        pipe.close()
+
+
+def test_a_rotary_over_too_few_values_is_refused(tmp_path, capsys):
+    """GroupQueryAttention turns a multiple of 16 values of a head: a partial rotary of 8 is named, nothing written."""
+    target, draft = make_pair(tmp_path / "pair", "phi3", partial_rotary_factor=0.5)  # heads of 16: 8 turned
+    code, err = _export_cli(capsys, target, draft, tmp_path / "out")
+    assert code == 2 and "turns a multiple of 16 values of a head, not 8" in err and "Traceback" not in err
+    _assert_nothing_left(tmp_path, tmp_path / "out")
 
 
 def test_parity_catches_a_corrupted_graph(tmp_path, bundle_factory, pair_factory):
@@ -159,7 +196,7 @@ def odd_models(tmp_path_factory, pair_factory):
     ("exit_high", "EXIT_LAYER 6 is outside"),
     ("topk_low", "TOPK 0 is outside"),
     ("topk_high", "TOPK 385 is outside"),
-    ("unsupported", "not supported; supported: llama, mistral, qwen2, qwen3"),
+    ("unsupported", "not supported; supported: llama, mistral, phi3, qwen2, qwen3"),
     ("truncated_model", "cannot load target"),
     ("truncated_draft", "cannot load draft"),
     ("no_eos", "names no EOS token"),
