@@ -103,6 +103,11 @@ class Architecture:
     def model_facts(self) -> ModelFacts:
         return ModelFacts(**self.facts())
 
+    def rotary_layers(self) -> list[bool]:
+        """Per layer: whether its attention turns queries and keys by the rotary embedding (SmolLM3's NoPE layers do
+        not)."""
+        return [True] * self.num_layers
+
     def sliding_windows(self) -> list[int | None]:
         """Per layer: the attention window in tokens, or None for full causal attention."""
         types = getattr(self.config, "layer_types", None)
@@ -155,3 +160,17 @@ class Phi3(Architecture):
         w = mlp.gate_up_proj.weight
         half = w.shape[0] // 2  # transformers: gate, up = gate_up_proj(x).chunk(2, dim=-1)
         return w[:half], w[half:]
+
+
+@register("smollm3")
+class SmolLM3(Architecture):
+    """SmolLM3: the Llama layout with no rotary embedding in every fourth layer (config.no_rope_layers: 1 where a
+    layer turns, despite its name) and a window only where use_sliding_window says so."""
+
+    def rotary_layers(self) -> list[bool]:
+        return [bool(turns) for turns in self.config.no_rope_layers]
+
+    def sliding_windows(self) -> list[int | None]:
+        if not getattr(self.config, "use_sliding_window", False):
+            return [None] * self.num_layers
+        return super().sliding_windows()

@@ -107,7 +107,9 @@ def _split_attention(layer, hidden, cos, sin, shared_k, shared_v, past_k, past_v
     v = v.transpose(1, 2)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before the rotary embedding
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = _rotated(q.transpose(1, 2), cos, sin), _rotated(k.transpose(1, 2), cos, sin)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if getattr(attn, "use_rope", True):  # SmolLM3's NoPE layers turn nothing
+        q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
     # query head h reads kv head h // group: the group's queries become rows of one matmul per kv head

@@ -18,10 +18,11 @@ Graph I/O (batch B, new tokens T, buffer capacity C chosen by the runtime):
 Bound to one buffer, present IS past with the T new positions written. Run on plain arrays instead (the parity
 checks), past holds exactly the valid positions and present is past + new.
 
-Supported: the Llama layout of every architecture export/architectures.py registers, with q/k/v biases (Qwen2),
-per-head q/k RMS norms before the rotary embedding (Qwen3), packed projections and a rotary embedding over part of
-each head (Phi-3, Phi-4-mini), sliding-window layers (Mistral, Qwen2, Phi-3) and any rotary scaling transformers
-implements (cos/sin are taken from the model's own rotary module; longrope's within its original context).
+Supported: the Llama layout of every architecture export/architectures.py registers, with q/k/v biases (Qwen2), per-head
+q/k RMS norms before the rotary embedding (Qwen3), packed projections and a rotary embedding over part of each head
+(Phi-3, Phi-4-mini), layers without a rotary embedding (SmolLM3), sliding-window layers (Mistral, Qwen2, Phi-3) and any
+rotary scaling transformers implements (cos/sin are taken from the model's own rotary module; longrope's within its
+original context).
 
 Head sizes: GroupQueryAttention rotates only heads whose size is a multiple of ROTARY_HEAD_MULTIPLE. A model whose
 heads are not (24, say) gets them padded with zeros to the next multiple inside the graphs (_HeadLayout): the KV
@@ -278,7 +279,7 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
     heads, kv_heads, hd = facts.num_attention_heads, facts.num_kv_heads, facts.head_dim
     layout = _head_layout(arch, facts)
     eps = float(config.rms_norm_eps)
-    windows = arch.sliding_windows()
+    windows, turns = arch.sliding_windows(), arch.rotary_layers()
     cos, sin = _rotary_caches(backbone, facts, layout)
     cos_name, sin_name = g.weight("cos_cache", cos), g.weight("sin_cache", sin)
 
@@ -303,13 +304,14 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
             q, k, v = qkv, "", ""
         window = windows[i]
         # the model's own scale (1/sqrt of its head size): padding adds only zero terms to q.k
-        attrs = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0,
+        attrs = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=int(turns[i]), rotary_interleaved=0,
                      scale=float(attn.scaling))
         if window is not None:
             # both count the query itself: a query sees keys at positions > its own - window (checked by parity)
             attrs["local_window_size"] = int(window)
+        rotary = [cos_name, sin_name] if turns[i] else []  # GroupQueryAttention takes no caches without a rotary
         a = g.node("GroupQueryAttention",
-                   [q, k, v, past_key_name(i), past_value_name(i), SEQLENS, TOTAL_LENGTH, cos_name, sin_name],
+                   [q, k, v, past_key_name(i), past_value_name(i), SEQLENS, TOTAL_LENGTH, *rotary],
                    [g.name("attn"), present_key_name(i), present_value_name(i)], domain=MS_DOMAIN, **attrs)[0]
         o = g.linear(a, [layout.pad(_np(attn.o_proj.weight), heads, rotary=False, axis=1)], [attn.o_proj.bias])
         # the residual add and the next norm in one op (a decode step is ~13 ops a layer; each costs dispatch)

@@ -126,14 +126,15 @@ class _Rewriter:
     # -- one GroupQueryAttention ---------------------------------------------------------------------------------
     def attention(self, node: onnx.NodeProto) -> None:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if attrs.get("do_rotary", 0) != 1 or attrs.get("rotary_interleaved", 0) != 0:
+        turns = attrs.get("do_rotary", 0) == 1  # a layer without a rotary (SmolLM3's NoPE) has no caches
+        if attrs.get("rotary_interleaved", 0) != 0:
             raise ManifestError("portable target graphs need GroupQueryAttention with a non-interleaved rotary")
         heads, kv_heads = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
         window = int(attrs.get("local_window_size", -1))  # keys a query sees, itself included (<= 0: all)
-        q, k, v, past_k, past_v, _seqlens, _total, cos_cache, sin_cache = node.input
+        q, k, v, past_k, past_v = node.input[:5]
+        cos_cache, sin_cache = (node.input[7], node.input[8]) if turns else ("", "")
         out, present_k, present_v = node.output
         hd = self.head_size(past_k)
-        turned = 2 * self.initializer_shape(cos_cache)[1]  # the rotary turns the first `turned` values of a head
         if not k:  # q, k and v packed in the first input
             sizes = self.const(np.array([heads * hd, kv_heads * hd, kv_heads * hd], np.int64), "qkv_sizes")
             q, k, v = (self.name("split") for _ in range(3))
@@ -141,12 +142,14 @@ class _Rewriter:
                                                axis=-1))
         shared_k, shared_v = past_k.replace("past_key_values.", "shared_key_values."), \
             past_v.replace("past_key_values.", "shared_key_values.")
-        cos, sin = self.rotary(cos_cache), self.rotary(sin_cache)
-
         def heads_first(x: str, n: int) -> str:  # [B,T,n*hd] -> [B,n,T,hd]
             return self.node("Transpose", [self.node("Reshape", [x, self.ints(0, 0, n, -1)])], perm=[0, 2, 1, 3])
 
         def rotate(x: str) -> str:  # rotate_half layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the rest kept
+            if not turns:
+                return x
+            turned = 2 * self.initializer_shape(cos_cache)[1]  # the first `turned` values of a head
+            cos, sin = self.rotary(cos_cache), self.rotary(sin_cache)
             x1 = self.node("Slice", [x, self.ints(0), self.ints(turned // 2), self.ints(3)])
             x2 = self.node("Slice", [x, self.ints(turned // 2), self.ints(turned), self.ints(3)])
             first = self.node("Sub", [self.node("Mul", [x1, cos]), self.node("Mul", [x2, sin])])

@@ -107,6 +107,33 @@ def test_a_longrope_model_exports_within_its_original_context(tmp_path):
         pipe.close()
 
 
+@pytest.mark.parametrize("overrides", [{"hidden_size": 128, "partial_rotary_factor": 0.5}, {}])
+def test_rotary_variants_run_alike_on_every_target_backend(tmp_path, overrides):
+    """Phi-4-mini's rotary over part of each head, SmolLM3's layers without one (every fourth, windowed there): every
+    mode equals ar on ONNX Runtime, and the target on OpenVINO (GroupQueryAttention rewritten) gives the same tokens."""
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    arch = "phi3" if overrides else "smollm3"
+    if arch == "smollm3":
+        overrides = {"use_sliding_window": True, "sliding_window": 4}
+    target, draft = make_pair(tmp_path / "pair", arch, **overrides)
+    manifest = export_bundle(ExportOptions(str(target), str(draft), tmp_path / "bundle"), report=_quiet)
+    assert manifest.validation["passed"]
+    graphs = [onnx.load(str(tmp_path / "bundle" / f"{role}.onnx")) for role in ("target_prefix", "target_suffix")]
+    turns = [next(a.i for a in n.attribute if a.name == "do_rotary")
+             for g in graphs for n in g.graph.node if n.op_type == "GroupQueryAttention"]
+    assert turns == ([1, 1, 1, 0, 1, 1] if arch == "smollm3" else [1] * 6)
+    answers = {}
+    for backend in ("onnxruntime", "openvino"):
+        pipe = Pipeline.load(tmp_path / "bundle", huge_pages=False, target_backend=backend)
+        try:
+            for mode in ("ar", "sd", "mirror"):
+                answers[backend, mode] = pipe.generate("def load(self, s):", max_new_tokens=24, mode=mode).token_ids
+        finally:
+            pipe.close()
+    assert len(set(map(tuple, answers.values()))) == 1, answers
+
+
 def test_a_rotary_over_too_few_values_is_refused(tmp_path, capsys):
     """GroupQueryAttention turns a multiple of 16 values of a head: a partial rotary of 8 is named, nothing written."""
     target, draft = make_pair(tmp_path / "pair", "phi3", partial_rotary_factor=0.5)  # heads of 16: 8 turned
@@ -196,7 +223,7 @@ def odd_models(tmp_path_factory, pair_factory):
     ("exit_high", "EXIT_LAYER 6 is outside"),
     ("topk_low", "TOPK 0 is outside"),
     ("topk_high", "TOPK 385 is outside"),
-    ("unsupported", "not supported; supported: llama, mistral, phi3, qwen2, qwen3"),
+    ("unsupported", "not supported; supported: llama, mistral, phi3, qwen2, qwen3, smollm3"),
     ("truncated_model", "cannot load target"),
     ("truncated_draft", "cannot load draft"),
     ("no_eos", "names no EOS token"),
