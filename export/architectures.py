@@ -2,7 +2,8 @@
 
 All share the Llama layout (`model.model.{embed_tokens, layers, norm, rotary_emb}`, `model.lm_head`); they differ
 in which layers use a sliding attention window, in how a layer's projections are stored (Phi-3 packs q, k and v in
-one Linear and gate and up in another) and in how much of each head the rotary embedding turns. Attribute names come
+one Linear and gate and up in another), in how much of each head the rotary embedding turns and by which angles, and
+(Gemma 3) in their norms, embedding scale and activation. Each answers through the hooks below. Attribute names come
 from optimum's normalized configs so the facts we record do not depend on each config's spelling.
 """
 
@@ -43,10 +44,13 @@ def architecture_of(config) -> Architecture:
 class Architecture:
     model_type = ""
     window_on_every_layer = False  # config.sliding_window applies to every layer (no layer_types in the config)
+    activation = "silu"  # the MLP's act(gate x) * up x: "silu", or "gelu_tanh" (Gemma's gelu_pytorch_tanh)
+    config_names = ""  # optimum's model type whose config field names this one's share, where it lacks this one
 
     def __init__(self, config) -> None:
         self.config = config
-        self.normalized = NormalizedConfigManager.get_normalized_config_class(self.model_type)(config)
+        self.normalized = NormalizedConfigManager.get_normalized_config_class(
+            self.config_names or self.model_type)(config)
 
     # -- modules -------------------------------------------------------------------------------------------------
     @staticmethod
@@ -66,6 +70,33 @@ class Architecture:
     def gate_up(mlp) -> tuple:
         """The MLP's gate and up projections' weights [intermediate, hidden] (act(gate x) * up x)."""
         return mlp.gate_proj.weight, mlp.up_proj.weight
+
+    @staticmethod
+    def layer_norms(layer) -> tuple:
+        """A layer's RMS norms: (before attention, on attention's output or None, before the MLP, on the MLP's output
+        or None). Gemma normalises each block's output as well before the residual add."""
+        return layer.input_layernorm, None, layer.post_attention_layernorm, None
+
+    @staticmethod
+    def norm_scale(norm):
+        """What an RMS norm multiplies the normalised values by (Gemma's norms hold it less one)."""
+        return norm.weight
+
+    @staticmethod
+    def norm_eps(norm) -> float:
+        eps = getattr(norm, "variance_epsilon", None)
+        return float(norm.eps if eps is None else eps)
+
+    @staticmethod
+    def embed_scale(backbone) -> float | None:
+        """A factor on the token embedding (Gemma's sqrt(hidden_size)), or None."""
+        return None
+
+    def rotary_angles(self, rotary, x, position_ids) -> list[tuple]:
+        """(cos, sin) per layer from the model's rotary module (`rotary`: it, or a stand-in with its call); layers
+        sharing angles share the objects."""
+        angles = rotary(x, position_ids)
+        return [angles] * self.num_layers
 
     # -- facts ---------------------------------------------------------------------------------------------------
     @property
@@ -174,3 +205,40 @@ class SmolLM3(Architecture):
         if not getattr(self.config, "use_sliding_window", False):
             return [None] * self.num_layers
         return super().sliding_windows()
+
+
+@register("gemma3_text")
+class Gemma3(Architecture):
+    """Gemma 3's text model (gemma-3-270m, -1b, and the text stack of the larger ones): the token embedding times
+    sqrt(hidden_size), RMS norms that scale by 1 + weight, each block's output normalised before its residual add,
+    q / k norms per head, GELU (tanh) MLPs, and other rotary angles on its sliding layers than on its full ones."""
+
+    activation = "gelu_tanh"
+    config_names = "gemma"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(config, name, None) is not None:
+                raise UnsupportedArchitectureError(f"gemma3_text with {name} is not supported")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedArchitectureError("gemma3_text with bidirectional attention (an embedding model) is not "
+                                               "a causal LM to decode")
+
+    @staticmethod
+    def layer_norms(layer) -> tuple:
+        return (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm)
+
+    @staticmethod
+    def norm_scale(norm):
+        return 1.0 + norm.weight.float()
+
+    @staticmethod
+    def embed_scale(backbone) -> float | None:
+        return float(backbone.embed_tokens.embed_scale)
+
+    def rotary_angles(self, rotary, x, position_ids) -> list[tuple]:
+        types = list(self.config.layer_types)
+        by_type = {t: rotary(x, position_ids, t) for t in dict.fromkeys(types)}
+        return [by_type[t] for t in types]

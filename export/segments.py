@@ -148,8 +148,8 @@ class _FixedRotary(nn.Module):
 
 def _traceable(rotary: nn.Module) -> nn.Module:
     """`rotary`, or a _FixedRotary where its angles change with the sequence's length."""
-    kind = str(getattr(rotary, "rope_type", "default"))
-    return _FixedRotary(rotary) if kind == "longrope" or "dynamic" in kind else rotary
+    kind = getattr(rotary, "rope_type", "default")  # Gemma 3's holds one per layer type: a dict, kept as it is
+    return _FixedRotary(rotary) if isinstance(kind, str) and (kind == "longrope" or "dynamic" in kind) else rotary
 
 
 class _Layers(nn.Module):
@@ -162,7 +162,7 @@ class _Layers(nn.Module):
         self.start, self.end = start, end
         self.embed_tokens = backbone.embed_tokens if embed else None
         self.layers = nn.ModuleList(backbone.layers[start:end])
-        self.qkv = arch.qkv
+        self.arch = arch
         self.rotary_emb = _traceable(backbone.rotary_emb)
         self.windows = arch.sliding_windows()[start:end]
         self.head = head
@@ -170,6 +170,10 @@ class _Layers(nn.Module):
             self.norm, self.lm_head = backbone.norm, arch.lm_head(model)
         elif head is not None:
             raise ValueError("a segment's head is 'final' or None")
+
+    def angles(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) for each of the segment's layers."""
+        return self.arch.rotary_angles(self.rotary_emb, hidden, position_ids)[self.start:self.end]
 
 
 def last_positions(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -194,7 +198,7 @@ class SplitSegment(_Layers):
                 attention_mask: torch.Tensor, keep: torch.Tensor, *past: torch.Tensor):
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
         new = hidden.shape[1]
-        cos, sin = self.rotary_emb(hidden, position_ids)
+        angles = self.angles(hidden, position_ids)
         shared_len = shared_mask.shape[1]
         biases = {}
         for w in set(self.windows):
@@ -211,10 +215,12 @@ class SplitSegment(_Layers):
         present = []
         for j, (layer, window) in enumerate(zip(self.layers, self.windows)):
             shared_k, shared_v, own_k, own_v = past[4 * j: 4 * j + 4]
-            attn_out, k, v = _split_attention(layer, layer.input_layernorm(hidden), cos, sin, shared_k, shared_v,
-                                              own_k, own_v, *biases[window], qkv=self.qkv)
-            hidden = hidden + attn_out
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            before_attention, after_attention, before_mlp, after_mlp = self.arch.layer_norms(layer)
+            attn_out, k, v = _split_attention(layer, before_attention(hidden), *angles[j], shared_k, shared_v,
+                                              own_k, own_v, *biases[window], qkv=self.arch.qkv)
+            hidden = hidden + (attn_out if after_attention is None else after_attention(attn_out))
+            out = layer.mlp(before_mlp(hidden))
+            hidden = hidden + (out if after_mlp is None else after_mlp(out))
             present += [k, v]
         if self.head == "final":
             return (self.lm_head(self.norm(last_positions(hidden, keep))), *present)
@@ -232,12 +238,12 @@ class Segment(_Layers):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B,T,H]
         new_tokens = hidden.shape[1]
-        cos_sin = self.rotary_emb(hidden, position_ids)
+        angles = self.angles(hidden, position_ids)
         masks = {w: additive_mask(attention_mask, new_tokens, w, hidden.dtype) for w in set(self.windows)}
         kv = _PlainKV({self.start + i: (past[2 * i], past[2 * i + 1]) for i in range(len(self.layers))})
-        for layer, window in zip(self.layers, self.windows):
+        for j, (layer, window) in enumerate(zip(self.layers, self.windows)):
             hidden = layer(hidden, attention_mask=masks[window], position_ids=position_ids, past_key_values=kv,
-                           position_embeddings=cos_sin)
+                           position_embeddings=angles[j])
         present = [t for i in range(self.start, self.end) for t in kv.present[i]]
         if self.head == "final":
             return (self.lm_head(self.norm(hidden)), *present)

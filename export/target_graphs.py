@@ -212,15 +212,22 @@ class _HeadLayout:
         return out
 
 
-def _rotary_caches(backbone, facts: ModelFacts, layout: _HeadLayout) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, rotary/2] from the model's own rotary module (its scaling included). transformers
-    returns both halves concatenated (rotate_half layout); GroupQueryAttention takes one half, and turns the first
-    2 x its width values of each head (all of them, or part: Phi-4-mini's partial_rotary_factor). A padded head's
-    extra pairs get cos 1, sin 0 (they rotate zeros)."""
+def _rotary_caches(arch: Architecture, backbone, facts: ModelFacts, layout: _HeadLayout
+                   ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer, cos/sin [max_positions, rotary/2] from the model's own rotary module (its scaling included; layers
+    that share angles share the arrays: Gemma 3 turns its sliding layers by other angles than its full ones)."""
     positions = torch.arange(facts.max_position_embeddings)[None]
     dummy = torch.zeros(1, 1, facts.hidden_size)
     with torch.no_grad():
-        cos, sin = backbone.rotary_emb(dummy, positions)
+        angles = arch.rotary_angles(backbone.rotary_emb, dummy, positions)
+    made: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    return [made.setdefault(id(pair), _rotary_cache(*pair, layout)) for pair in angles]
+
+
+def _rotary_cache(cos: torch.Tensor, sin: torch.Tensor, layout: _HeadLayout) -> tuple[np.ndarray, np.ndarray]:
+    """transformers returns both halves concatenated (rotate_half layout); GroupQueryAttention takes one half, and
+    turns the first 2 x its width values of each head (all of them, or part: Phi-4-mini's partial_rotary_factor). A
+    padded head's extra pairs get cos 1, sin 0 (they rotate zeros)."""
     cos, sin = _np(cos[0]), _np(sin[0])
     turned = cos.shape[-1]
     half = turned // 2
@@ -259,10 +266,14 @@ def padded_inputs(model, arch: Architecture) -> dict[torch.nn.Module, tuple[np.n
     return {layer.self_attn.o_proj: (slots, heads * layout.padded) for layer in arch.backbone(model).layers}
 
 
+ACTIVATIONS = {"silu": ("SiLU", "SiLUActivation"), "gelu_tanh": ("GELUTanh", "PytorchGELUTanh")}
+
+
 def _check_layer(layer, arch: Architecture) -> None:
     act = getattr(layer.mlp, "act_fn", None) or getattr(layer.mlp, "activation_fn", None)  # Phi-3's name
-    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
-        raise UnsupportedArchitectureError(f"{arch.model_type}: only SiLU MLPs are supported, not {type(act).__name__}")
+    if type(act).__name__ not in ACTIVATIONS[arch.activation]:
+        raise UnsupportedArchitectureError(f"{arch.model_type}: only {arch.activation} MLPs are supported, not "
+                                           f"{type(act).__name__}")
 
 
 def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role, start: int, end: int,
@@ -280,14 +291,23 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
     layout = _head_layout(arch, facts)
     eps = float(config.rms_norm_eps)
     windows, turns = arch.sliding_windows(), arch.rotary_layers()
-    cos, sin = _rotary_caches(backbone, facts, layout)
-    cos_name, sin_name = g.weight("cos_cache", cos), g.weight("sin_cache", sin)
+    caches = _rotary_caches(arch, backbone, facts, layout)
+    cache_names: dict[int, list[str]] = {}  # per distinct cache, the graph's cos and sin
+    for i in range(start, end):
+        if turns[i] and id(caches[i]) not in cache_names:
+            cache_names[id(caches[i])] = [g.weight("cos_cache", caches[i][0]), g.weight("sin_cache", caches[i][1])]
+
+    def norm(x: str, module) -> str:
+        return g.rms_norm(x, arch.norm_scale(module), eps)
 
     if role == "target_prefix":
         x = g.node("Gather", [g.weight("embed_tokens", _np(backbone.embed_tokens.weight)), "input_ids"])[0]
+        scale = arch.embed_scale(backbone)
+        if scale is not None:  # Gemma: the embedding times sqrt(hidden_size), in the weights' dtype
+            x = g.node("Mul", [x, g.weight("embed_scale", np.array(scale, np.float32))])[0]
     else:
         x = BOUNDARY
-    h = g.rms_norm(x, backbone.layers[start].input_layernorm.weight, eps)
+    h = norm(x, arch.layer_norms(backbone.layers[start])[0])
     tapped: dict[int, str] = {}  # layer count -> the residual stream after it
     for i in range(start, end):
         layer = backbone.layers[i]
@@ -298,8 +318,8 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head, before the rotary embedding
             sizes = g.weight("qkv_sizes", np.array([heads * hd, kv_heads * hd, kv_heads * hd], np.int64))
             q, k, v = g.node("Split", [qkv, sizes], 3, axis=-1)
-            q = _head_norm(g, q, attn.q_norm, heads, layout)
-            k = _head_norm(g, k, attn.k_norm, kv_heads, layout)
+            q = _head_norm(g, arch, q, attn.q_norm, heads, layout)
+            k = _head_norm(g, arch, k, attn.k_norm, kv_heads, layout)
         else:  # GroupQueryAttention takes q, k and v packed: no split (a copy per layer in prefill)
             q, k, v = qkv, "", ""
         window = windows[i]
@@ -309,20 +329,28 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         if window is not None:
             # both count the query itself: a query sees keys at positions > its own - window (checked by parity)
             attrs["local_window_size"] = int(window)
-        rotary = [cos_name, sin_name] if turns[i] else []  # GroupQueryAttention takes no caches without a rotary
+        rotary = cache_names[id(caches[i])] if turns[i] else []  # no caches without a rotary
         a = g.node("GroupQueryAttention",
                    [q, k, v, past_key_name(i), past_value_name(i), SEQLENS, TOTAL_LENGTH, *rotary],
                    [g.name("attn"), present_key_name(i), present_value_name(i)], domain=MS_DOMAIN, **attrs)[0]
         o = g.linear(a, [layout.pad(_np(attn.o_proj.weight), heads, rotary=False, axis=1)], [attn.o_proj.bias])
+        _, after_attention, before_mlp, after_mlp = arch.layer_norms(layer)
+        if after_attention is not None:  # Gemma: the block's output normalised before the residual add
+            o = norm(o, after_attention)
         # the residual add and the next norm in one op (a decode step is ~13 ops a layer; each costs dispatch)
-        h, x = g.skip_rms_norm(o, x, layer.post_attention_layernorm.weight, eps)
+        h, x = g.skip_rms_norm(o, x, arch.norm_scale(before_mlp), eps)
         # two MatMuls rather than one packed and a Split: the same weight bytes, no copy of the activations
         gate_w, up_w = arch.gate_up(layer.mlp)
         gate, up = g.linear(h, [gate_w]), g.linear(h, [up_w])
-        act = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # SiLU
+        if arch.activation == "gelu_tanh":
+            act = g.node("FastGelu", [gate], domain=MS_DOMAIN)[0]  # GELU's tanh approximation
+        else:
+            act = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # SiLU
         down = g.linear(g.node("Mul", [act, up])[0], [layer.mlp.down_proj.weight], [layer.mlp.down_proj.bias])
+        if after_mlp is not None:
+            down = norm(down, after_mlp)
         if i + 1 < end:
-            h, x = g.skip_rms_norm(down, x, backbone.layers[i + 1].input_layernorm.weight, eps)
+            h, x = g.skip_rms_norm(down, x, arch.norm_scale(arch.layer_norms(backbone.layers[i + 1])[0]), eps)
         else:
             x = g.node("Add", [x, down])[0]
         tapped[i + 1] = x
@@ -337,7 +365,7 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         begin = g.node("Neg", [KEEP])[0]
         last = g.node("Slice", [x, begin, g.weight("end", np.array([np.iinfo(np.int64).max], np.int64)),
                                 g.weight("axis", np.array([1], np.int64))])[0]
-        h = g.rms_norm(last, backbone.norm.weight, eps)
+        h = norm(last, backbone.norm)
         lm_head = arch.lm_head(model)
         head_w = g.linear(h, [lm_head.weight], [getattr(lm_head, "bias", None)])
         g.to_float32(head_w, LOGITS)
@@ -359,14 +387,14 @@ def _qkv(arch: Architecture, attn, layout: _HeadLayout, heads: int, kv_heads: in
     return weights, biases
 
 
-def _head_norm(g: _Graph, x: str, norm, n_heads: int, layout: _HeadLayout) -> str:
+def _head_norm(g: _Graph, arch: Architecture, x: str, norm, n_heads: int, layout: _HeadLayout) -> str:
     """RMS norm over each head's values: [B,T,n*P] -> [B,T,n,P] -> norm -> [B,T,n*P]. A padded head's zeros scale
     its mean square by r = size/P; epsilon scaled by r and the weight by sqrt(r) give the model's norm exactly:
     x w sqrt(r) / sqrt(r ms + r eps) = x w / sqrt(ms + eps). The padding stays zero."""
     p, ratio = layout.padded, layout.size / layout.padded
-    weight = layout.pad(_np(norm.weight) * np.float32(np.sqrt(ratio)), 1, rotary=True)
+    weight = layout.pad(_np(arch.norm_scale(norm)) * np.float32(np.sqrt(ratio)), 1, rotary=True)
     shaped = g.node("Reshape", [x, g.weight("shape", np.array([0, 0, n_heads, p], np.int64))])[0]
-    normed = g.rms_norm(shaped, weight, float(norm.variance_epsilon) * ratio)
+    normed = g.rms_norm(shaped, weight, arch.norm_eps(norm) * ratio)
     return g.node("Reshape", [normed, g.weight("shape", np.array([0, 0, n_heads * p], np.int64))])[0]
 
 

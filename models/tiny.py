@@ -21,6 +21,12 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Small but not degenerate: 2 query heads per KV head (grouped-query attention) and several layers to split.
 TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512)
+# Gemma 3's defaults are a 1B model's: heads of 256 and its scale, a window of 4,096 (here shorter than the tests'
+# sequences, so that the sliding layers' mask matters). Its tied head over an embedding scaled by sqrt(hidden_size)
+# makes a tiny random model repeat one token, which would make every mode agree trivially: untied here (the tied
+# case is exported in tests/test_export.py)
+ARCHITECTURE_SIZES = {"gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                          tie_word_embeddings=False)}
 
 
 def _training_text() -> list[str]:
@@ -60,7 +66,7 @@ def make_model(out_dir: str | Path, architecture: str = "llama", num_layers: int
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else make_tokenizer(out)
     if tokenizer_dir:
         tokenizer.save_pretrained(out)
-    sizes = {**TINY_SIZES, **overrides}
+    sizes = {**TINY_SIZES, **ARCHITECTURE_SIZES.get(architecture, {}), **overrides}
     config = AutoConfig.for_model(
         architecture, num_hidden_layers=num_layers, vocab_size=vocab_size or len(tokenizer),
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,

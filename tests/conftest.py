@@ -14,7 +14,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+# phi3 and smollm3 differ from llama at export only (tests/test_export.py); gemma3_text's graphs differ as well
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 
 def scripted_gate(speculate_when):

@@ -73,6 +73,8 @@ def test_exit_layer_and_k_are_respected(bundle_factory, exit_layer, top_k):
     ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 3}),  # mixed layer types
     ("phi3", {"sliding_window": 4}),  # Phi-3-mini's window on every layer
     ("phi3", {"hidden_size": 128, "partial_rotary_factor": 0.5}),  # Phi-4-mini: the rotary turns 16 of 32 values
+    ("phi3", {}),
+    ("gemma3_text", {"tie_word_embeddings": True}),  # as Gemma 3 ships: the head is the scaled embedding's weight
 ])
 def test_config_variants_export_with_parity(tmp_path, architecture, overrides):
     target, draft = make_pair(tmp_path / "pair", architecture, **overrides)
@@ -107,22 +109,26 @@ def test_a_longrope_model_exports_within_its_original_context(tmp_path):
         pipe.close()
 
 
-@pytest.mark.parametrize("overrides", [{"hidden_size": 128, "partial_rotary_factor": 0.5}, {}])
-def test_rotary_variants_run_alike_on_every_target_backend(tmp_path, overrides):
-    """Phi-4-mini's rotary over part of each head, SmolLM3's layers without one (every fourth, windowed there): every
-    mode equals ar on ONNX Runtime, and the target on OpenVINO (GroupQueryAttention rewritten) gives the same tokens."""
+@pytest.mark.parametrize("arch,overrides,turns", [
+    ("phi3", {"hidden_size": 128, "partial_rotary_factor": 0.5}, [1] * 6),
+    ("smollm3", {"use_sliding_window": True, "sliding_window": 4}, [1, 1, 1, 0, 1, 1]),
+    ("gemma3_text", {}, [1] * 6),  # two caches: its sliding layers' angles and its full one's
+])
+def test_rotary_variants_run_alike_on_every_target_backend(tmp_path, arch, overrides, turns):
+    """Phi-4-mini's rotary over part of each head, SmolLM3's layers without one (every fourth, windowed there), Gemma
+    3's angles per layer type: every mode equals ar on ONNX Runtime, and the target on OpenVINO (GroupQueryAttention
+    rewritten) gives the same tokens."""
     from mirror_sd.runtime.pipeline import Pipeline
 
-    arch = "phi3" if overrides else "smollm3"
-    if arch == "smollm3":
-        overrides = {"use_sliding_window": True, "sliding_window": 4}
     target, draft = make_pair(tmp_path / "pair", arch, **overrides)
     manifest = export_bundle(ExportOptions(str(target), str(draft), tmp_path / "bundle"), report=_quiet)
     assert manifest.validation["passed"]
-    graphs = [onnx.load(str(tmp_path / "bundle" / f"{role}.onnx")) for role in ("target_prefix", "target_suffix")]
-    turns = [next(a.i for a in n.attribute if a.name == "do_rotary")
-             for g in graphs for n in g.graph.node if n.op_type == "GroupQueryAttention"]
-    assert turns == ([1, 1, 1, 0, 1, 1] if arch == "smollm3" else [1] * 6)
+    prefix = onnx.load(str(tmp_path / "bundle" / "target_prefix.onnx"), load_external_data=False)
+    suffix = onnx.load(str(tmp_path / "bundle" / "target_suffix.onnx"), load_external_data=False)
+    nodes = [n for g in (prefix, suffix) for n in g.graph.node if n.op_type == "GroupQueryAttention"]
+    assert [next(a.i for a in n.attribute if a.name == "do_rotary") for n in nodes] == turns
+    caches = {n.input[7] for n in suffix.graph.node if n.op_type == "GroupQueryAttention" and len(n.input) > 7}
+    assert len(caches) == (2 if arch == "gemma3_text" else 1)  # the suffix's layers 3-5: Gemma's last one is full
     answers = {}
     for backend in ("onnxruntime", "openvino"):
         pipe = Pipeline.load(tmp_path / "bundle", huge_pages=False, target_backend=backend)
@@ -223,7 +229,7 @@ def odd_models(tmp_path_factory, pair_factory):
     ("exit_high", "EXIT_LAYER 6 is outside"),
     ("topk_low", "TOPK 0 is outside"),
     ("topk_high", "TOPK 385 is outside"),
-    ("unsupported", "not supported; supported: llama, mistral, phi3, qwen2, qwen3, smollm3"),
+    ("unsupported", "not supported; supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3"),
     ("truncated_model", "cannot load target"),
     ("truncated_draft", "cannot load draft"),
     ("no_eos", "names no EOS token"),

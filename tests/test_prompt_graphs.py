@@ -31,7 +31,7 @@ NO_BF16 = pytest.mark.skipif(not has_bf16(), reason="this CPU has no bf16 arithm
 # the target's weights under each prompt precision, per architecture: bf16 prompts go with float32 targets, float32
 # prompts with compressed ones (both formats over the architectures)
 WEIGHTS = {"bf16": dict.fromkeys(ARCHITECTURES, "float32"),
-           "float32": {"llama": "int8", "qwen2": "int4", "qwen3": "int8", "mistral": "int4", "phi3": "int8"}}
+           "float32": {"llama": "int8", "qwen2": "int4", "qwen3": "int8", "mistral": "int4", "gemma3_text": "int8"}}
 PRECISIONS = [pytest.param("bf16", marks=NO_BF16), "float32"]
 # how far a prompt's KV from the prompt graphs may lie from the target's own: bf16's rounding, or the target's int8
 # activations' (float32 prompts)
