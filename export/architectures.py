@@ -98,6 +98,10 @@ class Architecture:
         angles = rotary(x, position_ids)
         return [angles] * self.num_layers
 
+    def softcaps(self) -> tuple[float | None, float | None]:
+        """(attention scores', final logits') soft cap c: x -> c tanh(x / c), or None (Gemma 2 caps both)."""
+        return None, None
+
     # -- facts ---------------------------------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
@@ -140,7 +144,20 @@ class Architecture:
         return [True] * self.num_layers
 
     def sliding_windows(self) -> list[int | None]:
-        """Per layer: the attention window in tokens, or None for full causal attention."""
+        """Per layer: the attention window in tokens, or None for full causal attention (a window as long as the
+        context sees every key: Phi-3.5's of 262,144 in a context of 4,096)."""
+        limit = self.max_positions()
+        return [None if w is None or (limit and w >= limit) else w for w in self.layer_windows()]
+
+    def rotary_turned(self) -> int:
+        """How many values of each head the rotary embedding turns (Phi-4-mini's partial_rotary_factor: part)."""
+        c = self.config
+        rope = getattr(c, "rope_parameters", None) or {}
+        factor = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))
+        return int(self.facts()["head_dim"] * (1.0 if factor is None else factor))
+
+    def layer_windows(self) -> list[int | None]:
+        """Per layer: the config's attention window, or None."""
         types = getattr(self.config, "layer_types", None)
         window = getattr(self.config, "sliding_window", None)
         if self.window_on_every_layer:
@@ -201,29 +218,24 @@ class SmolLM3(Architecture):
     def rotary_layers(self) -> list[bool]:
         return [bool(turns) for turns in self.config.no_rope_layers]
 
-    def sliding_windows(self) -> list[int | None]:
+    def layer_windows(self) -> list[int | None]:
         if not getattr(self.config, "use_sliding_window", False):
             return [None] * self.num_layers
-        return super().sliding_windows()
+        return super().layer_windows()
 
 
-@register("gemma3_text")
-class Gemma3(Architecture):
-    """Gemma 3's text model (gemma-3-270m, -1b, and the text stack of the larger ones): the token embedding times
-    sqrt(hidden_size), RMS norms that scale by 1 + weight, each block's output normalised before its residual add,
-    q / k norms per head, GELU (tanh) MLPs, and other rotary angles on its sliding layers than on its full ones."""
+class _Gemma(Architecture):
+    """What Gemma 2 and 3 share: the token embedding times sqrt(hidden_size), RMS norms that scale by 1 + weight, each
+    block's output normalised before its residual add, GELU (tanh) MLPs."""
 
     activation = "gelu_tanh"
-    config_names = "gemma"
+    config_names = "gemma"  # optimum's normalized config of the first Gemma reads both configs' fields
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if getattr(config, name, None) is not None:
-                raise UnsupportedArchitectureError(f"gemma3_text with {name} is not supported")
         if getattr(config, "use_bidirectional_attention", False):
-            raise UnsupportedArchitectureError("gemma3_text with bidirectional attention (an embedding model) is not "
-                                               "a causal LM to decode")
+            raise UnsupportedArchitectureError(f"{self.model_type} with bidirectional attention (an embedding model) "
+                                               "is not a causal LM to decode")
 
     @staticmethod
     def layer_norms(layer) -> tuple:
@@ -237,6 +249,27 @@ class Gemma3(Architecture):
     @staticmethod
     def embed_scale(backbone) -> float | None:
         return float(backbone.embed_tokens.embed_scale)
+
+
+@register("gemma2")
+class Gemma2(_Gemma):
+    """Gemma 2: soft caps on the attention scores and the final logits."""
+
+    def softcaps(self) -> tuple[float | None, float | None]:
+        c = self.config
+        return c.attn_logit_softcapping, c.final_logit_softcapping
+
+
+@register("gemma3_text")
+class Gemma3(_Gemma):
+    """Gemma 3's text model (gemma-3-270m, -1b, and the text stack of the larger ones): per-head q / k norms, and other
+    rotary angles on its sliding layers than on its full ones."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(config, name, None) is not None:  # Gemma 3's attention takes no cap in transformers
+                raise UnsupportedArchitectureError(f"gemma3_text with {name} is not supported")
 
     def rotary_angles(self, rotary, x, position_ids) -> list[tuple]:
         types = list(self.config.layer_types)

@@ -30,7 +30,7 @@ from mirror_sd.export.draft_weights import (
 from mirror_sd.export.drafts import UNREADABLE, Draft, load_draft
 from mirror_sd.export.onnx_export import draft_spec, exit_spec, export_segment
 from mirror_sd.export.segments import ExitTopK, LogitLens
-from mirror_sd.export.target_graphs import check_attention, graph_facts, write_target_graph
+from mirror_sd.export.target_graphs import check_attention, check_rotary, graph_facts, write_target_graph
 from mirror_sd.export.target_precision import MIN_TARGET_AGREEMENT, check_target_dtype, retype_target
 from mirror_sd.export.target_weights import BLOCK_SIZE as TARGET_BLOCK_SIZE
 from mirror_sd.export.target_weights import (
@@ -217,7 +217,11 @@ def export_bundle(opts: ExportOptions, report: Callable[[str], None] = print) ->
     if opts.target_weights != FLOAT32 and opts.target_dtype != "float32":
         raise BadInputError(f"target weights {opts.target_weights} go with target dtype float32 only",
                             option="target_weights")
-    target = load_causal_lm(opts.model, "target", lambda arch: check_attention(arch.facts(), opts.target_dtype))
+    def usable(arch: Architecture) -> None:
+        check_attention(arch.facts(), opts.target_dtype)
+        check_rotary(arch)
+
+    target = load_causal_lm(opts.model, "target", usable)
     draft = load_draft(opts.draft, load_causal_lm, target)
     exit_layer, top_k = check_options(opts, target, draft)
     tokenizer = load_tokenizer(target.source, draft.source)
@@ -252,11 +256,11 @@ def _write_bundle(bundle: Path, target: LoadedModel, draft: Draft, tokenizer, ex
     exit_vocab = 0 if exit_topk.vocab_ids is None else int(exit_topk.vocab_ids.numel())
     t_facts = TargetFacts(**graph_facts(target.arch.facts()), exit_layer=exit_layer, top_k=top_k, exit_head=kind,
                           exit_vocab_size=exit_vocab)
-    # Rotary positions come from a formula, not a table: the draft reads any position the target does. (How well it
-    # drafts far past the lengths it was trained on is its acceptance, never the output.)
+    # Rotary positions come from a formula, not a table: the draft reads any position the target does, and none past
+    # them (a longrope target's context ends early: export/architectures.py). (How well it drafts far past the lengths
+    # it was trained on is its acceptance, never the output.)
     d_facts = draft.facts()
-    d_facts = replace(d_facts, max_position_embeddings=max(d_facts.max_position_embeddings,
-                                                           t_facts.max_position_embeddings))
+    d_facts = replace(d_facts, max_position_embeddings=t_facts.max_position_embeddings)
     n = t_facts.num_layers
 
     specs = []

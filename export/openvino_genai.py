@@ -164,6 +164,9 @@ def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "", w
     except (RuntimeError, ValueError) as e:  # conversion failures surface from OpenVINO as RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"OpenVINO GenAI conversion of {src} failed: {type(e).__name__}: {e}") from None
+    # a longrope model's graph holds the angles within its original context (export/segments.py): its context ends
+    # there, as the bundles' does
+    model.config.max_position_embeddings = _segment(model)[1].max_positions()
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     (tmp / MARKER).write_text(json.dumps({"source": str(src), "fingerprint": fingerprint}) + "\n")

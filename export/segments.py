@@ -92,6 +92,11 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat([turned * cos + half * sin, kept], dim=-1)
 
 
+def _capped(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft cap c tanh(x / c) (None: x)."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def _split_attention(layer, hidden, cos, sin, shared_k, shared_v, past_k, past_v, shared_bias, own_bias,
                      qkv=None):
     """One attention block over a split past. hidden [B,T,H]; shared_k/v [1,kv,P,hd]; past_k/v [B,kv,S,hd];
@@ -115,8 +120,9 @@ def _split_attention(layer, hidden, cos, sin, shared_k, shared_v, past_k, past_v
     # query head h reads kv head h // group: the group's queries become rows of one matmul per kv head
     rows = q.reshape(batch, kv_heads, group * new, hd)
     keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
-    scores_shared = torch.matmul(rows, shared_k.transpose(-1, -2)) * attn.scaling  # [B,kv,gT,P], shared_k broadcast
-    scores_own = torch.matmul(rows, keys.transpose(-1, -2)) * attn.scaling  # [B,kv,gT,S+T]
+    cap = getattr(attn, "attn_logit_softcapping", None)  # Gemma 2's
+    scores_shared = _capped(torch.matmul(rows, shared_k.transpose(-1, -2)) * attn.scaling, cap)  # [B,kv,gT,P]
+    scores_own = _capped(torch.matmul(rows, keys.transpose(-1, -2)) * attn.scaling, cap)  # [B,kv,gT,S+T]
     shared_len = shared_k.shape[2]
     if shared_bias.shape[2] != 1:  # a per-query mask (a sliding window) follows the rows' (group, query) order
         shared_bias = shared_bias.repeat(1, 1, group, 1)
@@ -223,7 +229,8 @@ class SplitSegment(_Layers):
             hidden = hidden + (out if after_mlp is None else after_mlp(out))
             present += [k, v]
         if self.head == "final":
-            return (self.lm_head(self.norm(last_positions(hidden, keep))), *present)
+            logits = _capped(self.lm_head(self.norm(last_positions(hidden, keep))), self.arch.softcaps()[1])
+            return (logits, *present)
         return (hidden, *present)
 
 
@@ -246,7 +253,7 @@ class Segment(_Layers):
                            position_embeddings=angles[j])
         present = [t for i in range(self.start, self.end) for t in kv.present[i]]
         if self.head == "final":
-            return (self.lm_head(self.norm(hidden)), *present)
+            return (_capped(self.lm_head(self.norm(hidden)), self.arch.softcaps()[1]), *present)
         return (hidden, *present)
 
 

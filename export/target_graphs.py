@@ -20,7 +20,8 @@ checks), past holds exactly the valid positions and present is past + new.
 
 Supported: the Llama layout of every architecture export/architectures.py registers, with q/k/v biases (Qwen2), per-head
 q/k RMS norms before the rotary embedding (Qwen3), packed projections and a rotary embedding over part of each head
-(Phi-3, Phi-4-mini), layers without a rotary embedding (SmolLM3), sliding-window layers (Mistral, Qwen2, Phi-3) and any
+(Phi-3, Phi-4-mini), layers without a rotary embedding (SmolLM3), Gemma's norms, scaled embedding, GELU MLPs, rotary
+angles per layer type (Gemma 3) and soft caps (Gemma 2), sliding-window layers (Mistral, Qwen2, Phi-3) and any
 rotary scaling transformers implements (cos/sin are taken from the model's own rotary module; longrope's within its
 original context).
 
@@ -233,17 +234,30 @@ def _rotary_cache(cos: torch.Tensor, sin: torch.Tensor, layout: _HeadLayout) -> 
     half = turned // 2
     if turned % 2 or turned > layout.size or not np.allclose(cos[:, :half], cos[:, half:]):
         raise UnsupportedArchitectureError("only non-interleaved rotary embeddings are supported")
+    _check_turned(turned, layout.size)
     if turned < layout.size:
-        if layout.padded != layout.size:
-            raise UnsupportedArchitectureError(
-                f"a rotary embedding over part of each head ({turned} of {layout.size} values) needs heads of a "
-                f"multiple of {ROTARY_HEAD_MULTIPLE} values")
-        if turned % ROTARY_HEAD_MULTIPLE:
-            raise UnsupportedArchitectureError(
-                f"GroupQueryAttention turns a multiple of {ROTARY_HEAD_MULTIPLE} values of a head, not {turned}")
         return cos[:, :half], sin[:, :half]
     extra = ((0, 0), (0, layout.padded // 2 - half))
     return np.pad(cos[:, :half], extra, constant_values=1.0), np.pad(sin[:, :half], extra)
+
+
+def check_rotary(arch: Architecture) -> None:
+    """UnsupportedArchitectureError, before any weight loads, for a rotary embedding over part of each head that
+    GroupQueryAttention cannot turn."""
+    size = arch.facts()["head_dim"]
+    _check_turned(min(arch.rotary_turned(), size), size)
+
+
+def _check_turned(turned: int, size: int) -> None:
+    if turned == size:
+        return
+    if kv_head_dim(size) != size:
+        raise UnsupportedArchitectureError(
+            f"a rotary embedding over part of each head ({turned} of {size} values) needs heads of a multiple of "
+            f"{ROTARY_HEAD_MULTIPLE} values")
+    if turned % ROTARY_HEAD_MULTIPLE:
+        raise UnsupportedArchitectureError(
+            f"GroupQueryAttention turns a multiple of {ROTARY_HEAD_MULTIPLE} values of a head, not {turned}")
 
 
 def _head_layout(arch: Architecture, facts: ModelFacts) -> _HeadLayout:
@@ -291,6 +305,7 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
     layout = _head_layout(arch, facts)
     eps = float(config.rms_norm_eps)
     windows, turns = arch.sliding_windows(), arch.rotary_layers()
+    attention_cap, logits_cap = arch.softcaps()
     caches = _rotary_caches(arch, backbone, facts, layout)
     cache_names: dict[int, list[str]] = {}  # per distinct cache, the graph's cos and sin
     for i in range(start, end):
@@ -326,6 +341,8 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         # the model's own scale (1/sqrt of its head size): padding adds only zero terms to q.k
         attrs = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=int(turns[i]), rotary_interleaved=0,
                      scale=float(attn.scaling))
+        if attention_cap is not None:  # Gemma 2: scores c tanh(s / c) before the mask, as transformers' eager attention
+            attrs["softcap"] = float(attention_cap)
         if window is not None:
             # both count the query itself: a query sees keys at positions > its own - window (checked by parity)
             attrs["local_window_size"] = int(window)
@@ -368,6 +385,9 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         h = norm(last, backbone.norm)
         lm_head = arch.lm_head(model)
         head_w = g.linear(h, [lm_head.weight], [getattr(lm_head, "bias", None)])
+        if logits_cap is not None:  # Gemma 2: the logits c tanh(x / c)
+            cap = g.weight("logits_cap", np.array(logits_cap, np.float32))
+            head_w = g.node("Mul", [g.node("Tanh", [g.node("Div", [head_w, cap])[0]])[0], cap])[0]
         g.to_float32(head_w, LOGITS)
 
     layers = range(start, end)

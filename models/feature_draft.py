@@ -237,10 +237,19 @@ class FeatureDraft(nn.Module):
             src = target.model.layers[min(self.config.taps[-1], len(target.model.layers) - 1)]
             for name in ("input_layernorm", "post_attention_layernorm"):
                 getattr(self.layer, name).weight.copy_(getattr(src, name).weight)
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(self.layer, name).weight.copy_(getattr(src.self_attn, name).weight)
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(self.layer, name).weight.copy_(getattr(src.mlp, name).weight)
+            attn, mlp, own = src.self_attn, src.mlp, self.layer
+            if hasattr(attn, "qkv_proj"):  # Phi-3 packs q, k and v (rows in that order) in one Linear
+                sizes = [own.q_proj.out_features, own.k_proj.out_features, own.v_proj.out_features]
+                q, k, v = attn.qkv_proj.weight.split(sizes)
+            else:
+                q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+            if hasattr(mlp, "gate_up_proj"):  # and gate and up (halves) in another
+                gate, up = mlp.gate_up_proj.weight.chunk(2)
+            else:
+                gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+            for module, weight in ((own.q_proj, q), (own.k_proj, k), (own.v_proj, v), (own.o_proj, attn.o_proj.weight),
+                                   (own.gate_proj, gate), (own.up_proj, up), (own.down_proj, mlp.down_proj.weight)):
+                module.weight.copy_(weight)
 
     def with_vocab(self, vocab_ids: list[int], lm_head: torch.Tensor) -> FeatureDraft:
         """The same draft over another output vocabulary: the rows of tokens it keeps keep their trained weights,

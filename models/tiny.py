@@ -21,12 +21,12 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Small but not degenerate: 2 query heads per KV head (grouped-query attention) and several layers to split.
 TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512)
-# Gemma 3's defaults are a 1B model's: heads of 256 and its scale, a window of 4,096 (here shorter than the tests'
-# sequences, so that the sliding layers' mask matters). Its tied head over an embedding scaled by sqrt(hidden_size)
-# makes a tiny random model repeat one token, which would make every mode agree trivially: untied here (the tied
-# case is exported in tests/test_export.py)
-ARCHITECTURE_SIZES = {"gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
-                                          tie_word_embeddings=False)}
+# Gemma 2's and 3's defaults are a 2B / 1B model's: heads of 256 and their scale, a window of 4,096 (here shorter
+# than the tests' sequences, so that the sliding layers' mask matters). A tied head over an embedding scaled by
+# sqrt(hidden_size) makes a tiny random model repeat one token, which would make every mode agree trivially: untied
+# here (the tied case is exported in tests/test_export.py)
+_GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4, tie_word_embeddings=False)
+ARCHITECTURE_SIZES = {"gemma2": _GEMMA, "gemma3_text": _GEMMA}
 
 
 def _training_text() -> list[str]:

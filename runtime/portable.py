@@ -164,9 +164,15 @@ class _Rewriter:
             raise ManifestError(f"GroupQueryAttention {node.name!r} has no scale attribute")
         scale = self.const(np.array(attrs["scale"], np.float32))
 
+        cap = attrs.get("softcap", 0.0)  # Gemma 2: scores c tanh(s / c), before the mask
+
         def scores(keys: str) -> str:
-            return self.node("Mul", [self.node("MatMul", [rows, self.node("Transpose", [keys], perm=[0, 1, 3, 2])]),
-                                     scale])
+            s = self.node("Mul", [self.node("MatMul", [rows, self.node("Transpose", [keys], perm=[0, 1, 3, 2])]),
+                                  scale])
+            if cap:
+                c = self.const(np.array(cap, np.float32))
+                s = self.node("Mul", [self.node("Tanh", [self.node("Div", [s, c])]), c])
+            return s
 
         shared_bias, new_bias = self.biases(shared_k, window if window > 0 else 0)
         tile = self.ints(1, 1, group, 1)

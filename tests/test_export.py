@@ -75,11 +75,15 @@ def test_exit_layer_and_k_are_respected(bundle_factory, exit_layer, top_k):
     ("phi3", {"hidden_size": 128, "partial_rotary_factor": 0.5}),  # Phi-4-mini: the rotary turns 16 of 32 values
     ("phi3", {}),
     ("gemma3_text", {"tie_word_embeddings": True}),  # as Gemma 3 ships: the head is the scaled embedding's weight
+    ("phi3", {"sliding_window": 4096}),  # Phi-3.5's window longer than its context: no window at all
 ])
 def test_config_variants_export_with_parity(tmp_path, architecture, overrides):
     target, draft = make_pair(tmp_path / "pair", architecture, **overrides)
     manifest = export_bundle(ExportOptions(str(target), str(draft), tmp_path / "bundle"), report=_quiet)
     assert manifest.validation["passed"] and manifest.target.exit_layer == 3
+    if overrides.get("sliding_window", 0) >= 512:  # longer than the context: no window at all
+        graph = onnx.load(str(tmp_path / "bundle" / "target_prefix.onnx"), load_external_data=False)
+        assert not any(a.name == "local_window_size" for n in graph.graph.node for a in n.attribute)
 
 
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
@@ -113,11 +117,12 @@ def test_a_longrope_model_exports_within_its_original_context(tmp_path):
     ("phi3", {"hidden_size": 128, "partial_rotary_factor": 0.5}, [1] * 6),
     ("smollm3", {"use_sliding_window": True, "sliding_window": 4}, [1, 1, 1, 0, 1, 1]),
     ("gemma3_text", {}, [1] * 6),  # two caches: its sliding layers' angles and its full one's
+    ("gemma2", {}, [1] * 6),  # soft caps on the scores (the OpenVINO rewrite's own) and on the logits
 ])
 def test_rotary_variants_run_alike_on_every_target_backend(tmp_path, arch, overrides, turns):
     """Phi-4-mini's rotary over part of each head, SmolLM3's layers without one (every fourth, windowed there), Gemma
-    3's angles per layer type: every mode equals ar on ONNX Runtime, and the target on OpenVINO (GroupQueryAttention
-    rewritten) gives the same tokens."""
+    3's angles per layer type, Gemma 2's soft caps: every mode equals ar on ONNX Runtime, and the target on OpenVINO
+    (GroupQueryAttention rewritten) gives the same tokens."""
     from mirror_sd.runtime.pipeline import Pipeline
 
     target, draft = make_pair(tmp_path / "pair", arch, **overrides)
@@ -140,9 +145,17 @@ def test_rotary_variants_run_alike_on_every_target_backend(tmp_path, arch, overr
     assert len(set(map(tuple, answers.values()))) == 1, answers
 
 
-def test_a_rotary_over_too_few_values_is_refused(tmp_path, capsys):
-    """GroupQueryAttention turns a multiple of 16 values of a head: a partial rotary of 8 is named, nothing written."""
+def test_a_rotary_over_too_few_values_is_refused(tmp_path, capsys, monkeypatch):
+    """GroupQueryAttention turns a multiple of 16 values of a head: a partial rotary of 8 is named before the weights
+    load, nothing written."""
+    from transformers import AutoModelForCausalLM
+
     target, draft = make_pair(tmp_path / "pair", "phi3", partial_rotary_factor=0.5)  # heads of 16: 8 turned
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights loaded before the refusal")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
     code, err = _export_cli(capsys, target, draft, tmp_path / "out")
     assert code == 2 and "turns a multiple of 16 values of a head, not 8" in err and "Traceback" not in err
     _assert_nothing_left(tmp_path, tmp_path / "out")
@@ -229,7 +242,7 @@ def odd_models(tmp_path_factory, pair_factory):
     ("exit_high", "EXIT_LAYER 6 is outside"),
     ("topk_low", "TOPK 0 is outside"),
     ("topk_high", "TOPK 385 is outside"),
-    ("unsupported", "not supported; supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3"),
+    ("unsupported", "not supported; supported: gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3"),
     ("truncated_model", "cannot load target"),
     ("truncated_draft", "cannot load draft"),
     ("no_eos", "names no EOS token"),

@@ -993,7 +993,7 @@ def test_stream_feature_drafter_windows_equal_the_reference_and_sd_mirror_stay_e
                 assert (s["draft_tokens_per_forward"] > 1.5) == (streaming == "trust"), (gamma, streaming)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])  # phi3: the draft's layer from packed projections
 def test_a_random_stream_feature_draft_is_exact_and_packages(arch, pair_factory, tmp_path):
     """Random stream heads propose tokens the target mostly rejects: sd and mirror still equal ar, in the bundle
     and in its static package (whose graphs take the draft's tokens per forward)."""

@@ -213,6 +213,22 @@ def test_what_the_option_cannot_serve_is_refused_naming_it(bundle_factory, weigh
     assert err.value.option == "prefill_precision"
 
 
+@NO_BF16
+def test_bf16_prompts_refuse_a_soft_capped_target_and_float32_prompts_take_it(bundle_factory):
+    """OpenVINO's GroupQueryAttention takes no soft cap (Gemma 2's): refused by name, not OpenVINO's conversion error;
+    an int8 Gemma 2's float32 prompts run on ONNX Runtime, which caps, and stay exact."""
+    with pytest.raises(BadInputError, match="soft-caps") as err:
+        Pipeline.load(bundle_factory("gemma2"), huge_pages=False, prefill_precision="bf16")
+    assert err.value.option == "prefill_precision"
+    pipe = Pipeline.load(bundle_factory("gemma2", target_weights="int8"), huge_pages=False, prefill_precision="float32")
+    try:
+        prompt = "def load(self, s):\n    return json.loads(s)\n" * 3
+        answers = {m: pipe.generate(prompt, mode=m, max_new_tokens=16).token_ids for m in ("ar", "sd", "mirror")}
+        assert answers["ar"] == answers["sd"] == answers["mirror"]
+    finally:
+        pipe.close()
+
+
 def test_the_server_takes_the_option_and_its_concurrent_answers_are_the_pipelines(bundles, pipelines, precision):
     import json
     import threading
