@@ -57,9 +57,10 @@ from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.serve import defaults as d
+from mirror_sd.serve import messages as anthropic
 from mirror_sd.serve import protocol as p
 from mirror_sd.serve.access_log import ARRIVAL, STREAM_STATUS, AccessLog
-from mirror_sd.serve.auth import ApiKey
+from mirror_sd.serve.auth import ApiKey, route_path
 from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
 from mirror_sd.serve.reasoning import Reading, generation_prompt, reading
@@ -268,10 +269,10 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     app.state.pipeline, app.state.metrics, app.state.settings = pipe, metrics, settings
     app.state.stop_generations = gen.stop  # a server told to exit calls it at once (serve())
 
-    # -- errors in OpenAI's shape --------------------------------------------------------------------------
+    # -- errors in OpenAI's shape (Anthropic's under its Messages API) ---------------------------------------
     @app.exception_handler(p.ApiError)
     async def _api_error(request: Request, e: p.ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return JSONResponse(anthropic.shaped(route_path(request.scope), e), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -399,6 +400,31 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         doc = from_chat(body, json.loads(answer.body), store)
         keep(doc)
         return JSONResponse(doc, headers=headers)
+
+    @app.post(anthropic.PATH)
+    async def anthropic_messages(body: anthropic.MessagesRequest, request: Request) -> Any:
+        """Anthropic's Messages API, run as the chat completion it asks for (serve/messages.py)."""
+        chat = body.chat_request()
+        try:
+            answer = await _complete(request, chat, [chat.prompt()], chat=True)
+        except p.ApiError as e:  # the chat path's checks name the Messages field
+            raise anthropic.renamed(e) from None
+        headers = {"x-seed": answer.headers["x-seed"]}
+        if isinstance(answer, StreamingResponse):  # its background task stops the generation if the client goes
+            return StreamingResponse(anthropic.events(body, answer.body_iterator), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **headers}, background=answer.background)
+        return JSONResponse(anthropic.from_chat(body, json.loads(answer.body)), headers=headers)
+
+    @app.post(anthropic.PATH + "/count_tokens")
+    async def anthropic_count_tokens(body: anthropic.CountTokensRequest) -> dict[str, Any]:
+        """The prompt tokens a Messages request reads (its chat rendered as /v1/chat/completions renders it)."""
+        _check_model(body.model)
+        chat = body.chat_request()
+        try:
+            text = pipe.codec.render_chat(chat.prompt(), chat.template_tools(), **chat.rendering())
+        except BadInputError as e:
+            raise p.ApiError(400, str(e), param=e.option or "messages", code="invalid_value") from None
+        return {"input_tokens": len(pipe.codec.encode(text, special=False))}
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str) -> JSONResponse:

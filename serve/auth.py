@@ -1,5 +1,5 @@
 """The API key: with one set, every route but /health and /metrics wants `Authorization: Bearer <key>`, as OpenAI's
-API does.
+API does (or `x-api-key: <key>`, as Anthropic's clients send it).
 
 /health and /metrics stay open: a load balancer's health check and a Prometheus scrape carry no key, and neither
 shows a request's content (keep the port off the public network, or scrape through a proxy, where the counts
@@ -18,6 +18,7 @@ from typing import Any
 
 from starlette.routing import BaseRoute, Match
 
+from mirror_sd.serve.messages import shaped
 from mirror_sd.serve.protocol import ApiError
 
 OPEN = frozenset({"/health", "/metrics"})  # the paths that want no key
@@ -44,6 +45,8 @@ class ApiKey:
             return
         headers = dict(scope.get("headers") or ())
         scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if not scheme and headers.get(b"x-api-key"):  # Anthropic's clients send the key so
+            scheme, given = "bearer", headers[b"x-api-key"].decode("latin-1")
         # compare_digest: the time taken does not tell how much of a guessed key was right
         if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), self._expected):
             await self.app(scope, receive, send)
@@ -52,7 +55,7 @@ class ApiKey:
         what = "no API key was given" if not given else "the API key is not this server's"
         error = ApiError(401, f"{what}: send it as the header 'Authorization: Bearer <key>'", param=None,
                          code="invalid_api_key")
-        body = json.dumps(error.body()).encode()
+        body = json.dumps(shaped(route_path(scope), error)).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})
