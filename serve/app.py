@@ -837,7 +837,8 @@ def _calls(body: p.ChatRequest | p.CompletionRequest, settings: ServerSettings
                          'Qwen3.5), or give "required", a named function or "none"', param="tool_choice",
                      code="unsupported_value")
     properties = {t.function.name: (t.function.parameters or {}).get("properties") for t in body.tools}
-    return ParsedAnswers(settings.tool_call_parser, {k: v for k, v in properties.items() if isinstance(v, dict)})
+    return ParsedAnswers(settings.tool_call_parser, {k: v for k, v in properties.items() if isinstance(v, dict)},
+                         parallel=body.parallel_tool_calls is not False)
 
 
 def _thinking(pipe: Pipeline, settings: ServerSettings, body: p.ChatRequest, grammar: bool) -> Reading | None:

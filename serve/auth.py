@@ -53,8 +53,8 @@ class ApiKey:
             return
         scope["route"] = next((r for r in self.routes if r.matches(scope)[0] != Match.NONE), None)
         what = "no API key was given" if not given else "the API key is not this server's"
-        error = ApiError(401, f"{what}: send it as the header 'Authorization: Bearer <key>'", param=None,
-                         code="invalid_api_key")
+        error = ApiError(401, f"{what}: send it as the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                         param=None, code="invalid_api_key")
         body = json.dumps(shaped(route_path(scope), error)).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

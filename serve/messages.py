@@ -66,7 +66,7 @@ class _ToolResult(_Strict):
     cache_control: dict[str, Any] | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(t.text for t in self.content or ())
+        return self.content if isinstance(self.content, str) else _joined(t.text for t in self.content or ())
 
 
 class _Thinking(_Strict):
@@ -76,6 +76,12 @@ class _Thinking(_Strict):
 
 
 _BLOCKS = {"text": _Text, "tool_use": _ToolUse, "tool_result": _ToolResult, "thinking": _Thinking}
+_ROLE_BLOCKS = {"user": (_Text, _ToolResult), "assistant": (_Text, _ToolUse, _Thinking)}  # what a turn may hold
+
+
+def _joined(texts) -> str:
+    """Text blocks' texts as one message's, as the chat path joins a message's text parts (vLLM's rule)."""
+    return "\n".join(texts)
 
 
 class _Message(_Strict):
@@ -85,17 +91,34 @@ class _Message(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _blocks(cls, v: Any) -> Any:
-        """Each block as its type says; images, documents and server tools' blocks are refused by name."""
+        """Each block as its type says; images, documents and server tools' blocks are refused by name, and an
+        empty list (Anthropic's 400 as well)."""
         if not isinstance(v, list):
             return v
+        if not v:
+            raise ValueError("a message's content holds one block at least")
         out = []
         for i, block in enumerate(v):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind not in _BLOCKS:
                 raise PydanticCustomError(UNSUPPORTED, "content block {i} is of type {kind}: this server takes text, "
                                           "tool_use, tool_result and thinking blocks", {"i": i, "kind": repr(kind)})
-            out.append(_BLOCKS[kind].model_validate(block))
+            try:
+                out.append(_BLOCKS[kind].model_validate(block))
+            except ValidationError as e:  # validated here, so the error names the block
+                first = e.errors()[0]
+                where = ".".join(map(str, first["loc"]))
+                raise ValueError(f"content block {i} ({kind}){' ' + where if where else ''}: {first['msg']}") from None
         return out
+
+    @field_validator("content")
+    @classmethod
+    def _in_its_turn(cls, v: Any, info) -> Any:
+        role = info.data.get("role")
+        wrong = [b.type for b in v if not isinstance(b, _ROLE_BLOCKS.get(role, ()))] if isinstance(v, list) else []
+        if wrong:
+            raise ValueError(f"a {role} turn holds no {wrong[0]} block")
+        return v
 
     def blocks(self) -> list[Any]:
         return [_Text(type="text", text=self.content)] if isinstance(self.content, str) else list(self.content)
@@ -155,17 +178,32 @@ class MessagesRequest(_Strict):
 
     def system_text(self) -> str | None:
         return self.system if isinstance(self.system, str) or self.system is None else \
-            "".join(t.text for t in self.system)
+            _joined(t.text for t in self.system)
+
+    def turns(self) -> list[tuple[str, list[Any]]]:
+        """(role, blocks) per turn: consecutive messages of one role are one turn, as Anthropic combines them."""
+        out: list[tuple[str, list[Any]]] = []
+        for message in self.messages:
+            if out and out[-1][0] == message.role:
+                out[-1][1].extend(message.blocks())
+            else:
+                out.append((message.role, message.blocks()))
+        return out
+
+    def prefilled(self) -> bool:
+        """Whether the conversation ends in an assistant's text, which the answer goes on from (Anthropic's
+        prefill)."""
+        role, blocks = self.turns()[-1]
+        return role == "assistant" and not any(isinstance(b, _ToolUse) for b in blocks)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat messages: a user turn's tool results as `tool` messages ahead of its text, an
         assistant turn's tool_use blocks as its tool calls and its thinking as its reasoning."""
         system = self.system_text()
         out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-        for message in self.messages:
-            blocks = message.blocks()
-            text = "".join(b.text for b in blocks if isinstance(b, _Text))
-            if message.role == "user":
+        for role, blocks in self.turns():
+            text = _joined(b.text for b in blocks if isinstance(b, _Text))
+            if role == "user":
                 out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                         for b in blocks if isinstance(b, _ToolResult)]
                 if text or not any(isinstance(b, _ToolResult) for b in blocks):
@@ -175,7 +213,8 @@ class MessagesRequest(_Strict):
             thought = "".join(b.thinking for b in blocks if isinstance(b, _Thinking))
             if thought:
                 turn["reasoning"] = thought
-            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+            calls = [{"id": b.id, "type": "function",
+                      "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
                      for b in blocks if isinstance(b, _ToolUse)]
             if calls:
                 turn["tool_calls"] = calls
@@ -187,6 +226,8 @@ class MessagesRequest(_Strict):
         """The chat completion this request asks for; a 400 from its checks names the Messages field."""
         chat: dict[str, Any] = {"model": self.model, "messages": self.chat_messages(), "max_tokens": self.max_tokens,
                                 "stream": self.stream}
+        if self.prefilled():  # the answer goes on from the last assistant text, in its turn
+            chat["continue_final_message"], chat["add_generation_prompt"] = True, False
         if self.stream:  # every chunk's usage: message_start carries the input tokens, message_delta the output's
             chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         for ours, theirs in (("stop_sequences", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),
@@ -209,7 +250,7 @@ class MessagesRequest(_Strict):
                                                                   if t.description is not None else {})}}
                              for t in self.tools]
         choice = self.tool_choice
-        if choice is not None and self.tools:
+        if choice is not None:  # without tools, the chat path's checks refuse any but none
             chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
                 {"type": "function", "function": {"name": choice.name}}
             if choice.disable_parallel_tool_use:
@@ -237,13 +278,18 @@ class CountTokensRequest(_Strict):
     tools: list[_Tool] | None = None
     tool_choice: _ToolChoice | None = None
     thinking: _ThinkingConfig | None = None
+    output_config: _OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def chat_request(self) -> ChatRequest:
-        return MessagesRequest.model_validate({**self.model_dump(exclude_none=True), "max_tokens": 1}).chat_request()
+        fields = self.model_dump(exclude_none=True, by_alias=True)
+        return MessagesRequest.model_validate({**fields, "max_tokens": 1}).chat_request()
 
 
 def _renamed(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    if loc[:1] == ("tools",) and loc[2:4] == ("function", "parameters"):  # a tool's schema: its input_schema
+        return ("tools", loc[1], "input_schema", *loc[4:])
     return (_FIELD.get(loc[0], loc[0]), *loc[1:]) if loc else loc
 
 
@@ -325,8 +371,8 @@ def _event(kind: str, **fields: Any) -> str:
 
 async def events(body: MessagesRequest, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """The chat path's stream (server-sent chat chunks with their usage so far, keep-alives, [DONE]) as the Messages
-    events: message_start once the first chunk tells the input tokens, each block opened when its first text comes and
-    closed when the next opens, the stop reason and output tokens in message_delta."""
+    events: message_start first (with the input tokens where the first chunk came before any keep-alive), each block
+    opened when its first text comes and closed when the next opens, the stop reason and the usage in message_delta."""
     mid, started = _id(), False
     blocks: list[str] = []  # the kinds of the blocks opened so far ("thinking", "text", "tool_use")
     calls: dict[int, int] = {}  # the chat's tool call index -> its block's index
@@ -352,7 +398,9 @@ async def events(body: MessagesRequest, chunks: AsyncIterator[str]) -> AsyncIter
     async for raw in chunks:
         for part in raw.split("\n\n"):
             if not part.startswith("data: "):
-                if part:  # a keep-alive comment: Anthropic's ping
+                if part:  # a keep-alive comment (a request waiting in the queue): Anthropic's ping, after the start
+                    for line in start():
+                        yield line
                     yield _event("ping")
                 continue
             data = part[len("data: "):]
@@ -396,6 +444,6 @@ async def events(body: MessagesRequest, chunks: AsyncIterator[str]) -> AsyncIter
     if blocks:
         yield _event("content_block_stop", index=len(blocks) - 1)
     stop = _stop(body, finish, reason, bool(calls))
-    yield _event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]},
-                 usage={"output_tokens": _usage(usage)["output_tokens"]})
+    # the whole usage: the input's split by the prefix cache is known at the end (message_start may have had none)
+    yield _event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=_usage(usage))
     yield _event("message_stop")

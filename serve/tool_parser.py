@@ -325,27 +325,33 @@ class ParsedAnswers:
     """Answers read for tool calls in one format (the ToolAnswers interface, serve/tools.py); `types`: the request's
     tools' parameters, by function name (formats that write values as text read them as these types)."""
 
-    def __init__(self, parser: str, types: Types | None = None) -> None:
+    def __init__(self, parser: str, types: Types | None = None, parallel: bool = True) -> None:
+        """parallel: false (the request's parallel_tool_calls) keeps an answer's first call only, as vLLM does."""
         self.format = TOOL_CALL_FORMATS[parser]
         self.types = types or {}
+        self.parallel = parallel
+
+    def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        content, calls = self.format.calls(text, self.types)
+        return content, calls if self.parallel else calls[:1]
 
     def choice(self, choice: dict[str, Any], text: str, reason: str) -> dict[str, Any]:
-        content, calls = self.format.calls(text, self.types)
+        content, calls = self.calls(text)
         if not calls:
             return choice
         return {**choice, "message": {"role": "assistant", "content": content, "tool_calls": calls},
                 "finish_reason": "tool_calls" if reason in ("eos", "stop") else reason}
 
     def stream(self) -> ParsedStream:
-        return ParsedStream(self.format, self.types)
+        return ParsedStream(self)
 
 
 class ParsedStream:
     """One streamed choice: its text as content until a call opens (a tail that may still open one held back),
     then held; at the end the calls in one delta and a chunk of its own that ends the choice."""
 
-    def __init__(self, fmt: CallFormat, types: Types) -> None:
-        self.format, self.types = fmt, types
+    def __init__(self, answers: ParsedAnswers) -> None:
+        self.answers, self.format = answers, answers.format
         self.sent, self.held = 0, ""  # characters of `held` already sent as content
         self.opened = -1  # where the first call opens in `held` (-1: none yet)
 
@@ -365,7 +371,7 @@ class ParsedStream:
         self.sent = max(self.sent, safe)
         if reason is None:
             return [(delta, None) for delta in out]
-        content, calls = self.format.calls(self.held, self.types)
+        content, calls = self.answers.calls(self.held)
         if not calls:  # no call, or one that does not parse: the rest as content
             rest = self.held[self.sent:]
             tail = [({"content": rest}, None)] if rest else []

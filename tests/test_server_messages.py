@@ -151,11 +151,39 @@ def test_output_config_format_holds_the_answer_to_the_schema(clients):
         assert set(json.loads(_text(r))) == {"name"}
 
 
+def test_a_last_assistant_text_is_continued_and_blocks_and_turns_join_as_anthropic_joins_them(clients):
+    """A final assistant message is a prefill the answer goes on from; a message's text blocks are one text (joined by
+    a newline, as the chat path joins parts), and consecutive turns of one role one turn."""
+    client, oai = clients
+    r = client.messages.create(model=MODEL, max_tokens=8, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "The answer is"}])
+    want = _chat(oai, [{"role": "user", "content": "Hello\nworld\nagain"},
+                       {"role": "assistant", "content": "The answer is"}],
+                 max_tokens=8, extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert _text(r) == want.choices[0].message.content
+    assert _prompt_tokens(r.usage) == want.usage.prompt_tokens
+
+
+def test_a_streams_usage_tells_the_prompt_the_cache_held(clients):
+    client, _ = clients
+    ask = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "a long question " * 20}],
+           "extra_body": {"temperature": 0}}
+    client.messages.create(**ask)  # the prompt's KV now in the prefix cache
+    whole = client.messages.create(**ask)
+    with client.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert whole.usage.cache_read_input_tokens > 0
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens) == (whole.usage.input_tokens,
+                                                                             whole.usage.cache_read_input_tokens)
+
+
 def test_count_tokens_counts_what_the_answer_read(clients):
     client, _ = clients
     ask = {"model": MODEL, "system": "Be brief.", "tools": TOOLS,
            "messages": [{"role": "user", "content": "weather in Paris?"}]}
-    counted = client.messages.count_tokens(**ask)
+    counted = client.messages.count_tokens(**ask, output_config={"format": None}, cache_control={"type": "ephemeral"})
     r = client.messages.create(**ask, max_tokens=4, extra_body={"temperature": 0},
                                tool_choice={"type": "tool", "name": "get_weather"})
     assert counted.input_tokens == _prompt_tokens(r.usage) > 0
@@ -169,6 +197,12 @@ def test_count_tokens_counts_what_the_answer_read(clients):
     ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, anthropic.BadRequestError, "names the tool"),
     ({"model": "other"}, anthropic.NotFoundError, "does not exist"),
     ({"container": "c1"}, anthropic.BadRequestError, "container"),
+    ({"tool_choice": {"type": "any"}}, anthropic.BadRequestError, "needs tools"),
+    ({"messages": [{"role": "user", "content": []}]}, anthropic.BadRequestError, "one block at least"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+     anthropic.BadRequestError, "a user turn holds no tool_use block"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": 3}]}]},
+     anthropic.BadRequestError, "content block 1 (text) text"),
     ({"output_config": {"effort": "high"}}, anthropic.BadRequestError, "effort"),
 ])
 def test_errors_have_anthropics_shape(clients, fields, error, words):

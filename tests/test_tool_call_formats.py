@@ -9,7 +9,7 @@ import random
 import pytest
 
 from mirror_sd.serve.defaults import TOOL_CALL_PARSERS
-from mirror_sd.serve.tool_parser import TOOL_CALL_FORMATS, ParsedStream
+from mirror_sd.serve.tool_parser import TOOL_CALL_FORMATS, ParsedAnswers
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
@@ -145,6 +145,18 @@ def test_whole_answers(parser):
             assert all(c["id"].startswith("call_") for c in calls)
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed():
+    """A request's parallel_tool_calls false (Anthropic's disable_parallel_tool_use): an answer's first call only."""
+    answer = f"<tool_call>{CALL}</tool_call>\n<tool_call>{{\"name\": \"now\"}}</tool_call>"
+    one = ParsedAnswers("hermes", TYPES, parallel=False)
+    choice = one.choice({"index": 0, "message": {"role": "assistant", "content": answer}}, answer, "eos")
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    stream = one.stream()
+    out = stream.deltas(answer, None, True) + stream.deltas("", "eos", False)
+    assert [c["function"]["name"] for d, _ in out for c in d.get("tool_calls", [])] == ["get_weather"]
+    assert len(ParsedAnswers("hermes", TYPES).choice({}, answer, "eos")["message"]["tool_calls"]) == 2
+
+
 @pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
 def test_a_stream_in_any_chunking_sends_what_the_whole_answer_holds(parser):
     """Content goes out as it comes where it cannot be part of a call; the calls come in one delta at the end, then
@@ -154,7 +166,7 @@ def test_a_stream_in_any_chunking_sends_what_the_whole_answer_holds(parser):
         for _ in range(20):
             cuts = sorted(rng.sample(range(1, len(answer)), min(len(answer) - 1, rng.randint(0, 6))))
             pieces = [answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)])]
-            stream, out = ParsedStream(TOOL_CALL_FORMATS[parser], TYPES), []
+            stream, out = ParsedAnswers(parser, TYPES).stream(), []
             for i, piece in enumerate(pieces):
                 out += stream.deltas(piece, None, i == 0)
             out += stream.deltas("", "eos", not pieces)
