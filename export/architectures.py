@@ -213,15 +213,11 @@ class Phi3(Architecture):
 @register("smollm3")
 class SmolLM3(Architecture):
     """SmolLM3: the Llama layout with no rotary embedding in every fourth layer (config.no_rope_layers: 1 where a
-    layer turns, despite its name) and a window only where use_sliding_window says so."""
+    layer turns, despite its name). Its windows are layer_types' (transformers masks those layers whatever
+    use_sliding_window says; the config writes sliding layers only under it)."""
 
     def rotary_layers(self) -> list[bool]:
         return [bool(turns) for turns in self.config.no_rope_layers]
-
-    def layer_windows(self) -> list[int | None]:
-        if not getattr(self.config, "use_sliding_window", False):
-            return [None] * self.num_layers
-        return super().layer_windows()
 
 
 class _Gemma(Architecture):

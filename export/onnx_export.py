@@ -71,8 +71,13 @@ def draft_spec(segment, facts: ModelFacts, file: str) -> PartitionSpec:
     streams = getattr(facts, "streams", 0)
     if streams:
         heads += (TensorSpec(STREAM_IDS, "int64", (BATCH, KEPT, streams)),)
+    # a draft whose layers slide a window (Gemma 3 270M's 512): the NPU package's static graphs count its slots over
+    # lane ++ padded past ++ new, so a package's context must stay within it (package/build.py)
+    windows = getattr(segment, "windows", None) or getattr(getattr(segment, "body", None), "windows", None) or ()
+    shortest = min((w for w in windows if w), default=None)
     return PartitionSpec("draft", (segment.start, segment.end), file, inputs, heads + present, "openvino", "default",
-                         tokens_per_forward=getattr(facts, "tokens_per_forward", 1), kv="split-past")
+                         tokens_per_forward=getattr(facts, "tokens_per_forward", 1), kv="split-past",
+                         extra={"sliding_window": shortest} if shortest else {})
 
 
 def exit_spec(facts: ModelFacts, file: str, top_k: int, exit_head: str) -> PartitionSpec:

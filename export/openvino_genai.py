@@ -146,6 +146,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "", w
         return out
     if not (src / "config.json").is_file():
         raise BadInputError(f"{src} is not a Hugging Face model directory (no config.json)")
+    _check_convertible(src)
     # sdpa, not eager: the graph must carry ScaledDotProductAttention for GenAI's PagedAttention rewrite
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa").eval()
     tmp = out.with_name(out.name + ".partial")
@@ -172,6 +173,20 @@ def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "", w
     (tmp / MARKER).write_text(json.dumps({"source": str(src), "fingerprint": fingerprint}) + "\n")
     move_into_place(tmp, out)
     return out
+
+
+def _check_convertible(src: Path) -> None:
+    """ExportError for a model GenAI's pipeline would not run as itself: its PagedAttention rewrite drops a sliding
+    window, and transformers' sdpa attention (which the rewrite finds) takes no soft cap (Gemma 2)."""
+    from transformers import AutoConfig
+
+    from mirror_sd.export.architectures import architecture_of
+
+    arch = architecture_of(AutoConfig.from_pretrained(src))
+    if any(w is not None for w in arch.sliding_windows()):
+        raise ExportError(f"{src}: OpenVINO GenAI's continuous batching drops sliding windows; no GenAI baseline of it")
+    if any(cap is not None for cap in arch.softcaps()):
+        raise ExportError(f"{src}: its soft-capped attention has no sdpa form for GenAI's rewrite; no GenAI baseline")
 
 
 def is_converted(directory: Path, fingerprint: str = "") -> bool:

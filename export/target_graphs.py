@@ -222,7 +222,10 @@ def _rotary_caches(arch: Architecture, backbone, facts: ModelFacts, layout: _Hea
     with torch.no_grad():
         angles = arch.rotary_angles(backbone.rotary_emb, dummy, positions)
     made: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    return [made.setdefault(id(pair), _rotary_cache(*pair, layout)) for pair in angles]
+    for pair in angles:
+        if id(pair) not in made:
+            made[id(pair)] = _rotary_cache(*pair, layout)
+    return [made[id(pair)] for pair in angles]
 
 
 def _rotary_cache(cos: torch.Tensor, sin: torch.Tensor, layout: _HeadLayout) -> tuple[np.ndarray, np.ndarray]:

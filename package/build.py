@@ -69,7 +69,7 @@ class PackageOptions:
     weights: str | None = None
     group_size: int = DEFAULT_GROUP_SIZE  # int4 only
     max_prompt: int | None = None  # None: min(1024, max_context)
-    max_context: int | None = None  # None: min(2048, the models' position limit)
+    max_context: int | None = None  # None: min(2048, the models' position limit, the draft's sliding window)
     max_gamma: int = DEFAULT_MAX_GAMMA
     batch: int = DEFAULT_BATCH
     tokens_per_forward: int | None = None  # None: the inputs the draft feeds per forward (1 + a token draft's streams)
@@ -116,7 +116,14 @@ def build_package(opts: PackageOptions, report: Callable[[str], None] = print) -
 
 def _bounds(opts: PackageOptions, manifest: Manifest) -> StaticBounds:
     limit = min(manifest.target.max_position_embeddings, manifest.draft.max_position_embeddings)
-    max_context = opts.max_context if opts.max_context is not None else min(DEFAULT_MAX_CONTEXT, limit)
+    # a draft's sliding window: the static graphs place its slots otherwise than the bundle's draft past it
+    window = (manifest.partition("draft").extra or {}).get("sliding_window")
+    default = min(DEFAULT_MAX_CONTEXT, limit, window or limit)
+    max_context = opts.max_context if opts.max_context is not None else default
+    if window and max_context > window:
+        raise BadInputError(f"MAX_CONTEXT {max_context} exceeds the draft's sliding window of {window} tokens: a "
+                            "package's static draft graphs hold its window only within it (MAX_CONTEXT <= "
+                            f"{window})")
     max_prompt = opts.max_prompt if opts.max_prompt is not None else min(DEFAULT_MAX_PROMPT, max_context)
     own = manifest.draft.inputs_per_forward
     tpf = opts.tokens_per_forward if opts.tokens_per_forward is not None else own

@@ -166,6 +166,18 @@ def test_bounds_are_refused_before_any_device_work(built):
     assert len(ok.token_ids) == 32 or ok.finish_reason == "eos"
 
 
+def test_no_genai_baseline_of_a_model_its_pipeline_would_not_run_as_itself(tmp_path):
+    from mirror_sd.errors import ExportError
+    from mirror_sd.export import openvino_genai
+    from mirror_sd.models.tiny import make_pair
+
+    for arch, overrides, words in (("gemma2", {"sliding_window": 4096}, "soft-capped"),  # no window in its context
+                                   ("mistral", {"sliding_window": 16}, "sliding")):
+        target, _ = make_pair(tmp_path / arch, arch, **overrides)
+        with pytest.raises(ExportError, match=words):
+            openvino_genai.convert(target, tmp_path / f"ov-{arch}")
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, copy_function=shutil.copy2)
     return dst
@@ -291,20 +303,33 @@ def test_a_static_draft_drafts_again_after_a_failure(built):
     assert out.stats["draft_failures"] == 1 and out.stats["fresh_rollouts"] >= 3
 
 
-def test_a_draft_whose_sliding_window_the_static_graphs_would_misplace_is_refused(tmp_path):
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_a_draft_whose_sliding_window_the_static_graphs_would_misplace_is_refused(tmp_path, weights):
     """The static graphs hold the context lane and a padded own past before the new tokens: a sliding window that
-    measures by slot index would see another context than the bundle's draft (it drafted nothing useful). The build
-    compares the two after a filled lane and refuses, leaving nothing behind."""
+    measures by slot index would see another context than the bundle's draft (it drafted nothing useful). The export
+    records the draft's window and a package's context past it is refused before any device work, whatever its
+    weights; a bundle without the record (exported before it) is compared after a filled lane (fp32 weights) and
+    refused as well. Nothing is left behind."""
     from mirror_sd.export.bundle import ExportOptions, export_bundle
     from mirror_sd.models.tiny import make_pair
+    from mirror_sd.partitions import Manifest
 
     target, _ = make_pair(tmp_path / "pair", "mistral", sliding_window=4)
     bundle = tmp_path / "bundle"
     export_bundle(ExportOptions(model=str(target), draft=str(target), out=str(bundle), exit_layer=3,
                                 draft_weights="float32"), report=lambda *_: None)
-    with pytest.raises(PackageError, match="sliding window"):
-        build_package(PackageOptions(bundle=bundle, out=tmp_path / "out", weights="fp32", max_prompt=64,
+    assert Manifest.load(bundle).partition("draft").extra["sliding_window"] == 4
+    with pytest.raises(BadInputError, match="sliding window of 4 tokens"):
+        build_package(PackageOptions(bundle=bundle, out=tmp_path / "out", weights=weights, max_prompt=64,
                                      max_context=128), **QUIET)
+    if weights == "fp32":  # the record taken out: the comparison still refuses
+        doc = json.loads((bundle / "manifest.json").read_text())
+        for part in doc["partitions"]:
+            part.get("extra", {}).pop("sliding_window", None)
+        (bundle / "manifest.json").write_text(json.dumps(doc))
+        with pytest.raises(PackageError, match="sliding window"):
+            build_package(PackageOptions(bundle=bundle, out=tmp_path / "out", weights="fp32", max_prompt=64,
+                                         max_context=128), **QUIET)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "pair"]
 
 
