@@ -1,10 +1,10 @@
 """Supported decoder architectures: one thin class each, registered by transformers `model_type`.
 
-All share the Llama layout (`model.model.{embed_tokens, layers, norm, rotary_emb}`, `model.lm_head`); they differ
-in which layers use a sliding attention window, in how a layer's projections are stored (Phi-3 packs q, k and v in
-one Linear and gate and up in another), in how much of each head the rotary embedding turns and by which angles, and
-(Gemma 3) in their norms, embedding scale and activation. Each answers through the hooks below. Attribute names come
-from optimum's normalized configs so the facts we record do not depend on each config's spelling.
+All share the Llama layout (`model.model.{embed_tokens, layers, norm, rotary_emb}`, `model.lm_head`); they differ in
+which layers use a sliding attention window, in how a layer's projections are stored (Phi-3 packs q, k and v in one
+Linear and gate and up in another), in how much of each head the rotary embedding turns and by which angles, and (Gemma
+2 and 3) in their norms, embedding scale, activation and soft caps. Each answers through the hooks below. Attribute
+names come from optimum's normalized configs so the facts we record do not depend on each config's spelling.
 """
 
 from __future__ import annotations
@@ -258,8 +258,8 @@ class Gemma2(_Gemma):
 
 @register("gemma3_text")
 class Gemma3(_Gemma):
-    """Gemma 3's text model (gemma-3-270m, -1b, and the text stack of the larger ones): per-head q / k norms, and other
-    rotary angles on its sliding layers than on its full ones."""
+    """Gemma 3's text-only checkpoints (gemma-3-270m, -1b; the larger ones are multimodal, model type gemma3): per-head
+    q / k norms, and other rotary angles on its sliding layers than on its full ones."""
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -72,7 +72,6 @@ def test_exit_layer_and_k_are_respected(bundle_factory, exit_layer, top_k):
     ("mistral", {"sliding_window": 4}),  # the window is shorter than the grid's sequences, so the mask matters
     ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 3}),  # mixed layer types
     ("phi3", {"sliding_window": 4}),  # Phi-3-mini's window on every layer
-    ("phi3", {"hidden_size": 128, "partial_rotary_factor": 0.5}),  # Phi-4-mini: the rotary turns 16 of 32 values
     ("phi3", {}),
     ("gemma3_text", {"tie_word_embeddings": True}),  # as Gemma 3 ships: the head is the scaled embedding's weight
     ("phi3", {"sliding_window": 4096}),  # Phi-3.5's window longer than its context: no window at all

@@ -303,8 +303,7 @@ def test_a_static_draft_drafts_again_after_a_failure(built):
     assert out.stats["draft_failures"] == 1 and out.stats["fresh_rollouts"] >= 3
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8"])
-def test_a_draft_whose_sliding_window_the_static_graphs_would_misplace_is_refused(tmp_path, weights):
+def test_a_draft_whose_sliding_window_the_static_graphs_would_misplace_is_refused(tmp_path):
     """The static graphs hold the context lane and a padded own past before the new tokens: a sliding window that
     measures by slot index would see another context than the bundle's draft (it drafted nothing useful). The export
     records the draft's window and a package's context past it is refused before any device work, whatever its
@@ -319,17 +318,17 @@ def test_a_draft_whose_sliding_window_the_static_graphs_would_misplace_is_refuse
     export_bundle(ExportOptions(model=str(target), draft=str(target), out=str(bundle), exit_layer=3,
                                 draft_weights="float32"), report=lambda *_: None)
     assert Manifest.load(bundle).partition("draft").extra["sliding_window"] == 4
-    with pytest.raises(BadInputError, match="sliding window of 4 tokens"):
-        build_package(PackageOptions(bundle=bundle, out=tmp_path / "out", weights=weights, max_prompt=64,
-                                     max_context=128), **QUIET)
-    if weights == "fp32":  # the record taken out: the comparison still refuses
-        doc = json.loads((bundle / "manifest.json").read_text())
-        for part in doc["partitions"]:
-            part.get("extra", {}).pop("sliding_window", None)
-        (bundle / "manifest.json").write_text(json.dumps(doc))
-        with pytest.raises(PackageError, match="sliding window"):
-            build_package(PackageOptions(bundle=bundle, out=tmp_path / "out", weights="fp32", max_prompt=64,
+    for weights in ("fp32", "int8"):
+        with pytest.raises(BadInputError, match="sliding window of 4 tokens"):
+            build_package(PackageOptions(bundle=bundle, out=tmp_path / "out", weights=weights, max_prompt=64,
                                          max_context=128), **QUIET)
+    doc = json.loads((bundle / "manifest.json").read_text())  # the record taken out: the comparison still refuses
+    for part in doc["partitions"]:
+        part.get("extra", {}).pop("sliding_window", None)
+    (bundle / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(PackageError, match="sliding window"):
+        build_package(PackageOptions(bundle=bundle, out=tmp_path / "out", weights="fp32", max_prompt=64,
+                                     max_context=128), **QUIET)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "pair"]
 
 
