@@ -210,7 +210,7 @@ class MessagesRequest(_Strict):
                     out.append({"role": "user", "content": text})
                 continue
             turn: dict[str, Any] = {"role": "assistant", "content": text}
-            thought = "".join(b.thinking for b in blocks if isinstance(b, _Thinking))
+            thought = _joined(b.thinking for b in blocks if isinstance(b, _Thinking))
             if thought:
                 turn["reasoning"] = thought
             calls = [{"id": b.id, "type": "function",
