@@ -149,7 +149,7 @@ def _exit_head(opts: ExportOptions, target: LoadedModel) -> torch.nn.Module:
     backbone = target.arch.backbone(target.model)
     lm_head = target.arch.lm_head(target.model)
     if opts.exit_adapter is None:
-        return LogitLens(backbone.norm, lm_head)
+        return LogitLens(backbone.norm, lm_head, target.arch.softcaps()[1])
 
     try:
         return ExitAdapter.load(Path(opts.exit_adapter).expanduser(), backbone.norm, lm_head)

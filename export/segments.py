@@ -32,20 +32,25 @@ class ExitHead(Protocol):
 
 
 class LogitLens(nn.Module):
-    """The paper's untrained early-exit head: the target's own final norm + LM head on the layer-l_e state."""
+    """The paper's untrained early-exit head: the target's own final norm + LM head on the layer-l_e state (and its
+    final soft cap, Gemma 2's `cap`)."""
 
     kind = "logit_lens"
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, cap: float | None = None) -> None:
         super().__init__()
-        self.norm, self.lm_head = norm, lm_head
+        self.norm, self.lm_head, self.cap = norm, lm_head, cap
 
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the LM head reads (exit heads share it: ExitTopK can run the head on some of its rows)."""
         return self.norm(hidden)
 
+    def head_output(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's rows as the target's head ends them (capped where it caps)."""
+        return _capped(logits, self.cap)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.head_input(hidden))
+        return self.head_output(self.lm_head(self.head_input(hidden)))
 
 
 class _PlainKV:
@@ -285,6 +290,8 @@ class ExitTopK(nn.Module):
             logits = self.exit_head(hidden)
         else:
             logits = nn.functional.linear(self.exit_head.head_input(hidden), self.rows, self.row_bias)
+            end = getattr(self.exit_head, "head_output", None)
+            logits = logits if end is None else end(logits)
         return torch.log_softmax(logits.float(), dim=-1)
 
     def forward(self, hidden: torch.Tensor):
