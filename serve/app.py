@@ -64,7 +64,7 @@ from mirror_sd.serve.auth import ApiKey, route_path
 from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
 from mirror_sd.serve.reasoning import Reading, generation_prompt, reading
-from mirror_sd.serve.responses import ResponsesRequest, ResponseStore, events, from_chat, output_messages, renamed
+from mirror_sd.serve.responses import FIELDS, ResponsesRequest, ResponseStore, events, from_chat, output_messages
 from mirror_sd.serve.tool_parser import TOOL_CALL_FORMATS, ParsedAnswers
 from mirror_sd.serve.tools import ToolAnswers
 
@@ -372,6 +372,21 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
         return await _complete(request, body, body.prompts(), chat=False)
 
+    async def _read_as(request: Request, chat: p.ChatRequest, names: Mapping[str, str],
+                       stream: Callable[[AsyncIterator[str]], AsyncIterator[str]],
+                       whole: Callable[[dict[str, Any]], dict[str, Any]]) -> Response:
+        """Another API's request run as the chat completion `chat` it asks for: the chat path's 400s name its fields
+        (`names`: the chat's field -> its), and the answer is written back by `whole`, or a stream by `stream`."""
+        try:
+            answer = await _complete(request, chat, [chat.prompt()], chat=True)
+        except p.ApiError as e:
+            raise p.renamed(e, names) from None
+        headers = {"x-seed": answer.headers["x-seed"]}
+        if isinstance(answer, StreamingResponse):  # its background task stops the generation if the client goes
+            return StreamingResponse(stream(answer.body_iterator), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **headers}, background=answer.background)
+        return JSONResponse(whole(json.loads(answer.body)), headers=headers)
+
     kept = ResponseStore(settings.stored_responses)
 
     @app.post("/v1/responses")
@@ -382,49 +397,34 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                              "the conversation's items in input", param="previous_response_id",
                              code="unsupported_value")
         history = kept.history(body.previous_response_id) if body.previous_response_id is not None else []
-        chat = body.chat_request(history)
-        try:
-            answer = await _complete(request, chat, [chat.prompt()], chat=True)
-        except p.ApiError as e:  # the chat path's checks name the Responses field
-            raise renamed(e) from None
         store = bool(kept.capacity) and body.store is not False  # OpenAI's default: stored
 
         def keep(doc: dict[str, Any]) -> None:
             if store:
                 kept.put(doc, [*history, *body.input_messages(), *output_messages(doc["output"])])
 
-        headers = {"x-seed": answer.headers["x-seed"]}
-        if isinstance(answer, StreamingResponse):  # its background task stops the generation if the client goes
-            return StreamingResponse(events(body, answer.body_iterator, store, keep), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", **headers}, background=answer.background)
-        doc = from_chat(body, json.loads(answer.body), store)
-        keep(doc)
-        return JSONResponse(doc, headers=headers)
+        def whole(doc: dict[str, Any]) -> dict[str, Any]:
+            doc = from_chat(body, doc, store)
+            keep(doc)
+            return doc
+
+        return await _read_as(request, body.chat_request(history), FIELDS,
+                              lambda chunks: events(body, chunks, store, keep), whole)
 
     @app.post(anthropic.PATH)
     async def anthropic_messages(body: anthropic.MessagesRequest, request: Request) -> Any:
         """Anthropic's Messages API, run as the chat completion it asks for (serve/messages.py)."""
-        chat = body.chat_request()
-        try:
-            answer = await _complete(request, chat, [chat.prompt()], chat=True)
-        except p.ApiError as e:  # the chat path's checks name the Messages field
-            raise anthropic.renamed(e) from None
-        headers = {"x-seed": answer.headers["x-seed"]}
-        if isinstance(answer, StreamingResponse):  # its background task stops the generation if the client goes
-            return StreamingResponse(anthropic.events(body, answer.body_iterator), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", **headers}, background=answer.background)
-        return JSONResponse(anthropic.from_chat(body, json.loads(answer.body)), headers=headers)
+        return await _read_as(request, body.chat_request(), anthropic.FIELDS,
+                              lambda chunks: anthropic.events(body, chunks), lambda doc: anthropic.from_chat(body, doc))
 
     @app.post(anthropic.PATH + "/count_tokens")
     async def anthropic_count_tokens(body: anthropic.CountTokensRequest) -> dict[str, Any]:
-        """The prompt tokens a Messages request reads (its chat rendered as /v1/chat/completions renders it)."""
-        _check_model(body.model)
+        """The prompt tokens a Messages request reads: its chat counted as /tokenize counts one."""
         chat = body.chat_request()
-        try:
-            text = pipe.codec.render_chat(chat.prompt(), chat.template_tools(), **chat.rendering())
-        except BadInputError as e:
-            raise p.ApiError(400, str(e), param=e.option or "messages", code="invalid_value") from None
-        return {"input_tokens": len(pipe.codec.encode(text, special=False))}
+        rendering = chat.model_dump(include=set(p.ChatRendering.model_fields))
+        counted = await tokenize(p.TokenizeRequest(model=body.model, messages=chat.messages, tools=chat.tools,
+                                                   **rendering))
+        return {"input_tokens": counted["count"]}
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str) -> JSONResponse:

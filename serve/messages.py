@@ -20,20 +20,18 @@ key as `Authorization: Bearer` does. `POST /v1/messages/count_tokens` counts a r
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
 from mirror_sd.serve.neutral import UNSUPPORTED
-from mirror_sd.serve.protocol import ApiError, ChatRequest
+from mirror_sd.serve.protocol import ApiError, ChatRequest, new_id, read_chat_request, renamed_loc
 
 PATH = "/v1/messages"  # and what is under it: the routes whose errors have Anthropic's shape
 # a chat request's field, as the Messages request names it (what a 400 from the chat path's checks names)
-_FIELD = {"stop": "stop_sequences", "response_format": "output_config"}
+FIELDS = {"stop": "stop_sequences", "response_format": "output_config"}
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -255,11 +253,7 @@ class MessagesRequest(_Strict):
                 {"type": "function", "function": {"name": choice.name}}
             if choice.disable_parallel_tool_use:
                 chat["parallel_tool_calls"] = False
-        try:
-            return ChatRequest.model_validate(chat)
-        except ValidationError as e:  # as FastAPI reports a body's: the server's handler writes the 400
-            errors = [{**err, "loc": ("body", *_renamed(err["loc"]))} for err in e.errors()]
-            raise RequestValidationError(errors) from None
+        return read_chat_request(chat, _renamed)
 
     @field_validator("tool_choice")
     @classmethod
@@ -290,13 +284,7 @@ class CountTokensRequest(_Strict):
 def _renamed(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     if loc[:1] == ("tools",) and loc[2:4] == ("function", "parameters"):  # a tool's schema: its input_schema
         return ("tools", loc[1], "input_schema", *loc[4:])
-    return (_FIELD.get(loc[0], loc[0]), *loc[1:]) if loc else loc
-
-
-def renamed(error: ApiError) -> ApiError:
-    """A chat-path error as the Messages request names its field."""
-    error.param = _FIELD.get(error.param, error.param)
-    return error
+    return renamed_loc(loc, FIELDS)
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
@@ -362,7 +350,7 @@ def from_chat(body: MessagesRequest, doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _id() -> str:
-    return f"msg_{uuid.uuid4().hex[:24]}"
+    return new_id("msg", "_")
 
 
 def _event(kind: str, **fields: Any) -> str:

@@ -26,9 +26,10 @@ import codecs
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -38,6 +39,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    ValidationError,
     ValidationInfo,
     create_model,
     field_validator,
@@ -563,8 +565,33 @@ def field_name(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "body"
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """A fresh id: OpenAI's chat and completion ids join with "-" ("chatcmpl-..."), the Responses and Messages APIs'
+    with "_" ("resp_...", "msg_...")."""
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
+
+
+def renamed_loc(loc: tuple[Any, ...], names: Mapping[str, str]) -> tuple[Any, ...]:
+    """A chat request's error location, its first field as another API (`names`: the chat's field -> its) names it."""
+    return (names.get(loc[0], loc[0]), *loc[1:]) if loc else loc
+
+
+def read_chat_request(chat: dict[str, Any], rename: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> ChatRequest:
+    """The chat request another API's request (Responses, Messages) reads as; its validation errors as FastAPI
+    reports a body's, each location as that API names it (`rename`), for the server's handler to write the 400."""
+    try:
+        return ChatRequest.model_validate(chat)
+    except ValidationError as e:
+        errors = [{**err, "loc": ("body", *rename(err["loc"]))} for err in e.errors()]
+        raise RequestValidationError(errors) from None
+
+
+def renamed(error: ApiError, names: Mapping[str, str]) -> ApiError:
+    """A chat path's error, its param as another API (`names`: the chat's field -> its) names it."""
+    if error.param is not None:
+        head, _, rest = error.param.partition(".")
+        error.param = names.get(head, head) + (f".{rest}" if rest else "")
+    return error
 
 
 def finish_reason(reason: str) -> str:

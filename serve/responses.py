@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
-from fastapi.exceptions import RequestValidationError
 from pydantic import (
     AliasChoices,
     BaseModel,
@@ -35,16 +33,15 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
-    ValidationError,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from mirror_sd.serve.neutral import UNSUPPORTED
-from mirror_sd.serve.protocol import ApiError, ChatRequest
+from mirror_sd.serve.protocol import ApiError, ChatRequest, new_id, read_chat_request, renamed_loc
 
 # a chat request's field, as the Responses request names it (what a 400 from the chat path's checks names)
-_FIELD = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 LOGPROBS = "message.output_text.logprobs"  # what `include` takes: the output text's tokens' logprobs
 
 
@@ -285,11 +282,7 @@ class ResponsesRequest(_Strict):
             chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
         elif self.tool_choice is not None:
             chat["tool_choice"] = self.tool_choice
-        try:
-            return ChatRequest.model_validate(chat)
-        except ValidationError as e:  # as FastAPI reports a body's: the server's handler writes the 400
-            errors = [{**err, "loc": ("body", *_renamed(err["loc"]))} for err in e.errors()]
-            raise RequestValidationError(errors) from None
+        return read_chat_request(chat, lambda loc: renamed_loc(loc, FIELDS))
 
     def echo(self, stored: bool = False) -> dict[str, Any]:
         """The request's settings a Response repeats."""
@@ -306,20 +299,8 @@ class ResponsesRequest(_Strict):
                 "truncation": "disabled", "reasoning": None, "error": None}
 
 
-def _renamed(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    return (_FIELD.get(loc[0], loc[0]), *loc[1:]) if loc else loc
-
-
-def renamed(error: ApiError) -> ApiError:
-    """A chat path's error, its param as the Responses request names it."""
-    if error.param is not None:
-        head, _, rest = error.param.partition(".")
-        error.param = _FIELD.get(head, head) + (f".{rest}" if rest else "")
-    return error
-
-
 def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+    return new_id(prefix, "_")
 
 
 def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
