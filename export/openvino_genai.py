@@ -146,7 +146,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "", w
         return out
     if not (src / "config.json").is_file():
         raise BadInputError(f"{src} is not a Hugging Face model directory (no config.json)")
-    _check_convertible(src)
+    arch = _convertible(src)
     # sdpa, not eager: the graph must carry ScaledDotProductAttention for GenAI's PagedAttention rewrite
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa").eval()
     tmp = out.with_name(out.name + ".partial")
@@ -167,7 +167,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "", w
         raise ExportError(f"OpenVINO GenAI conversion of {src} failed: {type(e).__name__}: {e}") from None
     # a longrope model's graph holds the angles within its original context (export/segments.py): its context ends
     # there, as the bundles' does
-    model.config.max_position_embeddings = _segment(model)[1].max_positions()
+    model.config.max_position_embeddings = arch.max_positions()
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     (tmp / MARKER).write_text(json.dumps({"source": str(src), "fingerprint": fingerprint}) + "\n")
@@ -175,9 +175,10 @@ def convert(model_dir: str | Path, out_dir: str | Path, fingerprint: str = "", w
     return out
 
 
-def _check_convertible(src: Path) -> None:
-    """ExportError for a model GenAI's pipeline would not run as itself: its PagedAttention rewrite drops a sliding
-    window, and transformers' sdpa attention (which the rewrite finds) takes no soft cap (Gemma 2)."""
+def _convertible(src: Path):
+    """The model's architecture; ExportError for a model GenAI's pipeline would not run as itself: its PagedAttention
+    rewrite drops a sliding window, and transformers' sdpa attention (which the rewrite finds) takes no soft cap
+    (Gemma 2)."""
     from transformers import AutoConfig
 
     from mirror_sd.export.architectures import architecture_of
@@ -187,6 +188,7 @@ def _check_convertible(src: Path) -> None:
         raise ExportError(f"{src}: OpenVINO GenAI's continuous batching drops sliding windows; no GenAI baseline of it")
     if any(cap is not None for cap in arch.softcaps()):
         raise ExportError(f"{src}: its soft-capped attention has no sdpa form for GenAI's rewrite; no GenAI baseline")
+    return arch
 
 
 def is_converted(directory: Path, fingerprint: str = "") -> bool:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -446,7 +447,12 @@ def write_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         onnx.save_model(proto, str(bundle_dir / file))
     layers = range(start, end)
     size = arch.facts()["head_dim"]
-    padding = {"model_head_dim": size} if size != facts.head_dim else {}  # the KV's head_dim is padded
+    recorded: dict[str, Any] = {"kv": "shared-buffer"}
+    if size != facts.head_dim:  # the KV's head_dim is padded
+        recorded["model_head_dim"] = size
+    cap = arch.softcaps()[0]
+    if cap is not None:  # Gemma 2's: OpenVINO's own GroupQueryAttention takes none (runtime/prompt_graphs.py)
+        recorded["softcap"] = float(cap)
     return PartitionSpec(role, (start, end), file, target_input_specs(role, facts, layers),
                          target_output_specs(role, facts, layers, taps), "onnxruntime", "default",
-                         data_files=data_files, extra={"kv": "shared-buffer", **padding, **(extra or {})})
+                         data_files=data_files, extra={**recorded, **(extra or {})})

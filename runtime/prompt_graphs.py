@@ -93,13 +93,6 @@ def expanded(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _soft_capped(path: Path) -> bool:
-    """Whether a target graph's attention soft-caps its scores (its weights are not read)."""
-    graph = onnx.load(str(path), load_external_data=False).graph
-    return any(a.name == "softcap" and a.f for n in graph.node if n.op_type == "GroupQueryAttention"
-               for a in n.attribute)
-
-
 def has_bf16() -> bool:
     """Whether OpenVINO's CPU plugin computes bf16 natively here (AMX or AVX512-BF16)."""
     import openvino as ov
@@ -133,7 +126,7 @@ class PromptGraphs:
         for role in ("target_prefix", "target_suffix"):
             spec = manifest.partition(role)
             path = resolve_inside(Path(bundle), spec.file)
-            if precision == "bf16" and _soft_capped(path):
+            if precision == "bf16" and spec.extra.get("softcap"):  # the export records it
                 raise BadInputError("this target soft-caps its attention scores (Gemma 2), which OpenVINO's "
                                     "GroupQueryAttention does not take: leave prefill_precision at 'target'",
                                     option="prefill_precision")
