@@ -17,6 +17,9 @@ from mirror_sd.errors import UnsupportedArchitectureError
 from mirror_sd.partitions.manifest import ModelFacts
 
 _REGISTRY: dict[str, type[Architecture]] = {}
+# Image-text checkpoints whose language model is a registered architecture (Gemma 3 from 4B): the language model is
+# what gets exported, as the causal LM of the checkpoint's text config (export/bundle.py drops the vision tower)
+IMAGE_TEXT = ("gemma3",)
 
 
 def register(model_type: str) -> Callable[[type[Architecture]], type[Architecture]]:
@@ -29,10 +32,16 @@ def register(model_type: str) -> Callable[[type[Architecture]], type[Architectur
 
 
 def supported() -> tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
+    return tuple(sorted((*_REGISTRY, *IMAGE_TEXT)))
+
+
+def text_config(config):
+    """The config of the decoder to export: an image-text checkpoint's language model's (IMAGE_TEXT), else `config`."""
+    return config.text_config if getattr(config, "model_type", None) in IMAGE_TEXT else config
 
 
 def architecture_of(config) -> Architecture:
+    config = text_config(config)
     model_type = getattr(config, "model_type", None)
     if model_type not in _REGISTRY:
         raise UnsupportedArchitectureError(
@@ -258,8 +267,8 @@ class Gemma2(_Gemma):
 
 @register("gemma3_text")
 class Gemma3(_Gemma):
-    """Gemma 3's text-only checkpoints (gemma-3-270m, -1b; the larger ones are multimodal, model type gemma3): per-head
-    q / k norms, and other rotary angles on its sliding layers than on its full ones."""
+    """Gemma 3: the text-only checkpoints (gemma-3-270m, -1b) and the image-text ones' language model (4B up, model type
+    gemma3: IMAGE_TEXT): per-head q / k norms, and other rotary angles on its sliding layers than on its full ones."""
 
     def __init__(self, config) -> None:
         super().__init__(config)

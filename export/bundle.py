@@ -18,7 +18,7 @@ import torch
 
 from mirror_sd.errors import BadInputError, ExportError, first_line
 from mirror_sd.export import parity
-from mirror_sd.export.architectures import Architecture, architecture_of
+from mirror_sd.export.architectures import IMAGE_TEXT, Architecture, architecture_of
 from mirror_sd.export.draft_weights import (
     BLOCK_SIZE,
     DEFAULT_WEIGHT_FORMAT,
@@ -104,7 +104,22 @@ def load_causal_lm(source: str, what: str, check: Callable[[Architecture], None]
         model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, attn_implementation="eager")
     except UNREADABLE as e:
         raise BadInputError(f"cannot load {what} {source!r}: {first_line(e)}") from None
+    if config.model_type in IMAGE_TEXT:
+        model = language_model_alone(model)
     return LoadedModel(source, model.eval(), arch)
+
+
+def language_model_alone(model) -> torch.nn.Module:
+    """An image-text model's language model (`model.model.language_model` and `model.lm_head`, transformers' layout
+    for them) as the causal LM of its text config: what every later step reads, the vision tower left behind."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # no weights of its own: the image-text model's modules are moved in
+        text = AutoModelForCausalLM.from_config(model.config.text_config, dtype=torch.float32,
+                                                attn_implementation="eager")
+    text.model, text.lm_head = model.model.language_model, model.lm_head
+    text.generation_config = model.generation_config
+    return text
 
 
 

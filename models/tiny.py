@@ -84,6 +84,28 @@ def make_model(out_dir: str | Path, architecture: str = "llama", num_layers: int
     return out
 
 
+def make_image_text_model(text_dir: str | Path, out_dir: str | Path) -> Path:
+    """Gemma 3's image-text checkpoint (model type gemma3, as 4B and up ship) around the gemma3_text model at
+    `text_dir`: its language model holds that model's weights, beside a tiny random vision tower; the tokenizer is
+    copied. Returns `out_dir`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config
+
+    text = AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=AutoConfig.from_pretrained(text_dir).to_dict(), vision_config=vision,
+                          mm_tokens_per_image=4, tie_word_embeddings=text.config.tie_word_embeddings)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    model.generation_config = text.generation_config
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(text_dir).save_pretrained(out)
+    return out
+
+
 def make_pair(root: str | Path, architecture: str = "llama", target_layers: int = 6, draft_layers: int = 2,
               seed: int = 0, tokenizer_dir: str | Path | None = None, **config_overrides) -> tuple[Path, Path]:
     """A target and a smaller draft of the same architecture sharing one tokenizer: (target_dir, draft_dir).

@@ -85,6 +85,28 @@ def test_config_variants_export_with_parity(tmp_path, architecture, overrides):
         assert not any(a.name == "local_window_size" for n in graph.graph.node for a in n.attribute)
 
 
+def test_an_image_text_gemma3_exports_its_language_model(tmp_path):
+    """Gemma 3 from 4B ships as an image-text model (model type gemma3): its language model is exported, and the
+    bundle answers as the same weights' text-only checkpoint does, in every mode."""
+    from mirror_sd.models.tiny import make_image_text_model
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    target, draft = make_pair(tmp_path / "pair", "gemma3_text")
+    image_text = make_image_text_model(target, tmp_path / "image-text")
+    assert json.loads((image_text / "config.json").read_text())["model_type"] == "gemma3"
+    answers = {}
+    for name, source in (("text", target), ("image-text", image_text)):
+        manifest = export_bundle(ExportOptions(str(source), str(draft), tmp_path / name / "bundle"), report=_quiet)
+        assert manifest.validation["passed"] and manifest.target.architecture == "gemma3_text"
+        pipe = Pipeline.load(tmp_path / name / "bundle", huge_pages=False)
+        try:
+            for mode in ("ar", "sd", "mirror"):
+                answers[name, mode] = pipe.generate("def load(self, s):", max_new_tokens=24, mode=mode).token_ids
+        finally:
+            pipe.close()
+    assert len(set(map(tuple, answers.values()))) == 1, answers
+
+
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
             "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 4.0],
             "long_factor": [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0]}
@@ -241,7 +263,7 @@ def odd_models(tmp_path_factory, pair_factory):
     ("exit_high", "EXIT_LAYER 6 is outside"),
     ("topk_low", "TOPK 0 is outside"),
     ("topk_high", "TOPK 385 is outside"),
-    ("unsupported", "not supported; supported: gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3"),
+    ("unsupported", "not supported; supported: gemma2, gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3"),
     ("truncated_model", "cannot load target"),
     ("truncated_draft", "cannot load draft"),
     ("no_eos", "names no EOS token"),
