@@ -470,13 +470,8 @@ class BatchEngine:
         return rows
 
     def _reusable(self, row: _Row) -> int:
-        """The row's positions a later prompt may reuse: all it holds, or with prompt graphs only those they
-        prefilled (the same tokens inside a later prompt are prefilled there, not on the target's steps)."""
-        if self.pipe.target.prompt_graphs is None:
-            return row.kv_len
-        if row.prompt_scores is not None:  # its prompt ran on the target's own graphs
-            return 0
-        return min(row.kv_len, self.pipe.target.prompt_split(row.prompt_len))
+        """The row's positions a later prompt may reuse (Target.reusable_length)."""
+        return self.pipe.target.reusable_length(row.kv_len, row.prompt_len, row.prompt_scores is not None)
 
     def _alone(self, row: _Row | None = None) -> bool:
         """Whether a prompt (`row`'s, or one being admitted) would prefill alone: no other waits or prefills, so no

@@ -169,10 +169,8 @@ class SlotTable:
         return best, best_len
 
     def reusable(self, held: list[int], prompt: np.ndarray) -> int:
-        """How many first tokens of `prompt` (int64 ids) a slot holding `held` spares: their common head, at most
-        len(prompt) - 1 (the last prompt token runs to give the first new token's logits), in multiples of `grid`."""
-        n = min(common_prefix(np.asarray(held, np.int64), prompt), len(prompt) - 1)
-        return n - n % self.grid
+        """How many first tokens of `prompt` (int64 ids) a slot holding `held` spares (reusable_head)."""
+        return reusable_head(held, prompt, self.grid)
 
     def leave(self, slot: Slot, tokens: list[int]) -> None:
         """The sequence is done: the slot is free and keeps `tokens` (those whose KV it holds) as a cached prefix."""
@@ -187,6 +185,14 @@ class SlotTable:
     def _touch(self, slot: Slot) -> None:
         self._clock += 1
         slot.used = self._clock
+
+
+def reusable_head(held, prompt: np.ndarray, grid: int) -> int:
+    """How many first tokens of `prompt` (int64 ids) KV memory holding `held` spares: their common head, at most
+    len(prompt) - 1 (the last prompt token runs to give the first new token's logits), in multiples of `grid`
+    (Target.reuse_grid)."""
+    n = min(common_prefix(np.asarray(held, np.int64), prompt), len(prompt) - 1)
+    return max(n - n % grid, 0)
 
 
 def slots_for(manifest: Manifest, positions: int, max_num_seqs: int, kv_cache_gb: float | None) -> int:

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from mirror_sd.errors import BadInputError, ContextLimitError, ManifestError
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.package_format import is_package
@@ -53,7 +55,7 @@ from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.grammar import CFG, JSON_SCHEMA, REGEX, GrammarState, Vocabulary
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
-from mirror_sd.runtime.kv_slots import slots_for
+from mirror_sd.runtime.kv_slots import reusable_head, slots_for
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.machine import plan_note
 from mirror_sd.runtime.package_reader import OpenedPackage, open_package
@@ -61,7 +63,7 @@ from mirror_sd.runtime.perplexity import Perplexity, perplexity
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.scheduler import DraftWorker, decode, reads_prompt_alongside
 from mirror_sd.runtime.stats import GenerationStats, Recorder
-from mirror_sd.runtime.target import KVView, Target, open_target
+from mirror_sd.runtime.target import KVView, Target, TargetCache, open_target
 from mirror_sd.runtime.text import TextCodec, TextSink
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -143,6 +145,9 @@ class Pipeline:
         # per mode and bucket of context length, what the speculation gate learned in the last generation there: the
         # next one starts from it (runtime/gate.py); touched only by the generating thread, under _busy
         self._gate_memory: dict[tuple[str, int], GateState] = {}
+        # what the target's own KV buffers hold after the last library generation there (tokens, and the handle
+        # that tells whether anything wrote below them since): the next call's prompt reuses its head, under _busy
+        self._held: tuple[tuple[int, ...], TargetCache] | None = None
         self.load_options = LoadOptions()  # what load was given (the batching engine reads its own from it)
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
@@ -444,14 +449,40 @@ class Pipeline:
             self._owner = threading.get_ident()
             if kv is not None:
                 self.target.use_kv(kv)
+            else:
+                if cfg.prompt_logprobs is None:  # a prompt's logprobs need its whole prefill
+                    cached = self._held_head(ids)
+                self._held = None  # written over from here on
             try:
-                return (yield from self._decode_alone(ids, cfg, rec or Recorder(cfg.trace), cached, prompt_scores))
+                result = yield from self._decode_alone(ids, cfg, rec or Recorder(cfg.trace), cached, prompt_scores)
+                if kv is None:
+                    self._hold(ids, result)
+                return result
             finally:
                 if kv is not None:
                     self.target.use_kv(None)
                 self._owner = None
         finally:
             self._busy.release()
+
+    def _held_head(self, ids: list[int]) -> int:
+        """How many first tokens of `ids` the target's own KV buffers hold from the last library generation there, by
+        the batching engine's prefix-cache rules (a chat's next turn through `generate` prefills what it adds)."""
+        if self._held is None or not BatchEngine.runs_on(self):
+            return 0
+        tokens, cache = self._held
+        if not self.target.intact(cache):  # another run wrote there since (the engine, a perplexity, a benchmark)
+            return 0
+        return reusable_head(tokens, np.asarray(ids, np.int64), self.target.reuse_grid)
+
+    def _hold(self, ids: list[int], result: GenerationResult) -> None:
+        """Remember what a finished library generation left in the target's own KV buffers: its prompt and every
+        new token but the last (never run), as far as a later prompt may reuse them (Target.reusable_length)."""
+        if not BatchEngine.runs_on(self):
+            return
+        context = [*ids, *result.token_ids]
+        length = self.target.reusable_length(len(context) - 1, len(ids), result.prompt_logprobs is not None)
+        self._held = (tuple(context[:length]), self.target.adopt(length))
 
     @property
     def busy(self) -> bool:
@@ -509,7 +540,8 @@ class Pipeline:
         wall = time.perf_counter() - start
         # which draft graph ran, and how often: a package's stats show its static IR at work
         draft_engine = {**self.draft.describe(), "draft_graph_forwards": self.draft.forwards - draft_forwards}
-        stats = self.finish_stats(cfg, rec, draft_engine, new_tokens=len(sink.ids), ttft_s=ttft, wall_s=wall)
+        stats = self.finish_stats(cfg, rec, draft_engine, new_tokens=len(sink.ids), ttft_s=ttft, wall_s=wall,
+                                  cached_prompt_tokens=cached)
         return GenerationResult(list(sink.ids), sink.text, stats, sink.finish_reason or "length",
                                 tuple(scores) if cfg.logprobs is not None else None,
                                 None if prompt_scores is None else tuple(prompt_scores), sink.stop_reason)

@@ -233,6 +233,14 @@ class Target:
         positions: the prompt graphs' chunks, else any."""
         return PROMPT_GRAPH_CHUNK if self.prompt_graphs is not None else 1
 
+    def reusable_length(self, kv_len: int, prompt_len: int, scored: bool = False) -> int:
+        """Of `kv_len` positions a sequence holds, those a later prompt may reuse: all, or with prompt graphs only
+        those they prefilled (the same tokens inside a later prompt are prefilled there, not on the target's steps),
+        none where its prompt ran on the target's own graphs for its logprobs (`scored`)."""
+        if self.prompt_graphs is None:
+            return kv_len
+        return 0 if scored else min(kv_len, self.prompt_split(prompt_len))
+
     def prompt_split(self, prompt_len: int) -> int:
         """How many of a prompt's first tokens the prompt graphs prefill: all but the last where there are some
         (the first new token then comes from the target's own step), else none."""
@@ -275,9 +283,13 @@ class Target:
         if length > self.capacity:
             raise ContextLimitError(f"{length} tokens exceed the target's KV buffers of {self.capacity} positions")
 
+    def intact(self, cache: TargetCache) -> bool:
+        """Whether no write since `cache` was made touched a position below its length."""
+        return not cache.length or int(self._written_by[:cache.length].max()) <= cache.stamp
+
     def _check(self, cache: TargetCache, new: int) -> None:
         self.check_room(cache.length + new)
-        if cache.length and int(self._written_by[:cache.length].max()) > cache.stamp:
+        if not self.intact(cache):
             raise RuntimeError("stale target cache: positions below its length were overwritten by another history")
 
     def _write(self, start: int, end: int) -> int:

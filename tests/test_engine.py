@@ -439,6 +439,29 @@ def test_a_prompt_alone_reuses_even_a_short_cached_head(pipelines):
     assert got.stats.cached_prompt_tokens > 0 and got.token_ids == solo(pipe, head + rest, max_new_tokens=8)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_chat_through_generate_reuses_its_earlier_turns_and_changes_no_token(pipelines, arch):
+    """Library calls on the target's own KV buffers keep what the last one left there: a chat's next turn prefills
+    only what it adds, in every mode, and gets the tokens it gets from nothing; a call that failed part way, or any
+    other prompt in between, leaves nothing to reuse."""
+    pipe = pipelines[arch]
+    chat = [{"role": "user", "content": "Tell me about the sea and the moon, please, in a few careful words."}]
+    for mode in ("ar", "sd", "mirror", "lookup"):
+        first = pipe.generate(chat, mode=mode, max_new_tokens=10)
+        turn = chat + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And the stars?"}]
+        second = pipe.generate(turn, mode=mode, max_new_tokens=10)
+        assert second.stats.cached_prompt_tokens >= len(pipe.prompt_ids(chat)) - 1, mode
+        pipe.generate("Why?", mode="ar", max_new_tokens=2)  # another prompt in between: nothing of the chat held
+        fresh = pipe.generate(turn, mode=mode, max_new_tokens=10)
+        assert fresh.stats.cached_prompt_tokens == 0 and fresh.token_ids == second.token_ids, mode
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipe.target, "_run_prefix", fails_on(2, pipe.target._run_prefix, "the device failed"))
+        with pytest.raises(RuntimeError, match="the device failed"):
+            pipe.generate(turn, mode="ar", max_new_tokens=10)
+    again = pipe.generate(turn, mode="ar", max_new_tokens=10)
+    assert again.stats.cached_prompt_tokens == 0 and again.token_ids == fresh.token_ids
+
+
 def test_a_short_head_is_reused_only_from_the_slot_taken_anyway():
     """Alone, a prompt keeps a short head that the slot it gets (an empty one, else the least recently used) holds;
     it never writes over another cached conversation for it (the engine copies such a head where it can)."""

@@ -187,6 +187,20 @@ def test_under_batching_every_output_is_its_solo_output_prefix_cache_included(pi
                                             for p in (turn, PROMPTS[0], PROMPTS[4])]
 
 
+def test_a_library_call_reuses_only_what_the_prompt_graphs_prefilled_in_the_last_one(pipelines):
+    """A chat's next turn through generate: of the last call's KV only whole chunks its prompt graphs prefilled are
+    reused (its answer's came from the target's steps), and the tokens are those from nothing."""
+    pipe = pipelines["qwen3"]
+    first = pipe.generate(LONG, mode="ar", max_new_tokens=8)
+    turn = LONG + pipe.codec.decode(first.token_ids) + " and then?"
+    second = pipe.generate(turn, mode="mirror", max_new_tokens=8)
+    assert 0 < second.stats.cached_prompt_tokens <= len(pipe.prompt_ids(LONG)) - 1
+    assert second.stats.cached_prompt_tokens % GRID == 0
+    pipe.generate(PROMPTS[2], mode="ar", max_new_tokens=2)
+    fresh = pipe.generate(turn, mode="mirror", max_new_tokens=8)
+    assert fresh.stats.cached_prompt_tokens == 0 and fresh.token_ids == second.token_ids
+
+
 def test_library_calls_beside_the_engine_share_the_prompt_graphs_safely(pipelines):
     """The engine's thread and a library call on another thread both prefill on the prompt graphs (one binding
     each graph): each run waits for the other, and every answer is its solo one (they crashed, or wrote each
