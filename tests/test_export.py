@@ -85,11 +85,22 @@ def test_config_variants_export_with_parity(tmp_path, architecture, overrides):
         assert not any(a.name == "local_window_size" for n in graph.graph.node for a in n.attribute)
 
 
+def _answers(bundle: Path, **load) -> dict[str, list[int]]:
+    """Each mode's greedy tokens for one prompt on the bundle."""
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    pipe = Pipeline.load(bundle, huge_pages=False, **load)
+    try:
+        return {mode: pipe.generate("def load(self, s):", max_new_tokens=24, mode=mode).token_ids
+                for mode in ("ar", "sd", "mirror")}
+    finally:
+        pipe.close()
+
+
 def test_an_image_text_gemma3_exports_its_language_model(tmp_path):
     """Gemma 3 from 4B ships as an image-text model (model type gemma3): its language model is exported, and the
     bundle answers as the same weights' text-only checkpoint does, in every mode."""
     from mirror_sd.models.tiny import make_image_text_model
-    from mirror_sd.runtime.pipeline import Pipeline
 
     target, draft = make_pair(tmp_path / "pair", "gemma3_text")
     image_text = make_image_text_model(target, tmp_path / "image-text")
@@ -98,12 +109,7 @@ def test_an_image_text_gemma3_exports_its_language_model(tmp_path):
     for name, source in (("text", target), ("image-text", image_text)):
         manifest = export_bundle(ExportOptions(str(source), str(draft), tmp_path / name / "bundle"), report=_quiet)
         assert manifest.validation["passed"] and manifest.target.architecture == "gemma3_text"
-        pipe = Pipeline.load(tmp_path / name / "bundle", huge_pages=False)
-        try:
-            for mode in ("ar", "sd", "mirror"):
-                answers[name, mode] = pipe.generate("def load(self, s):", max_new_tokens=24, mode=mode).token_ids
-        finally:
-            pipe.close()
+        answers.update({(name, mode): ids for mode, ids in _answers(tmp_path / name / "bundle").items()})
     assert len(set(map(tuple, answers.values()))) == 1, answers
 
 
@@ -144,7 +150,6 @@ def test_rotary_variants_run_alike_on_every_target_backend(tmp_path, arch, overr
     """Phi-4-mini's rotary over part of each head, SmolLM3's layers without one (every fourth, windowed there), Gemma
     3's angles per layer type, Gemma 2's soft caps: every mode equals ar on ONNX Runtime, and the target on OpenVINO
     (GroupQueryAttention rewritten) gives the same tokens."""
-    from mirror_sd.runtime.pipeline import Pipeline
 
     target, draft = make_pair(tmp_path / "pair", arch, **overrides)
     manifest = export_bundle(ExportOptions(str(target), str(draft), tmp_path / "bundle"), report=_quiet)
@@ -157,12 +162,8 @@ def test_rotary_variants_run_alike_on_every_target_backend(tmp_path, arch, overr
     assert len(caches) == (2 if arch == "gemma3_text" else 1)  # the suffix's layers 3-5: Gemma's last one is full
     answers = {}
     for backend in ("onnxruntime", "openvino"):
-        pipe = Pipeline.load(tmp_path / "bundle", huge_pages=False, target_backend=backend)
-        try:
-            for mode in ("ar", "sd", "mirror"):
-                answers[backend, mode] = pipe.generate("def load(self, s):", max_new_tokens=24, mode=mode).token_ids
-        finally:
-            pipe.close()
+        answers.update({(backend, mode): ids
+                        for mode, ids in _answers(tmp_path / "bundle", target_backend=backend).items()})
     assert len(set(map(tuple, answers.values()))) == 1, answers
 
 
