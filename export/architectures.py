@@ -76,9 +76,10 @@ class Architecture:
         return [(p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
 
     @staticmethod
-    def gate_up(mlp) -> tuple:
-        """The MLP's gate and up projections' weights [intermediate, hidden] (act(gate x) * up x)."""
-        return mlp.gate_proj.weight, mlp.up_proj.weight
+    def gate_up(mlp) -> list[tuple]:
+        """The MLP's gate and up projections (act(gate x) * up x): (weight [intermediate, hidden], bias or None) each
+        (Llama's mlp_bias gives them biases)."""
+        return [(p.weight, p.bias) for p in (mlp.gate_proj, mlp.up_proj)]
 
     @staticmethod
     def layer_norms(layer) -> tuple:
@@ -213,10 +214,10 @@ class Phi3(Architecture):
         return [(w[p], None if b is None else b[p]) for p in parts]
 
     @staticmethod
-    def gate_up(mlp) -> tuple:
-        w = mlp.gate_up_proj.weight
+    def gate_up(mlp) -> list[tuple]:
+        w, b = mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
         half = w.shape[0] // 2  # transformers: gate, up = gate_up_proj(x).chunk(2, dim=-1)
-        return w[:half], w[half:]
+        return [(w[p], None if b is None else b[p]) for p in (slice(0, half), slice(half, None))]
 
 
 @register("smollm3")

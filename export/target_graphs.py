@@ -361,8 +361,8 @@ def build_target_graph(model, arch: Architecture, facts: ModelFacts, role: Role,
         # the residual add and the next norm in one op (a decode step is ~13 ops a layer; each costs dispatch)
         h, x = g.skip_rms_norm(o, x, arch.norm_scale(before_mlp), eps)
         # two MatMuls rather than one packed and a Split: the same weight bytes, no copy of the activations
-        gate_w, up_w = arch.gate_up(layer.mlp)
-        gate, up = g.linear(h, [gate_w]), g.linear(h, [up_w])
+        (gate_w, gate_b), (up_w, up_b) = arch.gate_up(layer.mlp)
+        gate, up = g.linear(h, [gate_w], [gate_b]), g.linear(h, [up_w], [up_b])
         if arch.activation == "gelu_tanh":
             act = g.node("FastGelu", [gate], domain=MS_DOMAIN)[0]  # GELU's tanh approximation
         else:

@@ -69,6 +69,7 @@ def test_exit_layer_and_k_are_respected(bundle_factory, exit_layer, top_k):
 
 @pytest.mark.parametrize("architecture,overrides", [
     ("llama", {"tie_word_embeddings": True}),  # as SmolLM2
+    ("llama", {"mlp_bias": True, "attention_bias": True}),  # every projection with a bias (tiny.py draws them)
     ("mistral", {"sliding_window": 4}),  # the window is shorter than the grid's sequences, so the mask matters
     ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 3}),  # mixed layer types
     ("phi3", {"sliding_window": 4}),  # Phi-3-mini's window on every layer
