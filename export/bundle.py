@@ -91,7 +91,7 @@ def load_causal_lm(source: str, what: str, check: Callable[[Architecture], None]
     location = str(local) if local.exists() else source
     try:
         config = AutoConfig.from_pretrained(location)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # a missing or unreadable file, or a field of the wrong type (huggingface_hub's own error)
         hint = "" if local.exists() else " (not a local directory, and not loadable as a hub id)"
         raise BadInputError(f"{what} {source!r} is not a Hugging Face model{hint}: {first_line(e)}") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -181,7 +181,7 @@ def load_tokenizer(source: str, draft_source: str):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # missing files, or a tokenizer_config.json of another shape (AttributeError, TypeError)
         raise BadInputError(f"target {source!r} has no usable tokenizer: {first_line(e)}") from None
     _check_draft_tokenizer(tokenizer, draft_source)
     return tokenizer
@@ -192,6 +192,11 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
     first (a chat template's `eos_token` is it: runtime/text.py)."""
     eos = model.generation_config.eos_token_id if model.generation_config else None
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    vocab = model.config.vocab_size
+    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab]
+    if bad:  # the manifest would hold them, and no bundle would load
+        raise BadInputError(f"the target's generation_config.json names eos_token_id {bad[0]!r}, not a token id in "
+                            f"[0, {vocab})")
     own = tokenizer.eos_token_id
     return (own,) * (own is not None) + tuple(sorted(ids - {own}))
 

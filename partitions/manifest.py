@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -197,6 +199,8 @@ class Manifest:
             draft = DraftFacts(**require_field(d, "draft", "manifest"))
         except TypeError as e:  # unknown or missing keyword in the facts objects
             raise ManifestError(f"manifest: malformed model facts: {e}") from None
+        for where, facts in (("tokenizer", tokenizer), ("target", target), ("draft", draft)):
+            _check_types(facts, where)
         return cls(
             target=target,
             draft=draft,
@@ -384,3 +388,26 @@ def _check_kv(part: PartitionSpec, facts: ModelFacts) -> None:
         if (t.name.startswith(("past_key_values.", "shared_key_values.", "present."))
                 and (t.shape[1], t.shape[3]) != (facts.num_kv_heads, facts.head_dim)):
             raise ManifestError(f"{part.role} {t.name} shape {list(t.shape)} does not match the KV layout")
+
+
+def _check_types(facts, where: str) -> None:
+    """ManifestError for a field whose value is not of its declared type (a hand-edited or damaged manifest), before
+    anything computes with it."""
+    hints = typing.get_type_hints(type(facts))
+    for f in fields(facts):
+        value = getattr(facts, f.name)
+        if not _of_type(value, hints[f.name]):
+            raise ManifestError(f"manifest: {where}.{f.name} is {value!r}, not of type {hints[f.name]}")
+
+
+def _of_type(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_of_type(value, h) for h in typing.get_args(hint))
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_of_type(v, typing.get_args(hint)[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint in (int, float):  # JSON has no bool among numbers here
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    return hint is Any or isinstance(value, hint)

@@ -82,6 +82,8 @@ def check_depth(doc: Mapping[str, Any], num_layers: int, option: str | None = No
     """Refuse a plan measured on a target of another depth (another model): its settings, exit layers among them,
     are that model's. A plan that does not say its depth is taken."""
     planned = doc["bundle"].get("num_layers")
+    if planned is not None and (not isinstance(planned, int) or isinstance(planned, bool) or planned < 1):
+        raise BadInputError(f"the plan's bundle.num_layers is {planned!r}, not a count of layers", option=option)
     if planned is not None and planned != num_layers:
         raise BadInputError(f"the plan was made for a target of {planned} layers, this one has {num_layers}: run "
                             "`mirror-sd plan` on a bundle of this model", option=option)

@@ -380,6 +380,8 @@ class OrtTarget(Target):
         self._paths = {role: resolve_inside(bundle, spec.file) for role, spec in specs.items()}
         self._session_args = (providers, threads, spinning)
         sessions = {role: ort_session(self._paths[role], providers, threads, spinning) for role in specs}
+        for role, session in sessions.items():
+            check_io(specs[role], [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()])
         self.providers = sessions["target_prefix"].get_providers()
         self.device = self.providers[0]
         if self.device == "CUDAExecutionProvider" and facts.dtype == "float32":
@@ -488,3 +490,13 @@ def open_target(bundle: str | Path, manifest: Manifest, device: str | None = Non
     if device is None and manifest.target.dtype == "float32":
         device = "cpu"  # a float32 target has no CUDA attention kernel (OrtTarget refuses the pairing)
     return OrtTarget(Path(bundle).resolve(), manifest, ort_providers(device), threads, capacity, spinning, step_width)
+
+
+def check_io(spec: PartitionSpec, inputs: list[str], outputs: list[str]) -> None:
+    """ManifestError where a graph's inputs or outputs are not those its manifest partition names (a damaged, or
+    another partition's, graph file), before anything binds them."""
+    for kind, declared, present in (("input", spec.inputs, inputs), ("output", spec.outputs, outputs)):
+        missing = [t.name for t in declared if t.name not in present]
+        if missing:
+            raise ManifestError(f"{spec.file}: the graph has no {kind} {', '.join(missing[:3])} that the manifest's "
+                                f"{spec.role} partition names (a damaged or swapped graph file)")

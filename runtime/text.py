@@ -94,7 +94,13 @@ class TextCodec:
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise BadInputError(f"chat message {i} must be a dict with string 'role' and 'content'")
-        template = self._chat_template
+        from jinja2 import TemplateError
+
+        try:
+            template = self._chat_template
+        except TemplateError as e:  # only the bundle's own can fail here: a given one compiled at load
+            raise BadInputError(f"the bundle's chat template does not compile ({type(e).__name__}: {e}): give one "
+                                "(chat_template, --chat-template), or the prompt as text or token ids") from None
         # each has its own field, is the tokenizer's, or is a function the template calls
         own = {"messages", "tools", "add_generation_prompt", *self._template_tokens, *template.environment.globals}
         taken = sorted(own & set(template_kwargs or {}))

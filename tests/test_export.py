@@ -271,6 +271,10 @@ def odd_models(tmp_path_factory, pair_factory):
     ("truncated_draft", "cannot load draft"),
     ("no_eos", "names no EOS token"),
     ("plan_depth", "a target of 30 layers"),
+    ("config_types", "is not a Hugging Face model"),
+    ("tokenizer_shape", "has no usable tokenizer"),
+    ("eos_text", "names eos_token_id 'x'"),
+    ("plan_types", "num_layers"),
 ])
 def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_factory, odd_models, case, message):
     target, draft = pair_factory("llama")
@@ -286,7 +290,11 @@ def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_
             "truncated_model": (_truncated(target, tmp_path / "t"), draft, ()),
             "truncated_draft": (target, _truncated(draft, tmp_path / "d"), ()),
             "no_eos": (_without_eos(target, tmp_path / "e"), draft, ()),
-            "plan_depth": (target, draft, ("--plan", str(_plan_of_depth(30, tmp_path / "plan.json"))))}[case]
+            "plan_depth": (target, draft, ("--plan", str(_plan_of_depth(30, tmp_path / "plan.json")))),
+            "config_types": (_edited(target, tmp_path / "c", "config.json", num_hidden_layers="6"), draft, ()),
+            "tokenizer_shape": (_edited(target, tmp_path / "k", "tokenizer_config.json", None), draft, ()),
+            "eos_text": (_edited(target, tmp_path / "g", "generation_config.json", eos_token_id="x"), draft, ()),
+            "plan_types": (target, draft, ("--plan", str(_plan_of_depth("6", tmp_path / "plan-types.json"))))}[case]
     out = tmp_path / "out"
     code, err = _export_cli(capsys, args[0], args[1], out, *args[2])
     assert code == 2
@@ -295,7 +303,7 @@ def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_
     _assert_nothing_left(tmp_path, out)
 
 
-def _plan_of_depth(layers: int, path: Path) -> Path:
+def _plan_of_depth(layers, path: Path) -> Path:
     """A plan measured on a target of `layers` layers, whose advice is in range for the tiny ones."""
     path.write_text(json.dumps({"format": "mirror-sd-plan", "version": 1, "runtime": {},
                                 "bundle": {"num_layers": layers, "exit_layer": 3, "top_k": 4},
@@ -311,6 +319,14 @@ def _without_eos(model: Path, copy: Path) -> Path:
         doc = json.loads((copy / name).read_text())
         doc[key] = None
         (copy / name).write_text(json.dumps(doc))
+    return copy
+
+
+def _edited(model: Path, copy: Path, name: str, fields: dict | None = None, **values) -> Path:
+    """A copy of `model` whose JSON file `name` has `values` set (None: a list where an object belongs)."""
+    shutil.copytree(model, copy)
+    doc = json.loads((copy / name).read_text())
+    (copy / name).write_text(json.dumps([] if fields is None and not values else {**doc, **values}))
     return copy
 
 

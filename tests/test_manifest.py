@@ -105,9 +105,22 @@ def _mutations():
     def draft_dtype(d):
         d["draft"]["dtype"] = "bogus"
 
+    def bos_text(d):
+        d["tokenizer"]["bos_token_id"] = "1"
+
+    def template_number(d):
+        d["tokenizer"]["chat_template"] = 5
+
+    def positions_text(d):
+        d["target"]["max_position_embeddings"] = "2048"
+
+    def taps_text(d):
+        d["draft"]["feature_taps"] = ["1"]
+
     return [gap, overlap, short_of_n, boundary, vocab, exit_layer, version, missing_role, unknown_role, kv_names,
             kv_interface, exit_with_layers, old_version, top_k, outside_dotdot, outside_absolute, missing_file,
-            bad_dtype, missing_field, no_eos, negative_window, fractional_window, draft_dtype]
+            bad_dtype, missing_field, no_eos, negative_window, fractional_window, draft_dtype, bos_text,
+            template_number, positions_text, taps_text]
 
 
 @pytest.mark.parametrize("mutate", _mutations(), ids=lambda f: f.__name__)
@@ -139,3 +152,15 @@ def test_symlink_leading_outside_is_refused(tmp_path, bundle_factory):
     (bundle / "draft.onnx").symlink_to(outside)
     with pytest.raises(ManifestError, match="outside"):
         Manifest.load(bundle)
+
+
+def test_a_graph_file_that_is_not_its_partitions_is_refused_at_load(tmp_path, bundle_factory):
+    """A target graph swapped for another partition's (or damaged into one): a ManifestError naming the file, before
+    anything binds its inputs."""
+    from mirror_sd.runtime.pipeline import Pipeline
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(bundle_factory(), bundle)
+    shutil.copy(bundle / "target_exit.onnx", bundle / "target_suffix.onnx")
+    with pytest.raises(ManifestError, match="target_suffix.onnx: the graph has no input"):
+        Pipeline.load(bundle, huge_pages=False)

@@ -353,6 +353,26 @@ def test_a_chat_template_given_at_load_renders_every_chat(bundle, tmp_path, caps
     pipe.close()
 
 
+def test_a_bundles_own_chat_template_that_does_not_compile_is_a_clear_error(bundle, tmp_path, capsys):
+    """A bundle whose manifest's template does not compile still takes text and token ids; a chat is refused naming
+    it (one line, exit 2 on the command line), and a template given at load serves instead."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    doc = json.loads((copy / "manifest.json").read_text())
+    doc["tokenizer"]["chat_template"] = "{% for m in %}"
+    (copy / "manifest.json").write_text(json.dumps(doc))
+    pipe = Pipeline.load(copy, huge_pages=False)
+    assert pipe.generate("hello", max_new_tokens=2).token_ids
+    with pytest.raises(BadInputError, match="the bundle's chat template does not compile"):
+        pipe.generate([{"role": "user", "content": "hi"}], max_new_tokens=2)
+    pipe.close()
+    assert main(["generate", str(copy), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    pipe = Pipeline.load(copy, huge_pages=False, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert pipe.generate([{"role": "user", "content": "hi"}], max_new_tokens=2).token_ids
+    pipe.close()
+
+
 def test_serve_takes_vllm_flag_names(bundle, capsys):
     """vLLM's names for the same settings (--served-model-name, --max-model-len) and its --enable-auto-tool-choice,
     which needs a --tool-call-parser here as there."""
