@@ -220,7 +220,12 @@ def _check_target(bundle_dir: Path, manifest: Manifest, sample: Sample, target, 
         for past, new in TARGET_GRID:
             ids = sample.rows(1, past + new)
             with torch.no_grad():
-                ref = target(torch.from_numpy(ids), output_hidden_states=True)
+                try:
+                    ref = target(torch.from_numpy(ids), output_hidden_states=True)
+                except (TypeError, ValueError, IndexError, RuntimeError) as e:  # a config transformers cannot run
+                    raise ExportError(f"transformers cannot run the target as its config describes it, so it has no "
+                                      f"reference to check the graphs against: {type(e).__name__}: {first_line(e)}"
+                                      ) from None
                 ref_hidden = ref.hidden_states[t.exit_layer]
                 ref_exit = exit_topk.logprobs(ref_hidden)
             table = None if exit_topk.vocab_ids is None else exit_topk.vocab_ids.numpy()

@@ -37,8 +37,8 @@ def check_name(out: Path) -> None:
 
 
 def check_apart(out: Path, what: str, inputs: Iterable[str | Path]) -> None:
-    """Refuse an OUT that is or holds one of `inputs`, that is a symbolic link (replacing it would replace the link,
-    not what it points to), or whose nearest existing folder is not writable."""
+    """Refuse an OUT that is, holds or lies inside one of `inputs`, that is a symbolic link (replacing it would
+    replace the link, not what it points to), or whose nearest existing folder is not writable."""
     if out.is_symlink():
         raise BadInputError(f"OUT {str(out)!r} is a symbolic link: give the path it points to ({out.resolve()})")
     resolved = out.resolve()
@@ -46,6 +46,8 @@ def check_apart(out: Path, what: str, inputs: Iterable[str | Path]) -> None:
         path = Path(given).expanduser().resolve()
         if path == resolved or resolved in path.parents:
             raise BadInputError(f"OUT {str(out)!r} holds an input ({path}): write the {what} elsewhere")
+        if path in resolved.parents:  # what the user gave stays as it was
+            raise BadInputError(f"OUT {str(out)!r} lies inside an input ({path}): write the {what} elsewhere")
     ancestor = resolved.parent
     while not ancestor.exists():
         ancestor = ancestor.parent

@@ -321,7 +321,10 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
     except OSError:
-        shutil.copy2(src, dst)
+        try:
+            shutil.copy2(src, dst)
+        except OSError as e:  # a graph this user may not read
+            raise PackageError(f"cannot copy {src.name} into the package: {e.strerror or e}") from None
 
 
 def _archive(staging: Path, out: Path) -> None:

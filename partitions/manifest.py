@@ -220,11 +220,14 @@ class Manifest:
     def load(cls, bundle_dir: str | os.PathLike) -> Manifest:
         """Read and fully validate the manifest of `bundle_dir` (including that its files exist inside it)."""
         bundle = Path(bundle_dir)
-        if not bundle.is_dir():
-            raise ManifestError(f"bundle directory {str(bundle)!r} does not exist")
         path = bundle / MANIFEST_NAME
-        if not path.is_file():
-            raise ManifestError(f"bundle {str(bundle)!r} has no {MANIFEST_NAME}")
+        try:
+            if not bundle.is_dir():
+                raise ManifestError(f"bundle directory {str(bundle)!r} does not exist")
+            if not path.is_file():
+                raise ManifestError(f"bundle {str(bundle)!r} has no {MANIFEST_NAME}")
+        except OSError as e:  # a folder this user may not read
+            raise ManifestError(f"cannot read bundle {str(bundle)!r}: {e.strerror or e}") from None
         try:
             raw = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -397,7 +400,9 @@ def _check_types(facts, where: str) -> None:
     for f in fields(facts):
         value = getattr(facts, f.name)
         if not _of_type(value, hints[f.name]):
-            raise ManifestError(f"manifest: {where}.{f.name} is {value!r}, not of type {hints[f.name]}")
+            hint = hints[f.name]
+            raise ManifestError(f"manifest: malformed: {where}.{f.name} is {value!r}, not "
+                                f"{hint.__name__ if isinstance(hint, type) else hint}")
 
 
 def _of_type(value, hint) -> bool:

@@ -210,4 +210,7 @@ def is_package(path: str | Path) -> bool:
     """A directory with package.json, or any file (a bundle is always a directory; a file that is no .tar is
     then refused as an unreadable package)."""
     p = Path(path)
-    return (p.is_dir() and (p / PACKAGE_FILE).is_file()) or p.is_file()
+    try:
+        return (p.is_dir() and (p / PACKAGE_FILE).is_file()) or p.is_file()
+    except OSError as e:  # a folder this user may not read: stat inside it fails
+        raise PackageError(f"cannot read {str(p)!r}: {e.strerror or e}") from None

@@ -164,6 +164,9 @@ class Spec:
             if not isinstance(items, (tuple, list)) or not all(isinstance(s, str) and s for s in items):
                 raise BadInputError(f"{name} must be a list of non-empty strings", option=name)
             value = tuple(items)
+        elif self.kind is str:
+            if not isinstance(value, (str, os.PathLike)):  # a path is one too (cache_dir)
+                raise BadInputError(f"{name} must be a string, got {value!r}", option=name)
         elif self.kind is list:
             value = _token_ids(name, value)
         elif self.kind is dict:

@@ -67,17 +67,24 @@ class KVSlots:
         shape = (count, *self.row_shape)
         self._memory: dict[str, object] = {}  # keeps each buffer alive; its address is all a step binds
         self._address: dict[str, int] = {}
-        for name in kv_names(manifest):
-            if device[0] == "cpu":
-                # untouched pages cost nothing until a sequence writes them, one small page at a time
-                array = np.empty(shape, self.dtype)
-                small_pages(array)
-                self._memory[name], self._address[name] = array, array.ctypes.data
-            else:
-                import onnxruntime as ort
+        try:
+            for name in kv_names(manifest):
+                if device[0] == "cpu":
+                    # untouched pages cost nothing until a sequence writes them, one small page at a time
+                    array = np.empty(shape, self.dtype)
+                    small_pages(array)
+                    self._memory[name], self._address[name] = array, array.ctypes.data
+                else:
+                    import onnxruntime as ort
 
-                value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype, *device)
-                self._memory[name], self._address[name] = value, value.data_ptr()
+                    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype, *device)
+                    self._memory[name], self._address[name] = value, value.data_ptr()
+        except (MemoryError, RuntimeError) as e:  # more than the host (or device) can even reserve
+            self._memory.clear()
+            total = slot_bytes(manifest, positions) * count / 2**30
+            raise BadInputError(f"{count} KV slots of {positions} positions ({total:,.1f} GiB) cannot be reserved on "
+                                f"{device[0]} ({type(e).__name__}): lower max_num_seqs or max_context, or bound "
+                                "them with kv_cache_gb", option="max_num_seqs") from None
 
     @property
     def can_copy(self) -> bool:

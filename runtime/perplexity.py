@@ -55,6 +55,9 @@ def perplexity(pipe: Pipeline, ids: Sequence[int], window: int | None = None, st
                progress: Callable[[int, int], None] | None = None) -> Perplexity:
     """The perplexity of `ids` (token ids, at least two) under the pipeline's target; window defaults to WINDOW (or
     what the context holds), stride to half the window. progress(done, total) is called after each window."""
+    for name, value in (("window", window), ("stride", stride)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise BadInputError(f"the {name} must be a whole number of tokens, not {value!r}", option=name)
     window = min(WINDOW, pipe.longest_prompt) if window is None else window
     stride = window // 2 if stride is None else stride
     if window < 2:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import threading
 import time
 from contextlib import contextmanager
@@ -79,7 +80,9 @@ class GenerationStream:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[Chunk]:
-        self.result = yield from self._run
+        result = yield from self._run
+        if self.result is None:  # iterated again once exhausted: nothing more comes, the result stays
+            self.result = result
 
     def close(self) -> None:
         self._run.close()
@@ -162,6 +165,8 @@ class Pipeline:
             Pipeline.load("bundle/", target_threads=2, huge_pages=False)
 
         Every option is checked before any file is read; an unknown keyword is a BadInputError naming it."""
+        if not isinstance(bundle, (str, os.PathLike)):
+            raise BadInputError(f"bundle must be the path of a bundle or package, not {type(bundle).__name__}")
         if options is not None and not isinstance(options, LoadOptions):
             raise BadInputError(f"options must be a LoadOptions, not {type(options).__name__}")
         o = (options or LoadOptions()).updated(**overrides)
@@ -181,32 +186,33 @@ class Pipeline:
                                 "run it", option="draft_backend")
         if draft_backend is None and not package:
             draft_backend = _planned_draft_backend(defaults, o.draft_device)
-        if o.cache_dir is not None and not isinstance(o.cache_dir, (str, os.PathLike)):
-            raise BadInputError(f"cache_dir must be a path, not {o.cache_dir!r}", option="cache_dir")
         cache_dir = Path(o.cache_dir).expanduser() if o.cache_dir is not None else None  # OpenVINO takes "~" as is
+        made = _first_missing(cache_dir) if cache_dir is not None else None  # removed again if the load fails
         if cache_dir is not None:  # OpenVINO's own error for it is a traceback
             try:
                 cache_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise BadInputError(f"cannot use cache_dir {str(cache_dir)!r}: {e.strerror or e}",
                                     option="cache_dir") from None
-        codec = TextCodec(bundle, manifest, o.chat_template)
-        with for_device("target_device"):
-            target = cls._open_target(bundle, manifest, o, target_threads, cache_dir)
-        if package:
-            from mirror_sd.runtime.static_draft import open_static_draft
+        with _removed_on_failure(made):
+            codec = TextCodec(bundle, manifest, o.chat_template)
+            with for_device("target_device"):
+                target = cls._open_target(bundle, manifest, o, target_threads, cache_dir)
+            if package:
+                from mirror_sd.runtime.static_draft import open_static_draft
 
-            with for_device("draft_device"):
-                draft = open_static_draft(package.root, manifest, package.info, o.draft_device, draft_threads,
-                                          cache_dir)
-        else:
-            with for_device("draft_device"):
-                draft = open_engine(bundle, manifest, "draft", o.draft_device, draft_threads, cache_dir, draft_backend)
-        pipe = cls(manifest, target, draft, codec, defaults, target_threads, draft_threads, package)
-        pipe.huge_pages = new_memory.collapse() if new_memory is not None else None
-        pipe.load_options = o
-        pipe.plan_note = plan_note(planned_on)
-        return pipe
+                with for_device("draft_device"):
+                    draft = open_static_draft(package.root, manifest, package.info, o.draft_device, draft_threads,
+                                              cache_dir)
+            else:
+                with for_device("draft_device"):
+                    draft = open_engine(bundle, manifest, "draft", o.draft_device, draft_threads, cache_dir,
+                                        draft_backend)
+            pipe = cls(manifest, target, draft, codec, defaults, target_threads, draft_threads, package)
+            pipe.huge_pages = new_memory.collapse() if new_memory is not None else None
+            pipe.load_options = o
+            pipe.plan_note = plan_note(planned_on)
+            return pipe
 
     @staticmethod
     def _open_target(bundle: Path, manifest: Manifest, o: LoadOptions, threads: int, cache_dir: Path | None):
@@ -230,6 +236,9 @@ class Pipeline:
         """Token ids of a prompt given as text, chat messages (with the functions a chat template may list:
         `tools`, and TextCodec.render_chat's other keywords: `rendering`), or ids (checked against the
         vocabulary)."""
+        if isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but text that was not decoded
+            raise BadInputError("the prompt is bytes: decode it to a string first (or give token ids as a list)",
+                                option="prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise BadInputError("the prompt is empty", option="prompt")
@@ -259,6 +268,9 @@ class Pipeline:
         A list of prompts (strings, chat message lists or token id lists) runs them together on the batching
         engine (`engine()`; on a target without one, the OpenVINO backend's, one after another) and gives their
         results in the same order; each is its solo result, token for token where greedy."""
+        if streamer is not None and not callable(streamer):
+            raise BadInputError(f"streamer must be a function of (token_id, text), not {type(streamer).__name__}",
+                                option="streamer")
         if is_batch(prompt):
             if streamer is not None:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
@@ -626,3 +638,24 @@ def is_batch(prompt: object) -> bool:
     (a list of messages) or one token id list."""
     return (isinstance(prompt, (list, tuple)) and bool(prompt)
             and all(isinstance(p, str) or isinstance(p, (list, tuple)) for p in prompt))
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (what mkdir(parents=True) would create), or None."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
+@contextmanager
+def _removed_on_failure(made: Path | None) -> Iterator[None]:
+    """`made` (a folder this load created) goes again if what follows fails: a failed load leaves nothing."""
+    try:
+        yield
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise

@@ -385,6 +385,9 @@ def test_what_cannot_fit_is_refused_before_any_work(bundle_factory):
             pipe.generate(["short", "x " * 200], mode="ar", max_new_tokens=8)
         with pytest.raises(BadInputError, match="kv_cache_gb"):
             Pipeline.load(bundle, huge_pages=False, kv_cache_gb=1e-9).engine()
+        with pytest.raises(BadInputError, match="cannot be reserved") as err:  # more than memory can even reserve
+            Pipeline.load(bundle, huge_pages=False, max_num_seqs=10**9).engine()
+        assert err.value.option == "max_num_seqs"
         with pytest.raises(BadInputError, match="streamer"):
             pipe.generate(["a", "b"], streamer=lambda *_: None)
     finally:

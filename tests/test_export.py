@@ -108,9 +108,9 @@ def test_an_image_text_gemma3_exports_its_language_model(tmp_path):
     assert json.loads((image_text / "config.json").read_text())["model_type"] == "gemma3"
     answers = {}
     for name, source in (("text", target), ("image-text", image_text)):
-        manifest = export_bundle(ExportOptions(str(source), str(draft), tmp_path / name / "bundle"), report=_quiet)
+        manifest = export_bundle(ExportOptions(str(source), str(draft), tmp_path / "bundles" / name), report=_quiet)
         assert manifest.validation["passed"] and manifest.target.architecture == "gemma3_text"
-        answers.update({(name, mode): ids for mode, ids in _answers(tmp_path / name / "bundle").items()})
+        answers.update({(name, mode): ids for mode, ids in _answers(tmp_path / "bundles" / name).items()})
     assert len(set(map(tuple, answers.values()))) == 1, answers
 
 

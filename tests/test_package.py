@@ -270,6 +270,9 @@ def test_build_refusals_leave_nothing_behind(built, tmp_path):
     assert (mine / "notes.txt").read_text() == "mine"
     with pytest.raises(BadInputError, match="holds an input"):
         build_package(PackageOptions(bundle=bundle, out=bundle, force=True), **QUIET)
+    with pytest.raises(BadInputError, match="lies inside an input"):  # the bundle stays as the user gave it
+        build_package(PackageOptions(bundle=bundle, out=bundle / "package"), **QUIET)
+    assert not (bundle / "package").exists()
     shutil.rmtree(mine)
     for options, option in ((dict(weights="int4", group_size=0), "group_size"), (dict(device="TPU"), "device")):
         with pytest.raises(BadInputError) as err:  # before any NNCF work, naming the option

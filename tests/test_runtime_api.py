@@ -184,7 +184,7 @@ def test_bad_options(pipe, options, match):
 
 @pytest.mark.parametrize("prompt, match", [
     ("", "empty"), ([], "empty"), ([5, 384], "outside the vocabulary"), ([-1], "outside the vocabulary"),
-    ([{"role": "user"}], "chat message"), (3.5, "must be a string"),
+    ([{"role": "user"}], "chat message"), (3.5, "must be a string"), (b"hi", "is bytes"), (bytearray(b"hi"), "bytes"),
 ])
 def test_bad_prompts(pipe, prompt, match):
     with pytest.raises(BadInputError, match=match):
@@ -198,8 +198,18 @@ def test_bad_devices(bundle):
     assert err.value.option == "target_device"
     with pytest.raises(BadInputError, match="has no CudaExecutionProvider"):  # a session would run it on the CPU
         Pipeline.load(bundle, target_device="CudaExecutionProvider")
-    with pytest.raises(BadInputError, match="cache_dir must be a path"):
+    with pytest.raises(BadInputError, match="cache_dir must be a string"):
         Pipeline.load(bundle, cache_dir=123)
+    for option in ("target_device", "draft_device"):
+        with pytest.raises(BadInputError, match=f"{option} must be a string"):
+            Pipeline.load(bundle, **{option: 5})
+    for given in (None, 5):
+        with pytest.raises(BadInputError, match="bundle must be the path"):
+            Pipeline.load(given)
+    made = bundle.parent / "new-cache"  # a load that fails leaves no cache_dir it made behind
+    with pytest.raises(BadInputError, match="draft_device"):
+        Pipeline.load(bundle, cache_dir=made / "deep", draft_device="FPGA", draft_backend="openvino")
+    assert not made.exists()
     for backend in ("openvino", "onnxruntime"):
         with pytest.raises(BadInputError, match="draft_device: (OpenVINO|unknown ONNX Runtime) device") as err:
             Pipeline.load(bundle, draft_device="FPGA", draft_backend=backend)
@@ -475,6 +485,13 @@ def test_errors_are_typed(pipe, tmp_path):
             call()
         assert isinstance(err.value, kind) and words in str(err.value), repr(err.value)
         assert err.value.exit_code == 2
+    for window in ("8", 8.0):
+        with pytest.raises(BadInputError, match="whole number of tokens"):
+            pipe.perplexity("hello world there friend", window=window)
+    with pytest.raises(BadInputError, match="streamer must be a function"):
+        pipe.generate(PROMPT, streamer=5, max_new_tokens=2)
+    stream = pipe.stream(PROMPT, max_new_tokens=3)
+    assert len(list(stream)) == 3 and list(stream) == [] and stream.result.token_ids  # exhausted: the result stays
 
 
 def test_chat_templates_render_as_transformers_renders_them(pair_factory, tmp_path):
