@@ -90,13 +90,14 @@ def compressed_draft_acceptance(bundle: str | Path, packages: dict[str, Path], p
     prompts: anything Pipeline.generate takes (text, chat messages or ids)."""
     from mirror_sd.runtime.pipeline import Pipeline
 
-    reference = Pipeline.load(bundle)
+    reference = Pipeline.load(bundle, enable_prefix_caching=False)
     ar = [reference.generate(p, mode="ar", max_new_tokens=max_new_tokens).token_ids for p in prompts]
     report = {REFERENCE: _measure(reference, prompts, ar, max_new_tokens, gamma, mode)}
     report[REFERENCE]["draft_weights"] = reference.manifest.draft.weight_format
     del reference
     for weights, package in packages.items():
-        report[weights] = _measure(Pipeline.load(package), prompts, ar, max_new_tokens, gamma, mode)
+        pipe = Pipeline.load(package, enable_prefix_caching=False)
+        report[weights] = _measure(pipe, prompts, ar, max_new_tokens, gamma, mode)
     base = report[REFERENCE]["acceptance_rate"]
     for row in report.values():
         row["acceptance_vs_bundle"] = row["acceptance_rate"] / base if base else None

@@ -111,10 +111,11 @@ def run_precision(bundles: dict[str, Path], size: PrecisionSize, genai_by_format
     arms = {fmt: (path, "target") for fmt, path in bundles.items()}
     prompts = prompt_precision()
     arms.update({prefill_arm(fmt, prompts): (bundles[fmt], prompts) for fmt in PROMPT_ARMS[prompts] if fmt in bundles})
-    pipes = {arm: Pipeline.load(path, target_threads=threads, prefill_precision=prefill)
+    pipes = {arm: Pipeline.load(path, target_threads=threads, prefill_precision=prefill, enable_prefix_caching=False)
              for arm, (path, prefill) in arms.items()}
     planned = {arm: pipe if pipe.defaults is not None and pipe.defaults.target_threads == threads
-               else Pipeline.load(arms[arm][0], prefill_precision=arms[arm][1]) for arm, pipe in pipes.items()}
+               else Pipeline.load(arms[arm][0], prefill_precision=arms[arm][1], enable_prefix_caching=False)
+               for arm, pipe in pipes.items()}
     doc: dict[str, Any] = {"bundles": {f: str(p) for f, p in bundles.items()}, "threads": threads,
                            "lengths": list(size.lengths), "repeats": size.repeats, "new_tokens": size.new_tokens,
                            "genai": "LLMPipeline at its defaults (INFERENCE_NUM_THREADS and the LATENCY hint only)"}
@@ -219,7 +220,8 @@ def _float32_activations(bundles: dict[str, Path], threads: int) -> Iterator[dic
         for fmt, path in bundles.items():
             if Manifest.load(path).target.matmul_activations == "int8":
                 scratch = Path(stack.enter_context(TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-")))
-                pipes[fmt] = Pipeline.load(float32_activations_copy(path, scratch / "bundle"), target_threads=threads)
+                pipes[fmt] = Pipeline.load(float32_activations_copy(path, scratch / "bundle"), target_threads=threads,
+                                           enable_prefix_caching=False)
         yield pipes
 
 

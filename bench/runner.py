@@ -141,7 +141,9 @@ class Bench:
 
     # -- set-up --------------------------------------------------------------------------------------------
     def _load(self, bundle: Path, **options: Any) -> Pipeline:
-        return Pipeline.load(bundle, **options)
+        # every method's call from nothing: on one pipeline a later method would start from the prompt's KV an
+        # earlier one left (GenAI's baselines here run without a prefix cache too)
+        return Pipeline.load(bundle, **{"enable_prefix_caching": False, **options})
 
     def _open_baselines(self, threads: int, gamma: int) -> None:
         wanted = [m for m in self.requested if m in BASELINE_METHODS]

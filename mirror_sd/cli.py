@@ -35,7 +35,8 @@ LOAD_FLAGS = {
                  "draft_device", "max_context", "target_threads", "draft_threads", "cache_dir", "huge_pages",
                  "chat_template"),
     "serve": ("target_threads", "draft_threads", "target_device", "draft_device", "max_context", "target_step_width",
-              "prefill_precision", "max_num_seqs", "kv_cache_gb", "window_rows", "scheduling_policy", "chat_template"),
+              "prefill_precision", "max_num_seqs", "kv_cache_gb", "window_rows", "scheduling_policy", "chat_template",
+              "enable_prefix_caching"),
     "plan": ("target_device", "draft_device"),
 }
 LOAD_FLAGS["chat"] = LOAD_FLAGS["generate"]  # one conversation at a time, on the batching engine's prefix cache

@@ -57,7 +57,7 @@ def figures(shown: Shown, reference: GenerationResult) -> str:
 
 
 def run(bundle: Path, max_new_tokens: int) -> int:
-    pipe = Pipeline.load(bundle)
+    pipe = Pipeline.load(bundle, enable_prefix_caching=False)  # each mode's figures from the prompt, not its KV
     print(f"bundle {bundle}: target on ONNX Runtime {pipe.target.device}, draft on {pipe.draft.backend} "
           f"{pipe.draft.device} (threads {pipe.target_threads} + {pipe.draft_threads})")
     if pipe.plan_note:

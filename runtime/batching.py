@@ -191,6 +191,7 @@ class BatchEngine:
         self.pipe = pipe
         self.kv = KVSlots(pipe.manifest, max_num_seqs, pipe.target.slots, ort_device(pipe.target.device))
         self.table = SlotTable(max_num_seqs, pipe.target.reuse_grid)
+        self.caching = pipe.load_options.enable_prefix_caching  # off: no prompt starts from a held head
         # windows at batch > 1 on the CPU only: a GPU's float16 kernels round by step width (Target.step_width)
         self.batch = BatchTarget(pipe.target, self.kv,
                                  min(window_rows, max_num_seqs) if on_cpu(pipe.target.device) else 0)
@@ -326,8 +327,8 @@ class BatchEngine:
             # a prompt whose logprobs are asked for is prefilled whole, on every position (as vLLM's skip the prefix
             # cache); another's head another slot holds is copied before the prefill (_borrow)
             scored = cfg.prompt_logprobs is not None
-            slot, cached = self.table.take([] if scored else request.ids, copies=self.kv.can_copy,
-                                           alone=self._alone())
+            slot, cached = self.table.take([] if scored or not self.caching else request.ids,
+                                           copies=self.kv.can_copy, alone=self._alone())
             request.admitted = time.perf_counter()
             try:
                 sink = TextSink.of(self.pipe.codec, cfg, request.ids)
@@ -482,7 +483,7 @@ class BatchEngine:
         """Copy the longest head of the row's prompt that another slot holds past what the row has (a request
         sharing its system prompt or earlier turns), where the KV lives in host memory; the prefill goes on from
         there."""
-        if not self.kv.can_copy or row.prompt_scores is not None:
+        if not self.kv.can_copy or row.prompt_scores is not None or not self.caching:
             return
         prompt = np.asarray(row.request.ids, np.int64)
         held = [(r.slot, r.context[:self._reusable(r)]) for r in self._rows if r is not row]

@@ -583,6 +583,10 @@ class LoadOptions(Options):
         "target's weights are loaded a second time for it, about their size again in memory (0 or 1: off; an int8 "
         "or int4 target's batched rows then step one at a time)",
         range=Range(0))
+    enable_prefix_caching: bool = option(
+        True, "start a prompt from the head an earlier generation left in KV memory (the batching engine's free "
+        "slots, a library call's buffers: a chat's next turn prefills what it adds); off: every prompt prefilled "
+        "whole (vLLM's --enable-prefix-caching, which benchmarks of one stream turn off)")
     scheduling_policy: str = option(
         "fcfs", "the batching engine's queue: fcfs (in arrival order) or priority (by each request's priority, lower "
         "first, then arrival; vLLM's --scheduling-policy); a running generation is never preempted",

@@ -56,7 +56,7 @@ from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.grammar import CFG, JSON_SCHEMA, REGEX, GrammarState, Vocabulary
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
-from mirror_sd.runtime.kv_slots import reusable_head, slots_for
+from mirror_sd.runtime.kv_slots import MIN_CACHED_PREFIX, reusable_head, slots_for
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.machine import plan_note
 from mirror_sd.runtime.package_reader import OpenedPackage, open_package
@@ -480,12 +480,13 @@ class Pipeline:
     def _held_head(self, ids: list[int]) -> int:
         """How many first tokens of `ids` the target's own KV buffers hold from the last library generation there, by
         the batching engine's prefix-cache rules (a chat's next turn through `generate` prefills what it adds)."""
-        if self._held is None or not BatchEngine.runs_on(self):
+        if self._held is None or not self.load_options.enable_prefix_caching or not BatchEngine.runs_on(self):
             return 0
         tokens, cache = self._held
         if not self.target.intact(cache):  # another run wrote there since (the engine, a perplexity, a benchmark)
             return 0
-        return reusable_head(tokens, np.asarray(ids, np.int64), self.target.reuse_grid)
+        n = reusable_head(tokens, np.asarray(ids, np.int64), self.target.reuse_grid)
+        return n if n >= MIN_CACHED_PREFIX else 0  # a few tokens spare nothing
 
     def _hold(self, ids: list[int], result: GenerationResult) -> None:
         """Remember what a finished library generation left in the target's own KV buffers: its prompt and every

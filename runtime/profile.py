@@ -478,9 +478,10 @@ def plan_bundle(bundle: str | Path, options: ProfileOptions = ProfileOptions(), 
             raise BadInputError(f"thread counts must be >= 1, got {t}+{d}", option="splits")
     if len(set(splits)) < len(splits):
         raise BadInputError(f"a split is listed twice: {', '.join(f'{t}+{d}' for t, d in splits)}", option="splits")
+    # each setting's calls from nothing, not from the prompt's KV the setting before it left
     load = lambda t, d, backend=None: Pipeline.load(  # noqa: E731 - a one-line factory
         bundle, target_device=options.target_device, draft_device=options.draft_device, target_threads=t,
-        draft_threads=d, draft_backend=backend, use_plan=False)
+        draft_threads=d, draft_backend=backend, use_plan=False, enable_prefix_caching=False)
     pipes: dict[tuple[int, int], Pipeline] = {splits[0]: load(*splits[0])}
     first = pipes[splits[0]]
     _TAPS.clear()

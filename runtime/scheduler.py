@@ -63,7 +63,7 @@ from mirror_sd.runtime.proposers import DraftModel, GrammarForcing, PromptLookup
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, penalize, rng_for, target_streams
 from mirror_sd.runtime.speculation_policy import COPY, DRAFT, FORCED, SpeculationPolicy
 from mirror_sd.runtime.stats import Recorder
-from mirror_sd.runtime.target import Boundary, Target, TargetCache, prefill_chunks
+from mirror_sd.runtime.target import PREFILL_CHUNK, Boundary, Target, TargetCache, prefill_chunks
 from mirror_sd.runtime.verify import verify
 
 # The most prompt inputs the draft reads before a speculative try in a generation whose gate memory preferred the
@@ -270,9 +270,14 @@ class _Decoder:
         drafter = self.worker.drafter if self.worker is not None else None
         if not isinstance(drafter, FeatureDrafter):
             return
-        lo = max(0, len(prompt) - 1 - min(drafter.prompt_window, cached_prompt_window(len(prompt), cached)))
-        # positions the prompt graphs wrote they write again in the same chunks (their grid), so with the same bits
-        lo -= lo % self.target.reuse_grid
+        read = cached_prompt_window(len(prompt), cached, self.cfg.params.greedy) or drafter.prompt_window
+        lo = max(0, len(prompt) - 1 - min(drafter.prompt_window, read))
+        # positions the prompt graphs wrote they write again in the same chunks (their grid), so with the same bits;
+        # on the target's own graphs no chunk is one row, which rounds otherwise (Target.reusable_length)
+        if self.target.reuse_grid > 1:
+            lo -= lo % self.target.reuse_grid
+        elif (cached - lo) % PREFILL_CHUNK == 1:
+            lo = max(0, lo - 1)
         split = self.target.prompt_split(len(prompt))
         for start, end, on_prompt_graphs in prefill_chunks(lo, cached, split):
             self.cache = self.target.adopt(start)
@@ -419,10 +424,11 @@ class _Decoder:
         self.counts.branch_budget = self.budget
 
 
-def cached_prompt_window(prompt_len: int, cached: int) -> int:
+def cached_prompt_window(prompt_len: int, cached: int, greedy: bool = True) -> int:
     """How many of a prompt's last inputs the draft reads (0: its own prompt window) where the prefix cache held its
-    first `cached` tokens: those that ran, and at least TRY_PROMPT_WINDOW."""
-    return max(TRY_PROMPT_WINDOW, prompt_len - cached) if cached else 0
+    first `cached` tokens: those that ran, and at least TRY_PROMPT_WINDOW. Sampled, its whole window: the draft's
+    probabilities decide which seeded tokens speculative sampling keeps, so a cached head must not change them."""
+    return max(TRY_PROMPT_WINDOW, prompt_len - cached) if cached and greedy else 0
 
 
 def reads_prompt_alongside(warm_with_prefill: bool, feature_draft: bool) -> bool:
@@ -486,7 +492,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     alongside = reads_prompt_alongside(warm_with_prefill, isinstance(drafter, FeatureDrafter))
     warmed = None  # the ticket of the draft's reading of the prompt
     if warm and alongside:  # the draft reads the prompt while the target does
-        warmed = worker.submit(Warm(tuple(prompt), window=cached_prompt_window(len(prompt), cached)))
+        warmed = worker.submit(Warm(tuple(prompt), window=cached_prompt_window(len(prompt), cached,
+                                                                               cfg.params.greedy)))
     first, first_score = dec.prefill(tuple(prompt), cached, prompt_scores)
     ctx.append(first)
     # A draft that reads the prompt after the prefill (a feature draft, which needs the prefill's taps, or one whose
@@ -497,7 +504,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # of a prompt the prefix cache held, the draft reads the last inputs only, as a speculative try does
     # (TRY_PROMPT_WINDOW): for a feature draft their taps are computed again, which costs a share of the prefill
     # the cache spared
-    read_window = cached_prompt_window(len(prompt), cached)
+    read_window = cached_prompt_window(len(prompt), cached, cfg.params.greedy)
     if after_prefill and worker.threaded:
         warmed = worker.submit(Warm(tuple(prompt), dec.take_features(), read_window))
     dec.draft_seen = len(prompt) if warm else 0

@@ -444,25 +444,43 @@ def test_a_prompt_alone_reuses_even_a_short_cached_head(pipelines):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_chat_through_generate_reuses_its_earlier_turns_and_changes_no_token(pipelines, arch):
-    """Library calls on the target's own KV buffers keep what the last one left there: a chat's next turn prefills
-    only what it adds, and gets the tokens it gets from nothing; a call that failed part way, or any
-    other prompt in between, leaves nothing to reuse."""
+    """Library calls on the target's own KV buffers keep what the last one left there: a chat's next turn starts
+    from its earlier turns, and gets the tokens and logprobs it gets from nothing (a seeded sampled one too); a call
+    that failed part way, or any other prompt in between, leaves nothing to reuse."""
     pipe = pipelines[arch]
     chat = [{"role": "user", "content": "Tell me about the sea and the moon, please, in a few careful words."}]
-    for mode in ("ar", "mirror"):  # the draft's reading of the prompt too (a feature draft's taps computed again)
+    for mode, sampled in (("sd", dict(temperature=0.8, seed=3)), ("ar", {}), ("mirror", {})):
         first = pipe.generate(chat, mode=mode, max_new_tokens=10)
         turn = chat + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And the stars?"}]
-        second = pipe.generate(turn, mode=mode, max_new_tokens=10)
+        second = pipe.generate(turn, mode=mode, max_new_tokens=10, logprobs=2, **sampled)
         assert second.stats.cached_prompt_tokens >= len(pipe.prompt_ids(chat)) - 1, mode
         pipe.generate("Why?", mode="ar", max_new_tokens=2)  # another prompt in between: nothing of the chat held
-        fresh = pipe.generate(turn, mode=mode, max_new_tokens=10)
+        fresh = pipe.generate(turn, mode=mode, max_new_tokens=10, logprobs=2, **sampled)
         assert fresh.stats.cached_prompt_tokens == 0 and fresh.token_ids == second.token_ids, mode
+        if mode == "ar":  # bit for bit (a greedy draft's reading of a cached head is shorter: its windows, whose
+            # rows' logprobs round apart by ~1e-6 as between modes, may differ; never its tokens)
+            assert [s.logprob for s in fresh.logprobs] == [s.logprob for s in second.logprobs]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pipe.target, "_run_prefix", fails_on(2, pipe.target._run_prefix, "the device failed"))
         with pytest.raises(RuntimeError, match="the device failed"):
             pipe.generate(turn, mode="ar", max_new_tokens=10)
     again = pipe.generate(turn, mode="ar", max_new_tokens=10)
     assert again.stats.cached_prompt_tokens == 0 and again.token_ids == fresh.token_ids
+
+
+def test_without_prefix_caching_every_prompt_is_prefilled_whole(bundle_factory):
+    """enable_prefix_caching off (vLLM's --no-enable-prefix-caching; the benchmarks' setting): neither a library call
+    nor the batching engine starts a prompt from a head held before, and the tokens are the same."""
+    head = " ".join(["the quick brown fox"] * 12)
+    pipe = Pipeline.load(bundle_factory(), huge_pages=False, max_num_seqs=2, enable_prefix_caching=False)
+    try:
+        for run in (lambda p: pipe.generate(p, mode="ar", max_new_tokens=6),
+                    lambda p: pipe.generate([p], mode="ar", max_new_tokens=6)[0]):
+            first, second = run(head + " jumps"), run(head + " sleeps")
+            assert (first.stats.cached_prompt_tokens, second.stats.cached_prompt_tokens) == (0, 0)
+        assert second.token_ids == solo(pipe, head + " sleeps", max_new_tokens=6)
+    finally:
+        pipe.close()
 
 
 def test_a_short_head_is_reused_only_from_the_slot_taken_anyway():
