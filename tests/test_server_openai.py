@@ -86,7 +86,7 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(pipe):
                 {"role": "user", "content": "And the encoder?"}]
         r2 = c.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0)
         cached = r2.usage.prompt_tokens_details.cached_tokens
-        assert r.usage.prompt_tokens <= cached < r2.usage.prompt_tokens  # the first turn's prompt at least
+        assert r.usage.prompt_tokens - 1 <= cached < r2.usage.prompt_tokens  # turn 1's prompt but its last
         again = c.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0, n=2)
         assert cached <= again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens  # counted once
         chunks = list(c.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0, stream=True,
