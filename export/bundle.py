@@ -192,7 +192,7 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
     first (a chat template's `eos_token` is it: runtime/text.py)."""
     eos = model.generation_config.eos_token_id if model.generation_config else None
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    vocab = model.config.vocab_size if hasattr(model, "config") else len(tokenizer)
+    vocab = model.config.vocab_size
     bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab]
     if bad:  # the manifest would hold them, and no bundle would load
         raise BadInputError(f"the target's generation_config.json names eos_token_id {bad[0]!r}, not a token id in "

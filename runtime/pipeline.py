@@ -479,12 +479,13 @@ class Pipeline:
 
     def _held_head(self, ids: list[int]) -> int:
         """How many first tokens of `ids` the target's own KV buffers hold from the last library generation there, by
-        the batching engine's prefix-cache rules (a chat's next turn through `generate` prefills what it adds)."""
-        if self._held is None or not self.load_options.enable_prefix_caching or not BatchEngine.runs_on(self):
+        the batching engine's prefix-cache rules (a chat's next turn through `generate` starts from its earlier
+        turns). Nothing is held on a target without the engine (_hold)."""
+        if self._held is None or not self.load_options.enable_prefix_caching:
             return 0
         tokens, cache = self._held
-        if not self.target.intact(cache):  # another run wrote there since (the engine, a perplexity, a benchmark)
-            return 0
+        if not self.target.intact(cache):  # another run wrote there since (the engine's request alone in its slot
+            return 0  # rebinds the KV memory; a caller of the target's own runs)
         n = reusable_head(tokens, np.asarray(ids, np.int64), self.target.reuse_grid)
         return n if n >= MIN_CACHED_PREFIX else 0  # a few tokens spare nothing
 

@@ -292,7 +292,7 @@ def test_bad_input_is_a_clear_error_with_nothing_written(tmp_path, capsys, pair_
             "no_eos": (_without_eos(target, tmp_path / "e"), draft, ()),
             "plan_depth": (target, draft, ("--plan", str(_plan_of_depth(30, tmp_path / "plan.json")))),
             "config_types": (_edited(target, tmp_path / "c", "config.json", num_hidden_layers="6"), draft, ()),
-            "tokenizer_shape": (_edited(target, tmp_path / "k", "tokenizer_config.json", None), draft, ()),
+            "tokenizer_shape": (_edited(target, tmp_path / "k", "tokenizer_config.json"), draft, ()),
             "eos_text": (_edited(target, tmp_path / "g", "generation_config.json", eos_token_id="x"), draft, ()),
             "plan_types": (target, draft, ("--plan", str(_plan_of_depth("6", tmp_path / "plan-types.json"))))}[case]
     out = tmp_path / "out"
@@ -322,11 +322,11 @@ def _without_eos(model: Path, copy: Path) -> Path:
     return copy
 
 
-def _edited(model: Path, copy: Path, name: str, fields: dict | None = None, **values) -> Path:
-    """A copy of `model` whose JSON file `name` has `values` set (None: a list where an object belongs)."""
+def _edited(model: Path, copy: Path, name: str, **values) -> Path:
+    """A copy of `model` whose JSON file `name` has `values` set (none given: a list where its object belongs)."""
     shutil.copytree(model, copy)
     doc = json.loads((copy / name).read_text())
-    (copy / name).write_text(json.dumps([] if fields is None and not values else {**doc, **values}))
+    (copy / name).write_text(json.dumps({**doc, **values} if values else []))
     return copy
 
 

@@ -505,7 +505,8 @@ def test_chat_templates_render_as_transformers_renders_them(pair_factory, tmp_pa
     target, _ = pair_factory("llama")
     hf = AutoTokenizer.from_pretrained(target)
     im_end, text_end = hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")
-    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[text_end, im_end]))
+    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[text_end, im_end]),
+                                  config=types.SimpleNamespace(vocab_size=len(hf)))
     eos = eos_ids(model, hf)
     assert eos[0] == im_end == hf.eos_token_id and set(eos) == {im_end, text_end}
     messages = [{"role": "user", "content": "Is 1 < 2 & 'x'?"}, {"role": "assistant", "content": "yes"}]
