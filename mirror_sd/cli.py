@@ -304,13 +304,8 @@ def _serve(args: argparse.Namespace) -> int:
     check_int("--stored-responses", args.stored_responses, 0)
     if not 0 < args.port < 65536:
         raise BadInputError(f"--port must be in 1..65535, got {args.port}")
-    if not args.request_timeout > 0:
-        raise BadInputError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM's rule, and its words
-        raise BadInputError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}): the "
-                            "format the model writes its calls in")
+    source = _checked_app_flags(args)
     api_key, origins = server_access(args)
-    source = GenerationSource.given(args.generation_config, args.override_generation_config)
     if args.ray:  # each replica loads the bundle in its own process (serve/ray_app.py); none is loaded here
         return _serve_on_ray(args, api_key, origins, source)
     ray_only = [flag for flag, dest in RAY_FLAGS.items() if getattr(args, dest) is not None]
@@ -347,11 +342,73 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None, origins: tuple[
 
 def _server_settings(args: argparse.Namespace, api_key: str | None, origins: tuple[str, ...]) -> dict[str, Any]:
     """ServerSettings' fields from `serve`'s flags, but the defaults, which come with the bundle (open_server)."""
+    return _app_settings(args, max_queue=args.max_queue, api_key=api_key, cors_origins=origins,
+                         stored_responses=args.stored_responses)
+
+
+def _app_settings(args: argparse.Namespace, **fixed: Any) -> dict[str, Any]:
+    """ServerSettings' fields from the flags `serve` and `run-batch` share (_add_app_flags), and `fixed`."""
     names = args.model_name or [Path(args.bundle).resolve().name]
-    return {"model_name": names[0], "model_aliases": tuple(names[1:]), "max_queue": args.max_queue,
-            "request_timeout_s": args.request_timeout, "api_key": api_key, "cors_origins": origins,
-            "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
-            "stored_responses": args.stored_responses}
+    return {"model_name": names[0], "model_aliases": tuple(names[1:]), "request_timeout_s": args.request_timeout,
+            "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser, **fixed}
+
+
+def _checked_app_flags(args: argparse.Namespace) -> GenerationSource:
+    """The shared flags checked before the bundle loads; where request defaults come from (--generation-config)."""
+    if not args.request_timeout > 0:
+        raise BadInputError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM's rule, and its words
+        raise BadInputError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}): the "
+                            "format the model writes its calls in")
+    return GenerationSource.given(args.generation_config, args.override_generation_config)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+
+    from mirror_sd.serve.app import create_app, log_to_stderr, open_server
+    from mirror_sd.serve.batch_file import check_output_file, read_batch, run_batch
+    from mirror_sd.serve.protocol import MAX_N, MAX_PROMPTS
+
+    source = _checked_app_flags(args)
+    lines = read_batch(Path(args.input_file))  # a file the Batch API would refuse is refused before the load
+    out = Path(args.output_file)
+    check_output_file(out, inputs=(args.input_file, args.bundle))
+    log_to_stderr(args.log_level)
+    # no responses kept: the lines run at once, so one line's previous_response_id could not name another's
+    pipe, settings = open_server(args.bundle, LoadOptions().updated(**given(args, LoadOptions)),
+                                 _app_settings(args, stored_responses=0), given(args, GenerationConfig), source)
+    try:
+        engine = pipe.engine()
+        in_flight = 2 * engine.max_num_seqs  # vLLM's: a step that frees a slot finds the next request waiting
+        # the lines in flight bound what waits; a queue bound would only turn lines with n > 1 into 429s
+        app = create_app(pipe, dataclasses.replace(settings, max_queue=in_flight * MAX_N * MAX_PROMPTS))
+        print(f"mirror-sd: {len(lines)} requests from {args.input_file} to {settings.model_name!r} "
+              f"(target {pipe.target.device}, draft {pipe.draft.device}; up to {engine.max_num_seqs} at once)",
+              file=sys.stderr)
+        summary = asyncio.run(run_batch(app, lines, out, in_flight, _progress(sys.stderr.isatty()),
+                                        lambda: engine.running))
+    finally:
+        pipe.close()
+    failed = {status: n for status, n in sorted(summary.statuses.items()) if status != 200}
+    errors = f", {sum(failed.values())} answered with an error ({', '.join(f'{n} x {s}' for s, n in failed.items())})" \
+        if failed else ""
+    print(f"mirror-sd: wrote {out}: {summary.statuses[200]} of {summary.requests} requests answered{errors}; "
+          f"{summary.completion_tokens} tokens in {summary.elapsed_s:.1f} s ({summary.tokens_per_s:.1f} tokens/s, up "
+          f"to {summary.most_running} generations at once)", file=sys.stderr)
+    return 0
+
+
+def _progress(tty: bool) -> Callable[[int, int], None]:
+    """run-batch's progress on stderr: a line rewritten in a terminal, else a line at each tenth of the batch."""
+    def show(done: int, total: int) -> None:
+        if tty:
+            print(f"\rrequests answered: {done}/{total}", end="" if done < total else "\n", file=sys.stderr,
+                  flush=True)
+        elif done * 10 // total > (done - 1) * 10 // total:
+            print(f"requests answered: {done}/{total}", file=sys.stderr, flush=True)
+    return show
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -471,6 +528,41 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_app_flags(parser: argparse.ArgumentParser, request_timeout: float, log_level: str) -> None:
+    """The flags of the server's app that `serve` and `run-batch` share: its model names, deadline, logging, parsers,
+    generation defaults and load options."""
+    parser.add_argument("--model-name", "--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model id requests name, and any further names they may use (answers give the "
+                             "first) (default: the bundle's folder name)")
+    parser.add_argument("--request-timeout", type=float, default=request_timeout,
+                        help=f"seconds a request may take, queueing included (default {request_timeout:g})")
+    parser.add_argument("--log-level", default=log_level, choices=LOG_LEVELS,
+                        help=f"the server's logging to stderr; info logs one line per request (default: {log_level})")
+    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="read answers to tool_choice auto (OpenAI's default with tools) for calls in this format: "
+                             "hermes (<tool_call> JSON </tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (an answer "
+                             "of JSON calls: Llama 3.1-3.3), pythonic ([f(x=1), g()]: Llama 3.2, Llama 4), mistral "
+                             "([TOOL_CALLS] and its calls: Mistral, Mixtral), qwen3_coder (<tool_call><function=f>"
+                             "<parameter=x>: Qwen3-Coder, Qwen3.5) (default: none, auto refused)")
+    parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="read a reasoning model's <think> block as the chat message's reasoning (and "
+                             "reasoning_content), the rest as its content: deepseek_r1 (DeepSeek-R1, its "
+                             "distillations, QwQ), qwen3 (Qwen3; chat_template_kwargs enable_thinking false: "
+                             "content) (default: none)")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                        help="where the sampling defaults of requests come from: auto, the bundle's "
+                             "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                             "max_new_tokens); vllm, none (OpenAI's); or a folder holding a generation_config.json "
+                             "(default: auto)")
+    parser.add_argument("--override-generation-config", default=None, metavar="JSON",
+                        help="generation_config.json keys over that source's, e.g. '{\"temperature\": 0.6}'")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's switch for tool_choice auto, taken for its command lines: here --tool-call-parser "
+                             "turns auto on (this flag needs one)")
+    add_options(parser, GenerationConfig, SERVE_GENERATION, shown=SERVE_SHOWN)  # a request's own value wins
+    add_options(parser, LoadOptions, LOAD_FLAGS["serve"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mirror-sd", description="Mirror Speculative Decoding: export, plan and run.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -580,44 +672,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000, help="default 8000")
-    sv.add_argument("--model-name", "--served-model-name", nargs="+", default=None, metavar="NAME",
-                    help="the model id clients name, and any further names they may use (answers give the first) "
-                         "(default: the bundle's folder name)")
     sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a free generation slot "
                     "(--max-num-seqs) (default 16); more get 429 with Retry-After")
     sv.add_argument("--stored-responses", type=int, default=1024,
                     help="Responses API answers kept in memory for previous_response_id and GET /v1/responses/{id}, "
                          "the least recently used dropped (default 1024; 0: none; with --ray none are kept)")
-    sv.add_argument("--request-timeout", type=float, default=600.0,
-                    help="seconds a request may take, queueing included (default 600)")
     sv.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every /v1 route (401 "
                     f"otherwise; /health and /metrics stay open) (default: ${API_KEY_ENV} where set, else none)")
     sv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                     help="a browser origin allowed to call the server, e.g. https://app.example.com or * for any "
                          "(repeatable, or comma-separated; default: none, no CORS headers)")
-    sv.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                    help="the server's logging to stderr; info logs one line per request (default: info)")
-    sv.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-                    help="read answers to tool_choice auto (OpenAI's default with tools) for calls in this format: "
-                         "hermes (<tool_call> JSON </tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (an answer "
-                         "of JSON calls: Llama 3.1-3.3), pythonic ([f(x=1), g()]: Llama 3.2, Llama 4), mistral "
-                         "([TOOL_CALLS] and its calls: Mistral, Mixtral), qwen3_coder (<tool_call><function=f>"
-                         "<parameter=x>: Qwen3-Coder, Qwen3.5) (default: none, auto refused)")
-    sv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                    help="read a reasoning model's <think> block as the chat message's reasoning (and "
-                         "reasoning_content), the rest as its content: deepseek_r1 (DeepSeek-R1, its distillations, "
-                         "QwQ), qwen3 (Qwen3; chat_template_kwargs enable_thinking false: content) (default: none)")
-    sv.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
-                    help="where the sampling defaults of requests come from: auto, the bundle's generation_config.json "
-                         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); vllm, none "
-                         "(OpenAI's); or a folder holding a generation_config.json (default: auto)")
-    sv.add_argument("--override-generation-config", default=None, metavar="JSON",
-                    help="generation_config.json keys over that source's, e.g. '{\"temperature\": 0.6}'")
-    sv.add_argument("--enable-auto-tool-choice", action="store_true",
-                    help="vLLM's switch for tool_choice auto, taken for its command lines: here --tool-call-parser "
-                         "turns auto on (this flag needs one)")
-    add_options(sv, GenerationConfig, SERVE_GENERATION, shown=SERVE_SHOWN)  # a request's own value wins
-    add_options(sv, LoadOptions, LOAD_FLAGS["serve"])
+    _add_app_flags(sv, request_timeout=600.0, log_level="info")
     sv.add_argument("--ray", action="store_true",
                     help="serve on Ray Serve: --replicas replicas, each loading the bundle in a process of its own, "
                          "behind Ray's HTTP proxy on --host:--port (needs pip install 'mirror-sd[ray]')")
@@ -632,6 +697,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --ray: the GPUs for each replica (default 0; 1: a replica per GPU, with "
                          "--target-device cuda)")
     sv.set_defaults(func=_serve)
+
+    rb = sub.add_parser("run-batch", help="answer a file of OpenAI Batch API requests offline, batched (as vllm "
+                        "run-batch): chat completions, completions and responses")
+    rb.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
+    rb.add_argument("-i", "--input-file", required=True,
+                    help="JSON Lines, a request per line: {\"custom_id\": ..., \"method\": \"POST\", \"url\": "
+                         "\"/v1/chat/completions\" (or /v1/completions, /v1/responses), \"body\": {...}}")
+    rb.add_argument("-o", "--output-file", required=True,
+                    help="JSON Lines, a line per request in the input's order: {\"id\", \"custom_id\", \"response\": "
+                         "{\"status_code\", \"request_id\", \"body\"}, \"error\"}; written whole when the run ends")
+    _add_app_flags(rb, request_timeout=86400.0, log_level="warning")
+    rb.set_defaults(func=_run_batch)
 
     from mirror_sd.bench.cli import add_parser as add_bench_parser
 

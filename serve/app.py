@@ -729,14 +729,24 @@ def serve(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
     `log_level` is the server's and uvicorn's, to stderr (info: a line per request, serve/access_log.py)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("mirror_sd").addHandler(handler)
-    logging.getLogger("mirror_sd").setLevel(log_level.upper())
+    log_to_stderr(log_level)
     if app.state.pipeline.plan_note:
         log.warning("%s", app.state.pipeline.plan_note)
     # uvicorn's own access log is off: ours names the route and times the whole response
     _Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=3)).run([sock])
+
+
+_STDERR = logging.StreamHandler()  # one handler however often a process serves (tests call the CLI many times)
+_STDERR.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+
+def log_to_stderr(log_level: str) -> None:
+    """The product's logging (the mirror_sd loggers: the server's, its access log's) to stderr from `log_level`."""
+    root = logging.getLogger("mirror_sd")
+    _STDERR.setStream(sys.stderr)  # the stderr of now (a test's capture, say), not the one at import
+    if _STDERR not in root.handlers:
+        root.addHandler(_STDERR)
+    root.setLevel(log_level.upper())
 
 
 def _cached_tokens(outcomes: list[_Outcome], n: int) -> int:
