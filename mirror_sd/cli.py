@@ -355,6 +355,9 @@ def _app_settings(args: argparse.Namespace, **fixed: Any) -> dict[str, Any]:
 
 def _checked_app_flags(args: argparse.Namespace) -> GenerationSource:
     """The shared flags checked before the bundle loads; where request defaults come from (--generation-config)."""
+    if any(not name.strip() for name in args.model_name or ()):
+        raise BadInputError("--model-name: a served model name cannot be empty")
+    GenerationConfig().updated(**given(args, GenerationConfig))  # an option out of range, before a load's wait
     if not args.request_timeout > 0:
         raise BadInputError(f"--request-timeout must be > 0, got {args.request_timeout}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM's rule, and its words
@@ -364,21 +367,46 @@ def _checked_app_flags(args: argparse.Namespace) -> GenerationSource:
 
 
 def _run_batch(args: argparse.Namespace) -> int:
+    from mirror_sd.serve.app import log_to_stderr
+    from mirror_sd.serve.batch_file import check_models, check_output_file, read_batch
+
+    source = _checked_app_flags(args)
+    # no responses kept: the lines run at once, so one line's previous_response_id could not name another's
+    fields = _app_settings(args, stored_responses=0)
+    # a file the Batch API would refuse is refused before the load, as is one asking for another model
+    lines = read_batch(Path(args.input_file))
+    check_models(Path(args.input_file), lines, (fields["model_name"], *fields["model_aliases"]))
+    out = Path(args.output_file)
+    check_output_file(out, inputs=(args.input_file, args.bundle))
+    restore_logging = log_to_stderr(args.log_level)
+    try:
+        summary = _answer_batch(args, fields, source, lines, out)
+    finally:
+        restore_logging()
+    failed = {status: n for status, n in sorted(summary.statuses.items()) if status != 200}
+    errors = [f"{sum(failed.values())} answered with an error ({', '.join(f'{n} x {s}' for s, n in failed.items())})"
+              ] if failed else []
+    errors += [f"{summary.failed} with no answer (see each line's error)"] if summary.failed else []
+    print(f"mirror-sd: wrote {out}: {summary.statuses[200]} of {summary.requests} requests answered"
+          f"{''.join(', ' + e for e in errors)}; {summary.completion_tokens} tokens in {summary.elapsed_s:.1f} s "
+          f"({summary.tokens_per_s:.1f} tokens/s; generations at once: {summary.most_running} at most)",
+          file=sys.stderr)
+    return 0
+
+
+def _answer_batch(args: argparse.Namespace, fields: dict[str, Any], source: GenerationSource, lines: list,
+                  out: Path):
+    """run-batch's load and run: the server's app over the bundle, the lines through it, the pipeline closed."""
     import asyncio
     import dataclasses
 
-    from mirror_sd.serve.app import create_app, log_to_stderr, open_server
-    from mirror_sd.serve.batch_file import check_output_file, read_batch, run_batch
+    from mirror_sd.serve.app import create_app, open_server
+    from mirror_sd.serve.batch_file import run_batch
     from mirror_sd.serve.protocol import MAX_N, MAX_PROMPTS
 
-    source = _checked_app_flags(args)
-    lines = read_batch(Path(args.input_file))  # a file the Batch API would refuse is refused before the load
-    out = Path(args.output_file)
-    check_output_file(out, inputs=(args.input_file, args.bundle))
-    log_to_stderr(args.log_level)
-    # no responses kept: the lines run at once, so one line's previous_response_id could not name another's
-    pipe, settings = open_server(args.bundle, LoadOptions().updated(**given(args, LoadOptions)),
-                                 _app_settings(args, stored_responses=0), given(args, GenerationConfig), source)
+    pipe, settings = open_server(args.bundle, LoadOptions().updated(**given(args, LoadOptions)), fields,
+                                 given(args, GenerationConfig), source)
+    tty = sys.stderr.isatty()
     try:
         engine = pipe.engine()
         in_flight = 2 * engine.max_num_seqs  # vLLM's: a step that frees a slot finds the next request waiting
@@ -387,17 +415,13 @@ def _run_batch(args: argparse.Namespace) -> int:
         print(f"mirror-sd: {len(lines)} requests from {args.input_file} to {settings.model_name!r} "
               f"(target {pipe.target.device}, draft {pipe.draft.device}; up to {engine.max_num_seqs} at once)",
               file=sys.stderr)
-        summary = asyncio.run(run_batch(app, lines, out, in_flight, _progress(sys.stderr.isatty()),
-                                        lambda: engine.running))
+        return asyncio.run(run_batch(app, lines, out, in_flight, _progress(tty), lambda: engine.running))
+    except KeyboardInterrupt:
+        if tty:  # off the progress line
+            print(file=sys.stderr)
+        raise
     finally:
         pipe.close()
-    failed = {status: n for status, n in sorted(summary.statuses.items()) if status != 200}
-    errors = f", {sum(failed.values())} answered with an error ({', '.join(f'{n} x {s}' for s, n in failed.items())})" \
-        if failed else ""
-    print(f"mirror-sd: wrote {out}: {summary.statuses[200]} of {summary.requests} requests answered{errors}; "
-          f"{summary.completion_tokens} tokens in {summary.elapsed_s:.1f} s ({summary.tokens_per_s:.1f} tokens/s, up "
-          f"to {summary.most_running} generations at once)", file=sys.stderr)
-    return 0
 
 
 def _progress(tty: bool) -> Callable[[int, int], None]:

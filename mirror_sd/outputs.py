@@ -36,25 +36,26 @@ def check_name(out: Path) -> None:
         raise BadInputError(f"OUT {str(out)!r} must name a directory to create or replace")
 
 
-def check_apart(out: Path, what: str, inputs: Iterable[str | Path]) -> None:
+def check_apart(out: Path, what: str, inputs: Iterable[str | Path], label: str = "OUT") -> None:
     """Refuse an OUT that is, holds or lies inside one of `inputs`, that is a symbolic link (replacing it would
-    replace the link, not what it points to), or whose nearest existing folder is not writable."""
+    replace the link, not what it points to), or whose nearest existing folder is not writable. `label`: what the
+    messages call `out` (the flag that gave it)."""
     if out.is_symlink():
-        raise BadInputError(f"OUT {str(out)!r} is a symbolic link: give the path it points to ({out.resolve()})")
+        raise BadInputError(f"{label} {str(out)!r} is a symbolic link: give the path it points to ({out.resolve()})")
     resolved = out.resolve()
     for given in inputs:
         path = Path(given).expanduser().resolve()
         if path == resolved or resolved in path.parents:
-            raise BadInputError(f"OUT {str(out)!r} holds an input ({path}): write the {what} elsewhere")
+            raise BadInputError(f"{label} {str(out)!r} holds an input ({path}): write the {what} elsewhere")
         if path in resolved.parents:  # what the user gave stays as it was
-            raise BadInputError(f"OUT {str(out)!r} lies inside an input ({path}): write the {what} elsewhere")
+            raise BadInputError(f"{label} {str(out)!r} lies inside an input ({path}): write the {what} elsewhere")
     ancestor = resolved.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
     try:  # what the output's staging directory will need there (os.access says yes to root anywhere)
         os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=ancestor))
     except OSError:
-        raise BadInputError(f"cannot create OUT {str(out)!r}: {ancestor} is not a writable directory") from None
+        raise BadInputError(f"cannot create {label} {str(out)!r}: {ancestor} is not a writable directory") from None
 
 
 @contextmanager

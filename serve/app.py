@@ -736,17 +736,19 @@ def serve(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
     _Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=3)).run([sock])
 
 
-_STDERR = logging.StreamHandler()  # one handler however often a process serves (tests call the CLI many times)
-_STDERR.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-
-
-def log_to_stderr(log_level: str) -> None:
-    """The product's logging (the mirror_sd loggers: the server's, its access log's) to stderr from `log_level`."""
+def log_to_stderr(log_level: str) -> Callable[[], None]:
+    """The product's logging (the mirror_sd loggers: the server's, its access log's) to stderr from `log_level`;
+    returns what puts the loggers back as they were (a command run in a process that goes on: tests)."""
     root = logging.getLogger("mirror_sd")
-    _STDERR.setStream(sys.stderr)  # the stderr of now (a test's capture, say), not the one at import
-    if _STDERR not in root.handlers:
-        root.addHandler(_STDERR)
+    handler, level = logging.StreamHandler(), root.level
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
     root.setLevel(log_level.upper())
+
+    def restore() -> None:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    return restore
 
 
 def _cached_tokens(outcomes: list[_Outcome], n: int) -> int:

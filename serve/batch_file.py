@@ -11,15 +11,18 @@ tool-call and reasoning parsers, and errors as over HTTP (a request the server w
 line's response), and the same batching engine, kept full: up to `max_in_flight` requests are in it at once, taken
 in the file's order.
 
-A file the Batch API would not take (a line that is not such an object, a custom_id given twice, another method or
-route) is refused whole, naming the line, before the bundle loads. The output is written beside its place and moved
-in at the end: an interrupted run leaves no half-written file, and an earlier output stays until the new one is whole.
+A file the Batch API would not take (a line that is not such an object, a custom_id given twice, another method, route
+or model) is refused whole, naming the line, before the bundle loads. A line whose request got no HTTP answer (a bug)
+has its failure in `error`, and the others go on. The output is written beside its place and moved in at the end: an
+interrupted run, or one that cannot write, leaves no half-written file, and an earlier output stays until the new one
+is whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import stat
 import tempfile
@@ -31,12 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mirror_sd.errors import BadInputError
+from mirror_sd.errors import BadInputError, MirrorSDError
 from mirror_sd.outputs import check_apart
 from mirror_sd.serve import protocol as p
+from mirror_sd.serve.protocol import half_surrogate
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # the routes a line may ask for
 FIELDS = ("custom_id", "method", "url", "body")
+
+log = logging.getLogger("mirror_sd.serve.batch")
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,13 @@ class BatchSummary:
     requests: int = 0
     statuses: Counter = field(default_factory=Counter)  # HTTP status -> lines answered with it
     completion_tokens: int = 0  # over the answered lines' usage
+    failed: int = 0  # lines that got no HTTP answer (their output's error says why)
     most_running: int = 0  # the most generations the engine ran at once (batching at work)
     elapsed_s: float = 0.0
+
+    @property
+    def answered(self) -> int:
+        return sum(self.statuses.values()) + self.failed
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,15 +72,16 @@ class BatchSummary:
 
 
 def read_batch(path: Path) -> list[BatchLine]:
-    """The requests of a Batch API input file (JSON Lines; blank lines skipped). BadInputError, naming the line,
-    for a file that is not one: no request has run yet."""
+    """The requests of a Batch API input file (JSON Lines, "\r\n" or "\n"; blank lines skipped). BadInputError,
+    naming the line, for a file that is not one: no request has run yet."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not a request
     except (OSError, UnicodeDecodeError) as e:
         raise BadInputError(f"cannot read the batch file {str(path)!r}: {e}", option="input_file") from None
     lines: list[BatchLine] = []
     seen: dict[str, int] = {}
-    for number, raw in enumerate(text.splitlines(), 1):
+    # "\n" alone ends a line: splitlines() would also split inside strings holding U+2028, U+0085, ... (JSON Lines)
+    for number, raw in enumerate(text.split("\n"), 1):
         if not raw.strip():
             continue
         line = _line(path, number, raw)
@@ -87,7 +99,7 @@ def _line(path: Path, number: int, raw: str) -> BatchLine:
     try:
         doc = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise _bad(path, number, f"not JSON ({e.msg} at column {e.colno})") from None
+        raise _bad(path, number, f"not JSON: {e.msg} (column {e.colno})") from None
     if not isinstance(doc, dict):
         raise _bad(path, number, f"a request is a JSON object with {', '.join(FIELDS)}")
     missing = [f for f in FIELDS if f not in doc]
@@ -99,6 +111,8 @@ def _line(path: Path, number: int, raw: str) -> BatchLine:
     custom_id, method, url, body = (doc[f] for f in FIELDS)
     if not isinstance(custom_id, str) or not custom_id:
         raise _bad(path, number, "custom_id must be a non-empty string")
+    if half_surrogate(custom_id) is not None:  # the output repeats it, and could not be written
+        raise _bad(path, number, "custom_id holds half of a surrogate pair (a \\ud800-\\udfff escape alone)")
     if method != "POST":
         raise _bad(path, number, f"method {method!r}: the Batch API sends POST")
     if url not in URLS:
@@ -114,46 +128,76 @@ def _bad(path: Path, number: int, why: str) -> BadInputError:
 
 def check_output_file(out: Path, inputs: Iterable[str | Path]) -> None:
     """Refuse, before the bundle loads, an output file that could not be written or whose writing would replace
-    what the user gave: a directory, a folder that does not exist, an input (the batch file, the bundle)."""
-    if out.is_dir():
-        raise BadInputError(f"the output file {str(out)!r} is a directory", option="output_file")
+    what the user gave: a directory or another non-file (a pipe, a device), a folder that does not exist, an input
+    (the batch file, the bundle)."""
+    if out.exists() and not out.is_file() and not out.is_symlink():
+        what = "a directory" if out.is_dir() else "no regular file (a pipe or a device would be replaced by one)"
+        raise BadInputError(f"--output-file {str(out)!r} is {what}", option="output_file")
     if not out.parent.is_dir():
-        raise BadInputError(f"the output file's folder {str(out.parent)!r} does not exist", option="output_file")
-    check_apart(out, "batch output", inputs)
+        raise BadInputError(f"--output-file's folder {str(out.parent)!r} does not exist", option="output_file")
+    check_apart(out, "batch output", inputs, label="--output-file")
+
+
+def check_models(path: Path, lines: list[BatchLine], names: Iterable[str]) -> None:
+    """Refuse, before the bundle loads, a file with a line naming a model not served here (the Batch API's files
+    name one model), rather than a 404 on that line after the load; a line without one gets its 400 there."""
+    names = tuple(names)
+    for line in lines:
+        model = line.body.get("model")
+        if isinstance(model, str) and model not in names:
+            raise _bad(path, line.number, f"model {model!r} is not served here ({', '.join(map(repr, names))}): "
+                                          "name it with --served-model-name")
 
 
 async def run_batch(app, lines: list[BatchLine], out: Path, max_in_flight: int,
                     progress: Callable[[int, int], None] | None = None, running: Callable[[], int] | None = None
                     ) -> BatchSummary:
     """Answer `lines` through the server's `app` (serve/app.py create_app), at most `max_in_flight` at once in the
-    file's order, and write their outputs to `out` in that order (written beside it, moved in at the end).
-    `progress(done, total)` after each answer; `running()` the engine's running generations, sampled meanwhile.
-    When it returns or fails, the app's generations have stopped (its lifespan's end)."""
+    file's order, and write their outputs to `out` in that order (written beside it, moved in at the end; a failure
+    to write is a MirrorSDError). `progress(done, total)` after each answer; `running()` the engine's running
+    generations, sampled meanwhile. When it returns or fails, the app's generations have stopped (its lifespan's
+    end)."""
     summary = BatchSummary(requests=len(lines))
     start = time.monotonic()
     pending = iter(enumerate(lines))
     ready: dict[int, dict[str, Any]] = {}
-    handle, staging = _staging_file(out)
+    try:
+        handle, staging = _staging_file(out)
+    except OSError as e:
+        raise _unwritable(out, e) from None
     written = 0
+
+    async def worker() -> None:
+        nonlocal written
+        for index, line in pending:  # one iterator shared: each line is taken once, in order
+            ready[index] = await _answer(app, line)
+            _count(summary, ready[index])
+            while written in ready:  # in the file's order: what has come is written at once
+                handle.write(json.dumps(ready.pop(written), ensure_ascii=False) + "\n")
+                written += 1
+            if progress is not None:
+                progress(summary.answered, summary.requests)
+
+    async def sample() -> None:  # at the moments generations end, as many have just left: sampled apart from them
+        while True:
+            summary.most_running = max(summary.most_running, running())
+            await asyncio.sleep(0.005)
+
     try:
         with handle:
-            async def worker() -> None:
-                nonlocal written
-                for index, line in pending:  # one iterator shared: each line is taken once, in order
-                    ready[index] = await _answer(app, line)
-                    _count(summary, ready[index])
-                    if running is not None:
-                        summary.most_running = max(summary.most_running, running())
-                    while written in ready:  # in the file's order: what has come is written at once
-                        handle.write(json.dumps(ready.pop(written), ensure_ascii=False) + "\n")
-                        written += 1
-                    if progress is not None:
-                        progress(sum(summary.statuses.values()), summary.requests)
-
-            async with app.router.lifespan_context(app), asyncio.TaskGroup() as workers:  # one fails: all stop
-                for _ in range(max(1, min(max_in_flight, len(lines)))):
-                    workers.create_task(worker())
+            sampler = asyncio.create_task(sample()) if running is not None else None
+            try:
+                async with app.router.lifespan_context(app), asyncio.TaskGroup() as workers:  # one fails: all stop
+                    for _ in range(max(1, min(max_in_flight, len(lines)))):
+                        workers.create_task(worker())
+            except BaseExceptionGroup as group:
+                raise _unwrapped(group, out) from None
+            finally:
+                if sampler is not None:
+                    sampler.cancel()
         os.replace(staging, out)
+    except OSError as e:
+        raise _unwritable(out, e) from None
     finally:
         if os.path.exists(staging):
             os.unlink(staging)
@@ -161,8 +205,25 @@ async def run_batch(app, lines: list[BatchLine], out: Path, max_in_flight: int,
     return summary
 
 
+def _unwrapped(group: BaseExceptionGroup, out: Path) -> BaseException:
+    """The first failure of the workers (a TaskGroup's group holds it): writing the output, a MirrorSDError;
+    anything else as it came (a bug, with its traceback)."""
+    first = group.exceptions[0]
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return _unwritable(out, first) if isinstance(first, OSError) else first
+
+
+def _unwritable(out: Path, e: OSError) -> MirrorSDError:
+    return MirrorSDError(f"cannot write --output-file {str(out)!r}: {e.strerror or e}; an earlier file there is "
+                         "kept as it was")
+
+
 def _count(summary: BatchSummary, output: dict[str, Any]) -> None:
     response = output["response"]
+    if response is None:  # failed without an HTTP answer: its error says why
+        summary.failed += 1
+        return
     summary.statuses[response["status_code"]] += 1
     usage = response["body"].get("usage") if isinstance(response["body"], dict) else None
     if response["status_code"] == 200 and isinstance(usage, dict):
@@ -185,21 +246,23 @@ def _staging_file(out: Path):
 
 
 async def _answer(app, line: BatchLine) -> dict[str, Any]:
-    """The output line for `line`: the app's answer to its body on its route, or the 400 a stream gets here."""
+    """The output line for `line`: the app's answer to its body on its route, or the 400 a stream gets here; a
+    failure that gave no answer goes in the line's error (the Batch API's place for it), the others go on."""
+    output = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": None, "error": None}
     if line.body.get("stream"):
         error = p.ApiError(400, "stream: a batch request is answered whole; leave stream out", param="stream",
                            code="invalid_value")
         status, body = error.status, error.body()
     else:
-        status, raw = await call(app, line.url, json.dumps(line.body).encode())
         try:
+            status, raw = await call(app, line.url, json.dumps(line.body).encode())
             body = json.loads(raw)
-        except ValueError:  # never from the app's routes; kept readable if it ever were
-            body = {"error": {"message": raw.decode("utf-8", "replace"), "type": "server_error", "param": None,
-                              "code": None}}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
-            "response": {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}", "body": body},
-            "error": None}
+        except Exception as e:  # a bug in the app, or an answer that is not JSON: this line's, not the batch's
+            log.exception("line %d (custom_id %r) got no answer", line.number, line.custom_id)
+            output["error"] = {"code": "internal_error", "message": f"{type(e).__name__}: {e}"}
+            return output
+    output["response"] = {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}", "body": body}
+    return output
 
 
 async def call(app, path: str, body: bytes) -> tuple[int, bytes]:

@@ -571,6 +571,24 @@ def new_id(prefix: str, sep: str = "-") -> str:
     return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
+def half_surrogate(value: Any, path: str = "") -> str | None:
+    """Where in `value` (parsed JSON) a string holds half of a surrogate pair (a \\ud800-\\udfff escape alone),
+    which no UTF-8 answer can carry back ("" for `value` itself); None where every string is text."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = half_surrogate(str(key), path) if isinstance(key, str) else None
+        where = where if where is not None else half_surrogate(item, f"{path}.{key}" if path else str(key))
+        if where is not None:
+            return where
+    return None
+
+
 def renamed_loc(loc: tuple[Any, ...], names: Mapping[str, str]) -> tuple[Any, ...]:
     """A chat request's error location, its first field as another API (`names`: the chat's field -> its) names it."""
     return (names.get(loc[0], loc[0]), *loc[1:]) if loc else loc

@@ -34,11 +34,12 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from mirror_sd.serve.neutral import UNSUPPORTED
-from mirror_sd.serve.protocol import ApiError, ChatRequest, new_id, read_chat_request, renamed_loc
+from mirror_sd.serve.protocol import ApiError, ChatRequest, half_surrogate, new_id, read_chat_request, renamed_loc
 
 # a chat request's field, as the Responses request names it (what a 400 from the chat path's checks names)
 FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -180,6 +181,17 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     service_tier: str | None = None
     mirror: dict[str, Any] | None = None  # the project's options, as the chat request's `mirror` object
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        """Every string is text: a response repeats the request's settings (metadata, user, tools, ...), and one
+        holding half of a surrogate pair could not be written."""
+        where = half_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} holds half of a surrogate pair (a \\ud800-\\udfff escape "
+                             "alone), which is no text")
+        return data
 
     @field_validator("reasoning")
     @classmethod

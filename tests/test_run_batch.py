@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,8 +60,10 @@ def test_a_batch_is_answered_in_order_each_line_as_the_library_answers_it(bundle
               _request("streamed", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
                                                                                           "content": "hi"}],
                                                             "stream": True}),
-              _request("other-model", "/v1/completions", {"model": "gpt-4o-mini", "prompt": "hi", "max_tokens": 2})]
-    requests = [chats[0], others[0], *chats[1:5], others[1], others[2], *chats[5:], others[3], others[4]]
+              _request("no-model", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+              # a response repeats its metadata: half a surrogate pair in it is refused, not a failure to write it
+              _request("half-surrogate", "/v1/responses", {"model": MODEL, "input": "hi", "metadata": {"k": "\ud800"}})]
+    requests = [chats[0], others[0], *chats[1:5], others[1], others[2], *chats[5:], *others[3:]]
     inp, out = _write(tmp_path / "in.jsonl", ["", *requests, "  "]), tmp_path / "out.jsonl"  # blank lines skipped
     assert main(["run-batch", str(bundle), "-i", str(inp), "-o", str(out), "--served-model-name", MODEL,
                  "--max-num-seqs", "4"]) == 0
@@ -81,12 +85,13 @@ def test_a_batch_is_answered_in_order_each_line_as_the_library_answers_it(bundle
         [{"role": "user", "content": "hello there"}], mode="ar", max_new_tokens=6).text
     assert got["no-messages"]["status_code"] == 400 and got["no-messages"]["body"]["error"]["param"] == "messages"
     assert got["streamed"]["status_code"] == 400 and got["streamed"]["body"]["error"]["param"] == "stream"
-    assert got["other-model"]["status_code"] == 404
-    assert got["other-model"]["body"]["error"]["code"] == "model_not_found"
+    assert got["no-model"]["status_code"] == 400 and got["no-model"]["body"]["error"]["param"] == "model"
+    assert got["half-surrogate"]["status_code"] == 400
+    assert "metadata.k holds half of a surrogate pair" in got["half-surrogate"]["body"]["error"]["message"]
     err = capsys.readouterr().err
-    assert f"{len(requests)} requests" in err and "requests answered: 13/13" in err
-    assert "10 of 13 requests answered, 3 answered with an error (2 x 400, 1 x 404)" in err
-    most = int(re.search(r"up to (\d+) generations at once\)", err).group(1))
+    assert f"{len(requests)} requests" in err and "requests answered: 14/14" in err
+    assert "10 of 14 requests answered, 4 answered with an error (4 x 400)" in err
+    most = int(re.search(r"generations at once: (\d+) at most\)", err).group(1))
     assert 1 < most <= 4  # the lines ran together, never past --max-num-seqs
 
 
@@ -102,12 +107,17 @@ def test_a_batch_is_answered_in_order_each_line_as_the_library_answers_it(bundle
     ('{"custom_id": "b", "method": "GET", "url": "/v1/completions", "body": {}}', "method 'GET'"),
     ('{"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "body": {}}', "url '/v1/embeddings'"),
     ('{"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": "hi"}', "body must be a JSON object"),
+    ('{"custom_id": "b\\ud800", "method": "POST", "url": "/v1/completions", "body": {}}',
+     "in.jsonl:2: custom_id holds half of a surrogate pair"),
+    ('{"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"model": "gpt-4o-mini"}}',
+     "in.jsonl:2: model 'gpt-4o-mini' is not served here ('tiny'): name it with --served-model-name"),
 ])
 def test_a_file_the_batch_api_would_refuse_is_refused_whole_before_the_load(tmp_path, capsys, line, why):
     first = _request("a", "/v1/completions", {"model": MODEL, "prompt": "hi"})
     inp, out = _write(tmp_path / "in.jsonl", [first, line]), tmp_path / "out.jsonl"
     # the bundle is not even read: a file's fault is found first
-    assert main(["run-batch", str(tmp_path / "no-bundle"), "-i", str(inp), "-o", str(out)]) == 2
+    assert main(["run-batch", str(tmp_path / "no-bundle"), "-i", str(inp), "-o", str(out),
+                 "--served-model-name", MODEL]) == 2
     err = capsys.readouterr().err
     assert why in err and "Traceback" not in err
     assert not out.exists()
@@ -116,16 +126,24 @@ def test_a_file_the_batch_api_would_refuse_is_refused_whole_before_the_load(tmp_
 def test_outputs_that_cannot_be_written_or_would_replace_an_input_are_refused(bundle, tmp_path, capsys):
     inp = _write(tmp_path / "in.jsonl", [_request("a", "/v1/completions", {"model": MODEL, "prompt": "hi"})])
     (tmp_path / "empty.jsonl").write_text("\n\n")
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)  # replacing a pipe (or a device) with a file would lose what reads it
     for args, why in [(["-i", str(inp), "-o", str(inp)], "holds an input"),
                       (["-i", str(inp), "-o", str(tmp_path)], "is a directory"),
+                      (["-i", str(inp), "-o", str(fifo)], "is no regular file"),
                       (["-i", str(inp), "-o", str(tmp_path / "no" / "out.jsonl")], "does not exist"),
                       (["-i", str(inp), "-o", str(bundle / "out.jsonl")], "lies inside an input"),
                       (["-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")], "cannot read"),
                       (["-i", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "o.jsonl")], "holds no requests")]:
-        assert main(["run-batch", str(bundle), *args]) == 2
+        assert main(["run-batch", str(bundle), *args, "--served-model-name", MODEL]) == 2
         err = capsys.readouterr().err
         assert why in err and "Traceback" not in err, (args, err)
     assert inp.read_text().startswith('{"custom_id": "a"') and not (bundle / "out.jsonl").exists()
+    for flags, why in [(["--served-model-name", ""], "--model-name: a served model name cannot be empty"),
+                       (["--max-new-tokens", "0"], "max_new_tokens")]:  # as serve's: before the (missing) bundle
+        assert main(["run-batch", str(tmp_path / "no-bundle"), "-i", str(inp), "-o", str(tmp_path / "o.jsonl"),
+                     *flags]) == 2
+        assert why in capsys.readouterr().err
 
 
 def test_an_interrupted_run_leaves_the_earlier_output_whole_and_nothing_half_written(pipe, tmp_path):
@@ -152,3 +170,27 @@ def test_an_interrupted_run_leaves_the_earlier_output_whole_and_nothing_half_wri
     summary = asyncio.run(run_batch(create_app(pipe, ServerSettings(model_name=MODEL, max_queue=64)), lines, out, 4))
     assert summary.statuses == {200: len(QUESTIONS)} and len(out.read_text().splitlines()) == len(QUESTIONS)
     assert out.stat().st_mode & 0o777 == 0o640  # the file replaced keeps its permissions
+
+
+def test_lines_end_at_a_newline_alone_after_an_optional_byte_order_mark(tmp_path):
+    body = {"model": MODEL, "prompt": "a\u2028b\u0085c\u2029d"}  # separators splitlines() would split at
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps(_request(f"r{i}", "/v1/completions", body),
+                                                              ensure_ascii=False) for i in range(3)).encode())
+    lines = read_batch(path)
+    assert [(line.number, line.custom_id) for line in lines] == [(1, "r0"), (2, "r1"), (3, "r2")]
+    assert lines[2].body == body
+
+
+def test_an_output_that_cannot_be_written_is_one_error_line_and_the_earlier_file_stays(bundle, tmp_path):
+    requests = [_request(f"r{i}", "/v1/completions", {"model": MODEL, "prompt": q, "max_tokens": 8})
+                for i, q in enumerate(QUESTIONS)]
+    inp, out = _write(tmp_path / "in.jsonl", requests), tmp_path / "out.jsonl"
+    out.write_text("earlier\n")
+    # a file-size limit of 1 KiB stands in for a full disk: the answers (about 0.5 KiB a line) do not fit
+    command = (f"trap '' XFSZ; ulimit -f 1; exec {sys.executable} -m mirror_sd.cli run-batch {bundle} -i {inp} "
+               f"-o {out} --served-model-name {MODEL}")
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert f"mirror-sd: error: cannot write --output-file '{out}'" in done.stderr and "Traceback" not in done.stderr
+    assert out.read_text() == "earlier\n" and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
