@@ -299,6 +299,7 @@ def _perplexity(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from mirror_sd.errors import BadInputError, check_int
     from mirror_sd.serve.app import create_app, listen, open_server, serve
+    from mirror_sd.serve.tls import Tls
 
     check_int("--max-queue", args.max_queue, 0)
     check_int("--stored-responses", args.stored_responses, 0)
@@ -306,7 +307,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise BadInputError(f"--port must be in 1..65535, got {args.port}")
     source = _checked_app_flags(args)
     api_key, origins = server_access(args)
+    tls = Tls.given(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     if args.ray:  # each replica loads the bundle in its own process (serve/ray_app.py); none is loaded here
+        if tls is not None:
+            raise BadInputError("--ssl-*: not with --ray, whose HTTP proxy is Ray's: put TLS in front of it (a load "
+                                "balancer, an ingress)")
         return _serve_on_ray(args, api_key, origins, source)
     ray_only = [flag for flag, dest in RAY_FLAGS.items() if getattr(args, dest) is not None]
     if ray_only:
@@ -318,11 +323,11 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(pipe, settings)
     engine = pipe.engine()
     mode = settings.defaults.get("mode", pipe.generation_config.mode)
-    print(f"mirror-sd: serving {name!r} on http://{args.host}:{args.port}/v1 ({mode}; "
+    print(f"mirror-sd: serving {name!r} on http{'s' if tls else ''}://{args.host}:{args.port}/v1 ({mode}; "
           f"target {pipe.target.device}, draft {pipe.draft.device}; up to {engine.max_num_seqs} generations at "
           f"once, each up to {pipe.context_limit} tokens; API key {'required' if api_key else 'not required'})",
           file=sys.stderr)
-    serve(app, sock, args.log_level)  # SIGTERM: open generations stop at their next step, exit 0
+    serve(app, sock, args.log_level, tls)  # SIGTERM: open generations stop at their next step, exit 0
     return 0
 
 
@@ -706,6 +711,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                     help="a browser origin allowed to call the server, e.g. https://app.example.com or * for any "
                          "(repeatable, or comma-separated; default: none, no CORS headers)")
+    sv.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                    help="serve HTTPS with this certificate chain (and its key, unless --ssl-keyfile) (default: HTTP)")
+    sv.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key, unencrypted")
+    sv.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                    help="authorities whose client certificates are taken (with --ssl-cert-reqs)")
+    sv.add_argument("--ssl-cert-reqs", type=int, default=None, metavar="0|1|2",
+                    help="client certificates: 0 not asked for (default), 1 checked where sent, 2 required")
     _add_app_flags(sv, request_timeout=600.0, log_level="info")
     sv.add_argument("--ray", action="store_true",
                     help="serve on Ray Serve: --replicas replicas, each loading the bundle in a process of its own, "

@@ -65,8 +65,10 @@ from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
 from mirror_sd.serve.reasoning import Reading, generation_prompt, reading
 from mirror_sd.serve.responses import FIELDS, ResponsesRequest, ResponseStore, events, from_chat, output_messages
+from mirror_sd.serve.tls import Tls
 from mirror_sd.serve.tool_parser import TOOL_CALL_FORMATS, ParsedAnswers
 from mirror_sd.serve.tools import ToolAnswers
+from mirror_sd.version import __version__
 
 log = logging.getLogger("mirror_sd.serve")
 
@@ -314,6 +316,10 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                              "max_num_seqs": gen.engine.max_num_seqs, "target_device": pipe.target.device,
                              "draft_device": pipe.draft.device, "plan_note": pipe.plan_note},
                             status_code=200 if alive else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:  # vLLM's: the server's version, for clients that check what they talk to
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -723,17 +729,19 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
+def serve(app: FastAPI, sock: socket.socket, log_level: str = "info", tls: Tls | None = None) -> None:
     """Run `app` until SIGINT or SIGTERM; then open generations stop at their next step and the process exits
     with status 0 (uvicorn re-raises the signal it caught; the handler installed here makes that a clean exit).
-    `log_level` is the server's and uvicorn's, to stderr (info: a line per request, serve/access_log.py)."""
+    `log_level` is the server's and uvicorn's, to stderr (info: a line per request, serve/access_log.py); `tls`:
+    HTTPS (serve/tls.py), else HTTP."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
     log_to_stderr(log_level)
     if app.state.pipeline.plan_note:
         log.warning("%s", app.state.pipeline.plan_note)
     # uvicorn's own access log is off: ours names the route and times the whole response
-    _Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=3)).run([sock])
+    _Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=3,
+                           **(tls.uvicorn_options() if tls is not None else {}))).run([sock])
 
 
 def log_to_stderr(log_level: str) -> Callable[[], None]:
