@@ -41,10 +41,8 @@ def bundle(bundle_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pipe(bundle) -> Pipeline:
-    pipe = Pipeline.load(bundle, huge_pages=False, max_num_seqs=4)
-    yield pipe
-    pipe.close()
+def pipe(engine_pipelines) -> Pipeline:
+    return engine_pipelines("llama")  # the bundle fixture's: 4 slots
 
 
 def test_a_batch_is_answered_in_order_each_line_as_the_library_answers_it(bundle, pipe, tmp_path, capsys):
