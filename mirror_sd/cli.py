@@ -392,7 +392,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     errors = [f"{sum(failed.values())} answered with an error ({', '.join(f'{n} x {s}' for s, n in failed.items())})"
               ] if failed else []
     errors += [f"{summary.failed} with no answer (see each line's error)"] if summary.failed else []
-    print(f"mirror-sd: wrote {out}: {summary.statuses[200]} of {summary.requests} requests answered"
+    print(f"mirror-sd: wrote {out}: {summary.statuses[200]} of {summary.requests} requests succeeded"
           f"{''.join(', ' + e for e in errors)}; {summary.completion_tokens} tokens in {summary.elapsed_s:.1f} s "
           f"({summary.tokens_per_s:.1f} tokens/s; generations at once: {summary.most_running} at most)",
           file=sys.stderr)
@@ -406,17 +406,15 @@ def _answer_batch(args: argparse.Namespace, fields: dict[str, Any], source: Gene
     import dataclasses
 
     from mirror_sd.serve.app import create_app, open_server
-    from mirror_sd.serve.batch_file import run_batch
-    from mirror_sd.serve.protocol import MAX_N, MAX_PROMPTS
+    from mirror_sd.serve.batch_file import batch_bounds, run_batch
 
     pipe, settings = open_server(args.bundle, LoadOptions().updated(**given(args, LoadOptions)), fields,
                                  given(args, GenerationConfig), source)
     tty = sys.stderr.isatty()
     try:
         engine = pipe.engine()
-        in_flight = 2 * engine.max_num_seqs  # vLLM's: a step that frees a slot finds the next request waiting
-        # the lines in flight bound what waits; a queue bound would only turn lines with n > 1 into 429s
-        app = create_app(pipe, dataclasses.replace(settings, max_queue=in_flight * MAX_N * MAX_PROMPTS))
+        in_flight, queue = batch_bounds(engine.max_num_seqs)
+        app = create_app(pipe, dataclasses.replace(settings, max_queue=queue))
         print(f"mirror-sd: {len(lines)} requests from {args.input_file} to {settings.model_name!r} "
               f"(target {pipe.target.device}, draft {pipe.draft.device}; up to {engine.max_num_seqs} at once)",
               file=sys.stderr)
@@ -706,8 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--stored-responses", type=int, default=1024,
                     help="Responses API answers kept in memory for previous_response_id and GET /v1/responses/{id}, "
                          "the least recently used dropped (default 1024; 0: none; with --ray none are kept)")
-    sv.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every /v1 route (401 "
-                    f"otherwise; /health and /metrics stay open) (default: ${API_KEY_ENV} where set, else none)")
+    sv.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every route (401 "
+                    f"otherwise) but /health, /metrics and /version (default: ${API_KEY_ENV} where set, else none)")
     sv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                     help="a browser origin allowed to call the server, e.g. https://app.example.com or * for any "
                          "(repeatable, or comma-separated; default: none, no CORS headers)")

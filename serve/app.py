@@ -33,13 +33,14 @@ import json
 import logging
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -65,10 +66,12 @@ from mirror_sd.serve.metrics import Metrics
 from mirror_sd.serve.neutral import UNSUPPORTED, ignored
 from mirror_sd.serve.reasoning import Reading, generation_prompt, reading
 from mirror_sd.serve.responses import FIELDS, ResponsesRequest, ResponseStore, events, from_chat, output_messages
-from mirror_sd.serve.tls import Tls
 from mirror_sd.serve.tool_parser import TOOL_CALL_FORMATS, ParsedAnswers
 from mirror_sd.serve.tools import ToolAnswers
 from mirror_sd.version import __version__
+
+if TYPE_CHECKING:
+    from mirror_sd.serve.tls import Tls
 
 log = logging.getLogger("mirror_sd.serve")
 
@@ -280,6 +283,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {"loc": ("body",), "msg": "invalid request", "type": ""}
         field = p.field_name(tuple(first.get("loc", ())))
+        if first.get("type") == p.HALF_SURROGATE:  # found by a check of the whole body: the field is in its context
+            field = first["ctx"]["field"]
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if field == "body" and not (media == "application/json" or media.endswith("+json")):
             # FastAPI reads a body as JSON only under a JSON Content-Type (a browser page cannot send one to a
@@ -697,11 +702,43 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the app's generations to stop the moment an exit signal arrives: open streams then
-    end properly at their next step instead of being cut when the graceful-shutdown wait runs out."""
+    end properly at their next step instead of being cut when the graceful-shutdown wait runs out. Under TLS, an idle
+    connection is dropped at exit: closing it properly waits for the client's reply to the close, which a client
+    keeping a pooled connection (the openai SDK's) never sends, and the exit would wait for the graceful timeout."""
 
     def handle_exit(self, sig: int, frame) -> None:
         self.config.app.state.stop_generations()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        dropper = asyncio.create_task(self._drop_idle()) if self.config.ssl is not None else None
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if dropper is not None:
+                dropper.cancel()
+
+    async def _drop_idle(self) -> None:
+        while True:  # until the shutdown is done: a stream that ends meanwhile leaves its connection idle
+            for connection in list(self.server_state.connections):
+                cycle = getattr(connection, "cycle", None)
+                if cycle is None or cycle.response_complete:
+                    connection.transport.abort()
+            await asyncio.sleep(0.05)
+
+
+class _Config(uvicorn.Config):
+    """uvicorn's config serving `ssl_context` (serve/tls.py's, made before the load) where one is given: uvicorn's
+    own would read the files again after the load."""
+
+    def __init__(self, app: FastAPI, ssl_context: ssl.SSLContext | None = None, **options: Any) -> None:
+        super().__init__(app, **options)
+        self._ssl_context = ssl_context
+
+    def load(self) -> None:
+        super().load()
+        if self._ssl_context is not None:
+            self.ssl = self._ssl_context
 
 
 def open_server(bundle: str | Path, load: LoadOptions, settings: Mapping[str, Any], generation: Mapping[str, Any],
@@ -740,8 +777,8 @@ def serve(app: FastAPI, sock: socket.socket, log_level: str = "info", tls: Tls |
     if app.state.pipeline.plan_note:
         log.warning("%s", app.state.pipeline.plan_note)
     # uvicorn's own access log is off: ours names the route and times the whole response
-    _Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=3,
-                           **(tls.uvicorn_options() if tls is not None else {}))).run([sock])
+    _Server(_Config(app, tls.context if tls is not None else None, log_level=log_level, access_log=False,
+                    timeout_graceful_shutdown=3)).run([sock])
 
 
 def log_to_stderr(log_level: str) -> Callable[[], None]:

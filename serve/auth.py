@@ -1,12 +1,13 @@
-"""The API key: with one set, every route but /health and /metrics wants `Authorization: Bearer <key>`, as OpenAI's
-API does (or `x-api-key: <key>`, as Anthropic's clients send it).
+"""The API key: with one set, every route but /health, /metrics and /version wants `Authorization: Bearer <key>`, as
+OpenAI's API does (or `x-api-key: <key>`, as Anthropic's clients send it).
 
-/health and /metrics stay open: a load balancer's health check and a Prometheus scrape carry no key, and neither
-shows a request's content (keep the port off the public network, or scrape through a proxy, where the counts
-themselves are private). A wrong or missing key is a 401 in OpenAI's shape (code "invalid_api_key") before the body
-is read: a plain ASGI middleware, ahead of the routes. The path it looks at is the one the routes match, without the
-prefix a proxy mounts the app under (Ray Serve's route_prefix: the scope's root_path), and every path but the open
-ones wants the key, so that no spelling of a path reaches a route unchecked.
+/health, /metrics and /version stay open: a load balancer's health check, a Prometheus scrape and a client checking what
+it talks to (vLLM leaves /version open) carry no key, and none shows a request's content (keep the port off the public
+network, or scrape through a proxy, where the counts themselves are private). A wrong or missing key is a 401 in
+OpenAI's shape (code "invalid_api_key") before the body is read: a plain ASGI middleware, ahead of the routes. The path
+it looks at is the one the routes match, without the prefix a proxy mounts the app under (Ray Serve's route_prefix: the
+scope's root_path), and every path but the open ones wants the key, so that no spelling of a path reaches a route
+unchecked.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from starlette.routing import BaseRoute, Match
 from mirror_sd.serve.messages import shaped
 from mirror_sd.serve.protocol import ApiError
 
-OPEN = frozenset({"/health", "/metrics"})  # the paths that want no key
+OPEN = frozenset({"/health", "/metrics", "/version"})  # the paths that want no key
 
 
 def route_path(scope: dict[str, Any]) -> str:

@@ -126,6 +126,14 @@ def _bad(path: Path, number: int, why: str) -> BadInputError:
     return BadInputError(f"{path}:{number}: {why}", option="input_file")
 
 
+def batch_bounds(max_num_seqs: int) -> tuple[int, int]:
+    """(lines in flight, the app's max_queue) for an engine of `max_num_seqs` slots: twice its slots in flight, as
+    vLLM's, so that a step that frees a slot finds the next request waiting; the lines in flight bound what waits,
+    and a queue bound of the server's would only turn lines with n > 1 into 429s."""
+    in_flight = 2 * max_num_seqs
+    return in_flight, in_flight * p.MAX_N * p.MAX_PROMPTS
+
+
 def check_output_file(out: Path, inputs: Iterable[str | Path]) -> None:
     """Refuse, before the bundle loads, an output file that could not be written or whose writing would replace
     what the user gave: a directory or another non-file (a pipe, a device), a folder that does not exist, an input

@@ -571,6 +571,9 @@ def new_id(prefix: str, sep: str = "-") -> str:
     return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
+HALF_SURROGATE = "half_surrogate"  # a validation error's type whose context names the field ("field"): its param
+
+
 def half_surrogate(value: Any, path: str = "") -> str | None:
     """Where in `value` (parsed JSON) a string holds half of a surrogate pair (a \\ud800-\\udfff escape alone),
     which no UTF-8 answer can carry back ("" for `value` itself); None where every string is text."""

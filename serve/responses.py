@@ -39,7 +39,15 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from mirror_sd.serve.neutral import UNSUPPORTED
-from mirror_sd.serve.protocol import ApiError, ChatRequest, half_surrogate, new_id, read_chat_request, renamed_loc
+from mirror_sd.serve.protocol import (
+    HALF_SURROGATE,
+    ApiError,
+    ChatRequest,
+    half_surrogate,
+    new_id,
+    read_chat_request,
+    renamed_loc,
+)
 
 # a chat request's field, as the Responses request names it (what a 400 from the chat path's checks names)
 FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -189,8 +197,8 @@ class ResponsesRequest(_Strict):
         holding half of a surrogate pair could not be written."""
         where = half_surrogate(data)
         if where is not None:
-            raise ValueError(f"{where or 'the body'} holds half of a surrogate pair (a \\ud800-\\udfff escape "
-                             "alone), which is no text")
+            raise PydanticCustomError(HALF_SURROGATE, "holds half of a surrogate pair (a \\ud800-\\udfff escape "
+                                      "alone), which is no text", {"field": where or "body"})
         return data
 
     @field_validator("reasoning")

@@ -84,11 +84,12 @@ def test_a_batch_is_answered_in_order_each_line_as_the_library_answers_it(bundle
     assert got["no-messages"]["status_code"] == 400 and got["no-messages"]["body"]["error"]["param"] == "messages"
     assert got["streamed"]["status_code"] == 400 and got["streamed"]["body"]["error"]["param"] == "stream"
     assert got["no-model"]["status_code"] == 400 and got["no-model"]["body"]["error"]["param"] == "model"
-    assert got["half-surrogate"]["status_code"] == 400
-    assert "metadata.k holds half of a surrogate pair" in got["half-surrogate"]["body"]["error"]["message"]
+    error = got["half-surrogate"]["body"]["error"]
+    assert got["half-surrogate"]["status_code"] == 400 and error["param"] == "metadata.k"
+    assert error["message"].startswith("metadata.k: holds half of a surrogate pair")
     err = capsys.readouterr().err
     assert f"{len(requests)} requests" in err and "requests answered: 14/14" in err
-    assert "10 of 14 requests answered, 4 answered with an error (4 x 400)" in err
+    assert "10 of 14 requests succeeded, 4 answered with an error (4 x 400)" in err
     most = int(re.search(r"generations at once: (\d+) at most\)", err).group(1))
     assert 1 < most <= 4  # the lines ran together, never past --max-num-seqs
 

@@ -760,6 +760,8 @@ def test_the_api_key(port):
         assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"  # before the body's 400
         assert got["www-authenticate"] == "Bearer" and KEY not in text
     assert _http(port, "GET", "/health")[0] == 200
+    assert _http(port, "GET", "/version")[0] == 200  # open, as vLLM's
+    assert _http(port, "POST", "/tokenize", {"model": MODEL, "prompt": "hi"})[0] == 401  # every other route wants it
     assert _http(port, "GET", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
     counted = _metrics(port)
     for endpoint, status in (("/v1/chat/completions", 401), ("/health", 200), ("/v1/models", 200)):

@@ -98,9 +98,14 @@ def test_https_answers_as_the_library_and_plain_http_is_not_served(bundle_factor
         with pytest.raises((http.client.HTTPException, ConnectionError)):
             plain.request("GET", "/health")
             plain.getresponse().read()
+        pooled = http.client.HTTPSConnection("127.0.0.1", port, context=trusting, timeout=10)
+        pooled.request("GET", "/health")
+        pooled.getresponse().read()  # and kept open, idle, as a client's connection pool keeps it
     finally:
         server.terminate()
         assert server.wait(30) == 0
+    # the idle connection was dropped at exit, not waited on until uvicorn's graceful timeout gave up on it
+    assert "timeout graceful shutdown exceeded" not in server.stderr.read()
 
 
 def test_client_certificates_from_the_given_authority_are_required_where_asked(bundle_factory, tmp_path):
@@ -138,9 +143,14 @@ def test_tls_files_are_checked_before_the_bundle_loads(tmp_path, capsys, monkeyp
     monkeypatch.setattr(Pipeline, "load", lambda *args, **kwargs: loads.append(args))
     for flags, why in [
         (["--ssl-certfile", str(tmp_path / "missing.pem")], "--ssl-certfile"),
+        (["--ssl-certfile", str(tmp_path)], "a directory, not a file"),
+        (["--ssl-certfile", str(key), "--ssl-keyfile", str(key)], "--ssl-certfile"),  # swapped: no certificate
         (["--ssl-certfile", str(cert), "--ssl-keyfile", str(other_key)], "the key is not the certificate's"),
-        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(encrypted)], "its private key, unencrypted"),
-        (["--ssl-certfile", str(cert)], "its private key, unencrypted"),  # a certificate alone, no key in it
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(encrypted)], "--ssl-keyfile"),
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(encrypted)], "the private key is encrypted"),
+        (["--ssl-certfile", str(cert)], "no PEM private key in it"),  # a certificate alone, no key in it
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-ca-certs", str(cert)],
+         "--ssl-ca-certs asks for nothing without --ssl-cert-reqs"),
         (["--ssl-keyfile", str(key)], "--ssl-keyfile: only with --ssl-certfile"),
         (["--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-cert-reqs", "2"], "needs --ssl-ca-certs"),
         (["--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-cert-reqs", "3"], "must be 0 (none)"),
