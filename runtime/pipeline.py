@@ -122,6 +122,7 @@ class Pipeline:
                  draft_threads: int = BUILTIN_THREADS, package: OpenedPackage | None = None) -> None:
         self.manifest, self.target, self.draft, self.codec = manifest, target, draft, codec
         self.package = package  # a package's bounds; holds an extracted .tar's directory alive
+        self._chat: list[dict[str, str]] | None = None  # the conversation start_chat began: its messages so far
         self.huge_pages: HugePageReport | None = None  # what load's huge-page collapse did (None: not asked)
         self.defaults = defaults  # the bundle plan's runtime section, if it has one
         # why the plan's settings may not be the fastest here (measured on another machine), for the entry points to
@@ -272,6 +273,9 @@ class Pipeline:
             raise BadInputError(f"streamer must be a function of (token_id, text), not {type(streamer).__name__}",
                                 option="streamer")
         if is_batch(prompt):
+            if self._chat is not None:
+                raise BadInputError("a conversation (start_chat) takes one prompt at a time, its user's next "
+                                    "message: finish_chat() first to run a list", option="prompt")
             if streamer is not None:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
                                     "requests engine().submit returns", option="streamer")
@@ -331,7 +335,46 @@ class Pipeline:
                 self._engine = None
 
     def _run(self, prompt: Prompt, config: GenerationConfig | None, overrides: dict[str, Any]) -> Iterator[Chunk]:
-        return self._decode(*self.check(prompt, config, **overrides))
+        if self._chat is None:
+            return self._decode(*self.check(prompt, config, **overrides))
+        if not isinstance(prompt, str):
+            raise BadInputError("in a conversation (start_chat) a prompt is the user's next message as text; "
+                                "finish_chat() ends it", option="prompt")
+        turn = [*self._chat, {"role": "user", "content": prompt}]
+        return self._joined(self._decode(*self.check(turn, config, **overrides)), self._chat, turn)
+
+    def _joined(self, run: Iterator[Chunk], conversation: list[dict[str, str]], turn: list[dict[str, str]]
+                ) -> Iterator[Chunk]:
+        """`run`, whose answer joins the conversation once it is whole (and the conversation is still this one)."""
+        result = yield from run
+        if self._chat is conversation:
+            self._chat = [*turn, {"role": "assistant", "content": result.text}]
+        return result
+
+    # -- a conversation, as OpenVINO GenAI's LLMPipeline holds one ---------------------------------------------
+    def start_chat(self, system_message: str = "") -> None:
+        """Begin a conversation (ending any other): until finish_chat, a text prompt to generate or stream is the
+        user's next message, rendered with the conversation so far through the chat template, and the answer joins
+        the conversation once it is whole (an answer left unfinished, or a refused prompt, leaves it as it was). A
+        turn goes on from the KV the last one left: only what it adds is prefilled. Requests to the batching engine
+        (engine(), generate_async) are not part of it."""
+        if not isinstance(system_message, str):
+            raise BadInputError(f"system_message must be text, not {type(system_message).__name__}",
+                                option="system_message")
+        if not self.codec.chat_template:
+            raise BadInputError("the bundle has no chat template to hold a conversation: give one at load "
+                                "(chat_template)", option="chat_template")
+        self._chat = [{"role": "system", "content": system_message}] if system_message else []
+
+    def finish_chat(self) -> None:
+        """End the conversation start_chat began: text prompts are plain text again."""
+        self._chat = None
+
+    @property
+    def chat_history(self) -> list[dict[str, str]] | None:
+        """The conversation's messages so far (a copy), the system message first where one was given; None outside
+        a conversation."""
+        return None if self._chat is None else [dict(m) for m in self._chat]
 
     def check(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides: Any
               ) -> tuple[list[int], GenerationConfig]:

@@ -324,6 +324,46 @@ def test_cli_chat_keeps_the_conversation_and_its_kv(bundle, pipe):
     assert main(["chat", str(bundle), "--max-new-tokens", "0"]) == 2  # options are checked as generate's
 
 
+def test_a_conversation_through_start_chat_answers_as_its_messages_do(pipe):
+    """OpenVINO GenAI's start_chat / finish_chat: a text prompt is the user's next message, the answer joins the
+    conversation once whole, each turn goes on from the last one's KV."""
+    system = {"role": "system", "content": "Be brief."}
+    first = pipe.generate([system, {"role": "user", "content": "hello there"}], mode="ar", max_new_tokens=6)
+    turns = [system, {"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.text},
+             {"role": "user", "content": "and then?"}]
+    second = pipe.generate(turns, mode="ar", max_new_tokens=6)
+    plain = pipe.generate("hello there", mode="ar", max_new_tokens=4)  # text as it is, outside a conversation
+    no_system = pipe.generate([{"role": "user", "content": "hello there"}], mode="ar", max_new_tokens=6)
+    pipe.start_chat("Be brief.")
+    try:
+        assert pipe.chat_history == [system]
+        assert pipe.generate("hello there", mode="mirror", max_new_tokens=6).text == first.text
+        stream = pipe.stream("and then?", mode="sd", max_new_tokens=6)
+        assert "".join(chunk.text for chunk in stream) == second.text
+        assert stream.result.stats.cached_prompt_tokens > 0  # the first turn's KV, not prefilled again
+        assert pipe.chat_history == [*turns, {"role": "assistant", "content": second.text}]
+        unfinished = pipe.stream("one more", max_new_tokens=6)
+        next(iter(unfinished))
+        unfinished.close()  # an answer left unfinished stays out of the conversation
+        assert len(pipe.chat_history) == 5
+        for prompt, match in [(["a", "b"], "one prompt at a time"), (turns, "the user's next message as text"),
+                              ([5, 17], "the user's next message as text")]:
+            with pytest.raises(BadInputError, match=match):
+                pipe.generate(prompt, max_new_tokens=2)
+        with pytest.raises(BadInputError, match="max_new_tokens"):  # a refused turn leaves the conversation as it was
+            pipe.generate("hi", max_new_tokens=0)
+        assert len(pipe.chat_history) == 5
+        pipe.start_chat()  # again: a new conversation, no system message
+        assert pipe.chat_history == []
+        assert pipe.generate("hello there", mode="ar", max_new_tokens=6).text == no_system.text
+    finally:
+        pipe.finish_chat()
+    assert pipe.chat_history is None
+    assert pipe.generate("hello there", mode="ar", max_new_tokens=4).token_ids == plain.token_ids
+    with pytest.raises(BadInputError, match="system_message"):
+        pipe.start_chat(["Be brief."])
+
+
 def test_a_chat_template_given_at_load_renders_every_chat(bundle, tmp_path, capsys):
     """`chat_template` (vLLM's --chat-template): its text, or a file holding it, replaces the bundle's for every chat
     (the library, generate, chat, the server); one that cannot be read or compiled is refused at load, naming the
