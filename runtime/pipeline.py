@@ -123,6 +123,7 @@ class Pipeline:
         self.manifest, self.target, self.draft, self.codec = manifest, target, draft, codec
         self.package = package  # a package's bounds; holds an extracted .tar's directory alive
         self._chat: list[dict[str, str]] | None = None  # the conversation start_chat began: its messages so far
+        self._turn = threading.Lock()  # held while a turn of the conversation runs
         self.huge_pages: HugePageReport | None = None  # what load's huge-page collapse did (None: not asked)
         self.defaults = defaults  # the bundle plan's runtime section, if it has one
         # why the plan's settings may not be the fastest here (measured on another machine), for the entry points to
@@ -273,9 +274,6 @@ class Pipeline:
             raise BadInputError(f"streamer must be a function of (token_id, text), not {type(streamer).__name__}",
                                 option="streamer")
         if is_batch(prompt):
-            if self._chat is not None:
-                raise BadInputError("a conversation (start_chat) takes one prompt at a time, its user's next "
-                                    "message: finish_chat() first to run a list", option="prompt")
             if streamer is not None:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
                                     "requests engine().submit returns", option="streamer")
@@ -335,18 +333,34 @@ class Pipeline:
                 self._engine = None
 
     def _run(self, prompt: Prompt, config: GenerationConfig | None, overrides: dict[str, Any]) -> Iterator[Chunk]:
-        if self._chat is None:
+        if self._chat is None or not isinstance(prompt, str):  # messages, ids: as they are, outside a conversation
             return self._decode(*self.check(prompt, config, **overrides))
-        if not isinstance(prompt, str):
-            raise BadInputError("in a conversation (start_chat) a prompt is the user's next message as text; "
-                                "finish_chat() ends it", option="prompt")
-        turn = [*self._chat, {"role": "user", "content": prompt}]
-        return self._joined(self._decode(*self.check(turn, config, **overrides)), self._chat, turn)
+        if not prompt:
+            raise BadInputError("the prompt is empty", option="prompt")
+        conversation = self._chat
+        turn = [*conversation, {"role": "user", "content": prompt}]
+        try:
+            checked = self.check(turn, config, **overrides)
+        except ContextLimitError as e:
+            raise ContextLimitError(f"{e}: the conversation ({len(turn)} messages) has outgrown the context; "
+                                    "start_chat() begins a new one", e.limit, e.prompt_tokens, e.new_tokens) from None
+        return self._joined(self._decode(*checked), conversation, turn)
 
     def _joined(self, run: Iterator[Chunk], conversation: list[dict[str, str]], turn: list[dict[str, str]]
                 ) -> Iterator[Chunk]:
-        """`run`, whose answer joins the conversation once it is whole (and the conversation is still this one)."""
-        result = yield from run
+        """`run`, a turn of `conversation`: its answer joins it once whole. Refused where the conversation went on
+        since the turn was made (a stream made before another turn), or another turn is open (a stream not yet
+        exhausted or closed, another thread's turn): either would answer from a history that is no longer so."""
+        if self._chat is not conversation:
+            raise BadInputError("the conversation went on, or ended, since this turn was made: make it again",
+                                option="prompt")
+        if not self._turn.acquire(blocking=False):
+            raise BadInputError("another turn of this conversation is open (a stream not exhausted or closed, or "
+                                "another thread's): finish it first", option="prompt")
+        try:
+            result = yield from run
+        finally:
+            self._turn.release()
         if self._chat is conversation:
             self._chat = [*turn, {"role": "assistant", "content": result.text}]
         return result
@@ -355,16 +369,22 @@ class Pipeline:
     def start_chat(self, system_message: str = "") -> None:
         """Begin a conversation (ending any other): until finish_chat, a text prompt to generate or stream is the
         user's next message, rendered with the conversation so far through the chat template, and the answer joins
-        the conversation once it is whole (an answer left unfinished, or a refused prompt, leaves it as it was). A
-        turn goes on from the KV the last one left: only what it adds is prefilled. Requests to the batching engine
-        (engine(), generate_async) are not part of it."""
+        the conversation once it is whole (an answer left unfinished, or a refused prompt, leaves it as it was); one
+        turn at a time. A turn goes on from the KV the last one left: only what it adds is prefilled. Prompts of
+        messages or token ids, lists of prompts and the batching engine's requests run as they are, outside it."""
         if not isinstance(system_message, str):
             raise BadInputError(f"system_message must be text, not {type(system_message).__name__}",
                                 option="system_message")
         if not self.codec.chat_template:
             raise BadInputError("the bundle has no chat template to hold a conversation: give one at load "
                                 "(chat_template)", option="chat_template")
-        self._chat = [{"role": "system", "content": system_message}] if system_message else []
+        start = [{"role": "system", "content": system_message}] if system_message else []
+        if start:  # a template without a system role refuses it now, not at every turn
+            try:
+                self.prompt_ids([*start, {"role": "user", "content": "hi"}])
+            except BadInputError as e:
+                raise BadInputError(f"system_message: {e}", option="system_message") from None
+        self._chat = start
 
     def finish_chat(self) -> None:
         """End the conversation start_chat began: text prompts are plain text again."""
@@ -508,6 +528,8 @@ class Pipeline:
                 if cfg.prompt_logprobs is None:  # a prompt's logprobs need its whole prefill
                     cached = self._held_head(ids)
                 self._held = None  # written over from here on
+            if cached:  # the prompt's rest as a fresh prefill would run it: never a lone row of one-row kernels
+                cached = min(cached, len(ids) - self.target.fewest_prefill_rows)
             try:
                 result = yield from self._decode_alone(ids, cfg, rec or Recorder(cfg.trace), cached, prompt_scores)
                 if kv is None:

@@ -233,6 +233,13 @@ class Target:
         positions: the prompt graphs' chunks, else any."""
         return PROMPT_GRAPH_CHUNK if self.prompt_graphs is not None else 1
 
+    @property
+    def fewest_prefill_rows(self) -> int:
+        """The fewest prompt tokens a generation alone may prefill after a cached head: two where a run of one row
+        would take ONNX Runtime's one-row kernels (no padding to two rows, no prompt graphs), which round otherwise
+        than the longer run a fresh prefill gives the same position (reusable_length)."""
+        return 1 if self.pads_rows or self.prompt_graphs is not None else 2
+
     def reusable_length(self, kv_len: int, prompt_len: int, scored: bool = False) -> int:
         """Of `kv_len` positions a sequence holds, those a later prompt may reuse, where that prompt would prefill
         them in runs of many rows. With prompt graphs, the positions they prefilled (the same tokens inside a later

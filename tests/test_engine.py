@@ -468,6 +468,26 @@ def test_a_chat_through_generate_reuses_its_earlier_turns_and_changes_no_token(p
     assert again.stats.cached_prompt_tokens == 0 and again.token_ids == fresh.token_ids
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_prompt_sent_again_keeps_its_last_two_tokens_to_prefill_and_answers_as_fresh(pipelines, arch):
+    """The same prompt again (a conversation started over, a retry): its held head is all of it but the last token,
+    whose prefill alone would be a one-row run, rounding otherwise than in a fresh prefill's longer one; the last two
+    run together, and a seeded sampled sd / mirror call, whose draws read the target's probabilities, gives what a
+    fresh call gives (greedy logprobs bit for bit)."""
+    pipe = pipelines[arch]
+    prompt = [{"role": "user", "content": "Tell me about the sea and the moon, please, in a few careful words."}]
+    length = len(pipe.prompt_ids(prompt))
+    for mode, sampled in (("sd", dict(temperature=0.8, seed=7)), ("mirror", dict(temperature=0.8, seed=7)),
+                          ("ar", {})):
+        pipe.generate("Why?", mode="ar", max_new_tokens=2)  # nothing of the prompt held
+        fresh = pipe.generate(prompt, mode=mode, max_new_tokens=10, logprobs=2, **sampled)
+        again = pipe.generate(prompt, mode=mode, max_new_tokens=10, logprobs=2, **sampled)
+        assert (fresh.stats.cached_prompt_tokens, again.stats.cached_prompt_tokens) == (0, length - 2), mode
+        assert again.token_ids == fresh.token_ids, mode
+        if mode == "ar":
+            assert [s.logprob for s in again.logprobs] == [s.logprob for s in fresh.logprobs]
+
+
 def test_without_prefix_caching_every_prompt_is_prefilled_whole(bundle_factory):
     """enable_prefix_caching off (vLLM's --no-enable-prefix-caching; the benchmarks' setting): neither a library call
     nor the batching engine starts a prompt from a head held before, and the tokens are the same."""

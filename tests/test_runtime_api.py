@@ -346,13 +346,24 @@ def test_a_conversation_through_start_chat_answers_as_its_messages_do(pipe):
         next(iter(unfinished))
         unfinished.close()  # an answer left unfinished stays out of the conversation
         assert len(pipe.chat_history) == 5
-        for prompt, match in [(["a", "b"], "one prompt at a time"), (turns, "the user's next message as text"),
-                              ([5, 17], "the user's next message as text")]:
-            with pytest.raises(BadInputError, match=match):
-                pipe.generate(prompt, max_new_tokens=2)
-        with pytest.raises(BadInputError, match="max_new_tokens"):  # a refused turn leaves the conversation as it was
-            pipe.generate("hi", max_new_tokens=0)
-        assert len(pipe.chat_history) == 5
+        # messages, ids and lists run as they are, outside it (perplexity's windows among them)
+        assert pipe.generate(turns, mode="ar", max_new_tokens=6).text == second.text
+        assert pipe.generate([[5, 17], "hello there"], mode="ar", max_new_tokens=4)[1].token_ids == plain.token_ids
+        assert pipe.perplexity("hello there, how are you").tokens > 0
+        for prompt, options, match in [("hi", {"max_new_tokens": 0}, "max_new_tokens"), ("", {}, "empty"),
+                                        ("hi", {"max_new_tokens": 10**6}, "conversation .6 messages. has outgrown")]:
+            with pytest.raises(BadInputError, match=match):  # a refused turn leaves the conversation as it was
+                pipe.generate(prompt, **options)
+        stale = pipe.stream("made before another turn", max_new_tokens=2)
+        open_turn = iter(pipe.stream("and more?", max_new_tokens=4))
+        next(open_turn)
+        with pytest.raises(BadInputError, match="another turn of this conversation is open"):
+            pipe.generate("meanwhile", max_new_tokens=2)
+        list(open_turn)
+        assert len(pipe.chat_history) == 7
+        with pytest.raises(BadInputError, match="the conversation went on"):
+            list(stale)  # it would answer from a history that is no longer so
+        assert len(pipe.chat_history) == 7
         pipe.start_chat()  # again: a new conversation, no system message
         assert pipe.chat_history == []
         assert pipe.generate("hello there", mode="ar", max_new_tokens=6).text == no_system.text
@@ -362,6 +373,18 @@ def test_a_conversation_through_start_chat_answers_as_its_messages_do(pipe):
     assert pipe.generate("hello there", mode="ar", max_new_tokens=4).token_ids == plain.token_ids
     with pytest.raises(BadInputError, match="system_message"):
         pipe.start_chat(["Be brief."])
+
+
+def test_a_chat_template_without_a_system_role_refuses_a_system_message_at_start_chat(bundle, tmp_path):
+    template = tmp_path / "no-system.jinja"
+    template.write_text("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                        "supported') }}{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    pipe = Pipeline.load(bundle, chat_template=str(template), huge_pages=False)
+    with pytest.raises(BadInputError, match="system_message: .*System role not supported") as refused:
+        pipe.start_chat("Be brief.")
+    assert refused.value.option == "system_message" and pipe.chat_history is None
+    pipe.start_chat()
+    assert pipe.generate("hello there", max_new_tokens=3).token_ids and len(pipe.chat_history) == 2
 
 
 def test_a_chat_template_given_at_load_renders_every_chat(bundle, tmp_path, capsys):
