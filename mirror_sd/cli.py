@@ -299,7 +299,7 @@ def _perplexity(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from mirror_sd.errors import BadInputError, check_int
     from mirror_sd.serve.app import create_app, listen, open_server, serve
-    from mirror_sd.serve.tls import Tls
+    from mirror_sd.serve.tls import server_context
 
     check_int("--max-queue", args.max_queue, 0)
     check_int("--stored-responses", args.stored_responses, 0)
@@ -307,7 +307,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise BadInputError(f"--port must be in 1..65535, got {args.port}")
     source = _checked_app_flags(args)
     api_key, origins = server_access(args)
-    tls = Tls.given(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    tls = server_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     if args.ray:  # each replica loads the bundle in its own process (serve/ray_app.py); none is loaded here
         if tls is not None:
             raise BadInputError("--ssl-*: not with --ray, whose HTTP proxy is Ray's: put TLS in front of it (a load "

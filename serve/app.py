@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -69,9 +69,6 @@ from mirror_sd.serve.responses import FIELDS, ResponsesRequest, ResponseStore, e
 from mirror_sd.serve.tool_parser import TOOL_CALL_FORMATS, ParsedAnswers
 from mirror_sd.serve.tools import ToolAnswers
 from mirror_sd.version import __version__
-
-if TYPE_CHECKING:
-    from mirror_sd.serve.tls import Tls
 
 log = logging.getLogger("mirror_sd.serve")
 
@@ -766,19 +763,18 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app: FastAPI, sock: socket.socket, log_level: str = "info", tls: Tls | None = None) -> None:
+def serve(app: FastAPI, sock: socket.socket, log_level: str = "info", tls: ssl.SSLContext | None = None) -> None:
     """Run `app` until SIGINT or SIGTERM; then open generations stop at their next step and the process exits
     with status 0 (uvicorn re-raises the signal it caught; the handler installed here makes that a clean exit).
     `log_level` is the server's and uvicorn's, to stderr (info: a line per request, serve/access_log.py); `tls`:
-    HTTPS (serve/tls.py), else HTTP."""
+    HTTPS from that context (serve/tls.py), else HTTP."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
     log_to_stderr(log_level)
     if app.state.pipeline.plan_note:
         log.warning("%s", app.state.pipeline.plan_note)
     # uvicorn's own access log is off: ours names the route and times the whole response
-    _Server(_Config(app, tls.context if tls is not None else None, log_level=log_level, access_log=False,
-                    timeout_graceful_shutdown=3)).run([sock])
+    _Server(_Config(app, tls, log_level=log_level, access_log=False, timeout_graceful_shutdown=3)).run([sock])
 
 
 def log_to_stderr(log_level: str) -> Callable[[], None]:

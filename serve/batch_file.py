@@ -37,7 +37,6 @@ from typing import Any
 from mirror_sd.errors import BadInputError, MirrorSDError
 from mirror_sd.outputs import check_apart
 from mirror_sd.serve import protocol as p
-from mirror_sd.serve.protocol import half_surrogate
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # the routes a line may ask for
 FIELDS = ("custom_id", "method", "url", "body")
@@ -111,7 +110,7 @@ def _line(path: Path, number: int, raw: str) -> BatchLine:
     custom_id, method, url, body = (doc[f] for f in FIELDS)
     if not isinstance(custom_id, str) or not custom_id:
         raise _bad(path, number, "custom_id must be a non-empty string")
-    if half_surrogate(custom_id) is not None:  # the output repeats it, and could not be written
+    if p.half_surrogate(custom_id) is not None:  # the output repeats it, and could not be written
         raise _bad(path, number, "custom_id holds half of a surrogate pair (a \\ud800-\\udfff escape alone)")
     if method != "POST":
         raise _bad(path, number, f"method {method!r}: the Batch API sends POST")

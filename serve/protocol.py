@@ -585,7 +585,7 @@ def half_surrogate(value: Any, path: str = "") -> str | None:
         return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        where = half_surrogate(str(key), path) if isinstance(key, str) else None
+        where = half_surrogate(key, path) if isinstance(key, str) else None
         where = where if where is not None else half_surrogate(item, f"{path}.{key}" if path else str(key))
         if where is not None:
             return where

@@ -1,7 +1,7 @@
 """HTTPS for `mirror-sd serve`, under vLLM's flags: `--ssl-certfile` (and `--ssl-keyfile` where the key is a file of its
 own), `--ssl-ca-certs` with `--ssl-cert-reqs` for clients that prove who they are with certificates of their own.
 
-    tls = Tls.given(certfile, keyfile, ca_certs, cert_reqs)   # None without a certificate; its context made now
+    context = server_context(certfile, keyfile, ca_certs, cert_reqs)   # None without a certificate
 
 The files are read once, before the bundle loads (a wrong path, a key that is not the certificate's, an encrypted key:
 one error line), and the server serves that context (serve/app.py `serve`): nothing is read again, and so nothing
@@ -11,7 +11,6 @@ fails only after a minute's load.
 from __future__ import annotations
 
 import ssl
-from dataclasses import dataclass
 from pathlib import Path
 
 from mirror_sd.errors import BadInputError
@@ -19,31 +18,25 @@ from mirror_sd.errors import BadInputError
 CERT_REQS = {0: ssl.CERT_NONE, 1: ssl.CERT_OPTIONAL, 2: ssl.CERT_REQUIRED}  # the ssl module's numbers, as vLLM's flag
 
 
-@dataclass(frozen=True)
-class Tls:
-    certfile: str  # PEM: the server's certificate first, then its chain; its key too unless keyfile is given
-    context: ssl.SSLContext
-
-    @classmethod
-    def given(cls, certfile: str | None, keyfile: str | None = None, ca_certs: str | None = None,
-              cert_reqs: int | None = None) -> Tls | None:
-        """The TLS settings the flags ask for (None: plain HTTP), their context made now: BadInputError naming the
-        flag at fault."""
-        if certfile is None:
-            stray = [flag for flag, value in (("--ssl-keyfile", keyfile), ("--ssl-ca-certs", ca_certs),
-                                              ("--ssl-cert-reqs", cert_reqs)) if value is not None]
-            if stray:
-                raise BadInputError(f"{', '.join(stray)}: only with --ssl-certfile (the server's certificate)")
-            return None
-        if cert_reqs is not None and cert_reqs not in CERT_REQS:
-            raise BadInputError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {cert_reqs}")
-        if cert_reqs and ca_certs is None:
-            raise BadInputError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs: the authorities client certificates "
-                                "are checked against")
-        if ca_certs is not None and not cert_reqs:  # vLLM takes it and asks no client for a certificate
-            raise BadInputError("--ssl-ca-certs asks for nothing without --ssl-cert-reqs 1 (a client certificate "
-                                "checked where sent) or 2 (required)")
-        return cls(certfile, _context(certfile, keyfile, ca_certs, cert_reqs or 0))
+def server_context(certfile: str | None, keyfile: str | None = None, ca_certs: str | None = None,
+                   cert_reqs: int | None = None) -> ssl.SSLContext | None:
+    """The server's TLS context the flags ask for, made now (None: plain HTTP); BadInputError naming the flag at
+    fault."""
+    if certfile is None:
+        stray = [flag for flag, value in (("--ssl-keyfile", keyfile), ("--ssl-ca-certs", ca_certs),
+                                          ("--ssl-cert-reqs", cert_reqs)) if value is not None]
+        if stray:
+            raise BadInputError(f"{', '.join(stray)}: only with --ssl-certfile (the server's certificate)")
+        return None
+    if cert_reqs is not None and cert_reqs not in CERT_REQS:
+        raise BadInputError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {cert_reqs}")
+    if cert_reqs and ca_certs is None:
+        raise BadInputError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs: the authorities client certificates "
+                            "are checked against")
+    if ca_certs is not None and not cert_reqs:  # vLLM takes it and asks no client for a certificate
+        raise BadInputError("--ssl-ca-certs asks for nothing without --ssl-cert-reqs 1 (a client certificate "
+                            "checked where sent) or 2 (required)")
+    return _context(certfile, keyfile, ca_certs, cert_reqs or 0)
 
 
 def _context(certfile: str, keyfile: str | None, ca_certs: str | None, cert_reqs: int) -> ssl.SSLContext:
