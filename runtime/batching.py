@@ -45,6 +45,7 @@ from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import DRAFT_MODES, MODES
 from mirror_sd.runtime.backends import on_cpu
 from mirror_sd.runtime.batch_target import BatchTarget, Row
+from mirror_sd.runtime.beam_search import one_at_a_time
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.gate import GateState, SpeculationGate
 from mirror_sd.runtime.grammar import GrammarError, GrammarState
@@ -224,6 +225,7 @@ class BatchEngine:
         """Queue a generation of `config` from prompt `ids`, both checked first (Pipeline.check: BadInputError,
         ContextLimitError): a request the engine could not run would fail inside a step, beside other requests."""
         ids, config = self.pipe.check(list(ids), config)
+        one_at_a_time(config)
         request = Request(ids, config, listener)
         with self._wake:
             if not self.alive:
@@ -458,7 +460,12 @@ class BatchEngine:
 
         oldest = pending[0]
         rows, width = [(oldest, share(oldest))], share(oldest)
-        if not oldest.kv_len:
+        if width == 1:
+            # one token each (a prompt a token past what the prefix cache holds: a beam search's next step) runs
+            # together whatever its past, as a decode step does: the attention refuses only several tokens per row
+            # after a past
+            rows += [(row, 1) for row in pending[1:] if share(row) == 1][:PREFILL_BUDGET - 1]
+        elif not oldest.kv_len:
             # fresh prompts of about the oldest's width join it: a run pads every row to the widest, and padding
             # costs what real tokens do
             for row in pending[1:]:
