@@ -216,9 +216,13 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = pipe.generate(prompt, config, streamer=None if args.json else show)
+    beams = config.num_beams > 1  # a beam search's text is whole only at its end: nothing streamed
+    result = pipe.generate(prompt, config, streamer=None if args.json or beams else show)
     if args.json:
         doc = {"token_ids": result.token_ids, "text": result.text, "stats": result.stats.as_dict()}
+        if result.beams is not None:  # --num-return-sequences N: the best N beams, best first
+            doc["beams"] = [{"token_ids": b.token_ids, "text": b.text, "score": b.score,
+                             "finish_reason": b.finish_reason} for b in result.beams]
         if result.logprobs is not None:  # --logprobs K: each token's, with its K likeliest alternatives
             doc["logprobs"] = [{"token_id": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
                                for lp in result.logprobs]
@@ -226,6 +230,10 @@ def _generate(args: argparse.Namespace) -> int:
             doc["prompt_logprobs"] = [lp and {"token_id": lp.token, "logprob": lp.logprob, "rank": lp.rank,
                                               "top": [list(t) for t in lp.top]} for lp in result.prompt_logprobs]
         print(json.dumps(doc))
+    elif beams:  # each returned beam's text, best first, a blank line between them
+        print("\n\n".join(b.text for b in result.beams))
+        print(f"[beam] {len(result.beams)} of {config.num_beams} beams, scores "
+              f"{', '.join(f'{b.score:.3f}' for b in result.beams)}, {result.stats.wall_s:.2f} s", file=sys.stderr)
     else:
         s = result.stats
         print()
@@ -241,8 +249,10 @@ def _chat(args: argparse.Namespace) -> int:
 
     # one conversation: one KV slot, which keeps the earlier turns for the next, and no second copy of the target for
     # rows verifying windows side by side
-    pipe = _load(args, max_num_seqs=1, window_rows=0)
     options = given(args, GenerationConfig)
+    if options.get("num_beams", 1) > 1:  # before the load: a chat streams each answer, a beam search has none to stream
+        raise BadInputError("chat streams its answers: a beam search runs in `mirror-sd generate`", option="num_beams")
+    pipe = _load(args, max_num_seqs=1, window_rows=0)
     if sys.stdin is None:
         raise MirrorSDError("chat reads its turns from the standard input, which is closed")
     # a line that is not UTF-8 is still a turn (its bad bytes as U+FFFD), not the end of the conversation

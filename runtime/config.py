@@ -53,6 +53,9 @@ STRUCTURED = "structured_outputs."  # a wire name: vLLM's structured-output obje
 GRAMMAR_OPTIONS = ("json_schema", "regex", "choice", "grammar")  # they hold the text to a grammar: one at most
 MAX_LOGIT_BIAS = 300  # tokens one generation may bias, as OpenAI's API allows
 MAX_BAD_WORDS = 128  # words one generation may ban (vLLM's cap): each is looked at on every row of every step
+EARLY_STOPPING = ("heuristic", "early", "never")  # beam search's stopping rules (transformers' False, True, "never")
+MAX_BEAMS = 10  # a beam search's width at most: each beam asks for 2 x num_beams alternatives (MAX_TOP_LOGPROBS)
+MAX_LENGTH_PENALTY = 5.0  # a length of any context to this power stays finite in float32 (2^17 ** 5 = 2^85)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the batching engine's queue orders (LoadOptions.scheduling_policy)
 
 
@@ -296,6 +299,13 @@ def _top_k(value: Any) -> Any:
     return 0 if value == -1 and not isinstance(value, bool) else value
 
 
+def _early_stopping(value: Any) -> Any:
+    """transformers' early_stopping values as EARLY_STOPPING names: True "early", False "heuristic"."""
+    if isinstance(value, bool):
+        return "early" if value else "heuristic"
+    return value
+
+
 def streaming_mode(value: bool | str) -> str:
     """A STREAMING_MODES name from a name or a bool (True: "trust", False: "off")."""
     if isinstance(value, bool):
@@ -452,6 +462,21 @@ class GenerationConfig(Options):
         "alternatives (vLLM's prompt_logprobs; the first token has none): the LM head runs on every prompt position, "
         "and the prompt is prefilled whole on the target's own graphs (no prefix cache, no prompt graphs)",
         range=Range(0, MAX_TOP_LOGPROBS), none="off", wire="prompt_logprobs")
+    # transformers' beam search (its generate's num_beams, as OpenVINO GenAI's and vLLM's): the target alone, greedy
+    # (runtime/beam_search.py)
+    num_beams: int = option(
+        1, "beam search: keep this many candidate texts, each step the likeliest continuations of them all, and give "
+        "the best (the target alone, whatever the mode; 1: off)", range=Range(1, MAX_BEAMS))
+    num_return_sequences: int = option(
+        1, "beam search: give the best this many beams (GenerationResult.beams), at most num_beams",
+        range=Range(1, MAX_BEAMS))
+    length_penalty: float = option(
+        1.0, "beam search: a finished beam scores its log-probability over its length to this power (above 0 favours "
+        "longer texts; transformers')", range=Range(-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY), wire="length_penalty")
+    early_stopping: str = option(
+        "heuristic", "when a beam search ends: heuristic (once no running beam could beat the finished ones, judged "
+        "at its length so far; transformers' False), early (once num_beams beams finished; True) or never (judged at "
+        "max_new_tokens where length_penalty is above 0)", choices=EARLY_STOPPING, convert=_early_stopping)
     trace: bool = option(False, "stats.trace lists every phase as (phase, start_s, end_s)", cli=False)
 
     @functools.cached_property

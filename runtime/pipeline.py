@@ -42,6 +42,7 @@ from mirror_sd.partitions.plan_file import (
 from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.backends import DEVICE, default_openvino_device, on_cpu, usable_cores
 from mirror_sd.runtime.batching import BatchEngine, PipelineBusy
+from mirror_sd.runtime.beam_search import beam_search, candidates_per_step, one_at_a_time
 from mirror_sd.runtime.config import (
     BUILTIN_THREADS,
     GRAMMAR_OPTIONS,
@@ -57,7 +58,7 @@ from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.grammar import CFG, JSON_SCHEMA, REGEX, GrammarState, Vocabulary
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.kv_slots import MIN_CACHED_PREFIX, reusable_head, slots_for
-from mirror_sd.runtime.logprobs import TokenLogprob
+from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from mirror_sd.runtime.machine import plan_note
 from mirror_sd.runtime.package_reader import OpenedPackage, open_package
 from mirror_sd.runtime.perplexity import Perplexity, perplexity
@@ -114,6 +115,32 @@ def grammar_source(cfg: GenerationConfig) -> tuple[str, str, str] | None:
     if cfg.grammar is not None:
         return cfg.grammar, CFG, "grammar"
     return None
+
+
+def _check_beams(cfg: GenerationConfig, grammar: tuple[str, str, str] | None) -> None:
+    """What a beam search cannot take (BadInputError): it ranks continuations by the target's own log-probabilities,
+    greedy, so nothing that would change or mask them, and it ends where a beam takes an ending token or reaches
+    max_new_tokens."""
+    if cfg.num_return_sequences > cfg.num_beams:  # transformers' check
+        raise BadInputError(f"num_return_sequences ({cfg.num_return_sequences}) exceeds num_beams ({cfg.num_beams}): "
+                            "a beam search gives at most its beams", option="num_return_sequences")
+    if cfg.num_beams == 1:
+        return
+    changed = [name for name, given in (
+        ("temperature", cfg.temperature > 0), ("logit_bias", cfg.logit_bias),
+        ("repetition_penalty", cfg.repetition_penalty != 1.0), ("presence_penalty", cfg.presence_penalty),
+        ("frequency_penalty", cfg.frequency_penalty), ("min_tokens", cfg.min_tokens),
+        ("allowed_token_ids", cfg.allowed_token_ids), ("bad_words", cfg.bad_words_ids),
+        (grammar[2] if grammar else "", grammar), ("stop", cfg.stop), ("logprobs", cfg.logprobs is not None),
+        ("prompt_logprobs", cfg.prompt_logprobs is not None)) if given]
+    if changed:
+        raise BadInputError(f"a beam search ranks texts by the target's own log-probabilities, greedy: it does not "
+                            f"take {changed[0]}", option=changed[0])
+    keep = candidates_per_step(cfg.num_beams, len(cfg.ending_token_ids))
+    if keep > MAX_TOP_LOGPROBS:
+        raise BadInputError(f"num_beams {cfg.num_beams} with {len(cfg.ending_token_ids)} ending tokens keeps {keep} "
+                            f"continuations a step, past the {MAX_TOP_LOGPROBS} a step can score: fewer beams",
+                            option="num_beams")
 
 
 class Pipeline:
@@ -273,6 +300,11 @@ class Pipeline:
         if streamer is not None and not callable(streamer):
             raise BadInputError(f"streamer must be a function of (token_id, text), not {type(streamer).__name__}",
                                 option="streamer")
+        base = config if isinstance(config, GenerationConfig) else self.generation_config  # check refuses another
+        if base.updated(**overrides).num_beams > 1:
+            if streamer is not None:  # as transformers refuses one
+                raise BadInputError("a beam search has its text only once it ends: no streamer", option="streamer")
+            return self._beam_search(prompt, config, overrides)
         if is_batch(prompt):
             if streamer is not None:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
@@ -323,7 +355,8 @@ class Pipeline:
         """`prompt` on the batching engine, for asyncio code: `async for` the request for its Chunks, or `await
         request.wait()` for the result (runtime/async_requests.py). Checked here, as generate checks; submitted when
         first awaited."""
-        return AsyncRequest(self.engine(), *self.check(prompt, config, **overrides))
+        ids, cfg = self.check(prompt, config, **overrides)
+        return AsyncRequest(self.engine(), ids, one_at_a_time(cfg))
 
     def close(self) -> None:
         """Stop the batching engine, if one runs (its requests end with EngineClosed)."""
@@ -334,7 +367,8 @@ class Pipeline:
 
     def _run(self, prompt: Prompt, config: GenerationConfig | None, overrides: dict[str, Any]) -> Iterator[Chunk]:
         if self._chat is None or not isinstance(prompt, str):  # messages, ids: as they are, outside a conversation
-            return self._decode(*self.check(prompt, config, **overrides))
+            ids, cfg = self.check(prompt, config, **overrides)
+            return self._decode(ids, one_at_a_time(cfg))
         if not prompt:
             raise BadInputError("the prompt is empty", option="prompt")
         conversation = self._chat
@@ -344,7 +378,7 @@ class Pipeline:
         except ContextLimitError as e:
             raise ContextLimitError(f"{e}: the conversation ({len(turn)} messages) has outgrown the context; "
                                     "start_chat() begins a new one", e.limit, e.prompt_tokens, e.new_tokens) from None
-        return self._joined(self._decode(*checked), conversation, turn)
+        return self._joined(self._decode(checked[0], one_at_a_time(checked[1])), conversation, turn)
 
     def _joined(self, run: Iterator[Chunk], conversation: list[dict[str, str]], turn: list[dict[str, str]]
                 ) -> Iterator[Chunk]:
@@ -450,6 +484,7 @@ class Pipeline:
                 raise BadInputError(f"{source[2]} and bad words could leave no token: give one of them",
                                     option="bad_words" if cfg.bad_words else "bad_words_ids")
             self.vocabulary.grammar(*source)  # compiled now: a grammar it cannot hold text to is refused
+        _check_beams(cfg, source)
         ids = self.truncated(self.prompt_ids(prompt), cfg.truncate_prompt_tokens)
         if self.package:
             self._check_bounds(len(ids), cfg)
@@ -458,6 +493,40 @@ class Pipeline:
                                     f"context limit of {self.context_limit} tokens", self.context_limit, len(ids),
                                     None if len(ids) >= self.context_limit else cfg.max_new_tokens)
         return ids, cfg
+
+    def _beam_search(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None,
+                     overrides: dict[str, Any]) -> GenerationResult | list[GenerationResult]:
+        """generate's beam search (num_beams > 1): every prompt's, on the batching engine together."""
+        batch = is_batch(prompt)
+        if self._chat is not None and any(isinstance(p, str) for p in (prompt if batch else [prompt])):
+            raise BadInputError("a beam search runs outside a conversation: give chat messages or token ids, or "
+                                "finish_chat() first", option="num_beams")
+        results = self.beam_search([self.check(p, config, **overrides) for p in (prompt if batch else [prompt])])
+        return results if batch else results[0]
+
+    def beam_search(self, checked: Sequence[tuple[list[int], GenerationConfig]],
+                    stop: threading.Event | None = None) -> list[GenerationResult]:
+        """The beam searches of (ids, config) pairs that `check` gave, together (runtime/beam_search.py); `stop`, once
+        set, ends them at their next step with BeamSearchStopped (a server's client gone)."""
+        return beam_search(self._next_tokens, self.codec, checked, stop)
+
+    def _next_tokens(self, contexts: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+        """Each context's k likeliest next tokens and their log-probabilities under the target (a beam search's
+        step): one-token generations of the target alone, together on the batching engine, where each finds its
+        parent beam's KV in the prefix cache."""
+        # the built-in options, not the pipeline's: nothing of theirs (a grammar, a truncation) applies to a step
+        cfg = GenerationConfig(mode="ar", max_new_tokens=1, logprobs=k, ignore_eos=True)
+        if not BatchEngine.runs_on(self):
+            results = [self.generate(ids, cfg) for ids in contexts]
+        else:
+            requests = [self.engine().submit(ids, cfg) for ids in contexts]
+            try:
+                results = [request.wait() for request in requests]
+            except BaseException:
+                for request in requests:
+                    request.cancel()
+                raise
+        return [list(r.logprobs[0].top) for r in results]
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """vLLM's tokens of bad words: each word as the text's start spells it and, where that makes other tokens of

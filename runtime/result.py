@@ -9,6 +9,17 @@ from mirror_sd.runtime.stats import GenerationStats
 
 
 @dataclass(frozen=True)
+class Beam:
+    """One finished beam of a beam search (GenerationConfig.num_beams > 1)."""
+
+    token_ids: list[int]  # new tokens only; an ending token included, as in GenerationResult
+    text: str
+    score: float  # its log-probability under the target over its length ** length_penalty (transformers' score)
+    finish_reason: str  # "eos" or "length"
+    stop_reason: int | None = None  # the stop token that ended it (GenerationConfig.stop_token_ids), as vLLM's
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]  # new tokens only; an EOS that ended generation is included
     text: str  # their text, without special tokens, cut before a stop string
@@ -22,6 +33,9 @@ class GenerationResult:
     # vLLM's: the stop token (GenerationConfig.stop_token_ids) or stop string that ended the text; None where an EOS
     # token, max_new_tokens or a cancel did
     stop_reason: int | str | None = None
+    # a beam search's best num_return_sequences beams, best first (the result's tokens and text are the first's);
+    # None for any other generation
+    beams: tuple[Beam, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import signal
 import socket
 import ssl
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -478,6 +479,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         requested, jobs, prompt_tokens = body.generation_options(), [], 0
         if isinstance(calls, ParsedAnswers) and calls.format.special_tokens:
             requested["skip_special_tokens"] = False  # the format's markers are special tokens (as vLLM sets it)
+        if body.use_beam_search:  # the search is greedy: the server's sampling defaults are not the request's
+            requested = {"temperature": 0.0, "repetition_penalty": 1.0, **requested}
         echoes: list[str] = []  # each choice's prompt text, where a completion echoes it
         grammar = {name: value for name, value in requested.items() if name in GRAMMAR_OPTIONS}
         if grammar:
@@ -499,41 +502,44 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         seed = {"x-seed": str(job.config.seed)}  # the seed it ran with: the same request with it repeats the answer
         gen.check_room(len(jobs))  # all the choices or none (a stream: before its 200 goes out)
-        started = [gen.start(j) for j in jobs]  # before any await: the room just checked is theirs
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            continuous = bool(body.stream_options and body.stream_options.continuous)
-            # the background task runs once the response ends, even where its body never started (a client gone
-            # at once): the generations stop then
-            return StreamingResponse(_stream(request, jobs, started, rid, settings.model_name, chat, include_usage,
-                                             prompt_tokens, calls, continuous, echoes, body.n, thinking),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", **seed},
-                                     background=BackgroundTask(_abandon, started))
-        watcher = asyncio.create_task(_watch_disconnect(request))
         scores: list[list[TokenLogprob]] = [[] for _ in jobs]  # each choice's tokens' logprobs, where asked for
-        # the choices' requests reach the engine together: they share its batched steps
-        runs = [asyncio.create_task(gen.run(j, r, lambda c, s=s: s.append(c.logprob)))
-                for j, r, s in zip(jobs, started, scores)]
-        together = asyncio.gather(*runs)
-        # read whatever ends it (a client gone cancels it): asyncio logs an error for an exception never retrieved
-        together.add_done_callback(lambda f: f.cancelled() or f.exception())
-        try:
-            done, _ = await asyncio.wait({together, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if together not in done:  # the client went away: the generations stop at the engine's next step
-                metrics.cancelled.labels("disconnect").inc()
-                raise p.ApiError(499, "the client closed the request", code="client_closed")
-            outcomes = together.result()
-        except p.ApiError:
-            raise
-        except Exception as e:  # the target failed: a 500 for this request, the server goes on
-            log.exception("generation failed")
-            raise p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
-        finally:
-            watcher.cancel()
-            for run in runs:  # a choice that failed, or a client gone: the others stop at the engine's next step
-                run.cancel()
-            gen.abandon(started)  # those whose run never started
+        if body.use_beam_search:  # prompt i's n choices: its beam search's n best beams
+            outcomes = await _beams(request, jobs[::body.n])
+        else:
+            started = [gen.start(j) for j in jobs]  # before any await: the room just checked is theirs
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                continuous = bool(body.stream_options and body.stream_options.continuous)
+                # the background task runs once the response ends, even where its body never started (a client gone
+                # at once): the generations stop then
+                return StreamingResponse(_stream(request, jobs, started, rid, settings.model_name, chat, include_usage,
+                                                 prompt_tokens, calls, continuous, echoes, body.n, thinking),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", **seed},
+                                         background=BackgroundTask(_abandon, started))
+            watcher = asyncio.create_task(_watch_disconnect(request))
+            # the choices' requests reach the engine together: they share its batched steps
+            runs = [asyncio.create_task(gen.run(j, r, lambda c, s=s: s.append(c.logprob)))
+                    for j, r, s in zip(jobs, started, scores)]
+            together = asyncio.gather(*runs)
+            # read whatever ends it (a client gone cancels it): asyncio logs an error for an exception never retrieved
+            together.add_done_callback(lambda f: f.cancelled() or f.exception())
+            try:
+                done, _ = await asyncio.wait({together, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if together not in done:  # the client went away: the generations stop at the engine's next step
+                    metrics.cancelled.labels("disconnect").inc()
+                    raise p.ApiError(499, "the client closed the request", code="client_closed")
+                outcomes = together.result()
+            except p.ApiError:
+                raise
+            except Exception as e:  # the target failed: a 500 for this request, the server goes on
+                log.exception("generation failed")
+                raise p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
+            finally:
+                watcher.cancel()
+                for run in runs:  # a choice that failed, or a client gone: the others stop at the engine's next step
+                    run.cancel()
+                gen.abandon(started)  # those whose run never started
         if not chat and not body.generates:  # max_tokens 0: the prompt alone, the one token generated for it dropped
             outcomes = [dataclasses.replace(o, text="", token_ids=[], finish_reason="length", stop_reason=None)
                         for o in outcomes]
@@ -567,6 +573,40 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             doc["prompt_logprobs"] = p.vllm_prompt_logprobs(jobs[0].ids, outcome.prompt_logprobs, token_bytes,
                                                             body.prompt_logprobs)
         return JSONResponse(doc, headers=seed)
+
+    async def _beams(request: Request, jobs: list[_Job]) -> list[_Outcome]:
+        """Each job's beam search (its config's num_beams), together on the engine from a worker thread: its
+        num_return_sequences best beams as outcomes, job by job. A client gone or the deadline passed stops the
+        searches at their next step."""
+        stop = threading.Event()
+        search = asyncio.ensure_future(asyncio.to_thread(pipe.beam_search, [(j.ids, j.config) for j in jobs], stop))
+        watcher = asyncio.create_task(_watch_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({search, watcher}, timeout=max(jobs[0].deadline - time.monotonic(), 0.0),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                metrics.cancelled.labels("disconnect").inc()
+                raise p.ApiError(499, "the client closed the request", code="client_closed")
+            if search not in done:
+                metrics.cancelled.labels("deadline").inc()
+                raise p.ApiError(503, "the beam search passed the request timeout", "server_busy",
+                                 code="request_timeout", headers={"Retry-After": str(settings.retry_after_s)})
+            results = search.result()
+        except p.ApiError:
+            raise
+        except Exception as e:  # the target failed: a 500 for this request, the server goes on
+            log.exception("beam search failed")
+            raise p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
+        finally:
+            stop.set()
+            watcher.cancel()
+            search.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: stopped, or failed unread
+        outcomes = []
+        for job, result in zip(jobs, results):
+            metrics.generation(result.stats, len(job.ids), result.finish_reason)
+            outcomes += [_Outcome(b.text, b.token_ids, b.finish_reason, result, stop_reason=b.stop_reason)
+                         for b in result.beams]
+        return outcomes
 
     async def _abandon(requests: list[AsyncRequest]) -> None:
         """gen.abandon on the event loop (a plain function's background task would run on a worker thread)."""
@@ -914,8 +954,10 @@ def _thinking(pipe: Pipeline, settings: ServerSettings, body: p.ChatRequest, gra
 
 
 def _param_of(error: BadInputError, chat: bool) -> str | None:
-    """The request field a pipeline error points at: the prompt's, or the wire name of the generation option it
-    names (runtime/config.py); an option the server does not take keeps its own name."""
+    """The request field a pipeline error points at: the prompt's, `n` for a beam search's width, or the wire name of
+    the generation option it names (runtime/config.py); an option the server does not take keeps its own name."""
     if error.option == "prompt":
         return "messages" if chat else "prompt"
+    if error.option in ("num_beams", "num_return_sequences"):  # the beam width is n on the wire (vLLM's)
+        return "n"
     return p.wire_names().get(error.option, error.option)

@@ -160,6 +160,8 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N, description="choices, each a generation of its own; sampled, choice i draws "
                    "with seed + i")
+    # vLLM's: the n choices are the n best beams of one beam search (the target alone, greedy; length_penalty)
+    use_beam_search: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -172,7 +174,7 @@ class _Sampling(_Strict):
                     "mirror": {k: v for k, v in mirror.items() if k != "ignore_eos"}}
         return data
 
-    @field_validator("stream", "n", "echo", mode="before", check_fields=False)
+    @field_validator("stream", "n", "echo", "use_beam_search", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
         """null, which OpenAI's API allows for these, is the field's default (as vLLM reads it)."""
@@ -207,6 +209,11 @@ class _Sampling(_Strict):
             raise ApiError(400, "prompt_logprobs are not streamed by this server: set stream false",
                            param="prompt_logprobs", code="unsupported_value")
         out = {}
+        if self.use_beam_search:
+            if self.stream:  # a beam's text is known only once the search ends
+                raise ApiError(400, "a beam search is not streamed: set stream false", param="stream",
+                               code="unsupported_value")
+            out["num_beams"] = out["num_return_sequences"] = self.n
         schema = self.structured_outputs.schema_text() if self.structured_outputs is not None else None
         if schema is not None:
             if self.response_format is not None and self.response_format.schema_text() is not None:

@@ -57,7 +57,7 @@ def test_pipeline_config_and_overrides(pipe):
     with pytest.raises(BadInputError, match="GenerationConfig"):
         pipe.generate(PROMPT, {"mode": "sd"})
     with pytest.raises(BadInputError, match="unknown generation option"):
-        pipe.generate(PROMPT, num_beams=2)
+        pipe.generate(PROMPT, num_beam_groups=2)
 
 
 @pytest.mark.parametrize("options, option", [
@@ -216,7 +216,9 @@ def test_errors_map_every_option_to_its_wire_name():
     for chat in (True, False):
         for spec in specs(GenerationConfig):
             param = _param_of(BadInputError("bad", option=spec.name), chat)
-            assert param == (spec.wire_name or spec.name)
+            # a beam search's width is the request's n (vLLM's use_beam_search)
+            beams = spec.name in ("num_beams", "num_return_sequences")
+            assert param == ("n" if beams else spec.wire_name or spec.name)
         assert _param_of(BadInputError("bad", option="prompt"), chat) == ("messages" if chat else "prompt")
     assert {s.name for s in specs(GenerationConfig) if s.wire_name} == set(wire_names())
 
