@@ -500,7 +500,8 @@ class BatchEngine:
             n = self.table.reusable(tokens, prompt)
             if n > length:
                 best, length = slot, n
-        if best is None or not worth_reusing(length - row.kv_len, len(prompt) - row.kv_len, self._alone(row)):
+        # a row that goes on from a head already runs alone: any longer head copied is prefill saved
+        if best is None or not (row.kv_len or worth_reusing(length, len(prompt), self._alone(row))):
             return
         self.kv.copy(best.index, row.slot.index, row.kv_len, length)
         row.kv_len = row.cached = length

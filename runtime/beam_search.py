@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mirror_sd.errors import BadInputError
-from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.config import GRAMMAR_OPTIONS, GenerationConfig
 from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS
 from mirror_sd.runtime.result import Beam, GenerationResult
 from mirror_sd.runtime.stats import Recorder
@@ -41,6 +41,29 @@ def candidates_per_step(num_beams: int, ending_tokens: int) -> int:
 
 class BeamSearchStopped(RuntimeError):
     """A beam search was told to stop (beam_search's `stop`) before it ended."""
+
+
+def check_beam_search(cfg: GenerationConfig) -> None:
+    """What a beam search of `cfg` (its end-of-sequence tokens resolved: Pipeline.check) cannot take, whatever its
+    width (BadInputError): it ranks texts by the target's own log-probabilities, greedy, so nothing that would
+    change or mask them, and it ends where a beam takes an ending token or reaches max_new_tokens."""
+    grammar = next((name for name in GRAMMAR_OPTIONS if getattr(cfg, name)), "")
+    changed = [name for name, given in (
+        ("temperature", cfg.temperature > 0), ("logit_bias", cfg.logit_bias),
+        ("repetition_penalty", cfg.repetition_penalty != 1.0), ("presence_penalty", cfg.presence_penalty),
+        ("frequency_penalty", cfg.frequency_penalty), ("min_tokens", cfg.min_tokens),
+        ("allowed_token_ids", cfg.allowed_token_ids), ("bad_words", cfg.bad_words_ids), (grammar, grammar),
+        ("stop", cfg.stop), ("logprobs", cfg.logprobs is not None),
+        ("prompt_logprobs", cfg.prompt_logprobs is not None)) if given]
+    if changed:
+        raise BadInputError(f"a beam search ranks texts by the target's own log-probabilities, greedy: it does not "
+                            f"take {changed[0]}", option=changed[0])
+    keep = candidates_per_step(cfg.num_beams, len(cfg.ending_token_ids))
+    if keep > MAX_TOP_LOGPROBS:
+        raise BadInputError(f"{cfg.num_beams} beams with {len(cfg.ending_token_ids)} ending tokens keep {keep} "
+                            f"continuations a step, past the {MAX_TOP_LOGPROBS} a step can score: at most "
+                            f"{MAX_TOP_LOGPROBS // max(2, 1 + len(cfg.ending_token_ids))} beams here",
+                            option="num_beams")
 
 
 def one_at_a_time(cfg: GenerationConfig) -> GenerationConfig:
@@ -163,7 +186,7 @@ def beam_search(step: Step, codec: TextCodec, prompts: Sequence[tuple[list[int],
         live = [i for i, s in enumerate(searches) if not s.done]
         contexts = {}  # the same context asked once (a search's first step: one beam)
         for i in live:
-            for beam in searches[i].running:
+            for beam in _first_children_first(searches[i].running):
                 contexts.setdefault((i, beam), prompts[i][0] + list(beam))
         keys = list(contexts)
         answers = dict(zip(keys, step([contexts[k] for k in keys], keep)))
@@ -175,6 +198,18 @@ def beam_search(step: Step, codec: TextCodec, prompts: Sequence[tuple[list[int],
     wall = time.perf_counter() - start
     return [_result(codec, ids, cfg, search, ttft[i] or 0.0, wall, steps)
             for i, ((ids, cfg), search) in enumerate(zip(prompts, searches))]
+
+
+def _first_children_first(running: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The running beams with one child of each parent ahead of its siblings: the engine admits requests in this
+    order, so each parent's slot goes to a child that continues it, and a sibling (which copies the head) never
+    takes another parent's slot before that parent's own child has."""
+    seen: set[tuple[int, ...]] = set()
+    first, rest = [], []
+    for beam in running:
+        (rest if beam[:-1] in seen else first).append(beam)
+        seen.add(beam[:-1])
+    return first + rest
 
 
 def _result(codec: TextCodec, ids: list[int], cfg: GenerationConfig, search: BeamSearch, ttft_s: float,

@@ -149,9 +149,8 @@ class SlotTable:
         logits; a multiple of `grid`). The free slot holding the longest such prefix wins; else an empty slot,
         else the least recently used. ValueError when every slot is busy.
         copies: the caller copies a cached head between slots (KVSlots.copy, host memory): where the winner holds a
-        sequence that goes on otherwise than `prompt` (another chat after a shared system prompt, a beam's sibling),
-        an empty slot is taken instead, else the least recently used other one, with nothing held, so that the other
-        sequence's next turn (or the beam's children) still finds all of it.
+        sequence that goes on otherwise than `prompt` (another chat after a shared system prompt), an empty slot is
+        taken instead, with nothing held, so that the other sequence's next turn still finds all of it.
         alone: no other prompt waits or prefills (worth_reusing): the slot chosen as before (the strict rule's winner,
         else an empty or the least recently used one) then keeps any head it holds of the prompt, so that a short head
         is reused without another slot's longer sequence being written over for it."""
@@ -169,9 +168,9 @@ class SlotTable:
             n = self.reusable(best.tokens, ids)
             best_len = n if worth_reusing(n, len(prompt), alone) else 0
         elif copies and common_prefix(np.asarray(best.tokens, np.int64), ids) < len(best.tokens):
-            spare = min(free, key=lambda s: (bool(s.tokens), s.used, s.index))  # empty, else least recently used
-            if spare is not best:
-                best, best_len = spare, 0
+            empty = [s for s in free if not s.tokens]
+            if empty:
+                best, best_len = empty[0], 0
         best.busy, best.tokens = True, list(prompt[:best_len])
         self._touch(best)
         return best, best_len

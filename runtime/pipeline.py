@@ -42,7 +42,7 @@ from mirror_sd.partitions.plan_file import (
 from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.backends import DEVICE, default_openvino_device, on_cpu, usable_cores
 from mirror_sd.runtime.batching import BatchEngine, PipelineBusy
-from mirror_sd.runtime.beam_search import beam_search, candidates_per_step, one_at_a_time
+from mirror_sd.runtime.beam_search import beam_search, check_beam_search, one_at_a_time
 from mirror_sd.runtime.config import (
     BUILTIN_THREADS,
     GRAMMAR_OPTIONS,
@@ -58,7 +58,7 @@ from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.grammar import CFG, JSON_SCHEMA, REGEX, GrammarState, Vocabulary
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.kv_slots import MIN_CACHED_PREFIX, reusable_head, slots_for
-from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.machine import plan_note
 from mirror_sd.runtime.package_reader import OpenedPackage, open_package
 from mirror_sd.runtime.perplexity import Perplexity, perplexity
@@ -117,32 +117,6 @@ def grammar_source(cfg: GenerationConfig) -> tuple[str, str, str] | None:
     return None
 
 
-def _check_beams(cfg: GenerationConfig, grammar: tuple[str, str, str] | None) -> None:
-    """What a beam search cannot take (BadInputError): it ranks continuations by the target's own log-probabilities,
-    greedy, so nothing that would change or mask them, and it ends where a beam takes an ending token or reaches
-    max_new_tokens."""
-    if cfg.num_return_sequences > cfg.num_beams:  # transformers' check
-        raise BadInputError(f"num_return_sequences ({cfg.num_return_sequences}) exceeds num_beams ({cfg.num_beams}): "
-                            "a beam search gives at most its beams", option="num_return_sequences")
-    if cfg.num_beams == 1:
-        return
-    changed = [name for name, given in (
-        ("temperature", cfg.temperature > 0), ("logit_bias", cfg.logit_bias),
-        ("repetition_penalty", cfg.repetition_penalty != 1.0), ("presence_penalty", cfg.presence_penalty),
-        ("frequency_penalty", cfg.frequency_penalty), ("min_tokens", cfg.min_tokens),
-        ("allowed_token_ids", cfg.allowed_token_ids), ("bad_words", cfg.bad_words_ids),
-        (grammar[2] if grammar else "", grammar), ("stop", cfg.stop), ("logprobs", cfg.logprobs is not None),
-        ("prompt_logprobs", cfg.prompt_logprobs is not None)) if given]
-    if changed:
-        raise BadInputError(f"a beam search ranks texts by the target's own log-probabilities, greedy: it does not "
-                            f"take {changed[0]}", option=changed[0])
-    keep = candidates_per_step(cfg.num_beams, len(cfg.ending_token_ids))
-    if keep > MAX_TOP_LOGPROBS:
-        raise BadInputError(f"num_beams {cfg.num_beams} with {len(cfg.ending_token_ids)} ending tokens keeps {keep} "
-                            f"continuations a step, past the {MAX_TOP_LOGPROBS} a step can score: fewer beams",
-                            option="num_beams")
-
-
 class Pipeline:
     def __init__(self, manifest: Manifest, target: Target, draft: DraftEngine, codec: TextCodec,
                  defaults: RuntimeDefaults | None = None, target_threads: int = BUILTIN_THREADS,
@@ -183,6 +157,8 @@ class Pipeline:
         self.load_options = LoadOptions()  # what load was given (the batching engine reads its own from it)
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
+        self._beam_requests = 0  # a beam search's one-token requests in the engine now (beam_requests)
+        self._beam_lock = threading.Lock()
         self._vocabulary: Vocabulary | None = None  # the tokenizer as JSON schemas read it, made at the first one
         self._vocabulary_lock = threading.Lock()
 
@@ -484,7 +460,12 @@ class Pipeline:
                 raise BadInputError(f"{source[2]} and bad words could leave no token: give one of them",
                                     option="bad_words" if cfg.bad_words else "bad_words_ids")
             self.vocabulary.grammar(*source)  # compiled now: a grammar it cannot hold text to is refused
-        _check_beams(cfg, source)
+        if cfg.num_return_sequences > cfg.num_beams:  # transformers' check
+            raise BadInputError(f"num_return_sequences ({cfg.num_return_sequences}) exceeds num_beams "
+                                f"({cfg.num_beams}): a beam search gives at most its beams",
+                                option="num_return_sequences")
+        if cfg.num_beams > 1:
+            check_beam_search(cfg)
         ids = self.truncated(self.prompt_ids(prompt), cfg.truncate_prompt_tokens)
         if self.package:
             self._check_bounds(len(ids), cfg)
@@ -519,14 +500,32 @@ class Pipeline:
         if not BatchEngine.runs_on(self):
             results = [self.generate(ids, cfg) for ids in contexts]
         else:
-            requests = [self.engine().submit(ids, cfg) for ids in contexts]
+            requests, results = [], []
             try:
-                results = [request.wait() for request in requests]
+                for ids in contexts:
+                    requests.append(self.engine().submit(ids, cfg))
+                    self._count_beam_requests(1)
+                for request in requests:
+                    results.append(request.wait())
+                    self._count_beam_requests(-1)
             except BaseException:
                 for request in requests:
                     request.cancel()
                 raise
+            finally:
+                self._count_beam_requests(len(results) - len(requests))
         return [list(r.logprobs[0].top) for r in results]
+
+    def _count_beam_requests(self, change: int) -> None:
+        with self._beam_lock:
+            self._beam_requests += change
+
+    @property
+    def beam_requests(self) -> int:
+        """A beam search's one-token requests in the batching engine now (its running or waiting ones among them): a
+        server counts a search by its width instead."""
+        with self._beam_lock:
+            return self._beam_requests
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """vLLM's tokens of bad words: each word as the text's start spells it and, where that makes other tokens of

@@ -54,6 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mirror_sd.errors import BadInputError, ContextLimitError, check_int
 from mirror_sd.runtime.async_requests import AsyncRequest
 from mirror_sd.runtime.batching import BatchEngine, Finished
+from mirror_sd.runtime.beam_search import check_beam_search
 from mirror_sd.runtime.config import GRAMMAR_OPTIONS, GenerationConfig, LoadOptions
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.pipeline import Pipeline
@@ -141,6 +142,9 @@ class Generations:
     def __init__(self, engine: BatchEngine, settings: ServerSettings, metrics: Metrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.active: set[AsyncRequest] = set()
+        # the generations of the beam searches running (their widths): each holds that many engine requests at most,
+        # submitted step by step from a worker thread, so the engine's counts miss them between steps
+        self.beams = 0
 
     def check_room(self, need: int = 1) -> None:
         """429 when `need` more requests (a request's n choices) would not fit in the slots and max_queue places
@@ -151,7 +155,8 @@ class Generations:
             raise p.ApiError(400, f"the request asks for {need} generations (n times its prompts); this server holds "
                                   f"{e.max_num_seqs + self.settings.max_queue} at once", param="n",
                              code="invalid_value")
-        if e.running + e.waiting + need > e.max_num_seqs + self.settings.max_queue:
+        load = e.running + e.waiting - e.pipe.beam_requests + self.beams  # a beam search's requests once: its width
+        if load + need > e.max_num_seqs + self.settings.max_queue:
             raise p.ApiError(429, f"the server is busy: {e.waiting} requests are waiting; retry later",
                              "server_busy", code="queue_full",
                              headers={"Retry-After": str(self.settings.retry_after_s)})
@@ -465,6 +470,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             options = d.resolve(settings.defaults, requested, _context_room(pipe, len(ids)),
                                 None if chat else d.COMPLETION_MAX_TOKENS)
             ids, config = pipe.check(ids, **options)
+            if body.use_beam_search:  # a width of 1 too: the pipeline checks a search only where it has beams
+                check_beam_search(config)
         except ContextLimitError as e:
             raise _context_error(e, body, chat) from None
         except BadInputError as e:
@@ -579,6 +586,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
         num_return_sequences best beams as outcomes, job by job. A client gone or the deadline passed stops the
         searches at their next step."""
         stop = threading.Event()
+        width = sum(j.config.num_beams for j in jobs)
+        gen.beams += width  # counted by the next request's check_room from now, as a started generation is
         search = asyncio.ensure_future(asyncio.to_thread(pipe.beam_search, [(j.ids, j.config) for j in jobs], stop))
         watcher = asyncio.create_task(_watch_disconnect(request))
         try:
@@ -598,6 +607,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             log.exception("beam search failed")
             raise p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
         finally:
+            gen.beams -= width
             stop.set()
             watcher.cancel()
             search.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: stopped, or failed unread

@@ -192,3 +192,54 @@ def test_cli_generate_gives_the_beams_and_chat_refuses_them(bundle_factory, caps
     assert main(["chat", bundle, "--num-beams", "2"]) == 2  # refused before the load
     err = capsys.readouterr().err
     assert "beam search" in err and "Traceback" not in err
+
+
+def test_server_beam_search_of_one_beam_is_checked_and_searches_are_admitted_by_width(bundle_factory):
+    """use_beam_search with n 1 refuses what a wider search refuses, and is a one-beam search; a burst of beam
+    searches is admitted by their widths as a burst of plain requests by their choices (slots + max_queue)."""
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    import openai
+    from conftest import openai_client
+
+    from mirror_sd.bench.soak import InProcessServer
+
+    pipe = Pipeline.load(bundle_factory("llama"), huge_pages=False, max_num_seqs=4)
+    try:
+        with openai_client(pipe, "tiny", max_queue=4) as client:
+            for extra, param in (({"temperature": 0.8}, "temperature"), ({"stop": ["a"]}, "stop"),
+                                 ({"logprobs": 2}, "logprobs"), ({"stop_token_ids": list(range(3, 23))}, "n")):
+                with pytest.raises(openai.BadRequestError) as e:
+                    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=1,
+                                              extra_body={"use_beam_search": True, **extra})
+                assert e.value.body["param"] == param, extra
+            one = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, n=1,
+                                            extra_body={"use_beam_search": True})
+            assert one.choices[0].text == pipe.generate(PROMPT, num_beams=1, max_new_tokens=6).text
+        statuses = {True: [], False: []}
+        with InProcessServer(pipe, model_name="tiny", max_queue=4) as server:
+            def post(beam: bool, i: int) -> None:
+                body = {"model": "tiny", "prompt": PROMPT + [i], "max_tokens": 40, "n": 2, "ignore_eos": True,
+                        "temperature": 0, "use_beam_search": beam}
+                request = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions",
+                                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=300) as reply:
+                        statuses[beam].append(reply.status)
+                except urllib.error.HTTPError as e:
+                    statuses[beam].append(e.code)
+
+            for beam in (False, True):
+                threads = [threading.Thread(target=post, args=(beam, i)) for i in range(12)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+        # 4 slots + 4 queued: four requests of two generations each, the rest turned away
+        assert statuses[False].count(200) == statuses[True].count(200) == 4, statuses
+        assert set(statuses[True]) == {200, 429}
+    finally:
+        pipe.close()

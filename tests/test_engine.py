@@ -521,28 +521,6 @@ def test_a_short_head_is_reused_only_from_the_slot_taken_anyway():
         assert table.take(prompt)[1] == 0  # not alone: a head this short is not worth running alone
 
 
-def test_a_sequence_that_goes_on_otherwise_keeps_its_slot_where_heads_are_copied():
-    """Where the engine copies heads between slots, a prompt that shares only a head with the slot holding the most
-    of it takes an empty slot, else the least recently used one, so that the other sequence stays whole for its own
-    next request (a chat's next turn, a beam's children)."""
-    from mirror_sd.runtime.kv_slots import SlotTable
-
-    head = list(range(100, 140))
-    ours, theirs, old = head + [1] * 20, head + [2] * 20, list(range(500, 560))
-    table = SlotTable(2)
-    first, _ = table.take(old)
-    table.leave(first, old)
-    second, _ = table.take(theirs)
-    table.leave(second, theirs)
-    got, n = table.take(ours, copies=True)
-    assert (got, n) == (first, 0)  # the least recently used, nothing held: the copy brings the head
-    assert table.take(theirs, copies=True) == (second, len(theirs) - 1)  # theirs is still whole
-    table = SlotTable(2)  # without copies the slot holding the head is taken, and its sequence cut
-    second, _ = table.take(theirs)
-    table.leave(second, theirs)
-    assert table.take(ours) == (second, len(head))
-
-
 def test_a_generation_that_fails_leaves_no_prefix_for_a_later_prompt(pipelines, monkeypatch):
     """A request running alone whose target run fails part way through its prefill: its slot's KV is not what its
     prompt says, so the same prompt next runs its whole prefill, and gets its solo tokens."""
