@@ -65,11 +65,13 @@ from mirror_sd.runtime.perplexity import Perplexity, perplexity
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.scheduler import DraftWorker, decode, reads_prompt_alongside
 from mirror_sd.runtime.stats import GenerationStats, Recorder
+from mirror_sd.runtime.streamers import CANCEL, streamer_calls
 from mirror_sd.runtime.target import KVView, Target, TargetCache, open_target
 from mirror_sd.runtime.text import TextCodec, TextSink
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
-Streamer = Callable[[int, str], None]  # (token id, new text) for every committed token
+# (token id, new text) for every committed token; or OpenVINO GenAI's forms (runtime/streamers.py)
+Streamer = Callable[[int, str], Any] | Callable[[str], Any] | Any
 
 
 class GenerationStream:
@@ -268,14 +270,13 @@ class Pipeline:
                  streamer: Streamer | None = None, **overrides: Any) -> GenerationResult | list[GenerationResult]:
         """Generate from `prompt` with `config` (default: `self.generation_config`), any of its fields overridden
         by keyword (runtime/config.py lists them). `streamer(token_id, text)` gets every committed token as it is
-        committed.
+        committed; OpenVINO GenAI's streamers work as well, and a streamer that returns True or GenAI's
+        StreamingStatus.STOP / CANCEL stops the generation there (runtime/streamers.py).
 
         A list of prompts (strings, chat message lists or token id lists) runs them together on the batching
         engine (`engine()`; on a target without one, the OpenVINO backend's, one after another) and gives their
         results in the same order; each is its solo result, token for token where greedy."""
-        if streamer is not None and not callable(streamer):
-            raise BadInputError(f"streamer must be a function of (token_id, text), not {type(streamer).__name__}",
-                                option="streamer")
+        each, end = streamer_calls(streamer) if streamer is not None else (None, None)
         base = config if isinstance(config, GenerationConfig) else self.generation_config  # check refuses another
         if base.updated(**overrides).num_beams > 1:
             if streamer is not None:  # as transformers refuses one
@@ -297,11 +298,13 @@ class Pipeline:
                 raise
         run = self._run(prompt, config, overrides)
         try:
+            asked = None  # what the streamer asked of the generation (runtime/streamers.py)
             while True:
-                chunk = next(run)
-                if streamer is not None:
-                    streamer(chunk.token_id, chunk.text)
+                chunk = run.send(asked)
+                asked = each(chunk) if each is not None else None
         except StopIteration as done:
+            if end is not None:
+                end()
             return done.value
         finally:
             run.close()
@@ -367,11 +370,18 @@ class Pipeline:
         if not self._turn.acquire(blocking=False):
             raise BadInputError("another turn of this conversation is open (a stream not exhausted or closed, or "
                                 "another thread's): finish it first", option="prompt")
+        asked = None  # a streamer's CANCEL (generate) leaves the turn out of the conversation, as GenAI's does
         try:
-            result = yield from run
+            while True:
+                try:
+                    chunk = run.send(asked)
+                except StopIteration as done:
+                    result = done.value
+                    break
+                asked = yield chunk
         finally:
             self._turn.release()
-        if self._chat is conversation:
+        if self._chat is conversation and asked != CANCEL:
             self._chat = [*turn, {"role": "assistant", "content": result.text}]
         return result
 
@@ -672,13 +682,18 @@ class Pipeline:
         start = time.perf_counter()
         ttft = 0.0
         scores = []  # each committed token's logprob, where cfg.logprobs asks for them
+        stopped = False
         try:
             for token, score in tokens:
                 ttft = ttft or time.perf_counter() - start
                 text = sink.add(token)
                 scores.append(score)
-                yield Chunk(token, text, score)
+                asked = yield Chunk(token, text, score)
                 if sink.finish_reason:
+                    break
+                if asked is not None:  # generate's streamer stopped it (runtime/streamers.py)
+                    sink.cut()
+                    stopped = True
                     break
         finally:
             tokens.close()
@@ -689,7 +704,8 @@ class Pipeline:
         draft_engine = {**self.draft.describe(), "draft_graph_forwards": self.draft.forwards - draft_forwards}
         stats = self.finish_stats(cfg, rec, draft_engine, new_tokens=len(sink.ids), ttft_s=ttft, wall_s=wall,
                                   cached_prompt_tokens=cached)
-        return GenerationResult(list(sink.ids), sink.text, stats, sink.finish_reason or "length",
+        return GenerationResult(list(sink.ids), sink.text, stats,
+                                "cancelled" if stopped else sink.finish_reason or "length",
                                 tuple(scores) if cfg.logprobs is not None else None,
                                 None if prompt_scores is None else tuple(prompt_scores), sink.stop_reason)
 

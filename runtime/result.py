@@ -24,7 +24,9 @@ class GenerationResult:
     token_ids: list[int]  # new tokens only; an EOS that ended generation is included
     text: str  # their text, without special tokens, cut before a stop string
     stats: GenerationStats  # typed; also reads as a mapping (stats["acceptance_rate"]), stats.as_dict() for JSON
-    finish_reason: str  # "eos", "stop", "length", or "cancelled" (a request the batching engine was told to stop)
+    # "eos", "stop", "length", or "cancelled" (a request the batching engine was told to stop, or a generation its
+    # streamer stopped: runtime/streamers.py)
+    finish_reason: str
     # one per token of token_ids where GenerationConfig.logprobs asked for them (runtime/logprobs.py), else None
     logprobs: tuple[TokenLogprob, ...] | None = None
     # one per prompt token where GenerationConfig.prompt_logprobs asked for them (ranked), else None; the first is

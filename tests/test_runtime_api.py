@@ -54,6 +54,56 @@ def test_prompt_forms_and_streaming(pipe):
     assert [c.token_id for c in stream] == result.token_ids and stream.result.token_ids == result.token_ids
 
 
+def test_openvino_genai_streamers_and_a_streamer_that_stops(pipe):
+    """GenAI's streamer forms: a function of the text alone, an object with write(token_id) and end(); each may stop
+    the generation (True, or StreamingStatus.STOP / CANCEL by name): the result holds what was streamed, "cancelled".
+    In a conversation a STOP keeps the turn, a CANCEL leaves it out."""
+    from enum import Enum
+
+    Status = Enum("StreamingStatus", "RUNNING STOP CANCEL")  # GenAI's names (openvino_genai.StreamingStatus)
+    whole = pipe.generate(PROMPT, mode="ar", max_new_tokens=12, ignore_eos=True)
+    texts: list[str] = []
+    assert pipe.generate(PROMPT, mode="ar", max_new_tokens=12, ignore_eos=True,
+                         streamer=lambda text: texts.append(text)).text == "".join(texts) == whole.text
+
+    def three(text: str) -> bool:
+        texts.append(text)
+        return len(texts) == 3
+
+    texts.clear()
+    for mode in ("ar", "mirror"):
+        texts.clear()
+        stopped = pipe.generate(PROMPT, mode=mode, max_new_tokens=12, ignore_eos=True, streamer=three)
+        assert stopped.token_ids == whole.token_ids[:3] and stopped.finish_reason == "cancelled"
+        assert stopped.text == "".join(texts)
+
+    class Streamer:  # as openvino_genai.StreamerBase
+        def __init__(self) -> None:
+            self.tokens: list[int] = []
+            self.ended = 0
+
+        def write(self, token: int):
+            self.tokens.append(token)
+            return Status.STOP if len(self.tokens) == 5 else Status.RUNNING
+
+        def end(self) -> None:
+            self.ended += 1
+
+    streamer = Streamer()
+    result = pipe.generate(PROMPT, mode="ar", max_new_tokens=12, ignore_eos=True, streamer=streamer)
+    assert streamer.tokens == result.token_ids == whole.token_ids[:5] and streamer.ended == 1
+
+    pipe.start_chat()
+    try:
+        pipe.generate("hi", max_new_tokens=6, streamer=lambda text: Status.CANCEL)
+        assert pipe.chat_history == []  # cancelled: the turn is not kept
+        kept = pipe.generate("hi", max_new_tokens=6, streamer=lambda text: Status.STOP)
+        assert [m["role"] for m in pipe.chat_history] == ["user", "assistant"]
+        assert pipe.chat_history[1]["content"] == kept.text
+    finally:
+        pipe.finish_chat()
+
+
 def test_a_one_token_generation_leaves_the_draft_alone(pipe):
     """The prefill gives the only token asked for: the draft does not read the prompt (a reading nobody uses, which
     the next generation would wait for)."""
@@ -551,7 +601,7 @@ def test_errors_are_typed(pipe, tmp_path):
     for window in ("8", 8.0):
         with pytest.raises(BadInputError, match="whole number of tokens"):
             pipe.perplexity("hello world there friend", window=window)
-    with pytest.raises(BadInputError, match="streamer must be a function"):
+    with pytest.raises(BadInputError, match="streamer must be a function of"):
         pipe.generate(PROMPT, streamer=5, max_new_tokens=2)
     stream = pipe.stream(PROMPT, max_new_tokens=3)
     assert len(list(stream)) == 3 and list(stream) == [] and stream.result.token_ids  # exhausted: the result stays
