@@ -534,14 +534,12 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             try:
                 done, _ = await asyncio.wait({together, watcher}, return_when=asyncio.FIRST_COMPLETED)
                 if together not in done:  # the client went away: the generations stop at the engine's next step
-                    metrics.cancelled.labels("disconnect").inc()
-                    raise p.ApiError(499, "the client closed the request", code="client_closed")
+                    raise _client_gone()
                 outcomes = together.result()
             except p.ApiError:
                 raise
             except Exception as e:  # the target failed: a 500 for this request, the server goes on
-                log.exception("generation failed")
-                raise p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
+                raise _failed(e) from None
             finally:
                 watcher.cancel()
                 for run in runs:  # a choice that failed, or a client gone: the others stop at the engine's next step
@@ -581,6 +579,16 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                                                             body.prompt_logprobs)
         return JSONResponse(doc, headers=seed)
 
+    def _client_gone() -> p.ApiError:
+        """The 499 of a request whose client went away (its generations stop at the engine's next step)."""
+        metrics.cancelled.labels("disconnect").inc()
+        return p.ApiError(499, "the client closed the request", code="client_closed")
+
+    def _failed(e: Exception) -> p.ApiError:
+        """The 500 of a request whose generation failed (the target's error, logged); the server goes on."""
+        log.exception("generation failed")
+        return p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error")
+
     async def _beams(request: Request, jobs: list[_Job]) -> list[_Outcome]:
         """Each job's beam search (its config's num_beams), together on the engine from a worker thread: its
         num_return_sequences best beams as outcomes, job by job. A client gone or the deadline passed stops the
@@ -594,8 +602,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             done, _ = await asyncio.wait({search, watcher}, timeout=max(jobs[0].deadline - time.monotonic(), 0.0),
                                          return_when=asyncio.FIRST_COMPLETED)
             if watcher in done:
-                metrics.cancelled.labels("disconnect").inc()
-                raise p.ApiError(499, "the client closed the request", code="client_closed")
+                raise _client_gone()
             if search not in done:
                 metrics.cancelled.labels("deadline").inc()
                 raise p.ApiError(503, "the beam search passed the request timeout", "server_busy",
@@ -603,9 +610,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             results = search.result()
         except p.ApiError:
             raise
-        except Exception as e:  # the target failed: a 500 for this request, the server goes on
-            log.exception("beam search failed")
-            raise p.ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
+        except Exception as e:
+            raise _failed(e) from None
         finally:
             gen.beams -= width
             stop.set()
