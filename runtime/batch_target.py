@@ -22,7 +22,7 @@ import numpy as np
 from mirror_sd.partitions.manifest import BOUNDARY
 from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH, PartitionSpec
 from mirror_sd.runtime.kv_slots import KVSlots
-from mirror_sd.runtime.target import ROW_BLOCK, OrtTarget, _Bound, ort_device, padded_rows
+from mirror_sd.runtime.target import OrtTarget, _Bound, ort_device, padded_rows
 from mirror_sd.runtime.window_graphs import ROW_TOKENS, row_name
 
 
@@ -41,9 +41,6 @@ class RowOut(NamedTuple):
 
     logits: np.ndarray | None  # [logits_for, V] of its last tokens; None where it asked for none
     taps: np.ndarray | None  # a feature draft's channel [len(ids), n_taps, H] at its tokens; None without one
-    # its positions came from the target's own graphs in a run of two token rows at least (several rows, or a row of
-    # several tokens): ONNX Runtime's many-row kernels, as a prompt's prefill computes them (Target.reusable_length)
-    wide: bool = False
 
 
 class BatchTarget:
@@ -115,13 +112,10 @@ class BatchTarget:
         self.forwards += 1
         self.rows_run += len(rows)
         out = []
-        tokens = len(rows) * width  # the MatMuls' rows
         for b, r in enumerate(rows):
             end = keep - (width - len(r.ids))  # the row's last real token, within the kept positions
-            # a run's last token past a block takes the one-row kernels as a lone token does (ROW_BLOCK)
-            wide = tokens > 1 and not (tokens % ROW_BLOCK == 1 and b == len(rows) - 1)
             out.append(RowOut(logits[b, end - r.logits_for:end] if r.logits_for else None,
-                              None if taps is None else taps[b, :len(r.ids)], wide))
+                              None if taps is None else taps[b, :len(r.ids)]))
         return out
 
     def run_prompt(self, row: Row) -> RowOut:

@@ -160,8 +160,6 @@ class _Row:
     rec: Recorder
     cached: int  # prompt tokens the prefix cache held
     admitted: float
-    # positions [0, wide) came from the prefix cache or from runs of two token rows at least on the target's own
-    # graphs (RowOut.wide): a later prompt may reuse them (Target.reusable_length)
     first_token_s: float = 0.0  # from submission
     solo: Iterator[Chunk] | None = None  # the pipeline's speculative decoder, while the request runs alone
     looked_for_head: bool = False  # whether another slot's copy of its prompt's head was sought (once, before prefill)
@@ -172,13 +170,6 @@ class _Row:
     grammar: GrammarState | None = None  # its place in its grammar, where it has one (runtime/grammar.py)
     forcing: GrammarForcing | None = None  # windows of the tokens its grammar forces, where it speculates
     prompt_scores: list[TokenLogprob | None] | None = None  # its prompt tokens' logprobs (config.prompt_logprobs)
-    wide: int = 0
-
-    def ran(self, positions: int, wide: bool) -> None:
-        """Its next `positions` positions were computed (in a run of two token rows at least, where `wide`)."""
-        if wide and self.wide == self.kv_len:
-            self.wide += positions
-        self.kv_len += positions
 
     @property
     def prompt_len(self) -> int:
@@ -362,8 +353,7 @@ class BatchEngine:
                 continue
             row = _Row(request, slot, list(request.ids), cached, sink, rec, cached, time.perf_counter(),
                        copies=copies, drafts=drafts, grammar=grammar, forcing=forcing,
-                       prompt_scores=[None] if scored else None,  # the first token's: nothing comes before it
-                       wide=cached)
+                       prompt_scores=[None] if scored else None)  # the first token's: nothing comes before it
             self._rows.append(row)
             self._pack(len(self._rows) - 1, slot)
             if self.kv.can_copy:  # now, so that a request that runs alone from here starts from the head too
@@ -445,7 +435,7 @@ class BatchEngine:
             if r.prompt_scores is not None:
                 r.prompt_scores += prompt_logprobs(out.logits, r.request.ids, r.kv_len,
                                                    r.request.config.prompt_logprobs)
-            r.ran(take, out.wide)
+            r.kv_len += take
 
     @staticmethod
     def _prompt_graph_rows(pending: list[_Row]) -> list[tuple[_Row, int]]:
@@ -489,7 +479,7 @@ class BatchEngine:
 
     def _reusable(self, row: _Row) -> int:
         """The row's positions a later prompt may reuse (Target.reusable_length)."""
-        return self.pipe.target.reusable_length(row.kv_len, row.prompt_len, row.prompt_scores is not None, row.wide)
+        return self.pipe.target.reusable_length(row.kv_len, row.prompt_len, row.prompt_scores is not None)
 
     def _alone(self, row: _Row | None = None) -> bool:
         """Whether a prompt (`row`'s, or one being admitted) would prefill alone: no other waits or prefills, so no
@@ -514,7 +504,6 @@ class BatchEngine:
         if best is None or not (row.kv_len or worth_reusing(length, len(prompt), self._alone(row))):
             return
         self.kv.copy(best.index, row.slot.index, row.kv_len, length)
-        row.wide = length if row.wide == row.kv_len else row.wide  # a held head is reusable positions
         row.kv_len = row.cached = length
 
     def _decode_step(self) -> None:
@@ -551,7 +540,7 @@ class BatchEngine:
         for row, out in zip(rows, outs):
             if gate is not None and row.drafts is not None:  # more rows than a window step takes: no drafting soon
                 row.drafts.ran(row.kv_len, out.taps)
-            row.ran(1, out.wide)
+            row.kv_len += 1
             self._count_step(row, len(rows))
             self._commit_chosen(row, out.logits[-1:])
         if gate is not None:
@@ -625,7 +614,7 @@ class BatchEngine:
         inputs = [Row(r.slot.index, (r.context[-1], *w), r.kv_len, 1 + len(w)) for r, (w, _) in zip(rows, windows)]
         outs = self.batch.run_windows(inputs, spares) if len(rows) > 1 else self.batch.run(inputs)
         committed = 0
-        for row, (window, source), (out, taps, _) in zip(rows, windows, outs):
+        for row, (window, source), (out, taps) in zip(rows, windows, outs):
             self._count_step(row, len(rows))
             if row.drafts is not None:
                 row.drafts.ran(row.kv_len, taps)

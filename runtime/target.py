@@ -240,18 +240,17 @@ class Target:
         than the longer run a fresh prefill gives the same position (reusable_length)."""
         return 1 if self.pads_rows or self.prompt_graphs is not None else 2
 
-    def reusable_length(self, kv_len: int, prompt_len: int, scored: bool = False, wide: int = 0) -> int:
+    def reusable_length(self, kv_len: int, prompt_len: int, scored: bool = False) -> int:
         """Of `kv_len` positions a sequence holds, those a later prompt may reuse, where that prompt would prefill
         them in runs of many rows. With prompt graphs, the positions they prefilled (the same tokens inside a later
         prompt are prefilled there, not on the target's steps), none where its prompt ran on the target's own graphs
         for its logprobs (`scored`). Otherwise all, where every run has two rows at least (pads_rows); else its
         prompt's but the last: a one-row run (a generated token's step, the last prompt token's on the engine) rounds
         otherwise than a row of a wider run (ONNX Runtime's one-row kernels: docs/design.md, A compressed target
-        steps two rows at least); and the first `wide` positions, which runs of two rows at least computed (the
-        batching engine's: RowOut.wide), generated tokens' among them."""
+        steps two rows at least)."""
         if self.prompt_graphs is not None:
             return 0 if scored else min(kv_len, self.prompt_split(prompt_len))
-        return kv_len if self.pads_rows else min(kv_len, max(prompt_len - 1, wide))
+        return kv_len if self.pads_rows else min(kv_len, prompt_len - 1)
 
     def prompt_split(self, prompt_len: int) -> int:
         """How many of a prompt's first tokens the prompt graphs prefill: all but the last where there are some
