@@ -62,7 +62,7 @@ def check_beam_search(cfg: GenerationConfig) -> None:
     if keep > MAX_TOP_LOGPROBS:
         raise BadInputError(f"{cfg.num_beams} beams with {len(cfg.ending_token_ids)} ending tokens keep {keep} "
                             f"continuations a step, past the {MAX_TOP_LOGPROBS} a step can score: at most "
-                            f"{MAX_TOP_LOGPROBS // max(2, 1 + len(cfg.ending_token_ids))} beams here",
+                            f"{MAX_TOP_LOGPROBS // candidates_per_step(1, len(cfg.ending_token_ids))} beams here",
                             option="num_beams")
 
 
@@ -100,8 +100,13 @@ class BeamSearch:
 
     @property
     def length(self) -> int:
-        """Tokens each running beam holds."""
+        """Tokens each running beam holds: the steps taken."""
         return len(self.running[0])
+
+    @property
+    def full(self) -> bool:
+        """Whether every finished place holds a beam (transformers' is_sent_finished, all of it)."""
+        return all(h is not None for h in self.finished)
 
     def advance(self, tops: Sequence[Sequence[tuple[int, float]]]) -> None:
         """One step: tops[i] holds running beam i's likeliest next tokens with their log-probabilities (at least
@@ -127,14 +132,13 @@ class BeamSearch:
         self.running = [sequences[j] for j in order]
         self.running_scores = running_scores[order]
         self._check_heuristic(length)
-        all_finished = all(h is not None for h in self.finished)
-        self.done = (not self.improvable or (all_finished and self.early_stopping == "early") or bool(ends.all()))
+        self.done = not self.improvable or (self.full and self.early_stopping == "early") or bool(ends.all())
 
     def _finish(self, sequences: list[tuple[int, ...]], scores: np.ndarray, ends: np.ndarray, length: int) -> None:
         """transformers' _update_finished_beams: candidates among the step's best num_beams that ended join the
         finished beams where they score better."""
         normalised = scores / np.float32(length ** self.length_penalty)
-        if all(h is not None for h in self.finished) and self.early_stopping == "early":
+        if self.full and self.early_stopping == "early":
             normalised = normalised + UNREACHABLE
         if not self.improvable:
             normalised = normalised + UNREACHABLE
@@ -155,7 +159,7 @@ class BeamSearch:
         hypothetical = (self.max_new_tokens if self.early_stopping == "never" and self.length_penalty > 0
                         else length)
         best_running = self.running_scores[0] / np.float32(hypothetical ** self.length_penalty)
-        if any(h is None for h in self.finished):
+        if not self.full:
             return  # an empty place counts -1e9: any running beam beats it
         self.improvable = bool(best_running > self.finished_scores.min())
 
@@ -179,7 +183,6 @@ def beam_search(step: Step, codec: TextCodec, prompts: Sequence[tuple[list[int],
         raise ValueError(f"{keep} continuations per beam: at most {MAX_TOP_LOGPROBS}")
     start = time.perf_counter()
     ttft: list[float | None] = [None] * len(searches)
-    steps = 0
     while not all(s.done for s in searches):
         if stop is not None and stop.is_set():
             raise BeamSearchStopped("the beam search was stopped")
@@ -190,13 +193,12 @@ def beam_search(step: Step, codec: TextCodec, prompts: Sequence[tuple[list[int],
                 contexts.setdefault((i, beam), prompts[i][0] + list(beam))
         keys = list(contexts)
         answers = dict(zip(keys, step([contexts[k] for k in keys], keep)))
-        steps += 1
         now = time.perf_counter() - start
         for i in live:
             searches[i].advance([answers[(i, beam)] for beam in searches[i].running])
             ttft[i] = now if ttft[i] is None else ttft[i]
     wall = time.perf_counter() - start
-    return [_result(codec, ids, cfg, search, ttft[i] or 0.0, wall, steps)
+    return [_result(codec, ids, cfg, search, ttft[i] or 0.0, wall)
             for i, ((ids, cfg), search) in enumerate(zip(prompts, searches))]
 
 
@@ -213,7 +215,7 @@ def _first_children_first(running: list[tuple[int, ...]]) -> list[tuple[int, ...
 
 
 def _result(codec: TextCodec, ids: list[int], cfg: GenerationConfig, search: BeamSearch, ttft_s: float,
-            wall_s: float, steps: int) -> GenerationResult:
+            wall_s: float) -> GenerationResult:
     beams = []
     for h in search.best(cfg.num_return_sequences):
         sink = TextSink.of(codec, cfg, ids)
@@ -222,7 +224,7 @@ def _result(codec: TextCodec, ids: list[int], cfg: GenerationConfig, search: Bea
         beams.append(Beam(list(h.tokens), sink.text, h.score, sink.finish_reason or "length", sink.stop_reason))
     best = beams[0]
     recorder = Recorder()
-    recorder.counts.target_steps = steps
+    recorder.counts.target_steps = search.length  # its own steps: another prompt's search may run on
     stats = recorder.finish(mode="beam", gamma=0, kappa=0, new_tokens=len(best.token_ids), ttft_s=ttft_s,
                             wall_s=wall_s, target_device="", draft_device="", draft_engine={})
     return GenerationResult(best.token_ids, best.text, stats, best.finish_reason, stop_reason=best.stop_reason,
