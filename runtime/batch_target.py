@@ -23,7 +23,7 @@ from mirror_sd.partitions.manifest import BOUNDARY
 from mirror_sd.partitions.spec import KEEP, SEQLENS, TOTAL_LENGTH, PartitionSpec
 from mirror_sd.runtime.kv_slots import KVSlots
 from mirror_sd.runtime.target import OrtTarget, _Bound, ort_device, padded_rows
-from mirror_sd.runtime.window_graphs import ROW_TOKENS, row_name
+from mirror_sd.runtime.window_graphs import ATTENTION_GATHER, ATTENTION_KEEP, ROW_TOKENS, row_name
 
 
 @dataclass(frozen=True)
@@ -47,16 +47,19 @@ class BatchTarget:
     """The target's prefix and suffix over rows of the engine's KV slots."""
 
     def __init__(self, target: OrtTarget, slots: KVSlots, window_rows: int = 0) -> None:
-        """window_rows: rows of a `run_windows` step (0: none; the window graphs load the weights again)."""
+        """window_rows: rows of a `run_windows` step (0: none; the window graphs load the weights again). A padded
+        target gets window graphs of a row per slot as well (where there are more slots), for its plain steps."""
         if slots.positions != target.slots:
             raise ValueError(f"KV slots of {slots.positions} positions do not fit a target of {target.slots}")
         self.slots = slots
         # a run of one row is padded to the target's step width as its own steps are (Target.step_width)
         self.step_width = target.step_width
-        # On the CPU (a target with int8 activations) every row of a run is too: its attention's P.V runs on another
+        # On the CPU (a target with int8 activations) every row's attention is padded too: its P.V runs on another
         # kernel for one query row than for two or more, which rounds otherwise, and int8 activations turn that into
-        # logits apart (docs/design.md: A compressed target steps two rows at least). A GPU's batched rows stay one
-        # token: their float16 rounding apart from a lone step's is reported where it flips a token, not prevented.
+        # logits apart (docs/design.md: A compressed target steps two rows at least). Batched rows after a past run
+        # on the window graphs, whose attention takes a query more per row (runtime/window_graphs.py). A GPU's
+        # batched rows stay one token: their float16 rounding apart from a lone step's is reported where it flips a
+        # token, not prevented.
         self.pads_rows = target.pads_rows
         self.prompt_graphs = target.prompt_graphs  # prompts prefilled on OpenVINO in bf16, or None
         self._device = ort_device(target.device)
@@ -64,18 +67,25 @@ class BatchTarget:
         for role, (session, spec) in target.sessions.items():
             self._bound[role] = _Bound(session, spec, slots.views(0, 1))
         self.window_rows = window_rows if window_rows > 1 else 0
-        self._windows = {role: _RowBound(session, spec, self.window_rows)
-                         for role, (session, spec) in target.window_sessions(self.window_rows).items()
-                         } if self.window_rows else {}
+        # window graphs per count of rows: window_rows for windows; a padded target's plain steps of more rows run
+        # on graphs of a row per slot, in one run (their weights loaded a third time) rather than in runs of
+        # window_rows (each reading the weights again)
+        sizes = [self.window_rows] if self.window_rows else []
+        if sizes and self.pads_rows and slots.count > self.window_rows:
+            sizes.append(slots.count)
+        self._windows = {rows: {role: _RowBound(session, spec, rows)
+                                for role, (session, spec) in target.window_sessions(rows).items()} for rows in sizes}
+        # where a window step's spare rows write (at position 0: nothing before it to attend to), one slot for all of
+        # them; only the pages they touch take memory
+        self._scratch = KVSlots(slots.manifest, 1, slots.positions, slots.device) if self.window_rows else None
         self.forwards = 0  # runs of prefix + suffix
         self.rows_run = 0  # rows those runs computed (padding rows of a run not counted)
 
-    def run(self, rows: list[Row], spares: list[Row] = ()) -> list[RowOut]:
+    def run(self, rows: list[Row]) -> list[RowOut]:
         """Every row's step; per row (in the order given) its logits and taps. Rows must hold distinct slots, and
-        start + the widest row's tokens must fit their slot. spares: rows of one token for slots outside the step
-        (logits unused), which a step of a padded target's rows after a past runs beside them (`_run_padded`)."""
+        start + the widest row's tokens must fit their slot."""
         if self.pads_rows and len(rows) > 1 and any(r.start for r in rows):
-            return self._run_padded(rows, spares)
+            return self._run_padded(rows)
         out: list[RowOut] = [RowOut(None, None)] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
         for run in _consecutive(order, rows):
@@ -129,64 +139,49 @@ class BatchTarget:
         self.rows_run += 1
         return RowOut(None, taps)
 
-    def _run_padded(self, rows: list[Row], spares: list[Row]) -> list[RowOut]:
-        """Rows after a past, each padded to the step width as it would be alone: in runs of window_rows rows on the
-        window graphs (ONNX Runtime's attention refuses rows of several tokens after a past at batch > 1), a run
-        short of rows taking `spares`; rows left over without enough spares run one at a time."""
+    def _run_padded(self, rows: list[Row]) -> list[RowOut]:
+        """Rows after a past of a padded target, each computed as it would be alone: in one run on the window graphs
+        (runs of as many rows as their largest take), their attention padded (ONNX Runtime's attention refuses rows
+        of several tokens after a past at batch > 1); without window graphs one at a time, padded to the step
+        width."""
         out: list[RowOut] = [RowOut(None, None)] * len(rows)
-        n = self.window_rows or 1  # no window graphs (window_rows 0): every row alone
+        n = max(self._windows, default=1)
         for lo in range(0, len(rows), n):
             group = list(range(lo, min(lo + n, len(rows))))
-            if n > 1 and len(group) + len(spares) >= n:
-                outs = self.run_windows([rows[i] for i in group], spares[:n - len(group)])
-            else:
-                outs = [self._run([rows[i]])[0] for i in group]
+            outs = self.run_windows([rows[i] for i in group]) if n > 1 else [self._run([rows[lo]])[0]]
             for i, row_out in zip(group, outs):
                 out[i] = row_out
         return out
 
-    def _padded(self, row: Row) -> Row:
-        """A padded target's row of fewer tokens than the step width, padded to it (within its slot) as a lone row
-        is; the logits it asks for stay its own tokens' (the padding's are the last positions)."""
-        room = self.slots.positions - row.start
-        pad = padded_rows(len(row.ids), self.step_width, room, self.pads_rows) - len(row.ids)
-        if pad <= 0:
-            return row
-        return Row(row.slot, row.ids + (row.ids[-1],) * pad, row.start, row.logits_for and row.logits_for + pad)
-
-    def run_windows(self, rows: list[Row], spares: list[Row] = ()) -> list[RowOut]:
-        """One run of exactly `window_rows` rows (`rows`, then `spares`: a token each for slots outside the step,
-        logits unused) in distinct slots, each row's tokens after its own past (any number, at least one); per row
-        of `rows` (in the order given) its logits and taps. A padded target's rows are padded (`_padded`), each then
-        computed as it is alone."""
-        if not self.pads_rows:
-            return self.run_windows_as_given(list(rows) + list(spares))[:len(rows)]
-        outs = self.run_windows_as_given([self._padded(r) for r in rows] + list(spares))
-        return [RowOut(None if o.logits is None else o.logits[:r.logits_for],
-                       None if o.taps is None else o.taps[:len(r.ids)]) for r, o in zip(rows, outs)]
-
-    def run_windows_as_given(self, rows: list[Row]) -> list[RowOut]:
-        """run_windows of rows as given (spares among them), none padded. Rows asking for no logits go first in the
-        packed sequence, so that the LM head skips them."""
-        if len(rows) != self.window_rows:
-            raise ValueError(f"a window step runs {self.window_rows} rows, not {len(rows)}")
+    def run_windows(self, rows: list[Row]) -> list[RowOut]:
+        """One run of up to `window_rows` rows (a padded target's: up to a row per slot) in distinct slots, each its
+        tokens after its own past (any number, at least one); per row (in the order given) its logits and taps, each
+        the bits of that row alone (a padded target's rows take a query more in their attention, as its steps alone
+        are padded to two tokens). The run is on the fewest rows' window graphs that take them; their other rows
+        are spares: a copied query each, written in a scratch slot, no MatMul row of theirs
+        (runtime/window_graphs.py)."""
+        size = min((n for n in self._windows if n >= len(rows)), default=0)
+        if not rows or not size:
+            raise ValueError(f"a window step runs 1 to {max(self._windows, default=0)} rows, not {len(rows)}")
         if len({r.slot for r in rows}) != len(rows):
             raise ValueError("two rows of a window step in one slot")
         for r in rows:
             if not r.ids or r.start + len(r.ids) > self.slots.positions:
                 raise ValueError(f"slot {r.slot}: {r.start} + {len(r.ids)} positions exceed its {self.slots.positions}")
+        # rows asking for no logits go first in the packed sequence, so that the LM head skips them
         order = sorted(range(len(rows)), key=lambda i: rows[i].logits_for > 0)
         packed = [rows[i] for i in order]
         counts = np.array([len(r.ids) for r in packed], np.int64)
         ids = np.array([[t for r in packed for t in r.ids]], np.int64)
-        total = np.array([r.start + len(r.ids) for r in packed], np.int32)
-        lengths = {SEQLENS: total - 1, TOTAL_LENGTH: np.array(total.max(), np.int32), ROW_TOKENS: counts}
+        spares = size - len(rows)
+        lengths = self._attention(packed, spares)
         wanted = [i for i, r in enumerate(packed) if r.logits_for]
         keep = padded_rows(int(counts[wanted[0]:].sum()) if wanted else 1, self.step_width, ids.shape[1],
                            self.pads_rows)
-        prefix, suffix = self._windows["target_prefix"], self._windows["target_suffix"]
+        prefix, suffix = self._windows[size]["target_prefix"], self._windows[size]["target_suffix"]
+        bound_to = [(self.slots, r.slot) for r in packed] + [(self._scratch, 0)] * spares
         for bound in (prefix, suffix):
-            bound.bind_rows([r.slot for r in packed], self.slots)
+            bound.bind_rows(bound_to)
         hidden, taps = prefix.run({"input_ids": ids, **lengths}, self._device)
         logits = suffix.run({BOUNDARY: hidden, KEEP: np.array([keep], np.int64), **lengths}, ("cpu", 0))[0].numpy()[0]
         self.forwards += 1
@@ -201,6 +196,26 @@ class BatchTarget:
             end -= len(r.ids)
         return out
 
+    def _attention(self, packed: list[Row], spares: int) -> dict[str, np.ndarray]:
+        """The window graphs' attention rows: each packed row's tokens, and a copy of its last one where the
+        target pads its rows and the slot has room for that query's key (as a row alone is padded within its slot:
+        padded_rows); then `spares` rows of a copied query each, at the scratch slot's position 0. Their positions
+        among the packed tokens, where each token's output sits among them, and their lengths."""
+        gather, keep, counts, offset = [], [], [], 0
+        for r in packed:
+            own = list(range(offset, offset + len(r.ids)))
+            keep += range(len(gather), len(gather) + len(own))
+            pad = int(self.pads_rows and r.start + len(r.ids) < self.slots.positions)
+            gather += own + own[-1:] * pad
+            counts.append(len(own) + pad)
+            offset += len(r.ids)
+        gather += [0] * spares
+        counts += [1] * spares
+        total = np.array([r.start for r in packed] + [0] * spares, np.int32) + np.array(counts, np.int32)
+        return {ATTENTION_GATHER: np.array(gather, np.int64), ATTENTION_KEEP: np.array(keep, np.int64),
+                ROW_TOKENS: np.array(counts, np.int64), SEQLENS: total - 1,
+                TOTAL_LENGTH: np.array(total.max(), np.int32)}
+
 
 class _RowBound(_Bound):
     """A window graph's session: each row's KV inputs and outputs bound to that row's slot, rebound only where the
@@ -208,13 +223,13 @@ class _RowBound(_Bound):
 
     def __init__(self, session, spec: PartitionSpec, rows: int) -> None:
         super().__init__(session, spec, None)
-        self.rows = [-1] * rows  # the slot each row is bound to
+        self.rows: list[tuple[int, int] | None] = [None] * rows  # the KV memory and slot each row is bound to
 
-    def bind_rows(self, slots: list[int], kv: KVSlots) -> None:
-        for r, slot in enumerate(slots):
-            if self.rows[r] != slot:
+    def bind_rows(self, slots: list[tuple[KVSlots, int]]) -> None:
+        for r, (kv, slot) in enumerate(slots):
+            if self.rows[r] != (id(kv), slot):
                 self.bind_kv(kv.views(slot, slot + 1), lambda name, r=r: row_name(name, r))
-                self.rows[r] = slot
+                self.rows[r] = (id(kv), slot)
 
 
 def _consecutive(order: list[int], rows: list[Row]) -> list[list[int]]:

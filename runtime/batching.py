@@ -518,23 +518,22 @@ class BatchEngine:
         started = time.perf_counter()
         copied = self._copied(rows) if gate is not None else []
         drafting = gate is not None and any(r.drafts is not None for r in rows) and self.pipe.draft_free()
-        # one row left verifies on the exported graphs, as a generation alone does: no spare rows
-        spares = (self._spares(rows) if len(rows) > 1 else []) if any(w for w, _ in copied) or drafting else None
+        windowed = any(w for w, _ in copied) or drafting
         # a grammar's forced tokens are taken whatever the gate says (the target takes them: a step of them commits
         # several tokens for about one), and such a step stays out of its timing, which weighs copies and drafts
         forced = any(source is not None and source is row.forcing for row, (_, source) in zip(rows, copied))
-        speculate = spares is not None and gate.speculate()
-        if spares is not None and (speculate or forced):
+        speculate = windowed and gate.speculate()
+        if speculate or forced:
             if not speculate:  # the forced windows alone
                 copied, drafting = [(w, s) if s is r.forcing else ((), None) for r, (w, s) in zip(rows, copied)], False
             windows, catch_up = self._drafted(rows, copied) if drafting else (copied, 0.0)
-            committed = self._window_step(rows, windows, spares)
+            committed = self._window_step(rows, windows)
             if not forced:  # the drafts' reading of tokens committed without them is timed apart, as alone
                 gate.record(True, committed, time.perf_counter() - started - catch_up)
             return
         inputs = [Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows]
-        if self.batch.pads_rows:  # rows run on the window graphs, in any slots: spares, not fillers
-            outs = self.batch.run(inputs, self._spares(rows) or [])
+        if self.batch.pads_rows:  # rows run on the window graphs, in any slots: no fillers
+            outs = self.batch.run(inputs)
         else:
             outs = self.batch.run(inputs + self._fillers(inputs))
         for row, out in zip(rows, outs):
@@ -605,14 +604,13 @@ class BatchEngine:
             out.append((window, source))
         return out, catch_up
 
-    def _window_step(self, rows: list[_Row], windows: list[tuple[tuple[int, ...], Proposer | None]],
-                     spares: list[Row]) -> int:
-        """Every row's last token and its window in one run (BatchTarget.run_windows; one row alone: BatchTarget.run),
-        spare slots taking a token each where fewer rows run than the step has (`_spares`); each row commits the
-        target's tokens up to its first disagreement with its window (runtime/verify.py), as a generation alone
-        verifies a window. The tokens committed."""
+    def _window_step(self, rows: list[_Row], windows: list[tuple[tuple[int, ...], Proposer | None]]) -> int:
+        """Every row's last token and its window in one run (BatchTarget.run_windows; one row alone verifies on the
+        exported graphs, as a generation alone does: BatchTarget.run); each row commits the target's tokens up to its
+        first disagreement with its window (runtime/verify.py), as a generation alone verifies a window. The tokens
+        committed."""
         inputs = [Row(r.slot.index, (r.context[-1], *w), r.kv_len, 1 + len(w)) for r, (w, _) in zip(rows, windows)]
-        outs = self.batch.run_windows(inputs, spares) if len(rows) > 1 else self.batch.run(inputs)
+        outs = self.batch.run_windows(inputs) if len(rows) > 1 else self.batch.run(inputs)
         committed = 0
         for row, (window, source), (out, taps) in zip(rows, windows, outs):
             self._count_step(row, len(rows))
@@ -640,21 +638,6 @@ class BatchEngine:
                 if row not in self._rows:  # finished (EOS, a stop string, max_new_tokens): the rest is dropped
                     break
         return committed
-
-    def _spares(self, rows: list[_Row]) -> list[Row] | None:
-        """A token each for slots outside the step, so that a window step has its rows (logits unused): written at
-        the slot's valid length, as a filler row's (past a prefilling request's KV, or a cached prefix), where
-        nothing is read before it is written again. The step's rows in runs of window_rows (a padded target's plain
-        step: BatchTarget.run), as many as the last run lacks; None where too few slots have room for one."""
-        valid = {r.slot.index: r.kv_len for r in self._rows}
-        stepping = {r.slot.index for r in rows}
-        wanted = -len(rows) % self.batch.window_rows if self.batch.window_rows else 0
-        out = []
-        for slot in self.table.slots:
-            length = valid.get(slot.index, len(slot.tokens))
-            if len(out) < wanted and slot.index not in stepping and length < self.kv.positions:
-                out.append(Row(slot.index, (0,), length, 0))
-        return out if len(out) == wanted else None
 
     def _count_step(self, row: _Row, batch: int) -> None:
         row.rec.counts.target_steps += 1

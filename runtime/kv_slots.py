@@ -60,6 +60,7 @@ class KVSlots:
 
     def __init__(self, manifest: Manifest, count: int, positions: int, device: tuple[str, int] = ("cpu", 0)) -> None:
         t = manifest.target
+        self.manifest = manifest
         self.count, self.positions, self.device = count, positions, device
         self.dtype = np.dtype(t.dtype)
         self.row_shape = (t.num_kv_heads, positions, t.head_dim)

@@ -33,9 +33,9 @@ def point(pipe: Pipeline, clients: int, mode: str, tag: str, kinds: tuple[str, .
     counts = {"window_steps": 0, "window_s": 0.0}
     run_windows = engine.batch.run_windows
 
-    def counted(rows, spares=()):
+    def counted(rows):
         start = time.perf_counter()
-        out = run_windows(rows, spares)
+        out = run_windows(rows)
         counts["window_steps"] += 1
         counts["window_s"] += time.perf_counter() - start
         return out
