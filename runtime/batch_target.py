@@ -25,6 +25,12 @@ from mirror_sd.runtime.kv_slots import KVSlots
 from mirror_sd.runtime.target import OrtTarget, _Bound, ort_device, padded_rows
 from mirror_sd.runtime.window_graphs import ATTENTION_GATHER, ATTENTION_KEEP, ROW_TOKENS, row_name
 
+# The most rows of a padded target's plain step on its window graphs: a spare row filling a run costs about a tenth
+# of a run's own fixed cost (its attention's kernels), so that graphs of a row per slot ran a step of 5 rows of 64
+# slots 1.4x slower than runs of 4 rows, and of 16 slots 1.3x faster (docs/design.md: A compressed target steps two
+# rows at least).
+STEP_ROWS = 16
+
 
 @dataclass(frozen=True)
 class Row:
@@ -48,7 +54,8 @@ class BatchTarget:
 
     def __init__(self, target: OrtTarget, slots: KVSlots, window_rows: int = 0) -> None:
         """window_rows: rows of a `run_windows` step (0: none; the window graphs load the weights again). A padded
-        target gets window graphs of a row per slot as well (where there are more slots), for its plain steps."""
+        target gets window graphs of up to STEP_ROWS rows as well (a row per slot where there are fewer), for its
+        plain steps."""
         if slots.positions != target.slots:
             raise ValueError(f"KV slots of {slots.positions} positions do not fit a target of {target.slots}")
         self.slots = slots
@@ -68,11 +75,11 @@ class BatchTarget:
             self._bound[role] = _Bound(session, spec, slots.views(0, 1))
         self.window_rows = window_rows if window_rows > 1 else 0
         # window graphs per count of rows: window_rows for windows; a padded target's plain steps of more rows run
-        # on graphs of a row per slot, in one run (their weights loaded a third time) rather than in runs of
-        # window_rows (each reading the weights again)
+        # on graphs of up to STEP_ROWS rows (their weights loaded a third time) rather than in runs of window_rows,
+        # each of which reads the weights again
         sizes = [self.window_rows] if self.window_rows else []
-        if sizes and self.pads_rows and slots.count > self.window_rows:
-            sizes.append(slots.count)
+        if sizes and self.pads_rows and min(slots.count, STEP_ROWS) > self.window_rows:
+            sizes.append(min(slots.count, STEP_ROWS))
         self._windows = {rows: {role: _RowBound(session, spec, rows)
                                 for role, (session, spec) in target.window_sessions(rows).items()} for rows in sizes}
         # where a window step's spare rows write (at position 0: nothing before it to attend to), one slot for all of
@@ -154,7 +161,7 @@ class BatchTarget:
         return out
 
     def run_windows(self, rows: list[Row]) -> list[RowOut]:
-        """One run of up to `window_rows` rows (a padded target's: up to a row per slot) in distinct slots, each its
+        """One run of up to `window_rows` rows (a padded target's: up to STEP_ROWS) in distinct slots, each its
         tokens after its own past (any number, at least one); per row (in the order given) its logits and taps, each
         the bits of that row alone (a padded target's rows take a query more in their attention, as its steps alone
         are padded to two tokens). The run is on the fewest rows' window graphs that take them; their other rows

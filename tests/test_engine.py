@@ -266,9 +266,9 @@ def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines):
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_a_compressed_targets_rows_get_their_solo_tokens_in_plain_and_window_steps(bundle_factory, weights,
                                                                                     monkeypatch):
-    """A target with int8 activations steps two rows at least alone (Target.step_width): batched, each of its rows
-    is padded so too, on the window graphs (runs of 4 rows; rows left over without free slots to fill a run step
-    alone), and every output equals its solo one; then rows verifying windows (a scripted gate, every step) too."""
+    """A target with int8 activations steps two rows at least alone (Target.step_width): batched, each of its rows'
+    attention is padded so too, on the window graphs (a plain step in one run of the 6-row graphs, spare rows filling
+    it), and every output equals its solo one; then rows verifying windows (a scripted gate, every step) too."""
     import mirror_sd.runtime.batching as batching
 
     pipe = Pipeline.load(bundle_factory(target_weights=weights), huge_pages=False, max_num_seqs=6)
