@@ -16,15 +16,15 @@ One step of the engine, in its thread:
      committed token per step, exactly as `Pipeline.generate` would: speculation pays where the target's step is
      cheap, at batch 1. Another request arriving stops that decoder after the token it gave last, and the request
      goes on in the batch from there: its slot holds its context;
-  3. otherwise, one run over the prompt tokens still to prefill (all but each prompt's last, chunked so that the
-     running generations keep flowing), then one run of every generation's next token (a prompt's last token
-     among them): its logits, each request's own sampling (the same random stream per position as a generation
-     alone), stop strings, EOS and max_new_tokens. Up to `window_rows` speculative requests (lookup, sd,
-     mirror) verify a window in that run, each row as many tokens as it has (`_window_step`), where a gate per batch
-     size measured such steps faster than plain ones: the tokens the request's grammar forces, or a window copied
-     from its own text (prompt lookup; sampled rows verify these two against their own draws, runtime/verify.py), else,
-     for greedy sd and mirror, one from a draft of the request's own (runtime/row_drafts.py), drafted on this thread
-     before the step;
+  3. otherwise, one run over the prompt tokens still to prefill (chunked so that the running generations keep flowing;
+     a prompt that ends there gives its first token from it, as a generation alone gives it from its prefill, or
+     leaves its last token to the next run), then one run of every generation's next token: its logits, each
+     request's own sampling (the same random stream per position as a generation alone), stop strings, EOS and
+     max_new_tokens. Up to `window_rows` speculative requests (lookup, sd, mirror) verify a window in that run, each
+     row as many tokens as it has (`_window_step`), where a gate per batch size measured such steps faster than plain
+     ones: the tokens the request's grammar forces, or a window copied from its own text (prompt lookup; sampled rows
+     verify these two against their own draws, runtime/verify.py), else, for greedy sd and mirror, one from a draft
+     of the request's own (runtime/row_drafts.py), drafted on this thread before the step;
   4. finished and cancelled requests leave their slots, which keep their tokens' KV as a cached prefix.
 Greedy output is the request's solo output token for token: every row of a batched step is computed as it would be
 alone (tests/test_engine.py), and the speculative decoder is exact by construction.
@@ -73,6 +73,10 @@ MAX_FILLER_ROWS = 8
 # A fresh prompt joins an older one's prefill run where padding it to that row's width wastes at most this share of
 # its run (docs/design.md: "Several tokens per row only without a past").
 MAX_PADDING = 0.2
+# A prompt that ends in a prefill run takes its last token there (its first new token from that run's logits) where
+# it is padded by at most this many positions to the run's widest row: the LM head runs on as many more positions of
+# every row. Otherwise its last token runs in the next decode step.
+MAX_HEAD_PADDING = 4
 SPECULATIVE_MODES = tuple(m for m in MODES if m != "ar")  # every mode but the target alone
 # A request alone speculates only where the engine has been running one request at a time of late (its recent mean
 # of requests per step below this): under many clients one is alone only for moments, and starting and stopping the
@@ -106,8 +110,9 @@ class Request:
     thread: it must only hand the event on (an asyncio loop's call_soon_threadsafe)."""
 
     def __init__(self, ids: list[int], config: GenerationConfig,
-                 listener: Callable[[object], None] | None = None) -> None:
+                 listener: Callable[[object], None] | None = None, counted: bool = True) -> None:
         self.ids, self.config = ids, config
+        self.counted = counted  # whether a server's admission counts it (BatchEngine.counted)
         self.submitted = time.perf_counter()
         self.admitted: float | None = None  # when it got a KV slot (set by the engine's thread)
         self.result: GenerationResult | None = None
@@ -221,12 +226,13 @@ class BatchEngine:
         return self.kv.count
 
     def submit(self, ids: list[int], config: GenerationConfig,
-               listener: Callable[[object], None] | None = None) -> Request:
+               listener: Callable[[object], None] | None = None, counted: bool = True) -> Request:
         """Queue a generation of `config` from prompt `ids`, both checked first (Pipeline.check: BadInputError,
-        ContextLimitError): a request the engine could not run would fail inside a step, beside other requests."""
+        ContextLimitError): a request the engine could not run would fail inside a step, beside other requests.
+        counted False: a step of a beam search, which a server counts by the search's width instead (`counted`)."""
         ids, config = self.pipe.check(list(ids), config)
         one_at_a_time(config)
-        request = Request(ids, config, listener)
+        request = Request(ids, config, listener, counted)
         with self._wake:
             if not self.alive:
                 raise EngineClosed("the engine is stopped")
@@ -249,6 +255,14 @@ class BatchEngine:
     @property
     def running(self) -> int:
         return len(self._rows)
+
+    @property
+    def counted(self) -> int:
+        """Requests running or waiting (not cancelled) that were submitted counted: a beam search's steps leave the
+        running rows as they finish, so this count never misses one that still holds a slot."""
+        with self._wake:
+            waiting = sum(r.counted and not r.cancelled for r in self._waiting)
+        return waiting + sum(r.request.counted for r in list(self._rows))
 
     @property
     def alive(self) -> bool:
@@ -405,11 +419,12 @@ class BatchEngine:
 
     # -- batched steps --------------------------------------------------------------------------------------------
     def _prefill_step(self) -> None:
-        """One run over prompt tokens still to prefill (all but each prompt's last), oldest requests first, within
-        PREFILL_BUDGET (rows padded to the widest). ONNX Runtime's attention takes several rows of several tokens
-        only where none has a past: prompts that start from nothing run together, a prompt that goes on from its
-        cached head or an earlier chunk runs alone; the prompt graphs run rows one after another. A prompt whose
-        logprobs are asked for runs on the target's own graphs, its LM head on every position."""
+        """One run over prompt tokens still to prefill, oldest requests first, within PREFILL_BUDGET (rows padded to
+        the widest). ONNX Runtime's attention takes several rows of several tokens only where none has a past:
+        prompts that start from nothing run together, a prompt that goes on from its cached head or an earlier chunk
+        runs alone; the prompt graphs run rows one after another (all but each prompt's last token, as alone). A
+        prompt whose logprobs are asked for runs on the target's own graphs, its LM head on every position. A prompt
+        whose last token ran commits its first new token from the run's logits (_prefill_rows)."""
         pending = []
         for row in self._rows:
             if row.prefilling and not row.looked_for_head:
@@ -426,7 +441,8 @@ class BatchEngine:
         on_prompt_graphs = self.pipe.target.prompt_graphs is not None and not scored
         rows = self._prompt_graph_rows(pending) if on_prompt_graphs else self._prefill_rows(pending)
         runs = [Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len,
-                    0 if r.prompt_scores is None else take) for r, take in rows]
+                    take if r.prompt_scores is not None else int(r.kv_len + take == len(r.context)))
+                for r, take in rows]
         outs = [self.batch.run_prompt(run) for run in runs] if on_prompt_graphs else self.batch.run(runs)
         drafting = len(self._rows) <= self.batch.window_rows
         for (r, take), out in zip(rows, outs):
@@ -436,6 +452,9 @@ class BatchEngine:
                 r.prompt_scores += prompt_logprobs(out.logits, r.request.ids, r.kv_len,
                                                    r.request.config.prompt_logprobs)
             r.kv_len += take
+            if r.kv_len == len(r.context):  # its last prompt token ran: its first new token, as a prefill alone gives
+                self._count_step(r, len(rows))
+                self._commit_chosen(r, out.logits[-1:])
 
     @staticmethod
     def _prompt_graph_rows(pending: list[_Row]) -> list[tuple[_Row, int]]:
@@ -453,23 +472,29 @@ class BatchEngine:
 
     @staticmethod
     def _prefill_rows(pending: list[_Row]) -> list[tuple[_Row, int]]:
-        """The rows of one prefill run on the target's graphs, and their tokens."""
+        """The rows of one prefill run on the target's graphs, and their tokens. A row's chunk that reaches its
+        prompt's end takes the last token too, where its padding is at most MAX_HEAD_PADDING: its first new token's
+        logits are then its prefill's, as a generation alone computes them (a decode step's one query row rounds
+        otherwise: docs/design.md, A prompt's first token from its prefill)."""
 
-        def share(row: _Row) -> int:  # a row's chunk: at most PREFILL_CHUNK (docs/design.md: Prefill in chunks)
-            return min(len(row.context) - 1 - row.kv_len, PREFILL_CHUNK)
+        def share(row: _Row, last: bool = True) -> int:  # a row's chunk: at most PREFILL_CHUNK (docs/design.md:
+            # Prefill in chunks), its prompt's last token in it or not
+            return min(len(row.context) - row.kv_len - (0 if last else 1), PREFILL_CHUNK)
 
         oldest = pending[0]
+        if share(oldest, last=False) == 1:
+            # one token each (a prompt two tokens past what the prefix cache holds: a beam search's next step) runs
+            # together whatever its past, as a decode step does (the attention refuses only several tokens per row
+            # after a past), their last tokens in the decode step
+            return [(row, 1) for row in pending if share(row, last=False) == 1][:PREFILL_BUDGET]
         rows, width = [(oldest, share(oldest))], share(oldest)
-        if width == 1:
-            # one token each (a prompt a token past what the prefix cache holds: a beam search's next step) runs
-            # together whatever its past, as a decode step does: the attention refuses only several tokens per row
-            # after a past
-            rows += [(row, 1) for row in pending[1:] if share(row) == 1][:PREFILL_BUDGET - 1]
-        elif not oldest.kv_len:
+        if not oldest.kv_len:
             # fresh prompts of about the oldest's width join it: a run pads every row to the widest, and padding
             # costs what real tokens do
             for row in pending[1:]:
                 take = share(row)
+                if take < width - MAX_HEAD_PADDING:  # it ends here, padded: its last token in the decode step
+                    take = share(row, last=False)
                 if row.kv_len or take > width or take < width * (1 - MAX_PADDING):
                     continue
                 if width * (len(rows) + 1) > PREFILL_BUDGET:

@@ -159,8 +159,6 @@ class Pipeline:
         self.load_options = LoadOptions()  # what load was given (the batching engine reads its own from it)
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
-        self._beam_requests = 0  # a beam search's one-token requests in the engine now (beam_requests)
-        self._beam_lock = threading.Lock()
         self._vocabulary: Vocabulary | None = None  # the tokenizer as JSON schemas read it, made at the first one
         self._vocabulary_lock = threading.Lock()
 
@@ -510,32 +508,16 @@ class Pipeline:
         if not BatchEngine.runs_on(self):
             results = [self.generate(ids, cfg) for ids in contexts]
         else:
-            requests, results = [], []
+            requests = []
             try:
-                for ids in contexts:
-                    requests.append(self.engine().submit(ids, cfg))
-                    self._count_beam_requests(1)
-                for request in requests:
-                    results.append(request.wait())
-                    self._count_beam_requests(-1)
+                for ids in contexts:  # a server counts the search by its width, not its steps (BatchEngine.counted)
+                    requests.append(self.engine().submit(ids, cfg, counted=False))
+                results = [request.wait() for request in requests]
             except BaseException:
                 for request in requests:
                     request.cancel()
                 raise
-            finally:
-                self._count_beam_requests(len(results) - len(requests))
         return [list(r.logprobs[0].top) for r in results]
-
-    def _count_beam_requests(self, change: int) -> None:
-        with self._beam_lock:
-            self._beam_requests += change
-
-    @property
-    def beam_requests(self) -> int:
-        """A beam search's one-token requests in the batching engine now (its running or waiting ones among them): a
-        server counts a search by its width instead."""
-        with self._beam_lock:
-            return self._beam_requests
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """vLLM's tokens of bad words: each word as the text's start spells it and, where that makes other tokens of

@@ -155,7 +155,7 @@ class Generations:
             raise p.ApiError(400, f"the request asks for {need} generations (n times its prompts); this server holds "
                                   f"{e.max_num_seqs + self.settings.max_queue} at once", param="n",
                              code="invalid_value")
-        load = e.running + e.waiting - e.pipe.beam_requests + self.beams  # a beam search's requests once: its width
+        load = e.counted + self.beams  # a beam search's requests once: its width
         if load + need > e.max_num_seqs + self.settings.max_queue:
             raise p.ApiError(429, f"the server is busy: {e.waiting} requests are waiting; retry later",
                              "server_busy", code="queue_full",

@@ -48,6 +48,31 @@ def test_a_batch_of_prompts_gives_each_its_solo_greedy_tokens(pipelines, arch):
     assert all(r.stats.new_tokens == len(r.token_ids) for r in results)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_prompt_that_ends_in_a_prefill_run_gets_its_first_token_from_it_as_alone(pipelines, arch):
+    """A prompt alone, and prompts of one width together, take their last token in the prefill run: their first
+    tokens' logprobs are the bits of each prompt prefilled alone (as a decode step's one query row would not give:
+    a near-tie there once flipped a greedy token). One padded by more than MAX_HEAD_PADDING leaves its last token to
+    the decode step and keeps its solo greedy tokens."""
+    import random
+
+    pipe = pipelines[arch]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (23, 37, 37, 37, 31)]
+    options = {"mode": "ar", "max_new_tokens": 4, "ignore_eos": True, "logprobs": 0}
+    alone = [pipe.generate(p, **options) for p in prompts]
+    engine = pipe.engine()
+    first = engine.submit(*pipe.check(prompts[0], **options)).wait()
+    with engine._wake:  # all arrive before the engine's next step: one prefill run
+        together = [engine.submit(*pipe.check(p, **options)) for p in prompts[1:]]
+    results = [first] + [r.wait() for r in together]
+    assert all(r.stats.cached_prompt_tokens == 0 for r in results)
+    for got, want in zip(results, alone):
+        assert got.token_ids == want.token_ids
+    for got, want in zip(results[:4], alone[:4]):
+        assert [x.logprob for x in got.logprobs] == [x.logprob for x in want.logprobs]
+
+
 def test_any_mix_of_arrivals_modes_lengths_and_cancellations_keeps_every_output(pipelines):
     pipe = pipelines["llama"]
     engine = pipe.engine()
