@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from slot_packing_ab import write_results
+from slot_packing_ab import timed_batch, write_results
 
 from mirror_sd.bench import serving
 from mirror_sd.runtime.batch_target import BatchTarget, Row
@@ -70,17 +69,9 @@ def main() -> None:
     runs, names = [], list(pipes)
     for rnd in range(args.rounds):
         for arm in names[rnd % len(names):] + names[:rnd % len(names)]:
-            run_on, solo = pipes[arm], solos[id(pipes[arm])]
             if arm in arms:
                 engine.batch = arms[arm]
-            for slot in run_on.engine().table.slots:  # no prompt reuses another's KV
-                slot.tokens = []
-            start = time.perf_counter()
-            results = run_on.generate(prompts, mode="ar", max_new_tokens=NEW_TOKENS)
-            wall = time.perf_counter() - start
-            runs.append({"arm": arm, "round": rnd, "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
-                         "equal_to_solo": sum(r.token_ids == s for r, s in zip(results, solo))})
-            print(runs[-1], flush=True)
+            runs.append(timed_batch(pipes[arm], prompts, solos[id(pipes[arm])], NEW_TOKENS, arm=arm, round=rnd))
     summary = {arm: {"median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs if r["arm"] == arm),
                      "equal_to_solo": sum(r["equal_to_solo"] for r in runs if r["arm"] == arm),
                      "compared": REQUESTS * args.rounds} for arm in names}

@@ -1,7 +1,8 @@
 """A compressed target's batched rows padded to two tokens (the engine as it is: each row computed as alone, on the
 window graphs) against plain one-token rows (the engine before: faster, rounding otherwise than a row alone): 16
 serving prompts submitted at once to the engine (no HTTP), ar, 48 new tokens, the arms alternated in one process, the
-prefix cache emptied before each; every output of the first four prompts compared with its solo output.
+prefix cache emptied before each; every output of the first four prompts compared with its solo output. (Since the
+twenty-fifth session the engine's padded rows pad their attention only: lab/scripts/int8_attention_padding_ab.py.)
 
     PYTHONPATH=lab/scripts .venv/bin/python lab/scripts/int8_batched_padding_ab.py \
         build/bundles/smollm2-feature-int8 --out results/int8-batched-padding.json
@@ -11,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from slot_packing_ab import write_results
+from slot_packing_ab import timed_batch, write_results
 
 from mirror_sd.bench import serving
 from mirror_sd.runtime.pipeline import Pipeline
@@ -35,14 +35,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         for arm in ("padded", "plain") if rnd % 2 == 0 else ("plain", "padded"):
             engine.batch.pads_rows = arm == "padded"
-            for slot in engine.table.slots:  # no prompt reuses another's KV
-                slot.tokens = []
-            start = time.perf_counter()
-            results = pipe.generate(prompts, mode="ar", max_new_tokens=NEW_TOKENS)
-            wall = time.perf_counter() - start
-            runs.append({"arm": arm, "round": rnd, "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
-                         "equal_to_solo": sum(r.token_ids == s for r, s in zip(results, solo))})
-            print(runs[-1], flush=True)
+            runs.append(timed_batch(pipe, prompts, solo, NEW_TOKENS, arm=arm, round=rnd))
     summary = {arm: {"median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs if r["arm"] == arm),
                      "equal_to_solo": sum(r["equal_to_solo"] for r in runs if r["arm"] == arm),
                      "compared": CHECKED * args.rounds} for arm in ("padded", "plain")}

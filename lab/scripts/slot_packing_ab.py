@@ -29,6 +29,20 @@ def write_results(out: str, question: str, bundle: str, summary: dict, runs: lis
     Path(out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def timed_batch(pipe: Pipeline, prompts: list, solo: list[list[int]], new_tokens: int, **facts) -> dict:
+    """One arm's run of a batched A/B: `prompts` together on the engine (every slot's cached prompt dropped first),
+    greedy ar; its tokens per second and how many outputs equal their solo ones, with `facts` (arm, round)."""
+    for slot in pipe.engine().table.slots:  # no prompt reuses another's KV
+        slot.tokens = []
+    start = time.perf_counter()
+    results = pipe.generate(prompts, mode="ar", max_new_tokens=new_tokens)
+    wall = time.perf_counter() - start
+    run = {**facts, "tokens_per_s": sum(len(r.token_ids) for r in results) / wall,
+           "equal_to_solo": sum(r.token_ids == s for r, s in zip(results, solo))}
+    print(run, flush=True)
+    return run
+
+
 def flush(pipe: Pipeline, tag: str) -> None:
     """Every slot's cached prompt replaced, as the benchmark's flush does."""
     engine = pipe.engine()
