@@ -56,7 +56,7 @@ from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.row_drafts import RowDraft
 from mirror_sd.runtime.sampling import TARGET_STREAM, choose, penalize, rng_for, target_streams
 from mirror_sd.runtime.stats import Recorder
-from mirror_sd.runtime.target import PREFILL_CHUNK, OrtTarget, ort_device, prompt_chunk_end
+from mirror_sd.runtime.target import PREFILL_CHUNK, ROW_BLOCK, OrtTarget, ort_device, prompt_chunk_end
 from mirror_sd.runtime.text import TextSink
 from mirror_sd.runtime.verify import verify
 
@@ -73,9 +73,10 @@ MAX_FILLER_ROWS = 8
 # A fresh prompt joins an older one's prefill run where padding it to that row's width wastes at most this share of
 # its run (docs/design.md: "Several tokens per row only without a past").
 MAX_PADDING = 0.2
-# A prompt that ends in a prefill run takes its last token there (its first new token from that run's logits) where
-# it is padded by at most this many positions to the run's widest row: the LM head runs on as many more positions of
-# every row. Otherwise its last token runs in the next decode step.
+# A prompt that ends in a fresh prefill run padded to its widest row takes its last token there (its first new token
+# from the run's logits) where the padding is at most this many positions: the LM head runs on as many more positions
+# of every row. Not where its own tokens would end with a lone row past a block (ROW_BLOCK): alone, that row takes the
+# attention's one-row path, padded it would not. Otherwise its last token runs in the next decode step.
 MAX_HEAD_PADDING = 4
 SPECULATIVE_MODES = tuple(m for m in MODES if m != "ar")  # every mode but the target alone
 # A request alone speculates only where the engine has been running one request at a time of late (its recent mean
@@ -196,7 +197,8 @@ class BatchEngine:
                                 "onnxruntime)", option="target_backend")
         self.pipe = pipe
         self.kv = KVSlots(pipe.manifest, max_num_seqs, pipe.target.slots, ort_device(pipe.target.device))
-        self.table = SlotTable(max_num_seqs, pipe.target.reuse_grid)
+        # a prompt prefills its last two tokens at least where one row would round otherwise than its prefill alone
+        self.table = SlotTable(max_num_seqs, pipe.target.reuse_grid, pipe.target.fewest_prefill_rows)
         self.caching = pipe.load_options.enable_prefix_caching  # off: no prompt starts from a held head
         # windows at batch > 1 on the CPU only: a GPU's float16 kernels round by step width (Target.step_width)
         self.batch = BatchTarget(pipe.target, self.kv,
@@ -208,6 +210,7 @@ class BatchEngine:
                                for rows, windows, plain in planned}
         self._waiting: deque[Request] = deque()
         self._rows: list[_Row] = []
+        self._admitting: Request | None = None  # between the queue and the rows (BatchEngine.counted)
         self._wake = threading.Condition()
         self._stopping = False
         self.last_batch = 0  # requests in the last batched step (/metrics reads it; the engine's thread writes it)
@@ -258,11 +261,12 @@ class BatchEngine:
 
     @property
     def counted(self) -> int:
-        """Requests running or waiting (not cancelled) that were submitted counted: a beam search's steps leave the
-        running rows as they finish, so this count never misses one that still holds a slot."""
+        """Requests waiting (not cancelled), being admitted or running that were submitted counted (a beam search's
+        steps are not): one finishing leaves the running rows as it ends, one admitted is counted throughout."""
         with self._wake:
             waiting = sum(r.counted and not r.cancelled for r in self._waiting)
-        return waiting + sum(r.request.counted for r in list(self._rows))
+            admitting = self._admitting is not None and self._admitting.counted
+        return waiting + admitting + sum(r.request.counted for r in list(self._rows))
 
     @property
     def alive(self) -> bool:
@@ -338,41 +342,49 @@ class BatchEngine:
     def _admit(self) -> None:
         while self._waiting and self.table.free():
             with self._wake:
-                request = self._waiting.popleft()
-            cfg = request.config
-            # a prompt whose logprobs are asked for is prefilled whole, on every position (as vLLM's skip the prefix
-            # cache); another's head another slot holds is copied before the prefill (_borrow)
-            scored = cfg.prompt_logprobs is not None
-            slot, cached = self.table.take([] if scored or not self.caching else request.ids,
-                                           copies=self.kv.can_copy, alone=self._alone())
-            request.admitted = time.perf_counter()
+                request = self._admitting = self._waiting.popleft()
             try:
-                sink = TextSink.of(self.pipe.codec, cfg, request.ids)
-                rec = Recorder(cfg.trace)
-                # copied and forced windows in sampled rows too: they commit the target's own draws
-                # (runtime/verify.py own_draws_accept), a draft's windows greedy ones only
-                windows = self.batch.window_rows > 0 and cfg.mode != "ar"
-                copies = drafts = None
-                if windows and cfg.prompt_lookup_num_tokens > 0:
-                    copies = PromptLookup(cfg, self.pipe.target.window_ceiling)
-                if windows and cfg.params.greedy and cfg.mode in DRAFT_MODES:
-                    drafts = self._row_draft(cfg, rec)
-                grammar = self.pipe.grammar_state(cfg)
-                forcing = None
-                if windows and grammar is not None:
-                    forcing = GrammarForcing(grammar, len(request.ids), self.pipe.target.window_ceiling)
-            except Exception as e:  # this request ends with it; its slot is free again, its KV untouched
-                self.table.leave(slot, slot.tokens)  # the prefix it held
-                request._emit(Finished(None, e))
-                continue
-            row = _Row(request, slot, list(request.ids), cached, sink, rec, cached, time.perf_counter(),
-                       copies=copies, drafts=drafts, grammar=grammar, forcing=forcing,
-                       prompt_scores=[None] if scored else None)  # the first token's: nothing comes before it
-            self._rows.append(row)
-            self._pack(len(self._rows) - 1, slot)
-            if self.kv.can_copy:  # now, so that a request that runs alone from here starts from the head too
-                row.looked_for_head = True
-                self._borrow(row)
+                self._admit_one(request)
+            finally:
+                with self._wake:
+                    self._admitting = None
+
+    def _admit_one(self, request: Request) -> None:
+        """The waiting request into a free slot, or finished at once with what failed in setting it up."""
+        cfg = request.config
+        # a prompt whose logprobs are asked for is prefilled whole, on every position (as vLLM's skip the prefix
+        # cache); another's head another slot holds is copied before the prefill (_borrow)
+        scored = cfg.prompt_logprobs is not None
+        slot, cached = self.table.take([] if scored or not self.caching else request.ids,
+                                       copies=self.kv.can_copy, alone=self._alone())
+        request.admitted = time.perf_counter()
+        try:
+            sink = TextSink.of(self.pipe.codec, cfg, request.ids)
+            rec = Recorder(cfg.trace)
+            # copied and forced windows in sampled rows too: they commit the target's own draws
+            # (runtime/verify.py own_draws_accept), a draft's windows greedy ones only
+            windows = self.batch.window_rows > 0 and cfg.mode != "ar"
+            copies = drafts = None
+            if windows and cfg.prompt_lookup_num_tokens > 0:
+                copies = PromptLookup(cfg, self.pipe.target.window_ceiling)
+            if windows and cfg.params.greedy and cfg.mode in DRAFT_MODES:
+                drafts = self._row_draft(cfg, rec)
+            grammar = self.pipe.grammar_state(cfg)
+            forcing = None
+            if windows and grammar is not None:
+                forcing = GrammarForcing(grammar, len(request.ids), self.pipe.target.window_ceiling)
+        except Exception as e:  # this request ends with it; its slot is free again, its KV untouched
+            self.table.leave(slot, slot.tokens)  # the prefix it held
+            request._emit(Finished(None, e))
+            return
+        row = _Row(request, slot, list(request.ids), cached, sink, rec, cached, time.perf_counter(),
+                   copies=copies, drafts=drafts, grammar=grammar, forcing=forcing,
+                   prompt_scores=[None] if scored else None)  # the first token's: nothing comes before it
+        self._rows.append(row)
+        self._pack(len(self._rows) - 1, slot)
+        if self.kv.can_copy:  # now, so that a request that runs alone from here starts from the head too
+            row.looked_for_head = True
+            self._borrow(row)
 
     def _row_draft(self, cfg: GenerationConfig, rec: Recorder) -> RowDraft:
         draft = self.pipe.manifest.draft
@@ -473,28 +485,29 @@ class BatchEngine:
     @staticmethod
     def _prefill_rows(pending: list[_Row]) -> list[tuple[_Row, int]]:
         """The rows of one prefill run on the target's graphs, and their tokens. A row's chunk that reaches its
-        prompt's end takes the last token too, where its padding is at most MAX_HEAD_PADDING: its first new token's
-        logits are then its prefill's, as a generation alone computes them (a decode step's one query row rounds
-        otherwise: docs/design.md, A prompt's first token from its prefill)."""
+        prompt's end takes the last token too where the row is alone or padded by at most MAX_HEAD_PADDING: its first
+        new token's logits are then its prefill's, as a generation alone computes them (a decode step's one query row
+        rounds otherwise: docs/design.md, A prompt's first token from its prefill)."""
 
         def share(row: _Row, last: bool = True) -> int:  # a row's chunk: at most PREFILL_CHUNK (docs/design.md:
             # Prefill in chunks), its prompt's last token in it or not
             return min(len(row.context) - row.kv_len - (0 if last else 1), PREFILL_CHUNK)
 
         oldest = pending[0]
-        if share(oldest, last=False) == 1:
-            # one token each (a prompt two tokens past what the prefix cache holds: a beam search's next step) runs
-            # together whatever its past, as a decode step does (the attention refuses only several tokens per row
-            # after a past), their last tokens in the decode step
-            return [(row, 1) for row in pending if share(row, last=False) == 1][:PREFILL_BUDGET]
+        steps = [row for row in pending if row.kv_len and share(row, last=False) == 1]
+        if oldest in steps and len(steps) > 1:
+            # prompts two tokens past what the prefix cache holds (a beam search's next step) run a token each
+            # together whatever their pasts, as a decode step does (the attention refuses only several tokens per row
+            # after a past), their last tokens in the decode step; one alone runs both
+            return [(row, 1) for row in steps][:PREFILL_BUDGET]
         rows, width = [(oldest, share(oldest))], share(oldest)
         if not oldest.kv_len:
             # fresh prompts of about the oldest's width join it: a run pads every row to the widest, and padding
             # costs what real tokens do
             for row in pending[1:]:
                 take = share(row)
-                if take < width - MAX_HEAD_PADDING:  # it ends here, padded: its last token in the decode step
-                    take = share(row, last=False)
+                if take < width and (take < width - MAX_HEAD_PADDING or take % ROW_BLOCK == 1):
+                    take = share(row, last=False)  # it ends here, padded: its last token in the decode step
                 if row.kv_len or take > width or take < width * (1 - MAX_PADDING):
                     continue
                 if width * (len(rows) + 1) > PREFILL_BUDGET:

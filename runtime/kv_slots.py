@@ -135,10 +135,11 @@ class Slot:
 class SlotTable:
     """Which sequence owns each slot and what the free ones still hold. The engine's thread alone uses it."""
 
-    def __init__(self, count: int, grid: int = 1) -> None:
-        """grid: a prefix is reused in multiples of this many positions (Target.reuse_grid)."""
+    def __init__(self, count: int, grid: int = 1, fewest: int = 1) -> None:
+        """grid: a prefix is reused in multiples of this many positions (Target.reuse_grid); fewest: a prompt's last
+        tokens never reused (Target.fewest_prefill_rows)."""
         self.slots = [Slot(i, []) for i in range(count)]
-        self.grid = grid
+        self.grid, self.fewest = grid, fewest
         self._clock = 0
 
     def free(self) -> int:
@@ -146,7 +147,7 @@ class SlotTable:
 
     def take(self, prompt: list[int], copies: bool = False, alone: bool = False) -> tuple[Slot, int]:
         """A free slot for a sequence starting with `prompt`, and how many of its first tokens that slot's KV
-        already holds (at most len(prompt) - 1: the last prompt token must run to give the first new token's
+        already holds (at most len(prompt) - fewest: the last prompt token must run to give the first new token's
         logits; a multiple of `grid`). The free slot holding the longest such prefix wins; else an empty slot,
         else the least recently used. ValueError when every slot is busy.
         copies: the caller copies a cached head between slots (KVSlots.copy, host memory): where the winner holds a
@@ -178,7 +179,7 @@ class SlotTable:
 
     def reusable(self, held: list[int], prompt: np.ndarray) -> int:
         """How many first tokens of `prompt` (int64 ids) a slot holding `held` spares (reusable_head)."""
-        return reusable_head(held, prompt, self.grid)
+        return reusable_head(held, prompt, self.grid, self.fewest)
 
     def leave(self, slot: Slot, tokens: list[int]) -> None:
         """The sequence is done: the slot is free and keeps `tokens` (those whose KV it holds) as a cached prefix."""
@@ -195,11 +196,11 @@ class SlotTable:
         slot.used = self._clock
 
 
-def reusable_head(held, prompt: np.ndarray, grid: int) -> int:
+def reusable_head(held, prompt: np.ndarray, grid: int, fewest: int = 1) -> int:
     """How many first tokens of `prompt` (int64 ids) KV memory holding `held` spares: their common head, at most
-    len(prompt) - 1 (the last prompt token runs to give the first new token's logits), in multiples of `grid`
-    (Target.reuse_grid)."""
-    n = min(common_prefix(np.asarray(held, np.int64), prompt), len(prompt) - 1)
+    len(prompt) - fewest (the last prompt token runs to give the first new token's logits; Target.fewest_prefill_rows),
+    in multiples of `grid` (Target.reuse_grid)."""
+    n = min(common_prefix(np.asarray(held, np.int64), prompt), len(prompt) - fewest)
     return max(n - n % grid, 0)
 
 

@@ -245,9 +245,9 @@ class Target:
         them in runs of many rows. With prompt graphs, the positions they prefilled (the same tokens inside a later
         prompt are prefilled there, not on the target's steps), none where its prompt ran on the target's own graphs
         for its logprobs (`scored`). Otherwise all, where every run has two rows at least (pads_rows); else its
-        prompt's but the last: a one-row run (a generated token's step, the last prompt token's on the engine) rounds
-        otherwise than a row of a wider run (ONNX Runtime's one-row kernels: docs/design.md, A compressed target
-        steps two rows at least)."""
+        prompt's but the last: a one-row run (a generated token's step, the last prompt token's where the engine ran
+        it in a decode step) rounds otherwise than a row of a wider run (ONNX Runtime's one-row kernels:
+        docs/design.md, A compressed target steps two rows at least)."""
         if self.prompt_graphs is not None:
             return 0 if scored else min(kv_len, self.prompt_split(prompt_len))
         return kv_len if self.pads_rows else min(kv_len, prompt_len - 1)

@@ -52,8 +52,9 @@ def test_a_batch_of_prompts_gives_each_its_solo_greedy_tokens(pipelines, arch):
 def test_a_prompt_that_ends_in_a_prefill_run_gets_its_first_token_from_it_as_alone(pipelines, arch):
     """A prompt alone, and prompts of one width together, take their last token in the prefill run: their first
     tokens' logprobs are the bits of each prompt prefilled alone (as a decode step's one query row would not give:
-    a near-tie there once flipped a greedy token). One padded by more than MAX_HEAD_PADDING leaves its last token to
-    the decode step and keeps its solo greedy tokens."""
+    a near-tie there once flipped a greedy token); so do a prompt of two tokens, one two past a chunk and one sent
+    again (its last two tokens prefilled). One padded in the run leaves its last token to the decode step and keeps
+    its solo greedy tokens."""
     import random
 
     pipe = pipelines[arch]
@@ -71,6 +72,11 @@ def test_a_prompt_that_ends_in_a_prefill_run_gets_its_first_token_from_it_as_alo
         assert got.token_ids == want.token_ids
     for got, want in zip(results[:4], alone[:4]):
         assert [x.logprob for x in got.logprobs] == [x.logprob for x in want.logprobs]
+    again = [rng.randrange(3, 300) for _ in range(60)]
+    for prompt in ([5, 9], [rng.randrange(3, 300) for _ in range(258)], again, again):
+        got = engine.submit(*pipe.check(prompt, **options)).wait()
+        assert got.logprobs[0].logprob == pipe.generate(prompt, **options).logprobs[0].logprob
+    assert got.stats.cached_prompt_tokens == len(again) - 2
 
 
 def test_any_mix_of_arrivals_modes_lengths_and_cancellations_keeps_every_output(pipelines):
