@@ -90,8 +90,10 @@ class BatchTarget:
 
     def run(self, rows: list[Row]) -> list[RowOut]:
         """Every row's step; per row (in the order given) its logits and taps. Rows must hold distinct slots, and
-        start + the widest row's tokens must fit their slot."""
-        if self.pads_rows and len(rows) > 1 and any(r.start for r in rows):
+        start + the widest row's tokens must fit their slot. Rows of several tokens after a past (and a padded
+        target's rows after a past) run as `_run_padded` runs them, each row's bits those of the row alone."""
+        several = max(len(r.ids) for r in rows) > 1
+        if len(rows) > 1 and any(r.start for r in rows) and (self.pads_rows or several):
             return self._run_padded(rows)
         out: list[RowOut] = [RowOut(None, None)] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
@@ -99,6 +101,12 @@ class BatchTarget:
             for i, row_out in zip(run, self._run([rows[i] for i in run])):
                 out[i] = row_out
         return out
+
+    @property
+    def runs_windows(self) -> bool:
+        """Whether `run` takes rows of several tokens after a past together (on the window graphs, in runs of
+        `window_rows`); without window graphs it runs them one at a time."""
+        return bool(self._windows)
 
     def _run(self, rows: list[Row]) -> list[RowOut]:
         width = max(len(r.ids) for r in rows)
@@ -147,10 +155,10 @@ class BatchTarget:
         return RowOut(None, taps)
 
     def _run_padded(self, rows: list[Row]) -> list[RowOut]:
-        """Rows after a past of a padded target, each computed as it would be alone: in one run on the window graphs
-        (runs of as many rows as their largest take), their attention padded (ONNX Runtime's attention refuses rows
-        of several tokens after a past at batch > 1); without window graphs one at a time, padded to the step
-        width."""
+        """Rows after a past, each computed as it would be alone (a padded target's rows, or rows of several tokens):
+        in one run on the window graphs (runs of as many rows as their largest take), a padded target's attention
+        padded (ONNX Runtime's attention refuses rows of several tokens after a past at batch > 1); without window
+        graphs one at a time, padded to the step width."""
         out: list[RowOut] = [RowOut(None, None)] * len(rows)
         n = max(self._windows, default=1)
         for lo in range(0, len(rows), n):

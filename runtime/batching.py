@@ -451,7 +451,7 @@ class BatchEngine:
         scored = pending[0].prompt_scores is not None
         pending = [r for r in pending if (r.prompt_scores is not None) == scored]
         on_prompt_graphs = self.pipe.target.prompt_graphs is not None and not scored
-        rows = self._prompt_graph_rows(pending) if on_prompt_graphs else self._prefill_rows(pending)
+        rows = self._prompt_graph_rows(pending) if on_prompt_graphs else self._prefill_rows(pending, self.batch)
         runs = [Row(r.slot.index, tuple(r.context[r.kv_len:r.kv_len + take]), r.kv_len,
                     take if r.prompt_scores is not None else int(r.kv_len + take == len(r.context)))
                 for r, take in rows]
@@ -483,7 +483,7 @@ class BatchEngine:
         return rows
 
     @staticmethod
-    def _prefill_rows(pending: list[_Row]) -> list[tuple[_Row, int]]:
+    def _prefill_rows(pending: list[_Row], batch: BatchTarget) -> list[tuple[_Row, int]]:
         """The rows of one prefill run on the target's graphs, and their tokens. A row's chunk that reaches its
         prompt's end takes the last token too where the row is alone or padded by at most MAX_HEAD_PADDING: its first
         new token's logits are then its prefill's, as a generation alone computes them (a decode step's one query row
@@ -496,10 +496,12 @@ class BatchEngine:
         oldest = pending[0]
         steps = [row for row in pending if row.kv_len and share(row, last=False) == 1]
         if oldest in steps and len(steps) > 1:
-            # prompts two tokens past what the prefix cache holds (a beam search's next step) run a token each
-            # together whatever their pasts, as a decode step does (the attention refuses only several tokens per row
-            # after a past), their last tokens in the decode step; one alone runs both
-            return [(row, 1) for row in steps][:PREFILL_BUDGET]
+            # prompts two tokens past what the prefix cache holds (a beam search's next step) run together whatever
+            # their pasts: both tokens each on the window graphs, each row as alone (one run per step of a beam
+            # search); without them a token each, as a decode step does (the attention refuses several tokens per row
+            # after a past), their last tokens in the decode step
+            take = 2 if batch.runs_windows else 1
+            return [(row, take) for row in steps][:PREFILL_BUDGET // take]
         rows, width = [(oldest, share(oldest))], share(oldest)
         if not oldest.kv_len:
             # fresh prompts of about the oldest's width join it: a run pads every row to the widest, and padding

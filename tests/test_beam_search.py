@@ -11,6 +11,9 @@ from mirror_sd.runtime.beam_search import BeamSearch
 from mirror_sd.runtime.pipeline import Pipeline
 
 PROMPT = [1, 200, 64, 9, 9, 120, 3]
+# long enough that each beam's next step goes on from its parent's KV (kv_slots.MIN_CACHED_PREFIX): shorter contexts
+# are prefilled whole again
+LONG_PROMPT = list(range(3, 40))
 # (num_beams, max_new_tokens, which greedy token ends the text, length_penalty, early_stopping); None: the first of
 # the greedy text's first six under which the search ends before max_new_tokens (the stopping rules decide)
 CASES = [(4, 12, 3, 1.0, False), (4, 12, 0, 0.0, "never"), (4, 12, 3, 2.0, True), (3, 12, 0, -1.0, False),
@@ -91,11 +94,27 @@ def test_stop_tokens_end_beams_as_transformers_eos_list(torch_and_pipe):
 def test_a_batch_of_prompts_gives_each_its_own(torch_and_pipe):
     _, get = torch_and_pipe
     _, pipe = get("llama")
-    prompts = [PROMPT, [5, 17, 33], "a text prompt"]
+    prompts = [PROMPT, [5, 17, 33], "a text prompt", LONG_PROMPT]
     alone = [pipe.generate(p, num_beams=3, num_return_sequences=2, max_new_tokens=10) for p in prompts]
     together = pipe.generate(prompts, num_beams=3, num_return_sequences=2, max_new_tokens=10)
     assert [[b.token_ids for b in r.beams] for r in together] == [[b.token_ids for b in r.beams] for r in alone]
+    # each beam's step computed as alone, whatever else runs: the scores' very bits
+    assert [[b.score for b in r.beams] for r in together] == [[b.score for b in r.beams] for r in alone]
     assert all(len(r.beams) == 2 for r in together)
+
+
+@pytest.mark.parametrize("beams", [4, 6])
+def test_a_beam_step_is_one_run_of_the_target(torch_and_pipe, beams):
+    """Every running beam's next token is one run of the target: its two tokens past its parent's prompt on the
+    window graphs, in runs of window_rows (GenAI steps its beams once a token as well)."""
+    _, get = torch_and_pipe
+    _, pipe = get("llama")
+    batch = pipe.engine().batch
+    before = batch.forwards
+    result = pipe.generate(LONG_PROMPT, num_beams=beams, max_new_tokens=10, ignore_eos=True)
+    runs_per_step = -(-beams // batch.window_rows)
+    # the prompt's prefill gives the first token; every later token of the search takes one step of the beams
+    assert batch.forwards - before == 1 + runs_per_step * (len(result.token_ids) - 1)
 
 
 def test_stopping_rules_on_scripted_steps():
