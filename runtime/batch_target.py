@@ -103,10 +103,10 @@ class BatchTarget:
         return out
 
     @property
-    def runs_windows(self) -> bool:
-        """Whether `run` takes rows of several tokens after a past together (on the window graphs, in runs of
-        `window_rows`); without window graphs it runs them one at a time."""
-        return bool(self._windows)
+    def window_run_rows(self) -> int:
+        """The most rows of several tokens after a past that `run` takes in one run (on the window graphs); 1 without
+        window graphs (it runs such rows one at a time)."""
+        return max(self._windows, default=1)
 
     def _run(self, rows: list[Row]) -> list[RowOut]:
         width = max(len(r.ids) for r in rows)
@@ -160,7 +160,7 @@ class BatchTarget:
         padded (ONNX Runtime's attention refuses rows of several tokens after a past at batch > 1); without window
         graphs one at a time, padded to the step width."""
         out: list[RowOut] = [RowOut(None, None)] * len(rows)
-        n = max(self._windows, default=1)
+        n = self.window_run_rows
         for lo in range(0, len(rows), n):
             group = list(range(lo, min(lo + n, len(rows))))
             outs = self.run_windows([rows[i] for i in group]) if n > 1 else [self._run([rows[lo]])[0]]

@@ -154,7 +154,7 @@ class Request:
             self._cancelled.set()
 
 
-@dataclass
+@dataclass(eq=False)  # a row is itself: `in self._rows` asks for that row, never compares fields
 class _Row:
     """A running request, in the engine's thread only."""
 
@@ -169,6 +169,7 @@ class _Row:
     first_token_s: float = 0.0  # from submission
     solo: Iterator[Chunk] | None = None  # the pipeline's speculative decoder, while the request runs alone
     looked_for_head: bool = False  # whether another slot's copy of its prompt's head was sought (once, before prefill)
+    awaits: _Row | None = None  # an earlier request still prefilling a head of its prompt: it copies that head then
     batch_rows: list[int] = field(default_factory=list)  # rows of each batched step it took part in
     scores: list[TokenLogprob | None] = field(default_factory=list)  # each new token's logprob (config.logprobs)
     copies: PromptLookup | None = None  # windows copied from its text, where it speculates (lookup, sd, mirror)
@@ -385,6 +386,7 @@ class BatchEngine:
         if self.kv.can_copy:  # now, so that a request that runs alone from here starts from the head too
             row.looked_for_head = True
             self._borrow(row)
+            row.awaits = self._head_coming(row)
 
     def _row_draft(self, cfg: GenerationConfig, rec: Recorder) -> RowDraft:
         draft = self.pipe.manifest.draft
@@ -442,7 +444,11 @@ class BatchEngine:
             if row.prefilling and not row.looked_for_head:
                 row.looked_for_head = True
                 self._borrow(row)
-            if row.prefilling:
+                row.awaits = self._head_coming(row)
+            if row.awaits is not None and not (row.awaits.prefilling and row.awaits in self._rows):
+                self._borrow(row)  # the head it waited for is computed (or its request ended: what its slot keeps)
+                row.awaits = self._head_coming(row)
+            if row.prefilling and row.awaits is None:
                 pending.append(row)
         if not pending:
             return
@@ -484,24 +490,32 @@ class BatchEngine:
 
     @staticmethod
     def _prefill_rows(pending: list[_Row], batch: BatchTarget) -> list[tuple[_Row, int]]:
-        """The rows of one prefill run on the target's graphs, and their tokens. A row's chunk that reaches its
-        prompt's end takes the last token too where the row is alone or padded by at most MAX_HEAD_PADDING: its first
-        new token's logits are then its prefill's, as a generation alone computes them (a decode step's one query row
-        rounds otherwise: docs/design.md, A prompt's first token from its prefill)."""
+        """The rows of one prefill run on the target's graphs, and their tokens: fresh prompts padded to the oldest's
+        width, or prompts after a past together on the window graphs (without them: alone). A row's chunk that reaches
+        its prompt's end takes the last token too where the row is unpadded or padded by at most MAX_HEAD_PADDING: its
+        first new token's logits are then its prefill's, as a generation alone computes them (a decode step's one query
+        row rounds otherwise: docs/design.md, A prompt's first token from its prefill)."""
 
         def share(row: _Row, last: bool = True) -> int:  # a row's chunk: at most PREFILL_CHUNK (docs/design.md:
             # Prefill in chunks), its prompt's last token in it or not
             return min(len(row.context) - row.kv_len - (0 if last else 1), PREFILL_CHUNK)
 
         oldest = pending[0]
+        if oldest.kv_len and batch.window_run_rows > 1:
+            # prompts that go on from a past (a cached head, an earlier chunk, a beam's parent) run together on the
+            # window graphs, each row as alone, their tokens packed (no padding): the last token in with the rest
+            rows, budget = [], PREFILL_BUDGET
+            for row in pending:
+                if row.kv_len and share(row) <= budget and len(rows) < batch.window_run_rows:
+                    rows.append((row, share(row)))
+                    budget -= share(row)
+            return rows
         steps = [row for row in pending if row.kv_len and share(row, last=False) == 1]
         if oldest in steps and len(steps) > 1:
-            # prompts two tokens past what the prefix cache holds (a beam search's next step) run together whatever
-            # their pasts: both tokens each on the window graphs, each row as alone (one run per step of a beam
-            # search); without them a token each, as a decode step does (the attention refuses several tokens per row
-            # after a past), their last tokens in the decode step
-            take = 2 if batch.runs_windows else 1
-            return [(row, take) for row in steps][:PREFILL_BUDGET // take]
+            # without window graphs, prompts two tokens past what the prefix cache holds (a beam search's next step)
+            # run a token each together, as a decode step does (the attention refuses several tokens per row after a
+            # past at batch > 1), their last tokens in the decode step
+            return [(row, 1) for row in steps][:PREFILL_BUDGET]
         rows, width = [(oldest, share(oldest))], share(oldest)
         if not oldest.kv_len:
             # fresh prompts of about the oldest's width join it: a run pads every row to the widest, and padding
@@ -545,6 +559,27 @@ class BatchEngine:
             return
         self.kv.copy(best.index, row.slot.index, row.kv_len, length)
         row.kv_len = row.cached = length
+
+    def _head_coming(self, row: _Row) -> _Row | None:
+        """An earlier request still prefilling a head of `row`'s prompt that `row` would copy (_borrow), longer than
+        `row` holds: `row` waits for it rather than computing the same positions beside it (a request's `n` choices,
+        clients sending one prompt, or one long system prompt, at once); None where there is none. The oldest
+        prefilling request never waits, so every wait ends."""
+        if not self.kv.can_copy or row.prompt_scores is not None or not self.caching:
+            return None
+        prompt = np.asarray(row.request.ids, np.int64)
+        target = self.pipe.target
+        for other in self._rows:
+            if other is row:
+                return None  # only requests admitted before it
+            if not other.prefilling:
+                continue  # its head is computed: _borrow copies it
+            # the positions of its prompt a later prompt may reuse once its prefill ends
+            ahead = target.reusable_length(other.prompt_len, other.prompt_len, other.prompt_scores is not None)
+            n = self.table.reusable(other.request.ids[:ahead], prompt)
+            if n > max(row.kv_len, self._reusable(other)) and (row.kv_len or worth_reusing(n, len(prompt))):
+                return other
+        return None
 
     def _decode_step(self) -> None:
         """Every row whose next input is one token: that token in, the next one out; or, where rows have windows

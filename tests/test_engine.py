@@ -667,6 +667,65 @@ def test_requests_sharing_a_prompt_head_copy_its_kv_from_one_another(pipelines):
     assert sum(r.stats.cached_prompt_tokens > 0 for r in results) >= 2
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_requests_arriving_together_with_one_prompt_prefill_it_once(pipelines, arch, monkeypatch):
+    """A request's n choices, or clients sending one prompt (or one long head) at once: the later ones wait for the
+    first's prefill and copy its KV, prefilling only their last two tokens (or their own tail); every output, first
+    logprobs included, is its solo output, and a first request cancelled mid-prefill leaves the others theirs."""
+    import random
+
+    pipe = pipelines[arch]
+    engine = pipe.engine()
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, 300) for _ in range(90)]
+    # a long head in common, each its own tail: they go on from it together, on the window graphs
+    tails = [prompt[:80] + [rng.randrange(3, 300) for _ in range(n)] for n in (5, 17, 33, 3, 2)]
+    asks = [(prompt, "ar"), (prompt, "lookup"), (tails[0], "ar"), (tails[1], "ar")]
+    options = {"max_new_tokens": 5, "ignore_eos": True, "logprobs": 0}
+    want = [pipe.generate(p, mode=m, **options) for p, m in asks]
+    run, computed, together = engine.batch.run, [], []
+
+    def watched(rows):
+        computed.extend(len(r.ids) for r in rows)
+        together.append(sum(bool(r.start) and len(r.ids) > 1 for r in rows))  # rows going on from a past
+        return run(rows)
+
+    monkeypatch.setattr(engine.batch, "run", watched)
+    with engine._wake:  # all arrive before the engine's next step (their prompts new to it: library calls above)
+        requests = [engine.submit(*pipe.check(p, mode=m, **options)) for p, m in asks]
+    got = [r.wait() for r in requests]
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.logprobs[0].logprob == w.logprobs[0].logprob
+    assert [g.stats.cached_prompt_tokens for g in got] == [0, len(prompt) - 2, 80, 80]
+    prefilled = len(prompt) + 2 + 5 + 17
+    assert sum(computed) <= prefilled + 4 * options["max_new_tokens"] * 5  # the prompt once, then decode steps
+    want = [pipe.generate(p, mode="ar", **options) for p in tails[2:]]
+    together.clear()
+    with engine._wake:  # the head cached in a free slot now
+        requests = [engine.submit(*pipe.check(p, mode="ar", **options)) for p in tails[2:]]
+    got = [r.wait() for r in requests]
+    assert max(together) == 3  # their tails in one run
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.logprobs[0].logprob == w.logprobs[0].logprob
+    assert [g.stats.cached_prompt_tokens for g in got] == [80, 80, len(tails[4]) - 2]
+
+    long = [rng.randrange(3, 300) for _ in range(300)]  # two chunks: the first is cancelled after its first
+    alone = pipe.generate(long, mode="ar", **options)
+    with engine._wake:
+        requests = [engine.submit(*pipe.check(long, mode="ar", **options)) for _ in range(3)]
+
+    def cancel_first(rows):
+        requests[0].cancel()
+        return watched(rows)
+
+    monkeypatch.setattr(engine.batch, "run", cancel_first)
+    results = [r.wait() for r in requests]
+    assert results[0].finish_reason == "cancelled"
+    for r in results[1:]:
+        assert r.token_ids == alone.token_ids and r.logprobs[0].logprob == alone.logprobs[0].logprob
+
+
 def test_running_requests_keep_the_lowest_slots_and_steps_run_no_free_slot(bundle_factory):
     """Requests finishing between others and arriving later: the running ones move down into the slots left below
     them (their KV with them), so no step runs a row for a free slot, and every output is still its solo one."""
