@@ -71,7 +71,7 @@ PREFILL_BUDGET = 2 * PREFILL_CHUNK
 # steps over KV slots").
 MAX_FILLER_ROWS = 8
 # A fresh prompt joins an older one's prefill run where padding it to that row's width wastes at most this share of
-# its run (docs/design.md: "Several tokens per row only without a past").
+# its run (docs/design.md: "Prompts after a past prefill on the window graphs").
 MAX_PADDING = 0.2
 # A prompt that ends in a fresh prefill run padded to its widest row takes its last token there (its first new token
 # from the run's logits) where the padding is at most this many positions: the LM head runs on as many more positions
