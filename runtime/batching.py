@@ -577,7 +577,9 @@ class BatchEngine:
             # the positions of its prompt a later prompt may reuse once its prefill ends
             ahead = target.reusable_length(other.prompt_len, other.prompt_len, other.prompt_scores is not None)
             n = self.table.reusable(other.request.ids[:ahead], prompt)
-            if n > max(row.kv_len, self._reusable(other)) and (row.kv_len or worth_reusing(n, len(prompt))):
+            # worth a wait as a head is worth reusing, counted from what the row holds already: a row going on from a
+            # cached system prompt does not wait for a question's first shared word
+            if n > max(row.kv_len, self._reusable(other)) and worth_reusing(n - row.kv_len, len(prompt) - row.kv_len):
                 return other
         return None
 

@@ -709,6 +709,12 @@ def test_requests_arriving_together_with_one_prompt_prefill_it_once(pipelines, a
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids and g.logprobs[0].logprob == w.logprobs[0].logprob
     assert [g.stats.cached_prompt_tokens for g in got] == [80, 80, len(tails[4]) - 2]
+    # going on from a cached head, a word more in common is not worth a wait: one run
+    together.clear()
+    with engine._wake:
+        requests = [engine.submit(*pipe.check(prompt[:80] + [7] + [rng.randrange(3, 300) for _ in range(9)],
+                                              mode="ar", **options)) for _ in range(3)]
+    assert all(r.wait().stats.cached_prompt_tokens == 80 for r in requests) and max(together) == 3
 
     long = [rng.randrange(3, 300) for _ in range(300)]  # two chunks: the first is cancelled after its first
     alone = pipe.generate(long, mode="ar", **options)
