@@ -506,8 +506,8 @@ class BatchEngine:
 
         oldest = pending[0]
         if oldest.kv_len and share(oldest) <= SHORT_TAIL and batch.window_run_rows > 1:
-            # prompts a few tokens past a past (a beam's children, copies of one prompt, a chat's short next turn)
-            # run together on the window graphs, each row as alone, their tokens packed: the last one in with the rest
+            # prompts with a few tokens left after a past (a beam's children, copies of one prompt, a short next
+            # turn) run together on the window graphs, each row as alone, their tokens packed: the last one included
             tails = [(row, share(row)) for row in pending if row.kv_len and share(row) <= SHORT_TAIL]
             if len(tails) > 1:
                 return tails[:batch.window_run_rows]

@@ -718,14 +718,14 @@ def test_requests_arriving_together_with_one_prompt_prefill_it_once(pipelines, a
 
     long = [rng.randrange(3, 300) for _ in range(300)]  # two chunks: the first is cancelled after its first
     alone = pipe.generate(long, mode="ar", **options)
-    with engine._wake:
-        requests = [engine.submit(*pipe.check(long, mode="ar", **options)) for _ in range(3)]
 
     def cancel_first(rows):
         requests[0].cancel()
         return watched(rows)
 
     monkeypatch.setattr(engine.batch, "run", cancel_first)
+    with engine._wake:  # the engine runs nothing before they are all in
+        requests = [engine.submit(*pipe.check(long, mode="ar", **options)) for _ in range(3)]
     results = [r.wait() for r in requests]
     assert results[0].finish_reason == "cancelled"
     for r in results[1:]:
