@@ -172,7 +172,7 @@ class _Row:
     admitted: float
     first_token_s: float = 0.0  # from submission
     solo: Iterator[Chunk] | None = None  # the pipeline's speculative decoder, while the request runs alone
-    looked_for_head: bool = False  # whether another slot's copy of its prompt's head was sought (once, before prefill)
+    looked_for_head: bool = False  # whether another slot's copy of its prompt's head was sought (before prefill)
     awaits: _Row | None = None  # an earlier request still prefilling a head of its prompt: it copies that head then
     batch_rows: list[int] = field(default_factory=list)  # rows of each batched step it took part in
     scores: list[TokenLogprob | None] = field(default_factory=list)  # each new token's logprob (config.logprobs)
@@ -388,9 +388,7 @@ class BatchEngine:
         self._rows.append(row)
         self._pack(len(self._rows) - 1, slot)
         if self.kv.can_copy:  # now, so that a request that runs alone from here starts from the head too
-            row.looked_for_head = True
-            self._borrow(row)
-            row.awaits = self._head_coming(row)
+            self._look_for_head(row)
 
     def _row_draft(self, cfg: GenerationConfig, rec: Recorder) -> RowDraft:
         draft = self.pipe.manifest.draft
@@ -439,19 +437,18 @@ class BatchEngine:
     def _prefill_step(self) -> None:
         """One run over prompt tokens still to prefill, oldest requests first, within PREFILL_BUDGET (rows padded to
         the widest). ONNX Runtime's attention takes several rows of several tokens only where none has a past:
-        prompts that start from nothing run together, a prompt that goes on from its cached head or an earlier chunk
-        runs alone; the prompt graphs run rows one after another (all but each prompt's last token, as alone). A
-        prompt whose logprobs are asked for runs on the target's own graphs, its LM head on every position. A prompt
-        whose last token ran commits its first new token from the run's logits (_prefill_rows)."""
+        prompts that start from nothing run together, prompts going on from a cached head or an earlier chunk run
+        together on the window graphs where a few tokens are left each, else alone (_prefill_rows); a prompt whose head
+        an earlier one still prefills waits for it (_head_coming); the prompt graphs run rows one after another (all
+        but each prompt's last token, as alone). A prompt whose logprobs are asked for runs on the target's own graphs,
+        its LM head on every position. A prompt whose last token ran commits its first new token from the run's
+        logits."""
         pending = []
         for row in self._rows:
             if row.prefilling and not row.looked_for_head:
-                row.looked_for_head = True
-                self._borrow(row)
-                row.awaits = self._head_coming(row)
+                self._look_for_head(row)
             if row.awaits is not None and not (row.awaits.prefilling and row.awaits in self._rows):
-                self._borrow(row)  # the head it waited for is computed (or its request ended: what its slot keeps)
-                row.awaits = self._head_coming(row)
+                self._look_for_head(row)  # the head it waited for is computed, or its request ended (its slot keeps it)
             if row.prefilling and row.awaits is None:
                 pending.append(row)
         if not pending:
@@ -560,6 +557,13 @@ class BatchEngine:
             return
         self.kv.copy(best.index, row.slot.index, row.kv_len, length)
         row.kv_len = row.cached = length
+
+    def _look_for_head(self, row: _Row) -> None:
+        """Copy the longest head of the row's prompt that another slot holds (_borrow), and note an earlier
+        request still prefilling a longer one, for the row to wait for (_head_coming)."""
+        row.looked_for_head = True
+        self._borrow(row)
+        row.awaits = self._head_coming(row)
 
     def _head_coming(self, row: _Row) -> _Row | None:
         """An earlier request still prefilling a head of `row`'s prompt that `row` would copy (_borrow), longer than

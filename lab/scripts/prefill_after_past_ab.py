@@ -12,11 +12,10 @@ first run's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
-from slot_packing_ab import flush, serving_point, write_results
+from slot_packing_ab import alternate, flush, serving_point, write_results
 
 from mirror_sd.bench import serving
 from mirror_sd.runtime import batching
@@ -65,12 +64,7 @@ def main() -> None:
     parser.add_argument("--clients", default="16,4")
     args = parser.parse_args()
     pipe = Pipeline.load(Path(args.bundle), max_num_seqs=serving.MAX_NUM_SEQS, max_context=serving.FULL.max_context)
-    runs = []
-    for clients in (int(c) for c in args.clients.split(",")):
-        for r in range(args.rounds):
-            for now in ((True, False) if r % 2 == 0 else (False, True)):
-                runs.append(point(pipe, clients, now, f"{clients}-{r}-{now}"))
-                print(json.dumps({k: v for k, v in runs[-1].items() if k != "token_ids"}), flush=True)
+    runs = alternate(pipe, point, args.rounds, tuple(int(c) for c in args.clients.split(",")))
     pipe.close()
     reference = {c: next(x["token_ids"] for x in runs if x["clients"] == c) for c in {x["clients"] for x in runs}}
     summary = {f"{c} clients": {arm: statistics.median(x["tokens_per_s"] for x in runs

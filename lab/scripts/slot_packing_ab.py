@@ -63,11 +63,11 @@ def serving_point(pipe: Pipeline, clients: int) -> dict:
             "token_ids": [r.token_ids for r in results]}
 
 
-def alternate(pipe: Pipeline, point, rounds: int) -> list[dict]:
-    """point(pipe, clients, arm, tag) for arms False and True at 16 and 64 clients, the order of the two reversed
+def alternate(pipe: Pipeline, point, rounds: int, clients_points: tuple[int, ...] = (16, 64)) -> list[dict]:
+    """point(pipe, clients, arm, tag) for arms False and True at each count of clients, the order of the two reversed
     every other round; each run printed as it ends."""
     runs = []
-    for clients in (16, 64):
+    for clients in clients_points:
         for r in range(rounds):
             for arm in ((False, True) if r % 2 == 0 else (True, False)):
                 runs.append(point(pipe, clients, arm, f"{clients}-{r}-{arm}"))
