@@ -104,6 +104,9 @@ class Option:
     # further flags, each setting the option to one value (a shorthand kept from older command lines)
     switches: tuple[tuple[str, Any], ...] = ()
     aliases: tuple[str, ...] = ()  # further names of its flag (vLLM's, where a vLLM user's command line has one)
+    # further keyword names `updated` takes (Pipeline.generate's overrides): the option's name in transformers' generate
+    # or OpenVINO GenAI's GenerationConfig, where code ported from them passes it so
+    keywords: tuple[str, ...] = ()
     # the server's request field: OpenAI's own name where it has one, MIRROR for the extension object; None: the
     # server does not take it
     wire: str | None = None
@@ -164,6 +167,8 @@ class Spec:
             value = float(value)
         elif self.kind is tuple:
             items = (value,) if isinstance(value, str) else value  # a single string is taken as one
+            if isinstance(items, (set, frozenset)):  # OpenVINO GenAI's stop_strings: a set
+                items = sorted(items) if all(isinstance(s, str) for s in items) else list(items)
             if not isinstance(items, (tuple, list)) or not all(isinstance(s, str) and s for s in items):
                 raise BadInputError(f"{name} must be a list of non-empty strings", option=name)
             value = tuple(items)
@@ -213,12 +218,20 @@ class Options:
             object.__setattr__(self, spec.name, spec.check(getattr(self, spec.name)))
 
     def updated(self, **overrides: Any) -> Self:
-        """A copy with `overrides`; an unknown option is a BadInputError naming it."""
+        """A copy with `overrides`, each by its name or another library's for it (Option.keywords); an unknown option,
+        or one given by two names, is a BadInputError naming it."""
         known = [s.name for s in specs(type(self))]
-        unknown = sorted(set(overrides) - set(known))
+        names = {k: s.name for s in specs(type(self)) for k in s.option.keywords}
+        unknown = sorted(set(overrides) - set(known) - set(names))
         if unknown:
             raise BadInputError(f"unknown {self.what} option(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        return dataclasses.replace(self, **overrides) if overrides else self
+        resolved, given_as = {}, {}
+        for key, value in overrides.items():
+            name = names.get(key, key)
+            if name in resolved:
+                raise BadInputError(f"{name} given twice (as {given_as[name]} and as {key})", option=name)
+            resolved[name], given_as[name] = value, key
+        return dataclasses.replace(self, **resolved) if resolved else self
 
 
 def _token_numbers(name: str, value: Any, r: Range) -> tuple[tuple[int, float], ...]:
@@ -253,6 +266,8 @@ def _token_ids(name: str, value: Any) -> tuple[int, ...]:
     """Token ids (one, or a list of them) as a tuple without repeats, in the order given; a BadInputError naming the
     option otherwise. Whether each is in the vocabulary is the pipeline's check (Pipeline.check)."""
     items = (value,) if isinstance(value, numbers.Integral) else value
+    if isinstance(items, (set, frozenset)):  # OpenVINO GenAI's stop_token_ids: a set
+        items = sorted(items) if all(isinstance(t, numbers.Integral) for t in items) else list(items)
     if not isinstance(items, (tuple, list)) or not all(
             isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in items):
         raise BadInputError(f"{name} must be a list of token ids (integers >= 0), got {value!r}", option=name)
@@ -326,6 +341,11 @@ class GenerationConfig(Options):
     max_new_tokens: int = option(64, "new tokens at most", range=Range(1), wire="max_tokens")
     temperature: float = option(0.0, "sampling temperature (0: greedy)", range=Range(0), wire="temperature",
                                 wire_range=Range(0, 2))
+    # transformers' and OpenVINO GenAI's switch between greedy and sampling, for code ported from them; the
+    # temperature is what every reader takes (GenerationConfig.__post_init__ sets it)
+    do_sample: bool | None = option(
+        None, "transformers' and OpenVINO GenAI's do_sample: True samples (at temperature 1 where the temperature is "
+        "0), False decodes greedily whatever the temperature", none="the temperature decides", cli=False)
     top_p: float = option(1.0, "nucleus sampling: draw from the likeliest tokens whose probabilities reach this",
                           range=Range(0, 1, low_open=True), wire="top_p")
     # -1 is off as well: vLLM's older word for it, which its clients still send
@@ -363,9 +383,9 @@ class GenerationConfig(Options):
         none="off", convert=_text("grammar"), wire=STRUCTURED)
     # OpenAI's seed is any int64; n choices draw with seed + i, which the library's range leaves room for
     seed: int = option(0, "the sampling seed", range=Range(-2**63, 2**64 - 1), wire="seed",
-                       wire_range=Range(-2**63, 2**63 - 1))
+                       wire_range=Range(-2**63, 2**63 - 1), keywords=("rng_seed",))
     stop: tuple[str, ...] = option((), "a string that ends the text, which is cut before it (repeatable)",
-                                   wire="stop")
+                                   wire="stop", keywords=("stop_strings",))
     # vLLM's: beside the end-of-sequence tokens, and under ignore_eos too
     stop_token_ids: tuple[int, ...] = option(
         (), "a token that ends the text as an end-of-sequence token does: token_ids keep it, the text does not "
@@ -380,12 +400,13 @@ class GenerationConfig(Options):
     # transformers' eos_token_id; Pipeline.check writes the tokenizer's in where it is None, so that every reader of
     # a checked config (the masks of min_tokens, the text's end) has the same ones
     eos_token_ids: tuple[int, ...] | None = option(
-        None, "the end-of-sequence tokens (repeatable; transformers' eos_token_id)", none="the tokenizer's")
+        None, "the end-of-sequence tokens (repeatable; transformers' eos_token_id)", none="the tokenizer's",
+        keywords=("eos_token_id",))
     # vLLM's: a mask on the target's logits, under which sd and mirror equal ar as under the penalties; it masks the
     # end-of-sequence tokens under ignore_eos too, as vLLM's does
     min_tokens: int = option(
         0, "new tokens before the text may end: end-of-sequence and stop tokens are masked, and stop strings not "
-        "looked for, until then (vLLM's min_tokens)", range=Range(0), wire="min_tokens")
+        "looked for, until then (vLLM's min_tokens)", range=Range(0), wire="min_tokens", keywords=("min_new_tokens",))
     allowed_token_ids: tuple[int, ...] = option(
         (), "only these tokens may come (repeatable; vLLM's allowed_token_ids; none given: any)",
         wire="allowed_token_ids")
@@ -407,7 +428,8 @@ class GenerationConfig(Options):
     truncate_prompt_tokens: int | None = option(
         None, "keep the prompt's last N tokens only (-1: as many as the context takes; vLLM's)", range=Range(-1),
         none="off", convert=_truncation, wire="truncate_prompt_tokens")
-    gamma: int = option(4, "draft window length", range=Range(1, MAX_WINDOW), wire=MIRROR, planned=True)
+    gamma: int = option(4, "draft window length", range=Range(1, MAX_WINDOW), wire=MIRROR, planned=True,
+                        keywords=("num_assistant_tokens",))
     kappa: int | None = option(None, "early-exit candidates per position, at most the bundle's top_k",
                                range=Range(1), none="the bundle's top_k", wire=MIRROR, planned=True)
     branch_budget: int | None = option(
@@ -429,7 +451,7 @@ class GenerationConfig(Options):
     draft_confidence_threshold: float = option(
         0.0, "end a draft window after a token whose confidence (see the rule) is below this (transformers' "
         "assistant_confidence_threshold; 0: every window runs to gamma); output never depends on it",
-        range=Range(0, 1, high_open=True), wire=MIRROR, planned=True)
+        range=Range(0, 1, high_open=True), wire=MIRROR, planned=True, keywords=("assistant_confidence_threshold",))
     draft_confidence_rule: str = option(
         "token", "what the threshold is compared with: token (each token's draft probability, transformers' rule) "
         "or window (the draft's probability of the whole window so far: for a calibrated draft, the chance the "
@@ -446,7 +468,7 @@ class GenerationConfig(Options):
         "prompt lookup; 0: off)",
         range=Range(0, MAX_WINDOW), wire=MIRROR)
     max_matching_ngram_size: int = option(3, "prompt lookup: the most trailing tokens matched",
-                                          range=Range(2, MAX_WINDOW))
+                                          range=Range(2, MAX_WINDOW), keywords=("max_ngram_size",))
     prompt_lookup_schedule: str = option(
         "heuristic", "how the copied window's length moves: heuristic (grows after a window accepted whole, "
         "shrinks after one cut short, as transformers' num_assistant_tokens_schedule) or constant",
@@ -478,6 +500,11 @@ class GenerationConfig(Options):
         "at its length so far; transformers' False), early (once num_beams beams finished; True) or never (judged at "
         "max_new_tokens where length_penalty is above 0)", choices=EARLY_STOPPING, convert=_early_stopping)
     trace: bool = option(False, "stats.trace lists every phase as (phase, start_s, end_s)", cli=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.do_sample is not None:  # transformers' rule: do_sample decides, the temperature tempers a sample
+            object.__setattr__(self, "temperature", (self.temperature or 1.0) if self.do_sample else 0.0)
 
     @functools.cached_property
     def params(self) -> SamplingParams:

@@ -60,6 +60,26 @@ def test_pipeline_config_and_overrides(pipe):
         pipe.generate(PROMPT, num_beam_groups=2)
 
 
+def test_transformers_and_openvino_genai_keywords(pipe):
+    """Code ported from transformers' generate or OpenVINO GenAI's GenerationConfig passes their names: do_sample
+    switches between greedy and sampling as theirs does, and their names of options reach those options."""
+    greedy = pipe.generate(PROMPT, mode="ar", max_new_tokens=8).token_ids
+    assert pipe.generate(PROMPT, mode="ar", max_new_tokens=8, do_sample=False, temperature=0.7).token_ids == greedy
+    sampled = pipe.generate(PROMPT, mode="ar", max_new_tokens=8, do_sample=True, rng_seed=3)
+    assert sampled.token_ids == pipe.generate(PROMPT, mode="ar", max_new_tokens=8, temperature=1.0, seed=3).token_ids
+    assert GenerationConfig(do_sample=True, temperature=0.5).temperature == 0.5
+    cfg = GenerationConfig().updated(stop_strings={"b", "a"}, stop_token_ids={7, 3}, min_new_tokens=2, eos_token_id=2,
+                                     num_assistant_tokens=6, assistant_confidence_threshold=0.3, max_ngram_size=4)
+    assert (cfg.stop, cfg.stop_token_ids, cfg.min_tokens, cfg.eos_token_ids, cfg.gamma, cfg.draft_confidence_threshold,
+            cfg.max_matching_ngram_size) == (("a", "b"), (3, 7), 2, (2,), 6, 0.3, 4)
+    with pytest.raises(BadInputError, match="seed given twice") as caught:
+        pipe.generate(PROMPT, seed=1, rng_seed=2)
+    assert caught.value.option == "seed"
+    with pytest.raises(BadInputError) as caught:
+        pipe.generate(PROMPT, do_sample="yes")
+    assert caught.value.option == "do_sample"
+
+
 @pytest.mark.parametrize("options, option", [
     ({"gamma": 0}, "gamma"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
     ({"draft_streaming": "x"}, "draft_streaming"), ({"stop": [""]}, "stop"), ({"kappa": 99}, "kappa"),
