@@ -158,8 +158,9 @@ class Spec:
             if not isinstance(value, bool):
                 raise BadInputError(f"{name} must be true or false, got {value!r}", option=name)
         elif self.kind is int:
-            if not isinstance(value, int) or isinstance(value, bool) or value not in r:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value not in r:
                 raise BadInputError(f"{name} must be an integer {r}".rstrip() + f", got {value!r}", option=name)
+            value = int(value)  # numpy's integers too
         elif self.kind is float:
             if not _is_number(value) or not math.isfinite(value) or value not in r:
                 what = str(r) if r.low is not None and r.high is not None else f"a finite number {r}".rstrip()
@@ -647,4 +648,14 @@ class LoadOptions(Options):
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)  # numpy's numbers too
+
+
+def _frozen(self: Options, name: str, value: Any) -> None:
+    raise BadInputError(f"{type(self).__name__} is frozen (one config serves many generations): "
+                        f"config.updated({name}=...) is a copy with {name} changed", option=name)
+
+
+# OpenVINO GenAI's configs are set field by field (config.max_new_tokens = 100): the way to do it here, rather than
+# dataclasses' FrozenInstanceError
+GenerationConfig.__setattr__ = LoadOptions.__setattr__ = _frozen

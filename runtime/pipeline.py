@@ -17,6 +17,7 @@ for another export of the bundle is refused.
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 import shutil
@@ -244,14 +245,20 @@ class Pipeline:
         if isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but text that was not decoded
             raise BadInputError("the prompt is bytes: decode it to a string first (or give token ids as a list)",
                                 option="prompt")
+        if isinstance(prompt, np.ndarray):  # token ids as a tokenizer's numpy output holds them
+            if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+                raise BadInputError(f"a numpy prompt must be one row of token ids (1-D, integers), not {prompt.ndim}-D "
+                                    f"{prompt.dtype}", option="prompt")
+            prompt = prompt.tolist()
         if isinstance(prompt, str):
             if not prompt:
                 raise BadInputError("the prompt is empty", option="prompt")
             ids = self.codec.encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
             ids = self.codec.encode(self.codec.render_chat(list(prompt), tools, **rendering), special=False)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                  for t in prompt):
+            ids = [int(t) for t in prompt]  # numpy's integers too
             vocab = self.manifest.target.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
@@ -264,7 +271,7 @@ class Pipeline:
         return ids
 
     # -- generation ----------------------------------------------------------------------------------------
-    def generate(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None = None, *,
+    def generate(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None = None,
                  streamer: Streamer | None = None, **overrides: Any) -> GenerationResult | list[GenerationResult]:
         """Generate from `prompt` with `config` (default: `self.generation_config`), any of its fields overridden
         by keyword (runtime/config.py lists them). `streamer(token_id, text)` gets every committed token as it is
@@ -407,6 +414,17 @@ class Pipeline:
     def finish_chat(self) -> None:
         """End the conversation start_chat began: text prompts are plain text again."""
         self._chat = None
+
+    def get_generation_config(self) -> GenerationConfig:
+        """The config every generation starts from (OpenVINO GenAI's name for `generation_config`): frozen, so a
+        changed one is `config.updated(max_new_tokens=100)`, given to generate or to set_generation_config."""
+        return self.generation_config
+
+    def set_generation_config(self, config: GenerationConfig) -> None:
+        """Make `config` the one every generation starts from (OpenVINO GenAI's name)."""
+        if not isinstance(config, GenerationConfig):
+            raise BadInputError(f"config must be a GenerationConfig, not {type(config).__name__}")
+        self.generation_config = config
 
     @property
     def chat_history(self) -> list[dict[str, str]] | None:

@@ -39,6 +39,9 @@ class GenerationResult:
     # None for any other generation
     beams: tuple[Beam, ...] | None = None
 
+    def __str__(self) -> str:  # print(result) shows the answer, as OpenVINO GenAI's DecodedResults does
+        return self.text
+
 
 @dataclass(frozen=True)
 class Chunk:

@@ -31,6 +31,9 @@ def streamer_calls(streamer: Any) -> tuple[Callable[[Chunk], str | None], Callab
     """The streamer as (a call per committed token's chunk, giving its verdict; a call at the end, or None); a
     BadInputError naming the streamer where it is none of the three forms."""
     write = getattr(streamer, "write", None) or getattr(streamer, "put", None)
+    if _defines(streamer, "put") and not _defines(streamer, "write"):
+        # a StreamerBase subclass of an older GenAI release: it writes put, and its base's write is pure virtual
+        write = streamer.put
     end = getattr(streamer, "end", None)
     if callable(write) and callable(end):  # GenAI's StreamerBase: token ids, and the end
         return (lambda chunk: verdict(write(chunk.token_id))), end
@@ -40,6 +43,11 @@ def streamer_calls(streamer: Any) -> tuple[Callable[[Chunk], str | None], Callab
     if _positional(streamer) == 1:  # GenAI's callable: the text alone
         return (lambda chunk: verdict(streamer(chunk.text))), None
     return (lambda chunk: verdict(streamer(chunk.token_id, chunk.text))), None
+
+
+def _defines(streamer: Any, name: str) -> bool:
+    """Whether `streamer`'s class has a method `name` written in Python (not one of an extension base class)."""
+    return inspect.isfunction(getattr(type(streamer), name, None))
 
 
 def _positional(function: Callable[..., Any]) -> int | None:

@@ -104,6 +104,53 @@ def test_openvino_genai_streamers_and_a_streamer_that_stops(pipe):
         pipe.finish_chat()
 
 
+def test_openvino_genai_and_transformers_code_runs_as_written(pipe):
+    """GenAI's chat sample as written (get_generation_config, a config changed, the streamer as the third argument,
+    print(result)), its older StreamerBase subclasses (put, not write), and token ids as numpy gives them."""
+    import numpy as np
+
+    config = pipe.get_generation_config()
+    with pytest.raises(BadInputError, match=r"frozen.*updated\(max_new_tokens=") as caught:
+        config.max_new_tokens = 8  # GenAI's configs are set field by field; here a changed copy is made
+    assert caught.value.option == "max_new_tokens"
+    config = config.updated(mode="ar", max_new_tokens=8, ignore_eos=True)
+    texts: list[str] = []
+    result = pipe.generate(PROMPT, config, lambda text: texts.append(text))
+    assert str(result) == result.text == "".join(texts) and len(result.token_ids) == 8
+    previous = pipe.get_generation_config()
+    pipe.set_generation_config(config)
+    try:
+        assert pipe.generate(PROMPT).token_ids == result.token_ids
+        with pytest.raises(BadInputError, match="GenerationConfig"):
+            pipe.set_generation_config({"max_new_tokens": 8})
+    finally:
+        pipe.set_generation_config(previous)
+    ids = np.array(PROMPT, np.int64)
+    assert pipe.generate(ids, config).token_ids == result.token_ids
+    assert pipe.generate(list(ids), config, max_new_tokens=np.int32(8), top_p=np.float32(1)).token_ids == \
+        result.token_ids
+    with pytest.raises(BadInputError, match="1-D") as caught:
+        pipe.generate(ids[None], config)
+    assert caught.value.option == "prompt"
+
+    ov_genai = pytest.importorskip("openvino_genai")
+
+    class Old(ov_genai.StreamerBase):  # a release before write(): put(token_id) and end()
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens: list[int] = []
+
+        def put(self, token: int) -> bool:
+            self.tokens.append(token)
+            return False
+
+        def end(self) -> None:
+            pass
+
+    old = Old()
+    assert pipe.generate(PROMPT, config, old).token_ids == old.tokens == result.token_ids
+
+
 def test_a_one_token_generation_leaves_the_draft_alone(pipe):
     """The prefill gives the only token asked for: the draft does not read the prompt (a reading nobody uses, which
     the next generation would wait for)."""
