@@ -707,7 +707,7 @@ class BatchEngine:
             if logits is None:
                 continue
             params = row.request.config.params
-            verdict = verify(window, None, logits, params, target_streams(params, len(row.context)))
+            verdict = verify(window, logits, params, target_streams(params, len(row.context)))
             if source is row.forcing:
                 row.rec.counts.forced(len(window), verdict.accepted)
             else:

@@ -31,8 +31,8 @@ can drop; the output cannot change (the target verifies every token). Sampled wi
 proposal has no draft distribution to verify it against.
 
 A draft over a reduced vocabulary (`draft.output_vocab_size` > 0) gives logits over its own columns; tokens are
-mapped to target ids through the bundle's draft vocabulary, and sampled windows carry full-vocabulary logits
-rows (-inf outside the draft's vocabulary) for verification. Greedy rollouts never build full rows.
+mapped to target ids through the bundle's draft vocabulary; a sampled token is drawn over its columns in target
+id order, so that the draft's draw and the target's with the same number land on one token where they can.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from mirror_sd.partitions.manifest import LOGITS, STREAM_IDS
 from mirror_sd.runtime.config import streaming_mode
 from mirror_sd.runtime.engines import DraftEngine
 from mirror_sd.runtime.kv import LayerKV, OwnPast, common_prefix, positions
-from mirror_sd.runtime.messages import BranchKey, BranchSet, DraftWindow, ExitCandidates, Features, frozen
-from mirror_sd.runtime.sampling import DRAFT_STREAM, SamplingParams, choose, penalize, probability, rng_for
+from mirror_sd.runtime.messages import BranchKey, BranchSet, DraftWindow, ExitCandidates, Features
+from mirror_sd.runtime.sampling import TARGET_STREAM, SamplingParams, choose, penalize, probability, rng_for
 from mirror_sd.runtime.stats import Recorder
 
 PAD_ID = 0  # any id: padded slots are masked out
@@ -152,10 +152,9 @@ class DraftVocab:
 
 @dataclass
 class _Rows:
-    """What a batched rollout produced: per row its tokens (and, when sampling, the logits each was chosen from)."""
+    """What a batched rollout produced: per row its tokens."""
 
     tokens: list[list[int]]
-    logits: list[list[np.ndarray]]
     shared: np.ndarray  # [B] lane slots each row reads
     own: OwnPast  # each row's own past: the tokens it fed (holes where proposals were rejected)
     fed: list[list[int]]  # per row, the real tokens of `own`, in order
@@ -257,9 +256,11 @@ class DrafterBase:
         self.recorder.draft_forward(start, time.perf_counter(), rows)
         return out
 
-    def _rng(self, length: int) -> np.random.Generator | None:
-        """The generator a rollout continuing `length` tokens draws with (None: greedy)."""
-        return None if self.params.greedy else rng_for(self.params, DRAFT_STREAM, length)
+    def _draws(self, length: int) -> Callable[[int], np.random.Generator | None]:
+        """The generator a rollout continuing `length` tokens draws its i-th token with (None: greedy): the target's
+        own at that position, so that the draft's draw is the target's where their distributions agree there
+        (runtime/verify.py: sampled windows are verified against the target's own draws)."""
+        return lambda i: None if self.params.greedy else rng_for(self.params, TARGET_STREAM, length + i)
 
     def _confident(self, row: np.ndarray, token: int, b: int) -> bool:
         """Whether rollout row b's window may go on after `token`, chosen from logits `row` [Vd] (its tokens are
@@ -272,8 +273,7 @@ class DrafterBase:
         return p >= self.confidence
 
     def _window(self, context_len: int, rows, b: int) -> DraftWindow:
-        lg = None if self.params.greedy else frozen(self.vocab.full(np.stack(rows.logits[b])))
-        return DraftWindow(context_len, tuple(rows.tokens[b]), lg, rows.forwards)
+        return DraftWindow(context_len, tuple(rows.tokens[b]), rows.forwards)
 
     def _take(self, inputs: np.ndarray, keep_last: bool = True) -> int:
         """Make the lane hold the longest prefix of `inputs` any cache has (at most all but the last when keep_last,
@@ -314,7 +314,7 @@ class DrafterBase:
         self._seen(seq.size)
         self._receive(features, (seq,))
         keep = self._take(self._inputs(seq))
-        rows = self._roll([seq], np.array([keep]), [self._rng(seq.size)], gamma, lambda: False)
+        rows = self._roll([seq], np.array([keep]), [self._draws(seq.size)], gamma, lambda: False)
         self.lane.append(rows.lane_kv(0), rows.held(self.lane.tokens, 0)[keep:])
         return self._window(seq.size, rows, 0)
 
@@ -333,9 +333,9 @@ class DrafterBase:
             return BranchSet.of({}, 0)
         shared = np.array([min(common_prefix(self.lane.tokens, self._inputs(b)), self._inputs(b).size - 1)
                            for b in bases], np.int64)
-        # Each row draws with the generator a fresh rollout of its context would use, so a branch's window is
+        # Each row draws with the generators a fresh rollout of its context would use, so a branch's window is
         # the window a miss would have drawn (up to batch rounding of the draft's logits).
-        rows = self._roll(bases, shared, [self._rng(b.size) for b in bases], gamma, cancelled)
+        rows = self._roll(bases, shared, [self._draws(b.size) for b in bases], gamma, cancelled)
         if not rows.complete:
             return BranchSet.of({}, rows.forwards)  # cancelled: no windows
         self.rows = rows
@@ -372,14 +372,14 @@ class Drafter(DrafterBase):
             _, new_kv = self._forward(part, np.array([self.lane.length]), own, mask, 1, 0)  # KV only: no heads
             self.lane.append(new_kv, part[0])
 
-    def _roll(self, bases: list[np.ndarray], shared: np.ndarray, rngs: list, gamma: int,
+    def _roll(self, bases: list[np.ndarray], shared: np.ndarray, draws: list, gamma: int,
               cancelled: Callable[[], bool]) -> _Rows:
         """Continue every base by gamma tokens: row b reads lane slots [0, shared[b]) and feeds the rest of its base
-        (>= 1 token). Stops incomplete when `cancelled` says so between forwards."""
+        (>= 1 token), its i-th token drawn with draws[b](i) where sampled. Stops incomplete when `cancelled` says so
+        between forwards."""
         n, vocab, params = len(bases), self.vocab, self.params
         self._window_p = [1.0] * n
         tokens: list[list[int]] = [[] for _ in range(n)]
-        logits: list[list[np.ndarray]] = [[] for _ in range(n)]
         # per row: the tokens its caches lack, then the proposals to check
         feeds, props = [base[s:] for base, s in zip(bases, shared)], [_NONE] * n
         own, fed = self.engine.empty_own(n), [[] for _ in range(n)]
@@ -388,9 +388,9 @@ class Drafter(DrafterBase):
         while True:
             active = [b for b in range(n) if len(tokens[b]) < gamma and not stopped[b]]
             if not active:
-                return _Rows(tokens, logits, shared, own, fed, forwards)
+                return _Rows(tokens, shared, own, fed, forwards)
             if forwards and cancelled():
-                return _Rows(tokens, logits, shared, own, fed, forwards, complete=False)
+                return _Rows(tokens, shared, own, fed, forwards, complete=False)
             width = max(feeds[b].size + props[b].size for b in active)
             # left-pad: every row's last column is its newest fed token; finished rows feed holes only
             x, mask = np.full((n, width), PAD_ID, np.int64), np.zeros((n, width), np.int64)
@@ -413,9 +413,8 @@ class Drafter(DrafterBase):
                     token = int(choices[b, at - first])
                 elif params.greedy:  # penalised: after the row's base, its tokens, and the proposals held so far
                     token = self._greedy(row, lambda: [*bases[b].tolist(), *tokens[b], *props[b][:i].tolist()])
-                else:
-                    logits[b].append(row)
-                    token = vocab.choose(row, params, rngs[b])
+                else:  # the i-th proposal checked comes after the row's tokens so far
+                    token = vocab.choose(row, params, draws[b](len(tokens[b]) + i))
                 return token, self._confident(row, token, b)
 
             keep, produced = mask.copy(), 0

@@ -94,7 +94,6 @@ class FeatureStore:
 @dataclass
 class _Rows:
     tokens: list[list[int]]
-    logits: list[list[np.ndarray]]
     bases: list[np.ndarray]
     shared: np.ndarray  # [B] lane slots each row reads
     real: list[LayerKV]  # per row, the KV of the inputs it fed with real taps (its first forward)
@@ -169,7 +168,7 @@ class FeatureDrafter(DrafterBase):
             _, new_kv = self._forward(x, shared, own, mask, 1, 0, channel)
             self.lane.append(new_kv, x[0])
 
-    def _roll(self, bases: list[np.ndarray], shared: np.ndarray, rngs: list, gamma: int,
+    def _roll(self, bases: list[np.ndarray], shared: np.ndarray, draws: list, gamma: int,
               cancelled: Callable[[], bool]) -> _Rows:
         """gamma tokens continuing every base: row b reads lane slots [0, shared[b]) and feeds inputs
         shared[b]+1 .. n_b-1 with real taps (one forward for all rows), then one drafted token per forward on its
@@ -177,7 +176,6 @@ class FeatureDrafter(DrafterBase):
         n, engine = len(bases), self.engine
         self._window_p = [1.0] * n
         tokens: list[list[int]] = [[] for _ in range(n)]
-        logits: list[list[np.ndarray]] = [[] for _ in range(n)]
         feeds = [base[1 + s:] for base, s in zip(bases, shared)]
         width = max(f.size for f in feeds)
         x, mask = np.full((n, width), PAD_ID, np.int64), np.zeros((n, width), np.int64)
@@ -203,8 +201,7 @@ class FeatureDrafter(DrafterBase):
                 if self.params.greedy:
                     token = self._greedy(step_logits[i], lambda b=b: [*bases[b].tolist(), *tokens[b]])
                 else:
-                    logits[b].append(step_logits[i])
-                    token = self.vocab.choose(step_logits[i], self.params, rngs[b])
+                    token = self.vocab.choose(step_logits[i], self.params, draws[b](len(tokens[b])))
                 tokens[b].append(token)
                 room = gamma - len(tokens[b])
                 if room <= 0 or not self._confident(step_logits[i], token, b):
@@ -216,9 +213,9 @@ class FeatureDrafter(DrafterBase):
                     going.append(i)
             self.recorder.drafted(produced)
             if not going:
-                return _Rows(tokens, logits, bases, shared, real, forwards)
+                return _Rows(tokens, bases, shared, real, forwards)
             if cancelled():
-                return _Rows(tokens, logits, bases, shared, real, forwards, complete=False)
+                return _Rows(tokens, bases, shared, real, forwards, complete=False)
             if len(going) < len(live):  # finished rows leave the batch
                 own, live_shared, live = own.take(going), live_shared[going], [live[i] for i in going]
             x = np.asarray([[tokens[b][-1]] for b in live], np.int64)

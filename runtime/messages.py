@@ -27,15 +27,13 @@ class DraftWindow:
 
     context_len: int
     tokens: tuple[int, ...]
-    logits: np.ndarray | None  # [gamma, V]: what each token was drawn from (sampling only; None when greedy)
     forwards: int  # draft forward passes spent on it (gamma / tokens-per-forward for a fresh rollout)
 
     def head(self, n: int) -> DraftWindow:
         """The first n tokens: a prefix of a rollout is a rollout."""
         if n >= len(self.tokens):
             return self
-        return DraftWindow(self.context_len, self.tokens[:n], None if self.logits is None else self.logits[:n],
-                           self.forwards)
+        return DraftWindow(self.context_len, self.tokens[:n], self.forwards)
 
 
 @dataclass(frozen=True)

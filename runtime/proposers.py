@@ -2,9 +2,8 @@
 text) and a grammar's forced tokens. The scheduler's loop asks one for a window, the target verifies it, and the
 proposer hears what was accepted.
 
-A window is a `DraftWindow` (runtime/messages.py) continuing the committed tokens; its logits are the draft's
-distribution where speculative sampling needs one (None for a copy or forced tokens: proposed for sure, which a
-sampled step verifies against the target's own draws, runtime/verify.py).
+A window is a `DraftWindow` (runtime/messages.py) continuing the committed tokens; a sampled step verifies any
+window against the target's own draws (runtime/verify.py).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ class PromptLookup:
 
     def propose(self, ctx: list[int], length: int) -> DraftWindow | None:
         copied = lookup(ctx, self.cfg.max_matching_ngram_size, min(self.length, length))
-        return DraftWindow(len(ctx), copied, None, 0) if copied else None
+        return DraftWindow(len(ctx), copied, 0) if copied else None
 
     def accepted(self, proposed: int, accepted: int, next_window: DraftWindow | None = None) -> None:
         if proposed:
@@ -66,7 +65,7 @@ class GrammarForcing:
 
     def propose(self, ctx: list[int], length: int) -> DraftWindow | None:
         forced = self.grammar.forced(ctx, self.prompt_len, min(length, self.ceiling))
-        return DraftWindow(len(ctx), forced, None, 0) if forced else None
+        return DraftWindow(len(ctx), forced, 0) if forced else None
 
     def accepted(self, proposed: int, accepted: int, next_window: DraftWindow | None = None) -> None:
         pass

@@ -1,8 +1,9 @@
 """Turning logits into a token: greedy, or a sample from the warped distribution (temperature, min_p, top_k, top_p),
 after the logit bias and the penalties on tokens the text already holds.
 
-Pure functions. Randomness comes from explicit numpy Generators keyed by (seed, stream, position), so a decoder
-that draws the window for the same context from a branch or from a fresh rollout draws the same numbers.
+Pure functions. Randomness comes from explicit numpy Generators keyed by (seed, stream, position): the target's
+stream at a position is what the target alone draws with there, and a draft drawing a window's token at that position
+draws with it too (runtime/verify.py), from a branch or from a fresh rollout alike.
 
 The bias and penalties (`penalize`) are part of the target's distribution: a position's penalised logits depend on the
 tokens before it only, so a verification row is penalised for the window tokens before it, exactly as the step that
@@ -27,7 +28,7 @@ import numpy as np
 if TYPE_CHECKING:  # a type only: the grammar's masks come from the generation's own state
     from mirror_sd.runtime.grammar import GrammarState
 
-TARGET_STREAM, DRAFT_STREAM = 1, 2
+TARGET_STREAM = 1  # rng_for's stream of the target's draws (the only one drawn from)
 
 
 @dataclass(frozen=True)

@@ -270,7 +270,7 @@ class _Decoder:
         drafter = self.worker.drafter if self.worker is not None else None
         if not isinstance(drafter, FeatureDrafter):
             return
-        read = cached_prompt_window(len(prompt), cached, self.cfg.params.greedy) or drafter.prompt_window
+        read = cached_prompt_window(len(prompt), cached) or drafter.prompt_window
         lo = max(0, len(prompt) - 1 - min(drafter.prompt_window, read))
         # positions the prompt graphs wrote they write again in the same chunks (their grid), so with the same bits;
         # on the target's own graphs no chunk is one row, which rounds otherwise (Target.reusable_length)
@@ -369,8 +369,8 @@ class _Decoder:
         logits, cache = self._suffix(boundary)
         ready_under_suffix = ticket is not None and self.worker.poll(ticket) is not None
         with self.rec.phase("verify"):
-            verdict = verify(w, window.logits, self._penalized(logits, ctx, w), self.cfg.params,
-                             target_streams(self.cfg.params, len(ctx)))
+            verdict = verify(w, self._penalized(logits, ctx, w), self.cfg.params, target_streams(self.cfg.params,
+                                                                                               len(ctx)))
         self.cache = cache.trim(len(ctx) + verdict.accepted)
         c = self.counts
         c.target_steps += 1
@@ -424,11 +424,10 @@ class _Decoder:
         self.counts.branch_budget = self.budget
 
 
-def cached_prompt_window(prompt_len: int, cached: int, greedy: bool = True) -> int:
+def cached_prompt_window(prompt_len: int, cached: int) -> int:
     """How many of a prompt's last inputs the draft reads (0: its own prompt window) where the prefix cache held its
-    first `cached` tokens: those that ran, and at least TRY_PROMPT_WINDOW. Sampled, its whole window: the draft's
-    probabilities decide which seeded tokens speculative sampling keeps, so a cached head must not change them."""
-    return max(TRY_PROMPT_WINDOW, prompt_len - cached) if cached and greedy else 0
+    first `cached` tokens: those that ran, and at least TRY_PROMPT_WINDOW."""
+    return max(TRY_PROMPT_WINDOW, prompt_len - cached) if cached else 0
 
 
 def reads_prompt_alongside(warm_with_prefill: bool, feature_draft: bool) -> bool:
@@ -469,9 +468,10 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # Past the draft's context (its manifest facts) every step runs on the target alone, counted in the stats.
     draft_context = drafter.engine.facts.max_position_embeddings if drafter is not None else 0
     ctx = list(prompt)
-    # Copies when sampling in mode lookup only, every one found verified (no gate): against the target's own draws
-    # (runtime/verify.py), they give ar's text under the seed; in sd and mirror they would take steps from the draft's
-    # speculative sampling, whose draws differ, so which steps copy would change a seeded text.
+    # Copies when sampling in mode lookup only, every one found verified against the target's own draws
+    # (runtime/verify.py): ungated (the gates, which choose by the clock, are greedy only), where sampled sd and
+    # mirror draft instead (a long prompt's copied continuation mostly is not the text's: docs/design.md, The copy
+    # gate).
     lookups = cfg.mode != "ar" and cfg.prompt_lookup_num_tokens > 0 and (cfg.params.greedy or cfg.mode == "lookup")
     # budget 0 (a plan that measured branch sets slower on this machine, or the caller's choice): no mirror step
     # rolls one out, sampled ones included, and there is no branch gate; every draft step is sd's step
@@ -492,8 +492,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     alongside = reads_prompt_alongside(warm_with_prefill, isinstance(drafter, FeatureDrafter))
     warmed = None  # the ticket of the draft's reading of the prompt
     if warm and alongside:  # the draft reads the prompt while the target does
-        warmed = worker.submit(Warm(tuple(prompt), window=cached_prompt_window(len(prompt), cached,
-                                                                               cfg.params.greedy)))
+        warmed = worker.submit(Warm(tuple(prompt), window=cached_prompt_window(len(prompt), cached)))
     first, first_score = dec.prefill(tuple(prompt), cached, prompt_scores)
     ctx.append(first)
     # A draft that reads the prompt after the prefill (a feature draft, which needs the prefill's taps, or one whose
@@ -504,7 +503,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # of a prompt the prefix cache held, the draft reads the last inputs only, as a speculative try does
     # (TRY_PROMPT_WINDOW): for a feature draft their taps are computed again, which costs a share of the prefill
     # the cache spared
-    read_window = cached_prompt_window(len(prompt), cached, cfg.params.greedy)
+    read_window = cached_prompt_window(len(prompt), cached)
     if after_prefill and worker.threaded:
         warmed = worker.submit(Warm(tuple(prompt), dec.take_features(), read_window))
     dec.draft_seen = len(prompt) if warm else 0

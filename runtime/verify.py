@@ -6,17 +6,16 @@ and which token follows them (the correction at slot A, or the bonus when A == g
 
 - Greedy (temperature 0): accept the longest prefix where the window equals the target's argmax; the correction
   is the argmax at slot A. The output is the target's greedy output token for token.
-- Sampling: standard speculative sampling with residual resampling (Leviathan et al. 2023, Chen et al. 2023),
-  not the paper's sample-and-match. Window token x_i was drawn from the draft's warped distribution q_i; it is
-  accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the correction is drawn from
-  norm(max(0, p_i - q_i)); if all are accepted the bonus is drawn from p_gamma. Each committed token then follows
-  the target's warped distribution p exactly, whatever q is (tests/test_runtime_sampling.py measures it).
-- A window proposed for sure (no draft logits: a grammar's forced tokens), sampled: each row draws the target's own
-  token with the random stream of its position, as the target alone draws there, and the window is accepted while it
-  equals those draws. A token is then accepted with probability p_i(x_i), as speculative sampling accepts a proposal
-  of probability 1, and the committed tokens are the target alone's under the same seed (up to the rounding of a
-  window row against a one-token step: a draw within about 1e-6 of the boundary between two tokens can go to the
-  other one, as a greedy near-tie can).
+- Sampling: each row draws the target's own token with the random stream of its position, as the target alone
+  draws there, and the window is accepted while it equals those draws; the token after them is the target's draw
+  at the first row that differs (or the bonus row's). The committed tokens are the target alone's under the same
+  seed, in every mode and beside any other requests (up to the rounding of a window row against a one-token step: a
+  draw within about 1e-6 of the boundary between two tokens can go to the other one, as a greedy near-tie can), so
+  they follow its distribution exactly, whatever proposed the window. A draft draws its window with the same numbers
+  (runtime/draft.py: the target's stream at each position, by inverse CDF over token ids), so its token and the
+  target's agree wherever the two distributions put that number on the same token: an expected 0.93x / 0.81x of
+  speculative sampling's acceptance at temperature 0.7 / 1.0 on the real pair (docs/design.md: Sampling: the
+  target's own draws), for a seed that gives one text whatever the mode or the load.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from mirror_sd.runtime.sampling import SamplingParams, choose, sample, warp
+from mirror_sd.runtime.sampling import SamplingParams, choose
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,8 @@ def greedy_accept(window: tuple[int, ...], target_logits: np.ndarray) -> Verdict
 
 def own_draws_accept(window: tuple[int, ...], target_logits: np.ndarray, params: SamplingParams,
                      rng_at: Callable[[int], np.random.Generator]) -> Verdict:
-    """A window proposed for sure, sampled: row i's token is the target's own draw with rng_at(i), the stream of
-    its position; target_logits [gamma+1, V]."""
+    """Sampled: row i's token is the target's own draw with rng_at(i), the stream of its position;
+    target_logits [gamma+1, V]."""
     for i, token in enumerate(window):
         own = choose(target_logits[i], params, rng_at(i))
         if own != token:
@@ -58,28 +57,11 @@ def own_draws_accept(window: tuple[int, ...], target_logits: np.ndarray, params:
     return Verdict(len(window), choose(target_logits[len(window)], params, rng_at(len(window))))
 
 
-def speculative_accept(window: tuple[int, ...], draft_logits: np.ndarray, target_logits: np.ndarray,
-                       params: SamplingParams, rng: np.random.Generator) -> Verdict:
-    """Speculative sampling. draft_logits [gamma, V]: the logits each window token was sampled from (warped
-    with the same params); target_logits [gamma+1, V]."""
-    for i, token in enumerate(window):
-        p, q = warp(target_logits[i], params), warp(draft_logits[i], params)
-        if rng.random() * q[token] < p[token]:  # accept with probability min(1, p/q); q[token] > 0 as it was drawn
-            continue
-        residual = np.maximum(p - q, 0.0)
-        # p != q wherever a rejection can happen, so the residual has mass; the guard covers rounding only.
-        return Verdict(i, sample(residual if residual.sum() > 0 else p, rng))
-    return Verdict(len(window), sample(warp(target_logits[len(window)], params), rng))
-
-
-def verify(window: tuple[int, ...], draft_logits: np.ndarray | None, target_logits: np.ndarray,
-           params: SamplingParams, rng_at: Callable[[int], np.random.Generator] | None) -> Verdict:
-    """rng_at(i): the random stream of the window's row i (runtime/sampling.py target_streams); speculative sampling
-    draws the whole step from row 0's, a window proposed for sure (draft_logits None) each row from its own."""
+def verify(window: tuple[int, ...], target_logits: np.ndarray, params: SamplingParams,
+           rng_at: Callable[[int], np.random.Generator] | None) -> Verdict:
+    """rng_at(i): the random stream of the window's row i (runtime/sampling.py target_streams), for sampling."""
     if params.greedy:
         return greedy_accept(window, target_logits)
     if rng_at is None:
         raise ValueError("sampled verification draws with each row's own stream (rng_at)")
-    if draft_logits is None:
-        return own_draws_accept(window, target_logits, params, rng_at)
-    return speculative_accept(window, draft_logits, target_logits, params, rng_at(0))
+    return own_draws_accept(window, target_logits, params, rng_at)

@@ -150,7 +150,7 @@ def oracle_lookup(expected: dict[tuple[int, ...], list[int]]):
             self.calls += 1
             if window and self.calls % 3 == 0:
                 window[-1] = (window[-1] + 1) % 50
-            return DraftWindow(len(ctx), tuple(window), None, 0) if window else None
+            return DraftWindow(len(ctx), tuple(window), 0) if window else None
 
         def accepted(self, proposed, accepted, next_window=None) -> None:
             pass

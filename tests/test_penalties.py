@@ -139,9 +139,9 @@ def test_batched_rows_with_their_own_penalties_give_their_solo_outputs(engine_pi
 
 
 def test_sampled_steps_verify_against_the_penalised_target(engine_pipelines):
-    """Speculative sampling's path (runtime/verify.py speculative_accept) with the penalties: at a temperature this
-    low every warped distribution is one token, so a sampled sd or mirror generation is the penalised greedy one;
-    its windows come from a draft that does not know the penalties, and are corrected by the residual."""
+    """Sampled verification with the penalties: at a temperature this low every warped distribution is one token,
+    so a sampled sd or mirror generation is the penalised greedy one; its windows come from a draft that does not
+    know the penalties, and are corrected by the target's own draws."""
     pipe = engine_pipelines()
     for prompt in PROMPTS:
         for penalties in PENALTIES:

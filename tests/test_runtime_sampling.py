@@ -2,9 +2,9 @@
 distribution p(t1) p(t2 | t1), computed from the target's own logits.
 
 With max_new_tokens=3 and gamma 1, t1 comes from the prefill and t2 from the first speculative step (an accepted
-draft token or a residual resample), so both rules of speculative sampling are exercised. The random draft is
-mostly rejected (residual path); the self-draft is mostly accepted (acceptance + bonus path). The seeds are
-fixed, so the test is deterministic; the threshold is the chi-square 0.999 quantile.
+draft token or the target's own draw after a rejected one). The random draft is mostly rejected; the self-draft is
+mostly accepted (acceptance + bonus path). The seeds are fixed, so the test is deterministic; the threshold is the
+chi-square 0.999 quantile. And a seed gives one text whatever the mode or the requests beside it.
 """
 
 from __future__ import annotations
@@ -68,3 +68,26 @@ def test_sampling_follows_target_distribution(bundle_factory, self_draft, mode, 
     assert_follows(counts, joint)
     rate = accepted / SAMPLES
     assert rate > 0.8 if self_draft else rate < 0.3  # both speculative-sampling paths were taken
+
+
+def test_a_seed_gives_one_text_in_every_mode_and_beside_other_requests(bundle_factory):
+    """Sampled windows are verified against the target's own draws, so a seeded sample is the target alone's whatever
+    the mode and whatever runs beside it on the batching engine (as vLLM keeps a seeded request's text whatever its
+    batch); a draft drawing with the same numbers still has its windows taken where the two agree (the self-draft:
+    nearly always)."""
+    for self_draft in (False, True):
+        pipe = Pipeline.load(bundle_factory("llama", self_draft=self_draft))
+        accepted = 0
+        for seed in range(3):
+            options = dict(max_new_tokens=12, temperature=0.8, seed=seed, ignore_eos=True)
+            ar = pipe.generate(PROMPT, mode="ar", **options).token_ids
+            for mode in ("lookup", "sd", "mirror"):
+                out = pipe.generate(PROMPT, mode=mode, **options)
+                assert out.token_ids == ar, (self_draft, seed, mode)
+                accepted += out.stats["accepted_tokens"]
+            for mode in ("ar", "mirror"):
+                batch = pipe.generate([[40, 41, 42], PROMPT, [7, 8, 9, 10, 11]], mode=mode, **options)
+                assert batch[1].token_ids == ar, (self_draft, seed, mode)
+        if self_draft:
+            assert accepted > 40  # of 72 drafted positions in sd and mirror at most
+        pipe.close()

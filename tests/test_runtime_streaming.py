@@ -90,7 +90,7 @@ def test_greedy_sd_and_mirror_equal_ar(pipe):
 @pytest.mark.parametrize("params", [SamplingParams(), SAMPLING], ids=["greedy", "sampling"])
 def test_windows_equal_with_streaming_on_and_off(pipe, params):
     """Fresh rollouts (also continuing a kept lane) and branch sets give the same windows either way; sampling
-    draws the same numbers, so the tokens and the logits they were drawn from agree too."""
+    draws the same numbers (the target's, position by position), so the tokens agree too."""
     forwards = {"verify": 0, False: 0}
     for ctx in random_contexts(8):
         got = {}
@@ -103,8 +103,6 @@ def test_windows_equal_with_streaming_on_and_off(pipe, params):
             got[streaming] = (first, second)
         for on, off in zip(got["verify"], got[False]):
             assert on.tokens == off.tokens and on.context_len == off.context_len
-            if not params.greedy:
-                np.testing.assert_allclose(on.logits, off.logits, rtol=1e-4, atol=1e-4)
     assert forwards[False] == 8 * (8 + 6)  # one token per forward
     if params.greedy:
         assert forwards["verify"] < forwards[False]  # this random draft repeats itself, so its proposals often hold
@@ -137,12 +135,6 @@ def test_draft_tokens_come_from_the_draft_vocabulary(pipe, bundle_factory, tmp_p
         for ctx in random_contexts(6, seed=3):
             window = Drafter(pipe.draft, params).rollout(ctx, 6)
             assert all(allowed[t] for t in window.tokens)
-            if not params.greedy:  # full-vocabulary rows for verification: -inf exactly outside the vocabulary
-                assert window.logits.shape == (6, allowed.size)
-                assert np.isneginf(window.logits[:, ~allowed]).all() and np.isfinite(window.logits[:, allowed]).all()
-                q = warp(window.logits, params)
-                assert np.allclose(q.sum(-1), 1) and (q[:, ~allowed] == 0).all()
-                assert all(q[i, t] > 0 for i, t in enumerate(window.tokens))
     # a draft vocabulary that does not fit the manifest is refused at load
     broken = tmp_path / "bundle"
     shutil.copytree(bundle, broken)
@@ -235,10 +227,9 @@ def test_confidence_threshold_keeps_sd_and_mirror_exact(pipe):
         assert out.stats["fallbacks"] == 0
         if mode == "sd" and threshold == 0.99:  # this random draft is never that sure: every window is one token
             assert out.stats["proposed_tokens"] == out.stats["fresh_rollouts"]
-    # sampled windows end early too, each token with the row it was drawn from
+    # sampled windows end early too
     drafter = Drafter(pipe.draft, SAMPLING, confidence=0.99)
-    window = drafter.rollout(tuple(prompt), 6)
-    assert len(window.tokens) == 1 and window.logits.shape[0] == 1
+    assert len(drafter.rollout(tuple(prompt), 6).tokens) == 1
 
 
 def test_warp_gives_zero_probability_to_minus_inf():
@@ -281,7 +272,6 @@ def test_accepted_proposals_give_several_tokens_per_forward(repeating):
         on = Drafter(pipe.draft, cold, streaming=True).rollout(ctx, 8)
         off = Drafter(pipe.draft, cold, streaming=False).rollout(ctx, 8)
         assert on.tokens == off.tokens
-        np.testing.assert_allclose(on.logits, off.logits, rtol=1e-4, atol=1e-4)
         forwards[True] += on.forwards
         forwards[False] += off.forwards
     assert forwards[True] < 0.75 * forwards[False], forwards

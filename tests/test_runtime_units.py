@@ -14,7 +14,7 @@ from mirror_sd.runtime.prompt_lookup import lookup, next_copy_length
 from mirror_sd.runtime.proposers import DraftModel
 from mirror_sd.runtime.sampling import TARGET_STREAM, SamplingParams, choose, rng_for, target_streams, warp
 from mirror_sd.runtime.stats import Recorder, overlap_seconds
-from mirror_sd.runtime.verify import greedy_accept, own_draws_accept, speculative_accept, verify
+from mirror_sd.runtime.verify import greedy_accept, own_draws_accept, verify
 
 
 def one_hot_logits(tokens: list[int], vocab: int = 10) -> np.ndarray:
@@ -35,29 +35,28 @@ def test_greedy_accept(window, target, accepted, token):
     assert verdict.committed(window) == tuple(window[:accepted]) + (token,)
 
 
-def test_speculative_accept_follows_target_distribution():
-    """Speculative sampling with residual resampling: the committed first token follows p exactly, for a q
-    that overlaps p only partly (acceptance and residual paths both taken)."""
-    params = SamplingParams(temperature=1.0)
+def test_a_draft_drawing_with_the_targets_numbers_is_taken_where_both_draws_agree():
+    """A sampled window is verified against the target's own draws: the committed tokens are the target alone's
+    under the seed. A draft that draws with the target's stream at the position (inverse CDF over token ids, as
+    runtime/draft.py does) is taken where both distributions put that number on one token: p's CDF [0.5, 0.8, 0.95,
+    1] and q's [0.1, 0.3, 0.6, 1] share token 0 below 0.1 and token 3 above 0.95, so 0.15 of the time."""
     p_logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05], [0.25] * 4]))
-    q_logits = np.log(np.array([[0.1, 0.2, 0.3, 0.4]]))
-    p, q = warp(p_logits[0], params), warp(q_logits[0], params)
-    rng = np.random.default_rng(0)
-    n = 40_000
-    counts = np.zeros(4)
-    for _ in range(n):
-        x = int(rng.choice(4, p=q))
-        verdict = speculative_accept((x,), q_logits, p_logits, params, rng)
-        counts[x if verdict.accepted else verdict.token] += 1
-    assert np.abs(counts / n - p).max() < 0.01
-    chi2 = ((counts - n * p) ** 2 / (n * p)).sum()
-    assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
+    q_logits = np.log(np.array([0.1, 0.2, 0.3, 0.4]))
+    n, taken = 20_000, 0
+    for seed in range(n):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        proposed = choose(q_logits, params, rng_for(params, TARGET_STREAM, 50))
+        verdict = verify((proposed,), p_logits, params, target_streams(params, 50))
+        alone = [choose(p_logits[i], params, rng_for(params, TARGET_STREAM, 50 + i)) for i in range(2)]
+        assert verdict.committed((proposed,)) == tuple(alone[:verdict.accepted + 1])
+        taken += verdict.accepted
+    assert abs(taken / n - 0.15) < 0.01
 
 
 def test_a_window_proposed_for_sure_commits_the_targets_own_draws():
-    """No draft logits (a grammar's forced tokens), sampled: each row draws with the stream of its position, so the
-    committed tokens are those the target alone draws there (equal, token for token), and a proposed token is taken
-    with its probability p(x), as speculative sampling takes a proposal of probability 1."""
+    """A window proposed for sure (a grammar's forced tokens, a copied window), sampled: each row draws with the
+    stream of its position, so the committed tokens are those the target alone draws there (equal, token for token),
+    and a proposed token is taken with its probability p(x)."""
     params = SamplingParams(temperature=1.0, seed=0)
     p_logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05], [0.1, 0.6, 0.2, 0.1], [0.25] * 4]))
     p = warp(p_logits[0], params)
@@ -74,20 +73,18 @@ def test_a_window_proposed_for_sure_commits_the_targets_own_draws():
     for proposed, taken in accepted.items():
         assert abs(taken / n - p[proposed]) < 0.01
     with pytest.raises(ValueError, match="own stream"):
-        verify((1,), None, p_logits[:2], params, None)
-    with pytest.raises(ValueError, match="own stream"):
-        verify((1,), p_logits[:1], p_logits[:2], params, None)
+        verify((1,), p_logits[:2], params, None)
 
 
 def test_a_branch_window_going_past_the_forced_tokens_is_taken_instead_of_them():
     """A mirror branch's window ready for the step, which begins with the tokens the grammar forces and goes on,
     verifies those and more: the decode loop takes it instead of the forced window (DraftModel.extends)."""
     drafts = DraftModel(None)
-    forced = DraftWindow(5, (1, 2), None, 0)
+    forced = DraftWindow(5, (1, 2), 0)
     assert not drafts.extends(forced, 4)  # nothing ready
-    drafts.ready = DraftWindow(5, (1, 2, 3), None, 1)
+    drafts.ready = DraftWindow(5, (1, 2, 3), 1)
     assert drafts.extends(forced, 4) and not drafts.extends(forced, 2)  # cut to the step's room: no further
-    drafts.ready = DraftWindow(5, (1, 4, 3), None, 1)
+    drafts.ready = DraftWindow(5, (1, 4, 3), 1)
     assert not drafts.extends(forced, 4)
 
 

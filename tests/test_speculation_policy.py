@@ -3,7 +3,6 @@ and the proposers (prompt lookup's window length, the draft's branch window), wi
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from mirror_sd.runtime.config import GenerationConfig
@@ -110,7 +109,7 @@ def test_prompt_lookup_grows_its_window_while_copies_are_accepted_whole_and_stay
     ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3]
     copies = PromptLookup(cfg)
     window = copies.propose(ctx, 100)
-    assert window.tokens == (4, 5, 6, 7) and window.context_len == len(ctx) and window.logits is None
+    assert window.tokens == (4, 5, 6, 7) and window.context_len == len(ctx)
     copies.accepted(4, 4)
     assert copies.propose(ctx, 100).tokens == (4, 5, 6, 7, 8, 9)
     assert copies.propose(ctx, 2).tokens == (4, 5)  # never past what the generation can commit
@@ -128,11 +127,11 @@ def test_prompt_lookup_grows_its_window_while_copies_are_accepted_whole_and_stay
 def test_the_draft_continues_a_ready_branch_window_and_drops_it_after_any_other_step():
     class Decoder:  # the scheduler's decoder, as far as DraftModel uses it: a fresh rollout on the draft's thread
         def fresh_window(self, ctx, gamma):
-            return DraftWindow(len(ctx), tuple(range(gamma)), np.zeros((gamma, 3), np.float32), 1)
+            return DraftWindow(len(ctx), tuple(range(gamma)), 1)
 
     drafts = DraftModel(Decoder())
     assert drafts.propose([5, 6], 3).tokens == (0, 1, 2)
-    branch = DraftWindow(4, (7, 8, 9, 10), None, 1)
+    branch = DraftWindow(4, (7, 8, 9, 10), 1)
     drafts.accepted(3, 1, branch)
     assert drafts.propose([5, 6, 0, 1], 2).tokens == (7, 8)  # the branch's window, cut to the step's gamma
     drafts.accepted(0, 0)  # a copy or a step of the target alone went between

@@ -218,7 +218,7 @@ def test_the_reference_generator_with_the_draft_holds_to_the_schema(engine_pipel
 def test_sampled_generations_hold_to_the_schema_and_verify_against_the_masked_target(engine_pipelines):
     """Speculative sampling with a schema: each mode's sampled JSON holds; at a temperature this low every warped
     distribution is one token, so sampled sd and mirror give the masked greedy text, their windows (from a draft
-    that does not know the schema) corrected by the residual."""
+    that does not know the schema) corrected by the target's own draws."""
     pipe = engine_pipelines()
     for prompt in PROMPTS:
         ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, json_schema=SCHEMA)
