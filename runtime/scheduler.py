@@ -270,7 +270,7 @@ class _Decoder:
         drafter = self.worker.drafter if self.worker is not None else None
         if not isinstance(drafter, FeatureDrafter):
             return
-        read = cached_prompt_window(len(prompt), cached) or drafter.prompt_window
+        read = cached_prompt_window(len(prompt), cached, self.cfg.params.greedy) or drafter.prompt_window
         lo = max(0, len(prompt) - 1 - min(drafter.prompt_window, read))
         # positions the prompt graphs wrote they write again in the same chunks (their grid), so with the same bits;
         # on the target's own graphs no chunk is one row, which rounds otherwise (Target.reusable_length)
@@ -424,10 +424,12 @@ class _Decoder:
         self.counts.branch_budget = self.budget
 
 
-def cached_prompt_window(prompt_len: int, cached: int) -> int:
+def cached_prompt_window(prompt_len: int, cached: int, greedy: bool = True) -> int:
     """How many of a prompt's last inputs the draft reads (0: its own prompt window) where the prefix cache held its
-    first `cached` tokens: those that ran, and at least TRY_PROMPT_WINDOW."""
-    return max(TRY_PROMPT_WINDOW, prompt_len - cached) if cached else 0
+    first `cached` tokens: those that ran, and at least TRY_PROMPT_WINDOW. Sampled, its whole window: a sampled
+    window is taken only where the draft's draw lands on the target's, which a shorter reading of the prompt makes
+    rarer (lab/results/sampled-own-draws-try-window.json)."""
+    return max(TRY_PROMPT_WINDOW, prompt_len - cached) if cached and greedy else 0
 
 
 def reads_prompt_alongside(warm_with_prefill: bool, feature_draft: bool) -> bool:
@@ -492,7 +494,8 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     alongside = reads_prompt_alongside(warm_with_prefill, isinstance(drafter, FeatureDrafter))
     warmed = None  # the ticket of the draft's reading of the prompt
     if warm and alongside:  # the draft reads the prompt while the target does
-        warmed = worker.submit(Warm(tuple(prompt), window=cached_prompt_window(len(prompt), cached)))
+        warmed = worker.submit(Warm(tuple(prompt), window=cached_prompt_window(len(prompt), cached,
+                                                                               cfg.params.greedy)))
     first, first_score = dec.prefill(tuple(prompt), cached, prompt_scores)
     ctx.append(first)
     # A draft that reads the prompt after the prefill (a feature draft, which needs the prefill's taps, or one whose
@@ -503,7 +506,7 @@ def decode(target: Target, worker: DraftWorker | None, prompt: tuple[int, ...], 
     # of a prompt the prefix cache held, the draft reads the last inputs only, as a speculative try does
     # (TRY_PROMPT_WINDOW): for a feature draft their taps are computed again, which costs a share of the prefill
     # the cache spared
-    read_window = cached_prompt_window(len(prompt), cached)
+    read_window = cached_prompt_window(len(prompt), cached, cfg.params.greedy)
     if after_prefill and worker.threaded:
         warmed = worker.submit(Warm(tuple(prompt), dec.take_features(), read_window))
     dec.draft_seen = len(prompt) if warm else 0
