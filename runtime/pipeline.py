@@ -70,7 +70,8 @@ from mirror_sd.runtime.streamers import CANCEL, streamer_calls
 from mirror_sd.runtime.target import KVView, Target, TargetCache, open_target
 from mirror_sd.runtime.text import TextCodec, TextSink
 
-Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]] | dict[str, Any]
+VLLM_PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt: one of them, alone
 # (token id, new text) for every committed token; or OpenVINO GenAI's forms (runtime/streamers.py)
 Streamer = Callable[[int, str], Any] | Callable[[str], Any] | Any
 
@@ -245,6 +246,8 @@ class Pipeline:
         if isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but text that was not decoded
             raise BadInputError("the prompt is bytes: decode it to a string first (or give token ids as a list)",
                                 option="prompt")
+        if isinstance(prompt, dict):  # vLLM's TextPrompt or TokensPrompt
+            prompt = _vllm_prompt(prompt)
         if isinstance(prompt, np.ndarray):  # token ids as a tokenizer's numpy output holds them
             if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
                 raise BadInputError(f"a numpy prompt must be one row of token ids (1-D, integers), not {prompt.ndim}-D "
@@ -278,9 +281,10 @@ class Pipeline:
         committed; OpenVINO GenAI's streamers work as well, and a streamer that returns True or GenAI's
         StreamingStatus.STOP / CANCEL stops the generation there (runtime/streamers.py).
 
-        A list of prompts (strings, chat message lists or token id lists) runs them together on the batching
-        engine (`engine()`; on a target without one, the OpenVINO backend's, one after another) and gives their
-        results in the same order; each is its solo result, token for token where greedy."""
+        A list of prompts (strings, chat message lists, token id lists, vLLM's prompt dicts) runs them together on
+        the batching engine (`engine()`; on a target without one, the OpenVINO backend's, one after another) and
+        gives their results in the same order; each is its solo result, token for token (greedy, or sampled with
+        the same seed)."""
         each, end = streamer_calls(streamer) if streamer is not None else (None, None)
         base = config if isinstance(config, GenerationConfig) else self.generation_config  # check refuses another
         if base.updated(**overrides).num_beams > 1:
@@ -785,10 +789,25 @@ def _plan_defaults(bundle: str | Path, manifest: Manifest) -> tuple[RuntimeDefau
 
 
 def is_batch(prompt: object) -> bool:
-    """Whether `prompt` is a list of prompts: of strings, or of lists (each a chat or a token id list), not one chat
-    (a list of messages) or one token id list."""
+    """Whether `prompt` is a list of prompts: of strings, of lists (each a chat or a token id list), of numpy token id
+    rows or of vLLM's prompt dicts, not one chat (a list of messages) or one token id list."""
     return (isinstance(prompt, (list, tuple)) and bool(prompt)
-            and all(isinstance(p, str) or isinstance(p, (list, tuple)) for p in prompt))
+            and all(isinstance(p, (str, list, tuple, np.ndarray)) or _is_vllm_prompt(p) for p in prompt))
+
+
+def _is_vllm_prompt(prompt: object) -> bool:
+    """Whether `prompt` reads as vLLM's prompt dict (a text or token ids under its key), not a chat message."""
+    return isinstance(prompt, dict) and "role" not in prompt and bool(prompt.keys() & set(VLLM_PROMPT_KEYS))
+
+
+def _vllm_prompt(prompt: dict) -> Any:
+    """What vLLM's prompt dict holds: the text of {"prompt": ...}, the ids of {"prompt_token_ids": ...}."""
+    given = set(prompt)
+    if len(given & set(VLLM_PROMPT_KEYS)) != 1 or given - set(VLLM_PROMPT_KEYS):
+        raise BadInputError(f"a prompt given as a dict is vLLM's {{'prompt': text}} or {{'prompt_token_ids': ids}}, "
+                            f"not one with {sorted(given)} (chat messages come as a list of role/content dicts)",
+                            option="prompt")
+    return prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
 
 
 def _first_missing(path: Path) -> Path | None:

@@ -106,7 +106,8 @@ def test_openvino_genai_streamers_and_a_streamer_that_stops(pipe):
 
 def test_openvino_genai_and_transformers_code_runs_as_written(pipe):
     """GenAI's chat sample as written (get_generation_config, a config changed, the streamer as the third argument,
-    print(result)), its older StreamerBase subclasses (put, not write), and token ids as numpy gives them."""
+    print(result)), its older StreamerBase subclasses (put, not write), token ids as numpy gives them, and vLLM's
+    prompt dicts."""
     import numpy as np
 
     config = pipe.get_generation_config()
@@ -131,6 +132,15 @@ def test_openvino_genai_and_transformers_code_runs_as_written(pipe):
         result.token_ids
     with pytest.raises(BadInputError, match="1-D") as caught:
         pipe.generate(ids[None], config)
+    assert caught.value.option == "prompt"
+
+    # vLLM's prompt dicts, alone and in a list
+    assert pipe.generate({"prompt_token_ids": PROMPT}, config).token_ids == result.token_ids
+    text = pipe.generate("def f(x):", config)
+    both = pipe.generate([{"prompt": "def f(x):"}, {"prompt_token_ids": list(ids)}], config)
+    assert [r.token_ids for r in both] == [text.token_ids, result.token_ids]
+    with pytest.raises(BadInputError, match="vLLM's") as caught:
+        pipe.generate({"prompt": "def f(x):", "multi_modal_data": {}}, config)
     assert caught.value.option == "prompt"
 
     ov_genai = pytest.importorskip("openvino_genai")
