@@ -28,7 +28,8 @@ proposals as drafted (streaming "trust"): when the room left in a row's window f
 they fill it unchecked, and the target's verification is their only check. The window can then differ from a
 one-token-per-forward window (a stream guess where the main stream would have chosen otherwise), so acceptance
 can drop; the output cannot change (the target verifies every token). Sampled windows always self-check: a
-proposal has no draft distribution to verify it against.
+proposal is taken where it is the draft's own draw, drawn with the number the target draws with there, so that the
+two land on one token wherever their distributions agree (runtime/verify.py).
 
 A draft over a reduced vocabulary (`draft.output_vocab_size` > 0) gives logits over its own columns; tokens are
 mapped to target ids through the bundle's draft vocabulary; a sampled token is drawn over its columns in target

@@ -6,16 +6,16 @@ and which token follows them (the correction at slot A, or the bonus when A == g
 
 - Greedy (temperature 0): accept the longest prefix where the window equals the target's argmax; the correction
   is the argmax at slot A. The output is the target's greedy output token for token.
-- Sampling: each row draws the target's own token with the random stream of its position, as the target alone
-  draws there, and the window is accepted while it equals those draws; the token after them is the target's draw
-  at the first row that differs (or the bonus row's). The committed tokens are the target alone's under the same
-  seed, in every mode and beside any other requests (up to the rounding of a window row against a one-token step: a
-  draw within about 1e-6 of the boundary between two tokens can go to the other one, as a greedy near-tie can), so
-  they follow its distribution exactly, whatever proposed the window. A draft draws its window with the same numbers
-  (runtime/draft.py: the target's stream at each position, by inverse CDF over token ids), so its token and the
-  target's agree wherever the two distributions put that number on the same token: an expected 0.93x / 0.81x of
-  speculative sampling's acceptance at temperature 0.7 / 1.0 on the real pair (docs/design.md: Sampling: the
-  target's own draws), for a seed that gives one text whatever the mode or the load.
+- Sampling (the paper's sample-and-match, both sides drawing with one number): each row draws the target's own token
+  with the random stream of its position, as the target alone draws there, and the window is accepted while it equals
+  those draws; the token after them is the target's draw at the first row that differs (or the bonus row's). The
+  committed tokens are the target alone's under the same seed, in every mode and beside any other requests (up to the
+  rounding of a window row against a one-token step: a draw within about 1e-6 of the boundary between two tokens can
+  go to the other one, as a greedy near-tie can), so they follow its distribution exactly, whatever proposed the
+  window. A draft draws its window with the same numbers (runtime/draft.py: the target's stream at each position, by
+  inverse CDF over token ids), so its token and the target's agree wherever the two distributions put that number on
+  the same token: fewer windows taken than speculative sampling with residual resampling at high temperatures
+  (docs/design.md: Sampling: the target's own draws), for a seed that gives one text whatever the mode or the load.
 """
 
 from __future__ import annotations
