@@ -114,7 +114,8 @@ class DraftVocab:
     def __init__(self, target_vocab: int, ids: np.ndarray | None) -> None:
         self.size, self.ids = target_vocab, ids
         # Samples are drawn over the columns in ascending target-id order: the same draw, tie-breaks included,
-        # as over the full row with -inf elsewhere, which is what verification sees.
+        # as over the full row with -inf elsewhere, so that with the target's number at a position the draft's token
+        # lands on the target's wherever their distributions agree (runtime/verify.py).
         self.order = None if ids is None else np.argsort(ids, kind="stable")
         self.column = None  # target id -> column, made the first time a probability is asked for
 
@@ -257,11 +258,11 @@ class DrafterBase:
         self.recorder.draft_forward(start, time.perf_counter(), rows)
         return out
 
-    def _draws(self, length: int) -> Callable[[int], np.random.Generator | None]:
-        """The generator a rollout continuing `length` tokens draws its i-th token with (None: greedy): the target's
-        own at that position, so that the draft's draw is the target's where their distributions agree there
+    def _draws(self, length: int) -> Callable[[int], np.random.Generator]:
+        """The generator a sampled rollout continuing `length` tokens draws its i-th token with: the target's own at
+        that position, so that the draft's draw is the target's where their distributions agree there
         (runtime/verify.py: sampled windows are verified against the target's own draws)."""
-        return lambda i: None if self.params.greedy else rng_for(self.params, TARGET_STREAM, length + i)
+        return lambda i: rng_for(self.params, TARGET_STREAM, length + i)
 
     def _confident(self, row: np.ndarray, token: int, b: int) -> bool:
         """Whether rollout row b's window may go on after `token`, chosen from logits `row` [Vd] (its tokens are
