@@ -206,23 +206,25 @@ def _generate(args: argparse.Namespace) -> int:
 
     pipe = _load(args)
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
-    if args.prompt and not args.raw and pipe.codec.chat_template:
-        # as OpenVINO GenAI's LLMPipeline does: a chat model gets its text as a user turn of its chat template
-        prompt = [{"role": "user", "content": args.prompt}]
-    # what was not given keeps the pipeline's config: the built-in defaults, with the bundle plan's merged in
-    config = pipe.generation_config.updated(**given(args, GenerationConfig))
+    # what was not given keeps the pipeline's config: the built-in defaults, with the bundle plan's merged in; but
+    # a chat model gets its text as a user turn of its chat template, as OpenVINO GenAI's generate gives it
+    config = pipe.generation_config.updated(**{"apply_chat_template": True, **given(args, GenerationConfig)})
 
     def show(_token: int, text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    beams = config.num_beams > 1  # a beam search's text is whole only at its end: nothing streamed
-    result = pipe.generate(prompt, config, streamer=None if args.json or beams else show)
+    # a beam search's text is whole only at its end, and samples come together: nothing streamed
+    beams, samples = config.num_beams > 1, config.num_beams == 1 and config.num_return_sequences > 1
+    result = pipe.generate(prompt, config, streamer=None if args.json or beams or samples else show)
     if args.json:
         doc = {"token_ids": result.token_ids, "text": result.text, "stats": result.stats.as_dict()}
         if result.beams is not None:  # --num-return-sequences N: the best N beams, best first
             doc["beams"] = [{"token_ids": b.token_ids, "text": b.text, "score": b.score,
                              "finish_reason": b.finish_reason} for b in result.beams]
+        if result.samples is not None:  # --num-return-sequences N sampled: each sample, seed + i
+            doc["samples"] = [{"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason}
+                              for r in result.samples]
         if result.logprobs is not None:  # --logprobs K: each token's, with its K likeliest alternatives
             doc["logprobs"] = [{"token_id": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
                                for lp in result.logprobs]
@@ -234,6 +236,11 @@ def _generate(args: argparse.Namespace) -> int:
         print("\n\n".join(b.text for b in result.beams))
         print(f"[beam] {len(result.beams)} of {config.num_beams} beams, scores "
               f"{', '.join(f'{b.score:.3f}' for b in result.beams)}, {result.stats.wall_s:.2f} s", file=sys.stderr)
+    elif samples:  # each sample's text, in seed order, a blank line between them
+        print("\n\n".join(r.text for r in result.samples))
+        print(f"[{result.stats.mode}] {len(result.samples)} samples, seeds {config.seed} to "
+              f"{config.seed + len(result.samples) - 1}, {sum(r.stats.new_tokens for r in result.samples)} tokens, "
+              f"{max(r.stats.wall_s for r in result.samples):.2f} s", file=sys.stderr)
     else:
         s = result.stats
         print()
@@ -636,9 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 5,17,33")
-    g.add_argument("--raw", action="store_true",
-                   help="send --prompt as plain text (default: as a user turn of the bundle's chat template, if any)")
-    add_options(g, GenerationConfig)
+    add_options(g, GenerationConfig, shown={"apply_chat_template": "on"})
     add_options(g, LoadOptions, LOAD_FLAGS["generate"], GENERATE_LOAD_DEFAULTS)
     g.add_argument("--json", action="store_true", help='print {"token_ids", "text", "stats"} (and "logprobs" with '
                    '--logprobs, "prompt_logprobs" with --prompt-logprobs) as one JSON object')
@@ -648,9 +653,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "answer streamed, earlier turns kept by the prefix cache")
     c.add_argument("bundle", help="bundle directory written by export, or a package (directory or .tar)")
     c.add_argument("--system", default=None, help="a system prompt that opens the conversation")
-    # logprobs are not shown in a terminal's conversation, and a scored prompt would pass the prefix cache by
+    # logprobs are not shown in a terminal's conversation, and a scored prompt would pass the prefix cache by;
+    # every line is a turn of the chat template already
     add_options(c, GenerationConfig, [s.name for s in specs(GenerationConfig)
-                                      if s.flag and s.name not in ("logprobs", "prompt_logprobs")],
+                                      if s.flag and s.name not in ("logprobs", "prompt_logprobs",
+                                                                   "apply_chat_template")],
                 shown={"max_new_tokens": "what the context leaves after the conversation"})
     add_options(c, LoadOptions, LOAD_FLAGS["chat"], GENERATE_LOAD_DEFAULTS)
     c.set_defaults(func=_chat)

@@ -67,11 +67,15 @@ def check_beam_search(cfg: GenerationConfig) -> None:
 
 
 def one_at_a_time(cfg: GenerationConfig) -> GenerationConfig:
-    """`cfg`, refused where it asks for a beam search: Pipeline.generate alone runs one (its beams are whole only
-    once it ends: nothing to stream, and one request of the engine's is one token of one beam)."""
+    """`cfg`, refused where it asks for several texts: Pipeline.generate alone runs a beam search (its beams are
+    whole only once it ends: nothing to stream, and one request of the engine's is one token of one beam) and
+    several samples (each a generation of its own)."""
     if cfg.num_beams > 1:
         raise BadInputError("a beam search runs through Pipeline.generate only: its beams are whole only once it ends",
                             option="num_beams")
+    if cfg.num_return_sequences > 1:
+        raise BadInputError("several samples come from Pipeline.generate only: a stream or a request gives one "
+                            "(sample i of several is the config's nth_sample(i))", option="num_return_sequences")
     return cfg
 
 

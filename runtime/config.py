@@ -382,6 +382,11 @@ class GenerationConfig(Options):
     grammar: str | None = option(
         None, "hold the text to this context-free grammar: Lark (llguidance's dialect) or llama.cpp's GBNF",
         none="off", convert=_text("grammar"), wire=STRUCTURED)
+    # OpenVINO GenAI's (its default since 2025.1 is on); transformers' and vLLM's generate take text as it is, as
+    # the library does by default; `mirror-sd generate` turns it on (--raw off)
+    apply_chat_template: bool = option(
+        False, "a text prompt is the user's turn of the chat template (with the assistant's turn opened), where the "
+        "bundle has a template; messages and token ids are as they are", switches=(("--raw", False),))
     # OpenAI's seed is any int64; n choices draw with seed + i, which the library's range leaves room for
     seed: int = option(0, "the sampling seed", range=Range(-2**63, 2**64 - 1), wire="seed",
                        wire_range=Range(-2**63, 2**63 - 1), keywords=("rng_seed",))
@@ -491,8 +496,8 @@ class GenerationConfig(Options):
         1, "beam search: keep this many candidate texts, each step the likeliest continuations of them all, and give "
         "the best (the target alone, whatever the mode; 1: off)", range=Range(1, MAX_BEAMS))
     num_return_sequences: int = option(
-        1, "beam search: give the best this many beams (GenerationResult.beams), at most num_beams",
-        range=Range(1, MAX_BEAMS))
+        1, "give this many texts: sampled, as many samples, sample i drawn with seed + i (GenerationResult.samples); "
+        "beam search, the best this many beams, at most num_beams (GenerationResult.beams)", range=Range(1, MAX_BEAMS))
     length_penalty: float = option(
         1.0, "beam search: a finished beam scores its log-probability over its length to this power (above 0 favours "
         "longer texts; transformers')", range=Range(-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY), wire="length_penalty")
@@ -514,6 +519,11 @@ class GenerationConfig(Options):
                               self.presence_penalty, self.frequency_penalty, self.min_p, self.logit_bias,
                               self.min_tokens, tuple(sorted(set(self.eos_token_ids or ()) | set(self.stop_token_ids))),
                               self.allowed_token_ids, self.bad_words_ids)
+
+    def nth_sample(self, i: int) -> GenerationConfig:
+        """The config of sample i of one prompt's several (num_return_sequences, the server's n choices): drawn with
+        seed + i, so that each is a draw of its own and the one seed repeats them all; greedy, this config."""
+        return self if self.params.greedy else self.updated(seed=self.seed + i, num_return_sequences=1)
 
     @property
     def ending_token_ids(self) -> tuple[int, ...]:

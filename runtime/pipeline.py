@@ -17,6 +17,7 @@ for another export of the bundle is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 import re
@@ -273,6 +274,15 @@ class Pipeline:
             raise BadInputError("the prompt is empty", option="prompt")
         return ids
 
+    def _user_turn(self, prompt: Prompt) -> Prompt:
+        """apply_chat_template's prompt: text (vLLM's {"prompt": text} as well) as the user's turn of the chat
+        template, the assistant's opened after it; anything else, or text where there is no template, as it is (as
+        OpenVINO GenAI falls back)."""
+        text = _vllm_prompt(prompt) if isinstance(prompt, dict) else prompt
+        if isinstance(text, str) and text and self.codec.chat_template:
+            return [{"role": "user", "content": text}]
+        return prompt
+
     # -- generation ----------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None = None,
                  streamer: Streamer | None = None, **overrides: Any) -> GenerationResult | list[GenerationResult]:
@@ -287,24 +297,22 @@ class Pipeline:
         the same seed)."""
         each, end = streamer_calls(streamer) if streamer is not None else (None, None)
         base = config if isinstance(config, GenerationConfig) else self.generation_config  # check refuses another
-        if base.updated(**overrides).num_beams > 1:
+        wanted = base.updated(**overrides)
+        if wanted.num_beams > 1:
             if streamer is not None:  # as transformers refuses one
                 raise BadInputError("a beam search has its text only once it ends: no streamer", option="streamer")
             return self._beam_search(prompt, config, overrides)
+        if wanted.num_return_sequences > 1 and not wanted.params.greedy:  # greedy: check refuses it
+            if streamer is not None:
+                raise BadInputError("a streamer takes one generation's tokens: give num_return_sequences 1, or "
+                                    "stream each sample with its own seed", option="streamer")
+            return self._samples(prompt, config, overrides)
         if is_batch(prompt):
             if streamer is not None:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
                                     "requests engine().submit returns", option="streamer")
-            checked = [self.check(p, config, **overrides) for p in prompt]  # every one refused before any work
-            if not BatchEngine.runs_on(self):
-                return [self.generate(ids, cfg) for ids, cfg in checked]
-            requests = [self.engine().submit(ids, cfg) for ids, cfg in checked]
-            try:
-                return [request.wait() for request in requests]
-            except BaseException:  # one failed, or the caller was interrupted: the others stop too
-                for request in requests:
-                    request.cancel()
-                raise
+            # every one refused before any work
+            return self._together([self.check(p, config, **overrides) for p in prompt])
         run = self._run(prompt, config, overrides)
         try:
             asked = None  # what the streamer asked of the generation (runtime/streamers.py)
@@ -490,13 +498,18 @@ class Pipeline:
                 raise BadInputError(f"{source[2]} and bad words could leave no token: give one of them",
                                     option="bad_words" if cfg.bad_words else "bad_words_ids")
             self.vocabulary.grammar(*source)  # compiled now: a grammar it cannot hold text to is refused
-        if cfg.num_return_sequences > cfg.num_beams:  # transformers' check
+        if cfg.num_return_sequences > cfg.num_beams > 1:  # transformers' checks
             raise BadInputError(f"num_return_sequences ({cfg.num_return_sequences}) exceeds num_beams "
                                 f"({cfg.num_beams}): a beam search gives at most its beams",
                                 option="num_return_sequences")
+        if cfg.num_return_sequences > 1 and cfg.num_beams == 1 and cfg.params.greedy:
+            raise BadInputError(f"num_return_sequences ({cfg.num_return_sequences}): greedy decoding gives one text; "
+                                "sample (temperature above 0, or do_sample) or search num_beams beams for several",
+                                option="num_return_sequences")
         if cfg.num_beams > 1:
             check_beam_search(cfg)
-        ids = self.truncated(self.prompt_ids(prompt), cfg.truncate_prompt_tokens)
+        ids = self.truncated(self.prompt_ids(self._user_turn(prompt) if cfg.apply_chat_template else prompt),
+                             cfg.truncate_prompt_tokens)
         if self.package:
             self._check_bounds(len(ids), cfg)
         if len(ids) + cfg.max_new_tokens > self.context_limit:
@@ -504,6 +517,38 @@ class Pipeline:
                                     f"context limit of {self.context_limit} tokens", self.context_limit, len(ids),
                                     None if len(ids) >= self.context_limit else cfg.max_new_tokens)
         return ids, cfg
+
+    def _together(self, checked: Sequence[tuple[list[int], GenerationConfig]]) -> list[GenerationResult]:
+        """The generations of (ids, config) pairs that `check` gave, on the batching engine together (on a target
+        without one, one after another), their results in the same order."""
+        if not BatchEngine.runs_on(self):
+            return [self.generate(ids, cfg) for ids, cfg in checked]
+        requests = [self.engine().submit(ids, cfg) for ids, cfg in checked]
+        try:
+            return [request.wait() for request in requests]
+        except BaseException:  # one failed, or the caller was interrupted: the others stop too
+            for request in requests:
+                request.cancel()
+            raise
+
+    def _samples(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None,
+                 overrides: dict[str, Any]) -> GenerationResult | list[GenerationResult]:
+        """generate's num_return_sequences sampled, as transformers' and GenAI's: each prompt's samples, sample i
+        drawn with the seed + i (GenerationConfig.nth_sample, as the server's n choices), every one a generation of
+        its own on the batching engine together; a result holds its prompt's in `samples`."""
+        batch = is_batch(prompt)
+        prompts = list(prompt) if batch else [prompt]
+        if self._chat is not None and any(isinstance(p, str) for p in prompts):
+            raise BadInputError("several samples run outside a conversation: give chat messages or token ids, or "
+                                "finish_chat() first", option="num_return_sequences")
+        checked = [self.check(p, config, **overrides) for p in prompts]
+        results = iter(self._together([(ids, cfg.nth_sample(i)) for ids, cfg in checked
+                                       for i in range(cfg.num_return_sequences)]))
+        grouped = []
+        for _, cfg in checked:
+            samples = tuple(next(results) for _ in range(cfg.num_return_sequences))
+            grouped.append(dataclasses.replace(samples[0], samples=samples))
+        return grouped if batch else grouped[0]
 
     def _beam_search(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None,
                      overrides: dict[str, Any]) -> GenerationResult | list[GenerationResult]:

@@ -38,9 +38,19 @@ class GenerationResult:
     # a beam search's best num_return_sequences beams, best first (the result's tokens and text are the first's);
     # None for any other generation
     beams: tuple[Beam, ...] | None = None
+    # num_return_sequences sampled: every sample in seed order (sample i drawn with the seed + i), the first this
+    # result's own tokens and text; None for any other generation
+    samples: tuple[GenerationResult, ...] | None = None
 
     def __str__(self) -> str:  # print(result) shows the answer, as OpenVINO GenAI's DecodedResults does
         return self.text
+
+    @property
+    def texts(self) -> list[str]:
+        """Every text the generation gave (OpenVINO GenAI's DecodedResults.texts): the beams', best first, the
+        samples', in seed order, or the one text."""
+        several = self.beams or self.samples
+        return [s.text for s in several] if several else [self.text]
 
 
 @dataclass(frozen=True)

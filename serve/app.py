@@ -864,9 +864,7 @@ def _reasoning_tokens(pipe: Pipeline, thinking: Reading | None, outcomes: Iterab
 def _choices(job: _Job, n: int) -> list[_Job]:
     """A request's n choices, each a generation of its own: sampled, choice i draws with the request's seed + i (each
     its own draw, and the one seed repeats them all); greedy, all alike."""
-    cfg = job.config
-    return [dataclasses.replace(job, config=cfg if cfg.params.greedy else cfg.updated(seed=cfg.seed + i))
-            for i in range(n)]
+    return [dataclasses.replace(job, config=job.config.nth_sample(i)) for i in range(n)]
 
 
 def _completion_choice(body: p.CompletionRequest, index: int, job: _Job, outcome: _Outcome,

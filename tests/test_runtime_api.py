@@ -272,6 +272,82 @@ def test_sampling_is_seeded(pipe):
     assert any(ids != greedy for ids in [a.token_ids, *others.values()]), "every seed gave the greedy tokens"
 
 
+def test_several_samples_are_each_a_seed_of_its_own(pipe, bundle, capsys):
+    """num_return_sequences sampled (transformers' and GenAI's): sample i of a prompt is that prompt's generation
+    with the seed + i, as the server's n choices are, in every mode, for each prompt of a list and on the command
+    line; greedy, a stream, a streamer, an async or engine request and a conversation's turn refuse it by name."""
+    options = dict(max_new_tokens=10, temperature=0.9, top_p=0.95, seed=11)
+    alone = [pipe.generate(PROMPT, **{**options, "seed": 11 + i}, mode="ar") for i in range(3)]
+    assert len({tuple(a.token_ids) for a in alone}) > 1, "three seeds drew alike: pick another seed"
+    for mode in ("ar", "sd", "mirror", "lookup"):
+        result = pipe.generate(PROMPT, **options, mode=mode, num_return_sequences=3)
+        assert [s.token_ids for s in result.samples] == [a.token_ids for a in alone], mode
+        assert result.token_ids == alone[0].token_ids and result.texts == [a.text for a in alone]
+        assert str(result) == alone[0].text and result.samples[0].samples is None
+    text = pipe.generate("def f(x):", **options, num_return_sequences=2)
+    both = pipe.generate([PROMPT, {"prompt": "def f(x):"}], **options, num_return_sequences=2)
+    assert [[s.token_ids for s in r.samples] for r in both] == [[a.token_ids for a in alone[:2]],
+                                                                 [s.token_ids for s in text.samples]]
+    assert len(pipe.generate(PROMPT, do_sample=True, num_return_sequences=2, max_new_tokens=4).texts) == 2
+    assert pipe.generate(PROMPT, mode="ar", max_new_tokens=4).texts == [pipe.generate(PROMPT, mode="ar",
+                                                                                      max_new_tokens=4).text]
+    argv = ["generate", str(bundle), "--prompt-ids", "5,17,33", "--mode", "ar", "--max-new-tokens", "10",
+            "--temperature", "0.9", "--top-p", "0.95", "--seed", "11", "--num-return-sequences", "3"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [s["token_ids"] for s in doc["samples"]] == [a.token_ids for a in alone]
+    assert doc["token_ids"] == alone[0].token_ids
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert out.out == "\n\n".join(a.text for a in alone) + "\n" and "3 samples, seeds 11 to 13" in out.err
+    sampled = dict(temperature=0.9, num_return_sequences=2, max_new_tokens=4)
+    for call, option in [(lambda: pipe.generate(PROMPT, num_return_sequences=2), "num_return_sequences"),
+                         (lambda: pipe.generate(PROMPT, streamer=lambda *_: None, **sampled), "streamer"),
+                         (lambda: list(pipe.stream(PROMPT, **sampled)), "num_return_sequences"),
+                         (lambda: pipe.generate_async(PROMPT, **sampled), "num_return_sequences"),
+                         (lambda: pipe.engine().submit(PROMPT, pipe.generation_config.updated(**sampled)),
+                          "num_return_sequences")]:
+        with pytest.raises(BadInputError) as caught:
+            call()
+        assert caught.value.option == option
+    pipe.start_chat()
+    try:
+        with pytest.raises(BadInputError, match="outside a conversation"):
+            pipe.generate("hello", **sampled)
+    finally:
+        pipe.finish_chat()
+
+
+def test_apply_chat_template_makes_text_the_users_turn(pipe, bundle, tmp_path):
+    """OpenVINO GenAI's apply_chat_template: text (vLLM's prompt dict too) becomes the user's turn of the chat
+    template; messages and token ids stay as they are; a bundle without a template takes the text as it is, as
+    GenAI does. Off by default, as transformers' and vLLM's generate; `mirror-sd generate` has it on (--raw off)."""
+    options = dict(mode="ar", max_new_tokens=6)
+    turn = pipe.generate([{"role": "user", "content": "hello there"}], **options)
+    raw = pipe.generate("hello there", **options)
+    assert raw.token_ids != turn.token_ids
+    for prompt in ("hello there", {"prompt": "hello there"}):
+        assert pipe.generate(prompt, **options, apply_chat_template=True).token_ids == turn.token_ids
+    ids = pipe.prompt_ids("hello there")
+    assert pipe.generate(ids, **options, apply_chat_template=True).token_ids == raw.token_ids
+    assert [r.token_ids for r in pipe.generate(["hello there", ids], **options, apply_chat_template=True)] == [
+        turn.token_ids, raw.token_ids]
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    doc = json.loads((copy / "manifest.json").read_text())
+    doc["tokenizer"]["chat_template"] = None
+    (copy / "manifest.json").write_text(json.dumps(doc))
+    plain = Pipeline.load(copy, huge_pages=False)
+    assert plain.generate("hello there", **options, apply_chat_template=True).token_ids == raw.token_ids
+    plain.close()
+    for flags, expected in (([], turn), (["--raw"], raw), (["--no-apply-chat-template"], raw)):
+        done = subprocess.run([sys.executable, "-m", "mirror_sd.cli", "generate", str(bundle), "--prompt",
+                               "hello there", "--mode", "ar", "--max-new-tokens", "6", "--json", *flags],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["token_ids"] == expected.token_ids, flags
+
+
 # -- bad input ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, match", [
     (dict(max_new_tokens=0), "max_new_tokens"),
