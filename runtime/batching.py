@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -239,20 +239,33 @@ class BatchEngine:
         ContextLimitError): a request the engine could not run would fail inside a step, beside other requests.
         counted False: a step of a beam search, which a server counts by the search's width instead (`counted`)."""
         ids, config = self.pipe.check(list(ids), config)
-        one_at_a_time(config)
-        request = Request(ids, config, listener, counted)
+        request = Request(ids, one_at_a_time(config), listener, counted)
+        self._queue([request])
+        return request
+
+    def submit_all(self, generations: Sequence[tuple[list[int], GenerationConfig]],
+                   counted: bool = True) -> list[Request]:
+        """Queue (ids, config) generations as submit does, every one checked before any is queued, and all at once:
+        the engine's next step finds them all waiting (a beam search's step is then one run of the target)."""
+        checked = [self.pipe.check(list(ids), config) for ids, config in generations]
+        requests = [Request(ids, one_at_a_time(config), None, counted) for ids, config in checked]
+        self._queue(requests)
+        return requests
+
+    def _queue(self, requests: list[Request]) -> None:
         with self._wake:
             if not self.alive:
                 raise EngineClosed("the engine is stopped")
-            # priorities are 0 unless the priority policy takes others (Pipeline.check): ahead of the first request
-            # of a higher one, behind every earlier one of its own or a lower one
-            if self._waiting and config.priority < self._waiting[-1].config.priority:
-                self._waiting.insert(next(i for i, r in enumerate(self._waiting)
-                                          if r.config.priority > config.priority), request)
-            else:
-                self._waiting.append(request)
+            for request in requests:
+                # priorities are 0 unless the priority policy takes others (Pipeline.check): ahead of the first
+                # request of a higher one, behind every earlier one of its own or a lower one
+                priority = request.config.priority
+                if self._waiting and priority < self._waiting[-1].config.priority:
+                    self._waiting.insert(next(i for i, r in enumerate(self._waiting)
+                                              if r.config.priority > priority), request)
+                else:
+                    self._waiting.append(request)
             self._wake.notify()
-        return request
 
     @property
     def waiting(self) -> int:
