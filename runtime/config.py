@@ -23,6 +23,7 @@ import functools
 import math
 import numbers
 import os
+import secrets
 import types
 import typing
 import warnings
@@ -332,6 +333,14 @@ def streaming_mode(value: bool | str) -> str:
     return value
 
 
+SEED_BITS = 31  # random seeds stay below 2**31: exact as a JSON number in any client (JavaScript's included)
+
+
+def random_seed() -> int:
+    """A seed for a generation given none (GenerationConfig.seed None)."""
+    return secrets.randbits(SEED_BITS)
+
+
 @dataclass(frozen=True)
 class GenerationConfig(Options):
     """The options of one generation (`Pipeline.generate`)."""
@@ -387,9 +396,11 @@ class GenerationConfig(Options):
     apply_chat_template: bool = option(
         False, "a text prompt is the user's turn of the chat template (with the assistant's turn opened), where the "
         "bundle has a template; messages and token ids are as they are", switches=(("--raw", False),))
-    # OpenAI's seed is any int64; n choices draw with seed + i, which the library's range leaves room for
-    seed: int = option(0, "the sampling seed", range=Range(-2**63, 2**64 - 1), wire="seed",
-                       wire_range=Range(-2**63, 2**63 - 1), keywords=("rng_seed",))
+    # OpenAI's seed is any int64; n choices draw with seed + i, which the library's range leaves room for. None
+    # draws one per generation (Pipeline.check), as transformers, vLLM and GenAI sample anew on each call
+    seed: int | None = option(None, "the sampling seed", none="a random one per generation",
+                              range=Range(-2**63, 2**64 - 1), wire="seed", wire_range=Range(-2**63, 2**63 - 1),
+                              keywords=("rng_seed",))
     stop: tuple[str, ...] = option((), "a string that ends the text, which is cut before it (repeatable)",
                                    wire="stop", keywords=("stop_strings",))
     # vLLM's: beside the end-of-sequence tokens, and under ignore_eos too
@@ -515,7 +526,9 @@ class GenerationConfig(Options):
     @functools.cached_property
     def params(self) -> SamplingParams:
         """The sampling rules of the options (a frozen config's: made once, though read per row on every step)."""
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed, self.repetition_penalty,
+        # a seed of None is drawn where the config is checked (Pipeline.check); a config that was not has 0
+        seed = 0 if self.seed is None else self.seed
+        return SamplingParams(self.temperature, self.top_p, self.top_k, seed, self.repetition_penalty,
                               self.presence_penalty, self.frequency_penalty, self.min_p, self.logit_bias,
                               self.min_tokens, tuple(sorted(set(self.eos_token_ids or ()) | set(self.stop_token_ids))),
                               self.allowed_token_ids, self.bad_words_ids)

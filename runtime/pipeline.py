@@ -51,6 +51,7 @@ from mirror_sd.runtime.config import (
     MAX_BAD_WORDS,
     GenerationConfig,
     LoadOptions,
+    random_seed,
     specs,
 )
 from mirror_sd.runtime.draft import Drafter, DrafterBase
@@ -456,7 +457,7 @@ class Pipeline:
             raise BadInputError(f"kappa {cfg.kappa} exceeds the bundle's early-exit top_k {k_max}", option="kappa")
         tokenizer_eos = tuple(self.manifest.tokenizer.eos_token_ids)
         cfg = cfg.updated(kappa=cfg.kappa or k_max, eos_token_ids=tokenizer_eos if cfg.eos_token_ids is None
-                          else cfg.eos_token_ids)
+                          else cfg.eos_token_ids, seed=random_seed() if cfg.seed is None else cfg.seed)
         vocab = self.manifest.target.vocab_size
         if cfg.logit_bias and cfg.logit_bias[-1][0] >= vocab:
             raise BadInputError(f"logit_bias token {cfg.logit_bias[-1][0]} is past the vocabulary ({vocab} tokens)",
@@ -523,7 +524,7 @@ class Pipeline:
         without one, one after another), their results in the same order."""
         if not BatchEngine.runs_on(self):
             return [self.generate(ids, cfg) for ids, cfg in checked]
-        requests = [self.engine().submit(ids, cfg) for ids, cfg in checked]
+        requests = self.engine().submit_all(checked)
         try:
             return [request.wait() for request in requests]
         except BaseException:  # one failed, or the caller was interrupted: the others stop too
@@ -575,10 +576,9 @@ class Pipeline:
         if not BatchEngine.runs_on(self):
             results = [self.generate(ids, cfg) for ids in contexts]
         else:
-            requests = []
+            # a server counts the search by its width, not its steps (BatchEngine.counted)
+            requests = self.engine().submit_all([(ids, cfg) for ids in contexts], counted=False)
             try:
-                for ids in contexts:  # a server counts the search by its width, not its steps (BatchEngine.counted)
-                    requests.append(self.engine().submit(ids, cfg, counted=False))
                 results = [request.wait() for request in requests]
             except BaseException:
                 for request in requests:

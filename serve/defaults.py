@@ -1,7 +1,7 @@
 """What a request gets for the generation options it leaves out: the server's defaults, which are OpenAI's.
 
-The library and `mirror-sd generate` decode greedily, 64 tokens, seed 0 (runtime/config.py GenerationConfig), the
-right defaults for reproducible runs. An OpenAI client expects otherwise: a request without `temperature` samples at
+The library and `mirror-sd generate` decode greedily, 64 tokens (runtime/config.py GenerationConfig), the right
+defaults for reproducible runs. An OpenAI client expects otherwise: a request without `temperature` samples at
 1.0, a chat request without `max_tokens` runs to the end of the context (a text completion's stops after
 COMPLETION_MAX_TOKENS, as OpenAI's and vLLM's do), and one without `seed` gets a different answer each time. The
 server applies these over the pipeline's config, in this order (later wins):
@@ -22,7 +22,6 @@ without a seed a random one, which the response reports (header `x-seed`) so tha
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.manifest import GENERATION_CONFIG
-from mirror_sd.runtime.config import GenerationConfig
+from mirror_sd.runtime.config import GenerationConfig, random_seed
 
 OPENAI_DEFAULTS: Mapping[str, Any] = MappingProxyType({"temperature": 1.0})  # OpenAI's API samples by default
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's legacy default, and vLLM's
@@ -43,7 +42,6 @@ GENERATION_SOURCES = ("auto", "vllm")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
 # reasoning models' think blocks `--reasoning-parser` reads as the message's reasoning (serve/reasoning.py)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
-SEED_BITS = 31  # random seeds stay below 2**31: exact as a JSON number in any client (JavaScript's included)
 # The serve command's settings that `mirror-sd serve` (mirror_sd/cli.py) and Ray's builder (serve/ray_app.py) both
 # read: the generation options whose server-wide default it takes (3. above), where its API key comes from when not
 # given (the environment keeps it off `ps`), and its log levels.
@@ -160,5 +158,6 @@ def resolve(defaults: Mapping[str, Any], requested: Mapping[str, Any], room: int
     model_max = out.pop(MODEL_MAX_NEW_TOKENS, None)
     if "max_new_tokens" not in requested:
         out["max_new_tokens"] = max(min(room, defaults.get("max_new_tokens") or most or model_max or room), 1)
-    out.setdefault("seed", secrets.randbits(SEED_BITS))
+    if out.get("seed") is None:  # drawn here, not by the pipeline: the answer's x-seed header reports it
+        out["seed"] = random_seed()
     return out

@@ -272,6 +272,23 @@ def test_sampling_is_seeded(pipe):
     assert any(ids != greedy for ids in [a.token_ids, *others.values()]), "every seed gave the greedy tokens"
 
 
+def test_without_a_seed_each_generation_draws_anew(pipe):
+    """No seed: every generation draws one of its own, through every entry point (as transformers', vLLM's and
+    GenAI's sampling differs call by call), where a config's seed repeats the text. Six calls of each at
+    temperature 1: the chance that all six of one entry agree is negligible, unless the seed is fixed."""
+    config = pipe.generation_config.updated(max_new_tokens=12, temperature=1.0)
+    runs = {"generate": lambda: pipe.generate(PROMPT, config).token_ids,
+            "stream": lambda: [c.token_id for c in pipe.stream(PROMPT, config)],
+            "list": lambda: pipe.generate([PROMPT, PROMPT], config)[1].token_ids,
+            "engine": lambda: pipe.engine().submit(PROMPT, config).wait().token_ids,
+            "samples": lambda: pipe.generate(PROMPT, config, num_return_sequences=2).samples[1].token_ids}
+    for entry, run in runs.items():
+        assert len({tuple(run()) for _ in range(6)}) > 1, f"{entry}: every generation drew the same tokens"
+    ids, checked = pipe.check(PROMPT, config)
+    assert checked.seed is not None and checked.seed != pipe.check(PROMPT, config)[1].seed
+    assert pipe.generate(ids, checked).token_ids == pipe.engine().submit(ids, checked).wait().token_ids
+
+
 def test_several_samples_are_each_a_seed_of_its_own(pipe, bundle, capsys):
     """num_return_sequences sampled (transformers' and GenAI's): sample i of a prompt is that prompt's generation
     with the seed + i, as the server's n choices are, in every mode, for each prompt of a list and on the command
