@@ -349,6 +349,11 @@ class GenerationConfig(Options):
                        "text, verified by the target; no draft model), sd (vanilla speculative decoding) or mirror "
                        "(Mirror-SD)", choices=MODES, wire=MIRROR, planned=True)
     max_new_tokens: int = option(64, "new tokens at most", range=Range(1), wire="max_tokens")
+    # transformers' and OpenVINO GenAI's, which their model cards call generate with; as theirs, a max_new_tokens
+    # given wins, which here is one other than its default (with_prompt)
+    max_length: int | None = option(
+        None, "the prompt and its new tokens at most: max_new_tokens becomes what the prompt leaves, where it keeps "
+        "its default", none="off", range=Range(2), cli=False)
     temperature: float = option(0.0, "sampling temperature (0: greedy)", range=Range(0), wire="temperature",
                                 wire_range=Range(0, 2))
     # transformers' and OpenVINO GenAI's switch between greedy and sampling, for code ported from them; the
@@ -532,6 +537,20 @@ class GenerationConfig(Options):
                               self.presence_penalty, self.frequency_penalty, self.min_p, self.logit_bias,
                               self.min_tokens, tuple(sorted(set(self.eos_token_ids or ()) | set(self.stop_token_ids))),
                               self.allowed_token_ids, self.bad_words_ids)
+
+    def with_prompt(self, prompt_tokens: int) -> GenerationConfig:
+        """This config for a prompt of `prompt_tokens` tokens: max_length, where given, turned into the max_new_tokens
+        it leaves (where max_new_tokens keeps its default: transformers' rule that a given max_new_tokens wins) and
+        then dropped, so that the config checked again keeps it; a BadInputError where the prompt leaves no room."""
+        if self.max_length is None:
+            return self
+        if self.max_new_tokens != GenerationConfig.max_new_tokens:
+            return self.updated(max_length=None)
+        room = self.max_length - prompt_tokens
+        if room < 1:
+            raise BadInputError(f"max_length ({self.max_length}) leaves no room for new tokens after the prompt's "
+                                f"{prompt_tokens}: give a larger one, or max_new_tokens", option="max_length")
+        return self.updated(max_new_tokens=room, max_length=None)
 
     def nth_sample(self, i: int) -> GenerationConfig:
         """The config of sample i of one prompt's several (num_return_sequences, the server's n choices): drawn with

@@ -511,6 +511,10 @@ class Pipeline:
             check_beam_search(cfg)
         ids = self.truncated(self.prompt_ids(self._user_turn(prompt) if cfg.apply_chat_template else prompt),
                              cfg.truncate_prompt_tokens)
+        cfg = cfg.with_prompt(len(ids))
+        if cfg.min_tokens > cfg.max_new_tokens:  # max_length's new tokens: vLLM's check again
+            raise BadInputError(f"min_tokens ({cfg.min_tokens}) exceeds the {cfg.max_new_tokens} new tokens max_length "
+                                "leaves", option="min_tokens")
         if self.package:
             self._check_bounds(len(ids), cfg)
         if len(ids) + cfg.max_new_tokens > self.context_limit:

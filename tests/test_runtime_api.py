@@ -289,6 +289,25 @@ def test_without_a_seed_each_generation_draws_anew(pipe):
     assert pipe.generate(ids, checked).token_ids == pipe.engine().submit(ids, checked).wait().token_ids
 
 
+def test_max_length_bounds_the_prompt_and_its_new_tokens(pipe):
+    """transformers' and GenAI's max_length (their model cards' `generate(prompt, max_length=200)`): the new tokens
+    are what the prompt leaves, per prompt; a max_new_tokens given beside it wins; a prompt that leaves no room, or
+    fewer tokens than min_tokens, is refused naming the option."""
+    n, options = len(PROMPT), dict(mode="ar", ignore_eos=True)
+    five = pipe.generate(PROMPT, **options, max_length=n + 5)
+    assert len(five.token_ids) == 5
+    assert pipe.generate(PROMPT, **options, max_length=n + 5, max_new_tokens=3).token_ids == five.token_ids[:3]
+    assert [len(r.token_ids) for r in pipe.generate([PROMPT, PROMPT[:2]], **options, max_length=n + 4)] == [4, 5]
+    ids, checked = pipe.check(PROMPT, pipe.generation_config.updated(max_length=n + 5))
+    assert (checked.max_new_tokens, checked.max_length) == (5, None)
+    assert pipe.check(ids, checked)[1].max_new_tokens == 5  # checked again (the engine's submit): the same
+    for extra, option in [(dict(max_length=n), "max_length"), (dict(max_length=1), "max_length"),
+                          (dict(max_length=n + 3, min_tokens=4), "min_tokens")]:
+        with pytest.raises(BadInputError) as caught:
+            pipe.generate(PROMPT, **options, **extra)
+        assert caught.value.option == option, extra
+
+
 def test_several_samples_are_each_a_seed_of_its_own(pipe, bundle, capsys):
     """num_return_sequences sampled (transformers' and GenAI's): sample i of a prompt is that prompt's generation
     with the seed + i, as the server's n choices are, in every mode, for each prompt of a list and on the command
