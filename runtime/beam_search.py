@@ -52,7 +52,8 @@ def check_beam_search(cfg: GenerationConfig) -> None:
         ("temperature", cfg.temperature > 0), ("logit_bias", cfg.logit_bias),
         ("repetition_penalty", cfg.repetition_penalty != 1.0), ("presence_penalty", cfg.presence_penalty),
         ("frequency_penalty", cfg.frequency_penalty), ("min_tokens", cfg.min_tokens),
-        ("allowed_token_ids", cfg.allowed_token_ids), ("bad_words", cfg.bad_words_ids), (grammar, grammar),
+        ("allowed_token_ids", cfg.allowed_token_ids), ("bad_words", cfg.bad_words_ids),
+        ("no_repeat_ngram_size", cfg.no_repeat_ngram_size), (grammar, grammar),
         ("stop", cfg.stop), ("logprobs", cfg.logprobs is not None),
         ("prompt_logprobs", cfg.prompt_logprobs is not None)) if given]
     if changed:

@@ -443,6 +443,10 @@ class GenerationConfig(Options):
         "vLLM's bad_words)", wire="bad_words")
     bad_words_ids: tuple[tuple[int, ...], ...] = option(
         (), "token sequences the text never holds (transformers' bad_words_ids)", cli=False, convert=_token_sequences)
+    # transformers' and OpenVINO GenAI's: a mask on the target's logits as bad words are (runtime/sampling.py)
+    no_repeat_ngram_size: int = option(
+        0, "no n-gram of this many tokens comes twice in the prompt and the text: a token that would repeat one is "
+        "masked (transformers' no_repeat_ngram_size; 0: off)", range=Range(0))
     # vLLM's: where the engine orders its queue by priority (LoadOptions.scheduling_policy); else only 0 is taken
     priority: int = option(0, "the request's place in the batching engine's queue under the priority scheduling "
                            "policy: lower comes first (vLLM's priority)", range=Range(-2**63, 2**63 - 1), cli=False,
@@ -536,7 +540,7 @@ class GenerationConfig(Options):
         return SamplingParams(self.temperature, self.top_p, self.top_k, seed, self.repetition_penalty,
                               self.presence_penalty, self.frequency_penalty, self.min_p, self.logit_bias,
                               self.min_tokens, tuple(sorted(set(self.eos_token_ids or ()) | set(self.stop_token_ids))),
-                              self.allowed_token_ids, self.bad_words_ids)
+                              self.allowed_token_ids, self.bad_words_ids, self.no_repeat_ngram_size)
 
     def with_prompt(self, prompt_tokens: int) -> GenerationConfig:
         """This config for a prompt of `prompt_tokens` tokens: max_length, where given, turned into the max_new_tokens

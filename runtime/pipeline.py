@@ -498,6 +498,9 @@ class Pipeline:
             if cfg.bad_words_ids:  # a token the grammar forces could be the one a bad word masks
                 raise BadInputError(f"{source[2]} and bad words could leave no token: give one of them",
                                     option="bad_words" if cfg.bad_words else "bad_words_ids")
+            if cfg.no_repeat_ngram_size:  # a grammar's text repeats its own n-grams ('", "' between values)
+                raise BadInputError(f"{source[2]} and no_repeat_ngram_size could leave no token: give one of them",
+                                    option="no_repeat_ngram_size")
             self.vocabulary.grammar(*source)  # compiled now: a grammar it cannot hold text to is refused
         if cfg.num_return_sequences > cfg.num_beams > 1:  # transformers' checks
             raise BadInputError(f"num_return_sequences ({cfg.num_return_sequences}) exceeds num_beams "

@@ -12,7 +12,8 @@ repetition penalty (transformers' CTRL rule: a positive logit divided by it, a n
 of the prompt and the text so far, then OpenAI's frequency and presence penalties on the generated tokens' counts, then
 vLLM's masks (allowed_token_ids: every other token; min_tokens: the tokens that end the text, at the positions before
 that many new tokens; bad words: a word's last token after the rest of it, except where that would leave
-allowed_token_ids no token), then a grammar's mask (runtime/grammar.py), which holds to the same rule. A greedy draft
+allowed_token_ids no token; transformers' no_repeat_ngram_size: a token that would repeat an n-gram of the prompt
+and text, likewise), then a grammar's mask (runtime/grammar.py), which holds to the same rule. A greedy draft
 applies the bias and penalties to its own logits too, as a guess of what the penalised target takes (runtime/draft.py
 DrafterBase._greedy); its windows are checked against the penalised target like any others.
 """
@@ -46,6 +47,7 @@ class SamplingParams:
     ending: tuple[int, ...] = ()  # the tokens that end the text, sorted
     allowed: tuple[int, ...] = ()  # the only tokens that may come (empty: any)
     banned: tuple[tuple[int, ...], ...] = ()  # token sequences: the last is masked after the others' generated run
+    no_repeat_ngram: int = 0  # n: a token that would make an n-gram of the prompt and text come twice is masked
 
     @property
     def greedy(self) -> bool:
@@ -56,7 +58,7 @@ class SamplingParams:
         """Whether the target's logits change before a token is chosen from them (bias, penalties or masks)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or bool(self.logit_bias) or bool(self.allowed) or (self.min_tokens > 0 and bool(self.ending))
-                or bool(self.banned))
+                or bool(self.banned) or self.no_repeat_ngram > 0)
 
 
 def penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int,
@@ -93,9 +95,12 @@ def _penalize(logits: np.ndarray, params: SamplingParams, context: Sequence[int]
     early = params.min_tokens - (len(context) - prompt_len)  # rows before the min_tokens-th new token
     if early > 0 and params.ending:
         out[:early, list(params.ending)] = -np.inf
-    if params.banned:
+    if params.banned or params.no_repeat_ngram:
         allowed = out.copy() if params.allowed else None
-        _ban(out, params.banned, context, prompt_len, window)
+        if params.banned:
+            _ban(out, params.banned, context, prompt_len, window)
+        if params.no_repeat_ngram:
+            _no_repeat(out, params.no_repeat_ngram, context, window)
         if allowed is not None:  # where the bans leave allowed_token_ids no token, that position takes none of them
             dead = np.isneginf(out).all(axis=1)
             out[dead] = allowed[dead]
@@ -116,6 +121,21 @@ def _ban(out: np.ndarray, banned: tuple[tuple[int, ...], ...], context: Sequence
             n = len(seq) - 1
             if n == 0 or (end >= n and tokens[end - n:end] == list(seq[:-1])):
                 out[i, seq[-1]] = -np.inf
+
+
+def _no_repeat(out: np.ndarray, n: int, context: Sequence[int], window: Sequence[int]) -> None:
+    """transformers' no_repeat_ngram_size, in place: at row i, every token that ends an n-gram of the tokens before
+    the row (the prompt's and the text's: context, then window[:i]) whose first n - 1 tokens are their last n - 1 is
+    masked, so that no n-gram comes twice."""
+    tokens = np.asarray([*context, *window], np.int64)
+    for i in range(out.shape[0]):
+        end = len(context) + i  # tokens[:end]: the tokens before row i
+        if end < n:
+            continue
+        grams = np.lib.stride_tricks.sliding_window_view(tokens[:end], n)
+        if n > 1:
+            grams = grams[(grams[:, :-1] == tokens[end - n + 1:end]).all(axis=1)]
+        out[i, grams[:, -1]] = -np.inf
 
 
 def _count_penalties(out: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int,

@@ -1,5 +1,5 @@
 """vLLM's token controls (GenerationConfig: stop_token_ids, min_tokens, allowed_token_ids, include_stop_str_in_output,
-truncate_prompt_tokens; runtime/sampling.py penalize, runtime/text.py TextSink): what each does to the text, and sd,
+truncate_prompt_tokens; bad words; transformers' no_repeat_ngram_size; runtime/sampling.py penalize, runtime/text.py TextSink): what each does to the text, and sd,
 mirror and lookup still equal ar token for token under them, alone and in the batching engine, on every
 architecture."""
 
@@ -63,6 +63,24 @@ def test_bad_words_mask_a_sequences_last_token_after_the_rest_of_it_row_by_row()
             assert set(np.flatnonzero(np.isinf(out[i]))) == _plain_bans(generated, banned), (context, window, banned)
 
 
+def test_no_repeat_ngram_size_masks_as_transformers_does_row_by_row():
+    """transformers' own NoRepeatNGramLogitsProcessor on each row's tokens (the prompt's and the text's) against the
+    verification rows' masks at once, for 500 random cases (n of 1 to 4, small vocabularies: many repeats)."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
+
+    rng = np.random.default_rng(5)
+    for _ in range(500):
+        vocab, n, rows = 6, int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        context = rng.integers(0, 4, int(rng.integers(1, 12))).tolist()
+        window = rng.integers(0, 4, rows - 1).tolist()
+        out = penalize(np.zeros((rows, vocab), np.float32), SamplingParams(no_repeat_ngram=n), context, 1, window)
+        for i in range(rows):
+            ids = torch.tensor([[*context, *window[:i]]])
+            theirs = NoRepeatNGramLogitsProcessor(n)(ids, torch.zeros(1, vocab))[0].numpy()
+            np.testing.assert_array_equal(out[i], theirs, err_msg=str((n, context, window, i)))
+
+
 def test_the_options_check_their_values():
     cfg = GenerationConfig(stop_token_ids=[7, 3, 7], allowed_token_ids=4, min_tokens=2, eos_token_ids=[9])
     assert cfg.stop_token_ids == (7, 3) and cfg.allowed_token_ids == (4,)
@@ -91,7 +109,9 @@ def test_the_pipeline_refuses_what_could_not_run(engine_pipelines):
              (dict(bad_words=["hi"], regex="a+"), "bad_words", "bad words"),
              (dict(bad_words=["  "]), "bad_words", "no word"),
              (dict(bad_words_ids=[[1, vocab]]), "bad_words_ids", "past the vocabulary"),
-             (dict(bad_words_ids=[[]]), "bad_words_ids", "non-empty")]
+             (dict(bad_words_ids=[[]]), "bad_words_ids", "non-empty"),
+             (dict(no_repeat_ngram_size=2, choice=["yes", "no"]), "no_repeat_ngram_size", "no token"),
+             (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size", "no_repeat_ngram_size")]
     for options, option, words in cases:
         with pytest.raises(BadInputError, match=words) as err:
             pipe.check(PROMPTS[0], **options)
@@ -149,7 +169,8 @@ def test_every_mode_equals_ar_under_the_controls(engine_pipelines, arch):
         controls = (dict(stop_token_ids=[stop], min_tokens=plain.index(stop) + 3),
                     dict(allowed_token_ids=allowed, min_tokens=4, stop_token_ids=[stop]),
                     dict(allowed_token_ids=allowed, repetition_penalty=1.3),
-                    dict(bad_words_ids=[[plain[1]], plain[3:5], plain[6:9]], bad_words=["the"]))
+                    dict(bad_words_ids=[[plain[1]], plain[3:5], plain[6:9]], bad_words=["the"]),
+                    dict(no_repeat_ngram_size=2), dict(no_repeat_ngram_size=1, allowed_token_ids=allowed))
         for options in controls:
             ar = pipe.generate(prompt, mode="ar", max_new_tokens=NEW_TOKENS, **options)
             _, cfg = pipe.check(prompt, max_new_tokens=NEW_TOKENS, **options)
@@ -160,6 +181,13 @@ def test_every_mode_equals_ar_under_the_controls(engine_pipelines, arch):
                 assert set(ar.token_ids) <= set(allowed)
             for seq in cfg.bad_words_ids:  # no banned sequence among the generated tokens
                 assert all(ar.token_ids[j:j + len(seq)] != list(seq) for j in range(len(ar.token_ids)))
+            if options.get("no_repeat_ngram_size") == 2:  # no pair of the prompt and text twice
+                text = [*prompt, *ar.token_ids]
+                pairs = list(zip(text, text[1:]))
+                assert len(set(pairs)) == len(pairs)
+            if options.get("no_repeat_ngram_size") == 1:  # no token twice, until allowed_token_ids has none left
+                fresh = ar.token_ids[:len(set(allowed) - set(prompt))]
+                assert len(set(fresh)) == len(fresh) and not set(fresh) & set(prompt)
             for mode in ("lookup", "sd", "mirror"):
                 for gate in (True, False):  # the default steps, and every step verifying a window
                     out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, adaptive_speculation=gate,
@@ -174,7 +202,7 @@ def test_batched_rows_with_their_own_controls_give_their_solo_outputs(engine_pip
     runs = [("mirror", dict(stop_token_ids=[stops[0][0]], min_tokens=6)),
             ("sd", dict(allowed_token_ids=sorted(set(stops[1][1])), min_tokens=3)),
             ("ar", dict(temperature=0.9, seed=3, allowed_token_ids=sorted(set(stops[2][1][:8])))),
-            ("lookup", dict(stop_token_ids=[stops[3][0]], include_stop_str_in_output=True))]
+            ("lookup", dict(stop_token_ids=[stops[3][0]], include_stop_str_in_output=True, no_repeat_ngram_size=3))]
     requests = [(p, dict(mode=m, max_new_tokens=40 if i == 0 else NEW_TOKENS, **options))
                 for i, (p, (m, options)) in enumerate(zip(prompts, runs))]
     results = alone_then_joined(pipe, requests[0], requests[1:])
