@@ -1,7 +1,7 @@
 """vLLM's token controls (GenerationConfig: stop_token_ids, min_tokens, allowed_token_ids, include_stop_str_in_output,
-truncate_prompt_tokens; bad words; transformers' no_repeat_ngram_size; runtime/sampling.py penalize, runtime/text.py TextSink): what each does to the text, and sd,
-mirror and lookup still equal ar token for token under them, alone and in the batching engine, on every
-architecture."""
+truncate_prompt_tokens; bad words; transformers' no_repeat_ngram_size; runtime/sampling.py penalize, runtime/text.py
+TextSink): what each does to the text, and sd, mirror and lookup still equal ar token for token under them, alone and in
+the batching engine, on every architecture."""
 
 from __future__ import annotations
 
