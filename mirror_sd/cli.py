@@ -263,8 +263,12 @@ def _chat(args: argparse.Namespace) -> int:
     # one conversation: one KV slot, which keeps the earlier turns for the next, and no second copy of the target for
     # rows verifying windows side by side
     options = given(args, GenerationConfig)
-    if options.get("num_beams", 1) > 1:  # before the load: a chat streams each answer, a beam search has none to stream
-        raise BadInputError("chat streams its answers: a beam search runs in `mirror-sd generate`", option="num_beams")
+    # before the load: a chat streams each answer, and a beam search has none to stream; several texts have no one
+    # answer to keep for the next turn
+    for name, what in (("num_beams", "a beam search"), ("num_return_sequences", "several samples")):
+        if options.get(name, 1) > 1:
+            raise BadInputError(f"chat streams one answer a turn: {what} ({name} above 1) runs in `mirror-sd "
+                                "generate`", option=name)
     pipe = _load(args, max_num_seqs=1, window_rows=0)
     if sys.stdin is None:
         raise MirrorSDError("chat reads its turns from the standard input, which is closed")

@@ -76,7 +76,7 @@ def one_at_a_time(cfg: GenerationConfig) -> GenerationConfig:
                             option="num_beams")
     if cfg.num_return_sequences > 1:
         raise BadInputError("several samples come from Pipeline.generate only: a stream or a request gives one "
-                            "(sample i of several is the config's nth_sample(i))", option="num_return_sequences")
+                            "(sample i of several: the checked config's nth_sample(i))", option="num_return_sequences")
     return cfg
 
 

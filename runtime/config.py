@@ -401,8 +401,9 @@ class GenerationConfig(Options):
     apply_chat_template: bool = option(
         False, "a text prompt is the user's turn of the chat template (with the assistant's turn opened), where the "
         "bundle has a template; messages and token ids are as they are", switches=(("--raw", False),))
-    # OpenAI's seed is any int64; n choices draw with seed + i, which the library's range leaves room for. None
-    # draws one per generation (Pipeline.check), as transformers, vLLM and GenAI sample anew on each call
+    # OpenAI's seed is any int64; n choices draw with seed + i, which the library's range leaves room for (above it,
+    # wrapped: nth_sample). None draws one per generation (Pipeline.check), as transformers, vLLM and GenAI sample
+    # anew on each call
     seed: int | None = option(None, "the sampling seed", none="a random one per generation",
                               range=Range(-2**63, 2**64 - 1), wire="seed", wire_range=Range(-2**63, 2**63 - 1),
                               keywords=("rng_seed",))
@@ -558,8 +559,16 @@ class GenerationConfig(Options):
 
     def nth_sample(self, i: int) -> GenerationConfig:
         """The config of sample i of one prompt's several (num_return_sequences, the server's n choices): drawn with
-        seed + i, so that each is a draw of its own and the one seed repeats them all; greedy, this config."""
-        return self if self.params.greedy else self.updated(seed=self.seed + i, num_return_sequences=1)
+        seed + i (past the range's top, wrapped as the draws read it: modulo 2**64), so that each is a draw of its own
+        and the one seed repeats them all; greedy, this config. A sampled config needs its seed: a checked one
+        (Pipeline.check) has one."""
+        if self.params.greedy:
+            return self
+        if self.seed is None:
+            raise BadInputError("nth_sample draws with the config's seed + i: give a seed, or take the config "
+                                "Pipeline.check gives (it draws one)", option="seed")
+        seed = self.seed + i
+        return self.updated(seed=seed - 2**64 if seed >= 2**64 else seed, num_return_sequences=1)
 
     @property
     def ending_token_ids(self) -> tuple[int, ...]:

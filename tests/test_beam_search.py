@@ -212,6 +212,8 @@ def test_cli_generate_gives_the_beams_and_chat_refuses_them(bundle_factory, caps
     assert main(["chat", bundle, "--num-beams", "2"]) == 2  # refused before the load
     err = capsys.readouterr().err
     assert "beam search" in err and "Traceback" not in err
+    assert main(["chat", bundle, "--temperature", "1", "--num-return-sequences", "2"]) == 2
+    assert "several samples" in capsys.readouterr().err
 
 
 def test_server_beam_search_of_one_beam_is_checked_and_searches_are_admitted_by_width(bundle_factory):

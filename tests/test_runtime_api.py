@@ -337,6 +337,12 @@ def test_several_samples_are_each_a_seed_of_its_own(pipe, bundle, capsys):
     out = capsys.readouterr()
     assert out.out == "\n\n".join(a.text for a in alone) + "\n" and "3 samples, seeds 11 to 13" in out.err
     sampled = dict(temperature=0.9, num_return_sequences=2, max_new_tokens=4)
+    top = pipe.generation_config.updated(**sampled, seed=2**64 - 1)  # seed + i past the range wraps, as draws read it
+    assert [top.nth_sample(i).seed for i in range(3)] == [2**64 - 1, 0, 1]
+    with pytest.raises(BadInputError) as caught:  # an unchecked config has no seed to add i to
+        pipe.generation_config.updated(**sampled).nth_sample(1)
+    assert caught.value.option == "seed"
+    assert pipe.check(PROMPT, **sampled)[1].nth_sample(1).num_return_sequences == 1
     for call, option in [(lambda: pipe.generate(PROMPT, num_return_sequences=2), "num_return_sequences"),
                          (lambda: pipe.generate(PROMPT, streamer=lambda *_: None, **sampled), "streamer"),
                          (lambda: list(pipe.stream(PROMPT, **sampled)), "num_return_sequences"),

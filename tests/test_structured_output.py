@@ -227,7 +227,8 @@ def test_sampled_generations_hold_to_the_schema_and_verify_against_the_masked_ta
                 out = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, json_schema=SCHEMA,
                                     temperature=1.0, seed=seed)
                 assert out.finish_reason == "eos" and _holds(json.loads(out.text)), (mode, out.text)
-            low = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, json_schema=SCHEMA, temperature=1e-4)
+            low = pipe.generate(prompt, mode=mode, max_new_tokens=NEW_TOKENS, json_schema=SCHEMA, temperature=1e-4,
+                               seed=0)
             assert low.token_ids == ar.token_ids, mode
 
 
