@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mirror_sd.errors import BadInputError, MirrorSDError, check_int
 from mirror_sd.partitions.manifest import DRAFT_WEIGHT_FORMATS, TARGET_DTYPES, TARGET_WEIGHT_FORMATS
-from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, random_seed, specs
+from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Options, Spec, specs
 from mirror_sd.runtime.perplexity import WINDOW, perplexity
 from mirror_sd.serve.defaults import (
     API_KEY_ENV,
@@ -209,9 +209,6 @@ def _generate(args: argparse.Namespace) -> int:
     # what was not given keeps the pipeline's config: the built-in defaults, with the bundle plan's merged in; but
     # a chat model gets its text as a user turn of its chat template, as OpenVINO GenAI's generate gives it
     config = pipe.generation_config.updated(**{"apply_chat_template": True, **given(args, GenerationConfig)})
-    if config.seed is None:  # drawn here, so that a sampled answer can be had again: stderr (and --json) say it
-        config = config.updated(seed=random_seed())
-    sampled = not config.params.greedy
 
     def show(_token: int, text: str) -> None:
         sys.stdout.write(text)
@@ -222,8 +219,8 @@ def _generate(args: argparse.Namespace) -> int:
     result = pipe.generate(prompt, config, streamer=None if args.json or beams or samples else show)
     if args.json:
         doc = {"token_ids": result.token_ids, "text": result.text, "stats": result.stats.as_dict()}
-        if sampled:
-            doc["seed"] = config.seed
+        if result.seed is not None:  # sampled: the seed it drew with (the given one, or one drawn for it)
+            doc["seed"] = result.seed
         if result.beams is not None:  # --num-return-sequences N: the best N beams, best first
             doc["beams"] = [{"token_ids": b.token_ids, "text": b.text, "score": b.score,
                              "finish_reason": b.finish_reason} for b in result.beams]
@@ -243,17 +240,17 @@ def _generate(args: argparse.Namespace) -> int:
               f"{', '.join(f'{b.score:.3f}' for b in result.beams)}, {result.stats.wall_s:.2f} s", file=sys.stderr)
     elif samples:  # each sample's text, in seed order, a blank line between them
         print("\n\n".join(r.text for r in result.samples))
-        print(f"[{result.stats.mode}] {len(result.samples)} samples, seeds {config.seed} to "
-              f"{config.seed + len(result.samples) - 1}, {sum(r.stats.new_tokens for r in result.samples)} tokens, "
+        print(f"[{result.stats.mode}] {len(result.samples)} samples, seeds {result.samples[0].seed} to "
+              f"{result.samples[-1].seed}, {sum(r.stats.new_tokens for r in result.samples)} tokens, "
               f"{max(r.stats.wall_s for r in result.samples):.2f} s", file=sys.stderr)
     else:
         s = result.stats
+        seed = "" if result.seed is None else f", seed {result.seed}"  # sampled: the one to give to repeat it
         print()
         print(f"[{s.mode}] {s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, ttft {s.ttft_s * 1000:.1f} ms, "
               f"{s.mean_accepted_tokens:.2f} tokens/step, acceptance {s.acceptance_rate:.2f}, "
               f"branch hits {s.branch_hit_rate:.2f}, draft hidden {s.draft_hidden_fraction:.2f}, "
-              f"fallbacks {s.fallbacks} ({result.finish_reason}){f', seed {config.seed}' if sampled else ''}",
-              file=sys.stderr)
+              f"fallbacks {s.fallbacks} ({result.finish_reason}){seed}", file=sys.stderr)
     return 0
 
 

@@ -355,7 +355,8 @@ class BatchEngine:
                                            queue_s=time.perf_counter() - request.submitted)
             request._emit(Finished(GenerationResult([], "", stats, "cancelled",
                                                     () if cfg.logprobs is not None else None,
-                                                    () if cfg.prompt_logprobs is not None else None)))
+                                                    () if cfg.prompt_logprobs is not None else None,
+                                                    seed=cfg.drawn_seed)))
 
     def _admit(self) -> None:
         while self._waiting and self.table.free():
@@ -851,5 +852,6 @@ class BatchEngine:
         return GenerationResult(row.context[row.prompt_len:], row.sink.text, stats, reason,
                                 tuple(row.scores) if cfg.logprobs is not None else None,
                                 None if row.prompt_scores is None else tuple(row.prompt_scores),
-                                row.sink.stop_reason if reason == row.sink.finish_reason else None)
+                                row.sink.stop_reason if reason == row.sink.finish_reason else None,
+                                seed=cfg.drawn_seed)
 

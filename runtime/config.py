@@ -571,6 +571,11 @@ class GenerationConfig(Options):
         return self.updated(seed=seed - 2**64 if seed >= 2**64 else seed, num_return_sequences=1)
 
     @property
+    def drawn_seed(self) -> int | None:
+        """The seed a generation of this config draws with: None where it is greedy (GenerationResult.seed)."""
+        return None if self.params.greedy else self.seed
+
+    @property
     def ending_token_ids(self) -> tuple[int, ...]:
         """The tokens that end the text: the end-of-sequence ones (none under ignore_eos; the tokenizer's once
         Pipeline.check resolved them) and the stop tokens."""

@@ -763,7 +763,8 @@ class Pipeline:
         return GenerationResult(list(sink.ids), sink.text, stats,
                                 "cancelled" if stopped else sink.finish_reason or "length",
                                 tuple(scores) if cfg.logprobs is not None else None,
-                                None if prompt_scores is None else tuple(prompt_scores), sink.stop_reason)
+                                None if prompt_scores is None else tuple(prompt_scores), sink.stop_reason,
+                                seed=cfg.drawn_seed)
 
     def finish_stats(self, cfg: GenerationConfig, rec: Recorder, draft_engine: dict[str, Any] | None = None,
                      **counts: Any) -> GenerationStats:

@@ -41,6 +41,9 @@ class GenerationResult:
     # num_return_sequences sampled: every sample in seed order (sample i drawn with the seed + i), the first this
     # result's own tokens and text; None for any other generation
     samples: tuple[GenerationResult, ...] | None = None
+    # the seed a sampled generation drew with (its config's, or the one Pipeline.check drew where it had none): the
+    # same call with it gives the same text; None where it was greedy
+    seed: int | None = None
 
     def __str__(self) -> str:  # print(result) shows the answer, as OpenVINO GenAI's DecodedResults does
         return self.text

@@ -287,6 +287,9 @@ def test_without_a_seed_each_generation_draws_anew(pipe):
     ids, checked = pipe.check(PROMPT, config)
     assert checked.seed is not None and checked.seed != pipe.check(PROMPT, config)[1].seed
     assert pipe.generate(ids, checked).token_ids == pipe.engine().submit(ids, checked).wait().token_ids
+    drawn = pipe.generate(PROMPT, config)  # the result says the seed it drew: the call with it repeats the text
+    assert drawn.token_ids == pipe.generate(PROMPT, config, seed=drawn.seed).token_ids
+    assert pipe.generate(PROMPT, config, temperature=0).seed is None
 
 
 def test_max_length_bounds_the_prompt_and_its_new_tokens(pipe):
