@@ -1,10 +1,11 @@
 """What `Pipeline.generate(..., streamer=...)` takes, and how a streamer stops a generation.
 
-Three forms: the project's own `streamer(token_id, text)`; OpenVINO GenAI's callable of one argument,
-`streamer(text)`; and GenAI's `StreamerBase`-like object, whose `write(token_id)` (`put` in older releases) gets each
-token and `end()` the end. Any of them returns what GenAI's do: nothing or False to go on, True or
-`StreamingStatus.STOP` to stop there and keep the text, `StreamingStatus.CANCEL` to stop and, in a conversation
-(`start_chat`), leave the turn out of the history. A stopped generation's finish_reason is "cancelled".
+Three forms: the project's own `streamer(token_id, text)`; OpenVINO GenAI's callable of one argument, `streamer(text)`
+(`print`, or one taking the text and any further positionals, is called so); and GenAI's `StreamerBase`-like object,
+whose `write(token_id)` (`put` in older releases) gets each token and `end()` the end. Any of them returns what GenAI's
+do: nothing or False to go on, True or `StreamingStatus.STOP` to stop there and keep the text, `StreamingStatus.CANCEL`
+to stop and, in a conversation (`start_chat`), leave the turn out of the history. A stopped generation's finish_reason
+is "cancelled".
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def streamer_calls(streamer: Any) -> tuple[Callable[[Chunk], str | None], Callab
     if not callable(streamer):
         raise BadInputError(f"streamer must be a function of (token_id, text) or of (text), or an object with write "
                             f"and end methods, not {type(streamer).__name__}", option="streamer")
-    if _positional(streamer) == 1:  # GenAI's callable: the text alone
+    if _named_positional(streamer) == 1:  # GenAI's callable: the text alone (print and f(text, *rest) too)
         return (lambda chunk: verdict(streamer(chunk.text))), None
     return (lambda chunk: verdict(streamer(chunk.token_id, chunk.text))), None
 
@@ -50,12 +51,13 @@ def _defines(streamer: Any, name: str) -> bool:
     return inspect.isfunction(getattr(type(streamer), name, None))
 
 
-def _positional(function: Callable[..., Any]) -> int | None:
-    """How many positional arguments `function` takes (None: any number, or its signature cannot be read)."""
+def _named_positional(function: Callable[..., Any]) -> int | None:
+    """How many positional arguments `function` needs, where one is all it needs, or one only goes to further
+    positionals (*args): 1 for print, f(text) and f(text, *rest), as GenAI would call them with the text; None where
+    its signature cannot be read (a builtin without one: the project's own form)."""
     try:
         parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: the project's own form
+    except (TypeError, ValueError):
         return None
-    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
-        return None
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in parameters)
+    named = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in parameters)
+    return max(named, 1) if any(p.kind is p.VAR_POSITIONAL for p in parameters) else named

@@ -54,7 +54,7 @@ def test_prompt_forms_and_streaming(pipe):
     assert [c.token_id for c in stream] == result.token_ids and stream.result.token_ids == result.token_ids
 
 
-def test_openvino_genai_streamers_and_a_streamer_that_stops(pipe):
+def test_openvino_genai_streamers_and_a_streamer_that_stops(pipe, capsys):
     """GenAI's streamer forms: a function of the text alone, an object with write(token_id) and end(); each may stop
     the generation (True, or StreamingStatus.STOP / CANCEL by name): the result holds what was streamed, "cancelled".
     In a conversation a STOP keeps the turn, a CANCEL leaves it out."""
@@ -65,6 +65,18 @@ def test_openvino_genai_streamers_and_a_streamer_that_stops(pipe):
     texts: list[str] = []
     assert pipe.generate(PROMPT, mode="ar", max_new_tokens=12, ignore_eos=True,
                          streamer=lambda text: texts.append(text)).text == "".join(texts) == whole.text
+
+    rest: list[tuple] = []
+    pipe.generate(PROMPT, mode="ar", max_new_tokens=12, ignore_eos=True,
+                  streamer=lambda text, *more: rest.append((text, *more)))  # the text alone, as GenAI calls it
+    assert rest == [(t,) for t in texts]
+    pairs: list[tuple] = []
+    pipe.generate(PROMPT, mode="ar", max_new_tokens=12, ignore_eos=True,
+                  streamer=lambda token, text, *more: pairs.append((token, text)))  # two named: the project's
+    assert pairs == list(zip(whole.token_ids, texts))
+    capsys.readouterr()
+    pipe.generate(PROMPT, mode="ar", max_new_tokens=12, ignore_eos=True, streamer=print)  # GenAI's samples pass it
+    assert capsys.readouterr().out == "".join(f"{t}\n" for t in texts)
 
     def three(text: str) -> bool:
         texts.append(text)
