@@ -49,7 +49,7 @@ def check_beam_search(cfg: GenerationConfig) -> None:
     change or mask them, and it ends where a beam takes an ending token or reaches max_new_tokens."""
     grammar = next((name for name in GRAMMAR_OPTIONS if getattr(cfg, name)), "")
     changed = [name for name, given in (
-        ("temperature", cfg.temperature > 0), ("logit_bias", cfg.logit_bias),
+        ("do_sample" if cfg.do_sample else "temperature", cfg.temperature > 0), ("logit_bias", cfg.logit_bias),
         ("repetition_penalty", cfg.repetition_penalty != 1.0), ("presence_penalty", cfg.presence_penalty),
         ("frequency_penalty", cfg.frequency_penalty), ("min_tokens", cfg.min_tokens),
         ("allowed_token_ids", cfg.allowed_token_ids), ("bad_words", cfg.bad_words_ids),

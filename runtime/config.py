@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import difflib
 import functools
 import math
 import numbers
@@ -222,18 +223,31 @@ class Options:
     def updated(self, **overrides: Any) -> Self:
         """A copy with `overrides`, each by its name or another library's for it (Option.keywords); an unknown option,
         or one given by two names, is a BadInputError naming it."""
-        known = [s.name for s in specs(type(self))]
-        names = {k: s.name for s in specs(type(self)) for k in s.option.keywords}
-        unknown = sorted(set(overrides) - set(known) - set(names))
-        if unknown:
-            raise BadInputError(f"unknown {self.what} option(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        resolved, given_as = {}, {}
-        for key, value in overrides.items():
-            name = names.get(key, key)
-            if name in resolved:
-                raise BadInputError(f"{name} given twice (as {given_as[name]} and as {key})", option=name)
-            resolved[name], given_as[name] = value, key
+        resolved = self.resolved(overrides)
         return dataclasses.replace(self, **resolved) if resolved else self
+
+    @classmethod
+    def resolved(cls, given: dict[str, Any]) -> dict[str, Any]:
+        """`given` by the options' own names: another library's name for one (Option.keywords) taken as it; an
+        unknown name, or an option given by two, a BadInputError naming it (a near known name suggested)."""
+        known = [s.name for s in specs(cls)]
+        names: dict[str, list[str]] = {}  # another library's name: the options it sets (one, or more)
+        for spec in specs(cls):
+            for k in spec.option.keywords:
+                names.setdefault(k, []).append(spec.name)
+        unknown = sorted(set(given) - set(known) - set(names))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], [*known, *names], n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise BadInputError(f"unknown {cls.what} option(s) {', '.join(unknown)}{hint}; known: {', '.join(known)}",
+                                option=unknown[0])
+        resolved, given_as = {}, {}
+        for key, value in given.items():
+            for name in names.get(key, [key]):
+                if name in resolved:
+                    raise BadInputError(f"{name} given twice (as {given_as[name]} and as {key})", option=name)
+                resolved[name], given_as[name] = value, key
+        return resolved
 
 
 def _token_numbers(name: str, value: Any, r: Range) -> tuple[tuple[int, float], ...]:
@@ -442,6 +456,9 @@ class GenerationConfig(Options):
     bad_words: tuple[str, ...] = option(
         (), "a word (or words) the text never holds: its last token is masked after the ones before it (repeatable; "
         "vLLM's bad_words)", wire="bad_words")
+    # transformers' code passes it routinely (pad_token_id=tokenizer.eos_token_id); nothing here pads
+    pad_token_id: int | None = option(None, "transformers' padding token: taken, and changes nothing (each result is "
+                                      "its own list of tokens, never padded)", none="none", range=Range(0), cli=False)
     bad_words_ids: tuple[tuple[int, ...], ...] = option(
         (), "token sequences the text never holds (transformers' bad_words_ids)", cli=False, convert=_token_sequences)
     # transformers' and OpenVINO GenAI's: a mask on the target's logits as bad words are (runtime/sampling.py)
@@ -455,6 +472,7 @@ class GenerationConfig(Options):
     truncate_prompt_tokens: int | None = option(
         None, "keep the prompt's last N tokens only (-1: as many as the context takes; vLLM's)", range=Range(-1),
         none="off", convert=_truncation, wire="truncate_prompt_tokens")
+    # GenAI's num_assistant_tokens is every assistant's window: the draft's, and prompt lookup's (its own option)
     gamma: int = option(4, "draft window length", range=Range(1, MAX_WINDOW), wire=MIRROR, planned=True,
                         keywords=("num_assistant_tokens",))
     kappa: int | None = option(None, "early-exit candidates per position, at most the bundle's top_k",
@@ -493,7 +511,7 @@ class GenerationConfig(Options):
         4, "lookup (greedy or sampled), greedy sd/mirror (batched: any such row): where the text's last few tokens "
         "occurred before, verify up to this many tokens that followed them instead of a draft window (transformers' "
         "prompt lookup; 0: off)",
-        range=Range(0, MAX_WINDOW), wire=MIRROR)
+        range=Range(0, MAX_WINDOW), wire=MIRROR, keywords=("num_assistant_tokens",))
     max_matching_ngram_size: int = option(3, "prompt lookup: the most trailing tokens matched",
                                           range=Range(2, MAX_WINDOW), keywords=("max_ngram_size",))
     prompt_lookup_schedule: str = option(
@@ -719,3 +737,19 @@ def _frozen(self: Options, name: str, value: Any) -> None:
 # OpenVINO GenAI's configs are set field by field (config.max_new_tokens = 100): the way to do it here, rather than
 # dataclasses' FrozenInstanceError
 GenerationConfig.__setattr__ = LoadOptions.__setattr__ = _frozen
+
+
+def _taking_other_names(cls: type[Options]) -> None:
+    """`cls(...)` taking what `updated` takes (GenerationConfig(num_assistant_tokens=4), as GenAI's and transformers'
+    code makes its configs), an unknown name a BadInputError rather than dataclasses' TypeError."""
+    made = cls.__init__
+
+    @functools.wraps(made)
+    def __init__(self: Options, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **cls.resolved(kwargs))
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+_taking_other_names(GenerationConfig)
+_taking_other_names(LoadOptions)

@@ -176,8 +176,11 @@ class Pipeline:
         Every option is checked before any file is read; an unknown keyword is a BadInputError naming it."""
         if not isinstance(bundle, (str, os.PathLike)):
             raise BadInputError(f"bundle must be the path of a bundle or package, not {type(bundle).__name__}")
+        if isinstance(options, str):  # OpenVINO GenAI's LLMPipeline(models_path, device)
+            raise BadInputError(f"options must be a LoadOptions, not a device name ({options!r}): devices are the "
+                                "target_device and draft_device keywords", option="target_device")
         if options is not None and not isinstance(options, LoadOptions):
-            raise BadInputError(f"options must be a LoadOptions, not {type(options).__name__}")
+            raise BadInputError(f"options must be a LoadOptions, not {_kind(options)}")
         o = (options or LoadOptions()).updated(**overrides)
         target_threads, draft_threads, draft_backend = o.target_threads, o.draft_threads, o.draft_backend
         new_memory = NewMemory() if o.huge_pages else None
@@ -250,6 +253,8 @@ class Pipeline:
                                 option="prompt")
         if isinstance(prompt, dict):  # vLLM's TextPrompt or TokensPrompt
             prompt = _vllm_prompt(prompt)
+        if callable(getattr(prompt, "get_messages", None)):  # OpenVINO GenAI's ChatHistory
+            prompt = list(prompt.get_messages())
         if isinstance(prompt, np.ndarray):  # token ids as a tokenizer's numpy output holds them
             if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
                 raise BadInputError(f"a numpy prompt must be one row of token ids (1-D, integers), not {prompt.ndim}-D "
@@ -309,6 +314,8 @@ class Pipeline:
                                     "stream each sample with its own seed", option="streamer")
             return self._samples(prompt, config, overrides)
         if is_batch(prompt):
+            if streamer is not None and len(prompt) == 1:  # GenAI streams a batch of one
+                return [self.generate(prompt[0], config, streamer, **overrides)]
             if streamer is not None:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
                                     "requests engine().submit returns", option="streamer")
@@ -428,6 +435,11 @@ class Pipeline:
         """End the conversation start_chat began: text prompts are plain text again."""
         self._chat = None
 
+    def get_tokenizer(self) -> TextCodec:
+        """The bundle's tokenizer (OpenVINO GenAI's name): encode(text) gives token ids, decode(ids) text,
+        render_chat(messages) a chat template's text (runtime/text.py)."""
+        return self.codec
+
     def get_generation_config(self) -> GenerationConfig:
         """The config every generation starts from (OpenVINO GenAI's name for `generation_config`): frozen, so a
         changed one is `config.updated(max_new_tokens=100)`, given to generate or to set_generation_config."""
@@ -450,7 +462,8 @@ class Pipeline:
         """The prompt's ids and the resolved config of a generation, every check done and no device work: what
         generate would refuse (BadInputError; ContextLimitError when it would not fit) is refused here."""
         if config is not None and not isinstance(config, GenerationConfig):
-            raise BadInputError(f"config must be a GenerationConfig, not {type(config).__name__}")
+            raise BadInputError(f"config must be mirror_sd's GenerationConfig (runtime/config.py), not "
+                                f"{_kind(config)}: give its fields as keywords, or GenerationConfig(...) of them")
         cfg = (config or self.generation_config).updated(**overrides)
         k_max = self.manifest.target.top_k
         if cfg.kappa is not None and cfg.kappa > k_max:
@@ -839,6 +852,14 @@ def _plan_defaults(bundle: str | Path, manifest: Manifest) -> tuple[RuntimeDefau
         return runtime_defaults(doc, t.exit_layer, t.top_k, t.num_layers), plan_machine(doc)
     except BadInputError as e:
         raise ManifestError(f"{PLAN_FILE}: {e}") from None
+
+
+def _kind(value: object) -> str:
+    """A value's type as an error names it: with its module where it is another library's (openvino_genai's
+    GenerationConfig beside this one)."""
+    kind = type(value)
+    module = kind.__module__.split(".")[0]
+    return kind.__name__ if module in ("builtins", "mirror_sd") else f"{module}.{kind.__name__}"
 
 
 def is_batch(prompt: object) -> bool:

@@ -141,7 +141,7 @@ def test_refused(torch_and_pipe):
     refusals = [(dict(num_return_sequences=3), "num_return_sequences"), (dict(temperature=0.7), "temperature"),
                 (dict(stop=("x",)), "stop"), (dict(repetition_penalty=1.2), "repetition_penalty"),
                 (dict(regex="[a-z]+"), "regex"), (dict(logprobs=2), "logprobs"),
-                (dict(no_repeat_ngram_size=3), "no_repeat_ngram_size"),
+                (dict(no_repeat_ngram_size=3), "no_repeat_ngram_size"), (dict(do_sample=True), "do_sample"),
                 (dict(eos_token_ids=tuple(range(1, 11))), "num_beams")]
     for extra, option in refusals:
         with pytest.raises(BadInputError) as e:

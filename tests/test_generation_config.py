@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 
@@ -75,6 +76,16 @@ def test_transformers_and_openvino_genai_keywords(pipe):
     with pytest.raises(BadInputError, match="seed given twice") as caught:
         pipe.generate(PROMPT, seed=1, rng_seed=2)
     assert caught.value.option == "seed"
+    # the constructor takes them too (GenAI's samples make GenerationConfig(num_assistant_tokens=4)); GenAI's
+    # num_assistant_tokens is prompt lookup's window as well; transformers' pad_token_id is taken and changes nothing
+    made = GenerationConfig(num_assistant_tokens=5, stop_strings={"x"}, rng_seed=4, pad_token_id=0)
+    assert (made.gamma, made.prompt_lookup_num_tokens, made.stop, made.seed) == (5, 5, ("x",), 4)
+    assert pipe.generate(PROMPT, mode="ar", max_new_tokens=8, pad_token_id=2).token_ids == greedy
+    for name, words in (("max_new_token", "did you mean max_new_tokens"), ("return_dict_in_generate", "unknown")):
+        for make in (GenerationConfig, functools.partial(pipe.generate, PROMPT)):
+            with pytest.raises(BadInputError, match=words) as caught:
+                make(**{name: 3})
+            assert caught.value.option == name
     with pytest.raises(BadInputError) as caught:
         pipe.generate(PROMPT, do_sample="yes")
     assert caught.value.option == "do_sample"
@@ -83,7 +94,7 @@ def test_transformers_and_openvino_genai_keywords(pipe):
 @pytest.mark.parametrize("options, option", [
     ({"gamma": 0}, "gamma"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
     ({"draft_streaming": "x"}, "draft_streaming"), ({"stop": [""]}, "stop"), ({"kappa": 99}, "kappa"),
-    ({"mode": "beam"}, "mode"), ({"seed": 2**64}, "seed"), ({"beams": 2}, None),
+    ({"mode": "beam"}, "mode"), ({"seed": 2**64}, "seed"), ({"beams": 2}, "beams"),
     ({"draft_confidence_threshold": 1.0}, "draft_confidence_threshold"),
     ({"draft_confidence_threshold": "high"}, "draft_confidence_threshold"),
     ({"adaptive_speculation": "no"}, "adaptive_speculation"),

@@ -155,7 +155,17 @@ def test_openvino_genai_and_transformers_code_runs_as_written(pipe):
         pipe.generate({"prompt": "def f(x):", "multi_modal_data": {}}, config)
     assert caught.value.option == "prompt"
 
+    # a batch of one streams, as GenAI's generate([prompt], config, streamer) does; GenAI's tokenizer by its name
+    streamed: list[str] = []
+    assert [r.token_ids for r in pipe.generate([PROMPT], config, streamed.append)] == [result.token_ids]
+    assert "".join(streamed) == result.text == pipe.get_tokenizer().decode(result.token_ids)
+
     ov_genai = pytest.importorskip("openvino_genai")
+    history = ov_genai.ChatHistory()  # GenAI's chat history as a prompt: its messages
+    history.append({"role": "user", "content": "hello there"})
+    assert pipe.generate(history, config).token_ids == pipe.generate(history.get_messages(), config).token_ids
+    with pytest.raises(BadInputError, match="not openvino_genai.GenerationConfig"):
+        pipe.generate(PROMPT, ov_genai.GenerationConfig())
 
     class Old(ov_genai.StreamerBase):  # a release before write(): put(token_id) and end()
         def __init__(self) -> None:
@@ -446,6 +456,9 @@ def test_bad_devices(bundle):
     for given in (None, 5):
         with pytest.raises(BadInputError, match="bundle must be the path"):
             Pipeline.load(given)
+    with pytest.raises(BadInputError, match="not a device name .'CPU'.: devices are the target_device") as err:
+        Pipeline.load(bundle, "CPU")  # OpenVINO GenAI's LLMPipeline(models_path, device)
+    assert err.value.option == "target_device"
     made = bundle.parent / "new-cache"  # a load that fails leaves no cache_dir it made behind
     with pytest.raises(BadInputError, match="draft_device"):
         Pipeline.load(bundle, cache_dir=made / "deep", draft_device="FPGA", draft_backend="openvino")
