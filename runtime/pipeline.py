@@ -58,6 +58,7 @@ from mirror_sd.runtime.draft import Drafter, DrafterBase
 from mirror_sd.runtime.engines import DraftEngine, open_engine
 from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
+from mirror_sd.runtime.genai_config import genai_options, is_genai_config
 from mirror_sd.runtime.grammar import CFG, JSON_SCHEMA, REGEX, GrammarState, Vocabulary
 from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
 from mirror_sd.runtime.kv_slots import MIN_CACHED_PREFIX, reusable_head, slots_for
@@ -280,6 +281,11 @@ class Pipeline:
             raise BadInputError("the prompt is empty", option="prompt")
         return ids
 
+    def _own(self, config: Any) -> Any:
+        """`config` as this project's where it is OpenVINO GenAI's (runtime/genai_config.py: what it sets, over the
+        pipeline's config), else as it is."""
+        return self.generation_config.updated(**genai_options(config)) if is_genai_config(config) else config
+
     def _user_turn(self, prompt: Prompt) -> Prompt:
         """apply_chat_template's prompt: text (vLLM's {"prompt": text} as well) as the user's turn of the chat
         template, the assistant's opened after it; anything else, or text where there is no template, as it is (as
@@ -302,6 +308,7 @@ class Pipeline:
         gives their results in the same order; each is its solo result, token for token (greedy, or sampled with
         the same seed)."""
         each, end = streamer_calls(streamer) if streamer is not None else (None, None)
+        config = self._own(config)
         base = config if isinstance(config, GenerationConfig) else self.generation_config  # check refuses another
         wanted = base.updated(**overrides)
         if wanted.num_beams > 1:
@@ -461,6 +468,7 @@ class Pipeline:
               ) -> tuple[list[int], GenerationConfig]:
         """The prompt's ids and the resolved config of a generation, every check done and no device work: what
         generate would refuse (BadInputError; ContextLimitError when it would not fit) is refused here."""
+        config = self._own(config)
         if config is not None and not isinstance(config, GenerationConfig):
             raise BadInputError(f"config must be mirror_sd's GenerationConfig (runtime/config.py), not "
                                 f"{_kind(config)}: give its fields as keywords, or GenerationConfig(...) of them")

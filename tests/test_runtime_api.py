@@ -164,8 +164,18 @@ def test_openvino_genai_and_transformers_code_runs_as_written(pipe):
     history = ov_genai.ChatHistory()  # GenAI's chat history as a prompt: its messages
     history.append({"role": "user", "content": "hello there"})
     assert pipe.generate(history, config).token_ids == pipe.generate(history.get_messages(), config).token_ids
-    with pytest.raises(BadInputError, match="not openvino_genai.GenerationConfig"):
-        pipe.generate(PROMPT, ov_genai.GenerationConfig())
+    # GenAI's own config, set field by field: what it sets, GenAI's greedy default and its chat template
+    ov_config = ov_genai.GenerationConfig()
+    ov_config.max_new_tokens = 8
+    turn = [{"role": "user", "content": "hello there"}]
+    assert pipe.generate("hello there", ov_config).token_ids == pipe.generate(turn, max_new_tokens=8).token_ids
+    ov_config.do_sample, ov_config.rng_seed, ov_config.top_k = True, 5, 20
+    assert pipe.generate(PROMPT, ov_config).token_ids == pipe.generate(PROMPT, max_new_tokens=8, temperature=1.0,
+                                                                       seed=5, top_k=20).token_ids
+    ov_config.echo = True
+    with pytest.raises(BadInputError, match="GenAI's echo") as caught:
+        pipe.generate(PROMPT, ov_config)
+    assert caught.value.option == "echo"
 
     class Old(ov_genai.StreamerBase):  # a release before write(): put(token_id) and end()
         def __init__(self) -> None:
