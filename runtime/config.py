@@ -416,8 +416,8 @@ class GenerationConfig(Options):
         False, "a text prompt is the user's turn of the chat template (with the assistant's turn opened), where the "
         "bundle has a template; messages and token ids are as they are", switches=(("--raw", False),))
     # OpenAI's seed is any int64; n choices draw with seed + i, which the library's range leaves room for (above it,
-    # wrapped: nth_sample). None draws one per generation (Pipeline.check), as transformers, vLLM and GenAI sample
-    # anew on each call
+    # wrapped: nth_sample). None draws one per generation (Pipeline.check), as transformers and vLLM sample anew on
+    # each call (GenAI's rng_seed 0 is a seed: its own config keeps it, runtime/genai_config.py)
     seed: int | None = option(None, "the sampling seed", none="a random one per generation",
                               range=Range(-2**63, 2**64 - 1), wire="seed", wire_range=Range(-2**63, 2**63 - 1),
                               keywords=("rng_seed",))

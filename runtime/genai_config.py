@@ -2,9 +2,11 @@
 
 GenAI's samples make `openvino_genai.GenerationConfig()`, set fields on it and pass it to generate. Read here by its
 attributes (no import of openvino_genai: the runtime does not need it): every field set away from GenAI's own default
-becomes the option of the same meaning, and two are always taken because GenAI's defaults differ from this project's
-and decide the text: `do_sample` (greedy unless set) and `apply_chat_template` (on). A field set that nothing here
-does (group beam search, tree search, echo, adapters, parsers) is a BadInputError naming it.
+becomes the option of the same meaning, and three are always taken because GenAI's defaults differ from this
+project's and decide the text: `do_sample` (greedy unless set), `apply_chat_template` (on) and, sampling, `rng_seed`
+(GenAI's 0 is a seed: its samples repeat call after call). As in GenAI, a max_new_tokens set wins over max_length. A
+field set that nothing here does (group beam search, tree search, echo, adapters, parsers) is a BadInputError naming
+it.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def genai_options(config: Any) -> dict[str, Any]:
                             option=refused[0])
     out = {SAME_MEANING[name]: getattr(config, name) for name in sorted(changed & set(SAME_MEANING))}
     out.update({name: getattr(config, name) for name in ALWAYS if hasattr(config, name)})
-    if out.get("logprobs") == 0:  # GenAI's 0 is none
-        del out["logprobs"]
+    if out.get("do_sample"):
+        out["rng_seed"] = config.rng_seed
+    if "max_new_tokens" in out:
+        out.pop("max_length", None)
     if "eos_token_id" in changed:
         out["eos_token_id"] = config.eos_token_id
     if "stop_criteria" in changed:

@@ -307,6 +307,10 @@ class Pipeline:
         the batching engine (`engine()`; on a target without one, the OpenVINO backend's, one after another) and
         gives their results in the same order; each is its solo result, token for token (greedy, or sampled with
         the same seed)."""
+        if "generation_config" in overrides:  # GenAI's name of the argument
+            if config is not None:
+                raise BadInputError("config given twice (as config and as generation_config)", option="config")
+            config = overrides.pop("generation_config")
         each, end = streamer_calls(streamer) if streamer is not None else (None, None)
         config = self._own(config)
         base = config if isinstance(config, GenerationConfig) else self.generation_config  # check refuses another
@@ -320,15 +324,16 @@ class Pipeline:
                 raise BadInputError("a streamer takes one generation's tokens: give num_return_sequences 1, or "
                                     "stream each sample with its own seed", option="streamer")
             return self._samples(prompt, config, overrides)
+        one = None  # a batch of one with a streamer: GenAI streams it (outside a conversation, as lists run)
         if is_batch(prompt):
-            if streamer is not None and len(prompt) == 1:  # GenAI streams a batch of one
-                return [self.generate(prompt[0], config, streamer, **overrides)]
-            if streamer is not None:
+            if streamer is not None and len(prompt) == 1:
+                one = self._decode(*self._outside(prompt[0], config, overrides))
+            elif streamer is not None:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
                                     "requests engine().submit returns", option="streamer")
-            # every one refused before any work
-            return self._together([self.check(p, config, **overrides) for p in prompt])
-        run = self._run(prompt, config, overrides)
+            else:  # every one refused before any work
+                return self._together([self.check(p, config, **overrides) for p in prompt])
+        run = self._run(prompt, config, overrides) if one is None else one
         try:
             asked = None  # what the streamer asked of the generation (runtime/streamers.py)
             while True:
@@ -337,7 +342,7 @@ class Pipeline:
         except StopIteration as done:
             if end is not None:
                 end()
-            return done.value
+            return done.value if one is None else [done.value]
         finally:
             run.close()
 
@@ -376,10 +381,15 @@ class Pipeline:
                 self._engine.close()
                 self._engine = None
 
+    def _outside(self, prompt: Prompt, config: GenerationConfig | None, overrides: dict[str, Any]
+                 ) -> tuple[list[int], GenerationConfig]:
+        """A prompt checked to run as it is, outside any conversation, one generation."""
+        ids, cfg = self.check(prompt, config, **overrides)
+        return ids, one_at_a_time(cfg)
+
     def _run(self, prompt: Prompt, config: GenerationConfig | None, overrides: dict[str, Any]) -> Iterator[Chunk]:
         if self._chat is None or not isinstance(prompt, str):  # messages, ids: as they are, outside a conversation
-            ids, cfg = self.check(prompt, config, **overrides)
-            return self._decode(ids, one_at_a_time(cfg))
+            return self._decode(*self._outside(prompt, config, overrides))
         if not prompt:
             raise BadInputError("the prompt is empty", option="prompt")
         conversation = self._chat
@@ -453,9 +463,12 @@ class Pipeline:
         return self.generation_config
 
     def set_generation_config(self, config: GenerationConfig) -> None:
-        """Make `config` the one every generation starts from (OpenVINO GenAI's name)."""
+        """Make `config` the one every generation starts from (OpenVINO GenAI's name; its own config object too, as
+        generate reads it)."""
+        config = self._own(config)
         if not isinstance(config, GenerationConfig):
-            raise BadInputError(f"config must be a GenerationConfig, not {type(config).__name__}")
+            raise BadInputError(f"config must be mirror_sd's GenerationConfig (runtime/config.py), not {_kind(config)}",
+                                option="config")
         self.generation_config = config
 
     @property

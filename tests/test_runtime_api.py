@@ -172,6 +172,17 @@ def test_openvino_genai_and_transformers_code_runs_as_written(pipe):
     ov_config.do_sample, ov_config.rng_seed, ov_config.top_k = True, 5, 20
     assert pipe.generate(PROMPT, ov_config).token_ids == pipe.generate(PROMPT, max_new_tokens=8, temperature=1.0,
                                                                        seed=5, top_k=20).token_ids
+    ov_config.rng_seed = 0  # GenAI's default seed is a seed: its samples repeat call after call
+    assert pipe.generate(PROMPT, ov_config).token_ids == pipe.generate(PROMPT, ov_config).token_ids
+    lengths = ov_genai.GenerationConfig()  # a max_new_tokens set wins over max_length, as in GenAI (64 too)
+    lengths.max_new_tokens, lengths.max_length, lengths.ignore_eos = 64, len(PROMPT) + 4, True
+    assert len(pipe.generate(PROMPT, generation_config=lengths).token_ids) == 64  # GenAI's keyword for it
+    previous = pipe.get_generation_config()
+    try:
+        pipe.set_generation_config(lengths)
+        assert pipe.get_generation_config().max_new_tokens == 64
+    finally:
+        pipe.set_generation_config(previous)
     ov_config.echo = True
     with pytest.raises(BadInputError, match="GenAI's echo") as caught:
         pipe.generate(PROMPT, ov_config)
@@ -612,6 +623,8 @@ def test_a_conversation_through_start_chat_answers_as_its_messages_do(pipe):
         # messages, ids and lists run as they are, outside it (perplexity's windows among them)
         assert pipe.generate(turns, mode="ar", max_new_tokens=6).text == second.text
         assert pipe.generate([[5, 17], "hello there"], mode="ar", max_new_tokens=4)[1].token_ids == plain.token_ids
+        streamed = pipe.generate(["hello there"], None, lambda text: None, mode="ar", max_new_tokens=4)
+        assert streamed[0].token_ids == plain.token_ids and len(pipe.chat_history) == 5  # a list of one too
         assert pipe.perplexity("hello there, how are you").tokens > 0
         for prompt, options, match in [("hi", {"max_new_tokens": 0}, "max_new_tokens"), ("", {}, "empty"),
                                         ("hi", {"max_new_tokens": 10**6}, "conversation .6 messages. has outgrown")]:
