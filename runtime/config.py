@@ -242,10 +242,16 @@ class Options:
             raise BadInputError(f"unknown {cls.what} option(s) {', '.join(unknown)}{hint}; known: {', '.join(known)}",
                                 option=unknown[0])
         resolved, given_as = {}, {}
+        by_name = {s.name: s for s in specs(cls)}
         for key, value in given.items():
             for name in names.get(key, [key]):
                 if name in resolved:
                     raise BadInputError(f"{name} given twice (as {given_as[name]} and as {key})", option=name)
+                if name != key:  # checked here too, so that a bad value is named as the caller gave it
+                    try:
+                        by_name[name].check(value)
+                    except BadInputError as e:
+                        raise BadInputError(f"{key} (this project's {name}): {e}", option=key) from None
                 resolved[name], given_as[name] = value, key
         return resolved
 

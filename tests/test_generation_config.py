@@ -81,6 +81,9 @@ def test_transformers_and_openvino_genai_keywords(pipe):
     made = GenerationConfig(num_assistant_tokens=5, stop_strings={"x"}, rng_seed=4, pad_token_id=0)
     assert (made.gamma, made.prompt_lookup_num_tokens, made.stop, made.seed) == (5, 5, ("x",), 4)
     assert pipe.generate(PROMPT, mode="ar", max_new_tokens=8, pad_token_id=2).token_ids == greedy
+    with pytest.raises(BadInputError, match=r"num_assistant_tokens \(this project's gamma\)") as caught:
+        GenerationConfig(num_assistant_tokens=0)  # a bad value named as it was given
+    assert caught.value.option == "num_assistant_tokens"
     for name, words in (("max_new_token", "did you mean max_new_tokens"), ("return_dict_in_generate", "unknown")):
         for make in (GenerationConfig, functools.partial(pipe.generate, PROMPT)):
             with pytest.raises(BadInputError, match=words) as caught:
