@@ -281,10 +281,16 @@ class Pipeline:
             raise BadInputError("the prompt is empty", option="prompt")
         return ids
 
-    def _own(self, config: Any) -> Any:
+    def _own(self, config: Any) -> GenerationConfig | None:
         """`config` as this project's where it is OpenVINO GenAI's (runtime/genai_config.py: what it sets, over the
-        pipeline's config), else as it is."""
-        return self.generation_config.updated(**genai_options(config)) if is_genai_config(config) else config
+        pipeline's config); a GenerationConfig or None as it is; anything else a BadInputError."""
+        if is_genai_config(config):
+            return self.generation_config.updated(**genai_options(config))
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise BadInputError(f"config must be mirror_sd's GenerationConfig (runtime/config.py), not "
+                                f"{_kind(config)}: give its fields as keywords, or GenerationConfig(...) of them",
+                                option="config")
+        return config
 
     def _user_turn(self, prompt: Prompt) -> Prompt:
         """apply_chat_template's prompt: text (vLLM's {"prompt": text} as well) as the user's turn of the chat
@@ -313,8 +319,7 @@ class Pipeline:
             config = overrides.pop("generation_config")
         each, end = streamer_calls(streamer) if streamer is not None else (None, None)
         config = self._own(config)
-        base = config if isinstance(config, GenerationConfig) else self.generation_config  # check refuses another
-        wanted = base.updated(**overrides)
+        wanted = (config or self.generation_config).updated(**overrides)
         if wanted.num_beams > 1:
             if streamer is not None:  # as transformers refuses one
                 raise BadInputError("a beam search has its text only once it ends: no streamer", option="streamer")
@@ -466,9 +471,8 @@ class Pipeline:
         """Make `config` the one every generation starts from (OpenVINO GenAI's name; its own config object too, as
         generate reads it)."""
         config = self._own(config)
-        if not isinstance(config, GenerationConfig):
-            raise BadInputError(f"config must be mirror_sd's GenerationConfig (runtime/config.py), not {_kind(config)}",
-                                option="config")
+        if config is None:
+            raise BadInputError("config must be a GenerationConfig, not None", option="config")
         self.generation_config = config
 
     @property
@@ -481,11 +485,7 @@ class Pipeline:
               ) -> tuple[list[int], GenerationConfig]:
         """The prompt's ids and the resolved config of a generation, every check done and no device work: what
         generate would refuse (BadInputError; ContextLimitError when it would not fit) is refused here."""
-        config = self._own(config)
-        if config is not None and not isinstance(config, GenerationConfig):
-            raise BadInputError(f"config must be mirror_sd's GenerationConfig (runtime/config.py), not "
-                                f"{_kind(config)}: give its fields as keywords, or GenerationConfig(...) of them")
-        cfg = (config or self.generation_config).updated(**overrides)
+        cfg = (self._own(config) or self.generation_config).updated(**overrides)
         k_max = self.manifest.target.top_k
         if cfg.kappa is not None and cfg.kappa > k_max:
             raise BadInputError(f"kappa {cfg.kappa} exceeds the bundle's early-exit top_k {k_max}", option="kappa")
@@ -578,11 +578,7 @@ class Pipeline:
         """generate's num_return_sequences sampled, as transformers' and GenAI's: each prompt's samples, sample i
         drawn with the seed + i (GenerationConfig.nth_sample, as the server's n choices), every one a generation of
         its own on the batching engine together; a result holds its prompt's in `samples`."""
-        batch = is_batch(prompt)
-        prompts = list(prompt) if batch else [prompt]
-        if self._chat is not None and any(isinstance(p, str) for p in prompts):
-            raise BadInputError("several samples run outside a conversation: give chat messages or token ids, or "
-                                "finish_chat() first", option="num_return_sequences")
+        batch, prompts = self._several(prompt, "a generation of several samples", "num_return_sequences")
         checked = [self.check(p, config, **overrides) for p in prompts]
         results = iter(self._together([(ids, cfg.nth_sample(i)) for ids, cfg in checked
                                        for i in range(cfg.num_return_sequences)]))
@@ -595,12 +591,19 @@ class Pipeline:
     def _beam_search(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None,
                      overrides: dict[str, Any]) -> GenerationResult | list[GenerationResult]:
         """generate's beam search (num_beams > 1): every prompt's, on the batching engine together."""
-        batch = is_batch(prompt)
-        if self._chat is not None and any(isinstance(p, str) for p in (prompt if batch else [prompt])):
-            raise BadInputError("a beam search runs outside a conversation: give chat messages or token ids, or "
-                                "finish_chat() first", option="num_beams")
-        results = self.beam_search([self.check(p, config, **overrides) for p in (prompt if batch else [prompt])])
+        batch, prompts = self._several(prompt, "a beam search", "num_beams")
+        results = self.beam_search([self.check(p, config, **overrides) for p in prompts])
         return results if batch else results[0]
+
+    def _several(self, prompt: Prompt | Sequence[Prompt], what: str, option: str) -> tuple[bool, list[Prompt]]:
+        """(whether `prompt` is a list of prompts, its prompts) for a generation of several texts per prompt (a beam
+        search, several samples), which no conversation's turn can take: text refused in one, naming `option`."""
+        batch = is_batch(prompt)
+        prompts = list(prompt) if batch else [prompt]
+        if self._chat is not None and any(isinstance(p, str) for p in prompts):
+            raise BadInputError(f"{what} runs outside a conversation: give chat messages or token ids, or "
+                                "finish_chat() first", option=option)
+        return batch, prompts
 
     def beam_search(self, checked: Sequence[tuple[list[int], GenerationConfig]],
                     stop: threading.Event | None = None) -> list[GenerationResult]:
