@@ -19,7 +19,7 @@ from mirror_sd.runtime.reference import reference_generate
 
 PROMPTS = ([5, 17, 33], [1, 200, 64, 9, 9, 120, 3])
 NEW_TOKENS = 20
-GATED_NEW_TOKENS = 60  # where a test needs draft steps with the gate on (see its comment)
+GATED_NEW_TOKENS = 60  # where a test needs draft steps with the gate on (and _warm_before_the_first_step)
 BUNDLES = [("llama", 3, 8), ("qwen2", 3, 8), ("qwen3", 3, 8), ("mistral", 3, 8), ("llama", 1, 4), ("llama", 5, 1)]
 
 
@@ -267,17 +267,34 @@ def test_a_copy_gate_that_measured_copies_slower_declines_them(pipelines, mode):
     assert off.stats["declined_copies"] == 0 and off.stats["lookup_steps"] >= 1  # no gate: every copy is taken
 
 
+def _warm_before_the_first_step(monkeypatch) -> None:
+    """From now on, a generation's first step waits until the draft has read the prompt: with the gates on, steps
+    run on the target alone until it has (runtime/scheduler.py `decode`), and on a busy machine a tiny target's whole
+    generation could finish first, leaving no draft step to test."""
+    import mirror_sd.runtime.scheduler as scheduler
+
+    submit = scheduler.DraftWorker.submit
+
+    def submit_and_wait(self, request):
+        ticket = submit(self, request)
+        if isinstance(request, scheduler.Warm) and self.threaded:
+            with self._lock:
+                assert self._lock.wait_for(lambda: ticket in self._answers, 60), "the draft never read the prompt"
+        return ticket
+
+    monkeypatch.setattr(scheduler.DraftWorker, "submit", submit_and_wait)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
-def test_a_branch_gate_that_measured_branch_sets_slower_runs_mirror_steps_without_them(pipelines, overlap):
+def test_a_branch_gate_that_measured_branch_sets_slower_runs_mirror_steps_without_them(pipelines, overlap,
+                                                                                       monkeypatch):
     """Mirror's branch gate: where steps without a branch set were measured faster, mirror verifies its draft windows
     as sd does (no exit candidates, no branch set; the next window a fresh rollout), until the next try; where branch
     sets were faster, every draft step has one. Output stays the target's either way, and the gate's memory is kept
     beside the speculation gate's."""
     pipe = pipelines("llama")
     prompt = PROMPTS[1]
-    # Longer than the other tests' generations: with the gate on, steps run on the target alone until the draft
-    # thread has read the prompt, and a tiny target's 20 steps could all finish before that (17-18 of 20 did in
-    # some runs), leaving no draft step to test.
+    _warm_before_the_first_step(monkeypatch)
     ar = pipe.generate(prompt, mode="ar", max_new_tokens=GATED_NEW_TOKENS)
     options = dict(mode="mirror", max_new_tokens=GATED_NEW_TOKENS, overlap=overlap, prompt_lookup_num_tokens=0)
     branches_faster = GateState(speculative=(1.0, 0.001, 5), alone=(1.0, 1.0, 5), explore_every=64,
@@ -305,13 +322,14 @@ def test_a_branch_gate_that_measured_branch_sets_slower_runs_mirror_steps_withou
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_branch_budget_zero_makes_every_mirror_draft_step_sds_step(pipelines, overlap):
+def test_branch_budget_zero_makes_every_mirror_draft_step_sds_step(pipelines, overlap, monkeypatch):
     """Budget 0 (a plan that measured branch sets slower): mirror asks for no exit candidates and no branch set at
     any step, and has no branch gate; every window is a fresh rollout verified as sd verifies it. Greedy output is
     the target's, and a sampled one is sd's with the same seed, draw for draw: the schedule is sd's."""
     pipe = pipelines("llama")
     prompt = PROMPTS[1]
-    ar = pipe.generate(prompt, mode="ar", max_new_tokens=GATED_NEW_TOKENS)  # long enough, as in the test above
+    _warm_before_the_first_step(monkeypatch)
+    ar = pipe.generate(prompt, mode="ar", max_new_tokens=GATED_NEW_TOKENS)
     for adaptive in (True, False):
         pipe._gate_memory.clear()
         out = pipe.generate(prompt, mode="mirror", max_new_tokens=GATED_NEW_TOKENS, overlap=overlap, branch_budget=0,
