@@ -811,6 +811,8 @@ class BatchEngine:
     def _commit(self, row: _Row, token: int, score: TokenLogprob | None = None) -> None:
         if not row.first_token_s:
             row.first_token_s = time.perf_counter() - row.request.submitted
+        if row.solo is None:  # a request alone: its decoder records its tokens
+            row.rec.committed_token()
         row.context.append(token)
         row.scores.append(score)
         text = row.sink.add(token)
@@ -853,5 +855,7 @@ class BatchEngine:
                                 tuple(row.scores) if cfg.logprobs is not None else None,
                                 None if row.prompt_scores is None else tuple(row.prompt_scores),
                                 row.sink.stop_reason if reason == row.sink.finish_reason else None,
-                                seed=cfg.drawn_seed)
+                                seed=cfg.drawn_seed,
+                                perf_metrics=self.pipe.perf_metrics(row.request.submitted, time.perf_counter(),
+                                                                    row.rec, row.prompt_len, row.sink))
 

@@ -18,7 +18,9 @@ for another export of the bundle is refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
+import operator
 import os
 import re
 import shutil
@@ -65,6 +67,7 @@ from mirror_sd.runtime.kv_slots import MIN_CACHED_PREFIX, reusable_head, slots_f
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.machine import plan_note
 from mirror_sd.runtime.package_reader import OpenedPackage, open_package
+from mirror_sd.runtime.perf_metrics import PerfMetrics
 from mirror_sd.runtime.perplexity import Perplexity, perplexity
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.runtime.scheduler import DraftWorker, decode, reads_prompt_alongside
@@ -166,6 +169,7 @@ class Pipeline:
         self._engine_lock = threading.Lock()
         self._vocabulary: Vocabulary | None = None  # the tokenizer as JSON schemas read it, made at the first one
         self._vocabulary_lock = threading.Lock()
+        self.load_time_ms = -1.0  # what Pipeline.load took (PerfMetrics.get_load_time); -1: not loaded by it
 
     @classmethod
     def load(cls, bundle: str | Path, options: LoadOptions | None = None, **overrides: Any) -> Pipeline:
@@ -175,6 +179,7 @@ class Pipeline:
             Pipeline.load("bundle/", target_threads=2, huge_pages=False)
 
         Every option is checked before any file is read; an unknown keyword is a BadInputError naming it."""
+        started = time.perf_counter()
         if not isinstance(bundle, (str, os.PathLike)):
             raise BadInputError(f"bundle must be the path of a bundle or package, not {type(bundle).__name__}")
         if isinstance(options, str):  # OpenVINO GenAI's LLMPipeline(models_path, device)
@@ -225,6 +230,7 @@ class Pipeline:
             pipe.huge_pages = new_memory.collapse() if new_memory is not None else None
             pipe.load_options = o
             pipe.plan_note = plan_note(planned_on)
+            pipe.load_time_ms = (time.perf_counter() - started) * 1000.0
             return pipe
 
     @staticmethod
@@ -312,7 +318,8 @@ class Pipeline:
         A list of prompts (strings, chat message lists, token id lists, vLLM's prompt dicts) runs them together on
         the batching engine (`engine()`; on a target without one, the OpenVINO backend's, one after another) and
         gives their results in the same order; each is its solo result, token for token (greedy, or sampled with
-        the same seed)."""
+        the same seed). A result's perf_metrics are this call's (OpenVINO GenAI's: runtime/perf_metrics.py)."""
+        started = time.perf_counter()
         if "generation_config" in overrides:  # GenAI's name of the argument
             if config is not None:
                 raise BadInputError("config given twice (as config and as generation_config)", option="config")
@@ -328,7 +335,7 @@ class Pipeline:
             if streamer is not None:
                 raise BadInputError("a streamer takes one generation's tokens: give num_return_sequences 1, or "
                                     "stream each sample with its own seed", option="streamer")
-            return self._samples(prompt, config, overrides)
+            return self._samples(prompt, config, overrides, started)
         one = None  # a batch of one with a streamer: GenAI streams it (outside a conversation, as lists run)
         if is_batch(prompt):
             if streamer is not None and len(prompt) == 1:
@@ -337,8 +344,10 @@ class Pipeline:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
                                     "requests engine().submit returns", option="streamer")
             else:  # every one refused before any work
-                return self._together([self.check(p, config, **overrides) for p in prompt])
+                checked, tokenized = self._checks(prompt, config, overrides)
+                return [_called(r, started, s) for r, s in zip(self._together(checked), tokenized)]
         run = self._run(prompt, config, overrides) if one is None else one
+        tokenized = time.perf_counter() - started  # the prompt's check: its tokens, its chat template's text
         try:
             asked = None  # what the streamer asked of the generation (runtime/streamers.py)
             while True:
@@ -347,7 +356,8 @@ class Pipeline:
         except StopIteration as done:
             if end is not None:
                 end()
-            return done.value if one is None else [done.value]
+            result = _called(done.value, started, tokenized)
+            return result if one is None else [result]
         finally:
             run.close()
 
@@ -573,19 +583,31 @@ class Pipeline:
                 request.cancel()
             raise
 
+    def _checks(self, prompts: Sequence[Prompt], config: GenerationConfig | None, overrides: dict[str, Any]
+                ) -> tuple[list[tuple[list[int], GenerationConfig]], list[float]]:
+        """Every prompt checked (`check`), and the seconds each check took (its tokenization, for perf_metrics)."""
+        checked, seconds = [], []
+        for p in prompts:
+            started = time.perf_counter()
+            checked.append(self.check(p, config, **overrides))
+            seconds.append(time.perf_counter() - started)
+        return checked, seconds
+
     def _samples(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None,
-                 overrides: dict[str, Any]) -> GenerationResult | list[GenerationResult]:
+                 overrides: dict[str, Any], started: float) -> GenerationResult | list[GenerationResult]:
         """generate's num_return_sequences sampled, as transformers' and GenAI's: each prompt's samples, sample i
         drawn with the seed + i (GenerationConfig.nth_sample, as the server's n choices), every one a generation of
-        its own on the batching engine together; a result holds its prompt's in `samples`."""
+        its own on the batching engine together; a result holds its prompt's in `samples`, and their perf_metrics
+        pooled (generate's call began at `started`)."""
         batch, prompts = self._several(prompt, "a generation of several samples", "num_return_sequences")
-        checked = [self.check(p, config, **overrides) for p in prompts]
+        checked, tokenized = self._checks(prompts, config, overrides)
         results = iter(self._together([(ids, cfg.nth_sample(i)) for ids, cfg in checked
                                        for i in range(cfg.num_return_sequences)]))
         grouped = []
-        for _, cfg in checked:
-            samples = tuple(next(results) for _ in range(cfg.num_return_sequences))
-            grouped.append(dataclasses.replace(samples[0], samples=samples))
+        for (_, cfg), seconds in zip(checked, tokenized):
+            samples = tuple(_called(next(results), started, seconds) for _ in range(cfg.num_return_sequences))
+            pooled = functools.reduce(operator.add, (s.perf_metrics for s in samples))
+            grouped.append(dataclasses.replace(samples[0], samples=samples, perf_metrics=pooled))
         return grouped if batch else grouped[0]
 
     def _beam_search(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None,
@@ -779,6 +801,7 @@ class Pipeline:
         try:
             for token, score in tokens:
                 ttft = ttft or time.perf_counter() - start
+                rec.committed_token()
                 text = sink.add(token)
                 scores.append(score)
                 asked = yield Chunk(token, text, score)
@@ -801,7 +824,14 @@ class Pipeline:
                                 "cancelled" if stopped else sink.finish_reason or "length",
                                 tuple(scores) if cfg.logprobs is not None else None,
                                 None if prompt_scores is None else tuple(prompt_scores), sink.stop_reason,
-                                seed=cfg.drawn_seed)
+                                seed=cfg.drawn_seed,
+                                perf_metrics=self.perf_metrics(start, start + wall, rec, len(ids), sink))
+
+    def perf_metrics(self, start: float, end: float, rec: Recorder, prompt_tokens: int, sink: TextSink
+                     ) -> PerfMetrics:
+        """A generation's timings in OpenVINO GenAI's form (runtime/perf_metrics.py), from `start` to `end`."""
+        return PerfMetrics.of_generation(self.load_time_ms, start, end, rec.token_steps, prompt_tokens,
+                                         sink.decode_s)
 
     def finish_stats(self, cfg: GenerationConfig, rec: Recorder, draft_engine: dict[str, Any] | None = None,
                      **counts: Any) -> GenerationStats:
@@ -876,6 +906,15 @@ def _plan_defaults(bundle: str | Path, manifest: Manifest) -> tuple[RuntimeDefau
         return runtime_defaults(doc, t.exit_layer, t.top_k, t.num_layers), plan_machine(doc)
     except BadInputError as e:
         raise ManifestError(f"{PLAN_FILE}: {e}") from None
+
+
+def _called(result: GenerationResult, started: float, tokenization_s: float) -> GenerationResult:
+    """`result` as a generate call's that began at `started` and spent `tokenization_s` on its prompt: its
+    perf_metrics' TTFT and duration from the call's start (OpenVINO GenAI's)."""
+    if result.perf_metrics is None:
+        return result
+    metrics = result.perf_metrics.called(started, time.perf_counter(), tokenization_s)
+    return dataclasses.replace(result, perf_metrics=metrics)
 
 
 def _kind(value: object) -> str:

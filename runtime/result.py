@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mirror_sd.runtime.logprobs import TokenLogprob
+from mirror_sd.runtime.perf_metrics import PerfMetrics
 from mirror_sd.runtime.stats import GenerationStats
 
 
@@ -44,6 +45,9 @@ class GenerationResult:
     # the seed a sampled generation drew with (its config's, or the one Pipeline.check drew where it had none): the
     # same call with it gives the same text; None where it was greedy
     seed: int | None = None
+    # its timings in OpenVINO GenAI's form (runtime/perf_metrics.py); None for a beam search and for a request
+    # the batching engine cancelled before it started
+    perf_metrics: PerfMetrics | None = None
 
     def __str__(self) -> str:  # print(result) shows the answer, as OpenVINO GenAI's DecodedResults does
         return self.text

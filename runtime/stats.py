@@ -83,6 +83,9 @@ class Recorder:
         self.draft_rows = 0  # row-forwards of rollouts (a batch of B rows counts B; reading a prompt counts 0)
         self.draft_tokens = 0  # draft tokens those forwards produced (accepted stream proposals included)
         self.draft_failures = 0  # requests the draft failed, whether or not their answers were read
+        # per committed token: when it came, and the count of target steps then (a step's tokens share it), for
+        # GenAI's per-token figures (runtime/perf_metrics.py)
+        self.token_steps: list[tuple[float, int]] = []
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -98,6 +101,10 @@ class Recorder:
                 self.suffix_intervals.append((start, end))
             elif self._trace is not None:  # suffixes join the trace from suffix_intervals at the end
                 self._trace.append((name, start, end))
+
+    def committed_token(self) -> None:
+        """A token was committed now (the generating thread)."""
+        self.token_steps.append((time.perf_counter(), self.counts.target_steps))
 
     def draft_forward(self, start: float, end: float, rows: int) -> None:
         """A draft forward over `rows` rollout rows (0: reading a prompt), from the draft's thread."""

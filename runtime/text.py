@@ -8,6 +8,7 @@ import datetime
 import functools
 import json
 import re
+import time
 from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -249,6 +250,7 @@ class TextSink:
         self.shown = 0  # characters of self.text already given out
         self.exempt = 0  # characters of the first min_tokens tokens' text: no stop string ends within them
         self.finish_reason: str | None = None
+        self.decode_s = 0.0  # seconds spent decoding the tokens' text (PerfMetrics' detokenization)
         # ids decoded together: those before `_read` stand for text already in self.text
         self._window = list(prompt_ids[-PROMPT_CONTEXT:])
         self._read = len(self._window)
@@ -265,8 +267,10 @@ class TextSink:
     def _decode_new(self, final: bool) -> str:
         """The text of the ids after `_read`, decoded after those before it; empty while it ends in an incomplete
         character (unless `final`: the replacement character then stands for it)."""
+        started = time.perf_counter()
         before = self.codec.decode(self._window[:self._read], self.special)
         after = self.codec.decode(self._window, self.special)
+        self.decode_s += time.perf_counter() - started
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""
         del self._window[:self._read]  # what comes next is decoded after these only

@@ -1,0 +1,148 @@
+"""A generation's timings in OpenVINO GenAI's form (`result.perf_metrics`), so that code written for GenAI's
+PerfMetrics (its benchmark_genai sample, llm_bench) reads ours:
+
+    metrics = pipe.generate(prompt).perf_metrics
+    for _ in range(4):
+        metrics += pipe.generate(prompt).perf_metrics     # several calls pooled, as GenAI pools them
+    print(metrics.get_ttft().mean, metrics.get_tpot().mean, metrics.get_throughput().mean)
+
+GenAI's definitions, kept so that a figure means what it means there: durations in milliseconds, each getter a mean
+and a population standard deviation over the pooled calls, (-1, -1) where nothing was measured; TTFT from the start
+of the call (tokenization included) to the first token; TPOT over the tokens after the first, each step's duration
+shared by the tokens it committed (a speculative step's several tokens count as several, each a share of the step;
+the first step, the prefill, left out); throughput 1000 / TPOT. A generation's own figures (those of the batching
+engine, the server's) start at its submission and have no tokenization; `Pipeline.generate` times the call.
+Not measured here, so not given: GenAI's inference, sampling and grammar-compile times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+from mirror_sd.errors import BadInputError
+
+
+class MeanStd(NamedTuple):
+    """GenAI's MeanStdPair: `.mean` and `.std`."""
+
+    mean: float
+    std: float
+
+
+def mean_std(values: Sequence[float]) -> MeanStd:
+    """Mean and population standard deviation, as GenAI computes them; (-1, -1) for none."""
+    if not values:
+        return MeanStd(-1.0, -1.0)
+    mean = sum(values) / len(values)
+    return MeanStd(mean, math.sqrt(max(0.0, sum(v * v for v in values) / len(values) - mean * mean)))
+
+
+@dataclass(frozen=True)
+class RawPerfMetrics:
+    """The measurements behind the getters (GenAI's RawPerfMetrics' names), for statistics of one's own (a median,
+    percentiles). Durations in milliseconds; token times in seconds on time.perf_counter()."""
+
+    generate_durations: tuple[float, ...] = ()  # per call
+    tokenization_durations: tuple[float, ...] = ()  # per call (a chat prompt's template rendering included)
+    detokenization_durations: tuple[float, ...] = ()  # per generation: the text of its tokens
+    m_times_to_first_token: tuple[float, ...] = ()  # per generation
+    m_new_token_times: tuple[float, ...] = ()  # when each step's tokens came
+    m_batch_sizes: tuple[int, ...] = ()  # how many tokens each step committed
+    m_durations: tuple[float, ...] = ()  # per token after the first step: its step's duration / its tokens
+
+    def __add__(self, other: RawPerfMetrics) -> RawPerfMetrics:
+        return RawPerfMetrics(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+def per_token_durations(times: Sequence[float], sizes: Sequence[int]) -> tuple[float, ...]:
+    """GenAI's m_durations: every step after the first, its duration (ms) once per token it committed, divided
+    among them."""
+    out: list[float] = []
+    for i in range(1, len(times)):
+        out += [(times[i] - times[i - 1]) * 1000.0 / sizes[i]] * sizes[i]
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class PerfMetrics:
+    """One or more generations' timings (GenAI's PerfMetrics; `+` pools those of one pipeline)."""
+
+    load_time: float  # ms Pipeline.load took; -1 where the pipeline was not loaded by it
+    num_generated_tokens: int
+    num_input_tokens: int
+    raw_metrics: RawPerfMetrics = field(default_factory=RawPerfMetrics)
+
+    @classmethod
+    def of_generation(cls, load_time: float, start: float, end: float, steps: Sequence[tuple[float, int]],
+                      prompt_tokens: int, detokenization_s: float) -> PerfMetrics:
+        """A generation's, from its start and end (time.perf_counter()) and `steps`: per committed token, when it
+        came and the number of the target step that gave it (tokens of one step share it)."""
+        times: list[float] = []
+        sizes: list[int] = []
+        last = None
+        for at, step in steps:
+            if step == last:
+                sizes[-1] += 1
+            else:  # a step's first token: when the step's tokens came
+                times.append(at)
+                sizes.append(1)
+                last = step
+        raw = RawPerfMetrics(generate_durations=((end - start) * 1000.0,),
+                             detokenization_durations=(detokenization_s * 1000.0,),
+                             m_times_to_first_token=((times[0] - start) * 1000.0,) if times else (),
+                             m_new_token_times=tuple(times), m_batch_sizes=tuple(sizes),
+                             m_durations=per_token_durations(times, sizes))
+        return cls(load_time, sum(sizes), prompt_tokens, raw)
+
+    def called(self, start: float, end: float, tokenization_s: float) -> PerfMetrics:
+        """This one generation's metrics as a call that began at `start`, tokenized its prompt in `tokenization_s`
+        and returned at `end` (Pipeline.generate): its TTFT and duration measured from the call's start."""
+        raw = self.raw_metrics
+        first = raw.m_new_token_times[:1]
+        return dataclasses.replace(self, raw_metrics=dataclasses.replace(
+            raw, generate_durations=((end - start) * 1000.0,), tokenization_durations=(tokenization_s * 1000.0,),
+            m_times_to_first_token=tuple((t - start) * 1000.0 for t in first)))
+
+    def __add__(self, other: PerfMetrics) -> PerfMetrics:
+        if not isinstance(other, PerfMetrics):
+            return NotImplemented
+        if other.load_time != self.load_time:  # GenAI's rule: the calls of one pipeline
+            raise BadInputError("perf_metrics pool the generations of one pipeline: these come from two (their load "
+                                f"times differ, {self.load_time:.1f} and {other.load_time:.1f} ms)")
+        return PerfMetrics(self.load_time, self.num_generated_tokens + other.num_generated_tokens,
+                           self.num_input_tokens + other.num_input_tokens, self.raw_metrics + other.raw_metrics)
+
+    # GenAI's getters
+    def get_load_time(self) -> float:
+        return self.load_time
+
+    def get_num_generated_tokens(self) -> int:
+        return self.num_generated_tokens
+
+    def get_num_input_tokens(self) -> int:
+        return self.num_input_tokens
+
+    def get_ttft(self) -> MeanStd:
+        return mean_std(self.raw_metrics.m_times_to_first_token)
+
+    def get_tpot(self) -> MeanStd:
+        return mean_std(self.raw_metrics.m_durations)
+
+    def get_throughput(self) -> MeanStd:
+        """Tokens per second after the first token: 1000 / TPOT (GenAI's; its std carried over to first order)."""
+        tpot = self.get_tpot()
+        if tpot.mean <= 0:
+            return MeanStd(-1.0, -1.0)
+        return MeanStd(1000.0 / tpot.mean, tpot.std * 1000.0 / (tpot.mean * tpot.mean))
+
+    def get_generate_duration(self) -> MeanStd:
+        return mean_std(self.raw_metrics.generate_durations)
+
+    def get_tokenization_duration(self) -> MeanStd:
+        return mean_std(self.raw_metrics.tokenization_durations)
+
+    def get_detokenization_duration(self) -> MeanStd:
+        return mean_std(self.raw_metrics.detokenization_durations)
