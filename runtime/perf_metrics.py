@@ -10,9 +10,11 @@ GenAI's definitions, kept so that a figure means what it means there: durations 
 and a population standard deviation over the pooled calls, (-1, -1) where nothing was measured; TTFT from the start
 of the call (tokenization included) to the first token; TPOT over the tokens after the first, each step's duration
 shared by the tokens it committed (a speculative step's several tokens count as several, each a share of the step;
-the first step, the prefill, left out); throughput 1000 / TPOT. A generation's own figures (those of the batching
-engine, the server's) start at its submission and have no tokenization; `Pipeline.generate` times the call.
-Not measured here, so not given: GenAI's inference, sampling and grammar-compile times.
+the first step, the prefill, left out); throughput 1000 / TPOT. `Pipeline.generate` and `stream` time the call: a
+list's results each from the call's start (one prompt's first token may wait for another's), several samples as one
+call. A generation's own figures (the batching engine's requests, the server's) start at its submission and have no
+tokenization. Detokenization sums the incremental decoding of the text as it streams (twice per token). Not measured
+here, so not given: GenAI's inference, sampling and grammar-compile times; a beam search has none (None).
 """
 
 from __future__ import annotations
@@ -97,14 +99,21 @@ class PerfMetrics:
                              m_durations=per_token_durations(times, sizes))
         return cls(load_time, sum(sizes), prompt_tokens, raw)
 
-    def called(self, start: float, end: float, tokenization_s: float) -> PerfMetrics:
-        """This one generation's metrics as a call that began at `start`, tokenized its prompt in `tokenization_s`
-        and returned at `end` (Pipeline.generate): its TTFT and duration measured from the call's start."""
-        raw = self.raw_metrics
-        first = raw.m_new_token_times[:1]
-        return dataclasses.replace(self, raw_metrics=dataclasses.replace(
-            raw, generate_durations=((end - start) * 1000.0,), tokenization_durations=(tokenization_s * 1000.0,),
-            m_times_to_first_token=tuple((t - start) * 1000.0 for t in first)))
+    @classmethod
+    def of_call(cls, parts: Sequence[PerfMetrics], start: float, end: float, tokenization_s: float) -> PerfMetrics:
+        """The generations of one prompt in a call that began at `start`, tokenized the prompt in `tokenization_s`
+        and returned at `end` (Pipeline.generate; several samples are several generations): one call, its TTFT the
+        first token of any from the call's start, its steps each generation's (TPOT per sequence: GenAI's batched
+        TPOT divides a step among the sequences in it)."""
+        raws = [p.raw_metrics for p in parts]
+        steps = sorted((t, n) for r in raws for t, n in zip(r.m_new_token_times, r.m_batch_sizes))
+        raw = RawPerfMetrics(
+            generate_durations=((end - start) * 1000.0,), tokenization_durations=(tokenization_s * 1000.0,),
+            detokenization_durations=(sum(d for r in raws for d in r.detokenization_durations),),
+            m_times_to_first_token=((steps[0][0] - start) * 1000.0,) if steps else (),
+            m_new_token_times=tuple(t for t, _ in steps), m_batch_sizes=tuple(n for _, n in steps),
+            m_durations=tuple(d for r in raws for d in r.m_durations))
+        return cls(parts[0].load_time, sum(p.num_generated_tokens for p in parts), parts[0].num_input_tokens, raw)
 
     def __add__(self, other: PerfMetrics) -> PerfMetrics:
         if not isinstance(other, PerfMetrics):
@@ -132,7 +141,8 @@ class PerfMetrics:
         return mean_std(self.raw_metrics.m_durations)
 
     def get_throughput(self) -> MeanStd:
-        """Tokens per second after the first token: 1000 / TPOT (GenAI's; its std carried over to first order)."""
+        """Tokens per second after the first token: 1000 / TPOT (GenAI's; its std carried over to first order);
+        (-1, -1) where no token came after the first (GenAI's reads -1000 there)."""
         tpot = self.get_tpot()
         if tpot.mean <= 0:
             return MeanStd(-1.0, -1.0)

@@ -18,9 +18,7 @@ for another export of the bundle is refused.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
-import operator
 import os
 import re
 import shutil
@@ -86,14 +84,16 @@ class GenerationStream:
     """Iterator form of generate: yields a Chunk per committed token; `result` is set once it is exhausted.
     Leaving the loop early (or calling close) stops the generation and the draft thread."""
 
-    def __init__(self, run: Iterator[Chunk]) -> None:
+    def __init__(self, run: Iterator[Chunk], started: float, tokenization_s: float) -> None:
+        """run: the generation, made by a call that began at `started` and spent `tokenization_s` on its prompt."""
         self._run = run
+        self._started, self._tokenization_s = started, tokenization_s
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[Chunk]:
         result = yield from self._run
         if self.result is None:  # iterated again once exhausted: nothing more comes, the result stays
-            self.result = result
+            self.result = _called(result, self._started, self._tokenization_s)
 
     def close(self) -> None:
         self._run.close()
@@ -344,6 +344,7 @@ class Pipeline:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
                                     "requests engine().submit returns", option="streamer")
             else:  # every one refused before any work
+                started = self._engine_started(started)
                 checked, tokenized = self._checks(prompt, config, overrides)
                 return [_called(r, started, s) for r, s in zip(self._together(checked), tokenized)]
         run = self._run(prompt, config, overrides) if one is None else one
@@ -362,8 +363,11 @@ class Pipeline:
             run.close()
 
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides: Any) -> GenerationStream:
-        """generate as an iterator of Chunks; its result is set once the iterator is exhausted."""
-        return GenerationStream(self._run(prompt, config, overrides))
+        """generate as an iterator of Chunks; its result is set once the iterator is exhausted (its perf_metrics from
+        this call, as generate's)."""
+        started = time.perf_counter()
+        run = self._run(prompt, config, overrides)
+        return GenerationStream(run, started, time.perf_counter() - started)
 
     def perplexity(self, text: Prompt, window: int | None = None, stride: int | None = None) -> Perplexity:
         """The perplexity of `text` (plain text as it is, chat messages through the template, or token ids) under
@@ -583,6 +587,15 @@ class Pipeline:
                 request.cancel()
             raise
 
+    def _engine_started(self, started: float) -> float:
+        """The batching engine started where the target has one, and `started` moved past its start-up: a call's
+        perf_metrics leave it out, as GenAI's leave out its pipeline's construction (its load time)."""
+        if not BatchEngine.runs_on(self):
+            return started
+        before = time.perf_counter()
+        self.engine()
+        return started + time.perf_counter() - before
+
     def _checks(self, prompts: Sequence[Prompt], config: GenerationConfig | None, overrides: dict[str, Any]
                 ) -> tuple[list[tuple[list[int], GenerationConfig]], list[float]]:
         """Every prompt checked (`check`), and the seconds each check took (its tokenization, for perf_metrics)."""
@@ -597,17 +610,18 @@ class Pipeline:
                  overrides: dict[str, Any], started: float) -> GenerationResult | list[GenerationResult]:
         """generate's num_return_sequences sampled, as transformers' and GenAI's: each prompt's samples, sample i
         drawn with the seed + i (GenerationConfig.nth_sample, as the server's n choices), every one a generation of
-        its own on the batching engine together; a result holds its prompt's in `samples`, and their perf_metrics
-        pooled (generate's call began at `started`)."""
+        its own on the batching engine together; a result holds its prompt's in `samples`, and their perf_metrics as
+        one call's (generate's call began at `started`)."""
         batch, prompts = self._several(prompt, "a generation of several samples", "num_return_sequences")
+        started = self._engine_started(started)
         checked, tokenized = self._checks(prompts, config, overrides)
         results = iter(self._together([(ids, cfg.nth_sample(i)) for ids, cfg in checked
                                        for i in range(cfg.num_return_sequences)]))
         grouped = []
         for (_, cfg), seconds in zip(checked, tokenized):
             samples = tuple(_called(next(results), started, seconds) for _ in range(cfg.num_return_sequences))
-            pooled = functools.reduce(operator.add, (s.perf_metrics for s in samples))
-            grouped.append(dataclasses.replace(samples[0], samples=samples, perf_metrics=pooled))
+            call = PerfMetrics.of_call([s.perf_metrics for s in samples], started, time.perf_counter(), seconds)
+            grouped.append(dataclasses.replace(samples[0], samples=samples, perf_metrics=call))
         return grouped if batch else grouped[0]
 
     def _beam_search(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None,
@@ -913,7 +927,7 @@ def _called(result: GenerationResult, started: float, tokenization_s: float) -> 
     perf_metrics' TTFT and duration from the call's start (OpenVINO GenAI's)."""
     if result.perf_metrics is None:
         return result
-    metrics = result.perf_metrics.called(started, time.perf_counter(), tokenization_s)
+    metrics = PerfMetrics.of_call([result.perf_metrics], started, time.perf_counter(), tokenization_s)
     return dataclasses.replace(result, perf_metrics=metrics)
 
 

@@ -30,7 +30,8 @@ def test_genai_definitions_on_known_timings():
     assert m.get_detokenization_duration() == pytest.approx((2.0, 0.0))
     assert m.get_tokenization_duration() == (-1.0, -1.0)  # not measured: GenAI's (-1, -1)
     # as a call that began 0.4 s earlier and tokenized for 3 ms: TTFT and duration from the call's start
-    called = m.called(0.5, 2.2, 0.003)
+    called = PerfMetrics.of_call([m], 0.5, 2.2, 0.003)
+    assert called.raw_metrics.m_batch_sizes == raw.m_batch_sizes and called.get_num_input_tokens() == 7
     assert called.get_ttft() == pytest.approx((500.0, 0.0))
     assert called.get_generate_duration().mean == pytest.approx(1700.0)
     assert called.get_tokenization_duration() == pytest.approx((3.0, 0.0)) and called.get_tpot() == tpot
@@ -40,6 +41,14 @@ def test_genai_definitions_on_known_timings():
     assert both.get_tokenization_duration() == pytest.approx((3.0, 0.0)) and both.get_tpot().mean == pytest.approx(250)
     with pytest.raises(BadInputError, match="one pipeline"):
         m + PerfMetrics.of_generation(99.0, 0.9, 2.1, steps, 7, 0.0)
+    # two samples of one prompt in one call: one call's entries, the prompt once, the first token of either
+    later = PerfMetrics.of_generation(1234.0, 0.9, 2.1, [(0.95, 1), (1.25, 2)], 7, 0.001)
+    call = PerfMetrics.of_call([m, later], 0.5, 2.2, 0.003)
+    assert call.get_num_generated_tokens() == 7 and call.get_num_input_tokens() == 7
+    assert call.get_ttft() == pytest.approx((450.0, 0.0)) and call.get_generate_duration() == pytest.approx((1700, 0))
+    assert call.raw_metrics.m_new_token_times == (0.95, 1.0, 1.25, 1.5, 2.0)
+    assert call.raw_metrics.m_durations == pytest.approx([500 / 3] * 3 + [500.0, 300.0])
+    assert call.get_detokenization_duration() == pytest.approx((3.0, 0.0))
 
 
 def test_mean_std_is_the_population_one():
@@ -99,8 +108,11 @@ def test_pooled_calls_and_the_engines_generations(pipe):
     assert alone.perf_metrics.get_tokenization_duration() == (-1.0, -1.0)
     assert alone.perf_metrics.get_ttft().mean == pytest.approx(alone.stats.ttft_s * 1000, rel=0.2, abs=5)
     samples = pipe.generate(PROMPT, max_new_tokens=6, do_sample=True, num_return_sequences=3, seed=5)
-    assert samples.perf_metrics.get_num_generated_tokens() == sum(len(s.token_ids) for s in samples.samples)
-    assert len(samples.perf_metrics.raw_metrics.m_times_to_first_token) == 3
+    call = samples.perf_metrics  # one call: its prompt once, one duration, the first token of any sample
+    assert call.get_num_generated_tokens() == sum(len(s.token_ids) for s in samples.samples)
+    assert call.get_num_input_tokens() == len(PROMPT) and len(call.raw_metrics.generate_durations) == 1
+    assert call.get_ttft().mean == min(s.perf_metrics.get_ttft().mean for s in samples.samples)
     streamed = pipe.stream(PROMPT, max_new_tokens=5)
     chunks = list(streamed)
-    assert streamed.result.perf_metrics.get_num_generated_tokens() == len(chunks)
+    timed = streamed.result.perf_metrics  # from the stream call, as generate's
+    assert timed.get_num_generated_tokens() == len(chunks) and len(timed.raw_metrics.tokenization_durations) == 1
