@@ -100,11 +100,12 @@ class PerfMetrics:
         return cls(load_time, sum(sizes), prompt_tokens, raw)
 
     @classmethod
-    def of_call(cls, parts: Sequence[PerfMetrics], start: float, end: float, tokenization_s: float) -> PerfMetrics:
-        """The generations of one prompt in a call that began at `start`, tokenized the prompt in `tokenization_s`
-        and returned at `end` (Pipeline.generate; several samples are several generations): one call, its TTFT the
-        first token of any from the call's start, its steps each generation's (TPOT per sequence: GenAI's batched
-        TPOT divides a step among the sequences in it)."""
+    def of_call(cls, parts: Sequence[PerfMetrics], start: float, end: float, tokenization_s: float,
+                input_tokens: int) -> PerfMetrics:
+        """The generations of a call that began at `start`, tokenized its prompts (`input_tokens` tokens) in
+        `tokenization_s` and returned at `end` (Pipeline.generate: a prompt, its samples, a list of prompts): one
+        call, its TTFT the first token of any from the call's start, its steps each generation's (TPOT per
+        sequence: GenAI's batched TPOT divides a step among the sequences in it)."""
         raws = [p.raw_metrics for p in parts]
         steps = sorted((t, n) for r in raws for t, n in zip(r.m_new_token_times, r.m_batch_sizes))
         raw = RawPerfMetrics(
@@ -113,7 +114,7 @@ class PerfMetrics:
             m_times_to_first_token=((steps[0][0] - start) * 1000.0,) if steps else (),
             m_new_token_times=tuple(t for t, _ in steps), m_batch_sizes=tuple(n for _, n in steps),
             m_durations=tuple(d for r in raws for d in r.m_durations))
-        return cls(parts[0].load_time, sum(p.num_generated_tokens for p in parts), parts[0].num_input_tokens, raw)
+        return cls(parts[0].load_time, sum(p.num_generated_tokens for p in parts), input_tokens, raw)
 
     def __add__(self, other: PerfMetrics) -> PerfMetrics:
         if not isinstance(other, PerfMetrics):

@@ -67,7 +67,7 @@ from mirror_sd.runtime.machine import plan_note
 from mirror_sd.runtime.package_reader import OpenedPackage, open_package
 from mirror_sd.runtime.perf_metrics import PerfMetrics
 from mirror_sd.runtime.perplexity import Perplexity, perplexity
-from mirror_sd.runtime.result import Chunk, GenerationResult
+from mirror_sd.runtime.result import Chunk, GenerationResult, GenerationResults
 from mirror_sd.runtime.scheduler import DraftWorker, decode, reads_prompt_alongside
 from mirror_sd.runtime.stats import GenerationStats, Recorder
 from mirror_sd.runtime.streamers import CANCEL, streamer_calls
@@ -309,7 +309,7 @@ class Pipeline:
 
     # -- generation ----------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None = None,
-                 streamer: Streamer | None = None, **overrides: Any) -> GenerationResult | list[GenerationResult]:
+                 streamer: Streamer | None = None, **overrides: Any) -> GenerationResult | GenerationResults:
         """Generate from `prompt` with `config` (default: `self.generation_config`), any of its fields overridden
         by keyword (runtime/config.py lists them). `streamer(token_id, text)` gets every committed token as it is
         committed; OpenVINO GenAI's streamers work as well, and a streamer that returns True or GenAI's
@@ -346,7 +346,8 @@ class Pipeline:
             else:  # every one refused before any work
                 started = self._engine_started(started)
                 checked, tokenized = self._checks(prompt, config, overrides)
-                return [_called(r, started, s) for r, s in zip(self._together(checked), tokenized)]
+                results = [_called(r, started, s) for r, s in zip(self._together(checked), tokenized)]
+                return _listed(results, started, sum(tokenized))
         run = self._run(prompt, config, overrides) if one is None else one
         tokenized = time.perf_counter() - started  # the prompt's check: its tokens, its chat template's text
         try:
@@ -358,7 +359,7 @@ class Pipeline:
             if end is not None:
                 end()
             result = _called(done.value, started, tokenized)
-            return result if one is None else [result]
+            return result if one is None else _listed([result], started, tokenized)
         finally:
             run.close()
 
@@ -619,17 +620,18 @@ class Pipeline:
                                        for i in range(cfg.num_return_sequences)]))
         grouped = []
         for (_, cfg), seconds in zip(checked, tokenized):
-            samples = tuple(_called(next(results), started, seconds) for _ in range(cfg.num_return_sequences))
-            call = PerfMetrics.of_call([s.perf_metrics for s in samples], started, time.perf_counter(), seconds)
-            grouped.append(dataclasses.replace(samples[0], samples=samples, perf_metrics=call))
-        return grouped if batch else grouped[0]
+            samples = [_called(next(results), started, seconds) for _ in range(cfg.num_return_sequences)]
+            parts = [s.perf_metrics for s in samples]  # one call of one prompt: its tokens once
+            call = PerfMetrics.of_call(parts, started, time.perf_counter(), seconds, parts[0].num_input_tokens)
+            grouped.append(dataclasses.replace(samples[0], samples=tuple(samples), perf_metrics=call))
+        return _listed(grouped, started, sum(tokenized)) if batch else grouped[0]
 
     def _beam_search(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None,
                      overrides: dict[str, Any]) -> GenerationResult | list[GenerationResult]:
         """generate's beam search (num_beams > 1): every prompt's, on the batching engine together."""
         batch, prompts = self._several(prompt, "a beam search", "num_beams")
         results = self.beam_search([self.check(p, config, **overrides) for p in prompts])
-        return results if batch else results[0]
+        return GenerationResults(results) if batch else results[0]
 
     def _several(self, prompt: Prompt | Sequence[Prompt], what: str, option: str) -> tuple[bool, list[Prompt]]:
         """(whether `prompt` is a list of prompts, its prompts) for a generation of several texts per prompt (a beam
@@ -927,8 +929,21 @@ def _called(result: GenerationResult, started: float, tokenization_s: float) -> 
     perf_metrics' TTFT and duration from the call's start (OpenVINO GenAI's)."""
     if result.perf_metrics is None:
         return result
-    metrics = PerfMetrics.of_call([result.perf_metrics], started, time.perf_counter(), tokenization_s)
+    metrics = PerfMetrics.of_call([result.perf_metrics], started, time.perf_counter(), tokenization_s,
+                                  result.perf_metrics.num_input_tokens)
     return dataclasses.replace(result, perf_metrics=metrics)
+
+
+def _listed(results: Sequence[GenerationResult], started: float, tokenization_s: float) -> GenerationResults:
+    """generate's results of a list of prompts (or one prompt's samples), with their perf_metrics as one call's that
+    began at `started` and spent `tokenization_s` on its prompts (as GenAI's DecodedResults of a batch); None where
+    a result has none (a beam search)."""
+    parts = [r.perf_metrics for r in results]
+    metrics = None
+    if parts and all(p is not None for p in parts):
+        metrics = PerfMetrics.of_call(parts, started, time.perf_counter(), tokenization_s,
+                                      sum(p.num_input_tokens for p in parts))
+    return GenerationResults(results, metrics)
 
 
 def _kind(value: object) -> str:

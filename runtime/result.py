@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mirror_sd.runtime.logprobs import TokenLogprob
@@ -58,6 +59,21 @@ class GenerationResult:
         samples', in seed order, or the one text."""
         several = self.beams or self.samples
         return [s.text for s in several] if several else [self.text]
+
+
+class GenerationResults(list):
+    """Pipeline.generate's results for a list of prompts, in their order: a list of GenerationResult, with OpenVINO
+    GenAI's DecodedResults' `texts` and `perf_metrics` (the call's: every prompt's generations as one call; None for
+    a beam search)."""
+
+    def __init__(self, results: Iterable[GenerationResult], perf_metrics: PerfMetrics | None = None) -> None:
+        super().__init__(results)
+        self.perf_metrics = perf_metrics
+
+    @property
+    def texts(self) -> list[str]:
+        """Every text of every prompt, in order (each result's `texts`: its beams or samples, or its one text)."""
+        return [text for result in self for text in result.texts]
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def test_genai_definitions_on_known_timings():
     assert m.get_detokenization_duration() == pytest.approx((2.0, 0.0))
     assert m.get_tokenization_duration() == (-1.0, -1.0)  # not measured: GenAI's (-1, -1)
     # as a call that began 0.4 s earlier and tokenized for 3 ms: TTFT and duration from the call's start
-    called = PerfMetrics.of_call([m], 0.5, 2.2, 0.003)
+    called = PerfMetrics.of_call([m], 0.5, 2.2, 0.003, 7)
     assert called.raw_metrics.m_batch_sizes == raw.m_batch_sizes and called.get_num_input_tokens() == 7
     assert called.get_ttft() == pytest.approx((500.0, 0.0))
     assert called.get_generate_duration().mean == pytest.approx(1700.0)
@@ -43,7 +43,7 @@ def test_genai_definitions_on_known_timings():
         m + PerfMetrics.of_generation(99.0, 0.9, 2.1, steps, 7, 0.0)
     # two samples of one prompt in one call: one call's entries, the prompt once, the first token of either
     later = PerfMetrics.of_generation(1234.0, 0.9, 2.1, [(0.95, 1), (1.25, 2)], 7, 0.001)
-    call = PerfMetrics.of_call([m, later], 0.5, 2.2, 0.003)
+    call = PerfMetrics.of_call([m, later], 0.5, 2.2, 0.003, 7)
     assert call.get_num_generated_tokens() == 7 and call.get_num_input_tokens() == 7
     assert call.get_ttft() == pytest.approx((450.0, 0.0)) and call.get_generate_duration() == pytest.approx((1700, 0))
     assert call.raw_metrics.m_new_token_times == (0.95, 1.0, 1.25, 1.5, 2.0)
@@ -102,6 +102,14 @@ def test_pooled_calls_and_the_engines_generations(pipe):
     for r in listed:
         _steps_match(r)
         assert len(r.perf_metrics.raw_metrics.tokenization_durations) == 1
+    # the list as GenAI's DecodedResults: its texts, and the call's figures (both prompts, one call)
+    assert listed.texts == [r.text for r in listed] and isinstance(listed, list)
+    call = listed.perf_metrics
+    assert call.get_num_input_tokens() == len(PROMPT) + 5 and call.get_num_generated_tokens() == 20
+    assert len(call.raw_metrics.generate_durations) == 1
+    assert call.get_ttft().mean == min(r.perf_metrics.get_ttft().mean for r in listed)
+    beams = pipe.generate([PROMPT], num_beams=2, max_new_tokens=4)
+    assert beams.perf_metrics is None and beams[0].perf_metrics is None and len(beams.texts) == 1
     request = pipe.engine().submit(PROMPT, pipe.generation_config.updated(max_new_tokens=6, mode="ar"))
     alone = request.wait()
     _steps_match(alone)
