@@ -74,6 +74,9 @@ class TextCodec:
         return (self.tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
 
     def encode(self, text: str, special: bool = True) -> list[int]:
+        if not isinstance(text, str):  # OpenVINO GenAI's tokenizer takes a list of texts too
+            raise BadInputError(f"encode takes one text (a str), not {type(text).__name__}: encode each text of a list",
+                                option="text")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # valid JSON can carry half of a surrogate pair: no character at all

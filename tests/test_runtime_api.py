@@ -159,6 +159,8 @@ def test_openvino_genai_and_transformers_code_runs_as_written(pipe):
     streamed: list[str] = []
     assert [r.token_ids for r in pipe.generate([PROMPT], config, streamed.append)] == [result.token_ids]
     assert "".join(streamed) == result.text == pipe.get_tokenizer().decode(result.token_ids)
+    with pytest.raises(BadInputError, match="encode each text"):  # GenAI's tokenizer takes a list; ours one text
+        pipe.get_tokenizer().encode(["The sky is"])
 
     ov_genai = pytest.importorskip("openvino_genai")
     history = ov_genai.ChatHistory()  # GenAI's chat history as a prompt: its messages
