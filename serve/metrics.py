@@ -11,7 +11,7 @@ requests, KV cache usage, token counts, TTFT, latency, prefix cache and speculat
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -50,8 +50,12 @@ class VllmMetrics:
                                ["model_name", "finished_reason"], registry=registry)
         self.ttft = one(Histogram, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                         buckets=_LATENCY_BUCKETS)
-        self.per_token = one(Histogram, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
-                             "seconds.", buckets=_TOKEN_BUCKETS)
+        # one observation per engine step that gave a request tokens (vLLM's iterations; a speculative step's
+        # several tokens count once), and the request's mean apart
+        self.inter_token = one(Histogram, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                               "seconds.", buckets=_TOKEN_BUCKETS)
+        self.per_token = one(Histogram, "vllm:request_time_per_output_token_seconds", "Histogram of "
+                             "time_per_output_token_seconds per request.", buckets=_TOKEN_BUCKETS)
         self.latency = one(Histogram, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
                            "seconds.", buckets=_LATENCY_BUCKETS)
         self.queue_time = one(Histogram, "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase "
@@ -162,10 +166,13 @@ class Metrics:
         self.vllm.generation_tokens.inc(tokens)
         self.vllm.finished("abort")
 
-    def timings(self, arrival: float, first_token: float | None, end: float, tokens: int) -> None:
+    def timings(self, arrival: float, first_token: float | None, end: float, tokens: int,
+                step_times: Sequence[float] = ()) -> None:
         """A finished generation's latencies as the client saw them (time.monotonic() readings; first_token None:
-        none came)."""
+        none came), and when each of its steps gave it tokens (runtime/perf_metrics.py's m_new_token_times)."""
         v = self.vllm
+        for before, after in zip(step_times, step_times[1:]):
+            v.inter_token.observe(after - before)
         self.latency.observe(end - arrival)
         v.latency.observe(end - arrival)
         if first_token is not None:

@@ -98,10 +98,9 @@ def test_metrics_under_vllms_names(pipe):
 
     with serving(pipe) as port:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        again = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
-                                          extra_body={"ignore_eos": True})
+        ar = {"ignore_eos": True, "mirror": {"mode": "ar"}}  # a step per token: the inter-token count below
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, extra_body=ar)
+        again = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, extra_body=ar)
         got = scrape(port)
     label = f'{{model_name="{MODEL}"}}'
     assert got[f"vllm:generation_tokens_total{label}"] == r.usage.completion_tokens + again.usage.completion_tokens
@@ -110,7 +109,11 @@ def test_metrics_under_vllms_names(pipe):
     assert got[f"vllm:prefix_cache_hits_total{label}"] == again.usage.prompt_tokens_details.cached_tokens > 0
     assert got[f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'] == 2
     assert got[f"vllm:time_to_first_token_seconds_count{label}"] == got[
-        f"vllm:e2e_request_latency_seconds_count{label}"] == 2
+        f"vllm:e2e_request_latency_seconds_count{label}"] == got[
+        f"vllm:request_time_per_output_token_seconds_count{label}"] == 2
+    # a latency per step after the first (ar: a token each), as vLLM's iterations
+    assert got[f"vllm:inter_token_latency_seconds_count{label}"] == (
+        r.usage.completion_tokens - 1 + again.usage.completion_tokens - 1)
     assert got[f"vllm:num_requests_running{label}"] == got[f"vllm:num_requests_waiting{label}"] == 0
     assert got[f"vllm:kv_cache_usage_perc{label}"] == 0
 
