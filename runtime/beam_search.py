@@ -26,6 +26,7 @@ import numpy as np
 from mirror_sd.errors import BadInputError
 from mirror_sd.runtime.config import GRAMMAR_OPTIONS, GenerationConfig
 from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS
+from mirror_sd.runtime.perf_metrics import PerfMetrics
 from mirror_sd.runtime.result import Beam, GenerationResult
 from mirror_sd.runtime.stats import Recorder
 from mirror_sd.runtime.text import TextCodec, TextSink
@@ -177,16 +178,18 @@ Step = Callable[[list[list[int]], int], list[list[tuple[int, float]]]]
 
 
 def beam_search(step: Step, codec: TextCodec, prompts: Sequence[tuple[list[int], GenerationConfig]],
-                stop: threading.Event | None = None) -> list[GenerationResult]:
+                stop: threading.Event | None = None, load_time: float = -1.0) -> list[GenerationResult]:
     """Each (ids, checked config) prompt's beam search. step(contexts, k): each context's k likeliest next tokens
     with their log-probabilities (the target's raw log-softmax), likeliest first, one batched call per step. `stop`,
-    once set, ends the searches before their next step (BeamSearchStopped)."""
+    once set, ends the searches before their next step (BeamSearchStopped). load_time: the pipeline's
+    (PerfMetrics')."""
     searches = [BeamSearch(cfg.num_beams, cfg.max_new_tokens, cfg.ending_token_ids, cfg.length_penalty,
                            cfg.early_stopping) for _, cfg in prompts]
     keep = max(s.keep for s in searches)
     if keep > MAX_TOP_LOGPROBS:  # Pipeline.check refuses such a config; a caller that did not check it
         raise ValueError(f"{keep} continuations per beam: at most {MAX_TOP_LOGPROBS}")
     start = time.perf_counter()
+    steps: list[list[float]] = [[] for _ in searches]  # when each search's steps ended: token i of every beam
     ttft: list[float | None] = [None] * len(searches)
     while not all(s.done for s in searches):
         if stop is not None and stop.is_set():
@@ -198,12 +201,13 @@ def beam_search(step: Step, codec: TextCodec, prompts: Sequence[tuple[list[int],
                 contexts.setdefault((i, beam), prompts[i][0] + list(beam))
         keys = list(contexts)
         answers = dict(zip(keys, step([contexts[k] for k in keys], keep)))
-        now = time.perf_counter() - start
+        now = time.perf_counter()
         for i in live:
             searches[i].advance([answers[(i, beam)] for beam in searches[i].running])
-            ttft[i] = now if ttft[i] is None else ttft[i]
-    wall = time.perf_counter() - start
-    return [_result(codec, ids, cfg, search, ttft[i] or 0.0, wall)
+            ttft[i] = now - start if ttft[i] is None else ttft[i]
+            steps[i].append(now)
+    end = time.perf_counter()
+    return [_result(codec, ids, cfg, search, ttft[i] or 0.0, start, end, steps[i], load_time)
             for i, ((ids, cfg), search) in enumerate(zip(prompts, searches))]
 
 
@@ -220,17 +224,22 @@ def _first_children_first(running: list[tuple[int, ...]]) -> list[tuple[int, ...
 
 
 def _result(codec: TextCodec, ids: list[int], cfg: GenerationConfig, search: BeamSearch, ttft_s: float,
-            wall_s: float) -> GenerationResult:
+            start: float, end: float, steps: list[float], load_time: float) -> GenerationResult:
     beams = []
+    decode_s = 0.0
     for h in search.best(cfg.num_return_sequences):
         sink = TextSink.of(codec, cfg, ids)
         for token in h.tokens:
             sink.add(token)
+        decode_s += sink.decode_s
         beams.append(Beam(list(h.tokens), sink.text, h.score, sink.finish_reason or "length", sink.stop_reason))
     best = beams[0]
     recorder = Recorder()
     recorder.counts.target_steps = search.length  # its own steps: another prompt's search may run on
     stats = recorder.finish(mode="beam", gamma=0, kappa=0, new_tokens=len(best.token_ids), ttft_s=ttft_s,
-                            wall_s=wall_s, target_device="", draft_device="", draft_engine={})
+                            wall_s=end - start, target_device="", draft_device="", draft_engine={})
+    # the best beam's token i came at the search's step i (the step it was chosen at)
+    metrics = PerfMetrics.of_generation(load_time, start, end, [(steps[i], i) for i in range(len(best.token_ids))],
+                                        len(ids), decode_s)
     return GenerationResult(best.token_ids, best.text, stats, best.finish_reason, stop_reason=best.stop_reason,
-                            beams=tuple(beams))
+                            beams=tuple(beams), perf_metrics=metrics)

@@ -14,7 +14,7 @@ the first step, the prefill, left out); throughput 1000 / TPOT. `Pipeline.genera
 list's results each from the call's start (one prompt's first token may wait for another's), several samples as one
 call. A generation's own figures (the batching engine's requests, the server's) start at its submission and have no
 tokenization. Detokenization sums the incremental decoding of the text as it streams (twice per token). Not measured
-here, so not given: GenAI's inference, sampling and grammar-compile times; a beam search has none (None).
+here, so not given: GenAI's inference, sampling and grammar-compile times.
 """
 
 from __future__ import annotations

@@ -330,7 +330,7 @@ class Pipeline:
         if wanted.num_beams > 1:
             if streamer is not None:  # as transformers refuses one
                 raise BadInputError("a beam search has its text only once it ends: no streamer", option="streamer")
-            return self._beam_search(prompt, config, overrides)
+            return self._beam_search(prompt, config, overrides, started)
         if wanted.num_return_sequences > 1 and not wanted.params.greedy:  # greedy: check refuses it
             if streamer is not None:
                 raise BadInputError("a streamer takes one generation's tokens: give num_return_sequences 1, or "
@@ -608,7 +608,7 @@ class Pipeline:
         return checked, seconds
 
     def _samples(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None,
-                 overrides: dict[str, Any], started: float) -> GenerationResult | list[GenerationResult]:
+                 overrides: dict[str, Any], started: float) -> GenerationResult | GenerationResults:
         """generate's num_return_sequences sampled, as transformers' and GenAI's: each prompt's samples, sample i
         drawn with the seed + i (GenerationConfig.nth_sample, as the server's n choices), every one a generation of
         its own on the batching engine together; a result holds its prompt's in `samples`, and their perf_metrics as
@@ -627,11 +627,14 @@ class Pipeline:
         return _listed(grouped, started, sum(tokenized)) if batch else grouped[0]
 
     def _beam_search(self, prompt: Prompt | Sequence[Prompt], config: GenerationConfig | None,
-                     overrides: dict[str, Any]) -> GenerationResult | list[GenerationResult]:
-        """generate's beam search (num_beams > 1): every prompt's, on the batching engine together."""
+                     overrides: dict[str, Any], started: float) -> GenerationResult | GenerationResults:
+        """generate's beam search (num_beams > 1): every prompt's, on the batching engine together (generate's call
+        began at `started`)."""
         batch, prompts = self._several(prompt, "a beam search", "num_beams")
-        results = self.beam_search([self.check(p, config, **overrides) for p in prompts])
-        return GenerationResults(results) if batch else results[0]
+        started = self._engine_started(started)
+        checked, tokenized = self._checks(prompts, config, overrides)
+        results = [_called(r, started, s) for r, s in zip(self.beam_search(checked), tokenized)]
+        return _listed(results, started, sum(tokenized)) if batch else results[0]
 
     def _several(self, prompt: Prompt | Sequence[Prompt], what: str, option: str) -> tuple[bool, list[Prompt]]:
         """(whether `prompt` is a list of prompts, its prompts) for a generation of several texts per prompt (a beam
@@ -647,7 +650,7 @@ class Pipeline:
                     stop: threading.Event | None = None) -> list[GenerationResult]:
         """The beam searches of (ids, config) pairs that `check` gave, together (runtime/beam_search.py); `stop`, once
         set, ends them at their next step with BeamSearchStopped (a server's client gone)."""
-        return beam_search(self._next_tokens, self.codec, checked, stop)
+        return beam_search(self._next_tokens, self.codec, checked, stop, self.load_time_ms)
 
     def _next_tokens(self, contexts: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
         """Each context's k likeliest next tokens and their log-probabilities under the target (a beam search's
@@ -935,9 +938,9 @@ def _called(result: GenerationResult, started: float, tokenization_s: float) -> 
 
 
 def _listed(results: Sequence[GenerationResult], started: float, tokenization_s: float) -> GenerationResults:
-    """generate's results of a list of prompts (or one prompt's samples), with their perf_metrics as one call's that
-    began at `started` and spent `tokenization_s` on its prompts (as GenAI's DecodedResults of a batch); None where
-    a result has none (a beam search)."""
+    """generate's results of a list of prompts, with their perf_metrics as one call's that began at `started` and
+    spent `tokenization_s` on its prompts (as GenAI's DecodedResults of a batch); None where a result has none (a
+    request the engine stopped before it started: it closed)."""
     parts = [r.perf_metrics for r in results]
     metrics = None
     if parts and all(p is not None for p in parts):

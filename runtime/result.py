@@ -46,8 +46,8 @@ class GenerationResult:
     # the seed a sampled generation drew with (its config's, or the one Pipeline.check drew where it had none): the
     # same call with it gives the same text; None where it was greedy
     seed: int | None = None
-    # its timings in OpenVINO GenAI's form (runtime/perf_metrics.py); None for a beam search and for a request
-    # the batching engine cancelled before it started
+    # its timings in OpenVINO GenAI's form (runtime/perf_metrics.py; a beam search's: its best beam's token i came
+    # at its step i); None for a request the batching engine cancelled before it started
     perf_metrics: PerfMetrics | None = None
 
     def __str__(self) -> str:  # print(result) shows the answer, as OpenVINO GenAI's DecodedResults does
@@ -63,8 +63,7 @@ class GenerationResult:
 
 class GenerationResults(list):
     """Pipeline.generate's results for a list of prompts, in their order: a list of GenerationResult, with OpenVINO
-    GenAI's DecodedResults' `texts` and `perf_metrics` (the call's: every prompt's generations as one call; None for
-    a beam search)."""
+    GenAI's DecodedResults' `texts` and `perf_metrics` (the call's: every prompt's generations as one call)."""
 
     def __init__(self, results: Iterable[GenerationResult], perf_metrics: PerfMetrics | None = None) -> None:
         super().__init__(results)

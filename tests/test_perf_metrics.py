@@ -108,8 +108,12 @@ def test_pooled_calls_and_the_engines_generations(pipe):
     assert call.get_num_input_tokens() == len(PROMPT) + 5 and call.get_num_generated_tokens() == 20
     assert len(call.raw_metrics.generate_durations) == 1
     assert call.get_ttft().mean == min(r.perf_metrics.get_ttft().mean for r in listed)
-    beams = pipe.generate([PROMPT], num_beams=2, max_new_tokens=4)
-    assert beams.perf_metrics is None and beams[0].perf_metrics is None and len(beams.texts) == 1
+    beams = pipe.generate([PROMPT, PROMPT[:6]], num_beams=2, max_new_tokens=4)  # the best beams' tokens, a step each
+    assert len(beams.texts) == 2 and beams.perf_metrics.get_num_generated_tokens() == sum(
+        len(b.token_ids) for b in beams)
+    for b in beams:
+        assert b.perf_metrics.raw_metrics.m_batch_sizes == (1,) * len(b.token_ids)
+        assert 0 < b.perf_metrics.get_ttft().mean <= b.perf_metrics.get_generate_duration().mean
     request = pipe.engine().submit(PROMPT, pipe.generation_config.updated(max_new_tokens=6, mode="ar"))
     alone = request.wait()
     _steps_match(alone)
