@@ -1,20 +1,21 @@
 """A generation's timings in OpenVINO GenAI's form (`result.perf_metrics`), so that code written for GenAI's
-PerfMetrics (its benchmark_genai sample, llm_bench) reads ours:
+PerfMetrics (its benchmark_genai sample) reads ours:
 
     metrics = pipe.generate(prompt).perf_metrics
     for _ in range(4):
         metrics += pipe.generate(prompt).perf_metrics     # several calls pooled, as GenAI pools them
     print(metrics.get_ttft().mean, metrics.get_tpot().mean, metrics.get_throughput().mean)
 
-GenAI's definitions, kept so that a figure means what it means there: durations in milliseconds, each getter a mean
-and a population standard deviation over the pooled calls, (-1, -1) where nothing was measured; TTFT from the start
-of the call (tokenization included) to the first token; TPOT over the tokens after the first, each step's duration
-shared by the tokens it committed (a speculative step's several tokens count as several, each a share of the step;
-the first step, the prefill, left out); throughput 1000 / TPOT. `Pipeline.generate` and `stream` time the call: a
-list's results each from the call's start (one prompt's first token may wait for another's), several samples as one
-call. A generation's own figures (the batching engine's requests, the server's) start at its submission and have no
-tokenization. Detokenization sums the incremental decoding of the text as it streams (twice per token). Not measured
-here, so not given: GenAI's inference, sampling and grammar-compile times.
+GenAI's definitions, kept so that a figure means what it means there: the getters' durations in milliseconds (the raw
+ones in microseconds, token times in milliseconds, as GenAI's), each getter a mean and a population standard deviation
+over the pooled calls, (-1, -1) where nothing was measured; TTFT from the start of the call (tokenization included) to
+the first token; TPOT over the tokens after the first, each step's duration shared by the tokens it committed (a
+speculative step's several tokens count as several, each a share of the step; the first step, the prefill, left out);
+throughput 1000 / TPOT. `Pipeline.generate` and `stream` time the call: a list's results each from the call's start (one
+prompt's first token may wait for another's), several samples as one call. A generation's own figures (the batching
+engine's requests, the server's) start at its submission and have no tokenization. Detokenization sums the incremental
+decoding of the text as it streams (twice per token). Not measured here, so not given: GenAI's inference, sampling and
+grammar-compile times.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def mean_std(values: Sequence[float]) -> MeanStd:
 
 @dataclass(frozen=True)
 class RawPerfMetrics:
-    """The measurements behind the getters (GenAI's RawPerfMetrics' names), for statistics of one's own (a median,
-    percentiles). Durations in milliseconds; token times in seconds on time.perf_counter()."""
+    """The measurements behind the getters, for statistics of one's own (a median, percentiles), under GenAI's
+    RawPerfMetrics' names and in its units: durations in microseconds, token times in milliseconds (here on
+    time.perf_counter())."""
 
     generate_durations: tuple[float, ...] = ()  # per call
     tokenization_durations: tuple[float, ...] = ()  # per call (a chat prompt's template rendering included)
@@ -59,13 +61,21 @@ class RawPerfMetrics:
         return RawPerfMetrics(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
+US_PER_S, MS_PER_S = 1e6, 1e3
+
+
 def per_token_durations(times: Sequence[float], sizes: Sequence[int]) -> tuple[float, ...]:
-    """GenAI's m_durations: every step after the first, its duration (ms) once per token it committed, divided
-    among them."""
+    """GenAI's m_durations: every step after the first, its duration (us; `times` in ms) once per token it
+    committed, divided among them."""
     out: list[float] = []
     for i in range(1, len(times)):
         out += [(times[i] - times[i - 1]) * 1000.0 / sizes[i]] * sizes[i]
     return tuple(out)
+
+
+def in_ms(durations_us: Sequence[float]) -> MeanStd:
+    """Mean and std in milliseconds of durations in microseconds (GenAI's getters)."""
+    return mean_std([d / 1000.0 for d in durations_us])
 
 
 @dataclass(frozen=True)
@@ -89,12 +99,12 @@ class PerfMetrics:
             if step == last:
                 sizes[-1] += 1
             else:  # a step's first token: when the step's tokens came
-                times.append(at)
+                times.append(at * MS_PER_S)
                 sizes.append(1)
                 last = step
-        raw = RawPerfMetrics(generate_durations=((end - start) * 1000.0,),
-                             detokenization_durations=(detokenization_s * 1000.0,),
-                             m_times_to_first_token=((times[0] - start) * 1000.0,) if times else (),
+        raw = RawPerfMetrics(generate_durations=((end - start) * US_PER_S,),
+                             detokenization_durations=(detokenization_s * US_PER_S,),
+                             m_times_to_first_token=_first(times, start),
                              m_new_token_times=tuple(times), m_batch_sizes=tuple(sizes),
                              m_durations=per_token_durations(times, sizes))
         return cls(load_time, sum(sizes), prompt_tokens, raw)
@@ -109,9 +119,9 @@ class PerfMetrics:
         raws = [p.raw_metrics for p in parts]
         steps = sorted((t, n) for r in raws for t, n in zip(r.m_new_token_times, r.m_batch_sizes))
         raw = RawPerfMetrics(
-            generate_durations=((end - start) * 1000.0,), tokenization_durations=(tokenization_s * 1000.0,),
+            generate_durations=((end - start) * US_PER_S,), tokenization_durations=(tokenization_s * US_PER_S,),
             detokenization_durations=(sum(d for r in raws for d in r.detokenization_durations),),
-            m_times_to_first_token=((steps[0][0] - start) * 1000.0,) if steps else (),
+            m_times_to_first_token=_first([t for t, _ in steps], start),
             m_new_token_times=tuple(t for t, _ in steps), m_batch_sizes=tuple(n for _, n in steps),
             m_durations=tuple(d for r in raws for d in r.m_durations))
         return cls(parts[0].load_time, sum(p.num_generated_tokens for p in parts), input_tokens, raw)
@@ -136,10 +146,10 @@ class PerfMetrics:
         return self.num_input_tokens
 
     def get_ttft(self) -> MeanStd:
-        return mean_std(self.raw_metrics.m_times_to_first_token)
+        return in_ms(self.raw_metrics.m_times_to_first_token)
 
     def get_tpot(self) -> MeanStd:
-        return mean_std(self.raw_metrics.m_durations)
+        return in_ms(self.raw_metrics.m_durations)
 
     def get_throughput(self) -> MeanStd:
         """Tokens per second after the first token: 1000 / TPOT (GenAI's; its std carried over to first order);
@@ -150,10 +160,15 @@ class PerfMetrics:
         return MeanStd(1000.0 / tpot.mean, tpot.std * 1000.0 / (tpot.mean * tpot.mean))
 
     def get_generate_duration(self) -> MeanStd:
-        return mean_std(self.raw_metrics.generate_durations)
+        return in_ms(self.raw_metrics.generate_durations)
 
     def get_tokenization_duration(self) -> MeanStd:
-        return mean_std(self.raw_metrics.tokenization_durations)
+        return in_ms(self.raw_metrics.tokenization_durations)
 
     def get_detokenization_duration(self) -> MeanStd:
-        return mean_std(self.raw_metrics.detokenization_durations)
+        return in_ms(self.raw_metrics.detokenization_durations)
+
+
+def _first(times_ms: Sequence[float], start: float) -> tuple[float, ...]:
+    """The time to the first of `times_ms` from `start` (time.perf_counter()), in us; none where nothing came."""
+    return ((times_ms[0] - start * MS_PER_S) * 1000.0,) if times_ms else ()

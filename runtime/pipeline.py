@@ -621,8 +621,9 @@ class Pipeline:
         grouped = []
         for (_, cfg), seconds in zip(checked, tokenized):
             samples = [_called(next(results), started, seconds) for _ in range(cfg.num_return_sequences)]
-            parts = [s.perf_metrics for s in samples]  # one call of one prompt: its tokens once
-            call = PerfMetrics.of_call(parts, started, time.perf_counter(), seconds, parts[0].num_input_tokens)
+            parts = [s.perf_metrics for s in samples if s.perf_metrics is not None]  # one call: its prompt once
+            call = PerfMetrics.of_call(parts, started, time.perf_counter(), seconds,
+                                       parts[0].num_input_tokens) if len(parts) == len(samples) else None
             grouped.append(dataclasses.replace(samples[0], samples=tuple(samples), perf_metrics=call))
         return _listed(grouped, started, sum(tokenized)) if batch else grouped[0]
 

@@ -74,6 +74,16 @@ class GenerationResults(list):
         """Every text of every prompt, in order (each result's `texts`: its beams or samples, or its one text)."""
         return [text for result in self for text in result.texts]
 
+    def __str__(self) -> str:
+        """As GenAI prints a DecodedResults: one text as it is; several a line each, a beam's after its score."""
+        texts = self.texts
+        if len(texts) == 1:
+            return texts[0]
+        lines = []
+        for result in self:
+            lines += [f"{b.score:f}: {b.text}" for b in result.beams] if result.beams else result.texts
+        return "\n".join(lines)
+
 
 @dataclass(frozen=True)
 class Chunk:

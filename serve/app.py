@@ -234,7 +234,7 @@ class Generations:
         result = event.result
         self.metrics.generation(result.stats, len(job.ids), result.finish_reason)
         steps = result.perf_metrics.raw_metrics.m_new_token_times if result.perf_metrics is not None else ()
-        self.metrics.timings(job.arrival, first_token, time.monotonic(), len(ids), steps)
+        self.metrics.timings(job.arrival, first_token, time.monotonic(), len(ids), [t / 1000.0 for t in steps])
         prompt_scores = result.prompt_logprobs or ()
         if result.finish_reason == "cancelled":  # stopped at its deadline or at shutdown: what it has
             if job.config.prompt_logprobs is not None and len(prompt_scores) < len(job.ids):

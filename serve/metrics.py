@@ -169,7 +169,8 @@ class Metrics:
     def timings(self, arrival: float, first_token: float | None, end: float, tokens: int,
                 step_times: Sequence[float] = ()) -> None:
         """A finished generation's latencies as the client saw them (time.monotonic() readings; first_token None:
-        none came), and when each of its steps gave it tokens (runtime/perf_metrics.py's m_new_token_times)."""
+        none came), and when each of its steps gave it tokens (seconds: runtime/perf_metrics.py's m_new_token_times
+        / 1000). vLLM's per-request time per output token is observed for every request, 0 for one token or none."""
         v = self.vllm
         for before, after in zip(step_times, step_times[1:]):
             v.inter_token.observe(after - before)
@@ -180,7 +181,7 @@ class Metrics:
             v.ttft.observe(first_token - arrival)
             if tokens > 1:
                 self.per_token.observe((end - first_token) / (tokens - 1))
-                v.per_token.observe((end - first_token) / (tokens - 1))
+        v.per_token.observe((end - first_token) / (tokens - 1) if first_token is not None and tokens > 1 else 0.0)
 
     def engine(self, engine: BatchEngine) -> None:
         """The batching engine's occupancy now (read at each scrape)."""

@@ -19,10 +19,10 @@ def test_genai_definitions_on_known_timings():
     steps = [(1.0, 1), (1.5, 2), (1.5001, 2), (1.5002, 2), (2.0, 3)]
     m = PerfMetrics.of_generation(1234.0, 0.9, 2.1, steps, prompt_tokens=7, detokenization_s=0.002)
     raw = m.raw_metrics
-    assert raw.m_batch_sizes == (1, 3, 1) and raw.m_new_token_times == (1.0, 1.5, 2.0)
+    assert raw.m_batch_sizes == (1, 3, 1) and raw.m_new_token_times == pytest.approx((1000.0, 1500.0, 2000.0))
     assert m.get_num_generated_tokens() == 5 and m.get_num_input_tokens() == 7 and m.get_load_time() == 1234.0
     assert m.get_ttft() == pytest.approx((100.0, 0.0))
-    assert raw.m_durations == pytest.approx([500 / 3] * 3 + [500.0])
+    assert raw.m_durations == pytest.approx([500e3 / 3] * 3 + [500e3])  # GenAI's raw units: us
     tpot = m.get_tpot()
     assert tpot.mean == pytest.approx(250.0) and tpot.std == pytest.approx(np.std([500 / 3] * 3 + [500.0]))
     assert m.get_throughput() == pytest.approx((4.0 * 1000 / 1000, tpot.std * 1000 / 250.0 ** 2))
@@ -46,8 +46,8 @@ def test_genai_definitions_on_known_timings():
     call = PerfMetrics.of_call([m, later], 0.5, 2.2, 0.003, 7)
     assert call.get_num_generated_tokens() == 7 and call.get_num_input_tokens() == 7
     assert call.get_ttft() == pytest.approx((450.0, 0.0)) and call.get_generate_duration() == pytest.approx((1700, 0))
-    assert call.raw_metrics.m_new_token_times == (0.95, 1.0, 1.25, 1.5, 2.0)
-    assert call.raw_metrics.m_durations == pytest.approx([500 / 3] * 3 + [500.0, 300.0])
+    assert call.raw_metrics.m_new_token_times == pytest.approx((950.0, 1000.0, 1250.0, 1500.0, 2000.0))
+    assert call.raw_metrics.m_durations == pytest.approx([500e3 / 3] * 3 + [500e3, 300e3])
     assert call.get_detokenization_duration() == pytest.approx((3.0, 0.0))
 
 
@@ -111,6 +111,10 @@ def test_pooled_calls_and_the_engines_generations(pipe):
     beams = pipe.generate([PROMPT, PROMPT[:6]], num_beams=2, max_new_tokens=4)  # the best beams' tokens, a step each
     assert len(beams.texts) == 2 and beams.perf_metrics.get_num_generated_tokens() == sum(
         len(b.token_ids) for b in beams)
+    # printed as GenAI prints a DecodedResults: one text as it is, several a line each, a beam's after its score
+    assert str(beams) == "\n".join(f"{b.beams[0].score:f}: {b.beams[0].text}" for b in beams)
+    assert str(listed) == "\n".join(r.text for r in listed)
+    assert str(pipe.generate([PROMPT], max_new_tokens=3)) == pipe.generate(PROMPT, max_new_tokens=3).text
     for b in beams:
         assert b.perf_metrics.raw_metrics.m_batch_sizes == (1,) * len(b.token_ids)
         assert 0 < b.perf_metrics.get_ttft().mean <= b.perf_metrics.get_generate_duration().mean

@@ -111,7 +111,7 @@ def test_metrics_under_vllms_names(pipe):
     assert got[f"vllm:time_to_first_token_seconds_count{label}"] == got[
         f"vllm:e2e_request_latency_seconds_count{label}"] == got[
         f"vllm:request_time_per_output_token_seconds_count{label}"] == 2
-    # a latency per step after the first (ar: a token each), as vLLM's iterations
+    # a latency per step after the first (ar: a token each), as vLLM's iterations; its request mean for every request
     assert got[f"vllm:inter_token_latency_seconds_count{label}"] == (
         r.usage.completion_tokens - 1 + again.usage.completion_tokens - 1)
     assert got[f"vllm:num_requests_running{label}"] == got[f"vllm:num_requests_waiting{label}"] == 0
