@@ -379,8 +379,9 @@ class GenerationConfig(Options):
     # transformers' and OpenVINO GenAI's switch between greedy and sampling, for code ported from them; the
     # temperature is what every reader takes (GenerationConfig.__post_init__ sets it)
     do_sample: bool | None = option(
-        None, "transformers' and OpenVINO GenAI's do_sample: True samples (at temperature 1 where the temperature is "
-        "0), False decodes greedily whatever the temperature", none="the temperature decides", cli=False)
+        None, "transformers' and OpenVINO GenAI's do_sample: True samples (at temperature 1 where none is given; a "
+        "temperature of 0 given with it is refused, as theirs), False decodes greedily whatever the temperature",
+        none="the temperature decides", cli=False)
     top_p: float = option(1.0, "nucleus sampling: draw from the likeliest tokens whose probabilities reach this",
                           range=Range(0, 1, low_open=True), wire="top_p")
     # -1 is off as well: vLLM's older word for it, which its clients still send
@@ -556,6 +557,16 @@ class GenerationConfig(Options):
         super().__post_init__()
         if self.do_sample is not None:  # transformers' rule: do_sample decides, the temperature tempers a sample
             object.__setattr__(self, "temperature", (self.temperature or 1.0) if self.do_sample else 0.0)
+
+    def updated(self, **overrides: Any) -> Self:
+        """Options.updated, where a temperature of 0 given beside do_sample (given, or this config's) is refused as
+        transformers and OpenVINO GenAI refuse it: once made, a config cannot tell it from the default 0 that
+        do_sample turns into 1."""
+        resolved = self.resolved(overrides)
+        if resolved.get("temperature") == 0 and resolved.get("do_sample", self.do_sample):
+            raise BadInputError("do_sample samples, at a temperature above 0: temperature 0 is greedy decoding (give "
+                                "do_sample False, or a temperature above 0)", option="temperature")
+        return super().updated(**resolved)
 
     @functools.cached_property
     def params(self) -> SamplingParams:

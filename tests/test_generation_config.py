@@ -69,6 +69,13 @@ def test_transformers_and_openvino_genai_keywords(pipe):
     sampled = pipe.generate(PROMPT, mode="ar", max_new_tokens=8, do_sample=True, rng_seed=3)
     assert sampled.token_ids == pipe.generate(PROMPT, mode="ar", max_new_tokens=8, temperature=1.0, seed=3).token_ids
     assert GenerationConfig(do_sample=True, temperature=0.5).temperature == 0.5
+    # a temperature of 0 beside do_sample is refused, as transformers and GenAI refuse it (not sampled at 1)
+    for refused in (lambda: pipe.generate(PROMPT, do_sample=True, temperature=0),
+                    lambda: GenerationConfig(do_sample=True).updated(temperature=0.0)):
+        with pytest.raises(BadInputError, match="temperature 0 is greedy") as caught:
+            refused()
+        assert caught.value.option == "temperature"
+    assert GenerationConfig(do_sample=True).updated(do_sample=False, temperature=0).params.greedy
     cfg = GenerationConfig().updated(stop_strings={"b", "a"}, stop_token_ids={7, 3}, min_new_tokens=2, eos_token_id=2,
                                      num_assistant_tokens=6, assistant_confidence_threshold=0.3, max_ngram_size=4)
     assert (cfg.stop, cfg.stop_token_ids, cfg.min_tokens, cfg.eos_token_ids, cfg.gamma, cfg.draft_confidence_threshold,
