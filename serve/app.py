@@ -259,7 +259,7 @@ class Generations:
 
 
 def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
-    metrics = Metrics(settings.model_name)
+    metrics = Metrics(settings.model_name, pipe.longest_context)
     gen = Generations(pipe.engine(), settings, metrics)
 
     @asynccontextmanager

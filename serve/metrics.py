@@ -35,9 +35,11 @@ class VllmMetrics:
     """vLLM's metrics of the same quantities (its V1 engine's names), each bound to the served model's name (its
     `model_name` label)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
         def one(kind: type, name: str, help_text: str, **extra: Any) -> Any:
             return kind(name, help_text, ["model_name"], registry=registry, **extra).labels(model_name)
+
+        lengths = _one_two_five(max_model_len)  # vLLM's buckets of token counts
 
         self.model = model_name
         self.running = one(Gauge, "vllm:num_requests_running", "Number of requests in model execution batches.")
@@ -60,6 +62,17 @@ class VllmMetrics:
                            "seconds.", buckets=_LATENCY_BUCKETS)
         self.queue_time = one(Histogram, "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase "
                               "for request.", buckets=_LATENCY_BUCKETS)
+        # a request's phases as vLLM's: prefill from its slot to its first token, decode from there to its end
+        self.inference_time = one(Histogram, "vllm:request_inference_time_seconds", "Histogram of time spent in "
+                                  "RUNNING phase for request.", buckets=_LATENCY_BUCKETS)
+        self.prefill_time = one(Histogram, "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL "
+                                "phase for request.", buckets=_LATENCY_BUCKETS)
+        self.decode_time = one(Histogram, "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE "
+                               "phase for request.", buckets=_LATENCY_BUCKETS)
+        self.request_prompt_tokens = one(Histogram, "vllm:request_prompt_tokens", "Number of prefill tokens "
+                                         "processed.", buckets=lengths)
+        self.request_generation_tokens = one(Histogram, "vllm:request_generation_tokens", "Number of generation "
+                                             "tokens processed.", buckets=lengths)
         self.prefix_queries = one(Counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
                                   "queried tokens.")
         self.prefix_hits = one(Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
@@ -72,10 +85,22 @@ class VllmMetrics:
         self.success.labels(self.model, VLLM_FINISH.get(reason, reason)).inc()
 
 
+def _one_two_five(most: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `most` (vLLM's build_1_2_5_buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > most:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
 class Metrics:
-    def __init__(self, model_name: str = "") -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 8192) -> None:
+        """max_model_len: the longest context (vLLM's; its token-count histograms' buckets reach it)."""
         r = self.registry = CollectorRegistry()
-        self.vllm = VllmMetrics(r, model_name)
+        self.vllm = VllmMetrics(r, model_name, max_model_len)
         self.requests = Counter("mirror_sd_requests", "HTTP requests answered, by endpoint (the route's template) "
                                 "and status",
                                 ["endpoint", "status"], registry=r)
@@ -131,7 +156,14 @@ class Metrics:
         v = self.vllm
         v.prompt_tokens.inc(prompt_tokens)
         v.generation_tokens.inc(s.new_tokens)
+        v.request_prompt_tokens.observe(prompt_tokens)
+        v.request_generation_tokens.observe(s.new_tokens)
         v.queue_time.observe(s.queue_s)
+        # the engine's clocks: ttft_s from submission, wall_s from the slot to the end (runtime/batching.py)
+        prefill = max(0.0, s.ttft_s - s.queue_s) if s.new_tokens else s.wall_s
+        v.inference_time.observe(s.wall_s)
+        v.prefill_time.observe(prefill)
+        v.decode_time.observe(max(0.0, s.wall_s - prefill))
         v.prefix_queries.inc(prompt_tokens)
         v.prefix_hits.inc(s.cached_prompt_tokens)
         v.draft_tokens.inc(s.proposed_tokens)

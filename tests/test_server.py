@@ -111,6 +111,14 @@ def test_metrics_under_vllms_names(pipe):
     assert got[f"vllm:time_to_first_token_seconds_count{label}"] == got[
         f"vllm:e2e_request_latency_seconds_count{label}"] == got[
         f"vllm:request_time_per_output_token_seconds_count{label}"] == 2
+    # per request, as vLLM's dashboard reads them: token counts and the phases of each
+    assert got[f"vllm:request_generation_tokens_sum{label}"] == got[f"vllm:generation_tokens_total{label}"]
+    assert got[f"vllm:request_prompt_tokens_sum{label}"] == got[f"vllm:prompt_tokens_total{label}"]
+    for phase in ("inference", "prefill", "decode"):
+        assert got[f"vllm:request_{phase}_time_seconds_count{label}"] == 2
+    assert got[f"vllm:request_prefill_time_seconds_sum{label}"] + got[
+        f"vllm:request_decode_time_seconds_sum{label}"] == pytest.approx(got[
+            f"vllm:request_inference_time_seconds_sum{label}"])
     # a latency per step after the first (ar: a token each), as vLLM's iterations; its request mean for every request
     assert got[f"vllm:inter_token_latency_seconds_count{label}"] == (
         r.usage.completion_tokens - 1 + again.usage.completion_tokens - 1)
