@@ -39,6 +39,10 @@ class VllmMetrics:
         def one(kind: type, name: str, help_text: str, **extra: Any) -> Any:
             return kind(name, help_text, ["model_name"], registry=registry, **extra).labels(model_name)
 
+        def phase(name: str, state: str) -> Any:  # the time a request spent in one of vLLM's request states
+            return one(Histogram, f"vllm:request_{name}_time_seconds", f"Histogram of time spent in {state} phase "
+                       "for request.", buckets=_LATENCY_BUCKETS)
+
         lengths = _one_two_five(max_model_len)  # vLLM's buckets of token counts
 
         self.model = model_name
@@ -60,15 +64,9 @@ class VllmMetrics:
                              "time_per_output_token_seconds per request.", buckets=_TOKEN_BUCKETS)
         self.latency = one(Histogram, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
                            "seconds.", buckets=_LATENCY_BUCKETS)
-        self.queue_time = one(Histogram, "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase "
-                              "for request.", buckets=_LATENCY_BUCKETS)
         # a request's phases as vLLM's: prefill from its slot to its first token, decode from there to its end
-        self.inference_time = one(Histogram, "vllm:request_inference_time_seconds", "Histogram of time spent in "
-                                  "RUNNING phase for request.", buckets=_LATENCY_BUCKETS)
-        self.prefill_time = one(Histogram, "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL "
-                                "phase for request.", buckets=_LATENCY_BUCKETS)
-        self.decode_time = one(Histogram, "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE "
-                               "phase for request.", buckets=_LATENCY_BUCKETS)
+        self.queue_time, self.inference_time = phase("queue", "WAITING"), phase("inference", "RUNNING")
+        self.prefill_time, self.decode_time = phase("prefill", "PREFILL"), phase("decode", "DECODE")
         self.request_prompt_tokens = one(Histogram, "vllm:request_prompt_tokens", "Number of prefill tokens "
                                          "processed.", buckets=lengths)
         self.request_generation_tokens = one(Histogram, "vllm:request_generation_tokens", "Number of generation "
