@@ -344,8 +344,8 @@ class Pipeline:
                 raise BadInputError("a streamer takes one generation's tokens: give one prompt, or iterate the "
                                     "requests engine().submit returns", option="streamer")
             else:  # every one refused before any work
-                started = self._engine_started(started)
                 checked, tokenized = self._checks(prompt, config, overrides)
+                started = self._engine_started(started)
                 results = [_called(r, started, s) for r, s in zip(self._together(checked), tokenized)]
                 return _listed(results, started, sum(tokenized))
         run = self._run(prompt, config, overrides) if one is None else one
@@ -590,7 +590,8 @@ class Pipeline:
 
     def _engine_started(self, started: float) -> float:
         """The batching engine started where the target has one, and `started` moved past its start-up: a call's
-        perf_metrics leave it out, as GenAI's leave out its pipeline's construction (its load time)."""
+        perf_metrics leave it out, as GenAI's leave out its pipeline's construction (its load time). Called once the
+        prompts are checked: a refused call starts nothing."""
         if not BatchEngine.runs_on(self):
             return started
         before = time.perf_counter()
@@ -614,8 +615,8 @@ class Pipeline:
         its own on the batching engine together; a result holds its prompt's in `samples`, and their perf_metrics as
         one call's (generate's call began at `started`)."""
         batch, prompts = self._several(prompt, "a generation of several samples", "num_return_sequences")
-        started = self._engine_started(started)
         checked, tokenized = self._checks(prompts, config, overrides)
+        started = self._engine_started(started)
         results = iter(self._together([(ids, cfg.nth_sample(i)) for ids, cfg in checked
                                        for i in range(cfg.num_return_sequences)]))
         grouped = []
@@ -632,8 +633,8 @@ class Pipeline:
         """generate's beam search (num_beams > 1): every prompt's, on the batching engine together (generate's call
         began at `started`)."""
         batch, prompts = self._several(prompt, "a beam search", "num_beams")
-        started = self._engine_started(started)
         checked, tokenized = self._checks(prompts, config, overrides)
+        started = self._engine_started(started)
         results = [_called(r, started, s) for r, s in zip(self.beam_search(checked), tokenized)]
         return _listed(results, started, sum(tokenized)) if batch else results[0]
 

@@ -132,3 +132,13 @@ def test_pooled_calls_and_the_engines_generations(pipe):
     chunks = list(streamed)
     timed = streamed.result.perf_metrics  # from the stream call, as generate's
     assert timed.get_num_generated_tokens() == len(chunks) and len(timed.raw_metrics.tokenization_durations) == 1
+
+
+def test_a_refused_list_starts_no_engine(bundle_factory):
+    """Every prompt of a list is checked before the batching engine starts (the call's clock leaves its start-up
+    out): a refused one leaves none started."""
+    pipe = Pipeline.load(bundle_factory("llama"))
+    for options in ({}, {"do_sample": True, "num_return_sequences": 2}, {"num_beams": 2}):
+        with pytest.raises(BadInputError, match="empty"):
+            pipe.generate([PROMPT, ""], max_new_tokens=4, **options)
+        assert pipe._engine is None, options
