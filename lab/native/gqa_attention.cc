@@ -1,0 +1,417 @@
+// An experiment (lab/log.md, 2026-12-02 thirtieth session): a CPU kernel for ONNX Runtime with GroupQueryAttention's
+// inputs, outputs and attributes as the target graphs use them, registered as mirror_sd.GroupQueryAttention. The past
+// and the present share one KV buffer, row b's new tokens go at positions seqlens_k[b] + 1 - S .. seqlens_k[b], each
+// query attends causally to its row's keys up to its own position (within local_window_size where set), scores
+// scaled, optionally soft-capped, then softmaxed. Unlike ONNX Runtime's kernel it takes several rows of several
+// tokens after a past, and the query heads that share a KV head read each key once.
+//
+// Every query's result is computed the same way whatever the batch, the number of new tokens or the thread that runs
+// it (a fixed order of summation per query). lab/scripts/gqa_kernel_check.py compares it with ONNX Runtime's kernel.
+//
+//   g++ -O3 -march=native -fPIC -shared -std=c++17 -fvisibility=hidden -o libgqa.so lab/native/gqa_attention.cc
+#include <math.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "ort_abi.h"
+
+namespace {
+
+const OrtApi* g_api = nullptr;
+
+constexpr int kQueryBlock = 8;  // new tokens of one row a task takes (they share each transposed key block)
+
+struct Attributes {
+  int64_t heads = 0, kv_heads = 0, window = -1, rotary = 0, interleaved = 0;
+  float scale = 0.f, softcap = 0.f;
+};
+
+struct Status {
+  OrtStatus* status;
+  ~Status() {
+    if (status) ort::at<ort::ReleaseStatusFn>(g_api, ort::kReleaseStatus)(status);
+  }
+  bool ok() const { return status == nullptr; }
+};
+
+// exp(x) for x <= 0 in arithmetic the compiler vectorises: 2^n times a degree-6 polynomial on the remainder.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = nearbyintf(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  bits = e << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// x's first `rotary` values turned by position's angles (non-interleaved: value i pairs with i + rotary / 2)
+inline void rotate(const float* x, float* out, int64_t head_dim, int64_t rotary, const float* cos, const float* sin) {
+  const int64_t half = rotary / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    out[i] = a * cos[i] - b * sin[i];
+    out[i + half] = b * cos[i] + a * sin[i];
+  }
+  for (int64_t i = rotary; i < head_dim; ++i) out[i] = x[i];
+}
+
+struct Step {
+  Attributes attrs;
+  int64_t batch, seq, head_dim, capacity;
+  const float* q;  // [B, S, heads, D] after the rotary
+  float *keys, *values;  // [B, kv_heads, capacity, D]
+  const int32_t* seqlens;
+  float* out;  // [B, S, heads, D]
+  int64_t query_blocks;
+  const float* kt = nullptr;  // keys transposed per 16 ([B, kv_heads, blocks, D, 16]) where several tasks read them
+  int64_t kt_blocks = 0;
+};
+
+constexpr int kKeyBlock = 16;  // keys whose scores one pass computes: one AVX-512 register of them
+constexpr int kQueries = 4;  // queries whose sums share each load of keys or values
+
+// 16 floats as one value (one AVX-512 register, two AVX2 ones): the loops below say which way they vectorise, where
+// the compiler, keeping each sum's order, would otherwise sum across a register one lane at a time
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+
+// n <= 16 keys of D values into D x 16 (keys past n zero)
+template <int kD>
+inline void transpose(const float* keys, float* out, int64_t n, int64_t head_dim) {
+  const int64_t D = kD ? kD : head_dim;
+  for (int64_t j = 0; j < kKeyBlock; ++j)
+    for (int64_t d = 0; d < D; ++d) out[d * kKeyBlock + j] = j < n ? keys[j * D + d] : 0.f;
+}
+
+// One task's queries against its keys, head size D (a compile-time constant where the kernel has one, so that the
+// loops over it unroll into registers; 0: s.head_dim at run time). Scores of 16 keys at a time come from a transposed
+// copy of their keys (D x 16: every query's d-th value times a row of it), so no sum runs across a register; each
+// query's sums run over d, then over keys, in one order whatever the task holds.
+template <int kD>
+void attend_block(const Step& s, int64_t b, int64_t kv, int64_t first, int64_t last) {
+  const int64_t D = kD ? kD : s.head_dim, group = s.attrs.heads / s.attrs.kv_heads;
+  const int64_t past = s.seqlens[b] + 1 - s.seq;
+  const float* K = s.keys + (b * s.attrs.kv_heads + kv) * s.capacity * D;
+  const float* V = s.values + (b * s.attrs.kv_heads + kv) * s.capacity * D;
+  auto lo = [&](int64_t t) {
+    return s.attrs.window > 0 ? std::max<int64_t>(0, past + t - s.attrs.window + 1) : int64_t{0};
+  };
+  auto hi = [&](int64_t t) { return std::min(past + t, s.capacity - 1); };  // the last key a token reads
+  // key blocks start at multiples of 16 (a key's score is the same in any block)
+  const int64_t begin = lo(first) / kKeyBlock * kKeyBlock, end = hi(last - 1) + 1;
+  const int64_t width = (end - begin + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  const int64_t queries = (last - first) * group;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(queries * width + D * kKeyBlock + D + queries));
+  float* scores = scratch.data();
+  float* kt = scores + queries * width;  // [D][16]
+  float* o = kt + D * kKeyBlock;
+  float* invs = o + D;  // each query's 1 / (sum of its weights)
+  auto query = [&](int64_t q) {  // q = (t - first) * group + h
+    const int64_t t = first + q / group, h = q % group;
+    return s.q + ((b * s.seq + t) * s.attrs.heads + kv * group + h) * D;
+  };
+  for (int64_t j0 = begin; j0 < end; j0 += kKeyBlock) {
+    const int64_t n = std::min<int64_t>(kKeyBlock, end - j0);
+    const float* kb = kt;
+    if (s.kt)
+      kb = s.kt + ((b * s.attrs.kv_heads + kv) * s.kt_blocks + j0 / kKeyBlock) * D * kKeyBlock;
+    else
+      transpose<kD>(K + j0 * D, kt, n, D);
+    // four queries at a time share each load of the transposed keys
+    for (int64_t q0 = 0; q0 < queries; q0 += kQueries) {
+      const int64_t m = std::min<int64_t>(kQueries, queries - q0);
+      const int64_t t0 = first + q0 / group, t1 = first + (q0 + m - 1) / group;
+      if (j0 > hi(t1) || j0 + kKeyBlock <= lo(t0)) continue;  // a block none of them reads
+      const float* x[kQueries];
+      for (int i = 0; i < kQueries; ++i) x[i] = query(q0 + std::min<int64_t>(i, m - 1));
+      v16 acc[kQueries];
+      for (int i = 0; i < kQueries; ++i) acc[i] = v16{0};
+      for (int64_t d = 0; d < D; ++d) {
+        const v16 k = load(kb + d * kKeyBlock);
+        for (int i = 0; i < kQueries; ++i) acc[i] += x[i][d] * k;
+      }
+      for (int i = 0; i < m; ++i) store(scores + (q0 + i) * width + (j0 - begin), acc[i] * s.attrs.scale);
+    }
+  }
+  for (int64_t q = 0; q < queries; ++q) {
+    const int64_t t = first + q / group;
+    float* row = scores + q * width - begin;  // row[j]: key j's score
+    const int64_t a = lo(t), z = hi(t) + 1;
+    if (s.attrs.softcap > 0)
+      for (int64_t j = a; j < z; ++j) row[j] = s.attrs.softcap * tanhf(row[j] / s.attrs.softcap);
+    // max and sum over 16 lanes (key j in lane (j - a) % 16), then across them: one order, vectorised
+    float lanes[kKeyBlock];
+    v16 most = v16{0} + row[a];
+    int64_t j = a;
+    for (; j + kKeyBlock <= z; j += kKeyBlock) {
+      const v16 x = load(row + j);
+      most = x > most ? x : most;
+    }
+    store(lanes, most);
+    for (int l = 0; j < z; ++j, ++l) lanes[l] = std::max(lanes[l], row[j]);
+    float top = lanes[0];
+    for (int l = 1; l < kKeyBlock; ++l) top = std::max(top, lanes[l]);
+    v16 total = {0};
+    for (j = a; j + kKeyBlock <= z; j += kKeyBlock) {
+      for (int l = 0; l < kKeyBlock; ++l) row[j + l] = exp_nonpositive(row[j + l] - top);
+      total += load(row + j);
+    }
+    store(lanes, total);
+    for (int l = 0; j < z; ++j, ++l) {
+      row[j] = exp_nonpositive(row[j] - top);
+      lanes[l] += row[j];
+    }
+    for (int w = kKeyBlock / 2; w > 0; w /= 2)
+      for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+    invs[q] = 1.f / lanes[0];
+    // zero outside the query's keys within the task's range: a value times 0 adds nothing to a sum
+    for (int64_t k = begin; k < a; ++k) row[k] = 0.f;
+    for (int64_t k = z; k < end; ++k) row[k] = 0.f;
+  }
+  // values: each query's sum over its keys in key order, four queries at a time sharing each load of a value
+  for (int64_t q0 = 0; q0 < queries; q0 += kQueries) {
+    const int64_t m = std::min<int64_t>(kQueries, queries - q0);
+    const int64_t t0 = first + q0 / group, t1 = first + (q0 + m - 1) / group;
+    const int64_t a = lo(t0), z = hi(t1) + 1;
+    const float* p[kQueries];
+    for (int i = 0; i < kQueries; ++i) p[i] = scores + (q0 + std::min<int64_t>(i, m - 1)) * width - begin;
+    if constexpr (kD > 0 && kD % kKeyBlock == 0 && kD <= 64) {  // the sums in registers
+      constexpr int n = kD / kKeyBlock;
+      v16 acc[kQueries][n];
+      for (int i = 0; i < kQueries; ++i)
+        for (int c = 0; c < n; ++c) acc[i][c] = v16{0};
+      for (int64_t k = a; k < z; ++k) {
+        const float* v = V + k * kD;
+        for (int c = 0; c < n; ++c) {
+          const v16 x = load(v + c * kKeyBlock);
+          for (int i = 0; i < kQueries; ++i) acc[i][c] += p[i][k] * x;
+        }
+      }
+      for (int i = 0; i < m; ++i) {
+        const int64_t q = q0 + i, t = first + q / group, h = q % group;
+        float* out = s.out + ((b * s.seq + t) * s.attrs.heads + kv * group + h) * D;
+        for (int c = 0; c < n; ++c) store(out + c * kKeyBlock, acc[i][c] * invs[q]);
+      }
+    } else {
+      for (int i = 0; i < m; ++i) {
+        const int64_t q = q0 + i, t = first + q / group, h = q % group;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+        for (int64_t k = a; k < z; ++k) {
+          const float w = p[i][k];
+          const float* v = V + k * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
+        }
+        float* out = s.out + ((b * s.seq + t) * s.attrs.heads + kv * group + h) * D;
+        for (int64_t d = 0; d < D; ++d) out[d] = o[d] * invs[q];
+      }
+    }
+  }
+}
+
+// task: one (row, KV head, block of 16 keys) of the keys all query blocks read
+void transpose_task(void* data, size_t task) {
+  Step& s = *static_cast<Step*>(data);
+  const int64_t block = static_cast<int64_t>(task) % s.kt_blocks, bk = static_cast<int64_t>(task) / s.kt_blocks;
+  const int64_t D = s.head_dim, j0 = block * kKeyBlock, b = bk / s.attrs.kv_heads;
+  const int64_t n = std::min<int64_t>(kKeyBlock, std::min<int64_t>(s.seqlens[b] + 1, s.capacity) - j0);
+  float* out = const_cast<float*>(s.kt) + (bk * s.kt_blocks + block) * D * kKeyBlock;
+  if (n <= 0) return;  // past the row's keys: never read
+  const float* keys = s.keys + (bk * s.capacity + j0) * D;
+  switch (D) {
+    case 64: return transpose<64>(keys, out, n, D);
+    case 128: return transpose<128>(keys, out, n, D);
+    default: return transpose<0>(keys, out, n, D);
+  }
+}
+
+void attend(void* data, size_t task) {
+  const Step& s = *static_cast<const Step*>(data);
+  const int64_t block = static_cast<int64_t>(task) % s.query_blocks;
+  const int64_t kv = static_cast<int64_t>(task) / s.query_blocks % s.attrs.kv_heads;
+  const int64_t b = static_cast<int64_t>(task) / s.query_blocks / s.attrs.kv_heads;
+  const int64_t first = block * kQueryBlock, last = std::min(s.seq, first + kQueryBlock);
+  switch (s.head_dim) {
+    case 64: return attend_block<64>(s, b, kv, first, last);
+    case 128: return attend_block<128>(s, b, kv, first, last);
+    default: return attend_block<0>(s, b, kv, first, last);
+  }
+}
+
+struct Kernel {
+  Attributes attrs;
+};
+
+std::vector<int64_t> shape_of(const OrtValue* value) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  std::vector<int64_t> dims;
+  Status st{ort::at<ort::GetTensorTypeAndShapeFn>(g_api, ort::kGetTensorTypeAndShape)(value, &info)};
+  if (!st.ok()) return dims;
+  size_t n = 0;
+  Status sc{ort::at<ort::GetDimensionsCountFn>(g_api, ort::kGetDimensionsCount)(info, &n)};
+  dims.resize(n);
+  Status sd{ort::at<ort::GetDimensionsFn>(g_api, ort::kGetDimensions)(info, dims.data(), n)};
+  ort::at<ort::ReleaseTypeAndShapeFn>(g_api, ort::kReleaseTensorTypeAndShapeInfo)(info);
+  return dims;
+}
+
+template <typename T>
+T* data_of(const OrtValue* value) {
+  void* p = nullptr;
+  Status st{ort::at<ort::GetTensorMutableDataFn>(g_api, ort::kGetTensorMutableData)(const_cast<OrtValue*>(value), &p)};
+  return static_cast<T*>(p);
+}
+
+const OrtValue* input(OrtKernelContext* context, size_t index) {
+  const OrtValue* value = nullptr;
+  size_t count = 0;
+  Status sc{ort::at<ort::KernelContextGetCountFn>(g_api, ort::kKernelContextGetInputCount)(context, &count)};
+  if (index >= count) return nullptr;
+  Status st{ort::at<ort::KernelContextGetInputFn>(g_api, ort::kKernelContextGetInput)(context, index, &value)};
+  return value;
+}
+
+float* output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& shape) {
+  OrtValue* value = nullptr;
+  Status st{ort::at<ort::KernelContextGetOutputFn>(g_api, ort::kKernelContextGetOutput)(context, index, shape.data(),
+                                                                                          shape.size(), &value)};
+  return value ? data_of<float>(value) : nullptr;
+}
+
+// fn(data, 0 .. tasks - 1) on ONNX Runtime's threads (here, where the session has no pool)
+void parallel(OrtKernelContext* context, void (*fn)(void*, size_t), size_t tasks, void* data) {
+  OrtStatus* st = ort::at<ort::ParallelForFn>(g_api, ort::kKernelContextParallelFor)(context, fn, tasks, tasks, data);
+  if (st) {
+    ort::at<ort::ReleaseStatusFn>(g_api, ort::kReleaseStatus)(st);
+    for (size_t i = 0; i < tasks; ++i) fn(data, i);
+  }
+}
+
+void compute(void* kernel, OrtKernelContext* context) {
+  const Attributes& a = static_cast<Kernel*>(kernel)->attrs;
+  const OrtValue *query = input(context, 0), *key = input(context, 1), *value = input(context, 2);
+  const OrtValue *past_key = input(context, 3), *past_value = input(context, 4), *seqlens = input(context, 5);
+  const OrtValue *cos = input(context, 7), *sin = input(context, 8);
+  const std::vector<int64_t> qshape = shape_of(query), kvshape = shape_of(past_key);
+  const int64_t B = qshape[0], S = qshape[1], D = kvshape[3], capacity = kvshape[2];
+  const int64_t H = a.heads, KV = a.kv_heads;
+  const int64_t rotary = a.rotary && cos ? 2 * shape_of(cos)[1] : 0;
+
+  float* out = output(context, 0, {B, S, H * D});
+  float* keys = output(context, 1, kvshape);
+  float* values = output(context, 2, kvshape);
+  const float *pk = data_of<float>(past_key), *pv = data_of<float>(past_value);
+  const size_t bytes = sizeof(float) * static_cast<size_t>(B * KV * capacity * D);
+  if (keys != pk) memcpy(keys, pk, bytes);  // present bound apart from past: the past is carried over first
+  if (values != pv) memcpy(values, pv, bytes);
+  const int32_t* lengths = data_of<int32_t>(seqlens);
+  const float* q_in = data_of<float>(query);
+  const bool packed = key == nullptr;
+  const float* k_in = packed ? q_in + H * D : data_of<float>(key);
+  const float* v_in = packed ? q_in + (H + KV) * D : data_of<float>(value);
+  const int64_t q_stride = packed ? (H + 2 * KV) * D : H * D, kv_stride = packed ? q_stride : KV * D;
+  const float *cos_cache = rotary ? data_of<float>(cos) : nullptr, *sin_cache = rotary ? data_of<float>(sin) : nullptr;
+  const int64_t half = rotary / 2;
+
+  std::vector<float> q(static_cast<size_t>(B * S * H * D));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t past = lengths[b] + 1 - S;
+    for (int64_t t = 0; t < S; ++t) {
+      const int64_t pos = past + t, token = b * S + t;
+      const float* c = rotary ? cos_cache + pos * half : nullptr;
+      const float* n = rotary ? sin_cache + pos * half : nullptr;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* src = q_in + token * q_stride + h * D;
+        float* dst = q.data() + (token * H + h) * D;
+        if (rotary) rotate(src, dst, D, rotary, c, n);
+        else memcpy(dst, src, sizeof(float) * D);
+      }
+      if (pos < 0 || pos >= capacity) continue;
+      for (int64_t h = 0; h < KV; ++h) {
+        const size_t at = static_cast<size_t>(((b * KV + h) * capacity + pos) * D);
+        const float* ks = k_in + token * kv_stride + h * D;
+        if (rotary) rotate(ks, keys + at, D, rotary, c, n);
+        else memcpy(keys + at, ks, sizeof(float) * D);
+        memcpy(values + at, v_in + token * kv_stride + h * D, sizeof(float) * D);
+      }
+    }
+  }
+  Step step{a, B, S, D, capacity, q.data(), keys, values, lengths, out, (S + kQueryBlock - 1) / kQueryBlock};
+  std::vector<float> kt;
+  if (step.query_blocks > 1) {  // several tasks per row and KV head read the same keys: transposed once, first
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, std::min<int64_t>(lengths[b] + 1, capacity));
+    step.kt_blocks = (longest + kKeyBlock - 1) / kKeyBlock;
+    kt.resize(static_cast<size_t>(B * KV * step.kt_blocks * D * kKeyBlock));
+    step.kt = kt.data();
+    parallel(context, transpose_task, static_cast<size_t>(B * KV * step.kt_blocks), &step);
+  }
+  parallel(context, attend, static_cast<size_t>(B * KV * step.query_blocks), &step);
+}
+
+void* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) {
+  Kernel* k = new Kernel;
+  auto get_int = [&](const char* name, int64_t* out) {
+    Status st{ort::at<ort::KernelInfoGetAttributeInt64Fn>(g_api, ort::kKernelInfoGetAttributeInt64)(info, name, out)};
+  };
+  auto get_float = [&](const char* name, float* out) {
+    Status st{ort::at<ort::KernelInfoGetAttributeFloatFn>(g_api, ort::kKernelInfoGetAttributeFloat)(info, name, out)};
+  };
+  get_int("num_heads", &k->attrs.heads);
+  get_int("kv_num_heads", &k->attrs.kv_heads);
+  get_int("local_window_size", &k->attrs.window);
+  get_int("do_rotary", &k->attrs.rotary);
+  get_float("scale", &k->attrs.scale);
+  get_float("softcap", &k->attrs.softcap);
+  return k;
+}
+
+const char* name(const OrtCustomOp*) { return "GroupQueryAttention"; }
+const char* provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+int input_type(const OrtCustomOp*, size_t index) { return index == 5 || index == 6 ? kOrtInt32 : kOrtFloat; }
+size_t input_count(const OrtCustomOp*) { return 9; }
+int output_type(const OrtCustomOp*, size_t) { return kOrtFloat; }
+size_t output_count(const OrtCustomOp*) { return 3; }
+void destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
+int input_characteristic(const OrtCustomOp*, size_t index) {
+  return index == 1 || index == 2 || index >= 7 ? kOrtOptional : kOrtRequired;
+}
+int output_characteristic(const OrtCustomOp*, size_t) { return kOrtRequired; }
+int memory_type(const OrtCustomOp*, size_t) { return 0; }
+int one(const OrtCustomOp*) { return 1; }
+int zero(const OrtCustomOp*) { return 0; }
+int start_version(const OrtCustomOp*) { return 1; }
+int end_version(const OrtCustomOp*) { return 1 << 30; }
+
+OrtCustomOp g_op = {kOrtApiVersion, create_kernel, name, provider, input_type, input_count, output_type,
+                    output_count, compute, destroy, input_characteristic, output_characteristic, memory_type, one,
+                    zero, one, zero, nullptr, nullptr, nullptr, start_version, end_version, nullptr, nullptr,
+                    nullptr, nullptr};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                              const OrtApiBase* base) {
+  g_api = base->GetApi(kOrtApiVersion);
+  if (!g_api) return nullptr;  // an ONNX Runtime older than the API this library uses: it registers nothing
+  OrtCustomOpDomain* domain = nullptr;
+  OrtStatus* st = ort::at<ort::CreateCustomOpDomainFn>(g_api, ort::kCreateCustomOpDomain)("mirror_sd", &domain);
+  if (st) return st;
+  st = ort::at<ort::CustomOpDomainAddFn>(g_api, ort::kCustomOpDomainAdd)(domain, &g_op);
+  if (st) return st;
+  return ort::at<ort::AddCustomOpDomainFn>(g_api, ort::kAddCustomOpDomain)(options, domain);
+}
