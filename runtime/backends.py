@@ -47,9 +47,10 @@ def on_cpu(device: str) -> bool:
 
 
 def ort_session(path: str | Path | bytes, providers: list[str] | None = None, threads: int = 1,
-                spinning: bool | None = None, data_folder: Path | None = None):
+                spinning: bool | None = None, data_folder: Path | None = None, custom_ops: Path | None = None):
     """An ORT InferenceSession on the first usable provider in `providers` (default CUDA then CPU), of the graph at
-    `path` or of a serialized graph (bytes; its external weights, if any, in `data_folder`).
+    `path` or of a serialized graph (bytes; its external weights, if any, in `data_folder`); custom_ops: a library of
+    custom ops the graph uses (runtime/cpu_attention.py).
 
     onnxruntime-gpu lists CUDA as available even without a GPU and falls back to CPU with only a log line, so the
     caller reads the provider from `session.get_providers()[0]`, never from what it asked for.
@@ -79,6 +80,8 @@ def ort_session(path: str | Path | bytes, providers: list[str] | None = None, th
         ort.set_default_logger_severity(4)
     if data_folder is not None:
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(data_folder))
+    if custom_ops is not None:
+        opts.register_custom_ops_library(str(custom_ops))
     source = path if isinstance(path, bytes) else str(path)
     try:
         session = ort.InferenceSession(source, sess_options=opts, providers=usable)

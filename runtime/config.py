@@ -691,6 +691,11 @@ class LoadOptions(Options):
                                         none=f"the bundle's plan, else {BUILTIN_THREADS}")
     target_spinning: bool | None = option(None, "whether ONNX Runtime's idle target threads spin",
                                           none="ONNX Runtime's default", cli=False)
+    native_attention: bool = option(
+        True, "a float32 target's attention on the CPU by the project's own kernel (runtime/cpu_attention.py: "
+        "compiled with the system's C++ compiler on first use, cached; ONNX Runtime's GroupQueryAttention where it "
+        "cannot be had), else ONNX Runtime's: about 0.8x its time at decode, and a window's positions the bits of "
+        "the same positions stepped one at a time")
     target_step_width: int | None = option(
         None, "ONNX Runtime: pad every target step of fewer tokens to this many, so that a position gets the same "
         "logits in any step (the GPU's float16 kernels, the CPU's int8 ones: runtime/target.py)", range=Range(0),

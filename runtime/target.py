@@ -36,6 +36,7 @@ from mirror_sd.partitions.spec import (
     present_key_name,
     present_value_name,
 )
+from mirror_sd.runtime import cpu_attention
 from mirror_sd.runtime.backends import on_cpu, ort_session
 
 if TYPE_CHECKING:
@@ -382,7 +383,10 @@ class OrtTarget(Target):
     """The target on ONNX Runtime with IOBinding: KV buffers and the boundary tensor on the session's device."""
 
     def __init__(self, bundle: Path, manifest: Manifest, providers: list[str] | None = None, threads: int = 1,
-                 capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None) -> None:
+                 capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None,
+                 native_attention: bool = True) -> None:
+        """native_attention: a float32 target's attention on the project's own kernel where it can be had
+        (runtime/cpu_attention.py; the `native_attention` attribute says whether it runs)."""
         import onnxruntime as ort
 
         self.threads = threads
@@ -390,7 +394,10 @@ class OrtTarget(Target):
         specs = {role: manifest.partition(role) for role in ("target_prefix", "target_suffix", "target_exit")}
         self._paths = {role: resolve_inside(bundle, spec.file) for role, spec in specs.items()}
         self._session_args = (providers, threads, spinning)
-        sessions = {role: ort_session(self._paths[role], providers, threads, spinning) for role in specs}
+        # a float32 target runs on the CPU only (below); its attention's kernel is the project's where it compiled
+        self._kernel = cpu_attention.library() if native_attention and facts.dtype == "float32" else None
+        self.native_attention = False
+        sessions = {role: self._rewritten(role, None) for role in specs}
         for role, session in sessions.items():
             check_io(specs[role], [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()])
         self.providers = sessions["target_prefix"].get_providers()
@@ -456,12 +463,22 @@ class OrtTarget(Target):
                 for role, (_session, spec) in self.sessions.items()}
 
     def _rewritten(self, role: str, rewrite):
-        """A session of the partition `role` whose graph `rewrite` (ModelProto -> ModelProto) changed at load."""
+        """A session of the partition `role` whose graph `rewrite` (ModelProto -> ModelProto, or None) changed at
+        load, its attention on the project's kernel where the target has it."""
         import onnx
 
         path = self._paths[role]
+        if rewrite is None:
+            graph = cpu_attention.serialized_with_kernel(path) if self._kernel is not None else None
+            self.native_attention |= graph is not None
+            if graph is None:
+                return ort_session(path, *self._session_args)
+            return ort_session(graph, *self._session_args, data_folder=path.parent, custom_ops=self._kernel)
         graph = rewrite(onnx.load(str(path), load_external_data=False))
-        return ort_session(graph.SerializeToString(), *self._session_args, data_folder=path.parent)
+        kernel = self._kernel if self._kernel is not None and cpu_attention.with_kernel(graph) else None
+        self.native_attention |= kernel is not None
+        return ort_session(graph.SerializeToString(), *self._session_args, data_folder=path.parent,
+                           custom_ops=kernel)
 
     @staticmethod
     def _lengths(start: int, new: int) -> dict[str, np.ndarray]:
@@ -492,15 +509,16 @@ class OrtTarget(Target):
 
 
 def open_target(bundle: str | Path, manifest: Manifest, device: str | None = None, threads: int = 1,
-                capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None
-                ) -> OrtTarget:
+                capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None,
+                native_attention: bool = True) -> OrtTarget:
     """device None: CUDA where the session really gets it and the target is float16, else CPU; "cpu", "cuda" or a
     provider name. step_width None: GPU_STEP_WIDTH on the CUDA execution provider, else 0 (no padding)."""
     from mirror_sd.runtime.backends import ort_providers
 
     if device is None and manifest.target.dtype == "float32":
         device = "cpu"  # a float32 target has no CUDA attention kernel (OrtTarget refuses the pairing)
-    return OrtTarget(Path(bundle).resolve(), manifest, ort_providers(device), threads, capacity, spinning, step_width)
+    return OrtTarget(Path(bundle).resolve(), manifest, ort_providers(device), threads, capacity, spinning, step_width,
+                     native_attention)
 
 
 def check_io(spec: PartitionSpec, inputs: list[str], outputs: list[str]) -> None:

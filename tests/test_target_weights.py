@@ -118,9 +118,13 @@ def test_a_compressed_target_gives_a_position_the_same_logits_in_every_step(bund
     assert pipe.target.step_width == INT8_STEP_WIDTH
     one, wide = steps_and_window(pipe)
     assert np.array_equal(one, wide)
-    # unpadded, the kernel's one-row path rounds otherwise: what the padding is for
-    one, wide = steps_and_window(Pipeline.load(bundle, target_step_width=0))
+    # unpadded, ONNX Runtime's attention takes its one-row path, which rounds otherwise: what the padding is for;
+    # the project's kernel computes a query alike in any step (runtime/cpu_attention.py)
+    one, wide = steps_and_window(Pipeline.load(bundle, target_step_width=0, native_attention=False))
     assert not np.array_equal(one, wide)
+    if pipe.target.native_attention:
+        one, wide = steps_and_window(Pipeline.load(bundle, target_step_width=0))
+        assert np.array_equal(one, wide)
     # the batching engine pads a lone row as well: a request alone there is the generation alone, bit for bit, and
     # beside another request too (docs/design.md: A compressed target steps two rows at least, Rows of a batched step)
     settings = {"mode": "ar", "max_new_tokens": 12, "temperature": 0.0, "logprobs": 0}

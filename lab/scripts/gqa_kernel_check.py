@@ -1,9 +1,9 @@
-"""lab/native/gqa_attention.cc against ONNX Runtime's GroupQueryAttention on SmolLM2's attention shapes (9 query
+"""runtime/native/attention.cc against ONNX Runtime's GroupQueryAttention on SmolLM2's attention shapes (9 query
 heads over 3 KV heads of 64, KV buffers of 2,100 positions shared by past and present, bound in place as the target
 binds them): first the outputs and the KV written, case by case (batches, windows after a past, a local window, a
 soft cap, no rotary, q / k / v apart); then 30 layers' time per step, both kernels alternating, medians.
 
-    .venv/bin/python lab/scripts/gqa_kernel_check.py > results/gqa-kernel-prototype.txt
+    .venv/bin/python lab/scripts/gqa_kernel_check.py > results/cpu-attention-kernel.txt
 
 It compiles the kernel with g++ into a temporary folder first. Rows of several tokens after a past are compared with
 ONNX Runtime's kernel row by row (it refuses them at batch > 1).
@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-SOURCE = Path(__file__).resolve().parents[1] / "native" / "gqa_attention.cc"
+SOURCE = Path(__file__).resolve().parents[2] / "runtime" / "native" / "attention.cc"
 H, KV, D, C = 9, 3, 64, 2100  # query heads, KV heads, head size, KV positions
 LAYERS, REPEATS = 30, 7
 rng = np.random.default_rng(0)
@@ -61,7 +61,7 @@ def session(lib: str, domain: str, window: int = -1, rotary: int = 1, packed: bo
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
     opts.add_session_config_entry("session.force_spinning_stop", "1")
-    if domain == "mirror_sd":
+    if domain == "mirror_sd.gqa":
         opts.register_custom_ops_library(lib)
     return ort.InferenceSession(model(domain, window, rotary, packed, softcap), opts,
                                 providers=["CPUExecutionProvider"])
@@ -90,7 +90,7 @@ def ortvalue(array: np.ndarray):
 
 
 def case(lib: str, batch: int, tokens: int, pasts: list[int], packed: bool = True, **attrs) -> str:
-    sessions = session(lib, "com.microsoft", packed=packed, **attrs), session(lib, "mirror_sd", packed=packed, **attrs)
+    sessions = session(lib, "com.microsoft", packed=packed, **attrs), session(lib, "mirror_sd.gqa", packed=packed, **attrs)
     keys0, values0 = (rng.standard_normal((batch, KV, C, D), np.float32) for _ in range(2))
     widths = [(H + 2 * KV) * D] if packed else [H * D, KV * D, KV * D]
     new = [rng.standard_normal((batch, tokens, w), np.float32) for w in widths]
@@ -147,11 +147,11 @@ def main() -> None:
                          ((1, 9, [70]), {"softcap": 5.0}), ((1, 9, [70]), {"rotary": 0}),
                          ((3, 4, [10, 100, 33]), {})):
             print(case(lib, *args, **kw), flush=True)
-        theirs, ours = window_against_steps(lib, "com.microsoft"), window_against_steps(lib, "mirror_sd")
+        theirs, ours = window_against_steps(lib, "com.microsoft"), window_against_steps(lib, "mirror_sd.gqa")
         print("\n5 tokens after 300 as one window against one call each, largest difference: ONNX Runtime "
               f"{theirs:.1e}, this kernel {ours:.1e}")
         print(f"\n{LAYERS} layers' attention, ms per step (median of {REPEATS}, the kernels alternating), 2 threads")
-        ours, theirs = session(lib, "mirror_sd"), session(lib, "com.microsoft")
+        ours, theirs = session(lib, "mirror_sd.gqa"), session(lib, "com.microsoft")
         for batch, tokens, past in ((16, 1, 250), (64, 1, 250), (1, 1, 2048), (1, 512, 0), (1, 512, 1536)):
             buffers = [tuple(ortvalue(rng.standard_normal((batch, KV, C, D), np.float32)) for _ in range(2))
                        for _ in range(LAYERS)]

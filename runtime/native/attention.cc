@@ -1,14 +1,14 @@
-// An experiment (lab/log.md, 2026-12-02 thirtieth session): a CPU kernel for ONNX Runtime with GroupQueryAttention's
-// inputs, outputs and attributes as the target graphs use them, registered as mirror_sd.GroupQueryAttention. The past
-// and the present share one KV buffer, row b's new tokens go at positions seqlens_k[b] + 1 - S .. seqlens_k[b], each
-// query attends causally to its row's keys up to its own position (within local_window_size where set), scores
-// scaled, optionally soft-capped, then softmaxed. Unlike ONNX Runtime's kernel it takes several rows of several
-// tokens after a past, and the query heads that share a KV head read each key once.
+// The target's attention on the CPU: an ONNX Runtime custom op (mirror_sd.gqa.GroupQueryAttention) with the inputs,
+// outputs and attributes of ONNX Runtime's GroupQueryAttention as the target graphs use them; runtime/cpu_attention.py
+// compiles it and puts it in their place. The past and the present share one KV buffer, row b's new tokens go at
+// positions seqlens_k[b] + 1 - S .. seqlens_k[b], each query attends causally to its row's keys up to its own
+// position (within local_window_size where set), scores scaled, optionally soft-capped, then softmaxed.
 //
-// Every query's result is computed the same way whatever the batch, the number of new tokens or the thread that runs
-// it (a fixed order of summation per query). lab/scripts/gqa_kernel_check.py compares it with ONNX Runtime's kernel.
-//
-//   g++ -O3 -march=native -fPIC -shared -std=c++17 -fvisibility=hidden -o libgqa.so lab/native/gqa_attention.cc
+// Why its own: the query heads that share a KV head read each key once, so a decode step's attention, bound by
+// reading the KV, takes about 0.8x ONNX Runtime's time (docs/design.md: The target's attention on the CPU is the
+// project's own kernel); and every query's result is computed the same way whatever the batch, the number of new
+// tokens or the thread that runs it (its sums in one order), so that a window's position equals that position
+// stepped alone bit for bit, and rows of several tokens after a past run at any batch.
 #include <math.h>
 #include <string.h>
 
@@ -302,13 +302,14 @@ void parallel(OrtKernelContext* context, void (*fn)(void*, size_t), size_t tasks
 }
 
 void compute(void* kernel, OrtKernelContext* context) {
-  const Attributes& a = static_cast<Kernel*>(kernel)->attrs;
+  Attributes a = static_cast<Kernel*>(kernel)->attrs;
   const OrtValue *query = input(context, 0), *key = input(context, 1), *value = input(context, 2);
   const OrtValue *past_key = input(context, 3), *past_value = input(context, 4), *seqlens = input(context, 5);
   const OrtValue *cos = input(context, 7), *sin = input(context, 8);
   const std::vector<int64_t> qshape = shape_of(query), kvshape = shape_of(past_key);
   const int64_t B = qshape[0], S = qshape[1], D = kvshape[3], capacity = kvshape[2];
   const int64_t H = a.heads, KV = a.kv_heads;
+  if (a.scale == 0.f) a.scale = 1.f / sqrtf(static_cast<float>(D));  // GroupQueryAttention's default
   const int64_t rotary = a.rotary && cos ? 2 * shape_of(cos)[1] : 0;
 
   float* out = output(context, 0, {B, S, H * D});
@@ -409,7 +410,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   g_api = base->GetApi(kOrtApiVersion);
   if (!g_api) return nullptr;  // an ONNX Runtime older than the API this library uses: it registers nothing
   OrtCustomOpDomain* domain = nullptr;
-  OrtStatus* st = ort::at<ort::CreateCustomOpDomainFn>(g_api, ort::kCreateCustomOpDomain)("mirror_sd", &domain);
+  OrtStatus* st = ort::at<ort::CreateCustomOpDomainFn>(g_api, ort::kCreateCustomOpDomain)("mirror_sd.gqa", &domain);
   if (st) return st;
   st = ort::at<ort::CustomOpDomainAddFn>(g_api, ort::kCustomOpDomainAdd)(domain, &g_op);
   if (st) return st;

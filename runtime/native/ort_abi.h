@@ -1,10 +1,10 @@
-// The few entries of ONNX Runtime's C API that the attention kernel calls, declared by their positions.
+// The few entries of ONNX Runtime's C API that the attention kernel (attention.cc) calls, declared by their positions.
 //
 // The Python wheel ships no C headers. OrtApi is a table of function pointers that ONNX Runtime only ever appends
 // to, so an entry's index is fixed from the version that added it on; each index below is that entry's position in
 // the table (0-based), and OrtCustomOp's fields are in their order. The library asks for API version 17 (ONNX
-// Runtime 1.17, the first with KernelContext_ParallelFor); a runtime older than that refuses it and the kernel is
-// not used.
+// Runtime 1.17, the first with KernelContext_ParallelFor); runtime/cpu_attention.py uses the kernel on such a runtime
+// only.
 #pragma once
 #include <stddef.h>
 #include <stdint.h>

@@ -1,0 +1,185 @@
+"""The target's attention on the CPU by the project's own kernel (runtime/native/attention.cc) in place of ONNX
+Runtime's GroupQueryAttention, same inputs, outputs and attributes (docs/design.md: The target's attention on the CPU
+is the project's own kernel).
+
+The kernel is C++ compiled on first use with the system's compiler (`CXX`, else g++) for this CPU, into a cache folder
+named after its source, the compiler's flags and the CPU (`MIRROR_SD_CACHE`, else ~/.cache/mirror-sd); later loads take
+the library from there. Where no compiler, no writable cache or an ONNX Runtime older than 1.17 is at hand, the graphs
+keep GroupQueryAttention: the same tokens, within its rounding (a line in the log says so once).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # onnx is imported where a graph is rewritten
+    import onnx
+
+log = logging.getLogger(__name__)
+
+# as long as ONNX Runtime's domain, so that a node's bytes keep their length when it changes (serialized_with_kernel)
+DOMAIN, ORT_DOMAIN = "mirror_sd.gqa", "com.microsoft"
+OP = "GroupQueryAttention"
+SOURCES = tuple(Path(__file__).resolve().parent / "native" / name for name in ("attention.cc", "ort_abi.h"))
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fvisibility=hidden")
+COMPILE_TIMEOUT_S = 300
+# the attributes the kernel reads; a node with another one set (smooth_softmax, an interleaved rotary) keeps ONNX
+# Runtime's kernel
+_KNOWN = {"num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary", "rotary_interleaved"}
+_INPUTS = 9  # query, key, value, past key and value, seqlens_k, total length, cos and sin caches
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MIRROR_SD_CACHE") or Path.home() / ".cache" / "mirror-sd")
+
+
+@functools.cache
+def library() -> Path | None:
+    """The compiled kernel (compiled now where the cache has none), or None where it cannot be had here."""
+    import onnxruntime as ort
+
+    major, minor = (int(x) for x in ort.__version__.split(".")[:2])
+    if (major, minor) < (1, 17):
+        log.info("ONNX Runtime %s predates the C API the attention kernel calls: GroupQueryAttention runs",
+                 ort.__version__)
+        return None
+    compiler = shutil.which(os.environ.get("CXX") or "g++")
+    if compiler is None:
+        log.info("no C++ compiler (CXX, g++) for the attention kernel: GroupQueryAttention runs")
+        return None
+    digest = hashlib.sha256()
+    for part in (*(p.read_bytes() for p in SOURCES), " ".join((compiler, *FLAGS)).encode(), _cpu().encode()):
+        digest.update(part)
+    folder = cache_root() / "native" / digest.hexdigest()[:16]
+    lib = folder / "libmirror_attention.so"
+    if lib.is_file():
+        return lib
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            built = Path(scratch) / lib.name
+            subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCES[0])], check=True, capture_output=True,
+                           timeout=COMPILE_TIMEOUT_S)
+            os.replace(built, lib)  # whole or not at all: another process may compile it at the same time
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("the attention kernel did not compile (%s%s): GroupQueryAttention runs", type(e).__name__,
+                    f": {detail.decode(errors='replace').strip()[:300]}" if detail else "")
+        return None
+    return lib
+
+
+def _cpu() -> str:
+    """What -march=native compiles for: this CPU's model and instruction sets (a cache folder shared by machines must
+    not hand one CPU another's library)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def takes(node: onnx.NodeProto) -> bool:
+    """Whether the kernel computes this GroupQueryAttention node as ONNX Runtime's would."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return (node.op_type == OP and node.domain == ORT_DOMAIN and set(attrs) <= _KNOWN
+            and not attrs.get("rotary_interleaved", 0) and not any(node.input[_INPUTS:]))
+
+
+def with_kernel(model: onnx.ModelProto) -> bool:
+    """Put the kernel in the place of each GroupQueryAttention of `model` that it takes (in place); whether any."""
+    from onnx import helper
+
+    nodes = [n for n in model.graph.node if takes(n)]
+    for node in nodes:
+        node.domain = DOMAIN
+    if nodes and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return bool(nodes)
+
+
+def serialized_with_kernel(path: Path) -> bytes | None:
+    """The graph file at `path` with the kernel in the place of each GroupQueryAttention it takes, as bytes, or None
+    where it takes none. The file's bytes are patched where they lie rather than parsed and written again (a graph
+    with its weights inside is hundreds of MB): the kernel's domain is as long as ONNX Runtime's, so each node keeps
+    its length, and the domain's opset import is one more field at the end of the model."""
+    from onnx import NodeProto, helper
+
+    opset = helper.make_opsetid(DOMAIN, 1).SerializeToString()
+    extra = _varint(8 << 3 | 2) + _varint(len(opset)) + opset  # ModelProto.opset_import, after every other field
+    size = path.stat().st_size
+    data = bytearray(size + len(extra))  # read once into the buffer that becomes the graph
+    with path.open("rb") as f:
+        if f.readinto(memoryview(data)[:size]) != size:
+            raise OSError(f"{path}: the file changed while it was read")
+    data[size:] = extra
+    patched = False
+    try:
+        for start, end in _fields(data, 0, size, 7):  # ModelProto.graph
+            for node_start, node_end in _fields(data, start, end, 1):  # GraphProto.node
+                node = NodeProto.FromString(bytes(data[node_start:node_end]))
+                if not takes(node):
+                    continue
+                for at, stop in _fields(data, node_start, node_end, 7):  # NodeProto.domain
+                    data[at:stop] = DOMAIN.encode()
+                    patched = True
+    except Exception:  # a damaged file (protobuf's DecodeError among others): ONNX Runtime's load says what is wrong
+        return None
+    return bytes(data) if patched else None
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _read_varint(data: bytearray, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, at
+
+
+def _fields(data: bytearray, start: int, end: int, number: int) -> list[tuple[int, int]]:
+    """The [start, end) of each length-delimited field `number` of the protobuf message in data[start:end]."""
+    found, at = [], start
+    while at < end:
+        key, at = _read_varint(data, at)
+        kind = key & 7
+        if kind == 0:
+            _, at = _read_varint(data, at)
+        elif kind == 1:
+            at += 8
+        elif kind == 5:
+            at += 4
+        elif kind == 2:
+            length, at = _read_varint(data, at)
+            if at + length > end:
+                raise ValueError(f"a field of {length} bytes at byte {at} runs past its message")
+            if key >> 3 == number:
+                found.append((at, at + length))
+            at += length
+        else:
+            raise ValueError(f"protobuf wire type {kind} at byte {at}")
+    return found

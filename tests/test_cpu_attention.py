@@ -1,0 +1,173 @@
+"""The project's attention kernel (runtime/cpu_attention.py, runtime/native/attention.cc) against ONNX Runtime's
+GroupQueryAttention on one node, the graph patch that puts it in the target's graphs, and pipelines with and without
+it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from mirror_sd.runtime import cpu_attention
+from mirror_sd.runtime.pipeline import Pipeline
+
+H, KV, D, C = 6, 2, 32, 96  # query heads, KV heads, head size, KV positions
+rng = np.random.default_rng(0)
+_angles = np.arange(C)[:, None] / (10000 ** (np.arange(D // 2)[None] / (D // 2)))
+COS, SIN = np.cos(_angles).astype(np.float32), np.sin(_angles).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    lib = cpu_attention.library()
+    if lib is None:
+        pytest.skip("no C++ compiler here: the graphs keep GroupQueryAttention")
+    return lib
+
+
+def attention_session(lib, domain: str, packed: bool = True, **attrs):
+    def value(name, dims, kind=TensorProto.FLOAT):
+        return helper.make_tensor_value_info(name, kind, dims)
+
+    inputs = [value("q", ["B", "S", (H + 2 * KV) * D if packed else H * D])]
+    inputs += [] if packed else [value("k", ["B", "S", KV * D]), value("v", ["B", "S", KV * D])]
+    inputs += [value("pk", ["B", KV, C, D]), value("pv", ["B", KV, C, D]), value("seqlens", ["B"], TensorProto.INT32),
+               value("total", [], TensorProto.INT32), value("cos", [C, D // 2]), value("sin", [C, D // 2])]
+    names = ["q", "" if packed else "k", "" if packed else "v", "pk", "pv", "seqlens", "total", "cos", "sin"]
+    node = helper.make_node("GroupQueryAttention", names, ["o", "prk", "prv"], domain=domain, num_heads=H,
+                            kv_num_heads=KV, rotary_interleaved=0, **{"do_rotary": 1, "scale": D ** -0.5, **attrs})
+    outputs = [value("o", ["B", "S", H * D]), value("prk", ["B", KV, C, D]), value("prv", ["B", KV, C, D])]
+    model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs), ir_version=10,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    if domain == cpu_attention.DOMAIN:
+        opts.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def run(sess, new: list[np.ndarray], keys: np.ndarray, values: np.ndarray, seqlens: list[int]):
+    """One call, the KV bound as past and present (as the target binds it): its output, keys and values after."""
+    k, v = (ort.OrtValue.ortvalue_from_numpy(a.copy()) for a in (keys, values))
+    binding = sess.io_binding()
+    binding.bind_output("o", "cpu")
+    for name, array in zip(("q", "k", "v"), new):
+        binding.bind_cpu_input(name, np.ascontiguousarray(array))
+    for name, buffer in (("pk", k), ("pv", v)):
+        binding.bind_ortvalue_input(name, buffer)
+    binding.bind_ortvalue_output("prk", k)
+    binding.bind_ortvalue_output("prv", v)
+    binding.bind_cpu_input("seqlens", np.array(seqlens, np.int32))
+    binding.bind_cpu_input("total", np.array(max(seqlens) + 1, np.int32))
+    binding.bind_cpu_input("cos", COS)
+    binding.bind_cpu_input("sin", SIN)
+    sess.run_with_iobinding(binding)
+    return binding.get_outputs()[0].numpy().copy(), k.numpy().copy(), v.numpy().copy()
+
+
+CASES = [  # rows, new tokens, each row's past, packed q/k/v, attributes
+    (1, 1, [40], True, {}),
+    (1, 1, [0], True, {}),
+    (5, 1, [3, 70, 0, 21, 50], True, {}),
+    (1, 23, [30], True, {}),
+    (1, 17, [0], False, {}),
+    (1, 20, [40], True, {"local_window_size": 8}),
+    (3, 1, [5, 60, 30], True, {"local_window_size": 16}),
+    (1, 6, [20], True, {"softcap": 4.0}),
+    (1, 6, [20], True, {"do_rotary": 0}),
+    (3, 4, [10, 50, 0], True, {}),  # rows of several tokens after a past: ONNX Runtime's runs them one at a time
+]
+
+
+@pytest.mark.parametrize("rows, tokens, pasts, packed, attrs", CASES)
+def test_the_kernel_computes_what_onnx_runtimes_attention_computes(kernel, rows, tokens, pasts, packed, attrs):
+    keys, values = (rng.standard_normal((rows, KV, C, D), np.float32) for _ in range(2))
+    widths = [(H + 2 * KV) * D] if packed else [H * D, KV * D, KV * D]
+    new = [rng.standard_normal((rows, tokens, w), np.float32) for w in widths]
+    seqlens = [p + tokens - 1 for p in pasts]
+    ours = run(attention_session(kernel, cpu_attention.DOMAIN, packed, **attrs), new, keys, values, seqlens)
+    theirs_session = attention_session(kernel, "com.microsoft", packed, **attrs)
+    apart = tokens > 1 and rows > 1
+    parts = [run(theirs_session, [n[r:r + 1] for n in new], keys[r:r + 1], values[r:r + 1], seqlens[r:r + 1])
+             for r in range(rows)] if apart else [run(theirs_session, new, keys, values, seqlens)]
+    theirs = [np.concatenate(arrays) for arrays in zip(*parts)]
+    np.testing.assert_allclose(ours[0], theirs[0], atol=2e-6, rtol=0)
+    np.testing.assert_allclose(ours[1], theirs[1], atol=1e-6, rtol=0)  # keys: turned by the rotary
+    np.testing.assert_array_equal(ours[2], theirs[2])  # values: copied
+    untouched = [(r, slice(p + tokens, None)) for r, p in enumerate(pasts)]
+    for r, rest in untouched:  # nothing written past a row's new tokens
+        np.testing.assert_array_equal(ours[1][r, :, rest], keys[r, :, rest])
+
+
+def test_a_window_is_the_bits_of_its_tokens_run_one_at_a_time(kernel):
+    sess = attention_session(kernel, cpu_attention.DOMAIN)
+    keys, values = (rng.standard_normal((2, KV, C, D), np.float32) for _ in range(2))
+    new = rng.standard_normal((2, 5, (H + 2 * KV) * D), np.float32)
+    window = run(sess, [new], keys, values, [30 + 4, 12 + 4])
+    k, v, steps = keys, values, []
+    for t in range(5):
+        out, k, v = run(sess, [new[:, t:t + 1]], k, v, [30 + t, 12 + t])
+        steps.append(out)
+    np.testing.assert_array_equal(window[0], np.concatenate(steps, axis=1))
+    np.testing.assert_array_equal(window[1], k)
+    # and a row's bits do not depend on the other rows of its call
+    alone = run(sess, [new[1:]], keys[1:], values[1:], [12 + 4])
+    np.testing.assert_array_equal(window[0][1:], alone[0])
+
+
+def test_the_graph_patch_changes_only_the_attention_nodes(bundle_factory, kernel):
+    path = bundle_factory("llama") / "target_prefix.onnx"
+    before = onnx.load(str(path), load_external_data=False)
+    after = onnx.load_from_string(cpu_attention.serialized_with_kernel(path))
+    assert [n.op_type for n in after.graph.node] == [n.op_type for n in before.graph.node]
+    for old, new in zip(before.graph.node, after.graph.node):
+        expected = cpu_attention.DOMAIN if old.op_type == "GroupQueryAttention" else old.domain
+        assert new.domain == expected and new.input == old.input and new.attribute == old.attribute
+    assert (cpu_attention.DOMAIN, 1) in [(o.domain, o.version) for o in after.opset_import]
+    assert len(after.graph.initializer) == len(before.graph.initializer)
+    exit_path = bundle_factory("llama") / "target_exit.onnx"  # no attention: nothing to patch
+    assert cpu_attention.serialized_with_kernel(exit_path) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3_text"])
+def test_pipelines_with_and_without_the_kernel_give_the_same_text(bundle_factory, kernel, arch):
+    bundle = bundle_factory(arch)
+    ours = Pipeline.load(bundle, huge_pages=False)
+    theirs = Pipeline.load(bundle, huge_pages=False, native_attention=False)
+    assert ours.target.native_attention and not theirs.target.native_attention
+    for mode in ("ar", "sd", "mirror"):
+        got = ours.generate("the quick brown fox", max_new_tokens=16, mode=mode).token_ids
+        assert got == theirs.generate("the quick brown fox", max_new_tokens=16, mode="ar").token_ids
+    ours.close()
+    theirs.close()
+
+
+def test_without_a_compiler_the_graphs_keep_onnx_runtimes_attention(bundle_factory, monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MIRROR_SD_CACHE", str(tmp_path / "cache"))
+    cpu_attention.library.cache_clear()
+    try:
+        assert cpu_attention.library() is None
+        pipe = Pipeline.load(bundle_factory("llama"), huge_pages=False)
+        assert not pipe.target.native_attention
+        assert pipe.generate("the quick brown fox", max_new_tokens=4, mode="ar").token_ids
+    finally:
+        cpu_attention.library.cache_clear()
+
+
+def test_a_compiler_error_is_a_log_line_not_a_crash(monkeypatch, tmp_path, caplog):
+    fake = tmp_path / "cxx"
+    fake.write_text("#!/bin/sh\necho 'error: this compiler refuses' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("MIRROR_SD_CACHE", str(tmp_path / "cache"))
+    cpu_attention.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="mirror_sd.runtime.cpu_attention"):
+            assert cpu_attention.library() is None
+        assert "this compiler refuses" in caplog.text
+        assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written left behind
+    finally:
+        cpu_attention.library.cache_clear()
