@@ -24,7 +24,7 @@ const OrtApi* g_api = nullptr;
 constexpr int kQueryBlock = 8;  // new tokens of one row a task takes (they share each transposed key block)
 
 struct Attributes {
-  int64_t heads = 0, kv_heads = 0, window = -1, rotary = 0, interleaved = 0;
+  int64_t heads = 0, kv_heads = 0, window = -1, rotary = 0;
   float scale = 0.f, softcap = 0.f;
 };
 
@@ -245,6 +245,13 @@ void attend(void* data, size_t task) {
   const int64_t kv = static_cast<int64_t>(task) / s.query_blocks % s.attrs.kv_heads;
   const int64_t b = static_cast<int64_t>(task) / s.query_blocks / s.attrs.kv_heads;
   const int64_t first = block * kQueryBlock, last = std::min(s.seq, first + kQueryBlock);
+  if (s.seqlens[b] + 1 < s.seq) {  // fewer positions than new tokens (GroupQueryAttention refuses it): zeros, no read
+    const int64_t group = s.attrs.heads / s.attrs.kv_heads;
+    for (int64_t t = first; t < last; ++t)
+      memset(s.out + ((b * s.seq + t) * s.attrs.heads + kv * group) * s.head_dim, 0,
+             sizeof(float) * static_cast<size_t>(group * s.head_dim));
+    return;
+  }
   switch (s.head_dim) {
     case 64: return attend_block<64>(s, b, kv, first, last);
     case 128: return attend_block<128>(s, b, kv, first, last);
