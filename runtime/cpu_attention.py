@@ -10,10 +10,12 @@ keep GroupQueryAttention: the same tokens, within its rounding (a line in the lo
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -35,6 +37,9 @@ COMPILE_TIMEOUT_S = 300
 # Runtime's kernel
 _KNOWN = {"num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary", "rotary_interleaved"}
 _INPUTS = 9  # query, key, value, past key and value, seqlens_k, total length, cos and sin caches
+# /proc/cpuinfo's lines that say what -march=native builds for: x86's model and flags, ARM's implementer, part and
+# features
+_CPU_FIELDS = ("model name", "flags", "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
 
 
 def cache_root() -> Path:
@@ -51,22 +56,24 @@ def library() -> Path | None:
         log.info("ONNX Runtime %s predates the C API the attention kernel calls: GroupQueryAttention runs",
                  ort.__version__)
         return None
-    compiler = shutil.which(os.environ.get("CXX") or "g++")
+    command = shlex.split(os.environ.get("CXX") or "g++")  # CXX may carry a launcher ("ccache g++")
+    compiler = shutil.which(command[0]) if command else None
     if compiler is None:
         log.info("no C++ compiler (CXX, g++) for the attention kernel: GroupQueryAttention runs")
         return None
+    command[0] = compiler
     digest = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES), " ".join((compiler, *FLAGS)).encode(), _cpu().encode()):
+    for part in (*(p.read_bytes() for p in SOURCES), " ".join((*command, *FLAGS)).encode(), _cpu().encode()):
         digest.update(part)
     folder = cache_root() / "native" / digest.hexdigest()[:16]
     lib = folder / "libmirror_attention.so"
-    if lib.is_file():
+    if lib.is_file() and _loads(lib):
         return lib
-    try:
+    try:  # not there, or damaged: compiled (again)
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
             built = Path(scratch) / lib.name
-            subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCES[0])], check=True, capture_output=True,
+            subprocess.run([*command, *FLAGS, "-o", str(built), str(SOURCES[0])], check=True, capture_output=True,
                            timeout=COMPILE_TIMEOUT_S)
             os.replace(built, lib)  # whole or not at all: another process may compile it at the same time
     except (OSError, subprocess.SubprocessError) as e:
@@ -74,7 +81,17 @@ def library() -> Path | None:
         log.warning("the attention kernel did not compile (%s%s): GroupQueryAttention runs", type(e).__name__,
                     f": {detail.decode(errors='replace').strip()[:300]}" if detail else "")
         return None
-    return lib
+    return lib if _loads(lib) else None
+
+
+def _loads(lib: Path) -> bool:
+    """Whether the library loads here (a cached file may be damaged, or built for another CPU's loader)."""
+    try:
+        ctypes.CDLL(str(lib))
+    except OSError as e:
+        log.warning("the attention kernel at %s does not load (%s)", lib, e)
+        return False
+    return True
 
 
 def _cpu() -> str:
@@ -82,7 +99,7 @@ def _cpu() -> str:
     not hand one CPU another's library)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))]
+            lines = [line for line in f if line.startswith(_CPU_FIELDS)]
         return "".join(sorted(set(lines)))
     except OSError:
         import platform

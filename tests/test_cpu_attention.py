@@ -4,6 +4,10 @@ it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -169,5 +173,23 @@ def test_a_compiler_error_is_a_log_line_not_a_crash(monkeypatch, tmp_path, caplo
             assert cpu_attention.library() is None
         assert "this compiler refuses" in caplog.text
         assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written left behind
+    finally:
+        cpu_attention.library.cache_clear()
+
+
+def test_a_damaged_cached_library_is_compiled_again_and_a_launcher_in_cxx_is_taken(monkeypatch, tmp_path):
+    if cpu_attention.library() is None:
+        pytest.skip("no C++ compiler here")
+    monkeypatch.setenv("MIRROR_SD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "env g++")  # a launcher before the compiler, as ccache is given
+    # compiled by another process (this one keeps what it loaded), then cut short (a full disk, a copy interrupted)
+    done = subprocess.run([sys.executable, "-c", "from mirror_sd.runtime.cpu_attention import library; "
+                           "print(library())"], capture_output=True, text=True, check=True)
+    lib = Path(done.stdout.strip())
+    assert lib.is_relative_to(tmp_path) and lib.stat().st_size > 0
+    lib.write_bytes(b"")
+    cpu_attention.library.cache_clear()
+    try:
+        assert cpu_attention.library() == lib and lib.stat().st_size > 0
     finally:
         cpu_attention.library.cache_clear()

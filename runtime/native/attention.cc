@@ -152,6 +152,11 @@ void attend_block(const Step& s, int64_t b, int64_t kv, int64_t first, int64_t l
     const int64_t t = first + q / group;
     float* row = scores + q * width - begin;  // row[j]: key j's score
     const int64_t a = lo(t), z = hi(t) + 1;
+    if (a >= z) {  // a token past the buffer's end with a local window: no key to read
+      invs[q] = 0.f;
+      for (int64_t k = begin; k < end; ++k) row[k] = 0.f;
+      continue;
+    }
     if (s.attrs.softcap > 0)
       for (int64_t j = a; j < z; ++j) row[j] = s.attrs.softcap * tanhf(row[j] / s.attrs.softcap);
     // max and sum over 16 lanes (key j in lane (j - a) % 16), then across them: one order, vectorised
@@ -245,7 +250,7 @@ void attend(void* data, size_t task) {
   const int64_t kv = static_cast<int64_t>(task) / s.query_blocks % s.attrs.kv_heads;
   const int64_t b = static_cast<int64_t>(task) / s.query_blocks / s.attrs.kv_heads;
   const int64_t first = block * kQueryBlock, last = std::min(s.seq, first + kQueryBlock);
-  if (s.seqlens[b] + 1 < s.seq) {  // fewer positions than new tokens (GroupQueryAttention refuses it): zeros, no read
+  if (s.seqlens[b] + 1 < s.seq) {  // fewer positions than new tokens (the target's graphs never feed it): zeros
     const int64_t group = s.attrs.heads / s.attrs.kv_heads;
     for (int64_t t = first; t < last; ++t)
       memset(s.out + ((b * s.seq + t) * s.attrs.heads + kv * group) * s.head_dim, 0,
@@ -333,22 +338,25 @@ void compute(void* kernel, OrtKernelContext* context) {
   const float* v_in = packed ? q_in + (H + KV) * D : data_of<float>(value);
   const int64_t q_stride = packed ? (H + 2 * KV) * D : H * D, kv_stride = packed ? q_stride : KV * D;
   const float *cos_cache = rotary ? data_of<float>(cos) : nullptr, *sin_cache = rotary ? data_of<float>(sin) : nullptr;
-  const int64_t half = rotary / 2;
+  const int64_t half = rotary / 2, angles = rotary ? shape_of(cos)[0] : 0;
 
   std::vector<float> q(static_cast<size_t>(B * S * H * D));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t past = lengths[b] + 1 - S;
     for (int64_t t = 0; t < S; ++t) {
       const int64_t pos = past + t, token = b * S + t;
-      const float* c = rotary ? cos_cache + pos * half : nullptr;
-      const float* n = rotary ? sin_cache + pos * half : nullptr;
+      // a position outside the buffer or the rotary table (never fed by the target's graphs) is neither turned nor
+      // written, and its query attends to nothing (attend)
+      const bool inside = pos >= 0 && pos < capacity && (!rotary || pos < angles);
+      const float* c = rotary && inside ? cos_cache + pos * half : nullptr;
+      const float* n = rotary && inside ? sin_cache + pos * half : nullptr;
       for (int64_t h = 0; h < H; ++h) {
         const float* src = q_in + token * q_stride + h * D;
         float* dst = q.data() + (token * H + h) * D;
-        if (rotary) rotate(src, dst, D, rotary, c, n);
+        if (c) rotate(src, dst, D, rotary, c, n);
         else memcpy(dst, src, sizeof(float) * D);
       }
-      if (pos < 0 || pos >= capacity) continue;
+      if (!inside) continue;
       for (int64_t h = 0; h < KV; ++h) {
         const size_t at = static_cast<size_t>(((b * KV + h) * capacity + pos) * D);
         const float* ks = k_in + token * kv_stride + h * D;
