@@ -56,7 +56,10 @@ def library() -> Path | None:
         log.info("ONNX Runtime %s predates the C API the attention kernel calls: GroupQueryAttention runs",
                  ort.__version__)
         return None
-    command = shlex.split(os.environ.get("CXX") or "g++")  # CXX may carry a launcher ("ccache g++")
+    try:  # CXX may carry a launcher ("ccache g++")
+        command = shlex.split(os.environ.get("CXX") or "g++")
+    except ValueError:  # unbalanced quotes: no command to run
+        command = []
     compiler = shutil.which(command[0]) if command else None
     if compiler is None:
         log.info("no C++ compiler (CXX, g++) for the attention kernel: GroupQueryAttention runs")
