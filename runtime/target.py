@@ -396,6 +396,7 @@ class OrtTarget(Target):
         self._session_args = (providers, threads, spinning)
         # a float32 target runs on the CPU only (below); its attention's kernel is the project's where it compiled
         self._kernel = cpu_attention.library() if native_attention and facts.dtype == "float32" else None
+        self._attends = {role: bool(spec.kv_layers) for role, spec in specs.items()}  # the exit head does not
         self.native_attention = False
         sessions = {role: self._rewritten(role, None) for role in specs}
         for role, session in sessions.items():
@@ -468,17 +469,18 @@ class OrtTarget(Target):
         import onnx
 
         path = self._paths[role]
+        kernel = self._kernel if self._attends[role] else None
         if rewrite is None:
-            graph = cpu_attention.serialized_with_kernel(path) if self._kernel is not None else None
-            self.native_attention |= graph is not None
-            if graph is None:
+            graph = cpu_attention.serialized_with_kernel(path) if kernel is not None else None
+            if graph is None:  # the file as it is
                 return ort_session(path, *self._session_args)
-            return ort_session(graph, *self._session_args, data_folder=path.parent, custom_ops=self._kernel)
-        graph = rewrite(onnx.load(str(path), load_external_data=False))
-        kernel = self._kernel if self._kernel is not None and cpu_attention.with_kernel(graph) else None
+        else:
+            model = rewrite(onnx.load(str(path), load_external_data=False))
+            if kernel is not None and not cpu_attention.with_kernel(model):
+                kernel = None
+            graph = model.SerializeToString()
         self.native_attention |= kernel is not None
-        return ort_session(graph.SerializeToString(), *self._session_args, data_folder=path.parent,
-                           custom_ops=kernel)
+        return ort_session(graph, *self._session_args, data_folder=path.parent, custom_ops=kernel)
 
     @staticmethod
     def _lengths(start: int, new: int) -> dict[str, np.ndarray]:
