@@ -322,7 +322,8 @@ void compute(void* kernel, OrtKernelContext* context) {
   const int64_t B = qshape[0], S = qshape[1], D = kvshape[3], capacity = kvshape[2];
   const int64_t H = a.heads, KV = a.kv_heads;
   if (a.scale == 0.f) a.scale = 1.f / sqrtf(static_cast<float>(D));  // GroupQueryAttention's default
-  const int64_t rotary = a.rotary && cos ? 2 * shape_of(cos)[1] : 0;
+  const std::vector<int64_t> angles_shape = a.rotary && cos ? shape_of(cos) : std::vector<int64_t>{0, 0};
+  const int64_t rotary = 2 * angles_shape[1];  // [positions, rotary / 2]
 
   float* out = output(context, 0, {B, S, H * D});
   float* keys = output(context, 1, kvshape);
@@ -338,7 +339,7 @@ void compute(void* kernel, OrtKernelContext* context) {
   const float* v_in = packed ? q_in + (H + KV) * D : data_of<float>(value);
   const int64_t q_stride = packed ? (H + 2 * KV) * D : H * D, kv_stride = packed ? q_stride : KV * D;
   const float *cos_cache = rotary ? data_of<float>(cos) : nullptr, *sin_cache = rotary ? data_of<float>(sin) : nullptr;
-  const int64_t half = rotary / 2, angles = rotary ? shape_of(cos)[0] : 0;
+  const int64_t half = rotary / 2, angles = angles_shape[0];
 
   std::vector<float> q(static_cast<size_t>(B * S * H * D));
   for (int64_t b = 0; b < B; ++b) {
