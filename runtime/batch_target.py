@@ -61,12 +61,12 @@ class BatchTarget:
         self.slots = slots
         # a run of one row is padded to the target's step width as its own steps are (Target.step_width)
         self.step_width = target.step_width
-        # On the CPU (a target with int8 activations) every row's attention is padded too: its P.V runs on another
-        # kernel for one query row than for two or more, which rounds otherwise, and int8 activations turn that into
-        # logits apart (docs/design.md: A compressed target steps two rows at least). Batched rows after a past run
-        # on the window graphs, whose attention takes a query more per row (runtime/window_graphs.py). A GPU's
-        # batched rows stay one token: their float16 rounding apart from a lone step's is reported where it flips a
-        # token, not prevented.
+        # On the CPU (a target with int8 activations, ONNX Runtime's attention) every row's attention is padded too:
+        # its P.V runs on another kernel for one query row than for two or more, which rounds otherwise, and int8
+        # activations turn that into logits apart (docs/design.md: A compressed target steps two rows where one row
+        # rounds otherwise). Batched rows after a past run on the window graphs, whose attention takes a query more
+        # per row (runtime/window_graphs.py). A GPU's batched rows stay one token: their float16 rounding apart from a
+        # lone step's is reported where it flips a token, not prevented.
         self.pads_rows = target.pads_rows
         self.prompt_graphs = target.prompt_graphs  # prompts prefilled on OpenVINO in bf16, or None
         self._device = ort_device(target.device)

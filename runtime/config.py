@@ -699,8 +699,9 @@ class LoadOptions(Options):
     target_step_width: int | None = option(
         None, "ONNX Runtime: pad every target step of fewer tokens to this many, so that a position gets the same "
         "logits in any step (the GPU's float16 kernels, the CPU's int8 ones: runtime/target.py)", range=Range(0),
-        none="8 on the CUDA execution provider, 2 on the CPU for an int8 or int4 target (int8 activations), "
-        "else 0 (off)")
+        none="8 on the CUDA execution provider, 2 on the CPU for an int8 or int4 target (int8 activations) where "
+        "its one-row steps round otherwise (ONNX Runtime's attention; on the project's kernel a probe at load "
+        "decides), else 0 (off)")
     draft_backend: str | None = option(None, "the draft's runtime", choices=BACKENDS,
                                        none="the bundle plan's where the draft runs on the CPU, else openvino")
     draft_device: str | None = option(

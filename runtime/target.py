@@ -57,9 +57,11 @@ PROMPT_GRAPH_CHUNK = 512
 # longer window still runs, unpadded.
 GPU_STEP_WIDTH = 8
 # Every target step of a target whose MatMuls take int8 activations (the int8 and int4 ones) on the CPU runs at least
-# this many rows: ONNX Runtime's MatMulNBits computes a one-row step on another path than a step of two rows or more,
-# whose int8 activations round otherwise (a position's logits up to 0.6 apart on SmolLM2), while steps of two rows
-# and more agree bit for bit at any width and offset (docs/design.md: A compressed target steps two rows at least).
+# this many rows where a one-row step rounds otherwise than a window's row: ONNX Runtime's GroupQueryAttention computes
+# one row on another path, and int8 activations round that up to a step of their grid (a position's logits up to 0.6
+# apart on SmolLM2), while two rows and more agree bit for bit at any width and offset. On the project's attention
+# kernel a probe at load (OrtTarget._steps_alike) keeps one-row steps where this CPU's MatMulNBits computes one row as
+# it computes several (docs/design.md: A compressed target steps two rows where one row rounds otherwise).
 INT8_STEP_WIDTH = 2
 # ...and no run of such a target ends with a lone row past a block of rows: ONNX Runtime's CPU attention computes the
 # last row of a run of 33, 65, 97, ... rows (a block of 32 and one more, on AVX2) on its one-row path too, so a prompt
@@ -214,7 +216,8 @@ class Target:
         # near-tie then flips (measured: results/cuda-ep.json). At one width every step runs the same kernels and
         # each row is computed alone, so ar, sd and mirror see the same logits. On a GPU the extra rows are nearly
         # free (a 5-token step costs about a 1-token one). On the CPU a target with int8 activations (int8, int4) pads
-        # one-row steps to two (INT8_STEP_WIDTH); 0 (the CPU's default otherwise) pads nothing.
+        # one-row steps to two where they round otherwise (INT8_STEP_WIDTH); 0 (the CPU's default otherwise) pads
+        # nothing.
         self.step_width = step_width
         # a padded target on the CPU (int8 activations): its runs never end with a lone row past a block (ROW_BLOCK),
         # and the batching engine pads its batched rows as a lone row is (runtime/batch_target.py)
@@ -248,7 +251,7 @@ class Target:
         for its logprobs (`scored`). Otherwise all, where every run has two rows at least (pads_rows); else its
         prompt's but the last: a one-row run (a generated token's step, the last prompt token's where the engine ran
         it in a decode step) rounds otherwise than a row of a wider run (ONNX Runtime's one-row kernels:
-        docs/design.md, A compressed target steps two rows at least)."""
+        docs/design.md, A compressed target steps two rows where one row rounds otherwise)."""
         if self.prompt_graphs is not None:
             return 0 if scored else min(kv_len, self.prompt_split(prompt_len))
         return kv_len if self.pads_rows else min(kv_len, prompt_len - 1)
@@ -410,6 +413,7 @@ class OrtTarget(Target):
                                 "has float16 kernels only): export the bundle with --target-dtype float16, or run "
                                 "the target on the CPU", option="target_device")
         on_gpu = self.device == "CUDAExecutionProvider"
+        chosen = step_width is not None
         if step_width is None:  # fixed-width steps where the kernels choose by width: the GPU's float16 ones
             step_width = GPU_STEP_WIDTH if on_gpu else INT8_STEP_WIDTH if facts.matmul_activations == "int8" else 0
         super().__init__(manifest, capacity, step_width)
@@ -427,6 +431,29 @@ class OrtTarget(Target):
         self._kv: dict[str, object] = self.buffers  # the KV memory bound now (use_kv)
         self.kv_dtype = np.dtype(facts.dtype)
         self._host_kv: dict[str, np.ndarray] | None = None
+        # the two-row padding is for ONNX Runtime's one-row attention; the kernel computes a row alike in any step,
+        # and where this CPU's MatMulNBits does too, one-row steps are a row's bits (INT8_STEP_WIDTH)
+        probe = not chosen and self.step_width == INT8_STEP_WIDTH and self.native_attention
+        if probe and self._steps_alike(facts.vocab_size):
+            self.step_width, self.pads_rows = 0, False
+
+    def _steps_alike(self, vocab_size: int) -> bool:
+        """Whether one-row steps give each position the logits a window's row gives it, bit for bit, on this CPU's
+        kernels: a window of 5 tokens and the same tokens a step each, from position 0 (KV written there is
+        unused). The steps run unpadded; the padding is put back by the caller where they differ."""
+        width, pads = self.step_width, self.pads_rows
+        self.step_width, self.pads_rows = 0, False
+        try:
+            tokens = [(7 * i + 3) % vocab_size for i in range(5)]
+            wide, cache = self.forward(tokens, self.empty_cache())
+            cache, steps = self.empty_cache(), []
+            for token in tokens:
+                logits, cache = self.forward([token], cache)
+                steps.append(logits[0])
+            return bool(np.array_equal(np.stack(steps), wide))
+        finally:
+            self.step_width, self.pads_rows = width, pads
+            self.forwards = 0
 
     def use_kv(self, views: dict[str, KVView] | None) -> None:
         """Run on other KV memory: `views` of [1, kv_heads, self.slots, head_dim] per KV tensor (one of the engine's

@@ -296,23 +296,27 @@ def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines):
         batch.run_windows(rows + [Row(4, (5,), 0, 1)])
 
 
+@pytest.mark.parametrize("width", [None, 2])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_a_compressed_targets_rows_get_their_solo_tokens_in_plain_and_window_steps(bundle_factory, weights,
+def test_a_compressed_targets_rows_get_their_solo_tokens_in_plain_and_window_steps(bundle_factory, weights, width,
                                                                                     monkeypatch):
-    """A target with int8 activations steps two rows at least alone (Target.step_width): batched, each of its rows'
-    attention is padded so too, on the window graphs (a plain step in one run of the 6-row graphs, spare rows filling
-    it), and every output equals its solo one; then rows verifying windows (a scripted gate, every step) too."""
+    """A target with int8 activations steps two rows at least alone where one row rounds otherwise (Target.step_width;
+    width 2 asks for it, None lets the load's probe decide): batched, each of its rows' attention is padded so too,
+    on the window graphs (a plain step in one run of the 6-row graphs, spare rows filling it), and every output equals
+    its solo one; then rows verifying windows (a scripted gate, every step) too."""
     import mirror_sd.runtime.batching as batching
 
-    pipe = Pipeline.load(bundle_factory(target_weights=weights), huge_pages=False, max_num_seqs=6)
+    pipe = Pipeline.load(bundle_factory(target_weights=weights), huge_pages=False, max_num_seqs=6,
+                         target_step_width=width)
     try:
-        assert pipe.target.step_width == 2 and pipe.engine().batch.pads_rows
+        padding = pipe.target.step_width == 2
+        assert pipe.engine().batch.pads_rows == padding and (padding or width is None)
         batch, padded = pipe.engine().batch, []
         run = batch.run_windows
         monkeypatch.setattr(batch, "run_windows", lambda rows: padded.append(len(rows)) or run(rows))
         results = pipe.generate(PROMPTS, mode="ar", max_new_tokens=12, ignore_eos=True)  # plain steps only
         assert [r.token_ids for r in results] == [solo(pipe, p, ignore_eos=True) for p in PROMPTS]
-        assert max(r.stats.mean_batch_size for r in results) > 1 and padded
+        assert max(r.stats.mean_batch_size for r in results) > 1 and bool(padded) == padding
 
         asks = [(PROMPTS[4], {"mode": "lookup"}), (PROMPTS[1], {"mode": "sd"}), (PROMPTS[3], {"mode": "ar"})]
         alone = [pipe.generate(p, **{"max_new_tokens": 16, "ignore_eos": True, **o, "mode": "ar"}) for p, o in asks]

@@ -8,9 +8,9 @@
 - sd and mirror equal the compressed target's own ar output token for token, on every architecture (exactness is with
   respect to the target as deployed).
 - An int8 or int4 target (int8 activations) gives a position the same logits bit for bit in a 1-token step and in
-  any row of a window, alone and in the batching engine: its one-row steps are padded to two rows (ONNX Runtime's
-  int8-activation kernels compute one row otherwise). A bundle from before `matmul_activations` keeps its format's
-  old kernel: int8 activations for int8, float32 for int4.
+  any row of a window, alone and in the batching engine: its one-row steps are padded to two rows where ONNX
+  Runtime's kernels compute one row otherwise (its attention; on the project's kernel a probe at load decides). A
+  bundle from before `matmul_activations` keeps its format's old kernel: int8 activations for int8, float32 for int4.
 - An NPU package of such a bundle and the server take it (the same tokens).
 - A bad weight format is refused before any work.
 """
@@ -36,7 +36,7 @@ from mirror_sd.package.build import PackageOptions, build_package
 from mirror_sd.partitions.manifest import WEIGHT_BITS, Manifest
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.profile import head_ratios
-from mirror_sd.runtime.target import INT8_STEP_WIDTH
+from mirror_sd.runtime.target import INT8_STEP_WIDTH, OrtTarget
 
 
 def _ops(path) -> list[str]:
@@ -114,19 +114,24 @@ def test_a_compressed_target_gives_a_position_the_same_logits_in_every_step(bund
             one.append(logits[0])
         return np.stack(one), wide
 
+    # on the project's attention kernel one-row steps run unpadded where a probe at load finds this CPU's MatMulNBits
+    # computing one row as it computes several; the width asked for is kept either way
     pipe = Pipeline.load(bundle)
-    assert pipe.target.step_width == INT8_STEP_WIDTH
+    assert pipe.target.step_width in (0, INT8_STEP_WIDTH) and pipe.target.pads_rows == bool(pipe.target.step_width)
     one, wide = steps_and_window(pipe)
     assert np.array_equal(one, wide)
-    # unpadded, ONNX Runtime's attention takes its one-row path, which rounds otherwise: what the padding is for;
-    # the project's kernel computes a query alike in any step (runtime/cpu_attention.py)
+    padded = Pipeline.load(bundle, target_step_width=INT8_STEP_WIDTH)
+    assert padded.target.step_width == INT8_STEP_WIDTH and padded.target.pads_rows
+    one, wide = steps_and_window(padded)
+    assert np.array_equal(one, wide)
+    # unpadded, ONNX Runtime's attention takes its one-row path, which rounds otherwise: what the padding is for
+    gqa = Pipeline.load(bundle, native_attention=False)
+    assert gqa.target.step_width == INT8_STEP_WIDTH
     one, wide = steps_and_window(Pipeline.load(bundle, target_step_width=0, native_attention=False))
     assert not np.array_equal(one, wide)
-    if pipe.target.native_attention:
-        one, wide = steps_and_window(Pipeline.load(bundle, target_step_width=0))
-        assert np.array_equal(one, wide)
     # the batching engine pads a lone row as well: a request alone there is the generation alone, bit for bit, and
-    # beside another request too (docs/design.md: A compressed target steps two rows at least, Rows of a batched step)
+    # beside another request too (docs/design.md: A compressed target steps two rows where one row rounds otherwise;
+    # Rows of a batched step)
     settings = {"mode": "ar", "max_new_tokens": 12, "temperature": 0.0, "logprobs": 0}
     solo = pipe.generate(prompt, **settings)
     alone = pipe.generate([prompt], **settings)[0]
@@ -134,6 +139,23 @@ def test_a_compressed_target_gives_a_position_the_same_logits_in_every_step(bund
     batched = pipe.generate([prompt, [3, 3, 8, 8, 3]], **settings)[0]
     assert batched.token_ids == solo.token_ids
     assert np.allclose([t.logprob for t in batched.logprobs], [t.logprob for t in solo.logprobs], atol=0.05)
+
+
+def test_the_load_probe_pads_one_row_steps_where_they_differ_from_a_windows_rows(bundle_factory, monkeypatch):
+    bundle = bundle_factory("llama", target_weights="int8")
+    # the probe itself: ONNX Runtime's attention computes a one-row step otherwise than a window's row
+    gqa = Pipeline.load(bundle, target_step_width=0, native_attention=False).target
+    assert gqa._steps_alike(Manifest.load(bundle).target.vocab_size) is False
+    assert gqa.step_width == 0 and not gqa.pads_rows and gqa.forwards == 0  # as it was before the probe
+    pipe = Pipeline.load(bundle)
+    if not pipe.target.native_attention:
+        pytest.skip("no C++ compiler: the kernel, and so the probe, does not run")
+    monkeypatch.setattr(OrtTarget, "_steps_alike", lambda self, vocab_size: False)
+    target = Pipeline.load(bundle).target
+    assert target.step_width == INT8_STEP_WIDTH and target.pads_rows
+    monkeypatch.setattr(OrtTarget, "_steps_alike", lambda self, vocab_size: True)
+    target = Pipeline.load(bundle).target
+    assert target.step_width == 0 and not target.pads_rows
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
