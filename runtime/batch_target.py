@@ -7,9 +7,11 @@ its T new ones in place, so rows at different lengths share a step. A run binds 
 the padding's keys land past the row's length, where the row's next step overwrites them. The pipeline's single
 generation and these steps run the same sessions (the target's weights are loaded once).
 
-`run_windows` runs a step in which rows have windows of several tokens after a past, which the graphs above refuse
-at batch > 1 (GroupQueryAttention's CPU kernel): on the window graphs (runtime/window_graphs.py), whose attention
-runs per row over that row's own slot, bound per row.
+`run_windows` runs a step in which rows have windows of several tokens after a past. On the project's attention
+kernel (runtime/cpu_attention.py) the graphs above take them at any batch, padded to the widest row as prompts are;
+ONNX Runtime's GroupQueryAttention refuses them at batch > 1, so there they run on the window graphs
+(runtime/window_graphs.py), whose attention runs per row over that row's own slot, bound per row, and which load the
+target's weights again.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class BatchTarget:
         # per row (runtime/window_graphs.py). A GPU's batched rows stay one token: their float16 rounding apart from a
         # lone step's is reported where it flips a token, not prevented.
         self.pads_rows = target.pads_rows
+        # rows of several tokens after a past, at any batch, on the exported graphs: the project's attention kernel
+        # computes each row's queries as that row alone, whatever the batch and the width (no window graphs)
+        self.any_rows = target.native_attention
         self.prompt_graphs = target.prompt_graphs  # prompts prefilled on OpenVINO in bf16, or None
         self._device = ort_device(target.device)
         self._bound: dict[str, _Bound] = {}
@@ -77,7 +82,7 @@ class BatchTarget:
         # window graphs per count of rows: window_rows for windows; a padded target's plain steps of more rows run
         # on graphs of up to STEP_ROWS rows (their weights loaded a third time) rather than in runs of window_rows,
         # each of which reads the weights again
-        sizes = [self.window_rows] if self.window_rows else []
+        sizes = [self.window_rows] if self.window_rows and not self.any_rows else []
         if sizes and self.pads_rows and min(slots.count, STEP_ROWS) > self.window_rows:
             sizes.append(min(slots.count, STEP_ROWS))
         self._windows = {rows: {role: _RowBound(session, spec, rows)
@@ -93,20 +98,30 @@ class BatchTarget:
         start + the widest row's tokens must fit their slot. Rows of several tokens after a past (and a padded
         target's rows after a past) run as `_run_padded` runs them, each row's bits those of the row alone."""
         several = max(len(r.ids) for r in rows) > 1
-        if len(rows) > 1 and any(r.start for r in rows) and (self.pads_rows or several):
+        if not self.any_rows and len(rows) > 1 and any(r.start for r in rows) and (self.pads_rows or several):
             return self._run_padded(rows)
         out: list[RowOut] = [RowOut(None, None)] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
         for run in _consecutive(order, rows):
-            for i, row_out in zip(run, self._run([rows[i] for i in run])):
-                out[i] = row_out
+            for part in self._fitting(run, rows):
+                for i, row_out in zip(part, self._run([rows[i] for i in part])):
+                    out[i] = row_out
         return out
+
+    def _fitting(self, run: list[int], rows: list[Row]) -> list[list[int]]:
+        """`run` (indices into rows) as runs whose rows all have room in their slots for the widest row's tokens (a
+        run pads every row to it): a row too near its slot's end for that runs alone."""
+        width = max(len(rows[i].ids) for i in run)
+        fits = [i for i in run if rows[i].start + width <= self.slots.positions]
+        if len(fits) == len(run):
+            return [run]
+        return ([fits] if fits else []) + [[i] for i in run if i not in fits]
 
     @property
     def window_run_rows(self) -> int:
-        """The most rows of several tokens after a past that `run` takes in one run (on the window graphs); 1 without
-        window graphs (it runs such rows one at a time)."""
-        return max(self._windows, default=1)
+        """The most rows of several tokens after a past that `run` takes in one run: every slot's on the attention
+        kernel, else the window graphs' rows; 1 without either (it runs such rows one at a time)."""
+        return self.slots.count if self.any_rows else max(self._windows, default=1)
 
     def _run(self, rows: list[Row]) -> list[RowOut]:
         width = max(len(r.ids) for r in rows)
@@ -115,7 +130,7 @@ class BatchTarget:
         if len(rows) == 1 or (self.pads_rows and not any(r.start for r in rows)):
             width = padded_rows(width, self.step_width, min(self.slots.positions - r.start for r in rows),
                                 self.pads_rows)
-        if width > 1 and len(rows) > 1 and any(r.start for r in rows):
+        if width > 1 and len(rows) > 1 and any(r.start for r in rows) and not self.any_rows:
             # GroupQueryAttention's CPU kernel: several rows of several tokens only without a past
             raise ValueError("rows of several tokens after a past run one at a time")
         for r in rows:
@@ -174,15 +189,18 @@ class BatchTarget:
         the bits of that row alone (a padded target's rows take a query more in their attention, as its steps alone
         are padded to two tokens). The run is on the fewest rows' window graphs that take them; their other rows
         are spares: a copied query each, written in a scratch slot, no MatMul row of theirs
-        (runtime/window_graphs.py)."""
-        size = min((n for n in self._windows if n >= len(rows)), default=0)
-        if not rows or not size:
-            raise ValueError(f"a window step runs 1 to {max(self._windows, default=0)} rows, not {len(rows)}")
+        (runtime/window_graphs.py). On the attention kernel: `run`, the rows padded to the widest."""
+        most = self.window_rows if self.any_rows else max(self._windows, default=0)
+        if not rows or len(rows) > most:
+            raise ValueError(f"a window step runs 1 to {most} rows, not {len(rows)}")
         if len({r.slot for r in rows}) != len(rows):
             raise ValueError("two rows of a window step in one slot")
         for r in rows:
             if not r.ids or r.start + len(r.ids) > self.slots.positions:
                 raise ValueError(f"slot {r.slot}: {r.start} + {len(r.ids)} positions exceed its {self.slots.positions}")
+        if self.any_rows:
+            return self.run(rows)
+        size = min(n for n in self._windows if n >= len(rows))
         # rows asking for no logits go first in the packed sequence, so that the LM head skips them
         order = sorted(range(len(rows)), key=lambda i: rows[i].logits_for > 0)
         packed = [rows[i] for i in order]

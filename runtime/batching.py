@@ -628,7 +628,7 @@ class BatchEngine:
                 gate.record(True, committed, time.perf_counter() - started - catch_up)
             return
         inputs = [Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows]
-        if self.batch.pads_rows:  # rows run on the window graphs, in any slots: no fillers
+        if self.batch.pads_rows and not self.batch.any_rows:  # rows run on the window graphs, in any slots
             outs = self.batch.run(inputs)
         else:
             outs = self.batch.run(inputs + self._fillers(inputs))
@@ -706,7 +706,13 @@ class BatchEngine:
         first disagreement with its window (runtime/verify.py), as a generation alone verifies a window. The tokens
         committed."""
         inputs = [Row(r.slot.index, (r.context[-1], *w), r.kv_len, 1 + len(w)) for r, (w, _) in zip(rows, windows)]
-        outs = self.batch.run_windows(inputs) if len(rows) > 1 else self.batch.run(inputs)
+        if len(rows) == 1:
+            outs = self.batch.run(inputs)
+        elif self.batch.any_rows:  # the exported graphs, every row padded to the widest window: fillers in the gaps
+            width = max(len(r.ids) for r in inputs)
+            outs = self.batch.run(inputs + self._fillers(inputs, width))[:len(inputs)]
+        else:
+            outs = self.batch.run_windows(inputs)
         committed = 0
         for row, (window, source), (out, taps) in zip(rows, windows, outs):
             self._count_step(row, len(rows))
@@ -765,10 +771,10 @@ class BatchEngine:
             self._retire(row, error=e)
             return None
 
-    def _fillers(self, rows: list[Row]) -> list[Row]:
+    def _fillers(self, rows: list[Row], width: int = 1) -> list[Row]:
         """Rows for the slots in the gaps between `rows`' slots (one token each, logits unused), so that the step is
-        one run. A filler writes one position at its slot's valid length: past a running request's context or a
-        cached prefix, where nothing is read before it is written again."""
+        one run. A filler writes `width` positions (the run's widest row) from its slot's valid length: past a running
+        request's context or a cached prefix, where nothing is read before it is written again."""
         busy = {r.slot.index: r.kv_len for r in self._rows}
         taken = sorted(r.slot for r in rows)
         out = []
@@ -777,7 +783,7 @@ class BatchEngine:
                 continue
             for index in range(lo + 1, hi):
                 valid = busy.get(index, len(self.table.slots[index].tokens))
-                if valid + 1 > self.kv.positions:  # a full cached slot: split the step here instead
+                if valid + width > self.kv.positions:  # a full cached slot: split the step here instead
                     break
                 out.append(Row(index, (0,), valid, 0))
         return out

@@ -733,10 +733,10 @@ class LoadOptions(Options):
         none="max_num_seqs slots (on the CPU only the positions written take memory)")
     window_rows: int = option(
         4, "the batching engine on the CPU: up to this many lookup/sd/mirror requests verify windows copied "
-        "from their texts in one step (prompt lookup at batch > 1, where it measures faster than plain steps); the "
-        "target's weights are loaded a second time for it, about their size again in memory; an int8 or int4 "
-        "target's batched steps, where max_num_seqs is larger, load them a third time to run up to 16 rows at once "
-        "(0 or 1: off; such a target's batched rows then step one at a time)",
+        "from their texts in one step (prompt lookup at batch > 1, where it measures faster than plain steps); "
+        "without the project's attention kernel (native_attention) the target's weights are loaded a second time "
+        "for it, about their size again in memory, and an int8 or int4 target whose steps are padded loads them a "
+        "third time to run up to 16 rows at once (0 or 1: off; such a target's batched rows then step one at a time)",
         range=Range(0))
     enable_prefix_caching: bool = option(
         True, "start a prompt from the head an earlier generation left in KV memory (the batching engine's free "

@@ -105,14 +105,15 @@ def test_a_batch_of_prompts_gives_each_its_own(torch_and_pipe):
 
 @pytest.mark.parametrize("beams", [4, 6])
 def test_a_beam_step_is_one_run_of_the_target(torch_and_pipe, beams):
-    """Every running beam's next token is one run of the target: its two tokens past its parent's prompt on the
-    window graphs, in runs of window_rows (GenAI steps its beams once a token as well)."""
+    """Every running beam's next token is one run of the target: its two tokens past its parent's prompt in one run
+    on the attention kernel, else on the window graphs in runs of window_rows (GenAI steps its beams once a token as
+    well)."""
     _, get = torch_and_pipe
     _, pipe = get("llama")
     batch = pipe.engine().batch
     before = batch.forwards
     result = pipe.generate(LONG_PROMPT, num_beams=beams, max_new_tokens=10, ignore_eos=True)
-    runs_per_step = -(-beams // batch.window_rows)
+    runs_per_step = 1 if batch.any_rows else -(-beams // batch.window_rows)
     # the prompt's prefill gives the first token; every later token of the search takes one step of the beams
     assert batch.forwards - before == 1 + runs_per_step * (len(result.token_ids) - 1)
 

@@ -35,6 +35,22 @@ def pipelines(bundle_factory):
         pipe.close()
 
 
+@pytest.fixture(scope="module")
+def gqa_pipeline(bundle_factory):
+    """llama's on ONNX Runtime's GroupQueryAttention (no compiler, or native_attention off): rows of several tokens
+    after a past run on the window graphs there."""
+    pipe = Pipeline.load(bundle_factory("llama"), huge_pages=False, max_num_seqs=4, native_attention=False)
+    assert not pipe.engine().batch.any_rows and pipe.engine().batch._windows
+    yield pipe
+    pipe.close()
+
+
+def attended(request, pipelines, arch: str, attention: str) -> Pipeline:
+    """The module's pipeline of `arch` (its attention on the project's kernel where it compiled), or llama's on ONNX
+    Runtime's attention ("gqa")."""
+    return request.getfixturevalue("gqa_pipeline") if attention == "gqa" else pipelines[arch]
+
+
 def solo(pipe: Pipeline, prompt, **options) -> list[int]:
     return pipe.generate(prompt, **{"mode": "ar", "max_new_tokens": 12, **options}).token_ids
 
@@ -158,15 +174,16 @@ def oracle_lookup(expected: dict[tuple[int, ...], list[int]]):
     return Oracle
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_rows_verify_their_windows_in_one_step_and_keep_their_solo_outputs(pipelines, arch, monkeypatch):
-    """Speculative rows verify their windows (copied from their texts: prompt lookup) together in one run of the
-    window graphs, every step here (a scripted gate), beside an ar row: each output is the one it gets alone (a
-    sampled row's, ar's draws under its seed: it verifies against them), windows accepted whole, cut short or
-    rejected, and each logprob to float rounding."""
+@pytest.mark.parametrize("arch, attention", [(a, "kernel") for a in ARCHITECTURES] + [("llama", "gqa")])
+def test_rows_verify_their_windows_in_one_step_and_keep_their_solo_outputs(pipelines, arch, attention, monkeypatch,
+                                                                           request):
+    """Speculative rows verify their windows (copied from their texts: prompt lookup) together in one run (of the
+    exported graphs on the attention kernel, else of the window graphs), every step here (a scripted gate), beside an
+    ar row: each output is the one it gets alone (a sampled row's, ar's draws under its seed: it verifies against
+    them), windows accepted whole, cut short or rejected, and each logprob to float rounding."""
     import mirror_sd.runtime.batching as batching
 
-    pipe = pipelines[arch]
+    pipe = attended(request, pipelines, arch, attention)
     asks = [(PROMPTS[4], {"mode": "lookup", "logprobs": 2}), (PROMPTS[1], {"mode": "sd"}),
             (PROMPTS[3], {"mode": "ar"}), (PROMPTS[0], {"mode": "mirror", "temperature": 0.8, "seed": 7})]
     alone = [pipe.generate(p, **{"max_new_tokens": 24, "ignore_eos": True, **o, "mode": "ar"}) for p, o in asks]
@@ -272,12 +289,16 @@ def test_a_plans_measured_steps_per_count_of_rows_are_its_window_gates_first_gue
     assert proposed["planned"] == 0 and proposed["fresh"] > 0
 
 
-def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines):
-    """BatchTarget.run_windows: rows of several tokens after different pasts, in any slot order, a spare row among
-    them: each row's logits are the bits of that row run alone, and the spare's are not returned."""
-    pipe = pipelines["llama"]
+@pytest.mark.parametrize("attention", ["kernel", "gqa"])
+def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines, attention, request):
+    """BatchTarget.run_windows: rows of several tokens after different pasts, in any slot order (on the window
+    graphs a spare row among them): each row's logits are the bits of that row run alone, and the spare's are not
+    returned. On the attention kernel the exported graphs run them: no window graphs, no second copy of the
+    weights."""
+    pipe = attended(request, pipelines, "llama", attention)
     batch = pipe.engine().batch
     assert batch.window_rows == 4
+    assert batch.any_rows == (attention == "kernel" and pipe.target.native_attention) == (not batch._windows)
     prompt = pipe.check(PROMPTS[4])[0][:9]
     rows = [Row(3, tuple(prompt[:3]), 0, 3), Row(0, (5,), 0, 0), Row(1, tuple(prompt[:2]), 0, 1),
             Row(2, tuple(prompt), 0, 9)]
@@ -296,27 +317,30 @@ def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines):
         batch.run_windows(rows + [Row(4, (5,), 0, 1)])
 
 
-@pytest.mark.parametrize("width", [None, 2])
+@pytest.mark.parametrize("kernel, width", [(True, None), (True, 2), (False, None)])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_a_compressed_targets_rows_get_their_solo_tokens_in_plain_and_window_steps(bundle_factory, weights, width,
-                                                                                    monkeypatch):
+def test_a_compressed_targets_rows_get_their_solo_tokens_in_plain_and_window_steps(bundle_factory, weights, kernel,
+                                                                                    width, monkeypatch):
     """A target with int8 activations steps two rows at least alone where one row rounds otherwise (Target.step_width;
-    width 2 asks for it, None lets the load's probe decide): batched, each of its rows' attention is padded so too,
-    on the window graphs (a plain step in one run of the 6-row graphs, spare rows filling it), and every output equals
-    its solo one; then rows verifying windows (a scripted gate, every step) too."""
+    width 2 asks for it, None lets the load's probe decide). On ONNX Runtime's attention its batched rows' attention
+    is padded so too, on the window graphs (a plain step in one run of the 6-row graphs, spare rows filling it); on
+    the project's kernel they run on the exported graphs. Every output equals its solo one; then rows verifying
+    windows (a scripted gate, every step) too."""
     import mirror_sd.runtime.batching as batching
 
     pipe = Pipeline.load(bundle_factory(target_weights=weights), huge_pages=False, max_num_seqs=6,
-                         target_step_width=width)
+                         target_step_width=width, native_attention=kernel)
     try:
-        padding = pipe.target.step_width == 2
-        assert pipe.engine().batch.pads_rows == padding and (padding or width is None)
         batch, padded = pipe.engine().batch, []
+        padding = pipe.target.step_width == 2
+        assert batch.pads_rows == padding and (padding or width is None)
+        assert batch.any_rows == pipe.target.native_attention and (kernel or padding)
         run = batch.run_windows
         monkeypatch.setattr(batch, "run_windows", lambda rows: padded.append(len(rows)) or run(rows))
         results = pipe.generate(PROMPTS, mode="ar", max_new_tokens=12, ignore_eos=True)  # plain steps only
         assert [r.token_ids for r in results] == [solo(pipe, p, ignore_eos=True) for p in PROMPTS]
-        assert max(r.stats.mean_batch_size for r in results) > 1 and bool(padded) == padding
+        assert max(r.stats.mean_batch_size for r in results) > 1
+        assert bool(padded) == (padding and not batch.any_rows)
 
         asks = [(PROMPTS[4], {"mode": "lookup"}), (PROMPTS[1], {"mode": "sd"}), (PROMPTS[3], {"mode": "ar"})]
         alone = [pipe.generate(p, **{"max_new_tokens": 16, "ignore_eos": True, **o, "mode": "ar"}) for p, o in asks]
