@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     options = {"kernel": {}, "kernel-unpadded": {"target_step_width": 0},
-               "ort-gqa": {"native_attention": False}}
+               "ort-gqa": {"native_attention": False}, "bf16-prefill": {"prefill_precision": "bf16"}}
     arms = {}
     for name in args.arms.split(","):
         pipe = Pipeline.load(args.bundle, target_threads=2, enable_prefix_caching=False, **options[name])

@@ -24,6 +24,17 @@ def genai_defaults(threads: int, *_unused) -> dict:
     return {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
 
 
+def run(arm, ids: list[list[int]], clients: int, count: int) -> tuple[int, float]:
+    """The first `count` prompts through one arm (ours: (pipeline, its ids, its config); GenAI's pipeline) from
+    `clients` clients: tokens generated and the wall time."""
+    if isinstance(arm, tuple):
+        pipe, own, cfg = arm
+        results, wall = closed_loop(lambda i: pipe.engine().submit(*pipe.check(own[i], cfg)).wait(), count, clients)
+        return sum(len(x.token_ids) for x in results), wall
+    replies, wall = arm.closed_loop(ids[:count], clients, TOKENS)
+    return sum(len(x.token_ids) for x in replies), wall
+
+
 def main() -> None:
     requests = int(sys.argv[1]) if len(sys.argv) > 1 else 96
     clients = [int(c) for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else [16, 64]
@@ -44,25 +55,18 @@ def main() -> None:
             arms[f"GenAI CB {fmt} (defaults)"] = ov_genai.GenAIServing(
                 genai_dir(source, CACHE, "target", fmt), threads=2, eos_token_ids=eos, max_num_seqs=c)
 
-        def run(name, count):
-            arm = arms[name]
-            if isinstance(arm, tuple):
-                pipe, ids, cfg = arm
-                results, wall = closed_loop(lambda i: pipe.engine().submit(*pipe.check(ids[i], cfg)).wait(), count, c)
-                return sum(len(x.token_ids) for x in results), wall
-            replies, wall = arm.closed_loop(next(iter(arms.values()))[1][:count], c, TOKENS)
-            return sum(len(x.token_ids) for x in replies), wall
-
+        ids = arms["ours float32"][1]
         for name in arms:
-            run(name, 16)  # shapes met once
+            run(arms[name], ids, c, 16)  # shapes met once
         for r in range(ROUNDS):
             order = list(arms) if r % 2 == 0 else list(reversed(arms))
             for name in order:
-                tokens, wall = run(name, len(prompts))
+                tokens, wall = run(arms[name], ids, c, len(prompts))
                 print(f"{c} clients, round {r}, {name}: {tokens / wall:6.1f} tokens/s ({tokens} tokens, {wall:.1f} s)",
                       flush=True)
         for arm in arms.values():
-            (arm[0] if isinstance(arm, tuple) else arm.pipe).close() if isinstance(arm, tuple) else None
+            if isinstance(arm, tuple):
+                arm[0].close()
 
 
 if __name__ == "__main__":
