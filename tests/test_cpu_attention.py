@@ -18,8 +18,9 @@ from mirror_sd.runtime import cpu_attention
 from mirror_sd.runtime.pipeline import Pipeline
 
 H, KV, D, C = 6, 2, 32, 96  # query heads, KV heads, head size, KV positions
+LONG = 1100  # KV positions for rows past a thousand tokens (a task's keys in several transposed blocks and passes)
 rng = np.random.default_rng(0)
-_angles = np.arange(C)[:, None] / (10000 ** (np.arange(D // 2)[None] / (D // 2)))
+_angles = np.arange(LONG)[:, None] / (10000 ** (np.arange(D // 2)[None] / (D // 2)))
 COS, SIN = np.cos(_angles).astype(np.float32), np.sin(_angles).astype(np.float32)
 
 
@@ -37,12 +38,13 @@ def attention_session(lib, domain: str, packed: bool = True, **attrs):
 
     inputs = [value("q", ["B", "S", (H + 2 * KV) * D if packed else H * D])]
     inputs += [] if packed else [value("k", ["B", "S", KV * D]), value("v", ["B", "S", KV * D])]
-    inputs += [value("pk", ["B", KV, C, D]), value("pv", ["B", KV, C, D]), value("seqlens", ["B"], TensorProto.INT32),
-               value("total", [], TensorProto.INT32), value("cos", [C, D // 2]), value("sin", [C, D // 2])]
+    inputs += [value("pk", ["B", KV, "C", D]), value("pv", ["B", KV, "C", D]),
+               value("seqlens", ["B"], TensorProto.INT32), value("total", [], TensorProto.INT32),
+               value("cos", ["P", D // 2]), value("sin", ["P", D // 2])]
     names = ["q", "" if packed else "k", "" if packed else "v", "pk", "pv", "seqlens", "total", "cos", "sin"]
     node = helper.make_node("GroupQueryAttention", names, ["o", "prk", "prv"], domain=domain, num_heads=H,
                             kv_num_heads=KV, rotary_interleaved=0, **{"do_rotary": 1, "scale": D ** -0.5, **attrs})
-    outputs = [value("o", ["B", "S", H * D]), value("prk", ["B", KV, C, D]), value("prv", ["B", KV, C, D])]
+    outputs = [value("o", ["B", "S", H * D]), value("prk", ["B", KV, "C", D]), value("prv", ["B", KV, "C", D])]
     model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs), ir_version=10,
                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
     opts = ort.SessionOptions()
@@ -65,8 +67,8 @@ def run(sess, new: list[np.ndarray], keys: np.ndarray, values: np.ndarray, seqle
     binding.bind_ortvalue_output("prv", v)
     binding.bind_cpu_input("seqlens", np.array(seqlens, np.int32))
     binding.bind_cpu_input("total", np.array(max(seqlens) + 1, np.int32))
-    binding.bind_cpu_input("cos", COS)
-    binding.bind_cpu_input("sin", SIN)
+    binding.bind_cpu_input("cos", np.ascontiguousarray(COS[:keys.shape[2]]))
+    binding.bind_cpu_input("sin", np.ascontiguousarray(SIN[:keys.shape[2]]))
     sess.run_with_iobinding(binding)
     return binding.get_outputs()[0].numpy().copy(), k.numpy().copy(), v.numpy().copy()
 
@@ -82,12 +84,18 @@ CASES = [  # rows, new tokens, each row's past, packed q/k/v, attributes
     (1, 6, [20], True, {"softcap": 4.0}),
     (1, 6, [20], True, {"do_rotary": 0}),
     (3, 4, [10, 50, 0], True, {}),  # rows of several tokens after a past: ONNX Runtime's runs them one at a time
+    # long rows beside short ones
+    (2, 1, [1000, 30], True, {}),
+    (1, 40, [490], True, {}),
+    (1, 24, [700], True, {"local_window_size": 300}),
+    (2, 3, [600, 1020], False, {"softcap": 4.0}),
 ]
 
 
 @pytest.mark.parametrize("rows, tokens, pasts, packed, attrs", CASES)
 def test_the_kernel_computes_what_onnx_runtimes_attention_computes(kernel, rows, tokens, pasts, packed, attrs):
-    keys, values = (rng.standard_normal((rows, KV, C, D), np.float32) for _ in range(2))
+    positions = C if max(pasts) + tokens <= C else LONG
+    keys, values = (rng.standard_normal((rows, KV, positions, D), np.float32) for _ in range(2))
     widths = [(H + 2 * KV) * D] if packed else [H * D, KV * D, KV * D]
     new = [rng.standard_normal((rows, tokens, w), np.float32) for w in widths]
     seqlens = [p + tokens - 1 for p in pasts]
@@ -119,6 +127,27 @@ def test_a_window_is_the_bits_of_its_tokens_run_one_at_a_time(kernel):
     # and a row's bits do not depend on the other rows of its call
     alone = run(sess, [new[1:]], keys[1:], values[1:], [12 + 4])
     np.testing.assert_array_equal(window[0][1:], alone[0])
+
+
+@pytest.mark.parametrize("past", [508, 1019])
+def test_a_window_after_a_long_past_is_the_bits_of_its_tokens_and_of_a_prefill(kernel, past):
+    """After a long past, a window, the same tokens one at a time, and a prompt prefilled in one run through them
+    (its keys transposed once for all its tasks) give each token the same bits."""
+    sess = attention_session(kernel, cpu_attention.DOMAIN)
+    keys, values = (rng.standard_normal((2, KV, LONG, D), np.float32) for _ in range(2))
+    new = rng.standard_normal((2, 8, (H + 2 * KV) * D), np.float32)
+    window = run(sess, [new], keys, values, [past + 7, 300 + 7])
+    k, v, steps = keys, values, []
+    for t in range(8):
+        out, k, v = run(sess, [new[:, t:t + 1]], k, v, [past + t, 300 + t])
+        steps.append(out)
+    np.testing.assert_array_equal(window[0], np.concatenate(steps, axis=1))
+    # a prompt of past + 8 tokens in one run (its keys those the window's run wrote): its last 8 tokens' outputs
+    prompt = rng.standard_normal((1, past + 8, (H + 2 * KV) * D), np.float32)
+    whole = run(sess, [prompt], keys[:1], values[:1], [past + 7])
+    k, v = whole[1], whole[2]
+    tail = run(sess, [prompt[:, past:]], k, v, [past + 7])
+    np.testing.assert_array_equal(whole[0][:, past:], tail[0])
 
 
 def test_the_graph_patch_changes_only_the_attention_nodes(bundle_factory, kernel):
