@@ -439,13 +439,13 @@ class OrtTarget(Target):
 
     def _steps_alike(self, vocab_size: int) -> bool:
         """Whether one-row steps give each position the logits a window's row gives it, bit for bit, on this CPU's
-        kernels: a window of 5 tokens and the same tokens a step each, from position 0 (KV written there is
-        unused). The steps run unpadded; the padding is put back by the caller where they differ."""
+        kernels: a window of 5 tokens and the same tokens a step each, unpadded, from position 0 (KV written there is
+        unused). The target's padding is as it was afterwards: the caller drops it where they agree."""
         width, pads = self.step_width, self.pads_rows
         self.step_width, self.pads_rows = 0, False
         try:
             tokens = [(7 * i + 3) % vocab_size for i in range(5)]
-            wide, cache = self.forward(tokens, self.empty_cache())
+            wide, _ = self.forward(tokens, self.empty_cache())
             cache, steps = self.empty_cache(), []
             for token in tokens:
                 logits, cache = self.forward([token], cache)

@@ -142,7 +142,7 @@ def test_a_window_after_a_long_past_is_the_bits_of_its_tokens_and_of_a_prefill(k
         out, k, v = run(sess, [new[:, t:t + 1]], k, v, [past + t, 300 + t])
         steps.append(out)
     np.testing.assert_array_equal(window[0], np.concatenate(steps, axis=1))
-    # a prompt of past + 8 tokens in one run (its keys those the window's run wrote): its last 8 tokens' outputs
+    # a prompt of past + 8 tokens in one run, then its last 8 tokens again as a window after the KV that run wrote
     prompt = rng.standard_normal((1, past + 8, (H + 2 * KV) * D), np.float32)
     whole = run(sess, [prompt], keys[:1], values[:1], [past + 7])
     k, v = whole[1], whole[2]
