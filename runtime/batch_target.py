@@ -109,13 +109,14 @@ class BatchTarget:
         return out
 
     def _fitting(self, run: list[int], rows: list[Row]) -> list[list[int]]:
-        """`run` (indices into rows) as runs whose rows all have room in their slots for the widest row's tokens (a
-        run pads every row to it): a row too near its slot's end for that runs alone."""
+        """`run` (indices into rows, their slots consecutive) as runs of consecutive slots whose rows all have room
+        for the widest row's tokens (a run pads every row to it): a row too near its slot's end for that runs alone,
+        and the rows around it in runs apart (a run binds the slots from its first row's to its last's)."""
         width = max(len(rows[i].ids) for i in run)
         fits = [i for i in run if rows[i].start + width <= self.slots.positions]
         if len(fits) == len(run):
             return [run]
-        return ([fits] if fits else []) + [[i] for i in run if i not in fits]
+        return _consecutive(fits, rows) + [[i] for i in run if i not in fits]
 
     @property
     def window_run_rows(self) -> int:

@@ -317,6 +317,40 @@ def test_a_window_step_gives_each_row_the_logits_it_gets_alone(pipelines, attent
         batch.run_windows(rows + [Row(4, (5,), 0, 1)])
 
 
+def test_a_row_without_room_for_the_widest_window_runs_apart_and_its_neighbours_keep_their_slots(bundle_factory):
+    """On the attention kernel a run pads every row to its widest: a row in a middle slot too near its slot's end for
+    that runs alone, and the rows around it in runs of their own slots (a run binds the slots from its first row's to
+    its last's), each row's logits those of the row alone and the middle slot's KV untouched below its row."""
+    import numpy as np
+
+    pipe = Pipeline.load(bundle_factory("llama"), huge_pages=False, max_num_seqs=4, max_context=32)
+    try:
+        batch = pipe.engine().batch
+        if not batch.any_rows:
+            pytest.skip("no C++ compiler: rows after a past run on the window graphs")
+        end = batch.slots.positions
+        tokens = [[int(t) for t in np.random.default_rng(slot).integers(5, 200, end)] for slot in range(3)]
+        for slot, n in ((0, 10), (1, end - 1), (2, 10)):
+            batch.run([Row(slot, tuple(tokens[slot][:n]), 0, 1)])
+        before = {name: memory.copy() for name, memory in batch.slots._memory.items()}
+        rows = [Row(0, tuple(tokens[0][10:15]), 10, 5), Row(1, (tokens[1][end - 1],), end - 1, 1),
+                Row(2, tuple(tokens[2][10:15]), 10, 5)]
+        alone = []
+        for row in rows:
+            for name, memory in before.items():
+                batch.slots._memory[name][...] = memory
+            alone.append(batch.run([row])[0].logits)
+        for name, memory in before.items():
+            batch.slots._memory[name][...] = memory
+        together = batch.run(rows)
+        for out, logits in zip(together, alone):
+            assert np.array_equal(out.logits, logits)
+        for name, memory in batch.slots._memory.items():
+            assert np.array_equal(memory[1, :, :end - 1], before[name][1, :, :end - 1])
+    finally:
+        pipe.close()
+
+
 @pytest.mark.parametrize("kernel, width", [(True, None), (True, 2), (False, None)])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_a_compressed_targets_rows_get_their_solo_tokens_in_plain_and_window_steps(bundle_factory, weights, kernel,
