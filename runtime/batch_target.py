@@ -134,6 +134,8 @@ class BatchTarget:
         if width > 1 and len(rows) > 1 and any(r.start for r in rows) and not self.any_rows:
             # GroupQueryAttention's CPU kernel: several rows of several tokens only without a past
             raise ValueError("rows of several tokens after a past run one at a time")
+        if [r.slot for r in rows] != list(range(rows[0].slot, rows[0].slot + len(rows))):
+            raise ValueError("a run's rows hold consecutive slots, in order")  # it binds the slots in between
         for r in rows:
             if r.start + width > self.slots.positions:
                 raise ValueError(f"slot {r.slot}: {r.start} + {width} positions exceed its {self.slots.positions}")
