@@ -89,55 +89,79 @@ void quantize_row(void* data, size_t m) {
   }
 }
 
-// rows [r0, r0 + rows) x 16 columns from group g
-template <int R>
-void tile(const Call& c, int64_t r0, int64_t g) {
+// rows [r0, r0 + R) x G groups of 16 columns from group g0: R x G integer and float sums in flight
+template <int R, int G>
+void tile(const Call& c, int64_t r0, int64_t g0) {
   const Kernel& k = *c.k;
   const int64_t K = k.K, N = k.N, blocks = K / kBlock;
-  __m512 acc[R];
-  for (auto& v : acc) v = _mm512_setzero_ps();
+  __m512 acc[R][G];
+  for (auto& row : acc)
+    for (auto& v : row) v = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i dot[R];
-    for (auto& v : dot) v = _mm512_setzero_si512();
+    __m512i dot[R][G];
+    for (auto& row : dot)
+      for (auto& v : row) v = _mm512_setzero_si512();
     for (int64_t k4 = b * kBlock / 4; k4 < (b + 1) * kBlock / 4; ++k4) {
-      const __m512i w = _mm512_loadu_si512(&k.w[size_t(((g * (K / 4) + k4) * kCols) * 4)]);
+      __m512i w[G];
+      for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_si512(&k.w[size_t((((g0 + g) * (K / 4) + k4) * kCols) * 4)]);
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, c.a + (r0 + r) * K + k4 * 4, 4);
-        dot[r] = _mm512_dpbusd_epi32(dot[r], _mm512_set1_epi32(four), w);
+        const __m512i x = _mm512_set1_epi32(four);
+        for (int g = 0; g < G; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], x, w[g]);
       }
     }
-    const size_t at = size_t(b * N + g * kCols);
-    const __m512i cs = _mm512_loadu_si512(&k.colsum[at]);
-    const __m512 ws = _mm512_loadu_ps(&k.scale[at]);
-    for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(c.as[(r0 + r) * blocks + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], cs)), s, acc[r]);
+    for (int g = 0; g < G; ++g) {
+      const size_t at = size_t(b * N + (g0 + g) * kCols);
+      const __m512i cs = _mm512_loadu_si512(&k.colsum[at]);
+      const __m512 ws = _mm512_loadu_ps(&k.scale[at]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(c.as[(r0 + r) * blocks + b]));
+        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][g], cs)), s, acc[r][g]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(c.y + (r0 + r) * N + g * kCols, acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(c.y + (r0 + r) * N + (g0 + g) * kCols, acc[r][g]);
 }
 
-void tile_rows(const Call& c, int64_t r0, int64_t rows, int64_t g) {
-  switch (rows) {
-    case 8: return tile<8>(c, r0, g);
-    case 7: return tile<7>(c, r0, g);
-    case 6: return tile<6>(c, r0, g);
-    case 5: return tile<5>(c, r0, g);
-    case 4: return tile<4>(c, r0, g);
-    case 3: return tile<3>(c, r0, g);
-    case 2: return tile<2>(c, r0, g);
-    default: return tile<1>(c, r0, g);
-  }
-}
+// Tasks: tiles of 8 rows x kGroupsPerTask groups; under 4 rows, all rows x kWideGroups groups (a lone row's sums in
+// several column groups at once, where one group's would wait on each other)
+constexpr int kWideGroups = 8;
 
-// task: one tile of rows x kGroupsPerTask column groups
+int64_t span_groups(int64_t M) { return M >= 4 ? kGroupsPerTask : kWideGroups; }
+
 void gemm_task(void* data, size_t task) {
   const Call& c = *static_cast<const Call*>(data);
-  const int64_t groups = c.k->N / kCols, spans = (groups + kGroupsPerTask - 1) / kGroupsPerTask;
-  const int64_t r0 = int64_t(task) / spans * kRows, g0 = int64_t(task) % spans * kGroupsPerTask;
-  const int64_t rows = std::min<int64_t>(kRows, c.M - r0);
-  for (int64_t g = g0; g < std::min(groups, g0 + kGroupsPerTask); ++g) tile_rows(c, r0, rows, g);
+  const int64_t groups = c.k->N / kCols, width = span_groups(c.M), spans = (groups + width - 1) / width;
+  const int64_t g0 = int64_t(task) % spans * width, end = std::min(groups, g0 + width);
+  if (c.M < 4) {  // every row, wide
+    int64_t g = g0;
+    for (; g + kWideGroups <= end; g += kWideGroups) {
+      if (c.M == 1) tile<1, 8>(c, 0, g);
+      else if (c.M == 2) tile<2, 8>(c, 0, g);
+      else tile<3, 4>(c, 0, g), tile<3, 4>(c, 0, g + 4);
+    }
+    for (; g < end; ++g) {
+      if (c.M == 1) tile<1, 1>(c, 0, g);
+      else if (c.M == 2) tile<2, 1>(c, 0, g);
+      else tile<3, 1>(c, 0, g);
+    }
+    return;
+  }
+  const int64_t r0 = int64_t(task) / spans * kRows, rows = std::min<int64_t>(kRows, c.M - r0);
+  for (int64_t g = g0; g < end; ++g) {
+    switch (rows) {
+      case 8: tile<8, 1>(c, r0, g); break;
+      case 7: tile<7, 1>(c, r0, g); break;
+      case 6: tile<6, 1>(c, r0, g); break;
+      case 5: tile<5, 1>(c, r0, g); break;
+      case 4: tile<4, 1>(c, r0, g); break;
+      case 3: tile<3, 1>(c, r0, g); break;
+      case 2: tile<2, 1>(c, r0, g); break;
+      default: tile<1, 1>(c, r0, g);
+    }
+  }
 }
 
 void parallel(OrtKernelContext* context, void (*fn)(void*, size_t), size_t tasks, void* data) {
@@ -176,8 +200,8 @@ void compute(void* kernel, OrtKernelContext* context) {
   as.resize(size_t(M * (k.K / kBlock)));
   Call c{&k, data_of<float>(A), a.data(), as.data(), data_of<float>(out), M};
   parallel(context, quantize_row, size_t(M), &c);
-  const int64_t spans = (k.N / kCols + kGroupsPerTask - 1) / kGroupsPerTask;
-  parallel(context, gemm_task, size_t((M + kRows - 1) / kRows * spans), &c);
+  const int64_t width = span_groups(M), spans = (k.N / kCols + width - 1) / width;
+  parallel(context, gemm_task, size_t((M < 4 ? 1 : (M + kRows - 1) / kRows) * spans), &c);
 }
 
 void* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) {
