@@ -53,23 +53,27 @@ def integer():
     return model(nodes, [numpy_helper.from_array(weights, "w")])
 
 
+def rate(sess, x: np.ndarray) -> float:
+    """GOP/s of one session on `x` ([rows, K]): warmed up, then the median of 9 timings."""
+    rows = x.shape[0]
+    for _ in range(3):
+        sess.run(None, {"x": x})
+    times, repeats = [], max(1, 2000 // rows)
+    for _ in range(9):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            sess.run(None, {"x": x})
+        times.append((time.perf_counter() - start) / repeats)
+    return 2 * rows * K * N / float(np.median(times)) / 1e9
+
+
 def main() -> None:
     arms = {"float32 MatMul": session(float32()), "MatMulNBits int8": session(blocks(8)),
             "MatMulNBits int4": session(blocks(4)), "MatMulInteger u8 x s8": session(integer())}
     print(f"M rows x {K} x {N}, GOP/s (2 threads, medians of 9)")
     for rows in (1, 16, 64, 512):
         x = rng.standard_normal((rows, K)).astype(np.float32)
-        rates = {}
-        for name, sess in arms.items():
-            for _ in range(3):
-                sess.run(None, {"x": x})
-            times, repeats = [], max(1, 2000 // rows)
-            for _ in range(9):
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    sess.run(None, {"x": x})
-                times.append((time.perf_counter() - start) / repeats)
-            rates[name] = 2 * rows * K * N / float(np.median(times)) / 1e9
+        rates = {name: rate(sess, x) for name, sess in arms.items()}
         print(f"{rows:4d} rows: " + ", ".join(f"{name} {rate:5.0f}" for name, rate in rates.items()), flush=True)
 
 

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import tempfile
-import time
 
 import gemm_rates
 import int8_matmul_engine_ab as lab_op
@@ -42,15 +41,7 @@ def main() -> None:
     for rows in (1, 16, 64, 512):
         x = rng.standard_normal((rows, gemm_rates.K)).astype(np.float32)
         outs = {name: sess.run(None, {"x": x})[0] for name, sess in arms.items()}
-        rates = {}
-        for name, sess in arms.items():
-            times, repeats = [], max(1, 2000 // rows)
-            for _ in range(9):
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    sess.run(None, {"x": x})
-                times.append((time.perf_counter() - start) / repeats)
-            rates[name] = round(2 * rows * gemm_rates.K * gemm_rates.N / float(np.median(times)) / 1e9)
+        rates = {name: round(gemm_rates.rate(sess, x)) for name, sess in arms.items()}
         print(rows, rates, "max diff", float(np.abs(outs["MatMulNBits"] - outs["lab op"]).max()), flush=True)
 
 
