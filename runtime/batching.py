@@ -44,7 +44,7 @@ import numpy as np
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import DRAFT_MODES, MODES
 from mirror_sd.runtime.backends import on_cpu
-from mirror_sd.runtime.batch_target import BatchTarget, Row
+from mirror_sd.runtime.batch_target import BatchTarget, Row, RowOut
 from mirror_sd.runtime.beam_search import one_at_a_time
 from mirror_sd.runtime.config import GenerationConfig
 from mirror_sd.runtime.gate import GateState, SpeculationGate
@@ -627,11 +627,7 @@ class BatchEngine:
             if not forced:  # the drafts' reading of tokens committed without them is timed apart, as alone
                 gate.record(True, committed, time.perf_counter() - started - catch_up)
             return
-        inputs = [Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows]
-        if self.batch.pads_rows and not self.batch.any_rows:  # rows run on the window graphs, in any slots
-            outs = self.batch.run(inputs)
-        else:
-            outs = self.batch.run(inputs + self._fillers(inputs))
+        outs = self._run_filled([Row(r.slot.index, (r.context[-1],), r.kv_len) for r in rows])
         for row, out in zip(rows, outs):
             if gate is not None and row.drafts is not None:  # more rows than a window step takes: no drafting soon
                 row.drafts.ran(row.kv_len, out.taps)
@@ -706,13 +702,9 @@ class BatchEngine:
         first disagreement with its window (runtime/verify.py), as a generation alone verifies a window. The tokens
         committed."""
         inputs = [Row(r.slot.index, (r.context[-1], *w), r.kv_len, 1 + len(w)) for r, (w, _) in zip(rows, windows)]
-        if len(rows) == 1:
-            outs = self.batch.run(inputs)
-        elif self.batch.any_rows:  # the exported graphs, every row padded to the widest window: fillers in the gaps
-            width = max(len(r.ids) for r in inputs)
-            outs = self.batch.run(inputs + self._fillers(inputs, width))[:len(inputs)]
-        else:
-            outs = self.batch.run_windows(inputs)
+        # on the exported graphs (one row, or the attention kernel's rows padded to the widest window), else on the
+        # window graphs
+        outs = self._run_filled(inputs) if len(rows) == 1 or self.batch.any_rows else self.batch.run_windows(inputs)
         committed = 0
         for row, (window, source), (out, taps) in zip(rows, windows, outs):
             self._count_step(row, len(rows))
@@ -771,7 +763,15 @@ class BatchEngine:
             self._retire(row, error=e)
             return None
 
-    def _fillers(self, rows: list[Row], width: int = 1) -> list[Row]:
+    def _run_filled(self, rows: list[Row]) -> list[RowOut]:
+        """`rows`' step in one run where fillers close the gaps between their slots (BatchTarget.run splits it
+        elsewhere); a padded target's rows on ONNX Runtime's attention run on the window graphs, in any slots."""
+        if self.batch.pads_rows and not self.batch.any_rows:
+            return self.batch.run(rows)
+        width = max(len(r.ids) for r in rows)
+        return self.batch.run(rows + self._fillers(rows, width))[:len(rows)]
+
+    def _fillers(self, rows: list[Row], width: int) -> list[Row]:
         """Rows for the slots in the gaps between `rows`' slots (one token each, logits unused), so that the step is
         one run. A filler writes `width` positions (the run's widest row) from its slot's valid length: past a running
         request's context or a cached prefix, where nothing is read before it is written again."""
