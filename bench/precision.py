@@ -2,11 +2,12 @@
 gets it, and the format to recommend on this machine.
 
 Ours: the bundle (float32) and its `TARGET_WEIGHTS` siblings, `<bundle>-int8` and `<bundle>-int4` (`make models
-TARGET_WEIGHTS=int8` builds them; a missing one is reported as not run), and some formats with their prompts
-prefilled apart (runtime/prompt_graphs.py, arms "<format> <precision>-prefill"): on a CPU with bf16 arithmetic the
-float32 and int8 targets with prompts in bf16, elsewhere the int8 and int4 targets with prompts on their weights in
-float32 (their int8 activations prefill slower there). GenAI: LLMPipeline at its defaults (on a
-CPU with AMX: bf16 compute and a u8 KV cache), on the float32 target and on the target with NNCF int8 / int4
+TARGET_WEIGHTS=int8` builds them; a missing one is reported as not run), and some formats with their prompts prefilled
+apart (runtime/prompt_graphs.py, arms "<format> <precision>-prefill"): on a CPU with bf16 arithmetic the float32 and
+int8 targets with prompts in bf16, elsewhere the int8 and int4 targets with prompts on their weights in float32 (their
+int8 activations prefill slower there), and the float32 and int8 targets with a float16 KV cache (arms "<format>
+float16-kv", where the attention kernel compiles: LoadOptions.kv_cache_precision). GenAI: LLMPipeline at its defaults
+(on a CPU with AMX: bf16 compute and a u8 KV cache), on the float32 target and on the target with NNCF int8 / int4
 weights (export/openvino_genai.py).
 - speed: ar TTFT and decode tokens/s at each prompt length (real text, a fresh passage per repetition: the context
   section's prompts), every arm at the same threads, the order rotating per repetition, medians;
@@ -40,6 +41,7 @@ from mirror_sd.errors import MirrorSDError
 from mirror_sd.export.target_weights import float32_activations_copy
 from mirror_sd.models.benchmark_prompts import select
 from mirror_sd.partitions import Manifest
+from mirror_sd.runtime import cpu_attention
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.prompt_graphs import has_bf16
 from mirror_sd.runtime.target import prefill_chunks
@@ -49,6 +51,7 @@ FORMATS = ("float32", "int8", "int4")
 # bf16 prompts where the CPU has bf16 arithmetic (int4's agreement is too low to recommend), else float32 prompts for
 # the formats whose MatMuls take int8 activations
 PROMPT_ARMS = {"bf16": ("float32", "int8"), "float32": ("int8", "int4")}
+KV_ARMS = ("float32", "int8")  # the formats run with a float16 KV cache too (an arm "<format> float16-kv")
 RECOMMEND_MIN_TOP1 = 0.95  # the least top-1 agreement with float32 a recommended format keeps
 GENAI_METHODS = ("ov-genai-ar", "ov-genai-pld", "ov-genai-sd")  # its single-stream methods, at its defaults
 # Issue 57's bars, ratios of medians measured here: (key, what, target, higher is better)
@@ -108,13 +111,19 @@ def run_precision(bundles: dict[str, Path], size: PrecisionSize, genai_by_format
     not_run = dict(not_run or {})
     # ar at `threads` target threads, as GenAI's arms; the planned mode with its plan's own split of the cores (the
     # same pipeline where the plan gives the target those threads)
-    arms = {fmt: (path, "target") for fmt, path in bundles.items()}
+    arms = {fmt: (path, {}) for fmt, path in bundles.items()}
     prompts = prompt_precision()
-    arms.update({prefill_arm(fmt, prompts): (bundles[fmt], prompts) for fmt in PROMPT_ARMS[prompts] if fmt in bundles})
-    pipes = {arm: Pipeline.load(path, target_threads=threads, prefill_precision=prefill, enable_prefix_caching=False)
-             for arm, (path, prefill) in arms.items()}
+    arms.update({prefill_arm(fmt, prompts): (bundles[fmt], {"prefill_precision": prompts})
+                 for fmt in PROMPT_ARMS[prompts] if fmt in bundles})
+    if cpu_attention.library() is not None:
+        arms.update({kv_arm(fmt): (bundles[fmt], {"kv_cache_precision": "float16"})
+                     for fmt in KV_ARMS if fmt in bundles})
+    else:
+        not_run.update({kv_arm(fmt): "no C++ compiler here for the attention kernel" for fmt in KV_ARMS})
+    pipes = {arm: Pipeline.load(path, target_threads=threads, enable_prefix_caching=False, **options)
+             for arm, (path, options) in arms.items()}
     planned = {arm: pipe if pipe.defaults is not None and pipe.defaults.target_threads == threads
-               else Pipeline.load(arms[arm][0], prefill_precision=arms[arm][1], enable_prefix_caching=False)
+               else Pipeline.load(arms[arm][0], enable_prefix_caching=False, **arms[arm][1])
                for arm, pipe in pipes.items()}
     doc: dict[str, Any] = {"bundles": {f: str(p) for f, p in bundles.items()}, "threads": threads,
                            "lengths": list(size.lengths), "repeats": size.repeats, "new_tokens": size.new_tokens,
@@ -136,6 +145,10 @@ def prompt_precision() -> str:
 
 def prefill_arm(fmt: str, prompts: str) -> str:
     return f"{fmt} {prompts}-prefill"
+
+
+def kv_arm(fmt: str) -> str:
+    return f"{fmt} float16-kv"
 
 
 def _speed(pipes: dict[str, Pipeline], genai: dict[str, Method], size: PrecisionSize, not_run: dict[str, str],

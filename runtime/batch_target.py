@@ -89,7 +89,8 @@ class BatchTarget:
                                 for role, (session, spec) in target.window_sessions(rows).items()} for rows in sizes}
         # where a window step's spare rows write (at position 0: nothing before it to attend to), one slot for all of
         # them; only the pages they touch take memory
-        self._scratch = KVSlots(slots.manifest, 1, slots.positions, slots.device) if self.window_rows else None
+        self._scratch = (KVSlots(slots.manifest, 1, slots.positions, slots.device, slots.dtype) if self.window_rows
+                         else None)
         self.forwards = 0  # runs of prefix + suffix
         self.rows_run = 0  # rows those runs computed (padding rows of a run not counted)
 

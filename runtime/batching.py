@@ -201,7 +201,8 @@ class BatchEngine:
             raise BadInputError("the batching engine runs the target on ONNX Runtime only (target_backend "
                                 "onnxruntime)", option="target_backend")
         self.pipe = pipe
-        self.kv = KVSlots(pipe.manifest, max_num_seqs, pipe.target.slots, ort_device(pipe.target.device))
+        self.kv = KVSlots(pipe.manifest, max_num_seqs, pipe.target.slots, ort_device(pipe.target.device),
+                          pipe.target.kv_dtype)
         # a prompt prefills its last two tokens at least where one row would round otherwise than its prefill alone
         self.table = SlotTable(max_num_seqs, pipe.target.reuse_grid, pipe.target.fewest_prefill_rows)
         self.caching = pipe.load_options.enable_prefix_caching  # off: no prompt starts from a held head

@@ -34,7 +34,7 @@ from typing import Any, Callable, ClassVar, Self
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.partitions.plan_file import CONFIDENCE_RULES, MODES
-from mirror_sd.partitions.spec import BACKENDS, PREFILL_PRECISIONS
+from mirror_sd.partitions.spec import BACKENDS, KV_CACHE_PRECISIONS, PREFILL_PRECISIONS
 from mirror_sd.runtime.grammar import schema_text
 from mirror_sd.runtime.logprobs import MAX_TOP_LOGPROBS
 from mirror_sd.runtime.prompt_lookup import COPY_SCHEDULES
@@ -696,6 +696,13 @@ class LoadOptions(Options):
         "compiled with the system's C++ compiler on first use, cached; ONNX Runtime's GroupQueryAttention where it "
         "cannot be had), else ONNX Runtime's: about 0.8x its time at decode, and a window's positions the bits of "
         "the same positions stepped one at a time")
+    kv_cache_precision: str = option(
+        "target", "the target's KV memory: target (its own element type) or float16 (a float32 target's attention on "
+        "the project's kernel, native_attention: half the bytes per position, so twice the generations in "
+        "kv_cache_gb, and a long context's decode steps read half as much; each key and value is rounded to float16 "
+        "as it is written, scores and sums stay float32). sd and mirror equal ar in either; the precision section of "
+        "`make bench` reports float16's agreement with float32 (OpenVINO's KV_CACHE_PRECISION)",
+        choices=KV_CACHE_PRECISIONS)
     target_step_width: int | None = option(
         None, "ONNX Runtime: pad every target step of fewer tokens to this many, so that a position gets the same "
         "logits in any step (the GPU's float16 kernels, the CPU's int8 ones: runtime/target.py)", range=Range(0),

@@ -27,8 +27,12 @@ if TYPE_CHECKING:  # onnx is imported where a graph is rewritten
 
 log = logging.getLogger(__name__)
 
-# as long as ONNX Runtime's domain, so that a node's bytes keep their length when it changes (serialized_with_kernel)
-DOMAIN, ORT_DOMAIN = "mirror_sd.gqa", "com.microsoft"
+# the kernel's domain per KV element type (LoadOptions.kv_cache_precision), each as long as ONNX Runtime's, so that a
+# node's bytes keep their length when it changes (serialized_with_kernel)
+DOMAINS = {"float32": "mirror_sd.gqa", "float16": "mirror_sd.f16"}
+DOMAIN, ORT_DOMAIN = DOMAINS["float32"], "com.microsoft"
+# TensorProto's element types, each one byte in a varint
+_ELEMENT_TYPES = {"float32": 1, "float16": 10}
 OP = "GroupQueryAttention"
 SOURCES = tuple(Path(__file__).resolve().parent / "native" / name for name in ("attention.cc", "ort_abi.h"))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fvisibility=hidden")
@@ -119,26 +123,38 @@ def takes(node: onnx.NodeProto) -> bool:
             and not attrs.get("rotary_interleaved", 0) and not any(node.input[_INPUTS:]))
 
 
-def with_kernel(model: onnx.ModelProto) -> bool:
-    """Put the kernel in the place of each GroupQueryAttention of `model` that it takes (in place); whether any."""
+def with_kernel(model: onnx.ModelProto, kv: str = "float32") -> bool:
+    """Put the kernel in the place of each GroupQueryAttention of `model` that it takes (in place), its KV in
+    `kv` ("float32", "float16": the graph's past and present tensors of those nodes retyped); whether any."""
     from onnx import helper
 
     nodes = [n for n in model.graph.node if takes(n)]
     for node in nodes:
-        node.domain = DOMAIN
-    if nodes and not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+        node.domain = DOMAINS[kv]
+    if nodes and not any(o.domain == DOMAINS[kv] for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAINS[kv], 1))
+    names = _kv_names(nodes)
+    for value in (*model.graph.input, *model.graph.output, *model.graph.value_info):
+        if value.name in names:
+            value.type.tensor_type.elem_type = _ELEMENT_TYPES[kv]
     return bool(nodes)
 
 
-def serialized_with_kernel(path: Path) -> bytes | None:
-    """The graph file at `path` with the kernel in the place of each GroupQueryAttention it takes, as bytes, or None
-    where it takes none. The file's bytes are patched where they lie rather than parsed and written again (a graph
-    with its weights inside is hundreds of MB): the kernel's domain is as long as ONNX Runtime's, so each node keeps
-    its length, and the domain's opset import is one more field at the end of the model."""
-    from onnx import NodeProto, helper
+def _kv_names(nodes) -> set[str]:
+    """The past and present KV tensors of GroupQueryAttention nodes (inputs 3 and 4, outputs 1 and 2)."""
+    return {name for n in nodes for name in (*n.input[3:5], *n.output[1:3]) if name}
 
-    opset = helper.make_opsetid(DOMAIN, 1).SerializeToString()
+
+def serialized_with_kernel(path: Path, kv: str = "float32") -> bytes | None:
+    """The graph file at `path` with the kernel in the place of each GroupQueryAttention it takes, its KV in `kv`
+    (with_kernel), as bytes, or None where it takes none. The file's bytes are patched where they lie rather than
+    parsed and written again (a graph with its weights inside is hundreds of MB): the kernel's domain is as long as
+    ONNX Runtime's, so each node keeps its length, an element type is one byte either way, and the domain's opset
+    import is one more field at the end of the model."""
+    from onnx import NodeProto, ValueInfoProto, helper
+
+    domain = DOMAINS[kv]
+    opset = helper.make_opsetid(domain, 1).SerializeToString()
     extra = _varint(8 << 3 | 2) + _varint(len(opset)) + opset  # ModelProto.opset_import, after every other field
     size = path.stat().st_size
     data = bytearray(size + len(extra))  # read once into the buffer that becomes the graph
@@ -149,13 +165,24 @@ def serialized_with_kernel(path: Path) -> bytes | None:
     patched = False
     try:
         for start, end in _fields(data, 0, size, 7):  # ModelProto.graph
+            nodes = []
             for node_start, node_end in _fields(data, start, end, 1):  # GraphProto.node
                 node = NodeProto.FromString(bytes(data[node_start:node_end]))
                 if not takes(node):
                     continue
+                nodes.append(node)
                 for at, stop in _fields(data, node_start, node_end, 7):  # NodeProto.domain
-                    data[at:stop] = DOMAIN.encode()
+                    data[at:stop] = domain.encode()
                     patched = True
+            names = _kv_names(nodes) if kv != "float32" else set()
+            # GraphProto's input, output and value_info: ValueInfoProto.type.tensor_type.elem_type
+            for value_start, value_end in (f for number in (11, 12, 13) for f in _fields(data, start, end, number)):
+                if ValueInfoProto.FromString(bytes(data[value_start:value_end])).name not in names:
+                    continue
+                for type_start, type_end in _fields(data, value_start, value_end, 2):
+                    for tensor_start, tensor_end in _fields(data, type_start, type_end, 1):
+                        at = _varint_at(data, tensor_start, tensor_end, 1)
+                        data[at] = _ELEMENT_TYPES[kv]
     except Exception:  # a damaged file (protobuf's DecodeError among others): ONNX Runtime's load says what is wrong
         return None
     return bytes(data) if patched else None
@@ -181,12 +208,12 @@ def _read_varint(data: bytearray, at: int) -> tuple[int, int]:
             return value, at
 
 
-def _fields(data: bytearray, start: int, end: int, number: int) -> list[tuple[int, int]]:
-    """The [start, end) of each length-delimited field `number` of the protobuf message in data[start:end]."""
-    found, at = [], start
+def _walk(data: bytearray, start: int, end: int):
+    """(number, wire type, value start, value end) of each field of the protobuf message in data[start:end]."""
+    at = start
     while at < end:
         key, at = _read_varint(data, at)
-        kind = key & 7
+        kind, begin = key & 7, at
         if kind == 0:
             _, at = _read_varint(data, at)
         elif kind == 1:
@@ -194,12 +221,25 @@ def _fields(data: bytearray, start: int, end: int, number: int) -> list[tuple[in
         elif kind == 5:
             at += 4
         elif kind == 2:
-            length, at = _read_varint(data, at)
-            if at + length > end:
-                raise ValueError(f"a field of {length} bytes at byte {at} runs past its message")
-            if key >> 3 == number:
-                found.append((at, at + length))
-            at += length
+            length, begin = _read_varint(data, at)
+            at = begin + length
+            if at > end:
+                raise ValueError(f"a field of {length} bytes at byte {begin} runs past its message")
         else:
             raise ValueError(f"protobuf wire type {kind} at byte {at}")
-    return found
+        yield key >> 3, kind, begin, at
+
+
+def _varint_at(data: bytearray, start: int, end: int, number: int) -> int:
+    """Where the value of the one-byte varint field `number` of the message in data[start:end] lies."""
+    for field, kind, at, stop in _walk(data, start, end):
+        if field == number and kind == 0:
+            if stop - at != 1:
+                raise ValueError(f"field {number} at byte {at} takes more than a byte")
+            return at
+    raise ValueError(f"no field {number} in the message at byte {start}")
+
+
+def _fields(data: bytearray, start: int, end: int, number: int) -> list[tuple[int, int]]:
+    """The [start, end) of each length-delimited field `number` of the protobuf message in data[start:end]."""
+    return [(at, stop) for field, kind, at, stop in _walk(data, start, end) if field == number and kind == 2]

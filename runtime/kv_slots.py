@@ -48,21 +48,28 @@ def kv_names(manifest: Manifest) -> list[str]:
             for name in (past_key_name(i), past_value_name(i))]
 
 
-def slot_bytes(manifest: Manifest, positions: int) -> int:
-    """Bytes of KV one slot of `positions` positions takes."""
+def kv_element(manifest: Manifest, kv_cache_precision: str = "target") -> np.dtype:
+    """The target's KV element type under LoadOptions.kv_cache_precision (OrtTarget.kv_dtype once it is open)."""
+    return np.dtype(manifest.target.dtype if kv_cache_precision == "target" else kv_cache_precision)
+
+
+def slot_bytes(manifest: Manifest, positions: int, dtype: np.dtype | None = None) -> int:
+    """Bytes of KV one slot of `positions` positions takes, in `dtype` (None: the target's own)."""
     t = manifest.target
-    per_position = t.num_kv_heads * t.head_dim * np.dtype(t.dtype).itemsize
+    per_position = t.num_kv_heads * t.head_dim * (dtype or kv_element(manifest)).itemsize
     return len(kv_names(manifest)) * per_position * positions
 
 
 class KVSlots:
-    """`count` slots of `positions` positions for every target KV tensor, on the target's device."""
+    """`count` slots of `positions` positions for every target KV tensor, on the target's device, in `dtype` (the
+    target's KV element type: OrtTarget.kv_dtype)."""
 
-    def __init__(self, manifest: Manifest, count: int, positions: int, device: tuple[str, int] = ("cpu", 0)) -> None:
+    def __init__(self, manifest: Manifest, count: int, positions: int, device: tuple[str, int] = ("cpu", 0),
+                 dtype: np.dtype | None = None) -> None:
         t = manifest.target
         self.manifest = manifest
         self.count, self.positions, self.device = count, positions, device
-        self.dtype = np.dtype(t.dtype)
+        self.dtype = np.dtype(dtype or kv_element(manifest))
         self.row_shape = (t.num_kv_heads, positions, t.head_dim)
         self.row_bytes = int(np.prod(self.row_shape)) * self.dtype.itemsize
         shape = (count, *self.row_shape)
@@ -82,7 +89,7 @@ class KVSlots:
                     self._memory[name], self._address[name] = value, value.data_ptr()
         except (MemoryError, RuntimeError) as e:  # more than the host (or device) can even reserve
             self._memory.clear()
-            total = slot_bytes(manifest, positions) * count / 2**30
+            total = slot_bytes(manifest, positions, self.dtype) * count / 2**30
             raise BadInputError(f"{count} KV slots of {positions} positions ({total:,.1f} GiB) cannot be reserved on "
                                 f"{device[0]} ({type(e).__name__}): lower max_num_seqs or max_context, or bound "
                                 "them with kv_cache_gb", option="max_num_seqs") from None
@@ -204,10 +211,11 @@ def reusable_head(held, prompt: np.ndarray, grid: int, fewest: int = 1) -> int:
     return max(n - n % grid, 0)
 
 
-def slots_for(manifest: Manifest, positions: int, max_num_seqs: int, kv_cache_gb: float | None) -> int:
-    """How many slots the budget holds: max_num_seqs, fewer where kv_cache_gb cannot hold that many; BadInputError
-    when it cannot hold one."""
-    each = slot_bytes(manifest, positions)
+def slots_for(manifest: Manifest, positions: int, max_num_seqs: int, kv_cache_gb: float | None,
+              dtype: np.dtype | None = None) -> int:
+    """How many slots of KV in `dtype` (None: the target's own) the budget holds: max_num_seqs, fewer where
+    kv_cache_gb cannot hold that many; BadInputError when it cannot hold one."""
+    each = slot_bytes(manifest, positions, dtype)
     if kv_cache_gb is None:
         return max_num_seqs
     fits = int(kv_cache_gb * 2**30 // each)

@@ -238,16 +238,21 @@ class Pipeline:
         if o.target_backend == "openvino":
             from mirror_sd.runtime.portable import open_portable_target
 
+            if o.kv_cache_precision != "target":
+                raise BadInputError("kv_cache_precision float16 is the project's attention kernel on ONNX Runtime: "
+                                    "leave target_backend at onnxruntime", option="kv_cache_precision")
+
             target = open_portable_target(bundle, manifest, o.target_device or "CPU", threads, o.max_context,
                                           cache_dir)
         else:
             target = open_target(bundle, manifest, o.target_device, threads, o.max_context, o.target_spinning,
-                                 o.target_step_width, o.native_attention)
+                                 o.target_step_width, o.native_attention, o.kv_cache_precision)
         if o.prefill_precision != "target":
             from mirror_sd.runtime.prompt_graphs import PromptGraphs
 
             target.host_kv()  # the prompt graphs write the KV in host memory: a target on a GPU is refused here
-            target.prompt_graphs = PromptGraphs(bundle, manifest, threads, cache_dir, o.prefill_precision)
+            target.prompt_graphs = PromptGraphs(bundle, manifest, threads, cache_dir, o.prefill_precision,
+                                                target.kv_dtype)
         return target
 
     # -- prompts -------------------------------------------------------------------------------------------
@@ -382,7 +387,8 @@ class Pipeline:
         with self._engine_lock:
             if self._engine is None:
                 o = self.load_options
-                slots = slots_for(self.manifest, self.target.slots, o.max_num_seqs, o.kv_cache_gb)
+                slots = slots_for(self.manifest, self.target.slots, o.max_num_seqs, o.kv_cache_gb,
+                                  self.target.kv_dtype)
                 self._engine = BatchEngine(self, slots, o.window_rows)
             return self._engine
 

@@ -42,6 +42,7 @@ from mirror_sd.partitions.spec import (
     SEQLENS,
     TOTAL_LENGTH,
 )
+from mirror_sd.runtime import cpu_attention
 from mirror_sd.runtime.backends import PROTOBUF_LIMIT, open_openvino, open_openvino_model, ort_session, proto_bytes
 from mirror_sd.runtime.kv_slots import kv_names
 from mirror_sd.runtime.target import KVView, _Bound, kv_pairs
@@ -102,11 +103,13 @@ def has_bf16() -> bool:
 
 class PromptGraphs:
     """The target's prefix and suffix at a prompt precision ("bf16": OpenVINO's CPU plugin; "float32": ONNX Runtime
-    over a compressed target's weights expanded), writing into KV memory on the host."""
+    over a compressed target's weights expanded), writing into KV memory on the host whose element type is `kv`
+    (the target's: float32, or float16 on the attention kernel)."""
 
     def __init__(self, bundle: str | Path, manifest: Manifest, threads: int = 1,
-                 cache_dir: str | Path | None = None, precision: str = "bf16") -> None:
+                 cache_dir: str | Path | None = None, precision: str = "bf16", kv: np.dtype | str = "float32") -> None:
         facts = manifest.target
+        kv = np.dtype(kv)
         if precision not in PROMPT_PRECISIONS:
             raise BadInputError(f"no prompt graphs in {precision!r}: {' or '.join(PROMPT_PRECISIONS)}",
                                 option="prefill_precision")
@@ -131,7 +134,7 @@ class PromptGraphs:
                                     "GroupQueryAttention does not take: leave prefill_precision at 'target'",
                                     option="prefill_precision")
             if precision == "float32":
-                graph = _OrtGraph(expanded(onnx.load(str(path))), spec, threads)
+                graph = _OrtGraph(expanded(onnx.load(str(path))), spec, threads, kv)
             elif facts.weight_format == "float32":
                 graph = _OpenVINOGraph(open_openvino(path, "CPU", threads, cache_dir, precision="bf16"),
                                        spec.kv_layers)
@@ -143,7 +146,7 @@ class PromptGraphs:
         self.forwards = 0
         # a backend builds its kernels and buffers at the first forward: once here, not in the first request's TTFT
         # (2x there on OpenVINO)
-        warm = {name: np.zeros((1, facts.num_kv_heads, WARM_UP_TOKENS, facts.head_dim), np.float32)
+        warm = {name: np.zeros((1, facts.num_kv_heads, WARM_UP_TOKENS, facts.head_dim), kv)
                 for name in kv_names(manifest)}
         self.suffix(self.prefix(np.zeros((1, WARM_UP_TOKENS), np.int64), 0, warm)[0], 0, warm)
         self.forwards = 0
@@ -183,8 +186,9 @@ class _OpenVINOGraph:
 
     def run(self, feed: dict[str, np.ndarray], start: int, total: int, kv: Mapping[str, np.ndarray]
             ) -> dict[str, np.ndarray]:
-        for name in kv:  # the past as its own tensors: OpenVINO returns past + new, not written in place
-            feed[name] = kv[name][:, :, :start]
+        for name in kv:  # the past as its own tensors (float32, the graphs' own): OpenVINO returns past + new, not
+            # written in place; float16 KV memory takes the new positions rounded to nearest, as the kernel rounds
+            feed[name] = kv[name][:, :, :start].astype(np.float32, copy=False)
         out = self.graph.run(feed)
         for past in kv:
             kv[past][:, :, start:total] = out[self.present[past]][:, :, start:total]
@@ -195,11 +199,18 @@ class _OrtGraph:
     """A graph on ONNX Runtime's CPU provider, its past and present bound to the host KV memory itself (written in
     place, as the target's own steps write theirs)."""
 
-    def __init__(self, model: onnx.ModelProto, spec, threads: int) -> None:
+    def __init__(self, model: onnx.ModelProto, spec, threads: int, kv: np.dtype) -> None:
+        kernel = None
+        if kv != np.float32:  # float16 KV memory: the attention on the project's kernel, as the target's own
+            kernel = cpu_attention.library()
+            if kernel is None or not cpu_attention.with_kernel(model, kv.name):
+                raise BadInputError(f"prompt graphs writing {kv.name} KV need the project's attention kernel",
+                                    option="kv_cache_precision")
         if proto_bytes(model) >= PROTOBUF_LIMIT:
             raise BadInputError(f"{spec.file}: its weights in float32 pass protobuf's 2 GiB; prefill_precision "
                                 "'float32' takes smaller targets", option="prefill_precision")
-        self.bound = _Bound(ort_session(model.SerializeToString(), ["CPUExecutionProvider"], threads), spec, None)
+        self.bound = _Bound(ort_session(model.SerializeToString(), ["CPUExecutionProvider"], threads,
+                                        custom_ops=kernel), spec, None)
         self.head = spec.outputs[0].name
 
     def run(self, feed: dict[str, np.ndarray], start: int, total: int, kv: Mapping[str, np.ndarray]
@@ -211,7 +222,7 @@ class _OrtGraph:
 
 def _view(array: np.ndarray) -> KVView:
     """Host KV memory [1, kv_heads, positions, head_dim] as a view ONNX Runtime binds by address."""
-    if not array.flags.c_contiguous or array.dtype != np.float32:
-        raise ValueError("the prompt graphs write KV memory that is float32 and contiguous")
+    if not array.flags.c_contiguous or array.dtype not in (np.float32, np.float16):
+        raise ValueError("the prompt graphs write KV memory that is float32 or float16 and contiguous")
     return KVView(array.ctypes.data, array.shape, array.dtype)
 

@@ -208,6 +208,7 @@ class Target:
     def __init__(self, manifest: Manifest, capacity: int | None, step_width: int = 0) -> None:
         facts = manifest.target
         self.capacity, self.slots = kv_positions(manifest, capacity, step_width)
+        self.kv_dtype = np.dtype(facts.dtype)  # the KV memory's element type (LoadOptions.kv_cache_precision)
         if step_width < 0:
             raise ValueError(f"step width must be >= 0, not {step_width}")
         # Fixed-width steps: every forward of fewer than `step_width` tokens is padded to it. Why: float16 kernels on
@@ -387,9 +388,10 @@ class OrtTarget(Target):
 
     def __init__(self, bundle: Path, manifest: Manifest, providers: list[str] | None = None, threads: int = 1,
                  capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None,
-                 native_attention: bool = True) -> None:
+                 native_attention: bool = True, kv_cache_precision: str = "target") -> None:
         """native_attention: a float32 target's attention on the project's own kernel where it can be had
-        (runtime/cpu_attention.py; the `native_attention` attribute says whether it runs)."""
+        (runtime/cpu_attention.py; the `native_attention` attribute says whether it runs). kv_cache_precision
+        (LoadOptions'): "float16" holds the KV in float16 on that kernel."""
         import onnxruntime as ort
 
         self.threads = threads
@@ -399,11 +401,28 @@ class OrtTarget(Target):
         self._session_args = (providers, threads, spinning)
         # a float32 target runs on the CPU only (below); its attention's kernel is the project's where it compiled
         self._kernel = cpu_attention.library() if native_attention and facts.dtype == "float32" else None
+        kv_dtype = np.dtype(facts.dtype if kv_cache_precision == "target" else kv_cache_precision)
+        self._kv_kind = kv_dtype.name  # the kernel's KV: its domain (cpu_attention.DOMAINS)
+        if kv_dtype != np.dtype(facts.dtype) and self._kernel is None:
+            raise BadInputError(
+                f"kv_cache_precision {kv_cache_precision} needs the project's attention kernel on the CPU: "
+                + ("native_attention is off" if not native_attention else
+                   f"this target is {facts.dtype} (its KV is {facts.dtype} already)" if facts.dtype != "float32"
+                   else "it did not compile here (no C++ compiler, or ONNX Runtime before 1.17: see the log)"),
+                option="kv_cache_precision")
         self._attends = {role: bool(spec.kv_layers) for role, spec in specs.items()}  # the exit head does not
         self.native_attention = False
         sessions = {role: self._rewritten(role, None) for role in specs}
         for role, session in sessions.items():
             check_io(specs[role], [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()])
+        if kv_dtype != np.dtype(facts.dtype):  # every KV input retyped, or some attention the kernel refused
+            past = {name for spec in specs.values() for i in spec.kv_layers
+                    for name in (past_key_name(i), past_value_name(i))}
+            kinds = {i.type for session in sessions.values() for i in session.get_inputs() if i.name in past}
+            if kinds != {f"tensor({self._kv_kind})"}:
+                raise BadInputError(f"kv_cache_precision {kv_cache_precision}: the kernel does not take every one of "
+                                    "this target's attention nodes (an attribute it does not compute)",
+                                    option="kv_cache_precision")
         self.providers = sessions["target_prefix"].get_providers()
         self.device = self.providers[0]
         if self.device == "CUDAExecutionProvider" and facts.dtype == "float32":
@@ -417,19 +436,19 @@ class OrtTarget(Target):
         if step_width is None:  # fixed-width steps where the kernels choose by width: the GPU's float16 ones
             step_width = GPU_STEP_WIDTH if on_gpu else INT8_STEP_WIDTH if facts.matmul_activations == "int8" else 0
         super().__init__(manifest, capacity, step_width)
+        self.kv_dtype = kv_dtype
         self.pads_rows = step_width > 1 and on_cpu(self.device)
         # float16 kernels (the GPU's) may round a position otherwise at every width: a window stays within the step's
         self.window_ceiling = step_width - 1 if facts.dtype == "float16" and step_width else None
         self._device = ort_device(self.device)
         shape = [1, facts.num_kv_heads, self.slots, facts.head_dim]
-        self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(facts.dtype), *self._device)
+        self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(shape, self.kv_dtype, *self._device)
                         for role in ("target_prefix", "target_suffix") for i in specs[role].kv_layers
                         for name in (past_key_name(i), past_value_name(i))}
         self._prefix = _Bound(sessions["target_prefix"], specs["target_prefix"], self.buffers)
         self._suffix = _Bound(sessions["target_suffix"], specs["target_suffix"], self.buffers)
         self._exit = sessions["target_exit"]
         self._kv: dict[str, object] = self.buffers  # the KV memory bound now (use_kv)
-        self.kv_dtype = np.dtype(facts.dtype)
         self._host_kv: dict[str, np.ndarray] | None = None
         # the two-row padding is for ONNX Runtime's one-row attention; the kernel computes a row alike in any step,
         # and where this CPU's MatMulNBits does too, one-row steps are a row's bits (INT8_STEP_WIDTH)
@@ -498,12 +517,12 @@ class OrtTarget(Target):
         path = self._paths[role]
         kernel = self._kernel if self._attends[role] else None
         if rewrite is None:
-            graph = cpu_attention.serialized_with_kernel(path) if kernel is not None else None
+            graph = cpu_attention.serialized_with_kernel(path, self._kv_kind) if kernel is not None else None
             if graph is None:  # the file as it is
                 return ort_session(path, *self._session_args)
         else:
             model = rewrite(onnx.load(str(path), load_external_data=False))
-            if kernel is not None and not cpu_attention.with_kernel(model):
+            if kernel is not None and not cpu_attention.with_kernel(model, self._kv_kind):
                 kernel = None
             graph = model.SerializeToString()
         self.native_attention |= kernel is not None
@@ -539,7 +558,7 @@ class OrtTarget(Target):
 
 def open_target(bundle: str | Path, manifest: Manifest, device: str | None = None, threads: int = 1,
                 capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None,
-                native_attention: bool = True) -> OrtTarget:
+                native_attention: bool = True, kv_cache_precision: str = "target") -> OrtTarget:
     """device None: CUDA where the session really gets it and the target is float16, else CPU; "cpu", "cuda" or a
     provider name. step_width None: GPU_STEP_WIDTH on the CUDA execution provider, else 0 (no padding)."""
     from mirror_sd.runtime.backends import ort_providers
@@ -547,7 +566,7 @@ def open_target(bundle: str | Path, manifest: Manifest, device: str | None = Non
     if device is None and manifest.target.dtype == "float32":
         device = "cpu"  # a float32 target has no CUDA attention kernel (OrtTarget refuses the pairing)
     return OrtTarget(Path(bundle).resolve(), manifest, ort_providers(device), threads, capacity, spinning, step_width,
-                     native_attention)
+                     native_attention, kv_cache_precision)
 
 
 def check_io(spec: PartitionSpec, inputs: list[str], outputs: list[str]) -> None:

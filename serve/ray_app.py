@@ -39,7 +39,7 @@ from mirror_sd.errors import BadInputError, MirrorSDError, check_int
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.package_format import is_package
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Spec, specs
-from mirror_sd.runtime.kv_slots import slots_for
+from mirror_sd.runtime.kv_slots import kv_element, slots_for
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.target import GPU_STEP_WIDTH, kv_positions
 from mirror_sd.serve.app import ServerSettings, create_app, listen, open_server
@@ -206,7 +206,8 @@ def replica_slots(spec: ReplicaSpec) -> int:
         return load.max_num_seqs
     manifest = Manifest.load(spec.bundle)
     positions = kv_positions(manifest, load.max_context, GPU_STEP_WIDTH)[1]
-    return slots_for(manifest, positions, load.max_num_seqs, load.kv_cache_gb)
+    return slots_for(manifest, positions, load.max_num_seqs, load.kv_cache_gb,
+                     kv_element(manifest, load.kv_cache_precision))
 
 
 def application(spec: ReplicaSpec, placement: Placement) -> Any:

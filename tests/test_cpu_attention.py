@@ -32,24 +32,29 @@ def kernel():
     return lib
 
 
-def attention_session(lib, domain: str, packed: bool = True, **attrs):
+def attention_session(lib, domain: str, packed: bool = True, kv: str = "float32", **attrs):
+    """One attention node: ONNX Runtime's (domain com.microsoft) or the kernel's, its KV in `kv` (the kernel's
+    domain for it: cpu_attention.DOMAINS)."""
+    kv_type = helper.np_dtype_to_tensor_dtype(np.dtype(kv))
+
     def value(name, dims, kind=TensorProto.FLOAT):
         return helper.make_tensor_value_info(name, kind, dims)
 
     inputs = [value("q", ["B", "S", (H + 2 * KV) * D if packed else H * D])]
     inputs += [] if packed else [value("k", ["B", "S", KV * D]), value("v", ["B", "S", KV * D])]
-    inputs += [value("pk", ["B", KV, "C", D]), value("pv", ["B", KV, "C", D]),
+    inputs += [value("pk", ["B", KV, "C", D], kv_type), value("pv", ["B", KV, "C", D], kv_type),
                value("seqlens", ["B"], TensorProto.INT32), value("total", [], TensorProto.INT32),
                value("cos", ["P", D // 2]), value("sin", ["P", D // 2])]
     names = ["q", "" if packed else "k", "" if packed else "v", "pk", "pv", "seqlens", "total", "cos", "sin"]
     node = helper.make_node("GroupQueryAttention", names, ["o", "prk", "prv"], domain=domain, num_heads=H,
                             kv_num_heads=KV, rotary_interleaved=0, **{"do_rotary": 1, "scale": D ** -0.5, **attrs})
-    outputs = [value("o", ["B", "S", H * D]), value("prk", ["B", KV, "C", D]), value("prv", ["B", KV, "C", D])]
+    outputs = [value("o", ["B", "S", H * D]), value("prk", ["B", KV, "C", D], kv_type),
+               value("prv", ["B", KV, "C", D], kv_type)]
     model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs), ir_version=10,
                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
-    if domain == cpu_attention.DOMAIN:
+    if domain in cpu_attention.DOMAINS.values():
         opts.register_custom_ops_library(str(lib))
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
@@ -113,9 +118,29 @@ def test_the_kernel_computes_what_onnx_runtimes_attention_computes(kernel, rows,
         np.testing.assert_array_equal(ours[1][r, :, rest], keys[r, :, rest])
 
 
-def test_a_window_is_the_bits_of_its_tokens_run_one_at_a_time(kernel):
-    sess = attention_session(kernel, cpu_attention.DOMAIN)
-    keys, values = (rng.standard_normal((2, KV, C, D), np.float32) for _ in range(2))
+def test_the_float16_kv_is_the_float32_kvs_rounded_as_it_is_written(kernel):
+    """Where the past is the same values, the float16 op writes the float32 op's new keys and values rounded to
+    nearest (ties to even, as numpy rounds), and its output lies within float16's rounding of the float32 op's."""
+    kv = "float16"
+    for rows, tokens, pasts, packed, attrs in CASES:
+        positions = C if max(pasts) + tokens <= C else LONG
+        keys, values = (rng.standard_normal((rows, KV, positions, D)).astype(np.float16) for _ in range(2))
+        widths = [(H + 2 * KV) * D] if packed else [H * D, KV * D, KV * D]
+        new = [rng.standard_normal((rows, tokens, w), np.float32) for w in widths]
+        seqlens = [p + tokens - 1 for p in pasts]
+        wide = run(attention_session(kernel, cpu_attention.DOMAIN, packed, **attrs), new, keys.astype(np.float32),
+                   values.astype(np.float32), seqlens)
+        half = run(attention_session(kernel, cpu_attention.DOMAINS[kv], packed, kv, **attrs), new,
+                   keys.astype(kv), values.astype(kv), seqlens)
+        np.testing.assert_array_equal(half[1], wide[1].astype(kv))
+        np.testing.assert_array_equal(half[2], wide[2].astype(kv))
+        np.testing.assert_allclose(half[0], wide[0], atol=4e-3, rtol=0)
+
+
+@pytest.mark.parametrize("kv", cpu_attention.DOMAINS)
+def test_a_window_is_the_bits_of_its_tokens_run_one_at_a_time(kernel, kv):
+    sess = attention_session(kernel, cpu_attention.DOMAINS[kv], kv=kv)
+    keys, values = (rng.standard_normal((2, KV, C, D)).astype(kv) for _ in range(2))
     new = rng.standard_normal((2, 5, (H + 2 * KV) * D), np.float32)
     window = run(sess, [new], keys, values, [30 + 4, 12 + 4])
     k, v, steps = keys, values, []
@@ -129,12 +154,13 @@ def test_a_window_is_the_bits_of_its_tokens_run_one_at_a_time(kernel):
     np.testing.assert_array_equal(window[0][1:], alone[0])
 
 
+@pytest.mark.parametrize("kv", cpu_attention.DOMAINS)
 @pytest.mark.parametrize("past", [508, 1019])
-def test_a_window_after_a_long_past_is_the_bits_of_its_tokens_and_of_a_prefill(kernel, past):
+def test_a_window_after_a_long_past_is_the_bits_of_its_tokens_and_of_a_prefill(kernel, past, kv):
     """After a long past, a window, the same tokens one at a time, and a prompt prefilled in one run through them
     (its keys transposed once for all its tasks) give each token the same bits."""
-    sess = attention_session(kernel, cpu_attention.DOMAIN)
-    keys, values = (rng.standard_normal((2, KV, LONG, D), np.float32) for _ in range(2))
+    sess = attention_session(kernel, cpu_attention.DOMAINS[kv], kv=kv)
+    keys, values = (rng.standard_normal((2, KV, LONG, D)).astype(kv) for _ in range(2))
     new = rng.standard_normal((2, 8, (H + 2 * KV) * D), np.float32)
     window = run(sess, [new], keys, values, [past + 7, 300 + 7])
     k, v, steps = keys, values, []
@@ -162,6 +188,20 @@ def test_the_graph_patch_changes_only_the_attention_nodes(bundle_factory, kernel
     assert len(after.graph.initializer) == len(before.graph.initializer)
     exit_path = bundle_factory("llama") / "target_exit.onnx"  # no attention: nothing to patch
     assert cpu_attention.serialized_with_kernel(exit_path) is None
+
+
+def test_the_float16_patch_retypes_the_kv_and_equals_the_parsed_rewrite(bundle_factory, kernel):
+    path = bundle_factory("llama") / "target_suffix.onnx"
+    patched = onnx.load_from_string(cpu_attention.serialized_with_kernel(path, "float16"))
+    parsed = onnx.load(str(path), load_external_data=False)
+    assert cpu_attention.with_kernel(parsed, "float16")
+    assert [(n.domain, n.input, n.output) for n in patched.graph.node] == [
+        (n.domain, n.input, n.output) for n in parsed.graph.node]
+    kinds = {v.name: v.type.tensor_type.elem_type for v in (*patched.graph.input, *patched.graph.output)}
+    assert kinds == {v.name: v.type.tensor_type.elem_type for v in (*parsed.graph.input, *parsed.graph.output)}
+    kv = {name for name, kind in kinds.items() if kind == TensorProto.FLOAT16}
+    assert kv and all(name.startswith(("past_key_values.", "present.")) for name in kv)
+    assert {n.domain for n in patched.graph.node if n.op_type == "GroupQueryAttention"} == {"mirror_sd.f16"}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3_text"])

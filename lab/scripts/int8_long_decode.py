@@ -1,6 +1,7 @@
-"""ar decode of the int8 / int4 target at 64 and 2,048 prompt tokens: the project's attention kernel with and without
-the two-row step padding (INT8_STEP_WIDTH), ONNX Runtime's GroupQueryAttention, and OpenVINO GenAI at its defaults on
-the same weights compressed by NNCF; arms interleaved, medians of decode tokens/s (bench/precision.py's measure).
+"""ar decode of a target at 64 and 2,048 prompt tokens: the project's attention kernel with and without the two-row
+step padding (INT8_STEP_WIDTH) or with a float16 KV cache, ONNX Runtime's GroupQueryAttention, and OpenVINO GenAI at
+its defaults on the same weights (int8 / int4: compressed by NNCF); arms interleaved, medians of decode tokens/s
+(bench/precision.py's measure), and per arm the prompts whose greedy tokens equal the first arm's.
 
     .venv/bin/python lab/scripts/int8_long_decode.py build/bundles/smollm2-feature-int8 --weights int8 \
         --out lab/results/int8-long-decode.json
@@ -33,7 +34,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     options = {"kernel": {}, "kernel-unpadded": {"target_step_width": 0},
-               "ort-gqa": {"native_attention": False}, "bf16-prefill": {"prefill_precision": "bf16"}}
+               "ort-gqa": {"native_attention": False}, "bf16-prefill": {"prefill_precision": "bf16"},
+               "kernel-f16kv": {"kv_cache_precision": "float16"},
+               "bf16-prefill-f16kv": {"prefill_precision": "bf16", "kv_cache_precision": "float16"}}
     arms = {}
     for name in args.arms.split(","):
         pipe = Pipeline.load(args.bundle, target_threads=2, enable_prefix_caching=False, **options[name])
@@ -60,7 +63,9 @@ def main() -> None:
                                    "decode_tokens_per_s": median(decode_rate(r.token_ids, r.ttft_s, r.total_s)
                                                                  for r in rs),
                                    "decode_each": [round(decode_rate(r.token_ids, r.ttft_s, r.total_s), 1)
-                                                   for r in rs]}
+                                                   for r in rs],
+                                   "same_tokens_as_first": sum(list(r.token_ids) == list(f.token_ids)
+                                                               for r, f in zip(rs, runs[names[0]], strict=True))}
                             for name, rs in runs.items()}
         print(length, json.dumps(out[str(length)]), flush=True)
     doc = {"what": __doc__.splitlines()[0], "bundle": args.bundle, "weights": args.weights,

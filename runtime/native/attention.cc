@@ -9,8 +9,15 @@
 // project's own kernel); and every query's result is computed the same way whatever the batch, the number of new
 // tokens or the thread that runs it (its sums in one order), so that a window's position equals that position
 // stepped alone bit for bit, and rows of several tokens after a past run at any batch.
+//
+// Two ops: KV in float32 (domain mirror_sd.gqa) and in float16 (mirror_sd.f16, LoadOptions.kv_cache_precision). The
+// latter stores each new key and value rounded to float16 (to nearest, ties to even) and reads them back into float32
+// arithmetic: a decode step, bound by reading the KV, reads half the bytes; scores and sums are float32 either way.
 #include <math.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <vector>
@@ -67,11 +74,14 @@ inline void rotate(const float* x, float* out, int64_t head_dim, int64_t rotary,
   for (int64_t i = rotary; i < head_dim; ++i) out[i] = x[i];
 }
 
+typedef _Float16 half;  // IEEE binary16, the float16 KV's element
+
+template <typename T>
 struct Step {
   Attributes attrs;
   int64_t batch, seq, head_dim, capacity;
   const float* q;  // [B, S, heads, D] after the rotary
-  float *keys, *values;  // [B, kv_heads, capacity, D]
+  T *keys, *values;  // [B, kv_heads, capacity, D]
   const int32_t* seqlens;
   float* out;  // [B, S, heads, D]
   int64_t query_blocks;
@@ -87,6 +97,22 @@ constexpr int kQueries = 4;  // queries whose sums share each load of keys or va
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline v16 load(const half* p) {  // 16 halves widened (GCC widens a vector of _Float16 one lane at a time)
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  v16 x;
+  memcpy(&x, &lo, sizeof lo);
+  memcpy(reinterpret_cast<char*>(&x) + sizeof lo, &hi, sizeof hi);
+  return x;
+#else
+  v16 x;
+  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(p[i]);
+  return x;
+#endif
+}
 inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 
 // n <= 16 keys of D values into D x 16 (keys past n zero)
@@ -97,16 +123,30 @@ inline void transpose(const float* keys, float* out, int64_t n, int64_t head_dim
     for (int64_t d = 0; d < D; ++d) out[d * kKeyBlock + j] = j < n ? keys[j * D + d] : 0.f;
 }
 
+template <int kD>
+inline void transpose(const half* keys, float* out, int64_t n, int64_t head_dim) {
+  const int64_t D = kD ? kD : head_dim;
+  for (int64_t j = 0; j < kKeyBlock; ++j) {
+    int64_t d = 0;
+    if (j < n)
+      for (; d + kKeyBlock <= D; d += kKeyBlock) {  // 16 values widened at once
+        const v16 x = load(keys + j * D + d);
+        for (int l = 0; l < kKeyBlock; ++l) out[(d + l) * kKeyBlock + j] = x[l];
+      }
+    for (; d < D; ++d) out[d * kKeyBlock + j] = j < n ? static_cast<float>(keys[j * D + d]) : 0.f;
+  }
+}
+
 // One task's queries against its keys, head size D (a compile-time constant where the kernel has one, so that the
 // loops over it unroll into registers; 0: s.head_dim at run time). Scores of 16 keys at a time come from a transposed
 // copy of their keys (D x 16: every query's d-th value times a row of it), so no sum runs across a register; each
 // query's sums run over d, then over keys, in one order whatever the task holds.
-template <int kD>
-void attend_block(const Step& s, int64_t b, int64_t kv, int64_t first, int64_t last) {
+template <int kD, typename T>
+void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_t last) {
   const int64_t D = kD ? kD : s.head_dim, group = s.attrs.heads / s.attrs.kv_heads;
   const int64_t past = s.seqlens[b] + 1 - s.seq;
-  const float* K = s.keys + (b * s.attrs.kv_heads + kv) * s.capacity * D;
-  const float* V = s.values + (b * s.attrs.kv_heads + kv) * s.capacity * D;
+  const T* K = s.keys + (b * s.attrs.kv_heads + kv) * s.capacity * D;
+  const T* V = s.values + (b * s.attrs.kv_heads + kv) * s.capacity * D;
   auto lo = [&](int64_t t) {
     return s.attrs.window > 0 ? std::max<int64_t>(0, past + t - s.attrs.window + 1) : int64_t{0};
   };
@@ -201,7 +241,7 @@ void attend_block(const Step& s, int64_t b, int64_t kv, int64_t first, int64_t l
       for (int i = 0; i < kQueries; ++i)
         for (int c = 0; c < n; ++c) acc[i][c] = v16{0};
       for (int64_t k = a; k < z; ++k) {
-        const float* v = V + k * kD;
+        const T* v = V + k * kD;
         for (int c = 0; c < n; ++c) {
           const v16 x = load(v + c * kKeyBlock);
           for (int i = 0; i < kQueries; ++i) acc[i][c] += p[i][k] * x;
@@ -218,8 +258,8 @@ void attend_block(const Step& s, int64_t b, int64_t kv, int64_t first, int64_t l
         for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
         for (int64_t k = a; k < z; ++k) {
           const float w = p[i][k];
-          const float* v = V + k * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
+          const T* v = V + k * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * static_cast<float>(v[d]);
         }
         float* out = s.out + ((b * s.seq + t) * s.attrs.heads + kv * group + h) * D;
         for (int64_t d = 0; d < D; ++d) out[d] = o[d] * invs[q];
@@ -229,14 +269,15 @@ void attend_block(const Step& s, int64_t b, int64_t kv, int64_t first, int64_t l
 }
 
 // task: one (row, KV head, block of 16 keys) of the keys all query blocks read
+template <typename T>
 void transpose_task(void* data, size_t task) {
-  Step& s = *static_cast<Step*>(data);
+  Step<T>& s = *static_cast<Step<T>*>(data);
   const int64_t block = static_cast<int64_t>(task) % s.kt_blocks, bk = static_cast<int64_t>(task) / s.kt_blocks;
   const int64_t D = s.head_dim, j0 = block * kKeyBlock, b = bk / s.attrs.kv_heads;
   const int64_t n = std::min<int64_t>(kKeyBlock, std::min<int64_t>(s.seqlens[b] + 1, s.capacity) - j0);
   float* out = const_cast<float*>(s.kt) + (bk * s.kt_blocks + block) * D * kKeyBlock;
   if (n <= 0) return;  // past the row's keys: never read
-  const float* keys = s.keys + (bk * s.capacity + j0) * D;
+  const T* keys = s.keys + (bk * s.capacity + j0) * D;
   switch (D) {
     case 64: return transpose<64>(keys, out, n, D);
     case 128: return transpose<128>(keys, out, n, D);
@@ -244,8 +285,9 @@ void transpose_task(void* data, size_t task) {
   }
 }
 
+template <typename T>
 void attend(void* data, size_t task) {
-  const Step& s = *static_cast<const Step*>(data);
+  const Step<T>& s = *static_cast<const Step<T>*>(data);
   const int64_t block = static_cast<int64_t>(task) % s.query_blocks;
   const int64_t kv = static_cast<int64_t>(task) / s.query_blocks % s.attrs.kv_heads;
   const int64_t b = static_cast<int64_t>(task) / s.query_blocks / s.attrs.kv_heads;
@@ -258,9 +300,9 @@ void attend(void* data, size_t task) {
     return;
   }
   switch (s.head_dim) {
-    case 64: return attend_block<64>(s, b, kv, first, last);
-    case 128: return attend_block<128>(s, b, kv, first, last);
-    default: return attend_block<0>(s, b, kv, first, last);
+    case 64: return attend_block<64, T>(s, b, kv, first, last);
+    case 128: return attend_block<128, T>(s, b, kv, first, last);
+    default: return attend_block<0, T>(s, b, kv, first, last);
   }
 }
 
@@ -297,11 +339,18 @@ const OrtValue* input(OrtKernelContext* context, size_t index) {
   return value;
 }
 
-float* output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& shape) {
+template <typename T = float>
+T* output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& shape) {
   OrtValue* value = nullptr;
   Status st{ort::at<ort::KernelContextGetOutputFn>(g_api, ort::kKernelContextGetOutput)(context, index, shape.data(),
                                                                                           shape.size(), &value)};
-  return value ? data_of<float>(value) : nullptr;
+  return value ? data_of<T>(value) : nullptr;
+}
+
+// a rotated key (or a value) of D floats into the KV's element type
+inline void put(const float* x, float* out, int64_t D) { memcpy(out, x, sizeof(float) * D); }
+inline void put(const float* x, half* out, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<half>(x[d]);
 }
 
 // fn(data, 0 .. tasks - 1) on ONNX Runtime's threads (here, where the session has no pool)
@@ -313,6 +362,7 @@ void parallel(OrtKernelContext* context, void (*fn)(void*, size_t), size_t tasks
   }
 }
 
+template <typename T>
 void compute(void* kernel, OrtKernelContext* context) {
   Attributes a = static_cast<Kernel*>(kernel)->attrs;
   const OrtValue *query = input(context, 0), *key = input(context, 1), *value = input(context, 2);
@@ -326,10 +376,10 @@ void compute(void* kernel, OrtKernelContext* context) {
   const int64_t rotary = 2 * angles_shape[1];  // [positions, rotary / 2]
 
   float* out = output(context, 0, {B, S, H * D});
-  float* keys = output(context, 1, kvshape);
-  float* values = output(context, 2, kvshape);
-  const float *pk = data_of<float>(past_key), *pv = data_of<float>(past_value);
-  const size_t bytes = sizeof(float) * static_cast<size_t>(B * KV * capacity * D);
+  T* keys = output<T>(context, 1, kvshape);
+  T* values = output<T>(context, 2, kvshape);
+  const T *pk = data_of<T>(past_key), *pv = data_of<T>(past_value);
+  const size_t bytes = sizeof(T) * static_cast<size_t>(B * KV * capacity * D);
   if (keys != pk) memcpy(keys, pk, bytes);  // present bound apart from past: the past is carried over first
   if (values != pv) memcpy(values, pv, bytes);
   const int32_t* lengths = data_of<int32_t>(seqlens);
@@ -341,7 +391,7 @@ void compute(void* kernel, OrtKernelContext* context) {
   const float *cos_cache = rotary ? data_of<float>(cos) : nullptr, *sin_cache = rotary ? data_of<float>(sin) : nullptr;
   const int64_t half = rotary / 2, angles = angles_shape[0];
 
-  std::vector<float> q(static_cast<size_t>(B * S * H * D));
+  std::vector<float> q(static_cast<size_t>(B * S * H * D)), turned(static_cast<size_t>(D));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t past = lengths[b] + 1 - S;
     for (int64_t t = 0; t < S; ++t) {
@@ -361,13 +411,17 @@ void compute(void* kernel, OrtKernelContext* context) {
       for (int64_t h = 0; h < KV; ++h) {
         const size_t at = static_cast<size_t>(((b * KV + h) * capacity + pos) * D);
         const float* ks = k_in + token * kv_stride + h * D;
-        if (rotary) rotate(ks, keys + at, D, rotary, c, n);
-        else memcpy(keys + at, ks, sizeof(float) * D);
-        memcpy(values + at, v_in + token * kv_stride + h * D, sizeof(float) * D);
+        if (rotary) {
+          rotate(ks, turned.data(), D, rotary, c, n);
+          put(turned.data(), keys + at, D);
+        } else {
+          put(ks, keys + at, D);
+        }
+        put(v_in + token * kv_stride + h * D, values + at, D);
       }
     }
   }
-  Step step{a, B, S, D, capacity, q.data(), keys, values, lengths, out, (S + kQueryBlock - 1) / kQueryBlock};
+  Step<T> step{a, B, S, D, capacity, q.data(), keys, values, lengths, out, (S + kQueryBlock - 1) / kQueryBlock};
   std::vector<float> kt;
   if (step.query_blocks > 1) {  // several tasks per row and KV head read the same keys: transposed once, first
     int64_t longest = 0;
@@ -375,9 +429,9 @@ void compute(void* kernel, OrtKernelContext* context) {
     step.kt_blocks = (longest + kKeyBlock - 1) / kKeyBlock;
     kt.resize(static_cast<size_t>(B * KV * step.kt_blocks * D * kKeyBlock));
     step.kt = kt.data();
-    parallel(context, transpose_task, static_cast<size_t>(B * KV * step.kt_blocks), &step);
+    parallel(context, transpose_task<T>, static_cast<size_t>(B * KV * step.kt_blocks), &step);
   }
-  parallel(context, attend, static_cast<size_t>(B * KV * step.query_blocks), &step);
+  parallel(context, attend<T>, static_cast<size_t>(B * KV * step.query_blocks), &step);
 }
 
 void* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) {
@@ -399,9 +453,13 @@ void* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info
 
 const char* name(const OrtCustomOp*) { return "GroupQueryAttention"; }
 const char* provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
-int input_type(const OrtCustomOp*, size_t index) { return index == 5 || index == 6 ? kOrtInt32 : kOrtFloat; }
+template <int kKV>  // the past's and the present's element type
+int input_type(const OrtCustomOp*, size_t index) {
+  return index == 5 || index == 6 ? kOrtInt32 : index == 3 || index == 4 ? kKV : kOrtFloat;
+}
 size_t input_count(const OrtCustomOp*) { return 9; }
-int output_type(const OrtCustomOp*, size_t) { return kOrtFloat; }
+template <int kKV>
+int output_type(const OrtCustomOp*, size_t index) { return index == 0 ? kOrtFloat : kKV; }
 size_t output_count(const OrtCustomOp*) { return 3; }
 void destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 int input_characteristic(const OrtCustomOp*, size_t index) {
@@ -414,10 +472,14 @@ int zero(const OrtCustomOp*) { return 0; }
 int start_version(const OrtCustomOp*) { return 1; }
 int end_version(const OrtCustomOp*) { return 1 << 30; }
 
-OrtCustomOp g_op = {kOrtApiVersion, create_kernel, name, provider, input_type, input_count, output_type,
-                    output_count, compute, destroy, input_characteristic, output_characteristic, memory_type, one,
-                    zero, one, zero, nullptr, nullptr, nullptr, start_version, end_version, nullptr, nullptr,
-                    nullptr, nullptr};
+template <typename T, int kKV>
+OrtCustomOp op() {
+  return {kOrtApiVersion, create_kernel, name, provider, input_type<kKV>, input_count, output_type<kKV>, output_count,
+          compute<T>, destroy, input_characteristic, output_characteristic, memory_type, one, zero, one, zero, nullptr,
+          nullptr, nullptr, start_version, end_version, nullptr, nullptr, nullptr, nullptr};
+}
+
+OrtCustomOp g_float_kv = op<float, kOrtFloat>(), g_half_kv = op<half, kOrtFloat16>();
 
 }  // namespace
 
@@ -425,10 +487,15 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
                                                                               const OrtApiBase* base) {
   g_api = base->GetApi(kOrtApiVersion);
   if (!g_api) return nullptr;  // an ONNX Runtime older than the API this library uses: it registers nothing
-  OrtCustomOpDomain* domain = nullptr;
-  OrtStatus* st = ort::at<ort::CreateCustomOpDomainFn>(g_api, ort::kCreateCustomOpDomain)("mirror_sd.gqa", &domain);
-  if (st) return st;
-  st = ort::at<ort::CustomOpDomainAddFn>(g_api, ort::kCustomOpDomainAdd)(domain, &g_op);
-  if (st) return st;
-  return ort::at<ort::AddCustomOpDomainFn>(g_api, ort::kAddCustomOpDomain)(options, domain);
+  // one domain per KV type (runtime/cpu_attention.py's DOMAINS), each as long as ONNX Runtime's own
+  for (auto [name, op] : {std::pair{"mirror_sd.gqa", &g_float_kv}, std::pair{"mirror_sd.f16", &g_half_kv}}) {
+    OrtCustomOpDomain* domain = nullptr;
+    OrtStatus* st = ort::at<ort::CreateCustomOpDomainFn>(g_api, ort::kCreateCustomOpDomain)(name, &domain);
+    if (st) return st;
+    st = ort::at<ort::CustomOpDomainAddFn>(g_api, ort::kCustomOpDomainAdd)(domain, op);
+    if (st) return st;
+    st = ort::at<ort::AddCustomOpDomainFn>(g_api, ort::kAddCustomOpDomain)(options, domain);
+    if (st) return st;
+  }
+  return nullptr;
 }
