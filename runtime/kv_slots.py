@@ -27,7 +27,7 @@ from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.spec import past_key_name, past_value_name
 from mirror_sd.runtime.huge_pages import small_pages
 from mirror_sd.runtime.kv import common_prefix
-from mirror_sd.runtime.target import KVView
+from mirror_sd.runtime.target import KVView, kv_element
 
 # The shortest cached prefix worth a slot's reuse: below it, a fresh slot (and the cached one kept for a longer
 # match) is the better trade.
@@ -46,11 +46,6 @@ def kv_names(manifest: Manifest) -> list[str]:
     """Every target KV tensor's past name, prefix and suffix layers."""
     return [name for role in ("target_prefix", "target_suffix") for i in manifest.partition(role).kv_layers
             for name in (past_key_name(i), past_value_name(i))]
-
-
-def kv_element(manifest: Manifest, kv_cache_precision: str = "target") -> np.dtype:
-    """The target's KV element type under LoadOptions.kv_cache_precision (OrtTarget.kv_dtype once it is open)."""
-    return np.dtype(manifest.target.dtype if kv_cache_precision == "target" else kv_cache_precision)
 
 
 def slot_bytes(manifest: Manifest, positions: int, dtype: np.dtype | None = None) -> int:

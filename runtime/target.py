@@ -401,15 +401,13 @@ class OrtTarget(Target):
         self._session_args = (providers, threads, spinning)
         # a float32 target runs on the CPU only (below); its attention's kernel is the project's where it compiled
         self._kernel = cpu_attention.library() if native_attention and facts.dtype == "float32" else None
-        kv_dtype = np.dtype(facts.dtype if kv_cache_precision == "target" else kv_cache_precision)
+        kv_dtype = kv_element(manifest, kv_cache_precision)
         self._kv_kind = kv_dtype.name  # the kernel's KV: its domain (cpu_attention.DOMAINS)
         if kv_dtype != np.dtype(facts.dtype) and self._kernel is None:
-            raise BadInputError(
-                f"kv_cache_precision {kv_cache_precision} needs the project's attention kernel on the CPU: "
-                + ("native_attention is off" if not native_attention else
-                   f"this target is {facts.dtype} (its KV is {facts.dtype} already)" if facts.dtype != "float32"
-                   else "it did not compile here (no C++ compiler, or ONNX Runtime before 1.17: see the log)"),
-                option="kv_cache_precision")
+            raise BadInputError(f"kv_cache_precision {kv_cache_precision} needs the project's attention kernel on the "
+                                "CPU: " + ("native_attention is off" if not native_attention else "it did not compile "
+                                           "here (no C++ compiler, or ONNX Runtime before 1.17: see the log)"),
+                                option="kv_cache_precision")
         self._attends = {role: bool(spec.kv_layers) for role, spec in specs.items()}  # the exit head does not
         self.native_attention = False
         sessions = {role: self._rewritten(role, None) for role in specs}
@@ -554,6 +552,11 @@ class OrtTarget(Target):
 
     def boundary_array(self, boundary: Boundary) -> np.ndarray:
         return boundary.hidden.numpy()[:, :boundary.tokens]
+
+
+def kv_element(manifest: Manifest, kv_cache_precision: str = "target") -> np.dtype:
+    """The target's KV element type under LoadOptions.kv_cache_precision (OrtTarget.kv_dtype once it is open)."""
+    return np.dtype(manifest.target.dtype if kv_cache_precision == "target" else kv_cache_precision)
 
 
 def open_target(bundle: str | Path, manifest: Manifest, device: str | None = None, threads: int = 1,

@@ -39,9 +39,9 @@ from mirror_sd.errors import BadInputError, MirrorSDError, check_int
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.package_format import is_package
 from mirror_sd.runtime.config import GenerationConfig, LoadOptions, Spec, specs
-from mirror_sd.runtime.kv_slots import kv_element, slots_for
+from mirror_sd.runtime.kv_slots import slots_for
 from mirror_sd.runtime.pipeline import Pipeline
-from mirror_sd.runtime.target import GPU_STEP_WIDTH, kv_positions
+from mirror_sd.runtime.target import GPU_STEP_WIDTH, kv_element, kv_positions
 from mirror_sd.serve.app import ServerSettings, create_app, listen, open_server
 from mirror_sd.serve.defaults import API_KEY_ENV, LOG_LEVELS, SERVE_GENERATION, GenerationSource, server_defaults
 

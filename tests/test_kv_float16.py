@@ -16,9 +16,10 @@ import pytest
 
 from mirror_sd.errors import BadInputError
 from mirror_sd.runtime import cpu_attention
-from mirror_sd.runtime.kv_slots import kv_element, slot_bytes, slots_for
+from mirror_sd.runtime.kv_slots import slot_bytes, slots_for
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.prompt_graphs import has_bf16
+from mirror_sd.runtime.target import kv_element
 
 ARCHS = ["llama", "qwen3", "mistral", "gemma3_text"]  # the kernel's architectures (test_cpu_attention.py)
 PROMPTS = ["the quick brown fox", "Name three colors of the rainbow please.", "A",
