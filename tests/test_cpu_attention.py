@@ -4,6 +4,8 @@ it."""
 
 from __future__ import annotations
 
+import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +137,51 @@ def test_the_float16_kv_is_the_float32_kvs_rounded_as_it_is_written(kernel):
         np.testing.assert_array_equal(half[1], wide[1].astype(kv))
         np.testing.assert_array_equal(half[2], wide[2].astype(kv))
         np.testing.assert_allclose(half[0], wide[0], atol=4e-3, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def portable_kernel(kernel, tmp_path_factory):
+    """The kernel built for any x86-64 (no F16C, no AVX-512: its float16 conversions in software, as on a CPU
+    without them)."""
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None:
+        pytest.skip("an x86-64 build by g++")
+    out = tmp_path_factory.mktemp("portable") / "libportable.so"
+    flags = [f for f in cpu_attention.FLAGS if not f.startswith("-march")]
+    done = subprocess.run(["g++", *flags, "-march=x86-64", "-o", str(out), str(cpu_attention.SOURCES[0])],
+                          capture_output=True, text=True, timeout=cpu_attention.COMPILE_TIMEOUT_S)
+    if done.returncode:
+        pytest.skip(f"no x86-64 build here: {done.stderr[:200]}")
+    return out
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_float16_keys_and_values_are_rounded_as_numpy_rounds_them(request, build):
+    """Ties to even, subnormals, negative zero, the largest float16 and what rounds past it (infinite): the kernel's
+    conversions, by F16C or in software, against numpy's."""
+    lib = request.getfixturevalue("kernel" if build == "native" else "portable_kernel")
+    edges = np.array([0.0, -0.0, 1.0, 1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 2**-14, 2**-24, 2**-25, 3 * 2**-26,
+                      6e-8, 1e-6, 65504.0, 65519.0, 65520.0, -70000.0, 1e-30, 3.14159265, -2.7182818], np.float32)
+    sess = attention_session(lib, cpu_attention.DOMAINS["float16"], False, "float16", do_rotary=0)
+    keys, values = (np.zeros((1, KV, C, D), np.float16) for _ in range(2))
+    filler = rng.standard_normal(KV * D, np.float32) * 1e3
+    k = np.concatenate([edges, filler])[:KV * D]
+    v = np.concatenate([-edges[::-1], filler])[:KV * D]
+    q = rng.standard_normal(H * D, np.float32)
+    with np.errstate(over="ignore"):
+        expected_k, expected_v = k.astype(np.float16), v.astype(np.float16)
+    _, got_k, got_v = run(sess, [q[None, None], k[None, None], v[None, None]], keys, values, [0])
+    np.testing.assert_array_equal(got_k[0, :, 0].reshape(-1).view(np.uint16), expected_k.view(np.uint16))
+    np.testing.assert_array_equal(got_v[0, :, 0].reshape(-1).view(np.uint16), expected_v.view(np.uint16))
+    # read back: a window of finite values from those keys equals the float32 kernel's over the same widened values
+    finite = np.where(np.isfinite(expected_k), expected_k, 0).astype(np.float16)
+    keys[0, :, 0] = finite.reshape(KV, D)
+    values[0, :, 0] = np.where(np.isfinite(expected_v), expected_v, 0).astype(np.float16).reshape(KV, D)
+    new = [rng.standard_normal((1, 3, w), np.float32) for w in (H * D, KV * D, KV * D)]
+    half = run(sess, new, keys, values, [3])
+    wide = run(attention_session(lib, cpu_attention.DOMAIN, False, do_rotary=0), new, keys.astype(np.float32),
+               values.astype(np.float32), [3])
+    np.testing.assert_array_equal(half[1][:, :, :4], wide[1][:, :, :4].astype(np.float16))
+    np.testing.assert_allclose(half[0], wide[0], atol=4e-3, rtol=0)
 
 
 @pytest.mark.parametrize("kv", cpu_attention.DOMAINS)

@@ -74,7 +74,62 @@ inline void rotate(const float* x, float* out, int64_t head_dim, int64_t rotary,
   for (int64_t i = rotary; i < head_dim; ++i) out[i] = x[i];
 }
 
-typedef _Float16 half;  // IEEE binary16, the float16 KV's element
+// IEEE binary16, the float16 KV's element, as its bits: converted by F16C where the CPU has it, else in software (C++'s
+// _Float16 would need GCC 12 on x86)
+struct f16 {
+  uint16_t bits;
+};
+
+inline float widen(float x) { return x; }
+inline float widen(f16 h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.bits);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16, exponent = (h.bits >> 10) & 0x1fu;
+  uint32_t mantissa = h.bits & 0x3ffu, bits;
+  if (exponent == 31) {
+    bits = sign | 0x7f800000u | mantissa << 13;  // infinity, NaN
+  } else if (exponent) {
+    bits = sign | (exponent + 112) << 23 | mantissa << 13;
+  } else if (!mantissa) {
+    bits = sign;
+  } else {  // subnormal: shifted up to a leading 1, the exponent lowered as far
+    uint32_t e = 113;
+    while (!(mantissa & 0x400u)) mantissa <<= 1, --e;
+    bits = sign | e << 23 | (mantissa & 0x3ffu) << 13;
+  }
+  float x;
+  memcpy(&x, &bits, sizeof x);
+  return x;
+#endif
+}
+
+// x rounded to nearest, ties to even (numpy's float16 rounding); magnitudes from 65,520 up become infinite
+inline f16 narrow(float x) {
+#if defined(__F16C__)
+  return {static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT))};
+#else
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint32_t out;
+  if (bits >= 143u << 23) {  // 2^16 and up, infinity, NaN
+    out = bits > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  } else if (bits < 113u << 23) {  // below 2^-14: a subnormal, the float's own addition rounding it into place
+    const uint32_t magic_bits = 126u << 23;
+    float magic, y;
+    memcpy(&magic, &magic_bits, sizeof magic);
+    memcpy(&y, &bits, sizeof y);
+    y += magic;
+    memcpy(&out, &y, sizeof out);
+    out -= magic_bits;
+  } else {  // the exponent rebased, the mantissa rounded to its 10 bits (ties to even)
+    out = (bits + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + ((bits >> 13) & 1u)) >> 13;
+  }
+  return {static_cast<uint16_t>(out | sign >> 16)};
+#endif
+}
 
 template <typename T>
 struct Step {
@@ -97,7 +152,7 @@ constexpr int kQueries = 4;  // queries whose sums share each load of keys or va
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline v16 load(const half* p) {  // 16 halves widened (GCC widens a vector of _Float16 one lane at a time)
+inline v16 load(const f16* p) {  // 16 halves widened at once
 #if defined(__AVX512F__)
   return reinterpret_cast<v16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(__F16C__)
@@ -109,7 +164,7 @@ inline v16 load(const half* p) {  // 16 halves widened (GCC widens a vector of _
   return x;
 #else
   v16 x;
-  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(p[i]);
+  for (int i = 0; i < 16; ++i) x[i] = widen(p[i]);
   return x;
 #endif
 }
@@ -124,7 +179,7 @@ inline void transpose(const float* keys, float* out, int64_t n, int64_t head_dim
 }
 
 template <int kD>
-inline void transpose(const half* keys, float* out, int64_t n, int64_t head_dim) {
+inline void transpose(const f16* keys, float* out, int64_t n, int64_t head_dim) {
   const int64_t D = kD ? kD : head_dim;
   for (int64_t j = 0; j < kKeyBlock; ++j) {
     int64_t d = 0;
@@ -133,7 +188,7 @@ inline void transpose(const half* keys, float* out, int64_t n, int64_t head_dim)
         const v16 x = load(keys + j * D + d);
         for (int l = 0; l < kKeyBlock; ++l) out[(d + l) * kKeyBlock + j] = x[l];
       }
-    for (; d < D; ++d) out[d * kKeyBlock + j] = j < n ? static_cast<float>(keys[j * D + d]) : 0.f;
+    for (; d < D; ++d) out[d * kKeyBlock + j] = j < n ? widen(keys[j * D + d]) : 0.f;
   }
 }
 
@@ -259,7 +314,7 @@ void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_
         for (int64_t k = a; k < z; ++k) {
           const float w = p[i][k];
           const T* v = V + k * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * static_cast<float>(v[d]);
+          for (int64_t d = 0; d < D; ++d) o[d] += w * widen(v[d]);
         }
         float* out = s.out + ((b * s.seq + t) * s.attrs.heads + kv * group + h) * D;
         for (int64_t d = 0; d < D; ++d) out[d] = o[d] * invs[q];
@@ -349,8 +404,8 @@ T* output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& s
 
 // a rotated key (or a value) of D floats into the KV's element type
 inline void put(const float* x, float* out, int64_t D) { memcpy(out, x, sizeof(float) * D); }
-inline void put(const float* x, half* out, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<half>(x[d]);
+inline void put(const float* x, f16* out, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) out[d] = narrow(x[d]);
 }
 
 // fn(data, 0 .. tasks - 1) on ONNX Runtime's threads (here, where the session has no pool)
@@ -479,7 +534,7 @@ OrtCustomOp op() {
           nullptr, nullptr, start_version, end_version, nullptr, nullptr, nullptr, nullptr};
 }
 
-OrtCustomOp g_float_kv = op<float, kOrtFloat>(), g_half_kv = op<half, kOrtFloat16>();
+OrtCustomOp g_float_kv = op<float, kOrtFloat>(), g_half_kv = op<f16, kOrtFloat16>();
 
 }  // namespace
 
