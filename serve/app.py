@@ -57,6 +57,7 @@ from mirror_sd.runtime.batching import BatchEngine, Finished
 from mirror_sd.runtime.beam_search import check_beam_search
 from mirror_sd.runtime.config import GRAMMAR_OPTIONS, GenerationConfig, LoadOptions
 from mirror_sd.runtime.logprobs import TokenLogprob
+from mirror_sd.runtime.perf_metrics import MS_PER_S
 from mirror_sd.runtime.pipeline import Pipeline
 from mirror_sd.runtime.result import Chunk, GenerationResult
 from mirror_sd.serve import defaults as d
@@ -234,7 +235,7 @@ class Generations:
         result = event.result
         self.metrics.generation(result.stats, len(job.ids), result.finish_reason)
         steps = result.perf_metrics.raw_metrics.m_new_token_times if result.perf_metrics is not None else ()
-        self.metrics.timings(job.arrival, first_token, time.monotonic(), len(ids), [t / 1000.0 for t in steps])
+        self.metrics.timings(job.arrival, first_token, time.monotonic(), len(ids), [t / MS_PER_S for t in steps])
         prompt_scores = result.prompt_logprobs or ()
         if result.finish_reason == "cancelled":  # stopped at its deadline or at shutdown: what it has
             if job.config.prompt_logprobs is not None and len(prompt_scores) < len(job.ids):
