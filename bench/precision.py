@@ -5,10 +5,10 @@ Ours: the bundle (float32) and its `TARGET_WEIGHTS` siblings, `<bundle>-int8` an
 TARGET_WEIGHTS=int8` builds them; a missing one is reported as not run), and some formats with their prompts prefilled
 apart (runtime/prompt_graphs.py, arms "<format> <precision>-prefill"): on a CPU with bf16 arithmetic the float32 and
 int8 targets with prompts in bf16, elsewhere the int8 and int4 targets with prompts on their weights in float32 (their
-int8 activations prefill slower there), and the float32 and int8 targets with a float16 KV cache (arms "<format>
-float16-kv", where the attention kernel compiles: LoadOptions.kv_cache_precision). GenAI: LLMPipeline at its defaults
-(on a CPU with AMX: bf16 compute and a u8 KV cache), on the float32 target and on the target with NNCF int8 / int4
-weights (export/openvino_genai.py).
+int8 activations prefill slower there), and the float32 and int8 targets with their KV cache in float16 and in uint8
+codes (arms "<format> float16-kv" and "<format> uint8-kv", where the attention kernel compiles:
+LoadOptions.kv_cache_precision). GenAI: LLMPipeline at its defaults (on a CPU with AMX: bf16 compute and a u8 KV cache),
+on the float32 target and on the target with NNCF int8 / int4 weights (export/openvino_genai.py).
 - speed: ar TTFT and decode tokens/s at each prompt length (real text, a fresh passage per repetition: the context
   section's prompts), every arm at the same threads, the order rotating per repetition, medians;
 - per benchmark prompt (greedy, the whole call timed, prefill included): each format's ar and its planned mode (the
@@ -51,7 +51,8 @@ FORMATS = ("float32", "int8", "int4")
 # bf16 prompts where the CPU has bf16 arithmetic (int4's agreement is too low to recommend), else float32 prompts for
 # the formats whose MatMuls take int8 activations
 PROMPT_ARMS = {"bf16": ("float32", "int8"), "float32": ("int8", "int4")}
-KV_ARMS = ("float32", "int8")  # the formats run with a float16 KV cache too (an arm "<format> float16-kv")
+# the formats run with their KV cache in float16 and in uint8 codes too (arms "<format> <precision>-kv")
+KV_ARMS = {"float16": ("float32", "int8"), "uint8": ("float32", "int8")}
 RECOMMEND_MIN_TOP1 = 0.95  # the least top-1 agreement with float32 a recommended format keeps
 GENAI_METHODS = ("ov-genai-ar", "ov-genai-pld", "ov-genai-sd")  # its single-stream methods, at its defaults
 # Issue 57's bars, ratios of medians measured here: (key, what, target, higher is better)
@@ -115,11 +116,11 @@ def run_precision(bundles: dict[str, Path], size: PrecisionSize, genai_by_format
     prompts = prompt_precision()
     arms.update({prefill_arm(fmt, prompts): (bundles[fmt], {"prefill_precision": prompts})
                  for fmt in PROMPT_ARMS[prompts] if fmt in bundles})
+    kv_arms = {kv_arm(fmt, kv): (fmt, kv) for kv, formats in KV_ARMS.items() for fmt in formats if fmt in bundles}
     if cpu_attention.library() is not None:
-        arms.update({kv_arm(fmt): (bundles[fmt], {"kv_cache_precision": "float16"})
-                     for fmt in KV_ARMS if fmt in bundles})
+        arms.update({arm: (bundles[fmt], {"kv_cache_precision": kv}) for arm, (fmt, kv) in kv_arms.items()})
     else:
-        not_run.update({kv_arm(fmt): "no C++ compiler here for the attention kernel" for fmt in KV_ARMS})
+        not_run.update(dict.fromkeys(kv_arms, "no C++ compiler here for the attention kernel"))
     pipes = {arm: Pipeline.load(path, target_threads=threads, enable_prefix_caching=False, **options)
              for arm, (path, options) in arms.items()}
     planned = {arm: pipe if pipe.defaults is not None and pipe.defaults.target_threads == threads
@@ -147,8 +148,8 @@ def prefill_arm(fmt: str, prompts: str) -> str:
     return f"{fmt} {prompts}-prefill"
 
 
-def kv_arm(fmt: str) -> str:
-    return f"{fmt} float16-kv"
+def kv_arm(fmt: str, kv: str) -> str:
+    return f"{fmt} {kv}-kv"
 
 
 def _speed(pipes: dict[str, Pipeline], genai: dict[str, Method], size: PrecisionSize, not_run: dict[str, str],

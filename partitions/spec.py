@@ -14,8 +14,9 @@ BACKENDS = ("onnxruntime", "openvino")  # the runtimes a partition can run on (r
 # where a prompt is prefilled: on the target's own graphs, on OpenVINO in bf16, or (an int8 or int4 target) on its
 # weights expanded to float32 (runtime/prompt_graphs.py)
 PREFILL_PRECISIONS = ("target", "bf16", "float32")
-# the target's KV: its own element type, or float16 (the CPU attention kernel's; LoadOptions.kv_cache_precision)
-KV_CACHE_PRECISIONS = ("target", "float16")
+# the target's KV: its own element type, or float16 or uint8 codes (the CPU attention kernel's;
+# LoadOptions.kv_cache_precision)
+KV_CACHE_PRECISIONS = ("target", "float16", "uint8")
 
 # Symbolic axis names shared by every graph. KV tensors are [batch, kv_heads, seq, head_dim].
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"

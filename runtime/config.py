@@ -697,12 +697,12 @@ class LoadOptions(Options):
         "cannot be had), else ONNX Runtime's: about 0.8x its time at decode, and a window's positions the bits of "
         "the same positions stepped one at a time")
     kv_cache_precision: str = option(
-        "target", "the target's KV memory: target (its own element type) or float16 (a float32 target's attention on "
-        "the project's kernel, native_attention: half the bytes per position, so twice the generations in "
-        "kv_cache_gb, and a long context's decode steps read half as much; each key and value is rounded to float16 "
-        "as it is written, scores and sums stay float32). sd and mirror equal ar in either; the precision section of "
-        "`make bench` reports float16's agreement with float32 (OpenVINO's KV_CACHE_PRECISION)",
-        choices=KV_CACHE_PRECISIONS)
+        "target", "the target's KV memory: target (its own element type), float16 or uint8 (a float32 target's "
+        "attention on the project's kernel, native_attention: half or about a quarter of the bytes per position, so "
+        "that many more generations in kv_cache_gb, and a long context's decode steps read that much less; float16 "
+        "rounds each key and value as it is written, uint8 codes each position's values of a head between their "
+        "minimum and maximum, OpenVINO's u8 KV cache; scores and sums stay float32). sd and mirror equal ar in each; "
+        "the precision section of `make bench` reports their agreement with float32", choices=KV_CACHE_PRECISIONS)
     target_step_width: int | None = option(
         None, "ONNX Runtime: pad every target step of fewer tokens to this many, so that a position gets the same "
         "logits in any step (the GPU's float16 kernels, the CPU's int8 ones: runtime/target.py)", range=Range(0),

@@ -22,6 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from mirror_sd.runtime.kv_codes import kv_width
+
 if TYPE_CHECKING:  # onnx is imported where a graph is rewritten
     import onnx
 
@@ -29,10 +33,10 @@ log = logging.getLogger(__name__)
 
 # the kernel's domain per KV element type (LoadOptions.kv_cache_precision), each as long as ONNX Runtime's, so that a
 # node's bytes keep their length when it changes (serialized_with_kernel)
-DOMAINS = {"float32": "mirror_sd.gqa", "float16": "mirror_sd.f16"}
+DOMAINS = {"float32": "mirror_sd.gqa", "float16": "mirror_sd.f16", "uint8": "mirror_sd.ku8"}
 DOMAIN, ORT_DOMAIN = DOMAINS["float32"], "com.microsoft"
 # TensorProto's element types, each one byte in a varint
-_ELEMENT_TYPES = {"float32": 1, "float16": 10}
+_ELEMENT_TYPES = {"float32": 1, "float16": 10, "uint8": 2}
 OP = "GroupQueryAttention"
 SOURCES = tuple(Path(__file__).resolve().parent / "native" / name for name in ("attention.cc", "ort_abi.h"))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fvisibility=hidden")
@@ -137,6 +141,9 @@ def with_kernel(model: onnx.ModelProto, kv: str = "float32") -> bool:
     for value in (*model.graph.input, *model.graph.output, *model.graph.value_info):
         if value.name in names:
             value.type.tensor_type.elem_type = _ELEMENT_TYPES[kv]
+            dims = value.type.tensor_type.shape.dim
+            if len(dims) == 4 and dims[3].HasField("dim_value"):
+                dims[3].dim_value = kv_width(dims[3].dim_value, np.dtype(kv))
     return bool(nodes)
 
 
@@ -183,6 +190,11 @@ def serialized_with_kernel(path: Path, kv: str = "float32") -> bytes | None:
                     for tensor_start, tensor_end in _fields(data, type_start, type_end, 1):
                         at = _varint_at(data, tensor_start, tensor_end, 1)
                         data[at] = _ELEMENT_TYPES[kv]
+                        # TypeProto.Tensor.shape's fourth dim, its dim_value: the head size, wider for uint8 codes
+                        for shape_start, shape_end in _fields(data, tensor_start, tensor_end, 2):
+                            dims = _fields(data, shape_start, shape_end, 1)
+                            if len(dims) == 4:
+                                _widen_dim(data, *dims[3], np.dtype(kv))
     except Exception:  # a damaged file (protobuf's DecodeError among others): ONNX Runtime's load says what is wrong
         return None
     return bytes(data) if patched else None
@@ -238,6 +250,18 @@ def _varint_at(data: bytearray, start: int, end: int, number: int) -> int:
                 raise ValueError(f"field {number} at byte {at} takes more than a byte")
             return at
     raise ValueError(f"no field {number} in the message at byte {start}")
+
+
+def _widen_dim(data: bytearray, start: int, end: int, kv: np.dtype) -> None:
+    """A TensorShapeProto.Dimension's dim_value (field 1; a dim_param is left as it is) set to kv_width of it, in
+    place: ValueError where the new value's varint is longer than the old one's."""
+    for field, kind, at, stop in _walk(data, start, end):
+        if field == 1 and kind == 0:
+            old, _ = _read_varint(data, at)
+            new = _varint(kv_width(old, kv))
+            if len(new) != stop - at:
+                raise ValueError(f"a head size of {old} takes another varint length in {kv.name} codes")
+            data[at:stop] = new
 
 
 def _fields(data: bytearray, start: int, end: int, number: int) -> list[tuple[int, int]]:

@@ -27,6 +27,7 @@ from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.spec import past_key_name, past_value_name
 from mirror_sd.runtime.huge_pages import small_pages
 from mirror_sd.runtime.kv import common_prefix
+from mirror_sd.runtime.kv_codes import kv_width
 from mirror_sd.runtime.target import KVView, kv_element
 
 # The shortest cached prefix worth a slot's reuse: below it, a fresh slot (and the cached one kept for a longer
@@ -51,7 +52,8 @@ def kv_names(manifest: Manifest) -> list[str]:
 def slot_bytes(manifest: Manifest, positions: int, dtype: np.dtype | None = None) -> int:
     """Bytes of KV one slot of `positions` positions takes, in `dtype` (None: the target's own)."""
     t = manifest.target
-    per_position = t.num_kv_heads * t.head_dim * (dtype or kv_element(manifest)).itemsize
+    dtype = dtype or kv_element(manifest)
+    per_position = t.num_kv_heads * kv_width(t.head_dim, dtype) * dtype.itemsize
     return len(kv_names(manifest)) * per_position * positions
 
 
@@ -65,7 +67,7 @@ class KVSlots:
         self.manifest = manifest
         self.count, self.positions, self.device = count, positions, device
         self.dtype = np.dtype(dtype or kv_element(manifest))
-        self.row_shape = (t.num_kv_heads, positions, t.head_dim)
+        self.row_shape = (t.num_kv_heads, positions, kv_width(t.head_dim, self.dtype))
         self.row_bytes = int(np.prod(self.row_shape)) * self.dtype.itemsize
         shape = (count, *self.row_shape)
         self._memory: dict[str, object] = {}  # keeps each buffer alive; its address is all a step binds

@@ -44,6 +44,7 @@ from mirror_sd.partitions.spec import (
 )
 from mirror_sd.runtime import cpu_attention
 from mirror_sd.runtime.backends import PROTOBUF_LIMIT, open_openvino, open_openvino_model, ort_session, proto_bytes
+from mirror_sd.runtime.kv_codes import coded, kv_width, widened
 from mirror_sd.runtime.kv_slots import kv_names
 from mirror_sd.runtime.target import KVView, _Bound, kv_pairs
 
@@ -146,7 +147,7 @@ class PromptGraphs:
         self.forwards = 0
         # a backend builds its kernels and buffers at the first forward: once here, not in the first request's TTFT
         # (2x there on OpenVINO)
-        warm = {name: np.zeros((1, facts.num_kv_heads, WARM_UP_TOKENS, facts.head_dim), kv)
+        warm = {name: np.zeros((1, facts.num_kv_heads, WARM_UP_TOKENS, kv_width(facts.head_dim, kv)), kv)
                 for name in kv_names(manifest)}
         self.suffix(self.prefix(np.zeros((1, WARM_UP_TOKENS), np.int64), 0, warm)[0], 0, warm)
         self.forwards = 0
@@ -187,11 +188,13 @@ class _OpenVINOGraph:
     def run(self, feed: dict[str, np.ndarray], start: int, total: int, kv: Mapping[str, np.ndarray]
             ) -> dict[str, np.ndarray]:
         for name in kv:  # the past as its own tensors (float32, the graphs' own): OpenVINO returns past + new, not
-            # written in place; float16 KV memory takes the new positions rounded to nearest, as the kernel rounds
-            feed[name] = kv[name][:, :, :start].astype(np.float32, copy=False)
+            # written in place; float16 or uint8 KV memory takes the new positions rounded or coded as the kernel would
+            past = kv[name][:, :, :start]
+            feed[name] = widened(past) if past.dtype == np.uint8 else past.astype(np.float32, copy=False)
         out = self.graph.run(feed)
         for past in kv:
-            kv[past][:, :, start:total] = out[self.present[past]][:, :, start:total]
+            new = out[self.present[past]][:, :, start:total]
+            kv[past][:, :, start:total] = coded(new) if kv[past].dtype == np.uint8 else new
         return out
 
 
@@ -222,7 +225,7 @@ class _OrtGraph:
 
 def _view(array: np.ndarray) -> KVView:
     """Host KV memory [1, kv_heads, positions, head_dim] as a view ONNX Runtime binds by address."""
-    if not array.flags.c_contiguous or array.dtype not in (np.float32, np.float16):
-        raise ValueError("the prompt graphs write KV memory that is float32 or float16 and contiguous")
+    if not array.flags.c_contiguous or array.dtype not in (np.float32, np.float16, np.uint8):
+        raise ValueError("the prompt graphs write KV memory that is float32, float16 or uint8 and contiguous")
     return KVView(array.ctypes.data, array.shape, array.dtype)
 

@@ -38,6 +38,7 @@ from mirror_sd.partitions.spec import (
 )
 from mirror_sd.runtime import cpu_attention
 from mirror_sd.runtime.backends import on_cpu, ort_session
+from mirror_sd.runtime.kv_codes import kv_width
 
 if TYPE_CHECKING:
     from mirror_sd.runtime.prompt_graphs import PromptGraphs
@@ -439,7 +440,7 @@ class OrtTarget(Target):
         # float16 kernels (the GPU's) may round a position otherwise at every width: a window stays within the step's
         self.window_ceiling = step_width - 1 if facts.dtype == "float16" and step_width else None
         self._device = ort_device(self.device)
-        shape = [1, facts.num_kv_heads, self.slots, facts.head_dim]
+        shape = [1, facts.num_kv_heads, self.slots, kv_width(facts.head_dim, kv_dtype)]
         self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(shape, self.kv_dtype, *self._device)
                         for role in ("target_prefix", "target_suffix") for i in specs[role].kv_layers
                         for name in (past_key_name(i), past_value_name(i))}

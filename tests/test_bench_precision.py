@@ -1,6 +1,6 @@
 """The benchmark's precision section on tiny bundles (float32 and its int8 / int4 siblings, and some of them with their
 prompts prefilled apart: float32 and int8 in bf16 where the CPU has bf16, else int8 and int4 in float32; float32 and
-int8 with a float16 KV cache where the attention kernel compiles): every arm
+int8 with a float16 and a uint8 KV cache where the attention kernel compiles): every arm
 measured, each arm's planned mode checked against its own ar, agreement with float32 (and of the compressed formats'
 weights with float32 activations), the recommendation and the bars, and the report's section. GenAI's arms are off
 here (they need the real pair's conversions); their bars read unmeasured."""
@@ -58,7 +58,8 @@ def test_the_section_measures_every_format_and_checks_each_against_its_own_ar(si
     doc = run_precision(bundles, SIZE, {}, {}, threads=1, report=lines.append, progress=False)
     prompts = prompt_precision()
     arms = list(FORMATS) + [prefill_arm(fmt, prompts) for fmt in PROMPT_ARMS[prompts]]
-    arms += [kv_arm(fmt) for fmt in KV_ARMS] if cpu_attention.library() is not None else []
+    if cpu_attention.library() is not None:
+        arms += [kv_arm(fmt, kv) for kv, formats in KV_ARMS.items() for fmt in formats]
     for length in ("80", "160"):
         for arm in arms:
             row = doc["speed"][length][f"ar {arm}"]

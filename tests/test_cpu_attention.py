@@ -17,6 +17,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from mirror_sd.runtime import cpu_attention
+from mirror_sd.runtime.kv_codes import coded, kv_width, widened
 from mirror_sd.runtime.pipeline import Pipeline
 
 H, KV, D, C = 6, 2, 32, 96  # query heads, KV heads, head size, KV positions
@@ -37,21 +38,21 @@ def kernel():
 def attention_session(lib, domain: str, packed: bool = True, kv: str = "float32", **attrs):
     """One attention node: ONNX Runtime's (domain com.microsoft) or the kernel's, its KV in `kv` (the kernel's
     domain for it: cpu_attention.DOMAINS)."""
-    kv_type = helper.np_dtype_to_tensor_dtype(np.dtype(kv))
+    kv_type, width = helper.np_dtype_to_tensor_dtype(np.dtype(kv)), kv_width(D, np.dtype(kv))
 
     def value(name, dims, kind=TensorProto.FLOAT):
         return helper.make_tensor_value_info(name, kind, dims)
 
     inputs = [value("q", ["B", "S", (H + 2 * KV) * D if packed else H * D])]
     inputs += [] if packed else [value("k", ["B", "S", KV * D]), value("v", ["B", "S", KV * D])]
-    inputs += [value("pk", ["B", KV, "C", D], kv_type), value("pv", ["B", KV, "C", D], kv_type),
+    inputs += [value("pk", ["B", KV, "C", width], kv_type), value("pv", ["B", KV, "C", width], kv_type),
                value("seqlens", ["B"], TensorProto.INT32), value("total", [], TensorProto.INT32),
                value("cos", ["P", D // 2]), value("sin", ["P", D // 2])]
     names = ["q", "" if packed else "k", "" if packed else "v", "pk", "pv", "seqlens", "total", "cos", "sin"]
     node = helper.make_node("GroupQueryAttention", names, ["o", "prk", "prv"], domain=domain, num_heads=H,
                             kv_num_heads=KV, rotary_interleaved=0, **{"do_rotary": 1, "scale": D ** -0.5, **attrs})
-    outputs = [value("o", ["B", "S", H * D]), value("prk", ["B", KV, "C", D], kv_type),
-               value("prv", ["B", KV, "C", D], kv_type)]
+    outputs = [value("o", ["B", "S", H * D]), value("prk", ["B", KV, "C", width], kv_type),
+               value("prv", ["B", KV, "C", width], kv_type)]
     model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs), ir_version=10,
                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
     opts = ort.SessionOptions()
@@ -59,6 +60,12 @@ def attention_session(lib, domain: str, packed: bool = True, kv: str = "float32"
     if domain in cpu_attention.DOMAINS.values():
         opts.register_custom_ops_library(str(lib))
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def stored(shape: tuple[int, ...], kv: str) -> np.ndarray:
+    """Random KV memory of `shape` (its last axis the head size) in `kv`: values, or uint8 codes of values."""
+    values = rng.standard_normal(shape).astype(np.float32)
+    return coded(values) if kv == "uint8" else values.astype(kv)
 
 
 def run(sess, new: list[np.ndarray], keys: np.ndarray, values: np.ndarray, seqlens: list[int]):
@@ -184,10 +191,35 @@ def test_float16_keys_and_values_are_rounded_as_numpy_rounds_them(request, build
     np.testing.assert_allclose(half[0], wide[0], atol=4e-3, rtol=0)
 
 
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_uint8_codes_are_the_float32_kvs_coded_and_read_back_alike_by_every_loop(request, build):
+    """Each new position's codes, scale and minimum are what kv_codes.coded makes of the float32 op's key and value,
+    equal values included (a scale of 0); the output lies within the codes' rounding of the float32 op's over the
+    values they read back as; on both builds (AVX-512, and x86-64's plain loops)."""
+    lib = request.getfixturevalue("kernel" if build == "native" else "portable_kernel")
+    for rows, tokens, pasts, packed, attrs in CASES:
+        positions = C if max(pasts) + tokens <= C else LONG
+        keys, values = (stored((rows, KV, positions, D), "uint8") for _ in range(2))
+        widths = [(H + 2 * KV) * D] if packed else [H * D, KV * D, KV * D]
+        new = [rng.standard_normal((rows, tokens, w), np.float32) for w in widths]
+        if not packed:  # a head of equal values
+            new[2][0, 0, :D] = 0.25
+        seqlens = [p + tokens - 1 for p in pasts]
+        wide = run(attention_session(lib, cpu_attention.DOMAIN, packed, **attrs), new, widened(keys),
+                   widened(values), seqlens)
+        codes = run(attention_session(lib, cpu_attention.DOMAINS["uint8"], packed, "uint8", **attrs), new, keys,
+                    values, seqlens)
+        for r, p in enumerate(pasts):
+            fresh = slice(p, p + tokens)
+            np.testing.assert_array_equal(codes[1][r, :, fresh], coded(wide[1][r, :, fresh]))
+            np.testing.assert_array_equal(codes[2][r, :, fresh], coded(wide[2][r, :, fresh]))
+        np.testing.assert_allclose(codes[0], wide[0], atol=0.05, rtol=0)
+
+
 @pytest.mark.parametrize("kv", cpu_attention.DOMAINS)
 def test_a_window_is_the_bits_of_its_tokens_run_one_at_a_time(kernel, kv):
     sess = attention_session(kernel, cpu_attention.DOMAINS[kv], kv=kv)
-    keys, values = (rng.standard_normal((2, KV, C, D)).astype(kv) for _ in range(2))
+    keys, values = (stored((2, KV, C, D), kv) for _ in range(2))
     new = rng.standard_normal((2, 5, (H + 2 * KV) * D), np.float32)
     window = run(sess, [new], keys, values, [30 + 4, 12 + 4])
     k, v, steps = keys, values, []
@@ -207,7 +239,7 @@ def test_a_window_after_a_long_past_is_the_bits_of_its_tokens_and_of_a_prefill(k
     """After a long past, a window, the same tokens one at a time, and a prompt prefilled in one run through them
     (its keys transposed once for all its tasks) give each token the same bits."""
     sess = attention_session(kernel, cpu_attention.DOMAINS[kv], kv=kv)
-    keys, values = (rng.standard_normal((2, KV, LONG, D)).astype(kv) for _ in range(2))
+    keys, values = (stored((2, KV, LONG, D), kv) for _ in range(2))
     new = rng.standard_normal((2, 8, (H + 2 * KV) * D), np.float32)
     window = run(sess, [new], keys, values, [past + 7, 300 + 7])
     k, v, steps = keys, values, []
@@ -237,18 +269,28 @@ def test_the_graph_patch_changes_only_the_attention_nodes(bundle_factory, kernel
     assert cpu_attention.serialized_with_kernel(exit_path) is None
 
 
-def test_the_float16_patch_retypes_the_kv_and_equals_the_parsed_rewrite(bundle_factory, kernel):
+@pytest.mark.parametrize("kv", ["float16", "uint8"])
+def test_the_kv_patch_retypes_the_kv_and_equals_the_parsed_rewrite(bundle_factory, kernel, kv):
+    """The graph file's bytes patched as the parsed graph is rewritten: the kernel's domain for `kv`, the KV tensors'
+    element type, and for uint8 codes their head axis as wide as a position's codes and its scale and minimum."""
     path = bundle_factory("llama") / "target_suffix.onnx"
-    patched = onnx.load_from_string(cpu_attention.serialized_with_kernel(path, "float16"))
+    patched = onnx.load_from_string(cpu_attention.serialized_with_kernel(path, kv))
     parsed = onnx.load(str(path), load_external_data=False)
-    assert cpu_attention.with_kernel(parsed, "float16")
+    original = onnx.load(str(path), load_external_data=False)
+    assert cpu_attention.with_kernel(parsed, kv)
     assert [(n.domain, n.input, n.output) for n in patched.graph.node] == [
         (n.domain, n.input, n.output) for n in parsed.graph.node]
-    kinds = {v.name: v.type.tensor_type.elem_type for v in (*patched.graph.input, *patched.graph.output)}
-    assert kinds == {v.name: v.type.tensor_type.elem_type for v in (*parsed.graph.input, *parsed.graph.output)}
-    kv = {name for name, kind in kinds.items() if kind == TensorProto.FLOAT16}
-    assert kv and all(name.startswith(("past_key_values.", "present.")) for name in kv)
-    assert {n.domain for n in patched.graph.node if n.op_type == "GroupQueryAttention"} == {"mirror_sd.f16"}
+    values = {v.name: v for v in (*patched.graph.input, *patched.graph.output)}
+    assert values == {v.name: v for v in (*parsed.graph.input, *parsed.graph.output)}
+    before = {v.name: v for v in (*original.graph.input, *original.graph.output)}
+    retyped = {name for name, v in values.items()
+               if v.type.tensor_type.elem_type != before[name].type.tensor_type.elem_type}
+    assert retyped and all(name.startswith(("past_key_values.", "present.")) for name in retyped)
+    for name in retyped:
+        assert values[name].type.tensor_type.elem_type == helper.np_dtype_to_tensor_dtype(np.dtype(kv))
+        head = before[name].type.tensor_type.shape.dim[3].dim_value
+        assert values[name].type.tensor_type.shape.dim[3].dim_value == kv_width(head, np.dtype(kv))
+    assert {n.domain for n in patched.graph.node if n.op_type == "GroupQueryAttention"} == {cpu_attention.DOMAINS[kv]}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3_text"])

@@ -10,9 +10,12 @@
 // tokens or the thread that runs it (its sums in one order), so that a window's position equals that position
 // stepped alone bit for bit, and rows of several tokens after a past run at any batch.
 //
-// Two ops: KV in float32 (domain mirror_sd.gqa) and in float16 (mirror_sd.f16, LoadOptions.kv_cache_precision). The
-// latter stores each new key and value rounded to float16 (to nearest, ties to even) and reads them back into float32
-// arithmetic: a decode step, bound by reading the KV, reads half the bytes; scores and sums are float32 either way.
+// Three ops, by the KV's element (LoadOptions.kv_cache_precision): float32 (domain mirror_sd.gqa), float16
+// (mirror_sd.f16: each new key and value rounded to nearest, ties to even) and uint8 (mirror_sd.ku8: each position's D
+// values of a head as codes 0..255 between their minimum and maximum, the scale and the minimum after them as two
+// float32, so a position takes D + 8 bytes). Keys and values are read back into float32 arithmetic: a decode step,
+// bound by reading the KV, reads half or about a quarter of the bytes; scores and sums are float32 either way, and a
+// position's stored bytes depend on its own key and value only.
 #include <math.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -80,7 +83,6 @@ struct f16 {
   uint16_t bits;
 };
 
-inline float widen(float x) { return x; }
 inline float widen(f16 h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h.bits);
@@ -152,6 +154,8 @@ constexpr int kQueries = 4;  // queries whose sums share each load of keys or va
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+
 inline v16 load(const f16* p) {  // 16 halves widened at once
 #if defined(__AVX512F__)
   return reinterpret_cast<v16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
@@ -168,7 +172,61 @@ inline v16 load(const f16* p) {  // 16 halves widened at once
   return x;
 #endif
 }
-inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+
+// the uint8 cache's element; a position's D codes are followed by kCodeTail bytes: its scale and minimum (float32)
+struct u8code {
+  uint8_t bits;
+};
+constexpr int64_t kCodeTail = 8;
+
+// elements a position takes in a KV buffer of head size D
+template <typename T>
+constexpr int64_t row_of(int64_t D) {
+  return D;
+}
+template <>
+constexpr int64_t row_of<u8code>(int64_t D) {
+  return D + kCodeTail;
+}
+
+// a position's scale and minimum (unused where the values are stored as themselves)
+struct Dequant {
+  float scale = 1.f, low = 0.f;
+};
+template <typename T>
+inline Dequant dequant_of(const T*, int64_t) {
+  return {};
+}
+inline Dequant dequant_of(const u8code* row, int64_t D) {
+  Dequant q;
+  memcpy(&q.scale, &row[D].bits, sizeof q.scale);
+  memcpy(&q.low, &row[D].bits + sizeof q.scale, sizeof q.low);
+  return q;
+}
+
+// value d of a position: a code is scaled back by one fused multiply-add, the same rounding in every loop below
+// (whether the compiler would contract a * b + c is its choice per loop; a window's keys take another loop than a
+// step's)
+inline float value_at(const float* row, int64_t d, Dequant) { return row[d]; }
+inline float value_at(const f16* row, int64_t d, Dequant) { return widen(row[d]); }
+inline float value_at(const u8code* row, int64_t d, Dequant q) {
+  return __builtin_fmaf(static_cast<float>(row[d].bits), q.scale, q.low);
+}
+
+inline v16 load(const u8code* p, Dequant q) {  // 16 values scaled back
+#if defined(__AVX512F__)
+  const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return reinterpret_cast<v16>(_mm512_fmadd_ps(codes, _mm512_set1_ps(q.scale), _mm512_set1_ps(q.low)));
+#else
+  v16 x;
+  for (int i = 0; i < 16; ++i) x[i] = value_at(p, i, q);
+  return x;
+#endif
+}
+template <typename T>
+inline v16 load(const T* p, Dequant) {
+  return load(p);
+}
 
 // n <= 16 keys of D values into D x 16 (keys past n zero)
 template <int kD>
@@ -176,6 +234,16 @@ inline void transpose(const float* keys, float* out, int64_t n, int64_t head_dim
   const int64_t D = kD ? kD : head_dim;
   for (int64_t j = 0; j < kKeyBlock; ++j)
     for (int64_t d = 0; d < D; ++d) out[d * kKeyBlock + j] = j < n ? keys[j * D + d] : 0.f;
+}
+
+template <int kD>
+inline void transpose(const u8code* keys, float* out, int64_t n, int64_t head_dim) {
+  const int64_t D = kD ? kD : head_dim, row = row_of<u8code>(D);
+  for (int64_t j = 0; j < kKeyBlock; ++j) {
+    const u8code* key = keys + j * row;
+    const Dequant q = j < n ? dequant_of(key, D) : Dequant{};
+    for (int64_t d = 0; d < D; ++d) out[d * kKeyBlock + j] = j < n ? value_at(key, d, q) : 0.f;
+  }
 }
 
 template <int kD>
@@ -200,8 +268,9 @@ template <int kD, typename T>
 void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_t last) {
   const int64_t D = kD ? kD : s.head_dim, group = s.attrs.heads / s.attrs.kv_heads;
   const int64_t past = s.seqlens[b] + 1 - s.seq;
-  const T* K = s.keys + (b * s.attrs.kv_heads + kv) * s.capacity * D;
-  const T* V = s.values + (b * s.attrs.kv_heads + kv) * s.capacity * D;
+  const int64_t row = row_of<T>(D);
+  const T* K = s.keys + (b * s.attrs.kv_heads + kv) * s.capacity * row;
+  const T* V = s.values + (b * s.attrs.kv_heads + kv) * s.capacity * row;
   auto lo = [&](int64_t t) {
     return s.attrs.window > 0 ? std::max<int64_t>(0, past + t - s.attrs.window + 1) : int64_t{0};
   };
@@ -226,7 +295,7 @@ void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_
     if (s.kt)
       kb = s.kt + ((b * s.attrs.kv_heads + kv) * s.kt_blocks + j0 / kKeyBlock) * D * kKeyBlock;
     else
-      transpose<kD>(K + j0 * D, kt, n, D);
+      transpose<kD>(K + j0 * row, kt, n, D);
     // four queries at a time share each load of the transposed keys
     for (int64_t q0 = 0; q0 < queries; q0 += kQueries) {
       const int64_t m = std::min<int64_t>(kQueries, queries - q0);
@@ -296,9 +365,10 @@ void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_
       for (int i = 0; i < kQueries; ++i)
         for (int c = 0; c < n; ++c) acc[i][c] = v16{0};
       for (int64_t k = a; k < z; ++k) {
-        const T* v = V + k * kD;
+        const T* v = V + k * row;
+        const Dequant dq = dequant_of(v, kD);
         for (int c = 0; c < n; ++c) {
-          const v16 x = load(v + c * kKeyBlock);
+          const v16 x = load(v + c * kKeyBlock, dq);
           for (int i = 0; i < kQueries; ++i) acc[i][c] += p[i][k] * x;
         }
       }
@@ -313,8 +383,9 @@ void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_
         for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
         for (int64_t k = a; k < z; ++k) {
           const float w = p[i][k];
-          const T* v = V + k * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * widen(v[d]);
+          const T* v = V + k * row;
+          const Dequant dq = dequant_of(v, D);
+          for (int64_t d = 0; d < D; ++d) o[d] += w * value_at(v, d, dq);
         }
         float* out = s.out + ((b * s.seq + t) * s.attrs.heads + kv * group + h) * D;
         for (int64_t d = 0; d < D; ++d) out[d] = o[d] * invs[q];
@@ -332,7 +403,7 @@ void transpose_task(void* data, size_t task) {
   const int64_t n = std::min<int64_t>(kKeyBlock, std::min<int64_t>(s.seqlens[b] + 1, s.capacity) - j0);
   float* out = const_cast<float*>(s.kt) + (bk * s.kt_blocks + block) * D * kKeyBlock;
   if (n <= 0) return;  // past the row's keys: never read
-  const T* keys = s.keys + (bk * s.capacity + j0) * D;
+  const T* keys = s.keys + (bk * s.capacity + j0) * row_of<T>(D);
   switch (D) {
     case 64: return transpose<64>(keys, out, n, D);
     case 128: return transpose<128>(keys, out, n, D);
@@ -407,6 +478,17 @@ inline void put(const float* x, float* out, int64_t D) { memcpy(out, x, sizeof(f
 inline void put(const float* x, f16* out, int64_t D) {
   for (int64_t d = 0; d < D; ++d) out[d] = narrow(x[d]);
 }
+// codes 0..255 between the values' minimum and maximum, rounded to nearest (ties to even), then the scale and the
+// minimum; equal values take a scale of 0 (each read back as the minimum itself)
+inline void put(const float* x, u8code* out, int64_t D) {
+  float low = x[0], high = x[0];
+  for (int64_t d = 1; d < D; ++d) low = std::min(low, x[d]), high = std::max(high, x[d]);
+  const float scale = (high - low) / 255.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
+  for (int64_t d = 0; d < D; ++d)
+    out[d].bits = static_cast<uint8_t>(std::min(255.f, std::max(0.f, nearbyintf((x[d] - low) * inverse))));
+  memcpy(&out[D].bits, &scale, sizeof scale);
+  memcpy(&out[D].bits + sizeof scale, &low, sizeof low);
+}
 
 // fn(data, 0 .. tasks - 1) on ONNX Runtime's threads (here, where the session has no pool)
 void parallel(OrtKernelContext* context, void (*fn)(void*, size_t), size_t tasks, void* data) {
@@ -424,7 +506,9 @@ void compute(void* kernel, OrtKernelContext* context) {
   const OrtValue *past_key = input(context, 3), *past_value = input(context, 4), *seqlens = input(context, 5);
   const OrtValue *cos = input(context, 7), *sin = input(context, 8);
   const std::vector<int64_t> qshape = shape_of(query), kvshape = shape_of(past_key);
-  const int64_t B = qshape[0], S = qshape[1], D = kvshape[3], capacity = kvshape[2];
+  // a uint8 cache's positions hold kCodeTail bytes after their D codes
+  const int64_t B = qshape[0], S = qshape[1], D = kvshape[3] - row_of<T>(0), capacity = kvshape[2];
+  const int64_t row = row_of<T>(D);
   const int64_t H = a.heads, KV = a.kv_heads;
   if (a.scale == 0.f) a.scale = 1.f / sqrtf(static_cast<float>(D));  // GroupQueryAttention's default
   const std::vector<int64_t> angles_shape = a.rotary && cos ? shape_of(cos) : std::vector<int64_t>{0, 0};
@@ -434,7 +518,7 @@ void compute(void* kernel, OrtKernelContext* context) {
   T* keys = output<T>(context, 1, kvshape);
   T* values = output<T>(context, 2, kvshape);
   const T *pk = data_of<T>(past_key), *pv = data_of<T>(past_value);
-  const size_t bytes = sizeof(T) * static_cast<size_t>(B * KV * capacity * D);
+  const size_t bytes = sizeof(T) * static_cast<size_t>(B * KV * capacity * row);
   if (keys != pk) memcpy(keys, pk, bytes);  // present bound apart from past: the past is carried over first
   if (values != pv) memcpy(values, pv, bytes);
   const int32_t* lengths = data_of<int32_t>(seqlens);
@@ -464,7 +548,7 @@ void compute(void* kernel, OrtKernelContext* context) {
       }
       if (!inside) continue;
       for (int64_t h = 0; h < KV; ++h) {
-        const size_t at = static_cast<size_t>(((b * KV + h) * capacity + pos) * D);
+        const size_t at = static_cast<size_t>(((b * KV + h) * capacity + pos) * row);
         const float* ks = k_in + token * kv_stride + h * D;
         if (rotary) {
           rotate(ks, turned.data(), D, rotary, c, n);
@@ -534,7 +618,7 @@ OrtCustomOp op() {
           nullptr, nullptr, start_version, end_version, nullptr, nullptr, nullptr, nullptr};
 }
 
-OrtCustomOp g_float_kv = op<float, kOrtFloat>(), g_half_kv = op<f16, kOrtFloat16>();
+OrtCustomOp g_float_kv = op<float, kOrtFloat>(), g_half_kv = op<f16, kOrtFloat16>(), g_code_kv = op<u8code, kOrtUint8>();
 
 }  // namespace
 
@@ -543,7 +627,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   g_api = base->GetApi(kOrtApiVersion);
   if (!g_api) return nullptr;  // an ONNX Runtime older than the API this library uses: it registers nothing
   // one domain per KV type (runtime/cpu_attention.py's DOMAINS), each as long as ONNX Runtime's own
-  for (auto [name, op] : {std::pair{"mirror_sd.gqa", &g_float_kv}, std::pair{"mirror_sd.f16", &g_half_kv}}) {
+  for (auto [name, op] : {std::pair{"mirror_sd.gqa", &g_float_kv}, std::pair{"mirror_sd.f16", &g_half_kv},
+                          std::pair{"mirror_sd.ku8", &g_code_kv}}) {
     OrtCustomOpDomain* domain = nullptr;
     OrtStatus* st = ort::at<ort::CreateCustomOpDomainFn>(g_api, ort::kCreateCustomOpDomain)(name, &domain);
     if (st) return st;

@@ -20,7 +20,7 @@ struct OrtApi;
 
 constexpr uint32_t kOrtApiVersion = 17;
 
-enum OrtElementType : int { kOrtFloat = 1, kOrtInt32 = 6, kOrtInt64 = 7, kOrtFloat16 = 10 };
+enum OrtElementType : int { kOrtFloat = 1, kOrtUint8 = 2, kOrtInt32 = 6, kOrtInt64 = 7, kOrtFloat16 = 10 };
 enum OrtErrorCodeValue : int { kOrtFail = 1, kOrtInvalidArgument = 2 };
 enum OrtCharacteristic : int { kOrtRequired = 0, kOrtOptional = 1 };
 

@@ -1,0 +1,34 @@
+"""The uint8 KV cache's layout (LoadOptions.kv_cache_precision "uint8", the attention kernel's mirror_sd.ku8 op,
+runtime/native/attention.cc): each position of a KV head holds its head_dim values as codes 0..255 between their
+minimum and maximum, then the scale and the minimum as two float32, so a position takes head_dim + CODE_TAIL bytes.
+Here the same coding in numpy, for KV memory written or read outside the kernel (the bf16 prompt graphs on OpenVINO).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CODE_TAIL = 8  # bytes after a position's codes: its scale and its minimum, float32 each (the kernel's kCodeTail)
+
+
+def kv_width(head_dim: int, dtype: np.dtype) -> int:
+    """Elements a position of one KV head takes in KV memory of `dtype`."""
+    return head_dim + CODE_TAIL if np.dtype(dtype) == np.uint8 else head_dim
+
+
+def coded(values: np.ndarray) -> np.ndarray:
+    """float32 [..., head_dim] as the kernel codes them: [..., head_dim + CODE_TAIL] uint8 (codes rounded to nearest,
+    ties to even; equal values a scale of 0)."""
+    x = np.asarray(values, np.float32)
+    low, high = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
+    scale = (high - low) / np.float32(255)
+    inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+    codes = np.clip(np.rint((x - low) * inverse), 0, 255).astype(np.uint8)
+    return np.concatenate([codes, np.concatenate([scale, low], -1).view(np.uint8)], -1)
+
+
+def widened(codes: np.ndarray) -> np.ndarray:
+    """[..., head_dim + CODE_TAIL] uint8 back to float32 [..., head_dim]: code x scale + minimum (rounded once, as the
+    kernel's fused multiply-add rounds it, but for the rare sum float64 rounds first)."""
+    tail = np.ascontiguousarray(codes[..., -CODE_TAIL:]).view(np.float32).astype(np.float64)
+    return (codes[..., :-CODE_TAIL] * tail[..., :1] + tail[..., 1:]).astype(np.float32)
