@@ -1,7 +1,7 @@
-"""Many requests under one KV budget (kv_cache_gb), the target's KV in float32 and in float16: the batching engine
-in-process, all requests submitted at once (real passages of the context section, a question each), greedy; aggregate
-tokens/s, median latency and the slots each budget holds; the arms alternate over rounds, each answer compared with
-the same arm's answers in the other rounds and with the other arm's.
+"""Many requests under one KV budget (kv_cache_gb), the target's KV in float32, float16 and uint8 codes: the batching
+engine in-process, all requests submitted at once (real passages of the context section, a question each), greedy;
+aggregate tokens/s, median latency and the slots each budget holds; the arms' order rotates over rounds, and each
+arm's answers are compared with float32's.
 
     .venv/bin/python lab/scripts/kv_budget_serving.py build/bundles/smollm2-feature --out results/kv-budget-serving.json
 """
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--float32-slots", type=int, default=2, help="the budget: this many float32 slots")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--precisions", default="target,float16,uint8")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     probe = Pipeline.load(args.bundle, max_context=args.max_context, huge_pages=False)
@@ -37,7 +38,7 @@ def main() -> None:
     probe.close()
     pipes = {kv: Pipeline.load(args.bundle, max_context=args.max_context, kv_cache_gb=budget_gb, max_num_seqs=64,
                                kv_cache_precision=kv, target_threads=2)
-             for kv in ("target", "float16")}
+             for kv in args.precisions.split(",")}
     slots = {kv: pipe.engine().max_num_seqs for kv, pipe in pipes.items()}
     print("budget GiB", round(budget_gb, 3), "slots", slots, flush=True)
     for pipe in pipes.values():  # shapes met once before timing
@@ -46,7 +47,8 @@ def main() -> None:
     answers: dict[str, list[list[list[int]]]] = {kv: [] for kv in pipes}
     for r in range(args.rounds):
         batch = prompts[r * args.clients:(r + 1) * args.clients]
-        order = list(pipes) if r % 2 == 0 else list(pipes)[::-1]
+        names = list(pipes)
+        order = names[r % len(names):] + names[:r % len(names)]
         for kv in order:
             started = time.perf_counter()
             results = pipes[kv].generate(batch, mode="ar", max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -57,16 +59,17 @@ def main() -> None:
                              "p50_latency_s": statistics.median(latencies)})
             answers[kv].append([list(x.token_ids) for x in results])
             print(kv, runs[kv][-1], flush=True)
-    same = sum(a == b for ra, rb in zip(answers["target"], answers["float16"], strict=True)
-               for a, b in zip(ra, rb, strict=True))
+    first = next(iter(answers))
+    same = {kv: sum(a == b for ra, rb in zip(answers[first], rounds, strict=True) for a, b in zip(ra, rb, strict=True))
+            for kv, rounds in answers.items() if kv != first}
     doc = {"what": __doc__.splitlines()[0], "bundle": args.bundle, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": describe_machine(), "clients": args.clients, "prompt_tokens": args.prompt_tokens,
            "new_tokens": args.new_tokens, "max_context": args.max_context, "kv_cache_gb": budget_gb,
            "slots": slots, "runs": runs,
            "median_tokens_per_s": {kv: statistics.median(x["tokens_per_s"] for x in rs) for kv, rs in runs.items()},
-           "answers_equal_between_arms": same, "answers": args.clients * args.rounds}
+           f"answers_equal_to_{first}": same, "answers": args.clients * args.rounds}
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(json.dumps({k: doc[k] for k in ("slots", "median_tokens_per_s", "answers_equal_between_arms")}))
+    print(json.dumps({k: doc[k] for k in ("slots", "median_tokens_per_s", f"answers_equal_to_{first}")}))
     for pipe in pipes.values():
         pipe.close()
 
