@@ -18,7 +18,8 @@ PREFILL_PRECISIONS = ("target", "bf16", "float32")
 # LoadOptions.kv_cache_precision)
 KV_CACHE_PRECISIONS = ("target", "float16", "uint8")
 
-# Symbolic axis names shared by every graph. KV tensors are [batch, kv_heads, seq, head_dim].
+# Symbolic axis names shared by every graph. KV tensors are [batch, kv_heads, seq, head_dim] (the attention kernel's
+# uint8 codes: head_dim + 8, runtime/kv_codes.py).
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
 CAPACITY = "kv_capacity"  # a preallocated KV buffer's slots (target graphs: past and present are one buffer)
 KEPT = "kept"  # positions the LM head runs on (num_logits_to_keep)

@@ -128,8 +128,9 @@ def takes(node: onnx.NodeProto) -> bool:
 
 
 def with_kernel(model: onnx.ModelProto, kv: str = "float32") -> bool:
-    """Put the kernel in the place of each GroupQueryAttention of `model` that it takes (in place), its KV in
-    `kv` ("float32", "float16": the graph's past and present tensors of those nodes retyped); whether any."""
+    """Put the kernel in the place of each GroupQueryAttention of `model` that it takes (in place), its KV in `kv`
+    (a DOMAINS key: for another than float32 the graph's past and present tensors of those nodes retyped, for uint8
+    codes their head axis widened by kv_codes.CODE_TAIL); whether any."""
     from onnx import helper
 
     nodes = [n for n in model.graph.node if takes(n)]
@@ -156,8 +157,9 @@ def serialized_with_kernel(path: Path, kv: str = "float32") -> bytes | None:
     """The graph file at `path` with the kernel in the place of each GroupQueryAttention it takes, its KV in `kv`
     (with_kernel), as bytes, or None where it takes none. The file's bytes are patched where they lie rather than
     parsed and written again (a graph with its weights inside is hundreds of MB): the kernel's domain is as long as
-    ONNX Runtime's, so each node keeps its length, an element type is one byte either way, and the domain's opset
-    import is one more field at the end of the model."""
+    ONNX Runtime's, so each node keeps its length, an element type is one byte either way, a head size's varint keeps
+    its length when uint8 codes widen it (ValueError, so None, where it would not), and the domain's opset import is
+    one more field at the end of the model."""
     from onnx import NodeProto, ValueInfoProto, helper
 
     domain = DOMAINS[kv]
@@ -183,7 +185,8 @@ def serialized_with_kernel(path: Path, kv: str = "float32") -> bytes | None:
                     patched = True
             names = _kv_names(nodes) if kv != "float32" else set()
             # GraphProto's input, output and value_info: ValueInfoProto.type.tensor_type.elem_type
-            for value_start, value_end in (f for number in (11, 12, 13) for f in _fields(data, start, end, number)):
+            values = (f for number in (11, 12, 13) for f in _fields(data, start, end, number)) if names else ()
+            for value_start, value_end in values:
                 if ValueInfoProto.FromString(bytes(data[value_start:value_end])).name not in names:
                     continue
                 for type_start, type_end in _fields(data, value_start, value_end, 2):

@@ -17,13 +17,16 @@ def kv_width(head_dim: int, dtype: np.dtype) -> int:
 
 
 def coded(values: np.ndarray) -> np.ndarray:
-    """float32 [..., head_dim] as the kernel codes them: [..., head_dim + CODE_TAIL] uint8 (codes rounded to nearest,
-    ties to even; equal values a scale of 0)."""
+    """float32 [..., head_dim] as the kernel codes them, byte for byte: [..., head_dim + CODE_TAIL] uint8 (codes
+    rounded to nearest, ties to even; equal values a scale of 0; a NaN among them a NaN minimum; zeros as +0)."""
     x = np.asarray(values, np.float32)
-    low, high = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
-    scale = (high - low) / np.float32(255)
-    inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
-    codes = np.clip(np.rint((x - low) * inverse), 0, 255).astype(np.uint8)
+    with np.errstate(all="ignore"):  # a NaN, an infinity or a subnormal range codes as the kernel's does, silently
+        low = x.min(-1, keepdims=True) + np.float32(0)
+        high = x.max(-1, keepdims=True) + np.float32(0)
+        scale = (high - low) / np.float32(255)
+        inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+        codes = np.rint((x - low) * inverse)
+        codes = np.clip(np.where(np.isnan(codes), 0, codes), 0, 255).astype(np.uint8)
     return np.concatenate([codes, np.concatenate([scale, low], -1).view(np.uint8)], -1)
 
 
@@ -31,4 +34,5 @@ def widened(codes: np.ndarray) -> np.ndarray:
     """[..., head_dim + CODE_TAIL] uint8 back to float32 [..., head_dim]: code x scale + minimum (rounded once, as the
     kernel's fused multiply-add rounds it, but for the rare sum float64 rounds first)."""
     tail = np.ascontiguousarray(codes[..., -CODE_TAIL:]).view(np.float32).astype(np.float64)
-    return (codes[..., :-CODE_TAIL] * tail[..., :1] + tail[..., 1:]).astype(np.float32)
+    with np.errstate(invalid="ignore"):  # a NaN minimum: the position's values NaN
+        return (codes[..., :-CODE_TAIL] * tail[..., :1] + tail[..., 1:]).astype(np.float32)

@@ -1,9 +1,10 @@
 """The engine's KV memory: one slot per sequence, each as long as the target's own buffers, and what each slot holds.
 
 Every target KV tensor (past_key_values.{i}.key / .value) is one buffer [slots, kv_heads, positions, head_dim] on the
-target's device. A sequence owns one slot; positions [0, length) of its slot hold its context, as the target's own
-buffers do for a single generation, so a batched step binds the rows of consecutive slots as one [B, ...] view and
-GroupQueryAttention reads and writes each row at its own length (runtime/batch_target.py). A step does not copy KV.
+target's device (head_dim + 8 for uint8 codes: runtime/kv_codes.py). A sequence owns one slot; positions [0, length) of
+its slot hold its context, as the target's own buffers do for a single generation, so a batched step binds the rows of
+consecutive slots as one [B, ...] view and GroupQueryAttention reads and writes each row at its own length
+(runtime/batch_target.py). A step does not copy KV.
 
 In host memory the running sequences hold the lowest slots, so that their step is one run with no filler rows: a
 sequence that takes a slot above them, or leaves one below the last of them, trades places with the slot in the way

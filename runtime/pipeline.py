@@ -239,8 +239,8 @@ class Pipeline:
             from mirror_sd.runtime.portable import open_portable_target
 
             if o.kv_cache_precision != "target":
-                raise BadInputError("kv_cache_precision float16 is the project's attention kernel on ONNX Runtime: "
-                                    "leave target_backend at onnxruntime", option="kv_cache_precision")
+                raise BadInputError(f"kv_cache_precision {o.kv_cache_precision} is the project's attention kernel on "
+                                    "ONNX Runtime: leave target_backend at onnxruntime", option="kv_cache_precision")
 
             target = open_portable_target(bundle, manifest, o.target_device or "CPU", threads, o.max_context,
                                           cache_dir)

@@ -105,7 +105,7 @@ def has_bf16() -> bool:
 class PromptGraphs:
     """The target's prefix and suffix at a prompt precision ("bf16": OpenVINO's CPU plugin; "float32": ONNX Runtime
     over a compressed target's weights expanded), writing into KV memory on the host whose element type is `kv`
-    (the target's: float32, or float16 on the attention kernel)."""
+    (the target's: float32, or float16 or uint8 codes on the attention kernel)."""
 
     def __init__(self, bundle: str | Path, manifest: Manifest, threads: int = 1,
                  cache_dir: str | Path | None = None, precision: str = "bf16", kv: np.dtype | str = "float32") -> None:
@@ -204,7 +204,7 @@ class _OrtGraph:
 
     def __init__(self, model: onnx.ModelProto, spec, threads: int, kv: np.dtype) -> None:
         kernel = None
-        if kv != np.float32:  # float16 KV memory: the attention on the project's kernel, as the target's own
+        if kv != np.float32:  # float16 or uint8 KV memory: the attention on the project's kernel, as the target's
             kernel = cpu_attention.library()
             if kernel is None or not cpu_attention.with_kernel(model, kv.name):
                 raise BadInputError(f"prompt graphs writing {kv.name} KV need the project's attention kernel",
@@ -224,7 +224,7 @@ class _OrtGraph:
 
 
 def _view(array: np.ndarray) -> KVView:
-    """Host KV memory [1, kv_heads, positions, head_dim] as a view ONNX Runtime binds by address."""
+    """Host KV memory [1, kv_heads, positions, width] (kv_codes.kv_width) as a view ONNX Runtime binds by address."""
     if not array.flags.c_contiguous or array.dtype not in (np.float32, np.float16, np.uint8):
         raise ValueError("the prompt graphs write KV memory that is float32, float16 or uint8 and contiguous")
     return KVView(array.ctypes.data, array.shape, array.dtype)

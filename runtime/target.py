@@ -1,12 +1,12 @@
 """The target on ONNX Runtime: prefix, suffix and early-exit head sessions around KV buffers that stay on the
 session's device for the whole life of the pipeline.
 
-Each layer's key and value cache is one preallocated buffer [1, kv_heads, capacity, head_dim] (an OrtValue on the
-CPU, or on the GPU under the CUDA execution provider), bound once with IOBinding as both the layer's past input and
-its present output. GroupQueryAttention reads the first `seqlens_k + 1 - T` positions and writes the T new ones in
-place (export/target_graphs.py), so a step moves only its tokens in and its logits out; the hidden state between
-prefix, exit head and suffix stays on the device too. The same code runs the CPU and the CUDA execution provider:
-only the device the buffers and the boundary tensor are allocated on differs.
+Each layer's key and value cache is one preallocated buffer [1, kv_heads, capacity, head_dim] (head_dim + 8 for uint8
+codes, runtime/kv_codes.py; an OrtValue on the CPU, or on the GPU under the CUDA execution provider), bound once with
+IOBinding as both the layer's past input and its present output. GroupQueryAttention reads the first `seqlens_k + 1 - T`
+positions and writes the T new ones in place (export/target_graphs.py), so a step moves only its tokens in and its
+logits out; the hidden state between prefix, exit head and suffix stays on the device too. The same code runs the CPU
+and the CUDA execution provider: only the device the buffers and the boundary tensor are allocated on differs.
 
 A `TargetCache` is a length in those buffers. Trimming after a rejection is a smaller length; nothing is copied.
 Running from a cache overwrites the positions past its length, so a cache whose positions were overwritten since
@@ -392,7 +392,7 @@ class OrtTarget(Target):
                  native_attention: bool = True, kv_cache_precision: str = "target") -> None:
         """native_attention: a float32 target's attention on the project's own kernel where it can be had
         (runtime/cpu_attention.py; the `native_attention` attribute says whether it runs). kv_cache_precision
-        (LoadOptions'): "float16" holds the KV in float16 on that kernel."""
+        (LoadOptions'): "float16" or "uint8" holds the KV so on that kernel (`kv_dtype`)."""
         import onnxruntime as ort
 
         self.threads = threads
@@ -405,10 +405,12 @@ class OrtTarget(Target):
         kv_dtype = kv_element(manifest, kv_cache_precision)
         self._kv_kind = kv_dtype.name  # the kernel's KV: its domain (cpu_attention.DOMAINS)
         if kv_dtype != np.dtype(facts.dtype) and self._kernel is None:
+            why = ("native_attention is off" if not native_attention else
+                   f"it takes a float32 target's attention, and this target is {facts.dtype}"
+                   if facts.dtype != "float32" else
+                   "it did not compile here (no C++ compiler, or ONNX Runtime before 1.17: see the log)")
             raise BadInputError(f"kv_cache_precision {kv_cache_precision} needs the project's attention kernel on the "
-                                "CPU: " + ("native_attention is off" if not native_attention else "it did not compile "
-                                           "here (no C++ compiler, or ONNX Runtime before 1.17: see the log)"),
-                                option="kv_cache_precision")
+                                f"CPU: {why}", option="kv_cache_precision")
         self._attends = {role: bool(spec.kv_layers) for role, spec in specs.items()}  # the exit head does not
         self.native_attention = False
         sessions = {role: self._rewritten(role, None) for role in specs}
@@ -420,7 +422,8 @@ class OrtTarget(Target):
             kinds = {i.type for session in sessions.values() for i in session.get_inputs() if i.name in past}
             if kinds != {f"tensor({self._kv_kind})"}:
                 raise BadInputError(f"kv_cache_precision {kv_cache_precision}: the kernel does not take every one of "
-                                    "this target's attention nodes (an attribute it does not compute)",
+                                    "this target's attention nodes (an attribute it does not compute, or for uint8 "
+                                    "a head size of 120-127, whose graphs it cannot widen in place)",
                                     option="kv_cache_precision")
         self.providers = sessions["target_prefix"].get_providers()
         self.device = self.providers[0]

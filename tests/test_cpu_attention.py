@@ -216,6 +216,32 @@ def test_uint8_codes_are_the_float32_kvs_coded_and_read_back_alike_by_every_loop
         np.testing.assert_allclose(codes[0], wide[0], atol=0.05, rtol=0)
 
 
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_uint8_codes_of_odd_values_are_kv_codes_bytes(request, build):
+    """Equal values, zeros of both signs, a NaN past the first value, an infinity, a subnormal range: the kernel's
+    bytes are kv_codes.coded's, and a NaN or an infinity reads back as NaNs (as a float cache passes them on)."""
+    lib = request.getfixturevalue("kernel" if build == "native" else "portable_kernel")
+    sess = attention_session(lib, cpu_attention.DOMAINS["uint8"], False, "uint8", do_rotary=0)
+    heads = rng.standard_normal((4 * KV, D)).astype(np.float32)  # two calls' keys and values
+    heads[0] = 0.5
+    heads[1, :3] = [0.0, -0.0, 0.0]
+    heads[1, 3:] = -0.0
+    heads[2, 5] = np.nan
+    heads[3, 2] = np.inf
+    heads[4] = rng.standard_normal(D).astype(np.float32) * 1e-40
+    q = rng.standard_normal((1, 1, H * D), np.float32)
+    keys, values = (np.zeros((1, KV, C, kv_width(D, np.dtype(np.uint8))), np.uint8) for _ in range(2))
+    for first in range(0, 4 * KV, 2 * KV):
+        k, v = (heads[first + i * KV:first + (i + 1) * KV].reshape(1, 1, -1) for i in range(2))
+        _, got_k, got_v = run(sess, [q, k, v], keys, values, [0])
+        np.testing.assert_array_equal(got_k[0, :, 0], coded(k.reshape(KV, D)))
+        np.testing.assert_array_equal(got_v[0, :, 0], coded(v.reshape(KV, D)))
+        for stored, given in ((got_k, k), (got_v, v)):
+            back = widened(stored[0, :, 0])
+            finite = np.isfinite(given.reshape(KV, D)).all(-1)
+            assert np.isnan(back[~finite]).all() and np.isfinite(back[finite]).all()
+
+
 @pytest.mark.parametrize("kv", cpu_attention.DOMAINS)
 def test_a_window_is_the_bits_of_its_tokens_run_one_at_a_time(kernel, kv):
     sess = attention_session(kernel, cpu_attention.DOMAINS[kv], kv=kv)

@@ -138,7 +138,7 @@ struct Step {
   Attributes attrs;
   int64_t batch, seq, head_dim, capacity;
   const float* q;  // [B, S, heads, D] after the rotary
-  T *keys, *values;  // [B, kv_heads, capacity, D]
+  T *keys, *values;  // [B, kv_heads, capacity, row_of<T>(D)]
   const int32_t* seqlens;
   float* out;  // [B, S, heads, D]
   int64_t query_blocks;
@@ -479,10 +479,15 @@ inline void put(const float* x, f16* out, int64_t D) {
   for (int64_t d = 0; d < D; ++d) out[d] = narrow(x[d]);
 }
 // codes 0..255 between the values' minimum and maximum, rounded to nearest (ties to even), then the scale and the
-// minimum; equal values take a scale of 0 (each read back as the minimum itself)
+// minimum; equal values take a scale of 0 (each read back as the minimum itself), a NaN among them a NaN minimum (the
+// position read back as NaNs, as a float cache passes a NaN on); a zero minimum or maximum is +0 (the bytes
+// runtime/kv_codes.py writes)
 inline void put(const float* x, u8code* out, int64_t D) {
   float low = x[0], high = x[0];
-  for (int64_t d = 1; d < D; ++d) low = std::min(low, x[d]), high = std::max(high, x[d]);
+  bool nan = false;
+  for (int64_t d = 0; d < D; ++d) low = std::min(low, x[d]), high = std::max(high, x[d]), nan |= x[d] != x[d];
+  if (nan) low = high = NAN;
+  low += 0.f, high += 0.f;
   const float scale = (high - low) / 255.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
   for (int64_t d = 0; d < D; ++d)
     out[d].bits = static_cast<uint8_t>(std::min(255.f, std::max(0.f, nearbyintf((x[d] - low) * inverse))));
