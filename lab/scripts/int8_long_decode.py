@@ -1,5 +1,5 @@
-"""ar decode of a target at 64 and 2,048 prompt tokens: the project's attention kernel with and without the two-row
-step padding (INT8_STEP_WIDTH) or with a float16 KV cache, ONNX Runtime's GroupQueryAttention, and OpenVINO GenAI at
+"""ar decode of a target at 64 and 2,048 prompt tokens: the project's attention kernel with and without the two-row step
+padding (INT8_STEP_WIDTH) or with a float16 or uint8 KV cache, ONNX Runtime's GroupQueryAttention, and OpenVINO GenAI at
 its defaults on the same weights (int8 / int4: compressed by NNCF); arms interleaved, medians of decode tokens/s
 (bench/precision.py's measure), and per arm the prompts whose greedy tokens equal the first arm's.
 
@@ -36,6 +36,7 @@ def main() -> None:
     options = {"kernel": {}, "kernel-unpadded": {"target_step_width": 0},
                "ort-gqa": {"native_attention": False}, "bf16-prefill": {"prefill_precision": "bf16"},
                "kernel-f16kv": {"kv_cache_precision": "float16"},
+               "kernel-u8kv": {"kv_cache_precision": "uint8"},
                "bf16-prefill-f16kv": {"prefill_precision": "bf16", "kv_cache_precision": "float16"}}
     arms = {}
     for name in args.arms.split(","):
