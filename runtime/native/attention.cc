@@ -236,33 +236,20 @@ inline void transpose(const float* keys, float* out, int64_t n, int64_t head_dim
     for (int64_t d = 0; d < D; ++d) out[d * kKeyBlock + j] = j < n ? keys[j * D + d] : 0.f;
 }
 
-template <int kD>
-inline void transpose(const u8code* keys, float* out, int64_t n, int64_t head_dim) {
-  const int64_t D = kD ? kD : head_dim, row = row_of<u8code>(D);
+// the same of float16 or uint8 keys, widened or scaled back 16 values at a time (value_at's rounding)
+template <int kD, typename T>
+inline void transpose(const T* keys, float* out, int64_t n, int64_t head_dim) {
+  const int64_t D = kD ? kD : head_dim, row = row_of<T>(D);
   for (int64_t j = 0; j < kKeyBlock; ++j) {
-    const u8code* key = keys + j * row;
+    const T* key = keys + j * row;
     const Dequant q = j < n ? dequant_of(key, D) : Dequant{};
     int64_t d = 0;
     if (j < n)
-      for (; d + kKeyBlock <= D; d += kKeyBlock) {  // 16 values scaled back at once (the same fused multiply-add)
+      for (; d + kKeyBlock <= D; d += kKeyBlock) {
         const v16 x = load(key + d, q);
         for (int l = 0; l < kKeyBlock; ++l) out[(d + l) * kKeyBlock + j] = x[l];
       }
     for (; d < D; ++d) out[d * kKeyBlock + j] = j < n ? value_at(key, d, q) : 0.f;
-  }
-}
-
-template <int kD>
-inline void transpose(const f16* keys, float* out, int64_t n, int64_t head_dim) {
-  const int64_t D = kD ? kD : head_dim;
-  for (int64_t j = 0; j < kKeyBlock; ++j) {
-    int64_t d = 0;
-    if (j < n)
-      for (; d + kKeyBlock <= D; d += kKeyBlock) {  // 16 values widened at once
-        const v16 x = load(keys + j * D + d);
-        for (int l = 0; l < kKeyBlock; ++l) out[(d + l) * kKeyBlock + j] = x[l];
-      }
-    for (; d < D; ++d) out[d * kKeyBlock + j] = j < n ? widen(keys[j * D + d]) : 0.f;
   }
 }
 
