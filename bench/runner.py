@@ -37,6 +37,7 @@ from mirror_sd.models.benchmark_prompts import KINDS, PROMPTS, BenchPrompt, sele
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.partitions.spec import BACKENDS
 from mirror_sd.runtime.backends import usable_cores
+from mirror_sd.runtime.huge_pages import release_free_heap
 from mirror_sd.runtime.pipeline import Pipeline
 
 ABLATIONS = {  # mirror with one mechanism off; the logit lens one also needs another bundle (see _ablations)
@@ -282,9 +283,8 @@ class Bench:
                   for g in plan)
         self.report(f"estimated time: about {eta / 60:.0f} min for {sum(len(g.prompts) * len(g.methods) for g in plan)}"
                     f" generations (upper bound from the warm-up speeds; EOS ends many earlier)")
-        groups = {}
-        for group in plan:
-            groups[group.name] = _group_doc(self.run_group(group, main), greedy=group.temperature == 0.0)
+        groups = {group.name: _group_doc(self.run_group(group, main), greedy=group.temperature == 0.0)
+                  for group in plan}
         doc["groups"] = groups
         doc["per_token_s_warmup"] = per_token
         # a method that failed inside one group is named with the group: it may have run in the others
@@ -293,8 +293,17 @@ class Bench:
         doc["timeline"] = self._timeline(main, groups.get("greedy"))
         doc["compressed_draft"] = self._compressed(main)
         doc["context"] = self._context(main, ar_pipes)
-        doc["precision"] = self._precision(main)
-        doc["serving"] = self._serving(main, groups.get("greedy"))
+        # GenAI's speculative methods propose the windows the greedy group's probe found fastest, in the sections left
+        windows = {m.name: m.gamma for m in self.baselines if m.name in ("ov-genai-pld", "ov-genai-sd")}
+        # the sections left need the main pipeline only, and the precision section loads a dozen of its own: the
+        # other pipelines (ar at the other thread count, the variant bundles') and the baselines go first (on 24 GiB
+        # the precision section's did not fit beside them)
+        del ar_pipes, ar, probes, probe, project, methods, plan
+        self.sd_pipe = main
+        self.close()
+        release_memory()
+        doc["precision"] = self._precision(main, windows)
+        doc["serving"] = self._serving(main, groups.get("greedy"), windows.get("ov-genai-sd"))
         doc["targets"] = targets(groups.get("greedy"))
         doc["failures"] = [dict(f, group=name) for name, g in groups.items() for f in g.get("identity_failures", [])]
         doc["failures"] += [dict(f, group="serving")
@@ -473,8 +482,9 @@ class Bench:
         return run_context(self.bundle, self.size.context, main, ar_pipes, genai, self.requested, self.report,
                            self.progress, self.cache, sd_pipe=self.sd_pipe)
 
-    def _precision(self, main: Pipeline) -> dict[str, Any] | None:
-        """The target in each weight format beside OpenVINO GenAI at its defaults (bench/precision.py)."""
+    def _precision(self, main: Pipeline, windows: dict[str, int]) -> dict[str, Any] | None:
+        """The target in each weight format beside OpenVINO GenAI at its defaults (bench/precision.py); windows: the
+        speculative GenAI methods' fastest windows (the greedy group's probe)."""
         if self.size.precision is None:
             return None
         from mirror_sd.bench.baselines import open_baselines
@@ -482,8 +492,6 @@ class Bench:
 
         bundles, not_run = sibling_bundles(self.bundle)
         threads = usable_cores()
-        # GenAI's speculative methods propose the windows the greedy group's probe found fastest
-        windows = {m.name: m.gamma for m in self.baselines if m.name in ("ov-genai-pld", "ov-genai-sd")}
         by_format: dict[str, Method] = {}
         methods: dict[str, Method] = {}
         opened: list[Method] = []
@@ -513,17 +521,16 @@ class Bench:
             for method in opened:
                 method.close()
 
-    def _serving(self, main: Pipeline, greedy: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _serving(self, main: Pipeline, greedy: dict[str, Any] | None, gamma: int | None) -> dict[str, Any] | None:
         """`mirror-sd serve` under concurrent clients beside GenAI's continuous batching (bench/serving.py). The
-        1-client bar compares with GenAI's fastest single-stream method of the greedy group."""
+        1-client bar compares with GenAI's fastest single-stream method of the greedy group; gamma: the window GenAI's
+        speculative decoding was fastest at there, which its continuous batching proposes too."""
         if self.size.serving is None:
             return None
         from mirror_sd.bench.serving import run_serving
 
         single = {m: s["overall"]["tokens_per_s"] for m, s in (greedy or {}).get("summary", {}).items()
                   if m.startswith("ov-genai")}
-        # GenAI's speculative continuous batching proposes the window its single-stream form was fastest at
-        gamma = next((m.gamma for m in self.baselines if m.name == "ov-genai-sd"), None)
         size = self.size.serving
         if not self.use_baselines or self.sources is None:
             size = replace(size, genai=False)
@@ -538,11 +545,21 @@ class Bench:
             return {"not_run": why}
 
     def close(self) -> None:
-        for method in self.baselines:
+        """Close the baselines (once: the list is emptied)."""
+        opened, self.baselines = self.baselines, []
+        for method in opened:
             try:
                 method.close()
             except Exception as e:  # closing must not hide the results
                 self.report(f"closing {method.name}: {_why(e)}")
+
+
+def release_memory() -> None:
+    """Collect what is no longer referenced and hand the C heap's free memory back to the system."""
+    import gc
+
+    gc.collect()
+    release_free_heap()
 
 
 def run_bench(bundle: Path, size: BenchSize, methods: list[str] | None = None, *, sources: Sources | None = None,

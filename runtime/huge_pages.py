@@ -52,6 +52,16 @@ def _libc():
         return None
 
 
+def release_free_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's malloc_trim; elsewhere nothing): a load's transient
+    buffers (a graph's bytes patched or expanded at load, protobuf's copies) are freed but would stay resident, and
+    `NewMemory.collapse` would move them into huge pages with the weights."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is not None:
+        trim(0)
+
+
 def small_pages(array: np.ndarray) -> None:
     """Keep `array`'s memory in 4 KiB pages (best effort, Linux): for a buffer written a little at a time in many
     places, such as KV slots of a whole context each, where a huge page would make its first write to any of 2 MiB

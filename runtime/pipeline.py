@@ -60,7 +60,7 @@ from mirror_sd.runtime.feature_draft import FeatureDrafter, FeatureStore
 from mirror_sd.runtime.gate import GateState
 from mirror_sd.runtime.genai_config import genai_options, is_genai_config
 from mirror_sd.runtime.grammar import CFG, JSON_SCHEMA, REGEX, GrammarState, Vocabulary
-from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory
+from mirror_sd.runtime.huge_pages import HugePageReport, NewMemory, release_free_heap
 from mirror_sd.runtime.kv_slots import MIN_CACHED_PREFIX, reusable_head, slots_for
 from mirror_sd.runtime.logprobs import TokenLogprob
 from mirror_sd.runtime.machine import plan_note
@@ -227,6 +227,7 @@ class Pipeline:
                     draft = open_engine(bundle, manifest, "draft", o.draft_device, draft_threads, cache_dir,
                                         draft_backend)
             pipe = cls(manifest, target, draft, codec, defaults, target_threads, draft_threads, package)
+            release_free_heap()
             pipe.huge_pages = new_memory.collapse() if new_memory is not None else None
             pipe.load_options = o
             pipe.plan_note = plan_note(planned_on)
