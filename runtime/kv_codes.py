@@ -36,3 +36,14 @@ def widened(codes: np.ndarray) -> np.ndarray:
     tail = np.ascontiguousarray(codes[..., -CODE_TAIL:]).view(np.float32).astype(np.float64)
     with np.errstate(invalid="ignore"):  # a NaN minimum: the position's values NaN
         return (codes[..., :-CODE_TAIL] * tail[..., :1] + tail[..., 1:]).astype(np.float32)
+
+
+def as_float32(memory: np.ndarray) -> np.ndarray:
+    """KV memory [..., kv_width] of any KV element type (float32, float16, uint8 codes) as float32 [..., head_dim]."""
+    return widened(memory) if memory.dtype == np.uint8 else memory.astype(np.float32, copy=False)
+
+
+def stored(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """float32 values [..., head_dim] as KV memory of `dtype` takes them: uint8 coded here, float16 rounded to nearest
+    even by numpy's assignment (as the kernel rounds them), float32 as they are."""
+    return coded(values) if np.dtype(dtype) == np.uint8 else values

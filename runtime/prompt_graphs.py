@@ -44,7 +44,7 @@ from mirror_sd.partitions.spec import (
 )
 from mirror_sd.runtime import cpu_attention
 from mirror_sd.runtime.backends import PROTOBUF_LIMIT, open_openvino, open_openvino_model, ort_session, proto_bytes
-from mirror_sd.runtime.kv_codes import coded, kv_width, widened
+from mirror_sd.runtime.kv_codes import as_float32, kv_width, stored
 from mirror_sd.runtime.kv_slots import kv_names
 from mirror_sd.runtime.target import KVView, _Bound, kv_pairs
 
@@ -189,12 +189,10 @@ class _OpenVINOGraph:
             ) -> dict[str, np.ndarray]:
         for name in kv:  # the past as its own tensors (float32, the graphs' own): OpenVINO returns past + new, not
             # written in place; float16 or uint8 KV memory takes the new positions rounded or coded as the kernel would
-            past = kv[name][:, :, :start]
-            feed[name] = widened(past) if past.dtype == np.uint8 else past.astype(np.float32, copy=False)
+            feed[name] = as_float32(kv[name][:, :, :start])
         out = self.graph.run(feed)
         for past in kv:
-            new = out[self.present[past]][:, :, start:total]
-            kv[past][:, :, start:total] = coded(new) if kv[past].dtype == np.uint8 else new
+            kv[past][:, :, start:total] = stored(out[self.present[past]][:, :, start:total], kv[past].dtype)
         return out
 
 
