@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 LOAD_FLAGS = {
     "generate": ("target_backend", "draft_backend", "target_device", "target_step_width", "prefill_precision",
                  "draft_device", "max_context", "target_threads", "draft_threads", "cache_dir", "huge_pages",
-                 "chat_template", "native_attention", "kv_cache_precision"),
+                 "chat_template", "native_attention", "kv_cache_precision", "cuda_graphs"),
     "serve": ("target_threads", "draft_threads", "target_device", "draft_device", "max_context", "target_step_width",
               "prefill_precision", "max_num_seqs", "kv_cache_gb", "kv_cache_precision", "window_rows",
-              "scheduling_policy", "chat_template", "enable_prefix_caching", "native_attention"),
+              "scheduling_policy", "chat_template", "enable_prefix_caching", "native_attention", "cuda_graphs"),
     "plan": ("target_device", "draft_device"),
 }
 LOAD_FLAGS["chat"] = LOAD_FLAGS["generate"]  # one conversation at a time, on the batching engine's prefix cache

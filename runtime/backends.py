@@ -47,10 +47,12 @@ def on_cpu(device: str) -> bool:
 
 
 def ort_session(path: str | Path | bytes, providers: list[str] | None = None, threads: int = 1,
-                spinning: bool | None = None, data_folder: Path | None = None, custom_ops: Path | None = None):
+                spinning: bool | None = None, data_folder: Path | None = None, custom_ops: Path | None = None,
+                provider_options: dict[str, dict[str, str]] | None = None):
     """An ORT InferenceSession on the first usable provider in `providers` (default CUDA then CPU), of the graph at
     `path` or of a serialized graph (bytes; its external weights, if any, in `data_folder`); custom_ops: a library of
-    custom ops the graph uses (runtime/cpu_attention.py).
+    custom ops the graph uses (runtime/cpu_attention.py); provider_options: per provider name, its options (the CUDA
+    provider's enable_cuda_graph, runtime/target.py).
 
     onnxruntime-gpu lists CUDA as available even without a GPU and falls back to CPU with only a log line, so the
     caller reads the provider from `session.get_providers()[0]`, never from what it asked for.
@@ -84,7 +86,8 @@ def ort_session(path: str | Path | bytes, providers: list[str] | None = None, th
         opts.register_custom_ops_library(str(custom_ops))
     source = path if isinstance(path, bytes) else str(path)
     try:
-        session = ort.InferenceSession(source, sess_options=opts, providers=usable)
+        session = ort.InferenceSession(source, sess_options=opts, providers=usable,
+                                       provider_options=[(provider_options or {}).get(p, {}) for p in usable])
     except Exception as e:  # a truncated or damaged graph file: named, no traceback
         if isinstance(path, bytes):
             raise

@@ -709,6 +709,11 @@ class LoadOptions(Options):
         none="8 on the CUDA execution provider, 2 on the CPU for an int8 or int4 target (int8 activations) where "
         "its one-row steps round otherwise (ONNX Runtime's attention; on the project's kernel a probe at load "
         "decides), else 0 (off)")
+    cuda_graphs: bool = option(
+        True, "ONNX Runtime's CUDA execution provider: the target's steps of target_step_width rows captured as CUDA "
+        "graphs at their first runs and replayed after, one launch a step instead of a kernel's each (the prompt's "
+        "wider runs launch as they are; the prefix and suffix are loaded once more on the GPU for it; where ONNX "
+        "Runtime refuses the capture, a warning and the steps as they were)")
     draft_backend: str | None = option(None, "the draft's runtime", choices=BACKENDS,
                                        none="the bundle plan's where the draft runs on the CPU, else openvino")
     draft_device: str | None = option(

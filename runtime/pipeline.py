@@ -247,7 +247,7 @@ class Pipeline:
                                           cache_dir)
         else:
             target = open_target(bundle, manifest, o.target_device, threads, o.max_context, o.target_spinning,
-                                 o.target_step_width, o.native_attention, o.kv_cache_precision)
+                                 o.target_step_width, o.native_attention, o.kv_cache_precision, o.cuda_graphs)
         if o.prefill_precision != "target":
             from mirror_sd.runtime.prompt_graphs import PromptGraphs
 

@@ -17,6 +17,7 @@ another history's keys.
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ PREFILL_CHUNK = 256
 # forward there also copies the past in and out: 512 ran 2,048 prompt tokens as fast as one forward of all of them,
 # 256 1.25x slower (docs/design.md: "Prompts prefilled in bf16").
 PROMPT_GRAPH_CHUNK = 512
+
+log = logging.getLogger(__name__)
 # Every target step on the CUDA execution provider runs this many rows (Target.step_width says why): a draft window
 # of up to 7 tokens, or a prompt-lookup window (4, grown by its schedule to 7 at most), plus the token before it. A
 # longer window still runs, unpadded.
@@ -70,6 +73,10 @@ INT8_STEP_WIDTH = 2
 # tokens then left its solo ones). Padding such a run by a row makes that row a block's like any other; 16 covers
 # blocks of 16, 32 and 64 rows, whichever a CPU's kernels use.
 ROW_BLOCK = 16
+# ONNX Runtime's run option naming the CUDA graph a run captures or replays (one per KV memory the steps are bound to,
+# from 1); NO_GRAPH launches a run's kernels one by one
+GRAPH_ID = "gpu_graph_id"
+NO_GRAPH = -1
 
 
 def padded_rows(rows: int, step_width: int, room: int, blocks: bool) -> int:
@@ -153,6 +160,20 @@ class KVView:
     device: tuple[str, int] = ("cpu", 0)
 
 
+def bind_kv(binding, spec: PartitionSpec, buffers: dict[str, object], rename: Callable[[str], str] = str) -> None:
+    """Bind every layer of `spec` its past input and present output to one buffer of `buffers` (by the past's name): an
+    OrtValue, or a `KVView` (memory the caller owns). rename: the graph's names for `buffers`' names."""
+    for past, present in kv_pairs(spec.kv_layers):
+        buffer = buffers[past]
+        past, present = rename(past), rename(present)
+        if isinstance(buffer, KVView):
+            binding.bind_input(past, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
+            binding.bind_output(present, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
+        else:
+            binding.bind_ortvalue_input(past, buffer)
+            binding.bind_ortvalue_output(present, buffer)
+
+
 class _Bound:
     """One session with its IOBinding; the KV buffers are bound once, per-step tensors at every run."""
 
@@ -172,15 +193,7 @@ class _Bound:
         """Bind every layer's past input and present output to one buffer: an OrtValue, or a `KVView` (memory the
         caller owns, such as one of the engine's KV slots). rename: the graph's names for the past and present of
         `buffers`' names (a window graph's row: runtime/window_graphs.py row_name)."""
-        for past, present in kv_pairs(self.spec.kv_layers):
-            buffer = buffers[past]
-            past, present = rename(past), rename(present)
-            if isinstance(buffer, KVView):
-                self.binding.bind_input(past, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
-                self.binding.bind_output(present, *buffer.device, buffer.dtype, buffer.shape, buffer.address)
-            else:
-                self.binding.bind_ortvalue_input(past, buffer)
-                self.binding.bind_ortvalue_output(present, buffer)
+        bind_kv(self.binding, self.spec, buffers, rename)
 
     def run(self, inputs: dict[str, object], head_device: tuple[str, int]):
         """The head output (an OrtValue on head_device), and the taps [B, T, n, H] on the host where the graph has
@@ -197,6 +210,118 @@ class _Bound:
         self.session.run_with_iobinding(b)
         outputs = b.get_outputs()
         return outputs[0], (outputs[1].numpy() if self.taps else None)
+
+
+class _FixedSteps:
+    """The target's steps of exactly `width` rows (its padded steps, Target.step_width) on tensors bound once: the
+    ids, the lengths, the boundary hidden state, the taps and the logits at fixed addresses beside the KV memory.
+
+    Why: a step of a small target on a GPU is bound by launching its kernels one by one (30 layers, a dozen kernels
+    each). ONNX Runtime's CUDA graphs capture a run's kernels once and replay them in one launch, reading and writing
+    the addresses they were captured with; so every tensor of the run stays where it is, and the inputs are written
+    into place. One graph per KV memory bound (use_kv: the target's own buffers, an engine slot a request speculates
+    in): a run at new KV addresses captures a new graph. `graphs` off (the CPU, or where the capture is refused) runs
+    the same bindings kernel by kernel. total_sequence_length is an input read on the host, so a captured graph keeps
+    the value it was captured with: under graphs it stays at the buffers' length (the attention reads each row's own
+    length from seqlens_k, on the device)."""
+
+    def __init__(self, prefix, suffix, device: tuple[str, int], width: int, slots: int, graphs: bool) -> None:
+        """prefix, suffix: (session, spec) pairs sharing the KV memory (bind_kv binds it)."""
+        import onnxruntime as ort
+
+        self.width, self.slots, self.graphs = width, slots, graphs
+        # a host tensor's numpy() is a view of it, which the next step overwrites; a device tensor's is a copy
+        self._copied = (lambda a: a.copy()) if device[0] == "cpu" else (lambda a: a)
+        (self._prefix, self._prefix_spec), (self._suffix, self._suffix_spec) = prefix, suffix
+        declared = {t.name: t for spec in (self._prefix_spec, self._suffix_spec) for t in spec.outputs}
+
+        def on_device(name: str):  # [1, width, ...] as the manifest declares the output, on the step's device
+            tensor = declared[name]
+            if not all(isinstance(d, int) for d in tensor.shape[2:]):
+                raise ManifestError(f"{name}: dynamic axes past the tokens' ({tensor.shape}) leave no fixed step")
+            return ort.OrtValue.ortvalue_from_shape_and_type([1, width, *tensor.shape[2:]], np.dtype(tensor.dtype),
+                                                             *device)
+
+        self.head = self._suffix_spec.outputs[0].name
+        self.hidden = on_device(BOUNDARY)
+        self.taps = on_device(TAPS) if TAPS in declared else None
+        self.logits = on_device(self.head)
+        self.ids = ort.OrtValue.ortvalue_from_shape_and_type([1, width], np.int64, *device)
+        self.seqlens = ort.OrtValue.ortvalue_from_shape_and_type([1], np.int32, *device)
+        # read on the host by the attention (and keep by the shape nodes ONNX Runtime runs there): no copy per run
+        self.total = ort.OrtValue.ortvalue_from_numpy(np.array(slots, np.int32))
+        self.keep = ort.OrtValue.ortvalue_from_numpy(np.array([width], np.int64))
+        self._bindings = {}
+        for name, session, spec in (("prefix", self._prefix, self._prefix_spec),
+                                    ("suffix", self._suffix, self._suffix_spec)):
+            binding = session.io_binding()
+            binding.bind_ortvalue_input(SEQLENS, self.seqlens)
+            binding.bind_ortvalue_input(TOTAL_LENGTH, self.total)
+            self._bindings[name] = (session, spec, binding)
+        _, _, b = self._bindings["prefix"]
+        b.bind_ortvalue_input("input_ids", self.ids)
+        b.bind_ortvalue_output(BOUNDARY, self.hidden)
+        if self.taps is not None:
+            b.bind_ortvalue_output(TAPS, self.taps)
+        _, _, b = self._bindings["suffix"]
+        b.bind_ortvalue_input(BOUNDARY, self.hidden)
+        b.bind_ortvalue_input(KEEP, self.keep)
+        b.bind_ortvalue_output(self.head, self.logits)
+        self._graph_ids: dict[tuple[int, ...], int] = {}  # KV memory (its addresses) -> its graph
+        self._options = self._run_options(NO_GRAPH)
+
+    @staticmethod
+    def _run_options(graph: int):
+        import onnxruntime as ort
+
+        options = ort.RunOptions()
+        options.add_run_config_entry(GRAPH_ID, str(graph))
+        return options
+
+    def bind_kv(self, buffers: dict[str, object]) -> None:
+        """Bind the KV memory (the target's buffers or a slot's views, as _Bound.bind_kv) and pick its graph."""
+        for _session, spec, binding in self._bindings.values():
+            bind_kv(binding, spec, buffers)
+        if self.graphs:
+            where = tuple(b.address if isinstance(b, KVView) else b.data_ptr() for _, b in sorted(buffers.items()))
+            graph = self._graph_ids.setdefault(where, len(self._graph_ids) + 1)
+            self._options = self._run_options(graph)
+
+    @property
+    def captured(self) -> int:
+        """CUDA graphs made so far (one per KV memory the steps ran on)."""
+        return len(self._graph_ids)
+
+    def _lengths(self, start: int) -> None:
+        self.seqlens.update_inplace(np.array([start + self.width - 1], np.int32))
+        if not self.graphs:
+            self.total.update_inplace(np.array(start + self.width, np.int32))
+
+    def _run(self, name: str) -> None:
+        session, _spec, binding = self._bindings[name]
+        try:
+            session.run_with_iobinding(binding, self._options)
+        except Exception as e:  # noqa: BLE001 - a refused capture: this target's steps go on without graphs
+            if not self.graphs:
+                raise
+            log.warning("CUDA graphs off for the target's steps: %s", str(e).splitlines()[0])
+            self.graphs, self._options = False, self._run_options(NO_GRAPH)
+            self.total.update_inplace(np.array(int(self.seqlens.numpy()[0]) + 1, np.int32))
+            session.run_with_iobinding(binding, self._options)
+
+    def prefix(self, ids: np.ndarray, start: int) -> tuple[object, np.ndarray | None]:
+        """ids [1, width] after `start` positions: the boundary (this object's hidden tensor, overwritten by the next
+        step) and the taps on the host."""
+        self.ids.update_inplace(np.ascontiguousarray(ids, np.int64))
+        self._lengths(start)
+        self._run("prefix")
+        return self.hidden, None if self.taps is None else self._copied(self.taps.numpy())
+
+    def suffix(self, start: int) -> np.ndarray:
+        """The suffix on this object's boundary at `start`: logits [1, width, V] on the host."""
+        self._lengths(start)
+        self._run("suffix")
+        return self._copied(self.logits.numpy())
 
 
 class Target:
@@ -389,10 +514,14 @@ class OrtTarget(Target):
 
     def __init__(self, bundle: Path, manifest: Manifest, providers: list[str] | None = None, threads: int = 1,
                  capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None,
-                 native_attention: bool = True, kv_cache_precision: str = "target") -> None:
+                 native_attention: bool = True, kv_cache_precision: str = "target", cuda_graphs: bool = True,
+                 fixed_steps: bool | None = None) -> None:
         """native_attention: a float32 target's attention on the project's own kernel where it can be had
         (runtime/cpu_attention.py; the `native_attention` attribute says whether it runs). kv_cache_precision
-        (LoadOptions'): "float16" or "uint8" holds the KV so on that kernel (`kv_dtype`)."""
+        (LoadOptions'): "float16" or "uint8" holds the KV so on that kernel (`kv_dtype`). cuda_graphs (LoadOptions'):
+        on the CUDA execution provider, steps of step_width rows replay CUDA graphs (_FixedSteps; the `cuda_graphs`
+        attribute says whether they do). fixed_steps: run those steps on _FixedSteps' bindings (None: where graphs
+        run; True: on any device, graphs or not, as the CPU's tests do)."""
         import onnxruntime as ort
 
         self.threads = threads
@@ -451,12 +580,36 @@ class OrtTarget(Target):
         self._suffix = _Bound(sessions["target_suffix"], specs["target_suffix"], self.buffers)
         self._exit = sessions["target_exit"]
         self._kv: dict[str, object] = self.buffers  # the KV memory bound now (use_kv)
+        self._steps: _FixedSteps | None = None  # steps on fixed bindings (below)
         self._host_kv: dict[str, np.ndarray] | None = None
         # the two-row padding is for ONNX Runtime's one-row attention; the kernel computes a row alike in any step,
         # and where this CPU's MatMulNBits does too, one-row steps are a row's bits (INT8_STEP_WIDTH)
         probe = not chosen and self.step_width == INT8_STEP_WIDTH and self.native_attention
         if probe and self._steps_alike(facts.vocab_size):
             self.step_width, self.pads_rows = 0, False
+        graphs = cuda_graphs and on_gpu and self.step_width > 0 and fixed_steps is not False
+        pair = self._captured_pair(specs) if graphs else None
+        if pair is None and fixed_steps and self.step_width:
+            pair = tuple(self.sessions.values())
+        if pair is not None:
+            self._steps = _FixedSteps(*pair, self._device, self.step_width, self.slots, graphs=graphs)
+            self._steps.bind_kv(self.buffers)
+
+    def _captured_pair(self, specs: dict[str, PartitionSpec]):
+        """The prefix and the suffix once more, with the CUDA provider's graph capture on, as (session, spec) pairs;
+        None where ONNX Runtime refuses it (a node it would place on the CPU beside a copy)."""
+        options = {"CUDAExecutionProvider": {"enable_cuda_graph": "1"}}
+        try:
+            return tuple((ort_session(self._paths[role], *self._session_args, provider_options=options), specs[role])
+                         for role in ("target_prefix", "target_suffix"))
+        except Exception as e:  # noqa: BLE001 - ONNX Runtime's refusal is a plain RuntimeError: steps as they are
+            log.warning("CUDA graphs off for the target: %s", str(e).splitlines()[0])
+            return None
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the target's fixed-width steps replay CUDA graphs."""
+        return self._steps is not None and self._steps.graphs
 
     def _steps_alike(self, vocab_size: int) -> bool:
         """Whether one-row steps give each position the logits a window's row gives it, bit for bit, on this CPU's
@@ -482,6 +635,8 @@ class OrtTarget(Target):
         buffers = self.buffers if views is None else views
         self._prefix.bind_kv(buffers)
         self._suffix.bind_kv(buffers)
+        if self._steps is not None:
+            self._steps.bind_kv(buffers)
         self._kv, self._host_kv = buffers, None
         self._writes += 1
         self._written_by[:] = self._writes
@@ -536,10 +691,16 @@ class OrtTarget(Target):
         return {SEQLENS: np.array([total - 1], np.int32), TOTAL_LENGTH: np.array(total, np.int32)}
 
     def _run_prefix(self, ids: np.ndarray, start: int) -> tuple[object, np.ndarray | None]:
+        if self._steps is not None and ids.shape[1] == self._steps.width:
+            hidden, taps = self._steps.prefix(ids, start)
+            return hidden, None if taps is None else taps[0]
         hidden, taps = self._prefix.run({"input_ids": ids, **self._lengths(start, ids.shape[1])}, self._device)
         return hidden, None if taps is None else taps[0]
 
     def _run_suffix(self, boundary: Boundary, logits_for: int) -> np.ndarray:
+        steps = self._steps
+        if steps is not None and boundary.hidden is steps.hidden and logits_for == steps.width:
+            return steps.suffix(boundary.start)
         inputs = {BOUNDARY: boundary.hidden, KEEP: np.array([logits_for], np.int64),
                   **self._lengths(boundary.start, boundary.positions)}
         return self._suffix.run(inputs, ("cpu", 0))[0].numpy()
@@ -565,7 +726,8 @@ def kv_element(manifest: Manifest, kv_cache_precision: str = "target") -> np.dty
 
 def open_target(bundle: str | Path, manifest: Manifest, device: str | None = None, threads: int = 1,
                 capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None,
-                native_attention: bool = True, kv_cache_precision: str = "target") -> OrtTarget:
+                native_attention: bool = True, kv_cache_precision: str = "target", cuda_graphs: bool = True
+                ) -> OrtTarget:
     """device None: CUDA where the session really gets it and the target is float16, else CPU; "cpu", "cuda" or a
     provider name. step_width None: GPU_STEP_WIDTH on the CUDA execution provider, else 0 (no padding)."""
     from mirror_sd.runtime.backends import ort_providers
@@ -573,7 +735,7 @@ def open_target(bundle: str | Path, manifest: Manifest, device: str | None = Non
     if device is None and manifest.target.dtype == "float32":
         device = "cpu"  # a float32 target has no CUDA attention kernel (OrtTarget refuses the pairing)
     return OrtTarget(Path(bundle).resolve(), manifest, ort_providers(device), threads, capacity, spinning, step_width,
-                     native_attention, kv_cache_precision)
+                     native_attention, kv_cache_precision, cuda_graphs)
 
 
 def check_io(spec: PartitionSpec, inputs: list[str], outputs: list[str]) -> None:

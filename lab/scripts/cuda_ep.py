@@ -4,9 +4,10 @@ Run on a GPU machine (lab/scripts/cuda_ep.sh lays it out and calls this): export
 the same fp32 SmolLM2 target, with the target graphs in float16 (what the CUDA EP runs fused: its
 GroupQueryAttention has no float32 kernel) and in float32 (the CPU bundle as `make models` builds it), then times
 ar / sd / mirror per prompt length, the draft on OpenVINO's CPU plugin (the product's pairing), in arms:
-- fp16-cuda: float16 target, CUDA EP, fixed-width steps (the runtime's default there): every length, plus sd and
-  mirror with every step speculating ("*_always"), and the target's 1- and 5-token steps at the shortest and
-  longest length (5 over 1: what a verification window costs);
+- fp16-cuda: float16 target, CUDA EP, fixed-width steps replaying CUDA graphs (the runtime's defaults there;
+  `cuda_graphs` records whether they ran): every length, plus sd and mirror with every step speculating
+  ("*_always"), and the target's 1- and 5-token steps at the shortest and longest length (5 over 1: what a
+  verification window costs); fp16-cuda-nographs: the same with LoadOptions.cuda_graphs off;
 - fp16-cuda-width0: the same with every step as wide as its tokens; fp16-cuda-noflash: with flash attention off;
 - fp32-cuda: the float32 target on the CUDA EP (its attention falls back to the CPU; the runtime now refuses it,
   and the refusal is what this arm records);
@@ -81,6 +82,7 @@ def measure(name: str, bundle: Path, device: str, lengths: list[int], modes: lis
                          **load)
     entry.update(capacity=pipe.target.capacity, step_width=getattr(pipe.target, "step_width", None),
                  target_device=pipe.target.device, providers=list(pipe.target.providers),
+                 cuda_graphs=getattr(pipe.target, "cuda_graphs", None),
                  target_threads=pipe.target_threads, draft_threads=pipe.draft_threads,
                  draft_backend=getattr(pipe.draft, "backend", None), draft_device=getattr(pipe.draft, "device", None))
     log(name, "target on", pipe.target.device, "draft on", entry["draft_device"])
@@ -147,7 +149,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--export", choices=["float16", "float32"], help="export this bundle only, then stop")
-    p.add_argument("--configs", default="fp16-cuda-width0,fp16-cuda,fp32-cuda,fp32-cpu,fp16-cuda-noflash")
+    p.add_argument("--configs", default="fp16-cuda,fp16-cuda-nographs,fp32-cpu,fp16-cuda-width0,fp32-cuda,"
+                                        "fp16-cuda-noflash")
     args = p.parse_args()
     deadline = time.time() + args.minutes * 60
     import onnxruntime as ort
@@ -198,6 +201,8 @@ def main() -> int:
         "fp16-cuda-width0": (bundles["float16"], "cuda", lengths, every, args.repeats, None, True,
                              {"target_step_width": 0}, {}),
         "fp16-cuda": (bundles["float16"], "cuda", lengths, every, args.repeats, None, True, {}, {}),
+        "fp16-cuda-nographs": (bundles["float16"], "cuda", lengths, every, args.repeats, None, True,
+                               {"cuda_graphs": False}, {}),
         "fp32-cuda": (bundles["float32"], "cuda", [lengths[0]], ["ar"], 1, 4, False, {}, {}),
         "fp32-cpu": (bundles["float32"], "cpu", [lengths[0], lengths[-2]], ["ar", "sd", "mirror"], 2, 8, True, {}, {}),
         "fp16-cuda-noflash": (bundles["float16"], "cuda", lengths, every, args.repeats, None, False, {},
