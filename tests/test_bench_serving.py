@@ -152,13 +152,13 @@ def test_the_benchmark_runs_the_section_at_its_sizes(bundle_factory, monkeypatch
                   baselines=False)
     greedy = {"summary": {"ar": {"overall": {"tokens_per_s": 30.0}},
                           "ov-genai-ar": {"overall": {"tokens_per_s": 25.0}}}}
-    assert bench._serving("PIPE", greedy) == {"ok": True}
-    assert seen["pipe"] == "PIPE" and seen["single_stream"] == {"ov-genai-ar": 25.0}
+    assert bench._serving("PIPE", greedy, 4) == {"ok": True}
+    assert seen["pipe"] == "PIPE" and seen["single_stream"] == {"ov-genai-ar": 25.0} and seen["genai_gamma"] == 4
     assert seen["size"].genai is False and seen["size"].clients == QUICK.serving.clients
 
     def broken(*_a, **_kw):
         raise RuntimeError("the server on port 1 did not answer /health within 300 s")
 
     monkeypatch.setattr(serving, "run_serving", broken)
-    assert bench._serving("PIPE", None) == {"not_run": "RuntimeError: the server on port 1 did not answer /health "
-                                                       "within 300 s"}
+    why = "RuntimeError: the server on port 1 did not answer /health within 300 s"
+    assert bench._serving("PIPE", None, None) == {"not_run": why}
