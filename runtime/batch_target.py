@@ -63,6 +63,7 @@ class BatchTarget:
         self.slots = slots
         # a run of one row is padded to the target's step width as its own steps are (Target.step_width)
         self.step_width = target.step_width
+        self.held_total = target.held_total
         # On the CPU (a target with int8 activations, ONNX Runtime's attention) every row's attention is padded too:
         # its P.V runs on another kernel for one query row than for two or more, which rounds otherwise, and int8
         # activations turn that into logits apart (docs/design.md: A compressed target steps two rows where one row
@@ -142,7 +143,9 @@ class BatchTarget:
                 raise ValueError(f"slot {r.slot}: {r.start} + {width} positions exceed its {self.slots.positions}")
         ids = np.array([list(r.ids) + [r.ids[-1]] * (width - len(r.ids)) for r in rows], np.int64)
         total = np.array([r.start + width for r in rows], np.int32)
-        lengths = {SEQLENS: total - 1, TOTAL_LENGTH: np.array(total.max(), np.int32)}
+        # a lone row passes what the target's own steps pass (Target.held_total: on CUDA the buffers' length)
+        held = self.held_total if len(rows) == 1 else None
+        lengths = {SEQLENS: total - 1, TOTAL_LENGTH: np.array(total.max() if held is None else held, np.int32)}
         # the LM head runs on the last `keep` positions of every row: enough to reach each row's first wanted one
         keep = max([width - len(r.ids) + r.logits_for for r in rows if r.logits_for] or [1])
         if len(rows) == 1:  # a lone row's head on step_width rows at least, as a Target's

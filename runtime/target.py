@@ -44,6 +44,8 @@ from mirror_sd.runtime.kv_codes import kv_width
 if TYPE_CHECKING:
     from mirror_sd.runtime.prompt_graphs import PromptGraphs
 
+log = logging.getLogger(__name__)
+
 # Prompt tokens per forward. It bounds the attention scratch (T x capacity per head), and a narrower chunk computes
 # less of the attention rectangle that the causal mask then discards, while each forward has a fixed cost: on the
 # reference CPU 256 was the fastest of 192-512 at every prompt length (docs/design.md: "Prefill in chunks of 256").
@@ -54,8 +56,6 @@ PREFILL_CHUNK = 256
 # forward there also copies the past in and out: 512 ran 2,048 prompt tokens as fast as one forward of all of them,
 # 256 1.25x slower (docs/design.md: "Prompts prefilled in bf16").
 PROMPT_GRAPH_CHUNK = 512
-
-log = logging.getLogger(__name__)
 # Every target step on the CUDA execution provider runs this many rows (Target.step_width says why): a draft window
 # of up to 7 tokens, or a prompt-lookup window (4, grown by its schedule to 7 at most), plus the token before it. A
 # longer window still runs, unpadded.
@@ -212,6 +212,24 @@ class _Bound:
         return outputs[0], (outputs[1].numpy() if self.taps else None)
 
 
+def constant_keep(model, rows: int):
+    """The suffix graph (an onnx.ModelProto, changed in place) with its kept rows a constant `rows`: the node that
+    reads num_logits_to_keep (the export's Neg before the Slice of the last rows) becomes an initializer of its value,
+    and the input goes."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    readers = [n for n in graph.node if KEEP in n.input]
+    if len(readers) != 1 or readers[0].op_type != "Neg":
+        raise ManifestError(f"the suffix reads {KEEP} otherwise than through one Neg: no constant to put in its place")
+    graph.initializer.append(numpy_helper.from_array(np.array([-rows], np.int64), readers[0].output[0]))
+    graph.node.remove(readers[0])
+    kept = [i for i in graph.input if i.name != KEEP]
+    del graph.input[:]
+    graph.input.extend(kept)
+    return model
+
+
 class _FixedSteps:
     """The target's steps of exactly `width` rows (its padded steps, Target.step_width) on tensors bound once: the
     ids, the lengths, the boundary hidden state, the taps and the logits at fixed addresses beside the KV memory.
@@ -221,15 +239,17 @@ class _FixedSteps:
     the addresses they were captured with; so every tensor of the run stays where it is, and the inputs are written
     into place. One graph per KV memory bound (use_kv: the target's own buffers, an engine slot a request speculates
     in): a run at new KV addresses captures a new graph. `graphs` off (the CPU, or where the capture is refused) runs
-    the same bindings kernel by kernel. total_sequence_length is an input read on the host, so a captured graph keeps
-    the value it was captured with: under graphs it stays at the buffers' length (the attention reads each row's own
-    length from seqlens_k, on the device)."""
+    the same bindings kernel by kernel. total_sequence_length is read on the host, so a captured graph keeps the value
+    it was captured with: `total` holds it (Target.held_total; None: each step's own). ONNX Runtime captures per
+    thread: the steps run on the thread that owns the target (the engine's, or the library call's)."""
 
-    def __init__(self, prefix, suffix, device: tuple[str, int], width: int, slots: int, graphs: bool) -> None:
+    def __init__(self, prefix, suffix, device: tuple[str, int], width: int, total: int | None, graphs: bool) -> None:
         """prefix, suffix: (session, spec) pairs sharing the KV memory (bind_kv binds it)."""
         import onnxruntime as ort
 
-        self.width, self.slots, self.graphs = width, slots, graphs
+        if graphs and total is None:
+            raise ValueError("a captured step keeps its total: hold one")
+        self.width, self.graphs, self.held = width, graphs, total is not None
         # a host tensor's numpy() is a view of it, which the next step overwrites; a device tensor's is a copy
         self._copied = (lambda a: a.copy()) if device[0] == "cpu" else (lambda a: a)
         (self._prefix, self._prefix_spec), (self._suffix, self._suffix_spec) = prefix, suffix
@@ -249,7 +269,7 @@ class _FixedSteps:
         self.ids = ort.OrtValue.ortvalue_from_shape_and_type([1, width], np.int64, *device)
         self.seqlens = ort.OrtValue.ortvalue_from_shape_and_type([1], np.int32, *device)
         # read on the host by the attention (and keep by the shape nodes ONNX Runtime runs there): no copy per run
-        self.total = ort.OrtValue.ortvalue_from_numpy(np.array(slots, np.int32))
+        self.total = ort.OrtValue.ortvalue_from_numpy(np.array(total or 0, np.int32))
         self.keep = ort.OrtValue.ortvalue_from_numpy(np.array([width], np.int64))
         self._bindings = {}
         for name, session, spec in (("prefix", self._prefix, self._prefix_spec),
@@ -265,9 +285,12 @@ class _FixedSteps:
             b.bind_ortvalue_output(TAPS, self.taps)
         _, _, b = self._bindings["suffix"]
         b.bind_ortvalue_input(BOUNDARY, self.hidden)
-        b.bind_ortvalue_input(KEEP, self.keep)
+        if KEEP in {i.name for i in self._suffix.get_inputs()}:  # a captured suffix keeps `width` as a constant
+            b.bind_ortvalue_input(KEEP, self.keep)
         b.bind_ortvalue_output(self.head, self.logits)
         self._graph_ids: dict[tuple[int, ...], int] = {}  # KV memory (its addresses) -> its graph
+        self._replayed: set[tuple[str, int]] = set()  # (partition, graph) runs that captured without error
+        self._graph = NO_GRAPH
         self._options = self._run_options(NO_GRAPH)
 
     @staticmethod
@@ -284,30 +307,33 @@ class _FixedSteps:
             bind_kv(binding, spec, buffers)
         if self.graphs:
             where = tuple(b.address if isinstance(b, KVView) else b.data_ptr() for _, b in sorted(buffers.items()))
-            graph = self._graph_ids.setdefault(where, len(self._graph_ids) + 1)
-            self._options = self._run_options(graph)
+            self._graph = self._graph_ids.setdefault(where, len(self._graph_ids) + 1)
+            self._options = self._run_options(self._graph)
 
     @property
     def captured(self) -> int:
-        """CUDA graphs made so far (one per KV memory the steps ran on)."""
+        """CUDA graphs asked for so far (one per KV memory the steps ran on)."""
         return len(self._graph_ids)
 
     def _lengths(self, start: int) -> None:
         self.seqlens.update_inplace(np.array([start + self.width - 1], np.int32))
-        if not self.graphs:
+        if not self.held:
             self.total.update_inplace(np.array(start + self.width, np.int32))
 
     def _run(self, name: str) -> None:
         session, _spec, binding = self._bindings[name]
-        try:
+        key = (name, self._graph)
+        if not self.graphs or key in self._replayed:
             session.run_with_iobinding(binding, self._options)
-        except Exception as e:  # noqa: BLE001 - a refused capture: this target's steps go on without graphs
-            if not self.graphs:
-                raise
+            return
+        try:  # a graph's first run captures it
+            session.run_with_iobinding(binding, self._options)
+        except Exception as e:  # noqa: BLE001 - ONNX Runtime refused the capture: the steps go on without graphs
             log.warning("CUDA graphs off for the target's steps: %s", str(e).splitlines()[0])
-            self.graphs, self._options = False, self._run_options(NO_GRAPH)
-            self.total.update_inplace(np.array(int(self.seqlens.numpy()[0]) + 1, np.int32))
+            self.graphs, self._graph, self._options = False, NO_GRAPH, self._run_options(NO_GRAPH)
             session.run_with_iobinding(binding, self._options)
+        else:
+            self._replayed.add(key)
 
     def prefix(self, ids: np.ndarray, start: int) -> tuple[object, np.ndarray | None]:
         """ids [1, width] after `start` positions: the boundary (this object's hidden tensor, overwritten by the next
@@ -351,6 +377,10 @@ class Target:
         self.pads_rows = False
         # the widest window that keeps a step at step_width rows (None: any width computes a position alike)
         self.window_ceiling: int | None = None
+        # total_sequence_length of every batch-1 run (None: the run's own): a CUDA graph keeps the total it was
+        # captured with, and the GPU's attention splits its sums by the total, so on CUDA every batch-1 run, captured
+        # or not (the engine's lone rows too: runtime/batch_target.py), passes the buffers' length alike
+        self.held_total: int | None = None
         self.top_k = facts.top_k
         self._writes = 0
         self._written_by = np.zeros(self.slots, np.int64)  # the write that last touched each position
@@ -587,22 +617,27 @@ class OrtTarget(Target):
         probe = not chosen and self.step_width == INT8_STEP_WIDTH and self.native_attention
         if probe and self._steps_alike(facts.vocab_size):
             self.step_width, self.pads_rows = 0, False
-        graphs = cuda_graphs and on_gpu and self.step_width > 0 and fixed_steps is not False
-        pair = self._captured_pair(specs) if graphs else None
+        self.held_total = self.slots if on_gpu else None
+        wanted = cuda_graphs and on_gpu and self.step_width > 0 and fixed_steps is not False
+        pair = self._captured_pair(specs) if wanted else None
+        graphs = pair is not None
         if pair is None and fixed_steps and self.step_width:
             pair = tuple(self.sessions.values())
         if pair is not None:
-            self._steps = _FixedSteps(*pair, self._device, self.step_width, self.slots, graphs=graphs)
+            self._steps = _FixedSteps(*pair, self._device, self.step_width, self.held_total, graphs=graphs)
             self._steps.bind_kv(self.buffers)
 
     def _captured_pair(self, specs: dict[str, PartitionSpec]):
-        """The prefix and the suffix once more, with the CUDA provider's graph capture on, as (session, spec) pairs;
-        None where ONNX Runtime refuses it (a node it would place on the CPU beside a copy)."""
+        """The prefix and the suffix once more, with the CUDA provider's graph capture on, as (session, spec) pairs
+        (the suffix's kept rows a constant: a shape input would be copied to the host, and ONNX Runtime captures no
+        copies); None where ONNX Runtime refuses it."""
         options = {"CUDAExecutionProvider": {"enable_cuda_graph": "1"}}
+        width = self.step_width
         try:
-            return tuple((ort_session(self._paths[role], *self._session_args, provider_options=options), specs[role])
-                         for role in ("target_prefix", "target_suffix"))
-        except Exception as e:  # noqa: BLE001 - ONNX Runtime's refusal is a plain RuntimeError: steps as they are
+            return ((self._rewritten("target_prefix", None, options), specs["target_prefix"]),
+                    (self._rewritten("target_suffix", lambda graph: constant_keep(graph, width), options),
+                     specs["target_suffix"]))
+        except Exception as e:  # noqa: BLE001 - ONNX Runtime's refusal is a plain error: steps as they are
             log.warning("CUDA graphs off for the target: %s", str(e).splitlines()[0])
             return None
 
@@ -666,7 +701,7 @@ class OrtTarget(Target):
         return {role: (self._rewritten(role, lambda graph: per_row_attention(graph, rows)), spec)
                 for role, (_session, spec) in self.sessions.items()}
 
-    def _rewritten(self, role: str, rewrite):
+    def _rewritten(self, role: str, rewrite, provider_options: dict[str, dict[str, str]] | None = None):
         """A session of the partition `role` whose graph `rewrite` (ModelProto -> ModelProto, or None) changed at
         load, its attention on the project's kernel where the target has it."""
         import onnx
@@ -676,19 +711,20 @@ class OrtTarget(Target):
         if rewrite is None:
             graph = cpu_attention.serialized_with_kernel(path, self._kv_kind) if kernel is not None else None
             if graph is None:  # the file as it is
-                return ort_session(path, *self._session_args)
+                return ort_session(path, *self._session_args, provider_options=provider_options)
         else:
             model = rewrite(onnx.load(str(path), load_external_data=False))
             if kernel is not None and not cpu_attention.with_kernel(model, self._kv_kind):
                 kernel = None
             graph = model.SerializeToString()
         self.native_attention |= kernel is not None
-        return ort_session(graph, *self._session_args, data_folder=path.parent, custom_ops=kernel)
+        return ort_session(graph, *self._session_args, data_folder=path.parent, custom_ops=kernel,
+                           provider_options=provider_options)
 
-    @staticmethod
-    def _lengths(start: int, new: int) -> dict[str, np.ndarray]:
+    def _lengths(self, start: int, new: int) -> dict[str, np.ndarray]:
         total = start + new
-        return {SEQLENS: np.array([total - 1], np.int32), TOTAL_LENGTH: np.array(total, np.int32)}
+        return {SEQLENS: np.array([total - 1], np.int32),
+                TOTAL_LENGTH: np.array(total if self.held_total is None else self.held_total, np.int32)}
 
     def _run_prefix(self, ids: np.ndarray, start: int) -> tuple[object, np.ndarray | None]:
         if self._steps is not None and ids.shape[1] == self._steps.width:

@@ -7,6 +7,8 @@ the CUDA execution provider (LoadOptions.cuda_graphs), run here on the CPU with 
   memory gets a graph of its own, the same memory its graph again;
 - under graphs total_sequence_length stays at the buffers' length (a captured graph keeps what it read on the host):
   the steps' bits are the same as with each step's own total;
+- the captured suffix keeps its rows as a constant (a shape input would be copied to the host, which a capture
+  refuses): the same logits;
 - on the CPU `cuda_graphs` changes nothing, and the CLI takes --no-cuda-graphs.
 """
 
@@ -20,7 +22,7 @@ import pytest
 import mirror_sd.runtime.target as target_module
 from mirror_sd.partitions.manifest import Manifest
 from mirror_sd.runtime.pipeline import Pipeline
-from mirror_sd.runtime.target import KVView, OrtTarget, _FixedSteps
+from mirror_sd.runtime.target import KVView, OrtTarget, _FixedSteps, constant_keep
 
 PROMPT = [1, 200, 64, 9, 9, 120, 3]
 WIDTH = 8
@@ -127,6 +129,20 @@ def test_under_graphs_each_kv_memory_has_its_graph_and_the_total_stays(bundle_fa
     assert steps.captured == 2 and steps._options.get_run_config_entry("gpu_graph_id") == "2"
     target.use_kv(None)
     assert steps.captured == 2 and steps._options.get_run_config_entry("gpu_graph_id") == "1"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_suffix_keeping_its_rows_as_a_constant_gives_the_same_logits(bundle_factory, dtype):
+    bundle = bundle_factory("llama", target_dtype=dtype)
+    target, plain = _target(bundle, False), _target(bundle, False)
+    suffix = target._rewritten("target_suffix", lambda graph: constant_keep(graph, WIDTH))
+    assert "num_logits_to_keep" not in {i.name for i in suffix.get_inputs()}
+    prefix = target.sessions["target_prefix"]
+    target._steps = _FixedSteps(prefix, (suffix, target.sessions["target_suffix"][1]), ("cpu", 0), WIDTH, None,
+                                graphs=False)
+    target._steps.bind_kv(target.buffers)
+    for got, want in zip(_steps(target), _steps(plain), strict=True):
+        np.testing.assert_array_equal(got[0], want[0])
 
 
 def test_cuda_graphs_change_nothing_on_the_cpu(bundle_factory):
