@@ -103,7 +103,7 @@ package: setup
 	  $(if $(FORCE),--force)
 
 # Benchmark BUNDLE (default: the real pair) against transformers and OpenVINO GenAI: results/bench-<quick|full>/
-# (bench.json, report.md, plots/). The full size takes about 60-75 minutes here (its serving section ~15, its
+# (bench.json, report.md, plots/). The full size takes about 40-75 minutes here (its serving section ~15, its
 # precision section ~17), QUICK=1 a few. The precision section compares BUNDLE with its TARGET_WEIGHTS siblings
 # (BUNDLE-int8, BUNDLE-int4): for the real pair they are built first.
 .PHONY: bench
