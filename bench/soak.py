@@ -87,6 +87,9 @@ REPLICA_HEADER = "x-mirror-sd-replica"  # serve/ray_app.py's: the Ray replica th
 # A replica Ray replaces is back within this (a fresh process loads the bundle: seconds for the tiny pair, more for
 # a real one on busy cores)
 RAY_RECOVERY_BAR_S = 60.0
+# a kill's victim streams an answer with at least this many tokens still to come, so that the kill lands before the
+# stream ends
+KILL_MARGIN_TOKENS = 32
 SOAK_API_KEY = "sk-soak"
 LOGPROB_TOLERANCE = 1e-4
 OPENAI_KINDS = ("wrong_key", "neutral_fields", "unsupported_field", "logprobs", "n2", "json_mode")
@@ -329,6 +332,7 @@ class Answer:
     error: str | None = None
     started: float = 0.0  # time.monotonic() when it was sent
     replica: str | None = None  # the Ray replica that answered (REPLICA_HEADER), where one did
+    received: int = 0  # characters of a stream's text so far (another thread reads it while the stream runs)
 
 
 def request_plan(n: int, prompts: int, seed: int, stream_share: float = STREAM_SHARE,
@@ -424,6 +428,7 @@ def _read_stream(resp, answer: Answer, deadline: float) -> None:
             answer.tokens = doc["usage"]["completion_tokens"]
         for choice in doc["choices"]:
             parts.append(choice.get("delta", {}).get("content", "") if "delta" in choice else choice["text"])
+            answer.received += len(parts[-1] or "")
     answer.text = "".join(parts)
     if not done:
         answer.error = "the stream ended without data: [DONE]"
@@ -808,17 +813,20 @@ def kill_under_load(server: RayServer, prompts: list[SoakPrompt], expected: list
     try:
         while len(answers) < kill_after and any(t.is_alive() for t in threads):
             time.sleep(0.01)
-        # the victim: a replica streaming an answer now (its headers named it), so that the kill cuts a request;
-        # else the one that answered last
+        # the victim: a replica streaming an answer now with KILL_MARGIN_TOKENS still to come, so that the kill
+        # cuts a request (a non-streamed answer's headers come with its whole body, too late to cut); else the one
+        # that answered last
         deadline = time.monotonic() + 10.0
         while True:
             with lock:
-                streaming = [a.replica for a in running if a.replica and a.status == 200]
+                streaming = sorted((a for a in running if a.spec.stream and a.replica and a.status == 200
+                                    and _tokens_left(a, expected[a.spec.prompt]) >= KILL_MARGIN_TOKENS),
+                                   key=lambda a: -_tokens_left(a, expected[a.spec.prompt]))
                 named = [a for a in answers if a.replica]
             if streaming or time.monotonic() > deadline or not any(t.is_alive() for t in threads):
                 break
             time.sleep(0.005)
-        victim = (max(set(streaming), key=streaming.count) if streaming else
+        victim = (streaming[0].replica if streaming else
                   max(named, key=lambda a: a.started + a.latency_s).replica if named else sorted(before)[0])
         killed_at = time.monotonic()
         server.kill(victim)
@@ -845,7 +853,8 @@ def kill_under_load(server: RayServer, prompts: list[SoakPrompt], expected: list
     outage = [a for a in answers if known_at < a.started <= back_at]
     return {**tally.summary(), "replicas": server.replicas, "clients": clients, "max_tokens": max_tokens,
             "start_s": round(server.start_s, 1), "wall_s": round(time.perf_counter() - start, 1),
-            "killed": victim, "killed_after_answers": kill_after, "streams_on_it_at_kill": streaming.count(victim),
+            "killed": victim, "killed_after_answers": kill_after,
+            "streams_on_it_at_kill": sum(a.replica == victim for a in streaming),
             "in_flight_at_kill": sum(a.started <= killed_at < a.started + a.latency_s for a in answers),
             "lost": len(gone), "lost_in_flight_at_kill": len(in_flight),
             "lost_sent_before_ray_knew": len(before_known), "lost_on_other_replicas": len(on_others),
@@ -856,6 +865,11 @@ def kill_under_load(server: RayServer, prompts: list[SoakPrompt], expected: list
                                  "by_replica": _by_replica(outage)},
             "after_recovery": {"requests": len(after), "ok": sum(not lost(a) for a in after),
                                "by_replica": _by_replica(after)}}
+
+
+def _tokens_left(answer: Answer, expected: Expected) -> float:
+    """About how many tokens of a running stream are still to come (by the share of its solo text received)."""
+    return expected.tokens * (1.0 - answer.received / max(1, len(expected.text)))
 
 
 def _by_replica(answers: list[Answer]) -> dict[str, int]:

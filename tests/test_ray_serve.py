@@ -290,8 +290,7 @@ def test_a_killed_replica_loses_only_its_requests_and_comes_back(ray_server, pip
     prompts += [SoakPrompt("ids", "completion", [5, 17, 33, 90])]
     expected = solo_outputs(pipe, prompts, 192)
     before = ray_server.replica_ids()
-    # answers of up to 192 tokens: long enough that a stream still runs on the replica when the kill lands (48 were
-    # done by then on a fast core now and then)
+    # answers of up to 192 tokens: the victim streams one with KILL_MARGIN_TOKENS still to come when the kill lands
     result = kill_under_load(ray_server, prompts, expected, requests=40, clients=4, max_tokens=192, timeout_s=20.0)
     figures = {k: v for k, v in result.items() if k not in ("failure_examples", "latency_s")}
     print("Ray kill under load:", json.dumps(figures))
