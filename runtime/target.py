@@ -544,10 +544,11 @@ class OrtTarget(Target):
 
     def __init__(self, bundle: Path, manifest: Manifest, providers: list[str] | None = None, threads: int = 1,
                  capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None,
-                 native_attention: bool = True, kv_cache_precision: str = "target", cuda_graphs: bool = True,
+                 native_attention: bool | None = None, kv_cache_precision: str = "target", cuda_graphs: bool = True,
                  fixed_steps: bool | None = None) -> None:
         """native_attention: a float32 target's attention on the project's own kernel where it can be had
-        (runtime/cpu_attention.py; the `native_attention` attribute says whether it runs). kv_cache_precision
+        (runtime/cpu_attention.py; the `native_attention` attribute says whether it runs; None: where it pays,
+        cpu_attention.pays_here, or where kv_cache_precision needs it). kv_cache_precision
         (LoadOptions'): "float16" or "uint8" holds the KV so on that kernel (`kv_dtype`). cuda_graphs (LoadOptions'):
         on the CUDA execution provider, steps of step_width rows replay CUDA graphs (_FixedSteps; the `cuda_graphs`
         attribute says whether they do). fixed_steps: run those steps on _FixedSteps' bindings (None: where graphs
@@ -560,8 +561,10 @@ class OrtTarget(Target):
         self._paths = {role: resolve_inside(bundle, spec.file) for role, spec in specs.items()}
         self._session_args = (providers, threads, spinning)
         # a float32 target runs on the CPU only (below); its attention's kernel is the project's where it compiled
-        self._kernel = cpu_attention.library() if native_attention and facts.dtype == "float32" else None
         kv_dtype = kv_element(manifest, kv_cache_precision)
+        if native_attention is None:  # where it pays, or where the KV cache asked for needs it
+            native_attention = cpu_attention.pays_here() or kv_dtype != np.dtype(facts.dtype)
+        self._kernel = cpu_attention.library() if native_attention and facts.dtype == "float32" else None
         self._kv_kind = kv_dtype.name  # the kernel's KV: its domain (cpu_attention.DOMAINS)
         if kv_dtype != np.dtype(facts.dtype) and self._kernel is None:
             why = ("native_attention is off" if not native_attention else
@@ -762,7 +765,7 @@ def kv_element(manifest: Manifest, kv_cache_precision: str = "target") -> np.dty
 
 def open_target(bundle: str | Path, manifest: Manifest, device: str | None = None, threads: int = 1,
                 capacity: int | None = None, spinning: bool | None = None, step_width: int | None = None,
-                native_attention: bool = True, kv_cache_precision: str = "target", cuda_graphs: bool = True
+                native_attention: bool | None = None, kv_cache_precision: str = "target", cuda_graphs: bool = True
                 ) -> OrtTarget:
     """device None: CUDA where the session really gets it and the target is float16, else CPU; "cpu", "cuda" or a
     provider name. step_width None: GPU_STEP_WIDTH on the CUDA execution provider, else 0 (no padding)."""

@@ -322,7 +322,7 @@ def test_the_kv_patch_retypes_the_kv_and_equals_the_parsed_rewrite(bundle_factor
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3_text"])
 def test_pipelines_with_and_without_the_kernel_give_the_same_text(bundle_factory, kernel, arch):
     bundle = bundle_factory(arch)
-    ours = Pipeline.load(bundle, huge_pages=False)
+    ours = Pipeline.load(bundle, huge_pages=False, native_attention=True)
     theirs = Pipeline.load(bundle, huge_pages=False, native_attention=False)
     assert ours.target.native_attention and not theirs.target.native_attention
     for mode in ("ar", "sd", "mirror"):
@@ -377,3 +377,13 @@ def test_a_damaged_cached_library_is_compiled_again_and_a_launcher_in_cxx_is_tak
         assert cpu_attention.library() == lib and lib.stat().st_size > 0
     finally:
         cpu_attention.library.cache_clear()
+
+
+def test_the_kernel_is_the_default_where_it_pays_or_the_kv_cache_needs_it(bundle_factory, kernel):
+    """native_attention unset: the kernel on where cpu_attention.pays_here (not an x86 CPU without AVX-512), and
+    wherever a float16 or uint8 KV cache needs it; set, as set."""
+    bundle = bundle_factory("llama")
+    assert Pipeline.load(bundle, huge_pages=False).target.native_attention == cpu_attention.pays_here()
+    assert Pipeline.load(bundle, huge_pages=False, kv_cache_precision="float16").target.native_attention
+    assert Pipeline.load(bundle, huge_pages=False, native_attention=True).target.native_attention
+    assert not Pipeline.load(bundle, huge_pages=False, native_attention=False).target.native_attention

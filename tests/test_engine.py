@@ -28,8 +28,9 @@ PROMPTS = ["Hello there, how are you?", "Name three colors of the rainbow please
 
 @pytest.fixture(scope="module")
 def pipelines(bundle_factory):
-    """One pipeline per architecture, engine included (max 4 sequences: requests queue beyond that)."""
-    pipes = {arch: Pipeline.load(bundle_factory(arch), huge_pages=False, max_num_seqs=4) for arch in ARCHITECTURES}
+    """One pipeline per architecture on the kernel, engine included (max 4 sequences: requests queue beyond that)."""
+    pipes = {arch: Pipeline.load(bundle_factory(arch), huge_pages=False, max_num_seqs=4, native_attention=True)
+             for arch in ARCHITECTURES}
     yield pipes
     for pipe in pipes.values():
         pipe.close()
@@ -323,7 +324,8 @@ def test_a_row_without_room_for_the_widest_window_runs_apart_and_its_neighbours_
     its last's), each row's logits those of the row alone and the middle slot's KV untouched below its row."""
     import numpy as np
 
-    pipe = Pipeline.load(bundle_factory("llama"), huge_pages=False, max_num_seqs=4, max_context=32)
+    pipe = Pipeline.load(bundle_factory("llama"), huge_pages=False, max_num_seqs=4, max_context=32,
+                         native_attention=True)
     try:
         batch = pipe.engine().batch
         if not batch.any_rows:

@@ -147,14 +147,14 @@ def test_the_load_probe_pads_one_row_steps_where_they_differ_from_a_windows_rows
     gqa = Pipeline.load(bundle, target_step_width=0, native_attention=False).target
     assert gqa._steps_alike(Manifest.load(bundle).target.vocab_size) is False
     assert gqa.step_width == 0 and not gqa.pads_rows and gqa.forwards == 0  # as it was before the probe
-    pipe = Pipeline.load(bundle)
+    pipe = Pipeline.load(bundle, native_attention=True)
     if not pipe.target.native_attention:
         pytest.skip("no C++ compiler: the kernel, and so the probe, does not run")
     monkeypatch.setattr(OrtTarget, "_steps_alike", lambda self, vocab_size: False)
-    target = Pipeline.load(bundle).target
+    target = Pipeline.load(bundle, native_attention=True).target
     assert target.step_width == INT8_STEP_WIDTH and target.pads_rows
     monkeypatch.setattr(OrtTarget, "_steps_alike", lambda self, vocab_size: True)
-    target = Pipeline.load(bundle).target
+    target = Pipeline.load(bundle, native_attention=True).target
     assert target.step_width == 0 and not target.pads_rows
 
 
