@@ -107,13 +107,12 @@ def _loads(lib: Path) -> bool:
 
 def pays_here() -> bool:
     """Whether the kernel is the default here: not on an x86 CPU without AVX-512, where its loops (16-float vectors,
-    several queries' sums in registers: tuned for AVX-512's 32 registers) ran a 1,024-token prefill in 2.9-3.2x ONNX
-    Runtime's time and decode steps in 1.0-1.4x (results/kernel-avx2-ab.txt)."""
-    import platform
+    several queries' sums in registers: tuned for AVX-512's 32 registers) ran a 1,024-token prefill in about 3x ONNX
+    Runtime's time (docs/design.md: The target's attention on the CPU is the project's own kernel)."""
+    from mirror_sd.runtime.machine import cpu_flags
 
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
-        return True
-    return "avx512f" in _cpu().split()
+    flags = cpu_flags()
+    return flags is None or "avx512f" in flags
 
 
 def _cpu() -> str:

@@ -30,10 +30,17 @@ def this_machine() -> dict[str, Any]:
     has]} ("isa" only where the OS lists the CPU's flags)."""
     cpuinfo = _cpuinfo()
     doc: dict[str, Any] = {"cpu": cpu_model(cpuinfo), "cores": usable_cores()}
-    flags = _field(cpuinfo, "flags")
+    flags = cpu_flags(cpuinfo)
     if flags is not None:
-        doc["isa"] = [f for f in ISA_FLAGS if f in flags.split()]
+        doc["isa"] = [f for f in ISA_FLAGS if f in flags]
     return doc
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
+    """The x86 CPU's feature flags as the OS lists them; None where it lists none (another architecture, not Linux)
+    (cpuinfo: /proc/cpuinfo's text, if already read)."""
+    flags = _field(_cpuinfo() if cpuinfo is None else cpuinfo, "flags")
+    return set(flags.split()) if flags is not None else None
 
 
 def describe(machine: Mapping[str, Any]) -> str:
