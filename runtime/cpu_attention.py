@@ -106,9 +106,10 @@ def _loads(lib: Path) -> bool:
 
 
 def pays_here() -> bool:
-    """Whether the kernel is the default here: not on an x86 CPU without AVX-512, where its loops (16-float vectors,
-    several queries' sums in registers: tuned for AVX-512's 32 registers) ran a 1,024-token prefill in about 3x ONNX
-    Runtime's time (docs/design.md: The target's attention on the CPU is the project's own kernel)."""
+    """Whether the kernel is the default here: not on an x86 CPU without AVX-512, where it was measured last slower
+    than ONNX Runtime's attention (a 1,024-token prefill in about 3x its time, before its loops were written for 16
+    registers of 8 floats; docs/design.md: The target's attention on the CPU is the project's own kernel, "Not on
+    AVX2")."""
     from mirror_sd.runtime.machine import cpu_flags
 
     flags = cpu_flags()

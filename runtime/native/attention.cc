@@ -149,12 +149,102 @@ struct Step {
 constexpr int kKeyBlock = 16;  // keys whose scores one pass computes: one AVX-512 register of them
 constexpr int kQueries = 4;  // queries whose sums share each load of keys or values
 
-// 16 floats as one value (one AVX-512 register, two AVX2 ones): the loops below say which way they vectorise, where
-// the compiler, keeping each sum's order, would otherwise sum across a register one lane at a time
+// 16 floats as one value (one AVX-512 register): the loops below say which way they vectorise, where the compiler,
+// keeping each sum's order, would otherwise sum across a register one lane at a time. Every operation is lane by lane,
+// so a lane's arithmetic is the same whatever the register width.
+#if defined(__AVX512F__)
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+inline v16 splat(float x) { return v16{0} + x; }
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+constexpr bool kWideRegisters = true;
+#else
+// Narrower registers (AVX2's 8 floats, SSE's and NEON's 4): 16 floats as that many registers' worth, spelt out. GCC
+// lowers a 64-byte vector type there through the stack a quarter or half at a time (a 512-token prefill's attention
+// ran 13x the AVX-512 build's time on one Zen 4 core pair).
+#if defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float vn __attribute__((vector_size(kLanes * 4)));
+typedef float vnu __attribute__((vector_size(kLanes * 4), aligned(4)));
+struct v16 {
+  vn part[16 / kLanes];
+  float operator[](int i) const { return part[i / kLanes][i % kLanes]; }
+  float& operator[](int i) { return reinterpret_cast<float*>(part)[i]; }
+};
+inline v16 load(const float* p) {
+  v16 x;
+  for (int c = 0; c < 16 / kLanes; ++c) x.part[c] = *reinterpret_cast<const vnu*>(p + c * kLanes);
+  return x;
+}
+inline void store(float* p, v16 x) {
+  for (int c = 0; c < 16 / kLanes; ++c) *reinterpret_cast<vnu*>(p + c * kLanes) = x.part[c];
+}
+inline v16 splat(float x) {
+  v16 out;
+  for (int c = 0; c < 16 / kLanes; ++c) out.part[c] = vn{0} + x;
+  return out;
+}
+inline v16 operator+(v16 a, v16 b) {
+  for (int c = 0; c < 16 / kLanes; ++c) a.part[c] += b.part[c];
+  return a;
+}
+inline v16& operator+=(v16& a, v16 b) { return a = a + b; }
+inline v16 operator*(v16 a, float x) {
+  for (int c = 0; c < 16 / kLanes; ++c) a.part[c] *= x;
+  return a;
+}
+inline v16 operator*(float x, v16 a) {
+  for (int c = 0; c < 16 / kLanes; ++c) a.part[c] = x * a.part[c];
+  return a;
+}
+inline v16 vmax(v16 a, v16 b) {
+  for (int c = 0; c < 16 / kLanes; ++c) a.part[c] = a.part[c] > b.part[c] ? a.part[c] : b.part[c];
+  return a;
+}
+constexpr bool kWideRegisters = false;
+
+#if defined(__AVX__) || defined(__SSE4_1__)
+// nearbyintf of each lane (to nearest, ties to even)
+inline vn nearest(vn x) {
+#if defined(__AVX__)
+  return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  return _mm_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+}
+#endif
+
+// exp_nonpositive(x - top) of 16 values, lane by lane in exp_nonpositive's operations and order (GCC vectorises the
+// scalar loop over them on AVX-512, not on AVX2: there it called the scalar form a value at a time)
+inline v16 exp_block(v16 x, float top) {
+#if defined(__AVX__) || defined(__SSE4_1__)
+  typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+  for (int c = 0; c < 16 / kLanes; ++c) {
+    vn y = x.part[c] - top;
+    y = y < -87.0f ? vn{0} - 87.0f : y;
+    const vn n = nearest(y * 1.44269504088896341f);
+    const vn r = y - n * 0.693359375f + n * 2.12194440e-4f;
+    vn q = vn{0} + 1.9875691500e-4f;
+    q = q * r + 1.3981999507e-3f;
+    q = q * r + 8.3334519073e-3f;
+    q = q * r + 4.1665795894e-2f;
+    q = q * r + 1.6666665459e-1f;
+    q = q * r + 5.0000001201e-1f;
+    q = q * r * r + r + 1.0f;
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    x.part[c] = q * reinterpret_cast<vn>(e);
+  }
+#else
+  for (int l = 0; l < 16; ++l) x[l] = exp_nonpositive(x[l] - top);
+#endif
+  return x;
+}
+#endif
 
 inline v16 load(const f16* p) {  // 16 halves widened at once
 #if defined(__AVX512F__)
@@ -217,6 +307,14 @@ inline v16 load(const u8code* p, Dequant q) {  // 16 values scaled back
 #if defined(__AVX512F__)
   const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   return reinterpret_cast<v16>(_mm512_fmadd_ps(codes, _mm512_set1_ps(q.scale), _mm512_set1_ps(q.low)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  v16 x;
+  for (int c = 0; c < 2; ++c) {
+    const __m256 codes =
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c))));
+    x.part[c] = _mm256_fmadd_ps(codes, _mm256_set1_ps(q.scale), _mm256_set1_ps(q.low));
+  }
+  return x;
 #else
   v16 x;
   for (int i = 0; i < 16; ++i) x[i] = value_at(p, i, q);
@@ -297,7 +395,7 @@ void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_
       const float* x[kQueries];
       for (int i = 0; i < kQueries; ++i) x[i] = query(q0 + std::min<int64_t>(i, m - 1));
       v16 acc[kQueries];
-      for (int i = 0; i < kQueries; ++i) acc[i] = v16{0};
+      for (int i = 0; i < kQueries; ++i) acc[i] = splat(0.f);
       for (int64_t d = 0; d < D; ++d) {
         const v16 k = load(kb + d * kKeyBlock);
         for (int i = 0; i < kQueries; ++i) acc[i] += x[i][d] * k;
@@ -318,19 +416,23 @@ void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_
       for (int64_t j = a; j < z; ++j) row[j] = s.attrs.softcap * tanhf(row[j] / s.attrs.softcap);
     // max and sum over 16 lanes (key j in lane (j - a) % 16), then across them: one order, vectorised
     float lanes[kKeyBlock];
-    v16 most = v16{0} + row[a];
+    v16 most = splat(row[a]);
     int64_t j = a;
     for (; j + kKeyBlock <= z; j += kKeyBlock) {
       const v16 x = load(row + j);
-      most = x > most ? x : most;
+      most = vmax(x, most);
     }
     store(lanes, most);
     for (int l = 0; j < z; ++j, ++l) lanes[l] = std::max(lanes[l], row[j]);
     float top = lanes[0];
     for (int l = 1; l < kKeyBlock; ++l) top = std::max(top, lanes[l]);
-    v16 total = {0};
+    v16 total = splat(0.f);
     for (j = a; j + kKeyBlock <= z; j += kKeyBlock) {
+#if defined(__AVX512F__)
       for (int l = 0; l < kKeyBlock; ++l) row[j + l] = exp_nonpositive(row[j + l] - top);
+#else
+      store(row + j, exp_block(load(row + j), top));
+#endif
       total += load(row + j);
     }
     store(lanes, total);
@@ -354,21 +456,25 @@ void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_
     for (int i = 0; i < kQueries; ++i) p[i] = scores + (q0 + std::min<int64_t>(i, m - 1)) * width - begin;
     if constexpr (kD > 0 && kD % kKeyBlock == 0 && kD <= 64) {  // the sums in registers
       constexpr int n = kD / kKeyBlock;
-      v16 acc[kQueries][n];
-      for (int i = 0; i < kQueries; ++i)
-        for (int c = 0; c < n; ++c) acc[i][c] = v16{0};
-      for (int64_t k = a; k < z; ++k) {
-        const T* v = V + k * row;
-        const Dequant dq = dequant_of(v, kD);
-        for (int c = 0; c < n; ++c) {
-          const v16 x = load(v + c * kKeyBlock, dq);
-          for (int i = 0; i < kQueries; ++i) acc[i][c] += p[i][k] * x;
+      // columns of 16 a pass over the keys sums: all of them in AVX-512's 32 registers, one in 16 narrower ones
+      constexpr int cols = kWideRegisters ? n : 1;
+      for (int c0 = 0; c0 < n; c0 += cols) {
+        v16 acc[kQueries][cols];
+        for (int i = 0; i < kQueries; ++i)
+          for (int c = 0; c < cols; ++c) acc[i][c] = splat(0.f);
+        for (int64_t k = a; k < z; ++k) {
+          const T* v = V + k * row;
+          const Dequant dq = dequant_of(v, kD);
+          for (int c = 0; c < cols; ++c) {
+            const v16 x = load(v + (c0 + c) * kKeyBlock, dq);
+            for (int i = 0; i < kQueries; ++i) acc[i][c] += p[i][k] * x;
+          }
         }
-      }
-      for (int i = 0; i < m; ++i) {
-        const int64_t q = q0 + i, t = first + q / group, h = q % group;
-        float* out = s.out + ((b * s.seq + t) * s.attrs.heads + kv * group + h) * D;
-        for (int c = 0; c < n; ++c) store(out + c * kKeyBlock, acc[i][c] * invs[q]);
+        for (int i = 0; i < m; ++i) {
+          const int64_t q = q0 + i, t = first + q / group, h = q % group;
+          float* out = s.out + ((b * s.seq + t) * s.attrs.heads + kv * group + h) * D;
+          for (int c = 0; c < cols; ++c) store(out + (c0 + c) * kKeyBlock, acc[i][c] * invs[q]);
+        }
       }
     } else {
       for (int i = 0; i < m; ++i) {
