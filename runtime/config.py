@@ -696,8 +696,8 @@ class LoadOptions(Options):
         "compiled with the system's C++ compiler on first use, cached; ONNX Runtime's GroupQueryAttention where it "
         "cannot be had), else ONNX Runtime's: about 0.8x its time at decode on AVX-512, and a window's positions the "
         "bits of the same positions stepped one at a time",
-        none="on, except on an x86 CPU without AVX-512 (where the kernel ran 3x ONNX Runtime's prefill time) unless "
-        "kv_cache_precision needs it")
+        none="on, except on an x86 CPU without AVX2 (where the kernel's loops run on SSE) unless kv_cache_precision "
+        "needs it")
     kv_cache_precision: str = option(
         "target", "the target's KV memory: target (its own element type), float16 or uint8 (a float32 target's "
         "attention on the project's kernel, native_attention: half or about a quarter of the bytes per position, so "

@@ -105,15 +105,15 @@ def _loads(lib: Path) -> bool:
     return True
 
 
-def pays_here() -> bool:
-    """Whether the kernel is the default here: not on an x86 CPU without AVX-512, where it was measured last slower
-    than ONNX Runtime's attention (a 1,024-token prefill in about 3x its time, before its loops were written for 16
-    registers of 8 floats; docs/design.md: The target's attention on the CPU is the project's own kernel, "Not on
-    AVX2")."""
+def pays_here(cpuinfo: str | None = None) -> bool:
+    """Whether the kernel is the default here: on any CPU but an x86 one without AVX2, where its 16-float sums take
+    four SSE registers each and the exponentials go a value at a time (a build for x86-64's baseline ran a 512-token
+    prompt chunk's attention in about 3x ONNX Runtime's time; docs/design.md: The target's attention on the CPU is
+    the project's own kernel, "AVX2"). cpuinfo: /proc/cpuinfo's text, if already read."""
     from mirror_sd.runtime.machine import cpu_flags
 
-    flags = cpu_flags()
-    return flags is None or "avx512f" in flags
+    flags = cpu_flags(cpuinfo)
+    return flags is None or "avx2" in flags
 
 
 def _cpu() -> str:

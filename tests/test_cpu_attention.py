@@ -430,8 +430,12 @@ def test_a_damaged_cached_library_is_compiled_again_and_a_launcher_in_cxx_is_tak
 
 
 def test_the_kernel_is_the_default_where_it_pays_or_the_kv_cache_needs_it(bundle_factory, kernel):
-    """native_attention unset: the kernel on where cpu_attention.pays_here (not an x86 CPU without AVX-512), and
+    """native_attention unset: the kernel on where cpu_attention.pays_here (any CPU but an x86 one without AVX2), and
     wherever a float16 or uint8 KV cache needs it; set, as set."""
+    assert cpu_attention.pays_here("flags\t\t: fpu sse2 avx avx2 fma f16c\n")
+    assert cpu_attention.pays_here("flags\t\t: fpu sse2 avx avx2 avx512f\n")
+    assert not cpu_attention.pays_here("flags\t\t: fpu sse2 ssse3 sse4_1 sse4_2\n")
+    assert cpu_attention.pays_here("processor\t: 0\nFeatures\t: fp asimd evtstrm\nCPU implementer\t: 0x41\n")
     bundle = bundle_factory("llama")
     assert Pipeline.load(bundle, huge_pages=False).target.native_attention == cpu_attention.pays_here()
     assert Pipeline.load(bundle, huge_pages=False, kv_cache_precision="float16").target.native_attention

@@ -159,15 +159,19 @@ inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline v16 splat(float x) { return v16{0} + x; }
 inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
-constexpr bool kWideRegisters = true;
+constexpr int kScoreQueries = kQueries, kValueQueries = kQueries, kValueColumns = 4;  // 32 registers of 16 floats
 #else
-// Narrower registers (AVX2's 8 floats, SSE's and NEON's 4): 16 floats as that many registers' worth, spelt out. GCC
-// lowers a 64-byte vector type there through the stack a quarter or half at a time (a 512-token prefill's attention
-// ran 13x the AVX-512 build's time on one Zen 4 core pair).
+// Narrower registers (AVX2's 8 floats, SSE's and NEON's 4): 16 floats as that many registers' worth, spelt out, where
+// GCC would move a 64-byte vector type through the stack a quarter or half at a time (docs/design.md, the kernel's
+// record: AVX2).
+// kLanes floats a register; kScoreQueries queries' scores share each load of 16 transposed keys, and a pass over the
+// values sums kValueQueries queries' kValueColumns columns of 16: as many sums as the registers hold beside the loads
 #if defined(__AVX__)
-constexpr int kLanes = 8;
+constexpr int kLanes = 8, kScoreQueries = 6, kValueQueries = 2, kValueColumns = 2;  // 16 registers
+#elif defined(__aarch64__)
+constexpr int kLanes = 4, kScoreQueries = 6, kValueQueries = 2, kValueColumns = 2;  // NEON's 32 registers
 #else
-constexpr int kLanes = 4;
+constexpr int kLanes = 4, kScoreQueries = 4, kValueQueries = 4, kValueColumns = 1;  // SSE's 16 (smaller: no faster)
 #endif
 typedef float vn __attribute__((vector_size(kLanes * 4)));
 typedef float vnu __attribute__((vector_size(kLanes * 4), aligned(4)));
@@ -206,7 +210,6 @@ inline v16 vmax(v16 a, v16 b) {
   for (int c = 0; c < 16 / kLanes; ++c) a.part[c] = a.part[c] > b.part[c] ? a.part[c] : b.part[c];
   return a;
 }
-constexpr bool kWideRegisters = false;
 
 #if defined(__AVX__) || defined(__SSE4_1__)
 // nearbyintf of each lane (to nearest, ties to even)
@@ -387,18 +390,18 @@ void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_
       kb = s.kt + ((b * s.attrs.kv_heads + kv) * s.kt_blocks + j0 / kKeyBlock) * D * kKeyBlock;
     else
       transpose<kD>(K + j0 * row, kt, n, D);
-    // four queries at a time share each load of the transposed keys
-    for (int64_t q0 = 0; q0 < queries; q0 += kQueries) {
-      const int64_t m = std::min<int64_t>(kQueries, queries - q0);
+    // kScoreQueries queries at a time share each load of the transposed keys
+    for (int64_t q0 = 0; q0 < queries; q0 += kScoreQueries) {
+      const int64_t m = std::min<int64_t>(kScoreQueries, queries - q0);
       const int64_t t0 = first + q0 / group, t1 = first + (q0 + m - 1) / group;
       if (j0 > hi(t1) || j0 + kKeyBlock <= lo(t0)) continue;  // a block none of them reads
-      const float* x[kQueries];
-      for (int i = 0; i < kQueries; ++i) x[i] = query(q0 + std::min<int64_t>(i, m - 1));
-      v16 acc[kQueries];
-      for (int i = 0; i < kQueries; ++i) acc[i] = splat(0.f);
+      const float* x[kScoreQueries];
+      for (int i = 0; i < kScoreQueries; ++i) x[i] = query(q0 + std::min<int64_t>(i, m - 1));
+      v16 acc[kScoreQueries];
+      for (int i = 0; i < kScoreQueries; ++i) acc[i] = splat(0.f);
       for (int64_t d = 0; d < D; ++d) {
         const v16 k = load(kb + d * kKeyBlock);
-        for (int i = 0; i < kQueries; ++i) acc[i] += x[i][d] * k;
+        for (int i = 0; i < kScoreQueries; ++i) acc[i] += x[i][d] * k;
       }
       for (int i = 0; i < m; ++i) store(scores + (q0 + i) * width + (j0 - begin), acc[i] * s.attrs.scale);
     }
@@ -456,26 +459,28 @@ void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_
     for (int i = 0; i < kQueries; ++i) p[i] = scores + (q0 + std::min<int64_t>(i, m - 1)) * width - begin;
     if constexpr (kD > 0 && kD % kKeyBlock == 0 && kD <= 64) {  // the sums in registers
       constexpr int n = kD / kKeyBlock;
-      // columns of 16 a pass over the keys sums: all of them in AVX-512's 32 registers, one in 16 narrower ones
-      constexpr int cols = kWideRegisters ? n : 1;
-      for (int c0 = 0; c0 < n; c0 += cols) {
-        v16 acc[kQueries][cols];
-        for (int i = 0; i < kQueries; ++i)
-          for (int c = 0; c < cols; ++c) acc[i][c] = splat(0.f);
-        for (int64_t k = a; k < z; ++k) {
-          const T* v = V + k * row;
-          const Dequant dq = dequant_of(v, kD);
-          for (int c = 0; c < cols; ++c) {
-            const v16 x = load(v + (c0 + c) * kKeyBlock, dq);
-            for (int i = 0; i < kQueries; ++i) acc[i][c] += p[i][k] * x;
+      // a pass over the keys: kValueQueries queries' sums of kValueColumns columns of 16
+      constexpr int per_pass = kValueQueries, cols = std::min(kValueColumns, n);
+      static_assert(kQueries % per_pass == 0 && n % cols == 0, "passes cover every query and column");
+      for (int i0 = 0; i0 < m; i0 += per_pass)
+        for (int c0 = 0; c0 < n; c0 += cols) {
+          v16 acc[per_pass][cols];
+          for (int i = 0; i < per_pass; ++i)
+            for (int c = 0; c < cols; ++c) acc[i][c] = splat(0.f);
+          for (int64_t k = a; k < z; ++k) {
+            const T* v = V + k * row;
+            const Dequant dq = dequant_of(v, kD);
+            for (int c = 0; c < cols; ++c) {
+              const v16 x = load(v + (c0 + c) * kKeyBlock, dq);
+              for (int i = 0; i < per_pass; ++i) acc[i][c] += p[i0 + i][k] * x;
+            }
+          }
+          for (int i = i0; i < std::min(m, static_cast<int64_t>(i0 + per_pass)); ++i) {
+            const int64_t q = q0 + i, t = first + q / group, h = q % group;
+            float* out = s.out + ((b * s.seq + t) * s.attrs.heads + kv * group + h) * D;
+            for (int c = 0; c < cols; ++c) store(out + (c0 + c) * kKeyBlock, acc[i - i0][c] * invs[q]);
           }
         }
-        for (int i = 0; i < m; ++i) {
-          const int64_t q = q0 + i, t = first + q / group, h = q % group;
-          float* out = s.out + ((b * s.seq + t) * s.attrs.heads + kv * group + h) * D;
-          for (int c = 0; c < cols; ++c) store(out + (c0 + c) * kKeyBlock, acc[i][c] * invs[q]);
-        }
-      }
     } else {
       for (int i = 0; i < m; ++i) {
         const int64_t q = q0 + i, t = first + q / group, h = q % group;
