@@ -107,9 +107,8 @@ def _loads(lib: Path) -> bool:
 
 def pays_here(cpuinfo: str | None = None) -> bool:
     """Whether the kernel is the default here: on any CPU but an x86 one without AVX2, where its 16-float sums take
-    four SSE registers each and the exponentials go a value at a time (a build for x86-64's baseline ran a 512-token
-    prompt chunk's attention in about 3x ONNX Runtime's time; docs/design.md: The target's attention on the CPU is
-    the project's own kernel, "AVX2"). cpuinfo: /proc/cpuinfo's text, if already read."""
+    four SSE registers each (docs/design.md: The target's attention on the CPU is the project's own kernel, "AVX2").
+    cpuinfo: /proc/cpuinfo's text, if already read."""
     from mirror_sd.runtime.machine import cpu_flags
 
     flags = cpu_flags(cpuinfo)

@@ -44,21 +44,20 @@ def kernel():
 def attention_session(lib, domain: str, packed: bool = True, kv: str = "float32", head: int = D, **attrs):
     """One attention node: ONNX Runtime's (domain com.microsoft) or the kernel's, its KV in `kv` (the kernel's
     domain for it: cpu_attention.DOMAINS), `head` values per head."""
-    D = head
-    kv_type, width = helper.np_dtype_to_tensor_dtype(np.dtype(kv)), kv_width(D, np.dtype(kv))
+    kv_type, width = helper.np_dtype_to_tensor_dtype(np.dtype(kv)), kv_width(head, np.dtype(kv))
 
     def value(name, dims, kind=TensorProto.FLOAT):
         return helper.make_tensor_value_info(name, kind, dims)
 
-    inputs = [value("q", ["B", "S", (H + 2 * KV) * D if packed else H * D])]
-    inputs += [] if packed else [value("k", ["B", "S", KV * D]), value("v", ["B", "S", KV * D])]
+    inputs = [value("q", ["B", "S", (H + 2 * KV) * head if packed else H * head])]
+    inputs += [] if packed else [value("k", ["B", "S", KV * head]), value("v", ["B", "S", KV * head])]
     inputs += [value("pk", ["B", KV, "C", width], kv_type), value("pv", ["B", KV, "C", width], kv_type),
                value("seqlens", ["B"], TensorProto.INT32), value("total", [], TensorProto.INT32),
-               value("cos", ["P", D // 2]), value("sin", ["P", D // 2])]
+               value("cos", ["P", head // 2]), value("sin", ["P", head // 2])]
     names = ["q", "" if packed else "k", "" if packed else "v", "pk", "pv", "seqlens", "total", "cos", "sin"]
     node = helper.make_node("GroupQueryAttention", names, ["o", "prk", "prv"], domain=domain, num_heads=H,
-                            kv_num_heads=KV, rotary_interleaved=0, **{"do_rotary": 1, "scale": D ** -0.5, **attrs})
-    outputs = [value("o", ["B", "S", H * D]), value("prk", ["B", KV, "C", width], kv_type),
+                            kv_num_heads=KV, rotary_interleaved=0, **{"do_rotary": 1, "scale": head ** -0.5, **attrs})
+    outputs = [value("o", ["B", "S", H * head]), value("prk", ["B", KV, "C", width], kv_type),
                value("prv", ["B", KV, "C", width], kv_type)]
     model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs), ir_version=10,
                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
@@ -191,10 +190,10 @@ BUILDS = {"native": "kernel", "avx2": "avx2_kernel", "portable": "portable_kerne
 @pytest.mark.parametrize("kv", cpu_attention.DOMAINS)
 @pytest.mark.parametrize("head", [32, 64])
 def test_the_avx2_build_gives_the_native_builds_bits(kernel, avx2_kernel, head, kv):
-    """16 floats as two AVX2 registers (the loops spelt out per register, the value sums a column at a time, the
-    exponentials vectorised by hand) compute each lane as the native build does: the same bits for prompts after a
-    past, batched steps and windows, at a head size the kernel unrolls (64) and one it does not (32); and near ONNX
-    Runtime's output."""
+    """16 floats as two AVX2 registers (the loops spelt out per register, the value sums in passes that fit 16
+    registers, six queries a score tile, the exponentials vectorised by hand) compute each lane as the native build
+    does: the same bits for prompts after a past, batched steps and windows, at a head size the kernel unrolls (64)
+    and one it does not (32); and near ONNX Runtime's output."""
     cases = [(1, 40, [490]), (1, 300, [0]), (16, 1, [250] * 8 + [3, 70, 0, 21, 50, 1000, 7, 130]),
              (3, 4, [10, 50, 0])]
     for rows, tokens, pasts in cases:
