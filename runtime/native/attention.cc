@@ -46,26 +46,6 @@ struct Status {
   bool ok() const { return status == nullptr; }
 };
 
-// exp(x) for x <= 0 in arithmetic the compiler vectorises: 2^n times a degree-6 polynomial on the remainder.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = nearbyintf(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits;
-  const int32_t e = static_cast<int32_t>(n) + 127;
-  bits = e << 23;
-  float scale;
-  memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // x's first `rotary` values turned by position's angles (non-interleaved: value i pairs with i + rotary / 2)
 inline void rotate(const float* x, float* out, int64_t head_dim, int64_t rotary, const float* cos, const float* sin) {
   const int64_t half = rotary / 2;
@@ -212,7 +192,6 @@ inline v16 vmax(v16 a, v16 b) {
 }
 
 #if defined(__AVX__) || defined(__SSE4_1__)
-// nearbyintf of each lane (to nearest, ties to even)
 inline vn nearest(vn x) {
 #if defined(__AVX__)
   return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -220,28 +199,47 @@ inline vn nearest(vn x) {
   return _mm_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #endif
 }
+inline vn times_power_of_two(vn p, vn n) {
+  typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * reinterpret_cast<vn>(bits);
+}
+#endif
 #endif
 
-// exp_nonpositive(x - top) of 16 values, lane by lane in exp_nonpositive's operations and order (GCC vectorises the
-// scalar loop over them on AVX-512, not on AVX2: there it called the scalar form a value at a time)
+// nearbyintf (to nearest, ties to even), and p times 2^n for an integral n in [-126, 0] (its exponent field), as the
+// narrower registers' vectors have them lane by lane above
+inline float nearest(float x) { return nearbyintf(x); }
+inline float times_power_of_two(float p, float n) {
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// exp(x) for x <= 0 in arithmetic the compiler vectorises: 2^n times a degree-6 polynomial on the remainder; F is
+// float, or a vector of them whose every lane takes the same operations in the same order
+template <typename F>
+inline F exp_nonpositive(F x) {
+  x = x < -87.0f ? F{} - 87.0f : x;
+  const F n = nearest(x * 1.44269504088896341f);
+  const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return times_power_of_two(p, n);
+}
+
+#if !defined(__AVX512F__)
+// exp_nonpositive(x - top) of 16 values (GCC vectorises the scalar loop over them on AVX-512, not on AVX2: there it
+// called the scalar form a value at a time)
 inline v16 exp_block(v16 x, float top) {
 #if defined(__AVX__) || defined(__SSE4_1__)
-  typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
-  for (int c = 0; c < 16 / kLanes; ++c) {
-    vn y = x.part[c] - top;
-    y = y < -87.0f ? vn{0} - 87.0f : y;
-    const vn n = nearest(y * 1.44269504088896341f);
-    const vn r = y - n * 0.693359375f + n * 2.12194440e-4f;
-    vn q = vn{0} + 1.9875691500e-4f;
-    q = q * r + 1.3981999507e-3f;
-    q = q * r + 8.3334519073e-3f;
-    q = q * r + 4.1665795894e-2f;
-    q = q * r + 1.6666665459e-1f;
-    q = q * r + 5.0000001201e-1f;
-    q = q * r * r + r + 1.0f;
-    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    x.part[c] = q * reinterpret_cast<vn>(e);
-  }
+  for (int c = 0; c < 16 / kLanes; ++c) x.part[c] = exp_nonpositive(x.part[c] - top);
 #else
   for (int l = 0; l < 16; ++l) x[l] = exp_nonpositive(x[l] - top);
 #endif
