@@ -1,7 +1,7 @@
 """The attention kernel (runtime/native/attention.cc) built for this CPU and for AVX2 without AVX-512 (g++
--mno-avx512f), beside ONNX Runtime's GroupQueryAttention, on one attention node of SmolLM2's shape (9 query heads, 3
-KV heads, head size 64, 2 threads): prompt chunks after a past, batched decode steps, one long row. Calls of every
-build interleaved, medians over rounds; every build's output against ONNX Runtime's, and each build's bits against
+-mno-avx512f), beside ONNX Runtime's GroupQueryAttention, on gqa_kernel_check.py's node (SmolLM2's attention: 9 query
+heads, 3 KV heads, head size 64, 2 threads): prompt chunks after a past, batched decode steps, one long row. Calls of
+every build interleaved, medians over rounds; every build's output against ONNX Runtime's, and each build's bits against
 the native build's. --source adds a build of another source file (an earlier kernel) for each flag set.
 
     .venv/bin/python lab/scripts/kernel_builds_ab.py [--source /tmp/old_attention.cc] [--rounds 5]
@@ -19,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
+from gqa_kernel_check import COS, KV, SIN, D, H, session
+from gqa_kernel_check import C as POSITIONS
 
 from mirror_sd.runtime import cpu_attention
+from mirror_sd.runtime.machine import cpu_flags
 
-H, KV, D, POSITIONS = 9, 3, 64, 2048
 SHAPES = [  # name, rows, new tokens per row, past per row
     ("prompt chunk of 256 from 0", 1, 256, 0),
     ("prompt chunk of 256 after 768", 1, 256, 768),
@@ -40,33 +41,9 @@ def build(source: Path, extra: list[str], out: Path) -> Path:
     return out
 
 
-def session(lib: Path | None) -> ort.InferenceSession:
-    domain = "com.microsoft" if lib is None else cpu_attention.DOMAIN
-
-    def value(name, dims, kind=TensorProto.FLOAT):
-        return helper.make_tensor_value_info(name, kind, dims)
-
-    inputs = [value("q", ["B", "S", (H + 2 * KV) * D]), value("pk", ["B", KV, "C", D]), value("pv", ["B", KV, "C", D]),
-              value("seqlens", ["B"], TensorProto.INT32), value("total", [], TensorProto.INT32),
-              value("cos", ["P", D // 2]), value("sin", ["P", D // 2])]
-    node = helper.make_node("GroupQueryAttention", ["q", "", "", "pk", "pv", "seqlens", "total", "cos", "sin"],
-                            ["o", "prk", "prv"], domain=domain, num_heads=H, kv_num_heads=KV, rotary_interleaved=0,
-                            do_rotary=1, scale=D ** -0.5)
-    outputs = [value("o", ["B", "S", H * D]), value("prk", ["B", KV, "C", D]), value("prv", ["B", KV, "C", D])]
-    model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs), ir_version=10,
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle pools would take the cores
-    if lib is not None:
-        options.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def bound(sess: ort.InferenceSession, rows: int, tokens: int, past: int):
     """An IO binding of one call with the same random inputs for every build."""
     rng = np.random.default_rng(0)
-    angles = np.arange(POSITIONS)[:, None] / (10000 ** (np.arange(D // 2)[None] / (D // 2)))
     keys, values = (ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((rows, KV, POSITIONS, D), np.float32))
                     for _ in range(2))
     binding = sess.io_binding()
@@ -78,8 +55,8 @@ def bound(sess: ort.InferenceSession, rows: int, tokens: int, past: int):
     binding.bind_ortvalue_output("prv", values)
     binding.bind_cpu_input("seqlens", np.full(rows, past + tokens - 1, np.int32))
     binding.bind_cpu_input("total", np.array(past + tokens, np.int32))
-    binding.bind_cpu_input("cos", np.cos(angles).astype(np.float32))
-    binding.bind_cpu_input("sin", np.sin(angles).astype(np.float32))
+    binding.bind_cpu_input("cos", COS)
+    binding.bind_cpu_input("sin", SIN)
     return binding
 
 
@@ -101,8 +78,9 @@ def main() -> None:
             for isa, extra in (("native", []), ("AVX2", ["-mno-avx512f"])):
                 name = f"{label}{isa}".replace(" ", "-")
                 builds[f"{label}kernel {isa}"] = build(source, extra, Path(tmp) / f"{name}.so")
-        sessions = {name: session(lib) for name, lib in builds.items()}
-        flags = [f for f in ("avx2", "fma", "f16c", "avx512f") if f in cpu_attention._cpu().split()]
+        sessions = {name: session(str(lib), cpu_attention.DOMAIN) if lib else session("", "com.microsoft")
+                    for name, lib in builds.items()}
+        flags = [f for f in ("avx2", "fma", "f16c", "avx512f") if f in (cpu_flags() or set())]
         print(f"{' '.join(flags)}; {args.rounds} rounds, milliseconds per call (median)")
         for title, rows, tokens, past in SHAPES:
             bindings = {name: bound(s, rows, tokens, past) for name, s in sessions.items()}
