@@ -234,18 +234,16 @@ inline F exp_nonpositive(F x) {
   return times_power_of_two(p, n);
 }
 
-#if !defined(__AVX512F__)
-// exp_nonpositive(x - top) of 16 values (GCC vectorises the scalar loop over them on AVX-512, not on AVX2: there it
-// called the scalar form a value at a time)
+// exp_nonpositive(x - top) of 16 values: on the narrower registers a vector form per register (GCC vectorises the
+// scalar loop over them on AVX-512, not on AVX2: there it called the scalar form a value at a time)
 inline v16 exp_block(v16 x, float top) {
-#if defined(__AVX__) || defined(__SSE4_1__)
+#if !defined(__AVX512F__) && (defined(__AVX__) || defined(__SSE4_1__))
   for (int c = 0; c < 16 / kLanes; ++c) x.part[c] = exp_nonpositive(x.part[c] - top);
 #else
   for (int l = 0; l < 16; ++l) x[l] = exp_nonpositive(x[l] - top);
 #endif
   return x;
 }
-#endif
 
 inline v16 load(const f16* p) {  // 16 halves widened at once
 #if defined(__AVX512F__)
@@ -429,11 +427,7 @@ void attend_block(const Step<T>& s, int64_t b, int64_t kv, int64_t first, int64_
     for (int l = 1; l < kKeyBlock; ++l) top = std::max(top, lanes[l]);
     v16 total = splat(0.f);
     for (j = a; j + kKeyBlock <= z; j += kKeyBlock) {
-#if defined(__AVX512F__)
-      for (int l = 0; l < kKeyBlock; ++l) row[j + l] = exp_nonpositive(row[j + l] - top);
-#else
       store(row + j, exp_block(load(row + j), top));
-#endif
       total += load(row + j);
     }
     store(lanes, total);
