@@ -3,9 +3,11 @@ Runtime's GroupQueryAttention, same inputs, outputs and attributes (docs/design.
 is the project's own kernel).
 
 The kernel is C++ compiled on first use with the system's compiler (`CXX`, else g++) for this CPU, into a cache folder
-named after its source, the compiler's flags and the CPU (`MIRROR_SD_CACHE`, else ~/.cache/mirror-sd); later loads take
-the library from there. Where no compiler, no writable cache or an ONNX Runtime older than 1.17 is at hand, the graphs
-keep GroupQueryAttention: the same tokens, within its rounding (a line in the log says so once).
+named after its source, the compiler's flags and the CPU (`MIRROR_SD_CACHE`, else ~/.cache/mirror-sd), and checked
+before it is kept (runtime/cpu_attention_check.py); later loads take the library from there. Where no compiler, no
+writable cache or an ONNX Runtime older than 1.17 is at hand, or the build computes its check wrong (a compiler or CPU
+it was never run on), the graphs keep GroupQueryAttention: the same tokens, within its rounding (a line in the log says
+so).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ DOMAIN, ORT_DOMAIN = DOMAINS["float32"], "com.microsoft"
 _ELEMENT_TYPES = {"float32": 1, "float16": 10, "uint8": 2}
 OP = "GroupQueryAttention"
 SOURCES = tuple(Path(__file__).resolve().parent / "native" / name for name in ("attention.cc", "ort_abi.h"))
+# a build is checked when compiled (cpu_attention_check.py): a changed check compiles and checks it again
+CHECK = Path(__file__).resolve().parent / "cpu_attention_check.py"
+REJECTED = "rejected.txt"  # beside a build that failed its check: the reason; the library is not kept
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fvisibility=hidden")
 COMPILE_TIMEOUT_S = 300
 # the attributes the kernel reads; a node with another one set (smooth_softmax, an interleaved rotary) keeps ONNX
@@ -74,18 +79,28 @@ def library() -> Path | None:
         return None
     command[0] = compiler
     digest = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES), " ".join((*command, *FLAGS)).encode(), _cpu().encode()):
+    sources = (p.read_bytes() for p in (*SOURCES, CHECK))
+    for part in (*sources, " ".join((*command, *FLAGS)).encode(), _cpu().encode()):
         digest.update(part)
     folder = cache_root() / "native" / digest.hexdigest()[:16]
-    lib = folder / "libmirror_attention.so"
+    lib, rejected = folder / "libmirror_attention.so", folder / REJECTED
+    if rejected.is_file():
+        log.warning("the attention kernel built here failed its check (%s): GroupQueryAttention runs",
+                    rejected.read_text().strip())
+        return None
     if lib.is_file() and _loads(lib):
         return lib
-    try:  # not there, or damaged: compiled (again)
+    try:  # not there, or damaged: compiled (again), and checked before it is kept
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
             built = Path(scratch) / lib.name
             subprocess.run([*command, *FLAGS, "-o", str(built), str(SOURCES[0])], check=True, capture_output=True,
                            timeout=COMPILE_TIMEOUT_S)
+            wrong = _checked(built)
+            if wrong:
+                _write_whole(rejected, f"{wrong}\n")
+                log.warning("the attention kernel built here failed its check (%s): GroupQueryAttention runs", wrong)
+                return None
             os.replace(built, lib)  # whole or not at all: another process may compile it at the same time
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
@@ -93,6 +108,23 @@ def library() -> Path | None:
                     f": {detail.decode(errors='replace').strip()[:300]}" if detail else "")
         return None
     return lib if _loads(lib) else None
+
+
+def _checked(built: Path) -> str | None:
+    """What a freshly compiled kernel gets wrong (runtime/cpu_attention_check.py), or None where it is right."""
+    from mirror_sd.runtime.cpu_attention_check import disagreement
+
+    try:
+        return disagreement(built, DOMAINS)
+    except Exception as e:  # the library does not load into ONNX Runtime, or a run fails: not usable either
+        return f"{type(e).__name__}: {str(e).strip()[:300]}"
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """`text` into `path` whole or not at all."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
+        f.write(text)
+    os.replace(f.name, path)
 
 
 def _loads(lib: Path) -> bool:

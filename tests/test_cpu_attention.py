@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 from mirror_sd.runtime import cpu_attention
+from mirror_sd.runtime import cpu_attention_check as check
 from mirror_sd.runtime.kv_codes import coded, kv_width, widened
 from mirror_sd.runtime.pipeline import Pipeline
 
@@ -26,8 +26,7 @@ rng = np.random.default_rng(0)
 
 
 def rotary_tables(head: int) -> tuple[np.ndarray, np.ndarray]:
-    angles = np.arange(LONG)[:, None] / (10000 ** (np.arange(head // 2)[None] / (head // 2)))
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return check.rotary_tables(LONG, head)
 
 
 COS, SIN = rotary_tables(D)
@@ -44,28 +43,8 @@ def kernel():
 def attention_session(lib, domain: str, packed: bool = True, kv: str = "float32", head: int = D, **attrs):
     """One attention node: ONNX Runtime's (domain com.microsoft) or the kernel's, its KV in `kv` (the kernel's
     domain for it: cpu_attention.DOMAINS), `head` values per head."""
-    kv_type, width = helper.np_dtype_to_tensor_dtype(np.dtype(kv)), kv_width(head, np.dtype(kv))
-
-    def value(name, dims, kind=TensorProto.FLOAT):
-        return helper.make_tensor_value_info(name, kind, dims)
-
-    inputs = [value("q", ["B", "S", (H + 2 * KV) * head if packed else H * head])]
-    inputs += [] if packed else [value("k", ["B", "S", KV * head]), value("v", ["B", "S", KV * head])]
-    inputs += [value("pk", ["B", KV, "C", width], kv_type), value("pv", ["B", KV, "C", width], kv_type),
-               value("seqlens", ["B"], TensorProto.INT32), value("total", [], TensorProto.INT32),
-               value("cos", ["P", head // 2]), value("sin", ["P", head // 2])]
-    names = ["q", "" if packed else "k", "" if packed else "v", "pk", "pv", "seqlens", "total", "cos", "sin"]
-    node = helper.make_node("GroupQueryAttention", names, ["o", "prk", "prv"], domain=domain, num_heads=H,
-                            kv_num_heads=KV, rotary_interleaved=0, **{"do_rotary": 1, "scale": head ** -0.5, **attrs})
-    outputs = [value("o", ["B", "S", H * head]), value("prk", ["B", KV, "C", width], kv_type),
-               value("prv", ["B", KV, "C", width], kv_type)]
-    model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs), ir_version=10,
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
-    if domain in cpu_attention.DOMAINS.values():
-        opts.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    model = check.attention_model(domain, head=head, heads=H, kv_heads=KV, kv=kv, packed=packed, **attrs)
+    return check.session(model, lib if domain in cpu_attention.DOMAINS.values() else None)
 
 
 def stored(shape: tuple[int, ...], kv: str) -> np.ndarray:
@@ -76,22 +55,7 @@ def stored(shape: tuple[int, ...], kv: str) -> np.ndarray:
 
 def run(sess, new: list[np.ndarray], keys: np.ndarray, values: np.ndarray, seqlens: list[int], head: int = D):
     """One call, the KV bound as past and present (as the target binds it): its output, keys and values after."""
-    cos, sin = (COS, SIN) if head == D else rotary_tables(head)
-    k, v = (ort.OrtValue.ortvalue_from_numpy(a.copy()) for a in (keys, values))
-    binding = sess.io_binding()
-    binding.bind_output("o", "cpu")
-    for name, array in zip(("q", "k", "v"), new):
-        binding.bind_cpu_input(name, np.ascontiguousarray(array))
-    for name, buffer in (("pk", k), ("pv", v)):
-        binding.bind_ortvalue_input(name, buffer)
-    binding.bind_ortvalue_output("prk", k)
-    binding.bind_ortvalue_output("prv", v)
-    binding.bind_cpu_input("seqlens", np.array(seqlens, np.int32))
-    binding.bind_cpu_input("total", np.array(max(seqlens) + 1, np.int32))
-    binding.bind_cpu_input("cos", np.ascontiguousarray(cos[:keys.shape[2]]))
-    binding.bind_cpu_input("sin", np.ascontiguousarray(sin[:keys.shape[2]]))
-    sess.run_with_iobinding(binding)
-    return binding.get_outputs()[0].numpy().copy(), k.numpy().copy(), v.numpy().copy()
+    return check.run(sess, new, keys, values, seqlens, *((COS, SIN) if head == D else rotary_tables(head)))
 
 
 CASES = [  # rows, new tokens, each row's past, packed q/k/v, attributes
@@ -424,6 +388,40 @@ def test_a_damaged_cached_library_is_compiled_again_and_a_launcher_in_cxx_is_tak
     cpu_attention.library.cache_clear()
     try:
         assert cpu_attention.library() == lib and lib.stat().st_size > 0
+    finally:
+        cpu_attention.library.cache_clear()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_build_passes_the_check_a_fresh_build_gets(request, build):
+    assert check.disagreement(request.getfixturevalue(BUILDS[build]), cpu_attention.DOMAINS) is None
+
+
+def test_a_build_that_computes_wrong_is_not_kept(kernel, monkeypatch, tmp_path, caplog):
+    """A kernel that compiles but computes wrong (here each query blind to its own key, as a compiler or a CPU the
+    kernel never ran on might break it) fails the check: not kept, the reason beside where it would be, and later
+    loads read that instead of compiling it again."""
+    source = cpu_attention.SOURCES[0].read_text()
+    last_key = "return std::min(past + t, s.capacity - 1);"
+    assert last_key in source
+    broken = (tmp_path / "attention.cc", tmp_path / "ort_abi.h")
+    broken[0].write_text(source.replace(last_key, "return std::min(past + t - 1, s.capacity - 1);"))
+    broken[1].write_bytes(cpu_attention.SOURCES[1].read_bytes())
+    monkeypatch.setattr(cpu_attention, "SOURCES", broken)
+    monkeypatch.setenv("MIRROR_SD_CACHE", str(tmp_path / "cache"))
+    cpu_attention.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="mirror_sd.runtime.cpu_attention"):
+            assert cpu_attention.library() is None
+        assert "failed its check" in caplog.text and "from float64's" in caplog.text
+        (verdict,) = (tmp_path / "cache").rglob(cpu_attention.REJECTED)
+        assert not list((tmp_path / "cache").rglob("*.so")), "nothing half-written or wrong left behind"
+        first = verdict.stat().st_ino
+        caplog.clear()
+        cpu_attention.library.cache_clear()
+        with caplog.at_level("WARNING", logger="mirror_sd.runtime.cpu_attention"):
+            assert cpu_attention.library() is None
+        assert "failed its check" in caplog.text and verdict.stat().st_ino == first  # read, not written again
     finally:
         cpu_attention.library.cache_clear()
 
