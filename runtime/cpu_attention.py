@@ -96,10 +96,7 @@ def library() -> Path | None:
             built = Path(scratch) / lib.name
             subprocess.run([*command, *FLAGS, "-o", str(built), str(SOURCES[0])], check=True, capture_output=True,
                            timeout=COMPILE_TIMEOUT_S)
-            wrong = _checked(built)
-            if wrong:
-                _write_whole(rejected, f"{wrong}\n")
-                log.warning("the attention kernel built here failed its check (%s): GroupQueryAttention runs", wrong)
+            if not _passes_check(built, rejected):
                 return None
             os.replace(built, lib)  # whole or not at all: another process may compile it at the same time
     except (OSError, subprocess.SubprocessError) as e:
@@ -110,14 +107,22 @@ def library() -> Path | None:
     return lib if _loads(lib) else None
 
 
-def _checked(built: Path) -> str | None:
-    """What a freshly compiled kernel gets wrong (runtime/cpu_attention_check.py), or None where it is right."""
+def _passes_check(built: Path, rejected: Path) -> bool:
+    """Whether a freshly compiled kernel computes runtime/cpu_attention_check.py's cases right. One that computes them
+    wrong gets its reason written to `rejected` (later loads read it instead of compiling again); a check that could
+    not run (ONNX Runtime refused the library, memory ran out) is tried again at the next load."""
     from mirror_sd.runtime.cpu_attention_check import disagreement
 
     try:
-        return disagreement(built, DOMAINS)
-    except Exception as e:  # the library does not load into ONNX Runtime, or a run fails: not usable either
-        return f"{type(e).__name__}: {str(e).strip()[:300]}"
+        wrong = disagreement(built, DOMAINS)
+    except Exception as e:  # not usable now, but nothing says the build is wrong
+        log.warning("the attention kernel's check did not run (%s: %s): GroupQueryAttention runs", type(e).__name__,
+                    str(e).strip()[:300])
+        return False
+    if wrong:
+        _write_whole(rejected, f"{wrong}\n")
+        log.warning("the attention kernel built here failed its check (%s): GroupQueryAttention runs", wrong)
+    return wrong is None
 
 
 def _write_whole(path: Path, text: str) -> None:

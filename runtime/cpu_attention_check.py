@@ -155,14 +155,14 @@ def disagreement(lib: Path, domains: dict[str, str]) -> str | None:
                     return f"{case}: an output not finite"
                 for r, past in enumerate(pasts):
                     at = slice(past, past + tokens)
+                    others = np.ones(CAPACITY, bool)
+                    others[at] = False
                     q, k, v = (x.transpose(1, 0, 2) for x in np.split(
                         new[r].reshape(tokens, HEADS + 2 * KV_HEADS, head), [HEADS, HEADS + KV_HEADS], axis=1))
                     for name, before, after, want in (("keys", keys, keys_after, turned(k, cos[at], sin[at])),
                                                       ("values", values, values_after, v.astype(np.float64))):
                         if not (np.abs(as_float32(after[r][:, at]) - want) <= _kept(want, kv)).all():
                             return f"{case}: row {r}'s new {name} written wrong"
-                        others = np.ones(CAPACITY, bool)
-                        others[at] = False
                         if not np.array_equal(after[r][:, others], before[r][:, others]):
                             return f"{case}: row {r}'s {name} written outside its new tokens"
                     want = attention(turned(q, cos[at], sin[at]).transpose(1, 0, 2),

@@ -426,6 +426,24 @@ def test_a_build_that_computes_wrong_is_not_kept(kernel, monkeypatch, tmp_path, 
         cpu_attention.library.cache_clear()
 
 
+def test_a_check_that_cannot_run_leaves_no_verdict(kernel, monkeypatch, tmp_path, caplog):
+    """A library ONNX Runtime refuses (here one without the kernel's entry point) is not used, and nothing says the
+    build is wrong: the next load tries again."""
+    source = tmp_path / "attention.cc"
+    source.write_text("extern \"C\" int not_the_kernel() { return 0; }\n")
+    monkeypatch.setattr(cpu_attention, "SOURCES", (source, cpu_attention.SOURCES[1]))
+    monkeypatch.setenv("MIRROR_SD_CACHE", str(tmp_path / "cache"))
+    cpu_attention.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="mirror_sd.runtime.cpu_attention"):
+            assert cpu_attention.library() is None
+        assert "check did not run" in caplog.text
+        assert not list((tmp_path / "cache").rglob(cpu_attention.REJECTED))
+        assert not list((tmp_path / "cache").rglob("*.so"))
+    finally:
+        cpu_attention.library.cache_clear()
+
+
 def test_the_kernel_is_the_default_where_it_pays_or_the_kv_cache_needs_it(bundle_factory, kernel):
     """native_attention unset: the kernel on where cpu_attention.pays_here (any CPU but an x86 one without AVX2), and
     wherever a float16 or uint8 KV cache needs it; set, as set."""
