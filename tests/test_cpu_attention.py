@@ -358,20 +358,30 @@ def test_without_a_compiler_the_graphs_keep_onnx_runtimes_attention(bundle_facto
         cpu_attention.library.cache_clear()
 
 
-def test_a_compiler_error_is_a_log_line_not_a_crash(monkeypatch, tmp_path, caplog):
+@pytest.fixture
+def first_load(monkeypatch, tmp_path, caplog):
+    """cpu_attention.library as at a first load, its cache folder tmp_path / "cache": a call that loads afresh and
+    returns the library (or None) and the warnings it logged."""
+    monkeypatch.setenv("MIRROR_SD_CACHE", str(tmp_path / "cache"))
+
+    def load() -> tuple[Path | None, str]:
+        cpu_attention.library.cache_clear()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mirror_sd.runtime.cpu_attention"):
+            return cpu_attention.library(), caplog.text
+
+    yield load
+    cpu_attention.library.cache_clear()
+
+
+def test_a_compiler_error_is_a_log_line_not_a_crash(first_load, monkeypatch, tmp_path):
     fake = tmp_path / "cxx"
     fake.write_text("#!/bin/sh\necho 'error: this compiler refuses' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
-    monkeypatch.setenv("MIRROR_SD_CACHE", str(tmp_path / "cache"))
-    cpu_attention.library.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="mirror_sd.runtime.cpu_attention"):
-            assert cpu_attention.library() is None
-        assert "this compiler refuses" in caplog.text
-        assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written left behind
-    finally:
-        cpu_attention.library.cache_clear()
+    lib, warnings = first_load()
+    assert lib is None and "this compiler refuses" in warnings
+    assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written left behind
 
 
 def test_a_damaged_cached_library_is_compiled_again_and_a_launcher_in_cxx_is_taken(monkeypatch, tmp_path):
@@ -397,7 +407,7 @@ def test_every_build_passes_the_check_a_fresh_build_gets(request, build):
     assert check.disagreement(request.getfixturevalue(BUILDS[build]), cpu_attention.DOMAINS) is None
 
 
-def test_a_build_that_computes_wrong_is_not_kept(kernel, monkeypatch, tmp_path, caplog):
+def test_a_build_that_computes_wrong_is_not_kept(kernel, first_load, monkeypatch, tmp_path):
     """A kernel that compiles but computes wrong (here each query blind to its own key, as a compiler or a CPU the
     kernel never ran on might break it) fails the check: not kept, the reason beside where it would be, and later
     loads read that instead of compiling it again."""
@@ -408,40 +418,25 @@ def test_a_build_that_computes_wrong_is_not_kept(kernel, monkeypatch, tmp_path, 
     broken[0].write_text(source.replace(last_key, "return std::min(past + t - 1, s.capacity - 1);"))
     broken[1].write_bytes(cpu_attention.SOURCES[1].read_bytes())
     monkeypatch.setattr(cpu_attention, "SOURCES", broken)
-    monkeypatch.setenv("MIRROR_SD_CACHE", str(tmp_path / "cache"))
-    cpu_attention.library.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="mirror_sd.runtime.cpu_attention"):
-            assert cpu_attention.library() is None
-        assert "failed its check" in caplog.text and "from float64's" in caplog.text
-        (verdict,) = (tmp_path / "cache").rglob(cpu_attention.REJECTED)
-        assert not list((tmp_path / "cache").rglob("*.so")), "nothing half-written or wrong left behind"
-        first = verdict.stat().st_ino
-        caplog.clear()
-        cpu_attention.library.cache_clear()
-        with caplog.at_level("WARNING", logger="mirror_sd.runtime.cpu_attention"):
-            assert cpu_attention.library() is None
-        assert "failed its check" in caplog.text and verdict.stat().st_ino == first  # read, not written again
-    finally:
-        cpu_attention.library.cache_clear()
+    lib, warnings = first_load()
+    assert lib is None and "failed its check" in warnings and "from float64's" in warnings
+    (verdict,) = (tmp_path / "cache").rglob(cpu_attention.REJECTED)
+    assert not list((tmp_path / "cache").rglob("*.so")), "nothing half-written or wrong left behind"
+    first = verdict.stat().st_ino
+    lib, warnings = first_load()
+    assert lib is None and "failed its check" in warnings and verdict.stat().st_ino == first  # read, not written
 
 
-def test_a_check_that_cannot_run_leaves_no_verdict(kernel, monkeypatch, tmp_path, caplog):
+def test_a_check_that_cannot_run_leaves_no_verdict(kernel, first_load, monkeypatch, tmp_path):
     """A library ONNX Runtime refuses (here one without the kernel's entry point) is not used, and nothing says the
     build is wrong: the next load tries again."""
     source = tmp_path / "attention.cc"
     source.write_text("extern \"C\" int not_the_kernel() { return 0; }\n")
     monkeypatch.setattr(cpu_attention, "SOURCES", (source, cpu_attention.SOURCES[1]))
-    monkeypatch.setenv("MIRROR_SD_CACHE", str(tmp_path / "cache"))
-    cpu_attention.library.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="mirror_sd.runtime.cpu_attention"):
-            assert cpu_attention.library() is None
-        assert "check did not run" in caplog.text
-        assert not list((tmp_path / "cache").rglob(cpu_attention.REJECTED))
-        assert not list((tmp_path / "cache").rglob("*.so"))
-    finally:
-        cpu_attention.library.cache_clear()
+    lib, warnings = first_load()
+    assert lib is None and "check did not run" in warnings
+    assert not list((tmp_path / "cache").rglob(cpu_attention.REJECTED))
+    assert not list((tmp_path / "cache").rglob("*.so"))
 
 
 def test_the_kernel_is_the_default_where_it_pays_or_the_kv_cache_needs_it(bundle_factory, kernel):
