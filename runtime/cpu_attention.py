@@ -85,8 +85,12 @@ def library() -> Path | None:
     folder = cache_root() / "native" / digest.hexdigest()[:16]
     lib, rejected = folder / "libmirror_attention.so", folder / REJECTED
     if rejected.is_file():
-        log.warning("the attention kernel built here failed its check (%s): GroupQueryAttention runs",
-                    rejected.read_text().strip())
+        try:
+            reason = rejected.read_text().strip()
+        except OSError as e:  # another user's verdict, say: still a verdict
+            reason = f"its reason unreadable: {e.strerror}"
+        log.warning("the attention kernel built here failed its check (%s; delete %s to build and check it again): "
+                    "GroupQueryAttention runs", reason, rejected)
         return None
     if lib.is_file() and _loads(lib):
         return lib
@@ -120,8 +124,11 @@ def _passes_check(built: Path, rejected: Path) -> bool:
                     str(e).strip()[:300])
         return False
     if wrong:
-        _write_whole(rejected, f"{wrong}\n")
         log.warning("the attention kernel built here failed its check (%s): GroupQueryAttention runs", wrong)
+        try:
+            _write_whole(rejected, f"{wrong}\n")
+        except OSError as e:  # the next load compiles and checks it again
+            log.warning("the attention kernel's check verdict was not written to %s (%s)", rejected, e)
     return wrong is None
 
 
@@ -129,7 +136,12 @@ def _write_whole(path: Path, text: str) -> None:
     """`text` into `path` whole or not at all."""
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
         f.write(text)
-    os.replace(f.name, path)
+    try:
+        os.chmod(f.name, 0o644)  # a shared cache's other users read it too (the temporary file is the owner's only)
+        os.replace(f.name, path)
+    except OSError:
+        os.unlink(f.name)
+        raise
 
 
 def _loads(lib: Path) -> bool:

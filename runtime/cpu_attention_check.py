@@ -1,6 +1,6 @@
 """A freshly compiled attention kernel (runtime/cpu_attention.py) checked before its first use: one node of each KV
 element type on the target's kinds of input (decode steps of rows with different pasts, a prompt chunk after a past,
-a prompt from nothing, a local window, a soft cap; a head size the kernel unrolls and one it does not), its output
+a prompt from nothing, a local window, a soft cap; the head sizes the kernel unrolls and one it does not), its output
 against a float64 attention over the keys and values it wrote, and the positions it wrote against the new keys turned
 by the rotary and the new values. The kernel has several builds (AVX-512, AVX2, SSE, NEON: runtime/native/attention.cc)
 and is compiled by whatever compiler the machine has; a build that gets these wrong is not used, the graphs keep ONNX
@@ -17,15 +17,19 @@ from mirror_sd.runtime.kv_codes import as_float32, kv_width, stored
 
 HEADS, KV_HEADS = 9, 3  # SmolLM2's grouping: three query heads read each key
 OP = "GroupQueryAttention"
-# rows, new tokens, each row's past, attributes
+# rows, new tokens, each row's past, the part of each head the rotary turns (Phi-4-mini's partial_rotary_factor;
+# 0: a layer without one, SmolLM3's NoPE), attributes
 CASES = (
-    (2, 1, (37, 300), {}),
-    (1, 40, (100,), {}),  # several tasks per row: the keys transposed once, first
-    (1, 70, (0,), {}),
-    (1, 20, (40,), {"local_window_size": 8}),
-    (1, 6, (20,), {"softcap": 4.0}),
+    (2, 1, (37, 300), 1, {}),
+    (1, 40, (100,), 1, {}),  # several tasks per row: the keys transposed once, first
+    (2, 12, (30, 200), 1, {}),  # each row's keys transposed apart
+    (1, 70, (0,), 1, {}),
+    (1, 20, (40,), 1, {"local_window_size": 8}),
+    (1, 6, (20,), 1, {"softcap": 4.0}),
+    (1, 10, (50,), 0.75, {}),
+    (1, 5, (30,), 0, {}),
 )
-HEAD_SIZES = (64, 40)  # unrolled, and the generic loop with a partial last block
+HEAD_SIZES = (64, 128, 48)  # the two the kernel unrolls, and its loop over any other (export pads heads to 16s)
 CAPACITY = 320
 # how far the output may lie from float64's: the kernel sums in float32 (a wrong lane, register or block is off by
 # the size of a value, O(1) here)
@@ -36,7 +40,8 @@ def attention_model(domain: str, *, head: int, heads: int = HEADS, kv_heads: int
                     packed: bool = True, **attrs) -> bytes:
     """One attention node as a model: ONNX Runtime's (domain com.microsoft) or the kernel's (cpu_attention.DOMAINS
     [kv]); inputs q (packed q, k, v where `packed`, else k and v apart), past keys / values pk / pv bound as the
-    presents prk / prv, seqlens, total, cos, sin; the rotary on over the whole head unless `do_rotary` is 0."""
+    presents prk / prv, seqlens, total, cos, sin (the rotary turns as much of each head as they are wide); the rotary
+    on unless `do_rotary` is 0."""
     from onnx import TensorProto, helper
 
     kv_type, width = helper.np_dtype_to_tensor_dtype(np.dtype(kv)), kv_width(head, np.dtype(kv))
@@ -48,7 +53,7 @@ def attention_model(domain: str, *, head: int, heads: int = HEADS, kv_heads: int
     inputs += [] if packed else [value("k", ["B", "S", kv_heads * head]), value("v", ["B", "S", kv_heads * head])]
     inputs += [value("pk", ["B", kv_heads, "C", width], kv_type), value("pv", ["B", kv_heads, "C", width], kv_type),
                value("seqlens", ["B"], TensorProto.INT32), value("total", [], TensorProto.INT32),
-               value("cos", ["P", head // 2]), value("sin", ["P", head // 2])]
+               value("cos", ["P", "R"]), value("sin", ["P", "R"])]
     names = ["q", "" if packed else "k", "" if packed else "v", "pk", "pv", "seqlens", "total", "cos", "sin"]
     node = helper.make_node(OP, names, ["o", "prk", "prv"], domain=domain, num_heads=heads, kv_num_heads=kv_heads,
                             rotary_interleaved=0, **{"do_rotary": 1, "scale": head ** -0.5, **attrs})
@@ -100,11 +105,11 @@ def run(sess, new: list[np.ndarray], keys: np.ndarray, values: np.ndarray, seqle
 
 
 def turned(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [..., positions, D] turned by each position's angles (cos, sin [positions, D / 2]; non-interleaved), in
-    float64."""
-    half = x.shape[-1] // 2
-    a, b = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
-    return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+    """x [..., positions, D] turned by each position's angles (cos, sin [positions, R / 2]: the first R values of
+    each head, non-interleaved; the rest as they are), in float64."""
+    half = cos.shape[-1]
+    a, b, rest = (part.astype(np.float64) for part in np.split(x, [half, 2 * half], -1))
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin, rest], -1)
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, past: int, scale: float, window: int = -1,
@@ -141,10 +146,13 @@ def disagreement(lib: Path, domains: dict[str, str]) -> str | None:
     rng = np.random.default_rng(0)
     for kv, domain in domains.items():
         for head in HEAD_SIZES:
-            cos, sin = rotary_tables(CAPACITY, head)
-            for rows, tokens, pasts, attrs in CASES:
-                case = f"{kv} KV, head size {head}, {rows} row(s) of {tokens} token(s) after {list(pasts)} {attrs}"
-                sess = session(attention_model(domain, head=head, kv=kv, **attrs), lib)
+            for rows, tokens, pasts, part, attrs in CASES:
+                case = (f"{kv} KV, head size {head}, {rows} row(s) of {tokens} token(s) after {list(pasts)}, "
+                        f"{part} of each head turned {attrs}")
+                width = int(head * part) // 2 or head // 2  # the tables' width; none turned: do_rotary 0
+                cos, sin = (table[:, :width] for table in rotary_tables(CAPACITY, head))
+                sess = session(attention_model(domain, head=head, kv=kv, do_rotary=int(part > 0), **attrs), lib)
+                angles = (cos, sin) if part else (np.ones_like(cos), np.zeros_like(sin))  # what turns, as it should
                 keys, values = (stored(rng.standard_normal((rows, KV_HEADS, CAPACITY, head), np.float32),
                                        np.dtype(kv)).astype(kv) for _ in range(2))
                 new = rng.standard_normal((rows, tokens, (HEADS + 2 * KV_HEADS) * head), np.float32)
@@ -159,13 +167,13 @@ def disagreement(lib: Path, domains: dict[str, str]) -> str | None:
                     others[at] = False
                     q, k, v = (x.transpose(1, 0, 2) for x in np.split(
                         new[r].reshape(tokens, HEADS + 2 * KV_HEADS, head), [HEADS, HEADS + KV_HEADS], axis=1))
-                    for name, before, after, want in (("keys", keys, keys_after, turned(k, cos[at], sin[at])),
+                    for name, before, after, want in (("keys", keys, keys_after, turned(k, *(a[at] for a in angles))),
                                                       ("values", values, values_after, v.astype(np.float64))):
                         if not (np.abs(as_float32(after[r][:, at]) - want) <= _kept(want, kv)).all():
                             return f"{case}: row {r}'s new {name} written wrong"
                         if not np.array_equal(after[r][:, others], before[r][:, others]):
                             return f"{case}: row {r}'s {name} written outside its new tokens"
-                    want = attention(turned(q, cos[at], sin[at]).transpose(1, 0, 2),
+                    want = attention(turned(q, *(a[at] for a in angles)).transpose(1, 0, 2),
                                      as_float32(keys_after[r]).astype(np.float64),
                                      as_float32(values_after[r]).astype(np.float64), past, head ** -0.5,
                                      attrs.get("local_window_size", -1), attrs.get("softcap", 0.0))

@@ -570,7 +570,8 @@ class OrtTarget(Target):
             why = ("native_attention is off" if not native_attention else
                    f"it takes a float32 target's attention, and this target is {facts.dtype}"
                    if facts.dtype != "float32" else
-                   "it did not compile here (no C++ compiler, or ONNX Runtime before 1.17: see the log)")
+                   "it is not usable here (no C++ compiler, ONNX Runtime before 1.17, or a build that failed its "
+                   "check: see the log)")
             raise BadInputError(f"kv_cache_precision {kv_cache_precision} needs the project's attention kernel on the "
                                 f"CPU: {why}", option="kv_cache_precision")
         self._attends = {role: bool(spec.kv_layers) for role, spec in specs.items()}  # the exit head does not

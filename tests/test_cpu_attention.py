@@ -69,6 +69,7 @@ CASES = [  # rows, new tokens, each row's past, packed q/k/v, attributes
     (1, 6, [20], True, {"softcap": 4.0}),
     (1, 6, [20], True, {"do_rotary": 0}),
     (3, 4, [10, 50, 0], True, {}),  # rows of several tokens after a past: ONNX Runtime's runs them one at a time
+    (2, 12, [30, 200], True, {}),  # enough tokens that each row's keys are transposed first
     # long rows beside short ones
     (2, 1, [1000, 30], True, {}),
     (1, 40, [490], True, {}),
@@ -423,8 +424,10 @@ def test_a_build_that_computes_wrong_is_not_kept(kernel, first_load, monkeypatch
     (verdict,) = (tmp_path / "cache").rglob(cpu_attention.REJECTED)
     assert not list((tmp_path / "cache").rglob("*.so")), "nothing half-written or wrong left behind"
     first = verdict.stat().st_ino
+    assert verdict.stat().st_mode & 0o777 == 0o644, "a shared cache's other users read it too"
     lib, warnings = first_load()
     assert lib is None and "failed its check" in warnings and verdict.stat().st_ino == first  # read, not written
+    assert str(verdict) in warnings, "the warning says what to delete to build it again"
 
 
 def test_a_check_that_cannot_run_leaves_no_verdict(kernel, first_load, monkeypatch, tmp_path):
