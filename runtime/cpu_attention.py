@@ -4,10 +4,10 @@ is the project's own kernel).
 
 The kernel is C++ compiled on first use with the system's compiler (`CXX`, else g++) for this CPU, into a cache folder
 named after its source, the compiler's flags and the CPU (`MIRROR_SD_CACHE`, else ~/.cache/mirror-sd), and checked
-before it is kept (runtime/cpu_attention_check.py); later loads take the library from there. Where no compiler, no
-writable cache or an ONNX Runtime older than 1.17 is at hand, or the build computes its check wrong (a compiler or CPU
-it was never run on), the graphs keep GroupQueryAttention: the same tokens, within its rounding (a line in the log says
-so).
+in a process of its own before it is kept (runtime/cpu_attention_check.py); later loads take the library from there.
+Where no compiler, no writable cache or an ONNX Runtime older than 1.17 is at hand, or the build computes its check
+wrong or crashes in it (a compiler or CPU it was never run on), the graphs keep GroupQueryAttention: the same tokens,
+within its rounding (a line in the log says so).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,6 +48,11 @@ CHECK = Path(__file__).resolve().parent / "cpu_attention_check.py"
 REJECTED = "rejected.txt"  # beside a build that failed its check: the reason; the library is not kept
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fvisibility=hidden")
 COMPILE_TIMEOUT_S = 300
+CHECK_TIMEOUT_S = 300  # the check takes a few seconds
+# how a build that fails in its check's process dies (a signal the check's arithmetic cannot raise but a broken build
+# can: a bad address, an instruction this CPU lacks); another end (killed for memory, a timeout) says nothing of the
+# build
+_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 # the attributes the kernel reads; a node with another one set (smooth_softmax, an interleaved rotary) keeps ONNX
 # Runtime's kernel
 _KNOWN = {"num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary", "rotary_interleaved"}
@@ -112,24 +119,34 @@ def library() -> Path | None:
 
 
 def _passes_check(built: Path, rejected: Path) -> bool:
-    """Whether a freshly compiled kernel computes runtime/cpu_attention_check.py's cases right. One that computes them
-    wrong gets its reason written to `rejected` (later loads read it instead of compiling again); a check that could
+    """Whether a freshly compiled kernel computes runtime/cpu_attention_check.py's cases right, the check run in a
+    process of its own (a build that crashes takes that one down, not the caller). One that computes them wrong or
+    crashes gets its reason written to `rejected` (later loads read it instead of compiling again); a check that could
     not run (ONNX Runtime refused the library, memory ran out) is tried again at the next load."""
-    from mirror_sd.runtime.cpu_attention_check import disagreement
+    from mirror_sd.runtime import cpu_attention_check as check
 
     try:
-        wrong = disagreement(built, DOMAINS)
-    except Exception as e:  # not usable now, but nothing says the build is wrong
-        log.warning("the attention kernel's check did not run (%s: %s): GroupQueryAttention runs", type(e).__name__,
-                    str(e).strip()[:300])
+        done = subprocess.run([sys.executable, "-m", check.__name__, str(built)], capture_output=True, text=True,
+                              timeout=CHECK_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("the attention kernel's check did not run (%s: %s): GroupQueryAttention runs", type(e).__name__, e)
         return False
-    if wrong:
-        log.warning("the attention kernel built here failed its check (%s): GroupQueryAttention runs", wrong)
-        try:
-            _write_whole(rejected, f"{wrong}\n")
-        except OSError as e:  # the next load compiles and checks it again
-            log.warning("the attention kernel's check verdict was not written to %s (%s)", rejected, e)
-    return wrong is None
+    if done.returncode == 0:
+        return True
+    if done.returncode == check.WRONG:
+        wrong = done.stdout.strip()
+    elif -done.returncode in _CRASHES:
+        wrong = f"it crashed ({signal.Signals(-done.returncode).name})"
+    else:  # not usable now, but nothing says the build is wrong
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        log.warning("the attention kernel's check did not run (%s): GroupQueryAttention runs", last[:300])
+        return False
+    log.warning("the attention kernel built here failed its check (%s): GroupQueryAttention runs", wrong)
+    try:
+        _write_whole(rejected, f"{wrong}\n")
+    except OSError as e:  # the next load compiles and checks it again
+        log.warning("the attention kernel's check verdict was not written to %s (%s)", rejected, e)
+    return False
 
 
 def _write_whole(path: Path, text: str) -> None:

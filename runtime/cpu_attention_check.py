@@ -9,6 +9,7 @@ Runtime's GroupQueryAttention (docs/design.md: The target's attention on the CPU
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ CAPACITY = 320
 # how far the output may lie from float64's: the kernel sums in float32 (a wrong lane, register or block is off by
 # the size of a value, O(1) here)
 TOLERANCE = 1e-4
+WRONG = 3  # the exit status of `python -m mirror_sd.runtime.cpu_attention_check LIB` where the build computes wrong
 
 
 def attention_model(domain: str, *, head: int, heads: int = HEADS, kv_heads: int = KV_HEADS, kv: str = "float32",
@@ -181,3 +183,19 @@ def disagreement(lib: Path, domains: dict[str, str]) -> str | None:
                     if error > TOLERANCE:
                         return f"{case}: row {r}'s output {error:.2g} from float64's"
     return None
+
+
+def main(argv: list[str]) -> int:
+    """python -m mirror_sd.runtime.cpu_attention_check LIB: 0 where the kernel in LIB computes the check right; WRONG,
+    what it got wrong on stdout, where not; another status where the check could not run (a traceback on stderr)."""
+    from mirror_sd.runtime.cpu_attention import DOMAINS
+
+    (lib,) = argv
+    wrong = disagreement(Path(lib), DOMAINS)
+    if wrong:
+        print(wrong)
+    return WRONG if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -430,6 +430,22 @@ def test_a_build_that_computes_wrong_is_not_kept(kernel, first_load, monkeypatch
     assert str(verdict) in warnings, "the warning says what to delete to build it again"
 
 
+def test_a_build_that_crashes_is_not_kept_and_the_caller_goes_on(kernel, first_load, monkeypatch, tmp_path):
+    """A kernel that dies in its check (here an instruction that traps, as a build for another CPU would) takes down
+    the check's own process only: the caller gets None, a warning and a verdict that later loads read."""
+    source = cpu_attention.SOURCES[0].read_text()
+    entry = "void attend(void* data, size_t task) {\n"
+    assert entry in source
+    broken = (tmp_path / "attention.cc", tmp_path / "ort_abi.h")
+    broken[0].write_text(source.replace(entry, entry + "  __builtin_trap();\n"))
+    broken[1].write_bytes(cpu_attention.SOURCES[1].read_bytes())
+    monkeypatch.setattr(cpu_attention, "SOURCES", broken)
+    lib, warnings = first_load()
+    assert lib is None and "failed its check (it crashed (SIGILL))" in warnings
+    (verdict,) = (tmp_path / "cache").rglob(cpu_attention.REJECTED)
+    assert "SIGILL" in verdict.read_text() and not list((tmp_path / "cache").rglob("*.so"))
+
+
 def test_a_check_that_cannot_run_leaves_no_verdict(kernel, first_load, monkeypatch, tmp_path):
     """A library ONNX Runtime refuses (here one without the kernel's entry point) is not used, and nothing says the
     build is wrong: the next load tries again."""
