@@ -126,8 +126,9 @@ def _passes_check(built: Path, rejected: Path) -> bool:
     from mirror_sd.runtime import cpu_attention_check as check
 
     try:
-        done = subprocess.run([sys.executable, "-m", check.__name__, str(built)], capture_output=True, text=True,
-                              timeout=CHECK_TIMEOUT_S)
+        done = subprocess.run([sys.executable, "-m", check.__name__, str(built),
+                               *(f"{kv}={domain}" for kv, domain in DOMAINS.items())],
+                              capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("the attention kernel's check did not run (%s: %s): GroupQueryAttention runs", type(e).__name__, e)
         return False

@@ -186,12 +186,11 @@ def disagreement(lib: Path, domains: dict[str, str]) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    """python -m mirror_sd.runtime.cpu_attention_check LIB: 0 where the kernel in LIB computes the check right; WRONG,
-    what it got wrong on stdout, where not; another status where the check could not run (a traceback on stderr)."""
-    from mirror_sd.runtime.cpu_attention import DOMAINS
-
-    (lib,) = argv
-    wrong = disagreement(Path(lib), DOMAINS)
+    """python -m mirror_sd.runtime.cpu_attention_check LIB KV=DOMAIN ... (each KV element type and the kernel's op
+    domain for it): 0 where the kernel in LIB computes the check right; WRONG, what it got wrong on stdout, where not;
+    another status where the check could not run (a traceback on stderr)."""
+    lib, *domains = argv
+    wrong = disagreement(Path(lib), dict(d.split("=", 1) for d in domains))
     if wrong:
         print(wrong)
     return WRONG if wrong else 0
